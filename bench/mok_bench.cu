@@ -1,0 +1,285 @@
+// Benchmark harness: times implementations of the layer on named presets and writes
+// records in the schema shared with bench/torch_baseline.py:
+//   preset, impl, pass, tokens, ep, ms (median), ms_p10, ms_p90, tflops, peak_bytes,
+//   gpu, commit, date, hidden, intermediate, experts, top_k, routing, iters
+//
+// impls:
+//   dense  cuBLAS GEMMs with the layer's FLOPs as if every routed row went to one expert
+//          (fwd: X[M,H]·[gate|up]^T, h·down^T; fwd+bwd adds the four backward GEMMs):
+//          the ceiling a grouped kernel is measured against
+//   plan   the device planner alone (pass "plan"): its cost inside every pass
+// The fused layer (impl "mok") arrives with the forward/backward kernels.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "mok/mok.hpp"
+
+namespace {
+
+#define CUDA_OK(call)                                                                          \
+  do {                                                                                         \
+    cudaError_t e_ = (call);                                                                   \
+    if (e_ != cudaSuccess) throw mok::Error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
+  } while (0)
+#define CUBLAS_OK(call)                                                                     \
+  do {                                                                                      \
+    cublasStatus_t s_ = (call);                                                             \
+    if (s_ != CUBLAS_STATUS_SUCCESS) throw mok::Error(std::string(#call) + " failed: " + std::to_string(s_)); \
+  } while (0)
+
+struct Options {
+  std::vector<std::string> presets{"all"};
+  std::vector<std::string> impls{"dense", "plan"};
+  std::vector<std::string> passes{"fwd", "fwd+bwd"};
+  int warmup = 3, iters = 20;
+  std::string out, commit = "unknown", date = "unknown";
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');) out.push_back(item);
+  return out;
+}
+
+struct Record {
+  std::string preset, impl, pass;
+  std::int64_t tokens, ep, hidden, intermediate, experts, top_k;
+  double ms, ms_p10, ms_p90, tflops;
+  std::size_t peak_bytes;
+  int iters;
+};
+
+// Device memory owned for one measurement, counted for peak_bytes.
+class Arena {
+ public:
+  ~Arena() {
+    for (void* p : blocks_) cudaFree(p);
+  }
+  template <typename T>
+  T* alloc(std::size_t n) {
+    void* p = nullptr;
+    CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(1, n) * sizeof(T)));
+    blocks_.push_back(p);
+    bytes_ += n * sizeof(T);
+    return static_cast<T*>(p);
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  std::vector<void*> blocks_;
+  std::size_t bytes_ = 0;
+};
+
+// Fills bf16 buffers with small random values on the device (never time zeros).
+__global__ void fill_random_kernel(std::uint16_t* p, std::size_t n, std::uint32_t seed);
+
+// Times `body` with CUDA events: warm-up, then each iteration after an L2 flush.
+template <typename Body>
+std::vector<float> time_iterations(const Options& o, cudaStream_t stream, Body body) {
+  static void* flush = nullptr;
+  constexpr std::size_t kFlushBytes = 256u << 20;  // > 4x the H200's 60 MB L2
+  if (!flush) CUDA_OK(cudaMalloc(&flush, kFlushBytes));
+  cudaEvent_t start, stop;
+  CUDA_OK(cudaEventCreate(&start));
+  CUDA_OK(cudaEventCreate(&stop));
+  for (int i = 0; i < o.warmup; ++i) body();
+  std::vector<float> ms;
+  for (int i = 0; i < o.iters; ++i) {
+    CUDA_OK(cudaMemsetAsync(flush, i & 0xff, kFlushBytes, stream));
+    CUDA_OK(cudaEventRecord(start, stream));
+    body();
+    CUDA_OK(cudaEventRecord(stop, stream));
+    CUDA_OK(cudaEventSynchronize(stop));
+    float t = 0;
+    CUDA_OK(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  CUDA_OK(cudaGetLastError());
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms;
+}
+
+// Row-major C[M,N] = op(A)·op(B) in bf16 with fp32 accumulation (cuBLAS is column-major:
+// compute C^T = op(B)^T·op(A)^T).
+void gemm(cublasHandle_t h, bool ta, bool tb, int M, int N, int K, const void* A, const void* B, void* C) {
+  const float one = 1.0f, zero = 0.0f;
+  const int lda = ta ? M : K, ldb = tb ? K : N;
+  CUBLAS_OK(cublasGemmEx(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &one,
+                         B, CUDA_R_16BF, ldb, A, CUDA_R_16BF, lda, &zero, C, CUDA_R_16BF, N,
+                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+Record bench_dense(const Options& o, const mok::Preset& p, const std::string& pass, cudaStream_t stream,
+                   cublasHandle_t handle) {
+  const mok::MoeShape& s = p.shape;
+  Arena arena;
+  struct Chain {  // one expert-like GEMM chain: M rows through an [I, H] SwiGLU MLP
+    int M, H, I;
+    std::uint16_t *x, *w1, *w2, *gu, *hid, *y, *dy, *dh, *dgu, *dx, *dw1, *dw2;
+  };
+  std::vector<Chain> chains;
+  chains.push_back({static_cast<int>(p.tokens * s.top_k), static_cast<int>(s.hidden), static_cast<int>(s.intermediate)});
+  if (s.has_shared()) chains.push_back({static_cast<int>(p.tokens), static_cast<int>(s.hidden), static_cast<int>(s.shared_intermediate)});
+  const bool bwd = pass == "fwd+bwd";
+  for (Chain& c : chains) {
+    const std::size_t M = c.M, H = c.H, I = c.I;
+    c.x = arena.alloc<std::uint16_t>(M * H), c.w1 = arena.alloc<std::uint16_t>(2 * I * H);
+    c.w2 = arena.alloc<std::uint16_t>(H * I), c.gu = arena.alloc<std::uint16_t>(M * 2 * I);
+    c.hid = arena.alloc<std::uint16_t>(M * I), c.y = arena.alloc<std::uint16_t>(M * H);
+    if (bwd) {
+      c.dy = arena.alloc<std::uint16_t>(M * H), c.dh = arena.alloc<std::uint16_t>(M * I);
+      c.dgu = arena.alloc<std::uint16_t>(M * 2 * I), c.dx = arena.alloc<std::uint16_t>(M * H);
+      c.dw1 = arena.alloc<std::uint16_t>(2 * I * H), c.dw2 = arena.alloc<std::uint16_t>(H * I);
+    }
+    std::uint32_t seed = 1;
+    for (auto [ptr, n] : {std::pair{c.x, M * H}, {c.w1, 2 * I * H}, {c.w2, H * I}, {c.hid, M * I},
+                          {bwd ? c.dy : nullptr, M * H}, {bwd ? c.dgu : nullptr, M * 2 * I}})
+      if (ptr) fill_random_kernel<<<1024, 256, 0, stream>>>(ptr, n, seed++);
+  }
+  CUBLAS_OK(cublasSetStream(handle, stream));
+  auto body = [&] {
+    for (const Chain& c : chains) {
+      gemm(handle, false, true, c.M, 2 * c.I, c.H, c.x, c.w1, c.gu);   // [M,H]·[2I,H]^T
+      gemm(handle, false, true, c.M, c.H, c.I, c.hid, c.w2, c.y);      // [M,I]·[H,I]^T
+      if (!bwd) continue;
+      gemm(handle, false, false, c.M, c.I, c.H, c.dy, c.w2, c.dh);     // dgrad down
+      gemm(handle, true, false, c.H, c.I, c.M, c.dy, c.hid, c.dw2);    // wgrad down
+      gemm(handle, false, false, c.M, c.H, 2 * c.I, c.dgu, c.w1, c.dx);  // dgrad gate|up
+      gemm(handle, true, false, 2 * c.I, c.H, c.M, c.dgu, c.x, c.dw1);   // wgrad gate|up
+    }
+  };
+  const auto ms = time_iterations(o, stream, body);
+  const double flops = mok::forward_flops(s, p.tokens * s.top_k, p.tokens) * (bwd ? 3.0 : 1.0);
+  const double med = ms[ms.size() / 2];
+  return {p.name, "dense", pass, p.tokens, 1, s.hidden, s.intermediate, s.num_experts, s.top_k, med,
+          ms[ms.size() / 10], ms[ms.size() * 9 / 10], flops / (med * 1e-3) / 1e12, arena.bytes(), o.iters};
+}
+
+Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
+  const mok::MoeShape& s = p.shape;
+  const auto ids = mok::make_routing(mok::RoutingKind::uniform, p.tokens, s.num_experts, s.top_k, 7);
+  Arena arena;
+  std::int32_t* d_ids = arena.alloc<std::int32_t>(ids.size());
+  CUDA_OK(cudaMemcpy(d_ids, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+  mok::DevicePlan plan(s, p.tokens);
+  const auto view = mok::TensorView::contiguous(d_ids, mok::DType::i32, mok::Device::cuda(0), {p.tokens, s.top_k});
+  mok::plan_device(view, 0, plan, stream);
+  const mok::Plan got = plan.to_host(stream, 0);  // correctness first
+  const mok::Plan expected = mok::plan_host(s, p.tokens, ids, 0);
+  if (got.row_pair != expected.row_pair || got.tile_row != expected.tile_row)
+    throw mok::Error("mok_bench: device plan differs from the host plan on preset " + p.name);
+  const auto ms = time_iterations(o, stream, [&] { mok::plan_device(view, 0, plan, stream); });
+  const double med = ms[ms.size() / 2];
+  return {p.name, "plan", "plan", p.tokens, 1, s.hidden, s.intermediate, s.num_experts, s.top_k, med,
+          ms[ms.size() / 10], ms[ms.size() * 9 / 10], 0.0,
+          static_cast<std::size_t>(plan.capacity_rows() * 4 * 3), o.iters};
+}
+
+__global__ void fill_random_kernel(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    std::uint32_t h = static_cast<std::uint32_t>(i) * 2654435761u ^ seed * 0x9e3779b9u;
+    h ^= h >> 15, h *= 0x2c1b3c6du, h ^= h >> 12;
+    const float v = (static_cast<float>(h & 0xffff) / 65535.0f - 0.5f) * 0.25f;  // |v| <= 1/8
+    std::uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    p[i] = static_cast<std::uint16_t>(bits >> 16);
+  }
+}
+
+void write_json(const Options& o, const std::vector<Record>& records, const std::string& gpu) {
+  std::ostringstream js;
+  js << "[\n";
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    const Record& r = records[i];
+    js << "  {\"preset\": \"" << r.preset << "\", \"impl\": \"" << r.impl << "\", \"pass\": \"" << r.pass
+       << "\", \"tokens\": " << r.tokens << ", \"ep\": " << r.ep << ", \"ms\": " << r.ms
+       << ", \"ms_p10\": " << r.ms_p10 << ", \"ms_p90\": " << r.ms_p90 << ", \"tflops\": " << r.tflops
+       << ", \"peak_bytes\": " << r.peak_bytes << ", \"gpu\": \"" << gpu << "\", \"commit\": \"" << o.commit
+       << "\", \"date\": \"" << o.date << "\", \"hidden\": " << r.hidden << ", \"intermediate\": " << r.intermediate
+       << ", \"experts\": " << r.experts << ", \"top_k\": " << r.top_k
+       << ", \"routing\": \"uniform\", \"iters\": " << r.iters << "}" << (i + 1 < records.size() ? "," : "") << "\n";
+  }
+  js << "]\n";
+  std::ofstream(o.out) << js.str();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw mok::Error("mok_bench: " + a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--preset") o.presets = split(next());
+    else if (a == "--impl") o.impls = split(next());
+    else if (a == "--pass") o.passes = split(next());
+    else if (a == "--iters") o.iters = std::stoi(next());
+    else if (a == "--warmup") o.warmup = std::stoi(next());
+    else if (a == "--out") o.out = next();
+    else if (a == "--commit") o.commit = next();
+    else if (a == "--date") o.date = next();
+    else {
+      std::printf("usage: mok_bench [--preset all|NAME,...] [--impl dense,plan] [--pass fwd,fwd+bwd]\n"
+                  "                 [--iters N] [--warmup N] [--out FILE.json] [--commit C] [--date D]\n");
+      return 2;
+    }
+  }
+  if (o.iters < 1) throw mok::Error("mok_bench: --iters must be >= 1");
+  if (mok::cuda_device_count() == 0) {
+    std::fprintf(stderr, "mok_bench: no CUDA GPU found; the benchmark needs a Hopper GPU\n");
+    return 3;
+  }
+  const mok::DeviceInfo dev = mok::query_device(0);
+  if (!dev.is_hopper()) {
+    std::fprintf(stderr, "mok_bench: GPU 0 is %s, not Hopper (sm_90)\n", dev.name.c_str());
+    return 3;
+  }
+  std::vector<const mok::Preset*> chosen;
+  for (const mok::Preset& p : mok::presets())
+    if (o.presets == std::vector<std::string>{"all"} ? p.model_ep > 1 || p.tokens >= 8192
+                                                     : std::count(o.presets.begin(), o.presets.end(), p.name) > 0)
+      chosen.push_back(&p);
+  for (const std::string& name : o.presets)
+    if (name != "all") mok::find_preset(name);  // unknown names are an error
+  for (const std::string& impl : o.impls)
+    if (impl != "dense" && impl != "plan")
+      throw mok::Error("mok_bench: impl '" + impl + "' is not available (known: dense, plan; the fused 'mok' layer is not built yet)");
+
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cublasHandle_t handle;
+  CUBLAS_OK(cublasCreate(&handle));
+  std::vector<Record> records;
+  std::printf("%-16s %-6s %-8s %10s %9s\n", "preset", "impl", "pass", "ms", "TFLOP/s");
+  for (const mok::Preset* p : chosen)
+    for (const std::string& impl : o.impls) {
+      const std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
+      for (const std::string& pass : passes) {
+        records.push_back(impl == "dense" ? bench_dense(o, *p, pass, stream, handle) : bench_plan(o, *p, stream));
+        const Record& r = records.back();
+        std::printf("%-16s %-6s %-8s %10.4f %9.1f\n", r.preset.c_str(), r.impl.c_str(), r.pass.c_str(), r.ms, r.tflops);
+        std::fflush(stdout);
+      }
+    }
+  if (!o.out.empty()) write_json(o, records, dev.name);
+  cublasDestroy(handle);
+  cudaStreamDestroy(stream);
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "error: %s\n", e.what());
+  return 1;
+}

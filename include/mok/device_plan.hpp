@@ -1,0 +1,71 @@
+// The plan of mok/plan.hpp built on the GPU, stream-ordered, with no host
+// synchronisation: counts stay on the device. Bit-identical to plan_host().
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "mok/plan.hpp"
+#include "mok/types.hpp"
+
+namespace mok {
+
+// Written by the planner kernels; read by later kernels (which stop when code != 0)
+// and by the host only when it asks (DevicePlan::check()).
+struct PlanStatus {
+  enum Code : std::int32_t { ok = 0, expert_out_of_range = 1, capacity_exceeded = 2 };
+  std::int32_t code;
+  std::int32_t pad;
+  std::int64_t index;  // expert_out_of_range: first bad position in all_topk_ids
+  std::int64_t value;  // expert_out_of_range: the bad id; capacity_exceeded: padded rows needed
+  std::int64_t limit;  // capacity_exceeded: capacity_rows
+};
+
+// Raw device pointers of a plan, as the kernels take them.
+struct DevicePlanView {
+  std::int32_t* expert_rows;    // [E_l]
+  std::int32_t* expert_offset;  // [E_l + 1]
+  std::int32_t* row_pair;       // [capacity_rows]; -1 = padding or unused
+  std::int32_t* tile_expert;    // [capacity_rows / block_m]
+  std::int32_t* tile_row;       // [capacity_rows / block_m]
+  std::int32_t* num_tiles;      // [1]
+  std::int32_t* pair_row;       // [T * k]
+  std::int32_t* chunk_base;     // scratch [num_chunks * E_l]
+  PlanStatus* status;           // [1]
+};
+
+class DevicePlan {
+ public:
+  // Allocates the plan of one rank for T tokens per rank on the current device.
+  DevicePlan(const MoeShape& shape, std::int64_t tokens, const PlanOptions& options = {});
+  ~DevicePlan();
+  DevicePlan(const DevicePlan&) = delete;
+  DevicePlan& operator=(const DevicePlan&) = delete;
+
+  const DevicePlanView& view() const { return view_; }
+  const MoeShape& shape() const { return shape_; }
+  std::int64_t tokens() const { return tokens_; }
+  std::int64_t block_m() const { return block_m_; }
+  std::int64_t capacity_rows() const { return capacity_rows_; }
+  std::int64_t max_tiles() const { return capacity_rows_ / block_m_; }
+  std::int64_t num_chunks() const;
+
+  // Synchronises `stream` and throws mok::Error if the planner flagged bad input.
+  void check(cudaStream_t stream) const;
+  // Synchronises `stream` and copies the plan back (tests, debugging).
+  Plan to_host(cudaStream_t stream, std::int64_t rank) const;
+
+ private:
+  MoeShape shape_;
+  std::int64_t tokens_, block_m_, capacity_rows_;
+  void* memory_ = nullptr;
+  DevicePlanView view_{};
+};
+
+// Plans `rank` from the routing of every rank: all_topk_ids is [ep, T, k] (or [T, k] when
+// ep = 1), i32 or i64, on the plan's device. Launches on `stream`; never synchronises.
+void plan_device(const TensorView& all_topk_ids, std::int64_t rank, DevicePlan& plan,
+                 cudaStream_t stream);
+
+}  // namespace mok

@@ -1,0 +1,15 @@
+// MoK for Hopper: a deterministic Mixture-of-Experts training megakernel.
+#pragma once
+
+#include "mok/bf16.hpp"
+#include "mok/device.hpp"
+#include "mok/error.hpp"
+#include "mok/plan.hpp"
+#include "mok/reference.hpp"
+#include "mok/types.hpp"
+#include "mok/validate.hpp"
+#include "mok/version.hpp"
+#include "mok/device_plan.hpp"
+#include "mok/routing.hpp"
+#include "mok/problem.hpp"
+#include "mok/presets.hpp"

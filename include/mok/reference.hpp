@@ -1,0 +1,53 @@
+// CPU reference of the whole layer (DESIGN.md §2) in fp64: the oracle every kernel is
+// checked against. It computes the *global* layer (all E experts), so one reference
+// serves one GPU, N virtual ranks and N real ranks alike. No intermediate rounding.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "mok/bf16.hpp"
+#include "mok/types.hpp"
+
+namespace mok::reference {
+
+// All E experts, row-major, in fp64.
+struct Weights {
+  std::vector<double> gate;         // [E, I, H]
+  std::vector<double> up;           // [E, I, H]
+  std::vector<double> down;         // [E, H, I]
+  std::vector<double> shared_gate;  // [I_s, H]  (empty without a shared expert)
+  std::vector<double> shared_up;    // [I_s, H]
+  std::vector<double> shared_down;  // [H, I_s]
+};
+
+struct Routing {
+  std::vector<std::int32_t> ids;  // [T, k] global expert ids, -1 = no expert
+  std::vector<double> weights;    // [T, k]
+};
+
+struct Gradients {
+  std::vector<double> x;             // [T, H]
+  std::vector<double> topk_weights;  // [T, k]; 0 where the id is -1
+  Weights w;                         // same shapes as the weights
+};
+
+// y[t] = shared(x[t]) + sum_j w[t,j] * down_e(silu(clamp(gate_e x)) * clamp(up_e x)).
+// Throws mok::Error on inconsistent sizes or an expert id outside [-1, E).
+std::vector<double> forward(const MoeShape& shape, std::int64_t tokens,
+                            std::span<const double> x, const Routing& routing,
+                            const Weights& weights);
+
+// Gradients of sum(y * dy). Where the clamp is active its input gets zero gradient.
+Gradients backward(const MoeShape& shape, std::int64_t tokens, std::span<const double> x,
+                   const Routing& routing, const Weights& weights, std::span<const double> dy);
+
+// Helpers to feed bf16 / f32 host data to the reference.
+std::vector<double> to_double(std::span<const bf16> values);
+std::vector<double> to_double(std::span<const float> values);
+
+// ||a - b|| / ||b||; infinity if either holds a NaN or infinity.
+double relative_error(std::span<const double> a, std::span<const double> b);
+
+}  // namespace mok::reference

@@ -1,0 +1,96 @@
+// Public value types: the layer's shape, the run-time configuration, and the
+// non-owning tensor views the API takes (pointer + dtype + device + shape + strides).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <string>
+
+namespace mok {
+
+// H, I and I_s must be multiples of this: one 128-byte bf16 K-slice of a wgmma
+// tile (64 elements), which is also the TMA swizzle width.
+inline constexpr std::int64_t kHiddenGranularity = 64;
+// Row pointers of every tensor must be 16-byte aligned (bulk copies, vector loads).
+inline constexpr std::size_t kPointerAlignment = 16;
+
+enum class DType : std::uint8_t { bf16, f16, f32, f64, i32, i64, u8, e4m3 };
+
+const char* dtype_name(DType dtype);
+std::size_t dtype_size(DType dtype);
+
+enum class DeviceKind : std::uint8_t { cpu, cuda };
+
+struct Device {
+  DeviceKind kind = DeviceKind::cpu;
+  int index = 0;
+
+  static Device cpu() { return {DeviceKind::cpu, 0}; }
+  static Device cuda(int index) { return {DeviceKind::cuda, index}; }
+  friend bool operator==(const Device&, const Device&) = default;
+};
+
+std::string device_name(Device device);
+
+// A strided view of someone else's memory; strides are in elements.
+struct TensorView {
+  static constexpr int kMaxDims = 4;
+
+  void* data = nullptr;
+  DType dtype = DType::bf16;
+  Device device{};
+  int ndim = 0;
+  std::array<std::int64_t, kMaxDims> shape{};
+  std::array<std::int64_t, kMaxDims> stride{};
+
+  // A row-major contiguous view.
+  static TensorView contiguous(const void* data, DType dtype, Device device,
+                               std::initializer_list<std::int64_t> dims);
+
+  std::int64_t numel() const;
+  bool is_contiguous() const;
+  std::string shape_string() const;
+};
+
+// The layer. Experts are numbered globally 0..num_experts-1; rank r of an EP group of
+// size num_experts/num_local_experts owns experts [r*num_local_experts, (r+1)*num_local_experts).
+struct MoeShape {
+  std::int64_t hidden = 0;               // H
+  std::int64_t intermediate = 0;         // I of each routed expert
+  std::int64_t num_experts = 0;          // E, all ranks together
+  std::int64_t num_local_experts = 0;    // E_l = E / EP
+  std::int64_t top_k = 0;                // k
+  std::int64_t shared_intermediate = 0;  // I_s of the one shared expert; 0 = no shared expert
+  std::optional<float> swiglu_limit;     // gate <= limit, |up| <= limit; none = plain SwiGLU
+
+  std::int64_t ep_size() const { return num_local_experts > 0 ? num_experts / num_local_experts : 0; }
+  bool has_shared() const { return shared_intermediate > 0; }
+};
+
+// Throws mok::Error naming the first invalid field and its value.
+void validate(const MoeShape& shape);
+
+// Run-time knobs of the fused kernels. Zero means "choose for me".
+struct Config {
+  int comm_sms = 0;                 // SMs given to dispatch/combine (EP > 1)
+  int compute_sms = 0;              // SMs given to GEMM tiles; 0 = all the rest
+  std::int64_t minibatch_rows = 4096;  // grain of compute/communication overlap
+  std::int64_t ring_rows = 0;          // rows of the received-token ring; 0 = all routed rows
+  double capacity_factor = 0.0;        // plan capacity in units of T*k rows; 0 = worst case (EP*T*k)
+  double timeout_seconds = 10.0;       // bound of every device-side wait
+};
+
+void validate(const Config& config);
+
+// Rows of the plan table for T local tokens: every routed row, plus per-expert padding
+// to block_m. With capacity_factor 0 this is the worst case and can never overflow.
+std::int64_t plan_capacity_rows(const MoeShape& shape, const Config& config, std::int64_t tokens,
+                                std::int64_t block_m);
+
+// DESIGN.md's FLOP convention: forward = 6*H*(routed_pairs*I + tokens*I_s); backward = 2x.
+double forward_flops(const MoeShape& shape, std::int64_t routed_pairs, std::int64_t tokens);
+
+}  // namespace mok

@@ -1,0 +1,56 @@
+// Argument validation shared by every entry point (fused kernels, reference, bindings).
+// Each check throws mok::Error naming the entry point, the argument and the bad value.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "mok/types.hpp"
+
+namespace mok {
+
+// The tensors of one forward call on one rank. Expert weights are this rank's E_l experts.
+struct ForwardArgs {
+  TensorView x;             // [T, H] bf16
+  TensorView topk_ids;      // [T, k] i32 or i64; global expert id, -1 = no expert
+  TensorView topk_weights;  // [T, k] f32
+  TensorView w_gate;        // [E_l, I, H] bf16
+  TensorView w_up;          // [E_l, I, H] bf16
+  TensorView w_down;        // [E_l, H, I] bf16
+  std::optional<TensorView> shared_gate;  // [I_s, H] bf16, iff shape.has_shared()
+  std::optional<TensorView> shared_up;    // [I_s, H] bf16
+  std::optional<TensorView> shared_down;  // [H, I_s] bf16
+  TensorView y;             // [T, H] bf16, written
+};
+
+// The extra tensors of one backward call. Weight gradients are bf16 (overwritten)
+// or f32 (accumulated into, main_grad style); all of one call share one dtype.
+struct BackwardArgs {
+  TensorView dy;                 // [T, H] bf16
+  TensorView dx;                 // [T, H] bf16, written
+  TensorView d_topk_weights;     // [T, k] f32, written
+  TensorView d_w_gate;           // like w_gate
+  TensorView d_w_up;             // like w_up
+  TensorView d_w_down;           // like w_down
+  std::optional<TensorView> d_shared_gate;
+  std::optional<TensorView> d_shared_up;
+  std::optional<TensorView> d_shared_down;
+};
+
+// Checks dtypes, shapes, contiguity, alignment, null pointers and the declared device of
+// every tensor; returns T. `where` names the caller in messages ("mok::forward").
+std::int64_t validate_forward_args(std::string_view where, const MoeShape& shape,
+                                   const ForwardArgs& args, Device device);
+void validate_backward_args(std::string_view where, const MoeShape& shape,
+                            const ForwardArgs& fwd, const BackwardArgs& bwd, Device device);
+
+// Checks every id of a host-resident [T, k] routing tensor: -1 <= id < E.
+void validate_routing_values(std::string_view where, const MoeShape& shape,
+                             const TensorView& topk_ids);
+
+// Asks the CUDA runtime where `view.data` really lives and throws if that is not
+// `view.device` (a host pointer passed as device memory, or the wrong GPU).
+void check_pointer_location(std::string_view where, std::string_view arg, const TensorView& view);
+
+}  // namespace mok

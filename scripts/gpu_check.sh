@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The whole GPU check, on a Hopper machine: builds with all cores (ptxas reports kept),
+# runs every test, the benchmark and the PyTorch baseline, and writes
+#   $OUT/<date>-<commit>-bench.json     every benchmark record
+#   $OUT/<date>-<commit>-gpucheck.json  each test's name and outcome on this GPU
+# plus $OUT/logs.tgz (build, ptxas, ctest, benchmark logs), then prints a short table. Copy the two JSON files to bench/results/ and
+# run `python3 bench/report.py table` to refresh bench/results/README.md.
+#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpucheck_out}"
+mkdir -p "$OUT"
+LOG="$(mktemp -d)"
+commit="${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+iters=20
+[ "${1:-}" = "--quick" ] && iters=5
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+
+source scripts/setup.sh || exit 1
+gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+echo "== $gpu, commit $commit, $date"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$LOG/nvidia-smi.txt" 2>&1
+
+build=build-gpu
+{ cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON &&
+  cmake --build $build -j"$(nproc)"; } > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
+grep -E "spill|Used [0-9]+ registers|stack frame" "$LOG/build.log" | sort -u > "$LOG/ptxas.txt" || true
+
+ctest --test-dir $build --output-on-failure -j4 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1
+test_rc=$?
+tail -5 "$LOG/ctest.log"
+
+$build/bench/mok_bench --preset all --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" --date "$date" \
+  2>&1 | tee "$LOG/bench_mok.log"
+python3 bench/torch_baseline.py --preset all --iters $iters --out "$LOG/bench_torch.json" --commit "$commit" --date "$date" \
+  2>&1 | tee "$LOG/bench_torch.log"
+
+python3 bench/report.py gpucheck --junit "$LOG/ctest.xml" --bench "$LOG/bench_mok.json" "$LOG/bench_torch.json" \
+  --gpu "$gpu" --commit "$commit" --date "$date" --out-dir "$OUT"
+tar czf "$OUT/logs.tgz" -C "$LOG" .
+exit $test_rc

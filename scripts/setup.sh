@@ -1,0 +1,47 @@
+# Sourced by the other scripts: makes sure the build tools are there, installing what is
+# missing (Debian packages; CMake >= 3.28 from PyPI into .venv-tools). Needs the CUDA 13
+# toolkit (nvcc) already installed: it does not come from Debian or PyPI.
+set -euo pipefail
+
+mok_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+if ! command -v nvcc >/dev/null 2>&1; then
+  if [ -x /usr/local/cuda/bin/nvcc ]; then
+    export PATH="/usr/local/cuda/bin:$PATH"
+  else
+    echo "setup: nvcc not found: install the CUDA toolkit (12.8 or newer) first" >&2
+    exit 1
+  fi
+fi
+export CUDACXX="${CUDACXX:-$(command -v nvcc)}"
+
+need_apt=()
+command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v ninja >/dev/null 2>&1 || need_apt+=(ninja-build)
+[ -f /usr/include/gtest/gtest.h ] || [ -f /usr/local/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+apt_install() {
+  echo "setup: installing $* (Debian packages)"
+  local sudo=()
+  [ "$(id -u)" = 0 ] || sudo=(sudo)
+  { DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "$@" >/dev/null; } ||
+    echo "setup: could not install $* with apt-get; the build may fail" >&2
+}
+[ ${#need_apt[@]} -eq 0 ] || apt_install "${need_apt[@]}"
+
+cmake_ok() {  # is the first cmake on PATH at least 3.28?
+  command -v cmake >/dev/null 2>&1 || return 1
+  local v
+  v=$(cmake --version | head -1 | sed 's/[^0-9.]*\([0-9.]*\).*/\1/')
+  [ "$(printf '%s\n3.28\n' "$v" | sort -V | head -1)" = 3.28 ]
+}
+if ! cmake_ok; then
+  if [ ! -x "$mok_root/.venv-tools/bin/cmake" ]; then
+    echo "setup: installing CMake >= 3.28 from PyPI into .venv-tools"
+    python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || apt_install python3-venv
+    python3 -m venv "$mok_root/.venv-tools"
+    "$mok_root/.venv-tools/bin/pip" install -q "cmake>=3.28,<5"
+  fi
+  export PATH="$mok_root/.venv-tools/bin:$PATH"
+fi
+echo "setup: $(cmake --version | head -1), nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), $(g++ --version | head -1)"

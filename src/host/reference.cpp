@@ -1,0 +1,243 @@
+#include "mok/reference.hpp"
+
+#include <cmath>
+#include <limits>
+
+#include "mok/error.hpp"
+#include "parallel.hpp"
+
+namespace mok::reference {
+namespace {
+
+constexpr const char* kWhere = "mok::reference";
+
+double dot(const double* a, const double* b, std::int64_t n) {
+  double s = 0.0;
+  for (std::int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy(double alpha, const double* x, double* y, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+
+// One expert (routed or shared) as seen by one token: pointers into the weights.
+struct Expert {
+  const double* gate;  // [I, H]
+  const double* up;    // [I, H]
+  const double* down;  // [H, I]
+  std::int64_t inter;  // I
+};
+
+// The SwiGLU of one token through one expert, with what backward needs.
+struct Activation {
+  std::vector<double> gate, up;   // clamped pre-activations
+  std::vector<bool> gate_pass, up_pass;  // false where the clamp was active
+  std::vector<double> hidden;     // silu(gate) * up
+};
+
+void activate(const Expert& ex, const double* x, std::int64_t H, const MoeShape& s, Activation& a) {
+  const std::int64_t I = ex.inter;
+  a.gate.resize(I), a.up.resize(I), a.hidden.resize(I);
+  a.gate_pass.assign(I, true), a.up_pass.assign(I, true);
+  for (std::int64_t i = 0; i < I; ++i) {
+    double g = dot(ex.gate + i * H, x, H);
+    double u = dot(ex.up + i * H, x, H);
+    if (s.swiglu_limit) {
+      const double lim = *s.swiglu_limit;
+      if (g > lim) g = lim, a.gate_pass[i] = false;
+      if (u > lim) u = lim, a.up_pass[i] = false;
+      if (u < -lim) u = -lim, a.up_pass[i] = false;
+    }
+    a.gate[i] = g, a.up[i] = u;
+    a.hidden[i] = g * sigmoid(g) * u;
+  }
+}
+
+std::int64_t checked_size(const char* name, std::size_t got, std::int64_t expected) {
+  if (static_cast<std::int64_t>(got) != expected)
+    throw_argument_error(kWhere, name, "must hold ", expected, " values, got ", got);
+  return expected;
+}
+
+void check_inputs(const MoeShape& s, std::int64_t T, std::span<const double> x,
+                  const Routing& r, const Weights& w) {
+  validate(s);
+  if (T < 0) throw_argument_error(kWhere, "tokens", "must be >= 0, got ", T);
+  const std::int64_t H = s.hidden, I = s.intermediate, E = s.num_experts, k = s.top_k;
+  const std::int64_t Is = s.shared_intermediate;
+  checked_size("x", x.size(), T * H);
+  checked_size("topk_ids", r.ids.size(), T * k);
+  checked_size("topk_weights", r.weights.size(), T * k);
+  checked_size("w_gate", w.gate.size(), E * I * H);
+  checked_size("w_up", w.up.size(), E * I * H);
+  checked_size("w_down", w.down.size(), E * H * I);
+  checked_size("shared_gate", w.shared_gate.size(), Is * H);
+  checked_size("shared_up", w.shared_up.size(), Is * H);
+  checked_size("shared_down", w.shared_down.size(), H * Is);
+  for (std::int64_t i = 0; i < T * k; ++i)
+    if (r.ids[i] < -1 || r.ids[i] >= E)
+      throw_argument_error(kWhere, "topk_ids", "expert id must be in [-1, ", E, "), got ", r.ids[i],
+                           " at token ", i / k, ", slot ", i % k);
+}
+
+Expert routed_expert(const MoeShape& s, const Weights& w, std::int64_t e) {
+  const std::int64_t H = s.hidden, I = s.intermediate;
+  return {w.gate.data() + e * I * H, w.up.data() + e * I * H, w.down.data() + e * H * I, I};
+}
+
+Expert shared_expert(const MoeShape& s, const Weights& w) {
+  return {w.shared_gate.data(), w.shared_up.data(), w.shared_down.data(), s.shared_intermediate};
+}
+
+}  // namespace
+
+std::vector<double> forward(const MoeShape& s, std::int64_t T, std::span<const double> x,
+                            const Routing& r, const Weights& w) {
+  check_inputs(s, T, x, r, w);
+  const std::int64_t H = s.hidden, k = s.top_k;
+  std::vector<double> y(T * H, 0.0);
+  detail::parallel_for(T, [&](std::int64_t t) {
+    const double* xt = x.data() + t * H;
+    double* yt = y.data() + t * H;
+    Activation a;
+    auto add_expert = [&](const Expert& ex, double weight) {
+      activate(ex, xt, H, s, a);
+      for (std::int64_t h = 0; h < H; ++h) yt[h] += weight * dot(ex.down + h * ex.inter, a.hidden.data(), ex.inter);
+    };
+    if (s.has_shared()) add_expert(shared_expert(s, w), 1.0);
+    for (std::int64_t j = 0; j < k; ++j) {
+      const std::int32_t e = r.ids[t * k + j];
+      if (e >= 0) add_expert(routed_expert(s, w, e), r.weights[t * k + j]);
+    }
+  });
+  return y;
+}
+
+Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
+                   const Routing& r, const Weights& w, std::span<const double> dy) {
+  check_inputs(s, T, x, r, w);
+  const std::int64_t H = s.hidden, I = s.intermediate, E = s.num_experts, k = s.top_k;
+  const std::int64_t Is = s.shared_intermediate;
+  checked_size("dy", dy.size(), T * H);
+
+  // Phase 1, per token: SwiGLU and its gradient for every (token, slot) pair and for the
+  // shared expert, kept per pair for the weight gradients; dx and d_topk_weights.
+  // Slot k of a token stands for the shared expert.
+  const std::int64_t slots = k + 1;
+  std::vector<double> pair_hidden(T * slots * std::max(I, Is));
+  std::vector<double> pair_dgate(pair_hidden.size()), pair_dup(pair_hidden.size());
+  const std::int64_t stride = std::max(I, Is);
+  Gradients g;
+  g.x.assign(T * H, 0.0);
+  g.topk_weights.assign(T * k, 0.0);
+
+  detail::parallel_for(T, [&](std::int64_t t) {
+    const double* xt = x.data() + t * H;
+    const double* dyt = dy.data() + t * H;
+    Activation a;
+    std::vector<double> out(H), dh;
+    auto backprop = [&](const Expert& ex, double weight, std::int64_t slot) -> double {
+      const std::int64_t n = ex.inter;
+      activate(ex, xt, H, s, a);
+      // d(weight) = <dy, down h>;  dh = weight * down^T dy.
+      double d_weight = 0.0;
+      dh.assign(n, 0.0);
+      for (std::int64_t h = 0; h < H; ++h) {
+        const double* row = ex.down + h * n;
+        d_weight += dyt[h] * dot(row, a.hidden.data(), n);
+        axpy(weight * dyt[h], row, dh.data(), n);
+      }
+      double* hid = pair_hidden.data() + (t * slots + slot) * stride;
+      double* dg = pair_dgate.data() + (t * slots + slot) * stride;
+      double* du = pair_dup.data() + (t * slots + slot) * stride;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const double gv = a.gate[i], uv = a.up[i], sg = sigmoid(gv);
+        hid[i] = a.hidden[i];
+        dg[i] = a.gate_pass[i] ? dh[i] * uv * sg * (1.0 + gv * (1.0 - sg)) : 0.0;
+        du[i] = a.up_pass[i] ? dh[i] * gv * sg : 0.0;
+      }
+      double* dxt = g.x.data() + t * H;
+      for (std::int64_t i = 0; i < n; ++i) {
+        axpy(dg[i], ex.gate + i * H, dxt, H);
+        axpy(du[i], ex.up + i * H, dxt, H);
+      }
+      return d_weight;
+    };
+    if (s.has_shared()) backprop(shared_expert(s, w), 1.0, k);
+    for (std::int64_t j = 0; j < k; ++j) {
+      const std::int32_t e = r.ids[t * k + j];
+      if (e >= 0) g.topk_weights[t * k + j] = backprop(routed_expert(s, w, e), r.weights[t * k + j], j);
+    }
+  });
+
+  // Phase 2, per output row of each weight gradient: sums over the expert's pairs in
+  // token order. pairs_of[e] lists (token, slot) of expert e; the shared expert is e = E.
+  std::vector<std::vector<std::int64_t>> pairs_of(E + 1);
+  for (std::int64_t t = 0; t < T; ++t) {
+    for (std::int64_t j = 0; j < k; ++j)
+      if (r.ids[t * k + j] >= 0) pairs_of[r.ids[t * k + j]].push_back(t * slots + j);
+    if (s.has_shared()) pairs_of[E].push_back(t * slots + k);
+  }
+  auto weight_of = [&](std::int64_t pair) {
+    const std::int64_t t = pair / slots, j = pair % slots;
+    return j == k ? 1.0 : r.weights[t * k + j];
+  };
+  g.w.gate.assign(w.gate.size(), 0.0), g.w.up.assign(w.up.size(), 0.0), g.w.down.assign(w.down.size(), 0.0);
+  g.w.shared_gate.assign(w.shared_gate.size(), 0.0), g.w.shared_up.assign(w.shared_up.size(), 0.0);
+  g.w.shared_down.assign(w.shared_down.size(), 0.0);
+
+  // Rows: E*I rows of d_gate/d_up, E*H rows of d_down, then I_s and H rows for the shared expert.
+  const std::int64_t rows_gu = E * I, rows_d = E * H, rows_sgu = Is, rows_sd = Is > 0 ? H : 0;
+  detail::parallel_for(rows_gu + rows_d + rows_sgu + rows_sd, [&](std::int64_t row) {
+    if (row < rows_gu || (row >= rows_gu + rows_d && row < rows_gu + rows_d + rows_sgu)) {
+      const bool shared = row >= rows_gu;
+      const std::int64_t e = shared ? E : row / I, i = shared ? row - rows_gu - rows_d : row % I;
+      double* dgate = shared ? g.w.shared_gate.data() + i * H : g.w.gate.data() + row * H;
+      double* dup = shared ? g.w.shared_up.data() + i * H : g.w.up.data() + row * H;
+      for (std::int64_t pair : pairs_of[e]) {
+        const double* xt = x.data() + (pair / slots) * H;
+        axpy(pair_dgate[pair * stride + i], xt, dgate, H);
+        axpy(pair_dup[pair * stride + i], xt, dup, H);
+      }
+    } else {
+      const bool shared = row >= rows_gu + rows_d;
+      const std::int64_t base = shared ? rows_gu + rows_d + rows_sgu : rows_gu;
+      const std::int64_t e = shared ? E : (row - base) / H, h = (row - base) % H;
+      const std::int64_t n = shared ? Is : I;
+      double* ddown = shared ? g.w.shared_down.data() + h * Is : g.w.down.data() + (row - base) * I;
+      for (std::int64_t pair : pairs_of[e]) {
+        const double scale = weight_of(pair) * dy[(pair / slots) * H + h];
+        axpy(scale, pair_hidden.data() + pair * stride, ddown, n);
+      }
+    }
+  });
+  return g;
+}
+
+std::vector<double> to_double(std::span<const bf16> values) {
+  std::vector<double> out(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) out[i] = values[i].to_float();
+  return out;
+}
+
+std::vector<double> to_double(std::span<const float> values) {
+  return std::vector<double>(values.begin(), values.end());
+}
+
+double relative_error(std::span<const double> a, std::span<const double> b) {
+  if (a.size() != b.size()) throw Error("mok::reference::relative_error: sizes differ");
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double d = a[i] - b[i];
+    num += d * d;
+    den += b[i] * b[i];
+  }
+  if (!std::isfinite(num) || !std::isfinite(den)) return std::numeric_limits<double>::infinity();
+  if (den == 0.0) return num == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
+  return std::sqrt(num / den);
+}
+
+}  // namespace mok::reference

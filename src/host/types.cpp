@@ -1,0 +1,144 @@
+#include "mok/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "mok/error.hpp"
+
+namespace mok {
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
+    case DType::f32: return "f32";
+    case DType::f64: return "f64";
+    case DType::i32: return "i32";
+    case DType::i64: return "i64";
+    case DType::u8: return "u8";
+    case DType::e4m3: return "e4m3";
+  }
+  return "unknown";
+}
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::bf16:
+    case DType::f16: return 2;
+    case DType::f32:
+    case DType::i32: return 4;
+    case DType::f64:
+    case DType::i64: return 8;
+    case DType::u8:
+    case DType::e4m3: return 1;
+  }
+  return 0;
+}
+
+std::string device_name(Device device) {
+  return device.kind == DeviceKind::cpu ? std::string("cpu")
+                                        : "cuda:" + std::to_string(device.index);
+}
+
+TensorView TensorView::contiguous(const void* data, DType dtype, Device device,
+                                  std::initializer_list<std::int64_t> dims) {
+  if (dims.size() > kMaxDims) throw Error("TensorView::contiguous: more than 4 dimensions");
+  TensorView v;
+  v.data = const_cast<void*>(data);
+  v.dtype = dtype;
+  v.device = device;
+  v.ndim = static_cast<int>(dims.size());
+  int d = 0;
+  for (std::int64_t n : dims) v.shape[d++] = n;
+  std::int64_t s = 1;
+  for (int i = v.ndim - 1; i >= 0; --i) {
+    v.stride[i] = s;
+    s *= v.shape[i];
+  }
+  return v;
+}
+
+std::int64_t TensorView::numel() const {
+  std::int64_t n = 1;
+  for (int i = 0; i < ndim; ++i) n *= shape[i];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  std::int64_t s = 1;
+  for (int i = ndim - 1; i >= 0; --i) {
+    if (shape[i] != 1 && stride[i] != s) return false;
+    s *= shape[i];
+  }
+  return true;
+}
+
+std::string TensorView::shape_string() const {
+  std::ostringstream os;
+  os << '[';
+  for (int i = 0; i < ndim; ++i) os << (i ? ", " : "") << shape[i];
+  os << ']';
+  return os.str();
+}
+
+void validate(const MoeShape& s) {
+  constexpr const char* where = "mok::MoeShape";
+  auto check_granular = [&](const char* name, std::int64_t v) {
+    if (v <= 0 || v % kHiddenGranularity != 0)
+      throw_argument_error(where, name, "must be a positive multiple of ", kHiddenGranularity,
+                           ", got ", v);
+  };
+  check_granular("hidden", s.hidden);
+  check_granular("intermediate", s.intermediate);
+  if (s.shared_intermediate != 0) check_granular("shared_intermediate", s.shared_intermediate);
+  if (s.num_experts <= 0) throw_argument_error(where, "num_experts", "must be positive, got ", s.num_experts);
+  if (s.num_local_experts <= 0 || s.num_local_experts > s.num_experts ||
+      s.num_experts % s.num_local_experts != 0)
+    throw_argument_error(where, "num_local_experts", "must divide num_experts = ", s.num_experts,
+                         ", got ", s.num_local_experts);
+  if (s.top_k <= 0) throw_argument_error(where, "top_k", "must be at least 1, got ", s.top_k);
+  if (s.top_k > s.num_experts)
+    throw_argument_error(where, "top_k", "must not exceed num_experts = ", s.num_experts, ", got ",
+                         s.top_k);
+  if (s.swiglu_limit && !(*s.swiglu_limit > 0.0f && std::isfinite(*s.swiglu_limit)))
+    throw_argument_error(where, "swiglu_limit", "must be a finite positive number, got ",
+                         *s.swiglu_limit);
+}
+
+void validate(const Config& c) {
+  constexpr const char* where = "mok::Config";
+  if (c.comm_sms < 0) throw_argument_error(where, "comm_sms", "must be >= 0, got ", c.comm_sms);
+  if (c.compute_sms < 0)
+    throw_argument_error(where, "compute_sms", "must be >= 0, got ", c.compute_sms);
+  if (c.minibatch_rows <= 0 || c.minibatch_rows % 128 != 0)
+    throw_argument_error(where, "minibatch_rows", "must be a positive multiple of 128, got ",
+                         c.minibatch_rows);
+  if (c.ring_rows < 0 || (c.ring_rows > 0 && c.ring_rows % c.minibatch_rows != 0))
+    throw_argument_error(where, "ring_rows", "must be 0 or a multiple of minibatch_rows = ",
+                         c.minibatch_rows, ", got ", c.ring_rows);
+  if (!(c.capacity_factor >= 0.0) || !std::isfinite(c.capacity_factor))
+    throw_argument_error(where, "capacity_factor", "must be a finite number >= 0, got ",
+                         c.capacity_factor);
+  if (!(c.timeout_seconds > 0.0) || !std::isfinite(c.timeout_seconds))
+    throw_argument_error(where, "timeout_seconds", "must be a finite positive number, got ",
+                         c.timeout_seconds);
+}
+
+std::int64_t plan_capacity_rows(const MoeShape& shape, const Config& config, std::int64_t tokens,
+                                std::int64_t block_m) {
+  const std::int64_t pairs = tokens * shape.top_k;
+  const std::int64_t worst = shape.ep_size() * pairs;
+  std::int64_t rows = worst;
+  if (config.capacity_factor > 0.0)
+    rows = std::min<std::int64_t>(worst, static_cast<std::int64_t>(std::ceil(config.capacity_factor * pairs)));
+  return rows + shape.num_local_experts * (block_m - 1);
+}
+
+double forward_flops(const MoeShape& shape, std::int64_t routed_pairs, std::int64_t tokens) {
+  return 6.0 * static_cast<double>(shape.hidden) *
+         (static_cast<double>(routed_pairs) * static_cast<double>(shape.intermediate) +
+          static_cast<double>(tokens) * static_cast<double>(shape.shared_intermediate));
+}
+
+}  // namespace mok

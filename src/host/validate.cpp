@@ -1,0 +1,156 @@
+#include "mok/validate.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include "mok/error.hpp"
+
+namespace mok {
+namespace {
+
+struct Checker {
+  std::string_view where;
+  Device device;
+
+  void tensor(std::string_view arg, const TensorView& v, std::initializer_list<DType> dtypes,
+              std::initializer_list<std::int64_t> dims) const {
+    bool dtype_ok = false;
+    for (DType d : dtypes) dtype_ok |= (v.dtype == d);
+    if (!dtype_ok) {
+      std::string allowed;
+      for (DType d : dtypes) allowed += (allowed.empty() ? "" : " or ") + std::string(dtype_name(d));
+      throw_argument_error(where, arg, "dtype must be ", allowed, ", got ", dtype_name(v.dtype));
+    }
+    bool shape_ok = v.ndim == static_cast<int>(dims.size());
+    int i = 0;
+    for (std::int64_t n : dims) shape_ok = shape_ok && v.shape[i++] == n;
+    if (!shape_ok) {
+      TensorView expected = TensorView::contiguous(nullptr, v.dtype, v.device, dims);
+      throw_argument_error(where, arg, "shape must be ", expected.shape_string(), ", got ",
+                           v.shape_string());
+    }
+    if (v.device != device)
+      throw_argument_error(where, arg, "must be on ", device_name(device), ", got ",
+                           device_name(v.device));
+    if (v.numel() == 0) return;  // an empty tensor may have a null pointer
+    if (v.data == nullptr) throw_argument_error(where, arg, "data pointer is null");
+    if (!v.is_contiguous())
+      throw_argument_error(where, arg, "must be contiguous (row-major), got strides ",
+                           stride_string(v), " for shape ", v.shape_string());
+    const auto address = reinterpret_cast<std::uintptr_t>(v.data);
+    if (address % kPointerAlignment != 0)
+      throw_argument_error(where, arg, "data pointer must be ", kPointerAlignment,
+                           "-byte aligned, got address 0x", std::hex, address);
+  }
+
+  static std::string stride_string(const TensorView& v) {
+    std::string s = "[";
+    for (int i = 0; i < v.ndim; ++i) s += (i ? ", " : "") + std::to_string(v.stride[i]);
+    return s + "]";
+  }
+};
+
+void check_rows(std::string_view where, std::string_view arg, const TensorView& v,
+                std::int64_t tokens, std::string_view ref) {
+  if (v.ndim >= 1 && v.shape[0] != tokens)
+    throw_argument_error(where, arg, "must have ", tokens, " rows like '", ref, "', got ",
+                         v.shape[0]);
+}
+
+}  // namespace
+
+std::int64_t validate_forward_args(std::string_view where, const MoeShape& shape,
+                                   const ForwardArgs& a, Device device) {
+  validate(shape);
+  if (a.x.ndim != 2) throw_argument_error(where, "x", "must be 2-D [T, H], got shape ", a.x.shape_string());
+  const std::int64_t T = a.x.shape[0];
+  const std::int64_t H = shape.hidden, I = shape.intermediate, El = shape.num_local_experts;
+  const std::int64_t k = shape.top_k, Is = shape.shared_intermediate;
+  const Checker c{where, device};
+
+  c.tensor("x", a.x, {DType::bf16}, {T, H});
+  check_rows(where, "topk_ids", a.topk_ids, T, "x");
+  c.tensor("topk_ids", a.topk_ids, {DType::i32, DType::i64}, {T, k});
+  check_rows(where, "topk_weights", a.topk_weights, T, "x");
+  c.tensor("topk_weights", a.topk_weights, {DType::f32}, {T, k});
+  c.tensor("w_gate", a.w_gate, {DType::bf16}, {El, I, H});
+  c.tensor("w_up", a.w_up, {DType::bf16}, {El, I, H});
+  c.tensor("w_down", a.w_down, {DType::bf16}, {El, H, I});
+  const bool any_shared = a.shared_gate || a.shared_up || a.shared_down;
+  if (shape.has_shared()) {
+    if (!a.shared_gate) throw_argument_error(where, "shared_gate", "is required: shape.shared_intermediate = ", Is);
+    if (!a.shared_up) throw_argument_error(where, "shared_up", "is required: shape.shared_intermediate = ", Is);
+    if (!a.shared_down) throw_argument_error(where, "shared_down", "is required: shape.shared_intermediate = ", Is);
+    c.tensor("shared_gate", *a.shared_gate, {DType::bf16}, {Is, H});
+    c.tensor("shared_up", *a.shared_up, {DType::bf16}, {Is, H});
+    c.tensor("shared_down", *a.shared_down, {DType::bf16}, {H, Is});
+  } else if (any_shared) {
+    throw_argument_error(where, "shared_gate", "shared-expert weights were given but shape.shared_intermediate = 0");
+  }
+  c.tensor("y", a.y, {DType::bf16}, {T, H});
+  return T;
+}
+
+void validate_backward_args(std::string_view where, const MoeShape& shape, const ForwardArgs& f,
+                            const BackwardArgs& b, Device device) {
+  const std::int64_t T = validate_forward_args(where, shape, f, device);
+  const std::int64_t H = shape.hidden, I = shape.intermediate, El = shape.num_local_experts;
+  const std::int64_t k = shape.top_k, Is = shape.shared_intermediate;
+  const Checker c{where, device};
+  c.tensor("dy", b.dy, {DType::bf16}, {T, H});
+  c.tensor("dx", b.dx, {DType::bf16}, {T, H});
+  c.tensor("d_topk_weights", b.d_topk_weights, {DType::f32}, {T, k});
+  const DType gdt = b.d_w_gate.dtype;
+  if (gdt != DType::bf16 && gdt != DType::f32)
+    throw_argument_error(where, "d_w_gate", "dtype must be bf16 (written) or f32 (accumulated), got ", dtype_name(gdt));
+  c.tensor("d_w_gate", b.d_w_gate, {gdt}, {El, I, H});
+  c.tensor("d_w_up", b.d_w_up, {gdt}, {El, I, H});
+  c.tensor("d_w_down", b.d_w_down, {gdt}, {El, H, I});
+  if (shape.has_shared()) {
+    if (!b.d_shared_gate || !b.d_shared_up || !b.d_shared_down)
+      throw_argument_error(where, "d_shared_gate", "shared-expert gradients are required: shape.shared_intermediate = ", Is);
+    c.tensor("d_shared_gate", *b.d_shared_gate, {gdt}, {Is, H});
+    c.tensor("d_shared_up", *b.d_shared_up, {gdt}, {Is, H});
+    c.tensor("d_shared_down", *b.d_shared_down, {gdt}, {H, Is});
+  }
+}
+
+void validate_routing_values(std::string_view where, const MoeShape& shape,
+                             const TensorView& ids) {
+  if (ids.device.kind != DeviceKind::cpu)
+    throw_argument_error(where, "topk_ids", "value check needs host memory, got ", device_name(ids.device));
+  const std::int64_t n = ids.numel();
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t id = ids.dtype == DType::i64 ? static_cast<const std::int64_t*>(ids.data)[i]
+                                                    : static_cast<const std::int32_t*>(ids.data)[i];
+    if (id < -1 || id >= shape.num_experts)
+      throw_argument_error(where, "topk_ids", "expert id must be in [-1, ", shape.num_experts,
+                           "), got ", id, " at token ", i / shape.top_k, ", slot ", i % shape.top_k);
+  }
+}
+
+void check_pointer_location(std::string_view where, std::string_view arg, const TensorView& v) {
+  if (v.data == nullptr) return;
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, v.data);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error so later calls are unaffected
+    throw_argument_error(where, arg, "cannot query its pointer: ", cudaGetErrorString(err));
+  }
+  const bool on_gpu = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+  if (v.device.kind == DeviceKind::cuda) {
+    if (!on_gpu)
+      throw_argument_error(where, arg, "is declared on ", device_name(v.device),
+                           " but its pointer is host memory");
+    if (attr.device != v.device.index)
+      throw_argument_error(where, arg, "is declared on ", device_name(v.device),
+                           " but its pointer lives on cuda:", attr.device);
+  } else if (attr.type == cudaMemoryTypeDevice) {
+    throw_argument_error(where, arg, "is declared on cpu but its pointer is memory of cuda:", attr.device);
+  }
+}
+
+}  // namespace mok

@@ -1,0 +1,27 @@
+// Launchers of the planner kernels (src/kernels/plan.cu).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "mok/device_plan.hpp"
+
+namespace mok::kernels {
+
+// One warp per chunk of ids: chunk order + in-warp order = global pair-id order.
+inline constexpr std::int64_t kPlanChunk = 512;
+
+struct PlanProblem {
+  const void* ids;  // [ep * T * k]
+  bool ids_are_i64;
+  std::int64_t num_ids;  // ep * T * k
+  std::int64_t tokens_times_k;
+  std::int64_t rank;
+  std::int32_t num_experts, num_local_experts, block_m;
+  std::int64_t capacity_rows;
+};
+
+void launch_plan(const PlanProblem& problem, const DevicePlanView& plan, cudaStream_t stream);
+
+}  // namespace mok::kernels

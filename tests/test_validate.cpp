@@ -1,0 +1,223 @@
+// Every invalid input is rejected with its own message naming the argument and value.
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "mok/error.hpp"
+#include "mok/validate.hpp"
+
+namespace mok {
+namespace {
+
+void expect_error(const std::function<void()>& call, const std::string& expected) {
+  try {
+    call();
+    ADD_FAILURE() << "no mok::Error; expected: " << expected;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos)
+        << "message: " << e.what() << "\nexpected to contain: " << expected;
+  }
+}
+
+MoeShape good_shape() {
+  MoeShape s;
+  s.hidden = 128, s.intermediate = 64, s.num_experts = 8, s.num_local_experts = 4, s.top_k = 2;
+  return s;
+}
+
+// Valid arguments over host memory, declared on cpu (validation never dereferences them).
+struct Fixture {
+  MoeShape shape = good_shape();
+  static constexpr std::int64_t T = 5;
+  alignas(16) static inline char memory[1 << 20];
+  ForwardArgs args;
+  BackwardArgs grads;
+
+  Fixture() {
+    const Device cpu = Device::cpu();
+    const std::int64_t H = shape.hidden, I = shape.intermediate, El = shape.num_local_experts, k = shape.top_k;
+    args.x = TensorView::contiguous(memory, DType::bf16, cpu, {T, H});
+    args.topk_ids = TensorView::contiguous(memory, DType::i32, cpu, {T, k});
+    args.topk_weights = TensorView::contiguous(memory, DType::f32, cpu, {T, k});
+    args.w_gate = TensorView::contiguous(memory, DType::bf16, cpu, {El, I, H});
+    args.w_up = TensorView::contiguous(memory, DType::bf16, cpu, {El, I, H});
+    args.w_down = TensorView::contiguous(memory, DType::bf16, cpu, {El, H, I});
+    args.y = TensorView::contiguous(memory, DType::bf16, cpu, {T, H});
+    grads.dy = args.x, grads.dx = args.x, grads.d_topk_weights = args.topk_weights;
+    grads.d_w_gate = args.w_gate, grads.d_w_up = args.w_up, grads.d_w_down = args.w_down;
+  }
+  void forward() const { validate_forward_args("mok::forward", shape, args, Device::cpu()); }
+  void backward() const { validate_backward_args("mok::backward", shape, args, grads, Device::cpu()); }
+};
+
+TEST(Validate, GoodArgumentsPass) {
+  Fixture f;
+  EXPECT_EQ(validate_forward_args("mok::forward", f.shape, f.args, Device::cpu()), Fixture::T);
+  EXPECT_NO_THROW(f.backward());
+  f.grads.d_w_gate.dtype = f.grads.d_w_up.dtype = f.grads.d_w_down.dtype = DType::f32;  // main_grad mode
+  EXPECT_NO_THROW(f.backward());
+}
+
+TEST(Validate, WrongDtypeOfX) {
+  Fixture f;
+  f.args.x.dtype = DType::f32;
+  expect_error([&] { f.forward(); }, "mok::forward: argument 'x': dtype must be bf16, got f32");
+}
+
+TEST(Validate, WrongDtypeOfTopkIds) {
+  Fixture f;
+  f.args.topk_ids.dtype = DType::f32;
+  expect_error([&] { f.forward(); }, "argument 'topk_ids': dtype must be i32 or i64, got f32");
+  f.args.topk_ids.dtype = DType::i64;  // int64 is accepted
+  EXPECT_NO_THROW(f.forward());
+}
+
+TEST(Validate, WrongDtypeOfTopkWeights) {
+  Fixture f;
+  f.args.topk_weights.dtype = DType::bf16;
+  expect_error([&] { f.forward(); }, "argument 'topk_weights': dtype must be f32, got bf16");
+}
+
+TEST(Validate, WrongShapeOfWeights) {
+  Fixture f;
+  f.args.w_gate = TensorView::contiguous(Fixture::memory, DType::bf16, Device::cpu(), {4, 128, 64});
+  expect_error([&] { f.forward(); }, "argument 'w_gate': shape must be [4, 64, 128], got [4, 128, 64]");
+  Fixture g;
+  g.args.w_down = TensorView::contiguous(Fixture::memory, DType::bf16, Device::cpu(), {8, 128, 64});
+  expect_error([&] { g.forward(); }, "argument 'w_down': shape must be [4, 128, 64], got [8, 128, 64]");
+}
+
+TEST(Validate, TokenCountMismatch) {
+  Fixture f;
+  f.args.topk_ids = TensorView::contiguous(Fixture::memory, DType::i32, Device::cpu(), {6, 2});
+  expect_error([&] { f.forward(); }, "argument 'topk_ids': must have 5 rows like 'x', got 6");
+}
+
+TEST(Validate, TopkColumnsMismatch) {
+  Fixture f;
+  f.args.topk_weights = TensorView::contiguous(Fixture::memory, DType::f32, Device::cpu(), {5, 3});
+  expect_error([&] { f.forward(); }, "argument 'topk_weights': shape must be [5, 2], got [5, 3]");
+}
+
+TEST(Validate, NullPointer) {
+  Fixture f;
+  f.args.w_up.data = nullptr;
+  expect_error([&] { f.forward(); }, "argument 'w_up': data pointer is null");
+}
+
+TEST(Validate, NonContiguous) {
+  Fixture f;
+  f.args.x.stride = {256, 1};
+  expect_error([&] { f.forward(); }, "argument 'x': must be contiguous (row-major), got strides [256, 1] for shape [5, 128]");
+}
+
+TEST(Validate, MisalignedPointer) {
+  Fixture f;
+  f.args.y.data = Fixture::memory + 2;
+  expect_error([&] { f.forward(); }, "argument 'y': data pointer must be 16-byte aligned");
+}
+
+TEST(Validate, WrongDevice) {
+  Fixture f;
+  f.args.w_down.device = Device::cuda(1);
+  expect_error([&] { f.forward(); }, "argument 'w_down': must be on cpu, got cuda:1");
+  expect_error([&] { validate_forward_args("mok::forward", f.shape, Fixture().args, Device::cuda(0)); },
+               "argument 'x': must be on cuda:0, got cpu");
+}
+
+TEST(Validate, ExpertIdOutOfRange) {
+  const MoeShape s = good_shape();
+  std::int32_t ids[6] = {0, 1, 2, 8, -1, 3};
+  const auto view = TensorView::contiguous(ids, DType::i32, Device::cpu(), {3, 2});
+  expect_error([&] { validate_routing_values("mok::forward", s, view); },
+               "argument 'topk_ids': expert id must be in [-1, 8), got 8 at token 1, slot 1");
+  ids[3] = -3;
+  expect_error([&] { validate_routing_values("mok::forward", s, view); }, "got -3 at token 1, slot 1");
+  std::int64_t ids64[2] = {7, 1ll << 40};
+  expect_error([&] { validate_routing_values("mok::forward", s, TensorView::contiguous(ids64, DType::i64, Device::cpu(), {1, 2})); },
+               "got 1099511627776 at token 0, slot 1");
+}
+
+TEST(Validate, TopKLargerThanExperts) {
+  MoeShape s = good_shape();
+  s.top_k = 9;
+  expect_error([&] { validate(s); }, "mok::MoeShape: argument 'top_k': must not exceed num_experts = 8, got 9");
+}
+
+TEST(Validate, TopKZero) {
+  MoeShape s = good_shape();
+  s.top_k = 0;
+  expect_error([&] { validate(s); }, "argument 'top_k': must be at least 1, got 0");
+}
+
+TEST(Validate, HiddenNotGranular) {
+  MoeShape s = good_shape();
+  s.hidden = 100;
+  expect_error([&] { validate(s); }, "argument 'hidden': must be a positive multiple of 64, got 100");
+  s = good_shape();
+  s.intermediate = 96;
+  expect_error([&] { validate(s); }, "argument 'intermediate': must be a positive multiple of 64, got 96");
+  s = good_shape();
+  s.shared_intermediate = 32;
+  expect_error([&] { validate(s); }, "argument 'shared_intermediate': must be a positive multiple of 64, got 32");
+}
+
+TEST(Validate, LocalExpertsMustDivide) {
+  MoeShape s = good_shape();
+  s.num_local_experts = 3;
+  expect_error([&] { validate(s); }, "argument 'num_local_experts': must divide num_experts = 8, got 3");
+}
+
+TEST(Validate, BadSwigluLimit) {
+  MoeShape s = good_shape();
+  s.swiglu_limit = -1.0f;
+  expect_error([&] { validate(s); }, "argument 'swiglu_limit': must be a finite positive number, got -1");
+}
+
+TEST(Validate, SharedExpertRequiredOrForbidden) {
+  Fixture f;
+  f.shape.shared_intermediate = 64;
+  expect_error([&] { f.forward(); }, "argument 'shared_gate': is required: shape.shared_intermediate = 64");
+  Fixture g;
+  g.args.shared_gate = g.args.w_gate;
+  expect_error([&] { g.forward(); }, "shared-expert weights were given but shape.shared_intermediate = 0");
+}
+
+TEST(Validate, GradientDtypes) {
+  Fixture f;
+  f.grads.d_w_gate.dtype = DType::f16;
+  expect_error([&] { f.backward(); }, "argument 'd_w_gate': dtype must be bf16 (written) or f32 (accumulated), got f16");
+  Fixture g;
+  g.grads.d_w_up.dtype = DType::f32;  // mixed gradient dtypes
+  expect_error([&] { g.backward(); }, "argument 'd_w_up': dtype must be bf16, got f32");
+}
+
+TEST(Validate, ConfigFields) {
+  Config c;
+  c.minibatch_rows = 100;
+  expect_error([&] { validate(c); }, "mok::Config: argument 'minibatch_rows': must be a positive multiple of 128, got 100");
+  c = Config{};
+  c.ring_rows = 5000;
+  expect_error([&] { validate(c); }, "argument 'ring_rows': must be 0 or a multiple of minibatch_rows = 4096, got 5000");
+  c = Config{};
+  c.timeout_seconds = 0;
+  expect_error([&] { validate(c); }, "argument 'timeout_seconds': must be a finite positive number, got 0");
+  c = Config{};
+  c.comm_sms = -2;
+  expect_error([&] { validate(c); }, "argument 'comm_sms': must be >= 0, got -2");
+  c = Config{};
+  c.capacity_factor = -1;
+  expect_error([&] { validate(c); }, "argument 'capacity_factor': must be a finite number >= 0, got -1");
+}
+
+TEST(Validate, EmptyBatchIsAllowed) {
+  Fixture f;
+  f.args.x = TensorView::contiguous(nullptr, DType::bf16, Device::cpu(), {0, 128});
+  f.args.topk_ids = TensorView::contiguous(nullptr, DType::i32, Device::cpu(), {0, 2});
+  f.args.topk_weights = TensorView::contiguous(nullptr, DType::f32, Device::cpu(), {0, 2});
+  f.args.y = TensorView::contiguous(nullptr, DType::bf16, Device::cpu(), {0, 128});
+  EXPECT_EQ(validate_forward_args("mok::forward", f.shape, f.args, Device::cpu()), 0);
+}
+
+}  // namespace
+}  // namespace mok
