@@ -171,7 +171,10 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
   const auto ids = mok::make_routing(mok::RoutingKind::uniform, p.tokens, s.num_experts, s.top_k, 7);
   Arena arena;
   std::int32_t* d_ids = arena.alloc<std::int32_t>(ids.size());
-  CUDA_OK(cudaMemcpy(d_ids, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+  // Async copy on the bench stream: a plain cudaMemcpy from pageable memory may return
+  // before its DMA lands, and a non-blocking stream does not wait for it.
+  CUDA_OK(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
   mok::DevicePlan plan(s, p.tokens);
   const auto view = mok::TensorView::contiguous(d_ids, mok::DType::i32, mok::Device::cuda(0), {p.tokens, s.top_k});
   mok::plan_device(view, 0, plan, stream);
