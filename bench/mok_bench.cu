@@ -4,7 +4,7 @@
 //   gpu, commit, date, hidden, intermediate, experts, top_k, routing, iters
 //
 // impls:
-//   dense  cuBLAS GEMMs with the layer's FLOPs as if every routed row went to one expert
+//   cublas cuBLAS GEMMs with the layer's FLOPs as if every routed row went to one expert
 //          (fwd: X[M,H]·[gate|up]^T, h·down^T; fwd+bwd adds the four backward GEMMs):
 //          the ceiling a grouped kernel is measured against
 //   plan   the device planner alone (pass "plan"): its cost inside every pass
@@ -37,7 +37,7 @@ namespace {
 
 struct Options {
   std::vector<std::string> presets{"all"};
-  std::vector<std::string> impls{"dense", "plan"};
+  std::vector<std::string> impls{"cublas", "plan"};
   std::vector<std::string> passes{"fwd", "fwd+bwd"};
   int warmup = 3, iters = 20;
   std::string out, commit = "unknown", date = "unknown";
@@ -51,7 +51,7 @@ std::vector<std::string> split(const std::string& s) {
 }
 
 struct Record {
-  std::string preset, impl, pass;
+  std::string preset, impl, pass;  // impl: cublas | plan
   std::int64_t tokens, ep, hidden, intermediate, experts, top_k;
   double ms, ms_p10, ms_p90, tflops;
   std::size_t peak_bytes;
@@ -162,7 +162,7 @@ Record bench_dense(const Options& o, const mok::Preset& p, const std::string& pa
   const auto ms = time_iterations(o, stream, body);
   const double flops = mok::forward_flops(s, p.tokens * s.top_k, p.tokens) * (bwd ? 3.0 : 1.0);
   const double med = ms[ms.size() / 2];
-  return {p.name, "dense", pass, p.tokens, 1, s.hidden, s.intermediate, s.num_experts, s.top_k, med,
+  return {p.name, "cublas", pass, p.tokens, 1, s.hidden, s.intermediate, s.num_experts, s.top_k, med,
           ms[ms.size() / 10], ms[ms.size() * 9 / 10], flops / (med * 1e-3) / 1e12, arena.bytes(), o.iters};
 }
 
@@ -236,7 +236,7 @@ int main(int argc, char** argv) try {
     else if (a == "--commit") o.commit = next();
     else if (a == "--date") o.date = next();
     else {
-      std::printf("usage: mok_bench [--preset all|NAME,...] [--impl dense,plan] [--pass fwd,fwd+bwd]\n"
+      std::printf("usage: mok_bench [--preset all|NAME,...] [--impl cublas,plan] [--pass fwd,fwd+bwd]\n"
                   "                 [--iters N] [--warmup N] [--out FILE.json] [--commit C] [--date D]\n");
       return 2;
     }
@@ -259,8 +259,8 @@ int main(int argc, char** argv) try {
   for (const std::string& name : o.presets)
     if (name != "all") mok::find_preset(name);  // unknown names are an error
   for (const std::string& impl : o.impls)
-    if (impl != "dense" && impl != "plan")
-      throw mok::Error("mok_bench: impl '" + impl + "' is not available (known: dense, plan; the fused 'mok' layer is not built yet)");
+    if (impl != "cublas" && impl != "plan")
+      throw mok::Error("mok_bench: impl '" + impl + "' is not available (known: cublas, plan; the fused 'mok' layer is not built yet)");
 
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -272,7 +272,7 @@ int main(int argc, char** argv) try {
     for (const std::string& impl : o.impls) {
       const std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
       for (const std::string& pass : passes) {
-        records.push_back(impl == "dense" ? bench_dense(o, *p, pass, stream, handle) : bench_plan(o, *p, stream));
+        records.push_back(impl == "cublas" ? bench_dense(o, *p, pass, stream, handle) : bench_plan(o, *p, stream));
         const Record& r = records.back();
         std::printf("%-16s %-6s %-8s %10.4f %9.1f\n", r.preset.c_str(), r.impl.c_str(), r.pass.c_str(), r.ms, r.tflops);
         std::fflush(stdout);

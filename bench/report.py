@@ -91,7 +91,7 @@ def cmd_table(a):
            "TFLOP/s use DESIGN.md's convention (forward = 6·H·(routed pairs·I + T·I_s), fwd+bwd = 3× forward);",
            "ratios are time ratios taken in the same run. `torch`: PyTorch path (argsort, gather,",
            "`torch._grouped_mm`, SwiGLU, weighted sum; autograd for fwd+bwd). `dense`: cuBLAS/torch.matmul GEMMs",
-           "with the same FLOPs (the ceiling). `plan`: the device planner alone.", ""]
+           "with the same FLOPs (the ceiling; `cublas` is the same GEMMs called from C++). `plan`: the device planner alone.", ""]
     for path in sorted(glob.glob(os.path.join(a.results_dir, "*-bench.json")), reverse=True):
         with open(path) as f:
             records = json.load(f)
