@@ -8,7 +8,8 @@
 //          (fwd: X[M,H]·[gate|up]^T, h·down^T; fwd+bwd adds the four backward GEMMs):
 //          the ceiling a grouped kernel is measured against
 //   plan   the device planner alone (pass "plan"): its cost inside every pass
-// The fused layer (impl "mok") arrives with the forward/backward kernels.
+//   mok    the fused layer (pass "fwd"; backward arrives with its kernel), checked first
+//          on sampled tokens against the fp64 CPU reference
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -37,7 +38,7 @@ namespace {
 
 struct Options {
   std::vector<std::string> presets{"all"};
-  std::vector<std::string> impls{"cublas", "plan"};
+  std::vector<std::string> impls{"mok", "cublas", "plan"};
   std::vector<std::string> passes{"fwd", "fwd+bwd"};
   int warmup = 3, iters = 20;
   std::string out, commit = "unknown", date = "unknown";
@@ -200,6 +201,94 @@ __global__ void fill_random_kernel(std::uint16_t* p, std::size_t n, std::uint32_
   }
 }
 
+// The fp64 reference of a few tokens: their experts' weights are copied back and
+// renumbered into a small problem.
+double check_sampled_tokens(const mok::MoeShape& s, std::int64_t T, const std::uint16_t* d_x, const std::uint16_t* d_gate,
+                            const std::uint16_t* d_up, const std::uint16_t* d_down, const std::vector<std::int32_t>& ids,
+                            const std::vector<float>& weights, const std::uint16_t* d_y) {
+  const std::int64_t H = s.hidden, I = s.intermediate, k = s.top_k;
+  const std::vector<std::int64_t> tokens{0, T / 3, T / 2, T - 1};
+  mok::MoeShape small = s;
+  std::vector<std::int32_t> experts;
+  mok::reference::Routing r;
+  std::vector<double> x, y_gpu;
+  auto fetch = [](const std::uint16_t* src, std::int64_t offset, std::int64_t n) {
+    std::vector<mok::bf16> host(n);
+    CUDA_OK(cudaMemcpy(host.data(), src + offset, n * 2, cudaMemcpyDeviceToHost));
+    return mok::reference::to_double(host);
+  };
+  mok::reference::Weights w;
+  for (std::int64_t t : tokens) {
+    auto xr = fetch(d_x, t * H, H), yr = fetch(d_y, t * H, H);
+    x.insert(x.end(), xr.begin(), xr.end());
+    y_gpu.insert(y_gpu.end(), yr.begin(), yr.end());
+    for (std::int64_t j = 0; j < k; ++j) {
+      const std::int32_t e = ids[t * k + j];
+      auto at = std::find(experts.begin(), experts.end(), e);
+      if (e >= 0 && at == experts.end()) {
+        experts.push_back(e);
+        auto g = fetch(d_gate, e * I * H, I * H), u = fetch(d_up, e * I * H, I * H), d = fetch(d_down, e * H * I, H * I);
+        w.gate.insert(w.gate.end(), g.begin(), g.end());
+        w.up.insert(w.up.end(), u.begin(), u.end());
+        w.down.insert(w.down.end(), d.begin(), d.end());
+        at = experts.end() - 1;
+      }
+      r.ids.push_back(e < 0 ? -1 : static_cast<std::int32_t>(at - experts.begin()));
+      r.weights.push_back(weights[t * k + j]);
+    }
+  }
+  small.num_experts = small.num_local_experts = static_cast<std::int64_t>(experts.size());
+  small.top_k = std::min<std::int64_t>(k, small.num_experts);
+  if (small.top_k != k) small.num_experts = small.num_local_experts = k;  // keep top_k <= E valid
+  w.gate.resize(small.num_experts * I * H), w.up.resize(small.num_experts * I * H), w.down.resize(small.num_experts * H * I);
+  const auto ref = mok::reference::forward(small, static_cast<std::int64_t>(tokens.size()), x, r, w);
+  return mok::reference::relative_error(y_gpu, ref);
+}
+
+Record bench_mok(const Options& o, const mok::Preset& p, const std::string& pass, cudaStream_t stream) {
+  if (pass != "fwd") throw mok::Error("mok_bench: the fused backward is not built yet");
+  const mok::MoeShape& s = p.shape;
+  if (s.has_shared()) throw mok::Error("mok_bench: presets with a shared expert are not benchmarked");
+  const std::int64_t T = p.tokens, H = s.hidden, I = s.intermediate, E = s.num_experts, k = s.top_k;
+  Arena arena;
+  auto* x = arena.alloc<std::uint16_t>(T * H);
+  auto* gate = arena.alloc<std::uint16_t>(E * I * H);
+  auto* up = arena.alloc<std::uint16_t>(E * I * H);
+  auto* down = arena.alloc<std::uint16_t>(E * H * I);
+  auto* y = arena.alloc<std::uint16_t>(T * H);
+  auto* d_ids = arena.alloc<std::int32_t>(T * k);
+  auto* d_weights = arena.alloc<float>(T * k);
+  std::uint32_t seed = 11;
+  for (auto [ptr, n] : {std::pair{x, T * H}, {gate, E * I * H}, {up, E * I * H}, {down, E * H * I}})
+    fill_random_kernel<<<1024, 256, 0, stream>>>(ptr, n, seed++);
+  const auto ids = mok::make_routing(mok::RoutingKind::uniform, T, E, k, 7);
+  const auto weights = mok::make_routing_weights(ids, k, 7);
+  CUDA_OK(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream));
+  CUDA_OK(cudaMemcpyAsync(d_weights, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  mok::Workspace ws(s, T);
+  const mok::Device dev = mok::Device::cuda(0);
+  mok::ForwardArgs a;
+  a.x = mok::TensorView::contiguous(x, mok::DType::bf16, dev, {T, H});
+  a.topk_ids = mok::TensorView::contiguous(d_ids, mok::DType::i32, dev, {T, k});
+  a.topk_weights = mok::TensorView::contiguous(d_weights, mok::DType::f32, dev, {T, k});
+  a.w_gate = mok::TensorView::contiguous(gate, mok::DType::bf16, dev, {E, I, H});
+  a.w_up = mok::TensorView::contiguous(up, mok::DType::bf16, dev, {E, I, H});
+  a.w_down = mok::TensorView::contiguous(down, mok::DType::bf16, dev, {E, H, I});
+  a.y = mok::TensorView::contiguous(y, mok::DType::bf16, dev, {T, H});
+  CUDA_OK(cudaMemsetAsync(y, 0xff, T * H * 2, stream));
+  mok::forward(a, ws, stream);
+  ws.check(stream);
+  const double err = check_sampled_tokens(s, T, x, gate, up, down, ids, weights, y);
+  if (!(err <= 1e-2)) throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
+  const auto ms = time_iterations(o, stream, [&] { mok::forward(a, ws, stream); });
+  ws.check(stream);
+  const double med = ms[ms.size() / 2];
+  const double flops = mok::forward_flops(s, T * k, T);
+  return {p.name, "mok", pass, T, 1, H, I, E, k, med, ms[ms.size() / 10], ms[ms.size() * 9 / 10],
+          flops / (med * 1e-3) / 1e12, static_cast<std::size_t>(ws.bytes()), o.iters};
+}
+
 void write_json(const Options& o, const std::vector<Record>& records, const std::string& gpu) {
   std::ostringstream js;
   js << "[\n";
@@ -236,7 +325,7 @@ int main(int argc, char** argv) try {
     else if (a == "--commit") o.commit = next();
     else if (a == "--date") o.date = next();
     else {
-      std::printf("usage: mok_bench [--preset all|NAME,...] [--impl cublas,plan] [--pass fwd,fwd+bwd]\n"
+      std::printf("usage: mok_bench [--preset all|NAME,...] [--impl mok,cublas,plan] [--pass fwd,fwd+bwd]\n"
                   "                 [--iters N] [--warmup N] [--out FILE.json] [--commit C] [--date D]\n");
       return 2;
     }
@@ -259,8 +348,8 @@ int main(int argc, char** argv) try {
   for (const std::string& name : o.presets)
     if (name != "all") mok::find_preset(name);  // unknown names are an error
   for (const std::string& impl : o.impls)
-    if (impl != "cublas" && impl != "plan")
-      throw mok::Error("mok_bench: impl '" + impl + "' is not available (known: cublas, plan; the fused 'mok' layer is not built yet)");
+    if (impl != "mok" && impl != "cublas" && impl != "plan")
+      throw mok::Error("mok_bench: impl '" + impl + "' is not available (known: mok, cublas, plan)");
 
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -270,9 +359,12 @@ int main(int argc, char** argv) try {
   std::printf("%-16s %-6s %-8s %10s %9s\n", "preset", "impl", "pass", "ms", "TFLOP/s");
   for (const mok::Preset* p : chosen)
     for (const std::string& impl : o.impls) {
-      const std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
+      std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
+      if (impl == "mok") passes = {"fwd"};  // the fused backward is not built yet
       for (const std::string& pass : passes) {
-        records.push_back(impl == "cublas" ? bench_dense(o, *p, pass, stream, handle) : bench_plan(o, *p, stream));
+        if (impl == "mok") records.push_back(bench_mok(o, *p, pass, stream));
+        else if (impl == "cublas") records.push_back(bench_dense(o, *p, pass, stream, handle));
+        else records.push_back(bench_plan(o, *p, stream));
         const Record& r = records.back();
         std::printf("%-16s %-6s %-8s %10.4f %9.1f\n", r.preset.c_str(), r.impl.c_str(), r.pass.c_str(), r.ms, r.tflops);
         std::fflush(stdout);

@@ -13,3 +13,4 @@
 #include "mok/routing.hpp"
 #include "mok/problem.hpp"
 #include "mok/presets.hpp"
+#include "mok/forward.hpp"

@@ -1,0 +1,47 @@
+#include "tensor_map.hpp"
+
+#include <cuda_runtime_api.h>
+#include <cudaTypedefs.h>
+
+#include <vector>
+
+#include "mok/error.hpp"
+
+namespace mok::detail {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult result{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &result) !=
+            cudaSuccess ||
+        result != cudaDriverEntryPointSuccess || ptr == nullptr)
+      throw Error("mok: cuTensorMapEncodeTiled is not available from the CUDA driver");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+CUtensorMap make_bf16_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims_list,
+                                 std::initializer_list<std::uint32_t> box_list, const char* what) {
+  const std::vector<cuuint64_t> dims(dims_list.begin(), dims_list.end());
+  const std::vector<cuuint32_t> box(box_list.begin(), box_list.end());
+  std::vector<cuuint64_t> strides;  // bytes, for dims 1..rank-1
+  cuuint64_t stride = 2;
+  for (std::size_t i = 0; i + 1 < dims.size(); ++i) strides.push_back(stride *= dims[i]);
+  const std::vector<cuuint32_t> element_strides(dims.size(), 1);
+  CUtensorMap map{};
+  const CUresult r = encode_function()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(dims.size()),
+                                       const_cast<void*>(base), dims.data(), strides.data(), box.data(),
+                                       element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error(mok::detail::concat("mok: cuTensorMapEncodeTiled failed for ", what, " (CUresult ", static_cast<int>(r), ")"));
+  return map;
+}
+
+}  // namespace mok::detail

@@ -1,0 +1,387 @@
+// Fused MoE forward, one GPU: one persistent launch, 384 threads per CTA, 1 CTA per SM.
+//
+//   warpgroup 0 (producer, 40 regs)   fills a 4-stage ring of {A 128x64, B 256x64} tiles:
+//       GEMM1: each of its 128 threads TMA-loads one gathered x row (box 64 x 1, the
+//              128-byte swizzle follows the shared-memory address), thread 0 loads the
+//              gate and up tiles of the expert (B rows 0-127 gate, 128-255 up)
+//       GEMM2: thread 0 waits h_ready[m], then loads h rows and the down tile
+//   warpgroups 1, 2 (consumers, 232 regs)  64 rows each: wgmma m64n256k16 over K, then
+//       GEMM1 epilogue: h = swiglu(gate, up) -> bf16 -> swizzled staging -> TMA store,
+//                       then h_ready[m] += 1 (release)
+//       GEMM2 epilogue: fp32 rows into the slot buffer, then y_done += 1 (release)
+//       combine:        after y_done is complete, y[t] = shared[t] + sum_j w[t,j]*slot,
+//                       in ascending j, fp32 fma, rounded to bf16 once
+//
+// Tasks: [GEMM1 routed | GEMM1 shared | GEMM2 routed | GEMM2 shared | combine], CTA c
+// takes c, c + G, c + 2G, ... in increasing order. A task only waits on lower-numbered
+// tasks, and every CTA is resident, so the lowest unfinished task can always run: no
+// deadlock. Which CTA computes a tile never changes its bits: results do not depend on
+// the grid size. No floating-point atomics anywhere.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/forward.cuh"
+#include "kernels/pipeline.cuh"
+#include "kernels/swiglu.cuh"
+#include "mok/ptx/fence.cuh"
+#include "mok/ptx/ld_st.cuh"
+#include "mok/ptx/mbarrier.cuh"
+#include "mok/ptx/tma.cuh"
+#include "mok/ptx/wgmma.cuh"
+
+namespace mok::kernels {
+namespace {
+
+using namespace mok::ptx;
+
+constexpr int kProducerThreads = 128;
+constexpr int kConsumerWarpgroups = 2;
+constexpr int kThreads = kProducerThreads + 128 * kConsumerWarpgroups;
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;
+constexpr int kRowBytes = kBlockK * 2;
+constexpr int kConsumerBarrier = 3;  // named barrier of all consumer threads; 1, 2: one per warpgroup
+
+enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitHidden = 3, kWaitSlots = 4 };
+
+struct alignas(1024) SharedStorage {
+  struct alignas(1024) Stage {
+    std::uint16_t a[kBlockM * kBlockK];  // 16 KB
+    std::uint16_t b[kBlockN * kBlockK];  // 32 KB
+  } stages[kStages];
+  std::uint16_t h_staging[kConsumerWarpgroups][2][64 * 64];  // per warpgroup: two 64-column panels
+  std::uint64_t full[kStages];
+  std::uint64_t empty[kStages];
+};
+static_assert(sizeof(SharedStorage::Stage) % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
+static_assert(sizeof(SharedStorage) + 1024 <= 232448, "shared memory over the sm_90 opt-in limit");
+static_assert(kBlockK * 2 == 128, "one K step is one 128-byte swizzle atom");
+static_assert(kBlockN == 2 * kGemm1Columns && kBlockM == 64 * kConsumerWarpgroups);
+static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * 128 * kConsumerWarpgroups <= 65536);
+
+constexpr std::uint32_t kStageBytesB = kBlockN * kRowBytes;
+constexpr std::uint32_t kStageBytesA = kBlockM * kRowBytes;
+
+enum TaskKind : int { kGemm1, kGemm2, kCombine };
+
+struct Task {
+  TaskKind kind;
+  bool shared;  // the shared expert's tiles
+  int m, n;     // M-tile (per set), N-tile; combine: token block in m
+};
+
+// Task ranges of one launch; routed tile count comes from the device plan.
+struct Schedule {
+  int m_routed, m_shared, n1_routed, n1_shared, n2, combine_tasks;
+  int g1_routed_end, g1_shared_end, g2_routed_end, g2_shared_end, total;
+
+  __device__ explicit Schedule(const ForwardParams& p) {
+    m_routed = *p.num_tiles;
+    m_shared = p.shared_tiles;
+    n1_routed = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
+    n1_shared = (p.shared_inter + kGemm1Columns - 1) / kGemm1Columns;
+    n2 = (p.hidden + kBlockN - 1) / kBlockN;
+    combine_tasks = (p.tokens + kCombineTokens - 1) / kCombineTokens;
+    g1_routed_end = m_routed * n1_routed;
+    g1_shared_end = g1_routed_end + m_shared * n1_shared;
+    g2_routed_end = g1_shared_end + m_routed * n2;
+    g2_shared_end = g2_routed_end + m_shared * n2;
+    total = g2_shared_end + combine_tasks;
+  }
+
+  __device__ Task decode(int task) const {
+    if (task < g1_routed_end) return {kGemm1, false, task / n1_routed, task % n1_routed};
+    if (task < g1_shared_end) return {kGemm1, true, (task - g1_routed_end) / n1_shared, (task - g1_routed_end) % n1_shared};
+    if (task < g2_routed_end) return {kGemm2, false, (task - g1_shared_end) / n2, (task - g1_shared_end) % n2};
+    if (task < g2_shared_end) return {kGemm2, true, (task - g2_routed_end) / n2, (task - g2_routed_end) % n2};
+    return {kCombine, false, task - g2_shared_end, 0};
+  }
+  __device__ int n1(bool shared) const { return shared ? n1_shared : n1_routed; }
+  __device__ int slot_tiles_total() const { return kConsumerWarpgroups * (m_routed + m_shared) * n2; }
+};
+
+// Records the first failure in the host-mapped status and stops the kernel: a stalled
+// wait must never hang silently.
+__device__ __noinline__ void give_up(const ForwardParams& p, int task, int phase, long long observed, long long expected) {
+  if (atomicCAS(p.counters.abort, 0, 1) == 0) {
+    volatile KernelStatus* s = p.status;
+    s->block = blockIdx.x;
+    s->task = task;
+    s->phase = phase;
+    s->observed = observed;
+    s->expected = expected;
+    __threadfence_system();
+    s->code = KernelStatus::timeout;
+    __threadfence_system();
+  }
+  __trap();
+}
+
+__device__ __forceinline__ void wait_barrier(const ForwardParams& p, std::uint64_t* bar, std::uint32_t parity,
+                                             int task, int phase) {
+  if (mbarrier_try_wait_parity(bar, parity)) return;
+  const std::uint64_t start = globaltimer_ns();
+  for (std::uint32_t spin = 1;; ++spin) {
+    if (mbarrier_try_wait_parity(bar, parity)) return;
+    if ((spin & 1023) == 0 && globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns))
+      give_up(p, task, phase, parity ^ 1u, parity);
+  }
+}
+
+__device__ __forceinline__ void wait_counter(const ForwardParams& p, const int* counter, int expected, int task,
+                                             int phase) {
+  int seen = ld_acquire_gpu(counter);
+  if (seen >= expected) return;
+  const std::uint64_t start = globaltimer_ns();
+  while ((seen = ld_acquire_gpu(counter)) < expected) {
+    __nanosleep(128);
+    if (globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, task, phase, seen, expected);
+  }
+}
+
+// ---------------------------------------------------------------------------------- producer
+
+__device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Schedule& sched) {
+  const int tid = threadIdx.x;  // 0..127
+  PipelineState<kStages> pipe;
+  for (int task = blockIdx.x; task < sched.total; task += gridDim.x) {
+    const Task t = sched.decode(task);
+    if (t.kind == kCombine) break;  // combine tasks come last and load nothing
+    const int expert = t.shared ? 0 : p.tile_expert[t.m];
+    const int row0 = t.shared ? t.m * kBlockM : p.tile_row[t.m];
+    if (t.kind == kGemm1) {
+      int token, valid;
+      if (t.shared) {
+        token = row0 + tid < p.tokens ? row0 + tid : -1;
+        valid = min(kBlockM, p.tokens - row0);
+      } else {
+        const int pair = p.row_pair[row0 + tid];
+        token = pair >= 0 ? pair / p.top_k : -1;
+        valid = min(kBlockM, p.expert_rows[expert] - (row0 - p.expert_offset[expert]));
+      }
+      const CUtensorMap* gate = t.shared ? &p.maps.shared_gate : &p.maps.gate;
+      const CUtensorMap* up = t.shared ? &p.maps.shared_up : &p.maps.up;
+      const int n0 = t.n * kGemm1Columns;
+      for (int kb = 0; kb < p.hidden / kBlockK; ++kb) {
+        wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, kWaitEmpty);
+        SharedStorage::Stage& stage = s.stages[pipe.index];
+        std::uint64_t* full = &s.full[pipe.index];
+        if (tid == 0) {
+          mbarrier_arrive_expect_tx(full, valid * kRowBytes + kStageBytesB);
+          tma_load_3d(stage.b, gate, full, kb * kBlockK, n0, expert);
+          tma_load_3d(stage.b + kGemm1Columns * kBlockK, up, full, kb * kBlockK, n0, expert);
+        }
+        if (token >= 0) tma_load_2d(stage.a + tid * kBlockK, &p.maps.x, full, kb * kBlockK, token);
+        pipe.advance();
+      }
+    } else {
+      const int inter = t.shared ? p.shared_inter : p.inter;
+      const int ready_index = t.shared ? p.max_routed_tiles + t.m : t.m;
+      if (tid == 0) {
+        wait_counter(p, p.counters.h_ready + ready_index, kConsumerWarpgroups * sched.n1(t.shared), task, kWaitHidden);
+        fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
+      }
+      const CUtensorMap* h = t.shared ? &p.maps.shared_h_load : &p.maps.h_load;
+      const CUtensorMap* down = t.shared ? &p.maps.shared_down : &p.maps.down;
+      for (int kb = 0; kb < inter / kBlockK; ++kb) {
+        // Every producer thread waits on every stage, so none runs ahead of the ring's phase.
+        wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, kWaitEmpty);
+        if (tid == 0) {
+          SharedStorage::Stage& stage = s.stages[pipe.index];
+          std::uint64_t* full = &s.full[pipe.index];
+          mbarrier_arrive_expect_tx(full, kStageBytesA + kStageBytesB);
+          tma_load_2d(stage.a, h, full, kb * kBlockK, row0);
+          tma_load_3d(stage.b, down, full, kb * kBlockK, t.n * kBlockN, expert);
+        }
+        pipe.advance();
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------- consumers
+
+// Row/column of accumulator element i of this thread (wgmma m64nN f32 layout).
+__device__ __forceinline__ int acc_row(int warp, int lane, int i) { return warp * 16 + lane / 4 + 8 * ((i >> 1) & 1); }
+__device__ __forceinline__ int acc_col(int lane, int i) { return 8 * (i >> 2) + 2 * (lane & 3) + (i & 1); }
+
+__device__ __forceinline__ void mainloop(const ForwardParams& p, SharedStorage& s, PipelineState<kStages>& pipe,
+                                         float (&acc)[128], int k_steps, int wg, int task) {
+  int previous = -1;
+  for (int kb = 0; kb < k_steps; ++kb) {
+    wait_barrier(p, &s.full[pipe.index], pipe.phase, task, kWaitFull);
+    const SharedStorage::Stage& stage = s.stages[pipe.index];
+    const std::uint64_t desc_a = wgmma_descriptor_sw128(stage.a + wg * 64 * kBlockK);
+    const std::uint64_t desc_b = wgmma_descriptor_sw128(stage.b);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16_bf16(acc, desc_a + 2 * kk, desc_b + 2 * kk, (kb | kk) != 0);
+    wgmma_commit_group();
+    wgmma_wait_group<1>();  // the previous stage's MMAs are done: hand it back
+    if (previous >= 0 && threadIdx.x % 128 == 0) mbarrier_arrive(&s.empty[previous]);
+    previous = pipe.index;
+    pipe.advance();
+  }
+  wgmma_wait_group<0>();
+  if (previous >= 0 && threadIdx.x % 128 == 0) mbarrier_arrive(&s.empty[previous]);
+}
+
+__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+
+// h = swiglu(gate, up) of this warpgroup's 64 x 128 tile -> staging (swizzled) -> TMA store.
+__device__ void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
+                               int row0, int wg) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  named_barrier_sync(1 + wg, 128);  // the previous tile's store has read the staging
+  char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
+#pragma unroll
+  for (int i = 0; i < 64; i += 2) {  // gate column c is element i, up column c + 128 is element i + 64
+    const int row = acc_row(warp, lane, i), col = acc_col(lane, i);
+    const float h0 = swiglu(acc[i], acc[i + 64], p.swiglu_limit);
+    const float h1 = swiglu(acc[i + 1], acc[i + 65], p.swiglu_limit);
+    const int panel = col / 64, chunk = (col % 64) / 8;
+    const int offset = panel * 64 * kRowBytes + row * kRowBytes + ((chunk ^ (row % 8)) * 16) + (col % 8) * 2;
+    *reinterpret_cast<std::uint32_t*>(staging + offset) = pack_bf16x2(h0, h1);
+  }
+  fence_proxy_async_shared_cta();
+  named_barrier_sync(1 + wg, 128);
+  if (tid == 0) {
+    const int inter = t.shared ? p.shared_inter : p.inter;
+    const CUtensorMap* h = t.shared ? &p.maps.shared_h_store : &p.maps.h_store;
+    const int n0 = t.n * kGemm1Columns, r0 = row0 + wg * 64;
+    tma_store_2d(h, s.h_staging[wg][0], n0, r0);
+    if (n0 + 64 < inter) tma_store_2d(h, s.h_staging[wg][1], n0 + 64, r0);
+    tma_store_commit_group();
+    tma_store_wait_all();
+    fence_proxy_async_global();
+    red_release_gpu_add(p.counters.h_ready + (t.shared ? p.max_routed_tiles + t.m : t.m), 1);
+  }
+}
+
+// fp32 rows of this warpgroup's 64 x 256 tile into the slot buffer.
+__device__ void epilogue_gemm2(const ForwardParams& p, const float (&acc)[128], const Task& t, int row0, int wg) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  float* out = (t.shared ? p.shared_slots : p.slots) + static_cast<std::int64_t>(row0 + wg * 64) * p.hidden;
+  const int n0 = t.n * kBlockN;
+#pragma unroll
+  for (int i = 0; i < 128; i += 2) {
+    const int col = n0 + acc_col(lane, i);
+    if (col < p.hidden)
+      *reinterpret_cast<float2*>(out + static_cast<std::int64_t>(acc_row(warp, lane, i)) * p.hidden + col) =
+          make_float2(acc[i], acc[i + 1]);
+  }
+  named_barrier_sync(1 + wg, 128);
+  if (tid == 0) {
+    fence_acq_rel_gpu();
+    red_release_gpu_add(p.counters.y_done, 1);
+  }
+}
+
+// y[t] = shared[t] + sum_j w[t,j] * slot[pair_row[t,j]] for a block of tokens, 4 columns a thread.
+__device__ void combine(const ForwardParams& p, const Task& t) {
+  const int tid = threadIdx.x - kProducerThreads;  // 0..255
+  const int columns4 = p.hidden / 4;
+  const int t_end = min(p.tokens, (t.m + 1) * kCombineTokens);
+  for (int token = t.m * kCombineTokens; token < t_end; ++token) {
+    for (int c = tid; c < columns4; c += 128 * kConsumerWarpgroups) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (p.shared_slots) acc = *reinterpret_cast<const float4*>(p.shared_slots + static_cast<std::int64_t>(token) * p.hidden + 4 * c);
+      for (int j = 0; j < p.top_k; ++j) {
+        const int row = p.pair_row[token * p.top_k + j];
+        if (row < 0) continue;
+        const float w = p.topk_weights[token * p.top_k + j];
+        const float4 v = *reinterpret_cast<const float4*>(p.slots + static_cast<std::int64_t>(row) * p.hidden + 4 * c);
+        acc.x = __fmaf_rn(w, v.x, acc.x);
+        acc.y = __fmaf_rn(w, v.y, acc.y);
+        acc.z = __fmaf_rn(w, v.z, acc.z);
+        acc.w = __fmaf_rn(w, v.w, acc.w);
+      }
+      uint2 packed{pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w)};
+      *reinterpret_cast<uint2*>(p.y + static_cast<std::int64_t>(token) * p.hidden + 4 * c) = packed;
+    }
+  }
+}
+
+__device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int wg) {
+  PipelineState<kStages> pipe;
+  float acc[128];
+  bool slots_ready = false;
+  for (int task = blockIdx.x; task < sched.total; task += gridDim.x) {
+    const Task t = sched.decode(task);
+    if (t.kind == kCombine) {
+      if (!slots_ready) {
+        if (threadIdx.x == kProducerThreads) wait_counter(p, p.counters.y_done, sched.slot_tiles_total(), task, kWaitSlots);
+        named_barrier_sync(kConsumerBarrier, 128 * kConsumerWarpgroups);
+        slots_ready = true;
+      }
+      combine(p, t);
+      continue;
+    }
+    const int row0 = t.shared ? t.m * kBlockM : p.tile_row[t.m];
+    const int k_steps = (t.kind == kGemm1 ? p.hidden : (t.shared ? p.shared_inter : p.inter)) / kBlockK;
+    mainloop(p, s, pipe, acc, k_steps, wg, task);
+    if (t.kind == kGemm1) epilogue_gemm1(p, s, acc, t, row0, wg);
+    else epilogue_gemm2(p, acc, t, row0, wg);
+  }
+}
+
+// Bad routing (expert id out of range, capacity): no GEMM runs, y becomes NaN so the
+// failure cannot pass for a result, and the host reports it at the next check.
+__device__ void poison_output(const ForwardParams& p) {
+  const std::int64_t n = static_cast<std::int64_t>(p.tokens) * p.hidden;
+  for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    p.y[i] = 0x7fc0;  // bf16 quiet NaN
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    p.status->code = KernelStatus::bad_plan;
+    __threadfence_system();
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_constant__ ForwardParams p) {
+  if (p.plan_status->code != PlanStatus::ok) {
+    poison_output(p);
+    return;
+  }
+  extern __shared__ std::uint8_t smem_raw[];
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbarrier_init(&s.full[i], 1);
+      mbarrier_init(&s.empty[i], kConsumerWarpgroups);
+    }
+    fence_proxy_async_shared_cta();
+  }
+  if (threadIdx.x == 32) {
+    const ForwardMaps& m = p.maps;
+    for (const CUtensorMap* map : {&m.x, &m.gate, &m.up, &m.down, &m.h_load, &m.h_store}) tma_prefetch_descriptor(map);
+  }
+  __syncthreads();
+  const Schedule sched(p);
+  if (threadIdx.x < kProducerThreads) {
+    setmaxnreg_dec<kProducerRegisters>();
+    run_producer(p, s, sched);
+  } else {
+    setmaxnreg_inc<kConsumerRegisters>();
+    run_consumer(p, s, sched, (threadIdx.x - kProducerThreads) / 128);
+  }
+}
+
+}  // namespace
+
+std::size_t forward_shared_memory_bytes() { return sizeof(SharedStorage) + 1024; }
+
+void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream) {
+  static bool configured = false;  // attribute is per function, set once per process
+  if (!configured) {
+    cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         static_cast<int>(forward_shared_memory_bytes()));
+    configured = true;
+  }
+  forward_kernel<<<num_ctas, kThreads, forward_shared_memory_bytes(), stream>>>(params);
+}
+
+}  // namespace mok::kernels

@@ -1,0 +1,68 @@
+// Parameters and launcher of the fused forward kernel (src/kernels/forward.cu).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "mok/device_plan.hpp"
+#include "mok/forward.hpp"
+
+namespace mok::kernels {
+
+inline constexpr int kBlockM = 128;       // rows of an M-tile (= the plan's block_m)
+inline constexpr int kBlockN = 256;       // GEMM1: 128 gate + 128 up columns; GEMM2: 256 of H
+inline constexpr int kGemm1Columns = 128; // h columns one GEMM1 tile produces
+inline constexpr int kBlockK = 64;        // one 128-byte swizzle atom of bf16
+inline constexpr int kStages = 4;
+inline constexpr int kCombineTokens = 32; // tokens of one combine task
+
+// Counters the kernel uses, zeroed before each launch (stream-ordered, graph-safe).
+// h_ready[m]: GEMM1 warpgroup-tiles done for M-tile m (routed tiles, then shared tiles).
+struct ForwardCounters {
+  int* h_ready;
+  int* y_done;  // GEMM2 warpgroup-tiles done
+  int* abort;   // set by the first CTA that gives up; every wait checks it
+};
+
+struct ForwardMaps {
+  CUtensorMap x;                               // [T, H], box 64 x 1 (one gathered row)
+  CUtensorMap gate, up;                        // [E_l, I, H], box 64 x 128 x 1
+  CUtensorMap down;                            // [E_l, H, I], box 64 x 256 x 1
+  CUtensorMap h_store, h_load;                 // [capacity, I], boxes 64 x 64 / 64 x 128
+  CUtensorMap shared_gate, shared_up;          // [1, I_s, H]
+  CUtensorMap shared_down;                     // [1, H, I_s]
+  CUtensorMap shared_h_store, shared_h_load;   // [T_pad, I_s]
+};
+
+struct ForwardParams {
+  ForwardMaps maps;
+  // plan
+  const std::int32_t* row_pair;
+  const std::int32_t* tile_expert;
+  const std::int32_t* tile_row;
+  const std::int32_t* num_tiles;
+  const std::int32_t* expert_rows;
+  const std::int32_t* expert_offset;
+  const std::int32_t* pair_row;
+  const PlanStatus* plan_status;
+  // data
+  const float* topk_weights;     // [T, k]
+  float* slots;                  // [capacity, H]
+  float* shared_slots;           // [T_pad, H]
+  std::uint16_t* y;              // [T, H] bf16 bits
+  ForwardCounters counters;
+  KernelStatus* status;
+  // sizes
+  int tokens, hidden, inter, shared_inter, top_k;
+  int shared_tiles;              // ceil(T / 128) if a shared expert, else 0
+  int max_routed_tiles;          // h_ready offset of the shared tiles
+  float swiglu_limit;            // +inf: none
+  long long timeout_ns;
+};
+
+void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream);
+std::size_t forward_shared_memory_bytes();
+
+}  // namespace mok::kernels

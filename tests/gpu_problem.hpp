@@ -1,0 +1,64 @@
+// A HostProblem uploaded to GPU 0 as the ForwardArgs of one rank (EP = 1).
+#pragma once
+
+#include <cmath>
+
+#include "gpu_support.hpp"
+#include "mok/bf16.hpp"
+#include "mok/problem.hpp"
+#include "mok/validate.hpp"
+
+namespace mok::testing {
+
+struct GpuProblem {
+  const HostProblem& host;
+  DeviceBuffer<bf16> x, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y;
+  DeviceBuffer<std::int32_t> ids;
+  DeviceBuffer<float> weights;
+
+  explicit GpuProblem(const HostProblem& p)
+      : host(p), x(p.x), w_gate(p.w_gate), w_up(p.w_up), w_down(p.w_down), shared_gate(p.shared_gate),
+        shared_up(p.shared_up), shared_down(p.shared_down), y(p.x.size()), ids(p.topk_ids), weights(p.topk_weights) {}
+
+  ForwardArgs args() const {
+    const MoeShape& s = host.shape;
+    const Device d = Device::cuda(0);
+    const std::int64_t T = host.tokens, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k;
+    const std::int64_t Is = s.shared_intermediate;
+    ForwardArgs a;
+    a.x = TensorView::contiguous(x.get(), DType::bf16, d, {T, H});
+    a.topk_ids = TensorView::contiguous(ids.get(), DType::i32, d, {T, k});
+    a.topk_weights = TensorView::contiguous(weights.get(), DType::f32, d, {T, k});
+    a.w_gate = TensorView::contiguous(w_gate.get(), DType::bf16, d, {E, I, H});
+    a.w_up = TensorView::contiguous(w_up.get(), DType::bf16, d, {E, I, H});
+    a.w_down = TensorView::contiguous(w_down.get(), DType::bf16, d, {E, H, I});
+    if (s.has_shared()) {
+      a.shared_gate = TensorView::contiguous(shared_gate.get(), DType::bf16, d, {Is, H});
+      a.shared_up = TensorView::contiguous(shared_up.get(), DType::bf16, d, {Is, H});
+      a.shared_down = TensorView::contiguous(shared_down.get(), DType::bf16, d, {H, Is});
+    }
+    a.y = TensorView::contiguous(y.get(), DType::bf16, d, {T, H});
+    return a;
+  }
+
+  // Fills y with NaN so that a row the kernel never writes cannot pass.
+  void poison_output(cudaStream_t stream = nullptr) const {
+    cudaMemsetAsync(y.get(), 0xff, y.size() * sizeof(bf16), stream);
+    cudaStreamSynchronize(stream);
+  }
+
+  std::vector<double> output() const { return reference::to_double(y.download()); }
+};
+
+struct Comparison {
+  double rel_error;
+  std::int64_t non_finite;
+};
+
+inline Comparison compare(const std::vector<double>& got, const std::vector<double>& ref) {
+  std::int64_t bad = 0;
+  for (double v : got) bad += !std::isfinite(v);
+  return {reference::relative_error(got, ref), bad};
+}
+
+}  // namespace mok::testing

@@ -1,0 +1,173 @@
+// The fused forward against the fp64 CPU reference, on fresh random inputs with the
+// output poisoned first; then bitwise determinism, SM-count independence, bad input,
+// and CUDA-graph replay.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "gpu_problem.hpp"
+#include "mok/error.hpp"
+#include "mok/forward.hpp"
+
+namespace mok {
+namespace {
+
+using testing::GpuProblem;
+
+struct Case {
+  const char* name;
+  std::int64_t tokens, hidden, inter, experts, top_k, shared;
+  float limit;  // 0: none
+  RoutingKind routing;
+};
+
+MoeShape shape_of(const Case& c) {
+  MoeShape s;
+  s.hidden = c.hidden, s.intermediate = c.inter, s.num_experts = s.num_local_experts = c.experts, s.top_k = c.top_k;
+  s.shared_intermediate = c.shared;
+  if (c.limit > 0) s.swiglu_limit = c.limit;
+  return s;
+}
+
+class ForwardCases : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ForwardCases, MatchesReference) {
+  MOK_REQUIRE_HOPPER();
+  const Case c = GetParam();
+  const MoeShape s = shape_of(c);
+  for (std::uint64_t seed : {11u, 12u}) {  // fresh inputs each time
+    const HostProblem host = make_problem(s, c.tokens, c.routing, seed * 1000 + c.tokens);
+    GpuProblem gpu(host);
+    Workspace ws(s, c.tokens);
+    gpu.poison_output();
+    forward(gpu.args(), ws, nullptr);
+    ws.check(nullptr);
+    const auto ref = reference::forward(s, c.tokens, host.reference_x(), host.reference_routing(), host.reference_weights());
+    const auto cmp = testing::compare(gpu.output(), ref);
+    EXPECT_EQ(cmp.non_finite, 0) << "unwritten or non-finite outputs";
+    EXPECT_LE(cmp.rel_error, 1e-2) << c.name << " seed " << seed;
+    RecordProperty("rel_error", std::to_string(cmp.rel_error));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Forward, ForwardCases,
+    ::testing::Values(
+        Case{"uniform", 700, 512, 256, 8, 2, 0, 0, RoutingKind::uniform},
+        Case{"uniform_large", 2048, 1024, 512, 16, 4, 0, 0, RoutingKind::uniform},
+        Case{"skewed", 900, 256, 384, 8, 2, 0, 0, RoutingKind::skewed},
+        Case{"one_expert_k1", 500, 256, 256, 4, 1, 0, 0, RoutingKind::one_expert},
+        Case{"one_expert_k3", 300, 256, 128, 4, 3, 0, 0, RoutingKind::one_expert},
+        Case{"empty_experts", 400, 256, 256, 16, 2, 0, 0, RoutingKind::first_half},
+        Case{"padded", 333, 256, 256, 8, 4, 0, 0, RoutingKind::padded},
+        Case{"single_token", 1, 256, 256, 8, 2, 0, 0, RoutingKind::uniform},
+        Case{"ragged_k1", 129, 320, 192, 8, 1, 0, 0, RoutingKind::uniform},
+        Case{"single_expert", 257, 256, 256, 1, 1, 0, 0, RoutingKind::uniform},
+        Case{"partial_tiles", 250, 320, 192, 4, 2, 0, 0, RoutingKind::uniform},
+        Case{"shared", 300, 256, 256, 8, 2, 384, 0, RoutingKind::uniform},
+        Case{"shared_padded_clamp", 301, 256, 256, 8, 2, 192, 0.75f, RoutingKind::padded},
+        Case{"clamp", 400, 512, 256, 8, 2, 0, 0.5f, RoutingKind::uniform},
+        Case{"shared_single_token", 1, 256, 128, 4, 2, 256, 1.0f, RoutingKind::uniform}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+std::vector<bf16> run_once(const HostProblem& host, GpuProblem& gpu, int sms) {
+  Config config;
+  config.compute_sms = sms;
+  Workspace ws(host.shape, host.tokens, config);
+  gpu.poison_output();
+  forward(gpu.args(), ws, nullptr);
+  ws.check(nullptr);
+  return gpu.y.download();
+}
+
+bool bitwise_equal(const std::vector<bf16>& a, const std::vector<bf16>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0;
+}
+
+TEST(Forward, BitwiseEqualAcrossRunsAndSmCounts) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 1024, 512, 16, 4, 256, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 1500, RoutingKind::skewed, 99);
+  GpuProblem gpu(host);
+  const auto first = run_once(host, gpu, 0);
+  Workspace ws(s, host.tokens);
+  for (int run = 0; run < 20; ++run) {
+    gpu.poison_output();
+    forward(gpu.args(), ws, nullptr);
+    ws.check(nullptr);
+    ASSERT_TRUE(bitwise_equal(gpu.y.download(), first)) << "run " << run;
+  }
+  for (int sms : {1, 7, 37, 100}) EXPECT_TRUE(bitwise_equal(run_once(host, gpu, sms), first)) << sms << " SMs";
+}
+
+TEST(Forward, BadExpertIdPoisonsOutputAndIsReported) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 256, 128, 8, 2, 0, 0, RoutingKind::uniform});
+  HostProblem host = make_problem(s, 100, RoutingKind::uniform, 5);
+  host.topk_ids[2 * 42 + 1] = 8;
+  GpuProblem gpu(host);
+  Workspace ws(s, host.tokens);
+  forward(gpu.args(), ws, nullptr);
+  try {
+    ws.check(nullptr);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("got 8 at rank 0, token 42, slot 1"), std::string::npos) << e.what();
+  }
+  for (bf16 v : gpu.y.download()) ASSERT_TRUE(std::isnan(v.to_float()));
+  // The workspace is usable again with good input.
+  host.topk_ids[2 * 42 + 1] = 3;
+  GpuProblem good(host);
+  forward(good.args(), ws, nullptr);
+  EXPECT_NO_THROW(ws.check(nullptr));
+}
+
+TEST(Forward, WrongTokenCountIsAnError) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 256, 128, 8, 2, 0, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 100, RoutingKind::uniform, 5);
+  GpuProblem gpu(host);
+  Workspace ws(s, 99);
+  EXPECT_THROW(forward(gpu.args(), ws, nullptr), Error);
+}
+
+// Captured once; replayed with new routing and new activations written into the same buffers.
+TEST(Forward, GraphReplayWithNewRouting) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 512, 256, 8, 2, 128, 0, RoutingKind::uniform});
+  const std::int64_t T = 640;
+  const HostProblem first = make_problem(s, T, RoutingKind::uniform, 1);
+  GpuProblem gpu(first);
+  Workspace ws(s, T);
+  cudaStream_t stream;
+  MOK_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  forward(gpu.args(), ws, stream);  // warm-up outside capture (kernel attributes)
+  ws.check(stream);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOK_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  forward(gpu.args(), ws, stream);
+  MOK_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  MOK_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (RoutingKind kind : {RoutingKind::skewed, RoutingKind::padded, RoutingKind::first_half}) {
+    HostProblem next = make_problem(s, T, kind, 7 + static_cast<int>(kind));
+    next.w_gate = first.w_gate, next.w_up = first.w_up, next.w_down = first.w_down;  // same weights
+    next.shared_gate = first.shared_gate, next.shared_up = first.shared_up, next.shared_down = first.shared_down;
+    gpu.x.upload(next.x, stream);
+    gpu.ids.upload(next.topk_ids, stream);
+    gpu.weights.upload(next.topk_weights, stream);
+    gpu.poison_output(stream);
+    MOK_CUDA_OK(cudaGraphLaunch(exec, stream));
+    ws.check(stream);
+    const auto ref = reference::forward(s, T, next.reference_x(), next.reference_routing(), next.reference_weights());
+    const auto cmp = testing::compare(gpu.output(), ref);
+    EXPECT_EQ(cmp.non_finite, 0);
+    EXPECT_LE(cmp.rel_error, 1e-2) << routing_kind_name(kind);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace mok
