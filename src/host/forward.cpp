@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 
 #include "kernels/forward.cuh"
@@ -158,6 +159,7 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
   p.max_routed_tiles = static_cast<int>(plan.max_tiles());
   p.swiglu_limit = s.swiglu_limit ? *s.swiglu_limit : std::numeric_limits<float>::infinity();
   p.timeout_ns = static_cast<long long>(ws.config().timeout_seconds * 1e9);
+  if (const char* flags = std::getenv("MOK_DEBUG_FLAGS")) p.debug_flags = std::atoi(flags);  // TEMPORARY
   int sms = 0;
   cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
   const int ctas = ws.config().compute_sms > 0 ? std::min(ws.config().compute_sms, sms) : sms;

@@ -168,11 +168,15 @@ __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Sch
         SharedStorage::Stage& stage = s.stages[pipe.index];
         std::uint64_t* full = &s.full[pipe.index];
         if (tid == 0) {
-          mbarrier_arrive_expect_tx(full, valid * kRowBytes + kStageBytesB);
+          mbarrier_arrive_expect_tx(full, ((p.debug_flags & 1) ? kBlockM : valid) * kRowBytes + kStageBytesB);
           tma_load_3d(stage.b, gate, full, kb * kBlockK, n0, expert);
           tma_load_3d(stage.b + kGemm1Columns * kBlockK, up, full, kb * kBlockK, n0, expert);
         }
-        if (token >= 0) tma_load_2d(stage.a + tid * kBlockK, &p.maps.x, full, kb * kBlockK, token);
+        if (p.debug_flags & 1) {
+          if (tid == 0) tma_load_2d(stage.a, &p.maps.h_load, full, kb * kBlockK % p.inter, 0);
+        } else if (token >= 0) {
+          tma_load_2d(stage.a + tid * kBlockK, &p.maps.x, full, kb * kBlockK, token);
+        }
         pipe.advance();
       }
     } else {
@@ -270,7 +274,7 @@ __device__ void epilogue_gemm2(const ForwardParams& p, const float (&acc)[128], 
 #pragma unroll
   for (int i = 0; i < 128; i += 2) {
     const int col = n0 + acc_col(lane, i);
-    if (col < p.hidden)
+    if (col < p.hidden && !(p.debug_flags & 4))
       *reinterpret_cast<float2*>(out + static_cast<std::int64_t>(acc_row(warp, lane, i)) * p.hidden + col) =
           make_float2(acc[i], acc[i + 1]);
   }
@@ -312,6 +316,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
   bool slots_ready = false;
   for (int task = blockIdx.x; task < sched.total; task += gridDim.x) {
     const Task t = sched.decode(task);
+    if (t.kind == kCombine && (p.debug_flags & 2)) break;
     if (t.kind == kCombine) {
       if (!slots_ready) {
         if (threadIdx.x == kProducerThreads) wait_counter(p, p.counters.y_done, sched.slot_tiles_total(), task, kWaitSlots);

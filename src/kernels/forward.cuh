@@ -60,6 +60,7 @@ struct ForwardParams {
   int max_routed_tiles;          // h_ready offset of the shared tiles
   float swiglu_limit;            // +inf: none
   long long timeout_ns;
+  int debug_flags;  // TEMPORARY timing experiments: 1 no gather, 2 no combine, 4 no GEMM2 stores
 };
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream);
