@@ -3,7 +3,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 
 #include "kernels/forward.cuh"
@@ -121,7 +120,6 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
   using detail::make_bf16_tensor_map;
   kernels::ForwardParams p{};
   auto* hidden = static_cast<std::uint16_t*>(ws.hidden());
-  p.maps.x = make_bf16_tensor_map(a.x.data, {std::uint64_t(H), std::uint64_t(T)}, {64, 1}, "x");
   p.maps.gate = make_bf16_tensor_map(a.w_gate.data, {std::uint64_t(H), std::uint64_t(I), std::uint64_t(El)}, {64, 128, 1}, "w_gate");
   p.maps.up = make_bf16_tensor_map(a.w_up.data, {std::uint64_t(H), std::uint64_t(I), std::uint64_t(El)}, {64, 128, 1}, "w_up");
   p.maps.down = make_bf16_tensor_map(a.w_down.data, {std::uint64_t(I), std::uint64_t(H), std::uint64_t(El)}, {64, 256, 1}, "w_down");
@@ -145,6 +143,7 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
   p.expert_offset = v.expert_offset;
   p.pair_row = v.pair_row;
   p.plan_status = v.status;
+  p.x = static_cast<const std::uint16_t*>(a.x.data);
   p.topk_weights = static_cast<const float*>(a.topk_weights.data);
   p.slots = ws.slots();
   p.y = static_cast<std::uint16_t*>(a.y.data);
@@ -155,11 +154,11 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
   p.inter = static_cast<int>(I);
   p.shared_inter = static_cast<int>(Is);
   p.top_k = static_cast<int>(s.top_k);
+  p.num_local_experts = static_cast<int>(El);
   p.shared_tiles = static_cast<int>(n_shared_tiles);
   p.max_routed_tiles = static_cast<int>(plan.max_tiles());
   p.swiglu_limit = s.swiglu_limit ? *s.swiglu_limit : std::numeric_limits<float>::infinity();
   p.timeout_ns = static_cast<long long>(ws.config().timeout_seconds * 1e9);
-  if (const char* flags = std::getenv("MOK_DEBUG_FLAGS")) p.debug_flags = std::atoi(flags);  // TEMPORARY
   int sms = 0;
   cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
   const int ctas = ws.config().compute_sms > 0 ? std::min(ws.config().compute_sms, sms) : sms;

@@ -27,7 +27,6 @@ struct ForwardCounters {
 };
 
 struct ForwardMaps {
-  CUtensorMap x;                               // [T, H], box 64 x 1 (one gathered row)
   CUtensorMap gate, up;                        // [E_l, I, H], box 64 x 128 x 1
   CUtensorMap down;                            // [E_l, H, I], box 64 x 256 x 1
   CUtensorMap h_store, h_load;                 // [capacity, I], boxes 64 x 64 / 64 x 128
@@ -48,6 +47,7 @@ struct ForwardParams {
   const std::int32_t* pair_row;
   const PlanStatus* plan_status;
   // data
+  const std::uint16_t* x;        // [T, H] bf16 bits, gathered with cp.async
   const float* topk_weights;     // [T, k]
   float* slots;                  // [capacity, H]
   float* shared_slots;           // [T_pad, H]
@@ -55,12 +55,11 @@ struct ForwardParams {
   ForwardCounters counters;
   KernelStatus* status;
   // sizes
-  int tokens, hidden, inter, shared_inter, top_k;
+  int tokens, hidden, inter, shared_inter, top_k, num_local_experts;
   int shared_tiles;              // ceil(T / 128) if a shared expert, else 0
   int max_routed_tiles;          // h_ready offset of the shared tiles
   float swiglu_limit;            // +inf: none
   long long timeout_ns;
-  int debug_flags;  // TEMPORARY timing experiments: 1 no gather, 2 no combine, 4 no GEMM2 stores
 };
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream);
