@@ -26,7 +26,8 @@ struct KernelStatus {
 
 const char* kernel_phase_name(std::int32_t phase);
 
-// Buffers of one layer's forward for a fixed number of tokens T: the plan, the SwiGLU
+// Buffers of one layer's forward for a fixed number of tokens T: the plan, the routed
+// rows of x in plan order, the SwiGLU
 // output h (the context backward reads), fp32 per-slot outputs, dependency counters,
 // and the status record. Reusable across calls and layers of the same shape.
 class Workspace {
@@ -48,6 +49,7 @@ class Workspace {
   void throw_if_failed() const;
 
   // Device buffers (kernels' view).
+  void* x_routed() const { return x_routed_; }  // [capacity, H] bf16: routed rows in plan order
   void* hidden() const { return hidden_; }  // [capacity, I] bf16
   float* slots() const { return slots_; }    // [capacity, H] fp32
   int* counters() const { return counters_; }
@@ -60,6 +62,7 @@ class Workspace {
   Config config_;
   std::int64_t tokens_;
   std::unique_ptr<DevicePlan> plan_;
+  void* x_routed_ = nullptr;
   void* hidden_ = nullptr;
   float* slots_ = nullptr;
   int* counters_ = nullptr;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/dispatch.cuh"
 #include "kernels/forward.cuh"
 #include "mok/error.hpp"
 #include "tensor_map.hpp"
@@ -52,8 +53,10 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
 
   const std::int64_t capacity = plan_->capacity_rows(), padded_tokens = shared_tiles(shape, tokens) * kernels::kBlockM;
   const std::int64_t H = shape.hidden, I = shape.intermediate, Is = shape.shared_intermediate;
+  const std::int64_t routed_x_bytes = 2 * capacity * H;
   const std::int64_t hidden_bytes = 2 * (capacity * I + padded_tokens * Is);
   const std::int64_t slot_bytes = 4 * (capacity * H + padded_tokens * H);
+  cuda_check(cudaMalloc(&x_routed_, std::max<std::int64_t>(routed_x_bytes, 16)), "cudaMalloc(x_routed)");
   cuda_check(cudaMalloc(&hidden_, std::max<std::int64_t>(hidden_bytes, 16)), "cudaMalloc(hidden)");
   cuda_check(cudaMalloc(reinterpret_cast<void**>(&slots_), std::max<std::int64_t>(slot_bytes, 16)), "cudaMalloc(slots)");
   cuda_check(cudaMalloc(reinterpret_cast<void**>(&counters_), 4 * counter_count()), "cudaMalloc(counters)");
@@ -62,10 +65,11 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
   *status_host_ = KernelStatus{};
   cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_host_, 0),
              "cudaHostGetDevicePointer(status)");
-  bytes_ = hidden_bytes + slot_bytes + 4 * counter_count();
+  bytes_ = routed_x_bytes + hidden_bytes + slot_bytes + 4 * counter_count();
 }
 
 Workspace::~Workspace() {
+  cudaFree(x_routed_);
   cudaFree(hidden_);
   cudaFree(slots_);
   cudaFree(counters_);
@@ -113,12 +117,24 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
   DevicePlan& plan = ws.plan();
   plan_device(a.topk_ids, 0, plan, stream);
   cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), "cudaMemsetAsync(counters)");
+  int sms = 0;
+  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  const int ctas = ws.config().compute_sms > 0 ? std::min(ws.config().compute_sms, sms) : sms;
 
   const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts, Is = s.shared_intermediate;
   const std::int64_t capacity = plan.capacity_rows(), n_shared_tiles = shared_tiles(s, T);
   const std::int64_t padded_tokens = n_shared_tiles * kernels::kBlockM;
+  const DevicePlanView& v = plan.view();
+  auto* x_routed = static_cast<std::uint16_t*>(ws.x_routed());
+  kernels::DispatchParams dispatch{static_cast<const std::uint16_t*>(a.x.data), x_routed, v.row_pair, v.expert_offset,
+                                   v.status, capacity, static_cast<int>(H), static_cast<int>(s.top_k),
+                                   static_cast<int>(El)};
+  kernels::launch_dispatch(dispatch, 4 * ctas, stream);
+
   using detail::make_bf16_tensor_map;
   kernels::ForwardParams p{};
+  p.maps.x = make_bf16_tensor_map(a.x.data, {std::uint64_t(H), std::uint64_t(T)}, {64, 128}, "x");
+  p.maps.x_routed = make_bf16_tensor_map(x_routed, {std::uint64_t(H), std::uint64_t(capacity)}, {64, 128}, "x_routed");
   auto* hidden = static_cast<std::uint16_t*>(ws.hidden());
   p.maps.gate = make_bf16_tensor_map(a.w_gate.data, {std::uint64_t(H), std::uint64_t(I), std::uint64_t(El)}, {64, 128, 1}, "w_gate");
   p.maps.up = make_bf16_tensor_map(a.w_up.data, {std::uint64_t(H), std::uint64_t(I), std::uint64_t(El)}, {64, 128, 1}, "w_up");
@@ -134,7 +150,6 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
     p.maps.shared_h_load = make_bf16_tensor_map(shared_hidden, {std::uint64_t(Is), std::uint64_t(padded_tokens)}, {64, 128}, "shared h");
     p.shared_slots = ws.slots() + capacity * H;
   }
-  const DevicePlanView& v = plan.view();
   p.row_pair = v.row_pair;
   p.tile_expert = v.tile_expert;
   p.tile_row = v.tile_row;
@@ -143,7 +158,6 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
   p.expert_offset = v.expert_offset;
   p.pair_row = v.pair_row;
   p.plan_status = v.status;
-  p.x = static_cast<const std::uint16_t*>(a.x.data);
   p.topk_weights = static_cast<const float*>(a.topk_weights.data);
   p.slots = ws.slots();
   p.y = static_cast<std::uint16_t*>(a.y.data);
@@ -159,9 +173,6 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
   p.max_routed_tiles = static_cast<int>(plan.max_tiles());
   p.swiglu_limit = s.swiglu_limit ? *s.swiglu_limit : std::numeric_limits<float>::infinity();
   p.timeout_ns = static_cast<long long>(ws.config().timeout_seconds * 1e9);
-  int sms = 0;
-  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  const int ctas = ws.config().compute_sms > 0 ? std::min(ws.config().compute_sms, sms) : sms;
   kernels::launch_forward(p, ctas, stream);
   cuda_check(cudaGetLastError(), "launching the forward kernel");
 }

@@ -1,10 +1,11 @@
 // Fused MoE forward, one GPU: one persistent launch, 384 threads per CTA, 1 CTA per SM.
 //
 //   warpgroup 0 (producer, 40 regs)   fills a 4-stage ring of {A 128x64, B 256x64} tiles:
-//       GEMM1: each of its 128 threads gathers one x row with eight 16-byte cp.async
-//              into the 128-byte-swizzled A tile (padding rows zero-filled); thread 0
-//              TMA-loads the gate and up tiles (B rows 0-127 gate, 128-255 up).
-//              (One TMA per gathered row measured ~2x slower end to end on deepseek-v3.)
+//   (one thread of it issues every TMA load)
+//       GEMM1: A = 128 rows of x_routed (the dispatch kernel's copy of the routed rows,
+//              in plan order) or of x (shared expert); B = gate tile (rows 0-127) and
+//              up tile (rows 128-255) of the expert. Gathering rows inside the A load
+//              (TMA per row or cp.async) measured ~2x slower end to end on deepseek-v3.
 //       GEMM2: thread 0 waits h_ready[m], then loads h rows and the down tile
 //   warpgroups 1, 2 (consumers, 232 regs)  64 rows each: wgmma m64n256k16 over K, then
 //       GEMM1 epilogue: h = swiglu(gate, up) -> bf16 -> swizzled staging -> TMA store,
@@ -27,7 +28,6 @@
 #include "kernels/forward.cuh"
 #include "kernels/pipeline.cuh"
 #include "kernels/swiglu.cuh"
-#include "mok/ptx/cp_async.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/mbarrier.cuh"
@@ -176,66 +176,44 @@ __device__ __forceinline__ void wait_counter(const ForwardParams& p, const int* 
 
 // ---------------------------------------------------------------------------------- producer
 
+// One thread issues every load; the rest of the warpgroup has nothing to do.
 __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Schedule& sched) {
-  const int tid = threadIdx.x;  // 0..127
   PipelineState<kStages> pipe;
   for (int task = blockIdx.x; task < sched.total; task += gridDim.x) {
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) break;  // combine tasks come last and load nothing
     const int expert = t.shared ? 0 : p.tile_expert[t.m];
     const int row0 = t.shared ? t.m * kBlockM : p.tile_row[t.m];
+    const CUtensorMap *a, *b0, *b1 = nullptr;
+    int k_steps, b_row;
     if (t.kind == kGemm1) {
-      int token;
-      if (t.shared) {
-        token = row0 + tid < p.tokens ? row0 + tid : -1;
-      } else {
-        const int pair = p.row_pair[row0 + tid];
-        token = pair >= 0 ? pair / p.top_k : -1;
-      }
-      // This thread's row: source (token 0 with zero bytes for padding) and swizzled chunks.
-      const std::uint16_t* src = p.x + static_cast<std::int64_t>(max(token, 0)) * p.hidden;
-      const std::uint32_t src_bytes = token >= 0 ? 16 : 0;
-      const CUtensorMap* gate = t.shared ? &p.maps.shared_gate : &p.maps.gate;
-      const CUtensorMap* up = t.shared ? &p.maps.shared_up : &p.maps.up;
-      const int n0 = t.n * kGemm1Columns;
-      for (int kb = 0; kb < p.hidden / kBlockK; ++kb) {
-        wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, kWaitEmpty);
-        SharedStorage::Stage& stage = s.stages[pipe.index];
-        std::uint64_t* full = &s.full[pipe.index];
-        if (tid == 0) {
-          mbarrier_arrive_expect_tx(full, kStageBytesB);
-          tma_load_3d(stage.b, gate, full, kb * kBlockK, n0, expert);
-          tma_load_3d(stage.b + kGemm1Columns * kBlockK, up, full, kb * kBlockK, n0, expert);
-        }
-        char* row = reinterpret_cast<char*>(stage.a) + tid * kRowBytes;
-#pragma unroll
-        for (int c = 0; c < kRowBytes / 16; ++c)
-          cp_async_16_zfill(row + ((c ^ (tid % 8)) * 16), src + kb * kBlockK + c * 8, src_bytes);
-        cp_async_mbarrier_arrive_noinc(full);
-        pipe.advance();
-      }
+      a = t.shared ? &p.maps.x : &p.maps.x_routed;
+      b0 = t.shared ? &p.maps.shared_gate : &p.maps.gate;
+      b1 = t.shared ? &p.maps.shared_up : &p.maps.up;
+      k_steps = p.hidden / kBlockK;
+      b_row = t.n * kGemm1Columns;
     } else {
-      const int inter = t.shared ? p.shared_inter : p.inter;
-      const int ready_index = t.shared ? p.max_routed_tiles + t.m : t.m;
-      if (tid == 0) {
-        wait_counter(p, p.counters.h_ready + ready_index, kConsumerWarpgroups * sched.n1(t.shared), task, kWaitHidden);
-        fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
+      wait_counter(p, p.counters.h_ready + (t.shared ? p.max_routed_tiles + t.m : t.m),
+                   kConsumerWarpgroups * sched.n1(t.shared), task, kWaitHidden);
+      fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
+      a = t.shared ? &p.maps.shared_h_load : &p.maps.h_load;
+      b0 = t.shared ? &p.maps.shared_down : &p.maps.down;
+      k_steps = (t.shared ? p.shared_inter : p.inter) / kBlockK;
+      b_row = t.n * kBlockN;
+    }
+    for (int kb = 0; kb < k_steps; ++kb) {
+      wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, kWaitEmpty);
+      SharedStorage::Stage& stage = s.stages[pipe.index];
+      std::uint64_t* full = &s.full[pipe.index];
+      mbarrier_arrive_expect_tx(full, kStageBytesA + kStageBytesB);
+      tma_load_2d(stage.a, a, full, kb * kBlockK, row0);
+      if (b1) {
+        tma_load_3d(stage.b, b0, full, kb * kBlockK, b_row, expert);
+        tma_load_3d(stage.b + kGemm1Columns * kBlockK, b1, full, kb * kBlockK, b_row, expert);
+      } else {
+        tma_load_3d(stage.b, b0, full, kb * kBlockK, b_row, expert);
       }
-      const CUtensorMap* h = t.shared ? &p.maps.shared_h_load : &p.maps.h_load;
-      const CUtensorMap* down = t.shared ? &p.maps.shared_down : &p.maps.down;
-      for (int kb = 0; kb < inter / kBlockK; ++kb) {
-        // Every producer thread waits on every stage, so none runs ahead of the ring's phase.
-        wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, kWaitEmpty);
-        std::uint64_t* full = &s.full[pipe.index];
-        if (tid == 0) {
-          SharedStorage::Stage& stage = s.stages[pipe.index];
-          mbarrier_arrive_expect_tx(full, kStageBytesA + kStageBytesB);
-          tma_load_2d(stage.a, h, full, kb * kBlockK, row0);
-          tma_load_3d(stage.b, down, full, kb * kBlockK, t.n * kBlockN, expert);
-        }
-        mbarrier_arrive(full);
-        pipe.advance();
-      }
+      pipe.advance();
     }
   }
 }
@@ -251,7 +229,6 @@ __device__ __forceinline__ void mainloop(const ForwardParams& p, SharedStorage& 
   int previous = -1;
   for (int kb = 0; kb < k_steps; ++kb) {
     wait_barrier(p, &s.full[pipe.index], pipe.phase, task, kWaitFull);
-    fence_proxy_async_shared_cta();  // the gathered A rows were written by cp.async (generic proxy)
     const SharedStorage::Stage& stage = s.stages[pipe.index];
     const std::uint64_t desc_a = wgmma_descriptor_sw128(stage.a + wg * 64 * kBlockK);
     const std::uint64_t desc_b = wgmma_descriptor_sw128(stage.b);
@@ -391,20 +368,20 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_const
   SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
-      mbarrier_init(&s.full[i], 1 + kProducerThreads);  // expect_tx arrival + one per producer thread
+      mbarrier_init(&s.full[i], 1);
       mbarrier_init(&s.empty[i], kConsumerWarpgroups);
     }
     fence_proxy_async_shared_cta();
   }
   if (threadIdx.x == 32) {
     const ForwardMaps& m = p.maps;
-    for (const CUtensorMap* map : {&m.gate, &m.up, &m.down, &m.h_load, &m.h_store}) tma_prefetch_descriptor(map);
+    for (const CUtensorMap* map : {&m.x_routed, &m.gate, &m.up, &m.down, &m.h_load, &m.h_store}) tma_prefetch_descriptor(map);
   }
   __syncthreads();
   const Schedule sched(p);
   if (threadIdx.x < kProducerThreads) {
     setmaxnreg_dec<kProducerRegisters>();
-    run_producer(p, s, sched);
+    if (threadIdx.x == 0) run_producer(p, s, sched);
   } else {
     setmaxnreg_inc<kConsumerRegisters>();
     run_consumer(p, s, sched, (threadIdx.x - kProducerThreads) / 128);

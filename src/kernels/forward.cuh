@@ -27,6 +27,8 @@ struct ForwardCounters {
 };
 
 struct ForwardMaps {
+  CUtensorMap x;                               // [T, H], box 64 x 128 (shared expert's A)
+  CUtensorMap x_routed;                        // [capacity, H], box 64 x 128
   CUtensorMap gate, up;                        // [E_l, I, H], box 64 x 128 x 1
   CUtensorMap down;                            // [E_l, H, I], box 64 x 256 x 1
   CUtensorMap h_store, h_load;                 // [capacity, I], boxes 64 x 64 / 64 x 128
@@ -47,7 +49,6 @@ struct ForwardParams {
   const std::int32_t* pair_row;
   const PlanStatus* plan_status;
   // data
-  const std::uint16_t* x;        // [T, H] bf16 bits, gathered with cp.async
   const float* topk_weights;     // [T, k]
   float* slots;                  // [capacity, H]
   float* shared_slots;           // [T_pad, H]

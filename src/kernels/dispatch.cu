@@ -1,0 +1,34 @@
+// One warp per row, 16-byte vectors; rows in plan order, so writes are contiguous.
+#include <cstdint>
+
+#include "kernels/dispatch.cuh"
+#include "mok/device_plan.hpp"
+
+namespace mok::kernels {
+namespace {
+
+__global__ void __launch_bounds__(256) dispatch_kernel(const DispatchParams p) {
+  if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
+  const std::int64_t rows = p.expert_offset[p.num_local_experts];
+  const int vectors = p.hidden / 8;  // uint4 of bf16 per row
+  const int lane = threadIdx.x % 32;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (std::int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
+    const std::int32_t pair = p.row_pair[row];
+    uint4* dst = reinterpret_cast<uint4*>(p.x_routed + row * p.hidden);
+    if (pair < 0) {
+      for (int v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+    } else {
+      const uint4* src = reinterpret_cast<const uint4*>(p.x + static_cast<std::int64_t>(pair / p.top_k) * p.hidden);
+      for (int v = lane; v < vectors; v += 32) dst[v] = __ldg(src + v);
+    }
+  }
+}
+
+}  // namespace
+
+void launch_dispatch(const DispatchParams& params, int num_ctas, cudaStream_t stream) {
+  dispatch_kernel<<<num_ctas, 256, 0, stream>>>(params);
+}
+
+}  // namespace mok::kernels

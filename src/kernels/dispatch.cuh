@@ -1,0 +1,23 @@
+// Dispatch (EP = 1): copies the routed rows of x into the plan's row order, so that the
+// GEMMs read contiguous 128-row tiles through TMA. Padding rows become zeros.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace mok::kernels {
+
+struct DispatchParams {
+  const std::uint16_t* x;        // [T, H] bf16 bits
+  std::uint16_t* x_routed;       // [capacity, H]
+  const std::int32_t* row_pair;  // [capacity]
+  const std::int32_t* expert_offset;  // [E_l + 1]: rows beyond expert_offset[E_l] are not copied
+  const void* plan_status;       // PlanStatus*: nothing is copied from a bad plan
+  std::int64_t capacity;
+  int hidden, top_k, num_local_experts;
+};
+
+void launch_dispatch(const DispatchParams& params, int num_ctas, cudaStream_t stream);
+
+}  // namespace mok::kernels
