@@ -71,6 +71,9 @@ def cmd_gpucheck(a):
         else:
             print(f"report: missing {path}", file=sys.stderr)
     tests = test_outcomes(a.junit) if os.path.exists(a.junit) else []
+    for item in a.extra:  # "name=outcome" from checks outside ctest (compute-sanitizer)
+        name, _, outcome = item.rpartition("=")
+        tests.append({"name": name, "outcome": outcome})
     stem = f"{a.date[:10]}-{a.commit}"
     os.makedirs(a.out_dir, exist_ok=True)
     with open(os.path.join(a.out_dir, f"{stem}-bench.json"), "w") as f:
@@ -115,6 +118,7 @@ def main():
     g.add_argument("--commit", required=True)
     g.add_argument("--date", required=True)
     g.add_argument("--out-dir", required=True)
+    g.add_argument("--extra", nargs="*", default=[])
     t = sub.add_parser("table")
     t.add_argument("--results-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()

@@ -32,12 +32,22 @@ ctest --test-dir $build --output-on-failure -j4 --output-junit "$LOG/ctest.xml" 
 test_rc=$?
 tail -5 "$LOG/ctest.log"
 
+# compute-sanitizer on a small case: shared expert, clamp, padding, ragged T.
+extra=()
+small_case='Forward/ForwardCases.MatchesReference/shared_padded_clamp'
+for tool in memcheck racecheck; do
+  if timeout 600 compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/test_gpu_forward \
+       --gtest_filter="$small_case" > "$LOG/sanitizer_$tool.log" 2>&1; then outcome=passed; else outcome=failed; test_rc=1; fi
+  echo "compute-sanitizer $tool: $outcome ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_$tool.log" | tail -1))"
+  extra+=("compute-sanitizer $tool: $small_case=$outcome")
+done
+
 $build/bench/mok_bench --preset all --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" --date "$date" \
   2>&1 | tee "$LOG/bench_mok.log"
 python3 bench/torch_baseline.py --preset all --iters $iters --out "$LOG/bench_torch.json" --commit "$commit" --date "$date" \
   2>&1 | tee "$LOG/bench_torch.log"
 
 python3 bench/report.py gpucheck --junit "$LOG/ctest.xml" --bench "$LOG/bench_mok.json" "$LOG/bench_torch.json" \
-  --gpu "$gpu" --commit "$commit" --date "$date" --out-dir "$OUT"
+  --gpu "$gpu" --commit "$commit" --date "$date" --out-dir "$OUT" --extra "${extra[@]}"
 tar czf "$OUT/logs.tgz" -C "$LOG" .
 exit $test_rc

@@ -289,8 +289,8 @@ __device__ void epilogue_gemm2(const ForwardParams& p, const float (&acc)[128], 
   for (int i = 0; i < 128; i += 2) {
     const int col = n0 + acc_col(lane, i);
     if (col < p.hidden)
-      *reinterpret_cast<float2*>(out + static_cast<std::int64_t>(acc_row(warp, lane, i)) * p.hidden + col) =
-          make_float2(acc[i], acc[i + 1]);
+      __stcs(reinterpret_cast<float2*>(out + static_cast<std::int64_t>(acc_row(warp, lane, i)) * p.hidden + col),
+             make_float2(acc[i], acc[i + 1]));  // streaming: read back only by the combine
   }
   named_barrier_sync(1 + wg, 128);
   if (tid == 0) {
@@ -299,7 +299,11 @@ __device__ void epilogue_gemm2(const ForwardParams& p, const float (&acc)[128], 
   }
 }
 
-// y[t] = shared[t] + sum_j w[t,j] * slot[pair_row[t,j]] for a block of tokens, 4 columns a thread.
+// y[t] = shared[t] + sum_j w[t,j] * slot[pair_row[t,j]] for a block of tokens, 4 columns a
+// thread. All k slot loads are issued before the first add (the combine is bound by how
+// many bytes are in flight); the adds then run in ascending j.
+constexpr int kMaxCombineSlots = 16;
+
 __device__ void combine(const ForwardParams& p, const Task& t) {
   const int tid = threadIdx.x - kProducerThreads;  // 0..255
   const int columns4 = p.hidden / 4;
@@ -307,18 +311,30 @@ __device__ void combine(const ForwardParams& p, const Task& t) {
   for (int token = t.m * kCombineTokens; token < t_end; ++token) {
     for (int c = tid; c < columns4; c += 128 * kConsumerWarpgroups) {
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (p.shared_slots) acc = *reinterpret_cast<const float4*>(p.shared_slots + static_cast<std::int64_t>(token) * p.hidden + 4 * c);
-      for (int j = 0; j < p.top_k; ++j) {
-        const int row = p.pair_row[token * p.top_k + j];
-        if (row < 0) continue;
-        const float w = p.topk_weights[token * p.top_k + j];
-        const float4 v = *reinterpret_cast<const float4*>(p.slots + static_cast<std::int64_t>(row) * p.hidden + 4 * c);
-        acc.x = __fmaf_rn(w, v.x, acc.x);
-        acc.y = __fmaf_rn(w, v.y, acc.y);
-        acc.z = __fmaf_rn(w, v.z, acc.z);
-        acc.w = __fmaf_rn(w, v.w, acc.w);
+      if (p.shared_slots) acc = __ldcs(reinterpret_cast<const float4*>(p.shared_slots + static_cast<std::int64_t>(token) * p.hidden) + c);
+      for (int j0 = 0; j0 < p.top_k; j0 += kMaxCombineSlots) {
+        float4 v[kMaxCombineSlots];
+        float w[kMaxCombineSlots];
+        bool valid[kMaxCombineSlots];
+#pragma unroll
+        for (int j = 0; j < kMaxCombineSlots; ++j) {
+          const int slot = j0 + j;
+          const int row = slot < p.top_k ? p.pair_row[token * p.top_k + slot] : -1;
+          valid[j] = row >= 0;  // -1: a padding slot, or past k
+          w[j] = valid[j] ? p.topk_weights[token * p.top_k + slot] : 0.0f;
+          v[j] = valid[j] ? __ldcs(reinterpret_cast<const float4*>(p.slots + static_cast<std::int64_t>(row) * p.hidden) + c)
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < kMaxCombineSlots; ++j) {
+          if (!valid[j]) continue;
+          acc.x = __fmaf_rn(w[j], v[j].x, acc.x);
+          acc.y = __fmaf_rn(w[j], v[j].y, acc.y);
+          acc.z = __fmaf_rn(w[j], v[j].z, acc.z);
+          acc.w = __fmaf_rn(w[j], v[j].w, acc.w);
+        }
       }
-      uint2 packed{pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w)};
+      const uint2 packed{pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w)};
       *reinterpret_cast<uint2*>(p.y + static_cast<std::int64_t>(token) * p.hidden + 4 * c) = packed;
     }
   }
