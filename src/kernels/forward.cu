@@ -250,11 +250,25 @@ __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const std::uint32_t*>(&v);
 }
 
-// h = swiglu(gate, up) of this warpgroup's 64 x 128 tile -> staging (swizzled) -> TMA store.
+// Completes this warpgroup's previous GEMM1 store and publishes it: h_ready[index] += 1.
+// Deferred to the next task so that the store's latency hides behind a mainloop.
+__device__ __forceinline__ void publish_hidden(const ForwardParams& p, int& pending_index) {
+  if (pending_index < 0) return;
+  if (threadIdx.x % 128 == 0) {
+    tma_store_wait_all();
+    fence_proxy_async_global();
+    red_release_gpu_add(p.counters.h_ready + pending_index, 1);
+  }
+  pending_index = -1;
+}
+
+// h = swiglu(gate, up) of this warpgroup's 64 x 128 tile -> staging (swizzled) -> TMA store,
+// published later by publish_hidden().
 __device__ void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
-                               int row0, int wg) {
+                               int row0, int wg, int& pending_index) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  named_barrier_sync(1 + wg, 128);  // the previous tile's store has read the staging
+  publish_hidden(p, pending_index);  // its store has also finished reading the staging
+  named_barrier_sync(1 + wg, 128);
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
 #pragma unroll
   for (int i = 0; i < 64; i += 2) {  // gate column c is element i, up column c + 128 is element i + 64
@@ -274,13 +288,23 @@ __device__ void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const f
     tma_store_2d(h, s.h_staging[wg][0], n0, r0);
     if (n0 + 64 < inter) tma_store_2d(h, s.h_staging[wg][1], n0 + 64, r0);
     tma_store_commit_group();
-    tma_store_wait_all();
-    fence_proxy_async_global();
-    red_release_gpu_add(p.counters.h_ready + (t.shared ? p.max_routed_tiles + t.m : t.m), 1);
   }
+  pending_index = t.shared ? p.max_routed_tiles + t.m : t.m;
 }
 
-// fp32 rows of this warpgroup's 64 x 256 tile into the slot buffer.
+// Publishes this warpgroup's GEMM2 tiles: y_done += count. Deferred until the combine (the
+// only reader), so the slot stores drain behind later mainloops instead of behind a fence.
+__device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, int& pending_tiles) {
+  if (pending_tiles == 0) return;
+  named_barrier_sync(1 + wg, 128);
+  if (threadIdx.x % 128 == 0) {
+    fence_acq_rel_gpu();
+    red_release_gpu_add(p.counters.y_done, pending_tiles);
+  }
+  pending_tiles = 0;
+}
+
+// fp32 rows of this warpgroup's 64 x 256 tile into the slot buffer (published by publish_slots()).
 __device__ void epilogue_gemm2(const ForwardParams& p, const float (&acc)[128], const Task& t, int row0, int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   float* out = (t.shared ? p.shared_slots : p.slots) + static_cast<std::int64_t>(row0 + wg * 64) * p.hidden;
@@ -291,11 +315,6 @@ __device__ void epilogue_gemm2(const ForwardParams& p, const float (&acc)[128], 
     if (col < p.hidden)
       __stcs(reinterpret_cast<float2*>(out + static_cast<std::int64_t>(acc_row(warp, lane, i)) * p.hidden + col),
              make_float2(acc[i], acc[i + 1]));  // streaming: read back only by the combine
-  }
-  named_barrier_sync(1 + wg, 128);
-  if (tid == 0) {
-    fence_acq_rel_gpu();
-    red_release_gpu_add(p.counters.y_done, 1);
   }
 }
 
@@ -344,10 +363,15 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
   PipelineState<kStages> pipe;
   float acc[128];
   bool slots_ready = false;
+  int pending_hidden = -1;  // h_ready index of a GEMM1 store not yet published
+  int pending_slots = 0;    // GEMM2 tiles not yet counted in y_done
   for (int task = blockIdx.x; task < sched.total; task += gridDim.x) {
     const Task t = sched.decode(p, task);
+    // Publish before anything this CTA might wait for: its own GEMM2 loads can need it.
+    if (t.kind != kGemm1) publish_hidden(p, pending_hidden);
     if (t.kind == kCombine) {
       if (!slots_ready) {
+        publish_slots(p, wg, pending_slots);
         if (threadIdx.x == kProducerThreads) wait_counter(p, p.counters.y_done, sched.slot_tiles_total(), task, kWaitSlots);
         named_barrier_sync(kConsumerBarrier, 128 * kConsumerWarpgroups);
         slots_ready = true;
@@ -358,9 +382,15 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     const int row0 = t.shared ? t.m * kBlockM : p.tile_row[t.m];
     const int k_steps = (t.kind == kGemm1 ? p.hidden : (t.shared ? p.shared_inter : p.inter)) / kBlockK;
     mainloop(p, s, pipe, acc, k_steps, wg, task);
-    if (t.kind == kGemm1) epilogue_gemm1(p, s, acc, t, row0, wg);
-    else epilogue_gemm2(p, acc, t, row0, wg);
+    if (t.kind == kGemm1) {
+      epilogue_gemm1(p, s, acc, t, row0, wg, pending_hidden);
+    } else {
+      epilogue_gemm2(p, acc, t, row0, wg);
+      ++pending_slots;
+    }
   }
+  publish_hidden(p, pending_hidden);
+  publish_slots(p, wg, pending_slots);
 }
 
 // Bad routing (expert id out of range, capacity): no GEMM runs, y becomes NaN so the
