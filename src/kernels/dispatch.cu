@@ -1,4 +1,5 @@
-// One warp per row, 16-byte vectors; rows in plan order, so writes are contiguous.
+// One warp per row, 16-byte vectors, four loads in flight per lane before the stores
+// (one at a time left the copy latency-bound); rows in plan order, so writes are contiguous.
 #include <cstdint>
 
 #include "kernels/dispatch.cuh"
@@ -20,7 +21,16 @@ __global__ void __launch_bounds__(256) dispatch_kernel(const DispatchParams p) {
       for (int v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
     } else {
       const uint4* src = reinterpret_cast<const uint4*>(p.x + static_cast<std::int64_t>(pair / p.top_k) * p.hidden);
-      for (int v = lane; v < vectors; v += 32) dst[v] = __ldg(src + v);
+      constexpr int kInFlight = 4;
+      for (int v0 = lane; v0 < vectors; v0 += 32 * kInFlight) {
+        uint4 chunk[kInFlight];
+#pragma unroll
+        for (int i = 0; i < kInFlight; ++i)
+          if (v0 + 32 * i < vectors) chunk[i] = __ldg(src + v0 + 32 * i);
+#pragma unroll
+        for (int i = 0; i < kInFlight; ++i)
+          if (v0 + 32 * i < vectors) dst[v0 + 32 * i] = chunk[i];
+      }
     }
   }
 }
