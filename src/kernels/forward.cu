@@ -224,17 +224,6 @@ __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Sch
 __device__ __forceinline__ int acc_row(int warp, int lane, int i) { return warp * 16 + lane / 4 + 8 * ((i >> 1) & 1); }
 __device__ __forceinline__ int acc_col(int lane, int i) { return 8 * (i >> 2) + 2 * (lane & 3) + (i & 1); }
 
-// A warpgroup whose 64 rows are all padding (the last tile of an expert holds <= 64 rows)
-// only passes the stages on: the other warpgroup then has the tensor cores to itself.
-__device__ __forceinline__ void pass_stages(const ForwardParams& p, SharedStorage& s, PipelineState<kStages>& pipe,
-                                            int k_steps, int task) {
-  for (int kb = 0; kb < k_steps; ++kb) {
-    wait_barrier(p, &s.full[pipe.index], pipe.phase, task, kWaitFull);
-    if (threadIdx.x % 128 == 0) mbarrier_arrive(&s.empty[pipe.index]);
-    pipe.advance();
-  }
-}
-
 __device__ __forceinline__ void mainloop(const ForwardParams& p, SharedStorage& s, PipelineState<kStages>& pipe,
                                          float (&acc)[128], int k_steps, int wg, int task) {
   int previous = -1;
@@ -392,18 +381,6 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     }
     const int row0 = t.shared ? t.m * kBlockM : p.tile_row[t.m];
     const int k_steps = (t.kind == kGemm1 ? p.hidden : (t.shared ? p.shared_inter : p.inter)) / kBlockK;
-    const int valid_rows = t.shared ? p.tokens - row0
-                                    : p.expert_rows[p.tile_expert[t.m]] - (row0 - p.expert_offset[p.tile_expert[t.m]]);
-    if (valid_rows <= wg * 64) {  // nothing but padding in this warpgroup's rows: no MMA, no stores
-      pass_stages(p, s, pipe, k_steps, task);
-      if (t.kind == kGemm1) {
-        publish_hidden(p, pending_hidden);
-        pending_hidden = t.shared ? p.max_routed_tiles + t.m : t.m;  // counted, nothing stored
-      } else {
-        ++pending_slots;
-      }
-      continue;
-    }
     mainloop(p, s, pipe, acc, k_steps, wg, task);
     if (t.kind == kGemm1) {
       epilogue_gemm1(p, s, acc, t, row0, wg, pending_hidden);
