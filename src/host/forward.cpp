@@ -112,6 +112,10 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
   for (auto [name, view] : {std::pair{"x", &a.x}, {"topk_ids", &a.topk_ids}, {"topk_weights", &a.topk_weights},
                             {"w_gate", &a.w_gate}, {"w_up", &a.w_up}, {"w_down", &a.w_down}, {"y", &a.y}})
     if (view->numel() > 0) check_pointer_location(kWhere, name, *view);
+  if (s.has_shared())
+    for (auto [name, view] : {std::pair{"shared_gate", &*a.shared_gate}, {"shared_up", &*a.shared_up},
+                              {"shared_down", &*a.shared_down}})
+      check_pointer_location(kWhere, name, *view);
   if (T == 0) return;
 
   DevicePlan& plan = ws.plan();

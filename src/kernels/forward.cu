@@ -8,9 +8,10 @@
 //              (TMA per row or cp.async) measured ~2x slower end to end on deepseek-v3.
 //       GEMM2: thread 0 waits h_ready[m], then loads h rows and the down tile
 //   warpgroups 1, 2 (consumers, 232 regs)  64 rows each: wgmma m64n256k16 over K, then
-//       GEMM1 epilogue: h = swiglu(gate, up) -> bf16 -> swizzled staging -> TMA store,
-//                       then h_ready[m] += 1 (release)
-//       GEMM2 epilogue: fp32 rows into the slot buffer, then y_done += 1 (release)
+//       GEMM1 epilogue: h = swiglu(gate, up) -> bf16 -> swizzled staging -> TMA store;
+//                       h_ready[m] += 1 (release) once the store completed, one task later
+//       GEMM2 epilogue: fp32 rows into the slot buffer; y_done += tiles (release) when the
+//                       warpgroup reaches the combine, so no fence stalls a tile
 //       combine:        after y_done is complete, y[t] = shared[t] + sum_j w[t,j]*slot,
 //                       in ascending j, fp32 fma, rounded to bf16 once
 //
