@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs what the build needs, builds everything (CUDA sources
-# included) and runs every test. GPU tests run on a Hopper GPU and are reported as
+# included) and runs every test: the C++ suite (ctest), then the Python package
+# (pip install . into .venv, pytest). GPU tests run on a Hopper GPU and are reported as
 # skipped elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,4 +9,16 @@ source scripts/setup.sh
 build="${MOK_BUILD_DIR:-build}"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$build" -j"$(nproc)"
-ctest --test-dir "$build" --output-on-failure -j"$(nproc)" "$@"
+ctest --test-dir "$build" --output-on-failure -j"$(nproc)"
+
+# Python: a virtual environment with PyTorch and the build tools, then the package.
+command -v readelf >/dev/null 2>&1 || apt_install binutils
+venv="${MOK_VENV:-.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || apt_install python3-venv
+  python3 -m venv "$venv"
+fi
+"$venv/bin/pip" install -q --upgrade pip
+"$venv/bin/pip" install -q "torch>=2.6" numpy pytest "nanobind>=2.0" "scikit-build-core>=0.10" "cmake>=3.28" ninja
+"$venv/bin/pip" install -q --no-build-isolation --no-deps .
+"$venv/bin/python" -m pytest -q tests/python

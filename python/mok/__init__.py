@@ -1,0 +1,22 @@
+"""MoK for Hopper: a deterministic fused Mixture-of-Experts layer.
+
+    y = mok.moe(x, topk_ids, topk_weights, w_gate, w_up, w_down)
+
+computes y[t] = shared(x[t]) + sum_j topk_weights[t, j] * down_e(silu(gate_e x[t]) * up_e x[t])
+with e = topk_ids[t, j] (-1 = no expert), fp32 accumulation, bf16 output, in one fused
+kernel on a Hopper GPU. `mok.reference_forward` is the fp64 CPU oracle.
+
+Status: forward only (one GPU); the fused backward, expert parallelism and the
+Hugging Face backend are not built yet.
+"""
+
+from mok._C import __version__, cuda_device_count, reference_forward  # noqa: F401
+
+try:  # the PyTorch API needs torch; the CPU reference does not
+    import torch as _torch  # noqa: F401
+except ImportError:  # pragma: no cover - exercised only without torch
+    pass
+else:
+    from mok.ops import check, moe  # noqa: F401
+
+__all__ = ["__version__", "check", "cuda_device_count", "moe", "reference_forward"]

@@ -1,0 +1,64 @@
+"""Argument checks of the PyTorch API. They run on real and on fake tensors (torch.compile),
+so they look at metadata only; expert-id values are checked on the GPU by the planner."""
+
+GRANULARITY = 64  # H, I and I_s must be multiples of this (one 128-byte bf16 K-slice)
+
+
+def _require(cond, exc, message):
+    if not cond:
+        raise exc(message)
+
+
+def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit):
+    import torch
+
+    where = "mok.moe"
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                    ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        _require(isinstance(t, torch.Tensor), TypeError, f"{where}: '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    _require(x.dtype == torch.bfloat16, TypeError, f"{where}: 'x' dtype must be torch.bfloat16, got {x.dtype}")
+    _require(topk_ids.dtype in (torch.int32, torch.int64), TypeError,
+             f"{where}: 'topk_ids' dtype must be torch.int32 or torch.int64, got {topk_ids.dtype}")
+    _require(topk_weights.dtype == torch.float32, TypeError,
+             f"{where}: 'topk_weights' dtype must be torch.float32, got {topk_weights.dtype}")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        _require(w.dtype == torch.bfloat16, TypeError, f"{where}: '{name}' dtype must be torch.bfloat16, got {w.dtype}")
+    _require(x.dim() == 2, ValueError, f"{where}: 'x' must be 2-D [T, H], got shape {tuple(x.shape)}")
+    T, H = x.shape
+    _require(w_gate.dim() == 3, ValueError, f"{where}: 'w_gate' must be 3-D [E, I, H], got shape {tuple(w_gate.shape)}")
+    E, I, _ = w_gate.shape
+    _require(topk_ids.dim() == 2 and topk_ids.shape[0] == T, ValueError,
+             f"{where}: 'topk_ids' must be [T, k] with T = {T}, got shape {tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    _require(1 <= k <= E, ValueError, f"{where}: top-k must be in [1, E = {E}], got {k}")
+    _require(tuple(topk_weights.shape) == (T, k), ValueError,
+             f"{where}: 'topk_weights' shape must be {(T, k)}, got {tuple(topk_weights.shape)}")
+    _require(tuple(w_gate.shape) == (E, I, H), ValueError,
+             f"{where}: 'w_gate' shape must be {(E, I, H)} (H from x), got {tuple(w_gate.shape)}")
+    _require(tuple(w_up.shape) == (E, I, H), ValueError, f"{where}: 'w_up' shape must be {(E, I, H)}, got {tuple(w_up.shape)}")
+    _require(tuple(w_down.shape) == (E, H, I), ValueError,
+             f"{where}: 'w_down' shape must be {(E, H, I)}, got {tuple(w_down.shape)}")
+    for name, n in (("hidden size H", H), ("intermediate size I", I)):
+        _require(n % GRANULARITY == 0 and n > 0, ValueError, f"{where}: {name} must be a positive multiple of {GRANULARITY}, got {n}")
+    tensors = [("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_gate", w_gate), ("w_up", w_up),
+               ("w_down", w_down)]
+    if shared is not None:
+        _require(isinstance(shared, (tuple, list)) and len(shared) == 3, ValueError,
+                 f"{where}: 'shared' must be (gate [I_s, H], up [I_s, H], down [H, I_s]), got {type(shared).__name__}")
+        sg, su, sd = shared
+        _require(sg.dim() == 2, ValueError, f"{where}: shared gate must be [I_s, H], got shape {tuple(sg.shape)}")
+        Is = sg.shape[0]
+        for name, t, shape in (("shared gate", sg, (Is, H)), ("shared up", su, (Is, H)), ("shared down", sd, (H, Is))):
+            _require(t.dtype == torch.bfloat16, TypeError, f"{where}: {name} dtype must be torch.bfloat16, got {t.dtype}")
+            _require(tuple(t.shape) == shape, ValueError, f"{where}: {name} shape must be {shape}, got {tuple(t.shape)}")
+            tensors.append((name, t))
+        _require(Is % GRANULARITY == 0, ValueError, f"{where}: shared intermediate size must be a multiple of {GRANULARITY}, got {Is}")
+    if swiglu_limit is not None:
+        _require(swiglu_limit > 0 and swiglu_limit != float("inf"), ValueError,
+                 f"{where}: 'swiglu_limit' must be a finite positive number, got {swiglu_limit}")
+    device = x.device
+    for name, t in tensors:
+        _require(t.device == device, ValueError, f"{where}: '{name}' is on {t.device}, but x is on {device}")
+        _require(t.is_contiguous(), ValueError, f"{where}: '{name}' must be contiguous")
+    if device.type != "meta":
+        _require(device.type == "cuda", ValueError, f"{where}: tensors must be on a CUDA device, got {device}")

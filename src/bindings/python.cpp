@@ -1,0 +1,157 @@
+// The Python extension mok._C: only registers. Tensors arrive through DLPack (any
+// framework), the CUDA stream as an integer: nothing here links against PyTorch.
+#include <cuda_runtime_api.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "mok/mok.hpp"
+
+namespace nb = nanobind;
+
+namespace {
+
+mok::DType dtype_of(const nb::dlpack::dtype& d) {
+  using code = nb::dlpack::dtype_code;
+  const auto c = static_cast<code>(d.code);
+  if (d.lanes == 1) {
+    if (c == code::Bfloat && d.bits == 16) return mok::DType::bf16;
+    if (c == code::Float && d.bits == 16) return mok::DType::f16;
+    if (c == code::Float && d.bits == 32) return mok::DType::f32;
+    if (c == code::Float && d.bits == 64) return mok::DType::f64;
+    if (c == code::Int && d.bits == 32) return mok::DType::i32;
+    if (c == code::Int && d.bits == 64) return mok::DType::i64;
+    if (c == code::UInt && d.bits == 8) return mok::DType::u8;
+  }
+  throw nb::type_error("mok: unsupported tensor dtype");
+}
+
+mok::TensorView view_of(const nb::ndarray<>& a) {
+  mok::TensorView v;
+  if (a.ndim() > static_cast<std::size_t>(mok::TensorView::kMaxDims)) throw nb::value_error("mok: more than 4 dimensions");
+  v.data = a.data();
+  v.dtype = dtype_of(a.dtype());
+  v.device = a.device_type() == nb::device::cuda::value ? mok::Device::cuda(a.device_id()) : mok::Device::cpu();
+  v.ndim = static_cast<int>(a.ndim());
+  for (int i = 0; i < v.ndim; ++i) v.shape[i] = a.shape(i), v.stride[i] = a.stride(i);
+  return v;
+}
+
+std::optional<mok::TensorView> optional_view(const std::optional<nb::ndarray<>>& a) {
+  return a ? std::optional<mok::TensorView>(view_of(*a)) : std::nullopt;
+}
+
+mok::MoeShape make_shape(std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts,
+                         std::int64_t num_local_experts, std::int64_t top_k, std::int64_t shared_intermediate,
+                         std::optional<float> swiglu_limit) {
+  mok::MoeShape s;
+  s.hidden = hidden, s.intermediate = intermediate, s.num_experts = num_experts;
+  s.num_local_experts = num_local_experts, s.top_k = top_k, s.shared_intermediate = shared_intermediate;
+  s.swiglu_limit = swiglu_limit;
+  mok::validate(s);
+  return s;
+}
+
+using F64 = nb::ndarray<double, nb::c_contig, nb::device::cpu>;
+using I32 = nb::ndarray<std::int32_t, nb::c_contig, nb::device::cpu>;
+
+std::span<const double> span_of(const F64& a) { return {a.data(), a.size()}; }
+std::vector<double> vec_of(const std::optional<F64>& a) {
+  return a ? std::vector<double>(a->data(), a->data() + a->size()) : std::vector<double>{};
+}
+
+nb::ndarray<nb::numpy, double> to_numpy(std::vector<double> values, std::initializer_list<std::size_t> shape) {
+  auto* owned = new std::vector<double>(std::move(values));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<double>*>(p); });
+  return nb::ndarray<nb::numpy, double>(owned->data(), shape.size(), shape.begin(), owner);
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "MoK for Hopper: C++/CUDA core (see the mok package for the PyTorch API)";
+  m.attr("__version__") = mok::kVersion;
+
+  // Bad arguments surface as ValueError, bad dtypes as TypeError, with the library's message.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const mok::Error& e) {
+      if (std::strstr(e.what(), "dtype must be")) PyErr_SetString(PyExc_TypeError, e.what());
+      else PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("cuda_device_count", &mok::cuda_device_count);
+  m.def("validate_shape", &make_shape, nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"),
+        nb::arg("num_local_experts"), nb::arg("top_k"), nb::arg("shared_intermediate") = 0,
+        nb::arg("swiglu_limit") = nb::none());
+
+  // fp64 CPU reference of the whole layer (the test oracle). Weights of all E experts.
+  m.def(
+      "reference_forward",
+      [](F64 x, I32 ids, F64 weights, F64 gate, F64 up, F64 down, std::optional<F64> shared_gate,
+         std::optional<F64> shared_up, std::optional<F64> shared_down, std::optional<float> limit) {
+        if (x.ndim() != 2 || ids.ndim() != 2) throw nb::value_error("mok.reference_forward: x and topk_ids must be 2-D");
+        if (gate.ndim() != 3) throw nb::value_error("mok.reference_forward: w_gate must be [E, I, H]");
+        const std::int64_t T = x.shape(0), H = x.shape(1), E = gate.shape(0), I = gate.shape(1), k = ids.shape(1);
+        const std::int64_t Is = shared_gate ? shared_gate->shape(0) : 0;
+        const mok::MoeShape s = make_shape(H, I, E, E, k, Is, limit);
+        mok::reference::Routing r{std::vector<std::int32_t>(ids.data(), ids.data() + ids.size()), vec_of(weights)};
+        mok::reference::Weights w{vec_of(gate), vec_of(up), vec_of(down), vec_of(shared_gate), vec_of(shared_up),
+                                  vec_of(shared_down)};
+        return to_numpy(mok::reference::forward(s, T, span_of(x), r, w), {std::size_t(T), std::size_t(H)});
+      },
+      nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
+      nb::arg("w_down"), nb::arg("shared_gate") = nb::none(), nb::arg("shared_up") = nb::none(),
+      nb::arg("shared_down") = nb::none(), nb::arg("swiglu_limit") = nb::none());
+
+  // The fused forward's workspace for one shape and token count (one GPU, EP = 1).
+  nb::class_<mok::Workspace>(m, "Workspace")
+      .def(
+          "__init__",
+          [](mok::Workspace* self, std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts,
+             std::int64_t top_k, std::int64_t shared_intermediate, std::optional<float> limit, std::int64_t tokens,
+             int device, int compute_sms, double timeout_seconds) {
+            if (cudaSetDevice(device) != cudaSuccess) throw nb::value_error("mok.Workspace: cannot select the device");
+            mok::Config config;
+            config.compute_sms = compute_sms;
+            config.timeout_seconds = timeout_seconds;
+            new (self) mok::Workspace(make_shape(hidden, intermediate, num_experts, num_experts, top_k,
+                                                 shared_intermediate, limit),
+                                      tokens, config);
+          },
+          nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("top_k"),
+          nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("tokens"), nb::arg("device"),
+          nb::arg("compute_sms") = 0, nb::arg("timeout_seconds") = 10.0)
+      .def("check", [](mok::Workspace& ws, std::uintptr_t stream) { ws.check(reinterpret_cast<cudaStream_t>(stream)); })
+      .def_prop_ro("bytes", &mok::Workspace::bytes);
+
+  m.def(
+      "forward",
+      [](mok::Workspace& ws, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
+         nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
+         std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
+         std::uintptr_t stream) {
+        mok::ForwardArgs a;
+        a.x = view_of(x), a.topk_ids = view_of(ids), a.topk_weights = view_of(weights);
+        a.w_gate = view_of(gate), a.w_up = view_of(up), a.w_down = view_of(down), a.y = view_of(y);
+        a.shared_gate = optional_view(shared_gate), a.shared_up = optional_view(shared_up);
+        a.shared_down = optional_view(shared_down);
+        // This extension has its own CUDA runtime: select the tensors' device explicitly.
+        if (a.x.device.kind == mok::DeviceKind::cuda && cudaSetDevice(a.x.device.index) != cudaSuccess)
+          throw nb::value_error("mok.forward: cannot select the device of x");
+        nb::gil_scoped_release release;
+        mok::forward(a, ws, reinterpret_cast<cudaStream_t>(stream));
+      },
+      nb::arg("workspace"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"),
+      nb::arg("w_up"), nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(),
+      nb::arg("shared_down").none(), nb::arg("y"), nb::arg("stream"));
+}

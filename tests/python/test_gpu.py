@@ -1,0 +1,70 @@
+"""mok.moe on a Hopper GPU against the pure-PyTorch fp32 reference, under torch.compile and
+CUDA-graph replay. Skipped without one."""
+
+import pytest
+import torch
+
+import mok
+from torch_reference import moe_reference, random_problem
+
+hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+pytestmark = pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+
+
+def _problem(T=300, H=256, I=192, E=8, k=2, shared=0, seed=0, padding=0.0):
+    x, ids, w, gate, up, down, sh = random_problem(T, H, I, E, k, shared, seed=seed, device="cuda",
+                                                   dtype=torch.bfloat16, padding=padding)
+    return x, ids, w, gate, up, down, sh
+
+
+def _check(y, args, limit=None):
+    x, ids, w, gate, up, down, sh = args
+    f = lambda t: t.float()
+    ref = moe_reference(f(x), ids, w, f(gate), f(up), f(down), None if sh is None else tuple(map(f, sh)), limit)
+    assert torch.isfinite(y).all()
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    assert err <= 1e-2, err
+
+
+@pytest.mark.parametrize("shared,limit,padding", [(0, None, 0.0), (128, 0.75, 0.3)])
+def test_matches_reference(shared, limit, padding):
+    args = _problem(shared=shared, padding=padding)
+    x, ids, w, gate, up, down, sh = args
+    y = mok.moe(x, ids, w, gate, up, down, shared=sh, swiglu_limit=limit)
+    _check(y, args, limit)
+
+
+def test_int64_ids_and_bitwise_repeatable():
+    x, ids, w, gate, up, down, _ = _problem(seed=2)
+    y0 = mok.moe(x, ids, w, gate, up, down)
+    y1 = mok.moe(x, ids.long(), w, gate, up, down)
+    assert torch.equal(y0.view(torch.int16), y1.view(torch.int16))
+
+
+def test_torch_compile_fullgraph():
+    args = _problem(seed=3)
+    x, ids, w, gate, up, down, _ = args
+    compiled = torch.compile(lambda *a: mok.moe(*a) * 2, fullgraph=True)
+    _check(compiled(x, ids, w, gate, up, down) / 2, args)
+
+
+def test_cuda_graph_replay_with_new_routing():
+    args = _problem(seed=4)
+    x, ids, w, gate, up, down, _ = args
+    mok.moe(x, ids, w, gate, up, down)  # allocates the workspace outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = mok.moe(x, ids, w, gate, up, down)
+    nx, nids, nw, *_ = _problem(seed=5)
+    x.copy_(nx), ids.copy_(nids), w.copy_(nw)
+    graph.replay()
+    _check(y, (x, ids, w, gate, up, down, None))
+
+
+def test_bad_expert_id_raises_at_check():
+    x, ids, w, gate, up, down, _ = _problem(seed=6)
+    ids[3, 1] = 8
+    y = mok.moe(x, ids, w, gate, up, down)
+    with pytest.raises(ValueError, match="got 8 at rank 0, token 3, slot 1"):
+        mok.check()
+    assert torch.isnan(y.float()).all()

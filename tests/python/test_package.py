@@ -1,0 +1,114 @@
+"""What needs no GPU: the extension's linkage, the fp64 reference, argument checks, the
+fake implementation (meta tensors)."""
+
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import mok
+from torch_reference import moe_reference, random_problem
+
+
+def test_extension_does_not_link_torch_or_a_shared_cuda_runtime():
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf (binutils) not installed")
+    out = subprocess.run([readelf, "-d", mok._C.__file__], check=True, capture_output=True, text=True).stdout
+    needed = [line.split("[")[1].rstrip("]") for line in out.splitlines() if "(NEEDED)" in line]
+    assert needed, "readelf listed no NEEDED entries"
+    for lib in needed:
+        assert "torch" not in lib and "c10" not in lib, f"mok._C links {lib}"
+        assert not lib.startswith("libcudart"), f"mok._C needs {lib}; the CUDA runtime should be static"
+
+
+@pytest.mark.parametrize("shared,limit,padding", [(0, None, 0.0), (64, None, 0.3), (128, 0.8, 0.2)])
+def test_cpp_reference_matches_torch_reference(shared, limit, padding):
+    x, ids, w, gate, up, down, sh = random_problem(9, 64, 128, 6, 2, shared, seed=3, padding=padding)
+    limit32 = None if limit is None else float(np.float32(limit))  # the library takes the limit as fp32
+    expected = moe_reference(x, ids, w, gate, up, down, sh, limit32)
+    args = [t.numpy() for t in (x, ids, w.double(), gate, up, down)]
+    shared_args = {} if sh is None else dict(shared_gate=sh[0].numpy(), shared_up=sh[1].numpy(), shared_down=sh[2].numpy())
+    got = mok.reference_forward(*args, **shared_args, swiglu_limit=limit)
+    np.testing.assert_allclose(got, expected.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_cpp_reference_rejects_bad_expert_id():
+    x, ids, w, gate, up, down, _ = random_problem(4, 64, 64, 4, 2, seed=1)
+    ids[2, 1] = 4
+    with pytest.raises(ValueError, match=r"expert id must be in \[-1, 4\), got 4 at token 2, slot 1"):
+        mok.reference_forward(x.numpy(), ids.numpy(), w.double().numpy(), gate.numpy(), up.numpy(), down.numpy())
+
+
+def _meta_args(T=8, H=128, I=64, E=4, k=2):
+    m = dict(device="meta")
+    return dict(x=torch.empty(T, H, dtype=torch.bfloat16, **m), topk_ids=torch.empty(T, k, dtype=torch.int32, **m),
+                topk_weights=torch.empty(T, k, dtype=torch.float32, **m),
+                w_gate=torch.empty(E, I, H, dtype=torch.bfloat16, **m), w_up=torch.empty(E, I, H, dtype=torch.bfloat16, **m),
+                w_down=torch.empty(E, H, I, dtype=torch.bfloat16, **m))
+
+
+def test_fake_implementation_gives_output_metadata():
+    args = _meta_args()
+    y = mok.moe(**args)
+    assert y.device.type == "meta" and y.shape == (8, 128) and y.dtype == torch.bfloat16
+    shared = (torch.empty(64, 128, dtype=torch.bfloat16, device="meta"),
+              torch.empty(64, 128, dtype=torch.bfloat16, device="meta"),
+              torch.empty(128, 64, dtype=torch.bfloat16, device="meta"))
+    assert mok.moe(**args, shared=shared, swiglu_limit=7.0).shape == (8, 128)
+
+
+BAD = [
+    ("x dtype", dict(x=torch.empty(8, 128, dtype=torch.float32, device="meta")), TypeError, "'x' dtype must be torch.bfloat16"),
+    ("ids dtype", dict(topk_ids=torch.empty(8, 2, dtype=torch.float32, device="meta")), TypeError,
+     "'topk_ids' dtype must be torch.int32 or torch.int64"),
+    ("weights dtype", dict(topk_weights=torch.empty(8, 2, dtype=torch.bfloat16, device="meta")), TypeError,
+     "'topk_weights' dtype must be torch.float32"),
+    ("ids rows", dict(topk_ids=torch.empty(7, 2, dtype=torch.int32, device="meta")), ValueError,
+     r"'topk_ids' must be \[T, k\] with T = 8"),
+    ("k > E", dict(topk_ids=torch.empty(8, 5, dtype=torch.int32, device="meta"),
+                   topk_weights=torch.empty(8, 5, dtype=torch.float32, device="meta")), ValueError, r"top-k must be in \[1, E = 4\], got 5"),
+    ("w_down shape", dict(w_down=torch.empty(4, 64, 128, dtype=torch.bfloat16, device="meta")), ValueError,
+     r"'w_down' shape must be \(4, 128, 64\)"),
+    ("H granularity", dict(x=torch.empty(8, 96, dtype=torch.bfloat16, device="meta"),
+                           w_gate=torch.empty(4, 64, 96, dtype=torch.bfloat16, device="meta"),
+                           w_up=torch.empty(4, 64, 96, dtype=torch.bfloat16, device="meta"),
+                           w_down=torch.empty(4, 96, 64, dtype=torch.bfloat16, device="meta")), ValueError,
+     "hidden size H must be a positive multiple of 64, got 96"),
+    ("device mix", dict(w_up=torch.empty(4, 64, 128, dtype=torch.bfloat16)), ValueError, "'w_up' is on cpu, but x is on meta"),
+]
+
+
+@pytest.mark.parametrize("name,override,exc,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_arguments_are_named(name, override, exc, message):
+    args = _meta_args()
+    args.update(override)
+    with pytest.raises(exc, match=message):
+        mok.moe(**args)
+
+
+def test_cpu_tensors_are_rejected():
+    args = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in _meta_args().items()}
+    with pytest.raises(ValueError, match="tensors must be on a CUDA device, got cpu"):
+        mok.moe(**args)
+
+
+def test_non_contiguous_and_bad_limit():
+    args = _meta_args()
+    args["w_gate"] = torch.empty(4, 128, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    with pytest.raises(ValueError, match="'w_gate' must be contiguous"):
+        mok.moe(**args)
+    with pytest.raises(ValueError, match="'swiglu_limit' must be a finite positive number"):
+        mok.moe(**_meta_args(), swiglu_limit=-1.0)
+
+
+def test_backward_is_not_silently_wrong():
+    # The fused backward does not exist yet: asking for gradients must fail loudly.
+    args = _meta_args()
+    args["x"].requires_grad_(True)
+    y = mok.moe(**args)
+    with pytest.raises(NotImplementedError, match="fused backward is not built yet"):
+        y.backward(torch.empty_like(y))
