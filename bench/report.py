@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Turns GPU-check outputs into committed records and readable tables.
 
-  report.py gpucheck --junit ctest.xml --bench a.json b.json --gpu G --commit C --date D --out-dir DIR
+  report.py gpucheck --junit ctest.xml [pytest.xml] --bench a.json b.json --gpu G --commit C --date D --out-dir DIR
       writes DIR/<date>-<commit>-bench.json (all benchmark records) and
       DIR/<date>-<commit>-gpucheck.json (each test's name and outcome), prints a table
   report.py table [--results-dir bench/results]
@@ -25,7 +25,8 @@ def test_outcomes(junit_path):
             outcome = "skipped"
         else:
             outcome = "passed"
-        tests.append({"name": case.get("name"), "outcome": outcome})
+        name, group = case.get("name"), case.get("classname")
+        tests.append({"name": name if not group or group == name else f"{group}::{name}", "outcome": outcome})
     return tests
 
 
@@ -70,7 +71,12 @@ def cmd_gpucheck(a):
                 records += json.load(f)
         else:
             print(f"report: missing {path}", file=sys.stderr)
-    tests = test_outcomes(a.junit) if os.path.exists(a.junit) else []
+    tests = []
+    for path in a.junit:  # ctest's and pytest's JUnit reports
+        if os.path.exists(path):
+            tests += test_outcomes(path)
+        else:
+            print(f"report: missing {path}", file=sys.stderr)
     for item in a.extra:  # "name=outcome" from checks outside ctest (compute-sanitizer)
         name, _, outcome = item.rpartition("=")
         tests.append({"name": name, "outcome": outcome})
@@ -112,7 +118,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("gpucheck")
-    g.add_argument("--junit", required=True)
+    g.add_argument("--junit", nargs="+", required=True)
     g.add_argument("--bench", nargs="*", default=[])
     g.add_argument("--gpu", required=True)
     g.add_argument("--commit", required=True)

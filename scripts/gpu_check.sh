@@ -32,6 +32,14 @@ ctest --test-dir $build --output-on-failure -j4 --output-junit "$LOG/ctest.xml" 
 test_rc=$?
 tail -5 "$LOG/ctest.log"
 
+# The Python package against the PyTorch installed on this machine (no network: no build isolation).
+if python3 -m pip install -q --no-build-isolation --no-deps . > "$LOG/pip.log" 2>&1; then
+  python3 -m pytest -q tests/python --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
+  tail -1 "$LOG/pytest.log"
+else
+  echo "pip install . failed (see pip.log)"; tail -20 "$LOG/pip.log"; test_rc=1
+fi
+
 # compute-sanitizer on a small case: shared expert, clamp, padding, ragged T.
 extra=()
 small_case='Forward/ForwardCases.MatchesReference/shared_padded_clamp'
@@ -47,7 +55,7 @@ $build/bench/mok_bench --preset all --iters $iters --out "$LOG/bench_mok.json" -
 python3 bench/torch_baseline.py --preset all --iters $iters --out "$LOG/bench_torch.json" --commit "$commit" --date "$date" \
   2>&1 | tee "$LOG/bench_torch.log"
 
-python3 bench/report.py gpucheck --junit "$LOG/ctest.xml" --bench "$LOG/bench_mok.json" "$LOG/bench_torch.json" \
+python3 bench/report.py gpucheck --junit "$LOG/ctest.xml" "$LOG/pytest.xml" --bench "$LOG/bench_mok.json" "$LOG/bench_torch.json" \
   --gpu "$gpu" --commit "$commit" --date "$date" --out-dir "$OUT" --extra "${extra[@]}"
 tar czf "$OUT/logs.tgz" -C "$LOG" .
 exit $test_rc
