@@ -17,6 +17,7 @@ try:  # the PyTorch API needs torch; the CPU reference does not
 except ImportError:  # pragma: no cover - exercised only without torch
     pass
 else:
+    from mok.module import MoE  # noqa: F401
     from mok.ops import check, moe  # noqa: F401
 
-__all__ = ["__version__", "check", "cuda_device_count", "moe", "reference_forward"]
+__all__ = ["MoE", "__version__", "check", "cuda_device_count", "moe", "reference_forward"]

@@ -68,3 +68,15 @@ def test_bad_expert_id_raises_at_check():
     with pytest.raises(ValueError, match="got 8 at rank 0, token 3, slot 1"):
         mok.check()
     assert torch.isnan(y.float()).all()
+
+
+def test_module_with_router_matches_reference():
+    torch.manual_seed(0)
+    layer = mok.MoE(256, 192, 8, 2, shared_intermediate=128, device="cuda")
+    x = torch.randn(300, 256, device="cuda").bfloat16()
+    with torch.no_grad():
+        ids, w, _ = layer.route(x)
+        y = layer(x)
+    shared = tuple(layer.shared)
+    _check(y, (x, ids, w, layer.w_gate.detach(), layer.w_up.detach(), layer.w_down.detach(),
+               tuple(t.detach() for t in shared)))

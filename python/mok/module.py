@@ -1,0 +1,81 @@
+"""mok.MoE: an nn.Module holding the expert weights, with an optional standard top-k router."""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from mok.ops import moe
+
+
+class MoE(nn.Module):
+    """A SwiGLU mixture-of-experts layer computed by the fused kernel.
+
+    Weights: w_gate, w_up [E, I, H], w_down [E, H, I] (bf16), and with shared_intermediate
+    > 0 one shared expert (shared_gate, shared_up [I_s, H], shared_down [H, I_s]).
+    router: "softmax" or "sigmoid" scores over a bias-free fp32 linear layer, top_k of them,
+    renormalised to sum to one if `renormalize`; None: the caller passes topk_ids and
+    topk_weights to forward().
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
+                 shared_intermediate: int = 0, router: Optional[str] = "softmax", renormalize: bool = True,
+                 swiglu_limit: Optional[float] = None, device=None, dtype=torch.bfloat16):
+        super().__init__()
+        if router not in ("softmax", "sigmoid", None):
+            raise ValueError(f"mok.MoE: 'router' must be 'softmax', 'sigmoid' or None, got {router!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"mok.MoE: 'top_k' must be in [1, num_experts = {num_experts}], got {top_k}")
+        if dtype != torch.bfloat16:
+            raise TypeError(f"mok.MoE: expert weights must be torch.bfloat16, got {dtype}")
+        self.hidden, self.intermediate, self.num_experts, self.top_k = hidden, intermediate, num_experts, top_k
+        self.router_kind, self.renormalize, self.swiglu_limit = router, renormalize, swiglu_limit
+        kw = dict(device=device, dtype=dtype)
+        self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate, hidden, **kw))
+        self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, hidden, **kw))
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **kw))
+        self.shared = None
+        if shared_intermediate:
+            self.shared = nn.ParameterList([
+                nn.Parameter(torch.empty(shared_intermediate, hidden, **kw)),
+                nn.Parameter(torch.empty(shared_intermediate, hidden, **kw)),
+                nn.Parameter(torch.empty(hidden, shared_intermediate, **kw))])
+        self.router = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=torch.float32) if router else None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        if self.w_gate.device.type == "meta":
+            return
+        for w, fan_in in ((self.w_gate, self.hidden), (self.w_up, self.hidden), (self.w_down, self.intermediate)):
+            w.normal_(0.0, 1.0 / math.sqrt(fan_in))
+        if self.shared is not None:
+            i_s = self.shared[0].shape[0]
+            for w, fan_in in zip(self.shared, (self.hidden, self.hidden, i_s)):
+                w.normal_(0.0, 1.0 / math.sqrt(fan_in))
+
+    def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(topk_ids int32 [T, k], topk_weights fp32 [T, k], router logits fp32 [T, E]) for x [T, H]."""
+        if self.router is None:
+            raise ValueError("mok.MoE: this layer has no router (router=None): pass topk_ids and topk_weights")
+        logits = self.router(x.float())
+        scores = torch.softmax(logits, dim=-1) if self.router_kind == "softmax" else torch.sigmoid(logits)
+        weights, ids = scores.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids.to(torch.int32), weights, logits
+
+    def forward(self, x: torch.Tensor, topk_ids: Optional[torch.Tensor] = None,
+                topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden)
+        if topk_ids is None:
+            if topk_weights is not None:
+                raise ValueError("mok.MoE: 'topk_weights' was given without 'topk_ids'")
+            topk_ids, topk_weights, _ = self.route(x2)
+        elif topk_weights is None:
+            raise ValueError("mok.MoE: 'topk_ids' was given without 'topk_weights'")
+        y = moe(x2, topk_ids.reshape(-1, self.top_k), topk_weights.reshape(-1, self.top_k), self.w_gate, self.w_up,
+                self.w_down, shared=None if self.shared is None else tuple(self.shared), swiglu_limit=self.swiglu_limit)
+        return y.reshape(shape)

@@ -1,0 +1,62 @@
+"""mok.MoE without a GPU: parameters, the router, and output metadata through the fake op."""
+
+import pytest
+import torch
+
+import mok
+
+
+def test_router_matches_softmax_topk_renormalised():
+    layer = mok.MoE(128, 64, 8, 2, router="softmax")
+    x = torch.randn(5, 128)
+    ids, weights, logits = layer.route(x)
+    probs = torch.softmax(x @ layer.router.weight.T, dim=-1)
+    top, idx = probs.topk(2, dim=-1)
+    assert torch.equal(ids, idx.int()) and ids.dtype == torch.int32
+    torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(5))
+    assert logits.shape == (5, 8)
+
+
+def test_sigmoid_router_without_renormalisation():
+    layer = mok.MoE(64, 64, 4, 3, router="sigmoid", renormalize=False)
+    x = torch.randn(3, 64)
+    _, weights, logits = layer.route(x)
+    torch.testing.assert_close(weights, torch.sigmoid(logits).topk(3, dim=-1).values)
+
+
+def test_parameters_and_meta_forward():
+    layer = mok.MoE(128, 64, 4, 2, shared_intermediate=64, swiglu_limit=7.0, device="meta")
+    names = {n for n, _ in layer.named_parameters()}
+    assert {"w_gate", "w_up", "w_down", "shared.0", "shared.1", "shared.2", "router.weight"} <= names
+    assert layer.w_down.shape == (4, 128, 64) and layer.w_gate.dtype == torch.bfloat16
+    x = torch.empty(2, 3, 128, dtype=torch.bfloat16, device="meta")
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+
+
+def test_initialisation_scale():
+    layer = mok.MoE(256, 128, 4, 2)
+    assert abs(layer.w_gate.float().std().item() - 256 ** -0.5) < 0.01
+    assert abs(layer.w_down.float().std().item() - 128 ** -0.5) < 0.01
+
+
+@pytest.mark.parametrize("kwargs,exc,message", [
+    (dict(router="relu"), ValueError, "'router' must be 'softmax', 'sigmoid' or None"),
+    (dict(top_k=9), ValueError, r"'top_k' must be in \[1, num_experts = 8\], got 9"),
+    (dict(dtype=torch.float16), TypeError, "expert weights must be torch.bfloat16"),
+])
+def test_bad_construction(kwargs, exc, message):
+    args = dict(hidden=64, intermediate=64, num_experts=8, top_k=2)
+    args.update(kwargs)
+    with pytest.raises(exc, match=message):
+        mok.MoE(**args)
+
+
+def test_routing_arguments_go_together():
+    layer = mok.MoE(64, 64, 4, 2, router=None, device="meta")
+    x = torch.empty(3, 64, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="has no router"):
+        layer(x)
+    with pytest.raises(ValueError, match="'topk_ids' was given without 'topk_weights'"):
+        layer(x, topk_ids=torch.zeros(3, 2, dtype=torch.int32, device="meta"))
