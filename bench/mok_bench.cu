@@ -237,9 +237,9 @@ double check_sampled_tokens(const mok::MoeShape& s, std::int64_t T, const std::u
       r.weights.push_back(weights[t * k + j]);
     }
   }
-  small.num_experts = small.num_local_experts = static_cast<std::int64_t>(experts.size());
-  small.top_k = std::min<std::int64_t>(k, small.num_experts);
-  if (small.top_k != k) small.num_experts = small.num_local_experts = k;  // keep top_k <= E valid
+  // The sampled tokens' experts, renumbered; at least k of them so that top_k <= E holds
+  // (unused extra experts get zero weights).
+  small.num_experts = small.num_local_experts = std::max<std::int64_t>(k, static_cast<std::int64_t>(experts.size()));
   w.gate.resize(small.num_experts * I * H), w.up.resize(small.num_experts * I * H), w.down.resize(small.num_experts * H * I);
   const auto ref = mok::reference::forward(small, static_cast<std::int64_t>(tokens.size()), x, r, w);
   return mok::reference::relative_error(y_gpu, ref);
