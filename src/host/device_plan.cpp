@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "kernels/plan.cuh"
@@ -29,6 +30,7 @@ DevicePlan::DevicePlan(const MoeShape& shape, std::int64_t tokens, const PlanOpt
   const std::int64_t worst = plan_capacity_rows(shape, Config{}, tokens, block_m_);
   capacity_rows_ = options.capacity_rows > 0 ? options.capacity_rows : worst;
   capacity_rows_ = capacity_rows_ / block_m_ * block_m_;  // whole tiles
+  if (options.capacity_rows <= 0) capacity_rows_ = std::max(capacity_rows_, block_m_);  // T = 0 still gets one tile
   if (capacity_rows_ <= 0)
     throw_argument_error("mok::DevicePlan", "capacity_rows", "must hold at least one tile of ", block_m_, " rows, got ", options.capacity_rows);
 
