@@ -120,7 +120,9 @@ NB_MODULE(_C, m) {
           [](mok::Workspace* self, std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts,
              std::int64_t top_k, std::int64_t shared_intermediate, std::optional<float> limit, std::int64_t tokens,
              int device, int compute_sms, double timeout_seconds) {
-            if (cudaSetDevice(device) != cudaSuccess) throw nb::value_error("mok.Workspace: cannot select the device");
+            if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
+              throw nb::value_error(("mok.Workspace: cannot use CUDA device " + std::to_string(device) + ": " +
+                                     cudaGetErrorString(err)).c_str());
             mok::Config config;
             config.compute_sms = compute_sms;
             config.timeout_seconds = timeout_seconds;
@@ -147,7 +149,7 @@ NB_MODULE(_C, m) {
         a.shared_down = optional_view(shared_down);
         // This extension has its own CUDA runtime: select the tensors' device explicitly.
         if (a.x.device.kind == mok::DeviceKind::cuda && cudaSetDevice(a.x.device.index) != cudaSuccess)
-          throw nb::value_error("mok.forward: cannot select the device of x");
+          throw nb::value_error(("mok.forward: cannot use CUDA device " + std::to_string(a.x.device.index)).c_str());
         nb::gil_scoped_release release;
         mok::forward(a, ws, reinterpret_cast<cudaStream_t>(stream));
       },

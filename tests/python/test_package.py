@@ -112,3 +112,9 @@ def test_backward_is_not_silently_wrong():
     y = mok.moe(**args)
     with pytest.raises(NotImplementedError, match="fused backward is not built yet"):
         y.backward(torch.empty_like(y))
+
+
+@pytest.mark.skipif(mok.cuda_device_count() > 0, reason="checks the message on a machine without a GPU")
+def test_workspace_without_gpu_says_so():
+    with pytest.raises(ValueError, match="cannot use CUDA device 0"):
+        mok._C.Workspace(128, 64, 4, 2, 0, None, 8, 0)
