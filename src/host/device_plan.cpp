@@ -6,14 +6,13 @@
 #include <vector>
 
 #include "kernels/plan.cuh"
+#include "cuda_check.hpp"
 #include "mok/error.hpp"
 
 namespace mok {
 namespace {
 
-void cuda_check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw Error(detail::concat("mok::DevicePlan: ", what, ": ", cudaGetErrorString(err)));
-}
+void check_cuda(cudaError_t err, const char* what) { detail::cuda_check(err, "mok::DevicePlan", what); }
 
 std::size_t round_up(std::size_t n) { return (n + 255) / 256 * 256; }
 
@@ -43,7 +42,7 @@ DevicePlan::DevicePlan(const MoeShape& shape, std::int64_t tokens, const PlanOpt
       round_up(sizeof(PlanStatus))};
   std::size_t total = 0;
   for (std::size_t s : sizes) total += s;
-  cuda_check(cudaMalloc(&memory_, total), "cudaMalloc");
+  check_cuda(cudaMalloc(&memory_, total), "cudaMalloc");
   char* at = static_cast<char*>(memory_);
   std::int32_t** fields[] = {&view_.expert_rows, &view_.expert_offset, &view_.row_pair,
                              &view_.tile_expert, &view_.tile_row,      &view_.num_tiles,
@@ -65,9 +64,9 @@ std::int64_t DevicePlan::num_chunks() const {
 }
 
 void DevicePlan::check(cudaStream_t stream) const {
-  cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   PlanStatus status{};
-  cuda_check(cudaMemcpy(&status, view_.status, sizeof status, cudaMemcpyDeviceToHost), "reading the status");
+  check_cuda(cudaMemcpy(&status, view_.status, sizeof status, cudaMemcpyDeviceToHost), "reading the status");
   const std::int64_t k = shape_.top_k, T = tokens_;
   if (status.code == PlanStatus::expert_out_of_range)
     throw_argument_error("mok::plan_device", "topk_ids", "expert id must be in [-1, ", shape_.num_experts,
@@ -89,12 +88,12 @@ Plan DevicePlan::to_host(cudaStream_t stream, std::int64_t rank) const {
   p.num_local_experts = El, p.block_m = block_m_, p.capacity_rows = capacity_rows_;
   auto copy = [](std::vector<std::int32_t>& out, const std::int32_t* src, std::int64_t n) {
     out.resize(n);
-    if (n > 0) cuda_check(cudaMemcpy(out.data(), src, sizeof(std::int32_t) * n, cudaMemcpyDeviceToHost), "copying the plan");
+    if (n > 0) check_cuda(cudaMemcpy(out.data(), src, sizeof(std::int32_t) * n, cudaMemcpyDeviceToHost), "copying the plan");
   };
   copy(p.expert_rows, view_.expert_rows, El);
   copy(p.expert_offset, view_.expert_offset, El + 1);
   std::int32_t tiles = 0;
-  cuda_check(cudaMemcpy(&tiles, view_.num_tiles, sizeof tiles, cudaMemcpyDeviceToHost), "copying the plan");
+  check_cuda(cudaMemcpy(&tiles, view_.num_tiles, sizeof tiles, cudaMemcpyDeviceToHost), "copying the plan");
   copy(p.row_pair, view_.row_pair, p.expert_offset[El]);
   copy(p.tile_expert, view_.tile_expert, tiles);
   copy(p.tile_row, view_.tile_row, tiles);
@@ -121,9 +120,9 @@ void plan_device(const TensorView& ids, std::int64_t rank, DevicePlan& plan, cud
   if (ep * T * k > INT32_MAX) throw_argument_error(where, "topk_ids", "ep*T*k must fit in int32, got ", ep * T * k);
 
   const DevicePlanView& v = plan.view();
-  cuda_check(cudaMemsetAsync(v.row_pair, 0xff, sizeof(std::int32_t) * plan.capacity_rows(), stream), "cudaMemsetAsync");
+  check_cuda(cudaMemsetAsync(v.row_pair, 0xff, sizeof(std::int32_t) * plan.capacity_rows(), stream), "cudaMemsetAsync");
   if (T * k > 0)
-    cuda_check(cudaMemsetAsync(v.pair_row, 0xff, sizeof(std::int32_t) * T * k, stream), "cudaMemsetAsync");
+    check_cuda(cudaMemsetAsync(v.pair_row, 0xff, sizeof(std::int32_t) * T * k, stream), "cudaMemsetAsync");
   kernels::PlanProblem p{};
   p.ids = ids.data;
   p.ids_are_i64 = ids.dtype == DType::i64;
@@ -135,7 +134,7 @@ void plan_device(const TensorView& ids, std::int64_t rank, DevicePlan& plan, cud
   p.block_m = static_cast<std::int32_t>(plan.block_m());
   p.capacity_rows = plan.capacity_rows();
   kernels::launch_plan(p, v, stream);
-  cuda_check(cudaGetLastError(), "launching the planner");
+  check_cuda(cudaGetLastError(), "launching the planner");
 }
 
 }  // namespace mok

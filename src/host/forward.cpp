@@ -7,6 +7,7 @@
 
 #include "kernels/dispatch.cuh"
 #include "kernels/forward.cuh"
+#include "cuda_check.hpp"
 #include "mok/error.hpp"
 #include "tensor_map.hpp"
 
@@ -15,9 +16,7 @@ namespace {
 
 constexpr const char* kWhere = "mok::forward";
 
-void cuda_check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw Error(detail::concat(kWhere, ": ", what, ": ", cudaGetErrorString(err)));
-}
+void check_cuda(cudaError_t err, const char* what) { detail::cuda_check(err, kWhere, what); }
 
 std::int64_t shared_tiles(const MoeShape& s, std::int64_t tokens) {
   return s.has_shared() ? (tokens + kernels::kBlockM - 1) / kernels::kBlockM : 0;
@@ -56,14 +55,14 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
   const std::int64_t routed_x_bytes = 2 * capacity * H;
   const std::int64_t hidden_bytes = 2 * (capacity * I + padded_tokens * Is);
   const std::int64_t slot_bytes = 4 * (capacity * H + padded_tokens * H);
-  cuda_check(cudaMalloc(&x_routed_, std::max<std::int64_t>(routed_x_bytes, 16)), "cudaMalloc(x_routed)");
-  cuda_check(cudaMalloc(&hidden_, std::max<std::int64_t>(hidden_bytes, 16)), "cudaMalloc(hidden)");
-  cuda_check(cudaMalloc(reinterpret_cast<void**>(&slots_), std::max<std::int64_t>(slot_bytes, 16)), "cudaMalloc(slots)");
-  cuda_check(cudaMalloc(reinterpret_cast<void**>(&counters_), 4 * counter_count()), "cudaMalloc(counters)");
-  cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&status_host_), sizeof(KernelStatus), cudaHostAllocMapped),
+  check_cuda(cudaMalloc(&x_routed_, std::max<std::int64_t>(routed_x_bytes, 16)), "cudaMalloc(x_routed)");
+  check_cuda(cudaMalloc(&hidden_, std::max<std::int64_t>(hidden_bytes, 16)), "cudaMalloc(hidden)");
+  check_cuda(cudaMalloc(reinterpret_cast<void**>(&slots_), std::max<std::int64_t>(slot_bytes, 16)), "cudaMalloc(slots)");
+  check_cuda(cudaMalloc(reinterpret_cast<void**>(&counters_), 4 * counter_count()), "cudaMalloc(counters)");
+  check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&status_host_), sizeof(KernelStatus), cudaHostAllocMapped),
              "cudaHostAlloc(status)");
   *status_host_ = KernelStatus{};
-  cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_host_, 0),
+  check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_host_, 0),
              "cudaHostGetDevicePointer(status)");
   bytes_ = routed_x_bytes + hidden_bytes + slot_bytes + 4 * counter_count();
 }
@@ -105,7 +104,7 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
   ws.throw_if_failed();
   const MoeShape& s = ws.shape();
   int device = 0;
-  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   const std::int64_t T = validate_forward_args(kWhere, s, a, Device::cuda(device));
   if (T != ws.tokens())
     throw_argument_error(kWhere, "x", "has ", T, " tokens but the workspace was made for ", ws.tokens());
@@ -120,9 +119,9 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
 
   DevicePlan& plan = ws.plan();
   plan_device(a.topk_ids, 0, plan, stream);
-  cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), "cudaMemsetAsync(counters)");
+  check_cuda(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), "cudaMemsetAsync(counters)");
   int sms = 0;
-  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
   const int ctas = ws.config().compute_sms > 0 ? std::min(ws.config().compute_sms, sms) : sms;
 
   const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts, Is = s.shared_intermediate;
@@ -178,7 +177,7 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
   p.swiglu_limit = s.swiglu_limit ? *s.swiglu_limit : std::numeric_limits<float>::infinity();
   p.timeout_ns = static_cast<long long>(ws.config().timeout_seconds * 1e9);
   kernels::launch_forward(p, ctas, stream);
-  cuda_check(cudaGetLastError(), "launching the forward kernel");
+  check_cuda(cudaGetLastError(), "launching the forward kernel");
 }
 
 }  // namespace mok
