@@ -8,12 +8,16 @@
 //          (fwd: X[M,H]·[gate|up]^T, h·down^T; fwd+bwd adds the four backward GEMMs):
 //          the ceiling a grouped kernel is measured against
 //   plan   the device planner alone (pass "plan"): its cost inside every pass
-//   mok    the fused layer (pass "fwd"; backward arrives with its kernel), checked first
-//          on sampled tokens against the fp64 CPU reference
+//   mok    the fused layer: "fwd" (forward), "fwd+bwd" (forward saving the pre-activations,
+//          then the fused backward into bf16 gradients); the forward is checked first on
+//          sampled tokens against the fp64 CPU reference, the backward's outputs for
+//          finiteness (its exactness is the test suite's job). peak_bytes: the workspace
+//          plus the saved tensor (what the layer allocates beyond inputs and outputs)
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -246,7 +250,6 @@ double check_sampled_tokens(const mok::MoeShape& s, std::int64_t T, const std::u
 }
 
 Record bench_mok(const Options& o, const mok::Preset& p, const std::string& pass, cudaStream_t stream) {
-  if (pass != "fwd") throw mok::Error("mok_bench: the fused backward is not built yet");
   const mok::MoeShape& s = p.shape;
   if (s.has_shared()) throw mok::Error("mok_bench: presets with a shared expert are not benchmarked");
   const std::int64_t T = p.tokens, H = s.hidden, I = s.intermediate, E = s.num_experts, k = s.top_k;
@@ -266,7 +269,8 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& pass
   CUDA_OK(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream));
   CUDA_OK(cudaMemcpyAsync(d_weights, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice, stream));
   CUDA_OK(cudaStreamSynchronize(stream));
-  mok::Workspace ws(s, T);
+  const bool bwd = pass == "fwd+bwd";
+  mok::Workspace ws(s, T, {}, bwd ? mok::Training::save : mok::Training::off);
   const mok::Device dev = mok::Device::cuda(0);
   mok::ForwardArgs a;
   a.x = mok::TensorView::contiguous(x, mok::DType::bf16, dev, {T, H});
@@ -281,12 +285,50 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& pass
   ws.check(stream);
   const double err = check_sampled_tokens(s, T, x, gate, up, down, ids, weights, y);
   if (!(err <= 1e-2)) throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
-  const auto ms = time_iterations(o, stream, [&] { mok::forward(a, ws, stream); });
+  std::vector<float> ms;
+  std::int64_t extra_bytes = 0;
+  if (!bwd) {
+    ms = time_iterations(o, stream, [&] { mok::forward(a, ws, stream); });
+  } else {
+    auto* saved = arena.alloc<std::uint16_t>(ws.saved_elements());
+    auto* dy = arena.alloc<std::uint16_t>(T * H);
+    auto* dx = arena.alloc<std::uint16_t>(T * H);
+    auto* d_tw = arena.alloc<float>(T * k);
+    auto* d_gate = arena.alloc<std::uint16_t>(E * I * H);
+    auto* d_up = arena.alloc<std::uint16_t>(E * I * H);
+    auto* d_down = arena.alloc<std::uint16_t>(E * H * I);
+    fill_random_kernel<<<1024, 256, 0, stream>>>(dy, T * H, seed++);
+    extra_bytes = 2 * ws.saved_elements();
+    const auto saved_view = mok::TensorView::contiguous(saved, mok::DType::bf16, dev, {ws.saved_elements()});
+    mok::BackwardArgs b;
+    b.dy = mok::TensorView::contiguous(dy, mok::DType::bf16, dev, {T, H});
+    b.dx = mok::TensorView::contiguous(dx, mok::DType::bf16, dev, {T, H});
+    b.d_topk_weights = mok::TensorView::contiguous(d_tw, mok::DType::f32, dev, {T, k});
+    b.d_w_gate = mok::TensorView::contiguous(d_gate, mok::DType::bf16, dev, {E, I, H});
+    b.d_w_up = mok::TensorView::contiguous(d_up, mok::DType::bf16, dev, {E, I, H});
+    b.d_w_down = mok::TensorView::contiguous(d_down, mok::DType::bf16, dev, {E, H, I});
+    auto step = [&] {
+      mok::forward(a, ws, stream, saved_view);
+      mok::backward(a, b, ws, stream, saved_view);
+    };
+    CUDA_OK(cudaMemsetAsync(dx, 0xff, T * H * 2, stream));
+    step();
+    ws.check(stream);
+    std::vector<mok::bf16> dx_host(T * H);
+    std::vector<float> dtw_host(T * k);
+    CUDA_OK(cudaMemcpy(dx_host.data(), dx, T * H * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(dtw_host.data(), d_tw, T * k * 4, cudaMemcpyDeviceToHost));
+    for (mok::bf16 v : dx_host)
+      if (!std::isfinite(v.to_float())) throw mok::Error("mok_bench: fused backward wrote a non-finite dx on " + p.name);
+    for (float v : dtw_host)
+      if (!std::isfinite(v)) throw mok::Error("mok_bench: fused backward wrote a non-finite d_topk_weights on " + p.name);
+    ms = time_iterations(o, stream, step);
+  }
   ws.check(stream);
   const double med = ms[ms.size() / 2];
-  const double flops = mok::forward_flops(s, T * k, T);
+  const double flops = mok::forward_flops(s, T * k, T) * (bwd ? 3 : 1);
   return {p.name, "mok", pass, T, 1, H, I, E, k, med, ms[ms.size() / 10], ms[ms.size() * 9 / 10],
-          flops / (med * 1e-3) / 1e12, static_cast<std::size_t>(ws.bytes()), o.iters};
+          flops / (med * 1e-3) / 1e12, static_cast<std::size_t>(ws.bytes() + extra_bytes), o.iters};
 }
 
 void write_json(const Options& o, const std::vector<Record>& records, const std::string& gpu) {
@@ -360,7 +402,6 @@ int main(int argc, char** argv) try {
   for (const mok::Preset* p : chosen)
     for (const std::string& impl : o.impls) {
       std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
-      if (impl == "mok") passes = {"fwd"};  // the fused backward is not built yet
       for (const std::string& pass : passes) {
         if (impl == "mok") records.push_back(bench_mok(o, *p, pass, stream));
         else if (impl == "cublas") records.push_back(bench_dense(o, *p, pass, stream, handle));

@@ -40,14 +40,17 @@ else
   echo "pip install . failed (see pip.log)"; tail -20 "$LOG/pip.log"; test_rc=1
 fi
 
-# compute-sanitizer on a small case: shared expert, clamp, padding, ragged T.
+# compute-sanitizer on small cases: shared expert, clamp, padding, ragged T.
 extra=()
-small_case='Forward/ForwardCases.MatchesReference/shared_padded_clamp'
-for tool in memcheck racecheck; do
-  if timeout 600 compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/test_gpu_forward \
-       --gtest_filter="$small_case" > "$LOG/sanitizer_$tool.log" 2>&1; then outcome=passed; else outcome=failed; test_rc=1; fi
-  echo "compute-sanitizer $tool: $outcome ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_$tool.log" | tail -1))"
-  extra+=("compute-sanitizer $tool: $small_case=$outcome")
+for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
+              test_gpu_backward:Backward/BackwardCases.MatchesReference/shared_padded_clamp; do
+  binary=${target%%:*} small_case=${target#*:}
+  for tool in memcheck racecheck; do
+    if timeout 600 compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/$binary \
+         --gtest_filter="$small_case" > "$LOG/sanitizer_${binary}_$tool.log" 2>&1; then outcome=passed; else outcome=failed; test_rc=1; fi
+    echo "compute-sanitizer $tool $small_case: $outcome ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_${binary}_$tool.log" | tail -1))"
+    extra+=("compute-sanitizer $tool: $small_case=$outcome")
+  done
 done
 
 $build/bench/mok_bench --preset all --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" --date "$date" \

@@ -35,6 +35,9 @@ struct DevicePlanView {
   PlanStatus* status;           // [1]
 };
 
+// Rows of the plan table a DevicePlan made with `options` has (block_m > 0).
+std::int64_t device_plan_capacity_rows(const MoeShape& shape, std::int64_t tokens, const PlanOptions& options);
+
 class DevicePlan {
  public:
   // Allocates the plan of one rank for T tokens per rank on the current device.

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "mok/device_plan.hpp"
 #include "mok/types.hpp"
@@ -26,19 +27,33 @@ struct KernelStatus {
 
 const char* kernel_phase_name(std::int32_t phase);
 
-// Buffers of one layer's forward for a fixed number of tokens T: the plan, the routed
-// rows of x in plan order, the SwiGLU
-// output h (the context backward reads), fp32 per-slot outputs, dependency counters,
-// and the status record. Reusable across calls and layers of the same shape.
+// What a workspace is made for. `off`: forward only. `save`: the forward saves the gate/up
+// pre-activations into a caller-given tensor (saved_elements() bf16) that the backward
+// reads. `recompute`: the backward recomputes them (GEMM1 again) into the workspace, so
+// nothing but the routing has to be kept between forward and backward.
+enum class Training { off, save, recompute };
+
+// bf16 elements of the tensor a Training::save forward fills for a workspace of this
+// shape, T and config (Workspace::saved_elements(), computed without a GPU).
+std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Config& config = {});
+
+// Buffers of one layer's forward (and backward) for a fixed number of tokens T: the
+// plan, the routed rows of x (and dy) in plan order, the SwiGLU output h, fp32 per-slot
+// outputs, dependency counters and the status record. Reusable across calls and layers
+// of the same shape; it keeps nothing that the backward needs from the forward.
 class Workspace {
  public:
-  Workspace(const MoeShape& shape, std::int64_t tokens, const Config& config = {});
+  Workspace(const MoeShape& shape, std::int64_t tokens, const Config& config = {}, Training training = Training::off);
   ~Workspace();
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
 
   const MoeShape& shape() const { return shape_; }
   const Config& config() const { return config_; }
+  Training training() const { return training_; }
+  // bf16 elements of the tensor a forward saves for the backward (Training::save):
+  // capacity_rows * 2I + ceil(T / 128) * 128 * 2 I_s.
+  std::int64_t saved_elements() const;
   std::int64_t tokens() const { return tokens_; }
   DevicePlan& plan() { return *plan_; }
 
@@ -55,16 +70,26 @@ class Workspace {
   int* counters() const { return counters_; }
   std::int64_t counter_count() const;
   KernelStatus* status_device() const { return status_device_; }
+  // Backward buffers (training only).
+  void* dy_routed() const { return dy_routed_; }         // [capacity, H] bf16
+  void* d_pre_activations() const { return dgu_; }        // like the saved tensor
+  float* dw_partial() const { return dw_partial_; }       // [capacity, ceil(I / 256)]
+  void* recompute_buffer() const { return recompute_; }   // saved_elements() bf16 (recompute)
   std::int64_t bytes() const { return bytes_; }
 
  private:
   MoeShape shape_;
   Config config_;
+  Training training_;
   std::int64_t tokens_;
   std::unique_ptr<DevicePlan> plan_;
   void* x_routed_ = nullptr;
   void* hidden_ = nullptr;
   float* slots_ = nullptr;
+  void* dy_routed_ = nullptr;
+  void* dgu_ = nullptr;
+  float* dw_partial_ = nullptr;
+  void* recompute_ = nullptr;
   int* counters_ = nullptr;
   KernelStatus* status_host_ = nullptr;
   KernelStatus* status_device_ = nullptr;
@@ -75,6 +100,9 @@ class Workspace {
 // kernel (gather + GEMM1 + SwiGLU, GEMM2, fixed-order combine). Stream-ordered, no host
 // synchronisation; bitwise identical across runs and SM counts. Throws mok::Error on
 // invalid arguments; errors found on the device surface at Workspace::check() or the next call.
-void forward(const ForwardArgs& args, Workspace& workspace, cudaStream_t stream);
+// `saved` (Training::save only): 1-D bf16 [workspace.saved_elements()], written with the
+// gate/up pre-activations the backward reads; keep it until the backward has run.
+void forward(const ForwardArgs& args, Workspace& workspace, cudaStream_t stream,
+             const std::optional<TensorView>& saved = std::nullopt);
 
 }  // namespace mok

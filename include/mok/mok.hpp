@@ -14,3 +14,4 @@
 #include "mok/problem.hpp"
 #include "mok/presets.hpp"
 #include "mok/forward.hpp"
+#include "mok/backward.hpp"

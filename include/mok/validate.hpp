@@ -40,8 +40,9 @@ struct BackwardArgs {
 
 // Checks dtypes, shapes, contiguity, alignment, null pointers and the declared device of
 // every tensor; returns T. `where` names the caller in messages ("mok::forward").
+// require_output = false: y may be left empty (the backward does not read it).
 std::int64_t validate_forward_args(std::string_view where, const MoeShape& shape,
-                                   const ForwardArgs& args, Device device);
+                                   const ForwardArgs& args, Device device, bool require_output = true);
 void validate_backward_args(std::string_view where, const MoeShape& shape,
                             const ForwardArgs& fwd, const BackwardArgs& bwd, Device device);
 

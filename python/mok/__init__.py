@@ -6,7 +6,7 @@ computes y[t] = shared(x[t]) + sum_j topk_weights[t, j] * down_e(silu(gate_e x[t
 with e = topk_ids[t, j] (-1 = no expert), fp32 accumulation, bf16 output, in one fused
 kernel on a Hopper GPU. `mok.reference_forward` is the fp64 CPU oracle.
 
-Status: forward only (one GPU); the fused backward, expert parallelism and the
+Status: forward and backward on one GPU (autograd through `mok.moe`); expert parallelism and the
 Hugging Face backend are not built yet.
 """
 

@@ -1,7 +1,7 @@
 """The PyTorch API: a torch.library custom op with a fake implementation, so the layer
 works under torch.compile(fullgraph=True) and CUDA-graph capture."""
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -11,19 +11,26 @@ from mok._checks import check_moe_args
 _workspaces = {}
 
 
-def _workspace(x, w_gate, top_k, shared_intermediate, swiglu_limit):
+def _workspace(x, w_gate, top_k, shared_intermediate, swiglu_limit, training=False):
     T, H = x.shape
     E, I, _ = w_gate.shape
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    key = (device, T, H, I, E, top_k, shared_intermediate, swiglu_limit)
+    key = (device, T, H, I, E, top_k, shared_intermediate, swiglu_limit, training)
     ws = _workspaces.get(key)
     if ws is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("mok.moe: the first call for a shape allocates its workspace; "
                                "run it once before capturing a CUDA graph")
-        ws = _C.Workspace(H, I, E, top_k, shared_intermediate, swiglu_limit, T, device)
+        ws = _C.Workspace(H, I, E, top_k, shared_intermediate, swiglu_limit, T, device, training=training)
         _workspaces[key] = ws
     return ws
+
+
+def _saved_elements(x, w_gate, top_k, shared_gate, swiglu_limit):
+    T, H = x.shape
+    E, I, _ = w_gate.shape
+    Is = 0 if shared_gate is None else shared_gate.shape[0]
+    return _C.saved_elements(H, I, E, top_k, Is, swiglu_limit, T)
 
 
 @torch.library.custom_op("mok::moe_forward", mutates_args=())
@@ -50,12 +57,96 @@ def _moe_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
     return torch.empty_like(x)
 
 
-def _moe_backward(ctx, grad):
-    raise NotImplementedError("mok.moe: the fused backward is not built yet; this release is forward-only")
+@torch.library.custom_op("mok::moe_train_forward", mutates_args=())
+def moe_train_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
+                      w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
+                      shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
+                      swiglu_limit: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The forward of a training step: y, and the gate/up pre-activations (bf16, flat) the
+    backward reads."""
+    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
+    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit)
+    y = torch.empty_like(x)
+    saved = torch.empty(_saved_elements(x, w_gate, topk_ids.shape[1], shared_gate, swiglu_limit),
+                        dtype=torch.bfloat16, device=x.device)
+    if x.shape[0] == 0:
+        return y, saved
+    ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit,
+                    training=True)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    _C.forward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, saved,
+               stream)
+    return y, saved
+
+
+@moe_train_forward.register_fake
+def _moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                            swiglu_limit):
+    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
+    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit)
+    n = _saved_elements(x, w_gate, topk_ids.shape[1], shared_gate, swiglu_limit)
+    return torch.empty_like(x), x.new_empty((n,), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("mok::moe_backward", mutates_args=())
+def moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
+                 shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor], saved: torch.Tensor,
+                 swiglu_limit: Optional[float]) -> List[torch.Tensor]:
+    """dx, d_topk_weights, d_w_gate, d_w_up, d_w_down[, d_shared_gate, d_shared_up, d_shared_down]."""
+    dy = dy.contiguous()
+    grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
+    ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit,
+                    training=True)
+    shared_grads = grads[5:] if shared_gate is not None else (None, None, None)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    _C.backward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
+                dy, *grads[:5], *shared_grads, stream)
+    return grads
+
+
+def _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down):
+    grads = [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate), torch.empty_like(w_up),
+             torch.empty_like(w_down)]
+    if shared_gate is not None:
+        grads += [torch.empty_like(shared_gate), torch.empty_like(shared_up), torch.empty_like(shared_down)]
+    return grads
+
+
+@moe_backward.register_fake
+def _moe_backward_fake(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                       saved, swiglu_limit):
+    return _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
+
+
+def _train_setup_context(ctx, inputs, output):
+    x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit = inputs
+    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                          output[1])
+    ctx.swiglu_limit = swiglu_limit
+    ctx.mark_non_differentiable(output[1])
+
+
+def _train_backward(ctx, grad_y, grad_saved):
+    x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved = ctx.saved_tensors
+    if grad_y is None:
+        grad_y = torch.zeros_like(x)
+    grads = moe_backward(grad_y, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up,
+                         shared_down, saved, ctx.swiglu_limit)
+    shared = grads[5:] if shared_gate is not None else [None, None, None]
+    return grads[0], None, grads[1], grads[2], grads[3], grads[4], *shared, None
+
+
+moe_train_forward.register_autograd(_train_backward, setup_context=_train_setup_context)
 
 
 def _moe_setup_context(ctx, inputs, output):
     pass
+
+
+def _moe_backward(ctx, grad):
+    raise RuntimeError("mok.moe: this call ran without autograd recording (no input required grad "
+                       "when it ran); call it with grad enabled to train")
 
 
 moe_forward.register_autograd(_moe_backward, setup_context=_moe_setup_context)
@@ -70,8 +161,14 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     w_gate, w_up [E, I, H] bf16; w_down [E, H, I] bf16; shared = (gate [I_s, H], up [I_s, H],
     down [H, I_s]) or None; swiglu_limit clamps gate <= limit and |up| <= limit.
     Expert ids out of range set y to NaN and raise at the next call or at mok.check().
+    Differentiable (x, topk_weights and every weight) when autograd records the call: the
+    forward then saves the gate/up pre-activations (bf16, k*2I*2 bytes per token plus padding)
+    and the fused backward computes every gradient in one kernel.
     """
     shared = tuple(shared) if shared is not None else (None, None, None)
+    tensors = (x, topk_weights, w_gate, w_up, w_down) + tuple(t for t in shared if t is not None)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return moe_train_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit)[0]
     return moe_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit)
 
 

@@ -75,6 +75,26 @@ nb::ndarray<nb::numpy, double> to_numpy(std::vector<double> values, std::initial
 
 }  // namespace
 
+mok::ForwardArgs forward_args(const nb::ndarray<>& x, const nb::ndarray<>& ids, const nb::ndarray<>& weights,
+                              const nb::ndarray<>& gate, const nb::ndarray<>& up, const nb::ndarray<>& down,
+                              const std::optional<nb::ndarray<>>& shared_gate,
+                              const std::optional<nb::ndarray<>>& shared_up,
+                              const std::optional<nb::ndarray<>>& shared_down, const nb::ndarray<>* y) {
+  mok::ForwardArgs a;
+  a.x = view_of(x), a.topk_ids = view_of(ids), a.topk_weights = view_of(weights);
+  a.w_gate = view_of(gate), a.w_up = view_of(up), a.w_down = view_of(down);
+  if (y) a.y = view_of(*y);
+  a.shared_gate = optional_view(shared_gate), a.shared_up = optional_view(shared_up);
+  a.shared_down = optional_view(shared_down);
+  return a;
+}
+
+// This extension has its own CUDA runtime: select the tensors' device explicitly.
+void select_device(const mok::ForwardArgs& a, const char* where) {
+  if (a.x.device.kind == mok::DeviceKind::cuda && cudaSetDevice(a.x.device.index) != cudaSuccess)
+    throw nb::value_error((std::string(where) + ": cannot use CUDA device " + std::to_string(a.x.device.index)).c_str());
+}
+
 NB_MODULE(_C, m) {
   m.doc() = "MoK for Hopper: C++/CUDA core (see the mok package for the PyTorch API)";
   m.attr("__version__") = mok::kVersion;
@@ -119,7 +139,7 @@ NB_MODULE(_C, m) {
           "__init__",
           [](mok::Workspace* self, std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts,
              std::int64_t top_k, std::int64_t shared_intermediate, std::optional<float> limit, std::int64_t tokens,
-             int device, int compute_sms, double timeout_seconds) {
+             int device, int compute_sms, double timeout_seconds, bool training) {
             if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
               throw nb::value_error(("mok.Workspace: cannot use CUDA device " + std::to_string(device) + ": " +
                                      cudaGetErrorString(err)).c_str());
@@ -128,11 +148,12 @@ NB_MODULE(_C, m) {
             config.timeout_seconds = timeout_seconds;
             new (self) mok::Workspace(make_shape(hidden, intermediate, num_experts, num_experts, top_k,
                                                  shared_intermediate, limit),
-                                      tokens, config);
+                                      tokens, config, training ? mok::Training::save : mok::Training::off);
           },
           nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("top_k"),
           nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("tokens"), nb::arg("device"),
-          nb::arg("compute_sms") = 0, nb::arg("timeout_seconds") = 10.0)
+          nb::arg("compute_sms") = 0, nb::arg("timeout_seconds") = 10.0, nb::arg("training") = false)
+      .def_prop_ro("saved_elements", &mok::Workspace::saved_elements)
       .def("check", [](mok::Workspace& ws, std::uintptr_t stream) { ws.check(reinterpret_cast<cudaStream_t>(stream)); })
       .def_prop_ro("bytes", &mok::Workspace::bytes);
 
@@ -141,19 +162,51 @@ NB_MODULE(_C, m) {
       [](mok::Workspace& ws, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
          nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
          std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
-         std::uintptr_t stream) {
-        mok::ForwardArgs a;
-        a.x = view_of(x), a.topk_ids = view_of(ids), a.topk_weights = view_of(weights);
-        a.w_gate = view_of(gate), a.w_up = view_of(up), a.w_down = view_of(down), a.y = view_of(y);
-        a.shared_gate = optional_view(shared_gate), a.shared_up = optional_view(shared_up);
-        a.shared_down = optional_view(shared_down);
-        // This extension has its own CUDA runtime: select the tensors' device explicitly.
-        if (a.x.device.kind == mok::DeviceKind::cuda && cudaSetDevice(a.x.device.index) != cudaSuccess)
-          throw nb::value_error(("mok.forward: cannot use CUDA device " + std::to_string(a.x.device.index)).c_str());
+         std::optional<nb::ndarray<>> saved, std::uintptr_t stream) {
+        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y);
+        select_device(a, "mok.forward");
+        const std::optional<mok::TensorView> saved_view = optional_view(saved);
         nb::gil_scoped_release release;
-        mok::forward(a, ws, reinterpret_cast<cudaStream_t>(stream));
+        mok::forward(a, ws, reinterpret_cast<cudaStream_t>(stream), saved_view);
       },
       nb::arg("workspace"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"),
       nb::arg("w_up"), nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(),
-      nb::arg("shared_down").none(), nb::arg("y"), nb::arg("stream"));
+      nb::arg("shared_down").none(), nb::arg("y"), nb::arg("saved").none(), nb::arg("stream"));
+
+  m.def(
+      "backward",
+      [](mok::Workspace& ws, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
+         nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
+         std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> saved,
+         nb::ndarray<> dy, nb::ndarray<> dx, nb::ndarray<> d_weights, nb::ndarray<> d_gate, nb::ndarray<> d_up,
+         nb::ndarray<> d_down, std::optional<nb::ndarray<>> d_shared_gate, std::optional<nb::ndarray<>> d_shared_up,
+         std::optional<nb::ndarray<>> d_shared_down, std::uintptr_t stream) {
+        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr);
+        select_device(a, "mok.backward");
+        mok::BackwardArgs b;
+        b.dy = view_of(dy), b.dx = view_of(dx), b.d_topk_weights = view_of(d_weights);
+        b.d_w_gate = view_of(d_gate), b.d_w_up = view_of(d_up), b.d_w_down = view_of(d_down);
+        b.d_shared_gate = optional_view(d_shared_gate), b.d_shared_up = optional_view(d_shared_up);
+        b.d_shared_down = optional_view(d_shared_down);
+        const mok::TensorView saved_view = view_of(saved);
+        nb::gil_scoped_release release;
+        mok::backward(a, b, ws, reinterpret_cast<cudaStream_t>(stream), saved_view);
+      },
+      nb::arg("workspace"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"),
+      nb::arg("w_up"), nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(),
+      nb::arg("shared_down").none(), nb::arg("saved"), nb::arg("dy"), nb::arg("dx"), nb::arg("d_topk_weights"),
+      nb::arg("d_w_gate"), nb::arg("d_w_up"), nb::arg("d_w_down"), nb::arg("d_shared_gate").none(),
+      nb::arg("d_shared_up").none(), nb::arg("d_shared_down").none(), nb::arg("stream"));
+
+  m.def(
+      "saved_elements",
+      [](std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts, std::int64_t top_k,
+         std::int64_t shared_intermediate, std::optional<float> limit, std::int64_t tokens) {
+        return mok::saved_elements(make_shape(hidden, intermediate, num_experts, num_experts, top_k,
+                                              shared_intermediate, limit),
+                                   tokens);
+      },
+      nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("top_k"),
+      nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("tokens"),
+      "bf16 elements of the tensor a training forward saves for the backward (no GPU needed).");
 }

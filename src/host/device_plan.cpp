@@ -18,6 +18,14 @@ std::size_t round_up(std::size_t n) { return (n + 255) / 256 * 256; }
 
 }  // namespace
 
+std::int64_t device_plan_capacity_rows(const MoeShape& shape, std::int64_t tokens, const PlanOptions& options) {
+  const std::int64_t block_m = options.block_m;
+  std::int64_t rows = options.capacity_rows > 0 ? options.capacity_rows : plan_capacity_rows(shape, Config{}, tokens, block_m);
+  rows = rows / block_m * block_m;  // whole tiles
+  if (options.capacity_rows <= 0) rows = std::max(rows, block_m);  // T = 0 still gets one tile
+  return rows;
+}
+
 DevicePlan::DevicePlan(const MoeShape& shape, std::int64_t tokens, const PlanOptions& options)
     : shape_(shape), tokens_(tokens), block_m_(options.block_m) {
   validate(shape);
@@ -26,10 +34,7 @@ DevicePlan::DevicePlan(const MoeShape& shape, std::int64_t tokens, const PlanOpt
     throw_argument_error("mok::DevicePlan", "block_m", "must be a positive multiple of 64, got ", block_m_);
   if (shape.num_local_experts > 4096)
     throw_argument_error("mok::DevicePlan", "num_local_experts", "must be at most 4096, got ", shape.num_local_experts);
-  const std::int64_t worst = plan_capacity_rows(shape, Config{}, tokens, block_m_);
-  capacity_rows_ = options.capacity_rows > 0 ? options.capacity_rows : worst;
-  capacity_rows_ = capacity_rows_ / block_m_ * block_m_;  // whole tiles
-  if (options.capacity_rows <= 0) capacity_rows_ = std::max(capacity_rows_, block_m_);  // T = 0 still gets one tile
+  capacity_rows_ = device_plan_capacity_rows(shape, tokens, options);
   if (capacity_rows_ <= 0)
     throw_argument_error("mok::DevicePlan", "capacity_rows", "must hold at least one tile of ", block_m_, " rows, got ", options.capacity_rows);
 

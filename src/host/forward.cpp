@@ -5,9 +5,10 @@
 #include <cmath>
 #include <limits>
 
+#include "cuda_check.hpp"
 #include "kernels/dispatch.cuh"
 #include "kernels/forward.cuh"
-#include "cuda_check.hpp"
+#include "layer_launch.hpp"
 #include "mok/error.hpp"
 #include "tensor_map.hpp"
 
@@ -16,10 +17,25 @@ namespace {
 
 constexpr const char* kWhere = "mok::forward";
 
-void check_cuda(cudaError_t err, const char* what) { detail::cuda_check(err, kWhere, what); }
+void check_cuda(cudaError_t err, const char* what) { detail::cuda_check(err, "mok::Workspace", what); }
 
-std::int64_t shared_tiles(const MoeShape& s, std::int64_t tokens) {
-  return s.has_shared() ? (tokens + kernels::kBlockM - 1) / kernels::kBlockM : 0;
+template <typename T>
+void allocate(T*& ptr, std::int64_t bytes, const char* what, std::int64_t& total) {
+  check_cuda(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<std::int64_t>(bytes, 16)), what);
+  total += bytes;
+}
+
+std::int64_t dh_tiles(const MoeShape& s) { return (s.intermediate + 255) / 256; }
+
+}  // namespace
+
+namespace {
+
+PlanOptions plan_options(const MoeShape& shape, std::int64_t tokens, const Config& config) {
+  PlanOptions options;
+  options.block_m = detail::kTileRows;
+  if (config.capacity_factor > 0) options.capacity_rows = plan_capacity_rows(shape, config, tokens, detail::kTileRows);
+  return options;
 }
 
 }  // namespace
@@ -28,14 +44,17 @@ const char* kernel_phase_name(std::int32_t phase) {
   switch (phase) {
     case 1: return "waiting for a filled pipeline stage (full barrier)";
     case 2: return "waiting for a free pipeline stage (empty barrier)";
-    case 3: return "waiting for GEMM1 rows of an M-tile (h_ready)";
-    case 4: return "waiting for every GEMM2 tile before the combine (y_done)";
+    case 3: return "forward: waiting for GEMM1 rows of an M-tile (h_ready)";
+    case 4: return "forward: waiting for every GEMM2 tile before the combine (y_done)";
+    case 5: return "backward: waiting for the dh tiles of an M-tile (dgu_ready)";
+    case 6: return "backward: waiting for every dh tile of an expert before its weight gradients (dgu_ready)";
+    case 7: return "backward: waiting for every dx row tile before the combine (dx_done)";
     default: return "unknown phase";
   }
 }
 
-Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& config)
-    : shape_(shape), config_(config), tokens_(tokens) {
+Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& config, Training training)
+    : shape_(shape), config_(config), training_(training), tokens_(tokens) {
   validate(shape);
   validate(config);
   if (shape.ep_size() != 1)
@@ -45,39 +64,48 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
   if (tokens < 0) throw_argument_error("mok::Workspace", "tokens", "must be >= 0, got ", tokens);
   if (tokens * shape.top_k > std::numeric_limits<std::int32_t>::max())
     throw_argument_error("mok::Workspace", "tokens", "T*k must fit in int32, got ", tokens * shape.top_k);
-  PlanOptions options;
-  options.block_m = kernels::kBlockM;
-  if (config.capacity_factor > 0) options.capacity_rows = plan_capacity_rows(shape, config, tokens, kernels::kBlockM);
-  plan_ = std::make_unique<DevicePlan>(shape, tokens, options);
+  plan_ = std::make_unique<DevicePlan>(shape, tokens, plan_options(shape, tokens, config));
 
-  const std::int64_t capacity = plan_->capacity_rows(), padded_tokens = shared_tiles(shape, tokens) * kernels::kBlockM;
+  const std::int64_t capacity = plan_->capacity_rows();
+  const std::int64_t padded_tokens = detail::shared_tiles(shape, tokens) * detail::kTileRows;
   const std::int64_t H = shape.hidden, I = shape.intermediate, Is = shape.shared_intermediate;
-  const std::int64_t routed_x_bytes = 2 * capacity * H;
-  const std::int64_t hidden_bytes = 2 * (capacity * I + padded_tokens * Is);
-  const std::int64_t slot_bytes = 4 * (capacity * H + padded_tokens * H);
-  check_cuda(cudaMalloc(&x_routed_, std::max<std::int64_t>(routed_x_bytes, 16)), "cudaMalloc(x_routed)");
-  check_cuda(cudaMalloc(&hidden_, std::max<std::int64_t>(hidden_bytes, 16)), "cudaMalloc(hidden)");
-  check_cuda(cudaMalloc(reinterpret_cast<void**>(&slots_), std::max<std::int64_t>(slot_bytes, 16)), "cudaMalloc(slots)");
-  check_cuda(cudaMalloc(reinterpret_cast<void**>(&counters_), 4 * counter_count()), "cudaMalloc(counters)");
+  allocate(x_routed_, 2 * capacity * H, "cudaMalloc(x_routed)", bytes_);
+  allocate(hidden_, 2 * (capacity * I + padded_tokens * Is), "cudaMalloc(hidden)", bytes_);
+  allocate(slots_, 4 * (capacity * H + padded_tokens * H), "cudaMalloc(slots)", bytes_);
+  allocate(counters_, 4 * counter_count(), "cudaMalloc(counters)", bytes_);
+  if (training != Training::off) {
+    allocate(dy_routed_, 2 * capacity * H, "cudaMalloc(dy_routed)", bytes_);
+    allocate(dgu_, 2 * saved_elements(), "cudaMalloc(d_pre_activations)", bytes_);
+    allocate(dw_partial_, 4 * capacity * dh_tiles(shape), "cudaMalloc(dw_partial)", bytes_);
+  }
+  if (training == Training::recompute) allocate(recompute_, 2 * saved_elements(), "cudaMalloc(recompute)", bytes_);
   check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&status_host_), sizeof(KernelStatus), cudaHostAllocMapped),
              "cudaHostAlloc(status)");
   *status_host_ = KernelStatus{};
   check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_host_, 0),
              "cudaHostGetDevicePointer(status)");
-  bytes_ = routed_x_bytes + hidden_bytes + slot_bytes + 4 * counter_count();
 }
 
 Workspace::~Workspace() {
-  cudaFree(x_routed_);
-  cudaFree(hidden_);
-  cudaFree(slots_);
-  cudaFree(counters_);
+  for (void* p : {x_routed_, hidden_, static_cast<void*>(slots_), static_cast<void*>(counters_), dy_routed_, dgu_,
+                  static_cast<void*>(dw_partial_), recompute_})
+    cudaFree(p);
   cudaFreeHost(status_host_);
 }
 
 std::int64_t Workspace::counter_count() const {
-  return plan_->max_tiles() + shared_tiles(shape_, tokens_) + 2;  // h_ready[...], y_done, abort
+  return plan_->max_tiles() + detail::shared_tiles(shape_, tokens_) + 2;  // per-tile counters, done, abort
 }
+
+
+std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Config& config) {
+  validate(shape);
+  const std::int64_t capacity = device_plan_capacity_rows(shape, tokens, plan_options(shape, tokens, config));
+  const std::int64_t padded_tokens = detail::shared_tiles(shape, tokens) * detail::kTileRows;
+  return 2 * (capacity * shape.intermediate + padded_tokens * shape.shared_intermediate);
+}
+
+std::int64_t Workspace::saved_elements() const { return mok::saved_elements(shape_, tokens_, config_); }
 
 void Workspace::throw_if_failed() const {
   const volatile KernelStatus* v = status_host_;  // written by the device, read without a sync
@@ -86,9 +114,9 @@ void Workspace::throw_if_failed() const {
   status_host_->code = KernelStatus::ok;  // reported once
   if (s.code == KernelStatus::bad_plan) {
     plan_->check(nullptr);  // synchronises; throws the planner's message (bad id, capacity)
-    throw Error("mok::forward: the plan was invalid and the output was set to NaN");
+    throw Error("mok: the plan was invalid and the outputs were set to NaN");
   }
-  throw Error(detail::concat("mok::forward: timeout after ", config_.timeout_seconds, " s on rank 0 (CTA ", s.block,
+  throw Error(detail::concat("mok: timeout after ", config_.timeout_seconds, " s on rank 0 (CTA ", s.block,
                              ", task ", s.task, "): ", kernel_phase_name(s.phase), "; expected ", s.expected,
                              ", observed ", s.observed));
 }
@@ -100,57 +128,76 @@ void Workspace::check(cudaStream_t stream) {
   plan_->check(stream);
 }
 
-void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
-  ws.throw_if_failed();
-  const MoeShape& s = ws.shape();
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const std::int64_t T = validate_forward_args(kWhere, s, a, Device::cuda(device));
-  if (T != ws.tokens())
-    throw_argument_error(kWhere, "x", "has ", T, " tokens but the workspace was made for ", ws.tokens());
+namespace detail {
+
+void check_locations(std::string_view where, const ForwardArgs& a, const MoeShape& s, bool check_output) {
   for (auto [name, view] : {std::pair{"x", &a.x}, {"topk_ids", &a.topk_ids}, {"topk_weights", &a.topk_weights},
-                            {"w_gate", &a.w_gate}, {"w_up", &a.w_up}, {"w_down", &a.w_down}, {"y", &a.y}})
-    if (view->numel() > 0) check_pointer_location(kWhere, name, *view);
+                            {"w_gate", &a.w_gate}, {"w_up", &a.w_up}, {"w_down", &a.w_down}})
+    if (view->numel() > 0) check_pointer_location(where, name, *view);
+  if (check_output && a.y.numel() > 0) check_pointer_location(where, "y", a.y);
   if (s.has_shared())
     for (auto [name, view] : {std::pair{"shared_gate", &*a.shared_gate}, {"shared_up", &*a.shared_up},
                               {"shared_down", &*a.shared_down}})
-      check_pointer_location(kWhere, name, *view);
-  if (T == 0) return;
+      check_pointer_location(where, name, *view);
+}
 
+void check_saved(std::string_view where, const TensorView& saved, const Workspace& ws, Device device) {
+  if (saved.dtype != DType::bf16) throw_argument_error(where, "saved", "dtype must be bf16, got ", dtype_name(saved.dtype));
+  if (saved.ndim != 1 || saved.shape[0] != ws.saved_elements())
+    throw_argument_error(where, "saved", "shape must be [", ws.saved_elements(), "] (Workspace::saved_elements()), got ",
+                         saved.shape_string());
+  if (saved.device != device)
+    throw_argument_error(where, "saved", "must be on ", device_name(device), ", got ", device_name(saved.device));
+  if (saved.numel() > 0 && (saved.data == nullptr || !saved.is_contiguous()))
+    throw_argument_error(where, "saved", "must be a contiguous non-null tensor");
+  if (saved.numel() > 0) check_pointer_location(where, "saved", saved);
+}
+
+int persistent_ctas(const Workspace& ws, std::string_view where) {
+  int device = 0, sms = 0;
+  cuda_check(cudaGetDevice(&device), where, "cudaGetDevice");
+  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), where, "cudaDeviceGetAttribute");
+  return ws.config().compute_sms > 0 ? std::min(ws.config().compute_sms, sms) : sms;
+}
+
+void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t stream) {
+  const MoeShape& s = ws.shape();
+  const DevicePlanView& v = ws.plan().view();
+  kernels::DispatchParams d{static_cast<const std::uint16_t*>(rows), static_cast<std::uint16_t*>(routed), v.row_pair,
+                            v.expert_offset, v.status, ws.plan().capacity_rows(), static_cast<int>(s.hidden),
+                            static_cast<int>(s.top_k), static_cast<int>(s.num_local_experts)};
+  kernels::launch_dispatch(d, 4 * persistent_ctas(ws, "mok::dispatch"), stream);
+}
+
+void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, std::uint16_t* saved_gu,
+                           bool gemm1_only, std::string_view where) {
+  const MoeShape& s = ws.shape();
+  const std::int64_t T = ws.tokens();
   DevicePlan& plan = ws.plan();
-  plan_device(a.topk_ids, 0, plan, stream);
-  check_cuda(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), "cudaMemsetAsync(counters)");
-  int sms = 0;
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  const int ctas = ws.config().compute_sms > 0 ? std::min(ws.config().compute_sms, sms) : sms;
+  dispatch_rows(a.x.data, ws.x_routed(), ws, stream);
+  cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), where, "cudaMemsetAsync(counters)");
 
   const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts, Is = s.shared_intermediate;
   const std::int64_t capacity = plan.capacity_rows(), n_shared_tiles = shared_tiles(s, T);
-  const std::int64_t padded_tokens = n_shared_tiles * kernels::kBlockM;
+  const std::int64_t padded_tokens = n_shared_tiles * kTileRows;
   const DevicePlanView& v = plan.view();
-  auto* x_routed = static_cast<std::uint16_t*>(ws.x_routed());
-  kernels::DispatchParams dispatch{static_cast<const std::uint16_t*>(a.x.data), x_routed, v.row_pair, v.expert_offset,
-                                   v.status, capacity, static_cast<int>(H), static_cast<int>(s.top_k),
-                                   static_cast<int>(El)};
-  kernels::launch_dispatch(dispatch, 4 * ctas, stream);
-
-  using detail::make_bf16_tensor_map;
+  using U = std::uint64_t;
   kernels::ForwardParams p{};
-  p.maps.x = make_bf16_tensor_map(a.x.data, {std::uint64_t(H), std::uint64_t(T)}, {64, 128}, "x");
-  p.maps.x_routed = make_bf16_tensor_map(x_routed, {std::uint64_t(H), std::uint64_t(capacity)}, {64, 128}, "x_routed");
+  p.maps.x = make_bf16_tensor_map(a.x.data, {U(H), U(T)}, {64, 128}, "x");
+  p.maps.x_routed = make_bf16_tensor_map(ws.x_routed(), {U(H), U(capacity)}, {64, 128}, "x_routed");
   auto* hidden = static_cast<std::uint16_t*>(ws.hidden());
-  p.maps.gate = make_bf16_tensor_map(a.w_gate.data, {std::uint64_t(H), std::uint64_t(I), std::uint64_t(El)}, {64, 128, 1}, "w_gate");
-  p.maps.up = make_bf16_tensor_map(a.w_up.data, {std::uint64_t(H), std::uint64_t(I), std::uint64_t(El)}, {64, 128, 1}, "w_up");
-  p.maps.down = make_bf16_tensor_map(a.w_down.data, {std::uint64_t(I), std::uint64_t(H), std::uint64_t(El)}, {64, 256, 1}, "w_down");
-  p.maps.h_store = make_bf16_tensor_map(hidden, {std::uint64_t(I), std::uint64_t(capacity)}, {64, 64}, "h");
-  p.maps.h_load = make_bf16_tensor_map(hidden, {std::uint64_t(I), std::uint64_t(capacity)}, {64, 128}, "h");
+  p.maps.gate = make_bf16_tensor_map(a.w_gate.data, {U(H), U(I), U(El)}, {64, 128, 1}, "w_gate");
+  p.maps.up = make_bf16_tensor_map(a.w_up.data, {U(H), U(I), U(El)}, {64, 128, 1}, "w_up");
+  p.maps.down = make_bf16_tensor_map(a.w_down.data, {U(I), U(H), U(El)}, {64, 256, 1}, "w_down");
+  p.maps.h_store = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, {64, 64}, "h");
+  p.maps.h_load = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, {64, 128}, "h");
   if (s.has_shared()) {
     std::uint16_t* shared_hidden = hidden + capacity * I;
-    p.maps.shared_gate = make_bf16_tensor_map(a.shared_gate->data, {std::uint64_t(H), std::uint64_t(Is), 1}, {64, 128, 1}, "shared_gate");
-    p.maps.shared_up = make_bf16_tensor_map(a.shared_up->data, {std::uint64_t(H), std::uint64_t(Is), 1}, {64, 128, 1}, "shared_up");
-    p.maps.shared_down = make_bf16_tensor_map(a.shared_down->data, {std::uint64_t(Is), std::uint64_t(H), 1}, {64, 256, 1}, "shared_down");
-    p.maps.shared_h_store = make_bf16_tensor_map(shared_hidden, {std::uint64_t(Is), std::uint64_t(padded_tokens)}, {64, 64}, "shared h");
-    p.maps.shared_h_load = make_bf16_tensor_map(shared_hidden, {std::uint64_t(Is), std::uint64_t(padded_tokens)}, {64, 128}, "shared h");
+    p.maps.shared_gate = make_bf16_tensor_map(a.shared_gate->data, {U(H), U(Is), 1}, {64, 128, 1}, "shared_gate");
+    p.maps.shared_up = make_bf16_tensor_map(a.shared_up->data, {U(H), U(Is), 1}, {64, 128, 1}, "shared_up");
+    p.maps.shared_down = make_bf16_tensor_map(a.shared_down->data, {U(Is), U(H), 1}, {64, 256, 1}, "shared_down");
+    p.maps.shared_h_store = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, {64, 64}, "shared h");
+    p.maps.shared_h_load = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, {64, 128}, "shared h");
     p.shared_slots = ws.slots() + capacity * H;
   }
   p.row_pair = v.row_pair;
@@ -164,7 +211,11 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
   p.topk_weights = static_cast<const float*>(a.topk_weights.data);
   p.slots = ws.slots();
   p.y = static_cast<std::uint16_t*>(a.y.data);
-  p.counters = {ws.counters(), ws.counters() + plan.max_tiles() + n_shared_tiles, ws.counters() + plan.max_tiles() + n_shared_tiles + 1};
+  p.saved_gu = saved_gu;
+  p.shared_saved_gu = saved_gu && s.has_shared() ? saved_gu + 2 * capacity * I : nullptr;
+  p.gemm1_only = gemm1_only;
+  const std::int64_t per_tile = plan.max_tiles() + n_shared_tiles;
+  p.counters = {ws.counters(), ws.counters() + per_tile, ws.counters() + per_tile + 1};
   p.status = ws.status_device();
   p.tokens = static_cast<int>(T);
   p.hidden = static_cast<int>(H);
@@ -176,8 +227,30 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream) {
   p.max_routed_tiles = static_cast<int>(plan.max_tiles());
   p.swiglu_limit = s.swiglu_limit ? *s.swiglu_limit : std::numeric_limits<float>::infinity();
   p.timeout_ns = static_cast<long long>(ws.config().timeout_seconds * 1e9);
-  kernels::launch_forward(p, ctas, stream);
-  check_cuda(cudaGetLastError(), "launching the forward kernel");
+  kernels::launch_forward(p, persistent_ctas(ws, where), stream);
+  cuda_check(cudaGetLastError(), where, "launching the forward kernel");
+}
+
+}  // namespace detail
+
+void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std::optional<TensorView>& saved) {
+  ws.throw_if_failed();
+  const MoeShape& s = ws.shape();
+  int device = 0;
+  detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
+  const std::int64_t T = validate_forward_args(kWhere, s, a, Device::cuda(device));
+  if (T != ws.tokens())
+    throw_argument_error(kWhere, "x", "has ", T, " tokens but the workspace was made for ", ws.tokens());
+  detail::check_locations(kWhere, a, s, true);
+  if (saved) {
+    if (ws.training() != Training::save)
+      throw_argument_error(kWhere, "saved", "needs a workspace made with Training::save");
+    detail::check_saved(kWhere, *saved, ws, Device::cuda(device));
+  }
+  if (T == 0) return;
+  plan_device(a.topk_ids, 0, ws.plan(), stream);
+  detail::launch_forward_kernel(a, ws, stream, saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, false,
+                                kWhere);
 }
 
 }  // namespace mok

@@ -63,7 +63,7 @@ void check_rows(std::string_view where, std::string_view arg, const TensorView& 
 }  // namespace
 
 std::int64_t validate_forward_args(std::string_view where, const MoeShape& shape,
-                                   const ForwardArgs& a, Device device) {
+                                   const ForwardArgs& a, Device device, bool require_output) {
   validate(shape);
   if (a.x.ndim != 2) throw_argument_error(where, "x", "must be 2-D [T, H], got shape ", a.x.shape_string());
   const std::int64_t T = a.x.shape[0];
@@ -90,13 +90,13 @@ std::int64_t validate_forward_args(std::string_view where, const MoeShape& shape
   } else if (any_shared) {
     throw_argument_error(where, "shared_gate", "shared-expert weights were given but shape.shared_intermediate = 0");
   }
-  c.tensor("y", a.y, {DType::bf16}, {T, H});
+  if (require_output || a.y.ndim != 0) c.tensor("y", a.y, {DType::bf16}, {T, H});
   return T;
 }
 
 void validate_backward_args(std::string_view where, const MoeShape& shape, const ForwardArgs& f,
                             const BackwardArgs& b, Device device) {
-  const std::int64_t T = validate_forward_args(where, shape, f, device);
+  const std::int64_t T = validate_forward_args(where, shape, f, device, false);
   const std::int64_t H = shape.hidden, I = shape.intermediate, El = shape.num_local_experts;
   const std::int64_t k = shape.top_k, Is = shape.shared_intermediate;
   const Checker c{where, device};

@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "kernels/forward.cuh"
+#include "kernels/persistent.cuh"
 #include "kernels/pipeline.cuh"
 #include "kernels/swiglu.cuh"
 #include "mok/ptx/fence.cuh"
@@ -92,7 +93,7 @@ struct Schedule {
     g1_shared_end = g1_routed_end + m_shared * n1_shared;
     g2_routed_end = g1_shared_end + m_routed * n2;
     g2_shared_end = g2_routed_end + m_shared * n2;
-    total = g2_shared_end + combine_tasks;
+    total = p.gemm1_only ? g1_shared_end : g2_shared_end + combine_tasks;
   }
 
   // Inside a set of M-tiles, task i is N-tile i / tiles, M-tile first + i % tiles.
@@ -135,45 +136,6 @@ struct Schedule {
   __device__ int n1(bool shared) const { return shared ? n1_shared : n1_routed; }
   __device__ int slot_tiles_total() const { return kConsumerWarpgroups * (m_routed + m_shared) * n2; }
 };
-
-// Records the first failure in the host-mapped status and stops the kernel: a stalled
-// wait must never hang silently.
-__device__ __noinline__ void give_up(const ForwardParams& p, int task, int phase, long long observed, long long expected) {
-  if (atomicCAS(p.counters.abort, 0, 1) == 0) {
-    volatile KernelStatus* s = p.status;
-    s->block = blockIdx.x;
-    s->task = task;
-    s->phase = phase;
-    s->observed = observed;
-    s->expected = expected;
-    __threadfence_system();
-    s->code = KernelStatus::timeout;
-    __threadfence_system();
-  }
-  __trap();
-}
-
-__device__ __forceinline__ void wait_barrier(const ForwardParams& p, std::uint64_t* bar, std::uint32_t parity,
-                                             int task, int phase) {
-  if (mbarrier_try_wait_parity(bar, parity)) return;
-  const std::uint64_t start = globaltimer_ns();
-  for (std::uint32_t spin = 1;; ++spin) {
-    if (mbarrier_try_wait_parity(bar, parity)) return;
-    if ((spin & 1023) == 0 && globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns))
-      give_up(p, task, phase, parity ^ 1u, parity);
-  }
-}
-
-__device__ __forceinline__ void wait_counter(const ForwardParams& p, const int* counter, int expected, int task,
-                                             int phase) {
-  int seen = ld_acquire_gpu(counter);
-  if (seen >= expected) return;
-  const std::uint64_t start = globaltimer_ns();
-  while ((seen = ld_acquire_gpu(counter)) < expected) {
-    __nanosleep(128);
-    if (globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, task, phase, seen, expected);
-  }
-}
 
 // ---------------------------------------------------------------------------------- producer
 
@@ -221,36 +183,6 @@ __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Sch
 
 // ---------------------------------------------------------------------------------- consumers
 
-// Row/column of accumulator element i of this thread (wgmma m64nN f32 layout).
-__device__ __forceinline__ int acc_row(int warp, int lane, int i) { return warp * 16 + lane / 4 + 8 * ((i >> 1) & 1); }
-__device__ __forceinline__ int acc_col(int lane, int i) { return 8 * (i >> 2) + 2 * (lane & 3) + (i & 1); }
-
-__device__ __forceinline__ void mainloop(const ForwardParams& p, SharedStorage& s, PipelineState<kStages>& pipe,
-                                         float (&acc)[128], int k_steps, int wg, int task) {
-  int previous = -1;
-  for (int kb = 0; kb < k_steps; ++kb) {
-    wait_barrier(p, &s.full[pipe.index], pipe.phase, task, kWaitFull);
-    const SharedStorage::Stage& stage = s.stages[pipe.index];
-    const std::uint64_t desc_a = wgmma_descriptor_sw128(stage.a + wg * 64 * kBlockK);
-    const std::uint64_t desc_b = wgmma_descriptor_sw128(stage.b);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16_bf16(acc, desc_a + 2 * kk, desc_b + 2 * kk, (kb | kk) != 0);
-    wgmma_commit_group();
-    wgmma_wait_group<1>();  // the previous stage's MMAs are done: hand it back
-    if (previous >= 0 && threadIdx.x % 128 == 0) mbarrier_arrive(&s.empty[previous]);
-    previous = pipe.index;
-    pipe.advance();
-  }
-  wgmma_wait_group<0>();
-  if (previous >= 0 && threadIdx.x % 128 == 0) mbarrier_arrive(&s.empty[previous]);
-}
-
-__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const std::uint32_t*>(&v);
-}
-
 // Completes this warpgroup's previous GEMM1 store and publishes it: h_ready[index] += 1.
 // Deferred to the next task so that the store's latency hides behind a mainloop.
 __device__ __forceinline__ void publish_hidden(const ForwardParams& p, int& pending_index) {
@@ -261,6 +193,26 @@ __device__ __forceinline__ void publish_hidden(const ForwardParams& p, int& pend
     red_release_gpu_add(p.counters.h_ready + pending_index, 1);
   }
   pending_index = -1;
+}
+
+// Training: the gate and up pre-activations of this warpgroup's tile, bf16, into rows of
+// [gate (I) | up (I)] for the backward. A value the clamp cut is saved as +-inf: rounding
+// to bf16 must not move a value across the limit (the gradient there is zero).
+__device__ void save_pre_activations(const ForwardParams& p, const float (&acc)[128], const Task& t, int row0, int wg,
+                                     std::uint16_t* gu) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int inter = t.shared ? p.shared_inter : p.inter, n0 = t.n * kGemm1Columns;
+  std::uint16_t* rows = gu + static_cast<std::int64_t>(row0 + wg * 64) * 2 * inter;
+#pragma unroll
+  for (int i = 0; i < 64; i += 2) {
+    const int col = n0 + acc_col(lane, i);
+    if (col >= inter) continue;
+    std::uint16_t* row = rows + static_cast<std::int64_t>(acc_row(warp, lane, i)) * 2 * inter;
+    *reinterpret_cast<std::uint32_t*>(row + col) =
+        pack_bf16x2(saved_gate(acc[i], p.swiglu_limit), saved_gate(acc[i + 1], p.swiglu_limit));
+    *reinterpret_cast<std::uint32_t*>(row + inter + col) =
+        pack_bf16x2(saved_up(acc[i + 64], p.swiglu_limit), saved_up(acc[i + 65], p.swiglu_limit));
+  }
 }
 
 // h = swiglu(gate, up) of this warpgroup's 64 x 128 tile -> staging (swizzled) -> TMA store,
@@ -280,6 +232,7 @@ __device__ void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const f
     const int offset = panel * 64 * kRowBytes + row * kRowBytes + ((chunk ^ (row % 8)) * 16) + (col % 8) * 2;
     *reinterpret_cast<std::uint32_t*>(staging + offset) = pack_bf16x2(h0, h1);
   }
+  if (std::uint16_t* gu = t.shared ? p.shared_saved_gu : p.saved_gu) save_pre_activations(p, acc, t, row0, wg, gu);
   fence_proxy_async_shared_cta();
   named_barrier_sync(1 + wg, 128);
   if (tid == 0) {
@@ -296,68 +249,20 @@ __device__ void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const f
 // Publishes this warpgroup's GEMM2 tiles: y_done += count. Deferred until the combine (the
 // only reader), so the slot stores drain behind later mainloops instead of behind a fence.
 __device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, int& pending_tiles) {
-  if (pending_tiles == 0) return;
-  named_barrier_sync(1 + wg, 128);
-  if (threadIdx.x % 128 == 0) {
-    fence_acq_rel_gpu();
-    red_release_gpu_add(p.counters.y_done, pending_tiles);
-  }
+  publish_count(p.counters.y_done, pending_tiles, wg);
   pending_tiles = 0;
 }
 
 // fp32 rows of this warpgroup's 64 x 256 tile into the slot buffer (published by publish_slots()).
 __device__ void epilogue_gemm2(const ForwardParams& p, const float (&acc)[128], const Task& t, int row0, int wg) {
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   float* out = (t.shared ? p.shared_slots : p.slots) + static_cast<std::int64_t>(row0 + wg * 64) * p.hidden;
-  const int n0 = t.n * kBlockN;
-#pragma unroll
-  for (int i = 0; i < 128; i += 2) {
-    const int col = n0 + acc_col(lane, i);
-    if (col < p.hidden)
-      __stcs(reinterpret_cast<float2*>(out + static_cast<std::int64_t>(acc_row(warp, lane, i)) * p.hidden + col),
-             make_float2(acc[i], acc[i + 1]));  // streaming: read back only by the combine
-  }
+  store_fp32_rows(acc, out, p.hidden, t.n * kBlockN, p.hidden);
 }
 
-// y[t] = shared[t] + sum_j w[t,j] * slot[pair_row[t,j]] for a block of tokens, 4 columns a
-// thread. All k slot loads are issued before the first add (the combine is bound by how
-// many bytes are in flight); the adds then run in ascending j.
-constexpr int kMaxCombineSlots = 16;
-
 __device__ void combine(const ForwardParams& p, const Task& t) {
-  const int tid = threadIdx.x - kProducerThreads;  // 0..255
-  const int columns4 = p.hidden / 4;
-  const int t_end = min(p.tokens, (t.m + 1) * kCombineTokens);
-  for (int token = t.m * kCombineTokens; token < t_end; ++token) {
-    for (int c = tid; c < columns4; c += 128 * kConsumerWarpgroups) {
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (p.shared_slots) acc = __ldcs(reinterpret_cast<const float4*>(p.shared_slots + static_cast<std::int64_t>(token) * p.hidden) + c);
-      for (int j0 = 0; j0 < p.top_k; j0 += kMaxCombineSlots) {
-        float4 v[kMaxCombineSlots];
-        float w[kMaxCombineSlots];
-        bool valid[kMaxCombineSlots];
-#pragma unroll
-        for (int j = 0; j < kMaxCombineSlots; ++j) {
-          const int slot = j0 + j;
-          const int row = slot < p.top_k ? p.pair_row[token * p.top_k + slot] : -1;
-          valid[j] = row >= 0;  // -1: a padding slot, or past k
-          w[j] = valid[j] ? p.topk_weights[token * p.top_k + slot] : 0.0f;
-          v[j] = valid[j] ? __ldcs(reinterpret_cast<const float4*>(p.slots + static_cast<std::int64_t>(row) * p.hidden) + c)
-                          : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int j = 0; j < kMaxCombineSlots; ++j) {
-          if (!valid[j]) continue;
-          acc.x = __fmaf_rn(w[j], v[j].x, acc.x);
-          acc.y = __fmaf_rn(w[j], v[j].y, acc.y);
-          acc.z = __fmaf_rn(w[j], v[j].z, acc.z);
-          acc.w = __fmaf_rn(w[j], v[j].w, acc.w);
-        }
-      }
-      const uint2 packed{pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w)};
-      *reinterpret_cast<uint2*>(p.y + static_cast<std::int64_t>(token) * p.hidden + 4 * c) = packed;
-    }
-  }
+  combine_tokens<true>(t.m * kCombineTokens, min(p.tokens, (t.m + 1) * kCombineTokens), p.hidden, p.top_k, p.pair_row,
+                       p.topk_weights, p.slots, p.shared_slots, p.y, threadIdx.x - kProducerThreads,
+                       128 * kConsumerWarpgroups);
 }
 
 __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int wg) {
@@ -382,7 +287,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     }
     const int row0 = t.shared ? t.m * kBlockM : p.tile_row[t.m];
     const int k_steps = (t.kind == kGemm1 ? p.hidden : (t.shared ? p.shared_inter : p.inter)) / kBlockK;
-    mainloop(p, s, pipe, acc, k_steps, wg, task);
+    mainloop<KMajor, KMajor>(p, s, pipe, acc, k_steps, wg, task);
     if (t.kind == kGemm1) {
       epilogue_gemm1(p, s, acc, t, row0, wg, pending_hidden);
     } else {
@@ -399,7 +304,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
 __device__ void poison_output(const ForwardParams& p) {
   const std::int64_t n = static_cast<std::int64_t>(p.tokens) * p.hidden;
   for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    p.y[i] = 0x7fc0;  // bf16 quiet NaN
+    if (p.y) p.y[i] = 0x7fc0;  // bf16 quiet NaN (no y in the backward's recompute)
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     p.status->code = KernelStatus::bad_plan;
     __threadfence_system();

@@ -53,6 +53,11 @@ struct ForwardParams {
   float* slots;                  // [capacity, H]
   float* shared_slots;           // [T_pad, H]
   std::uint16_t* y;              // [T, H] bf16 bits
+  // Training: gate | up pre-activations, [capacity, 2I] and [T_pad, 2I_s] bf16, for the
+  // backward (null: not saved). gemm1_only: stop after GEMM1 (the backward's recompute).
+  std::uint16_t* saved_gu;
+  std::uint16_t* shared_saved_gu;
+  bool gemm1_only;
   ForwardCounters counters;
   KernelStatus* status;
   // sizes

@@ -14,4 +14,33 @@ __device__ __forceinline__ float swiglu(float gate, float up, float limit) {
   return __fmul_rn(__fmul_rn(gate, sig), up);
 }
 
+// The forward saves pre-activations for the backward with the clamp decision in them:
+// a clamped value becomes +-inf, so bf16 rounding cannot move it across the limit.
+__device__ __forceinline__ float saved_gate(float gate, float limit) { return gate > limit ? __int_as_float(0x7f800000) : gate; }
+__device__ __forceinline__ float saved_up(float up, float limit) {
+  return up > limit ? __int_as_float(0x7f800000) : up < -limit ? __int_as_float(0xff800000) : up;
+}
+
+struct SwigluGrad {
+  float hidden;  // swiglu(gate, up), as the forward computed it
+  float d_gate;  // d hidden/d gate * d_hidden; 0 where the clamp was active
+  float d_up;
+};
+
+// gate, up: as saved_gate() / saved_up() stored them (infinite = clamped).
+__device__ __forceinline__ SwigluGrad swiglu_backward(float gate, float up, float d_hidden, float limit) {
+  const bool gate_pass = gate != __int_as_float(0x7f800000), up_pass = fabsf(up) != __int_as_float(0x7f800000);
+  gate = fminf(gate, limit);
+  up = fminf(fmaxf(up, -limit), limit);
+  const float sig = __frcp_rn(__fadd_rn(1.0f, __expf(-gate)));
+  const float silu = __fmul_rn(gate, sig);
+  SwigluGrad g;
+  g.hidden = __fmul_rn(silu, up);
+  // d silu/d gate = sig * (1 + gate * (1 - sig))
+  const float dsilu = __fmul_rn(sig, __fmaf_rn(gate, __fsub_rn(1.0f, sig), 1.0f));
+  g.d_gate = gate_pass ? __fmul_rn(__fmul_rn(d_hidden, up), dsilu) : 0.0f;
+  g.d_up = up_pass ? __fmul_rn(d_hidden, silu) : 0.0f;
+  return g;
+}
+
 }  // namespace mok::kernels

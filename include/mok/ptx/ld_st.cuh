@@ -15,6 +15,18 @@ __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Plain 32-bit global load/store the compiler keeps in program order with each other.
+// An epilogue that loads next to 128 live accumulators uses them to load in small
+// groups: left to itself, the compiler hoists every load to the top and spills.
+__device__ __forceinline__ std::uint32_t ld_global_ordered(const void* p) {
+  std::uint32_t v;
+  asm volatile("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void st_global_ordered(void* p, std::uint32_t v) {
+  asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v));
+}
+
 __device__ __forceinline__ std::uint64_t globaltimer_ns() {
   std::uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

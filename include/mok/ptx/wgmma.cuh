@@ -1,5 +1,6 @@
 // wgmma (sm_90a): warpgroup matrix multiply-accumulate, bf16 x bf16 -> fp32, both
-// operands in shared memory (K-major, 128-byte swizzle), described by 64-bit descriptors.
+// operands in shared memory with the 128-byte swizzle, K-major or MN-major, described by
+// 64-bit descriptors.
 #pragma once
 
 #include <cstdint>
@@ -26,14 +27,29 @@ __device__ __forceinline__ std::uint64_t wgmma_descriptor_sw128(const void* tile
          | (std::uint64_t{1} << 62);          // layout: 128-byte swizzle
 }
 
+// Descriptor of an MN-major tile with the 128-byte swizzle, as TMA writes boxes of
+// {64 MN elements, K rows}: each K row is 128 bytes (64 elements of M or N), 8-row core
+// groups are 1024 bytes apart (stride byte offset) and the next 64 MN elements start
+// `mn_group_bytes` further (leading byte offset). Advancing along K by 16 rows (2048
+// bytes) adds 128 to the address field.
+__device__ __forceinline__ std::uint64_t wgmma_descriptor_sw128_mn(const void* tile, std::uint32_t mn_group_bytes) {
+  const std::uint64_t address = smem_address(tile);
+  return ((address & 0x3FFFF) >> 4)                             // start address, 16-byte units
+         | (std::uint64_t{(mn_group_bytes >> 4) & 0x3FFF} << 16)  // leading byte offset: next 64 MN elements
+         | (std::uint64_t{1024 >> 4} << 32)                      // stride byte offset: next 8 K rows
+         | (std::uint64_t{1} << 62);                             // layout: 128-byte swizzle
+}
+
 // D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T; d holds this thread's 128 accumulators.
-// scale_d = 0 overwrites D (first K step), 1 accumulates.
+// scale_d = 0 overwrites D (first K step), 1 accumulates. kMnMajorA / kMnMajorB select the
+// transposed (MN-major) shared-memory layout of each operand.
+template <int kMnMajorA = 0, int kMnMajorB = 0>
 __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], std::uint64_t desc_a, std::uint64_t desc_b,
                                                       int scale_d) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
       " wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}"
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, %131, %132;\n}"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -50,7 +66,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], std::uint
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kMnMajorA), "n"(kMnMajorB));
 }
 
 }  // namespace mok::ptx

@@ -1,0 +1,24 @@
+// The fused backward of the layer on one GPU (EP = 1).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <optional>
+
+#include "mok/forward.hpp"
+#include "mok/validate.hpp"
+
+namespace mok {
+
+// Gradients of sum(y * dy) for the forward call `fwd` (its y is not read and may be
+// empty): dx, d_topk_weights and every weight gradient, in one persistent kernel after
+// the device planner and the copy of x and dy rows into plan order. Weight gradients are
+// written (bf16) or accumulated into (f32, main_grad style). Deterministic: bitwise
+// identical across runs and SM counts; stream-ordered with no host synchronisation.
+//
+// `saved`: the tensor the forward filled (Training::save). Without it the workspace must
+// be Training::recompute and GEMM1 runs again first.
+void backward(const ForwardArgs& fwd, const BackwardArgs& bwd, Workspace& workspace, cudaStream_t stream,
+              const std::optional<TensorView>& saved = std::nullopt);
+
+}  // namespace mok

@@ -1,0 +1,137 @@
+#include "mok/backward.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <limits>
+
+#include "cuda_check.hpp"
+#include "kernels/backward.cuh"
+#include "layer_launch.hpp"
+#include "mok/error.hpp"
+#include "tensor_map.hpp"
+
+namespace mok {
+namespace {
+
+constexpr const char* kWhere = "mok::backward";
+using U = std::uint64_t;
+
+// The nine tensor maps of one expert set: rows = the set's row count (capacity or padded
+// tokens), dy/x = its A-side row sources, weights = its [E, I, H] / [E, H, I] matrices.
+kernels::ExpertSetMaps set_maps(const void* dy, const void* x, std::int64_t dy_rows, const void* dgu, const void* hw,
+                                std::int64_t rows, const void* gate, const void* up, const void* down,
+                                std::int64_t experts, std::int64_t H, std::int64_t I) {
+  using detail::make_bf16_tensor_map;
+  kernels::ExpertSetMaps m{};
+  m.dy_k = make_bf16_tensor_map(dy, {U(H), U(dy_rows)}, {64, 128}, "dy rows");
+  m.down_mn = make_bf16_tensor_map(down, {U(I), U(H), U(experts)}, {64, 64, 1}, "w_down");
+  m.dgu_k = make_bf16_tensor_map(dgu, {U(2 * I), U(rows)}, {64, 128}, "d pre-activations");
+  m.gate_mn = make_bf16_tensor_map(gate, {U(H), U(I), U(experts)}, {64, 64, 1}, "w_gate");
+  m.up_mn = make_bf16_tensor_map(up, {U(H), U(I), U(experts)}, {64, 64, 1}, "w_up");
+  m.dy_mn = make_bf16_tensor_map(dy, {U(H), U(dy_rows)}, {64, 64}, "dy rows");
+  m.hw_mn = make_bf16_tensor_map(hw, {U(I), U(rows)}, {64, 64}, "w h");
+  m.dgu_mn = make_bf16_tensor_map(dgu, {U(2 * I), U(rows)}, {64, 64}, "d pre-activations");
+  m.x_mn = make_bf16_tensor_map(x, {U(H), U(dy_rows)}, {64, 64}, "x rows");
+  return m;
+}
+
+void zero_gradient(const std::optional<TensorView>& g, cudaStream_t stream) {
+  if (g && g->numel() > 0)
+    detail::cuda_check(cudaMemsetAsync(g->data, 0, g->numel() * dtype_size(g->dtype), stream), kWhere,
+                       "cudaMemsetAsync(weight gradient)");
+}
+
+}  // namespace
+
+void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaStream_t stream,
+              const std::optional<TensorView>& saved) {
+  ws.throw_if_failed();
+  const MoeShape& s = ws.shape();
+  int device = 0;
+  detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
+  validate_backward_args(kWhere, s, a, b, Device::cuda(device));
+  const std::int64_t T = a.x.shape[0];
+  if (T != ws.tokens())
+    throw_argument_error(kWhere, "x", "has ", T, " tokens but the workspace was made for ", ws.tokens());
+  if (ws.training() == Training::off)
+    throw_argument_error(kWhere, "workspace", "was made for inference (Training::off): make it with Training::save or "
+                                              "Training::recompute");
+  if (saved) {
+    detail::check_saved(kWhere, *saved, ws, Device::cuda(device));
+  } else if (ws.training() != Training::recompute) {
+    throw_argument_error(kWhere, "saved", "is required: the workspace is Training::save (pass the tensor the forward "
+                                          "filled, or make the workspace with Training::recompute)");
+  }
+  detail::check_locations(kWhere, a, s, false);
+  for (auto [name, view] : {std::pair{"dy", &b.dy}, {"dx", &b.dx}, {"d_topk_weights", &b.d_topk_weights},
+                            {"d_w_gate", &b.d_w_gate}, {"d_w_up", &b.d_w_up}, {"d_w_down", &b.d_w_down}})
+    if (view->numel() > 0) check_pointer_location(kWhere, name, *view);
+  if (s.has_shared())
+    for (auto [name, view] : {std::pair{"d_shared_gate", &*b.d_shared_gate}, {"d_shared_up", &*b.d_shared_up},
+                              {"d_shared_down", &*b.d_shared_down}})
+      check_pointer_location(kWhere, name, *view);
+  const bool grad_fp32 = b.d_w_gate.dtype == DType::f32;
+  if (T == 0) {  // no rows: bf16 gradients are zero, f32 ones keep their value
+    if (!grad_fp32)
+      for (const auto& g : {std::optional<TensorView>(b.d_w_gate), std::optional<TensorView>(b.d_w_up),
+                            std::optional<TensorView>(b.d_w_down), b.d_shared_gate, b.d_shared_up, b.d_shared_down})
+        zero_gradient(g, stream);
+    return;
+  }
+
+  DevicePlan& plan = ws.plan();
+  plan_device(a.topk_ids, 0, plan, stream);
+  auto* gu = static_cast<std::uint16_t*>(saved ? saved->data : ws.recompute_buffer());
+  if (!saved) detail::launch_forward_kernel(a, ws, stream, gu, true, kWhere);  // also copies x's rows
+  else detail::dispatch_rows(a.x.data, ws.x_routed(), ws, stream);
+  detail::dispatch_rows(b.dy.data, ws.dy_routed(), ws, stream);
+  detail::cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), kWhere,
+                     "cudaMemsetAsync(counters)");
+
+  const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts, Is = s.shared_intermediate;
+  const std::int64_t capacity = plan.capacity_rows(), n_shared_tiles = detail::shared_tiles(s, T);
+  const std::int64_t padded_tokens = n_shared_tiles * detail::kTileRows;
+  const DevicePlanView& v = plan.view();
+  auto* dgu = static_cast<std::uint16_t*>(ws.d_pre_activations());
+  auto* hw = static_cast<std::uint16_t*>(ws.hidden());
+
+  kernels::BackwardParams p{};
+  p.routed_maps = set_maps(ws.dy_routed(), ws.x_routed(), capacity, dgu, hw, capacity, a.w_gate.data, a.w_up.data,
+                           a.w_down.data, El, H, I);
+  p.routed = {gu, dgu, hw, ws.slots(), b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, static_cast<int>(I)};
+  if (s.has_shared()) {
+    std::uint16_t* s_dgu = dgu + 2 * capacity * I;
+    std::uint16_t* s_hw = hw + capacity * I;
+    p.shared_maps = set_maps(b.dy.data, a.x.data, T, s_dgu, s_hw, padded_tokens, a.shared_gate->data,
+                             a.shared_up->data, a.shared_down->data, 1, H, Is);
+    p.shared = {gu + 2 * capacity * I, s_dgu, s_hw, ws.slots() + capacity * H, b.d_shared_gate->data,
+                b.d_shared_up->data, b.d_shared_down->data, static_cast<int>(Is)};
+  }
+  p.row_pair = v.row_pair;
+  p.tile_expert = v.tile_expert;
+  p.tile_row = v.tile_row;
+  p.num_tiles = v.num_tiles;
+  p.expert_offset = v.expert_offset;
+  p.pair_row = v.pair_row;
+  p.plan_status = v.status;
+  p.topk_weights = static_cast<const float*>(a.topk_weights.data);
+  p.dw_partial = ws.dw_partial();
+  p.dx = static_cast<std::uint16_t*>(b.dx.data);
+  p.d_topk_weights = static_cast<float*>(b.d_topk_weights.data);
+  p.grad_fp32 = grad_fp32;
+  const std::int64_t per_tile = plan.max_tiles() + n_shared_tiles;
+  p.counters = {ws.counters(), ws.counters() + per_tile, ws.counters() + per_tile + 1};
+  p.status = ws.status_device();
+  p.tokens = static_cast<int>(T);
+  p.hidden = static_cast<int>(H);
+  p.top_k = static_cast<int>(s.top_k);
+  p.num_local_experts = static_cast<int>(El);
+  p.shared_tiles = static_cast<int>(n_shared_tiles);
+  p.max_routed_tiles = static_cast<int>(plan.max_tiles());
+  p.swiglu_limit = s.swiglu_limit ? *s.swiglu_limit : std::numeric_limits<float>::infinity();
+  p.timeout_ns = static_cast<long long>(ws.config().timeout_seconds * 1e9);
+  kernels::launch_backward(p, detail::persistent_ctas(ws, kWhere), stream);
+  detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
+}
+
+}  // namespace mok

@@ -1,0 +1,38 @@
+// Host steps shared by forward() and backward(): argument checks against a workspace,
+// the plan + row copy, and the forward kernel's launch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "mok/forward.hpp"
+
+namespace mok::detail {
+
+inline constexpr std::int64_t kTileRows = 128;  // the kernels' M-tile = the plan's block_m
+
+inline std::int64_t shared_tiles(const MoeShape& s, std::int64_t tokens) {
+  return s.has_shared() ? (tokens + kTileRows - 1) / kTileRows : 0;
+}
+
+// Checks that every tensor lives where it says and `saved` (if given) fits the workspace.
+void check_locations(std::string_view where, const ForwardArgs& a, const MoeShape& s, bool check_output);
+void check_saved(std::string_view where, const TensorView& saved, const Workspace& ws, Device device);
+
+// Number of CTAs of a persistent kernel: the configured compute SMs, or every SM.
+int persistent_ctas(const Workspace& ws, std::string_view where);
+
+// Copies the rows of `rows` ([T, H] bf16) into `routed` in the order of ws.plan()
+// (padding rows become zero).
+void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t stream);
+
+// After plan_device() into ws.plan(): copies x's rows and launches the forward kernel,
+// the full layer into a.y, or only GEMM1 (gemm1_only, the backward's recompute).
+// saved_gu: null or the tensor of the gate/up pre-activations to fill.
+void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, std::uint16_t* saved_gu,
+                           bool gemm1_only, std::string_view where);
+
+}  // namespace mok::detail

@@ -1,0 +1,463 @@
+// Fused MoE backward, one GPU: one persistent launch, 384 threads per CTA, 1 CTA per SM,
+// the forward's structure (one TMA producer thread, two wgmma consumer warpgroups of 64
+// rows, 4-stage ring of {A 128 x 64, B 256 x 64}). Per routed row r (token t, slot j,
+// weight w) with the forward's saved pre-activations g, u:
+//
+//   dh    tasks  d = dy[t] . W_down            A dy rows (K-major), B W_down (MN-major)
+//                epilogue: h = swiglu(g, u); partial of d_topk_weights[t,j] = sum_i h * d
+//                (one per 256 columns, summed later in order); dg, du = SwiGLU backward of
+//                w * d (clamp-aware); w * h for the weight gradient of W_down
+//   dx    tasks  dx_row = [dg du] . [W_gate; W_up]   A dgu (K-major), B W_gate|W_up (MN-major)
+//                -> fp32 rows; waits for the M-tile's dh tasks
+//   dWd   tasks  dW_down[e] = dy^T . (w h) over the expert's rows     (both MN-major)
+//   dWgu  tasks  [dW_gate; dW_up][e] = [dg du]^T . x over its rows    (both MN-major)
+//                each output tile is one task with the full K loop in row order (no
+//                split-K); f32 gradients are accumulated into, bf16 ones written
+//   combine      dx[t] = shared[t] + sum_j row_j (ascending j); d_topk_weights from the
+//                partials in column order
+//
+// The shared expert is one more expert set with rows = tokens and w = 1. Task order and
+// the no-deadlock argument are the forward's: a task waits only on lower-numbered tasks.
+// Padding rows carry zeros into the weight-gradient sums (dispatch zeroes their x and dy,
+// the dh epilogue writes zero dg, du, w h).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/backward.cuh"
+#include "kernels/persistent.cuh"
+#include "kernels/pipeline.cuh"
+#include "kernels/swiglu.cuh"
+#include "mok/ptx/fence.cuh"
+#include "mok/ptx/ld_st.cuh"
+#include "mok/ptx/mbarrier.cuh"
+#include "mok/ptx/tma.cuh"
+
+namespace mok::kernels {
+namespace {
+
+using namespace mok::ptx;
+
+constexpr int kBlockM = 128, kBlockN = 256, kBlockK = 64, kStages = 4, kCombineTokens = 32;
+constexpr int kProducerThreads = 128;
+constexpr int kConsumerWarpgroups = 2;
+constexpr int kThreads = kProducerThreads + 128 * kConsumerWarpgroups;
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;
+constexpr int kConsumerBarrier = 3;
+constexpr std::uint32_t kBoxBytes = 64 * 64 * 2;          // one MN-major box {64, 64}
+constexpr std::uint32_t kKMajorABytes = kBlockM * kBlockK * 2;  // one K-major A box {64, 128}
+
+enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitDgu = 5, kWaitRows = 6, kWaitDx = 7 };
+
+struct alignas(1024) SharedStorage {
+  struct alignas(1024) Stage {
+    std::uint16_t a[kBlockM * kBlockK];  // 16 KB: K-major 128 x 64, or two MN-major boxes
+    std::uint16_t b[kBlockN * kBlockK];  // 32 KB: four MN-major boxes
+  } stages[kStages];
+  std::uint64_t full[kStages];
+  std::uint64_t empty[kStages];
+};
+static_assert(sizeof(SharedStorage) + 1024 <= 232448, "shared memory over the sm_90 opt-in limit");
+
+enum TaskKind : int { kDh, kDx, kWd, kWgu, kCombine };
+
+struct Task {
+  TaskKind kind;
+  bool shared;
+  int m, n, e;  // M-tile, N-tile, expert; combine: token block in m
+};
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+struct Schedule {
+  int m_routed, m_shared, n_dh_r, n_dh_s, n_dx, m_wd, n_wd_r, n_wd_s, m_wgu_r, m_wgu_s, n_wgu, experts;
+  int dh_r, dh_s, dx_r, dx_s, wd_r, wd_s, wgu_r, wgu_s, total;  // end of each task range
+
+  __device__ explicit Schedule(const BackwardParams& p) {
+    const int I = p.routed.inter, Is = p.shared.inter;
+    experts = p.num_local_experts;
+    m_routed = *p.num_tiles;
+    m_shared = p.shared_tiles;
+    n_dh_r = ceil_div(I, kBlockN);
+    n_dh_s = ceil_div(Is, kBlockN);
+    n_dx = ceil_div(p.hidden, kBlockN);
+    m_wd = ceil_div(p.hidden, kBlockM);
+    n_wd_r = ceil_div(I, kBlockN);
+    n_wd_s = ceil_div(Is, kBlockN);
+    m_wgu_r = ceil_div(2 * I, kBlockM);
+    m_wgu_s = ceil_div(2 * Is, kBlockM);
+    n_wgu = ceil_div(p.hidden, kBlockN);
+    const bool has_shared = m_shared > 0;
+    dh_r = m_routed * n_dh_r;
+    dh_s = dh_r + m_shared * n_dh_s;
+    dx_r = dh_s + m_routed * n_dx;
+    dx_s = dx_r + m_shared * n_dx;
+    wd_r = dx_s + experts * m_wd * n_wd_r;
+    wd_s = wd_r + (has_shared ? m_wd * n_wd_s : 0);
+    wgu_r = wd_s + experts * m_wgu_r * n_wgu;
+    wgu_s = wgu_r + (has_shared ? m_wgu_s * n_wgu : 0);
+    total = wgu_s + ceil_div(p.tokens, kCombineTokens);
+  }
+
+  // Routed M-tile tasks: N-tile-major inside each expert (the forward's order).
+  __device__ static void split_routed(const BackwardParams& p, int local, int n_tiles, Task& t) {
+    int lo = 0, hi = p.num_local_experts - 1;  // largest e with start(e) <= local
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (p.expert_offset[mid] / kBlockM * n_tiles <= local) lo = mid;
+      else hi = mid - 1;
+    }
+    const int first = p.expert_offset[lo] / kBlockM, tiles = p.expert_offset[lo + 1] / kBlockM - first;
+    const int l = local - first * n_tiles;
+    t.e = lo, t.n = l / tiles, t.m = first + l % tiles;
+  }
+  // Weight-gradient tasks: expert-major, then N-tile, M-tile fastest.
+  __device__ static void split_weight(int local, int m_tiles, int n_tiles, Task& t) {
+    t.e = local / (m_tiles * n_tiles);
+    const int l = local % (m_tiles * n_tiles);
+    t.n = l / m_tiles, t.m = l % m_tiles;
+  }
+
+  __device__ Task decode(const BackwardParams& p, int task) const {
+    Task t{kCombine, false, 0, 0, 0};
+    if (task < dh_r) {
+      t.kind = kDh, split_routed(p, task, n_dh_r, t);
+    } else if (task < dh_s) {
+      t.kind = kDh, t.shared = true, t.n = (task - dh_r) / m_shared, t.m = (task - dh_r) % m_shared;
+    } else if (task < dx_r) {
+      t.kind = kDx, split_routed(p, task - dh_s, n_dx, t);
+    } else if (task < dx_s) {
+      t.kind = kDx, t.shared = true, t.n = (task - dx_r) / m_shared, t.m = (task - dx_r) % m_shared;
+    } else if (task < wd_r) {
+      t.kind = kWd, split_weight(task - dx_s, m_wd, n_wd_r, t);
+    } else if (task < wd_s) {
+      t.kind = kWd, t.shared = true, split_weight(task - wd_r, m_wd, n_wd_s, t);
+    } else if (task < wgu_r) {
+      t.kind = kWgu, split_weight(task - wd_s, m_wgu_r, n_wgu, t);
+    } else if (task < wgu_s) {
+      t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_wgu, t);
+    } else {
+      t.m = task - wgu_s;
+    }
+    return t;
+  }
+
+  __device__ int n_dh(bool shared) const { return shared ? n_dh_s : n_dh_r; }
+  __device__ int dx_tiles_total() const { return kConsumerWarpgroups * (m_routed + m_shared) * n_dx; }
+};
+
+// First row of an M-tile task's rows (routed: the plan's tile row; shared: token order).
+__device__ __forceinline__ int tile_row0(const BackwardParams& p, const Task& t) {
+  return t.shared ? t.m * kBlockM : p.tile_row[t.m];
+}
+
+// Row range [first, first + count) of the expert of a weight-gradient task (padded to 128).
+__device__ __forceinline__ void expert_rows(const BackwardParams& p, const Task& t, int& first, int& count) {
+  if (t.shared) {
+    first = 0, count = p.shared_tiles * kBlockM;
+  } else {
+    first = p.expert_offset[t.e], count = p.expert_offset[t.e + 1] - first;
+  }
+}
+
+__device__ __forceinline__ int dgu_counter(const BackwardParams& p, const Task& t, int m_tile) {
+  return t.shared ? p.max_routed_tiles + m_tile : m_tile;
+}
+
+// ---------------------------------------------------------------------------------- producer
+
+// One thread issues every load. Boxes entirely past the matrix edge are not loaded: their
+// accumulator rows/columns are never stored.
+__device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Schedule& sched) {
+  PipelineState<kStages> pipe;
+  for (int task = blockIdx.x; task < sched.total; task += gridDim.x) {
+    const Task t = sched.decode(p, task);
+    if (t.kind == kCombine) break;
+    const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
+    const int inter = t.shared ? p.shared.inter : p.routed.inter;
+    int row0 = 0, k_steps = 0;
+    if (t.kind == kDh || t.kind == kDx) {
+      row0 = tile_row0(p, t);
+      if (t.kind == kDx) {
+        wait_counter(p, p.counters.dgu_ready + dgu_counter(p, t, t.m), kConsumerWarpgroups * sched.n_dh(t.shared), task,
+                     kWaitDgu);
+        fence_proxy_async_global();  // dgu was written by generic stores of other CTAs
+      }
+      k_steps = (t.kind == kDh ? p.hidden : 2 * inter) / kBlockK;
+    } else {
+      int count = 0;
+      expert_rows(p, t, row0, count);
+      for (int m = row0 / kBlockM; m < (row0 + count) / kBlockM; ++m)
+        wait_counter(p, p.counters.dgu_ready + dgu_counter(p, t, m), kConsumerWarpgroups * sched.n_dh(t.shared), task,
+                     kWaitRows);
+      fence_proxy_async_global();
+      k_steps = count / kBlockK;
+    }
+    // Boxes of this task: A (K-major: one; MN-major: up to two), B (up to four MN-major).
+    const int n0 = t.n * kBlockN, m0 = t.m * kBlockM;
+    const int b_limit = t.kind == kDh ? inter : t.kind == kWd ? inter : p.hidden;
+    const int a_limit = t.kind == kWd ? p.hidden : 2 * inter;
+    int b_boxes = 0, a_boxes = 1;
+    while (b_boxes < 4 && n0 + 64 * b_boxes < b_limit) ++b_boxes;
+    if (t.kind == kWd || t.kind == kWgu) a_boxes = m0 + 64 < a_limit ? 2 : 1;
+    const std::uint32_t a_bytes = (t.kind == kDh || t.kind == kDx) ? kKMajorABytes : a_boxes * kBoxBytes;
+    const std::uint32_t bytes = a_bytes + b_boxes * kBoxBytes;
+    for (int kb = 0; kb < k_steps; ++kb) {
+      wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, kWaitEmpty);
+      SharedStorage::Stage& st = s.stages[pipe.index];
+      std::uint64_t* full = &s.full[pipe.index];
+      mbarrier_arrive_expect_tx(full, bytes);
+      const int k0 = kb * kBlockK;
+      switch (t.kind) {
+        case kDh:
+          tma_load_2d(st.a, &maps.dy_k, full, k0, row0);
+          for (int c = 0; c < b_boxes; ++c) tma_load_3d(st.b + c * 4096, &maps.down_mn, full, n0 + 64 * c, k0, t.e);
+          break;
+        case kDx: {
+          tma_load_2d(st.a, &maps.dgu_k, full, k0, row0);
+          const bool gate = k0 < inter;
+          for (int c = 0; c < b_boxes; ++c)
+            tma_load_3d(st.b + c * 4096, gate ? &maps.gate_mn : &maps.up_mn, full, n0 + 64 * c, gate ? k0 : k0 - inter, t.e);
+          break;
+        }
+        case kWd:
+          for (int w = 0; w < a_boxes; ++w) tma_load_2d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, row0 + k0);
+          for (int c = 0; c < b_boxes; ++c) tma_load_2d(st.b + c * 4096, &maps.hw_mn, full, n0 + 64 * c, row0 + k0);
+          break;
+        default:  // kWgu
+          for (int w = 0; w < a_boxes; ++w) tma_load_2d(st.a + w * 4096, &maps.dgu_mn, full, m0 + 64 * w, row0 + k0);
+          for (int c = 0; c < b_boxes; ++c) tma_load_2d(st.b + c * 4096, &maps.x_mn, full, n0 + 64 * c, row0 + k0);
+          break;
+      }
+      pipe.advance();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------- consumers
+
+// dh tile epilogue (see the header comment). Writes every row of the tile, zeros on rows
+// that are padding (routed) or past T (shared).
+__device__ void epilogue_dh(const BackwardParams& p, const float (&acc)[128], const Task& t, int row0, int wg,
+                            int n_tiles) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const ExpertSetData& d = t.shared ? p.shared : p.routed;
+  const int inter = d.inter, n0 = t.n * kBlockN;
+  std::int64_t row[2];
+  float weight[2];
+  bool valid[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row[h] = row0 + wg * 64 + warp * 16 + lane / 4 + 8 * h;
+    if (t.shared) {
+      valid[h] = row[h] < p.tokens;
+      weight[h] = 1.0f;
+    } else {
+      const int pair = p.row_pair[row[h]];
+      valid[h] = pair >= 0;
+      weight[h] = valid[h] ? p.topk_weights[pair] : 0.0f;
+    }
+  }
+  float partial[2] = {0.0f, 0.0f};
+  constexpr int kGroup = 16;  // accumulators whose g, u loads are in flight together
+#pragma unroll
+  for (int i0 = 0; i0 < 128; i0 += kGroup) {
+    std::uint32_t g[kGroup / 2], u[kGroup / 2];
+#pragma unroll
+    for (int i = i0; i < i0 + kGroup; i += 2) {
+      const int h = (i >> 1) & 1, col = n0 + acc_col(lane, i);
+      const std::int64_t at = row[h] * 2 * inter + col;
+      const bool load = valid[h] && col < inter;
+      g[(i - i0) / 2] = load ? ld_global_ordered(d.gu + at) : 0u;
+      u[(i - i0) / 2] = load ? ld_global_ordered(d.gu + at + inter) : 0u;
+    }
+#pragma unroll
+    for (int i = i0; i < i0 + kGroup; i += 2) {
+      const int h = (i >> 1) & 1, col = n0 + acc_col(lane, i);
+      if (col >= inter) continue;
+      const std::int64_t at = row[h] * 2 * inter + col;
+      std::uint32_t dg = 0, du = 0, hw = 0;
+      if (valid[h]) {
+        const float2 gv = unpack_bf16x2(g[(i - i0) / 2]), uv = unpack_bf16x2(u[(i - i0) / 2]);
+        const SwigluGrad r0 = swiglu_backward(gv.x, uv.x, __fmul_rn(weight[h], acc[i]), p.swiglu_limit);
+        const SwigluGrad r1 = swiglu_backward(gv.y, uv.y, __fmul_rn(weight[h], acc[i + 1]), p.swiglu_limit);
+        partial[h] = __fmaf_rn(r0.hidden, acc[i], partial[h]);
+        partial[h] = __fmaf_rn(r1.hidden, acc[i + 1], partial[h]);
+        dg = pack_bf16x2(r0.d_gate, r1.d_gate);
+        du = pack_bf16x2(r0.d_up, r1.d_up);
+        hw = pack_bf16x2(__fmul_rn(weight[h], r0.hidden), __fmul_rn(weight[h], r1.hidden));
+      }
+      st_global_ordered(d.dgu + at, dg);
+      st_global_ordered(d.dgu + at + inter, du);
+      st_global_ordered(d.hw + row[h] * inter + col, hw);
+    }
+  }
+  if (!t.shared) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the four lanes of a quad hold one row: a fixed tree
+      float v = partial[h];
+      v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+      v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
+      if (lane % 4 == 0 && valid[h]) p.dw_partial[row[h] * n_tiles + t.n] = v;
+    }
+  }
+}
+
+// The warpgroup's 64 x 256 tile of a weight gradient: rows m0 + r of [rows, cols] where
+// a row pointer is given; bf16 written or f32 accumulated. empty: the expert has no rows
+// (the sum is zero; acc was never written).
+__device__ void store_weight_grad(const BackwardParams& p, const float (&acc)[128], void* const (&row)[2], int n0,
+                                  int cols, bool empty) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < 128; i += 2) {
+    const int h = (i >> 1) & 1, col = n0 + acc_col(lane, i);
+    if (row[h] == nullptr || col >= cols) continue;
+    const float v0 = empty ? 0.0f : acc[i], v1 = empty ? 0.0f : acc[i + 1];
+    if (p.grad_fp32) {
+      float2* out = reinterpret_cast<float2*>(static_cast<float*>(row[h]) + col);
+      const float2 old = *out;
+      *out = make_float2(__fadd_rn(old.x, v0), __fadd_rn(old.y, v1));
+    } else {
+      *reinterpret_cast<std::uint32_t*>(static_cast<std::uint16_t*>(row[h]) + col) = pack_bf16x2(v0, v1);
+    }
+  }
+}
+
+__device__ void epilogue_weight(const BackwardParams& p, const float (&acc)[128], const Task& t, int wg, bool empty) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const ExpertSetData& d = t.shared ? p.shared : p.routed;
+  const int H = p.hidden, I = d.inter, elem = p.grad_fp32 ? 4 : 2;
+  void* row[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = t.m * kBlockM + wg * 64 + warp * 16 + lane / 4 + 8 * h;
+    const std::int64_t expert = static_cast<std::int64_t>(t.e) * H * I;  // elements of one expert's matrix
+    char* base = nullptr;
+    if (t.kind == kWd) {  // dW_down [E, H, I]: row m < H
+      if (m < H) base = static_cast<char*>(d.d_down) + (expert + static_cast<std::int64_t>(m) * I) * elem;
+    } else if (m < I) {  // dW_gate [E, I, H]
+      base = static_cast<char*>(d.d_gate) + (expert + static_cast<std::int64_t>(m) * H) * elem;
+    } else if (m < 2 * I) {
+      base = static_cast<char*>(d.d_up) + (expert + static_cast<std::int64_t>(m - I) * H) * elem;
+    }
+    row[h] = base;
+  }
+  store_weight_grad(p, acc, row, t.n * kBlockN, t.kind == kWd ? I : H, empty);
+}
+
+// dx for a block of tokens, then d_topk_weights[t, j] = sum over N-tiles of the row's
+// partials, in N order (0 for a slot without an expert).
+__device__ void combine(const BackwardParams& p, const Task& t, const Schedule& sched) {
+  const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
+  const int begin = t.m * kCombineTokens, end = min(p.tokens, begin + kCombineTokens);
+  combine_tokens<false>(begin, end, p.hidden, p.top_k, p.pair_row, nullptr, p.routed.slots, p.shared.slots, p.dx, tid,
+                        threads);
+  for (int i = begin * p.top_k + tid; i < end * p.top_k; i += threads) {
+    const int row = p.pair_row[i];
+    float v = 0.0f;
+    if (row >= 0)
+      for (int n = 0; n < sched.n_dh_r; ++n) v = __fadd_rn(v, p.dw_partial[static_cast<std::int64_t>(row) * sched.n_dh_r + n]);
+    p.d_topk_weights[i] = v;
+  }
+}
+
+__device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Schedule& sched, int wg) {
+  PipelineState<kStages> pipe;
+  float acc[128];
+  bool rows_ready = false;
+  int pending_dx = 0;  // dx tiles not yet counted in dx_done
+  for (int task = blockIdx.x; task < sched.total; task += gridDim.x) {
+    const Task t = sched.decode(p, task);
+    if (t.kind == kCombine) {
+      if (!rows_ready) {
+        publish_count(p.counters.dx_done, pending_dx, wg);
+        pending_dx = 0;
+        if (threadIdx.x == kProducerThreads) {
+          wait_counter(p, p.counters.dx_done, sched.dx_tiles_total(), task, kWaitDx);
+          for (int m = 0; m < sched.m_routed; ++m)  // the d_topk_weights partials (already complete)
+            wait_counter(p, p.counters.dgu_ready + m, kConsumerWarpgroups * sched.n_dh_r, task, kWaitDgu);
+        }
+        named_barrier_sync(kConsumerBarrier, 128 * kConsumerWarpgroups);
+        rows_ready = true;
+      }
+      combine(p, t, sched);
+      continue;
+    }
+    const ExpertSetData& d = t.shared ? p.shared : p.routed;
+    if (t.kind == kDh || t.kind == kDx) {
+      const int row0 = tile_row0(p, t);
+      if (t.kind == kDh) {
+        mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
+        epilogue_dh(p, acc, t, row0, wg, sched.n_dh(t.shared));
+        fence_proxy_async_global();  // TMA loads of other CTAs read these rows next
+        publish_count(p.counters.dgu_ready + dgu_counter(p, t, t.m), 1, wg);
+      } else {
+        mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
+        store_fp32_rows(acc, d.slots + static_cast<std::int64_t>(row0 + wg * 64) * p.hidden, p.hidden, t.n * kBlockN,
+                        p.hidden);
+        ++pending_dx;
+      }
+    } else {
+      int first = 0, count = 0;
+      expert_rows(p, t, first, count);
+      mainloop<MnMajor, MnMajor>(p, s, pipe, acc, count / kBlockK, wg, task);
+      epilogue_weight(p, acc, t, wg, count == 0);
+    }
+  }
+  publish_count(p.counters.dx_done, pending_dx, wg);
+}
+
+// Bad routing: no task runs; dx and d_topk_weights become NaN and the host reports it.
+__device__ void poison_output(const BackwardParams& p) {
+  const std::int64_t n = static_cast<std::int64_t>(p.tokens) * p.hidden, nk = static_cast<std::int64_t>(p.tokens) * p.top_k;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) p.dx[i] = 0x7fc0;
+  for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < nk; i += stride) p.d_topk_weights[i] = __int_as_float(0x7fc00000);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    p.status->code = KernelStatus::bad_plan;
+    __threadfence_system();
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_constant__ BackwardParams p) {
+  if (p.plan_status->code != PlanStatus::ok) {
+    poison_output(p);
+    return;
+  }
+  extern __shared__ std::uint8_t smem_raw[];
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbarrier_init(&s.full[i], 1);
+      mbarrier_init(&s.empty[i], kConsumerWarpgroups);
+    }
+    fence_proxy_async_shared_cta();
+  }
+  __syncthreads();
+  const Schedule sched(p);
+  if (threadIdx.x < kProducerThreads) {
+    setmaxnreg_dec<kProducerRegisters>();
+    if (threadIdx.x == 0) run_producer(p, s, sched);
+  } else {
+    setmaxnreg_inc<kConsumerRegisters>();
+    run_consumer(p, s, sched, (threadIdx.x - kProducerThreads) / 128);
+  }
+}
+
+}  // namespace
+
+std::size_t backward_shared_memory_bytes() { return sizeof(SharedStorage) + 1024; }
+
+void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream) {
+  static bool configured = false;  // attribute is per function, set once per process
+  if (!configured) {
+    cudaFuncSetAttribute(backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         static_cast<int>(backward_shared_memory_bytes()));
+    configured = true;
+  }
+  backward_kernel<<<num_ctas, kThreads, backward_shared_memory_bytes(), stream>>>(params);
+}
+
+}  // namespace mok::kernels

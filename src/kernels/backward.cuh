@@ -1,0 +1,73 @@
+// Parameters and launcher of the fused backward kernel (src/kernels/backward.cu).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "mok/device_plan.hpp"
+#include "mok/forward.hpp"
+
+namespace mok::kernels {
+
+// Tensor maps of one expert set (the routed experts, or the shared expert with rows =
+// tokens). "_k": K-major A tiles (box 64 x 128); "_mn": MN-major boxes of 64 x 64.
+struct ExpertSetMaps {
+  CUtensorMap dy_k;     // [rows, H]: A of dh = dy . W_down           (rows: dy_routed, or dy)
+  CUtensorMap down_mn;  // W_down [E, H, I] as {I, H, E}: B of dh
+  CUtensorMap dgu_k;    // [rows, 2I]: A of dx_row = [dg du] . [W_gate; W_up]
+  CUtensorMap gate_mn;  // W_gate [E, I, H] as {H, I, E}: B of dx_row (K < I)
+  CUtensorMap up_mn;    //                                B of dx_row (K >= I)
+  CUtensorMap dy_mn;    // [rows, H] as {H, rows}: A of dW_down = dy^T . (w h)
+  CUtensorMap hw_mn;    // [rows, I] as {I, rows}: B of dW_down
+  CUtensorMap dgu_mn;   // [rows, 2I] as {2I, rows}: A of [dW_gate; dW_up] = [dg du]^T . x
+  CUtensorMap x_mn;     // [rows, H] as {H, rows}: B of it   (rows: x_routed, or x)
+};
+
+// Per-set buffers.
+struct ExpertSetData {
+  const std::uint16_t* gu;  // [rows, 2I] saved by the forward: gate | up pre-activations
+  std::uint16_t* dgu;       // [rows, 2I] written: d gate | d up (pre-activation), 0 on padding rows
+  std::uint16_t* hw;        // [rows, I] written: w * h, 0 on padding rows
+  float* slots;             // [rows, H] written: this row's contribution to dx
+  void* d_gate;             // [E, I, H] bf16 or f32
+  void* d_up;
+  void* d_down;             // [E, H, I]
+  int inter;
+};
+
+struct BackwardCounters {
+  int* dgu_ready;  // [max_routed_tiles + shared_tiles]: dh warpgroup-tiles done per M-tile
+  int* dx_done;    // dx-row warpgroup-tiles done
+  int* abort;
+};
+
+struct BackwardParams {
+  ExpertSetMaps routed_maps, shared_maps;
+  ExpertSetData routed, shared;
+  // plan
+  const std::int32_t* row_pair;
+  const std::int32_t* tile_expert;
+  const std::int32_t* tile_row;
+  const std::int32_t* num_tiles;
+  const std::int32_t* expert_offset;
+  const std::int32_t* pair_row;
+  const PlanStatus* plan_status;
+  // data
+  const float* topk_weights;  // [T, k]
+  float* dw_partial;          // [capacity, ceil(I / 256)]: per N-tile partial of d_topk_weights
+  std::uint16_t* dx;          // [T, H] bf16
+  float* d_topk_weights;      // [T, k]
+  bool grad_fp32;             // weight gradients: f32 accumulated into (else bf16 written)
+  BackwardCounters counters;
+  KernelStatus* status;
+  int tokens, hidden, top_k, num_local_experts;
+  int shared_tiles, max_routed_tiles;
+  float swiglu_limit;
+  long long timeout_ns;
+};
+
+void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream);
+
+}  // namespace mok::kernels

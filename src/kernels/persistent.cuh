@@ -1,0 +1,196 @@
+// Pieces shared by the persistent kernels (forward.cu, backward.cu): bounded waits that
+// report instead of hanging, the wgmma accumulator layout, and the consumer mainloop over
+// a ring of {A 128 x 64, B 256 x 64} stages.
+//
+// A kernel's params type P provides: counters.abort (int*), status (KernelStatus*),
+// timeout_ns. Its shared storage S provides: stages[kStages] with members a and b, and
+// the mbarrier arrays full[kStages], empty[kStages].
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/pipeline.cuh"
+#include "mok/forward.hpp"
+#include "mok/ptx/fence.cuh"
+#include "mok/ptx/ld_st.cuh"
+#include "mok/ptx/mbarrier.cuh"
+#include "mok/ptx/wgmma.cuh"
+
+namespace mok::kernels {
+
+// Records the first failure in the host-mapped status and stops the kernel: a stalled
+// wait must never hang silently.
+template <typename P>
+__device__ __noinline__ void give_up(const P& p, int task, int phase, long long observed, long long expected) {
+  if (atomicCAS(p.counters.abort, 0, 1) == 0) {
+    volatile KernelStatus* s = p.status;
+    s->block = blockIdx.x;
+    s->task = task;
+    s->phase = phase;
+    s->observed = observed;
+    s->expected = expected;
+    __threadfence_system();
+    s->code = KernelStatus::timeout;
+    __threadfence_system();
+  }
+  __trap();
+}
+
+template <typename P>
+__device__ __forceinline__ void wait_barrier(const P& p, std::uint64_t* bar, std::uint32_t parity, int task, int phase) {
+  if (ptx::mbarrier_try_wait_parity(bar, parity)) return;
+  const std::uint64_t start = ptx::globaltimer_ns();
+  for (std::uint32_t spin = 1;; ++spin) {
+    if (ptx::mbarrier_try_wait_parity(bar, parity)) return;
+    if ((spin & 1023) == 0 && ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns))
+      give_up(p, task, phase, parity ^ 1u, parity);
+  }
+}
+
+template <typename P>
+__device__ __forceinline__ void wait_counter(const P& p, const int* counter, int expected, int task, int phase) {
+  int seen = ptx::ld_acquire_gpu(counter);
+  if (seen >= expected) return;
+  const std::uint64_t start = ptx::globaltimer_ns();
+  while ((seen = ptx::ld_acquire_gpu(counter)) < expected) {
+    __nanosleep(128);
+    if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, task, phase, seen, expected);
+  }
+}
+
+// Row/column of accumulator element i of this thread (wgmma m64nN f32 layout) inside its
+// warpgroup's 64-row tile.
+__device__ __forceinline__ int acc_row(int warp, int lane, int i) { return warp * 16 + lane / 4 + 8 * ((i >> 1) & 1); }
+__device__ __forceinline__ int acc_col(int lane, int i) { return 8 * (i >> 2) + 2 * (lane & 3) + (i & 1); }
+
+__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float2 unpack_bf16x2(std::uint32_t bits) {
+  __nv_bfloat162 v;
+  *reinterpret_cast<std::uint32_t*>(&v) = bits;
+  return __bfloat1622float2(v);
+}
+
+// Operand layouts of one GEMM in shared memory. K-major: the tile's rows are M (or N)
+// with 64 K elements each (one TMA box of {64, rows}). MN-major: 64-row K boxes of 64
+// M (N) elements, one box per 64 M (N), 8 KB apart.
+struct KMajor {
+  static constexpr int kMn = 0;
+  static constexpr int kDescStep = 2;  // 32 bytes per 16 K
+  __device__ static std::uint64_t descriptor(const void* tile) { return ptx::wgmma_descriptor_sw128(tile); }
+};
+struct MnMajor {
+  static constexpr int kMn = 1;
+  static constexpr int kDescStep = 128;  // 2048 bytes per 16 K
+  __device__ static std::uint64_t descriptor(const void* tile) { return ptx::wgmma_descriptor_sw128_mn(tile, 8192); }
+};
+
+// The consumer warpgroup `wg` multiplies its 64 rows of A by the stage's 256 columns of B
+// over k_steps stages, handing each stage back once its MMAs are done. With k_steps = 0
+// the accumulator is left undefined (zeroing it here costs the forward spills): the
+// caller handles the empty sum. Phase code 1 = waiting for a filled stage.
+template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
+__device__ __forceinline__ void mainloop(const P& p, S& s, PipelineState<kStages>& pipe, float (&acc)[128], int k_steps,
+                                         int wg, int task) {
+  constexpr int kBlockK = 64;
+  int previous = -1;
+  for (int kb = 0; kb < k_steps; ++kb) {
+    wait_barrier(p, &s.full[pipe.index], pipe.phase, task, 1);
+    const auto& stage = s.stages[pipe.index];
+    const std::uint64_t desc_a = LayoutA::descriptor(stage.a + wg * 64 * kBlockK);
+    const std::uint64_t desc_b = LayoutB::descriptor(stage.b);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk)
+      ptx::wgmma_m64n256k16_bf16<LayoutA::kMn, LayoutB::kMn>(acc, desc_a + LayoutA::kDescStep * kk,
+                                                             desc_b + LayoutB::kDescStep * kk, (kb | kk) != 0);
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait_group<1>();  // the previous stage's MMAs are done: hand it back
+    if (previous >= 0 && threadIdx.x % 128 == 0) ptx::mbarrier_arrive(&s.empty[previous]);
+    previous = pipe.index;
+    pipe.advance();
+  }
+  ptx::wgmma_wait_group<0>();
+  if (previous >= 0 && threadIdx.x % 128 == 0) ptx::mbarrier_arrive(&s.empty[previous]);
+}
+
+// counter += count (release, gpu scope) once every thread of warpgroup `wg` has issued the
+// writes it counts. Named barrier 1 + wg is the warpgroup's own.
+__device__ __forceinline__ void publish_count(int* counter, int count, int wg) {
+  if (count == 0) return;
+  ptx::named_barrier_sync(1 + wg, 128);
+  if (threadIdx.x % 128 == 0) {
+    ptx::fence_acq_rel_gpu();
+    ptx::red_release_gpu_add(counter, count);
+  }
+}
+
+// The warpgroup's 64 x 256 fp32 tile into rows[r * ld + n0 + c] for columns n0 + c < limit,
+// with streaming stores (these rows are read once, by a combine).
+__device__ __forceinline__ void store_fp32_rows(const float (&acc)[128], float* rows, int ld, int n0, int limit) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+#pragma unroll
+  for (int i = 0; i < 128; i += 2) {
+    const int col = n0 + acc_col(lane, i);
+    if (col < limit)
+      __stcs(reinterpret_cast<float2*>(rows + static_cast<std::int64_t>(acc_row(warp, lane, i)) * ld + col),
+             make_float2(acc[i], acc[i + 1]));
+  }
+}
+
+// out[t] = shared[t] + sum_j w[t,j] * slot[pair_row[t,j]] (kWeighted) or + slot (plain
+// sum) for tokens [begin, end), 4 columns a thread, in fp32, rounded to bf16 once. All k
+// slot loads are issued before the first add (the combine is bound by how many bytes are
+// in flight); the adds then run in ascending j. shared may be null; pair_row -1 = no slot.
+constexpr int kMaxCombineSlots = 16;
+
+template <bool kWeighted>
+__device__ void combine_tokens(int begin, int end, int hidden, int top_k, const std::int32_t* pair_row,
+                               const float* weights, const float* slots, const float* shared, std::uint16_t* out,
+                               int tid, int threads) {
+  const int columns4 = hidden / 4;
+  for (int token = begin; token < end; ++token) {
+    for (int c = tid; c < columns4; c += threads) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (shared) acc = __ldcs(reinterpret_cast<const float4*>(shared + static_cast<std::int64_t>(token) * hidden) + c);
+      for (int j0 = 0; j0 < top_k; j0 += kMaxCombineSlots) {
+        float4 v[kMaxCombineSlots];
+        float w[kMaxCombineSlots];
+        bool valid[kMaxCombineSlots];
+#pragma unroll
+        for (int j = 0; j < kMaxCombineSlots; ++j) {
+          const int slot = j0 + j;
+          const int row = slot < top_k ? pair_row[token * top_k + slot] : -1;
+          valid[j] = row >= 0;  // -1: a padding slot, or past k
+          w[j] = (kWeighted && valid[j]) ? weights[token * top_k + slot] : 1.0f;
+          v[j] = valid[j] ? __ldcs(reinterpret_cast<const float4*>(slots + static_cast<std::int64_t>(row) * hidden) + c)
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < kMaxCombineSlots; ++j) {
+          if (!valid[j]) continue;
+          if constexpr (kWeighted) {
+            acc.x = __fmaf_rn(w[j], v[j].x, acc.x);
+            acc.y = __fmaf_rn(w[j], v[j].y, acc.y);
+            acc.z = __fmaf_rn(w[j], v[j].z, acc.z);
+            acc.w = __fmaf_rn(w[j], v[j].w, acc.w);
+          } else {
+            acc.x = __fadd_rn(acc.x, v[j].x);
+            acc.y = __fadd_rn(acc.y, v[j].y);
+            acc.z = __fadd_rn(acc.z, v[j].z);
+            acc.w = __fadd_rn(acc.w, v[j].w);
+          }
+        }
+      }
+      const uint2 packed{pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w)};
+      *reinterpret_cast<uint2*>(out + static_cast<std::int64_t>(token) * hidden + 4 * c) = packed;
+    }
+  }
+}
+
+}  // namespace mok::kernels

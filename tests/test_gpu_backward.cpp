@@ -1,0 +1,334 @@
+// The fused backward against the fp64 CPU reference (every gradient: relative error and
+// cosine similarity), with outputs poisoned first; then bitwise determinism across runs,
+// SM counts and the save / recompute modes, f32 accumulation, bad input, and a CUDA graph
+// of forward + backward replayed with new routing and data.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "gpu_problem.hpp"
+#include "mok/backward.hpp"
+#include "mok/error.hpp"
+#include "mok/forward.hpp"
+
+namespace mok {
+namespace {
+
+using testing::DeviceBuffer;
+using testing::GpuProblem;
+
+struct Case {
+  const char* name;
+  std::int64_t tokens, hidden, inter, experts, top_k, shared;
+  float limit;  // 0: none
+  RoutingKind routing;
+};
+
+MoeShape shape_of(const Case& c) {
+  MoeShape s;
+  s.hidden = c.hidden, s.intermediate = c.inter, s.num_experts = s.num_local_experts = c.experts, s.top_k = c.top_k;
+  s.shared_intermediate = c.shared;
+  if (c.limit > 0) s.swiglu_limit = c.limit;
+  return s;
+}
+
+std::vector<bf16> random_bf16(std::size_t n, std::uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<bf16> v(n);
+  for (auto& x : v) x = bf16::from_float(dist(rng));
+  return v;
+}
+
+// Gradient buffers of one problem; weight gradients in bf16 or f32.
+struct GpuGrads {
+  const GpuProblem& gpu;
+  bool f32;
+  DeviceBuffer<bf16> dy, dx;
+  DeviceBuffer<float> d_weights;
+  DeviceBuffer<std::uint8_t> d_gate, d_up, d_down, d_sgate, d_sup, d_sdown;
+
+  GpuGrads(const GpuProblem& g, const std::vector<bf16>& dy_host, bool fp32)
+      : gpu(g), f32(fp32), dy(dy_host), dx(dy_host.size()), d_weights(g.host.topk_weights.size()),
+        d_gate(g.host.w_gate.size() * elem()), d_up(g.host.w_up.size() * elem()), d_down(g.host.w_down.size() * elem()),
+        d_sgate(g.host.shared_gate.size() * elem()), d_sup(g.host.shared_up.size() * elem()),
+        d_sdown(g.host.shared_down.size() * elem()) {}
+
+  std::size_t elem() const { return f32 ? 4 : 2; }
+
+  BackwardArgs args() const {
+    const MoeShape& s = gpu.host.shape;
+    const Device d = Device::cuda(0);
+    const std::int64_t T = gpu.host.tokens, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k;
+    const std::int64_t Is = s.shared_intermediate;
+    const DType g = f32 ? DType::f32 : DType::bf16;
+    BackwardArgs b;
+    b.dy = TensorView::contiguous(dy.get(), DType::bf16, d, {T, H});
+    b.dx = TensorView::contiguous(dx.get(), DType::bf16, d, {T, H});
+    b.d_topk_weights = TensorView::contiguous(d_weights.get(), DType::f32, d, {T, k});
+    b.d_w_gate = TensorView::contiguous(d_gate.get(), g, d, {E, I, H});
+    b.d_w_up = TensorView::contiguous(d_up.get(), g, d, {E, I, H});
+    b.d_w_down = TensorView::contiguous(d_down.get(), g, d, {E, H, I});
+    if (s.has_shared()) {
+      b.d_shared_gate = TensorView::contiguous(d_sgate.get(), g, d, {Is, H});
+      b.d_shared_up = TensorView::contiguous(d_sup.get(), g, d, {Is, H});
+      b.d_shared_down = TensorView::contiguous(d_sdown.get(), g, d, {H, Is});
+    }
+    return b;
+  }
+
+  // NaN everywhere a kernel writes (bf16 mode; f32 gradients are accumulated into).
+  void poison() const {
+    cudaMemset(dx.get(), 0xff, dx.size() * 2);
+    cudaMemset(d_weights.get(), 0xff, d_weights.size() * 4);
+    if (!f32)
+      for (auto* b : {&d_gate, &d_up, &d_down, &d_sgate, &d_sup, &d_sdown}) cudaMemset(b->get(), 0xff, b->size());
+    cudaDeviceSynchronize();
+  }
+
+  static std::vector<double> as_double(const DeviceBuffer<std::uint8_t>& b, bool fp32) {
+    const auto bytes = b.download();
+    std::vector<double> out(bytes.size() / (fp32 ? 4 : 2));
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      if (fp32) {
+        float f;
+        std::memcpy(&f, bytes.data() + 4 * i, 4);
+        out[i] = f;
+      } else {
+        bf16 h;
+        std::memcpy(&h, bytes.data() + 2 * i, 2);
+        out[i] = h.to_float();
+      }
+    }
+    return out;
+  }
+
+  // Every gradient's bytes, for bitwise comparisons.
+  std::vector<std::uint8_t> snapshot() const {
+    std::vector<std::uint8_t> all;
+    auto add = [&](const void* p, std::size_t n) {
+      std::vector<std::uint8_t> tmp(n);
+      if (n) cudaMemcpy(tmp.data(), p, n, cudaMemcpyDeviceToHost);
+      all.insert(all.end(), tmp.begin(), tmp.end());
+    };
+    add(dx.get(), dx.size() * 2);
+    add(d_weights.get(), d_weights.size() * 4);
+    for (auto* b : {&d_gate, &d_up, &d_down, &d_sgate, &d_sup, &d_sdown}) add(b->get(), b->size());
+    return all;
+  }
+};
+
+double cosine(const std::vector<double>& a, const std::vector<double>& b) {
+  double ab = 0, aa = 0, bb = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) ab += a[i] * b[i], aa += a[i] * a[i], bb += b[i] * b[i];
+  if (aa == 0 && bb == 0) return 1.0;
+  return ab / std::sqrt(aa * bb);
+}
+
+void expect_close(const char* what, const std::vector<double>& got, const std::vector<double>& ref, const char* name) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  std::int64_t bad = 0;
+  for (double v : got) bad += !std::isfinite(v);
+  EXPECT_EQ(bad, 0) << name << ": " << what << " has unwritten or non-finite values";
+  const double rel = reference::relative_error(got, ref), cos = cosine(got, ref);
+  EXPECT_LE(rel, 1e-2) << name << ": " << what;
+  EXPECT_GE(cos, 0.9999) << name << ": " << what;
+  ::testing::Test::RecordProperty(std::string("rel_error_") + what, std::to_string(rel));
+}
+
+// Compares every gradient with the reference; `base` holds the f32 gradients' values
+// before the call (accumulation) or is empty.
+void check_gradients(const HostProblem& host, const GpuGrads& g, const std::vector<bf16>& dy, const char* name,
+                     const std::vector<std::vector<double>>& base = {}) {
+  const MoeShape& s = host.shape;
+  const auto ref = reference::backward(s, host.tokens, host.reference_x(), host.reference_routing(),
+                                       host.reference_weights(), reference::to_double(dy));
+  expect_close("dx", reference::to_double(g.dx.download()), ref.x, name);
+  expect_close("d_topk_weights", reference::to_double(g.d_weights.download()), ref.topk_weights, name);
+  const std::vector<const DeviceBuffer<std::uint8_t>*> bufs{&g.d_gate, &g.d_up, &g.d_down, &g.d_sgate, &g.d_sup, &g.d_sdown};
+  const std::vector<const std::vector<double>*> refs{&ref.w.gate, &ref.w.up, &ref.w.down, &ref.w.shared_gate,
+                                                     &ref.w.shared_up, &ref.w.shared_down};
+  const char* names[] = {"d_w_gate", "d_w_up", "d_w_down", "d_shared_gate", "d_shared_up", "d_shared_down"};
+  for (std::size_t i = 0; i < bufs.size(); ++i) {
+    if (refs[i]->empty()) continue;
+    auto got = GpuGrads::as_double(*bufs[i], g.f32);
+    if (!base.empty())
+      for (std::size_t j = 0; j < got.size(); ++j) got[j] -= base[i][j];
+    expect_close(names[i], got, *refs[i], name);
+  }
+}
+
+TensorView saved_view(const DeviceBuffer<bf16>& saved) {
+  return TensorView::contiguous(saved.get(), DType::bf16, Device::cuda(0), {static_cast<std::int64_t>(saved.size())});
+}
+
+class BackwardCases : public ::testing::TestWithParam<Case> {};
+
+TEST_P(BackwardCases, MatchesReference) {
+  MOK_REQUIRE_HOPPER();
+  const Case c = GetParam();
+  const MoeShape s = shape_of(c);
+  const HostProblem host = make_problem(s, c.tokens, c.routing, 77 + c.tokens);
+  GpuProblem gpu(host);
+  const auto dy = random_bf16(host.x.size(), 5 + c.tokens);
+  GpuGrads grads(gpu, dy, false);
+  Workspace ws(s, c.tokens, {}, Training::save);
+  DeviceBuffer<bf16> saved(ws.saved_elements());
+  forward(gpu.args(), ws, nullptr, saved_view(saved));
+  grads.poison();
+  backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));
+  ws.check(nullptr);
+  check_gradients(host, grads, dy, c.name);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Backward, BackwardCases,
+    ::testing::Values(
+        Case{"uniform", 700, 512, 256, 8, 2, 0, 0, RoutingKind::uniform},
+        Case{"skewed", 900, 256, 384, 8, 2, 0, 0, RoutingKind::skewed},
+        Case{"one_expert_k1", 500, 256, 256, 4, 1, 0, 0, RoutingKind::one_expert},
+        Case{"empty_experts", 400, 256, 256, 16, 2, 0, 0, RoutingKind::first_half},
+        Case{"padded", 333, 256, 256, 8, 4, 0, 0, RoutingKind::padded},
+        // T = 1 with k = 8: d_topk_weights of one token with k = 2 is two numbers, and their
+        // relative error (bf16-saved activations: ~0.3% of a typical value) measures
+        // whether one of them happens to be near zero rather than the kernel.
+        Case{"single_token", 1, 256, 256, 8, 8, 0, 0, RoutingKind::uniform},
+        Case{"shared_single_token", 1, 256, 128, 4, 4, 256, 1.0f, RoutingKind::uniform},
+        Case{"ragged_k1", 129, 320, 192, 8, 1, 0, 0, RoutingKind::uniform},
+        Case{"single_expert", 257, 256, 256, 1, 1, 0, 0, RoutingKind::uniform},
+        Case{"shared", 300, 256, 256, 8, 2, 384, 0, RoutingKind::uniform},
+        Case{"shared_padded_clamp", 301, 256, 256, 8, 2, 192, 0.75f, RoutingKind::padded},
+        Case{"clamp", 400, 512, 256, 8, 2, 0, 0.5f, RoutingKind::uniform}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// The same call under every configuration that must not change a bit: 20 repeats, SM
+// counts, recompute instead of save.
+TEST(Backward, BitwiseEqualAcrossRunsSmCountsAndModes) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 512, 256, 8, 2, 256, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 900, RoutingKind::skewed, 31);
+  GpuProblem gpu(host);
+  const auto dy = random_bf16(host.x.size(), 32);
+  GpuGrads grads(gpu, dy, false);
+  auto run = [&](int sms, Training mode, int repeats) {
+    Config config;
+    config.compute_sms = sms;
+    Workspace ws(s, host.tokens, config, mode);
+    DeviceBuffer<bf16> saved(mode == Training::save ? ws.saved_elements() : 0);
+    std::vector<std::uint8_t> first;
+    for (int r = 0; r < repeats; ++r) {
+      if (mode == Training::save) forward(gpu.args(), ws, nullptr, saved_view(saved));
+      grads.poison();
+      if (mode == Training::save) backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));
+      else backward(gpu.args(), grads.args(), ws, nullptr);
+      ws.check(nullptr);
+      auto bytes = grads.snapshot();
+      if (r == 0) first = bytes;
+      else EXPECT_TRUE(bytes == first) << "repeat " << r << " differs";
+    }
+    return first;
+  };
+  const auto reference_bytes = run(0, Training::save, 20);
+  check_gradients(host, grads, dy, "determinism");
+  for (int sms : {1, 7, 37, 100}) EXPECT_TRUE(run(sms, Training::save, 1) == reference_bytes) << sms << " SMs";
+  EXPECT_TRUE(run(0, Training::recompute, 2) == reference_bytes) << "recompute mode";
+}
+
+TEST(Backward, AccumulatesIntoF32Gradients) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 256, 192, 4, 2, 128, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 300, RoutingKind::first_half, 41);
+  GpuProblem gpu(host);
+  const auto dy = random_bf16(host.x.size(), 42);
+  GpuGrads grads(gpu, dy, true);
+  // Start every f32 gradient from a known value.
+  std::vector<std::vector<double>> base;
+  std::uint64_t seed = 50;
+  for (auto* b : {&grads.d_gate, &grads.d_up, &grads.d_down, &grads.d_sgate, &grads.d_sup, &grads.d_sdown}) {
+    std::vector<float> init(b->size() / 4);
+    std::mt19937_64 rng(seed++);
+    std::normal_distribution<float> dist(0.0f, 0.01f);
+    for (auto& v : init) v = dist(rng);
+    if (!init.empty()) cudaMemcpy(b->get(), init.data(), b->size(), cudaMemcpyHostToDevice);
+    base.emplace_back(init.begin(), init.end());
+  }
+  Workspace ws(s, host.tokens, {}, Training::recompute);
+  backward(gpu.args(), grads.args(), ws, nullptr);
+  ws.check(nullptr);
+  check_gradients(host, grads, dy, "f32", base);
+}
+
+TEST(Backward, RejectsMisuse) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 256, 128, 8, 2, 0, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 100, RoutingKind::uniform, 5);
+  GpuProblem gpu(host);
+  GpuGrads grads(gpu, random_bf16(host.x.size(), 6), false);
+  Workspace inference(s, host.tokens);
+  EXPECT_THROW(backward(gpu.args(), grads.args(), inference, nullptr), Error);
+  Workspace save(s, host.tokens, {}, Training::save);
+  EXPECT_THROW(backward(gpu.args(), grads.args(), save, nullptr), Error);  // saved tensor missing
+  DeviceBuffer<bf16> small(save.saved_elements() - 1);
+  EXPECT_THROW(forward(gpu.args(), save, nullptr, saved_view(small)), Error);
+}
+
+TEST(Backward, BadExpertIdPoisonsGradientsAndIsReported) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 256, 128, 8, 2, 0, 0, RoutingKind::uniform});
+  HostProblem host = make_problem(s, 100, RoutingKind::uniform, 5);
+  host.topk_ids[2 * 17] = 9;
+  GpuProblem gpu(host);
+  GpuGrads grads(gpu, random_bf16(host.x.size(), 6), false);
+  Workspace ws(s, host.tokens, {}, Training::recompute);
+  backward(gpu.args(), grads.args(), ws, nullptr);
+  EXPECT_THROW(ws.check(nullptr), Error);
+  for (bf16 v : grads.dx.download()) ASSERT_TRUE(std::isnan(v.to_float()));
+}
+
+// Forward + backward captured once, replayed with new routing, activations and dy.
+TEST(Backward, GraphReplayOfForwardAndBackward) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 512, 256, 8, 2, 128, 0, RoutingKind::uniform});
+  const std::int64_t T = 640;
+  const HostProblem first = make_problem(s, T, RoutingKind::uniform, 1);
+  GpuProblem gpu(first);
+  GpuGrads grads(gpu, random_bf16(first.x.size(), 2), false);
+  Workspace ws(s, T, {}, Training::save);
+  DeviceBuffer<bf16> saved(ws.saved_elements());
+  cudaStream_t stream;
+  MOK_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto step = [&] {
+    forward(gpu.args(), ws, stream, saved_view(saved));
+    backward(gpu.args(), grads.args(), ws, stream, saved_view(saved));
+  };
+  step();  // warm-up outside capture (kernel attributes)
+  ws.check(stream);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOK_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  step();
+  MOK_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  MOK_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (RoutingKind kind : {RoutingKind::skewed, RoutingKind::padded, RoutingKind::first_half}) {
+    HostProblem next = make_problem(s, T, kind, 7 + static_cast<int>(kind));
+    next.w_gate = first.w_gate, next.w_up = first.w_up, next.w_down = first.w_down;  // same weights
+    next.shared_gate = first.shared_gate, next.shared_up = first.shared_up, next.shared_down = first.shared_down;
+    const auto dy = random_bf16(next.x.size(), 100 + static_cast<int>(kind));
+    gpu.x.upload(next.x, stream);
+    gpu.ids.upload(next.topk_ids, stream);
+    gpu.weights.upload(next.topk_weights, stream);
+    grads.dy.upload(dy, stream);
+    grads.poison();
+    MOK_CUDA_OK(cudaGraphLaunch(exec, stream));
+    ws.check(stream);
+    check_gradients(next, grads, dy, routing_kind_name(kind));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace mok
