@@ -45,7 +45,8 @@ def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         return y
     ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    _C.forward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, stream)
+    _C.forward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, None,
+               stream)
     return y
 
 
