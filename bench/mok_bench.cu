@@ -11,8 +11,9 @@
 //   mok    the fused layer: "fwd" (forward), "fwd+bwd" (forward saving the pre-activations,
 //          then the fused backward into bf16 gradients); the forward is checked first on
 //          sampled tokens against the fp64 CPU reference, the backward's outputs for
-//          finiteness (its exactness is the test suite's job). peak_bytes: the workspace
-//          plus the saved tensor (what the layer allocates beyond inputs and outputs)
+//          finiteness (its exactness is the test suite's job). peak_bytes: what one pass
+//          needs beyond its inputs and weights, counted like the PyTorch baseline's peak:
+//          workspace + y (+ saved tensor + dx + d_topk_weights + bf16 weight gradients)
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -298,7 +299,7 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& pass
     auto* d_up = arena.alloc<std::uint16_t>(E * I * H);
     auto* d_down = arena.alloc<std::uint16_t>(E * H * I);
     fill_random_kernel<<<1024, 256, 0, stream>>>(dy, T * H, seed++);
-    extra_bytes = 2 * ws.saved_elements();
+    extra_bytes = 2 * ws.saved_elements() + 2 * T * H + 4 * T * k + 2 * 3 * E * I * H;
     const auto saved_view = mok::TensorView::contiguous(saved, mok::DType::bf16, dev, {ws.saved_elements()});
     mok::BackwardArgs b;
     b.dy = mok::TensorView::contiguous(dy, mok::DType::bf16, dev, {T, H});
@@ -328,7 +329,7 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& pass
   const double med = ms[ms.size() / 2];
   const double flops = mok::forward_flops(s, T * k, T) * (bwd ? 3 : 1);
   return {p.name, "mok", pass, T, 1, H, I, E, k, med, ms[ms.size() / 10], ms[ms.size() * 9 / 10],
-          flops / (med * 1e-3) / 1e12, static_cast<std::size_t>(ws.bytes() + extra_bytes), o.iters};
+          flops / (med * 1e-3) / 1e12, static_cast<std::size_t>(ws.bytes() + 2 * T * H + extra_bytes), o.iters};
 }
 
 void write_json(const Options& o, const std::vector<Record>& records, const std::string& gpu) {

@@ -274,6 +274,34 @@ TEST(Backward, RejectsMisuse) {
   EXPECT_THROW(forward(gpu.args(), save, nullptr, saved_view(small)), Error);
 }
 
+// The backward overwrites the saved pre-activations with their gradients: a second
+// backward from the same saved tensor (or one no forward filled) must fail loudly.
+TEST(Backward, ConsumedSavedTensorIsAnError) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 256, 128, 8, 2, 0, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 100, RoutingKind::uniform, 5);
+  GpuProblem gpu(host);
+  const auto dy = random_bf16(host.x.size(), 6);
+  GpuGrads grads(gpu, dy, false);
+  Workspace ws(s, host.tokens, {}, Training::save);
+  DeviceBuffer<bf16> saved(ws.saved_elements());
+  cudaMemset(saved.get(), 0, saved.size() * 2);
+  backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));  // never filled
+  EXPECT_THROW(ws.check(nullptr), Error);
+  forward(gpu.args(), ws, nullptr, saved_view(saved));
+  backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));
+  EXPECT_NO_THROW(ws.check(nullptr));
+  check_gradients(host, grads, dy, "first backward");
+  backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));  // consumed
+  try {
+    ws.check(nullptr);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("consumed"), std::string::npos) << e.what();
+  }
+  for (bf16 v : grads.dx.download()) ASSERT_TRUE(std::isnan(v.to_float()));
+}
+
 TEST(Backward, BadExpertIdPoisonsGradientsAndIsReported) {
   MOK_REQUIRE_HOPPER();
   const MoeShape s = shape_of({"", 0, 256, 128, 8, 2, 0, 0, RoutingKind::uniform});

@@ -16,7 +16,7 @@ namespace mok {
 // Device-side record of a failed wait or bad input, in host-mapped memory: the host can
 // read it without synchronising, and it survives a kernel that stopped early.
 struct KernelStatus {
-  enum Code : std::int32_t { ok = 0, timeout = 1, bad_plan = 2 };
+  enum Code : std::int32_t { ok = 0, timeout = 1, bad_plan = 2, saved_not_valid = 3 };
   std::int32_t code;
   std::int32_t block;     // CTA that gave up
   std::int32_t task;      // task it was on
@@ -52,7 +52,8 @@ class Workspace {
   const Config& config() const { return config_; }
   Training training() const { return training_; }
   // bf16 elements of the tensor a forward saves for the backward (Training::save):
-  // capacity_rows * 2I + ceil(T / 128) * 128 * 2 I_s.
+  // capacity_rows * 2I + ceil(T / 128) * 128 * 2 I_s, plus an 8-element trailer that marks
+  // it as filled by a forward and not yet consumed by a backward.
   std::int64_t saved_elements() const;
   std::int64_t tokens() const { return tokens_; }
   DevicePlan& plan() { return *plan_; }
@@ -70,11 +71,12 @@ class Workspace {
   int* counters() const { return counters_; }
   std::int64_t counter_count() const;
   KernelStatus* status_device() const { return status_device_; }
-  // Backward buffers (training only).
-  void* dy_routed() const { return dy_routed_; }         // [capacity, H] bf16
-  void* d_pre_activations() const { return dgu_; }        // like the saved tensor
-  float* dw_partial() const { return dw_partial_; }       // [capacity, ceil(I / 256)]
-  void* recompute_buffer() const { return recompute_; }   // saved_elements() bf16 (recompute)
+  // Backward buffers (training only). dy rows and dx rows reuse the forward's fp32 slot
+  // buffer, which is dead between the forward's combine and the next forward.
+  void* dy_routed() const { return slots_; }                        // [capacity, H] bf16
+  void* dx_rows() const { return static_cast<std::uint16_t*>(dy_routed()) + capacity_h(); }  // [capacity + T_pad, H] bf16
+  float* dw_partial() const { return dw_partial_; }                  // [capacity, ceil(I / 256)]
+  void* recompute_buffer() const { return recompute_; }              // saved_elements() bf16 (recompute)
   std::int64_t bytes() const { return bytes_; }
 
  private:
@@ -85,9 +87,8 @@ class Workspace {
   std::unique_ptr<DevicePlan> plan_;
   void* x_routed_ = nullptr;
   void* hidden_ = nullptr;
+  std::int64_t capacity_h() const;
   float* slots_ = nullptr;
-  void* dy_routed_ = nullptr;
-  void* dgu_ = nullptr;
   float* dw_partial_ = nullptr;
   void* recompute_ = nullptr;
   int* counters_ = nullptr;

@@ -129,6 +129,10 @@ def _train_setup_context(ctx, inputs, output):
 
 
 def _train_backward(ctx, grad_y, grad_saved):
+    if getattr(ctx, "consumed", False):
+        raise RuntimeError("mok.moe: a second backward through the same forward (retain_graph=True) is not "
+                           "supported: the fused backward overwrites the pre-activations the forward saved")
+    ctx.consumed = True
     x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved = ctx.saved_tensors
     if grad_y is None:
         grad_y = torch.zeros_like(x)

@@ -35,6 +35,15 @@ kernels::ExpertSetMaps set_maps(const void* dy, const void* x, std::int64_t dy_r
   return m;
 }
 
+// Store maps of bf16 weight gradients (f32 ones are accumulated with plain loads/stores).
+void set_gradient_maps(kernels::ExpertSetMaps& m, const void* d_gate, const void* d_up, const void* d_down,
+                       std::int64_t experts, std::int64_t H, std::int64_t I) {
+  using detail::make_bf16_tensor_map;
+  m.d_gate = make_bf16_tensor_map(d_gate, {U(H), U(I), U(experts)}, {64, 64, 1}, "d_w_gate");
+  m.d_up = make_bf16_tensor_map(d_up, {U(H), U(I), U(experts)}, {64, 64, 1}, "d_w_up");
+  m.d_down = make_bf16_tensor_map(d_down, {U(I), U(H), U(experts)}, {64, 64, 1}, "d_w_down");
+}
+
 void zero_gradient(const std::optional<TensorView>& g, cudaStream_t stream) {
   if (g && g->numel() > 0)
     detail::cuda_check(cudaMemsetAsync(g->data, 0, g->numel() * dtype_size(g->dtype), stream), kWhere,
@@ -92,20 +101,28 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   const std::int64_t capacity = plan.capacity_rows(), n_shared_tiles = detail::shared_tiles(s, T);
   const std::int64_t padded_tokens = n_shared_tiles * detail::kTileRows;
   const DevicePlanView& v = plan.view();
-  auto* dgu = static_cast<std::uint16_t*>(ws.d_pre_activations());
+  std::uint16_t* dgu = gu;  // the kernel replaces the pre-activations by their gradients
   auto* hw = static_cast<std::uint16_t*>(ws.hidden());
+  auto* dx_rows = static_cast<std::uint16_t*>(ws.dx_rows());
 
   kernels::BackwardParams p{};
   p.routed_maps = set_maps(ws.dy_routed(), ws.x_routed(), capacity, dgu, hw, capacity, a.w_gate.data, a.w_up.data,
                            a.w_down.data, El, H, I);
-  p.routed = {gu, dgu, hw, ws.slots(), b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, static_cast<int>(I)};
+  p.routed_maps.dx_rows = detail::make_bf16_tensor_map(dx_rows, {U(H), U(capacity), 1}, {64, 64, 1}, "dx rows");
+  p.routed = {gu, hw, dx_rows, b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, static_cast<int>(I)};
+  if (!grad_fp32) set_gradient_maps(p.routed_maps, b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, El, H, I);
   if (s.has_shared()) {
     std::uint16_t* s_dgu = dgu + 2 * capacity * I;
     std::uint16_t* s_hw = hw + capacity * I;
     p.shared_maps = set_maps(b.dy.data, a.x.data, T, s_dgu, s_hw, padded_tokens, a.shared_gate->data,
                              a.shared_up->data, a.shared_down->data, 1, H, Is);
-    p.shared = {gu + 2 * capacity * I, s_dgu, s_hw, ws.slots() + capacity * H, b.d_shared_gate->data,
-                b.d_shared_up->data, b.d_shared_down->data, static_cast<int>(Is)};
+    std::uint16_t* s_dx_rows = dx_rows + capacity * H;
+    p.shared_maps.dx_rows =
+        detail::make_bf16_tensor_map(s_dx_rows, {U(H), U(padded_tokens), 1}, {64, 64, 1}, "shared dx rows");
+    p.shared = {s_dgu, s_hw, s_dx_rows, b.d_shared_gate->data, b.d_shared_up->data, b.d_shared_down->data,
+                static_cast<int>(Is)};
+    if (!grad_fp32)
+      set_gradient_maps(p.shared_maps, b.d_shared_gate->data, b.d_shared_up->data, b.d_shared_down->data, 1, H, Is);
   }
   p.row_pair = v.row_pair;
   p.tile_expert = v.tile_expert;
@@ -122,6 +139,8 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   const std::int64_t per_tile = plan.max_tiles() + n_shared_tiles;
   p.counters = {ws.counters(), ws.counters() + per_tile, ws.counters() + per_tile + 1};
   p.status = ws.status_device();
+  unsigned long long* marker = detail::saved_marker(gu, ws);
+  p.saved_marker = marker;
   p.tokens = static_cast<int>(T);
   p.hidden = static_cast<int>(H);
   p.top_k = static_cast<int>(s.top_k);
@@ -132,6 +151,8 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   p.timeout_ns = static_cast<long long>(ws.config().timeout_seconds * 1e9);
   kernels::launch_backward(p, detail::persistent_ctas(ws, kWhere), stream);
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
+  // The pre-activations are gone (replaced by their gradients): mark the tensor consumed.
+  detail::cuda_check(cudaMemsetAsync(marker, 0, sizeof(*marker), stream), kWhere, "cudaMemsetAsync(saved marker)");
 }
 
 }  // namespace mok

@@ -31,6 +31,8 @@ std::int64_t dh_tiles(const MoeShape& s) { return (s.intermediate + 255) / 256; 
 
 namespace {
 
+constexpr std::int64_t kSavedTrailer = 8;  // bf16 elements: the 8-byte validity marker (+ padding)
+
 PlanOptions plan_options(const MoeShape& shape, std::int64_t tokens, const Config& config) {
   PlanOptions options;
   options.block_m = detail::kTileRows;
@@ -73,11 +75,7 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
   allocate(hidden_, 2 * (capacity * I + padded_tokens * Is), "cudaMalloc(hidden)", bytes_);
   allocate(slots_, 4 * (capacity * H + padded_tokens * H), "cudaMalloc(slots)", bytes_);
   allocate(counters_, 4 * counter_count(), "cudaMalloc(counters)", bytes_);
-  if (training != Training::off) {
-    allocate(dy_routed_, 2 * capacity * H, "cudaMalloc(dy_routed)", bytes_);
-    allocate(dgu_, 2 * saved_elements(), "cudaMalloc(d_pre_activations)", bytes_);
-    allocate(dw_partial_, 4 * capacity * dh_tiles(shape), "cudaMalloc(dw_partial)", bytes_);
-  }
+  if (training != Training::off) allocate(dw_partial_, 4 * capacity * dh_tiles(shape), "cudaMalloc(dw_partial)", bytes_);
   if (training == Training::recompute) allocate(recompute_, 2 * saved_elements(), "cudaMalloc(recompute)", bytes_);
   check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&status_host_), sizeof(KernelStatus), cudaHostAllocMapped),
              "cudaHostAlloc(status)");
@@ -87,7 +85,7 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
 }
 
 Workspace::~Workspace() {
-  for (void* p : {x_routed_, hidden_, static_cast<void*>(slots_), static_cast<void*>(counters_), dy_routed_, dgu_,
+  for (void* p : {x_routed_, hidden_, static_cast<void*>(slots_), static_cast<void*>(counters_),
                   static_cast<void*>(dw_partial_), recompute_})
     cudaFree(p);
   cudaFreeHost(status_host_);
@@ -102,8 +100,10 @@ std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Co
   validate(shape);
   const std::int64_t capacity = device_plan_capacity_rows(shape, tokens, plan_options(shape, tokens, config));
   const std::int64_t padded_tokens = detail::shared_tiles(shape, tokens) * detail::kTileRows;
-  return 2 * (capacity * shape.intermediate + padded_tokens * shape.shared_intermediate);
+  return 2 * (capacity * shape.intermediate + padded_tokens * shape.shared_intermediate) + kSavedTrailer;
 }
+
+std::int64_t Workspace::capacity_h() const { return plan_->capacity_rows() * shape_.hidden; }
 
 std::int64_t Workspace::saved_elements() const { return mok::saved_elements(shape_, tokens_, config_); }
 
@@ -112,6 +112,9 @@ void Workspace::throw_if_failed() const {
   if (v->code == KernelStatus::ok) return;
   const KernelStatus s{v->code, v->block, v->task, v->phase, v->observed, v->expected};
   status_host_->code = KernelStatus::ok;  // reported once
+  if (s.code == KernelStatus::saved_not_valid)
+    throw Error("mok::backward: the saved tensor was not filled by a forward, or an earlier backward already "
+                "consumed it (the backward overwrites it); dx and d_topk_weights were set to NaN");
   if (s.code == KernelStatus::bad_plan) {
     plan_->check(nullptr);  // synchronises; throws the planner's message (bad id, capacity)
     throw Error("mok: the plan was invalid and the outputs were set to NaN");
@@ -151,6 +154,10 @@ void check_saved(std::string_view where, const TensorView& saved, const Workspac
   if (saved.numel() > 0 && (saved.data == nullptr || !saved.is_contiguous()))
     throw_argument_error(where, "saved", "must be a contiguous non-null tensor");
   if (saved.numel() > 0) check_pointer_location(where, "saved", saved);
+}
+
+unsigned long long* saved_marker(std::uint16_t* saved, const Workspace& ws) {
+  return reinterpret_cast<unsigned long long*>(saved + ws.saved_elements() - kSavedTrailer);
 }
 
 int persistent_ctas(const Workspace& ws, std::string_view where) {
@@ -213,6 +220,7 @@ void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, cudaStream_t str
   p.y = static_cast<std::uint16_t*>(a.y.data);
   p.saved_gu = saved_gu;
   p.shared_saved_gu = saved_gu && s.has_shared() ? saved_gu + 2 * capacity * I : nullptr;
+  p.saved_marker = saved_gu ? saved_marker(saved_gu, ws) : nullptr;
   p.gemm1_only = gemm1_only;
   const std::int64_t per_tile = plan.max_tiles() + n_shared_tiles;
   p.counters = {ws.counters(), ws.counters() + per_tile, ws.counters() + per_tile + 1};

@@ -22,6 +22,10 @@ inline std::int64_t shared_tiles(const MoeShape& s, std::int64_t tokens) {
 void check_locations(std::string_view where, const ForwardArgs& a, const MoeShape& s, bool check_output);
 void check_saved(std::string_view where, const TensorView& saved, const Workspace& ws, Device device);
 
+// The validity marker at the end of a saved tensor (set by the forward kernel, checked by
+// the backward kernel, cleared after it).
+unsigned long long* saved_marker(std::uint16_t* saved, const Workspace& ws);
+
 // Number of CTAs of a persistent kernel: the configured compute SMs, or every SM.
 int persistent_ctas(const Workspace& ws, std::string_view where);
 

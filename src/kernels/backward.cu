@@ -6,9 +6,10 @@
 //   dh    tasks  d = dy[t] . W_down            A dy rows (K-major), B W_down (MN-major)
 //                epilogue: h = swiglu(g, u); partial of d_topk_weights[t,j] = sum_i h * d
 //                (one per 256 columns, summed later in order); dg, du = SwiGLU backward of
-//                w * d (clamp-aware); w * h for the weight gradient of W_down
+//                w * d (clamp-aware), written over g, u in the saved tensor; w * h for the
+//                weight gradient of W_down
 //   dx    tasks  dx_row = [dg du] . [W_gate; W_up]   A dgu (K-major), B W_gate|W_up (MN-major)
-//                -> fp32 rows; waits for the M-tile's dh tasks
+//                -> bf16 rows (TMA stores); waits for the M-tile's dh tasks
 //   dWd   tasks  dW_down[e] = dy^T . (w h) over the expert's rows     (both MN-major)
 //   dWgu  tasks  [dW_gate; dW_up][e] = [dg du]^T . x over its rows    (both MN-major)
 //                each output tile is one task with the full K loop in row order (no
@@ -55,6 +56,7 @@ struct alignas(1024) SharedStorage {
     std::uint16_t a[kBlockM * kBlockK];  // 16 KB: K-major 128 x 64, or two MN-major boxes
     std::uint16_t b[kBlockN * kBlockK];  // 32 KB: four MN-major boxes
   } stages[kStages];
+  std::uint16_t staging[kConsumerWarpgroups][2 * 64 * 64];  // per warpgroup: 64 x 128 bf16 of a weight gradient
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
 };
@@ -288,8 +290,8 @@ __device__ void epilogue_dh(const BackwardParams& p, const float (&acc)[128], co
         du = pack_bf16x2(r0.d_up, r1.d_up);
         hw = pack_bf16x2(__fmul_rn(weight[h], r0.hidden), __fmul_rn(weight[h], r1.hidden));
       }
-      st_global_ordered(d.dgu + at, dg);
-      st_global_ordered(d.dgu + at + inter, du);
+      st_global_ordered(d.gu + at, dg);  // in place: this thread just read these two values
+      st_global_ordered(d.gu + at + inter, du);
       st_global_ordered(d.hw + row[h] * inter + col, hw);
     }
   }
@@ -304,47 +306,91 @@ __device__ void epilogue_dh(const BackwardParams& p, const float (&acc)[128], co
   }
 }
 
-// The warpgroup's 64 x 256 tile of a weight gradient: rows m0 + r of [rows, cols] where
-// a row pointer is given; bf16 written or f32 accumulated. empty: the expert has no rows
-// (the sum is zero; acc was never written).
-__device__ void store_weight_grad(const BackwardParams& p, const float (&acc)[128], void* const (&row)[2], int n0,
-                                  int cols, bool empty) {
+// f32 weight gradient: the warpgroup's 64 x 256 tile added into rows of [rows, cols] where
+// a row pointer is given (one owner per element: a plain read-modify-write). empty: the
+// expert has no rows (nothing to add; acc was never written).
+__device__ void accumulate_weight_grad(const float (&acc)[128], void* const (&row)[2], int n0, int cols, bool empty) {
+  if (empty) return;
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int i = 0; i < 128; i += 2) {
     const int h = (i >> 1) & 1, col = n0 + acc_col(lane, i);
     if (row[h] == nullptr || col >= cols) continue;
-    const float v0 = empty ? 0.0f : acc[i], v1 = empty ? 0.0f : acc[i + 1];
-    if (p.grad_fp32) {
-      float2* out = reinterpret_cast<float2*>(static_cast<float*>(row[h]) + col);
-      const float2 old = *out;
-      *out = make_float2(__fadd_rn(old.x, v0), __fadd_rn(old.y, v1));
-    } else {
-      *reinterpret_cast<std::uint32_t*>(static_cast<std::uint16_t*>(row[h]) + col) = pack_bf16x2(v0, v1);
+    float2* out = reinterpret_cast<float2*>(static_cast<float*>(row[h]) + col);
+    const float2 old = *out;
+    *out = make_float2(__fadd_rn(old.x, acc[i]), __fadd_rn(old.y, acc[i + 1]));
+  }
+}
+
+// A bf16 64 x 256 tile of this warpgroup leaves through its swizzled staging buffer in
+// two 64 x 128 halves, each as two TMA stores to (col0 + 64 i, row, layer) of `map`
+// (clipped at the matrix edges, skipped when row >= rows or the column >= cols), so the
+// writes drain while the next tile's mainloop runs. zero: store zeros instead of acc.
+__device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg, const CUtensorMap* map, int col0,
+                               int row, int layer, int rows, int cols, bool zero) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  char* staging = reinterpret_cast<char*>(s.staging[wg]);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (tid == 0) tma_store_wait_read();  // the previous stores have read the staging
+    named_barrier_sync(1 + wg, 128);
+#pragma unroll
+    for (int i = 64 * half; i < 64 * half + 64; i += 2) {
+      const int r = acc_row(warp, lane, i), c = acc_col(lane, i) - 128 * half;
+      *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(r, c)) = zero ? 0u : pack_bf16x2(acc[i], acc[i + 1]);
+    }
+    fence_proxy_async_shared_cta();
+    named_barrier_sync(1 + wg, 128);
+    if (tid == 0 && row < rows) {
+      for (int panel = 0; panel < 2; ++panel) {
+        const int col = col0 + 128 * half + 64 * panel;
+        if (col < cols) tma_store_3d(map, s.staging[wg] + panel * 64 * 64, col, row, layer);
+      }
+      tma_store_commit_group();
     }
   }
 }
 
-__device__ void epilogue_weight(const BackwardParams& p, const float (&acc)[128], const Task& t, int wg, bool empty) {
+// bf16 weight gradient tile (empty: the expert has no rows, the gradient is zero).
+__device__ void store_weight_grad_tma(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
+                                      int wg, bool empty) {
+  const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
+  const int H = p.hidden, I = (t.shared ? p.shared : p.routed).inter;
+  const int row0 = t.m * kBlockM + wg * 64;
+  if (t.kind == kWd) {
+    store_tile_tma(s, acc, wg, &maps.d_down, t.n * kBlockN, row0, t.e, H, I, empty);
+  } else {  // rows [0, I) of the tile space are W_gate's, [I, 2I) W_up's (I % 64 == 0)
+    const bool gate = row0 < I;
+    store_tile_tma(s, acc, wg, gate ? &maps.d_gate : &maps.d_up, t.n * kBlockN, gate ? row0 : row0 - I, t.e,
+                   gate ? I : (row0 < 2 * I ? I : 0), H, empty);
+  }
+}
+
+__device__ void epilogue_weight(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
+                                int wg, bool empty) {
+  if (!p.grad_fp32) {
+    store_weight_grad_tma(p, s, acc, t, wg, empty);
+    return;
+  }
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const ExpertSetData& d = t.shared ? p.shared : p.routed;
-  const int H = p.hidden, I = d.inter, elem = p.grad_fp32 ? 4 : 2;
+  const int H = p.hidden, I = d.inter;
   void* row[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int m = t.m * kBlockM + wg * 64 + warp * 16 + lane / 4 + 8 * h;
     const std::int64_t expert = static_cast<std::int64_t>(t.e) * H * I;  // elements of one expert's matrix
-    char* base = nullptr;
+    float* base = nullptr;
     if (t.kind == kWd) {  // dW_down [E, H, I]: row m < H
-      if (m < H) base = static_cast<char*>(d.d_down) + (expert + static_cast<std::int64_t>(m) * I) * elem;
+      if (m < H) base = static_cast<float*>(d.d_down) + expert + static_cast<std::int64_t>(m) * I;
     } else if (m < I) {  // dW_gate [E, I, H]
-      base = static_cast<char*>(d.d_gate) + (expert + static_cast<std::int64_t>(m) * H) * elem;
+      base = static_cast<float*>(d.d_gate) + expert + static_cast<std::int64_t>(m) * H;
     } else if (m < 2 * I) {
-      base = static_cast<char*>(d.d_up) + (expert + static_cast<std::int64_t>(m - I) * H) * elem;
+      base = static_cast<float*>(d.d_up) + expert + static_cast<std::int64_t>(m - I) * H;
     }
     row[h] = base;
   }
-  store_weight_grad(p, acc, row, t.n * kBlockN, t.kind == kWd ? I : H, empty);
+  accumulate_weight_grad(acc, row, t.n * kBlockN, t.kind == kWd ? I : H, empty);
 }
 
 // dx for a block of tokens, then d_topk_weights[t, j] = sum over N-tiles of the row's
@@ -352,8 +398,8 @@ __device__ void epilogue_weight(const BackwardParams& p, const float (&acc)[128]
 __device__ void combine(const BackwardParams& p, const Task& t, const Schedule& sched) {
   const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
   const int begin = t.m * kCombineTokens, end = min(p.tokens, begin + kCombineTokens);
-  combine_tokens<false>(begin, end, p.hidden, p.top_k, p.pair_row, nullptr, p.routed.slots, p.shared.slots, p.dx, tid,
-                        threads);
+  combine_tokens<false, std::uint16_t>(begin, end, p.hidden, p.top_k, p.pair_row, nullptr, p.routed.dx_rows,
+                                       p.shared.dx_rows, p.dx, tid, threads);
   for (int i = begin * p.top_k + tid; i < end * p.top_k; i += threads) {
     const int row = p.pair_row[i];
     float v = 0.0f;
@@ -361,6 +407,18 @@ __device__ void combine(const BackwardParams& p, const Task& t, const Schedule& 
       for (int n = 0; n < sched.n_dh_r; ++n) v = __fadd_rn(v, p.dw_partial[static_cast<std::int64_t>(row) * sched.n_dh_r + n]);
     p.d_topk_weights[i] = v;
   }
+}
+
+// dx_done += this warpgroup's dx tiles, once their TMA stores have completed (the
+// combine reads the rows with plain loads). Deferred until the combine.
+__device__ void publish_dx_rows(const BackwardParams& p, int wg, int& pending) {
+  if (pending == 0) return;
+  if (threadIdx.x % 128 == 0) {
+    tma_store_wait_all();
+    fence_proxy_async_global();
+  }
+  publish_count(p.counters.dx_done, pending, wg);
+  pending = 0;
 }
 
 __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Schedule& sched, int wg) {
@@ -372,8 +430,7 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) {
       if (!rows_ready) {
-        publish_count(p.counters.dx_done, pending_dx, wg);
-        pending_dx = 0;
+        publish_dx_rows(p, wg, pending_dx);
         if (threadIdx.x == kProducerThreads) {
           wait_counter(p, p.counters.dx_done, sched.dx_tiles_total(), task, kWaitDx);
           for (int m = 0; m < sched.m_routed; ++m)  // the d_topk_weights partials (already complete)
@@ -395,35 +452,41 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
         publish_count(p.counters.dgu_ready + dgu_counter(p, t, t.m), 1, wg);
       } else {
         mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
-        store_fp32_rows(acc, d.slots + static_cast<std::int64_t>(row0 + wg * 64) * p.hidden, p.hidden, t.n * kBlockN,
-                        p.hidden);
+        const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
+        store_tile_tma(s, acc, wg, &maps.dx_rows, t.n * kBlockN, row0 + wg * 64, 0, 1 << 30, p.hidden, false);
         ++pending_dx;
       }
     } else {
       int first = 0, count = 0;
       expert_rows(p, t, first, count);
       mainloop<MnMajor, MnMajor>(p, s, pipe, acc, count / kBlockK, wg, task);
-      epilogue_weight(p, acc, t, wg, count == 0);
+      epilogue_weight(p, s, acc, t, wg, count == 0);
     }
   }
-  publish_count(p.counters.dx_done, pending_dx, wg);
+  publish_dx_rows(p, wg, pending_dx);
+  if (threadIdx.x % 128 == 0) tma_store_wait_all();  // weight-gradient stores complete before exit
 }
 
-// Bad routing: no task runs; dx and d_topk_weights become NaN and the host reports it.
-__device__ void poison_output(const BackwardParams& p) {
+// Bad routing or saved tensor: no task runs; dx and d_topk_weights become NaN and the host
+// reports `code`.
+__device__ void poison_output(const BackwardParams& p, KernelStatus::Code code) {
   const std::int64_t n = static_cast<std::int64_t>(p.tokens) * p.hidden, nk = static_cast<std::int64_t>(p.tokens) * p.top_k;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) p.dx[i] = 0x7fc0;
   for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < nk; i += stride) p.d_topk_weights[i] = __int_as_float(0x7fc00000);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    p.status->code = KernelStatus::bad_plan;
+    p.status->code = code;
     __threadfence_system();
   }
 }
 
 __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_constant__ BackwardParams p) {
   if (p.plan_status->code != PlanStatus::ok) {
-    poison_output(p);
+    poison_output(p, KernelStatus::bad_plan);
+    return;
+  }
+  if (*p.saved_marker != kSavedValid) {  // never filled by a forward, or consumed by an earlier backward
+    poison_output(p, KernelStatus::saved_not_valid);
     return;
   }
   extern __shared__ std::uint8_t smem_raw[];

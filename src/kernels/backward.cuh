@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/forward.cuh"
 #include "mok/device_plan.hpp"
 #include "mok/forward.hpp"
 
@@ -23,14 +24,18 @@ struct ExpertSetMaps {
   CUtensorMap hw_mn;    // [rows, I] as {I, rows}: B of dW_down
   CUtensorMap dgu_mn;   // [rows, 2I] as {2I, rows}: A of [dW_gate; dW_up] = [dg du]^T . x
   CUtensorMap x_mn;     // [rows, H] as {H, rows}: B of it   (rows: x_routed, or x)
+  CUtensorMap dx_rows;   // [rows, H] as {H, rows, 1}: TMA stores of the dx rows
+  // bf16 weight gradients (TMA stores, box 64 x 64 x 1); unused when they are f32
+  CUtensorMap d_gate, d_up;  // [E, I, H] as {H, I, E}
+  CUtensorMap d_down;        // [E, H, I] as {I, H, E}
 };
 
 // Per-set buffers.
 struct ExpertSetData {
-  const std::uint16_t* gu;  // [rows, 2I] saved by the forward: gate | up pre-activations
-  std::uint16_t* dgu;       // [rows, 2I] written: d gate | d up (pre-activation), 0 on padding rows
+  std::uint16_t* gu;        // [rows, 2I]: gate | up pre-activations saved by the forward, replaced in
+                            // place by their gradients (d gate | d up), 0 on padding rows
   std::uint16_t* hw;        // [rows, I] written: w * h, 0 on padding rows
-  float* slots;             // [rows, H] written: this row's contribution to dx
+  std::uint16_t* dx_rows;   // [rows, H] bf16 written: this row's contribution to dx
   void* d_gate;             // [E, I, H] bf16 or f32
   void* d_up;
   void* d_down;             // [E, H, I]
@@ -62,6 +67,9 @@ struct BackwardParams {
   bool grad_fp32;             // weight gradients: f32 accumulated into (else bf16 written)
   BackwardCounters counters;
   KernelStatus* status;
+  // The saved tensor's trailer: kSavedValid while it holds a forward's pre-activations
+  // (the backward consumes them; the host clears the trailer after the kernel).
+  const unsigned long long* saved_marker;
   int tokens, hidden, top_k, num_local_experts;
   int shared_tiles, max_routed_tiles;
   float swiglu_limit;

@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(256) dispatch_kernel(const DispatchParams p) {
       const uint4* src = reinterpret_cast<const uint4*>(p.x + static_cast<std::int64_t>(pair / p.top_k) * p.hidden);
       constexpr int kInFlight = 4;
       for (int v0 = lane; v0 < vectors; v0 += 32 * kInFlight) {
-        uint4 chunk[kInFlight];
+        uint4 chunk[kInFlight] = {};
 #pragma unroll
         for (int i = 0; i < kInFlight; ++i)
           if (v0 + 32 * i < vectors) chunk[i] = __ldg(src + v0 + 32 * i);

@@ -228,9 +228,7 @@ __device__ void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const f
     const int row = acc_row(warp, lane, i), col = acc_col(lane, i);
     const float h0 = swiglu(acc[i], acc[i + 64], p.swiglu_limit);
     const float h1 = swiglu(acc[i + 1], acc[i + 65], p.swiglu_limit);
-    const int panel = col / 64, chunk = (col % 64) / 8;
-    const int offset = panel * 64 * kRowBytes + row * kRowBytes + ((chunk ^ (row % 8)) * 16) + (col % 8) * 2;
-    *reinterpret_cast<std::uint32_t*>(staging + offset) = pack_bf16x2(h0, h1);
+    *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(row, col)) = pack_bf16x2(h0, h1);
   }
   if (std::uint16_t* gu = t.shared ? p.shared_saved_gu : p.saved_gu) save_pre_activations(p, acc, t, row0, wg, gu);
   fence_proxy_async_shared_cta();
@@ -260,7 +258,7 @@ __device__ void epilogue_gemm2(const ForwardParams& p, const float (&acc)[128], 
 }
 
 __device__ void combine(const ForwardParams& p, const Task& t) {
-  combine_tokens<true>(t.m * kCombineTokens, min(p.tokens, (t.m + 1) * kCombineTokens), p.hidden, p.top_k, p.pair_row,
+  combine_tokens<true, float>(t.m * kCombineTokens, min(p.tokens, (t.m + 1) * kCombineTokens), p.hidden, p.top_k, p.pair_row,
                        p.topk_weights, p.slots, p.shared_slots, p.y, threadIdx.x - kProducerThreads,
                        128 * kConsumerWarpgroups);
 }
@@ -329,6 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_const
     const ForwardMaps& m = p.maps;
     for (const CUtensorMap* map : {&m.x_routed, &m.gate, &m.up, &m.down, &m.h_load, &m.h_store}) tma_prefetch_descriptor(map);
   }
+  if (p.saved_marker && blockIdx.x == 0 && threadIdx.x == 0) *p.saved_marker = kSavedValid;
   __syncthreads();
   const Schedule sched(p);
   if (threadIdx.x < kProducerThreads) {

@@ -17,6 +17,8 @@ inline constexpr int kGemm1Columns = 128; // h columns one GEMM1 tile produces
 inline constexpr int kBlockK = 64;        // one 128-byte swizzle atom of bf16
 inline constexpr int kStages = 4;
 inline constexpr int kCombineTokens = 32; // tokens of one combine task
+// Trailer of a saved tensor that holds a forward's pre-activations (not yet consumed).
+inline constexpr unsigned long long kSavedValid = 0x4d6f4b5361766564ull;  // "MoKSaved"
 
 // Counters the kernel uses, zeroed before each launch (stream-ordered, graph-safe).
 // h_ready[m]: GEMM1 warpgroup-tiles done for M-tile m (routed tiles, then shared tiles).
@@ -57,6 +59,7 @@ struct ForwardParams {
   // backward (null: not saved). gemm1_only: stop after GEMM1 (the backward's recompute).
   std::uint16_t* saved_gu;
   std::uint16_t* shared_saved_gu;
+  unsigned long long* saved_marker;  // set to kSavedValid when saved_gu is written
   bool gemm1_only;
   ForwardCounters counters;
   KernelStatus* status;

@@ -65,6 +65,13 @@ __device__ __forceinline__ void wait_counter(const P& p, const int* counter, int
 __device__ __forceinline__ int acc_row(int warp, int lane, int i) { return warp * 16 + lane / 4 + 8 * ((i >> 1) & 1); }
 __device__ __forceinline__ int acc_col(int lane, int i) { return 8 * (i >> 2) + 2 * (lane & 3) + (i & 1); }
 
+// Byte offset of bf16 element (row, col) in a staging tile of 64-column panels (64 rows
+// of 128 bytes each, 8 KB a panel) with the 128-byte swizzle TMA expects.
+__device__ __forceinline__ int swizzled_offset(int row, int col) {
+  const int panel = col / 64, chunk = (col % 64) / 8;
+  return panel * 64 * 128 + row * 128 + ((chunk ^ (row % 8)) * 16) + (col % 8) * 2;
+}
+
 __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const std::uint32_t*>(&v);
@@ -143,21 +150,32 @@ __device__ __forceinline__ void store_fp32_rows(const float (&acc)[128], float* 
   }
 }
 
+// Four consecutive values of a slot row as fp32 (rows of fp32, or of bf16 bits).
+__device__ __forceinline__ float4 load4_streaming(const float* row, int c) {
+  return __ldcs(reinterpret_cast<const float4*>(row) + c);
+}
+__device__ __forceinline__ float4 load4_streaming(const std::uint16_t* row, int c) {
+  const uint2 bits = __ldcs(reinterpret_cast<const uint2*>(row) + c);
+  const float2 lo = unpack_bf16x2(bits.x), hi = unpack_bf16x2(bits.y);
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
 // out[t] = shared[t] + sum_j w[t,j] * slot[pair_row[t,j]] (kWeighted) or + slot (plain
 // sum) for tokens [begin, end), 4 columns a thread, in fp32, rounded to bf16 once. All k
 // slot loads are issued before the first add (the combine is bound by how many bytes are
 // in flight); the adds then run in ascending j. shared may be null; pair_row -1 = no slot.
+// Row: float or std::uint16_t (bf16 bits).
 constexpr int kMaxCombineSlots = 16;
 
-template <bool kWeighted>
+template <bool kWeighted, typename Row>
 __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const std::int32_t* pair_row,
-                               const float* weights, const float* slots, const float* shared, std::uint16_t* out,
-                               int tid, int threads) {
+                               const float* weights, const Row* slots, const Row* shared, std::uint16_t* out, int tid,
+                               int threads) {
   const int columns4 = hidden / 4;
   for (int token = begin; token < end; ++token) {
     for (int c = tid; c < columns4; c += threads) {
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (shared) acc = __ldcs(reinterpret_cast<const float4*>(shared + static_cast<std::int64_t>(token) * hidden) + c);
+      if (shared) acc = load4_streaming(shared + static_cast<std::int64_t>(token) * hidden, c);
       for (int j0 = 0; j0 < top_k; j0 += kMaxCombineSlots) {
         float4 v[kMaxCombineSlots];
         float w[kMaxCombineSlots];
@@ -168,7 +186,7 @@ __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const 
           const int row = slot < top_k ? pair_row[token * top_k + slot] : -1;
           valid[j] = row >= 0;  // -1: a padding slot, or past k
           w[j] = (kWeighted && valid[j]) ? weights[token * top_k + slot] : 1.0f;
-          v[j] = valid[j] ? __ldcs(reinterpret_cast<const float4*>(slots + static_cast<std::int64_t>(row) * hidden) + c)
+          v[j] = valid[j] ? load4_streaming(slots + static_cast<std::int64_t>(row) * hidden, c)
                           : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll

@@ -118,3 +118,12 @@ def test_backward_bitwise_repeatable_and_compiled():
     compiled = grads(torch.compile(mok.moe, fullgraph=True))
     for a, b, c in zip(eager, again, compiled):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_second_backward_through_one_forward_is_refused():
+    x, ids, w, gate, up, down, _ = _problem(seed=9)
+    leaves = [_leaf(t) for t in (x, w, gate, up, down)]
+    y = mok.moe(leaves[0], ids, *leaves[1:])
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        y.sum().backward()
