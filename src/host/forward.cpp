@@ -206,7 +206,9 @@ void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, cudaStream_t str
     p.maps.shared_h_store = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, {64, 64}, "shared h");
     p.maps.shared_h_load = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, {64, 128}, "shared h");
     p.shared_slots = ws.slots() + capacity * H;
+    p.maps.shared_slots = make_f32_tensor_map(p.shared_slots, {U(H), U(padded_tokens)}, {32, 64}, "shared slots");
   }
+  p.maps.slots = make_f32_tensor_map(ws.slots(), {U(H), U(capacity)}, {32, 64}, "slots");
   p.row_pair = v.row_pair;
   p.tile_expert = v.tile_expert;
   p.tile_row = v.tile_row;

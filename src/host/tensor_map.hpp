@@ -13,5 +13,8 @@ namespace mok::detail {
 // 128-byte swizzle, out-of-bounds elements read as zero.
 CUtensorMap make_bf16_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims,
                                  std::initializer_list<std::uint32_t> box, const char* what);
+// The same for fp32 (a 128-byte row is 32 elements).
+CUtensorMap make_f32_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims,
+                                std::initializer_list<std::uint32_t> box, const char* what);
 
 }  // namespace mok::detail

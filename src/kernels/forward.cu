@@ -10,8 +10,9 @@
 //   warpgroups 1, 2 (consumers, 232 regs)  64 rows each: wgmma m64n256k16 over K, then
 //       GEMM1 epilogue: h = swiglu(gate, up) -> bf16 -> swizzled staging -> TMA store;
 //                       h_ready[m] += 1 (release) once the store completed, one task later
-//       GEMM2 epilogue: fp32 rows into the slot buffer; y_done += tiles (release) when the
-//                       warpgroup reaches the combine, so no fence stalls a tile
+//       GEMM2 epilogue: fp32 rows -> staging -> TMA stores into the slot buffer; y_done +=
+//                       tiles (release) when the warpgroup reaches the combine, so no wait
+//                       stalls a tile
 //       combine:        after y_done is complete, y[t] = shared[t] + sum_j w[t,j]*slot,
 //                       in ascending j, fp32 fma, rounded to bf16 once
 //
@@ -244,17 +245,49 @@ __device__ void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const f
   pending_index = t.shared ? p.max_routed_tiles + t.m : t.m;
 }
 
-// Publishes this warpgroup's GEMM2 tiles: y_done += count. Deferred until the combine (the
-// only reader), so the slot stores drain behind later mainloops instead of behind a fence.
+// Publishes this warpgroup's GEMM2 tiles: y_done += count, once their TMA stores have
+// completed. Deferred until the combine (the only reader), so the slot stores drain behind
+// later mainloops instead of behind a wait.
 __device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, int& pending_tiles) {
+  if (pending_tiles == 0) return;
+  if (threadIdx.x % 128 == 0) {
+    tma_store_wait_all();
+    fence_proxy_async_global();
+  }
   publish_count(p.counters.y_done, pending_tiles, wg);
   pending_tiles = 0;
 }
 
-// fp32 rows of this warpgroup's 64 x 256 tile into the slot buffer (published by publish_slots()).
-__device__ void epilogue_gemm2(const ForwardParams& p, const float (&acc)[128], const Task& t, int row0, int wg) {
-  float* out = (t.shared ? p.shared_slots : p.slots) + static_cast<std::int64_t>(row0 + wg * 64) * p.hidden;
-  store_fp32_rows(acc, out, p.hidden, t.n * kBlockN, p.hidden);
+// fp32 rows of this warpgroup's 64 x 256 tile into the slot buffer (published by
+// publish_slots()): four rounds of 64 columns through the warpgroup's 16 KB staging
+// buffer, each as two TMA stores of 64 rows x 32 columns (128-byte swizzle).
+__device__ void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
+                               int row0, int wg) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const CUtensorMap* map = t.shared ? &p.maps.shared_slots : &p.maps.slots;
+  char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
+  const int n0 = t.n * kBlockN;
+#pragma unroll
+  for (int round = 0; round < 4; ++round) {
+    if (tid == 0) tma_store_wait_read();  // earlier stores (h or slots) have read the staging
+    named_barrier_sync(1 + wg, 128);
+#pragma unroll
+    for (int i = 32 * round; i < 32 * round + 32; i += 2) {
+      const int row = acc_row(warp, lane, i), col = acc_col(lane, i) - 64 * round;  // 0..63
+      const int box = col / 32, c = col % 32;
+      const int offset = box * 64 * 128 + row * 128 + (((c / 4) ^ (row % 8)) * 16) + (c % 4) * 4;
+      *reinterpret_cast<float2*>(staging + offset) = make_float2(acc[i], acc[i + 1]);
+    }
+    fence_proxy_async_shared_cta();
+    named_barrier_sync(1 + wg, 128);
+    if (tid == 0) {
+      for (int box = 0; box < 2; ++box) {
+        const int col = n0 + 64 * round + 32 * box;
+        if (col < p.hidden) tma_store_2d(map, staging + box * 64 * 128, col, row0 + wg * 64);
+      }
+      tma_store_commit_group();
+    }
+  }
 }
 
 __device__ void combine(const ForwardParams& p, const Task& t) {
@@ -289,7 +322,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     if (t.kind == kGemm1) {
       epilogue_gemm1(p, s, acc, t, row0, wg, pending_hidden);
     } else {
-      epilogue_gemm2(p, acc, t, row0, wg);
+      epilogue_gemm2(p, s, acc, t, row0, wg);
       ++pending_slots;
     }
   }

@@ -37,6 +37,7 @@ struct ForwardMaps {
   CUtensorMap shared_gate, shared_up;          // [1, I_s, H]
   CUtensorMap shared_down;                     // [1, H, I_s]
   CUtensorMap shared_h_store, shared_h_load;   // [T_pad, I_s]
+  CUtensorMap slots, shared_slots;             // fp32 [capacity, H], [T_pad, H], box 32 x 64 (stores)
 };
 
 struct ForwardParams {
