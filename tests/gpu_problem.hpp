@@ -2,13 +2,34 @@
 #pragma once
 
 #include <cmath>
+#include <ostream>
 
 #include "gpu_support.hpp"
 #include "mok/bf16.hpp"
 #include "mok/problem.hpp"
+#include "mok/routing.hpp"
 #include "mok/validate.hpp"
 
 namespace mok::testing {
+
+// One test case of the layer: sizes, shared expert (I_s, 0 = none), clamp and routing.
+struct Case {
+  const char* name;
+  std::int64_t tokens, hidden, inter, experts, top_k, shared;
+  float limit;  // 0: none
+  RoutingKind routing;
+};
+
+// GoogleTest prints a parameter by its name instead of its bytes.
+inline void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+inline MoeShape shape_of(const Case& c) {
+  MoeShape s;
+  s.hidden = c.hidden, s.intermediate = c.inter, s.num_experts = s.num_local_experts = c.experts, s.top_k = c.top_k;
+  s.shared_intermediate = c.shared;
+  if (c.limit > 0) s.swiglu_limit = c.limit;
+  return s;
+}
 
 struct GpuProblem {
   const HostProblem& host;

@@ -12,22 +12,9 @@
 namespace mok {
 namespace {
 
+using testing::Case;
 using testing::GpuProblem;
-
-struct Case {
-  const char* name;
-  std::int64_t tokens, hidden, inter, experts, top_k, shared;
-  float limit;  // 0: none
-  RoutingKind routing;
-};
-
-MoeShape shape_of(const Case& c) {
-  MoeShape s;
-  s.hidden = c.hidden, s.intermediate = c.inter, s.num_experts = s.num_local_experts = c.experts, s.top_k = c.top_k;
-  s.shared_intermediate = c.shared;
-  if (c.limit > 0) s.swiglu_limit = c.limit;
-  return s;
-}
+using testing::shape_of;
 
 class ForwardCases : public ::testing::TestWithParam<Case> {};
 

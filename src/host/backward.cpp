@@ -100,7 +100,6 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts, Is = s.shared_intermediate;
   const std::int64_t capacity = plan.capacity_rows(), n_shared_tiles = detail::shared_tiles(s, T);
   const std::int64_t padded_tokens = n_shared_tiles * detail::kTileRows;
-  const DevicePlanView& v = plan.view();
   std::uint16_t* dgu = gu;  // the kernel replaces the pre-activations by their gradients
   auto* hw = static_cast<std::uint16_t*>(ws.hidden());
   auto* dx_rows = static_cast<std::uint16_t*>(ws.dx_rows());
@@ -124,31 +123,13 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     if (!grad_fp32)
       set_gradient_maps(p.shared_maps, b.d_shared_gate->data, b.d_shared_up->data, b.d_shared_down->data, 1, H, Is);
   }
-  p.row_pair = v.row_pair;
-  p.tile_expert = v.tile_expert;
-  p.tile_row = v.tile_row;
-  p.num_tiles = v.num_tiles;
-  p.expert_offset = v.expert_offset;
-  p.pair_row = v.pair_row;
-  p.plan_status = v.status;
-  p.topk_weights = static_cast<const float*>(a.topk_weights.data);
+  detail::fill_common_params(p, ws, a.topk_weights.data);
   p.dw_partial = ws.dw_partial();
   p.dx = static_cast<std::uint16_t*>(b.dx.data);
   p.d_topk_weights = static_cast<float*>(b.d_topk_weights.data);
   p.grad_fp32 = grad_fp32;
-  const std::int64_t per_tile = plan.max_tiles() + n_shared_tiles;
-  p.counters = {ws.counters(), ws.counters() + per_tile, ws.counters() + per_tile + 1};
-  p.status = ws.status_device();
   unsigned long long* marker = detail::saved_marker(gu, ws);
   p.saved_marker = marker;
-  p.tokens = static_cast<int>(T);
-  p.hidden = static_cast<int>(H);
-  p.top_k = static_cast<int>(s.top_k);
-  p.num_local_experts = static_cast<int>(El);
-  p.shared_tiles = static_cast<int>(n_shared_tiles);
-  p.max_routed_tiles = static_cast<int>(plan.max_tiles());
-  p.swiglu_limit = s.swiglu_limit ? *s.swiglu_limit : std::numeric_limits<float>::infinity();
-  p.timeout_ns = static_cast<long long>(ws.config().timeout_seconds * 1e9);
   kernels::launch_backward(p, detail::persistent_ctas(ws, kWhere), stream);
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
   // The pre-activations are gone (replaced by their gradients): mark the tensor consumed.

@@ -209,34 +209,16 @@ void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, cudaStream_t str
     p.maps.shared_slots = make_f32_tensor_map(p.shared_slots, {U(H), U(padded_tokens)}, {32, 64}, "shared slots");
   }
   p.maps.slots = make_f32_tensor_map(ws.slots(), {U(H), U(capacity)}, {32, 64}, "slots");
-  p.row_pair = v.row_pair;
-  p.tile_expert = v.tile_expert;
-  p.tile_row = v.tile_row;
-  p.num_tiles = v.num_tiles;
+  fill_common_params(p, ws, a.topk_weights.data);
   p.expert_rows = v.expert_rows;
-  p.expert_offset = v.expert_offset;
-  p.pair_row = v.pair_row;
-  p.plan_status = v.status;
-  p.topk_weights = static_cast<const float*>(a.topk_weights.data);
   p.slots = ws.slots();
   p.y = static_cast<std::uint16_t*>(a.y.data);
   p.saved_gu = saved_gu;
   p.shared_saved_gu = saved_gu && s.has_shared() ? saved_gu + 2 * capacity * I : nullptr;
   p.saved_marker = saved_gu ? saved_marker(saved_gu, ws) : nullptr;
   p.gemm1_only = gemm1_only;
-  const std::int64_t per_tile = plan.max_tiles() + n_shared_tiles;
-  p.counters = {ws.counters(), ws.counters() + per_tile, ws.counters() + per_tile + 1};
-  p.status = ws.status_device();
-  p.tokens = static_cast<int>(T);
-  p.hidden = static_cast<int>(H);
   p.inter = static_cast<int>(I);
   p.shared_inter = static_cast<int>(Is);
-  p.top_k = static_cast<int>(s.top_k);
-  p.num_local_experts = static_cast<int>(El);
-  p.shared_tiles = static_cast<int>(n_shared_tiles);
-  p.max_routed_tiles = static_cast<int>(plan.max_tiles());
-  p.swiglu_limit = s.swiglu_limit ? *s.swiglu_limit : std::numeric_limits<float>::infinity();
-  p.timeout_ns = static_cast<long long>(ws.config().timeout_seconds * 1e9);
   kernels::launch_forward(p, persistent_ctas(ws, where), stream);
   cuda_check(cudaGetLastError(), where, "launching the forward kernel");
 }

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string_view>
 
@@ -25,6 +26,34 @@ void check_saved(std::string_view where, const TensorView& saved, const Workspac
 // The validity marker at the end of a saved tensor (set by the forward kernel, checked by
 // the backward kernel, cleared after it).
 unsigned long long* saved_marker(std::uint16_t* saved, const Workspace& ws);
+
+// The fields both kernels' params share: plan pointers, routing weights, counters, status
+// and sizes (the counters array is [per-tile counters..., done, abort]).
+template <typename Params>
+void fill_common_params(Params& p, const Workspace& ws, const void* topk_weights) {
+  const MoeShape& s = ws.shape();
+  DevicePlan& plan = const_cast<Workspace&>(ws).plan();
+  const DevicePlanView& v = plan.view();
+  p.row_pair = v.row_pair;
+  p.tile_expert = v.tile_expert;
+  p.tile_row = v.tile_row;
+  p.num_tiles = v.num_tiles;
+  p.expert_offset = v.expert_offset;
+  p.pair_row = v.pair_row;
+  p.plan_status = v.status;
+  p.topk_weights = static_cast<const float*>(topk_weights);
+  const std::int64_t per_tile = plan.max_tiles() + shared_tiles(s, ws.tokens());
+  p.counters = {ws.counters(), ws.counters() + per_tile, ws.counters() + per_tile + 1};
+  p.status = ws.status_device();
+  p.tokens = static_cast<int>(ws.tokens());
+  p.hidden = static_cast<int>(s.hidden);
+  p.top_k = static_cast<int>(s.top_k);
+  p.num_local_experts = static_cast<int>(s.num_local_experts);
+  p.shared_tiles = static_cast<int>(shared_tiles(s, ws.tokens()));
+  p.max_routed_tiles = static_cast<int>(plan.max_tiles());
+  p.swiglu_limit = s.swiglu_limit ? *s.swiglu_limit : std::numeric_limits<float>::infinity();
+  p.timeout_ns = static_cast<long long>(ws.config().timeout_seconds * 1e9);
+}
 
 // Number of CTAs of a persistent kernel: the configured compute SMs, or every SM.
 int persistent_ctas(const Workspace& ws, std::string_view where);

@@ -40,7 +40,7 @@ namespace {
 using namespace mok::ptx;
 
 constexpr int kBlockM = 128, kBlockN = 256, kBlockK = 64, kStages = 4, kCombineTokens = 32;
-constexpr int kProducerThreads = 128;
+constexpr int kProducerThreads = 128;  // one warpgroup (split_roles)
 constexpr int kConsumerWarpgroups = 2;
 constexpr int kThreads = kProducerThreads + 128 * kConsumerWarpgroups;
 constexpr int kProducerRegisters = 40;
@@ -491,22 +491,11 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_cons
   }
   extern __shared__ std::uint8_t smem_raw[];
   SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      mbarrier_init(&s.full[i], 1);
-      mbarrier_init(&s.empty[i], kConsumerWarpgroups);
-    }
-    fence_proxy_async_shared_cta();
-  }
+  init_ring_barriers<kStages, kConsumerWarpgroups>(s);
   __syncthreads();
   const Schedule sched(p);
-  if (threadIdx.x < kProducerThreads) {
-    setmaxnreg_dec<kProducerRegisters>();
-    if (threadIdx.x == 0) run_producer(p, s, sched);
-  } else {
-    setmaxnreg_inc<kConsumerRegisters>();
-    run_consumer(p, s, sched, (threadIdx.x - kProducerThreads) / 128);
-  }
+  split_roles<kProducerRegisters, kConsumerRegisters>([&] { run_producer(p, s, sched); },
+                                                      [&](int wg) { run_consumer(p, s, sched, wg); });
 }
 
 }  // namespace
@@ -514,13 +503,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_cons
 std::size_t backward_shared_memory_bytes() { return sizeof(SharedStorage) + 1024; }
 
 void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream) {
-  static bool configured = false;  // attribute is per function, set once per process
-  if (!configured) {
-    cudaFuncSetAttribute(backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(backward_shared_memory_bytes()));
-    configured = true;
-  }
-  backward_kernel<<<num_ctas, kThreads, backward_shared_memory_bytes(), stream>>>(params);
+  launch_persistent(backward_kernel, backward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
 }
 
 }  // namespace mok::kernels

@@ -42,7 +42,7 @@ namespace {
 
 using namespace mok::ptx;
 
-constexpr int kProducerThreads = 128;
+constexpr int kProducerThreads = 128;  // one warpgroup (split_roles)
 constexpr int kConsumerWarpgroups = 2;
 constexpr int kThreads = kProducerThreads + 128 * kConsumerWarpgroups;
 constexpr int kProducerRegisters = 40;
@@ -349,13 +349,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_const
   }
   extern __shared__ std::uint8_t smem_raw[];
   SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      mbarrier_init(&s.full[i], 1);
-      mbarrier_init(&s.empty[i], kConsumerWarpgroups);
-    }
-    fence_proxy_async_shared_cta();
-  }
+  init_ring_barriers<kStages, kConsumerWarpgroups>(s);
   if (threadIdx.x == 32) {
     const ForwardMaps& m = p.maps;
     for (const CUtensorMap* map : {&m.x_routed, &m.gate, &m.up, &m.down, &m.h_load, &m.h_store}) tma_prefetch_descriptor(map);
@@ -363,13 +357,8 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_const
   if (p.saved_marker && blockIdx.x == 0 && threadIdx.x == 0) *p.saved_marker = kSavedValid;
   __syncthreads();
   const Schedule sched(p);
-  if (threadIdx.x < kProducerThreads) {
-    setmaxnreg_dec<kProducerRegisters>();
-    if (threadIdx.x == 0) run_producer(p, s, sched);
-  } else {
-    setmaxnreg_inc<kConsumerRegisters>();
-    run_consumer(p, s, sched, (threadIdx.x - kProducerThreads) / 128);
-  }
+  split_roles<kProducerRegisters, kConsumerRegisters>([&] { run_producer(p, s, sched); },
+                                                      [&](int wg) { run_consumer(p, s, sched, wg); });
 }
 
 }  // namespace
@@ -377,13 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_const
 std::size_t forward_shared_memory_bytes() { return sizeof(SharedStorage) + 1024; }
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream) {
-  static bool configured = false;  // attribute is per function, set once per process
-  if (!configured) {
-    cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(forward_shared_memory_bytes()));
-    configured = true;
-  }
-  forward_kernel<<<num_ctas, kThreads, forward_shared_memory_bytes(), stream>>>(params);
+  launch_persistent(forward_kernel, forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
 }
 
 }  // namespace mok::kernels

@@ -60,6 +60,44 @@ __device__ __forceinline__ void wait_counter(const P& p, const int* counter, int
   }
 }
 
+// Thread 0 initialises the ring's barriers: `full` completes on the producer's expect-tx
+// arrival plus the bytes, `empty` on one arrival per consumer warpgroup.
+template <int kStages, int kConsumerWarpgroups, typename S>
+__device__ __forceinline__ void init_ring_barriers(S& s) {
+  if (threadIdx.x != 0) return;
+  for (int i = 0; i < kStages; ++i) {
+    ptx::mbarrier_init(&s.full[i], 1);
+    ptx::mbarrier_init(&s.empty[i], kConsumerWarpgroups);
+  }
+  ptx::fence_proxy_async_shared_cta();
+}
+
+// Warp specialisation: warpgroup 0 hands registers back and its thread 0 runs producer();
+// the other warpgroups take the registers and run consumer(warpgroup index from 0).
+template <int kProducerRegisters, int kConsumerRegisters, typename Producer, typename Consumer>
+__device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& consumer) {
+  if (threadIdx.x < 128) {
+    ptx::setmaxnreg_dec<kProducerRegisters>();
+    if (threadIdx.x == 0) producer();
+  } else {
+    ptx::setmaxnreg_inc<kConsumerRegisters>();
+    consumer((threadIdx.x - 128) / 128);  // unsigned arithmetic, converted to int
+  }
+}
+
+// Launches a persistent kernel with `smem` bytes of dynamic shared memory, raising the
+// per-function limit on the first launch.
+template <typename Params>
+void launch_persistent(void (*kernel)(Params), std::size_t smem, int threads, const Params& params, int ctas,
+                       cudaStream_t stream) {
+  static bool configured = false;  // per kernel signature; attribute is per function and process
+  if (!configured) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    configured = true;
+  }
+  kernel<<<ctas, threads, smem, stream>>>(params);
+}
+
 // Row/column of accumulator element i of this thread (wgmma m64nN f32 layout) inside its
 // warpgroup's 64-row tile.
 __device__ __forceinline__ int acc_row(int warp, int lane, int i) { return warp * 16 + lane / 4 + 8 * ((i >> 1) & 1); }
