@@ -40,6 +40,13 @@ else
   echo "pip install . failed (see pip.log)"; tail -20 "$LOG/pip.log"; test_rc=1
 fi
 
+# The training example: the fused kernel against the PyTorch path (loss and tokens/s).
+if python3 examples/train_moe_lm.py --steps 100 > "$LOG/train_example.log" 2> "$LOG/train_example.err"; then
+  tail -5 "$LOG/train_example.log"
+else
+  echo "training example failed"; tail -5 "$LOG/train_example.log" "$LOG/train_example.err"; test_rc=1
+fi
+
 # compute-sanitizer on small cases: shared expert, clamp, padding, ragged T.
 extra=()
 for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \

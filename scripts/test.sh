@@ -19,6 +19,6 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 "$venv/bin/pip" install -q --upgrade pip
-"$venv/bin/pip" install -q "torch>=2.6" numpy pytest "nanobind>=2.0" "scikit-build-core>=0.10" "cmake>=3.28" ninja
+"$venv/bin/pip" install -q "torch>=2.6" numpy pytest tqdm "transformers>=5" "nanobind>=2.0" "scikit-build-core>=0.10" "cmake>=3.28" ninja
 "$venv/bin/pip" install -q --no-build-isolation --no-deps .
 "$venv/bin/python" -m pytest -q tests/python

@@ -19,5 +19,6 @@ except ImportError:  # pragma: no cover - exercised only without torch
 else:
     from mok.module import MoE  # noqa: F401
     from mok.ops import check, moe  # noqa: F401
+    from mok.torch_path import moe_torch  # noqa: F401
 
-__all__ = ["MoE", "__version__", "check", "cuda_device_count", "moe", "reference_forward"]
+__all__ = ["MoE", "__version__", "check", "cuda_device_count", "moe", "moe_torch", "reference_forward"]

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from mok.ops import moe
+from mok.torch_path import moe_torch
 
 
 class MoE(nn.Module):
@@ -16,19 +17,23 @@ class MoE(nn.Module):
     > 0 one shared expert (shared_gate, shared_up [I_s, H], shared_down [H, I_s]).
     router: "softmax" or "sigmoid" scores over a bias-free fp32 linear layer, top_k of them,
     renormalised to sum to one if `renormalize`; None: the caller passes topk_ids and
-    topk_weights to forward().
+    topk_weights to forward(). backend: "mok" (the fused kernel, Hopper GPU, bf16) or
+    "torch" (mok.moe_torch: the same layer in plain PyTorch, any device and dtype).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  shared_intermediate: int = 0, router: Optional[str] = "softmax", renormalize: bool = True,
-                 swiglu_limit: Optional[float] = None, device=None, dtype=torch.bfloat16):
+                 swiglu_limit: Optional[float] = None, backend: str = "mok", device=None, dtype=torch.bfloat16):
         super().__init__()
         if router not in ("softmax", "sigmoid", None):
             raise ValueError(f"mok.MoE: 'router' must be 'softmax', 'sigmoid' or None, got {router!r}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"mok.MoE: 'top_k' must be in [1, num_experts = {num_experts}], got {top_k}")
-        if dtype != torch.bfloat16:
-            raise TypeError(f"mok.MoE: expert weights must be torch.bfloat16, got {dtype}")
+        if backend not in ("mok", "torch"):
+            raise ValueError(f"mok.MoE: 'backend' must be 'mok' (the fused kernel) or 'torch', got {backend!r}")
+        if backend == "mok" and dtype != torch.bfloat16:
+            raise TypeError(f"mok.MoE: expert weights must be torch.bfloat16 for the fused kernel, got {dtype}")
+        self.backend = backend
         self.hidden, self.intermediate, self.num_experts, self.top_k = hidden, intermediate, num_experts, top_k
         self.router_kind, self.renormalize, self.swiglu_limit = router, renormalize, swiglu_limit
         kw = dict(device=device, dtype=dtype)
@@ -76,6 +81,8 @@ class MoE(nn.Module):
             topk_ids, topk_weights, _ = self.route(x2)
         elif topk_weights is None:
             raise ValueError("mok.MoE: 'topk_ids' was given without 'topk_weights'")
-        y = moe(x2, topk_ids.reshape(-1, self.top_k), topk_weights.reshape(-1, self.top_k), self.w_gate, self.w_up,
-                self.w_down, shared=None if self.shared is None else tuple(self.shared), swiglu_limit=self.swiglu_limit)
+        layer = moe if self.backend == "mok" else moe_torch
+        y = layer(x2, topk_ids.reshape(-1, self.top_k), topk_weights.reshape(-1, self.top_k), self.w_gate, self.w_up,
+                  self.w_down, shared=None if self.shared is None else tuple(self.shared),
+                  swiglu_limit=self.swiglu_limit)
         return y.reshape(shape)
