@@ -57,6 +57,7 @@ class Workspace {
   std::int64_t saved_elements() const;
   std::int64_t tokens() const { return tokens_; }
   DevicePlan& plan() { return *plan_; }
+  const DevicePlan& plan() const { return *plan_; }
 
   // Synchronises `stream`, then throws mok::Error if the planner or a kernel recorded
   // an error (bad expert id, capacity, timeout). Cheap to call after any step.

@@ -32,7 +32,7 @@ unsigned long long* saved_marker(std::uint16_t* saved, const Workspace& ws);
 template <typename Params>
 void fill_common_params(Params& p, const Workspace& ws, const void* topk_weights) {
   const MoeShape& s = ws.shape();
-  DevicePlan& plan = const_cast<Workspace&>(ws).plan();
+  const DevicePlan& plan = ws.plan();
   const DevicePlanView& v = plan.view();
   p.row_pair = v.row_pair;
   p.tile_expert = v.tile_expert;
