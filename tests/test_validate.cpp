@@ -4,6 +4,7 @@
 #include <functional>
 
 #include "mok/error.hpp"
+#include "mok/forward.hpp"
 #include "mok/validate.hpp"
 
 namespace mok {
@@ -190,6 +191,33 @@ TEST(Validate, GradientDtypes) {
   Fixture g;
   g.grads.d_w_up.dtype = DType::f32;  // mixed gradient dtypes
   expect_error([&] { g.backward(); }, "argument 'd_w_up': dtype must be bf16, got f32");
+}
+
+TEST(Validate, BackwardNeedsNoOutputButChecksItsOwnTensors) {
+  Fixture f;
+  f.args.y = TensorView{};  // the backward does not read y
+  EXPECT_NO_THROW(f.backward());
+  expect_error([&] { f.forward(); }, "argument 'y': shape must be [5, 128], got []");
+  Fixture g;
+  g.grads.dy = TensorView::contiguous(Fixture::memory, DType::bf16, Device::cpu(), {Fixture::T, 64});
+  expect_error([&] { g.backward(); }, "argument 'dy': shape must be [5, 128], got [5, 64]");
+  Fixture h;
+  h.grads.d_topk_weights.dtype = DType::bf16;
+  expect_error([&] { h.backward(); }, "argument 'd_topk_weights': dtype must be f32, got bf16");
+}
+
+// The saved tensor of a training forward: 2 bf16 per routed row and intermediate unit for
+// gate and up, over the plan's worst-case rows, plus the shared expert's padded tokens,
+// plus an 8-element trailer. Computed without a GPU.
+TEST(Validate, SavedElementsFollowThePlanCapacity) {
+  MoeShape s = good_shape();
+  s.num_local_experts = s.num_experts;  // EP = 1
+  const std::int64_t T = 1000, k = s.top_k, I = s.intermediate, El = s.num_local_experts;
+  const std::int64_t capacity = (T * k + El * 127) / 128 * 128;
+  EXPECT_EQ(saved_elements(s, T), 2 * capacity * I + 8);
+  s.shared_intermediate = 192;
+  EXPECT_EQ(saved_elements(s, T), 2 * (capacity * I + 1024 * 192) + 8);  // T padded to 8 tiles of 128
+  EXPECT_EQ(saved_elements(s, 0), 2 * (El * 127 / 128 * 128) * I + 8);  // padding rows only, no shared tokens
 }
 
 TEST(Validate, ConfigFields) {

@@ -122,3 +122,10 @@ def test_autograd_gives_every_gradient_its_shape():
 def test_workspace_without_gpu_says_so():
     with pytest.raises(ValueError, match="cannot use CUDA device 0"):
         mok._C.Workspace(128, 64, 4, 2, 0, None, 8, 0)
+
+
+def test_saved_tensor_size_needs_no_gpu():
+    # gate + up pre-activations (bf16) over the plan's worst-case rows, plus an 8-element trailer
+    T, H, I, E, k = 8, 128, 64, 4, 2
+    capacity = max((T * k + E * 127) // 128 * 128, 128)
+    assert mok._C.saved_elements(H, I, E, k, 0, None, T) == 2 * capacity * I + 8
