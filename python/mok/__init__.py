@@ -4,10 +4,12 @@
 
 computes y[t] = shared(x[t]) + sum_j topk_weights[t, j] * down_e(silu(gate_e x[t]) * up_e x[t])
 with e = topk_ids[t, j] (-1 = no expert), fp32 accumulation, bf16 output, in one fused
-kernel on a Hopper GPU. `mok.reference_forward` is the fp64 CPU oracle.
+kernel on a Hopper GPU. `mok.moe_torch` is the same layer in plain PyTorch, `mok.MoE` a
+module with a router, `mok.hf` a Hugging Face experts backend, `mok.reference_forward` the
+fp64 CPU oracle.
 
-Status: forward and backward on one GPU (autograd through `mok.moe`); expert parallelism and the
-Hugging Face backend are not built yet.
+Status: forward and backward on one GPU (autograd through `mok.moe`); expert parallelism is
+not built yet.
 """
 
 from mok._C import __version__, cuda_device_count, reference_forward  # noqa: F401
