@@ -37,7 +37,8 @@ class Block(nn.Module):
         self.qkv = nn.Linear(h, 3 * h, bias=False, device=device, dtype=dtype)
         self.proj = nn.Linear(h, h, bias=False, device=device, dtype=dtype)
         self.norm2 = nn.RMSNorm(h, device=device, dtype=dtype)
-        self.moe = mok.MoE(h, c["inter"], c["experts"], c["top_k"], backend=backend, device=device, dtype=dtype)
+        self.moe = mok.MoE(h, c["inter"], c["experts"], c["top_k"], backend=backend, load_balancing=True,
+                           device=device, dtype=dtype)
 
     def forward(self, x):
         b, s, h = x.shape
@@ -100,8 +101,9 @@ def train(backend, args, c, device, dtype):
         start = time.perf_counter()
         logits = model(inputs)
         loss = F.cross_entropy(logits.float().view(-1, c["vocab"]), targets.reshape(-1))
+        balance = sum(block.moe.aux_loss for block in model.blocks) / len(model.blocks)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + args.balance * balance).backward()
         opt.step()
         loss_value = loss.item()  # synchronises
         elapsed = time.perf_counter() - start
@@ -124,6 +126,7 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--balance", type=float, default=0.01, help="weight of the router load-balancing loss")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     device = torch.device(args.device)

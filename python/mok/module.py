@@ -19,11 +19,14 @@ class MoE(nn.Module):
     renormalised to sum to one if `renormalize`; None: the caller passes topk_ids and
     topk_weights to forward(). backend: "mok" (the fused kernel, Hopper GPU, bf16) or
     "torch" (mok.moe_torch: the same layer in plain PyTorch, any device and dtype).
+    load_balancing: after each routed forward, `aux_loss` holds the Switch-Transformer
+    load-balancing loss of that call (add coef * aux_loss to the training loss).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  shared_intermediate: int = 0, router: Optional[str] = "softmax", renormalize: bool = True,
-                 swiglu_limit: Optional[float] = None, backend: str = "mok", device=None, dtype=torch.bfloat16):
+                 swiglu_limit: Optional[float] = None, backend: str = "mok", load_balancing: bool = False,
+                 device=None, dtype=torch.bfloat16):
         super().__init__()
         if router not in ("softmax", "sigmoid", None):
             raise ValueError(f"mok.MoE: 'router' must be 'softmax', 'sigmoid' or None, got {router!r}")
@@ -34,6 +37,10 @@ class MoE(nn.Module):
         if backend == "mok" and dtype != torch.bfloat16:
             raise TypeError(f"mok.MoE: expert weights must be torch.bfloat16 for the fused kernel, got {dtype}")
         self.backend = backend
+        if load_balancing and router is None:
+            raise ValueError("mok.MoE: 'load_balancing' needs a router (router='softmax' or 'sigmoid')")
+        self.load_balancing = load_balancing
+        self.aux_loss: Optional[torch.Tensor] = None
         self.hidden, self.intermediate, self.num_experts, self.top_k = hidden, intermediate, num_experts, top_k
         self.router_kind, self.renormalize, self.swiglu_limit = router, renormalize, swiglu_limit
         kw = dict(device=device, dtype=dtype)
@@ -71,6 +78,15 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids.to(torch.int32), weights, logits
 
+    def load_balancing_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The Switch-Transformer auxiliary loss E * sum_e f_e * P_e: f_e the fraction of the
+        T*k routed slots that chose expert e (no gradient), P_e the mean router probability
+        of e (softmax over the logits, whatever the router kind). 1 when perfectly balanced."""
+        probs = torch.softmax(logits, dim=-1)
+        counts = torch.bincount(ids.reshape(-1).long(), minlength=self.num_experts).to(probs.dtype)
+        fraction = counts / ids.numel()
+        return self.num_experts * (fraction * probs.mean(dim=0)).sum()
+
     def forward(self, x: torch.Tensor, topk_ids: Optional[torch.Tensor] = None,
                 topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         shape = x.shape
@@ -78,7 +94,9 @@ class MoE(nn.Module):
         if topk_ids is None:
             if topk_weights is not None:
                 raise ValueError("mok.MoE: 'topk_weights' was given without 'topk_ids'")
-            topk_ids, topk_weights, _ = self.route(x2)
+            topk_ids, topk_weights, logits = self.route(x2)
+            if self.load_balancing:
+                self.aux_loss = self.load_balancing_loss(logits, topk_ids)
         elif topk_weights is None:
             raise ValueError("mok.MoE: 'topk_ids' was given without 'topk_weights'")
         layer = moe if self.backend == "mok" else moe_torch

@@ -60,3 +60,20 @@ def test_routing_arguments_go_together():
         layer(x)
     with pytest.raises(ValueError, match="'topk_ids' was given without 'topk_weights'"):
         layer(x, topk_ids=torch.zeros(3, 2, dtype=torch.int32, device="meta"))
+
+
+def test_load_balancing_loss():
+    layer = mok.MoE(64, 64, 4, 2, backend="torch", dtype=torch.float32, load_balancing=True)
+    x = torch.randn(6, 64)
+    layer(x)
+    ids, _, logits = layer.route(x)
+    probs = torch.softmax(logits, -1)
+    f = torch.stack([(ids == e).sum() for e in range(4)]).float() / ids.numel()
+    torch.testing.assert_close(layer.aux_loss, 4 * (f * probs.mean(0)).sum())
+    layer.aux_loss.backward()
+    assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+    # Perfect balance (uniform probabilities, every expert chosen equally often) gives 1.
+    uniform = layer.load_balancing_loss(torch.zeros(4, 4), torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]]))
+    torch.testing.assert_close(uniform, torch.tensor(1.0))
+    with pytest.raises(ValueError, match="'load_balancing' needs a router"):
+        mok.MoE(64, 64, 4, 2, router=None, load_balancing=True)
