@@ -83,7 +83,9 @@ class MoE(nn.Module):
         T*k routed slots that chose expert e (no gradient), P_e the mean router probability
         of e (softmax over the logits, whatever the router kind). 1 when perfectly balanced."""
         probs = torch.softmax(logits, dim=-1)
-        counts = torch.bincount(ids.reshape(-1).long(), minlength=self.num_experts).to(probs.dtype)
+        flat = ids.reshape(-1).long()  # index_add, not bincount: no host sync (CUDA graphs)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+        counts = counts.index_add(0, flat, torch.ones_like(flat)).to(probs.dtype)
         fraction = counts / ids.numel()
         return self.num_experts * (fraction * probs.mean(dim=0)).sum()
 

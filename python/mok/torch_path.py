@@ -37,7 +37,7 @@ def moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     experts = flat[valid]
     order = torch.argsort(experts, stable=True)
     pairs, experts = pairs[order], experts[order]
-    group_sizes = torch.bincount(experts, minlength=E)
+    group_sizes = torch.zeros(E, dtype=torch.int64, device=experts.device).index_add(0, experts, torch.ones_like(experts))
     offsets = torch.cumsum(group_sizes, 0, dtype=torch.int32)
     grouped_mm = x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
     counts = None if grouped_mm else group_sizes.tolist()  # the loop needs sizes on the host
