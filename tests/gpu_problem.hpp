@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cmath>
+#include <initializer_list>
 #include <ostream>
+#include <vector>
 
 #include "gpu_support.hpp"
 #include "mok/bf16.hpp"
@@ -29,6 +31,25 @@ inline MoeShape shape_of(const Case& c) {
   s.shared_intermediate = c.shared;
   if (c.limit > 0) s.swiglu_limit = c.limit;
   return s;
+}
+
+// The routing cases every layer pass is tested on (DESIGN.md §6): uniform, skewed, all
+// tokens on one expert with k = 1, experts with zero tokens, -1 padding, ragged T and
+// sizes, E_l = 1, shared expert, clamp. Each test adds its own cases (e.g. T = 1).
+inline std::vector<Case> routing_cases(std::initializer_list<Case> extra) {
+  std::vector<Case> cases{
+      Case{"uniform", 700, 512, 256, 8, 2, 0, 0, RoutingKind::uniform},
+      Case{"skewed", 900, 256, 384, 8, 2, 0, 0, RoutingKind::skewed},
+      Case{"one_expert_k1", 500, 256, 256, 4, 1, 0, 0, RoutingKind::one_expert},
+      Case{"empty_experts", 400, 256, 256, 16, 2, 0, 0, RoutingKind::first_half},
+      Case{"padded", 333, 256, 256, 8, 4, 0, 0, RoutingKind::padded},
+      Case{"ragged_k1", 129, 320, 192, 8, 1, 0, 0, RoutingKind::uniform},
+      Case{"single_expert", 257, 256, 256, 1, 1, 0, 0, RoutingKind::uniform},
+      Case{"shared", 300, 256, 256, 8, 2, 384, 0, RoutingKind::uniform},
+      Case{"shared_padded_clamp", 301, 256, 256, 8, 2, 192, 0.75f, RoutingKind::padded},
+      Case{"clamp", 400, 512, 256, 8, 2, 0, 0.5f, RoutingKind::uniform}};
+  cases.insert(cases.end(), extra);
+  return cases;
 }
 
 struct GpuProblem {

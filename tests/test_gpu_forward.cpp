@@ -39,22 +39,12 @@ TEST_P(ForwardCases, MatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Forward, ForwardCases,
-    ::testing::Values(
-        Case{"uniform", 700, 512, 256, 8, 2, 0, 0, RoutingKind::uniform},
+    ::testing::ValuesIn(testing::routing_cases({
         Case{"uniform_large", 2048, 1024, 512, 16, 4, 0, 0, RoutingKind::uniform},
-        Case{"skewed", 900, 256, 384, 8, 2, 0, 0, RoutingKind::skewed},
-        Case{"one_expert_k1", 500, 256, 256, 4, 1, 0, 0, RoutingKind::one_expert},
         Case{"one_expert_k3", 300, 256, 128, 4, 3, 0, 0, RoutingKind::one_expert},
-        Case{"empty_experts", 400, 256, 256, 16, 2, 0, 0, RoutingKind::first_half},
-        Case{"padded", 333, 256, 256, 8, 4, 0, 0, RoutingKind::padded},
         Case{"single_token", 1, 256, 256, 8, 2, 0, 0, RoutingKind::uniform},
-        Case{"ragged_k1", 129, 320, 192, 8, 1, 0, 0, RoutingKind::uniform},
-        Case{"single_expert", 257, 256, 256, 1, 1, 0, 0, RoutingKind::uniform},
         Case{"partial_tiles", 250, 320, 192, 4, 2, 0, 0, RoutingKind::uniform},
-        Case{"shared", 300, 256, 256, 8, 2, 384, 0, RoutingKind::uniform},
-        Case{"shared_padded_clamp", 301, 256, 256, 8, 2, 192, 0.75f, RoutingKind::padded},
-        Case{"clamp", 400, 512, 256, 8, 2, 0, 0.5f, RoutingKind::uniform},
-        Case{"shared_single_token", 1, 256, 128, 4, 2, 256, 1.0f, RoutingKind::uniform}),
+        Case{"shared_single_token", 1, 256, 128, 4, 2, 256, 1.0f, RoutingKind::uniform}})),
     [](const auto& info) { return std::string(info.param.name); });
 
 std::vector<bf16> run_once(const HostProblem& host, GpuProblem& gpu, int sms) {

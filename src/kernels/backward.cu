@@ -39,13 +39,7 @@ namespace {
 
 using namespace mok::ptx;
 
-constexpr int kBlockM = 128, kBlockN = 256, kBlockK = 64, kStages = 4, kCombineTokens = 32;
-constexpr int kProducerThreads = 128;  // one warpgroup (split_roles)
-constexpr int kConsumerWarpgroups = 2;
-constexpr int kThreads = kProducerThreads + 128 * kConsumerWarpgroups;
-constexpr int kProducerRegisters = 40;
-constexpr int kConsumerRegisters = 232;
-constexpr int kConsumerBarrier = 3;
+// Tile sizes, stages and the CTA layout are the forward's (kernels/forward.cuh, persistent.cuh).
 constexpr std::uint32_t kBoxBytes = 64 * 64 * 2;          // one MN-major box {64, 64}
 constexpr std::uint32_t kKMajorABytes = kBlockM * kBlockK * 2;  // one K-major A box {64, 128}
 
@@ -60,7 +54,7 @@ struct alignas(1024) SharedStorage {
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
 };
-static_assert(sizeof(SharedStorage) + 1024 <= 232448, "shared memory over the sm_90 opt-in limit");
+static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory over the sm_90 opt-in limit");
 
 enum TaskKind : int { kDh, kDx, kWd, kWgu, kCombine };
 
@@ -73,7 +67,8 @@ struct Task {
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 struct Schedule {
-  int m_routed, m_shared, n_dh_r, n_dh_s, n_dx, m_wd, n_wd_r, n_wd_s, m_wgu_r, m_wgu_s, n_wgu, experts;
+  // dW_down tiles cover [H, I] (N-tiles as dh's), dW_gate|up tiles [2I, H] (N-tiles as dx's)
+  int m_routed, m_shared, n_dh_r, n_dh_s, n_dx, m_wd, m_wgu_r, m_wgu_s, experts;
   int dh_r, dh_s, dx_r, dx_s, wd_r, wd_s, wgu_r, wgu_s, total;  // end of each task range
 
   __device__ explicit Schedule(const BackwardParams& p) {
@@ -85,34 +80,26 @@ struct Schedule {
     n_dh_s = ceil_div(Is, kBlockN);
     n_dx = ceil_div(p.hidden, kBlockN);
     m_wd = ceil_div(p.hidden, kBlockM);
-    n_wd_r = ceil_div(I, kBlockN);
-    n_wd_s = ceil_div(Is, kBlockN);
     m_wgu_r = ceil_div(2 * I, kBlockM);
     m_wgu_s = ceil_div(2 * Is, kBlockM);
-    n_wgu = ceil_div(p.hidden, kBlockN);
     const bool has_shared = m_shared > 0;
     dh_r = m_routed * n_dh_r;
     dh_s = dh_r + m_shared * n_dh_s;
     dx_r = dh_s + m_routed * n_dx;
     dx_s = dx_r + m_shared * n_dx;
-    wd_r = dx_s + experts * m_wd * n_wd_r;
-    wd_s = wd_r + (has_shared ? m_wd * n_wd_s : 0);
-    wgu_r = wd_s + experts * m_wgu_r * n_wgu;
-    wgu_s = wgu_r + (has_shared ? m_wgu_s * n_wgu : 0);
+    wd_r = dx_s + experts * m_wd * n_dh_r;
+    wd_s = wd_r + (has_shared ? m_wd * n_dh_s : 0);
+    wgu_r = wd_s + experts * m_wgu_r * n_dx;
+    wgu_s = wgu_r + (has_shared ? m_wgu_s * n_dx : 0);
     total = wgu_s + ceil_div(p.tokens, kCombineTokens);
   }
 
   // Routed M-tile tasks: N-tile-major inside each expert (the forward's order).
   __device__ static void split_routed(const BackwardParams& p, int local, int n_tiles, Task& t) {
-    int lo = 0, hi = p.num_local_experts - 1;  // largest e with start(e) <= local
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (p.expert_offset[mid] / kBlockM * n_tiles <= local) lo = mid;
-      else hi = mid - 1;
-    }
-    const int first = p.expert_offset[lo] / kBlockM, tiles = p.expert_offset[lo + 1] / kBlockM - first;
+    const int e = expert_of_task(p.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
+    const int first = p.expert_offset[e] / kBlockM, tiles = p.expert_offset[e + 1] / kBlockM - first;
     const int l = local - first * n_tiles;
-    t.e = lo, t.n = l / tiles, t.m = first + l % tiles;
+    t.e = e, t.n = l / tiles, t.m = first + l % tiles;
   }
   // Weight-gradient tasks: expert-major, then N-tile, M-tile fastest.
   __device__ static void split_weight(int local, int m_tiles, int n_tiles, Task& t) {
@@ -132,13 +119,13 @@ struct Schedule {
     } else if (task < dx_s) {
       t.kind = kDx, t.shared = true, t.n = (task - dx_r) / m_shared, t.m = (task - dx_r) % m_shared;
     } else if (task < wd_r) {
-      t.kind = kWd, split_weight(task - dx_s, m_wd, n_wd_r, t);
+      t.kind = kWd, split_weight(task - dx_s, m_wd, n_dh_r, t);
     } else if (task < wd_s) {
-      t.kind = kWd, t.shared = true, split_weight(task - wd_r, m_wd, n_wd_s, t);
+      t.kind = kWd, t.shared = true, split_weight(task - wd_r, m_wd, n_dh_s, t);
     } else if (task < wgu_r) {
-      t.kind = kWgu, split_weight(task - wd_s, m_wgu_r, n_wgu, t);
+      t.kind = kWgu, split_weight(task - wd_s, m_wgu_r, n_dx, t);
     } else if (task < wgu_s) {
-      t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_wgu, t);
+      t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_dx, t);
     } else {
       t.m = task - wgu_s;
     }
@@ -489,8 +476,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_cons
     poison_output(p, KernelStatus::saved_not_valid);
     return;
   }
-  extern __shared__ std::uint8_t smem_raw[];
-  SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
+  SharedStorage& s = shared_storage<SharedStorage>();
   init_ring_barriers<kStages, kConsumerWarpgroups>(s);
   __syncthreads();
   const Schedule sched(p);
@@ -500,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_cons
 
 }  // namespace
 
-std::size_t backward_shared_memory_bytes() { return sizeof(SharedStorage) + 1024; }
+std::size_t backward_shared_memory_bytes() { return shared_storage_bytes<SharedStorage>(); }
 
 void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream) {
   launch_persistent(backward_kernel, backward_shared_memory_bytes(), kThreads, params, num_ctas, stream);

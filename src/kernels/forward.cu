@@ -42,13 +42,7 @@ namespace {
 
 using namespace mok::ptx;
 
-constexpr int kProducerThreads = 128;  // one warpgroup (split_roles)
-constexpr int kConsumerWarpgroups = 2;
-constexpr int kThreads = kProducerThreads + 128 * kConsumerWarpgroups;
-constexpr int kProducerRegisters = 40;
-constexpr int kConsumerRegisters = 232;
 constexpr int kRowBytes = kBlockK * 2;
-constexpr int kConsumerBarrier = 3;  // named barrier of all consumer threads; 1, 2: one per warpgroup
 
 enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitHidden = 3, kWaitSlots = 4 };
 
@@ -62,10 +56,9 @@ struct alignas(1024) SharedStorage {
   std::uint64_t empty[kStages];
 };
 static_assert(sizeof(SharedStorage::Stage) % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
-static_assert(sizeof(SharedStorage) + 1024 <= 232448, "shared memory over the sm_90 opt-in limit");
+static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory over the sm_90 opt-in limit");
 static_assert(kBlockK * 2 == 128, "one K step is one 128-byte swizzle atom");
 static_assert(kBlockN == 2 * kGemm1Columns && kBlockM == 64 * kConsumerWarpgroups);
-static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * 128 * kConsumerWarpgroups <= 65536);
 
 constexpr std::uint32_t kStageBytesB = kBlockN * kRowBytes;
 constexpr std::uint32_t kStageBytesA = kBlockM * kRowBytes;
@@ -105,14 +98,9 @@ struct Schedule {
 
   // Routed tasks: find the expert whose task range holds `local`, then split inside it.
   __device__ static void split_routed(const ForwardParams& p, int local, int n_tiles, Task& t) {
-    int lo = 0, hi = p.num_local_experts - 1;  // largest e with start(e) <= local
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (p.expert_offset[mid] / kBlockM * n_tiles <= local) lo = mid;
-      else hi = mid - 1;
-    }
-    const int first = p.expert_offset[lo] / kBlockM;
-    split(local - first * n_tiles, first, p.expert_offset[lo + 1] / kBlockM - first, t);
+    const int e = expert_of_task(p.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
+    const int first = p.expert_offset[e] / kBlockM;
+    split(local - first * n_tiles, first, p.expert_offset[e + 1] / kBlockM - first, t);
   }
 
   __device__ Task decode(const ForwardParams& p, int task) const {
@@ -274,9 +262,7 @@ __device__ void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const f
 #pragma unroll
     for (int i = 32 * round; i < 32 * round + 32; i += 2) {
       const int row = acc_row(warp, lane, i), col = acc_col(lane, i) - 64 * round;  // 0..63
-      const int box = col / 32, c = col % 32;
-      const int offset = box * 64 * 128 + row * 128 + (((c / 4) ^ (row % 8)) * 16) + (c % 4) * 4;
-      *reinterpret_cast<float2*>(staging + offset) = make_float2(acc[i], acc[i + 1]);
+      *reinterpret_cast<float2*>(staging + swizzled_offset_bytes(row, col * 4)) = make_float2(acc[i], acc[i + 1]);
     }
     fence_proxy_async_shared_cta();
     named_barrier_sync(1 + wg, 128);
@@ -347,8 +333,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_const
     poison_output(p);
     return;
   }
-  extern __shared__ std::uint8_t smem_raw[];
-  SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
+  SharedStorage& s = shared_storage<SharedStorage>();
   init_ring_barriers<kStages, kConsumerWarpgroups>(s);
   if (threadIdx.x == 32) {
     const ForwardMaps& m = p.maps;
@@ -363,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_const
 
 }  // namespace
 
-std::size_t forward_shared_memory_bytes() { return sizeof(SharedStorage) + 1024; }
+std::size_t forward_shared_memory_bytes() { return shared_storage_bytes<SharedStorage>(); }
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream) {
   launch_persistent(forward_kernel, forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);

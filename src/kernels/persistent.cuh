@@ -20,6 +20,16 @@
 
 namespace mok::kernels {
 
+// The CTA both persistent kernels use: one producer warpgroup (its thread 0 issues every
+// TMA load), two consumer warpgroups of 64 rows each, one CTA per SM.
+inline constexpr int kProducerThreads = 128;  // one warpgroup (split_roles)
+inline constexpr int kConsumerWarpgroups = 2;
+inline constexpr int kThreads = kProducerThreads + 128 * kConsumerWarpgroups;
+inline constexpr int kProducerRegisters = 40;
+inline constexpr int kConsumerRegisters = 232;
+inline constexpr int kConsumerBarrier = 3;  // named barrier of all consumer threads; 1, 2: one per warpgroup
+static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * 128 * kConsumerWarpgroups <= 65536);
+
 // Records the first failure in the host-mapped status and stops the kernel: a stalled
 // wait must never hang silently.
 template <typename P>
@@ -58,6 +68,17 @@ __device__ __forceinline__ void wait_counter(const P& p, const int* counter, int
     __nanosleep(128);
     if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, task, phase, seen, expected);
   }
+}
+
+// The kernel's shared storage S in dynamic shared memory, aligned to 1024 bytes (the
+// 128-byte swizzle's atom); the launch asks for shared_storage_bytes<S>().
+template <typename S>
+constexpr std::size_t shared_storage_bytes() { return sizeof(S) + 1024; }
+
+template <typename S>
+__device__ __forceinline__ S& shared_storage() {
+  extern __shared__ std::uint8_t smem_raw[];
+  return *reinterpret_cast<S*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
 }
 
 // Thread 0 initialises the ring's barriers: `full` completes on the producer's expect-tx
@@ -103,11 +124,27 @@ void launch_persistent(void (*kernel)(Params), std::size_t smem, int threads, co
 __device__ __forceinline__ int acc_row(int warp, int lane, int i) { return warp * 16 + lane / 4 + 8 * ((i >> 1) & 1); }
 __device__ __forceinline__ int acc_col(int lane, int i) { return 8 * (i >> 2) + 2 * (lane & 3) + (i & 1); }
 
-// Byte offset of bf16 element (row, col) in a staging tile of 64-column panels (64 rows
-// of 128 bytes each, 8 KB a panel) with the 128-byte swizzle TMA expects.
-__device__ __forceinline__ int swizzled_offset(int row, int col) {
-  const int panel = col / 64, chunk = (col % 64) / 8;
-  return panel * 64 * 128 + row * 128 + ((chunk ^ (row % 8)) * 16) + (col % 8) * 2;
+// Byte offset of the byte at `byte` (column offset in bytes) of row `row` in a staging
+// tile of 128-byte-wide panels (64 rows each, 8 KB a panel) with the 128-byte swizzle TMA
+// expects: 16-byte chunks of a row are permuted by the row's index mod 8.
+__device__ __forceinline__ int swizzled_offset_bytes(int row, int byte) {
+  const int panel = byte / 128, chunk = (byte % 128) / 16;
+  return panel * 64 * 128 + row * 128 + ((chunk ^ (row % 8)) * 16) + byte % 16;
+}
+// The same for bf16 element (row, col): 64 columns a panel.
+__device__ __forceinline__ int swizzled_offset(int row, int col) { return swizzled_offset_bytes(row, col * 2); }
+
+// The plan's expert whose task range [offset(e) / 128 * n_tiles, ...) holds `local`, for
+// tasks numbered N-tile-major inside each expert: the largest e with start(e) <= local.
+__device__ __forceinline__ int expert_of_task(const std::int32_t* expert_offset, int num_experts, int local,
+                                              int n_tiles, int block_m) {
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (expert_offset[mid] / block_m * n_tiles <= local) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
 }
 
 __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
@@ -172,19 +209,6 @@ __device__ __forceinline__ void publish_count(int* counter, int count, int wg) {
   if (threadIdx.x % 128 == 0) {
     ptx::fence_acq_rel_gpu();
     ptx::red_release_gpu_add(counter, count);
-  }
-}
-
-// The warpgroup's 64 x 256 fp32 tile into rows[r * ld + n0 + c] for columns n0 + c < limit,
-// with streaming stores (these rows are read once, by a combine).
-__device__ __forceinline__ void store_fp32_rows(const float (&acc)[128], float* rows, int ld, int n0, int limit) {
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-#pragma unroll
-  for (int i = 0; i < 128; i += 2) {
-    const int col = n0 + acc_col(lane, i);
-    if (col < limit)
-      __stcs(reinterpret_cast<float2*>(rows + static_cast<std::int64_t>(acc_row(warp, lane, i)) * ld + col),
-             make_float2(acc[i], acc[i + 1]));
   }
 }
 
