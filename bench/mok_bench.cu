@@ -22,6 +22,8 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <memory>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -250,7 +252,11 @@ double check_sampled_tokens(const mok::MoeShape& s, std::int64_t T, const std::u
   return mok::reference::relative_error(y_gpu, ref);
 }
 
-Record bench_mok(const Options& o, const mok::Preset& p, const std::string& pass, cudaStream_t stream) {
+// impl "mok": the one-GPU kernels; "mok-ep1": the same layer through the expert-parallel
+// machinery (routing exchange, peer pulls, push combine) as an EP group of one rank.
+Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl, const std::string& pass,
+                 cudaStream_t stream) {
+  const bool ep1 = impl == "mok-ep1";
   const mok::MoeShape& s = p.shape;
   if (s.has_shared()) throw mok::Error("mok_bench: presets with a shared expert are not benchmarked");
   const std::int64_t T = p.tokens, H = s.hidden, I = s.intermediate, E = s.num_experts, k = s.top_k;
@@ -282,13 +288,24 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& pass
   a.w_down = mok::TensorView::contiguous(down, mok::DType::bf16, dev, {E, H, I});
   a.y = mok::TensorView::contiguous(y, mok::DType::bf16, dev, {T, H});
   CUDA_OK(cudaMemsetAsync(y, 0xff, T * H * 2, stream));
-  mok::forward(a, ws, stream);
-  ws.check(stream);
+  std::unique_ptr<mok::VirtualRanks> group;
+  if (ep1) {
+    if (bwd) throw mok::Error("mok_bench: mok-ep1 has no backward yet");
+    group = std::make_unique<mok::VirtualRanks>(s, T);
+    group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream);
+    group->check(stream);
+  } else {
+    mok::forward(a, ws, stream);
+    ws.check(stream);
+  }
   const double err = check_sampled_tokens(s, T, x, gate, up, down, ids, weights, y);
   if (!(err <= 1e-2)) throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
   std::vector<float> ms;
   std::int64_t extra_bytes = 0;
-  if (!bwd) {
+  if (ep1) {
+    ms = time_iterations(o, stream, [&] { group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream); });
+    group->check(stream);
+  } else if (!bwd) {
     ms = time_iterations(o, stream, [&] { mok::forward(a, ws, stream); });
   } else {
     auto* saved = arena.alloc<std::uint16_t>(ws.saved_elements());
@@ -328,8 +345,8 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& pass
   ws.check(stream);
   const double med = ms[ms.size() / 2];
   const double flops = mok::forward_flops(s, T * k, T) * (bwd ? 3 : 1);
-  return {p.name, "mok", pass, T, 1, H, I, E, k, med, ms[ms.size() / 10], ms[ms.size() * 9 / 10],
-          flops / (med * 1e-3) / 1e12, static_cast<std::size_t>(ws.bytes() + 2 * T * H + extra_bytes), o.iters};
+  return {p.name, impl, pass, T, 1, H, I, E, k, med, ms[ms.size() / 10], ms[ms.size() * 9 / 10],
+          flops / (med * 1e-3) / 1e12, ep1 ? 0 : static_cast<std::size_t>(ws.bytes() + 2 * T * H + extra_bytes), o.iters};
 }
 
 void write_json(const Options& o, const std::vector<Record>& records, const std::string& gpu) {
@@ -368,7 +385,7 @@ int main(int argc, char** argv) try {
     else if (a == "--commit") o.commit = next();
     else if (a == "--date") o.date = next();
     else {
-      std::printf("usage: mok_bench [--preset all|NAME,...] [--impl mok,cublas,plan] [--pass fwd,fwd+bwd]\n"
+      std::printf("usage: mok_bench [--preset all|NAME,...] [--impl mok,mok-ep1,cublas,plan] [--pass fwd,fwd+bwd]\n"
                   "                 [--iters N] [--warmup N] [--out FILE.json] [--commit C] [--date D]\n");
       return 2;
     }
@@ -391,8 +408,8 @@ int main(int argc, char** argv) try {
   for (const std::string& name : o.presets)
     if (name != "all") mok::find_preset(name);  // unknown names are an error
   for (const std::string& impl : o.impls)
-    if (impl != "mok" && impl != "cublas" && impl != "plan")
-      throw mok::Error("mok_bench: impl '" + impl + "' is not available (known: mok, cublas, plan)");
+    if (impl != "mok" && impl != "mok-ep1" && impl != "cublas" && impl != "plan")
+      throw mok::Error("mok_bench: impl '" + impl + "' is not available (known: mok, mok-ep1, cublas, plan)");
 
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -402,9 +419,11 @@ int main(int argc, char** argv) try {
   std::printf("%-16s %-6s %-8s %10s %9s\n", "preset", "impl", "pass", "ms", "TFLOP/s");
   for (const mok::Preset* p : chosen)
     for (const std::string& impl : o.impls) {
-      std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
+      std::vector<std::string> passes = impl == "plan"      ? std::vector<std::string>{"plan"}
+                                        : impl == "mok-ep1" ? std::vector<std::string>{"fwd"}
+                                                            : o.passes;
       for (const std::string& pass : passes) {
-        if (impl == "mok") records.push_back(bench_mok(o, *p, pass, stream));
+        if (impl == "mok" || impl == "mok-ep1") records.push_back(bench_mok(o, *p, impl, pass, stream));
         else if (impl == "cublas") records.push_back(bench_dense(o, *p, pass, stream, handle));
         else records.push_back(bench_plan(o, *p, stream));
         const Record& r = records.back();

@@ -40,6 +40,8 @@ def table(records):
     head = "| preset | " + " | ".join(f"{i} {p} TFLOP/s" for i, p in cols)
     if "mok" in impls:
         head += " | mok/torch fwd | mok/torch fwd+bwd"
+    if "mok-ep1" in impls:
+        head += " | EP machinery time / mok fwd"
     head += " | torch/dense fwd | torch/dense fwd+bwd | torch peak GiB fwd+bwd"
     if "mok" in impls:
         head += " | mok peak GiB fwd+bwd | mok/torch peak"
@@ -56,6 +58,8 @@ def table(records):
         row = f"| {preset} | " + " | ".join(cell(c) for c in cols)
         if "mok" in impls:
             row += f" | {ratio('mok', 'torch', 'fwd')} | {ratio('mok', 'torch', 'fwd+bwd')}"
+        if "mok-ep1" in impls:
+            row += f" | {ratio('mok', 'mok-ep1', 'fwd')}"
         # torch/dense as a throughput ratio: dense time over torch time
         row += f" | {ratio('torch', 'dense', 'fwd')} | {ratio('torch', 'dense', 'fwd+bwd')}"
         peak = rs.get(("torch", "fwd+bwd"))

@@ -50,7 +50,8 @@ fi
 # compute-sanitizer on small cases: shared expert, clamp, padding, ragged T.
 extra=()
 for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
-              test_gpu_backward:Backward/BackwardCases.MatchesReference/shared_padded_clamp; do
+              test_gpu_backward:Backward/BackwardCases.MatchesReference/shared_padded_clamp \
+              test_gpu_ep:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep8_padded_shared_clamp; do
   binary=${target%%:*} small_case=${target#*:}
   for tool in memcheck racecheck; do
     if timeout 600 compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/$binary \
@@ -60,7 +61,7 @@ for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padd
   done
 done
 
-$build/bench/mok_bench --preset all --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" --date "$date" \
+$build/bench/mok_bench --preset all --impl mok,mok-ep1,cublas,plan --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" --date "$date" \
   2>&1 | tee "$LOG/bench_mok.log"
 python3 bench/torch_baseline.py --preset all --iters $iters --out "$LOG/bench_torch.json" --commit "$commit" --date "$date" \
   2>&1 | tee "$LOG/bench_torch.log"

@@ -21,6 +21,8 @@ struct KernelStatus {
   std::int32_t block;     // CTA that gave up
   std::int32_t task;      // task it was on
   std::int32_t phase;     // which wait: see kernel_phase_name()
+  std::int32_t peer;      // rank whose progress it waited for (expert parallelism), else -1
+  std::int32_t pad;
   std::int64_t observed;  // counter value seen last
   std::int64_t expected;  // value it waited for
 };
@@ -79,8 +81,17 @@ class Workspace {
   float* dw_partial() const { return dw_partial_; }                  // [capacity, ceil(I / 256)]
   void* recompute_buffer() const { return recompute_; }              // saved_elements() bf16 (recompute)
   std::int64_t bytes() const { return bytes_; }
+  int rank() const { return rank_; }  // this workspace's rank in an EP group (0 on one GPU)
 
  private:
+  friend class VirtualRanks;
+  struct ForRank {
+    int rank;
+  };
+  // One rank of an expert-parallel group (made by VirtualRanks).
+  Workspace(const MoeShape& shape, std::int64_t tokens, const Config& config, Training training, ForRank rank);
+
+  int rank_ = 0;
   MoeShape shape_;
   Config config_;
   Training training_;

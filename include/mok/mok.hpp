@@ -15,3 +15,4 @@
 #include "mok/presets.hpp"
 #include "mok/forward.hpp"
 #include "mok/backward.hpp"
+#include "mok/ep.hpp"

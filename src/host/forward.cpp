@@ -51,18 +51,22 @@ const char* kernel_phase_name(std::int32_t phase) {
     case 5: return "backward: waiting for the dh tiles of an M-tile (dgu_ready)";
     case 6: return "backward: waiting for every dh tile of an expert before its weight gradients (dgu_ready)";
     case 7: return "backward: waiting for every dx row tile before the combine (dx_done)";
+    case 8: return "forward: waiting for the result rows a peer rank pushes into this rank's combine slots (slots_done)";
     default: return "unknown phase";
   }
 }
 
 Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& config, Training training)
-    : shape_(shape), config_(config), training_(training), tokens_(tokens) {
+    : Workspace(shape, tokens, config, training, ForRank{-1}) {}
+
+Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& config, Training training, ForRank rank)
+    : rank_(std::max(rank.rank, 0)), shape_(shape), config_(config), training_(training), tokens_(tokens) {
   validate(shape);
   validate(config);
-  if (shape.ep_size() != 1)
+  if (rank.rank < 0 && shape.ep_size() != 1)
     throw_argument_error("mok::Workspace", "num_local_experts",
-                         "expert parallelism is not supported yet: must equal num_experts = ", shape.num_experts,
-                         ", got ", shape.num_local_experts);
+                         "must equal num_experts = ", shape.num_experts, " on one GPU (got ", shape.num_local_experts,
+                         "); an expert-parallel group's workspaces come from mok::VirtualRanks");
   if (tokens < 0) throw_argument_error("mok::Workspace", "tokens", "must be >= 0, got ", tokens);
   if (tokens * shape.top_k > std::numeric_limits<std::int32_t>::max())
     throw_argument_error("mok::Workspace", "tokens", "T*k must fit in int32, got ", tokens * shape.top_k);
@@ -110,7 +114,7 @@ std::int64_t Workspace::saved_elements() const { return mok::saved_elements(shap
 void Workspace::throw_if_failed() const {
   const volatile KernelStatus* v = status_host_;  // written by the device, read without a sync
   if (v->code == KernelStatus::ok) return;
-  const KernelStatus s{v->code, v->block, v->task, v->phase, v->observed, v->expected};
+  const KernelStatus s{v->code, v->block, v->task, v->phase, v->peer, 0, v->observed, v->expected};
   status_host_->code = KernelStatus::ok;  // reported once
   if (s.code == KernelStatus::saved_not_valid)
     throw Error("mok::backward: the saved tensor was not filled by a forward, or an earlier backward already "
@@ -119,9 +123,10 @@ void Workspace::throw_if_failed() const {
     plan_->check(nullptr);  // synchronises; throws the planner's message (bad id, capacity)
     throw Error("mok: the plan was invalid and the outputs were set to NaN");
   }
-  throw Error(detail::concat("mok: timeout after ", config_.timeout_seconds, " s on rank 0 (CTA ", s.block,
-                             ", task ", s.task, "): ", kernel_phase_name(s.phase), "; expected ", s.expected,
-                             ", observed ", s.observed));
+  throw Error(detail::concat("mok: timeout after ", config_.timeout_seconds, " s on rank ", rank_, " (CTA ", s.block,
+                             ", task ", s.task, "): ", kernel_phase_name(s.phase),
+                             s.peer >= 0 ? detail::concat(" from peer rank ", s.peer) : std::string(), "; expected ",
+                             s.expected, ", observed ", s.observed));
 }
 
 void Workspace::check(cudaStream_t stream) {
@@ -167,22 +172,32 @@ int persistent_ctas(const Workspace& ws, std::string_view where) {
   return ws.config().compute_sms > 0 ? std::min(ws.config().compute_sms, sms) : sms;
 }
 
-void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t stream) {
+void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& ws, cudaStream_t stream) {
   const MoeShape& s = ws.shape();
   const DevicePlanView& v = ws.plan().view();
-  kernels::DispatchParams d{static_cast<const std::uint16_t*>(rows), static_cast<std::uint16_t*>(routed), v.row_pair,
-                            v.expert_offset, v.status, ws.plan().capacity_rows(), static_cast<int>(s.hidden),
-                            static_cast<int>(s.top_k), static_cast<int>(s.num_local_experts)};
+  kernels::DispatchParams d{};
+  for (std::size_t q = 0; q < rows.size(); ++q) d.x[q] = static_cast<const std::uint16_t*>(rows[q]);
+  d.x_routed = static_cast<std::uint16_t*>(routed);
+  d.row_pair = v.row_pair;
+  d.expert_offset = v.expert_offset;
+  d.plan_status = v.status;
+  d.capacity = ws.plan().capacity_rows();
+  d.pairs_per_rank = static_cast<std::int32_t>(ws.tokens() * s.top_k);
+  d.hidden = static_cast<int>(s.hidden);
+  d.top_k = static_cast<int>(s.top_k);
+  d.num_local_experts = static_cast<int>(s.num_local_experts);
   kernels::launch_dispatch(d, 4 * persistent_ctas(ws, "mok::dispatch"), stream);
 }
 
-void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, std::uint16_t* saved_gu,
-                           bool gemm1_only, std::string_view where) {
+void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t stream) {
+  const void* const sources[1] = {rows};
+  dispatch_rows(std::span<const void* const>(sources), routed, ws, stream);
+}
+
+kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, std::uint16_t* saved_gu, bool gemm1_only) {
   const MoeShape& s = ws.shape();
   const std::int64_t T = ws.tokens();
   DevicePlan& plan = ws.plan();
-  dispatch_rows(a.x.data, ws.x_routed(), ws, stream);
-  cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), where, "cudaMemsetAsync(counters)");
 
   const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts, Is = s.shared_intermediate;
   const std::int64_t capacity = plan.capacity_rows(), n_shared_tiles = shared_tiles(s, T);
@@ -219,7 +234,14 @@ void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, cudaStream_t str
   p.gemm1_only = gemm1_only;
   p.inter = static_cast<int>(I);
   p.shared_inter = static_cast<int>(Is);
-  kernels::launch_forward(p, persistent_ctas(ws, where), stream);
+  return p;
+}
+
+void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, std::uint16_t* saved_gu,
+                           bool gemm1_only, std::string_view where) {
+  dispatch_rows(a.x.data, ws.x_routed(), ws, stream);
+  cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), where, "cudaMemsetAsync(counters)");
+  kernels::launch_forward(forward_params(a, ws, saved_gu, gemm1_only), persistent_ctas(ws, where), stream);
   cuda_check(cudaGetLastError(), where, "launching the forward kernel");
 }
 

@@ -7,8 +7,10 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <span>
 #include <string_view>
 
+#include "kernels/forward.cuh"
 #include "mok/forward.hpp"
 
 namespace mok::detail {
@@ -61,6 +63,11 @@ int persistent_ctas(const Workspace& ws, std::string_view where);
 // Copies the rows of `rows` ([T, H] bf16) into `routed` in the order of ws.plan()
 // (padding rows become zero).
 void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t stream);
+// The same for expert parallelism: rank q's rows are rows[q] (pull through the peer table).
+void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& ws, cudaStream_t stream);
+
+// The forward kernel's params for one rank (no EP fields), after plan_device().
+kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, std::uint16_t* saved_gu, bool gemm1_only);
 
 // After plan_device() into ws.plan(): copies x's rows and launches the forward kernel,
 // the full layer into a.y, or only GEMM1 (gemm1_only, the backward's recompute).

@@ -385,7 +385,7 @@ __device__ void epilogue_weight(const BackwardParams& p, SharedStorage& s, const
 __device__ void combine(const BackwardParams& p, const Task& t, const Schedule& sched) {
   const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
   const int begin = t.m * kCombineTokens, end = min(p.tokens, begin + kCombineTokens);
-  combine_tokens<false, std::uint16_t>(begin, end, p.hidden, p.top_k, p.pair_row, nullptr, p.routed.dx_rows,
+  combine_tokens<false, false, std::uint16_t>(begin, end, p.hidden, p.top_k, p.pair_row, nullptr, nullptr, p.routed.dx_rows,
                                        p.shared.dx_rows, p.dx, tid, threads);
   for (int i = begin * p.top_k + tid; i < end * p.top_k; i += threads) {
     const int row = p.pair_row[i];

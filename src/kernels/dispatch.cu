@@ -20,7 +20,9 @@ __global__ void __launch_bounds__(256) dispatch_kernel(const DispatchParams p) {
     if (pair < 0) {
       for (int v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
     } else {
-      const uint4* src = reinterpret_cast<const uint4*>(p.x + static_cast<std::int64_t>(pair / p.top_k) * p.hidden);
+      const int token = (pair % p.pairs_per_rank) / p.top_k;
+      const uint4* src =
+          reinterpret_cast<const uint4*>(p.x[pair / p.pairs_per_rank] + static_cast<std::int64_t>(token) * p.hidden);
       constexpr int kInFlight = 4;
       for (int v0 = lane; v0 < vectors; v0 += 32 * kInFlight) {
         uint4 chunk[kInFlight] = {};

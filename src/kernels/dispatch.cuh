@@ -1,20 +1,25 @@
-// Dispatch (EP = 1): copies the routed rows of x into the plan's row order, so that the
-// GEMMs read contiguous 128-row tiles through TMA. Padding rows become zeros.
+// Dispatch: copies (pulls) the routed rows of x into the plan's row order, so that the
+// GEMMs read contiguous 128-row tiles through TMA. Padding rows become zeros. Row r of
+// the plan holds global pair p = (rank * T + t) * k + j: token t of rank p / (T * k),
+// read through the peer table (one GPU: x[0] is the caller's x).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "kernels/ep.cuh"
+
 namespace mok::kernels {
 
 struct DispatchParams {
-  const std::uint16_t* x;        // [T, H] bf16 bits
+  const std::uint16_t* x[kMaxRanks];  // rank q's [T, H] bf16 bits
   std::uint16_t* x_routed;       // [capacity, H]
   const std::int32_t* row_pair;  // [capacity]
   const std::int32_t* expert_offset;  // [E_l + 1]: rows beyond expert_offset[E_l] are not copied
   const void* plan_status;       // PlanStatus*: nothing is copied from a bad plan
   std::int64_t capacity;
+  std::int32_t pairs_per_rank;   // T * k
   int hidden, top_k, num_local_experts;
 };
 

@@ -44,7 +44,7 @@ using namespace mok::ptx;
 
 constexpr int kRowBytes = kBlockK * 2;
 
-enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitHidden = 3, kWaitSlots = 4 };
+enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitHidden = 3, kWaitSlots = 4, kWaitPushed = 8 };
 
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
@@ -54,6 +54,7 @@ struct alignas(1024) SharedStorage {
   std::uint16_t h_staging[kConsumerWarpgroups][2][64 * 64];  // per warpgroup: two 64-column panels
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
+  int expected_rows[kMaxRanks];  // push combine: rows this rank's routing sends to each rank
 };
 static_assert(sizeof(SharedStorage::Stage) % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
 static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory over the sm_90 opt-in limit");
@@ -73,10 +74,11 @@ struct Task {
 
 // Task ranges of one launch; routed tile count comes from the device plan.
 struct Schedule {
+  int cta, ctas;  // this CTA among the CTAs serving this rank: it takes tasks cta, cta + ctas, ...
   int m_routed, m_shared, n1_routed, n1_shared, n2, combine_tasks;
   int g1_routed_end, g1_shared_end, g2_routed_end, g2_shared_end, total;
 
-  __device__ explicit Schedule(const ForwardParams& p) {
+  __device__ Schedule(const ForwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
     m_routed = *p.num_tiles;
     m_shared = p.shared_tiles;
     n1_routed = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
@@ -131,7 +133,7 @@ struct Schedule {
 // One thread issues every load; the rest of the warpgroup has nothing to do.
 __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Schedule& sched) {
   PipelineState<kStages> pipe;
-  for (int task = blockIdx.x; task < sched.total; task += gridDim.x) {
+  for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) break;  // combine tasks come last and load nothing
     const int expert = t.shared ? 0 : p.tile_expert[t.m];
@@ -276,10 +278,70 @@ __device__ void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const f
   }
 }
 
+// Expert parallelism: fp32 rows of this warpgroup's 64 x 256 tile straight into the slots
+// of the rank that owns each token (row t * k + j there), then, once every thread has
+// issued its stores, slots_done[rank] += rows at each owner (release, system scope).
+// Rows of a tile are in global pair order, so each owner's rows are one run of them.
+__device__ void epilogue_gemm2_push(const ForwardParams& p, const float (&acc)[128], const Task& t, int row0, int wg) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int n0 = t.n * kBlockN;
+  const int pairs_per_rank = p.tokens * p.top_k;
+  float* rows[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int pair = p.row_pair[row0 + wg * 64 + warp * 16 + lane / 4 + 8 * half];
+    rows[half] = pair < 0 ? nullptr
+                          : p.ep.slots[pair / pairs_per_rank] + static_cast<std::int64_t>(pair % pairs_per_rank) * p.hidden + n0;
+  }
+#pragma unroll
+  for (int i = 0; i < 128; i += 2) {
+    float* row = rows[(i >> 1) & 1];
+    const int col = acc_col(lane, i);
+    if (row != nullptr && n0 + col < p.hidden) *reinterpret_cast<float2*>(row + col) = make_float2(acc[i], acc[i + 1]);
+  }
+  named_barrier_sync(1 + wg, 128);
+  if (warp < 2) {  // thread tid < 64 looks at row tid of the warpgroup's 64
+    const int pair = p.row_pair[row0 + wg * 64 + tid];
+    const int owner = pair < 0 ? -1 : pair / pairs_per_rank;
+    for (int q = 0; q < p.ep.size; ++q) {
+      const unsigned mask = __ballot_sync(0xffffffffu, owner == q);
+      if (lane == 0 && mask != 0) {
+        fence_acq_rel_sys();
+        red_release_sys_add(p.ep.slots_done[q] + p.ep.rank, __popc(mask));
+      }
+    }
+  }
+}
+
+// Push combine: the rows this rank's routing expects from each rank (valid slots whose
+// expert lives there), counted by the consumer threads into shared memory.
+__device__ void count_expected_rows(const ForwardParams& p, SharedStorage& s) {
+  const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
+  int mine[kMaxRanks] = {};
+  for (int i = tid; i < p.tokens * p.top_k; i += threads) {
+    const int e = p.ep.own_ids[i];
+    if (e >= 0) {
+#pragma unroll
+      for (int q = 0; q < kMaxRanks; ++q) mine[q] += (e / p.num_local_experts == q);
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kMaxRanks; ++q) {
+    int v = mine[q];
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x % 32 == 0 && v != 0) atomicAdd(&s.expected_rows[q], v);
+  }
+}
+
 __device__ void combine(const ForwardParams& p, const Task& t) {
-  combine_tokens<true, float>(t.m * kCombineTokens, min(p.tokens, (t.m + 1) * kCombineTokens), p.hidden, p.top_k, p.pair_row,
-                       p.topk_weights, p.slots, p.shared_slots, p.y, threadIdx.x - kProducerThreads,
-                       128 * kConsumerWarpgroups);
+  const int begin = t.m * kCombineTokens, end = min(p.tokens, (t.m + 1) * kCombineTokens);
+  const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
+  if (p.ep.push)
+    combine_tokens<true, true, float>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, p.topk_weights,
+                                p.ep.slots[p.ep.rank], p.shared_slots, p.y, tid, threads);
+  else
+    combine_tokens<true, false, float>(begin, end, p.hidden, p.top_k, p.pair_row, nullptr, p.topk_weights, p.slots,
+                                p.shared_slots, p.y, tid, threads);
 }
 
 __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int wg) {
@@ -288,14 +350,21 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
   bool slots_ready = false;
   int pending_hidden = -1;  // h_ready index of a GEMM1 store not yet published
   int pending_slots = 0;    // GEMM2 tiles not yet counted in y_done
-  for (int task = blockIdx.x; task < sched.total; task += gridDim.x) {
+  for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     // Publish before anything this CTA might wait for: its own GEMM2 loads can need it.
     if (t.kind != kGemm1) publish_hidden(p, pending_hidden);
     if (t.kind == kCombine) {
       if (!slots_ready) {
         publish_slots(p, wg, pending_slots);
-        if (threadIdx.x == kProducerThreads) wait_counter(p, p.counters.y_done, sched.slot_tiles_total(), task, kWaitSlots);
+        if (p.ep.push) count_expected_rows(p, s);
+        named_barrier_sync(kConsumerBarrier, 128 * kConsumerWarpgroups);
+        if (threadIdx.x == kProducerThreads) {
+          wait_counter(p, p.counters.y_done, sched.slot_tiles_total(), task, kWaitSlots);
+          if (p.ep.push)
+            for (int q = 0; q < p.ep.size; ++q)
+              wait_peer_counter(p, p.ep.slots_done[p.ep.rank] + q, s.expected_rows[q] * sched.n2, task, kWaitPushed, q);
+        }
         named_barrier_sync(kConsumerBarrier, 128 * kConsumerWarpgroups);
         slots_ready = true;
       }
@@ -308,7 +377,8 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     if (t.kind == kGemm1) {
       epilogue_gemm1(p, s, acc, t, row0, wg, pending_hidden);
     } else {
-      epilogue_gemm2(p, s, acc, t, row0, wg);
+      if (p.ep.push && !t.shared) epilogue_gemm2_push(p, acc, t, row0, wg);
+      else epilogue_gemm2(p, s, acc, t, row0, wg);
       ++pending_slots;
     }
   }
@@ -318,32 +388,50 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
 
 // Bad routing (expert id out of range, capacity): no GEMM runs, y becomes NaN so the
 // failure cannot pass for a result, and the host reports it at the next check.
-__device__ void poison_output(const ForwardParams& p) {
+__device__ void poison_output(const ForwardParams& p, int cta, int ctas) {
   const std::int64_t n = static_cast<std::int64_t>(p.tokens) * p.hidden;
-  for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+  for (std::int64_t i = cta * blockDim.x + threadIdx.x; i < n; i += static_cast<std::int64_t>(ctas) * blockDim.x)
     if (p.y) p.y[i] = 0x7fc0;  // bf16 quiet NaN (no y in the backward's recompute)
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
+  if (cta == 0 && threadIdx.x == 0) {
     p.status->code = KernelStatus::bad_plan;
     __threadfence_system();
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_constant__ ForwardParams p) {
-  if (p.plan_status->code != PlanStatus::ok) {
-    poison_output(p);
+// One rank's forward on CTAs cta = 0 .. ctas - 1 of those serving it.
+__device__ __forceinline__ bool plans_ok(const ForwardParams& p) {
+  if (p.plan_status->code != PlanStatus::ok) return false;
+  if (p.ep.push)  // a rank whose plan failed pushes nothing: its peers must not wait for it
+    for (int q = 0; q < p.ep.size; ++q)
+      if (static_cast<const PlanStatus*>(p.ep.plan_status[q])->code != PlanStatus::ok) return false;
+  return true;
+}
+
+__device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int ctas) {
+  if (!plans_ok(p)) {
+    poison_output(p, cta, ctas);
     return;
   }
   SharedStorage& s = shared_storage<SharedStorage>();
   init_ring_barriers<kStages, kConsumerWarpgroups>(s);
+  if (threadIdx.x < kMaxRanks) s.expected_rows[threadIdx.x] = 0;
   if (threadIdx.x == 32) {
     const ForwardMaps& m = p.maps;
     for (const CUtensorMap* map : {&m.x_routed, &m.gate, &m.up, &m.down, &m.h_load, &m.h_store}) tma_prefetch_descriptor(map);
   }
-  if (p.saved_marker && blockIdx.x == 0 && threadIdx.x == 0) *p.saved_marker = kSavedValid;
+  if (p.saved_marker && cta == 0 && threadIdx.x == 0) *p.saved_marker = kSavedValid;
   __syncthreads();
-  const Schedule sched(p);
+  const Schedule sched(p, cta, ctas);
   split_roles<kProducerRegisters, kConsumerRegisters>([&] { run_producer(p, s, sched); },
                                                       [&](int wg) { run_consumer(p, s, sched, wg); });
+}
+
+__global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_constant__ ForwardParams p) {
+  run_forward(p, blockIdx.x, gridDim.x);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) forward_group_kernel(const __grid_constant__ ForwardGroupParams g) {
+  run_forward(g.rank[blockIdx.x / g.ctas_per_rank], blockIdx.x % g.ctas_per_rank, g.ctas_per_rank);
 }
 
 }  // namespace
@@ -352,6 +440,11 @@ std::size_t forward_shared_memory_bytes() { return shared_storage_bytes<SharedSt
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream) {
   launch_persistent(forward_kernel, forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+}
+
+void launch_forward_group(const ForwardGroupParams& params, cudaStream_t stream) {
+  launch_persistent(forward_group_kernel, forward_shared_memory_bytes(), kThreads, params,
+                    params.ranks * params.ctas_per_rank, stream);
 }
 
 }  // namespace mok::kernels

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/ep.cuh"
 #include "mok/device_plan.hpp"
 #include "mok/forward.hpp"
 
@@ -42,6 +43,7 @@ struct ForwardMaps {
 
 struct ForwardParams {
   ForwardMaps maps;
+  EpPeers ep;
   // plan
   const std::int32_t* row_pair;
   const std::int32_t* tile_expert;
@@ -73,6 +75,16 @@ struct ForwardParams {
 };
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream);
+
+// Virtual ranks: one launch runs `ranks` ranks' forwards on one GPU, CTA c serving rank
+// c / ctas_per_rank with the same device code, so that every rank's CTAs are resident
+// together (their waits on each other cannot deadlock).
+struct ForwardGroupParams {
+  ForwardParams rank[kMaxRanks];
+  int ranks, ctas_per_rank;
+};
+static_assert(sizeof(ForwardGroupParams) <= 32764, "kernel parameters are limited to 32764 bytes");
+void launch_forward_group(const ForwardGroupParams& params, cudaStream_t stream);
 std::size_t forward_shared_memory_bytes();
 
 }  // namespace mok::kernels

@@ -33,12 +33,14 @@ static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * 128 *
 // Records the first failure in the host-mapped status and stops the kernel: a stalled
 // wait must never hang silently.
 template <typename P>
-__device__ __noinline__ void give_up(const P& p, int task, int phase, long long observed, long long expected) {
+__device__ __noinline__ void give_up(const P& p, int task, int phase, long long observed, long long expected,
+                                    int peer = -1) {
   if (atomicCAS(p.counters.abort, 0, 1) == 0) {
     volatile KernelStatus* s = p.status;
     s->block = blockIdx.x;
     s->task = task;
     s->phase = phase;
+    s->peer = peer;
     s->observed = observed;
     s->expected = expected;
     __threadfence_system();
@@ -67,6 +69,20 @@ __device__ __forceinline__ void wait_counter(const P& p, const int* counter, int
   while ((seen = ptx::ld_acquire_gpu(counter)) < expected) {
     __nanosleep(128);
     if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, task, phase, seen, expected);
+  }
+}
+
+// The same for a counter that rank `peer` advances (system scope: it may be another GPU).
+template <typename P>
+__device__ __forceinline__ void wait_peer_counter(const P& p, const int* counter, int expected, int task, int phase,
+                                                  int peer) {
+  int seen = ptx::ld_acquire_sys(counter);
+  if (seen >= expected) return;
+  const std::uint64_t start = ptx::globaltimer_ns();
+  while ((seen = ptx::ld_acquire_sys(counter)) < expected) {
+    __nanosleep(256);
+    if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns))
+      give_up(p, task, phase, seen, expected, peer);
   }
 }
 
@@ -226,12 +242,13 @@ __device__ __forceinline__ float4 load4_streaming(const std::uint16_t* row, int 
 // sum) for tokens [begin, end), 4 columns a thread, in fp32, rounded to bf16 once. All k
 // slot loads are issued before the first add (the combine is bound by how many bytes are
 // in flight); the adds then run in ascending j. shared may be null; pair_row -1 = no slot.
+// kPushed (push combine): slot (t, j) is row t * k + j instead, present where ids >= 0.
 // Row: float or std::uint16_t (bf16 bits).
 constexpr int kMaxCombineSlots = 16;
 
-template <bool kWeighted, typename Row>
+template <bool kWeighted, bool kPushed, typename Row>
 __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const std::int32_t* pair_row,
-                               const float* weights, const Row* slots, const Row* shared, std::uint16_t* out, int tid,
+                               const std::int32_t* ids, const float* weights, const Row* slots, const Row* shared, std::uint16_t* out, int tid,
                                int threads) {
   const int columns4 = hidden / 4;
   for (int token = begin; token < end; ++token) {
@@ -245,7 +262,9 @@ __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const 
 #pragma unroll
         for (int j = 0; j < kMaxCombineSlots; ++j) {
           const int slot = j0 + j;
-          const int row = slot < top_k ? pair_row[token * top_k + slot] : -1;
+          const int pair = token * top_k + slot;
+          int row = -1;
+          if (slot < top_k) row = kPushed ? (ids[pair] >= 0 ? pair : -1) : pair_row[pair];
           valid[j] = row >= 0;  // -1: a padding slot, or past k
           w[j] = (kWeighted && valid[j]) ? weights[token * top_k + slot] : 1.0f;
           v[j] = valid[j] ? load4_streaming(slots + static_cast<std::int64_t>(row) * hidden, c)

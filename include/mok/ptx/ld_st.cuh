@@ -15,6 +15,17 @@ __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// System scope: counters that other GPUs (expert-parallel peers) write or read.
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+  int v;
+  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void red_release_sys_add(int* p, int v) {
+  asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // Plain 32-bit global load/store the compiler keeps in program order with each other.
 // An epilogue that loads next to 128 live accumulators uses them to load in small
 // groups: left to itself, the compiler hoists every load to the top and spills.

@@ -1,0 +1,59 @@
+// Expert parallelism (EP). An EP group of N ranks splits the E experts: rank r holds
+// experts [r * E_l, (r + 1) * E_l), E_l = E / N, and T tokens of its own. The forward
+// exchanges the routing between ranks on the device, plans each rank from the routing of
+// all ranks (rows of an expert in global token order), pulls the rows it needs from the
+// ranks that own them, runs the fused GEMMs, and pushes each result row into the combine
+// slot (t * k + j) of the rank that owns the token, which sums its slots in ascending j.
+// Every sum has the same order on any number of ranks: results are bitwise equal to one
+// GPU computing the N ranks' tokens together.
+//
+// VirtualRanks runs an EP group of N ranks on one GPU (separate workspaces, one launch
+// whose CTAs are split among the ranks, the same device code as N GPUs): the protocol
+// is tested without a multi-GPU machine.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "mok/forward.hpp"
+
+namespace mok {
+
+inline constexpr int kMaxEpRanks = 8;
+
+class VirtualRanks {
+ public:
+  // shape: one rank's view of the layer (num_experts = E of the group, num_local_experts =
+  // E / ranks; ranks <= kMaxEpRanks); tokens_per_rank: T of every rank. config.compute_sms
+  // (0 = all) is split evenly among the ranks.
+  VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, const Config& config = {});
+  ~VirtualRanks();
+  VirtualRanks(const VirtualRanks&) = delete;
+  VirtualRanks& operator=(const VirtualRanks&) = delete;
+
+  int size() const { return static_cast<int>(ranks_.size()); }
+  const MoeShape& shape() const { return shape_; }
+  std::int64_t tokens_per_rank() const { return tokens_; }
+  Workspace& workspace(int rank);
+
+  // args[r]: rank r's call, as mok::forward takes it: x [T, H], topk_ids [T, k] with
+  // global expert ids (-1 = none), topk_weights, the weights of rank r's E_l experts, its
+  // shared expert, y. Stream-ordered, no host synchronisation.
+  void forward(std::span<const ForwardArgs> args, cudaStream_t stream);
+  // Synchronises `stream` and throws mok::Error naming the rank (and peer) if a planner or
+  // kernel of any rank recorded an error.
+  void check(cudaStream_t stream);
+
+ private:
+  struct Rank;
+  MoeShape shape_;
+  std::int64_t tokens_;
+  Config config_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+};
+
+}  // namespace mok

@@ -1,0 +1,28 @@
+// Expert parallelism in the kernels: the peer table (base pointers of every rank's
+// symmetric buffers, wherever they came from: virtual ranks on one GPU, peer access,
+// NCCL windows) and the push-combine fields of the forward.
+#pragma once
+
+#include <cstdint>
+
+namespace mok::kernels {
+
+// Ranks of an EP group (one NVLink node); virtual ranks share this limit.
+inline constexpr int kMaxRanks = 8;
+
+// Push combine. With push set, GEMM2 rows go to the combine slots of the rank that owns
+// the token, at row t * k + j of that rank's [T * k, H] fp32 slot buffer, and each rank's
+// combine waits until slots_done[q] (rows pushed by rank q, times column tiles) reaches
+// what its own routing expects from q. Without push (the one-GPU path), rows stay in plan
+// order in the workspace's slots and the combine finds them through pair_row.
+
+struct EpPeers {
+  bool push;
+  int rank, size;
+  float* slots[kMaxRanks];       // rank q's combine slots [T * k, H] fp32
+  int* slots_done[kMaxRanks];    // rank q's counters [kMaxRanks]: entry r counts rank r's pushes
+  const std::int32_t* own_ids;   // [T, k] this rank's routing (-1: no expert)
+  const void* plan_status[kMaxRanks];  // rank q's PlanStatus: a bad plan anywhere stops every rank
+};
+
+}  // namespace mok::kernels

@@ -1,0 +1,25 @@
+// Routing exchange of an EP group: every rank writes its [T, k] ids (as i32) into slot
+// `rank` of every rank's [ep, T, k] buffer, with one store per peer (no multicast).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/ep.cuh"
+
+namespace mok::kernels {
+
+struct ExchangeParams {
+  const void* ids[kMaxRanks];       // rank r's topk_ids [T, k]
+  bool ids_are_i64[kMaxRanks];
+  std::int32_t* all_ids[kMaxRanks];  // rank q's [ep, T, k] buffer
+  int ranks;                         // ranks this launch serves (virtual ranks: all of them)
+  int first_rank;                    // global rank of the first one
+  int ep;                            // size of the group
+  std::int64_t pairs_per_rank;       // T * k
+};
+
+void launch_exchange(const ExchangeParams& params, cudaStream_t stream);
+
+}  // namespace mok::kernels
