@@ -37,7 +37,8 @@ struct VirtualRanks::Rank {
   std::unique_ptr<Workspace> ws;
   std::int32_t* all_ids = nullptr;  // [ep, T, k]: every rank's routing (routing exchange)
   float* slots = nullptr;           // [T * k, H] fp32: combine slots, pushed by the ranks that own the experts
-  int* slots_done = nullptr;        // [kMaxEpRanks]: rows x column tiles pushed by each rank
+  int* slots_done = nullptr;        // [2 kMaxEpRanks]: rows x column tiles pushed by each rank, then
+                                    // the rows this rank's routing sends to each rank
 
   ~Rank() {
     cudaFree(all_ids);
@@ -63,7 +64,7 @@ VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, 
     rank->ws.reset(new Workspace(shape, T, config, Training::off, Workspace::ForRank{r}));
     rank->all_ids = allocate<std::int32_t>(ep * T * k, "cudaMalloc(all_ids)");
     rank->slots = allocate<float>(T * k * H, "cudaMalloc(combine slots)");
-    rank->slots_done = allocate<int>(kMaxEpRanks, "cudaMalloc(slots_done)");
+    rank->slots_done = allocate<int>(2 * kMaxEpRanks, "cudaMalloc(slots_done)");
     ranks_.push_back(std::move(rank));
   }
 }
@@ -94,14 +95,19 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
     detail::check_locations(where, args[r], shape_, true);
   }
 
-  // Routing exchange: every rank's ids into every rank's [ep, T, k] buffer.
+  // Routing exchange: every rank's ids into every rank's [ep, T, k] buffer. The counters
+  // are zeroed first: no rank pushes before every rank's routing has arrived.
   kernels::ExchangeParams ex{};
   for (int r = 0; r < ep; ++r) {
+    detail::cuda_check(cudaMemsetAsync(ranks_[r]->slots_done, 0, sizeof(int) * 2 * kMaxEpRanks, stream), kWhere,
+                       "cudaMemsetAsync(slots_done)");
     ex.ids[r] = args[r].topk_ids.data;
     ex.ids_are_i64[r] = args[r].topk_ids.dtype == DType::i64;
     ex.all_ids[r] = ranks_[r]->all_ids;
+    ex.expected_rows[r] = ranks_[r]->slots_done + kMaxEpRanks;
   }
   ex.ranks = ep, ex.first_rank = 0, ex.ep = ep, ex.pairs_per_rank = T * k;
+  ex.num_local_experts = static_cast<int>(shape_.num_local_experts);
   kernels::launch_exchange(ex, stream);
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the routing exchange");
 
@@ -116,8 +122,6 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
     detail::dispatch_rows(std::span<const void* const>(x_peers, ep), rank.ws->x_routed(), *rank.ws, stream);
     detail::cuda_check(cudaMemsetAsync(rank.ws->counters(), 0, 4 * rank.ws->counter_count(), stream), kWhere,
                        "cudaMemsetAsync(counters)");
-    detail::cuda_check(cudaMemsetAsync(rank.slots_done, 0, sizeof(int) * kMaxEpRanks, stream), kWhere,
-                       "cudaMemsetAsync(slots_done)");
     kernels::ForwardParams& p = group.rank[r];
     p = detail::forward_params(args[r], *rank.ws, nullptr, false);
     p.ep.push = true;
@@ -129,10 +133,15 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
       p.ep.plan_status[q] = ranks_[q]->ws->plan().view().status;
     }
     p.ep.own_ids = rank.all_ids + r * T * k;
+    p.ep.expected_rows = rank.slots_done + kMaxEpRanks;
+    p.ep.system_scope = false;  // virtual ranks share this GPU
   }
   group.ranks = ep;
   group.ctas_per_rank = compute / ep;
-  kernels::launch_forward_group(group, stream);
+  // One rank (and, later, each process of a multi-GPU group) launches the plain kernel:
+  // the group kernel's per-rank params are indexed at run time, which costs every access.
+  if (ep == 1) kernels::launch_forward(group.rank[0], group.ctas_per_rank, stream);
+  else kernels::launch_forward_group(group, stream);
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the forward kernel");
 }
 

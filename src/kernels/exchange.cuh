@@ -1,5 +1,6 @@
 // Routing exchange of an EP group: every rank writes its [T, k] ids (as i32) into slot
-// `rank` of every rank's [ep, T, k] buffer, with one store per peer (no multicast).
+// `rank` of every rank's [ep, T, k] buffer, with one store per peer (no multicast), and
+// counts the rows it sends to each rank (what its combine will wait for).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -14,6 +15,8 @@ struct ExchangeParams {
   const void* ids[kMaxRanks];       // rank r's topk_ids [T, k]
   bool ids_are_i64[kMaxRanks];
   std::int32_t* all_ids[kMaxRanks];  // rank q's [ep, T, k] buffer
+  int* expected_rows[kMaxRanks];     // rank r's [kMaxRanks] rows its routing sends to each rank (zeroed)
+  int num_local_experts;
   int ranks;                         // ranks this launch serves (virtual ranks: all of them)
   int first_rank;                    // global rank of the first one
   int ep;                            // size of the group
