@@ -4,6 +4,9 @@
 // count and run.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -215,6 +218,38 @@ TEST(Ep, ArgumentsAreChecked) {
   MoeShape too_many = p.shape;
   too_many.num_experts = 32, too_many.num_local_experts = 2;  // 16 ranks
   EXPECT_THROW(VirtualRanks(too_many, 64), Error);
+}
+
+// A rank that never pushes its rows: its peers' combines must stop within the timeout and
+// the error must name the waiting rank, the stalled peer, the phase and the counters. The
+// timeout ends the kernel with a trap (the CUDA context is lost), so the check runs in a
+// child process.
+void run_with_stalled_rank() {
+  const EpCase c{"", 4, 200, 256, 256, 8, 2, 0, 0, RoutingKind::uniform};
+  const EpProblem p(c, 9);
+  Config config;
+  config.timeout_seconds = 0.5;
+  VirtualRanks group(p.shape, p.T, config);
+  group.stall_rank_for_testing(2);
+  const auto args = p.args();
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    group.forward(args, nullptr);
+    group.check(nullptr);
+  } catch (const Error& e) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(stderr, "%s [after %.2f s]\n", e.what(), seconds);
+    std::exit(seconds < 0.5 + 5.0 ? 42 : 43);
+  }
+  std::exit(0);
+}
+
+TEST(EpDeathTest, StalledRankTimesOutNamingRankPeerPhaseAndCounters) {
+  MOK_REQUIRE_HOPPER();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process: CUDA does not survive fork
+  EXPECT_EXIT(run_with_stalled_rank(), ::testing::ExitedWithCode(42),
+              "timeout after 0.5 s on rank [013] .*pushes into this rank's combine slots.* from peer rank 2; "
+              "expected [0-9]+, observed 0");
 }
 
 }  // namespace

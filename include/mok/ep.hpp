@@ -45,10 +45,16 @@ class VirtualRanks {
   // shared expert, y. Stream-ordered, no host synchronisation.
   void forward(std::span<const ForwardArgs> args, cudaStream_t stream);
   // Synchronises `stream` and throws mok::Error naming the rank (and peer) if a planner or
-  // kernel of any rank recorded an error.
+  // kernel of any rank recorded an error. A timed-out wait stops the kernel with a trap,
+  // which leaves the CUDA context unusable: the process should report and exit.
   void check(cudaStream_t stream);
 
+  // Tests of the bounded waits: rank `rank`'s kernel does nothing from the next forward on
+  // (as a hung or crashed peer), so its peers must time out naming it; -1 clears it.
+  void stall_rank_for_testing(int rank);
+
  private:
+  int stalled_rank_ = -1;
   struct Rank;
   MoeShape shape_;
   std::int64_t tokens_;

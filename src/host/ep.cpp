@@ -135,6 +135,7 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
     p.ep.own_ids = rank.all_ids + r * T * k;
     p.ep.expected_rows = rank.slots_done + kMaxEpRanks;
     p.ep.system_scope = false;  // virtual ranks share this GPU
+    p.ep.stalled = r == stalled_rank_;
   }
   group.ranks = ep;
   group.ctas_per_rank = compute / ep;
@@ -145,8 +146,15 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the forward kernel");
 }
 
+void VirtualRanks::stall_rank_for_testing(int rank) {
+  if (rank < -1 || rank >= size()) throw_argument_error(kWhere, "rank", "must be in [-1, ", size(), "), got ", rank);
+  stalled_rank_ = rank;
+}
+
 void VirtualRanks::check(cudaStream_t stream) {
-  detail::cuda_check(cudaStreamSynchronize(stream), kWhere, "cudaStreamSynchronize");
+  const cudaError_t err = cudaStreamSynchronize(stream);
+  for (auto& rank : ranks_) rank->ws->throw_if_failed();  // a timeout's record outlives the trap it ends with
+  detail::cuda_check(err, kWhere, "cudaStreamSynchronize");
   for (int r = 0; r < size(); ++r) {
     try {
       ranks_[r]->ws->plan().check(stream);

@@ -23,6 +23,7 @@ struct EpPeers {
   int* slots_done[kMaxRanks];    // rank q's counters [kMaxRanks]: entry r counts rank r's pushes
   const int* expected_rows;      // [kMaxRanks]: rows this rank's routing sends to each rank
   bool system_scope;             // peers are other GPUs (else: virtual ranks on this GPU)
+  bool stalled;                  // tests: this rank does nothing, as a hung peer would
   const std::int32_t* own_ids;   // [T, k] this rank's routing (-1: no expert)
   const void* plan_status[kMaxRanks];  // rank q's PlanStatus: a bad plan anywhere stops every rank
 };

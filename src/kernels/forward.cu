@@ -403,6 +403,7 @@ __device__ __forceinline__ bool plans_ok(const ForwardParams& p) {
 }
 
 __device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int ctas) {
+  if (p.ep.stalled) return;
   if (!plans_ok(p)) {
     poison_output(p, cta, ctas);
     return;
