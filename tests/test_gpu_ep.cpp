@@ -162,7 +162,9 @@ INSTANTIATE_TEST_SUITE_P(
                       EpCase{"ep4_idle_ranks", 4, 300, 256, 256, 16, 2, 0, 0, RoutingKind::first_half},
                       EpCase{"ep8_padded_shared_clamp", 8, 150, 256, 256, 16, 4, 192, 0.75f, RoutingKind::padded},
                       EpCase{"ep8_one_expert_per_rank_k1", 8, 129, 320, 192, 8, 1, 0, 0, RoutingKind::uniform},
-                      EpCase{"ep2_all_to_one_expert", 2, 200, 256, 256, 4, 1, 0, 0, RoutingKind::one_expert}),
+                      EpCase{"ep2_all_to_one_expert", 2, 200, 256, 256, 4, 1, 0, 0, RoutingKind::one_expert},
+                      // small enough for compute-sanitizer (scripts/gpu_check.sh)
+                      EpCase{"ep4_small_shared_padded_clamp", 4, 64, 256, 128, 8, 2, 128, 0.75f, RoutingKind::padded}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(Ep, BitwiseEqualAcrossRunsAndSmCounts) {
