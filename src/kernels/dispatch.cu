@@ -8,7 +8,7 @@
 namespace mok::kernels {
 namespace {
 
-__global__ void __launch_bounds__(256) dispatch_kernel(const DispatchParams p) {
+__global__ void __launch_bounds__(256) dispatch_kernel(const __grid_constant__ DispatchParams p) {
   if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
   const std::int64_t rows = p.expert_offset[p.num_local_experts];
   const int vectors = p.hidden / 8;  // uint4 of bf16 per row
