@@ -10,7 +10,9 @@
 #include <cstring>
 #include <memory>
 
+#include "gpu_grads.hpp"
 #include "gpu_problem.hpp"
+#include "mok/backward.hpp"
 #include "mok/ep.hpp"
 #include "mok/error.hpp"
 
@@ -219,6 +221,198 @@ TEST(Ep, ArgumentsAreChecked) {
   MoeShape too_many = p.shape;
   too_many.num_experts = 32, too_many.num_local_experts = 2;  // 16 ranks
   EXPECT_THROW(VirtualRanks(too_many, 64), Error);
+}
+
+// ---------------------------------------------------------------------------- backward
+
+// Per rank: dy (its tokens' rows of one global dy), and every gradient it writes (bf16).
+struct EpGrads {
+  const EpProblem& p;
+  std::vector<std::unique_ptr<DeviceBuffer<bf16>>> dy, dx, d_gate, d_up, d_down, d_sgate, d_sup, d_sdown;
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> dtw;
+
+  EpGrads(const EpProblem& problem, const std::vector<bf16>& dy_all) : p(problem) {
+    const MoeShape& s = p.shape;
+    const std::int64_t T = p.T, H = s.hidden, I = s.intermediate, El = s.num_local_experts, k = s.top_k;
+    const std::int64_t Is = s.shared_intermediate;
+    for (int r = 0; r < p.ep; ++r) {
+      dy.push_back(std::make_unique<DeviceBuffer<bf16>>(
+          std::vector<bf16>(dy_all.begin() + r * T * H, dy_all.begin() + (r + 1) * T * H)));
+      dx.push_back(std::make_unique<DeviceBuffer<bf16>>(T * H));
+      dtw.push_back(std::make_unique<DeviceBuffer<float>>(T * k));
+      d_gate.push_back(std::make_unique<DeviceBuffer<bf16>>(El * I * H));
+      d_up.push_back(std::make_unique<DeviceBuffer<bf16>>(El * I * H));
+      d_down.push_back(std::make_unique<DeviceBuffer<bf16>>(El * H * I));
+      d_sgate.push_back(std::make_unique<DeviceBuffer<bf16>>(Is * H));
+      d_sup.push_back(std::make_unique<DeviceBuffer<bf16>>(Is * H));
+      d_sdown.push_back(std::make_unique<DeviceBuffer<bf16>>(H * Is));
+    }
+  }
+
+  std::vector<BackwardArgs> args() const {
+    const MoeShape& s = p.shape;
+    const Device d = Device::cuda(0);
+    const std::int64_t T = p.T, H = s.hidden, I = s.intermediate, El = s.num_local_experts, k = s.top_k;
+    const std::int64_t Is = s.shared_intermediate;
+    std::vector<BackwardArgs> out(p.ep);
+    for (int r = 0; r < p.ep; ++r) {
+      BackwardArgs& b = out[r];
+      b.dy = TensorView::contiguous(dy[r]->get(), DType::bf16, d, {T, H});
+      b.dx = TensorView::contiguous(dx[r]->get(), DType::bf16, d, {T, H});
+      b.d_topk_weights = TensorView::contiguous(dtw[r]->get(), DType::f32, d, {T, k});
+      b.d_w_gate = TensorView::contiguous(d_gate[r]->get(), DType::bf16, d, {El, I, H});
+      b.d_w_up = TensorView::contiguous(d_up[r]->get(), DType::bf16, d, {El, I, H});
+      b.d_w_down = TensorView::contiguous(d_down[r]->get(), DType::bf16, d, {El, H, I});
+      if (s.has_shared()) {
+        b.d_shared_gate = TensorView::contiguous(d_sgate[r]->get(), DType::bf16, d, {Is, H});
+        b.d_shared_up = TensorView::contiguous(d_sup[r]->get(), DType::bf16, d, {Is, H});
+        b.d_shared_down = TensorView::contiguous(d_sdown[r]->get(), DType::bf16, d, {H, Is});
+      }
+    }
+    return out;
+  }
+
+  void poison() const {
+    for (int r = 0; r < p.ep; ++r) {
+      for (auto* v : {&dx, &d_gate, &d_up, &d_down, &d_sgate, &d_sup, &d_sdown})
+        cudaMemset((*v)[r]->get(), 0xff, (*v)[r]->size() * sizeof(bf16));
+      cudaMemset(dtw[r]->get(), 0xff, dtw[r]->size() * sizeof(float));
+    }
+    cudaDeviceSynchronize();
+  }
+
+  // Every rank's buffers of one kind, concatenated in rank order (= global order).
+  template <typename T>
+  static std::vector<T> concat(const std::vector<std::unique_ptr<DeviceBuffer<T>>>& v) {
+    std::vector<T> all;
+    for (const auto& b : v) {
+      const auto part = b->download();
+      all.insert(all.end(), part.begin(), part.end());
+    }
+    return all;
+  }
+  // The shared expert's gradient summed over ranks (what data parallelism all-reduces).
+  static std::vector<double> summed(const std::vector<std::unique_ptr<DeviceBuffer<bf16>>>& v) {
+    std::vector<double> sum;
+    for (const auto& b : v) {
+      const auto part = reference::to_double(b->download());
+      if (sum.empty()) sum.assign(part.size(), 0.0);
+      for (std::size_t i = 0; i < part.size(); ++i) sum[i] += part[i];
+    }
+    return sum;
+  }
+};
+
+struct TrainRun {
+  std::vector<bf16> dx, gate, up, down;
+  std::vector<float> dtw;
+  std::vector<double> sgate, sup, sdown;
+};
+
+TrainRun train_group(const EpProblem& p, const EpGrads& g, Training mode, const Config& config = {}) {
+  VirtualRanks group(p.shape, p.T, config, mode);
+  std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
+  std::vector<TensorView> views;
+  if (mode == Training::save)
+    for (int r = 0; r < p.ep; ++r) {
+      saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.saved_elements()));
+      views.push_back(TensorView::contiguous(saved.back()->get(), DType::bf16, Device::cuda(0), {group.saved_elements()}));
+    }
+  p.poison_outputs();
+  g.poison();
+  const auto fa = p.args();
+  const auto ba = g.args();
+  group.forward(fa, nullptr, views);
+  group.backward(fa, ba, nullptr, views);
+  group.check(nullptr);
+  return {EpGrads::concat(g.dx),        EpGrads::concat(g.d_gate),      EpGrads::concat(g.d_up),
+          EpGrads::concat(g.d_down),    EpGrads::concat(g.dtw),         EpGrads::summed(g.d_sgate),
+          EpGrads::summed(g.d_sup),     EpGrads::summed(g.d_sdown)};
+}
+
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+class EpBackwardCases : public ::testing::TestWithParam<EpCase> {};
+
+TEST_P(EpBackwardCases, MatchesReferenceAndOneGpuBitwise) {
+  MOK_REQUIRE_HOPPER();
+  const EpCase c = GetParam();
+  const EpProblem p(c, 31 * 1000 + c.ep);
+  const auto dy = testing::random_bf16(p.host.x.size(), 77 + c.ep);
+  const EpGrads g(p, dy);
+  const TrainRun got = train_group(p, g, Training::save);
+
+  const auto ref = reference::backward(p.host.shape, p.host.tokens, p.host.reference_x(), p.host.reference_routing(),
+                                       p.host.reference_weights(), reference::to_double(dy));
+  testing::expect_close("dx", reference::to_double(got.dx), ref.x, c.name);
+  testing::expect_close("d_topk_weights", reference::to_double(got.dtw), ref.topk_weights, c.name);
+  testing::expect_close("d_w_gate", reference::to_double(got.gate), ref.w.gate, c.name);
+  testing::expect_close("d_w_up", reference::to_double(got.up), ref.w.up, c.name);
+  testing::expect_close("d_w_down", reference::to_double(got.down), ref.w.down, c.name);
+  if (p.shape.has_shared()) {
+    testing::expect_close("d_shared_gate (sum over ranks)", got.sgate, ref.w.shared_gate, c.name);
+    testing::expect_close("d_shared_up (sum over ranks)", got.sup, ref.w.shared_up, c.name);
+    testing::expect_close("d_shared_down (sum over ranks)", got.sdown, ref.w.shared_down, c.name);
+  }
+
+  // One GPU over all tokens and experts: the same bits for everything but the shared
+  // expert's gradients (split over ranks there).
+  testing::GpuProblem one(p.host);
+  testing::GpuGrads one_g(one, dy, false);
+  Workspace ws(p.host.shape, p.host.tokens, {}, Training::save);
+  DeviceBuffer<bf16> saved(ws.saved_elements());
+  const auto saved_view = TensorView::contiguous(saved.get(), DType::bf16, Device::cuda(0), {ws.saved_elements()});
+  forward(one.args(), ws, nullptr, saved_view);
+  backward(one.args(), one_g.args(), ws, nullptr, saved_view);
+  ws.check(nullptr);
+  auto download_bf16 = [](const DeviceBuffer<std::uint8_t>& b) {
+    const auto bytes = b.download();
+    std::vector<bf16> out(bytes.size() / 2);
+    std::memcpy(out.data(), bytes.data(), bytes.size());
+    return out;
+  };
+  EXPECT_TRUE(same_bits(got.dx, one_g.dx.download())) << c.name << ": dx";
+  EXPECT_TRUE(same_bits(got.dtw, one_g.d_weights.download())) << c.name << ": d_topk_weights";
+  EXPECT_TRUE(same_bits(got.gate, download_bf16(one_g.d_gate))) << c.name << ": d_w_gate";
+  EXPECT_TRUE(same_bits(got.up, download_bf16(one_g.d_up))) << c.name << ": d_w_up";
+  EXPECT_TRUE(same_bits(got.down, download_bf16(one_g.d_down))) << c.name << ": d_w_down";
+
+  // Recompute mode: the same bits.
+  const TrainRun again = train_group(p, g, Training::recompute);
+  EXPECT_TRUE(same_bits(again.dx, got.dx) && same_bits(again.dtw, got.dtw) && same_bits(again.gate, got.gate) &&
+              same_bits(again.up, got.up) && same_bits(again.down, got.down) && again.sgate == got.sgate &&
+              again.sup == got.sup && again.sdown == got.sdown)
+      << c.name << ": recompute differs from save";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ep, EpBackwardCases,
+    ::testing::Values(EpCase{"ep1_uniform", 1, 300, 256, 256, 8, 2, 0, 0, RoutingKind::uniform},
+                      EpCase{"ep2_uniform", 2, 300, 256, 256, 8, 2, 0, 0, RoutingKind::uniform},
+                      EpCase{"ep4_skewed", 4, 400, 256, 256, 8, 2, 0, 0, RoutingKind::skewed},
+                      EpCase{"ep4_idle_ranks", 4, 300, 256, 256, 16, 2, 0, 0, RoutingKind::first_half},
+                      EpCase{"ep8_padded_shared_clamp", 8, 150, 256, 256, 16, 4, 192, 0.75f, RoutingKind::padded},
+                      EpCase{"ep8_one_expert_per_rank_k1", 8, 129, 320, 192, 8, 1, 0, 0, RoutingKind::uniform}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+TEST(EpBackward, BitwiseEqualAcrossRunsAndSmCounts) {
+  MOK_REQUIRE_HOPPER();
+  const EpCase c{"", 4, 300, 256, 256, 16, 4, 128, 0, RoutingKind::skewed};
+  const EpProblem p(c, 17);
+  const auto dy = testing::random_bf16(p.host.x.size(), 18);
+  const EpGrads g(p, dy);
+  const TrainRun first = train_group(p, g, Training::save);
+  for (int sms : {0, 4, 12, 60}) {
+    Config config;
+    config.compute_sms = sms;
+    const TrainRun run = train_group(p, g, Training::save, config);
+    EXPECT_TRUE(same_bits(run.dx, first.dx) && same_bits(run.dtw, first.dtw) && same_bits(run.gate, first.gate) &&
+                same_bits(run.up, first.up) && same_bits(run.down, first.down) && run.sgate == first.sgate)
+        << sms << " SMs";
+  }
 }
 
 // A rank that never pushes its rows: its peers' combines must stop within the timeout and

@@ -29,8 +29,9 @@ class VirtualRanks {
  public:
   // shape: one rank's view of the layer (num_experts = E of the group, num_local_experts =
   // E / ranks; ranks <= kMaxEpRanks); tokens_per_rank: T of every rank. config.compute_sms
-  // (0 = all) is split evenly among the ranks.
-  VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, const Config& config = {});
+  // (0 = all) is split evenly among the ranks. training: as for a Workspace.
+  VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, const Config& config = {},
+               Training training = Training::off);
   ~VirtualRanks();
   VirtualRanks(const VirtualRanks&) = delete;
   VirtualRanks& operator=(const VirtualRanks&) = delete;
@@ -43,7 +44,17 @@ class VirtualRanks {
   // args[r]: rank r's call, as mok::forward takes it: x [T, H], topk_ids [T, k] with
   // global expert ids (-1 = none), topk_weights, the weights of rank r's E_l experts, its
   // shared expert, y. Stream-ordered, no host synchronisation.
-  void forward(std::span<const ForwardArgs> args, cudaStream_t stream);
+  // saved (Training::save): one tensor per rank, saved_elements() bf16 each, as for
+  // mok::forward; the backward reads and consumes them.
+  void forward(std::span<const ForwardArgs> args, cudaStream_t stream, std::span<const TensorView> saved = {});
+  // Gradients of every rank's sum(y * dy): rank r's dx, d_topk_weights and the gradients
+  // of its experts' weights; the shared expert's gradients are those of rank r's tokens
+  // (a data-parallel framework sums them over ranks). Routed gradients, dx and
+  // d_topk_weights are bitwise equal to one GPU's over all tokens.
+  void backward(std::span<const ForwardArgs> fwd, std::span<const BackwardArgs> bwd, cudaStream_t stream,
+                std::span<const TensorView> saved = {});
+  // bf16 elements of each rank's saved tensor (Training::save).
+  std::int64_t saved_elements() const;
   // Synchronises `stream` and throws mok::Error naming the rank (and peer) if a planner or
   // kernel of any rank recorded an error. A timed-out wait stops the kernel with a trap,
   // which leaves the CUDA context unusable: the process should report and exit.
@@ -56,9 +67,12 @@ class VirtualRanks {
  private:
   int stalled_rank_ = -1;
   struct Rank;
+  struct Launch;
+  Launch prepare(std::span<const ForwardArgs> args, const char* where, bool weights);
   MoeShape shape_;
   std::int64_t tokens_;
   Config config_;
+  Training training_;
   std::vector<std::unique_ptr<Rank>> ranks_;
 };
 

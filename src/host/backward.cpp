@@ -52,12 +52,12 @@ void zero_gradient(const std::optional<TensorView>& g, cudaStream_t stream) {
 
 }  // namespace
 
-void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaStream_t stream,
-              const std::optional<TensorView>& saved) {
+namespace detail {
+
+void check_backward_call(std::string_view kWhere, const ForwardArgs& a, const BackwardArgs& b, const Workspace& ws,
+                         const std::optional<TensorView>& saved, int device) {
   ws.throw_if_failed();
   const MoeShape& s = ws.shape();
-  int device = 0;
-  detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
   validate_backward_args(kWhere, s, a, b, Device::cuda(device));
   const std::int64_t T = a.x.shape[0];
   if (T != ws.tokens())
@@ -79,24 +79,13 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     for (auto [name, view] : {std::pair{"d_shared_gate", &*b.d_shared_gate}, {"d_shared_up", &*b.d_shared_up},
                               {"d_shared_down", &*b.d_shared_down}})
       check_pointer_location(kWhere, name, *view);
+}
+
+kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, std::uint16_t* gu) {
+  const MoeShape& s = ws.shape();
+  const std::int64_t T = ws.tokens();
   const bool grad_fp32 = b.d_w_gate.dtype == DType::f32;
-  if (T == 0) {  // no rows: bf16 gradients are zero, f32 ones keep their value
-    if (!grad_fp32)
-      for (const auto& g : {std::optional<TensorView>(b.d_w_gate), std::optional<TensorView>(b.d_w_up),
-                            std::optional<TensorView>(b.d_w_down), b.d_shared_gate, b.d_shared_up, b.d_shared_down})
-        zero_gradient(g, stream);
-    return;
-  }
-
   DevicePlan& plan = ws.plan();
-  plan_device(a.topk_ids, 0, plan, stream);
-  auto* gu = static_cast<std::uint16_t*>(saved ? saved->data : ws.recompute_buffer());
-  if (!saved) detail::launch_forward_kernel(a, ws, stream, gu, true, kWhere);  // also copies x's rows
-  else detail::dispatch_rows(a.x.data, ws.x_routed(), ws, stream);
-  detail::dispatch_rows(b.dy.data, ws.dy_routed(), ws, stream);
-  detail::cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), kWhere,
-                     "cudaMemsetAsync(counters)");
-
   const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts, Is = s.shared_intermediate;
   const std::int64_t capacity = plan.capacity_rows(), n_shared_tiles = detail::shared_tiles(s, T);
   const std::int64_t padded_tokens = n_shared_tiles * detail::kTileRows;
@@ -128,8 +117,36 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   p.dx = static_cast<std::uint16_t*>(b.dx.data);
   p.d_topk_weights = static_cast<float*>(b.d_topk_weights.data);
   p.grad_fp32 = grad_fp32;
+  p.saved_marker = detail::saved_marker(gu, ws);
+  return p;
+}
+
+}  // namespace detail
+
+void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaStream_t stream,
+              const std::optional<TensorView>& saved) {
+  int device = 0;
+  detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
+  detail::check_backward_call(kWhere, a, b, ws, saved, device);
+  const std::int64_t T = ws.tokens();
+  const bool grad_fp32 = b.d_w_gate.dtype == DType::f32;
+  if (T == 0) {  // no rows: bf16 gradients are zero, f32 ones keep their value
+    if (!grad_fp32)
+      for (const auto& g : {std::optional<TensorView>(b.d_w_gate), std::optional<TensorView>(b.d_w_up),
+                            std::optional<TensorView>(b.d_w_down), b.d_shared_gate, b.d_shared_up, b.d_shared_down})
+        zero_gradient(g, stream);
+    return;
+  }
+
+  plan_device(a.topk_ids, 0, ws.plan(), stream);
+  auto* gu = static_cast<std::uint16_t*>(saved ? saved->data : ws.recompute_buffer());
+  if (!saved) detail::launch_forward_kernel(a, ws, stream, gu, true, kWhere);  // also copies x's rows
+  else detail::dispatch_rows(a.x.data, ws.x_routed(), ws, stream);
+  detail::dispatch_rows(b.dy.data, ws.dy_routed(), ws, stream);
+  detail::cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), kWhere,
+                     "cudaMemsetAsync(counters)");
+  const kernels::BackwardParams p = detail::backward_params(a, b, ws, gu);
   unsigned long long* marker = detail::saved_marker(gu, ws);
-  p.saved_marker = marker;
   kernels::launch_backward(p, detail::persistent_ctas(ws, kWhere), stream);
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
   // The pre-activations are gone (replaced by their gradients): mark the tensor consumed.

@@ -1,14 +1,17 @@
 // VirtualRanks: an EP group of N ranks on one GPU. Each step below is what a rank of a
 // multi-GPU group does on its own GPU; here one stream runs every rank's step in turn,
-// and the forward kernel's one launch serves every rank (its CTAs split among them), so
+// and each fused kernel's one launch serves every rank (its CTAs split among them), so
 // ranks that wait on each other are resident together.
 #include "mok/ep.hpp"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <limits>
+#include <string>
 
 #include "cuda_check.hpp"
+#include "kernels/backward.cuh"
 #include "kernels/exchange.cuh"
 #include "kernels/forward.cuh"
 #include "layer_launch.hpp"
@@ -29,6 +32,12 @@ T* allocate(std::int64_t count, const char* what) {
   return ptr;
 }
 
+int current_device() {
+  int device = 0;
+  detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
+  return device;
+}
+
 }  // namespace
 
 // One rank's buffers: its workspace (plan, routed rows, h, counters, status) and its part
@@ -36,19 +45,27 @@ T* allocate(std::int64_t count, const char* what) {
 struct VirtualRanks::Rank {
   std::unique_ptr<Workspace> ws;
   std::int32_t* all_ids = nullptr;  // [ep, T, k]: every rank's routing (routing exchange)
-  float* slots = nullptr;           // [T * k, H] fp32: combine slots, pushed by the ranks that own the experts
+  float* all_weights = nullptr;     // [ep, T, k]: every rank's routing weights (backward)
+  float* slots = nullptr;           // [T * k, H] fp32 combine slots (forward); in the backward the dx
+                                    // rows [T * k, H] bf16, then the partials [T * k, ceil(I / 256)] fp32
   int* slots_done = nullptr;        // [2 kMaxEpRanks]: rows x column tiles pushed by each rank, then
                                     // the rows this rank's routing sends to each rank
 
   ~Rank() {
     cudaFree(all_ids);
+    cudaFree(all_weights);
     cudaFree(slots);
     cudaFree(slots_done);
   }
 };
 
-VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, const Config& config)
-    : shape_(shape), tokens_(tokens_per_rank), config_(config) {
+// What prepare() leaves for the kernels' launch.
+struct VirtualRanks::Launch {
+  int device, ctas_per_rank;
+};
+
+VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, const Config& config, Training training)
+    : shape_(shape), tokens_(tokens_per_rank), config_(config), training_(training) {
   validate(shape);
   validate(config);
   const std::int64_t ep = shape.ep_size();
@@ -59,10 +76,15 @@ VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, 
   if (ep * tokens_per_rank * shape.top_k > std::numeric_limits<std::int32_t>::max())
     throw_argument_error(kWhere, "tokens_per_rank", "ranks * T * k must fit in int32, got ", ep * tokens_per_rank * shape.top_k);
   const std::int64_t T = tokens_per_rank, k = shape.top_k, H = shape.hidden;
+  // The backward's pushed dx rows (bf16) and d_topk_weights partials share the slots.
+  if (training != Training::off && (shape.intermediate + 255) / 256 * 4 > 2 * H)
+    throw_argument_error(kWhere, "intermediate", "must be at most 128 * hidden for the EP backward, got ",
+                         shape.intermediate);
   for (int r = 0; r < ep; ++r) {
     auto rank = std::make_unique<Rank>();
-    rank->ws.reset(new Workspace(shape, T, config, Training::off, Workspace::ForRank{r}));
+    rank->ws.reset(new Workspace(shape, T, config, training, Workspace::ForRank{r}));
     rank->all_ids = allocate<std::int32_t>(ep * T * k, "cudaMalloc(all_ids)");
+    if (training != Training::off) rank->all_weights = allocate<float>(ep * T * k, "cudaMalloc(all_weights)");
     rank->slots = allocate<float>(T * k * H, "cudaMalloc(combine slots)");
     rank->slots_done = allocate<int>(2 * kMaxEpRanks, "cudaMalloc(slots_done)");
     ranks_.push_back(std::move(rank));
@@ -76,54 +98,98 @@ Workspace& VirtualRanks::workspace(int rank) {
   return *ranks_[rank]->ws;
 }
 
-void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t stream) {
+std::int64_t VirtualRanks::saved_elements() const { return ranks_.front()->ws->saved_elements(); }
+
+void VirtualRanks::stall_rank_for_testing(int rank) {
+  if (rank < -1 || rank >= size()) throw_argument_error(kWhere, "rank", "must be in [-1, ", size(), "), got ", rank);
+  stalled_rank_ = rank;
+}
+
+// Checks every rank's call, then: zero the cross-rank counters, exchange the routing (and
+// the routing weights), plan every rank from the routing of all.
+VirtualRanks::Launch VirtualRanks::prepare(std::span<const ForwardArgs> args, const char* where, bool weights) {
   const int ep = size();
-  const std::int64_t T = tokens_, k = shape_.top_k;
   if (static_cast<int>(args.size()) != ep)
-    throw_argument_error("mok::VirtualRanks::forward", "args", "must hold one call per rank (", ep, "), got ", args.size());
-  int device = 0, sms = 0;
-  detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
-  detail::cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kWhere, "cudaDeviceGetAttribute");
+    throw_argument_error(where, "args", "must hold one call per rank (", ep, "), got ", args.size());
+  Launch launch{current_device(), 0};
+  int sms = 0;
+  detail::cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, launch.device), kWhere,
+                     "cudaDeviceGetAttribute");
   const int compute = config_.compute_sms > 0 ? std::min(config_.compute_sms, sms) : sms;
   if (compute < ep)
     throw_argument_error(kWhere, "compute_sms", "must give every rank at least one SM: ", ep, " ranks, ", compute, " SMs");
+  launch.ctas_per_rank = compute / ep;
   for (int r = 0; r < ep; ++r) {
-    const std::string where = detail::concat("mok::VirtualRanks::forward (rank ", r, ")");
+    const std::string at = detail::concat(where, " (rank ", r, ")");
     ranks_[r]->ws->throw_if_failed();
-    const std::int64_t t = validate_forward_args(where, shape_, args[r], Device::cuda(device));
-    if (t != T) throw_argument_error(where, "x", "has ", t, " tokens but the group was made for ", T, " per rank");
-    detail::check_locations(where, args[r], shape_, true);
+    const std::int64_t t = validate_forward_args(at, shape_, args[r], Device::cuda(launch.device), !weights);
+    if (t != tokens_) throw_argument_error(at, "x", "has ", t, " tokens but the group was made for ", tokens_, " per rank");
+    detail::check_locations(at, args[r], shape_, !weights);
   }
+  return launch;
+}
 
-  // Routing exchange: every rank's ids into every rank's [ep, T, k] buffer. The counters
-  // are zeroed first: no rank pushes before every rank's routing has arrived.
-  kernels::ExchangeParams ex{};
-  for (int r = 0; r < ep; ++r) {
-    detail::cuda_check(cudaMemsetAsync(ranks_[r]->slots_done, 0, sizeof(int) * 2 * kMaxEpRanks, stream), kWhere,
-                       "cudaMemsetAsync(slots_done)");
-    ex.ids[r] = args[r].topk_ids.data;
-    ex.ids_are_i64[r] = args[r].topk_ids.dtype == DType::i64;
-    ex.all_ids[r] = ranks_[r]->all_ids;
-    ex.expected_rows[r] = ranks_[r]->slots_done + kMaxEpRanks;
+namespace {
+
+// The routing exchange and the per-rank plans, on `stream`.
+struct ExchangeAndPlan {
+  template <typename Ranks>
+  static void run(Ranks& ranks, std::span<const ForwardArgs> args, const MoeShape& shape, std::int64_t T, int device,
+                  bool weights, cudaStream_t stream) {
+    const int ep = static_cast<int>(ranks.size());
+    const std::int64_t k = shape.top_k;
+    kernels::ExchangeParams ex{};
+    for (int r = 0; r < ep; ++r) {
+      // The counters are zeroed first: no rank pushes before every rank's routing has arrived.
+      detail::cuda_check(cudaMemsetAsync(ranks[r]->slots_done, 0, sizeof(int) * 2 * kMaxEpRanks, stream), kWhere,
+                         "cudaMemsetAsync(slots_done)");
+      ex.ids[r] = args[r].topk_ids.data;
+      ex.ids_are_i64[r] = args[r].topk_ids.dtype == DType::i64;
+      ex.all_ids[r] = ranks[r]->all_ids;
+      ex.expected_rows[r] = ranks[r]->slots_done + kMaxEpRanks;
+      ex.weights[r] = weights ? static_cast<const float*>(args[r].topk_weights.data) : nullptr;
+      ex.all_weights[r] = ranks[r]->all_weights;
+    }
+    ex.ranks = ep, ex.first_rank = 0, ex.ep = ep, ex.pairs_per_rank = T * k;
+    ex.num_local_experts = static_cast<int>(shape.num_local_experts);
+    kernels::launch_exchange(ex, stream);
+    detail::cuda_check(cudaGetLastError(), kWhere, "launching the routing exchange");
+    for (int r = 0; r < ep; ++r) {
+      const TensorView all_ids = TensorView::contiguous(ranks[r]->all_ids, DType::i32, Device::cuda(device), {ep, T, k});
+      plan_device(all_ids, r, ranks[r]->ws->plan(), stream);
+    }
   }
-  ex.ranks = ep, ex.first_rank = 0, ex.ep = ep, ex.pairs_per_rank = T * k;
-  ex.num_local_experts = static_cast<int>(shape_.num_local_experts);
-  kernels::launch_exchange(ex, stream);
-  detail::cuda_check(cudaGetLastError(), kWhere, "launching the routing exchange");
+};
 
-  // Per rank: plan from every rank's routing, pull the rows it needs, the kernel's params.
+}  // namespace
+
+void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t stream, std::span<const TensorView> saved) {
+  constexpr const char* where = "mok::VirtualRanks::forward";
+  const Launch launch = prepare(args, where, false);
+  const int ep = size();
+  const std::int64_t T = tokens_, k = shape_.top_k;
+  if (saved.empty() && training_ == Training::save)
+    throw_argument_error(where, "saved", "is required: the group was made with Training::save");
+  if (!saved.empty() && static_cast<int>(saved.size()) != ep)
+    throw_argument_error(where, "saved", "must hold one tensor per rank (", ep, "), got ", saved.size());
+  if (!saved.empty() && training_ != Training::save)
+    throw_argument_error(where, "saved", "needs a group made with Training::save");
+  for (std::size_t r = 0; r < saved.size(); ++r)
+    detail::check_saved(detail::concat(where, " (rank ", r, ")"), saved[r], *ranks_[r]->ws, Device::cuda(launch.device));
+  ExchangeAndPlan::run(ranks_, args, shape_, T, launch.device, false, stream);
+
+  // Per rank: pull the rows it needs, then the kernel's params with the peer table.
   const void* x_peers[kMaxEpRanks] = {};
   for (int r = 0; r < ep; ++r) x_peers[r] = args[r].x.data;
   kernels::ForwardGroupParams group{};
   for (int r = 0; r < ep; ++r) {
     Rank& rank = *ranks_[r];
-    const TensorView all_ids = TensorView::contiguous(rank.all_ids, DType::i32, Device::cuda(device), {ep, T, k});
-    plan_device(all_ids, r, rank.ws->plan(), stream);
     detail::dispatch_rows(std::span<const void* const>(x_peers, ep), rank.ws->x_routed(), *rank.ws, stream);
     detail::cuda_check(cudaMemsetAsync(rank.ws->counters(), 0, 4 * rank.ws->counter_count(), stream), kWhere,
                        "cudaMemsetAsync(counters)");
     kernels::ForwardParams& p = group.rank[r];
-    p = detail::forward_params(args[r], *rank.ws, nullptr, false);
+    p = detail::forward_params(args[r], *rank.ws, saved.empty() ? nullptr : static_cast<std::uint16_t*>(saved[r].data),
+                               false);
     p.ep.push = true;
     p.ep.rank = r;
     p.ep.size = ep;
@@ -138,17 +204,80 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
     p.ep.stalled = r == stalled_rank_;
   }
   group.ranks = ep;
-  group.ctas_per_rank = compute / ep;
-  // One rank (and, later, each process of a multi-GPU group) launches the plain kernel:
-  // the group kernel's per-rank params are indexed at run time, which costs every access.
+  group.ctas_per_rank = launch.ctas_per_rank;
+  // One rank (and each process of a multi-GPU group) launches the plain kernel: the group
+  // kernel's per-rank params are indexed at run time, which costs every access.
   if (ep == 1) kernels::launch_forward(group.rank[0], group.ctas_per_rank, stream);
   else kernels::launch_forward_group(group, stream);
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the forward kernel");
 }
 
-void VirtualRanks::stall_rank_for_testing(int rank) {
-  if (rank < -1 || rank >= size()) throw_argument_error(kWhere, "rank", "must be in [-1, ", size(), "), got ", rank);
-  stalled_rank_ = rank;
+void VirtualRanks::backward(std::span<const ForwardArgs> fwd, std::span<const BackwardArgs> bwd, cudaStream_t stream,
+                            std::span<const TensorView> saved) {
+  constexpr const char* where = "mok::VirtualRanks::backward";
+  const Launch launch = prepare(fwd, where, true);
+  const int ep = size();
+  const std::int64_t T = tokens_, k = shape_.top_k;
+  if (static_cast<int>(bwd.size()) != ep)
+    throw_argument_error(where, "bwd", "must hold one call per rank (", ep, "), got ", bwd.size());
+  if (!saved.empty() && static_cast<int>(saved.size()) != ep)
+    throw_argument_error(where, "saved", "must hold one tensor per rank (", ep, "), got ", saved.size());
+  for (int r = 0; r < ep; ++r)
+    detail::check_backward_call(detail::concat(where, " (rank ", r, ")"), fwd[r], bwd[r], *ranks_[r]->ws,
+                                saved.empty() ? std::nullopt : std::optional<TensorView>(saved[r]), launch.device);
+  const bool grad_fp32 = bwd[0].d_w_gate.dtype == DType::f32;
+  for (int r = 1; r < ep; ++r)
+    if ((bwd[r].d_w_gate.dtype == DType::f32) != grad_fp32)
+      throw_argument_error(where, "bwd", "weight gradients must have one dtype on every rank (rank 0: ",
+                           dtype_name(bwd[0].d_w_gate.dtype), ", rank ", r, ": ", dtype_name(bwd[r].d_w_gate.dtype), ")");
+  ExchangeAndPlan::run(ranks_, fwd, shape_, T, launch.device, true, stream);
+
+  const void* x_peers[kMaxEpRanks] = {};
+  const void* dy_peers[kMaxEpRanks] = {};
+  for (int r = 0; r < ep; ++r) x_peers[r] = fwd[r].x.data, dy_peers[r] = bwd[r].dy.data;
+  kernels::BackwardGroupParams group{};
+  unsigned long long* markers[kMaxEpRanks] = {};
+  for (int r = 0; r < ep; ++r) {
+    Rank& rank = *ranks_[r];
+    Workspace& ws = *rank.ws;
+    auto* gu = static_cast<std::uint16_t*>(saved.empty() ? ws.recompute_buffer() : saved[r].data);
+    detail::dispatch_rows(std::span<const void* const>(x_peers, ep), ws.x_routed(), ws, stream);
+    if (saved.empty()) {  // Training::recompute: GEMM1 again (no rank waits on another here)
+      detail::cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), kWhere,
+                         "cudaMemsetAsync(counters)");
+      kernels::launch_forward(detail::forward_params(fwd[r], ws, gu, true), launch.ctas_per_rank * ep, stream);
+      detail::cuda_check(cudaGetLastError(), kWhere, "launching the recompute");
+    }
+    detail::dispatch_rows(std::span<const void* const>(dy_peers, ep), ws.dy_routed(), ws, stream);
+    detail::cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), kWhere,
+                       "cudaMemsetAsync(counters)");
+    kernels::BackwardParams& p = group.rank[r];
+    p = detail::backward_params(fwd[r], bwd[r], ws, gu);
+    p.topk_weights = rank.all_weights;  // the dh epilogue reads the weight of global pair p
+    p.ep.push = true;
+    p.ep.rank = r;
+    p.ep.size = ep;
+    for (int q = 0; q < ep; ++q) {
+      p.ep.slots[q] = ranks_[q]->slots;
+      p.ep.slots_done[q] = ranks_[q]->slots_done;
+      p.ep.plan_status[q] = ranks_[q]->ws->plan().view().status;
+    }
+    p.ep.own_ids = rank.all_ids + r * T * k;
+    p.ep.expected_rows = rank.slots_done + kMaxEpRanks;
+    p.ep.system_scope = false;
+    p.ep.stalled = r == stalled_rank_;
+    markers[r] = detail::saved_marker(gu, ws);
+  }
+  for (int r = 0; r < ep; ++r)
+    for (int q = 0; q < ep; ++q) group.rank[r].ep.saved_marker[q] = markers[q];
+  group.ranks = ep;
+  group.ctas_per_rank = launch.ctas_per_rank;
+  if (ep == 1) kernels::launch_backward(group.rank[0], group.ctas_per_rank, stream);
+  else kernels::launch_backward_group(group, stream);
+  detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
+  for (int r = 0; r < ep; ++r)  // consumed: the pre-activations were replaced by their gradients
+    detail::cuda_check(cudaMemsetAsync(markers[r], 0, sizeof(*markers[r]), stream), kWhere,
+                       "cudaMemsetAsync(saved marker)");
 }
 
 void VirtualRanks::check(cudaStream_t stream) {

@@ -10,6 +10,7 @@
 #include <span>
 #include <string_view>
 
+#include "kernels/backward.cuh"
 #include "kernels/forward.cuh"
 #include "mok/forward.hpp"
 
@@ -68,6 +69,13 @@ void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& w
 
 // The forward kernel's params for one rank (no EP fields), after plan_device().
 kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, std::uint16_t* saved_gu, bool gemm1_only);
+
+// The checks of one backward call against its workspace (throws mok::Error).
+void check_backward_call(std::string_view where, const ForwardArgs& a, const BackwardArgs& b, const Workspace& ws,
+                         const std::optional<TensorView>& saved, int device);
+// The backward kernel's params for one rank (no EP fields), after plan_device() and the
+// row copies into ws; gu: the saved (or recomputed) pre-activations.
+kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, std::uint16_t* gu);
 
 // After plan_device() into ws.plan(): copies x's rows and launches the forward kernel,
 // the full layer into a.y, or only GEMM1 (gemm1_only, the backward's recompute).

@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "kernels/backward.cuh"
+#include "kernels/ep_push.cuh"
 #include "kernels/persistent.cuh"
 #include "kernels/pipeline.cuh"
 #include "kernels/swiglu.cuh"
@@ -43,7 +44,7 @@ using namespace mok::ptx;
 constexpr std::uint32_t kBoxBytes = 64 * 64 * 2;          // one MN-major box {64, 64}
 constexpr std::uint32_t kKMajorABytes = kBlockM * kBlockK * 2;  // one K-major A box {64, 128}
 
-enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitDgu = 5, kWaitRows = 6, kWaitDx = 7 };
+enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitDgu = 5, kWaitRows = 6, kWaitDx = 7, kWaitPushed = 9 };
 
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
@@ -53,6 +54,7 @@ struct alignas(1024) SharedStorage {
   std::uint16_t staging[kConsumerWarpgroups][2 * 64 * 64];  // per warpgroup: 64 x 128 bf16 of a weight gradient
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
+  PushedRows pushed[kConsumerWarpgroups];  // EP: rows pushed (dx rows, partials), not yet published
 };
 static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory over the sm_90 opt-in limit");
 
@@ -67,11 +69,12 @@ struct Task {
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 struct Schedule {
+  int cta, ctas;  // this CTA among those serving this rank: it takes tasks cta, cta + ctas, ...
   // dW_down tiles cover [H, I] (N-tiles as dh's), dW_gate|up tiles [2I, H] (N-tiles as dx's)
   int m_routed, m_shared, n_dh_r, n_dh_s, n_dx, m_wd, m_wgu_r, m_wgu_s, experts;
   int dh_r, dh_s, dx_r, dx_s, wd_r, wd_s, wgu_r, wgu_s, total;  // end of each task range
 
-  __device__ explicit Schedule(const BackwardParams& p) {
+  __device__ Schedule(const BackwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
     const int I = p.routed.inter, Is = p.shared.inter;
     experts = p.num_local_experts;
     m_routed = *p.num_tiles;
@@ -160,7 +163,7 @@ __device__ __forceinline__ int dgu_counter(const BackwardParams& p, const Task& 
 // accumulator rows/columns are never stored.
 __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Schedule& sched) {
   PipelineState<kStages> pipe;
-  for (int task = blockIdx.x; task < sched.total; task += gridDim.x) {
+  for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) break;
     const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
@@ -288,7 +291,15 @@ __device__ void epilogue_dh(const BackwardParams& p, const float (&acc)[128], co
       float v = partial[h];
       v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
       v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
-      if (lane % 4 == 0 && valid[h]) p.dw_partial[row[h] * n_tiles + t.n] = v;
+      if (lane % 4 != 0 || !valid[h]) continue;
+      if (p.ep.push) {  // into the owner's partials, at its pair t * k + j
+        const int pair = p.row_pair[row[h]], pairs_per_rank = p.tokens * p.top_k;
+        float* partials = reinterpret_cast<float*>(reinterpret_cast<std::uint16_t*>(p.ep.slots[pair / pairs_per_rank]) +
+                                                   static_cast<std::int64_t>(pairs_per_rank) * p.hidden);
+        partials[static_cast<std::int64_t>(pair % pairs_per_rank) * n_tiles + t.n] = v;
+      } else {
+        p.dw_partial[row[h] * n_tiles + t.n] = v;
+      }
     }
   }
 }
@@ -309,12 +320,49 @@ __device__ void accumulate_weight_grad(const float (&acc)[128], void* const (&ro
   }
 }
 
+// EP: the dx rows of this warpgroup's 64 x 256 tile as bf16 straight into the slots of
+// the tokens' owners (row t * k + j there); publish_pushes() counts them later.
+__device__ void push_dx_rows(const BackwardParams& p, const float (&acc)[128], int n0, int row0) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, pairs_per_rank = p.tokens * p.top_k;
+  std::uint16_t* rows[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int pair = p.row_pair[row0 + warp * 16 + lane / 4 + 8 * h];
+    rows[h] = pair < 0 ? nullptr
+                       : reinterpret_cast<std::uint16_t*>(p.ep.slots[pair / pairs_per_rank]) +
+                             static_cast<std::int64_t>(pair % pairs_per_rank) * p.hidden + n0;
+  }
+#pragma unroll
+  for (int i = 0; i < 128; i += 2) {
+    std::uint16_t* row = rows[(i >> 1) & 1];
+    const int col = acc_col(lane, i);
+    if (row != nullptr && n0 + col < p.hidden) st_global_ordered(row + col, pack_bf16x2(acc[i], acc[i + 1]));
+  }
+}
+
+// EP: 128 columns of bf16 dx rows from the staging buffer into the slots of the tokens'
+// owners (row t * k + j there), 16-byte chunks a thread, rows of plan rows [row0, row0 + 64).
+__device__ void push_staged_dx_rows(const BackwardParams& p, const char* staging, int row0, int col0) {
+  const int tid = threadIdx.x % 128, pairs_per_rank = p.tokens * p.top_k;
+  const int chunk = tid % 16, col = col0 + 8 * chunk;  // 8 columns a chunk
+  if (col >= p.hidden) return;
+  for (int r = tid / 16; r < 64; r += 8) {
+    const int pair = p.row_pair[row0 + r];
+    if (pair < 0) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(staging + swizzled_offset_bytes(r, 16 * chunk));
+    std::uint16_t* dst = reinterpret_cast<std::uint16_t*>(p.ep.slots[pair / pairs_per_rank]) +
+                         static_cast<std::int64_t>(pair % pairs_per_rank) * p.hidden + col;
+    *reinterpret_cast<uint4*>(dst) = v;
+  }
+}
+
 // A bf16 64 x 256 tile of this warpgroup leaves through its swizzled staging buffer in
 // two 64 x 128 halves, each as two TMA stores to (col0 + 64 i, row, layer) of `map`
 // (clipped at the matrix edges, skipped when row >= rows or the column >= cols), so the
 // writes drain while the next tile's mainloop runs. zero: store zeros instead of acc.
+// push (EP dx rows): the halves go to the tokens' owners instead (plan rows from `row`).
 __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg, const CUtensorMap* map, int col0,
-                               int row, int layer, int rows, int cols, bool zero) {
+                               int row, int layer, int rows, int cols, bool zero, const BackwardParams* push = nullptr) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   char* staging = reinterpret_cast<char*>(s.staging[wg]);
 #pragma unroll
@@ -325,6 +373,11 @@ __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg
     for (int i = 64 * half; i < 64 * half + 64; i += 2) {
       const int r = acc_row(warp, lane, i), c = acc_col(lane, i) - 128 * half;
       *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(r, c)) = zero ? 0u : pack_bf16x2(acc[i], acc[i + 1]);
+    }
+    if (push != nullptr) {
+      named_barrier_sync(1 + wg, 128);
+      push_staged_dx_rows(*push, staging, row, col0 + 128 * half);
+      continue;
     }
     fence_proxy_async_shared_cta();
     named_barrier_sync(1 + wg, 128);
@@ -382,7 +435,28 @@ __device__ void epilogue_weight(const BackwardParams& p, SharedStorage& s, const
 
 // dx for a block of tokens, then d_topk_weights[t, j] = sum over N-tiles of the row's
 // partials, in N order (0 for a slot without an expert).
+// EP: the owner's combine, from the rows and partials its peers pushed.
+__device__ void combine_pushed(const BackwardParams& p, const Task& t, const Schedule& sched) {
+  const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
+  const int begin = t.m * kCombineTokens, end = min(p.tokens, begin + kCombineTokens);
+  const int pairs_per_rank = p.tokens * p.top_k;
+  const auto* rows = reinterpret_cast<const std::uint16_t*>(p.ep.slots[p.ep.rank]);
+  const auto* partials = reinterpret_cast<const float*>(rows + static_cast<std::int64_t>(pairs_per_rank) * p.hidden);
+  combine_tokens<false, true, std::uint16_t>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, nullptr, rows,
+                                             p.shared.dx_rows, p.dx, tid, threads);
+  for (int i = begin * p.top_k + tid; i < end * p.top_k; i += threads) {
+    float v = 0.0f;
+    if (p.ep.own_ids[i] >= 0)
+      for (int n = 0; n < sched.n_dh_r; ++n) v = __fadd_rn(v, partials[static_cast<std::int64_t>(i) * sched.n_dh_r + n]);
+    p.d_topk_weights[i] = v;
+  }
+}
+
 __device__ void combine(const BackwardParams& p, const Task& t, const Schedule& sched) {
+  if (p.ep.push) {
+    combine_pushed(p, t, sched);
+    return;
+  }
   const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
   const int begin = t.m * kCombineTokens, end = min(p.tokens, begin + kCombineTokens);
   combine_tokens<false, false, std::uint16_t>(begin, end, p.hidden, p.top_k, p.pair_row, nullptr, nullptr, p.routed.dx_rows,
@@ -408,20 +482,37 @@ __device__ void publish_dx_rows(const BackwardParams& p, int wg, int& pending) {
   pending = 0;
 }
 
+// EP: publishes, per owner, the rows this warpgroup pushed (dx rows and d_topk_weights
+// partials) in its routed dh and dx tasks before `end`. Counted here, once, from the task
+// list rather than in each epilogue: the consumer loop has no registers to spare.
+__device__ void publish_pushes(const BackwardParams& p, SharedStorage& s, const Schedule& sched, int wg, int end) {
+  for (int task = sched.cta; task < end; task += sched.ctas) {
+    const Task t = sched.decode(p, task);
+    if (!t.shared && (t.kind == kDh || t.kind == kDx))
+      count_pushed_rows(p.ep, p.row_pair, tile_row0(p, t) + wg * 64, p.tokens * p.top_k, s.pushed[wg]);
+  }
+  publish_pushed_rows(p.ep, s.pushed[wg], wg);
+}
+
 __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Schedule& sched, int wg) {
   PipelineState<kStages> pipe;
   float acc[128];
   bool rows_ready = false;
   int pending_dx = 0;  // dx tiles not yet counted in dx_done
-  for (int task = blockIdx.x; task < sched.total; task += gridDim.x) {
+  for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) {
       if (!rows_ready) {
         publish_dx_rows(p, wg, pending_dx);
+        if (p.ep.push) publish_pushes(p, s, sched, wg, task);
         if (threadIdx.x == kProducerThreads) {
           wait_counter(p, p.counters.dx_done, sched.dx_tiles_total(), task, kWaitDx);
           for (int m = 0; m < sched.m_routed; ++m)  // the d_topk_weights partials (already complete)
             wait_counter(p, p.counters.dgu_ready + m, kConsumerWarpgroups * sched.n_dh_r, task, kWaitDgu);
+          if (p.ep.push)  // every pushed dx row and partial of this rank's tokens
+            for (int q = 0; q < p.ep.size; ++q)
+              wait_peer_counter(p, p.ep.slots_done[p.ep.rank] + q, p.ep.expected_rows[q] * (sched.n_dx + sched.n_dh_r),
+                                task, kWaitPushed, q);
         }
         named_barrier_sync(kConsumerBarrier, 128 * kConsumerWarpgroups);
         rows_ready = true;
@@ -440,7 +531,9 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
       } else {
         mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
         const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
-        store_tile_tma(s, acc, wg, &maps.dx_rows, t.n * kBlockN, row0 + wg * 64, 0, 1 << 30, p.hidden, false);
+        const bool push = p.ep.push && !t.shared;
+        if (push) push_dx_rows(p, acc, t.n * kBlockN, row0 + wg * 64);
+        else store_tile_tma(s, acc, wg, &maps.dx_rows, t.n * kBlockN, row0 + wg * 64, 0, 1 << 30, p.hidden, false);
         ++pending_dx;
       }
     } else {
@@ -451,37 +544,54 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
     }
   }
   publish_dx_rows(p, wg, pending_dx);
+  if (p.ep.push && !rows_ready) publish_pushes(p, s, sched, wg, sched.total);
   if (threadIdx.x % 128 == 0) tma_store_wait_all();  // weight-gradient stores complete before exit
 }
 
 // Bad routing or saved tensor: no task runs; dx and d_topk_weights become NaN and the host
 // reports `code`.
-__device__ void poison_output(const BackwardParams& p, KernelStatus::Code code) {
+__device__ void poison_output(const BackwardParams& p, KernelStatus::Code code, int cta, int ctas) {
   const std::int64_t n = static_cast<std::int64_t>(p.tokens) * p.hidden, nk = static_cast<std::int64_t>(p.tokens) * p.top_k;
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) p.dx[i] = 0x7fc0;
-  for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < nk; i += stride) p.d_topk_weights[i] = __int_as_float(0x7fc00000);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
+  const std::int64_t stride = static_cast<std::int64_t>(ctas) * blockDim.x;
+  for (std::int64_t i = cta * blockDim.x + threadIdx.x; i < n; i += stride) p.dx[i] = 0x7fc0;
+  for (std::int64_t i = cta * blockDim.x + threadIdx.x; i < nk; i += stride) p.d_topk_weights[i] = __int_as_float(0x7fc00000);
+  if (cta == 0 && threadIdx.x == 0) {
     p.status->code = code;
     __threadfence_system();
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_constant__ BackwardParams p) {
-  if (p.plan_status->code != PlanStatus::ok) {
-    poison_output(p, KernelStatus::bad_plan);
+// One rank's backward on CTAs cta = 0 .. ctas - 1 of those serving it.
+__device__ __forceinline__ void run_backward(const BackwardParams& p, int cta, int ctas) {
+  if (p.ep.stalled) return;
+  if (!all_plans_ok(p.ep, p.plan_status)) {
+    poison_output(p, KernelStatus::bad_plan, cta, ctas);
     return;
   }
-  if (*p.saved_marker != kSavedValid) {  // never filled by a forward, or consumed by an earlier backward
-    poison_output(p, KernelStatus::saved_not_valid);
+  // Never filled by a forward, or consumed by an earlier backward. EP: on any rank, or
+  // a rank that stops here would leave its peers waiting for its pushes.
+  bool saved_ok = *p.saved_marker == kSavedValid;
+  if (p.ep.push)
+    for (int q = 0; q < p.ep.size; ++q) saved_ok = saved_ok && *p.ep.saved_marker[q] == kSavedValid;
+  if (!saved_ok) {
+    poison_output(p, KernelStatus::saved_not_valid, cta, ctas);
     return;
   }
   SharedStorage& s = shared_storage<SharedStorage>();
   init_ring_barriers<kStages, kConsumerWarpgroups>(s);
+  if (threadIdx.x < kConsumerWarpgroups * 2 * kMaxRanks) (&s.pushed[0][0][0])[threadIdx.x] = 0;
   __syncthreads();
-  const Schedule sched(p);
+  const Schedule sched(p, cta, ctas);
   split_roles<kProducerRegisters, kConsumerRegisters>([&] { run_producer(p, s, sched); },
                                                       [&](int wg) { run_consumer(p, s, sched, wg); });
+}
+
+__global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_constant__ BackwardParams p) {
+  run_backward(p, blockIdx.x, gridDim.x);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) backward_group_kernel(const __grid_constant__ BackwardGroupParams g) {
+  run_backward(g.rank[blockIdx.x / g.ctas_per_rank], blockIdx.x % g.ctas_per_rank, g.ctas_per_rank);
 }
 
 }  // namespace
@@ -490,6 +600,11 @@ std::size_t backward_shared_memory_bytes() { return shared_storage_bytes<SharedS
 
 void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream) {
   launch_persistent(backward_kernel, backward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+}
+
+void launch_backward_group(const BackwardGroupParams& params, cudaStream_t stream) {
+  launch_persistent(backward_group_kernel, backward_shared_memory_bytes(), kThreads, params,
+                    params.ranks * params.ctas_per_rank, stream);
 }
 
 }  // namespace mok::kernels

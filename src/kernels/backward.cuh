@@ -50,6 +50,9 @@ struct BackwardCounters {
 
 struct BackwardParams {
   ExpertSetMaps routed_maps, shared_maps;
+  // Expert parallelism: dx rows and d_topk_weights partials are pushed to the owner of the
+  // token (kernels/ep.cuh), topk_weights is every rank's [ep, T, k] (global pair index).
+  EpPeers ep;
   ExpertSetData routed, shared;
   // plan
   const std::int32_t* row_pair;
@@ -60,7 +63,7 @@ struct BackwardParams {
   const std::int32_t* pair_row;
   const PlanStatus* plan_status;
   // data
-  const float* topk_weights;  // [T, k]
+  const float* topk_weights;  // [T, k] (EP: [ep, T, k])
   float* dw_partial;          // [capacity, ceil(I / 256)]: per N-tile partial of d_topk_weights
   std::uint16_t* dx;          // [T, H] bf16
   float* d_topk_weights;      // [T, k]
@@ -77,5 +80,13 @@ struct BackwardParams {
 };
 
 void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream);
+
+// Virtual ranks: one launch serving every rank (see ForwardGroupParams).
+struct BackwardGroupParams {
+  BackwardParams rank[kMaxRanks];
+  int ranks, ctas_per_rank;
+};
+static_assert(sizeof(BackwardGroupParams) <= 32764, "kernel parameters are limited to 32764 bytes");
+void launch_backward_group(const BackwardGroupParams& params, cudaStream_t stream);
 
 }  // namespace mok::kernels

@@ -10,22 +10,25 @@ namespace mok::kernels {
 // Ranks of an EP group (one NVLink node); virtual ranks share this limit.
 inline constexpr int kMaxRanks = 8;
 
-// Push combine. With push set, GEMM2 rows go to the combine slots of the rank that owns
-// the token, at row t * k + j of that rank's [T * k, H] fp32 slot buffer, and each rank's
-// combine waits until slots_done[q] (rows pushed by rank q, times column tiles) reaches
-// what its own routing expects from q. Without push (the one-GPU path), rows stay in plan
-// order in the workspace's slots and the combine finds them through pair_row.
+// Push combine. With push set, result rows go to the slots of the rank that owns the
+// token, at row t * k + j there, and each rank's combine waits until slots_done[q] (rows
+// pushed by rank q, times column tiles) reaches what its own routing expects from q.
+// Forward: slots are [T * k, H] fp32 (GEMM2 rows). Backward: the same memory holds the dx
+// rows, [T * k, H] bf16, then the d_topk_weights partials, [T * k, ceil(I / 256)] fp32.
+// Without push (the one-GPU path), rows stay in plan order in the workspace and the
+// combine finds them through pair_row.
 
 struct EpPeers {
   bool push;
   int rank, size;
-  float* slots[kMaxRanks];       // rank q's combine slots [T * k, H] fp32
+  float* slots[kMaxRanks];       // rank q's combine slots
   int* slots_done[kMaxRanks];    // rank q's counters [kMaxRanks]: entry r counts rank r's pushes
   const int* expected_rows;      // [kMaxRanks]: rows this rank's routing sends to each rank
   bool system_scope;             // peers are other GPUs (else: virtual ranks on this GPU)
   bool stalled;                  // tests: this rank does nothing, as a hung peer would
   const std::int32_t* own_ids;   // [T, k] this rank's routing (-1: no expert)
   const void* plan_status[kMaxRanks];  // rank q's PlanStatus: a bad plan anywhere stops every rank
+  const unsigned long long* saved_marker[kMaxRanks];  // backward: rank q's saved-tensor trailer, likewise
 };
 
 }  // namespace mok::kernels

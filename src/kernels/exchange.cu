@@ -23,6 +23,10 @@ __global__ void __launch_bounds__(256) exchange_kernel(const ExchangeParams p) {
                                             std::int64_t{INT32_MAX}))
             : static_cast<const std::int32_t*>(p.ids[local])[i];
     for (int q = 0; q < p.ep; ++q) p.all_ids[q][rank * n + i] = id;
+    if (p.weights[local] != nullptr) {
+      const float w = p.weights[local][i];
+      for (int q = 0; q < p.ep; ++q) p.all_weights[q][rank * n + i] = w;
+    }
     if (id >= 0 && id < p.ep * p.num_local_experts) atomicAdd(&sent[id / p.num_local_experts], 1);
   }
   __syncthreads();

@@ -1,6 +1,7 @@
 // Routing exchange of an EP group: every rank writes its [T, k] ids (as i32) into slot
 // `rank` of every rank's [ep, T, k] buffer, with one store per peer (no multicast), and
-// counts the rows it sends to each rank (what its combine will wait for).
+// counts the rows it sends to each rank (what its combine will wait for). The backward
+// also sends the routing weights the same way.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -16,6 +17,8 @@ struct ExchangeParams {
   bool ids_are_i64[kMaxRanks];
   std::int32_t* all_ids[kMaxRanks];  // rank q's [ep, T, k] buffer
   int* expected_rows[kMaxRanks];     // rank r's [kMaxRanks] rows its routing sends to each rank (zeroed)
+  const float* weights[kMaxRanks];   // rank r's topk_weights [T, k], or null: not exchanged
+  float* all_weights[kMaxRanks];     // rank q's [ep, T, k] (the backward's dh epilogue reads them)
   int num_local_experts;
   int ranks;                         // ranks this launch serves (virtual ranks: all of them)
   int first_rank;                    // global rank of the first one

@@ -27,6 +27,7 @@
 
 #include <cstdint>
 
+#include "kernels/ep_push.cuh"
 #include "kernels/forward.cuh"
 #include "kernels/persistent.cuh"
 #include "kernels/pipeline.cuh"
@@ -54,7 +55,7 @@ struct alignas(1024) SharedStorage {
   std::uint16_t h_staging[kConsumerWarpgroups][2][64 * 64];  // per warpgroup: two 64-column panels
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
-  int pushed[kConsumerWarpgroups][2][kMaxRanks];  // push combine: rows pushed, not yet published (per warp 0, 1)
+  PushedRows pushed[kConsumerWarpgroups];  // push combine: rows pushed, not yet published
 };
 static_assert(sizeof(SharedStorage::Stage) % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
 static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory over the sm_90 opt-in limit");
@@ -300,32 +301,11 @@ __device__ void epilogue_gemm2_push(const ForwardParams& p, SharedStorage& s, co
     const int col = acc_col(lane, i);
     if (row != nullptr && n0 + col < p.hidden) *reinterpret_cast<float2*>(row + col) = make_float2(acc[i], acc[i + 1]);
   }
-  if (warp < 2) {  // thread tid < 64 looks at row tid of the warpgroup's 64
-    const int pair = p.row_pair[row0 + wg * 64 + tid];
-    const int owner = pair < 0 ? -1 : pair / pairs_per_rank;
-    for (int q = 0; q < p.ep.size; ++q) {
-      const unsigned mask = __ballot_sync(0xffffffffu, owner == q);
-      if (lane == 0) s.pushed[wg][warp][q] += __popc(mask);
-    }
-  }
+  count_pushed_rows(p.ep, p.row_pair, row0 + wg * 64, pairs_per_rank, s.pushed[wg]);
 }
 
-// slots_done[this rank] += rows at each owner (release; system scope across GPUs), for
-// every row this warpgroup pushed since the last call, once all its stores were issued.
 __device__ void publish_pushes(const ForwardParams& p, SharedStorage& s, int wg) {
-  if (!p.ep.push) return;
-  named_barrier_sync(1 + wg, 128);
-  const int tid = threadIdx.x % 128, warp = tid / 32;
-  if (tid % 32 != 0 || warp >= 2) return;
-  if (p.ep.system_scope) fence_acq_rel_sys();
-  else fence_acq_rel_gpu();
-  for (int q = 0; q < p.ep.size; ++q) {
-    int& rows = s.pushed[wg][warp][q];
-    if (rows == 0) continue;
-    if (p.ep.system_scope) red_release_sys_add(p.ep.slots_done[q] + p.ep.rank, rows);
-    else red_release_gpu_add(p.ep.slots_done[q] + p.ep.rank, rows);
-    rows = 0;
-  }
+  if (p.ep.push) publish_pushed_rows(p.ep, s.pushed[wg], wg);
 }
 
 __device__ void combine(const ForwardParams& p, const Task& t) {
@@ -394,17 +374,9 @@ __device__ void poison_output(const ForwardParams& p, int cta, int ctas) {
 }
 
 // One rank's forward on CTAs cta = 0 .. ctas - 1 of those serving it.
-__device__ __forceinline__ bool plans_ok(const ForwardParams& p) {
-  if (p.plan_status->code != PlanStatus::ok) return false;
-  if (p.ep.push)  // a rank whose plan failed pushes nothing: its peers must not wait for it
-    for (int q = 0; q < p.ep.size; ++q)
-      if (static_cast<const PlanStatus*>(p.ep.plan_status[q])->code != PlanStatus::ok) return false;
-  return true;
-}
-
 __device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int ctas) {
   if (p.ep.stalled) return;
-  if (!plans_ok(p)) {
+  if (!all_plans_ok(p.ep, p.plan_status)) {
     poison_output(p, cta, ctas);
     return;
   }

@@ -1,0 +1,57 @@
+// Device side of the push combine (kernels/ep.cuh): counting the rows a warpgroup pushed,
+// per owner rank, and publishing them once its stores were issued.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/ep.cuh"
+#include "mok/ptx/fence.cuh"
+#include "mok/ptx/ld_st.cuh"
+
+namespace mok::kernels {
+
+// Rows a warpgroup pushed and has not published yet, per warp 0 / 1 and owner rank (shared memory).
+using PushedRows = int[2][kMaxRanks];
+
+// Adds the owners of plan rows [row0, row0 + 64) to `pushed`: thread i < 64 of the
+// warpgroup looks at row i (padding rows, pair -1, belong to no one).
+__device__ __forceinline__ void count_pushed_rows(const EpPeers& ep, const std::int32_t* row_pair, int row0,
+                                                  int pairs_per_rank, PushedRows& pushed) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  if (warp >= 2) return;
+  const int pair = row_pair[row0 + tid];
+  const int owner = pair < 0 ? -1 : pair / pairs_per_rank;
+  for (int q = 0; q < ep.size; ++q) {
+    const unsigned mask = __ballot_sync(0xffffffffu, owner == q);
+    if (lane == 0) pushed[warp][q] += __popc(mask);
+  }
+}
+
+// slots_done[this rank] += `tiles` x rows at each owner (release; system scope across
+// GPUs) for every row counted since the last call, once all of warpgroup `wg`'s stores
+// are issued (named barrier 1 + wg).
+__device__ __forceinline__ void publish_pushed_rows(const EpPeers& ep, PushedRows& pushed, int wg) {
+  ptx::named_barrier_sync(1 + wg, 128);
+  const int tid = threadIdx.x % 128, warp = tid / 32;
+  if (tid % 32 != 0 || warp >= 2) return;
+  if (ep.system_scope) ptx::fence_acq_rel_sys();
+  else ptx::fence_acq_rel_gpu();
+  for (int q = 0; q < ep.size; ++q) {
+    int& rows = pushed[warp][q];
+    if (rows == 0) continue;
+    if (ep.system_scope) ptx::red_release_sys_add(ep.slots_done[q] + ep.rank, rows);
+    else ptx::red_release_gpu_add(ep.slots_done[q] + ep.rank, rows);
+    rows = 0;
+  }
+}
+
+template <typename Status>
+__device__ __forceinline__ bool all_plans_ok(const EpPeers& ep, const Status* own) {
+  if (own->code != Status::ok) return false;
+  if (ep.push)  // a rank whose plan failed pushes nothing: its peers must not wait for it
+    for (int q = 0; q < ep.size; ++q)
+      if (static_cast<const Status*>(ep.plan_status[q])->code != Status::ok) return false;
+  return true;
+}
+
+}  // namespace mok::kernels

@@ -1,0 +1,123 @@
+// Gradient buffers of a GpuProblem and the comparisons the backward tests make.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_problem.hpp"
+#include "mok/bf16.hpp"
+#include "mok/reference.hpp"
+#include "mok/validate.hpp"
+
+namespace mok::testing {
+
+inline std::vector<bf16> random_bf16(std::size_t n, std::uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<bf16> v(n);
+  for (auto& x : v) x = bf16::from_float(dist(rng));
+  return v;
+}
+
+// Gradient buffers of one problem; weight gradients in bf16 or f32.
+struct GpuGrads {
+  const GpuProblem& gpu;
+  bool f32;
+  DeviceBuffer<bf16> dy, dx;
+  DeviceBuffer<float> d_weights;
+  DeviceBuffer<std::uint8_t> d_gate, d_up, d_down, d_sgate, d_sup, d_sdown;
+
+  GpuGrads(const GpuProblem& g, const std::vector<bf16>& dy_host, bool fp32)
+      : gpu(g), f32(fp32), dy(dy_host), dx(dy_host.size()), d_weights(g.host.topk_weights.size()),
+        d_gate(g.host.w_gate.size() * elem()), d_up(g.host.w_up.size() * elem()), d_down(g.host.w_down.size() * elem()),
+        d_sgate(g.host.shared_gate.size() * elem()), d_sup(g.host.shared_up.size() * elem()),
+        d_sdown(g.host.shared_down.size() * elem()) {}
+
+  std::size_t elem() const { return f32 ? 4 : 2; }
+
+  BackwardArgs args() const {
+    const MoeShape& s = gpu.host.shape;
+    const Device d = Device::cuda(0);
+    const std::int64_t T = gpu.host.tokens, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k;
+    const std::int64_t Is = s.shared_intermediate;
+    const DType g = f32 ? DType::f32 : DType::bf16;
+    BackwardArgs b;
+    b.dy = TensorView::contiguous(dy.get(), DType::bf16, d, {T, H});
+    b.dx = TensorView::contiguous(dx.get(), DType::bf16, d, {T, H});
+    b.d_topk_weights = TensorView::contiguous(d_weights.get(), DType::f32, d, {T, k});
+    b.d_w_gate = TensorView::contiguous(d_gate.get(), g, d, {E, I, H});
+    b.d_w_up = TensorView::contiguous(d_up.get(), g, d, {E, I, H});
+    b.d_w_down = TensorView::contiguous(d_down.get(), g, d, {E, H, I});
+    if (s.has_shared()) {
+      b.d_shared_gate = TensorView::contiguous(d_sgate.get(), g, d, {Is, H});
+      b.d_shared_up = TensorView::contiguous(d_sup.get(), g, d, {Is, H});
+      b.d_shared_down = TensorView::contiguous(d_sdown.get(), g, d, {H, Is});
+    }
+    return b;
+  }
+
+  // NaN everywhere a kernel writes (bf16 mode; f32 gradients are accumulated into).
+  void poison() const {
+    cudaMemset(dx.get(), 0xff, dx.size() * 2);
+    cudaMemset(d_weights.get(), 0xff, d_weights.size() * 4);
+    if (!f32)
+      for (auto* b : {&d_gate, &d_up, &d_down, &d_sgate, &d_sup, &d_sdown}) cudaMemset(b->get(), 0xff, b->size());
+    cudaDeviceSynchronize();
+  }
+
+  static std::vector<double> as_double(const DeviceBuffer<std::uint8_t>& b, bool fp32) {
+    const auto bytes = b.download();
+    std::vector<double> out(bytes.size() / (fp32 ? 4 : 2));
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      if (fp32) {
+        float f;
+        std::memcpy(&f, bytes.data() + 4 * i, 4);
+        out[i] = f;
+      } else {
+        bf16 h;
+        std::memcpy(&h, bytes.data() + 2 * i, 2);
+        out[i] = h.to_float();
+      }
+    }
+    return out;
+  }
+
+  // Every gradient's bytes, for bitwise comparisons.
+  std::vector<std::uint8_t> snapshot() const {
+    std::vector<std::uint8_t> all;
+    auto add = [&](const void* p, std::size_t n) {
+      std::vector<std::uint8_t> tmp(n);
+      if (n) cudaMemcpy(tmp.data(), p, n, cudaMemcpyDeviceToHost);
+      all.insert(all.end(), tmp.begin(), tmp.end());
+    };
+    add(dx.get(), dx.size() * 2);
+    add(d_weights.get(), d_weights.size() * 4);
+    for (auto* b : {&d_gate, &d_up, &d_down, &d_sgate, &d_sup, &d_sdown}) add(b->get(), b->size());
+    return all;
+  }
+};
+
+inline double cosine(const std::vector<double>& a, const std::vector<double>& b) {
+  double ab = 0, aa = 0, bb = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) ab += a[i] * b[i], aa += a[i] * a[i], bb += b[i] * b[i];
+  if (aa == 0 && bb == 0) return 1.0;
+  return ab / std::sqrt(aa * bb);
+}
+
+inline void expect_close(const char* what, const std::vector<double>& got, const std::vector<double>& ref, const char* name) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  std::int64_t bad = 0;
+  for (double v : got) bad += !std::isfinite(v);
+  EXPECT_EQ(bad, 0) << name << ": " << what << " has unwritten or non-finite values";
+  const double rel = reference::relative_error(got, ref), cos = cosine(got, ref);
+  EXPECT_LE(rel, 1e-2) << name << ": " << what;
+  EXPECT_GE(cos, 0.9999) << name << ": " << what;
+  ::testing::Test::RecordProperty(std::string("rel_error_") + what, std::to_string(rel));
+}
+
+}  // namespace mok::testing
