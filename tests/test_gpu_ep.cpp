@@ -190,6 +190,30 @@ TEST(Ep, BitwiseEqualAcrossRunsAndSmCounts) {
   }
 }
 
+// The ring token buffer: rows arrive through a ring of ring_rows rows, minibatch_rows at a
+// time, copied by comm_sms CTAs per rank; a ring of one or two minibatches wraps many times
+// (rank 0 receives most rows here). The result must not depend on any of the three.
+TEST(Ep, RingWrapsAndResultsDoNotDependOnCommSmsMinibatchOrRingSize) {
+  MOK_REQUIRE_HOPPER();
+  for (int ep : {1, 4, 8}) {
+    const EpCase c{"", ep, 600, 256, 256, 16, 4, 128, 0.75f, RoutingKind::skewed};
+    const EpProblem p(c, 41 + ep);
+    const auto one = run_one_gpu(p.host);
+    struct Ring {
+      int comm_sms;
+      std::int64_t minibatch_rows, ring_rows;
+    };
+    for (const Ring r : {Ring{1, 128, 128}, Ring{1, 128, 256}, Ring{2, 256, 512}, Ring{3, 128, 0}, Ring{1, 4096, 0}}) {
+      Config config;
+      config.comm_sms = r.comm_sms;
+      config.minibatch_rows = r.minibatch_rows;
+      config.ring_rows = r.ring_rows;
+      EXPECT_TRUE(bitwise_equal(run_group(p, config), one))
+          << "EP " << ep << ", comm_sms " << r.comm_sms << ", minibatch " << r.minibatch_rows << ", ring " << r.ring_rows;
+    }
+  }
+}
+
 TEST(Ep, BadExpertIdOnOneRankStopsEveryRank) {
   MOK_REQUIRE_HOPPER();
   const EpCase c{"", 4, 100, 256, 256, 8, 2, 0, 0, RoutingKind::uniform};

@@ -29,7 +29,9 @@ class VirtualRanks {
  public:
   // shape: one rank's view of the layer (num_experts = E of the group, num_local_experts =
   // E / ranks; ranks <= kMaxEpRanks); tokens_per_rank: T of every rank. config.compute_sms
-  // (0 = all) is split evenly among the ranks. training: as for a Workspace.
+  // (0 = all) is split evenly among the ranks; of each rank's SMs, config.comm_sms (0: one
+  // in 32) copy received rows into its ring of config.ring_rows rows (0: room for every
+  // row), config.minibatch_rows at a time. training: as for a Workspace.
   VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, const Config& config = {},
                Training training = Training::off);
   ~VirtualRanks();
@@ -69,6 +71,8 @@ class VirtualRanks {
   struct Rank;
   struct Launch;
   Launch prepare(std::span<const ForwardArgs> args, const char* where, bool weights);
+  std::int64_t minibatches() const;  // of the largest plan a rank can have
+  std::int64_t ring_rows() const;
   MoeShape shape_;
   std::int64_t tokens_;
   Config config_;

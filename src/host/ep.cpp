@@ -16,6 +16,7 @@
 #include "kernels/forward.cuh"
 #include "layer_launch.hpp"
 #include "mok/error.hpp"
+#include "tensor_map.hpp"
 
 namespace mok {
 namespace {
@@ -50,8 +51,12 @@ struct VirtualRanks::Rank {
                                     // rows [T * k, H] bf16, then the partials [T * k, ceil(I / 256)] fp32
   int* slots_done = nullptr;        // [2 kMaxEpRanks]: rows x column tiles pushed by each rank, then
                                     // the rows this rank's routing sends to each rank
+  std::uint16_t* ring = nullptr;    // [ring_rows, H]: the forward's received rows (ring token buffer)
+  int* ring_counters = nullptr;     // [2 minibatches]: landed, then freed
 
   ~Rank() {
+    cudaFree(ring);
+    cudaFree(ring_counters);
     cudaFree(all_ids);
     cudaFree(all_weights);
     cudaFree(slots);
@@ -61,7 +66,7 @@ struct VirtualRanks::Rank {
 
 // What prepare() leaves for the kernels' launch.
 struct VirtualRanks::Launch {
-  int device, ctas_per_rank;
+  int device, ctas_per_rank, comm_ctas;
 };
 
 VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, const Config& config, Training training)
@@ -87,6 +92,8 @@ VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, 
     if (training != Training::off) rank->all_weights = allocate<float>(ep * T * k, "cudaMalloc(all_weights)");
     rank->slots = allocate<float>(T * k * H, "cudaMalloc(combine slots)");
     rank->slots_done = allocate<int>(2 * kMaxEpRanks, "cudaMalloc(slots_done)");
+    rank->ring = allocate<std::uint16_t>(ring_rows() * H, "cudaMalloc(ring)");
+    rank->ring_counters = allocate<int>(2 * minibatches(), "cudaMalloc(ring counters)");
     ranks_.push_back(std::move(rank));
   }
 }
@@ -99,6 +106,19 @@ Workspace& VirtualRanks::workspace(int rank) {
 }
 
 std::int64_t VirtualRanks::saved_elements() const { return ranks_.front()->ws->saved_elements(); }
+
+// Plan rows a rank can receive, in whole minibatches.
+std::int64_t VirtualRanks::minibatches() const {
+  const PlanOptions options{detail::kTileRows, config_.capacity_factor > 0
+                                                   ? plan_capacity_rows(shape_, config_, tokens_, detail::kTileRows)
+                                                   : 0};
+  const std::int64_t capacity = device_plan_capacity_rows(shape_, tokens_, options);
+  return (capacity + config_.minibatch_rows - 1) / config_.minibatch_rows;
+}
+
+std::int64_t VirtualRanks::ring_rows() const {
+  return config_.ring_rows > 0 ? config_.ring_rows : minibatches() * config_.minibatch_rows;
+}
 
 void VirtualRanks::stall_rank_for_testing(int rank) {
   if (rank < -1 || rank >= size()) throw_argument_error(kWhere, "rank", "must be in [-1, ", size(), "), got ", rank);
@@ -119,6 +139,11 @@ VirtualRanks::Launch VirtualRanks::prepare(std::span<const ForwardArgs> args, co
   if (compute < ep)
     throw_argument_error(kWhere, "compute_sms", "must give every rank at least one SM: ", ep, " ranks, ", compute, " SMs");
   launch.ctas_per_rank = compute / ep;
+  // Comm CTAs of each rank: Config::comm_sms, or one per 32 of its CTAs.
+  launch.comm_ctas = config_.comm_sms > 0 ? config_.comm_sms : std::max(1, launch.ctas_per_rank / 32);
+  if (launch.comm_ctas >= launch.ctas_per_rank)
+    throw_argument_error(kWhere, "comm_sms", "must leave each rank compute SMs: ", launch.ctas_per_rank,
+                         " SMs per rank, comm_sms = ", launch.comm_ctas);
   for (int r = 0; r < ep; ++r) {
     const std::string at = detail::concat(where, " (rank ", r, ")");
     ranks_[r]->ws->throw_if_failed();
@@ -178,18 +203,27 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
     detail::check_saved(detail::concat(where, " (rank ", r, ")"), saved[r], *ranks_[r]->ws, Device::cuda(launch.device));
   ExchangeAndPlan::run(ranks_, args, shape_, T, launch.device, false, stream);
 
-  // Per rank: pull the rows it needs, then the kernel's params with the peer table.
-  const void* x_peers[kMaxEpRanks] = {};
-  for (int r = 0; r < ep; ++r) x_peers[r] = args[r].x.data;
+  // Per rank: the kernel's params with the peer table; its comm CTAs pull the rows.
   kernels::ForwardGroupParams group{};
+  const std::int64_t H = shape_.hidden;
   for (int r = 0; r < ep; ++r) {
     Rank& rank = *ranks_[r];
-    detail::dispatch_rows(std::span<const void* const>(x_peers, ep), rank.ws->x_routed(), *rank.ws, stream);
     detail::cuda_check(cudaMemsetAsync(rank.ws->counters(), 0, 4 * rank.ws->counter_count(), stream), kWhere,
                        "cudaMemsetAsync(counters)");
+    detail::cuda_check(cudaMemsetAsync(rank.ring_counters, 0, sizeof(int) * 2 * minibatches(), stream), kWhere,
+                       "cudaMemsetAsync(ring counters)");
     kernels::ForwardParams& p = group.rank[r];
     p = detail::forward_params(args[r], *rank.ws, saved.empty() ? nullptr : static_cast<std::uint16_t*>(saved[r].data),
                                false);
+    p.ring.comm_ctas = launch.comm_ctas;
+    p.ring.minibatch_rows = static_cast<int>(config_.minibatch_rows);
+    p.ring.ring_rows = static_cast<int>(ring_rows());
+    p.ring.landed = rank.ring_counters;
+    p.ring.freed = rank.ring_counters + minibatches();
+    p.ring.buffer = rank.ring;
+    for (int q = 0; q < ep; ++q) p.ring.x[q] = static_cast<const std::uint16_t*>(args[q].x.data);
+    p.maps.x_routed = detail::make_bf16_tensor_map(rank.ring, {std::uint64_t(H), std::uint64_t(ring_rows())}, {64, 128},
+                                                   "ring");
     p.ep.push = true;
     p.ep.rank = r;
     p.ep.size = ep;

@@ -45,7 +45,8 @@ using namespace mok::ptx;
 
 constexpr int kRowBytes = kBlockK * 2;
 
-enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitHidden = 3, kWaitSlots = 4, kWaitPushed = 8 };
+enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitHidden = 3, kWaitSlots = 4, kWaitPushed = 8, kWaitLanded = 10,
+                   kWaitFreed = 11 };
 
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
@@ -56,6 +57,7 @@ struct alignas(1024) SharedStorage {
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
   PushedRows pushed[kConsumerWarpgroups];  // push combine: rows pushed, not yet published
+  int comm_rows;                           // ring: rows this comm CTA copied of the current minibatch
 };
 static_assert(sizeof(SharedStorage::Stage) % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
 static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory over the sm_90 opt-in limit");
@@ -71,7 +73,13 @@ struct Task {
   TaskKind kind;
   bool shared;  // the shared expert's tiles
   int m, n;     // M-tile (per set), N-tile; combine: token block in m
+  int mb;       // ring: the minibatch of a routed GEMM1 tile (else -1)
 };
+
+// Ring: plan rows of minibatch mb (the last one may be short; rows_total is a multiple of 128).
+__device__ __forceinline__ int minibatch_rows(const ForwardParams& p, int mb) {
+  return min(p.ring.minibatch_rows, p.expert_offset[p.num_local_experts] - mb * p.ring.minibatch_rows);
+}
 
 // Task ranges of one launch; routed tile count comes from the device plan.
 struct Schedule {
@@ -99,6 +107,16 @@ struct Schedule {
     t.m = first_tile + local % tiles;
   }
 
+  // Ring: routed GEMM1 tasks minibatch by minibatch (N-tile-major inside one), so that
+  // a minibatch is done with before later ones need its ring slots.
+  __device__ void split_minibatch(const ForwardParams& p, int local, Task& t) const {
+    const int per = p.ring.minibatch_rows / kBlockM;  // M-tiles of a full minibatch
+    t.mb = local / (per * n1_routed);
+    const int l = local - t.mb * per * n1_routed, tiles = min(per, m_routed - t.mb * per);
+    t.n = l / tiles;
+    t.m = t.mb * per + l % tiles;
+  }
+
   // Routed tasks: find the expert whose task range holds `local`, then split inside it.
   __device__ static void split_routed(const ForwardParams& p, int local, int n_tiles, Task& t) {
     const int e = expert_of_task(p.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
@@ -107,10 +125,11 @@ struct Schedule {
   }
 
   __device__ Task decode(const ForwardParams& p, int task) const {
-    Task t{kCombine, false, 0, 0};
+    Task t{kCombine, false, 0, 0, -1};
     if (task < g1_routed_end) {
       t.kind = kGemm1;
-      split_routed(p, task, n1_routed, t);
+      if (p.ring.comm_ctas > 0) split_minibatch(p, task, t);
+      else split_routed(p, task, n1_routed, t);
     } else if (task < g1_shared_end) {
       t.kind = kGemm1, t.shared = true;
       split(task - g1_routed_end, 0, m_shared, t);
@@ -141,7 +160,13 @@ __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Sch
     const int row0 = t.shared ? t.m * kBlockM : p.tile_row[t.m];
     const CUtensorMap *a, *b0, *b1 = nullptr;
     int k_steps, b_row;
+    int a_row = row0;
     if (t.kind == kGemm1) {
+      if (t.mb >= 0) {  // ring: the minibatch's rows have landed; they sit at row mod ring_rows
+        wait_counter(p, p.ring.landed + t.mb, minibatch_rows(p, t.mb), task, kWaitLanded);
+        fence_proxy_async_global();  // written by the comm CTAs' generic stores
+        a_row = row0 % p.ring.ring_rows;
+      }
       a = t.shared ? &p.maps.x : &p.maps.x_routed;
       b0 = t.shared ? &p.maps.shared_gate : &p.maps.gate;
       b1 = t.shared ? &p.maps.shared_up : &p.maps.up;
@@ -161,7 +186,7 @@ __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Sch
       SharedStorage::Stage& stage = s.stages[pipe.index];
       std::uint64_t* full = &s.full[pipe.index];
       mbarrier_arrive_expect_tx(full, kStageBytesA + kStageBytesB);
-      tma_load_2d(stage.a, a, full, kb * kBlockK, row0);
+      tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
       if (b1) {
         tma_load_3d(stage.b, b0, full, kb * kBlockK, b_row, expert);
         tma_load_3d(stage.b + kGemm1Columns * kBlockK, b1, full, kb * kBlockK, b_row, expert);
@@ -348,6 +373,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     const int row0 = t.shared ? t.m * kBlockM : p.tile_row[t.m];
     const int k_steps = (t.kind == kGemm1 ? p.hidden : (t.shared ? p.shared_inter : p.inter)) / kBlockK;
     mainloop<KMajor, KMajor>(p, s, pipe, acc, k_steps, wg, task);
+    if (t.mb >= 0) publish_count(p.ring.freed + t.mb, 1, wg);  // its ring rows are read: the slot may be reused
     if (t.kind == kGemm1) {
       epilogue_gemm1(p, s, acc, t, row0, wg, pending_hidden);
     } else {
@@ -373,6 +399,63 @@ __device__ void poison_output(const ForwardParams& p, int cta, int ctas) {
   }
 }
 
+// ---------------------------------------------------------------------------------- comm CTAs
+
+// Ring: comm CTA `comm` of `comms` copies its share of each minibatch's rows (one warp a
+// row, 16-byte vectors, four in flight) from the owning rank into the ring, minibatch by
+// minibatch; before overwriting a slot it waits until GEMM1 has read the minibatch that
+// held it. Padding rows become zeros.
+__device__ void run_comm(const ForwardParams& p, SharedStorage& s, int comm, int comms) {
+  const int rows_total = p.expert_offset[p.num_local_experts];
+  const int per = p.ring.minibatch_rows, slots = p.ring.ring_rows / per;
+  const int minibatches = (rows_total + per - 1) / per;
+  const int n1 = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int vectors = p.hidden / 8, pairs_per_rank = p.tokens * p.top_k;
+  for (int mb = 0; mb < minibatches; ++mb) {
+    if (mb >= slots) {
+      if (threadIdx.x == 0)
+        wait_counter(p, p.ring.freed + (mb - slots), kConsumerWarpgroups * n1 * minibatch_rows(p, mb - slots) / kBlockM,
+                     mb, kWaitFreed);
+      __syncthreads();
+    }
+    const int first = mb * per, count = minibatch_rows(p, mb);
+    int copied = 0;
+    for (int r = comm * warps + warp; r < count; r += comms * warps) {
+      const int row = first + r, pair = p.row_pair[row];
+      uint4* dst = reinterpret_cast<uint4*>(p.ring.buffer + static_cast<std::int64_t>(row % p.ring.ring_rows) * p.hidden);
+      if (pair < 0) {
+        for (int v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+      } else {
+        const int token = (pair % pairs_per_rank) / p.top_k;
+        const uint4* src =
+            reinterpret_cast<const uint4*>(p.ring.x[pair / pairs_per_rank] + static_cast<std::int64_t>(token) * p.hidden);
+        constexpr int kInFlight = 4;
+        for (int v0 = lane; v0 < vectors; v0 += 32 * kInFlight) {
+          uint4 chunk[kInFlight];
+#pragma unroll
+          for (int i = 0; i < kInFlight; ++i)
+            if (v0 + 32 * i < vectors) chunk[i] = __ldg(src + v0 + 32 * i);
+#pragma unroll
+          for (int i = 0; i < kInFlight; ++i)
+            if (v0 + 32 * i < vectors) dst[v0 + 32 * i] = chunk[i];
+        }
+      }
+      copied += lane == 0;
+    }
+    fence_proxy_async_global();  // the TMA loads of GEMM1 read these rows next
+    if (threadIdx.x == 0) s.comm_rows = 0;
+    __syncthreads();
+    if (lane == 0 && copied > 0) atomicAdd(&s.comm_rows, copied);  // integer count: order-free
+    __syncthreads();
+    if (threadIdx.x == 0 && s.comm_rows > 0) {
+      fence_acq_rel_gpu();
+      red_release_gpu_add(p.ring.landed + mb, s.comm_rows);
+    }
+    __syncthreads();  // comm_rows is reset for the next minibatch only after thread 0 read it
+  }
+}
+
 // One rank's forward on CTAs cta = 0 .. ctas - 1 of those serving it.
 __device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int ctas) {
   if (p.ep.stalled) return;
@@ -389,7 +472,11 @@ __device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int
   }
   if (p.saved_marker && cta == 0 && threadIdx.x == 0) *p.saved_marker = kSavedValid;
   __syncthreads();
-  const Schedule sched(p, cta, ctas);
+  if (cta < p.ring.comm_ctas) {  // comm CTAs copy rows and take no tasks
+    run_comm(p, s, cta, p.ring.comm_ctas);
+    return;
+  }
+  const Schedule sched(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
   split_roles<kProducerRegisters, kConsumerRegisters>([&] { run_producer(p, s, sched); },
                                                       [&](int wg) { run_consumer(p, s, sched, wg); });
 }
