@@ -93,12 +93,15 @@ def cmd_gpucheck(a):
         tests.append({"name": name, "outcome": outcome})
     stem = f"{a.date[:10]}-{a.commit}"
     os.makedirs(a.out_dir, exist_ok=True)
-    with open(os.path.join(a.out_dir, f"{stem}-bench.json"), "w") as f:
-        json.dump(records, f, indent=1)
+    if a.bench:  # gpu_check.sh --part tests gives no benchmark, --part bench no tests
+        with open(os.path.join(a.out_dir, f"{stem}-bench.json"), "w") as f:
+            json.dump(records, f, indent=1)
+        print(table(records))
+    if not (a.junit or a.extra):
+        return
     summary = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "skipped")}
     with open(os.path.join(a.out_dir, f"{stem}-gpucheck.json"), "w") as f:
         json.dump({"gpu": a.gpu, "commit": a.commit, "date": a.date, "summary": summary, "tests": tests}, f, indent=1)
-    print(table(records))
     print(f"\ntests on {a.gpu}: {summary['passed']} passed, {summary['failed']} failed, {summary['skipped']} skipped")
     for t in tests:
         if t["outcome"] != "passed":
@@ -167,7 +170,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("gpucheck")
-    g.add_argument("--junit", nargs="+", required=True)
+    g.add_argument("--junit", nargs="*", default=[])
     g.add_argument("--bench", nargs="*", default=[])
     g.add_argument("--gpu", required=True)
     g.add_argument("--commit", required=True)

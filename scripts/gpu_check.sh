@@ -5,7 +5,10 @@
 #   $OUT/<date>-<commit>-gpucheck.json  each test's name and outcome on this GPU
 # plus $OUT/logs.tgz (build, ptxas, ctest, benchmark logs), then prints a short table. Copy the two JSON files to bench/results/ and
 # run `python3 bench/report.py table` to refresh bench/results/README.md.
-#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick]
+#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench]
+# --part splits the check in two for machines that limit one command's time: `tests` (clean
+# build, every test, sanitizers) writes the gpucheck JSON, `bench` (build if missing, then
+# the benchmarks) the bench JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -14,7 +17,16 @@ LOG="$(mktemp -d)"
 commit="${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 iters=20
-[ "${1:-}" = "--quick" ] && iters=5
+part=all
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) iters=5 ;;
+    --part) part="$2"; shift ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench]"; exit 2 ;;
+  esac
+  shift
+done
+case "$part" in all|tests|bench) ;; *) echo "gpu_check.sh: --part must be all, tests or bench"; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 source scripts/setup.sh || exit 1
@@ -23,11 +35,15 @@ echo "== $gpu, commit $commit, $date"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$LOG/nvidia-smi.txt" 2>&1
 
 build=build-gpu
-rm -rf "$build"  # a clean build, so the ptxas report covers every kernel
+[ "$part" != bench ] && rm -rf "$build"  # a clean build, so the ptxas report covers every kernel
 { cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON &&
   cmake --build $build -j"$(nproc)"; } > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
 grep -E "spill|Used [0-9]+ registers|stack frame" "$LOG/build.log" | sort -u > "$LOG/ptxas.txt" || true
 
+test_rc=0
+extra=()
+junit=()
+if [ "$part" != bench ]; then
 ctest --test-dir $build --output-on-failure -j4 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1
 test_rc=$?
 tail -5 "$LOG/ctest.log"
@@ -48,7 +64,6 @@ else
 fi
 
 # compute-sanitizer on small cases: shared expert, clamp, padding, ragged T.
-extra=()
 for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
               test_gpu_backward:Backward/BackwardCases.MatchesReference/shared_padded_clamp \
               test_gpu_ep:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp; do
@@ -61,12 +76,20 @@ for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padd
   done
 done
 
+junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
+fi
+
+bench=()
+if [ "$part" != tests ]; then
 $build/bench/mok_bench --preset all --impl mok,mok-ep1,cublas,plan --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" --date "$date" \
   2>&1 | tee "$LOG/bench_mok.log"
 python3 bench/torch_baseline.py --preset all --iters $iters --out "$LOG/bench_torch.json" --commit "$commit" --date "$date" \
   2>&1 | tee "$LOG/bench_torch.log"
 
-python3 bench/report.py gpucheck --junit "$LOG/ctest.xml" "$LOG/pytest.xml" --bench "$LOG/bench_mok.json" "$LOG/bench_torch.json" \
+bench=("$LOG/bench_mok.json" "$LOG/bench_torch.json")
+fi
+
+python3 bench/report.py gpucheck --junit "${junit[@]}" --bench "${bench[@]}" \
   --gpu "$gpu" --commit "$commit" --date "$date" --out-dir "$OUT" --extra "${extra[@]}"
 tar czf "$OUT/logs.tgz" -C "$LOG" .
 exit $test_rc
