@@ -97,6 +97,18 @@ struct EpProblem {
     return out;
   }
 
+  // New tokens and routing for every rank (same experts): rows of a global problem `h`.
+  void upload_tokens(const HostProblem& h, cudaStream_t stream) {
+    const std::int64_t H = shape.hidden, k = shape.top_k;
+    for (int r = 0; r < ep; ++r) {
+      x[r]->upload(std::vector<bf16>(h.x.begin() + r * T * H, h.x.begin() + (r + 1) * T * H), stream);
+      ids[r]->upload(std::vector<std::int32_t>(h.topk_ids.begin() + r * T * k, h.topk_ids.begin() + (r + 1) * T * k),
+                     stream);
+      weights[r]->upload(
+          std::vector<float>(h.topk_weights.begin() + r * T * k, h.topk_weights.begin() + (r + 1) * T * k), stream);
+    }
+  }
+
   void poison_outputs() const {
     for (const auto& b : y) cudaMemset(b->get(), 0xff, b->size() * sizeof(bf16));
     cudaDeviceSynchronize();
@@ -437,6 +449,70 @@ TEST(EpBackward, BitwiseEqualAcrossRunsAndSmCounts) {
                 same_bits(run.up, first.up) && same_bits(run.down, first.down) && run.sgate == first.sgate)
         << sms << " SMs";
   }
+}
+
+// A CUDA graph of every rank's forward and backward, replayed with new routing and new
+// data of the same shapes: nothing in the EP path may depend on the host seeing a count.
+TEST(EpBackward, GraphReplayOfForwardAndBackward) {
+  MOK_REQUIRE_HOPPER();
+  const EpCase c{"", 4, 256, 256, 256, 16, 2, 128, 0, RoutingKind::uniform};
+  EpProblem p(c, 51);
+  const EpGrads g(p, testing::random_bf16(p.host.x.size(), 52));
+  Config config;
+  config.minibatch_rows = 256, config.ring_rows = 512;  // the ring wraps in every replay
+  VirtualRanks group(p.shape, p.T, config, Training::save);
+  std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
+  std::vector<TensorView> views;
+  for (int r = 0; r < p.ep; ++r) {
+    saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.saved_elements()));
+    views.push_back(TensorView::contiguous(saved.back()->get(), DType::bf16, Device::cuda(0), {group.saved_elements()}));
+  }
+  cudaStream_t stream;
+  MOK_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const auto fa = p.args();
+  const auto ba = g.args();
+  auto step = [&] {
+    group.forward(fa, stream, views);
+    group.backward(fa, ba, stream, views);
+  };
+  step();  // warm-up outside capture (kernel attributes)
+  group.check(stream);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOK_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  step();
+  MOK_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  MOK_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (RoutingKind kind : {RoutingKind::skewed, RoutingKind::padded, RoutingKind::first_half}) {
+    HostProblem next = make_problem(p.host.shape, p.host.tokens, kind, 60 + static_cast<int>(kind));
+    next.w_gate = p.host.w_gate, next.w_up = p.host.w_up, next.w_down = p.host.w_down;  // the same experts
+    next.shared_gate = p.host.shared_gate, next.shared_up = p.host.shared_up, next.shared_down = p.host.shared_down;
+    const auto dy = testing::random_bf16(next.x.size(), 70 + static_cast<int>(kind));
+    p.upload_tokens(next, stream);
+    for (int r = 0; r < p.ep; ++r)
+      g.dy[r]->upload(std::vector<bf16>(dy.begin() + r * p.T * p.shape.hidden, dy.begin() + (r + 1) * p.T * p.shape.hidden),
+                      stream);
+    p.poison_outputs();
+    g.poison();
+    MOK_CUDA_OK(cudaGraphLaunch(exec, stream));
+    group.check(stream);
+    const auto y_ref = reference::forward(next.shape, next.tokens, next.reference_x(), next.reference_routing(),
+                                          next.reference_weights());
+    const auto cmp = testing::compare(reference::to_double(p.outputs()), y_ref);
+    EXPECT_EQ(cmp.non_finite, 0) << routing_kind_name(kind);
+    EXPECT_LE(cmp.rel_error, 1e-2) << routing_kind_name(kind);
+    const auto ref = reference::backward(next.shape, next.tokens, next.reference_x(), next.reference_routing(),
+                                         next.reference_weights(), reference::to_double(dy));
+    const char* name = routing_kind_name(kind);
+    testing::expect_close("dx", reference::to_double(EpGrads::concat(g.dx)), ref.x, name);
+    testing::expect_close("d_topk_weights", reference::to_double(EpGrads::concat(g.dtw)), ref.topk_weights, name);
+    testing::expect_close("d_w_gate", reference::to_double(EpGrads::concat(g.d_gate)), ref.w.gate, name);
+    testing::expect_close("d_w_down", reference::to_double(EpGrads::concat(g.d_down)), ref.w.down, name);
+    testing::expect_close("d_shared_up (sum over ranks)", EpGrads::summed(g.d_sup), ref.w.shared_up, name);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 // A rank that never pushes its rows: its peers' combines must stop within the timeout and
