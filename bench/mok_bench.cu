@@ -290,19 +290,21 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl
   CUDA_OK(cudaMemsetAsync(y, 0xff, T * H * 2, stream));
   std::unique_ptr<mok::VirtualRanks> group;
   if (ep1) {
-    if (bwd) throw mok::Error("mok_bench: mok-ep1 has no backward yet");
-    group = std::make_unique<mok::VirtualRanks>(s, T);
-    group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream);
-    group->check(stream);
+    group = std::make_unique<mok::VirtualRanks>(s, T, mok::Config{}, bwd ? mok::Training::save : mok::Training::off);
+    if (!bwd) group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream);
   } else {
     mok::forward(a, ws, stream);
-    ws.check(stream);
   }
-  const double err = check_sampled_tokens(s, T, x, gate, up, down, ids, weights, y);
-  if (!(err <= 1e-2)) throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
+  if (!(ep1 && bwd)) {  // (the training forward needs its saved tensor: checked after the first step below)
+    if (ep1) group->check(stream);
+    else ws.check(stream);
+    const double err = check_sampled_tokens(s, T, x, gate, up, down, ids, weights, y);
+    if (!(err <= 1e-2))
+      throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
+  }
   std::vector<float> ms;
   std::int64_t extra_bytes = 0;
-  if (ep1) {
+  if (ep1 && !bwd) {
     ms = time_iterations(o, stream, [&] { group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream); });
     group->check(stream);
   } else if (!bwd) {
@@ -326,12 +328,25 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl
     b.d_w_up = mok::TensorView::contiguous(d_up, mok::DType::bf16, dev, {E, I, H});
     b.d_w_down = mok::TensorView::contiguous(d_down, mok::DType::bf16, dev, {E, H, I});
     auto step = [&] {
-      mok::forward(a, ws, stream, saved_view);
-      mok::backward(a, b, ws, stream, saved_view);
+      if (ep1) {
+        group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream, std::span<const mok::TensorView>(&saved_view, 1));
+        group->backward(std::span<const mok::ForwardArgs>(&a, 1), std::span<const mok::BackwardArgs>(&b, 1), stream,
+                        std::span<const mok::TensorView>(&saved_view, 1));
+      } else {
+        mok::forward(a, ws, stream, saved_view);
+        mok::backward(a, b, ws, stream, saved_view);
+      }
     };
     CUDA_OK(cudaMemsetAsync(dx, 0xff, T * H * 2, stream));
     step();
-    ws.check(stream);
+    if (ep1) {
+      group->check(stream);
+      const double err = check_sampled_tokens(s, T, x, gate, up, down, ids, weights, y);
+      if (!(err <= 1e-2))
+        throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
+    } else {
+      ws.check(stream);
+    }
     std::vector<mok::bf16> dx_host(T * H);
     std::vector<float> dtw_host(T * k);
     CUDA_OK(cudaMemcpy(dx_host.data(), dx, T * H * 2, cudaMemcpyDeviceToHost));
@@ -342,7 +357,8 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl
       if (!std::isfinite(v)) throw mok::Error("mok_bench: fused backward wrote a non-finite d_topk_weights on " + p.name);
     ms = time_iterations(o, stream, step);
   }
-  ws.check(stream);
+  if (ep1) group->check(stream);
+  else ws.check(stream);
   const double med = ms[ms.size() / 2];
   const double flops = mok::forward_flops(s, T * k, T) * (bwd ? 3 : 1);
   return {p.name, impl, pass, T, 1, H, I, E, k, med, ms[ms.size() / 10], ms[ms.size() * 9 / 10],
@@ -419,9 +435,7 @@ int main(int argc, char** argv) try {
   std::printf("%-16s %-6s %-8s %10s %9s\n", "preset", "impl", "pass", "ms", "TFLOP/s");
   for (const mok::Preset* p : chosen)
     for (const std::string& impl : o.impls) {
-      std::vector<std::string> passes = impl == "plan"      ? std::vector<std::string>{"plan"}
-                                        : impl == "mok-ep1" ? std::vector<std::string>{"fwd"}
-                                                            : o.passes;
+      std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
       for (const std::string& pass : passes) {
         if (impl == "mok" || impl == "mok-ep1") records.push_back(bench_mok(o, *p, impl, pass, stream));
         else if (impl == "cublas") records.push_back(bench_dense(o, *p, pass, stream, handle));

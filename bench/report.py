@@ -41,7 +41,7 @@ def table(records):
     if "mok" in impls:
         head += " | mok/torch fwd | mok/torch fwd+bwd"
     if "mok-ep1" in impls:
-        head += " | EP machinery time / mok fwd"
+        head += " | EP machinery time / mok fwd | EP machinery time / mok fwd+bwd"
     head += " | torch/dense fwd | torch/dense fwd+bwd | torch peak GiB fwd+bwd"
     if "mok" in impls:
         head += " | mok peak GiB fwd+bwd | mok/torch peak"
@@ -59,7 +59,7 @@ def table(records):
         if "mok" in impls:
             row += f" | {ratio('mok', 'torch', 'fwd')} | {ratio('mok', 'torch', 'fwd+bwd')}"
         if "mok-ep1" in impls:
-            row += f" | {ratio('mok', 'mok-ep1', 'fwd')}"
+            row += f" | {ratio('mok', 'mok-ep1', 'fwd')} | {ratio('mok', 'mok-ep1', 'fwd+bwd')}"
         # torch/dense as a throughput ratio: dense time over torch time
         row += f" | {ratio('torch', 'dense', 'fwd')} | {ratio('torch', 'dense', 'fwd+bwd')}"
         peak = rs.get(("torch", "fwd+bwd"))
