@@ -131,7 +131,7 @@ VirtualRanks::Launch VirtualRanks::prepare(std::span<const ForwardArgs> args, co
   const int ep = size();
   if (static_cast<int>(args.size()) != ep)
     throw_argument_error(where, "args", "must hold one call per rank (", ep, "), got ", args.size());
-  Launch launch{current_device(), 0};
+  Launch launch{current_device(), 0, 0};
   int sms = 0;
   detail::cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, launch.device), kWhere,
                      "cudaDeviceGetAttribute");
@@ -139,11 +139,14 @@ VirtualRanks::Launch VirtualRanks::prepare(std::span<const ForwardArgs> args, co
   if (compute < ep)
     throw_argument_error(kWhere, "compute_sms", "must give every rank at least one SM: ", ep, " ranks, ", compute, " SMs");
   launch.ctas_per_rank = compute / ep;
-  // Comm CTAs of each rank: Config::comm_sms, or one per 32 of its CTAs.
-  launch.comm_ctas = config_.comm_sms > 0 ? config_.comm_sms : std::max(1, launch.ctas_per_rank / 32);
-  if (launch.comm_ctas >= launch.ctas_per_rank)
+  // Comm CTAs of each rank (forward): Config::comm_sms, or one per 32 of its CTAs; none
+  // when a rank has a single CTA (its rows are then copied before the launch).
+  if (config_.comm_sms >= launch.ctas_per_rank)
     throw_argument_error(kWhere, "comm_sms", "must leave each rank compute SMs: ", launch.ctas_per_rank,
-                         " SMs per rank, comm_sms = ", launch.comm_ctas);
+                         " SMs per rank, comm_sms = ", config_.comm_sms);
+  launch.comm_ctas = config_.comm_sms > 0 ? config_.comm_sms
+                     : launch.ctas_per_rank >= 2 ? std::max(1, launch.ctas_per_rank / 32)
+                                                 : 0;
   for (int r = 0; r < ep; ++r) {
     const std::string at = detail::concat(where, " (rank ", r, ")");
     ranks_[r]->ws->throw_if_failed();
@@ -206,8 +209,12 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
   // Per rank: the kernel's params with the peer table; its comm CTAs pull the rows.
   kernels::ForwardGroupParams group{};
   const std::int64_t H = shape_.hidden;
+  const void* x_peers[kMaxEpRanks] = {};
+  for (int r = 0; r < ep; ++r) x_peers[r] = args[r].x.data;
   for (int r = 0; r < ep; ++r) {
     Rank& rank = *ranks_[r];
+    if (launch.comm_ctas == 0)  // no comm CTAs: every row is pulled before the launch
+      detail::dispatch_rows(std::span<const void* const>(x_peers, ep), rank.ws->x_routed(), *rank.ws, stream);
     detail::cuda_check(cudaMemsetAsync(rank.ws->counters(), 0, 4 * rank.ws->counter_count(), stream), kWhere,
                        "cudaMemsetAsync(counters)");
     detail::cuda_check(cudaMemsetAsync(rank.ring_counters, 0, sizeof(int) * 2 * minibatches(), stream), kWhere,
@@ -215,15 +222,6 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
     kernels::ForwardParams& p = group.rank[r];
     p = detail::forward_params(args[r], *rank.ws, saved.empty() ? nullptr : static_cast<std::uint16_t*>(saved[r].data),
                                false);
-    p.ring.comm_ctas = launch.comm_ctas;
-    p.ring.minibatch_rows = static_cast<int>(config_.minibatch_rows);
-    p.ring.ring_rows = static_cast<int>(ring_rows());
-    p.ring.landed = rank.ring_counters;
-    p.ring.freed = rank.ring_counters + minibatches();
-    p.ring.buffer = rank.ring;
-    for (int q = 0; q < ep; ++q) p.ring.x[q] = static_cast<const std::uint16_t*>(args[q].x.data);
-    p.maps.x_routed = detail::make_bf16_tensor_map(rank.ring, {std::uint64_t(H), std::uint64_t(ring_rows())}, {64, 128},
-                                                   "ring");
     p.ep.push = true;
     p.ep.rank = r;
     p.ep.size = ep;
@@ -236,6 +234,17 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
     p.ep.expected_rows = rank.slots_done + kMaxEpRanks;
     p.ep.system_scope = false;  // virtual ranks share this GPU
     p.ep.stalled = r == stalled_rank_;
+    if (launch.comm_ctas > 0) {
+      p.ring.comm_ctas = launch.comm_ctas;
+      p.ring.minibatch_rows = static_cast<int>(config_.minibatch_rows);
+      p.ring.ring_rows = static_cast<int>(ring_rows());
+      p.ring.landed = rank.ring_counters;
+      p.ring.freed = rank.ring_counters + minibatches();
+      p.ring.buffer = rank.ring;
+      for (int q = 0; q < ep; ++q) p.ring.x[q] = static_cast<const std::uint16_t*>(args[q].x.data);
+      p.maps.x_routed = detail::make_bf16_tensor_map(rank.ring, {std::uint64_t(H), std::uint64_t(ring_rows())}, {64, 128},
+                                                     "ring");
+    }
   }
   group.ranks = ep;
   group.ctas_per_rank = launch.ctas_per_rank;

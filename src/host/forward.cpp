@@ -52,6 +52,9 @@ const char* kernel_phase_name(std::int32_t phase) {
     case 6: return "backward: waiting for every dh tile of an expert before its weight gradients (dgu_ready)";
     case 7: return "backward: waiting for every dx row tile before the combine (dx_done)";
     case 8: return "forward: waiting for the result rows a peer rank pushes into this rank's combine slots (slots_done)";
+    case 9: return "backward: waiting for the dx rows and d_topk_weights partials a peer rank pushes (slots_done)";
+    case 10: return "forward: waiting for a minibatch of rows to land in the ring (landed)";
+    case 11: return "forward: comm CTA waiting for GEMM1 to free a ring slot (freed)";
     default: return "unknown phase";
   }
 }

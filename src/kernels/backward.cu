@@ -340,29 +340,12 @@ __device__ void push_dx_rows(const BackwardParams& p, const float (&acc)[128], i
   }
 }
 
-// EP: 128 columns of bf16 dx rows from the staging buffer into the slots of the tokens'
-// owners (row t * k + j there), 16-byte chunks a thread, rows of plan rows [row0, row0 + 64).
-__device__ void push_staged_dx_rows(const BackwardParams& p, const char* staging, int row0, int col0) {
-  const int tid = threadIdx.x % 128, pairs_per_rank = p.tokens * p.top_k;
-  const int chunk = tid % 16, col = col0 + 8 * chunk;  // 8 columns a chunk
-  if (col >= p.hidden) return;
-  for (int r = tid / 16; r < 64; r += 8) {
-    const int pair = p.row_pair[row0 + r];
-    if (pair < 0) continue;
-    const uint4 v = *reinterpret_cast<const uint4*>(staging + swizzled_offset_bytes(r, 16 * chunk));
-    std::uint16_t* dst = reinterpret_cast<std::uint16_t*>(p.ep.slots[pair / pairs_per_rank]) +
-                         static_cast<std::int64_t>(pair % pairs_per_rank) * p.hidden + col;
-    *reinterpret_cast<uint4*>(dst) = v;
-  }
-}
-
 // A bf16 64 x 256 tile of this warpgroup leaves through its swizzled staging buffer in
 // two 64 x 128 halves, each as two TMA stores to (col0 + 64 i, row, layer) of `map`
 // (clipped at the matrix edges, skipped when row >= rows or the column >= cols), so the
 // writes drain while the next tile's mainloop runs. zero: store zeros instead of acc.
-// push (EP dx rows): the halves go to the tokens' owners instead (plan rows from `row`).
 __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg, const CUtensorMap* map, int col0,
-                               int row, int layer, int rows, int cols, bool zero, const BackwardParams* push = nullptr) {
+                               int row, int layer, int rows, int cols, bool zero) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   char* staging = reinterpret_cast<char*>(s.staging[wg]);
 #pragma unroll
@@ -373,11 +356,6 @@ __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg
     for (int i = 64 * half; i < 64 * half + 64; i += 2) {
       const int r = acc_row(warp, lane, i), c = acc_col(lane, i) - 128 * half;
       *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(r, c)) = zero ? 0u : pack_bf16x2(acc[i], acc[i + 1]);
-    }
-    if (push != nullptr) {
-      named_barrier_sync(1 + wg, 128);
-      push_staged_dx_rows(*push, staging, row, col0 + 128 * half);
-      continue;
     }
     fence_proxy_async_shared_cta();
     named_barrier_sync(1 + wg, 128);

@@ -418,6 +418,7 @@ __device__ void run_comm(const ForwardParams& p, SharedStorage& s, int comm, int
         wait_counter(p, p.ring.freed + (mb - slots), kConsumerWarpgroups * n1 * minibatch_rows(p, mb - slots) / kBlockM,
                      mb, kWaitFreed);
       __syncthreads();
+      fence_proxy_async_global();  // the TMA reads of the slot's old rows come before these writes
     }
     const int first = mb * per, count = minibatch_rows(p, mb);
     int copied = 0;
