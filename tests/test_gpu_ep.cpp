@@ -515,6 +515,91 @@ TEST(EpBackward, GraphReplayOfForwardAndBackward) {
   cudaStreamDestroy(stream);
 }
 
+// ------------------------------------------------------ separate launches (EpRank)
+
+// Every rank as its own EpRank on its own stream of this GPU (a share of the SMs each), as
+// ranks on separate GPUs run: the ranks meet only through their symmetric regions.
+struct SeparateRanks {
+  std::vector<std::unique_ptr<DeviceBuffer<std::uint8_t>>> regions;
+  std::vector<std::unique_ptr<EpRank>> ranks;
+  std::vector<cudaStream_t> streams;
+
+  SeparateRanks(const EpProblem& p, Training mode, Config config = {}) {
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    config.compute_sms = sms / p.ep - 1;  // every rank's kernel resident at once
+    std::vector<void*> bases;
+    for (int r = 0; r < p.ep; ++r) {
+      regions.push_back(std::make_unique<DeviceBuffer<std::uint8_t>>(EpRank::region_bytes(p.shape, p.T)));
+      cudaMemset(regions.back()->get(), 0, regions.back()->size());
+      bases.push_back(regions.back()->get());
+    }
+    cudaDeviceSynchronize();
+    for (int r = 0; r < p.ep; ++r) {
+      ranks.push_back(std::make_unique<EpRank>(p.shape, p.T, r, bases, config, mode, false));
+      cudaStream_t s;
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+      streams.push_back(s);
+    }
+  }
+  ~SeparateRanks() {
+    for (cudaStream_t s : streams) cudaStreamDestroy(s);
+  }
+  void check() {
+    for (int r = 0; r < static_cast<int>(ranks.size()); ++r) ranks[r]->check(streams[r]);
+  }
+};
+
+TEST(EpRanks, SeparateLaunchesMatchOneGpuBitwiseAcrossCalls) {
+  MOK_REQUIRE_HOPPER();
+  for (int ep : {2, 4}) {
+    const EpCase c{"", ep, 300, 256, 256, 16, 2, 128, 0, RoutingKind::skewed};
+    const EpProblem p(c, 81 + ep);
+    const auto one = run_one_gpu(p.host);
+    Config config;
+    config.minibatch_rows = 128, config.ring_rows = 256;  // the ring wraps
+    SeparateRanks group(p, Training::off, config);
+    const auto args = p.args();
+    for (int call = 0; call < 3; ++call) {  // call numbers advance on the device
+      p.poison_outputs();
+      for (int r = 0; r < ep; ++r) group.ranks[r]->forward(args[r], group.streams[r]);
+      group.check();
+      EXPECT_TRUE(bitwise_equal(p.outputs(), one)) << "EP " << ep << ", call " << call;
+    }
+  }
+}
+
+TEST(EpRanks, SeparateLaunchesTrainBitwiseLikeVirtualRanks) {
+  MOK_REQUIRE_HOPPER();
+  const EpCase c{"", 4, 200, 256, 256, 16, 4, 128, 0.75f, RoutingKind::padded};
+  const EpProblem p(c, 91);
+  const auto dy = testing::random_bf16(p.host.x.size(), 92);
+  const EpGrads g(p, dy);
+  const TrainRun expected = train_group(p, g, Training::save);
+  SeparateRanks group(p, Training::save);
+  std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
+  for (int r = 0; r < p.ep; ++r) saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.ranks[r]->saved_elements()));
+  const auto fa = p.args();
+  const auto ba = g.args();
+  p.poison_outputs();
+  g.poison();
+  for (int r = 0; r < p.ep; ++r) {
+    const auto view = TensorView::contiguous(saved[r]->get(), DType::bf16, Device::cuda(0), {group.ranks[r]->saved_elements()});
+    group.ranks[r]->forward(fa[r], group.streams[r], view);
+  }
+  for (int r = 0; r < p.ep; ++r) {
+    const auto view = TensorView::contiguous(saved[r]->get(), DType::bf16, Device::cuda(0), {group.ranks[r]->saved_elements()});
+    group.ranks[r]->backward(fa[r], ba[r], group.streams[r], view);
+  }
+  group.check();
+  EXPECT_TRUE(same_bits(EpGrads::concat(g.dx), expected.dx));
+  EXPECT_TRUE(same_bits(EpGrads::concat(g.dtw), expected.dtw));
+  EXPECT_TRUE(same_bits(EpGrads::concat(g.d_gate), expected.gate));
+  EXPECT_TRUE(same_bits(EpGrads::concat(g.d_up), expected.up));
+  EXPECT_TRUE(same_bits(EpGrads::concat(g.d_down), expected.down));
+  EXPECT_EQ(EpGrads::summed(g.d_sdown), expected.sdown);
+}
+
 // A rank that never pushes its rows: its peers' combines must stop within the timeout and
 // the error must name the waiting rank, the stalled peer, the phase and the counters. The
 // timeout ends the kernel with a trap (the CUDA context is lost), so the check runs in a

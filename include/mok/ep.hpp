@@ -16,12 +16,16 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
 #include "mok/forward.hpp"
 
 namespace mok {
+namespace kernels {
+struct EpPeers;
+}
 
 inline constexpr int kMaxEpRanks = 8;
 
@@ -78,6 +82,58 @@ class VirtualRanks {
   Config config_;
   Training training_;
   std::vector<std::unique_ptr<Rank>> ranks_;
+};
+
+// One rank of an EP group whose ranks run separate launches: other GPUs (NCCL windows,
+// PyTorch symmetric memory, peer access) or other streams of one GPU. Its peers are
+// reached through a symmetric region: region_bytes() on every rank, identical layout,
+// region_bases[q] = rank q's region as mapped in this process (this rank's own at
+// [rank]). Every region must be zeroed and every rank constructed before any rank's first
+// call; afterwards the ranks synchronise on the device only (call numbers kept in the
+// region, flags between ranks, every wait bounded and naming its peer), so forward and
+// backward are stream-ordered and survive CUDA-graph capture. Results are bitwise equal to
+// VirtualRanks and to one GPU.
+class EpRank {
+ public:
+  static std::int64_t region_bytes(const MoeShape& shape, std::int64_t tokens_per_rank);
+
+  // peers_on_other_gpus: the regions of other ranks live on other GPUs (system-scope
+  // ordering); false when every rank shares this GPU.
+  EpRank(const MoeShape& shape, std::int64_t tokens_per_rank, int rank, std::span<void* const> region_bases,
+         const Config& config = {}, Training training = Training::off, bool peers_on_other_gpus = true);
+  ~EpRank();
+  EpRank(const EpRank&) = delete;
+  EpRank& operator=(const EpRank&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(bases_.size()); }
+  Workspace& workspace() { return *ws_; }
+  std::int64_t saved_elements() const { return ws_->saved_elements(); }
+
+  // This rank's call, as for mok::forward / mok::backward (global expert ids; its experts'
+  // weights). Every rank of the group must make the same sequence of calls.
+  void forward(const ForwardArgs& args, cudaStream_t stream, const std::optional<TensorView>& saved = std::nullopt);
+  void backward(const ForwardArgs& fwd, const BackwardArgs& bwd, cudaStream_t stream,
+                const std::optional<TensorView>& saved = std::nullopt);
+  // Synchronises `stream`; throws mok::Error naming this rank (and the peer) on any error.
+  void check(cudaStream_t stream);
+
+ private:
+  struct Layout;
+  void begin(const ForwardArgs& args, const BackwardArgs* bwd, const unsigned long long* saved_marker,
+             cudaStream_t stream);
+  void set_peers(kernels::EpPeers& peers) const;
+  int ctas() const;
+  MoeShape shape_;
+  std::int64_t tokens_;
+  int rank_;
+  Config config_;
+  Training training_;
+  bool system_scope_;
+  std::vector<char*> bases_;
+  std::unique_ptr<Workspace> ws_;
+  std::uint16_t* ring_ = nullptr;
+  int* ring_counters_ = nullptr;
 };
 
 }  // namespace mok

@@ -85,6 +85,7 @@ class Workspace {
 
  private:
   friend class VirtualRanks;
+  friend class EpRank;
   struct ForRank {
     int rank;
   };

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cuda_check.hpp"
+#include "ep_common.hpp"
 #include "kernels/backward.cuh"
 #include "kernels/exchange.cuh"
 #include "kernels/forward.cuh"
@@ -107,18 +108,9 @@ Workspace& VirtualRanks::workspace(int rank) {
 
 std::int64_t VirtualRanks::saved_elements() const { return ranks_.front()->ws->saved_elements(); }
 
-// Plan rows a rank can receive, in whole minibatches.
-std::int64_t VirtualRanks::minibatches() const {
-  const PlanOptions options{detail::kTileRows, config_.capacity_factor > 0
-                                                   ? plan_capacity_rows(shape_, config_, tokens_, detail::kTileRows)
-                                                   : 0};
-  const std::int64_t capacity = device_plan_capacity_rows(shape_, tokens_, options);
-  return (capacity + config_.minibatch_rows - 1) / config_.minibatch_rows;
-}
+std::int64_t VirtualRanks::minibatches() const { return detail::ring_minibatches(shape_, tokens_, config_); }
 
-std::int64_t VirtualRanks::ring_rows() const {
-  return config_.ring_rows > 0 ? config_.ring_rows : minibatches() * config_.minibatch_rows;
-}
+std::int64_t VirtualRanks::ring_rows() const { return detail::ring_rows(shape_, tokens_, config_); }
 
 void VirtualRanks::stall_rank_for_testing(int rank) {
   if (rank < -1 || rank >= size()) throw_argument_error(kWhere, "rank", "must be in [-1, ", size(), "), got ", rank);
@@ -139,14 +131,7 @@ VirtualRanks::Launch VirtualRanks::prepare(std::span<const ForwardArgs> args, co
   if (compute < ep)
     throw_argument_error(kWhere, "compute_sms", "must give every rank at least one SM: ", ep, " ranks, ", compute, " SMs");
   launch.ctas_per_rank = compute / ep;
-  // Comm CTAs of each rank (forward): Config::comm_sms, or one per 32 of its CTAs; none
-  // when a rank has a single CTA (its rows are then copied before the launch).
-  if (config_.comm_sms >= launch.ctas_per_rank)
-    throw_argument_error(kWhere, "comm_sms", "must leave each rank compute SMs: ", launch.ctas_per_rank,
-                         " SMs per rank, comm_sms = ", config_.comm_sms);
-  launch.comm_ctas = config_.comm_sms > 0 ? config_.comm_sms
-                     : launch.ctas_per_rank >= 2 ? std::max(1, launch.ctas_per_rank / 32)
-                                                 : 0;
+  launch.comm_ctas = detail::comm_ctas(kWhere, config_, launch.ctas_per_rank);  // (the forward's)
   for (int r = 0; r < ep; ++r) {
     const std::string at = detail::concat(where, " (rank ", r, ")");
     ranks_[r]->ws->throw_if_failed();

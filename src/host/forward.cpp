@@ -55,6 +55,8 @@ const char* kernel_phase_name(std::int32_t phase) {
     case 9: return "backward: waiting for the dx rows and d_topk_weights partials a peer rank pushes (slots_done)";
     case 10: return "forward: waiting for a minibatch of rows to land in the ring (landed)";
     case 11: return "forward: comm CTA waiting for GEMM1 to free a ring slot (freed)";
+    case 12: return "waiting for a peer rank's routing exchange of this call (exchange flag)";
+    case 13: return "waiting for a peer rank's plan of this call (plan flag)";
     default: return "unknown phase";
   }
 }

@@ -542,14 +542,14 @@ __device__ void poison_output(const BackwardParams& p, KernelStatus::Code code, 
 // One rank's backward on CTAs cta = 0 .. ctas - 1 of those serving it.
 __device__ __forceinline__ void run_backward(const BackwardParams& p, int cta, int ctas) {
   if (p.ep.stalled) return;
-  if (!all_plans_ok(p.ep, p.plan_status)) {
+  if (!all_plans_ok(p, true)) {
     poison_output(p, KernelStatus::bad_plan, cta, ctas);
     return;
   }
   // Never filled by a forward, or consumed by an earlier backward. EP: on any rank, or
   // a rank that stops here would leave its peers waiting for its pushes.
   bool saved_ok = *p.saved_marker == kSavedValid;
-  if (p.ep.push)
+  if (p.ep.push && p.ep.header == nullptr)  // (separate launches: checked through the plan flags above)
     for (int q = 0; q < p.ep.size; ++q) saved_ok = saved_ok && *p.ep.saved_marker[q] == kSavedValid;
   if (!saved_ok) {
     poison_output(p, KernelStatus::saved_not_valid, cta, ctas);

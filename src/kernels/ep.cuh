@@ -29,6 +29,9 @@ struct EpPeers {
   const std::int32_t* own_ids;   // [T, k] this rank's routing (-1: no expert)
   const void* plan_status[kMaxRanks];  // rank q's PlanStatus: a bad plan anywhere stops every rank
   const unsigned long long* saved_marker[kMaxRanks];  // backward: rank q's saved-tensor trailer, likewise
+  // Separate launches per rank (kernels/ep_sync.cuh): this rank's EpHeader, whose plan
+  // flags carry every rank's plan (and saved-tensor) status instead of the pointers above.
+  const void* header;
 };
 
 }  // namespace mok::kernels

@@ -5,6 +5,8 @@
 #include <cstdint>
 
 #include "kernels/ep.cuh"
+#include "kernels/ep_sync.cuh"
+#include "kernels/persistent.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
 
@@ -45,13 +47,38 @@ __device__ __forceinline__ void publish_pushed_rows(const EpPeers& ep, PushedRow
   }
 }
 
-template <typename Status>
-__device__ __forceinline__ bool all_plans_ok(const EpPeers& ep, const Status* own) {
-  if (own->code != Status::ok) return false;
-  if (ep.push)  // a rank whose plan failed pushes nothing: its peers must not wait for it
+// Whether every rank's plan is good (and, in the backward, its saved tensor): a rank whose
+// plan failed pushes nothing, so its peers must not wait for it. Separate launches: waits
+// (bounded, phase 13) for every rank's plan flag of this call. P: a kernel's params.
+template <typename P>
+__device__ __forceinline__ bool all_plans_ok(const P& p, bool check_saved) {
+  const EpPeers& ep = p.ep;
+  if (p.plan_status->code != PlanStatus::ok) return false;
+  if (!ep.push) return true;
+  if (ep.header == nullptr) {  // virtual ranks in one launch: the stream ordered every planner before it
     for (int q = 0; q < ep.size; ++q)
-      if (static_cast<const Status*>(ep.plan_status[q])->code != Status::ok) return false;
-  return true;
+      if (static_cast<const PlanStatus*>(ep.plan_status[q])->code != PlanStatus::ok) return false;
+    return true;
+  }
+  __shared__ int verdict;
+  if (threadIdx.x == 0) {
+    const auto* header = static_cast<const EpHeader*>(ep.header);
+    const int epoch = header->epoch;
+    int bad = 0;
+    for (int q = 0; q < ep.size; ++q) {
+      int seen = ptx::ld_acquire_sys(&header->plan_flag[q]);
+      const std::uint64_t start = ptx::globaltimer_ns();
+      while (seen / 16 < epoch) {
+        __nanosleep(256);
+        if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, -1, 13, seen / 16, epoch, q);
+        seen = ptx::ld_acquire_sys(&header->plan_flag[q]);
+      }
+      bad |= (seen % 16) & (check_saved ? 15 : 7);
+    }
+    verdict = bad;
+  }
+  __syncthreads();
+  return verdict == 0;
 }
 
 }  // namespace mok::kernels

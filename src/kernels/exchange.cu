@@ -2,6 +2,9 @@
 
 #include <cstdint>
 
+#include "mok/ptx/fence.cuh"
+#include "mok/ptx/ld_st.cuh"
+
 namespace mok::kernels {
 namespace {
 
@@ -29,9 +32,29 @@ __global__ void __launch_bounds__(256) exchange_kernel(const ExchangeParams p) {
     }
     if (id >= 0 && id < p.ep * p.num_local_experts) atomicAdd(&sent[id / p.num_local_experts], 1);
   }
+  for (int c = 0; c < 2; ++c) {  // this rank's rows into its symmetric buffers (separate launches)
+    if (p.rows_src[c] == nullptr) continue;
+    const uint4* src = reinterpret_cast<const uint4*>(p.rows_src[c]);
+    uint4* dst = reinterpret_cast<uint4*>(p.rows_dst[c]);
+    for (std::int64_t v = cta * blockDim.x + threadIdx.x; v < p.row_elements / 8; v += kCtasPerRank * blockDim.x)
+      dst[v] = src[v];
+  }
   __syncthreads();
   if (threadIdx.x < p.ep && sent[threadIdx.x] != 0)
     atomicAdd(p.expected_rows[local] + threadIdx.x, sent[threadIdx.x]);  // integer counts: order-free
+  if (p.flags[0] == nullptr) return;
+  // The last block to finish tells every rank that this rank's routing and rows are in place.
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    ptx::fence_acq_rel_sys();  // this block's writes (remote ones included) before its count
+    last = atomicAdd(p.blocks_done, 1) == kCtasPerRank - 1;
+  }
+  __syncthreads();
+  if (last && threadIdx.x < p.ep) {
+    ptx::fence_acq_rel_sys();  // every block's writes, observed through blocks_done, before the flags
+    ptx::st_release_sys(p.flags[threadIdx.x], *p.epoch);
+  }
 }
 
 }  // namespace

@@ -24,6 +24,16 @@ struct ExchangeParams {
   int first_rank;                    // global rank of the first one
   int ep;                            // size of the group
   std::int64_t pairs_per_rank;       // T * k
+  // Separate launches per rank (ranks == 1; peers may be other GPUs): rows copied into this
+  // rank's symmetric buffers first (x, and dy in the backward; null src: none), then, once
+  // every block's writes are done, flags[q] = *epoch at every rank q (release, system
+  // scope): "my routing and rows are there". Null flags: the stream orders the ranks.
+  const std::uint16_t* rows_src[2];
+  std::uint16_t* rows_dst[2];
+  std::int64_t row_elements;         // T * H
+  int* flags[kMaxRanks];             // rank q's exchange flag of this rank
+  const int* epoch;                  // this rank's call number
+  int* blocks_done;                  // this rank's counter of finished blocks (zeroed)
 };
 
 void launch_exchange(const ExchangeParams& params, cudaStream_t stream);

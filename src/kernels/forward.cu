@@ -460,7 +460,7 @@ __device__ void run_comm(const ForwardParams& p, SharedStorage& s, int comm, int
 // One rank's forward on CTAs cta = 0 .. ctas - 1 of those serving it.
 __device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int ctas) {
   if (p.ep.stalled) return;
-  if (!all_plans_ok(p.ep, p.plan_status)) {
+  if (!all_plans_ok(p, false)) {
     poison_output(p, cta, ctas);
     return;
   }

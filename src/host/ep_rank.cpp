@@ -1,0 +1,274 @@
+// EpRank: one rank of an EP group that runs its own launches (another GPU, or another
+// stream of this GPU). A call: begin (call number += 1, counters zeroed) -> exchange (this
+// rank's routing into every rank's region, its rows into its own region, then a flag at
+// every rank) -> wait for every rank's flag -> plan -> publish the plan's status to every
+// rank -> the fused kernel, which first waits for every rank's plan status. No step waits
+// on the host; every wait is bounded.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <string>
+
+#include "cuda_check.hpp"
+#include "ep_common.hpp"
+#include "kernels/backward.cuh"
+#include "kernels/ep_sync.cuh"
+#include "kernels/exchange.cuh"
+#include "kernels/forward.cuh"
+#include "layer_launch.hpp"
+#include "mok/ep.hpp"
+#include "mok/error.hpp"
+#include "tensor_map.hpp"
+
+namespace mok {
+namespace {
+
+constexpr const char* kWhere = "mok::EpRank";
+
+std::int64_t align_up(std::int64_t v) { return (v + 255) / 256 * 256; }
+
+int sm_count(int device) {
+  int sms = 0;
+  detail::cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kWhere,
+                     "cudaDeviceGetAttribute");
+  return sms;
+}
+
+}  // namespace
+
+// Byte offsets of the buffers in every rank's region (the same on every rank).
+struct EpRank::Layout {
+  std::int64_t header, slots_done, x, dy, ids, weights, slots, bytes;
+
+  static Layout of(const MoeShape& s, std::int64_t T) {
+    const std::int64_t ep = s.ep_size(), k = s.top_k, H = s.hidden;
+    Layout l{};
+    std::int64_t at = 0;
+    auto take = [&](std::int64_t bytes) {
+      const std::int64_t here = at;
+      at = align_up(at + bytes);
+      return here;
+    };
+    l.header = take(sizeof(kernels::EpHeader));
+    l.slots_done = take(sizeof(int) * 2 * kMaxEpRanks);  // pushes per rank, then the rows expected from each
+    l.x = take(2 * T * H);                                // this rank's x rows, pulled by the ranks that need them
+    l.dy = take(2 * T * H);                               // its dy rows (backward)
+    l.ids = take(4 * ep * T * k);                         // every rank's routing
+    l.weights = take(4 * ep * T * k);                     // every rank's routing weights (backward)
+    l.slots = take(4 * T * k * H);                        // combine slots: pushed result rows
+    l.bytes = at;
+    return l;
+  }
+};
+
+std::int64_t EpRank::region_bytes(const MoeShape& shape, std::int64_t tokens_per_rank) {
+  validate(shape);
+  return Layout::of(shape, tokens_per_rank).bytes;
+}
+
+EpRank::EpRank(const MoeShape& shape, std::int64_t tokens_per_rank, int rank, std::span<void* const> region_bases,
+               const Config& config, Training training, bool peers_on_other_gpus)
+    : shape_(shape), tokens_(tokens_per_rank), rank_(rank), config_(config), training_(training),
+      system_scope_(peers_on_other_gpus) {
+  validate(shape);
+  validate(config);
+  const std::int64_t ep = shape.ep_size();
+  if (ep > kMaxEpRanks)
+    throw_argument_error(kWhere, "num_local_experts", "makes ", ep, " ranks (num_experts / num_local_experts); at most ",
+                         kMaxEpRanks, " are supported");
+  if (static_cast<std::int64_t>(region_bases.size()) != ep)
+    throw_argument_error(kWhere, "region_bases", "must hold one region per rank (", ep, "), got ", region_bases.size());
+  if (rank < 0 || rank >= ep) throw_argument_error(kWhere, "rank", "must be in [0, ", ep, "), got ", rank);
+  if (tokens_per_rank < 1) throw_argument_error(kWhere, "tokens_per_rank", "must be >= 1, got ", tokens_per_rank);
+  if (ep * tokens_per_rank * shape.top_k > std::numeric_limits<std::int32_t>::max())
+    throw_argument_error(kWhere, "tokens_per_rank", "ranks * T * k must fit in int32, got ",
+                         ep * tokens_per_rank * shape.top_k);
+  if (training != Training::off && (shape.intermediate + 255) / 256 * 4 > 2 * shape.hidden)
+    throw_argument_error(kWhere, "intermediate", "must be at most 128 * hidden for the EP backward, got ",
+                         shape.intermediate);
+  for (std::size_t q = 0; q < region_bases.size(); ++q) {
+    if (region_bases[q] == nullptr)
+      throw_argument_error(kWhere, "region_bases", "entry ", q, " is null");
+    if (reinterpret_cast<std::uintptr_t>(region_bases[q]) % 256 != 0)
+      throw_argument_error(kWhere, "region_bases", "entry ", q, " must be 256-byte aligned");
+    bases_.push_back(static_cast<char*>(region_bases[q]));
+  }
+  ws_.reset(new Workspace(shape, tokens_per_rank, config, training, Workspace::ForRank{rank}));
+  const std::int64_t rows = detail::ring_rows(shape, tokens_per_rank, config);
+  detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&ring_), std::max<std::int64_t>(rows * shape.hidden * 2, 16)),
+                     kWhere, "cudaMalloc(ring)");
+  detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&ring_counters_),
+                                sizeof(int) * 2 * std::max<std::int64_t>(
+                                                      detail::ring_minibatches(shape, tokens_per_rank, config), 1)),
+                     kWhere, "cudaMalloc(ring counters)");
+}
+
+EpRank::~EpRank() {
+  cudaFree(ring_);
+  cudaFree(ring_counters_);
+}
+
+// The start of a call: call number, routing exchange (and rows), the plan, and the plan's
+// status at every rank. bwd: the backward's call (weights and dy rows exchanged too);
+// saved_marker: its saved tensor's trailer (null in the forward).
+void EpRank::begin(const ForwardArgs& a, const BackwardArgs* bwd, const unsigned long long* saved_marker,
+                   cudaStream_t stream) {
+  const Layout l = Layout::of(shape_, tokens_);
+  const int ep = size();
+  const std::int64_t T = tokens_, k = shape_.top_k, H = shape_.hidden;
+  char* own = bases_[rank_];
+  auto* header = reinterpret_cast<kernels::EpHeader*>(own + l.header);
+  auto* slots_done = reinterpret_cast<int*>(own + l.slots_done);
+  kernels::launch_begin_call(header, slots_done, 2 * kMaxEpRanks, stream);
+  kernels::ExchangeParams ex{};
+  ex.ids[0] = a.topk_ids.data;
+  ex.ids_are_i64[0] = a.topk_ids.dtype == DType::i64;
+  ex.expected_rows[0] = slots_done + kMaxEpRanks;
+  ex.weights[0] = bwd ? static_cast<const float*>(a.topk_weights.data) : nullptr;
+  for (int q = 0; q < ep; ++q) {
+    ex.all_ids[q] = reinterpret_cast<std::int32_t*>(bases_[q] + l.ids);
+    ex.all_weights[q] = reinterpret_cast<float*>(bases_[q] + l.weights);
+    ex.flags[q] = &reinterpret_cast<kernels::EpHeader*>(bases_[q] + l.header)->exchange_flag[rank_];
+  }
+  ex.num_local_experts = static_cast<int>(shape_.num_local_experts);
+  ex.ranks = 1, ex.first_rank = rank_, ex.ep = ep, ex.pairs_per_rank = T * k;
+  ex.rows_src[0] = static_cast<const std::uint16_t*>(a.x.data);
+  ex.rows_dst[0] = reinterpret_cast<std::uint16_t*>(own + l.x);
+  if (bwd) {
+    ex.rows_src[1] = static_cast<const std::uint16_t*>(bwd->dy.data);
+    ex.rows_dst[1] = reinterpret_cast<std::uint16_t*>(own + l.dy);
+  }
+  ex.row_elements = T * H;
+  ex.epoch = &header->epoch;
+  ex.blocks_done = &header->blocks_done;
+  kernels::launch_exchange(ex, stream);
+  detail::cuda_check(cudaGetLastError(), kWhere, "launching the routing exchange");
+  kernels::launch_wait_exchange(header, ep, static_cast<long long>(config_.timeout_seconds * 1e9), ws_->status_device(),
+                                stream);
+  const int device = [] {
+    int d = 0;
+    cudaGetDevice(&d);
+    return d;
+  }();
+  plan_device(TensorView::contiguous(own + l.ids, DType::i32, Device::cuda(device), {ep, T, k}), rank_, ws_->plan(),
+              stream);
+  kernels::PeerFlags flags{};
+  for (int q = 0; q < ep; ++q)
+    flags.at[q] = &reinterpret_cast<kernels::EpHeader*>(bases_[q] + l.header)->plan_flag[rank_];
+  kernels::launch_publish_plan(header, ws_->plan().view().status, saved_marker, flags, ep, stream);
+  detail::cuda_check(cudaGetLastError(), kWhere, "launching the plan's publication");
+}
+
+void EpRank::set_peers(kernels::EpPeers& e) const {
+  const Layout l = Layout::of(shape_, tokens_);
+  e.push = true;
+  e.rank = rank_;
+  e.size = size();
+  for (int q = 0; q < size(); ++q) {
+    e.slots[q] = reinterpret_cast<float*>(bases_[q] + l.slots);
+    e.slots_done[q] = reinterpret_cast<int*>(bases_[q] + l.slots_done);
+  }
+  e.own_ids = reinterpret_cast<const std::int32_t*>(bases_[rank_] + l.ids) + rank_ * tokens_ * shape_.top_k;
+  e.expected_rows = reinterpret_cast<const int*>(bases_[rank_] + l.slots_done) + kMaxEpRanks;
+  e.system_scope = system_scope_;
+  e.header = bases_[rank_] + l.header;
+}
+
+int EpRank::ctas() const {
+  int device = 0;
+  detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
+  const int sms = sm_count(device);
+  return config_.compute_sms > 0 ? std::min(config_.compute_sms, sms) : sms;
+}
+
+void EpRank::forward(const ForwardArgs& a, cudaStream_t stream, const std::optional<TensorView>& saved) {
+  const std::string where = detail::concat("mok::EpRank::forward (rank ", rank_, ")");
+  int device = 0;
+  detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
+  ws_->throw_if_failed();
+  const std::int64_t T = validate_forward_args(where, shape_, a, Device::cuda(device));
+  if (T != tokens_) throw_argument_error(where, "x", "has ", T, " tokens but the rank was made for ", tokens_);
+  detail::check_locations(where, a, shape_, true);
+  if (saved) {
+    if (training_ != Training::save) throw_argument_error(where, "saved", "needs a rank made with Training::save");
+    detail::check_saved(where, *saved, *ws_, Device::cuda(device));
+  } else if (training_ == Training::save) {
+    throw_argument_error(where, "saved", "is required: the rank was made with Training::save");
+  }
+  const int ctas = this->ctas();
+  const int comm = detail::comm_ctas(where, config_, ctas);
+  begin(a, nullptr, nullptr, stream);
+
+  const Layout l = Layout::of(shape_, tokens_);
+  const void* x_peers[kMaxEpRanks] = {};
+  for (int q = 0; q < size(); ++q) x_peers[q] = bases_[q] + l.x;
+  if (comm == 0) detail::dispatch_rows(std::span<const void* const>(x_peers, size()), ws_->x_routed(), *ws_, stream);
+  detail::cuda_check(cudaMemsetAsync(ws_->counters(), 0, 4 * ws_->counter_count(), stream), kWhere,
+                     "cudaMemsetAsync(counters)");
+  const std::int64_t minibatches = detail::ring_minibatches(shape_, tokens_, config_);
+  detail::cuda_check(cudaMemsetAsync(ring_counters_, 0, sizeof(int) * 2 * minibatches, stream), kWhere,
+                     "cudaMemsetAsync(ring counters)");
+  kernels::ForwardParams p =
+      detail::forward_params(a, *ws_, saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, false);
+  set_peers(p.ep);
+  if (comm > 0) {
+    const std::int64_t rows = detail::ring_rows(shape_, tokens_, config_);
+    p.ring.comm_ctas = comm;
+    p.ring.minibatch_rows = static_cast<int>(config_.minibatch_rows);
+    p.ring.ring_rows = static_cast<int>(rows);
+    p.ring.landed = ring_counters_;
+    p.ring.freed = ring_counters_ + minibatches;
+    p.ring.buffer = ring_;
+    for (int q = 0; q < size(); ++q) p.ring.x[q] = static_cast<const std::uint16_t*>(x_peers[q]);
+    p.maps.x_routed = detail::make_bf16_tensor_map(ring_, {std::uint64_t(shape_.hidden), std::uint64_t(rows)},
+                                                   {64, 128}, "ring");
+  }
+  kernels::launch_forward(p, ctas, stream);
+  detail::cuda_check(cudaGetLastError(), kWhere, "launching the forward kernel");
+}
+
+void EpRank::backward(const ForwardArgs& a, const BackwardArgs& b, cudaStream_t stream,
+                      const std::optional<TensorView>& saved) {
+  const std::string where = detail::concat("mok::EpRank::backward (rank ", rank_, ")");
+  int device = 0;
+  detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
+  detail::check_backward_call(where, a, b, *ws_, saved, device);
+  const int ctas = this->ctas();
+  auto* gu = static_cast<std::uint16_t*>(saved ? saved->data : ws_->recompute_buffer());
+  unsigned long long* marker = detail::saved_marker(gu, *ws_);
+  begin(a, &b, saved ? marker : nullptr, stream);
+
+  const Layout l = Layout::of(shape_, tokens_);
+  const void* x_peers[kMaxEpRanks] = {};
+  const void* dy_peers[kMaxEpRanks] = {};
+  for (int q = 0; q < size(); ++q) x_peers[q] = bases_[q] + l.x, dy_peers[q] = bases_[q] + l.dy;
+  detail::dispatch_rows(std::span<const void* const>(x_peers, size()), ws_->x_routed(), *ws_, stream);
+  if (!saved) {  // Training::recompute: GEMM1 again (fills the recompute buffer and its marker)
+    detail::cuda_check(cudaMemsetAsync(ws_->counters(), 0, 4 * ws_->counter_count(), stream), kWhere,
+                       "cudaMemsetAsync(counters)");
+    kernels::launch_forward(detail::forward_params(a, *ws_, gu, true), ctas, stream);
+    detail::cuda_check(cudaGetLastError(), kWhere, "launching the recompute");
+  }
+  detail::dispatch_rows(std::span<const void* const>(dy_peers, size()), ws_->dy_routed(), *ws_, stream);
+  detail::cuda_check(cudaMemsetAsync(ws_->counters(), 0, 4 * ws_->counter_count(), stream), kWhere,
+                     "cudaMemsetAsync(counters)");
+  kernels::BackwardParams p = detail::backward_params(a, b, *ws_, gu);
+  p.topk_weights = reinterpret_cast<const float*>(bases_[rank_] + l.weights);  // by global pair
+  set_peers(p.ep);
+  kernels::launch_backward(p, ctas, stream);
+  detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
+  detail::cuda_check(cudaMemsetAsync(marker, 0, sizeof(*marker), stream), kWhere, "cudaMemsetAsync(saved marker)");
+}
+
+void EpRank::check(cudaStream_t stream) {
+  const cudaError_t err = cudaStreamSynchronize(stream);
+  ws_->throw_if_failed();  // names this rank (and the peer of a timed-out wait)
+  detail::cuda_check(err, kWhere, "cudaStreamSynchronize");
+  try {
+    ws_->plan().check(stream);
+  } catch (const Error& e) {
+    throw Error(detail::concat("rank ", rank_, ": ", e.what()));
+  }
+}
+
+}  // namespace mok
