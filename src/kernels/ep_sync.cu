@@ -36,7 +36,7 @@ __global__ void wait_exchange_kernel(const EpHeader* header, int ranks, long lon
 }
 
 __global__ void publish_plan_kernel(const EpHeader* header, const PlanStatus* plan, const unsigned long long* saved_marker,
-                                    const PeerFlags peer_flags, int ranks) {
+                                    const __grid_constant__ PeerFlags peer_flags, int ranks) {
   int code = plan->code;
   if (saved_marker != nullptr && *saved_marker != kSavedValid) code |= 8;
   const int value = 16 * header->epoch + code;
