@@ -8,8 +8,9 @@ kernel on a Hopper GPU. `mok.moe_torch` is the same layer in plain PyTorch, `mok
 module with a router, `mok.hf` a Hugging Face experts backend, `mok.reference_forward` the
 fp64 CPU oracle.
 
-Status: forward and backward on one GPU (autograd through `mok.moe`); expert parallelism is
-not built yet.
+Status: forward and backward on one GPU (autograd through `mok.moe`); expert parallelism
+over torch.distributed in `mok.ep` (`mok.MoE(..., group=mok.ep.ExpertParallel(pg))`),
+written but not yet run on GPUs.
 """
 
 from mok._C import __version__, cuda_device_count, reference_forward  # noqa: F401

@@ -9,10 +9,11 @@ def _require(cond, exc, message):
         raise exc(message)
 
 
-def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit):
+def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts=None,
+                   where="mok.moe"):
+    """num_experts: the group's E under expert parallelism (the weights hold this rank's E_l)."""
     import torch
 
-    where = "mok.moe"
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
                     ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         _require(isinstance(t, torch.Tensor), TypeError, f"{where}: '{name}' must be a torch.Tensor, got {type(t).__name__}")
@@ -30,7 +31,9 @@ def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swig
     _require(topk_ids.dim() == 2 and topk_ids.shape[0] == T, ValueError,
              f"{where}: 'topk_ids' must be [T, k] with T = {T}, got shape {tuple(topk_ids.shape)}")
     k = topk_ids.shape[1]
-    _require(1 <= k <= E, ValueError, f"{where}: top-k must be in [1, E = {E}], got {k}")
+    E_all = E if num_experts is None else num_experts
+    _require(E_all % E == 0, ValueError, f"{where}: the {E} local experts must divide num_experts = {E_all}")
+    _require(1 <= k <= E_all, ValueError, f"{where}: top-k must be in [1, E = {E_all}], got {k}")
     _require(tuple(topk_weights.shape) == (T, k), ValueError,
              f"{where}: 'topk_weights' shape must be {(T, k)}, got {tuple(topk_weights.shape)}")
     _require(tuple(w_gate.shape) == (E, I, H), ValueError,

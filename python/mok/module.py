@@ -21,12 +21,16 @@ class MoE(nn.Module):
     "torch" (mok.moe_torch: the same layer in plain PyTorch, any device and dtype).
     load_balancing: after each routed forward, `aux_loss` holds the Switch-Transformer
     load-balancing loss of that call (add coef * aux_loss to the training loss).
+    group: a mok.ep.ExpertParallel (over a torch.distributed process group of W ranks): this
+    module then holds only its rank's num_experts / W experts (rank r: experts
+    [r E/W, (r + 1) E/W)), routes its tokens over all num_experts, and the fused kernels
+    exchange rows with the other ranks (backend "mok" only).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  shared_intermediate: int = 0, router: Optional[str] = "softmax", renormalize: bool = True,
                  swiglu_limit: Optional[float] = None, backend: str = "mok", load_balancing: bool = False,
-                 device=None, dtype=torch.bfloat16):
+                 group=None, device=None, dtype=torch.bfloat16):
         super().__init__()
         if router not in ("softmax", "sigmoid", None):
             raise ValueError(f"mok.MoE: 'router' must be 'softmax', 'sigmoid' or None, got {router!r}")
@@ -37,6 +41,19 @@ class MoE(nn.Module):
         if backend == "mok" and dtype != torch.bfloat16:
             raise TypeError(f"mok.MoE: expert weights must be torch.bfloat16 for the fused kernel, got {dtype}")
         self.backend = backend
+        self.group = group
+        local_experts = num_experts
+        if group is not None:
+            from mok.ep import ExpertParallel
+
+            if not isinstance(group, ExpertParallel):
+                raise TypeError(f"mok.MoE: 'group' must be a mok.ep.ExpertParallel, got {type(group).__name__}")
+            if backend != "mok":
+                raise ValueError("mok.MoE: expert parallelism ('group') needs backend='mok'")
+            if num_experts % group.world != 0:
+                raise ValueError(f"mok.MoE: num_experts = {num_experts} must be a multiple of the group's "
+                                 f"{group.world} ranks")
+            local_experts = num_experts // group.world
         if load_balancing and router is None:
             raise ValueError("mok.MoE: 'load_balancing' needs a router (router='softmax' or 'sigmoid')")
         self.load_balancing = load_balancing
@@ -44,9 +61,9 @@ class MoE(nn.Module):
         self.hidden, self.intermediate, self.num_experts, self.top_k = hidden, intermediate, num_experts, top_k
         self.router_kind, self.renormalize, self.swiglu_limit = router, renormalize, swiglu_limit
         kw = dict(device=device, dtype=dtype)
-        self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate, hidden, **kw))
-        self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, hidden, **kw))
-        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **kw))
+        self.w_gate = nn.Parameter(torch.empty(local_experts, intermediate, hidden, **kw))
+        self.w_up = nn.Parameter(torch.empty(local_experts, intermediate, hidden, **kw))
+        self.w_down = nn.Parameter(torch.empty(local_experts, hidden, intermediate, **kw))
         self.shared = None
         if shared_intermediate:
             self.shared = nn.ParameterList([
@@ -101,8 +118,15 @@ class MoE(nn.Module):
                 self.aux_loss = self.load_balancing_loss(logits, topk_ids)
         elif topk_weights is None:
             raise ValueError("mok.MoE: 'topk_ids' was given without 'topk_weights'")
-        layer = moe if self.backend == "mok" else moe_torch
-        y = layer(x2, topk_ids.reshape(-1, self.top_k), topk_weights.reshape(-1, self.top_k), self.w_gate, self.w_up,
-                  self.w_down, shared=None if self.shared is None else tuple(self.shared),
-                  swiglu_limit=self.swiglu_limit)
+        shared = None if self.shared is None else tuple(self.shared)
+        ids, weights = topk_ids.reshape(-1, self.top_k), topk_weights.reshape(-1, self.top_k)
+        if self.group is not None:
+            from mok import ep
+
+            y = ep.moe(x2, ids, weights, self.w_gate, self.w_up, self.w_down, shared=shared,
+                       swiglu_limit=self.swiglu_limit, group=self.group)
+        else:
+            layer = moe if self.backend == "mok" else moe_torch
+            y = layer(x2, ids, weights, self.w_gate, self.w_up, self.w_down, shared=shared,
+                      swiglu_limit=self.swiglu_limit)
         return y.reshape(shape)

@@ -5,6 +5,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstring>
 #include <memory>
@@ -197,6 +198,96 @@ NB_MODULE(_C, m) {
       nb::arg("shared_down").none(), nb::arg("saved"), nb::arg("dy"), nb::arg("dx"), nb::arg("d_topk_weights"),
       nb::arg("d_w_gate"), nb::arg("d_w_up"), nb::arg("d_w_down"), nb::arg("d_shared_gate").none(),
       nb::arg("d_shared_up").none(), nb::arg("d_shared_down").none(), nb::arg("stream"));
+
+  // Expert parallelism: one rank of a group whose symmetric regions come from the caller
+  // (PyTorch symmetric memory: the rendezvous' buffer_ptrs).
+  m.def(
+      "ep_region_bytes",
+      [](std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts, std::int64_t num_local_experts,
+         std::int64_t top_k, std::int64_t shared_intermediate, std::optional<float> limit, std::int64_t tokens) {
+        return mok::EpRank::region_bytes(
+            make_shape(hidden, intermediate, num_experts, num_local_experts, top_k, shared_intermediate, limit), tokens);
+      },
+      nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("num_local_experts"),
+      nb::arg("top_k"), nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("tokens"));
+
+  m.def(
+      "ep_saved_elements",
+      [](std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts, std::int64_t num_local_experts,
+         std::int64_t top_k, std::int64_t shared_intermediate, std::optional<float> limit, std::int64_t tokens) {
+        return mok::saved_elements(
+            make_shape(hidden, intermediate, num_experts, num_local_experts, top_k, shared_intermediate, limit), tokens);
+      },
+      nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("num_local_experts"),
+      nb::arg("top_k"), nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("tokens"),
+      "bf16 elements of one EP rank's saved tensor (no GPU needed).");
+
+  nb::class_<mok::EpRank>(m, "EpRank")
+      .def(
+          "__init__",
+          [](mok::EpRank* self, std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts,
+             std::int64_t num_local_experts, std::int64_t top_k, std::int64_t shared_intermediate,
+             std::optional<float> limit, std::int64_t tokens, int rank, std::vector<std::uintptr_t> region_ptrs,
+             int device, int compute_sms, double timeout_seconds, bool training, bool peers_on_other_gpus) {
+            if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
+              throw nb::value_error(("mok.EpRank: cannot use CUDA device " + std::to_string(device) + ": " +
+                                     cudaGetErrorString(err)).c_str());
+            mok::Config config;
+            config.compute_sms = compute_sms;
+            config.timeout_seconds = timeout_seconds;
+            std::vector<void*> bases;
+            for (std::uintptr_t p : region_ptrs) bases.push_back(reinterpret_cast<void*>(p));
+            new (self) mok::EpRank(
+                make_shape(hidden, intermediate, num_experts, num_local_experts, top_k, shared_intermediate, limit),
+                tokens, rank, bases, config, training ? mok::Training::save : mok::Training::off, peers_on_other_gpus);
+          },
+          nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("num_local_experts"),
+          nb::arg("top_k"), nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("tokens"),
+          nb::arg("rank"), nb::arg("region_ptrs"), nb::arg("device"), nb::arg("compute_sms") = 0,
+          nb::arg("timeout_seconds") = 10.0, nb::arg("training") = false, nb::arg("peers_on_other_gpus") = true)
+      .def_prop_ro("saved_elements", &mok::EpRank::saved_elements)
+      .def("check", [](mok::EpRank& r, std::uintptr_t stream) { r.check(reinterpret_cast<cudaStream_t>(stream)); });
+
+  m.def(
+      "ep_forward",
+      [](mok::EpRank& rank, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
+         nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
+         std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
+         std::optional<nb::ndarray<>> saved, std::uintptr_t stream) {
+        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y);
+        select_device(a, "mok.ep_forward");
+        const std::optional<mok::TensorView> saved_view = optional_view(saved);
+        nb::gil_scoped_release release;
+        rank.forward(a, reinterpret_cast<cudaStream_t>(stream), saved_view);
+      },
+      nb::arg("rank"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
+      nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
+      nb::arg("y"), nb::arg("saved").none(), nb::arg("stream"));
+
+  m.def(
+      "ep_backward",
+      [](mok::EpRank& rank, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
+         nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
+         std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> saved,
+         nb::ndarray<> dy, nb::ndarray<> dx, nb::ndarray<> d_weights, nb::ndarray<> d_gate, nb::ndarray<> d_up,
+         nb::ndarray<> d_down, std::optional<nb::ndarray<>> d_shared_gate, std::optional<nb::ndarray<>> d_shared_up,
+         std::optional<nb::ndarray<>> d_shared_down, std::uintptr_t stream) {
+        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr);
+        select_device(a, "mok.ep_backward");
+        mok::BackwardArgs b;
+        b.dy = view_of(dy), b.dx = view_of(dx), b.d_topk_weights = view_of(d_weights);
+        b.d_w_gate = view_of(d_gate), b.d_w_up = view_of(d_up), b.d_w_down = view_of(d_down);
+        b.d_shared_gate = optional_view(d_shared_gate), b.d_shared_up = optional_view(d_shared_up);
+        b.d_shared_down = optional_view(d_shared_down);
+        const mok::TensorView saved_view = view_of(saved);
+        nb::gil_scoped_release release;
+        rank.backward(a, b, reinterpret_cast<cudaStream_t>(stream), saved_view);
+      },
+      nb::arg("rank"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
+      nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
+      nb::arg("saved"), nb::arg("dy"), nb::arg("dx"), nb::arg("d_topk_weights"), nb::arg("d_w_gate"),
+      nb::arg("d_w_up"), nb::arg("d_w_down"), nb::arg("d_shared_gate").none(), nb::arg("d_shared_up").none(),
+      nb::arg("d_shared_down").none(), nb::arg("stream"));
 
   m.def(
       "saved_elements",

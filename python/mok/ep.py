@@ -1,0 +1,224 @@
+"""Expert parallelism over torch.distributed.
+
+    group = mok.ep.ExpertParallel(process_group)          # one per process group
+    y = mok.ep.moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, group=group)
+
+Each of the group's W ranks holds E / W experts (rank r: experts [r E_l, (r + 1) E_l)) and
+T tokens of its own, routed with global expert ids. The layer's symmetric region lives in
+PyTorch symmetric memory (one rendezvous per token count, a collective call); the fused
+kernels exchange the routing, pull the rows each rank needs and push the results back on
+the device, through that region, with no host synchronisation. Results are bitwise equal to
+one GPU computing all ranks' tokens with all experts. Launch with torchrun, one process per
+GPU, with NVLink multicast off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+
+Not yet run on a GPU (the C++ EpRank under it is tested with ranks on separate streams of
+one GPU); the tests in tests/python/test_ep.py run under torchrun.
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from mok import _C
+from mok._checks import check_moe_args
+
+_groups: Dict[int, "ExpertParallel"] = {}
+
+
+class ExpertParallel:
+    """The EP state of one process group: its symmetric regions and EpRanks, one per layer
+    shape and token count (created on first use, collectively: every rank of the group must
+    make the same calls in the same order)."""
+
+    def __init__(self, group=None, *, compute_sms: int = 0, timeout_seconds: float = 10.0):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("mok.ep.ExpertParallel: torch.distributed is not initialised (launch with torchrun "
+                               "and call torch.distributed.init_process_group first)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        if self.world > 8:
+            raise ValueError(f"mok.ep.ExpertParallel: at most 8 ranks (one NVLink node), got {self.world}")
+        self.compute_sms, self.timeout_seconds = compute_sms, timeout_seconds
+        self._ranks: Dict[tuple, object] = {}
+        self._regions: List[torch.Tensor] = []
+        self.id = id(self)
+        _groups[self.id] = self
+
+    def rank_for(self, x, w_gate, num_experts, top_k, shared_intermediate, swiglu_limit, training):
+        """The EpRank for this shape and token count (collective on first use)."""
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        T, H = x.shape
+        E_l, I, _ = w_gate.shape
+        key = (x.device.index, T, H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, training)
+        rank = self._ranks.get(key)
+        if rank is not None:
+            return rank
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("mok.ep: the first call for a shape sets up its symmetric memory; run it once before "
+                               "capturing a CUDA graph")
+        if E_l * self.world != num_experts:
+            raise ValueError(f"mok.ep: {self.world} ranks x {E_l} local experts != num_experts = {num_experts}")
+        nbytes = _C.ep_region_bytes(H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, T)
+        region = symm_mem.empty(nbytes, dtype=torch.uint8, device=x.device)
+        region.zero_()
+        torch.cuda.synchronize(x.device)
+        handle = symm_mem.rendezvous(region, self.group)
+        ptrs = [int(p) for p in handle.buffer_ptrs]
+        rank = _C.EpRank(H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, T, self.rank, ptrs,
+                         x.device.index, compute_sms=self.compute_sms, timeout_seconds=self.timeout_seconds,
+                         training=training, peers_on_other_gpus=self.world > 1)
+        dist.barrier(group=self.group)  # every region zeroed and every rank built before any call
+        self._regions.append(region)
+        self._ranks[key] = rank
+        return rank
+
+    def check(self) -> None:
+        """Synchronises and raises ValueError (naming rank and peer) if a kernel recorded an error."""
+        for rank in self._ranks.values():
+            rank.check(torch.cuda.current_stream().cuda_stream)
+
+
+def _shared_size(shared_gate):
+    return 0 if shared_gate is None else shared_gate.shape[0]
+
+
+@torch.library.custom_op("mok::ep_moe_forward", mutates_args=())
+def ep_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
+                   w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
+                   shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
+                   swiglu_limit: Optional[float], num_experts: int, group_id: int) -> torch.Tensor:
+    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
+    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, "mok.ep.moe")
+    y = torch.empty_like(x)
+    rank = _groups[group_id].rank_for(x, w_gate, num_experts, topk_ids.shape[1], _shared_size(shared_gate),
+                                      swiglu_limit, False)
+    _C.ep_forward(rank, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, None,
+                  torch.cuda.current_stream(x.device).cuda_stream)
+    return y
+
+
+@ep_moe_forward.register_fake
+def _ep_moe_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                         swiglu_limit, num_experts, group_id):
+    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
+    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, "mok.ep.moe")
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("mok::ep_moe_train_forward", mutates_args=())
+def ep_moe_train_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
+                         w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
+                         shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
+                         swiglu_limit: Optional[float], num_experts: int,
+                         group_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
+    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, "mok.ep.moe")
+    rank = _groups[group_id].rank_for(x, w_gate, num_experts, topk_ids.shape[1], _shared_size(shared_gate),
+                                      swiglu_limit, True)
+    y = torch.empty_like(x)
+    saved = torch.empty(_saved_elements(x, w_gate, topk_ids, shared_gate, swiglu_limit, num_experts),
+                        dtype=torch.bfloat16, device=x.device)
+    _C.ep_forward(rank, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, saved,
+                  torch.cuda.current_stream(x.device).cuda_stream)
+    return y, saved
+
+
+def _saved_elements(x, w_gate, topk_ids, shared_gate, swiglu_limit, num_experts):
+    T, H = x.shape
+    E_l, I, _ = w_gate.shape
+    return _C.ep_saved_elements(H, I, num_experts, E_l, topk_ids.shape[1], _shared_size(shared_gate), swiglu_limit, T)
+
+
+@ep_moe_train_forward.register_fake
+def _ep_moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                               swiglu_limit, num_experts, group_id):
+    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
+    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, "mok.ep.moe")
+    n = _saved_elements(x, w_gate, topk_ids, shared_gate, swiglu_limit, num_experts)
+    return torch.empty_like(x), x.new_empty((n,), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("mok::ep_moe_backward", mutates_args=())
+def ep_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                    shared_gate: Optional[torch.Tensor], shared_up: Optional[torch.Tensor],
+                    shared_down: Optional[torch.Tensor], saved: torch.Tensor, swiglu_limit: Optional[float],
+                    num_experts: int, group_id: int) -> List[torch.Tensor]:
+    dy = dy.contiguous()
+    grads = [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate), torch.empty_like(w_up),
+             torch.empty_like(w_down)]
+    if shared_gate is not None:
+        grads += [torch.empty_like(shared_gate), torch.empty_like(shared_up), torch.empty_like(shared_down)]
+    rank = _groups[group_id].rank_for(x, w_gate, num_experts, topk_ids.shape[1], _shared_size(shared_gate),
+                                      swiglu_limit, True)
+    shared_grads = grads[5:] if shared_gate is not None else (None, None, None)
+    _C.ep_backward(rank, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
+                   dy, *grads[:5], *shared_grads, torch.cuda.current_stream(x.device).cuda_stream)
+    return grads
+
+
+@ep_moe_backward.register_fake
+def _ep_moe_backward_fake(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                          saved, swiglu_limit, num_experts, group_id):
+    grads = [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate), torch.empty_like(w_up),
+             torch.empty_like(w_down)]
+    if shared_gate is not None:
+        grads += [torch.empty_like(shared_gate), torch.empty_like(shared_up), torch.empty_like(shared_down)]
+    return grads
+
+
+def _train_setup_context(ctx, inputs, output):
+    (x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit, num_experts,
+     group_id) = inputs
+    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                          output[1])
+    ctx.swiglu_limit, ctx.num_experts, ctx.group_id = swiglu_limit, num_experts, group_id
+    ctx.mark_non_differentiable(output[1])
+
+
+def _train_backward(ctx, grad_y, grad_saved):
+    if getattr(ctx, "consumed", False):
+        raise RuntimeError("mok.ep.moe: a second backward through the same forward (retain_graph=True) is not "
+                           "supported: the fused backward overwrites the pre-activations the forward saved")
+    ctx.consumed = True
+    x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved = ctx.saved_tensors
+    if grad_y is None:
+        grad_y = torch.zeros_like(x)
+    grads = ep_moe_backward(grad_y, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up,
+                            shared_down, saved, ctx.swiglu_limit, ctx.num_experts, ctx.group_id)
+    shared = grads[5:] if shared_gate is not None else [None, None, None]
+    return grads[0], None, grads[1], grads[2], grads[3], grads[4], *shared, None, None, None
+
+
+ep_moe_train_forward.register_autograd(_train_backward, setup_context=_train_setup_context)
+
+
+def _no_backward(ctx, grad):
+    raise RuntimeError("mok.ep.moe: this call ran without autograd recording; call it with grad enabled to train")
+
+
+ep_moe_forward.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
+        w_up: torch.Tensor, w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
+        swiglu_limit: Optional[float] = None, *, group: ExpertParallel) -> torch.Tensor:
+    """This rank's part of the expert-parallel layer: x [T, H] its tokens, topk_ids [T, k]
+    global expert ids, w_gate/w_up/w_down its E_l = E / W experts. The shared expert (if
+    any) is applied to this rank's tokens; its gradient is this rank's share (all-reduce it
+    with the data-parallel gradients)."""
+    if not isinstance(group, ExpertParallel):
+        raise TypeError(f"mok.ep.moe: 'group' must be a mok.ep.ExpertParallel, got {type(group).__name__}")
+    num_experts = w_gate.shape[0] * group.world
+    shared = tuple(shared) if shared is not None else (None, None, None)
+    tensors = (x, topk_weights, w_gate, w_up, w_down) + tuple(t for t in shared if t is not None)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return ep_moe_train_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit,
+                                    num_experts, group.id)[0]
+    return ep_moe_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, num_experts,
+                          group.id)

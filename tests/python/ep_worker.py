@@ -1,0 +1,68 @@
+"""One process of the expert-parallel test (run by test_ep.py under torchrun): every rank
+builds the same global problem, computes its part with mok.ep, and compares with one GPU
+computing every token with every expert (mok.moe): forward bitwise, gradients bitwise for
+x, topk_weights and its experts' weights. Exits non-zero on any mismatch."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import mok
+import mok.ep
+
+sys.path.insert(0, os.path.dirname(__file__))
+from torch_reference import random_problem  # noqa: E402
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    T, H, I, E, k = 256, 256, 192, 8 * world, 2
+    x, ids, w, gate, up, down, _ = random_problem(T * world, H, I, E, k, 0, seed=5, device=device,
+                                                  dtype=torch.bfloat16, padding=0.1)
+    dy = torch.randn(T * world, H, device=device, generator=torch.Generator(device).manual_seed(6)).bfloat16()
+    group = mok.ep.ExpertParallel()
+    mine = slice(rank * T, (rank + 1) * T)
+    experts = slice(rank * (E // world), (rank + 1) * (E // world))
+    failures = []
+
+    # Forward (no grad), twice: call numbers advance on the device.
+    with torch.no_grad():
+        y_one = mok.moe(x, ids, w, gate, up, down)
+        for call in range(2):
+            y = mok.ep.moe(x[mine].contiguous(), ids[mine].contiguous(), w[mine].contiguous(), gate[experts].contiguous(),
+                           up[experts].contiguous(), down[experts].contiguous(), group=group)
+            group.check()
+            if not torch.equal(y.view(torch.int16), y_one[mine].view(torch.int16)):
+                failures.append(f"rank {rank}: forward call {call} differs from one GPU")
+
+    # Training step: gradients against one GPU's.
+    def leaves(*ts):
+        return [t.detach().clone().requires_grad_() for t in ts]
+
+    xa, wa, ga, ua, da = leaves(x, w, gate, up, down)
+    mok.moe(xa, ids, wa, ga, ua, da).backward(dy)
+    xb, wb, gb, ub, db = leaves(x[mine].contiguous(), w[mine].contiguous(), gate[experts].contiguous(),
+                                up[experts].contiguous(), down[experts].contiguous())
+    mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=group).backward(dy[mine].contiguous())
+    group.check()
+    for name, got, want in (("dx", xb.grad, xa.grad[mine]), ("d_topk_weights", wb.grad, wa.grad[mine]),
+                            ("d_w_gate", gb.grad, ga.grad[experts]), ("d_w_up", ub.grad, ua.grad[experts]),
+                            ("d_w_down", db.grad, da.grad[experts])):
+        if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
+            failures.append(f"rank {rank}: {name} differs from one GPU")
+
+    dist.barrier()
+    dist.destroy_process_group()
+    if failures:
+        print("\n".join(failures), file=sys.stderr)
+        sys.exit(1)
+    print(f"rank {rank} of {world}: forward and gradients bitwise equal to one GPU")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""mok.ep: expert parallelism over torch.distributed. The argument checks and the fake
+implementations run everywhere; the multi-process test runs tests/python/ep_worker.py under
+torchrun on the Hopper GPUs this machine has (one process per GPU, or one on a single GPU)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mok
+import mok.ep
+from mok import _C
+
+HERE = os.path.dirname(__file__)
+hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+
+
+def test_needs_an_initialised_process_group():
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        mok.ep.ExpertParallel()
+
+
+def test_moe_checks_its_group_argument():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="'group' must be a mok.ep.ExpertParallel"):
+        mok.ep.moe(x, torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 2), torch.zeros(1, 64, 64), None, None,
+                   group=object())
+
+
+def test_region_and_saved_sizes_need_no_gpu():
+    # Rank of a group of 4: E = 16 experts, 4 local; T = 512 tokens of k = 2.
+    region = _C.ep_region_bytes(256, 128, 16, 4, 2, 0, None, 512)
+    saved = _C.ep_saved_elements(256, 128, 16, 4, 2, 0, None, 512)
+    assert region % 256 == 0 and region >= 4 * 512 * 2 * 256  # at least the fp32 combine slots
+    assert saved >= 4 * 512 * 2 * 128  # gate|up rows for every row the rank can receive (4 ranks' tokens)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        _C.ep_region_bytes(256, 128, 16, 3, 2, 0, None, 512)
+
+
+def test_top_k_may_exceed_the_local_experts():
+    # E_l = 1 local expert, k = 2 of E = 8 global ones: the checks use the group's E.
+    from mok._checks import check_moe_args
+
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device="meta")
+    ids = torch.zeros(4, 2, dtype=torch.int32, device="meta")
+    w = torch.zeros(4, 2, device="meta")
+    g = torch.zeros(1, 64, 64, dtype=torch.bfloat16, device="meta")
+    d = torch.zeros(1, 64, 64, dtype=torch.bfloat16, device="meta")
+    check_moe_args(x, ids, w, g, g, d, None, None, num_experts=8)
+    with pytest.raises(ValueError, match="top-k must be in"):
+        check_moe_args(x, ids, w, g, g, d, None, None)
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("nproc", sorted({1, min(torch.cuda.device_count(), 4)}) if hopper else [1])
+def test_ep_over_torchrun_matches_one_gpu_bitwise(nproc):
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(HERE, "ep_worker.py")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("bitwise equal to one GPU") == nproc
