@@ -28,9 +28,15 @@ _groups: Dict[int, "ExpertParallel"] = {}
 class ExpertParallel:
     """The EP state of one process group: its symmetric regions and EpRanks, one per layer
     shape and token count (created on first use, collectively: every rank of the group must
-    make the same calls in the same order)."""
+    make the same calls in the same order, with the same token count — pad to a fixed T).
 
-    def __init__(self, group=None, *, compute_sms: int = 0, timeout_seconds: float = 10.0):
+    timeout_seconds bounds every wait on a peer inside the kernels (the wait starts when the
+    GPU reaches it, so it must cover a peer's host-side pauses: checkpoints, evaluation).
+    The fused kernels are persistent and use every SM (or compute_sms): kernels of other
+    streams on the same GPU (e.g. NCCL collectives of data parallelism) should not run
+    concurrently with them, or set compute_sms to leave SMs free."""
+
+    def __init__(self, group=None, *, compute_sms: int = 0, timeout_seconds: float = 600.0):
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -63,12 +69,19 @@ class ExpertParallel:
                                "capturing a CUDA graph")
         if E_l * self.world != num_experts:
             raise ValueError(f"mok.ep: {self.world} ranks x {E_l} local experts != num_experts = {num_experts}")
+        keys = [None] * self.world  # every rank must set up the same shape and token count
+        dist.all_gather_object(keys, key[1:], group=self.group)
+        if any(k != keys[0] for k in keys):
+            raise ValueError(f"mok.ep: the ranks called the layer with different shapes or token counts "
+                             f"(T, H, I, E, E_l, k, I_s, limit, training per rank: {keys}); pad every rank to one T")
         nbytes = _C.ep_region_bytes(H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, T)
         region = symm_mem.empty(nbytes, dtype=torch.uint8, device=x.device)
         region.zero_()
         torch.cuda.synchronize(x.device)
         handle = symm_mem.rendezvous(region, self.group)
-        ptrs = [int(p) for p in handle.buffer_ptrs]
+        # The region may start inside the symmetric allocation: the same offset on every rank.
+        offset = region.data_ptr() - int(handle.buffer_ptrs[self.rank])
+        ptrs = [int(p) + offset for p in handle.buffer_ptrs]
         rank = _C.EpRank(H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, T, self.rank, ptrs,
                          x.device.index, compute_sms=self.compute_sms, timeout_seconds=self.timeout_seconds,
                          training=training, peers_on_other_gpus=self.world > 1)
@@ -143,7 +156,7 @@ def _ep_moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, 
     return torch.empty_like(x), x.new_empty((n,), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("mok::ep_moe_backward", mutates_args=())
+@torch.library.custom_op("mok::ep_moe_backward", mutates_args=("saved",))
 def ep_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                     shared_gate: Optional[torch.Tensor], shared_up: Optional[torch.Tensor],

@@ -56,7 +56,6 @@ namespace detail {
 
 void check_backward_call(std::string_view kWhere, const ForwardArgs& a, const BackwardArgs& b, const Workspace& ws,
                          const std::optional<TensorView>& saved, int device) {
-  ws.throw_if_failed();
   const MoeShape& s = ws.shape();
   validate_backward_args(kWhere, s, a, b, Device::cuda(device));
   const std::int64_t T = a.x.shape[0];
@@ -127,6 +126,7 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
               const std::optional<TensorView>& saved) {
   int device = 0;
   detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
+  ws.throw_if_failed();
   detail::check_backward_call(kWhere, a, b, ws, saved, device);
   const std::int64_t T = ws.tokens();
   const bool grad_fp32 = b.d_w_gate.dtype == DType::f32;

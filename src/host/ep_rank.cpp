@@ -128,7 +128,7 @@ void EpRank::begin(const ForwardArgs& a, const BackwardArgs* bwd, const unsigned
   for (int q = 0; q < ep; ++q) {
     ex.all_ids[q] = reinterpret_cast<std::int32_t*>(bases_[q] + l.ids);
     ex.all_weights[q] = reinterpret_cast<float*>(bases_[q] + l.weights);
-    ex.flags[q] = &reinterpret_cast<kernels::EpHeader*>(bases_[q] + l.header)->exchange_flag[rank_];
+    ex.flags[q] = reinterpret_cast<int*>(&reinterpret_cast<kernels::EpHeader*>(bases_[q] + l.header)->exchange_flag[rank_]);
   }
   ex.num_local_experts = static_cast<int>(shape_.num_local_experts);
   ex.ranks = 1, ex.first_rank = rank_, ex.ep = ep, ex.pairs_per_rank = T * k;
@@ -153,8 +153,8 @@ void EpRank::begin(const ForwardArgs& a, const BackwardArgs* bwd, const unsigned
   plan_device(TensorView::contiguous(own + l.ids, DType::i32, Device::cuda(device), {ep, T, k}), rank_, ws_->plan(),
               stream);
   kernels::PeerFlags flags{};
-  for (int q = 0; q < ep; ++q)
-    flags.at[q] = &reinterpret_cast<kernels::EpHeader*>(bases_[q] + l.header)->plan_flag[rank_];
+  for (int q = 0; q < ep; ++q) flags.header[q] = reinterpret_cast<kernels::EpHeader*>(bases_[q] + l.header);
+  flags.rank = rank_;
   kernels::launch_publish_plan(header, ws_->plan().view().status, saved_marker, flags, ep, stream);
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the plan's publication");
 }
@@ -185,7 +185,8 @@ void EpRank::forward(const ForwardArgs& a, cudaStream_t stream, const std::optio
   const std::string where = detail::concat("mok::EpRank::forward (rank ", rank_, ")");
   int device = 0;
   detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
-  ws_->throw_if_failed();
+  // No check of earlier device errors here: whether one is visible yet depends on timing,
+  // and a rank that skipped this call would leave its peers waiting. check() reports them.
   const std::int64_t T = validate_forward_args(where, shape_, a, Device::cuda(device));
   if (T != tokens_) throw_argument_error(where, "x", "has ", T, " tokens but the rank was made for ", tokens_);
   detail::check_locations(where, a, shape_, true);

@@ -63,17 +63,18 @@ __device__ __forceinline__ bool all_plans_ok(const P& p, bool check_saved) {
   __shared__ int verdict;
   if (threadIdx.x == 0) {
     const auto* header = static_cast<const EpHeader*>(ep.header);
-    const int epoch = header->epoch;
+    const unsigned epoch = header->epoch;
     int bad = 0;
     for (int q = 0; q < ep.size; ++q) {
-      int seen = ptx::ld_acquire_sys(&header->plan_flag[q]);
+      const int* flag = reinterpret_cast<const int*>(&header->plan_flag[q]);
+      unsigned seen = ptx::ld_acquire_sys(flag);
       const std::uint64_t start = ptx::globaltimer_ns();
-      while (seen / 16 < epoch) {
+      while (!reached(seen, epoch)) {
         __nanosleep(256);
-        if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, -1, 13, seen / 16, epoch, q);
-        seen = ptx::ld_acquire_sys(&header->plan_flag[q]);
+        if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, -1, 13, seen, epoch, q);
+        seen = ptx::ld_acquire_sys(flag);
       }
-      bad |= (seen % 16) & (check_saved ? 15 : 7);
+      bad |= *reinterpret_cast<const volatile int*>(&header->plan_code[q]) & (check_saved ? 15 : 7);
     }
     verdict = bad;
   }

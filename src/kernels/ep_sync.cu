@@ -10,18 +10,18 @@ namespace {
 
 __global__ void begin_call_kernel(EpHeader* header, int* counters, int count) {
   if (threadIdx.x == 0) {
-    header->epoch += 1;
+    header->epoch += 1u;  // unsigned: wraps around after 2^32 calls
     header->blocks_done = 0;
   }
   for (int i = threadIdx.x; i < count; i += blockDim.x) counters[i] = 0;
 }
 
 __global__ void wait_exchange_kernel(const EpHeader* header, int ranks, long long timeout_ns, KernelStatus* status) {
-  const int epoch = header->epoch;
+  const unsigned epoch = header->epoch;
   const std::uint64_t start = ptx::globaltimer_ns();
   for (int q = 0; q < ranks; ++q) {
-    int seen;
-    while ((seen = ptx::ld_acquire_sys(&header->exchange_flag[q])) < epoch) {
+    unsigned seen;
+    while (!reached(seen = ptx::ld_acquire_sys(reinterpret_cast<const int*>(&header->exchange_flag[q])), epoch)) {
       __nanosleep(1000);
       if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(timeout_ns)) {
         volatile KernelStatus* s = status;
@@ -39,9 +39,13 @@ __global__ void publish_plan_kernel(const EpHeader* header, const PlanStatus* pl
                                     const __grid_constant__ PeerFlags peer_flags, int ranks) {
   int code = plan->code;
   if (saved_marker != nullptr && *saved_marker != kSavedValid) code |= 8;
-  const int value = 16 * header->epoch + code;
+  const unsigned epoch = header->epoch;
   ptx::fence_acq_rel_sys();
-  for (int q = 0; q < ranks; ++q) ptx::st_release_sys(peer_flags.at[q], value);
+  for (int q = 0; q < ranks; ++q) {
+    EpHeader* peer = peer_flags.header[q];
+    peer->plan_code[peer_flags.rank] = code;  // ordered before the flag by its release
+    ptx::st_release_sys(reinterpret_cast<int*>(&peer->plan_flag[peer_flags.rank]), static_cast<int>(epoch));
+  }
 }
 
 }  // namespace

@@ -13,15 +13,20 @@
 
 namespace mok::kernels {
 
-// The header of a rank's symmetric region (ints): epoch; blocks_done (exchange); the
-// exchange flag and the plan flag of every rank.
+// The header of a rank's symmetric region: epoch (wraps around; compared by signed
+// difference, see reached()); blocks_done (exchange); the exchange flag, plan flag and
+// plan code of every rank.
 struct EpHeader {
-  int epoch;
+  unsigned epoch;
   int blocks_done;
   int pad[6];
-  int exchange_flag[kMaxRanks];  // = epoch of rank q's last exchange into this rank
-  int plan_flag[kMaxRanks];      // = 16 * epoch + code of rank q's last plan (see publish_plan)
+  unsigned exchange_flag[kMaxRanks];  // = epoch of rank q's last exchange into this rank
+  unsigned plan_flag[kMaxRanks];      // = epoch of rank q's last published plan
+  int plan_code[kMaxRanks];           // its code, written before the flag (see publish_plan)
 };
+
+// Whether a flag holding `seen` has reached call `epoch` (modulo 2^32).
+__host__ __device__ inline bool reached(unsigned seen, unsigned epoch) { return static_cast<int>(seen - epoch) >= 0; }
 
 // epoch += 1; zeroes blocks_done and `counters` (count ints): the start of a call.
 void launch_begin_call(EpHeader* header, int* counters, int count, cudaStream_t stream);
@@ -31,10 +36,11 @@ void launch_begin_call(EpHeader* header, int* counters, int count, cudaStream_t 
 void launch_wait_exchange(const EpHeader* header, int ranks, long long timeout_ns, KernelStatus* status,
                           cudaStream_t stream);
 
-// plan_flag[this rank] = 16 * epoch + code at every rank q (peer_flags[q]); code = the
-// plan's code (0 ok), + 8 if `saved_marker` (the backward's) is not valid.
+// At every rank q: plan_code[this rank] = code, then plan_flag[this rank] = epoch (release);
+// code = the plan's code (0 ok), + 8 if `saved_marker` (the backward's) is not valid.
 struct PeerFlags {
-  int* at[kMaxRanks];  // rank q's plan_flag of this rank
+  EpHeader* header[kMaxRanks];  // rank q's header
+  int rank;                     // this rank
 };
 void launch_publish_plan(const EpHeader* header, const void* plan_status, const unsigned long long* saved_marker,
                          const PeerFlags& peer_flags, int ranks, cudaStream_t stream);

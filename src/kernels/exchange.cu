@@ -45,15 +45,14 @@ __global__ void __launch_bounds__(256) exchange_kernel(const ExchangeParams p) {
   if (p.flags[0] == nullptr) return;
   // The last block to finish tells every rank that this rank's routing and rows are in place.
   __syncthreads();
-  __shared__ bool last;
+  bool last = false;
   if (threadIdx.x == 0) {
     ptx::fence_acq_rel_sys();  // this block's writes (remote ones included) before its count
     last = atomicAdd(p.blocks_done, 1) == kCtasPerRank - 1;
-  }
-  __syncthreads();
-  if (last && threadIdx.x < p.ep) {
-    ptx::fence_acq_rel_sys();  // every block's writes, observed through blocks_done, before the flags
-    ptx::st_release_sys(p.flags[threadIdx.x], *p.epoch);
+    if (last) {
+      ptx::fence_acq_rel_sys();  // every block's writes, observed through blocks_done, before the flags
+      for (int q = 0; q < p.ep; ++q) ptx::st_release_sys(p.flags[q], static_cast<int>(*p.epoch));
+    }
   }
 }
 

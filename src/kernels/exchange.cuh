@@ -32,7 +32,7 @@ struct ExchangeParams {
   std::uint16_t* rows_dst[2];
   std::int64_t row_elements;         // T * H
   int* flags[kMaxRanks];             // rank q's exchange flag of this rank
-  const int* epoch;                  // this rank's call number
+  const unsigned* epoch;             // this rank's call number
   int* blocks_done;                  // this rank's counter of finished blocks (zeroed)
 };
 

@@ -127,10 +127,14 @@ __device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& cons
 template <typename Params>
 void launch_persistent(void (*kernel)(Params), std::size_t smem, int threads, const Params& params, int ctas,
                        cudaStream_t stream) {
-  static bool configured = false;  // per kernel signature; attribute is per function and process
-  if (!configured) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    configured = true;
+  static bool configured[64] = {};  // per kernel signature and device (the attribute is per device context)
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < 0 || device >= 64 || !configured[device]) {
+    // An error here (e.g. too much shared memory) surfaces as the launch's error, checked by the caller.
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) == cudaSuccess &&
+        device >= 0 && device < 64)
+      configured[device] = true;
   }
   kernel<<<ctas, threads, smem, stream>>>(params);
 }
