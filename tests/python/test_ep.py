@@ -62,3 +62,20 @@ def test_ep_over_torchrun_matches_one_gpu_bitwise(nproc):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("bitwise equal to one GPU") == nproc
+
+
+def test_fake_implementations_give_output_metadata():
+    # Rank of a group of 4: 2 local experts of E = 8, k = 4 (more than the local experts).
+    m = dict(device="meta")
+    T, H, I, El, E, k = 16, 128, 64, 2, 8, 4
+    x = torch.empty(T, H, dtype=torch.bfloat16, **m)
+    ids = torch.empty(T, k, dtype=torch.int32, **m)
+    w = torch.empty(T, k, dtype=torch.float32, **m)
+    gate = torch.empty(El, I, H, dtype=torch.bfloat16, **m)
+    down = torch.empty(El, H, I, dtype=torch.bfloat16, **m)
+    y = torch.ops.mok.ep_moe_forward(x, ids, w, gate, gate, down, None, None, None, None, E, 0)
+    assert y.shape == (T, H) and y.device.type == "meta"
+    y, saved = torch.ops.mok.ep_moe_train_forward(x, ids, w, gate, gate, down, None, None, None, None, E, 0)
+    assert saved.shape == (_C.ep_saved_elements(H, I, E, El, k, 0, None, T),) and saved.dtype == torch.bfloat16
+    grads = torch.ops.mok.ep_moe_backward(x, x, ids, w, gate, gate, down, None, None, None, saved, None, E, 0)
+    assert [tuple(g.shape) for g in grads] == [(T, H), (T, k), (El, I, H), (El, I, H), (El, H, I)]
