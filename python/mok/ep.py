@@ -156,7 +156,8 @@ def _ep_moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, 
     return torch.empty_like(x), x.new_empty((n,), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("mok::ep_moe_backward", mutates_args=("saved",))
+# Overwrites `saved` without declaring it, as mok::moe_backward does (see mok/ops.py).
+@torch.library.custom_op("mok::ep_moe_backward", mutates_args=())
 def ep_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                     shared_gate: Optional[torch.Tensor], shared_up: Optional[torch.Tensor],

@@ -89,7 +89,11 @@ def _moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, sha
     return torch.empty_like(x), x.new_empty((n,), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("mok::moe_backward", mutates_args=("saved",))
+# The op overwrites `saved` (the pre-activations become their gradients) without declaring
+# it in mutates_args: declared, AOTAutograd refuses the op under torch.compile (a list of
+# outputs next to a mutated input; tests/python/test_package.py compiles through it). Nothing
+# reads `saved` afterwards: the autograd context refuses a second backward.
+@torch.library.custom_op("mok::moe_backward", mutates_args=())
 def moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
                  shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor], saved: torch.Tensor,

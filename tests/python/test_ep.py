@@ -79,3 +79,21 @@ def test_fake_implementations_give_output_metadata():
     assert saved.shape == (_C.ep_saved_elements(H, I, E, El, k, 0, None, T),) and saved.dtype == torch.bfloat16
     grads = torch.ops.mok.ep_moe_backward(x, x, ids, w, gate, gate, down, None, None, None, saved, None, E, 0)
     assert [tuple(g.shape) for g in grads] == [(T, H), (T, k), (El, I, H), (El, I, H), (El, H, I)]
+
+
+def test_compiled_ep_training_step_traces_through_the_fake_implementations():
+    m = dict(device="meta")
+    T, H, I, El, E, k = 16, 128, 64, 2, 8, 4
+    ids = torch.zeros(T, k, dtype=torch.int32, **m)
+    leaves = [torch.empty(T, H, dtype=torch.bfloat16, **m), torch.empty(T, k, dtype=torch.float32, **m),
+              torch.empty(El, I, H, dtype=torch.bfloat16, **m), torch.empty(El, I, H, dtype=torch.bfloat16, **m),
+              torch.empty(El, H, I, dtype=torch.bfloat16, **m)]
+    for t in leaves:
+        t.requires_grad_()
+
+    def step(x, w, gate, up, down):
+        y, _ = torch.ops.mok.ep_moe_train_forward(x, ids, w, gate, up, down, None, None, None, None, E, 0)
+        return y.float().sum()
+
+    torch.compile(step, backend="aot_eager", fullgraph=True)(*leaves).backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)

@@ -129,3 +129,17 @@ def test_saved_tensor_size_needs_no_gpu():
     T, H, I, E, k = 8, 128, 64, 4, 2
     capacity = max((T * k + E * 127) // 128 * 128, 128)
     assert mok._C.saved_elements(H, I, E, k, 0, None, T) == 2 * capacity * I + 8
+
+
+def test_compiled_forward_and_backward_trace_through_the_fake_implementations():
+    # torch.compile(fullgraph=True) of a training step, on meta tensors: AOTAutograd must
+    # accept the custom ops (e.g. no undeclared-then-declared mutation that it refuses).
+    args = _meta_args()
+    leaves = {n: t.requires_grad_() for n, t in args.items() if n != "topk_ids"}
+
+    def step(x, topk_weights, w_gate, w_up, w_down):
+        return mok.moe(x, args["topk_ids"], topk_weights, w_gate, w_up, w_down).float().sum()
+
+    loss = torch.compile(step, backend="aot_eager", fullgraph=True)(**leaves)
+    loss.backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves.values())
