@@ -97,3 +97,28 @@ def test_compiled_ep_training_step_traces_through_the_fake_implementations():
 
     torch.compile(step, backend="aot_eager", fullgraph=True)(*leaves).backward()
     assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
+
+
+@pytest.fixture
+def single_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_moe_module_with_a_group_holds_its_share_of_the_experts(single_process_group):
+    group = mok.ep.ExpertParallel()
+    assert group.world == 1 and group.rank == 0
+    layer = mok.MoE(128, 64, 8, 2, group=group, device="meta")
+    assert layer.w_gate.shape == (8, 64, 128)  # one rank: every expert
+    x = torch.empty(4, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    y = layer(x)  # router on meta, then the EP op's fake implementation
+    assert y.shape == (4, 128)
+    y.float().sum().backward()
+    assert layer.w_down.grad.shape == layer.w_down.shape and x.grad.shape == x.shape
+    with pytest.raises(ValueError, match="needs backend='mok'"):
+        mok.MoE(128, 64, 8, 2, group=group, backend="torch", device="meta")
+    with pytest.raises(TypeError, match="must be a mok.ep.ExpertParallel"):
+        mok.MoE(128, 64, 8, 2, group=object(), device="meta")
