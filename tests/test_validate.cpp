@@ -3,6 +3,7 @@
 
 #include <functional>
 
+#include "mok/ep.hpp"
 #include "mok/error.hpp"
 #include "mok/forward.hpp"
 #include "mok/validate.hpp"
@@ -245,6 +246,37 @@ TEST(Validate, EmptyBatchIsAllowed) {
   f.args.topk_weights = TensorView::contiguous(nullptr, DType::f32, Device::cpu(), {0, 2});
   f.args.y = TensorView::contiguous(nullptr, DType::bf16, Device::cpu(), {0, 128});
   EXPECT_EQ(validate_forward_args("mok::forward", f.shape, f.args, Device::cpu()), 0);
+}
+
+// Expert parallelism: the rank's arguments are checked before anything touches a GPU.
+TEST(ValidateEp, EpRankArguments) {
+  MoeShape s;
+  s.hidden = 256, s.intermediate = 128, s.num_experts = 8, s.num_local_experts = 2, s.top_k = 2;  // 4 ranks
+  alignas(256) static char regions[4][256];
+  std::vector<void*> bases{regions[0], regions[1], regions[2], regions[3]};
+  expect_error([&] { EpRank(s, 64, 0, std::span<void* const>(bases.data(), 3)); },
+               "mok::EpRank: argument 'region_bases': must hold one region per rank (4), got 3");
+  expect_error([&] { EpRank(s, 64, 4, bases); }, "mok::EpRank: argument 'rank': must be in [0, 4), got 4");
+  expect_error([&] { EpRank(s, 0, 0, bases); }, "argument 'tokens_per_rank': must be >= 1, got 0");
+  std::vector<void*> unaligned{regions[0] + 8, regions[1], regions[2], regions[3]};
+  expect_error([&] { EpRank(s, 64, 0, unaligned); }, "argument 'region_bases': entry 0 must be 256-byte aligned");
+  std::vector<void*> with_null{regions[0], nullptr, regions[2], regions[3]};
+  expect_error([&] { EpRank(s, 64, 0, with_null); }, "argument 'region_bases': entry 1 is null");
+  MoeShape too_many = s;
+  too_many.num_experts = 32, too_many.num_local_experts = 2;  // 16 ranks
+  expect_error([&] { EpRank(too_many, 64, 0, bases); }, "makes 16 ranks (num_experts / num_local_experts); at most 8");
+  expect_error([&] { VirtualRanks(too_many, 64); }, "makes 16 ranks (num_experts / num_local_experts); at most 8");
+  expect_error([&] { VirtualRanks(s, 0); }, "mok::VirtualRanks: argument 'tokens_per_rank': must be >= 1, got 0");
+}
+
+TEST(ValidateEp, RegionBytesNeedNoGpu) {
+  MoeShape s;
+  s.hidden = 256, s.intermediate = 128, s.num_experts = 8, s.num_local_experts = 2, s.top_k = 2;  // 4 ranks
+  const std::int64_t T = 100, bytes = EpRank::region_bytes(s, T);
+  EXPECT_EQ(bytes % 256, 0);
+  // At least: x and dy rows, every rank's ids and weights, the fp32 combine slots.
+  EXPECT_GE(bytes, 2 * (2 * T * 256) + 2 * (4 * 4 * T * 2) + 4 * T * 2 * 256);
+  EXPECT_LT(bytes, 2 * (2 * (2 * T * 256) + 2 * (4 * 4 * T * 2) + 4 * T * 2 * 256));
 }
 
 }  // namespace
