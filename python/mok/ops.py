@@ -183,6 +183,12 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
 
 def check() -> None:
     """Synchronises and raises ValueError if a kernel recorded an error (bad expert id,
-    capacity, a timed-out wait) in any workspace."""
+    capacity, a timed-out wait) in any workspace, or in any expert-parallel rank (mok.ep)."""
     for ws in _workspaces.values():
         ws.check(torch.cuda.current_stream().cuda_stream)
+    import sys
+
+    ep = sys.modules.get("mok.ep")  # only if expert parallelism was used
+    if ep is not None:
+        for group in ep._groups.values():
+            group.check()
