@@ -75,8 +75,7 @@ class VirtualRanks {
   struct Rank;
   struct Launch;
   Launch prepare(std::span<const ForwardArgs> args, const char* where, bool weights);
-  std::int64_t minibatches() const;  // of the largest plan a rank can have
-  std::int64_t ring_rows() const;
+  void set_peers(kernels::EpPeers& peers, int rank) const;
   MoeShape shape_;
   std::int64_t tokens_;
   Config config_;

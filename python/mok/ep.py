@@ -21,6 +21,7 @@ import torch
 
 from mok import _C
 from mok._checks import check_moe_args
+from mok.ops import _consume, _empty_grads
 
 _groups: Dict[int, "ExpertParallel"] = {}
 
@@ -164,10 +165,7 @@ def ep_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, t
                     shared_down: Optional[torch.Tensor], saved: torch.Tensor, swiglu_limit: Optional[float],
                     num_experts: int, group_id: int) -> List[torch.Tensor]:
     dy = dy.contiguous()
-    grads = [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate), torch.empty_like(w_up),
-             torch.empty_like(w_down)]
-    if shared_gate is not None:
-        grads += [torch.empty_like(shared_gate), torch.empty_like(shared_up), torch.empty_like(shared_down)]
+    grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
     rank = _groups[group_id].rank_for(x, w_gate, num_experts, topk_ids.shape[1], _shared_size(shared_gate),
                                       swiglu_limit, True)
     shared_grads = grads[5:] if shared_gate is not None else (None, None, None)
@@ -179,11 +177,7 @@ def ep_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, t
 @ep_moe_backward.register_fake
 def _ep_moe_backward_fake(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
                           saved, swiglu_limit, num_experts, group_id):
-    grads = [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate), torch.empty_like(w_up),
-             torch.empty_like(w_down)]
-    if shared_gate is not None:
-        grads += [torch.empty_like(shared_gate), torch.empty_like(shared_up), torch.empty_like(shared_down)]
-    return grads
+    return _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
 
 
 def _train_setup_context(ctx, inputs, output):
@@ -196,10 +190,7 @@ def _train_setup_context(ctx, inputs, output):
 
 
 def _train_backward(ctx, grad_y, grad_saved):
-    if getattr(ctx, "consumed", False):
-        raise RuntimeError("mok.ep.moe: a second backward through the same forward (retain_graph=True) is not "
-                           "supported: the fused backward overwrites the pre-activations the forward saved")
-    ctx.consumed = True
+    _consume(ctx, "mok.ep.moe")
     x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved = ctx.saved_tensors
     if grad_y is None:
         grad_y = torch.zeros_like(x)

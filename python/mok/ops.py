@@ -132,11 +132,17 @@ def _train_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _train_backward(ctx, grad_y, grad_saved):
+def _consume(ctx, where):
+    """Refuses a second backward through one forward: the fused backward overwrites the
+    pre-activations the forward saved."""
     if getattr(ctx, "consumed", False):
-        raise RuntimeError("mok.moe: a second backward through the same forward (retain_graph=True) is not "
+        raise RuntimeError(f"{where}: a second backward through the same forward (retain_graph=True) is not "
                            "supported: the fused backward overwrites the pre-activations the forward saved")
     ctx.consumed = True
+
+
+def _train_backward(ctx, grad_y, grad_saved):
+    _consume(ctx, "mok.moe")
     x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved = ctx.saved_tensors
     if grad_y is None:
         grad_y = torch.zeros_like(x)

@@ -90,6 +90,19 @@ mok::ForwardArgs forward_args(const nb::ndarray<>& x, const nb::ndarray<>& ids, 
   return a;
 }
 
+mok::BackwardArgs backward_args(const nb::ndarray<>& dy, const nb::ndarray<>& dx, const nb::ndarray<>& d_weights,
+                                const nb::ndarray<>& d_gate, const nb::ndarray<>& d_up, const nb::ndarray<>& d_down,
+                                const std::optional<nb::ndarray<>>& d_shared_gate,
+                                const std::optional<nb::ndarray<>>& d_shared_up,
+                                const std::optional<nb::ndarray<>>& d_shared_down) {
+  mok::BackwardArgs b;
+  b.dy = view_of(dy), b.dx = view_of(dx), b.d_topk_weights = view_of(d_weights);
+  b.d_w_gate = view_of(d_gate), b.d_w_up = view_of(d_up), b.d_w_down = view_of(d_down);
+  b.d_shared_gate = optional_view(d_shared_gate), b.d_shared_up = optional_view(d_shared_up);
+  b.d_shared_down = optional_view(d_shared_down);
+  return b;
+}
+
 // This extension has its own CUDA runtime: select the tensors' device explicitly.
 void select_device(const mok::ForwardArgs& a, const char* where) {
   if (a.x.device.kind == mok::DeviceKind::cuda && cudaSetDevice(a.x.device.index) != cudaSuccess)
@@ -184,11 +197,8 @@ NB_MODULE(_C, m) {
          std::optional<nb::ndarray<>> d_shared_down, std::uintptr_t stream) {
         const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr);
         select_device(a, "mok.backward");
-        mok::BackwardArgs b;
-        b.dy = view_of(dy), b.dx = view_of(dx), b.d_topk_weights = view_of(d_weights);
-        b.d_w_gate = view_of(d_gate), b.d_w_up = view_of(d_up), b.d_w_down = view_of(d_down);
-        b.d_shared_gate = optional_view(d_shared_gate), b.d_shared_up = optional_view(d_shared_up);
-        b.d_shared_down = optional_view(d_shared_down);
+        const mok::BackwardArgs b = backward_args(dy, dx, d_weights, d_gate, d_up, d_down, d_shared_gate, d_shared_up,
+                                                  d_shared_down);
         const mok::TensorView saved_view = view_of(saved);
         nb::gil_scoped_release release;
         mok::backward(a, b, ws, reinterpret_cast<cudaStream_t>(stream), saved_view);
@@ -274,11 +284,8 @@ NB_MODULE(_C, m) {
          std::optional<nb::ndarray<>> d_shared_down, std::uintptr_t stream) {
         const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr);
         select_device(a, "mok.ep_backward");
-        mok::BackwardArgs b;
-        b.dy = view_of(dy), b.dx = view_of(dx), b.d_topk_weights = view_of(d_weights);
-        b.d_w_gate = view_of(d_gate), b.d_w_up = view_of(d_up), b.d_w_down = view_of(d_down);
-        b.d_shared_gate = optional_view(d_shared_gate), b.d_shared_up = optional_view(d_shared_up);
-        b.d_shared_down = optional_view(d_shared_down);
+        const mok::BackwardArgs b = backward_args(dy, dx, d_weights, d_gate, d_up, d_down, d_shared_gate, d_shared_up,
+                                                  d_shared_down);
         const mok::TensorView saved_view = view_of(saved);
         nb::gil_scoped_release release;
         rank.backward(a, b, reinterpret_cast<cudaStream_t>(stream), saved_view);

@@ -93,8 +93,8 @@ VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, 
     if (training != Training::off) rank->all_weights = allocate<float>(ep * T * k, "cudaMalloc(all_weights)");
     rank->slots = allocate<float>(T * k * H, "cudaMalloc(combine slots)");
     rank->slots_done = allocate<int>(2 * kMaxEpRanks, "cudaMalloc(slots_done)");
-    rank->ring = allocate<std::uint16_t>(ring_rows() * H, "cudaMalloc(ring)");
-    rank->ring_counters = allocate<int>(2 * minibatches(), "cudaMalloc(ring counters)");
+    rank->ring = allocate<std::uint16_t>(detail::ring_rows(*rank->ws) * H, "cudaMalloc(ring)");
+    rank->ring_counters = allocate<int>(2 * detail::ring_minibatches(*rank->ws), "cudaMalloc(ring counters)");
     ranks_.push_back(std::move(rank));
   }
 }
@@ -108,9 +108,22 @@ Workspace& VirtualRanks::workspace(int rank) {
 
 std::int64_t VirtualRanks::saved_elements() const { return ranks_.front()->ws->saved_elements(); }
 
-std::int64_t VirtualRanks::minibatches() const { return detail::ring_minibatches(shape_, tokens_, config_); }
-
-std::int64_t VirtualRanks::ring_rows() const { return detail::ring_rows(shape_, tokens_, config_); }
+// Rank r's peer table: every rank's slots, counters and plan status.
+void VirtualRanks::set_peers(kernels::EpPeers& e, int r) const {
+  const int ep = size();
+  e.push = true;
+  e.rank = r;
+  e.size = ep;
+  for (int q = 0; q < ep; ++q) {
+    e.slots[q] = ranks_[q]->slots;
+    e.slots_done[q] = ranks_[q]->slots_done;
+    e.plan_status[q] = ranks_[q]->ws->plan().view().status;
+  }
+  e.own_ids = ranks_[r]->all_ids + r * tokens_ * shape_.top_k;
+  e.expected_rows = ranks_[r]->slots_done + kMaxEpRanks;
+  e.system_scope = false;  // virtual ranks share this GPU
+  e.stalled = r == stalled_rank_;
+}
 
 void VirtualRanks::stall_rank_for_testing(int rank) {
   if (rank < -1 || rank >= size()) throw_argument_error(kWhere, "rank", "must be in [-1, ", size(), "), got ", rank);
@@ -180,7 +193,7 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
   constexpr const char* where = "mok::VirtualRanks::forward";
   const Launch launch = prepare(args, where, false);
   const int ep = size();
-  const std::int64_t T = tokens_, k = shape_.top_k;
+  const std::int64_t T = tokens_;
   if (saved.empty() && training_ == Training::save)
     throw_argument_error(where, "saved", "is required: the group was made with Training::save");
   if (!saved.empty() && static_cast<int>(saved.size()) != ep)
@@ -193,7 +206,6 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
 
   // Per rank: the kernel's params with the peer table; its comm CTAs pull the rows.
   kernels::ForwardGroupParams group{};
-  const std::int64_t H = shape_.hidden;
   const void* x_peers[kMaxEpRanks] = {};
   for (int r = 0; r < ep; ++r) x_peers[r] = args[r].x.data;
   for (int r = 0; r < ep; ++r) {
@@ -202,34 +214,16 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
       detail::dispatch_rows(std::span<const void* const>(x_peers, ep), rank.ws->x_routed(), *rank.ws, stream);
     detail::cuda_check(cudaMemsetAsync(rank.ws->counters(), 0, 4 * rank.ws->counter_count(), stream), kWhere,
                        "cudaMemsetAsync(counters)");
-    detail::cuda_check(cudaMemsetAsync(rank.ring_counters, 0, sizeof(int) * 2 * minibatches(), stream), kWhere,
-                       "cudaMemsetAsync(ring counters)");
+    detail::cuda_check(
+        cudaMemsetAsync(rank.ring_counters, 0, sizeof(int) * 2 * detail::ring_minibatches(*rank.ws), stream), kWhere,
+        "cudaMemsetAsync(ring counters)");
     kernels::ForwardParams& p = group.rank[r];
     p = detail::forward_params(args[r], *rank.ws, saved.empty() ? nullptr : static_cast<std::uint16_t*>(saved[r].data),
                                false);
-    p.ep.push = true;
-    p.ep.rank = r;
-    p.ep.size = ep;
-    for (int q = 0; q < ep; ++q) {
-      p.ep.slots[q] = ranks_[q]->slots;
-      p.ep.slots_done[q] = ranks_[q]->slots_done;
-      p.ep.plan_status[q] = ranks_[q]->ws->plan().view().status;
-    }
-    p.ep.own_ids = rank.all_ids + r * T * k;
-    p.ep.expected_rows = rank.slots_done + kMaxEpRanks;
-    p.ep.system_scope = false;  // virtual ranks share this GPU
-    p.ep.stalled = r == stalled_rank_;
-    if (launch.comm_ctas > 0) {
-      p.ring.comm_ctas = launch.comm_ctas;
-      p.ring.minibatch_rows = static_cast<int>(config_.minibatch_rows);
-      p.ring.ring_rows = static_cast<int>(ring_rows());
-      p.ring.landed = rank.ring_counters;
-      p.ring.freed = rank.ring_counters + minibatches();
-      p.ring.buffer = rank.ring;
-      for (int q = 0; q < ep; ++q) p.ring.x[q] = static_cast<const std::uint16_t*>(args[q].x.data);
-      p.maps.x_routed = detail::make_bf16_tensor_map(rank.ring, {std::uint64_t(H), std::uint64_t(ring_rows())}, {64, 128},
-                                                     "ring");
-    }
+    set_peers(p.ep, r);
+    if (launch.comm_ctas > 0)
+      detail::set_ring(p, *rank.ws, launch.comm_ctas, rank.ring, rank.ring_counters,
+                       std::span<const void* const>(x_peers, ep));
   }
   group.ranks = ep;
   group.ctas_per_rank = launch.ctas_per_rank;
@@ -245,7 +239,7 @@ void VirtualRanks::backward(std::span<const ForwardArgs> fwd, std::span<const Ba
   constexpr const char* where = "mok::VirtualRanks::backward";
   const Launch launch = prepare(fwd, where, true);
   const int ep = size();
-  const std::int64_t T = tokens_, k = shape_.top_k;
+  const std::int64_t T = tokens_;
   if (static_cast<int>(bwd.size()) != ep)
     throw_argument_error(where, "bwd", "must hold one call per rank (", ep, "), got ", bwd.size());
   if (!saved.empty() && static_cast<int>(saved.size()) != ep)
@@ -282,18 +276,7 @@ void VirtualRanks::backward(std::span<const ForwardArgs> fwd, std::span<const Ba
     kernels::BackwardParams& p = group.rank[r];
     p = detail::backward_params(fwd[r], bwd[r], ws, gu);
     p.topk_weights = rank.all_weights;  // the dh epilogue reads the weight of global pair p
-    p.ep.push = true;
-    p.ep.rank = r;
-    p.ep.size = ep;
-    for (int q = 0; q < ep; ++q) {
-      p.ep.slots[q] = ranks_[q]->slots;
-      p.ep.slots_done[q] = ranks_[q]->slots_done;
-      p.ep.plan_status[q] = ranks_[q]->ws->plan().view().status;
-    }
-    p.ep.own_ids = rank.all_ids + r * T * k;
-    p.ep.expected_rows = rank.slots_done + kMaxEpRanks;
-    p.ep.system_scope = false;
-    p.ep.stalled = r == stalled_rank_;
+    set_peers(p.ep, r);
     markers[r] = detail::saved_marker(gu, ws);
   }
   for (int r = 0; r < ep; ++r)
@@ -319,7 +302,6 @@ void VirtualRanks::check(cudaStream_t stream) {
       throw Error(detail::concat("rank ", r, ": ", e.what()));
     }
   }
-  for (auto& rank : ranks_) rank->ws->check(stream);
 }
 
 }  // namespace mok

@@ -5,23 +5,39 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "mok/device_plan.hpp"
+#include <span>
+#include <string_view>
+
+#include "kernels/forward.cuh"
 #include "mok/error.hpp"
-#include "mok/types.hpp"
+#include "mok/forward.hpp"
+#include "tensor_map.hpp"
 
 namespace mok::detail {
 
-// Minibatches of the largest plan a rank can have, and the ring's rows (Config::ring_rows,
-// or room for every row).
-inline std::int64_t ring_minibatches(const MoeShape& shape, std::int64_t tokens, const Config& config) {
-  constexpr std::int64_t kTile = 128;
-  const PlanOptions options{kTile, config.capacity_factor > 0 ? plan_capacity_rows(shape, config, tokens, kTile) : 0};
-  const std::int64_t capacity = device_plan_capacity_rows(shape, tokens, options);
-  return (capacity + config.minibatch_rows - 1) / config.minibatch_rows;
+// Minibatches of the largest plan the workspace can hold, and the ring's rows
+// (Config::ring_rows, or room for every row).
+inline std::int64_t ring_minibatches(const Workspace& ws) {
+  return (ws.plan().capacity_rows() + ws.config().minibatch_rows - 1) / ws.config().minibatch_rows;
 }
 
-inline std::int64_t ring_rows(const MoeShape& shape, std::int64_t tokens, const Config& config) {
-  return config.ring_rows > 0 ? config.ring_rows : ring_minibatches(shape, tokens, config) * config.minibatch_rows;
+inline std::int64_t ring_rows(const Workspace& ws) {
+  return ws.config().ring_rows > 0 ? ws.config().ring_rows : ring_minibatches(ws) * ws.config().minibatch_rows;
+}
+
+// The forward's ring fields: `comm_ctas` CTAs pull rank q's rows from x[q] into `ring`
+// ([ring_rows, H]); counters: [2 * ring_minibatches] (landed, then freed), zeroed per call.
+inline void set_ring(kernels::ForwardParams& p, const Workspace& ws, int comm_ctas, std::uint16_t* ring, int* counters,
+                     std::span<const void* const> x) {
+  const std::int64_t rows = ring_rows(ws);
+  p.ring.comm_ctas = comm_ctas;
+  p.ring.minibatch_rows = static_cast<int>(ws.config().minibatch_rows);
+  p.ring.ring_rows = static_cast<int>(rows);
+  p.ring.landed = counters;
+  p.ring.freed = counters + ring_minibatches(ws);
+  p.ring.buffer = ring;
+  for (std::size_t q = 0; q < x.size(); ++q) p.ring.x[q] = static_cast<const std::uint16_t*>(x[q]);
+  p.maps.x_routed = make_bf16_tensor_map(ring, {std::uint64_t(ws.shape().hidden), std::uint64_t(rows)}, {64, 128}, "ring");
 }
 
 // Comm CTAs of a rank with `ctas` CTAs: Config::comm_sms, or one in 32; none for a rank of

@@ -94,12 +94,9 @@ EpRank::EpRank(const MoeShape& shape, std::int64_t tokens_per_rank, int rank, st
     bases_.push_back(static_cast<char*>(region_bases[q]));
   }
   ws_.reset(new Workspace(shape, tokens_per_rank, config, training, Workspace::ForRank{rank}));
-  const std::int64_t rows = detail::ring_rows(shape, tokens_per_rank, config);
-  detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&ring_), std::max<std::int64_t>(rows * shape.hidden * 2, 16)),
-                     kWhere, "cudaMalloc(ring)");
-  detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&ring_counters_),
-                                sizeof(int) * 2 * std::max<std::int64_t>(
-                                                      detail::ring_minibatches(shape, tokens_per_rank, config), 1)),
+  detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&ring_), detail::ring_rows(*ws_) * shape.hidden * 2), kWhere,
+                     "cudaMalloc(ring)");
+  detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&ring_counters_), sizeof(int) * 2 * detail::ring_minibatches(*ws_)),
                      kWhere, "cudaMalloc(ring counters)");
 }
 
@@ -206,24 +203,12 @@ void EpRank::forward(const ForwardArgs& a, cudaStream_t stream, const std::optio
   if (comm == 0) detail::dispatch_rows(std::span<const void* const>(x_peers, size()), ws_->x_routed(), *ws_, stream);
   detail::cuda_check(cudaMemsetAsync(ws_->counters(), 0, 4 * ws_->counter_count(), stream), kWhere,
                      "cudaMemsetAsync(counters)");
-  const std::int64_t minibatches = detail::ring_minibatches(shape_, tokens_, config_);
-  detail::cuda_check(cudaMemsetAsync(ring_counters_, 0, sizeof(int) * 2 * minibatches, stream), kWhere,
-                     "cudaMemsetAsync(ring counters)");
+  detail::cuda_check(cudaMemsetAsync(ring_counters_, 0, sizeof(int) * 2 * detail::ring_minibatches(*ws_), stream),
+                     kWhere, "cudaMemsetAsync(ring counters)");
   kernels::ForwardParams p =
       detail::forward_params(a, *ws_, saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, false);
   set_peers(p.ep);
-  if (comm > 0) {
-    const std::int64_t rows = detail::ring_rows(shape_, tokens_, config_);
-    p.ring.comm_ctas = comm;
-    p.ring.minibatch_rows = static_cast<int>(config_.minibatch_rows);
-    p.ring.ring_rows = static_cast<int>(rows);
-    p.ring.landed = ring_counters_;
-    p.ring.freed = ring_counters_ + minibatches;
-    p.ring.buffer = ring_;
-    for (int q = 0; q < size(); ++q) p.ring.x[q] = static_cast<const std::uint16_t*>(x_peers[q]);
-    p.maps.x_routed = detail::make_bf16_tensor_map(ring_, {std::uint64_t(shape_.hidden), std::uint64_t(rows)},
-                                                   {64, 128}, "ring");
-  }
+  if (comm > 0) detail::set_ring(p, *ws_, comm, ring_, ring_counters_, std::span<const void* const>(x_peers, size()));
   kernels::launch_forward(p, ctas, stream);
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the forward kernel");
 }
