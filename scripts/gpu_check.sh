@@ -30,6 +30,7 @@ case "$part" in all|tests|bench) ;; *) echo "gpu_check.sh: --part must be all, t
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 source scripts/setup.sh || exit 1
+set +e  # setup.sh sets -e; this script runs every part and reports each failure
 gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 echo "== $gpu, commit $commit, $date"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$LOG/nvidia-smi.txt" 2>&1

@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "kernels/backward.cuh"
+#include "kernels/load.cuh"
 #include "kernels/ep_push.cuh"
 #include "kernels/persistent.cuh"
 #include "kernels/pipeline.cuh"
@@ -578,6 +579,11 @@ std::size_t backward_shared_memory_bytes() { return shared_storage_bytes<SharedS
 
 void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream) {
   launch_persistent(backward_kernel, backward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+}
+
+void load_backward_kernels() {
+  configure_persistent(backward_kernel, backward_shared_memory_bytes());
+  configure_persistent(backward_group_kernel, backward_shared_memory_bytes());
 }
 
 void launch_backward_group(const BackwardGroupParams& params, cudaStream_t stream) {

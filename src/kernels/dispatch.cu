@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "kernels/dispatch.cuh"
+#include "kernels/load.cuh"
 #include "mok/device_plan.hpp"
 
 namespace mok::kernels {
@@ -38,6 +39,8 @@ __global__ void __launch_bounds__(256) dispatch_kernel(const __grid_constant__ D
 }
 
 }  // namespace
+
+void load_dispatch_kernels() { load_kernel(dispatch_kernel); }
 
 void launch_dispatch(const DispatchParams& params, int num_ctas, cudaStream_t stream) {
   dispatch_kernel<<<num_ctas, 256, 0, stream>>>(params);

@@ -1,4 +1,5 @@
 #include "kernels/ep_sync.cuh"
+#include "kernels/load.cuh"
 
 #include "kernels/forward.cuh"
 #include "mok/device_plan.hpp"
@@ -49,6 +50,17 @@ __global__ void publish_plan_kernel(const EpHeader* header, const PlanStatus* pl
 }
 
 }  // namespace
+
+void load_ep_kernels() {
+  load_forward_kernels();
+  load_backward_kernels();
+  load_plan_kernels();
+  load_dispatch_kernels();
+  load_exchange_kernels();
+  load_kernel(begin_call_kernel);
+  load_kernel(wait_exchange_kernel);
+  load_kernel(publish_plan_kernel);
+}
 
 void launch_begin_call(EpHeader* header, int* counters, int count, cudaStream_t stream) {
   begin_call_kernel<<<1, 128, 0, stream>>>(header, counters, count);

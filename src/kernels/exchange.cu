@@ -1,4 +1,5 @@
 #include "kernels/exchange.cuh"
+#include "kernels/load.cuh"
 
 #include <cstdint>
 
@@ -57,6 +58,8 @@ __global__ void __launch_bounds__(256) exchange_kernel(const ExchangeParams p) {
 }
 
 }  // namespace
+
+void load_exchange_kernels() { load_kernel(exchange_kernel); }
 
 void launch_exchange(const ExchangeParams& params, cudaStream_t stream) {
   exchange_kernel<<<params.ranks * kCtasPerRank, 256, 0, stream>>>(params);

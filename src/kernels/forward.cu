@@ -29,6 +29,7 @@
 
 #include "kernels/ep_push.cuh"
 #include "kernels/forward.cuh"
+#include "kernels/load.cuh"
 #include "kernels/persistent.cuh"
 #include "kernels/pipeline.cuh"
 #include "kernels/swiglu.cuh"
@@ -496,6 +497,11 @@ std::size_t forward_shared_memory_bytes() { return shared_storage_bytes<SharedSt
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream) {
   launch_persistent(forward_kernel, forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+}
+
+void load_forward_kernels() {
+  configure_persistent(forward_kernel, forward_shared_memory_bytes());
+  configure_persistent(forward_group_kernel, forward_shared_memory_bytes());
 }
 
 void launch_forward_group(const ForwardGroupParams& params, cudaStream_t stream) {

@@ -122,11 +122,10 @@ __device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& cons
   }
 }
 
-// Launches a persistent kernel with `smem` bytes of dynamic shared memory, raising the
-// per-function limit on the first launch.
+// Raises a persistent kernel's dynamic shared memory limit to `smem` bytes on the current
+// device, once per device (this also loads the kernel's module; see kernels/load.cuh).
 template <typename Params>
-void launch_persistent(void (*kernel)(Params), std::size_t smem, int threads, const Params& params, int ctas,
-                       cudaStream_t stream) {
+void configure_persistent(void (*kernel)(Params), std::size_t smem) {
   static bool configured[64] = {};  // per kernel signature and device (the attribute is per device context)
   int device = 0;
   cudaGetDevice(&device);
@@ -136,8 +135,16 @@ void launch_persistent(void (*kernel)(Params), std::size_t smem, int threads, co
         device >= 0 && device < 64)
       configured[device] = true;
   }
+}
+
+// Launches a persistent kernel with `smem` bytes of dynamic shared memory.
+template <typename Params>
+void launch_persistent(void (*kernel)(Params), std::size_t smem, int threads, const Params& params, int ctas,
+                       cudaStream_t stream) {
+  configure_persistent(kernel, smem);
   kernel<<<ctas, threads, smem, stream>>>(params);
 }
+
 
 // Row/column of accumulator element i of this thread (wgmma m64nN f32 layout) inside its
 // warpgroup's 64-row tile.

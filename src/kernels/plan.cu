@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "kernels/plan.cuh"
+#include "kernels/load.cuh"
 
 namespace mok::kernels {
 namespace {
@@ -135,6 +136,13 @@ __global__ void place_kernel(PlanProblem p, DevicePlanView plan) {
 }
 
 }  // namespace
+
+void load_plan_kernels() {
+  load_kernel(reset_kernel);
+  load_kernel(count_kernel);
+  load_kernel(scan_kernel);
+  load_kernel(place_kernel);
+}
 
 void launch_plan(const PlanProblem& p, const DevicePlanView& plan, cudaStream_t stream) {
   const std::int64_t chunks = (p.num_ids + kPlanChunk - 1) / kPlanChunk;
