@@ -48,6 +48,7 @@ struct Options {
   std::vector<std::string> impls{"mok", "cublas", "plan"};
   std::vector<std::string> passes{"fwd", "fwd+bwd"};
   int warmup = 3, iters = 20;
+  mok::Config ep_config;  // mok-ep1: --comm-sms, --minibatch-rows, --ring-rows
   std::string out, commit = "unknown", date = "unknown";
 };
 
@@ -290,7 +291,7 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl
   CUDA_OK(cudaMemsetAsync(y, 0xff, T * H * 2, stream));
   std::unique_ptr<mok::VirtualRanks> group;
   if (ep1) {
-    group = std::make_unique<mok::VirtualRanks>(s, T, mok::Config{}, bwd ? mok::Training::save : mok::Training::off);
+    group = std::make_unique<mok::VirtualRanks>(s, T, o.ep_config, bwd ? mok::Training::save : mok::Training::off);
     if (!bwd) group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream);
   } else {
     mok::forward(a, ws, stream);
@@ -397,12 +398,16 @@ int main(int argc, char** argv) try {
     else if (a == "--pass") o.passes = split(next());
     else if (a == "--iters") o.iters = std::stoi(next());
     else if (a == "--warmup") o.warmup = std::stoi(next());
+    else if (a == "--comm-sms") o.ep_config.comm_sms = std::stoi(next());
+    else if (a == "--minibatch-rows") o.ep_config.minibatch_rows = std::stoll(next());
+    else if (a == "--ring-rows") o.ep_config.ring_rows = std::stoll(next());
     else if (a == "--out") o.out = next();
     else if (a == "--commit") o.commit = next();
     else if (a == "--date") o.date = next();
     else {
       std::printf("usage: mok_bench [--preset all|NAME,...] [--impl mok,mok-ep1,cublas,plan] [--pass fwd,fwd+bwd]\n"
-                  "                 [--iters N] [--warmup N] [--out FILE.json] [--commit C] [--date D]\n");
+                  "                 [--iters N] [--warmup N] [--out FILE.json] [--commit C] [--date D]\n"
+                  "                 [--comm-sms N] [--minibatch-rows N] [--ring-rows N]  (mok-ep1's Config)\n");
       return 2;
     }
   }

@@ -57,6 +57,7 @@ const char* kernel_phase_name(std::int32_t phase) {
     case 11: return "forward: comm CTA waiting for GEMM1 to free a ring slot (freed)";
     case 12: return "waiting for a peer rank's routing exchange of this call (exchange flag)";
     case 13: return "waiting for a peer rank's plan of this call (plan flag)";
+    case 14: return "forward: comm CTA waiting for a bulk copy of rows into its staging (comm loaded barrier)";
     default: return "unknown phase";
   }
 }

@@ -47,7 +47,11 @@ using namespace mok::ptx;
 constexpr int kRowBytes = kBlockK * 2;
 
 enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitHidden = 3, kWaitSlots = 4, kWaitPushed = 8, kWaitLanded = 10,
-                   kWaitFreed = 11 };
+                   kWaitFreed = 11, kWaitCopy = 14 };
+
+// Comm CTAs: kCommWarps warps copy rows, each through kCommSlots staging slots of
+// kCommPiece bytes in the (otherwise unused) pipeline stages.
+constexpr int kCommWarps = 8, kCommSlots = 6, kCommPiece = 4096;
 
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
@@ -58,8 +62,14 @@ struct alignas(1024) SharedStorage {
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
   PushedRows pushed[kConsumerWarpgroups];  // push combine: rows pushed, not yet published
-  int comm_rows;                           // ring: rows this comm CTA copied of the current minibatch
+  struct Comm {                            // comm CTAs: per staging slot
+    std::uint64_t loaded[kCommWarps * kCommSlots];  // its load's bytes have arrived
+    std::uint16_t* dst[kCommWarps * kCommSlots];    // where its piece goes in the ring
+    int bytes[kCommWarps * kCommSlots];
+  } comm;
 };
+static_assert(kCommWarps * kCommSlots * kCommPiece <= sizeof(SharedStorage::stages), "comm staging fits the stages");
+static_assert(kCommWarps <= kThreads / 32);
 static_assert(sizeof(SharedStorage::Stage) % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
 static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory over the sm_90 opt-in limit");
 static_assert(kBlockK * 2 == 128, "one K step is one 128-byte swizzle atom");
@@ -400,61 +410,98 @@ __device__ void poison_output(const ForwardParams& p, int cta, int ctas) {
   }
 }
 
-// ---------------------------------------------------------------------------------- comm CTAs
+// ------------------------------------------------------------------------------- comm CTAs
 
-// Ring: comm CTA `comm` of `comms` copies its share of each minibatch's rows (one warp a
-// row, 16-byte vectors, four in flight) from the owning rank into the ring, minibatch by
-// minibatch; before overwriting a slot it waits until GEMM1 has read the minibatch that
-// held it. Padding rows become zeros.
+// One copy warp's pipeline (its lane 0 issues every copy): pieces of rows (at most
+// kCommPiece bytes) go global -> staging slot (bulk load) -> ring (bulk store), up to
+// kCommSlots pieces in flight. A slot is loaded again only after its store has read it.
+struct CommPipe {
+  std::uint8_t* staging;  // kCommSlots * kCommPiece bytes
+  SharedStorage::Comm* comm;
+  int first;                        // this warp's first slot in comm
+  std::uint32_t loaded = 0, stored = 0;  // pieces loaded / stored so far
+
+  // The oldest loaded piece: wait for its bytes, then store it.
+  __device__ void retire(const ForwardParams& p, int mb) {
+    const int slot = stored % kCommSlots;
+    wait_barrier(p, &comm->loaded[first + slot], (stored / kCommSlots) & 1u, mb, kWaitCopy);
+    bulk_store(comm->dst[first + slot], staging + slot * kCommPiece, comm->bytes[first + slot]);
+    tma_store_commit_group();
+    ++stored;
+  }
+
+  __device__ void copy(const ForwardParams& p, std::uint16_t* dst, const std::uint16_t* src, int bytes, int mb) {
+    if (loaded - stored == kCommSlots) retire(p, mb);
+    const int slot = loaded % kCommSlots;
+    if (loaded >= kCommSlots) tma_store_wait_read();  // the slot's last store has read it
+    comm->dst[first + slot] = dst, comm->bytes[first + slot] = bytes;
+    mbarrier_arrive_expect_tx(&comm->loaded[first + slot], bytes);
+    bulk_load(staging + slot * kCommPiece, src, bytes, &comm->loaded[first + slot]);
+    ++loaded;
+  }
+
+  // Every piece stored and its writes performed.
+  __device__ void drain(const ForwardParams& p, int mb) {
+    while (stored < loaded) retire(p, mb);
+    tma_store_wait_all();
+  }
+};
+
+// Comm CTA `comm` of `comms`: copies the plan's rows (bulk copies, see CommPipe) from the
+// owning rank into the ring, minibatch by minibatch; row r of a minibatch goes to copy warp
+// r mod (comms * kCommWarps). Before overwriting a slot a warp waits until GEMM1 has read
+// the minibatch that held it; after its rows of a minibatch it adds their count to
+// landed[mb]. Padding rows become zeros.
 __device__ void run_comm(const ForwardParams& p, SharedStorage& s, int comm, int comms) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kCommWarps * kCommSlots; ++i) mbarrier_init(&s.comm.loaded[i], 1);
+    fence_proxy_async_shared_cta();
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp >= kCommWarps) return;
   const int rows_total = p.expert_offset[p.num_local_experts];
   const int per = p.ring.minibatch_rows, slots = p.ring.ring_rows / per;
   const int minibatches = (rows_total + per - 1) / per;
   const int n1 = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int vectors = p.hidden / 8, pairs_per_rank = p.tokens * p.top_k;
+  const int row_bytes = p.hidden * 2, pairs_per_rank = p.tokens * p.top_k;
+  const int worker = comm * kCommWarps + warp, workers = comms * kCommWarps;
+  CommPipe pipe{reinterpret_cast<std::uint8_t*>(&s.stages[0]) + warp * kCommSlots * kCommPiece, &s.comm,
+                warp * kCommSlots};
   for (int mb = 0; mb < minibatches; ++mb) {
     if (mb >= slots) {
-      if (threadIdx.x == 0)
+      if (lane == 0)
         wait_counter(p, p.ring.freed + (mb - slots), kConsumerWarpgroups * n1 * minibatch_rows(p, mb - slots) / kBlockM,
                      mb, kWaitFreed);
-      __syncthreads();
+      __syncwarp();
       fence_proxy_async_global();  // the TMA reads of the slot's old rows come before these writes
     }
     const int first = mb * per, count = minibatch_rows(p, mb);
     int copied = 0;
-    for (int r = comm * warps + warp; r < count; r += comms * warps) {
+    for (int r = worker; r < count; r += workers, ++copied) {
       const int row = first + r, pair = p.row_pair[row];
-      uint4* dst = reinterpret_cast<uint4*>(p.ring.buffer + static_cast<std::int64_t>(row % p.ring.ring_rows) * p.hidden);
+      std::uint16_t* dst = p.ring.buffer + static_cast<std::int64_t>(row % p.ring.ring_rows) * p.hidden;
       if (pair < 0) {
-        for (int v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
-      } else {
+        uint4* d = reinterpret_cast<uint4*>(dst);
+        for (int v = lane; v < row_bytes / 16; v += 32) d[v] = make_uint4(0, 0, 0, 0);
+      } else if (lane == 0) {
         const int token = (pair % pairs_per_rank) / p.top_k;
-        const uint4* src =
-            reinterpret_cast<const uint4*>(p.ring.x[pair / pairs_per_rank] + static_cast<std::int64_t>(token) * p.hidden);
-        constexpr int kInFlight = 4;
-        for (int v0 = lane; v0 < vectors; v0 += 32 * kInFlight) {
-          uint4 chunk[kInFlight];
-#pragma unroll
-          for (int i = 0; i < kInFlight; ++i)
-            if (v0 + 32 * i < vectors) chunk[i] = __ldg(src + v0 + 32 * i);
-#pragma unroll
-          for (int i = 0; i < kInFlight; ++i)
-            if (v0 + 32 * i < vectors) dst[v0 + 32 * i] = chunk[i];
-        }
+        const std::uint16_t* src = p.ring.x[pair / pairs_per_rank] + static_cast<std::int64_t>(token) * p.hidden;
+        for (int b = 0; b < row_bytes; b += kCommPiece)
+          pipe.copy(p, dst + b / 2, src + b / 2, min(kCommPiece, row_bytes - b), mb);
       }
-      copied += lane == 0;
     }
-    fence_proxy_async_global();  // the TMA loads of GEMM1 read these rows next
-    if (threadIdx.x == 0) s.comm_rows = 0;
-    __syncthreads();
-    if (lane == 0 && copied > 0) atomicAdd(&s.comm_rows, copied);  // integer count: order-free
-    __syncthreads();
-    if (threadIdx.x == 0 && s.comm_rows > 0) {
-      fence_acq_rel_gpu();
-      red_release_gpu_add(p.ring.landed + mb, s.comm_rows);
+    fence_proxy_async_global();  // the zeroed rows: GEMM1's TMA loads read them next
+    __syncwarp();
+    if (lane == 0) {
+      pipe.drain(p, mb);
+      fence_proxy_async_global();
+      if (copied > 0) {
+        fence_acq_rel_gpu();
+        red_release_gpu_add(p.ring.landed + mb, copied);
+      }
     }
-    __syncthreads();  // comm_rows is reset for the next minibatch only after thread 0 read it
+    __syncwarp();
   }
 }
 

@@ -46,6 +46,22 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
                : "memory");
 }
 
+// Bulk copies of contiguous bytes (16-byte aligned, a multiple of 16 bytes).
+// Global -> shared, completion counted in bytes on `bar`.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, std::uint32_t bytes, std::uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_address(dst)),
+               "l"(reinterpret_cast<std::uint64_t>(src)), "r"(bytes), "r"(smem_address(bar))
+               : "memory");
+}
+
+// Shared -> global; completes through the bulk-group mechanism below.
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, std::uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(reinterpret_cast<std::uint64_t>(dst)),
+               "r"(smem_address(src)), "r"(bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void tma_store_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 // Waits until every committed store has completed (its writes performed in global memory).
