@@ -58,15 +58,18 @@ struct alignas(1024) SharedStorage {
     std::uint16_t a[kBlockM * kBlockK];  // 16 KB
     std::uint16_t b[kBlockN * kBlockK];  // 32 KB
   } stages[kStages];
-  std::uint16_t h_staging[kConsumerWarpgroups][2][64 * 64];  // per warpgroup: two 64-column panels
-  std::uint64_t full[kStages];
-  std::uint64_t empty[kStages];
-  PushedRows pushed[kConsumerWarpgroups];  // push combine: rows pushed, not yet published
-  struct Comm {                            // comm CTAs: per staging slot
+  struct Comm {  // comm CTAs (which have no epilogues): per staging slot
     std::uint64_t loaded[kCommWarps * kCommSlots];  // its load's bytes have arrived
     std::uint16_t* dst[kCommWarps * kCommSlots];    // where its piece goes in the ring
     int bytes[kCommWarps * kCommSlots];
-  } comm;
+  };
+  union {
+    std::uint16_t h_staging[kConsumerWarpgroups][2][64 * 64];  // per warpgroup: two 64-column panels
+    Comm comm;
+  };
+  std::uint64_t full[kStages];
+  std::uint64_t empty[kStages];
+  PushedRows pushed[kConsumerWarpgroups];  // push combine: rows pushed, not yet published
 };
 static_assert(kCommWarps * kCommSlots * kCommPiece <= sizeof(SharedStorage::stages), "comm staging fits the stages");
 static_assert(kCommWarps <= kThreads / 32);
