@@ -480,9 +480,13 @@ __device__ void run_comm(const ForwardParams& p, SharedStorage& s, int comm, int
       fence_proxy_async_global();  // the TMA reads of the slot's old rows come before these writes
     }
     const int first = mb * per, count = minibatch_rows(p, mb);
-    int copied = 0;
-    for (int r = worker; r < count; r += workers, ++copied) {
-      const int row = first + r, pair = p.row_pair[row];
+    int copied = 0, pair_of_lane = -1;
+    for (int i = 0, r = worker; r < count; ++i, r += workers, ++copied) {
+      if (i % 32 == 0) {  // the next 32 rows' pairs, one load per lane (not one latency per row)
+        const int mine = r + lane * workers;
+        pair_of_lane = mine < count ? p.row_pair[first + mine] : -1;
+      }
+      const int row = first + r, pair = __shfl_sync(0xffffffffu, pair_of_lane, i % 32);
       std::uint16_t* dst = p.ring.buffer + static_cast<std::int64_t>(row % p.ring.ring_rows) * p.hidden;
       if (pair < 0) {
         uint4* d = reinterpret_cast<uint4*>(dst);
