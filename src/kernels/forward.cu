@@ -51,7 +51,8 @@ enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitHidden = 3, kWaitSlots = 
 
 // Comm CTAs: kCommWarps warps copy rows, each through kCommSlots staging slots of
 // kCommPiece bytes in the (otherwise unused) pipeline stages.
-constexpr int kCommWarps = 8, kCommSlots = 6, kCommPiece = 4096;
+constexpr int kCommWarps = 8, kCommSlots = 6, kCommLag = 2, kCommPiece = 4096;
+static_assert(kCommLag >= 1 && kCommLag < kCommSlots);
 
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
@@ -417,7 +418,7 @@ __device__ void poison_output(const ForwardParams& p, int cta, int ctas) {
 
 // One copy warp's pipeline (its lane 0 issues every copy): pieces of rows (at most
 // kCommPiece bytes) go global -> staging slot (bulk load) -> ring (bulk store), up to
-// kCommSlots pieces in flight. A slot is loaded again only after its store has read it.
+// kCommSlots - kCommLag loads in flight. A slot is loaded again only after its store has read it.
 struct CommPipe {
   std::uint8_t* staging;  // kCommSlots * kCommPiece bytes
   SharedStorage::Comm* comm;
@@ -433,10 +434,12 @@ struct CommPipe {
     ++stored;
   }
 
+  // At most kCommSlots - kCommLag loads in flight: the slot loaded next was stored
+  // kCommLag stores ago, so its read is waited for without waiting for the newest stores.
   __device__ void copy(const ForwardParams& p, std::uint16_t* dst, const std::uint16_t* src, int bytes, int mb) {
-    if (loaded - stored == kCommSlots) retire(p, mb);
+    if (loaded - stored == kCommSlots - kCommLag) retire(p, mb);
     const int slot = loaded % kCommSlots;
-    if (loaded >= kCommSlots) tma_store_wait_read();  // the slot's last store has read it
+    if (loaded >= kCommSlots) bulk_wait_read<kCommLag - 1>();  // the slot's last store has read it
     comm->dst[first + slot] = dst, comm->bytes[first + slot] = bytes;
     mbarrier_arrive_expect_tx(&comm->loaded[first + slot], bytes);
     bulk_load(staging + slot * kCommPiece, src, bytes, &comm->loaded[first + slot]);
