@@ -139,13 +139,14 @@ def cmd_table(a):
 
 
 def cmd_plot(a):
-    """Bar chart of the newest results file: TFLOP/s of mok, torch and the dense ceiling per
+    """Bar chart of the newest full results file: TFLOP/s of mok, torch and the dense ceiling per
     preset, forward and forward+backward (needs matplotlib)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    _, records = result_files(a.results_dir)[0]
+    # The newest full run (partial runs, e.g. an EP overhead check, have no PyTorch records).
+    _, records = next((path, r) for path, r in result_files(a.results_dir) if any(x["impl"] == "torch" for x in r))
     by = {(r["preset"], r["impl"], r["pass"]): r["tflops"] for r in records}
     presets = list(dict.fromkeys(r["preset"] for r in records))
     impls = [("mok", "MoK (fused)"), ("torch", "PyTorch"), ("dense", "dense GEMM ceiling")]

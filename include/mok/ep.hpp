@@ -33,9 +33,11 @@ class VirtualRanks {
  public:
   // shape: one rank's view of the layer (num_experts = E of the group, num_local_experts =
   // E / ranks; ranks <= kMaxEpRanks); tokens_per_rank: T of every rank. config.compute_sms
-  // (0 = all) is split evenly among the ranks; of each rank's SMs, config.comm_sms (0: one
-  // in 32) copy received rows into its ring of config.ring_rows rows (0: room for every
-  // row), config.minibatch_rows at a time. training: as for a Workspace.
+  // (0 = all) is split evenly among the ranks. By default every rank's rows are pulled by
+  // all its SMs before the fused kernel; with config.comm_sms > 0 (or config.ring_rows > 0:
+  // one SM in 32) that many of each rank's SMs copy them into its ring of config.ring_rows
+  // rows (0: room for every row), config.minibatch_rows at a time, while the others compute.
+  // training: as for a Workspace.
   VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, const Config& config = {},
                Training training = Training::off);
   ~VirtualRanks();

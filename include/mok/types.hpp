@@ -75,10 +75,12 @@ void validate(const MoeShape& shape);
 
 // Run-time knobs of the fused kernels. Zero means "choose for me".
 struct Config {
-  int comm_sms = 0;                 // SMs given to dispatch/combine (EP > 1)
+  int comm_sms = 0;                 // EP: comm SMs filling the ring; 0 = no ring unless ring_rows > 0
+                                    // (rows pulled by every SM before the fused kernel)
   int compute_sms = 0;              // SMs given to GEMM tiles; 0 = all the rest
   std::int64_t minibatch_rows = 4096;  // grain of compute/communication overlap
-  std::int64_t ring_rows = 0;          // rows of the received-token ring; 0 = all routed rows
+  std::int64_t ring_rows = 0;          // EP: rows of the received-token ring; 0 = all routed rows
+                                       // (if comm_sms > 0); > 0 turns the ring on (comm_sms: 1 in 32)
   double capacity_factor = 0.0;        // plan capacity in units of T*k rows; 0 = worst case (EP*T*k)
   double timeout_seconds = 10.0;       // bound of every device-side wait
 };

@@ -93,7 +93,8 @@ VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, 
     if (training != Training::off) rank->all_weights = allocate<float>(ep * T * k, "cudaMalloc(all_weights)");
     rank->slots = allocate<float>(T * k * H, "cudaMalloc(combine slots)");
     rank->slots_done = allocate<int>(2 * kMaxEpRanks, "cudaMalloc(slots_done)");
-    rank->ring = allocate<std::uint16_t>(detail::ring_rows(*rank->ws) * H, "cudaMalloc(ring)");
+    if (detail::uses_ring(config))
+      rank->ring = allocate<std::uint16_t>(detail::ring_rows(*rank->ws) * H, "cudaMalloc(ring)");
     rank->ring_counters = allocate<int>(2 * detail::ring_minibatches(*rank->ws), "cudaMalloc(ring counters)");
     ranks_.push_back(std::move(rank));
   }

@@ -40,12 +40,20 @@ inline void set_ring(kernels::ForwardParams& p, const Workspace& ws, int comm_ct
   p.maps.x_routed = make_bf16_tensor_map(ring, {std::uint64_t(ws.shape().hidden), std::uint64_t(rows)}, {64, 128}, "ring");
 }
 
-// Comm CTAs of a rank with `ctas` CTAs: Config::comm_sms, or one in 32; none for a rank of
-// one CTA (its rows are then pulled before the launch).
+// Whether the forward pulls rows through the ring (comm CTAs beside the GEMM tiles): only
+// when asked for, by Config::comm_sms or Config::ring_rows. Otherwise every SM pulls the
+// rows before the fused kernel, which measured faster on an H200 (EP = 1: the ring with
+// comm CTAs 1.13x / 1.57x the one-GPU forward on deepseek-v3 / qwen3-30b-a3b; docs/ep.md).
+inline bool uses_ring(const Config& config) { return config.comm_sms > 0 || config.ring_rows > 0; }
+
+// Comm CTAs of a rank with `ctas` CTAs: Config::comm_sms, or one in 32 when only ring_rows
+// asks for the ring; none without the ring or for a rank of one CTA (its rows are then
+// pulled before the launch).
 inline int comm_ctas(std::string_view where, const Config& config, int ctas) {
-  if (config.comm_sms >= ctas)
+  if (config.comm_sms > 0 && config.comm_sms >= ctas)
     throw_argument_error(where, "comm_sms", "must leave each rank compute SMs: ", ctas, " SMs per rank, comm_sms = ",
                          config.comm_sms);
+  if (!uses_ring(config)) return 0;
   return config.comm_sms > 0 ? config.comm_sms : ctas >= 2 ? std::max(1, ctas / 32) : 0;
 }
 

@@ -35,13 +35,19 @@ NcclEpRegion::NcclEpRegion(ncclComm_t comm, std::int64_t bytes) : comm_(comm) {
   cuda_check(cudaMemset(memory_, 0, static_cast<std::size_t>(bytes)), "cudaMemset");
   nccl_check(ncclCommWindowRegister(comm, memory_, static_cast<std::size_t>(bytes), &window_, NCCL_WIN_COLL_SYMMETRIC),
              "ncclCommWindowRegister");
-  void** device_table = nullptr;
-  cuda_check(cudaMalloc(reinterpret_cast<void**>(&device_table), sizeof(void*) * ranks), "cudaMalloc");
-  peer_pointers_kernel<<<1, 32>>>(window_, ranks, device_table);
-  bases_.resize(ranks);
-  const cudaError_t copied = cudaMemcpy(bases_.data(), device_table, sizeof(void*) * ranks, cudaMemcpyDeviceToHost);
-  cudaFree(device_table);
-  cuda_check(copied, "reading the peer pointers");
+  bases_.assign(ranks, nullptr);
+  if (ranks == 1) {
+    // A one-rank communicator's window has no device-side peer table (ncclGetPeerPointer
+    // faulted on an H200 with NCCL 2.28.9); the only peer is this rank's own memory.
+    bases_[0] = memory_;
+  } else {
+    void** device_table = nullptr;
+    cuda_check(cudaMalloc(reinterpret_cast<void**>(&device_table), sizeof(void*) * ranks), "cudaMalloc");
+    peer_pointers_kernel<<<1, 32>>>(window_, ranks, device_table);
+    const cudaError_t copied = cudaMemcpy(bases_.data(), device_table, sizeof(void*) * ranks, cudaMemcpyDeviceToHost);
+    cudaFree(device_table);
+    cuda_check(copied, "reading the peer pointers");
+  }
   for (int q = 0; q < ranks; ++q)
     if (bases_[q] == nullptr)
       throw Error(detail::concat(kWhere, ": rank ", q, " is not load/store accessible from rank ", rank_,

@@ -96,8 +96,9 @@ EpRank::EpRank(const MoeShape& shape, std::int64_t tokens_per_rank, int rank, st
   }
   kernels::load_ep_kernels();  // before any call: see kernels/load.cuh
   ws_.reset(new Workspace(shape, tokens_per_rank, config, training, Workspace::ForRank{rank}));
-  detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&ring_), detail::ring_rows(*ws_) * shape.hidden * 2), kWhere,
-                     "cudaMalloc(ring)");
+  if (detail::uses_ring(config))
+    detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&ring_), detail::ring_rows(*ws_) * shape.hidden * 2), kWhere,
+                       "cudaMalloc(ring)");
   detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&ring_counters_), sizeof(int) * 2 * detail::ring_minibatches(*ws_)),
                      kWhere, "cudaMalloc(ring counters)");
 }
