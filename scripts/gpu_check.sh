@@ -64,10 +64,11 @@ else
   echo "training example failed"; tail -5 "$LOG/train_example.log" "$LOG/train_example.err"; test_rc=1
 fi
 
-# compute-sanitizer on small cases: shared expert, clamp, padding, ragged T.
+# compute-sanitizer on small cases: shared expert, clamp, padding, ragged T, the EP ring.
 for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
               test_gpu_backward:Backward/BackwardCases.MatchesReference/shared_padded_clamp \
-              test_gpu_ep:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp; do
+              test_gpu_ep:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp \
+              test_gpu_ep:Ep.SmallRingWrapsBitwiseLikeOneGpu; do
   binary=${target%%:*} small_case=${target#*:}
   for tool in memcheck racecheck; do
     if timeout 600 compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/$binary \

@@ -227,6 +227,17 @@ TEST(Ep, RingWrapsAndResultsDoNotDependOnCommSmsMinibatchOrRingSize) {
   }
 }
 
+// A small ring case for compute-sanitizer (scripts/gpu_check.sh): two ranks, one comm SM
+// each, a ring of one 128-row minibatch that wraps, padding rows and a shared expert.
+TEST(Ep, SmallRingWrapsBitwiseLikeOneGpu) {
+  MOK_REQUIRE_HOPPER();
+  const EpCase c{"", 2, 150, 256, 256, 8, 2, 128, 0, RoutingKind::padded};
+  const EpProblem p(c, 61);
+  Config config;
+  config.comm_sms = 1, config.minibatch_rows = 128, config.ring_rows = 128;
+  EXPECT_TRUE(bitwise_equal(run_group(p, config), run_one_gpu(p.host)));
+}
+
 TEST(Ep, BadExpertIdOnOneRankStopsEveryRank) {
   MOK_REQUIRE_HOPPER();
   const EpCase c{"", 4, 100, 256, 256, 8, 2, 0, 0, RoutingKind::uniform};

@@ -1,7 +1,8 @@
 """One process of the expert-parallel test (run by test_ep.py under torchrun): every rank
 builds the same global problem, computes its part with mok.ep, and compares with one GPU
 computing every token with every expert (mok.moe): forward bitwise, gradients bitwise for
-x, topk_weights and its experts' weights. Exits non-zero on any mismatch."""
+x, topk_weights and its experts' weights, through mok.ep.moe and through mok.MoE(group=...).
+Exits non-zero on any mismatch."""
 
 import os
 import sys
@@ -55,6 +56,23 @@ def main():
                             ("d_w_down", db.grad, da.grad[experts])):
         if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
             failures.append(f"rank {rank}: {name} differs from one GPU")
+
+    # The same through the module: mok.MoE(..., group=...) holds only this rank's experts.
+    layer = mok.MoE(H, I, E, k, router=None, group=group, device=device)
+    with torch.no_grad():
+        for param, full in ((layer.w_gate, gate), (layer.w_up, up), (layer.w_down, down)):
+            param.copy_(full[experts])
+    xc = x[mine].detach().clone().requires_grad_()
+    yc = layer(xc, ids[mine].contiguous(), w[mine].contiguous())
+    yc.backward(dy[mine].contiguous())
+    group.check()
+    if not torch.equal(yc.detach().view(torch.int16), y_one[mine].view(torch.int16)):
+        failures.append(f"rank {rank}: mok.MoE(group=...) forward differs from one GPU")
+    for name, got, want in (("dx", xc.grad, xa.grad[mine]), ("d_w_gate", layer.w_gate.grad, ga.grad[experts]),
+                            ("d_w_up", layer.w_up.grad, ua.grad[experts]),
+                            ("d_w_down", layer.w_down.grad, da.grad[experts])):
+        if got is None or not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
+            failures.append(f"rank {rank}: mok.MoE(group=...) {name} differs from one GPU")
 
     dist.barrier()
     dist.destroy_process_group()
