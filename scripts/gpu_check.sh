@@ -85,6 +85,8 @@ bench=()
 if [ "$part" != tests ]; then
 $build/bench/mok_bench --preset all --impl mok,mok-ep1,cublas,plan --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" --date "$date" \
   2>&1 | tee "$LOG/bench_mok.log"
+# The ring's row copy alone (qwen3-30b-a3b's and deepseek-v3's row sizes): GB/s per comm SM.
+{ $build/bench/ring_copy_bench && $build/bench/ring_copy_bench --tokens 8192 --hidden 7168; } 2>&1 | tee "$LOG/ring_copy.log"
 python3 bench/torch_baseline.py --preset all --iters $iters --out "$LOG/bench_torch.json" --commit "$commit" --date "$date" \
   2>&1 | tee "$LOG/bench_torch.log"
 

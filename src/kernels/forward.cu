@@ -32,6 +32,7 @@
 #include "kernels/load.cuh"
 #include "kernels/persistent.cuh"
 #include "kernels/pipeline.cuh"
+#include "kernels/ring_copy.cuh"
 #include "kernels/swiglu.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
@@ -52,7 +53,6 @@ enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitHidden = 3, kWaitSlots = 
 // Comm CTAs: kCommWarps warps copy rows, each through kCommSlots staging slots of
 // kCommPiece bytes in the (otherwise unused) pipeline stages.
 constexpr int kCommWarps = 8, kCommSlots = 6, kCommLag = 2, kCommPiece = 4096;
-static_assert(kCommLag >= 1 && kCommLag < kCommSlots);
 
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
@@ -416,44 +416,9 @@ __device__ void poison_output(const ForwardParams& p, int cta, int ctas) {
 
 // ------------------------------------------------------------------------------- comm CTAs
 
-// One copy warp's pipeline (its lane 0 issues every copy): pieces of rows (at most
-// kCommPiece bytes) go global -> staging slot (bulk load) -> ring (bulk store), up to
-// kCommSlots - kCommLag loads in flight. A slot is loaded again only after its store has read it.
-struct CommPipe {
-  std::uint8_t* staging;  // kCommSlots * kCommPiece bytes
-  SharedStorage::Comm* comm;
-  int first;                        // this warp's first slot in comm
-  std::uint32_t loaded = 0, stored = 0;  // pieces loaded / stored so far
+using CommPipe = BulkCopyPipe<kCommSlots, kCommLag, kCommPiece>;
 
-  // The oldest loaded piece: wait for its bytes, then store it.
-  __device__ void retire(const ForwardParams& p, int mb) {
-    const int slot = stored % kCommSlots;
-    wait_barrier(p, &comm->loaded[first + slot], (stored / kCommSlots) & 1u, mb, kWaitCopy);
-    bulk_store(comm->dst[first + slot], staging + slot * kCommPiece, comm->bytes[first + slot]);
-    tma_store_commit_group();
-    ++stored;
-  }
-
-  // At most kCommSlots - kCommLag loads in flight: the slot loaded next was stored
-  // kCommLag stores ago, so its read is waited for without waiting for the newest stores.
-  __device__ void copy(const ForwardParams& p, std::uint16_t* dst, const std::uint16_t* src, int bytes, int mb) {
-    if (loaded - stored == kCommSlots - kCommLag) retire(p, mb);
-    const int slot = loaded % kCommSlots;
-    if (loaded >= kCommSlots) bulk_wait_read<kCommLag - 1>();  // the slot's last store has read it
-    comm->dst[first + slot] = dst, comm->bytes[first + slot] = bytes;
-    mbarrier_arrive_expect_tx(&comm->loaded[first + slot], bytes);
-    bulk_load(staging + slot * kCommPiece, src, bytes, &comm->loaded[first + slot]);
-    ++loaded;
-  }
-
-  // Every piece stored and its writes performed.
-  __device__ void drain(const ForwardParams& p, int mb) {
-    while (stored < loaded) retire(p, mb);
-    tma_store_wait_all();
-  }
-};
-
-// Comm CTA `comm` of `comms`: copies the plan's rows (bulk copies, see CommPipe) from the
+// Comm CTA `comm` of `comms`: copies the plan's rows (bulk copies, see BulkCopyPipe) from the
 // owning rank into the ring, minibatch by minibatch; row r of a minibatch goes to copy warp
 // r mod (comms * kCommWarps). Before overwriting a slot a warp waits until GEMM1 has read
 // the minibatch that held it; after its rows of a minibatch it adds their count to
@@ -472,8 +437,8 @@ __device__ void run_comm(const ForwardParams& p, SharedStorage& s, int comm, int
   const int n1 = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
   const int row_bytes = p.hidden * 2, pairs_per_rank = p.tokens * p.top_k;
   const int worker = comm * kCommWarps + warp, workers = comms * kCommWarps;
-  CommPipe pipe{reinterpret_cast<std::uint8_t*>(&s.stages[0]) + warp * kCommSlots * kCommPiece, &s.comm,
-                warp * kCommSlots};
+  CommPipe pipe{reinterpret_cast<std::uint8_t*>(&s.stages[0]) + warp * kCommSlots * kCommPiece,
+                &s.comm.loaded[warp * kCommSlots], &s.comm.dst[warp * kCommSlots], &s.comm.bytes[warp * kCommSlots]};
   for (int mb = 0; mb < minibatches; ++mb) {
     if (mb >= slots) {
       if (lane == 0)
@@ -498,13 +463,13 @@ __device__ void run_comm(const ForwardParams& p, SharedStorage& s, int comm, int
         const int token = (pair % pairs_per_rank) / p.top_k;
         const std::uint16_t* src = p.ring.x[pair / pairs_per_rank] + static_cast<std::int64_t>(token) * p.hidden;
         for (int b = 0; b < row_bytes; b += kCommPiece)
-          pipe.copy(p, dst + b / 2, src + b / 2, min(kCommPiece, row_bytes - b), mb);
+          pipe.copy(p, dst + b / 2, src + b / 2, min(kCommPiece, row_bytes - b), mb, kWaitCopy);
       }
     }
     fence_proxy_async_global();  // the zeroed rows: GEMM1's TMA loads read them next
     __syncwarp();
     if (lane == 0) {
-      pipe.drain(p, mb);
+      pipe.drain(p, mb, kWaitCopy);
       fence_proxy_async_global();
       if (copied > 0) {
         fence_acq_rel_gpu();
