@@ -4,7 +4,8 @@
 //
 //   ring_copy_bench [--tokens T] [--hidden H] [--top-k K] [--iters N]
 //
-// Variants: `registers` (one warp a row, 4 x 16 B per lane in flight: the first ring copy)
+// Variants: `registers` (one warp a row, 4 x 16 B per lane in flight: the dispatch kernel's
+// copy, and the first ring copy)
 // and `bulk W/S/L/P` (BulkCopyPipe with W warps, S slots, lag L, pieces of P bytes; the
 // forward uses bulk 8/6/2/4096). Prints GB/s written (reads are the same bytes) and GB/s
 // per SM for 1, 4, 8, 16 CTAs and one CTA per SM.
@@ -27,6 +28,7 @@
 namespace {
 
 using mok::kernels::BulkCopyPipe;
+using mok::kernels::warp_copy_row;
 
 #define CUDA_OK(call)                                                                              \
   do {                                                                                             \
@@ -57,18 +59,8 @@ __global__ void __launch_bounds__(384) copy_registers(const Copy c) {
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int vectors = c.hidden / 8;
   for (int r = blockIdx.x * warps + warp; r < c.rows; r += gridDim.x * warps) {
-    const uint4* s = reinterpret_cast<const uint4*>(c.src + static_cast<std::int64_t>(c.order[r]) * c.hidden);
-    uint4* d = reinterpret_cast<uint4*>(c.dst + static_cast<std::int64_t>(r) * c.hidden);
-    constexpr int kInFlight = 4;
-    for (int v0 = lane; v0 < vectors; v0 += 32 * kInFlight) {
-      uint4 chunk[kInFlight];
-#pragma unroll
-      for (int i = 0; i < kInFlight; ++i)
-        if (v0 + 32 * i < vectors) chunk[i] = __ldg(s + v0 + 32 * i);
-#pragma unroll
-      for (int i = 0; i < kInFlight; ++i)
-        if (v0 + 32 * i < vectors) d[v0 + 32 * i] = chunk[i];
-    }
+    warp_copy_row(reinterpret_cast<uint4*>(c.dst + static_cast<std::int64_t>(r) * c.hidden),
+                  reinterpret_cast<const uint4*>(c.src + static_cast<std::int64_t>(c.order[r]) * c.hidden), vectors, lane);
   }
 }
 

@@ -4,6 +4,7 @@
 
 #include "kernels/dispatch.cuh"
 #include "kernels/load.cuh"
+#include "kernels/ring_copy.cuh"
 #include "mok/device_plan.hpp"
 
 namespace mok::kernels {
@@ -24,16 +25,7 @@ __global__ void __launch_bounds__(256) dispatch_kernel(const __grid_constant__ D
       const int token = (pair % p.pairs_per_rank) / p.top_k;
       const uint4* src =
           reinterpret_cast<const uint4*>(p.x[pair / p.pairs_per_rank] + static_cast<std::int64_t>(token) * p.hidden);
-      constexpr int kInFlight = 4;
-      for (int v0 = lane; v0 < vectors; v0 += 32 * kInFlight) {
-        uint4 chunk[kInFlight] = {};
-#pragma unroll
-        for (int i = 0; i < kInFlight; ++i)
-          if (v0 + 32 * i < vectors) chunk[i] = __ldg(src + v0 + 32 * i);
-#pragma unroll
-        for (int i = 0; i < kInFlight; ++i)
-          if (v0 + 32 * i < vectors) dst[v0 + 32 * i] = chunk[i];
-      }
+      warp_copy_row(dst, src, vectors, lane);
     }
   }
 }

@@ -1,5 +1,6 @@
-// Copies of rows through shared memory with bulk copies: the ring's comm warps (forward.cu)
-// and bench/ring_copy_bench.cu, which measures them alone.
+// Copies of rows: one warp through registers (the dispatch kernel), or through shared
+// memory with bulk copies (the ring's comm warps, forward.cu); bench/ring_copy_bench.cu
+// measures both alone.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,20 @@
 #include "mok/ptx/tma.cuh"
 
 namespace mok::kernels {
+
+// One warp copies `vectors` 16-byte vectors from src to dst, four per lane in flight.
+__device__ __forceinline__ void warp_copy_row(uint4* dst, const uint4* src, int vectors, int lane) {
+  constexpr int kInFlight = 4;
+  for (int v0 = lane; v0 < vectors; v0 += 32 * kInFlight) {
+    uint4 chunk[kInFlight] = {};
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i)
+      if (v0 + 32 * i < vectors) chunk[i] = __ldg(src + v0 + 32 * i);
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i)
+      if (v0 + 32 * i < vectors) dst[v0 + 32 * i] = chunk[i];
+  }
+}
 
 // One warp's pipeline (its lane 0 issues every copy): pieces of rows (at most kPiece bytes,
 // 16-byte aligned, a multiple of 16) go global -> staging slot (bulk load) -> destination
