@@ -147,7 +147,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ring_copy_bench: hidden must be a multiple of 8, the rest positive\n");
     return 2;
   }
-  int sms = 0;
+  int devices = 0, major = 0, sms = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::fprintf(stderr, "ring_copy_bench: no CUDA GPU found; it needs a Hopper GPU (bulk copies are sm_90)\n");
+    return 1;
+  }
+  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  if (major != 9) {
+    std::fprintf(stderr, "ring_copy_bench: GPU 0 is not Hopper (sm_%d0); it needs sm_90\n", major);
+    return 1;
+  }
   CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int rows = tokens * top_k;
   std::vector<int> order(rows);
