@@ -70,7 +70,7 @@ for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padd
               test_gpu_ep:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp \
               test_gpu_ep:Ep.SmallRingWrapsBitwiseLikeOneGpu; do
   binary=${target%%:*} small_case=${target#*:}
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do
     if timeout 600 compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/$binary \
          --gtest_filter="$small_case" > "$LOG/sanitizer_${binary}_$tool.log" 2>&1; then outcome=passed; else outcome=failed; test_rc=1; fi
     echo "compute-sanitizer $tool $small_case: $outcome ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_${binary}_$tool.log" | tail -1))"

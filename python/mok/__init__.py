@@ -4,13 +4,14 @@
 
 computes y[t] = shared(x[t]) + sum_j topk_weights[t, j] * down_e(silu(gate_e x[t]) * up_e x[t])
 with e = topk_ids[t, j] (-1 = no expert), fp32 accumulation, bf16 output, in one fused
-kernel on a Hopper GPU. `mok.moe_torch` is the same layer in plain PyTorch, `mok.MoE` a
-module with a router, `mok.hf` a Hugging Face experts backend, `mok.reference_forward` the
+kernel on a Hopper GPU. `mok.moe_torch` is the same layer in plain PyTorch
+(`mok.moe_torch_ep` its expert-parallel form over torch.distributed), `mok.MoE` a module
+with a router, `mok.hf` a Hugging Face experts backend, `mok.reference_forward` the
 fp64 CPU oracle.
 
 Status: forward and backward on one GPU (autograd through `mok.moe`); expert parallelism
 over torch.distributed in `mok.ep` (`mok.MoE(..., group=mok.ep.ExpertParallel(pg))`),
-written but not yet run on GPUs.
+run on two H200s under torchrun (forward and gradients bitwise equal to one GPU).
 """
 
 from mok._C import __version__, cuda_device_count, reference_forward  # noqa: F401
@@ -22,6 +23,6 @@ except ImportError:  # pragma: no cover - exercised only without torch
 else:
     from mok.module import MoE  # noqa: F401
     from mok.ops import check, moe  # noqa: F401
-    from mok.torch_path import moe_torch  # noqa: F401
+    from mok.torch_path import moe_torch, moe_torch_ep  # noqa: F401
 
-__all__ = ["MoE", "__version__", "check", "cuda_device_count", "moe", "moe_torch", "reference_forward"]
+__all__ = ["MoE", "__version__", "check", "cuda_device_count", "moe", "moe_torch", "moe_torch_ep", "reference_forward"]

@@ -53,3 +53,54 @@ def moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         sg, su, sd = shared
         y = y + (_swiglu(x @ sg.T, x @ su.T, swiglu_limit) @ sd.T).to(acc)
     return y.to(x.dtype)
+
+
+def moe_torch_ep(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
+                 w_up: torch.Tensor, w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
+                 swiglu_limit: Optional[float] = None, group=None) -> torch.Tensor:
+    """The expert-parallel layer in plain PyTorch over torch.distributed (the NCCL + PyTorch
+    baseline of bench/ep_bench.py, and a fallback off Hopper): this rank holds the
+    w_gate.shape[0] = E_l experts [rank·E_l, (rank+1)·E_l) of E = E_l·W; its tokens' (token,
+    slot) pairs go, sorted by expert, to the ranks that hold them (all_to_all_single, with
+    split sizes read on the host), are regrouped there by local expert for the grouped GEMMs,
+    and return the same way; the owner sums the k slots in fp32. Autograd flows through
+    the exchanges. -1 = no expert."""
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_to_all_single
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    T, k = topk_ids.shape
+    H, E_l = x.shape[1], w_gate.shape[0]
+    flat = topk_ids.reshape(-1).long()
+    valid = flat >= 0
+    pairs = torch.arange(flat.numel(), device=flat.device)[valid]
+    experts = flat[valid]
+    order = torch.argsort(experts, stable=True)  # by global expert, so by destination rank
+    pairs, experts = pairs[order], experts[order]
+    sent = torch.zeros(world, dtype=torch.int64, device=flat.device).index_add(
+        0, experts // E_l, torch.ones_like(experts))
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    send_sizes, recv_sizes = sent.tolist(), received.tolist()  # the exchanges need them on the host
+    rows = sum(recv_sizes)
+    x_in = all_to_all_single(x.new_empty(rows, H), x.index_select(0, pairs // k), recv_sizes, send_sizes, group=group)
+    experts_in = experts.new_empty(rows)
+    dist.all_to_all_single(experts_in, experts, recv_sizes, send_sizes, group=group)
+    local = experts_in - rank * E_l  # rows arrive by source rank: regroup them by local expert
+    regroup = torch.argsort(local, stable=True)
+    group_sizes = torch.zeros(E_l, dtype=torch.int64, device=local.device).index_add(0, local, torch.ones_like(local))
+    offsets = torch.cumsum(group_sizes, 0, dtype=torch.int32)
+    grouped_mm = x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    counts = None if grouped_mm else group_sizes.tolist()
+    xs = x_in.index_select(0, regroup)
+    out = _grouped(_swiglu(_grouped(xs, w_gate, offsets, counts), _grouped(xs, w_up, offsets, counts), swiglu_limit),
+                   w_down, offsets, counts)
+    out = out.index_select(0, torch.argsort(regroup))  # back to arrival order
+    returned = all_to_all_single(out.new_empty(pairs.numel(), H), out, send_sizes, recv_sizes, group=group)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    weights = topk_weights.reshape(-1)[pairs].unsqueeze(-1).to(acc)
+    y = torch.zeros(T, H, device=x.device, dtype=acc).index_add(0, pairs // k, returned.to(acc) * weights)
+    if shared is not None:
+        sg, su, sd = shared
+        y = y + (_swiglu(x @ sg.T, x @ su.T, swiglu_limit) @ sd.T).to(acc)
+    return y.to(x.dtype)
