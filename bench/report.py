@@ -42,6 +42,9 @@ def table(records):
         head += " | mok/torch fwd | mok/torch fwd+bwd"
     if "mok-ep1" in impls:
         head += " | EP machinery time / mok fwd | EP machinery time / mok fwd+bwd"
+    ep = "mok-ep" in impls and "torch-ep" in impls  # bench/ep_bench.py across GPUs
+    if ep:
+        head += " | mok-ep/torch-ep fwd | mok-ep/torch-ep fwd+bwd | mok-ep time / mok fwd | mok-ep time / mok fwd+bwd"
     head += " | torch/dense fwd | torch/dense fwd+bwd | torch peak GiB fwd+bwd"
     if "mok" in impls:
         head += " | mok peak GiB fwd+bwd | mok/torch peak"
@@ -60,12 +63,17 @@ def table(records):
             row += f" | {ratio('mok', 'torch', 'fwd')} | {ratio('mok', 'torch', 'fwd+bwd')}"
         if "mok-ep1" in impls:
             row += f" | {ratio('mok', 'mok-ep1', 'fwd')} | {ratio('mok', 'mok-ep1', 'fwd+bwd')}"
+        if ep:
+            row += f" | {ratio('mok-ep', 'torch-ep', 'fwd')} | {ratio('mok-ep', 'torch-ep', 'fwd+bwd')}"
+            row += f" | {ratio('mok', 'mok-ep', 'fwd')} | {ratio('mok', 'mok-ep', 'fwd+bwd')}"
         # torch/dense as a throughput ratio: dense time over torch time
         row += f" | {ratio('torch', 'dense', 'fwd')} | {ratio('torch', 'dense', 'fwd+bwd')}"
         peak = rs.get(("torch", "fwd+bwd"))
+        peak = peak if peak and peak.get("peak_bytes") is not None else None
         row += f" | {peak['peak_bytes'] / 2**30:.2f}" if peak else " | –"
         if "mok" in impls:
             mine = rs.get(("mok", "fwd+bwd"))
+            mine = mine if mine and mine.get("peak_bytes") is not None else None
             row += f" | {mine['peak_bytes'] / 2**30:.2f}" if mine else " | –"
             row += f" | {mine['peak_bytes'] / peak['peak_bytes']:.2f}" if mine and peak else " | –"
         plan = rs.get(("plan", "plan"))

@@ -5,10 +5,12 @@
 #   $OUT/<date>-<commit>-gpucheck.json  each test's name and outcome on this GPU
 # plus $OUT/logs.tgz (build, ptxas, ctest, benchmark logs), then prints a short table. Copy the two JSON files to bench/results/ and
 # run `python3 bench/report.py table` to refresh bench/results/README.md.
-#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench]
-# --part splits the check in two for machines that limit one command's time: `tests` (clean
+#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep]
+# --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON, `bench` (build if missing, then
-# the benchmarks) the bench JSON.
+# the one-GPU benchmarks) the bench JSON, `ep` (machines with 2 or more GPUs: the package
+# if missing, then bench/ep_bench.py on every GPU under torchrun) its own bench JSON
+# (<date>-<commit>-ep<W>-bench.json). `all` runs the three.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -22,11 +24,11 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --quick) iters=5 ;;
     --part) part="$2"; shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|bench) ;; *) echo "gpu_check.sh: --part must be all, tests or bench"; exit 2 ;; esac
+case "$part" in all|tests|bench|ep) ;; *) echo "gpu_check.sh: --part must be all, tests, bench or ep"; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 source scripts/setup.sh || exit 1
@@ -36,15 +38,17 @@ echo "== $gpu, commit $commit, $date"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$LOG/nvidia-smi.txt" 2>&1
 
 build=build-gpu
-[ "$part" != bench ] && rm -rf "$build"  # a clean build, so the ptxas report covers every kernel
-{ cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON &&
-  cmake --build $build -j"$(nproc)"; } > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
-grep -E "spill|Used [0-9]+ registers|stack frame" "$LOG/build.log" | sort -u > "$LOG/ptxas.txt" || true
+if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
+  if [ "$part" = tests ] || [ "$part" = all ]; then rm -rf "$build"; fi  # a clean build: the ptxas report covers every kernel
+  { cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON &&
+    cmake --build $build -j"$(nproc)"; } > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
+  grep -E "spill|Used [0-9]+ registers|stack frame" "$LOG/build.log" | sort -u > "$LOG/ptxas.txt" || true
+fi
 
 test_rc=0
 extra=()
 junit=()
-if [ "$part" != bench ]; then
+if [ "$part" = tests ] || [ "$part" = all ]; then
 ctest --test-dir $build --output-on-failure -j4 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1
 test_rc=$?
 tail -5 "$LOG/ctest.log"
@@ -82,7 +86,7 @@ junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
 
 bench=()
-if [ "$part" != tests ]; then
+if [ "$part" = bench ] || [ "$part" = all ]; then
 $build/bench/mok_bench --preset all --impl mok,mok-ep1,cublas,plan --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" --date "$date" \
   2>&1 | tee "$LOG/bench_mok.log"
 # The ring's row copy alone (qwen3-30b-a3b's and deepseek-v3's row sizes): GB/s per comm SM.
@@ -93,6 +97,19 @@ python3 bench/torch_baseline.py --preset all --iters $iters --out "$LOG/bench_to
 bench=("$LOG/bench_mok.json" "$LOG/bench_torch.json")
 fi
 
+# Expert parallelism across every GPU of the machine: mok-ep against NCCL + PyTorch.
+gpus=$(nvidia-smi -L | grep -c "^GPU")
+if { [ "$part" = ep ] || [ "$part" = all ]; } && [ "$gpus" -ge 2 ]; then
+  python3 -c "import mok.ep" 2>/dev/null ||
+    python3 -m pip install -q --no-build-isolation --no-deps . > "$LOG/pip.log" 2>&1 || { echo "pip install . failed"; test_rc=1; }
+  ep_json="$OUT/${date:0:10}-$commit-ep$gpus-bench.json"
+  timeout 540 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" bench/ep_bench.py \
+    --iters $iters --out "$ep_json" --commit "$commit" --date "$date" 2>&1 | tee "$LOG/bench_ep.log" || test_rc=1
+elif [ "$part" = ep ]; then
+  echo "gpu_check.sh --part ep: this machine has $gpus GPU(s); expert parallelism across GPUs needs 2 or more"
+fi
+
+[ "$part" = ep ] && { tar czf "$OUT/logs.tgz" -C "$LOG" .; exit $test_rc; }
 python3 bench/report.py gpucheck --junit "${junit[@]}" --bench "${bench[@]}" \
   --gpu "$gpu" --commit "$commit" --date "$date" --out-dir "$OUT" --extra "${extra[@]}"
 tar czf "$OUT/logs.tgz" -C "$LOG" .
