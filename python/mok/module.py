@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mok.ops import moe
-from mok.torch_path import moe_torch
+from mok.torch_path import moe_torch, moe_torch_ep
 
 
 class MoE(nn.Module):
@@ -24,7 +24,8 @@ class MoE(nn.Module):
     group: a mok.ep.ExpertParallel (over a torch.distributed process group of W ranks): this
     module then holds only its rank's num_experts / W experts (rank r: experts
     [r E/W, (r + 1) E/W)), routes its tokens over all num_experts, and the fused kernels
-    exchange rows with the other ranks (backend "mok" only).
+    exchange rows with the other ranks (backend "torch": mok.moe_torch_ep, all-to-all over
+    the group's process group, any device, e.g. gloo on CPUs).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
@@ -48,8 +49,6 @@ class MoE(nn.Module):
 
             if not isinstance(group, ExpertParallel):
                 raise TypeError(f"mok.MoE: 'group' must be a mok.ep.ExpertParallel, got {type(group).__name__}")
-            if backend != "mok":
-                raise ValueError("mok.MoE: expert parallelism ('group') needs backend='mok'")
             if num_experts % group.world != 0:
                 raise ValueError(f"mok.MoE: num_experts = {num_experts} must be a multiple of the group's "
                                  f"{group.world} ranks")
@@ -123,8 +122,12 @@ class MoE(nn.Module):
         if self.group is not None:
             from mok import ep
 
-            y = ep.moe(x2, ids, weights, self.w_gate, self.w_up, self.w_down, shared=shared,
-                       swiglu_limit=self.swiglu_limit, group=self.group)
+            if self.backend == "mok":
+                y = ep.moe(x2, ids, weights, self.w_gate, self.w_up, self.w_down, shared=shared,
+                           swiglu_limit=self.swiglu_limit, group=self.group)
+            else:  # NCCL (or gloo) all-to-all around the PyTorch path: any device
+                y = moe_torch_ep(x2, ids, weights, self.w_gate, self.w_up, self.w_down, shared=shared,
+                                 swiglu_limit=self.swiglu_limit, group=self.group.group)
         else:
             layer = moe if self.backend == "mok" else moe_torch
             y = layer(x2, ids, weights, self.w_gate, self.w_up, self.w_down, shared=shared,

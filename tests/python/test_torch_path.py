@@ -95,3 +95,50 @@ def test_expert_parallel_torch_path_matches_one_process(shared, limit):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_ep_rank, args=(2, port, shared, limit), nprocs=2, join=True)
+
+
+def _ep_module_rank(rank, world, port):
+    """mok.MoE(backend="torch", group=...) on gloo: each rank's module holds its experts and
+    must match one module holding all of them (router, values, gradients)."""
+    import torch.distributed as dist
+
+    import mok.ep
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(3)  # the same full layer and tokens on every rank
+        H, I, E, k, T = 32, 16, 6, 2, 7
+        full = mok.MoE(H, I, E, k, backend="torch", dtype=torch.float64)  # (the router stays fp32)
+        group = mok.ep.ExpertParallel()
+        part = mok.MoE(H, I, E, k, backend="torch", group=group, dtype=torch.float64)
+        experts = slice(rank * E // world, (rank + 1) * E // world)
+        with torch.no_grad():
+            part.router.weight.copy_(full.router.weight)
+            for mine, whole in ((part.w_gate, full.w_gate), (part.w_up, full.w_up), (part.w_down, full.w_down)):
+                mine.copy_(whole[experts])
+        x = torch.randn(world * T, H, dtype=torch.float64)
+        mine = slice(rank * T, (rank + 1) * T)
+        full(x).backward(torch.ones(world * T, H, dtype=torch.float64))
+        part(x[mine]).backward(torch.ones(T, H, dtype=torch.float64))
+        torch.testing.assert_close(part(x[mine]), full(x)[mine], rtol=1e-12, atol=1e-12)
+        for mine_w, whole in ((part.w_gate, full.w_gate), (part.w_up, full.w_up), (part.w_down, full.w_down)):
+            torch.testing.assert_close(mine_w.grad, whole.grad[experts], rtol=1e-10, atol=1e-12)
+        router_grads = [torch.zeros_like(part.router.weight.grad) for _ in range(world)]
+        dist.all_gather(router_grads, part.router.weight.grad)  # each rank's tokens' share
+        torch.testing.assert_close(sum(router_grads), full.router.weight.grad, rtol=1e-5, atol=1e-6)  # fp32
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_expert_parallel_module_with_the_torch_backend_matches_one_process():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ep_module_rank, args=(2, port), nprocs=2, join=True)
