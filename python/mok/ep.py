@@ -11,8 +11,8 @@ the device, through that region, with no host synchronisation. Results are bitwi
 one GPU computing all ranks' tokens with all experts. Launch with torchrun, one process per
 GPU, with NVLink multicast off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 
-Not yet run on a GPU (the C++ EpRank under it is tested with ranks on separate streams of
-one GPU); the tests in tests/python/test_ep.py run under torchrun.
+Run on two H200s under torchrun (tests/python/test_ep.py: forward and gradients bitwise
+equal to one GPU). `mok.moe_torch_ep` is the same split in plain PyTorch (all-to-all).
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
