@@ -16,7 +16,6 @@ against torch-ep on every rank before timing. Keep NCCL_NVLS_ENABLE=0
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (no NVLink multicast).
 """
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from torch_baseline import load_presets, time_ms  # noqa: E402
+from torch_baseline import add_run_args, layer_flops, load_presets, time_ms  # noqa: E402
 
 import mok  # noqa: E402
 import mok.ep  # noqa: E402
@@ -92,9 +91,8 @@ def bench_preset(p, args, world, rank, group, device):
             all_ranks = [None] * world
             dist.all_gather_object(all_ranks, mine)
             ms, p10, p90 = max(all_ranks)  # the slowest rank's median (and its spread)
-            flops = 6.0 * p["hidden"] * p["tokens"] * p["top_k"] * p["intermediate"] * (3 if pass_ == "fwd+bwd" else 1)
             records.append(dict(preset=p["name"], impl=impl, **{"pass": pass_}, tokens=p["tokens"], ep=world, ms=ms,
-                                ms_p10=p10, ms_p90=p90, tflops=flops / (ms * 1e-3) / 1e12, peak_bytes=None,
+                                ms_p10=p10, ms_p90=p90, tflops=layer_flops(p, pass_) / (ms * 1e-3) / 1e12, peak_bytes=None,
                                 hidden=p["hidden"], intermediate=p["intermediate"], experts=E_l, top_k=p["top_k"],
                                 routing="uniform", iters=args.iters, check_error=max(errors),
                                 rank_ms=[r[0] for r in all_ranks]))
@@ -108,11 +106,7 @@ def bench_preset(p, args, world, rank, group, device):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="deepseek-v3,qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b")
-    ap.add_argument("--out", default="")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--commit", default=os.environ.get("MOK_COMMIT", "unknown"))
-    ap.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    add_run_args(ap, iters=10)
     args = ap.parse_args()
     if "RANK" not in os.environ:
         sys.exit("ep_bench: run it under torchrun (torchrun --standalone --nproc-per-node W bench/ep_bench.py)")

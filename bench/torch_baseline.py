@@ -38,6 +38,20 @@ def load_presets(path=os.path.join(HERE, "presets.csv")):
     return out
 
 
+def layer_flops(p, pass_):
+    """DESIGN.md's convention: forward = 6·H·(routed pairs)·I, forward+backward = 3x that."""
+    return 6.0 * p["hidden"] * p["tokens"] * p["top_k"] * p["intermediate"] * (3 if pass_ == "fwd+bwd" else 1)
+
+
+def add_run_args(ap, iters):
+    """The options every benchmark script shares (output, iterations, provenance)."""
+    ap.add_argument("--out", default="")
+    ap.add_argument("--iters", type=int, default=iters)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--commit", default=os.environ.get("MOK_COMMIT", "unknown"))
+    ap.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+
+
 def swiglu(g, u, limit):
     if limit > 0:
         g = g.clamp(max=limit)
@@ -176,11 +190,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="all")
     ap.add_argument("--impl", default="torch,dense")
-    ap.add_argument("--out", default="")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--commit", default=os.environ.get("MOK_COMMIT", "unknown"))
-    ap.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    add_run_args(ap, iters=20)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("torch_baseline: no CUDA GPU")
@@ -196,7 +206,7 @@ def main():
 
     def record(p, impl, pass_, times, peak, check_error=None):
         ms = statistics.median(times)
-        flops = 6.0 * p["hidden"] * p["tokens"] * p["top_k"] * p["intermediate"] * (3 if pass_ == "fwd+bwd" else 1)
+        flops = layer_flops(p, pass_)
         rec = dict(preset=p["name"], impl=impl, **{"pass": pass_}, tokens=p["tokens"], ep=1, ms=ms,
                    ms_p10=times[len(times) // 10], ms_p90=times[len(times) * 9 // 10],
                    tflops=flops / (ms * 1e-3) / 1e12, peak_bytes=int(peak), gpu=gpu, commit=args.commit,

@@ -21,7 +21,7 @@ import torch
 
 from mok import _C
 from mok._checks import check_moe_args
-from mok.ops import _consume, _empty_grads
+from mok.ops import _backward_inputs, _empty_grads, _input_grads
 
 _groups: Dict[int, "ExpertParallel"] = {}
 
@@ -190,14 +190,9 @@ def _train_setup_context(ctx, inputs, output):
 
 
 def _train_backward(ctx, grad_y, grad_saved):
-    _consume(ctx, "mok.ep.moe")
-    x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved = ctx.saved_tensors
-    if grad_y is None:
-        grad_y = torch.zeros_like(x)
-    grads = ep_moe_backward(grad_y, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up,
-                            shared_down, saved, ctx.swiglu_limit, ctx.num_experts, ctx.group_id)
-    shared = grads[5:] if shared_gate is not None else [None, None, None]
-    return grads[0], None, grads[1], grads[2], grads[3], grads[4], *shared, None, None, None
+    dy, saved = _backward_inputs(ctx, grad_y, "mok.ep.moe")
+    grads = ep_moe_backward(dy, *saved, ctx.swiglu_limit, ctx.num_experts, ctx.group_id)
+    return _input_grads(grads, saved[6] is not None, 3)
 
 
 ep_moe_train_forward.register_autograd(_train_backward, setup_context=_train_setup_context)

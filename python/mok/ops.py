@@ -141,15 +141,25 @@ def _consume(ctx, where):
     ctx.consumed = True
 
 
+def _backward_inputs(ctx, grad_y, where):
+    """(dy, the train-forward's saved tensors) for its backward, which may run only once."""
+    _consume(ctx, where)
+    saved = ctx.saved_tensors
+    return (grad_y if grad_y is not None else torch.zeros_like(saved[0])), saved
+
+
+def _input_grads(grads, has_shared, non_tensor_inputs):
+    """The train-forward op's input gradients from the backward op's outputs (dx,
+    d_topk_weights, d_w_gate, d_w_up, d_w_down[, shared expert's]): none for topk_ids and
+    the trailing non-tensor inputs."""
+    shared = grads[5:] if has_shared else [None, None, None]
+    return (grads[0], None, grads[1], grads[2], grads[3], grads[4], *shared) + (None,) * non_tensor_inputs
+
+
 def _train_backward(ctx, grad_y, grad_saved):
-    _consume(ctx, "mok.moe")
-    x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved = ctx.saved_tensors
-    if grad_y is None:
-        grad_y = torch.zeros_like(x)
-    grads = moe_backward(grad_y, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up,
-                         shared_down, saved, ctx.swiglu_limit)
-    shared = grads[5:] if shared_gate is not None else [None, None, None]
-    return grads[0], None, grads[1], grads[2], grads[3], grads[4], *shared, None
+    dy, saved = _backward_inputs(ctx, grad_y, "mok.moe")
+    grads = moe_backward(dy, *saved, ctx.swiglu_limit)
+    return _input_grads(grads, saved[6] is not None, 1)
 
 
 moe_train_forward.register_autograd(_train_backward, setup_context=_train_setup_context)

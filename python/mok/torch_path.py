@@ -1,7 +1,7 @@
 """The same layer in plain PyTorch (autograd, any device): the baseline MoK is measured
 against, and a fallback where the fused kernel cannot run (no Hopper GPU)."""
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,42 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: Op
     return torch.cat([xe @ w[e].T for e, xe in enumerate(x.split(counts))])
 
 
+def _pairs_by_expert(topk_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs that have an expert, as flat indices t·k + j sorted by expert
+    (stable: token order inside an expert), and their experts."""
+    flat = topk_ids.reshape(-1).long()
+    valid = flat >= 0
+    pairs = torch.arange(flat.numel(), device=flat.device)[valid]
+    experts = flat[valid]
+    order = torch.argsort(experts, stable=True)
+    return pairs[order], experts[order]
+
+
+def _experts(xs: torch.Tensor, experts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+             limit: Optional[float]) -> torch.Tensor:
+    """Rows xs, sorted by their expert (ids in [0, E)), through the SwiGLU experts."""
+    E = w_gate.shape[0]
+    group_sizes = torch.zeros(E, dtype=torch.int64, device=experts.device).index_add(0, experts, torch.ones_like(experts))
+    offsets = torch.cumsum(group_sizes, 0, dtype=torch.int32)
+    grouped_mm = xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    counts = None if grouped_mm else group_sizes.tolist()  # the loop needs sizes on the host
+    g = _grouped(xs, w_gate, offsets, counts)
+    u = _grouped(xs, w_up, offsets, counts)
+    return _grouped(_swiglu(g, u, limit), w_down, offsets, counts)
+
+
+def _combine(x: torch.Tensor, k: int, topk_weights: torch.Tensor, pairs: torch.Tensor, rows: torch.Tensor,
+             shared: Optional[Sequence[torch.Tensor]], limit: Optional[float]) -> torch.Tensor:
+    """y[t] = shared(x[t]) + the weighted sum of the result rows of t's pairs, in fp32 (or fp64)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    weights = topk_weights.reshape(-1)[pairs].unsqueeze(-1).to(acc)
+    y = torch.zeros(x.shape[0], x.shape[1], device=x.device, dtype=acc).index_add(0, pairs // k, rows.to(acc) * weights)
+    if shared is not None:
+        sg, su, sd = shared
+        y = y + (_swiglu(x @ sg.T, x @ su.T, limit) @ sd.T).to(acc)
+    return y.to(x.dtype)
+
+
 def moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
               w_up: torch.Tensor, w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
               swiglu_limit: Optional[float] = None) -> torch.Tensor:
@@ -29,30 +65,10 @@ def moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     GEMMs (torch._grouped_mm on CUDA), SwiGLU, weighted sum over the k slots; -1 = no expert.
     Accumulates in the inputs' dtype per GEMM (as PyTorch does), so it is not bitwise equal
     to the fused kernel."""
-    T, k = topk_ids.shape
-    E = w_gate.shape[0]
-    flat = topk_ids.reshape(-1).long()
-    valid = flat >= 0
-    pairs = torch.arange(flat.numel(), device=flat.device)[valid]
-    experts = flat[valid]
-    order = torch.argsort(experts, stable=True)
-    pairs, experts = pairs[order], experts[order]
-    group_sizes = torch.zeros(E, dtype=torch.int64, device=experts.device).index_add(0, experts, torch.ones_like(experts))
-    offsets = torch.cumsum(group_sizes, 0, dtype=torch.int32)
-    grouped_mm = x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-    counts = None if grouped_mm else group_sizes.tolist()  # the loop needs sizes on the host
-    xs = x.index_select(0, pairs // k)
-    g = _grouped(xs, w_gate, offsets, counts)
-    u = _grouped(xs, w_up, offsets, counts)
-    out = _grouped(_swiglu(g, u, swiglu_limit), w_down, offsets, counts)
-    acc = torch.promote_types(x.dtype, torch.float32)  # the weighted sum in fp32 (or fp64)
-    weights = topk_weights.reshape(-1)[pairs].unsqueeze(-1).to(acc)
-    y = torch.zeros(T, x.shape[1], device=x.device, dtype=acc)
-    y = y.index_add(0, pairs // k, out.to(acc) * weights)
-    if shared is not None:
-        sg, su, sd = shared
-        y = y + (_swiglu(x @ sg.T, x @ su.T, swiglu_limit) @ sd.T).to(acc)
-    return y.to(x.dtype)
+    k = topk_ids.shape[1]
+    pairs, experts = _pairs_by_expert(topk_ids)
+    rows = _experts(x.index_select(0, pairs // k), experts, w_gate, w_up, w_down, swiglu_limit)
+    return _combine(x, k, topk_weights, pairs, rows, shared, swiglu_limit)
 
 
 def moe_torch_ep(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
@@ -69,38 +85,20 @@ def moe_torch_ep(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     from torch.distributed.nn.functional import all_to_all_single
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    T, k = topk_ids.shape
-    H, E_l = x.shape[1], w_gate.shape[0]
-    flat = topk_ids.reshape(-1).long()
-    valid = flat >= 0
-    pairs = torch.arange(flat.numel(), device=flat.device)[valid]
-    experts = flat[valid]
-    order = torch.argsort(experts, stable=True)  # by global expert, so by destination rank
-    pairs, experts = pairs[order], experts[order]
-    sent = torch.zeros(world, dtype=torch.int64, device=flat.device).index_add(
+    k, H, E_l = topk_ids.shape[1], x.shape[1], w_gate.shape[0]
+    pairs, experts = _pairs_by_expert(topk_ids)  # sorted by expert, so by destination rank
+    sent = torch.zeros(world, dtype=torch.int64, device=experts.device).index_add(
         0, experts // E_l, torch.ones_like(experts))
     received = torch.empty_like(sent)
     dist.all_to_all_single(received, sent, group=group)
     send_sizes, recv_sizes = sent.tolist(), received.tolist()  # the exchanges need them on the host
-    rows = sum(recv_sizes)
-    x_in = all_to_all_single(x.new_empty(rows, H), x.index_select(0, pairs // k), recv_sizes, send_sizes, group=group)
-    experts_in = experts.new_empty(rows)
+    arrived = sum(recv_sizes)
+    x_in = all_to_all_single(x.new_empty(arrived, H), x.index_select(0, pairs // k), recv_sizes, send_sizes, group=group)
+    experts_in = experts.new_empty(arrived)
     dist.all_to_all_single(experts_in, experts, recv_sizes, send_sizes, group=group)
     local = experts_in - rank * E_l  # rows arrive by source rank: regroup them by local expert
     regroup = torch.argsort(local, stable=True)
-    group_sizes = torch.zeros(E_l, dtype=torch.int64, device=local.device).index_add(0, local, torch.ones_like(local))
-    offsets = torch.cumsum(group_sizes, 0, dtype=torch.int32)
-    grouped_mm = x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-    counts = None if grouped_mm else group_sizes.tolist()
-    xs = x_in.index_select(0, regroup)
-    out = _grouped(_swiglu(_grouped(xs, w_gate, offsets, counts), _grouped(xs, w_up, offsets, counts), swiglu_limit),
-                   w_down, offsets, counts)
-    out = out.index_select(0, torch.argsort(regroup))  # back to arrival order
-    returned = all_to_all_single(out.new_empty(pairs.numel(), H), out, send_sizes, recv_sizes, group=group)
-    acc = torch.promote_types(x.dtype, torch.float32)
-    weights = topk_weights.reshape(-1)[pairs].unsqueeze(-1).to(acc)
-    y = torch.zeros(T, H, device=x.device, dtype=acc).index_add(0, pairs // k, returned.to(acc) * weights)
-    if shared is not None:
-        sg, su, sd = shared
-        y = y + (_swiglu(x @ sg.T, x @ su.T, swiglu_limit) @ sd.T).to(acc)
-    return y.to(x.dtype)
+    rows = _experts(x_in.index_select(0, regroup), local[regroup], w_gate, w_up, w_down, swiglu_limit)
+    rows = rows.index_select(0, torch.argsort(regroup))  # back to arrival order
+    returned = all_to_all_single(rows.new_empty(pairs.numel(), H), rows, send_sizes, recv_sizes, group=group)
+    return _combine(x, k, topk_weights, pairs, returned, shared, swiglu_limit)

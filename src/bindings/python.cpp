@@ -109,6 +109,60 @@ void select_device(const mok::ForwardArgs& a, const char* where) {
     throw nb::value_error((std::string(where) + ": cannot use CUDA device " + std::to_string(a.x.device.index)).c_str());
 }
 
+namespace {
+
+// Binds name(target, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_*, y, saved,
+// stream): the tensors as views on their device, then run(target, args, stream, saved)
+// without the GIL. Target: a Workspace (one GPU) or an EpRank.
+template <typename Target, typename Run>
+void def_forward(nb::module_& m, const char* name, const char* target, const char* where, Run run) {
+  m.def(
+      name,
+      [where, run](Target& t, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
+                   nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
+                   std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
+                   std::optional<nb::ndarray<>> saved, std::uintptr_t stream) {
+        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y);
+        select_device(a, where);
+        const std::optional<mok::TensorView> saved_view = optional_view(saved);
+        nb::gil_scoped_release release;
+        run(t, a, reinterpret_cast<cudaStream_t>(stream), saved_view);
+      },
+      nb::arg(target), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
+      nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
+      nb::arg("y"), nb::arg("saved").none(), nb::arg("stream"));
+}
+
+// The same for the backward: name(target, forward's inputs, saved, dy, dx, d_topk_weights,
+// d_w_gate, d_w_up, d_w_down, d_shared_*, stream).
+template <typename Target, typename Run>
+void def_backward(nb::module_& m, const char* name, const char* target, const char* where, Run run) {
+  m.def(
+      name,
+      [where, run](Target& t, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
+                   nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
+                   std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> saved,
+                   nb::ndarray<> dy, nb::ndarray<> dx, nb::ndarray<> d_weights, nb::ndarray<> d_gate,
+                   nb::ndarray<> d_up, nb::ndarray<> d_down, std::optional<nb::ndarray<>> d_shared_gate,
+                   std::optional<nb::ndarray<>> d_shared_up, std::optional<nb::ndarray<>> d_shared_down,
+                   std::uintptr_t stream) {
+        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr);
+        select_device(a, where);
+        const mok::BackwardArgs b = backward_args(dy, dx, d_weights, d_gate, d_up, d_down, d_shared_gate, d_shared_up,
+                                                  d_shared_down);
+        const mok::TensorView saved_view = view_of(saved);
+        nb::gil_scoped_release release;
+        run(t, a, b, reinterpret_cast<cudaStream_t>(stream), saved_view);
+      },
+      nb::arg(target), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
+      nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
+      nb::arg("saved"), nb::arg("dy"), nb::arg("dx"), nb::arg("d_topk_weights"), nb::arg("d_w_gate"),
+      nb::arg("d_w_up"), nb::arg("d_w_down"), nb::arg("d_shared_gate").none(), nb::arg("d_shared_up").none(),
+      nb::arg("d_shared_down").none(), nb::arg("stream"));
+}
+
+}  // namespace
+
 NB_MODULE(_C, m) {
   m.doc() = "MoK for Hopper: C++/CUDA core (see the mok package for the PyTorch API)";
   m.attr("__version__") = mok::kVersion;
@@ -171,43 +225,15 @@ NB_MODULE(_C, m) {
       .def("check", [](mok::Workspace& ws, std::uintptr_t stream) { ws.check(reinterpret_cast<cudaStream_t>(stream)); })
       .def_prop_ro("bytes", &mok::Workspace::bytes);
 
-  m.def(
-      "forward",
-      [](mok::Workspace& ws, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
-         nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
-         std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
-         std::optional<nb::ndarray<>> saved, std::uintptr_t stream) {
-        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y);
-        select_device(a, "mok.forward");
-        const std::optional<mok::TensorView> saved_view = optional_view(saved);
-        nb::gil_scoped_release release;
-        mok::forward(a, ws, reinterpret_cast<cudaStream_t>(stream), saved_view);
-      },
-      nb::arg("workspace"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"),
-      nb::arg("w_up"), nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(),
-      nb::arg("shared_down").none(), nb::arg("y"), nb::arg("saved").none(), nb::arg("stream"));
+  def_forward<mok::Workspace>(m, "forward", "workspace", "mok.forward",
+                              [](mok::Workspace& ws, const mok::ForwardArgs& a, cudaStream_t stream,
+                                 const std::optional<mok::TensorView>& saved) { mok::forward(a, ws, stream, saved); });
 
-  m.def(
-      "backward",
-      [](mok::Workspace& ws, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
-         nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
-         std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> saved,
-         nb::ndarray<> dy, nb::ndarray<> dx, nb::ndarray<> d_weights, nb::ndarray<> d_gate, nb::ndarray<> d_up,
-         nb::ndarray<> d_down, std::optional<nb::ndarray<>> d_shared_gate, std::optional<nb::ndarray<>> d_shared_up,
-         std::optional<nb::ndarray<>> d_shared_down, std::uintptr_t stream) {
-        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr);
-        select_device(a, "mok.backward");
-        const mok::BackwardArgs b = backward_args(dy, dx, d_weights, d_gate, d_up, d_down, d_shared_gate, d_shared_up,
-                                                  d_shared_down);
-        const mok::TensorView saved_view = view_of(saved);
-        nb::gil_scoped_release release;
-        mok::backward(a, b, ws, reinterpret_cast<cudaStream_t>(stream), saved_view);
-      },
-      nb::arg("workspace"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"),
-      nb::arg("w_up"), nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(),
-      nb::arg("shared_down").none(), nb::arg("saved"), nb::arg("dy"), nb::arg("dx"), nb::arg("d_topk_weights"),
-      nb::arg("d_w_gate"), nb::arg("d_w_up"), nb::arg("d_w_down"), nb::arg("d_shared_gate").none(),
-      nb::arg("d_shared_up").none(), nb::arg("d_shared_down").none(), nb::arg("stream"));
+  def_backward<mok::Workspace>(m, "backward", "workspace", "mok.backward",
+                               [](mok::Workspace& ws, const mok::ForwardArgs& a, const mok::BackwardArgs& b,
+                                  cudaStream_t stream, const mok::TensorView& saved) {
+                                 mok::backward(a, b, ws, stream, saved);
+                               });
 
   // Expert parallelism: one rank of a group whose symmetric regions come from the caller
   // (PyTorch symmetric memory: the rendezvous' buffer_ptrs).
@@ -258,43 +284,13 @@ NB_MODULE(_C, m) {
       .def_prop_ro("saved_elements", &mok::EpRank::saved_elements)
       .def("check", [](mok::EpRank& r, std::uintptr_t stream) { r.check(reinterpret_cast<cudaStream_t>(stream)); });
 
-  m.def(
-      "ep_forward",
-      [](mok::EpRank& rank, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
-         nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
-         std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
-         std::optional<nb::ndarray<>> saved, std::uintptr_t stream) {
-        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y);
-        select_device(a, "mok.ep_forward");
-        const std::optional<mok::TensorView> saved_view = optional_view(saved);
-        nb::gil_scoped_release release;
-        rank.forward(a, reinterpret_cast<cudaStream_t>(stream), saved_view);
-      },
-      nb::arg("rank"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
-      nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
-      nb::arg("y"), nb::arg("saved").none(), nb::arg("stream"));
+  def_forward<mok::EpRank>(m, "ep_forward", "rank", "mok.ep_forward",
+                           [](mok::EpRank& rank, const mok::ForwardArgs& a, cudaStream_t stream,
+                              const std::optional<mok::TensorView>& saved) { rank.forward(a, stream, saved); });
 
-  m.def(
-      "ep_backward",
-      [](mok::EpRank& rank, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
-         nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
-         std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> saved,
-         nb::ndarray<> dy, nb::ndarray<> dx, nb::ndarray<> d_weights, nb::ndarray<> d_gate, nb::ndarray<> d_up,
-         nb::ndarray<> d_down, std::optional<nb::ndarray<>> d_shared_gate, std::optional<nb::ndarray<>> d_shared_up,
-         std::optional<nb::ndarray<>> d_shared_down, std::uintptr_t stream) {
-        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr);
-        select_device(a, "mok.ep_backward");
-        const mok::BackwardArgs b = backward_args(dy, dx, d_weights, d_gate, d_up, d_down, d_shared_gate, d_shared_up,
-                                                  d_shared_down);
-        const mok::TensorView saved_view = view_of(saved);
-        nb::gil_scoped_release release;
-        rank.backward(a, b, reinterpret_cast<cudaStream_t>(stream), saved_view);
-      },
-      nb::arg("rank"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
-      nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
-      nb::arg("saved"), nb::arg("dy"), nb::arg("dx"), nb::arg("d_topk_weights"), nb::arg("d_w_gate"),
-      nb::arg("d_w_up"), nb::arg("d_w_down"), nb::arg("d_shared_gate").none(), nb::arg("d_shared_up").none(),
-      nb::arg("d_shared_down").none(), nb::arg("stream"));
+  def_backward<mok::EpRank>(m, "ep_backward", "rank", "mok.ep_backward",
+                            [](mok::EpRank& rank, const mok::ForwardArgs& a, const mok::BackwardArgs& b,
+                               cudaStream_t stream, const mok::TensorView& saved) { rank.backward(a, b, stream, saved); });
 
   m.def(
       "saved_elements",

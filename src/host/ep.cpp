@@ -72,20 +72,8 @@ struct VirtualRanks::Launch {
 
 VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, const Config& config, Training training)
     : shape_(shape), tokens_(tokens_per_rank), config_(config), training_(training) {
-  validate(shape);
-  validate(config);
-  const std::int64_t ep = shape.ep_size();
-  if (ep > kMaxEpRanks)
-    throw_argument_error(kWhere, "num_local_experts", "makes ", ep, " ranks (num_experts / num_local_experts); at most ",
-                         kMaxEpRanks, " are supported");
-  if (tokens_per_rank < 1) throw_argument_error(kWhere, "tokens_per_rank", "must be >= 1, got ", tokens_per_rank);
-  if (ep * tokens_per_rank * shape.top_k > std::numeric_limits<std::int32_t>::max())
-    throw_argument_error(kWhere, "tokens_per_rank", "ranks * T * k must fit in int32, got ", ep * tokens_per_rank * shape.top_k);
+  const std::int64_t ep = detail::check_ep_group(kWhere, shape, config, tokens_per_rank, training);
   const std::int64_t T = tokens_per_rank, k = shape.top_k, H = shape.hidden;
-  // The backward's pushed dx rows (bf16) and d_topk_weights partials share the slots.
-  if (training != Training::off && (shape.intermediate + 255) / 256 * 4 > 2 * H)
-    throw_argument_error(kWhere, "intermediate", "must be at most 128 * hidden for the EP backward, got ",
-                         shape.intermediate);
   for (int r = 0; r < ep; ++r) {
     auto rank = std::make_unique<Rank>();
     rank->ws.reset(new Workspace(shape, T, config, training, Workspace::ForRank{r}));

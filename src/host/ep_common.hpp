@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include <span>
 #include <string_view>
 
 #include "kernels/forward.cuh"
+#include "mok/ep.hpp"
 #include "mok/error.hpp"
 #include "mok/forward.hpp"
 #include "tensor_map.hpp"
@@ -38,6 +40,27 @@ inline void set_ring(kernels::ForwardParams& p, const Workspace& ws, int comm_ct
   p.ring.buffer = ring;
   for (std::size_t q = 0; q < x.size(); ++q) p.ring.x[q] = static_cast<const std::uint16_t*>(x[q]);
   p.maps.x_routed = make_bf16_tensor_map(ring, {std::uint64_t(ws.shape().hidden), std::uint64_t(rows)}, {64, 128}, "ring");
+}
+
+// The checks both EP front ends make of a group's shape: ranks, tokens per rank, and what
+// the EP backward needs (its dx rows and d_topk_weights partials share the fp32 slots).
+// Returns the number of ranks.
+inline std::int64_t check_ep_group(std::string_view where, const MoeShape& shape, const Config& config,
+                                   std::int64_t tokens_per_rank, Training training) {
+  validate(shape);
+  validate(config);
+  const std::int64_t ep = shape.ep_size();
+  if (ep > kMaxEpRanks)
+    throw_argument_error(where, "num_local_experts", "makes ", ep, " ranks (num_experts / num_local_experts); at most ",
+                         kMaxEpRanks, " are supported");
+  if (tokens_per_rank < 1) throw_argument_error(where, "tokens_per_rank", "must be >= 1, got ", tokens_per_rank);
+  if (ep * tokens_per_rank * shape.top_k > std::numeric_limits<std::int32_t>::max())
+    throw_argument_error(where, "tokens_per_rank", "ranks * T * k must fit in int32, got ",
+                         ep * tokens_per_rank * shape.top_k);
+  if (training != Training::off && (shape.intermediate + 255) / 256 * 4 > 2 * shape.hidden)
+    throw_argument_error(where, "intermediate", "must be at most 128 * hidden for the EP backward, got ",
+                         shape.intermediate);
+  return ep;
 }
 
 // Whether the forward pulls rows through the ring (comm CTAs beside the GEMM tiles): only

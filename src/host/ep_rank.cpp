@@ -71,22 +71,10 @@ EpRank::EpRank(const MoeShape& shape, std::int64_t tokens_per_rank, int rank, st
                const Config& config, Training training, bool peers_on_other_gpus)
     : shape_(shape), tokens_(tokens_per_rank), rank_(rank), config_(config), training_(training),
       system_scope_(peers_on_other_gpus) {
-  validate(shape);
-  validate(config);
-  const std::int64_t ep = shape.ep_size();
-  if (ep > kMaxEpRanks)
-    throw_argument_error(kWhere, "num_local_experts", "makes ", ep, " ranks (num_experts / num_local_experts); at most ",
-                         kMaxEpRanks, " are supported");
+  const std::int64_t ep = detail::check_ep_group(kWhere, shape, config, tokens_per_rank, training);
   if (static_cast<std::int64_t>(region_bases.size()) != ep)
     throw_argument_error(kWhere, "region_bases", "must hold one region per rank (", ep, "), got ", region_bases.size());
   if (rank < 0 || rank >= ep) throw_argument_error(kWhere, "rank", "must be in [0, ", ep, "), got ", rank);
-  if (tokens_per_rank < 1) throw_argument_error(kWhere, "tokens_per_rank", "must be >= 1, got ", tokens_per_rank);
-  if (ep * tokens_per_rank * shape.top_k > std::numeric_limits<std::int32_t>::max())
-    throw_argument_error(kWhere, "tokens_per_rank", "ranks * T * k must fit in int32, got ",
-                         ep * tokens_per_rank * shape.top_k);
-  if (training != Training::off && (shape.intermediate + 255) / 256 * 4 > 2 * shape.hidden)
-    throw_argument_error(kWhere, "intermediate", "must be at most 128 * hidden for the EP backward, got ",
-                         shape.intermediate);
   for (std::size_t q = 0; q < region_bases.size(); ++q) {
     if (region_bases[q] == nullptr)
       throw_argument_error(kWhere, "region_bases", "entry ", q, " is null");
