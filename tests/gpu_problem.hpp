@@ -103,4 +103,12 @@ inline Comparison compare(const std::vector<double>& got, const std::vector<doub
   return {reference::relative_error(got, ref), bad};
 }
 
+// New tokens and routing for `first`'s experts (graph replays with new data, same weights).
+inline HostProblem same_experts(const HostProblem& first, RoutingKind kind, std::uint64_t seed) {
+  HostProblem next = make_problem(first.shape, first.tokens, kind, seed);
+  next.w_gate = first.w_gate, next.w_up = first.w_up, next.w_down = first.w_down;
+  next.shared_gate = first.shared_gate, next.shared_up = first.shared_up, next.shared_down = first.shared_down;
+  return next;
+}
+
 }  // namespace mok::testing

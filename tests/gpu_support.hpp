@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <cstring>
 #include <vector>
 
 #include "mok/device.hpp"
@@ -48,6 +49,39 @@ class DeviceBuffer {
  private:
   T* ptr_ = nullptr;
   std::size_t n_ = 0;
+};
+
+// Whether two host arrays hold the same bits (bitwise-equality checks of results).
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// A CUDA graph of what `step` enqueues on `stream` (captured once, instantiated), destroyed
+// with this object. Check error() before launching.
+class CapturedGraph {
+ public:
+  template <typename Step>
+  CapturedGraph(cudaStream_t stream, Step&& step) {
+    error_ = cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal);
+    if (error_ != cudaSuccess) return;
+    step();
+    error_ = cudaStreamEndCapture(stream, &graph_);
+    if (error_ == cudaSuccess) error_ = cudaGraphInstantiate(&exec_, graph_, 0);
+  }
+  ~CapturedGraph() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  cudaError_t error() const { return error_; }
+  cudaError_t launch(cudaStream_t stream) const { return cudaGraphLaunch(exec_, stream); }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+  cudaError_t error_ = cudaSuccess;
 };
 
 }  // namespace mok::testing

@@ -210,28 +210,20 @@ TEST(Backward, GraphReplayOfForwardAndBackward) {
   };
   step();  // warm-up outside capture (kernel attributes)
   ws.check(stream);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MOK_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  step();
-  MOK_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  MOK_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  const testing::CapturedGraph graph(stream, step);
+  MOK_CUDA_OK(graph.error());
   for (RoutingKind kind : {RoutingKind::skewed, RoutingKind::padded, RoutingKind::first_half}) {
-    HostProblem next = make_problem(s, T, kind, 7 + static_cast<int>(kind));
-    next.w_gate = first.w_gate, next.w_up = first.w_up, next.w_down = first.w_down;  // same weights
-    next.shared_gate = first.shared_gate, next.shared_up = first.shared_up, next.shared_down = first.shared_down;
+    const HostProblem next = testing::same_experts(first, kind, 7 + static_cast<int>(kind));
     const auto dy = random_bf16(next.x.size(), 100 + static_cast<int>(kind));
     gpu.x.upload(next.x, stream);
     gpu.ids.upload(next.topk_ids, stream);
     gpu.weights.upload(next.topk_weights, stream);
     grads.dy.upload(dy, stream);
     grads.poison();
-    MOK_CUDA_OK(cudaGraphLaunch(exec, stream));
+    MOK_CUDA_OK(graph.launch(stream));
     ws.check(stream);
     check_gradients(next, grads, dy, routing_kind_name(kind));
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 

@@ -21,6 +21,7 @@ namespace mok {
 namespace {
 
 using testing::DeviceBuffer;
+using testing::same_bits;
 
 struct EpCase {
   const char* name;
@@ -145,9 +146,6 @@ std::vector<bf16> run_one_gpu(const HostProblem& host) {
   return gpu.y.download();
 }
 
-bool bitwise_equal(const std::vector<bf16>& a, const std::vector<bf16>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0;
-}
 
 class EpCases : public ::testing::TestWithParam<EpCase> {};
 
@@ -162,7 +160,7 @@ TEST_P(EpCases, MatchesReferenceAndOneGpuBitwise) {
     const auto cmp = testing::compare(reference::to_double(got), ref);
     EXPECT_EQ(cmp.non_finite, 0) << "unwritten or non-finite outputs";
     EXPECT_LE(cmp.rel_error, 1e-2) << c.name << " seed " << seed;
-    EXPECT_TRUE(bitwise_equal(got, run_one_gpu(p.host))) << c.name << ": EP = " << c.ep << " differs from one GPU";
+    EXPECT_TRUE(same_bits(got, run_one_gpu(p.host))) << c.name << ": EP = " << c.ep << " differs from one GPU";
     RecordProperty("rel_error", std::to_string(cmp.rel_error));
   }
 }
@@ -187,19 +185,19 @@ TEST(Ep, BitwiseEqualAcrossRunsAndSmCounts) {
   const EpCase c{"", 4, 500, 512, 256, 16, 4, 256, 0, RoutingKind::skewed};
   const EpProblem p(c, 7);
   const auto first = run_group(p);
-  ASSERT_TRUE(bitwise_equal(first, run_one_gpu(p.host)));
+  ASSERT_TRUE(same_bits(first, run_one_gpu(p.host)));
   VirtualRanks group(p.shape, p.T);
   const auto args = p.args();
   for (int run = 0; run < 10; ++run) {
     p.poison_outputs();
     group.forward(args, nullptr);
     group.check(nullptr);
-    ASSERT_TRUE(bitwise_equal(p.outputs(), first)) << "run " << run;
+    ASSERT_TRUE(same_bits(p.outputs(), first)) << "run " << run;
   }
   for (int sms : {4, 12, 60}) {
     Config config;
     config.compute_sms = sms;
-    EXPECT_TRUE(bitwise_equal(run_group(p, config), first)) << sms << " SMs";
+    EXPECT_TRUE(same_bits(run_group(p, config), first)) << sms << " SMs";
   }
 }
 
@@ -221,7 +219,7 @@ TEST(Ep, RingWrapsAndResultsDoNotDependOnCommSmsMinibatchOrRingSize) {
       config.comm_sms = r.comm_sms;
       config.minibatch_rows = r.minibatch_rows;
       config.ring_rows = r.ring_rows;
-      EXPECT_TRUE(bitwise_equal(run_group(p, config), one))
+      EXPECT_TRUE(same_bits(run_group(p, config), one))
           << "EP " << ep << ", comm_sms " << r.comm_sms << ", minibatch " << r.minibatch_rows << ", ring " << r.ring_rows;
     }
   }
@@ -235,7 +233,7 @@ TEST(Ep, SmallRingWrapsBitwiseLikeOneGpu) {
   const EpProblem p(c, 61);
   Config config;
   config.comm_sms = 1, config.minibatch_rows = 128, config.ring_rows = 128;
-  EXPECT_TRUE(bitwise_equal(run_group(p, config), run_one_gpu(p.host)));
+  EXPECT_TRUE(same_bits(run_group(p, config), run_one_gpu(p.host)));
 }
 
 TEST(Ep, BadExpertIdOnOneRankStopsEveryRank) {
@@ -378,10 +376,6 @@ TrainRun train_group(const EpProblem& p, const EpGrads& g, Training mode, const 
           EpGrads::summed(g.d_sup),     EpGrads::summed(g.d_sdown)};
 }
 
-template <typename T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
 
 class EpBackwardCases : public ::testing::TestWithParam<EpCase> {};
 
@@ -489,16 +483,10 @@ TEST(EpBackward, GraphReplayOfForwardAndBackward) {
   };
   step();  // warm-up outside capture (kernel attributes)
   group.check(stream);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MOK_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  step();
-  MOK_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  MOK_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  const testing::CapturedGraph graph(stream, step);
+  MOK_CUDA_OK(graph.error());
   for (RoutingKind kind : {RoutingKind::skewed, RoutingKind::padded, RoutingKind::first_half}) {
-    HostProblem next = make_problem(p.host.shape, p.host.tokens, kind, 60 + static_cast<int>(kind));
-    next.w_gate = p.host.w_gate, next.w_up = p.host.w_up, next.w_down = p.host.w_down;  // the same experts
-    next.shared_gate = p.host.shared_gate, next.shared_up = p.host.shared_up, next.shared_down = p.host.shared_down;
+    const HostProblem next = testing::same_experts(p.host, kind, 60 + static_cast<int>(kind));
     const auto dy = testing::random_bf16(next.x.size(), 70 + static_cast<int>(kind));
     p.upload_tokens(next, stream);
     for (int r = 0; r < p.ep; ++r)
@@ -506,7 +494,7 @@ TEST(EpBackward, GraphReplayOfForwardAndBackward) {
                       stream);
     p.poison_outputs();
     g.poison();
-    MOK_CUDA_OK(cudaGraphLaunch(exec, stream));
+    MOK_CUDA_OK(graph.launch(stream));
     group.check(stream);
     const auto y_ref = reference::forward(next.shape, next.tokens, next.reference_x(), next.reference_routing(),
                                           next.reference_weights());
@@ -522,8 +510,6 @@ TEST(EpBackward, GraphReplayOfForwardAndBackward) {
     testing::expect_close("d_w_down", reference::to_double(EpGrads::concat(g.d_down)), ref.w.down, name);
     testing::expect_close("d_shared_up (sum over ranks)", EpGrads::summed(g.d_sup), ref.w.shared_up, name);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 
@@ -588,7 +574,7 @@ TEST(EpRanks, SeparateLaunchesMatchOneGpuBitwiseAcrossQueuedCalls) {
     }
     group.check();
     for (std::size_t c = 0; c < calls.size(); ++c)
-      EXPECT_TRUE(bitwise_equal(calls[c]->outputs(), expected[c])) << "EP " << ep << ", call " << c;
+      EXPECT_TRUE(same_bits(calls[c]->outputs(), expected[c])) << "EP " << ep << ", call " << c;
   }
 }
 

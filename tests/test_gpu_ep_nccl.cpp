@@ -84,7 +84,7 @@ TEST(EpNccl, RanksOnNcclWindowsMatchOneGpuBitwise) {
   std::vector<bf16> all;
   for (const auto& o : outputs) all.insert(all.end(), o.begin(), o.end());
   ASSERT_EQ(all.size(), expected.size());
-  EXPECT_EQ(std::memcmp(all.data(), expected.data(), all.size() * sizeof(bf16)), 0) << ranks << " ranks over NCCL";
+  EXPECT_TRUE(testing::same_bits(all, expected)) << ranks << " ranks over NCCL";
 }
 
 }  // namespace

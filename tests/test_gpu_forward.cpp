@@ -14,6 +14,7 @@ namespace {
 
 using testing::Case;
 using testing::GpuProblem;
+using testing::same_bits;
 using testing::shape_of;
 
 class ForwardCases : public ::testing::TestWithParam<Case> {};
@@ -57,9 +58,6 @@ std::vector<bf16> run_once(const HostProblem& host, GpuProblem& gpu, int sms) {
   return gpu.y.download();
 }
 
-bool bitwise_equal(const std::vector<bf16>& a, const std::vector<bf16>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0;
-}
 
 TEST(Forward, BitwiseEqualAcrossRunsAndSmCounts) {
   MOK_REQUIRE_HOPPER();
@@ -72,9 +70,9 @@ TEST(Forward, BitwiseEqualAcrossRunsAndSmCounts) {
     gpu.poison_output();
     forward(gpu.args(), ws, nullptr);
     ws.check(nullptr);
-    ASSERT_TRUE(bitwise_equal(gpu.y.download(), first)) << "run " << run;
+    ASSERT_TRUE(same_bits(gpu.y.download(), first)) << "run " << run;
   }
-  for (int sms : {1, 7, 37, 100}) EXPECT_TRUE(bitwise_equal(run_once(host, gpu, sms), first)) << sms << " SMs";
+  for (int sms : {1, 7, 37, 100}) EXPECT_TRUE(same_bits(run_once(host, gpu, sms), first)) << sms << " SMs";
 }
 
 TEST(Forward, BadExpertIdPoisonsOutputAndIsReported) {
@@ -120,29 +118,21 @@ TEST(Forward, GraphReplayWithNewRouting) {
   MOK_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   forward(gpu.args(), ws, stream);  // warm-up outside capture (kernel attributes)
   ws.check(stream);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MOK_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  forward(gpu.args(), ws, stream);
-  MOK_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  MOK_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  const testing::CapturedGraph graph(stream, [&] { forward(gpu.args(), ws, stream); });
+  MOK_CUDA_OK(graph.error());
   for (RoutingKind kind : {RoutingKind::skewed, RoutingKind::padded, RoutingKind::first_half}) {
-    HostProblem next = make_problem(s, T, kind, 7 + static_cast<int>(kind));
-    next.w_gate = first.w_gate, next.w_up = first.w_up, next.w_down = first.w_down;  // same weights
-    next.shared_gate = first.shared_gate, next.shared_up = first.shared_up, next.shared_down = first.shared_down;
+    const HostProblem next = testing::same_experts(first, kind, 7 + static_cast<int>(kind));
     gpu.x.upload(next.x, stream);
     gpu.ids.upload(next.topk_ids, stream);
     gpu.weights.upload(next.topk_weights, stream);
     gpu.poison_output(stream);
-    MOK_CUDA_OK(cudaGraphLaunch(exec, stream));
+    MOK_CUDA_OK(graph.launch(stream));
     ws.check(stream);
     const auto ref = reference::forward(s, T, next.reference_x(), next.reference_routing(), next.reference_weights());
     const auto cmp = testing::compare(gpu.output(), ref);
     EXPECT_EQ(cmp.non_finite, 0);
     EXPECT_LE(cmp.rel_error, 1e-2) << routing_kind_name(kind);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 

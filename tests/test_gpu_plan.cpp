@@ -122,20 +122,15 @@ TEST(DevicePlan, SurvivesGraphCaptureAndReplay) {
   DevicePlan plan(s, T);
   cudaStream_t stream;
   MOK_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MOK_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  plan_device(TensorView::contiguous(d.get(), DType::i32, Device::cuda(0), {T, 4}), 0, plan, stream);
-  MOK_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  MOK_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  const testing::CapturedGraph graph(
+      stream, [&] { plan_device(TensorView::contiguous(d.get(), DType::i32, Device::cuda(0), {T, 4}), 0, plan, stream); });
+  MOK_CUDA_OK(graph.error());
   for (RoutingKind kind : {RoutingKind::uniform, RoutingKind::skewed, RoutingKind::padded, RoutingKind::first_half}) {
     const auto ids = make_routing(kind, T, 32, 4, 5);
     d.upload(ids, stream);
-    MOK_CUDA_OK(cudaGraphLaunch(exec, stream));
+    MOK_CUDA_OK(graph.launch(stream));
     testing::expect_plans_equal(plan.to_host(stream, 0), plan_host(s, T, ids, 0));
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 

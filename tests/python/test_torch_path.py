@@ -50,95 +50,95 @@ def test_training_example_loss_falls_on_cpu():
     assert "final loss" in run.stdout
 
 
-def _ep_rank(rank, world, port, shared, limit):
-    """One process of the two-rank check below: its part of one global problem through
-    mok.moe_torch_ep, against mok.moe_torch on the whole problem."""
+def _in_process_group(rank, world, port, check, *args):
+    """One process of a gloo group on this machine: runs check(rank, world, *args)."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        T, E_l = 9, 3  # tokens per rank, experts per rank
-        x, ids, w, gate, up, down, sh = random_problem(T * world, 32, 16, E_l * world, 2, shared, seed=7, padding=0.2)
-        w = w.double()
-        mine, experts = slice(rank * T, (rank + 1) * T), slice(rank * E_l, (rank + 1) * E_l)
-        leaves = lambda *ts: [t.clone().requires_grad_(True) for t in ts]
-        full = leaves(x, w, gate, up, down, *(sh or ()))
-        y = mok.moe_torch(full[0], ids, full[1], *full[2:5], shared=full[5:] or None, swiglu_limit=limit)
-        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(8), dtype=y.dtype)
-        y.backward(dy)
-        part = leaves(x[mine], w[mine], gate[experts], up[experts], down[experts], *(sh or ()))
-        y_ep = mok.moe_torch_ep(part[0], ids[mine], part[1], *part[2:5], shared=part[5:] or None, swiglu_limit=limit)
-        y_ep.backward(dy[mine])
-        torch.testing.assert_close(y_ep, y[mine], rtol=1e-12, atol=1e-12)
-        for name, got, want in (("x", part[0], full[0].grad[mine]), ("topk_weights", part[1], full[1].grad[mine]),
-                                ("w_gate", part[2], full[2].grad[experts]), ("w_up", part[3], full[3].grad[experts]),
-                                ("w_down", part[4], full[4].grad[experts])):
-            torch.testing.assert_close(got.grad, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"rank {rank} {name}: {m}")
-        if sh:  # the shared expert's gradient is each rank's own tokens' share: their sum is the whole
-            grads = [torch.zeros_like(part[5].grad) for _ in range(world)]
-            dist.all_gather(grads, part[5].grad)
-            torch.testing.assert_close(sum(grads), full[5].grad, rtol=1e-10, atol=1e-12)
+        check(rank, world, *args)
     finally:
         dist.destroy_process_group()
+
+
+def _run_in_two_processes(check, *args):
+    """check(rank, world, *args) in two processes of a gloo group (a failure in one fails the test)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_in_process_group, args=(2, port, check) + args, nprocs=2, join=True)
+
+
+def _ep_rank(rank, world, shared, limit):
+    """One process of the two-rank check below: its part of one global problem through
+    mok.moe_torch_ep, against mok.moe_torch on the whole problem."""
+    import torch.distributed as dist
+
+    T, E_l = 9, 3  # tokens per rank, experts per rank
+    x, ids, w, gate, up, down, sh = random_problem(T * world, 32, 16, E_l * world, 2, shared, seed=7, padding=0.2)
+    w = w.double()
+    mine, experts = slice(rank * T, (rank + 1) * T), slice(rank * E_l, (rank + 1) * E_l)
+    leaves = lambda *ts: [t.clone().requires_grad_(True) for t in ts]
+    full = leaves(x, w, gate, up, down, *(sh or ()))
+    y = mok.moe_torch(full[0], ids, full[1], *full[2:5], shared=full[5:] or None, swiglu_limit=limit)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(8), dtype=y.dtype)
+    y.backward(dy)
+    part = leaves(x[mine], w[mine], gate[experts], up[experts], down[experts], *(sh or ()))
+    y_ep = mok.moe_torch_ep(part[0], ids[mine], part[1], *part[2:5], shared=part[5:] or None, swiglu_limit=limit)
+    y_ep.backward(dy[mine])
+    torch.testing.assert_close(y_ep, y[mine], rtol=1e-12, atol=1e-12)
+    for name, got, want in (("x", part[0], full[0].grad[mine]), ("topk_weights", part[1], full[1].grad[mine]),
+                            ("w_gate", part[2], full[2].grad[experts]), ("w_up", part[3], full[3].grad[experts]),
+                            ("w_down", part[4], full[4].grad[experts])):
+        torch.testing.assert_close(got.grad, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"rank {rank} {name}: {m}")
+    if sh:  # the shared expert's gradient is each rank's own tokens' share: their sum is the whole
+        grads = [torch.zeros_like(part[5].grad) for _ in range(world)]
+        dist.all_gather(grads, part[5].grad)
+        torch.testing.assert_close(sum(grads), full[5].grad, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="needs torch.distributed with gloo")
 @pytest.mark.parametrize("shared,limit", [(0, None), (16, 0.75)])
 def test_expert_parallel_torch_path_matches_one_process(shared, limit):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ep_rank, args=(2, port, shared, limit), nprocs=2, join=True)
+    _run_in_two_processes(_ep_rank, shared, limit)
 
 
-def _ep_module_rank(rank, world, port):
+def _ep_module_rank(rank, world):
     """mok.MoE(backend="torch", group=...) on gloo: each rank's module holds its experts and
     must match one module holding all of them (router, values, gradients)."""
     import torch.distributed as dist
 
     import mok.ep
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(3)  # the same full layer and tokens on every rank
-        H, I, E, k, T = 32, 16, 6, 2, 7
-        full = mok.MoE(H, I, E, k, backend="torch", dtype=torch.float64)  # (the router stays fp32)
-        group = mok.ep.ExpertParallel()
-        part = mok.MoE(H, I, E, k, backend="torch", group=group, dtype=torch.float64)
-        experts = slice(rank * E // world, (rank + 1) * E // world)
-        with torch.no_grad():
-            part.router.weight.copy_(full.router.weight)
-            for mine, whole in ((part.w_gate, full.w_gate), (part.w_up, full.w_up), (part.w_down, full.w_down)):
-                mine.copy_(whole[experts])
-        x = torch.randn(world * T, H, dtype=torch.float64)
-        mine = slice(rank * T, (rank + 1) * T)
-        full(x).backward(torch.ones(world * T, H, dtype=torch.float64))
-        part(x[mine]).backward(torch.ones(T, H, dtype=torch.float64))
-        torch.testing.assert_close(part(x[mine]), full(x)[mine], rtol=1e-12, atol=1e-12)
-        for mine_w, whole in ((part.w_gate, full.w_gate), (part.w_up, full.w_up), (part.w_down, full.w_down)):
-            torch.testing.assert_close(mine_w.grad, whole.grad[experts], rtol=1e-10, atol=1e-12)
-        router_grads = [torch.zeros_like(part.router.weight.grad) for _ in range(world)]
-        dist.all_gather(router_grads, part.router.weight.grad)  # each rank's tokens' share
-        torch.testing.assert_close(sum(router_grads), full.router.weight.grad, rtol=1e-5, atol=1e-6)  # fp32
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(3)  # the same full layer and tokens on every rank
+    H, I, E, k, T = 32, 16, 6, 2, 7
+    full = mok.MoE(H, I, E, k, backend="torch", dtype=torch.float64)  # (the router stays fp32)
+    group = mok.ep.ExpertParallel()
+    part = mok.MoE(H, I, E, k, backend="torch", group=group, dtype=torch.float64)
+    experts = slice(rank * E // world, (rank + 1) * E // world)
+    with torch.no_grad():
+        part.router.weight.copy_(full.router.weight)
+        for mine, whole in ((part.w_gate, full.w_gate), (part.w_up, full.w_up), (part.w_down, full.w_down)):
+            mine.copy_(whole[experts])
+    x = torch.randn(world * T, H, dtype=torch.float64)
+    mine = slice(rank * T, (rank + 1) * T)
+    full(x).backward(torch.ones(world * T, H, dtype=torch.float64))
+    part(x[mine]).backward(torch.ones(T, H, dtype=torch.float64))
+    torch.testing.assert_close(part(x[mine]), full(x)[mine], rtol=1e-12, atol=1e-12)
+    for mine_w, whole in ((part.w_gate, full.w_gate), (part.w_up, full.w_up), (part.w_down, full.w_down)):
+        torch.testing.assert_close(mine_w.grad, whole.grad[experts], rtol=1e-10, atol=1e-12)
+    router_grads = [torch.zeros_like(part.router.weight.grad) for _ in range(world)]
+    dist.all_gather(router_grads, part.router.weight.grad)  # each rank's tokens' share
+    torch.testing.assert_close(sum(router_grads), full.router.weight.grad, rtol=1e-5, atol=1e-6)  # fp32
 
 
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="needs torch.distributed with gloo")
 def test_expert_parallel_module_with_the_torch_backend_matches_one_process():
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ep_module_rank, args=(2, port), nprocs=2, join=True)
+    _run_in_two_processes(_ep_module_rank)
