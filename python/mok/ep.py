@@ -15,6 +15,7 @@ Run on two H200s under torchrun (tests/python/test_ep.py: forward and gradients 
 equal to one GPU). `mok.moe_torch_ep` is the same split in plain PyTorch (all-to-all).
 """
 
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -23,7 +24,10 @@ from mok import _C
 from mok._checks import check_moe_args
 from mok.ops import _backward_inputs, _empty_grads, _input_grads
 
-_groups: Dict[int, "ExpertParallel"] = {}
+# Live groups by id (the custom ops take an int): weak, so that a group, its process group
+# and its symmetric memory go with the last module that holds it (a process group kept
+# alive past destroy_process_group until the interpreter's teardown can abort there).
+_groups: "weakref.WeakValueDictionary[int, ExpertParallel]" = weakref.WeakValueDictionary()
 
 
 class ExpertParallel:
@@ -90,6 +94,14 @@ class ExpertParallel:
         self._regions.append(region)
         self._ranks[key] = rank
         return rank
+
+    def release(self) -> None:
+        """Frees this group's EpRanks and symmetric regions (after the GPU has finished with
+        them); the next call sets them up again, collectively."""
+        if self._ranks:
+            torch.cuda.synchronize()
+        self._ranks.clear()
+        self._regions.clear()
 
     def check(self) -> None:
         """Synchronises and raises ValueError (naming rank and peer) if a kernel recorded an error."""

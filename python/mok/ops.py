@@ -1,6 +1,8 @@
 """The PyTorch API: a torch.library custom op with a fake implementation, so the layer
 works under torch.compile(fullgraph=True) and CUDA-graph capture."""
 
+import atexit
+import sys
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -9,6 +11,19 @@ from mok import _C
 from mok._checks import check_moe_args
 
 _workspaces = {}
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Frees the cached workspaces and EP ranks while the interpreter and CUDA are still up
+    (objects of the extension alive at its teardown are reported as leaks by nanobind)."""
+    if _workspaces:
+        torch.cuda.synchronize()
+        _workspaces.clear()
+    ep = sys.modules.get("mok.ep")
+    if ep is not None:
+        for group in list(ep._groups.values()):
+            group.release()
 
 
 def _workspace(x, w_gate, top_k, shared_intermediate, swiglu_limit, training=False):
@@ -202,8 +217,6 @@ def check() -> None:
     capacity, a timed-out wait) in any workspace, or in any expert-parallel rank (mok.ep)."""
     for ws in _workspaces.values():
         ws.check(torch.cuda.current_stream().cuda_stream)
-    import sys
-
     ep = sys.modules.get("mok.ep")  # only if expert parallelism was used
     if ep is not None:
         for group in ep._groups.values():
