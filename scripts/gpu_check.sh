@@ -72,7 +72,8 @@ fi
 for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
               test_gpu_backward:Backward/BackwardCases.MatchesReference/shared_padded_clamp \
               test_gpu_ep:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp \
-              test_gpu_ep:Ep.SmallRingWrapsBitwiseLikeOneGpu; do
+              test_gpu_ep:Ep.SmallRingWrapsBitwiseLikeOneGpu \
+              test_gpu_ep:EpBackward.SmallRingWrapsBitwiseLikeNoRing; do
   binary=${target%%:*} small_case=${target#*:}
   for tool in memcheck racecheck synccheck; do
     if timeout 600 compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/$binary \

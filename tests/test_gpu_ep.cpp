@@ -16,6 +16,7 @@
 #include "mok/backward.hpp"
 #include "mok/ep.hpp"
 #include "mok/error.hpp"
+#include "mok/plan.hpp"
 
 namespace mok {
 namespace {
@@ -457,6 +458,113 @@ TEST(EpBackward, BitwiseEqualAcrossRunsAndSmCounts) {
   }
 }
 
+// Rows of the largest local expert (padded) and of the busiest rank, over every rank's plan.
+struct RingNeeds {
+  std::int64_t expert_rows = 0, rank_rows = 0;
+};
+
+RingNeeds ring_needs(const EpProblem& p) {
+  RingNeeds n;
+  for (int r = 0; r < p.ep; ++r) {
+    const Plan plan = plan_host(p.shape, p.T, p.host.topk_ids, r);
+    for (std::size_t e = 0; e + 1 < plan.expert_offset.size(); ++e)
+      n.expert_rows = std::max<std::int64_t>(n.expert_rows, plan.expert_offset[e + 1] - plan.expert_offset[e]);
+    n.rank_rows = std::max(n.rank_rows, plan.padded_rows());
+  }
+  return n;
+}
+
+// The smallest ring (a multiple of minibatch_rows) that holds an expert of `rows` rows
+// wherever its rows start (128-row aligned).
+std::int64_t tight_ring(std::int64_t rows, std::int64_t minibatch_rows) {
+  return (rows + minibatch_rows - 128 + minibatch_rows - 1) / minibatch_rows * minibatch_rows;
+}
+
+bool same_grads(const TrainRun& a, const TrainRun& b) {
+  return same_bits(a.dx, b.dx) && same_bits(a.dtw, b.dtw) && same_bits(a.gate, b.gate) && same_bits(a.up, b.up) &&
+         same_bits(a.down, b.down) && a.sgate == b.sgate && a.sup == b.sup && a.sdown == b.sdown;
+}
+
+// The backward's rings: dy and x rows stream through two rings, a minibatch at a time,
+// pulled by comm SMs; the tightest ring that holds the largest expert's minibatches wraps
+// on the busiest rank (skewed routing: one rank receives most rows; EP = 1: 16 experts
+// through a ring of the largest one's rows). The
+// gradients must be bitwise those without a ring (which equal one GPU's, above) for every
+// comm-SM count, minibatch and ring size, in save and recompute modes.
+TEST(EpBackward, RingWrapsAndGradientsDoNotDependOnCommSmsMinibatchOrRingSize) {
+  MOK_REQUIRE_HOPPER();
+  for (int ep : {1, 4, 8}) {
+    const EpCase c{"", ep, 600, 256, 256, 16, 4, 128, 0.75f, RoutingKind::skewed};
+    const EpProblem p(c, 141 + ep);
+    const EpGrads g(p, testing::random_bf16(p.host.x.size(), 142 + ep));
+    const TrainRun plain = train_group(p, g, Training::save);
+    const RingNeeds need = ring_needs(p);
+    struct Ring {
+      int comm_sms;
+      std::int64_t minibatch_rows, extra_minibatches;  // ring: the tight one + extra minibatches; -1: 0 (every row)
+    };
+    for (const Ring r : {Ring{1, 128, 0}, Ring{2, 256, 0}, Ring{3, 128, 1}, Ring{1, 512, 0}, Ring{2, 128, -1}}) {
+      Config config;
+      config.comm_sms = r.comm_sms;
+      config.minibatch_rows = r.minibatch_rows;
+      config.ring_rows =
+          r.extra_minibatches < 0 ? 0 : tight_ring(need.expert_rows, r.minibatch_rows) + r.extra_minibatches * r.minibatch_rows;
+      const std::string what = "EP " + std::to_string(ep) + ", comm_sms " + std::to_string(r.comm_sms) + ", minibatch " +
+                               std::to_string(r.minibatch_rows) + ", ring " + std::to_string(config.ring_rows);
+      if (r.extra_minibatches == 0 && r.minibatch_rows == 128)  // the busiest rank's rows wrap around the ring
+        EXPECT_GT(need.rank_rows, config.ring_rows) << what << ": the ring does not wrap";
+      EXPECT_TRUE(same_grads(train_group(p, g, Training::save, config), plain)) << what;
+      if (r.comm_sms == 1 && r.minibatch_rows == 128)
+        EXPECT_TRUE(same_grads(train_group(p, g, Training::recompute, config), plain)) << what << ", recompute";
+    }
+  }
+}
+
+// A small backward ring case for compute-sanitizer (scripts/gpu_check.sh): two ranks, one
+// comm SM each, 128-row minibatches through the tightest ring, padding and a shared expert.
+TEST(EpBackward, SmallRingWrapsBitwiseLikeNoRing) {
+  MOK_REQUIRE_HOPPER();
+  const EpCase c{"", 2, 150, 256, 256, 8, 2, 128, 0, RoutingKind::padded};
+  const EpProblem p(c, 161);
+  const EpGrads g(p, testing::random_bf16(p.host.x.size(), 162));
+  Config config;
+  config.comm_sms = 1, config.minibatch_rows = 128, config.ring_rows = tight_ring(ring_needs(p).expert_rows, 128);
+  EXPECT_TRUE(same_grads(train_group(p, g, Training::save, config), train_group(p, g, Training::save)));
+}
+
+// A ring that cannot hold some expert's rows at once: the planner flags it before any rank
+// starts, every rank stops (NaN outputs, no hang) and the error names the expert, its rows
+// and the ring.
+TEST(EpBackward, RingTooSmallForAnExpertStopsEveryRankWithAClearError) {
+  MOK_REQUIRE_HOPPER();
+  const EpCase c{"", 4, 400, 256, 256, 16, 2, 0, 0, RoutingKind::skewed};
+  const EpProblem p(c, 151);
+  const EpGrads g(p, testing::random_bf16(p.host.x.size(), 152));
+  const RingNeeds need = ring_needs(p);
+  ASSERT_GE(need.expert_rows, 512);
+  Config config;
+  config.comm_sms = 1, config.minibatch_rows = 128, config.ring_rows = need.expert_rows - 256;
+  VirtualRanks group(p.shape, p.T, config, Training::recompute);
+  const auto fa = p.args();
+  const auto ba = g.args();
+  group.forward(fa, nullptr);  // (the forward's ring holds any minibatch)
+  group.check(nullptr);
+  for (const auto& dx : g.dx) cudaMemset(dx->get(), 0, dx->size() * sizeof(bf16));  // not NaN: the kernel must write NaN
+  group.backward(fa, ba, nullptr);
+  try {
+    group.check(nullptr);
+    FAIL() << "no error reported";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("ring token buffer is too small: local expert"), std::string::npos) << what;
+    EXPECT_NE(what.find("has " + std::to_string(need.expert_rows) + " padded rows and the ring holds " +
+                        std::to_string(config.ring_rows) + " rows"),
+              std::string::npos)
+        << what;
+  }
+  for (const bf16 v : EpGrads::concat(g.dx)) ASSERT_TRUE(std::isnan(v.to_float())) << "a rank ran on a bad plan";
+}
+
 // A CUDA graph of every rank's forward and backward, replayed with new routing and new
 // data of the same shapes: nothing in the EP path may depend on the host seeing a count.
 TEST(EpBackward, GraphReplayOfForwardAndBackward) {
@@ -585,7 +693,11 @@ TEST(EpRanks, SeparateLaunchesTrainBitwiseLikeVirtualRanks) {
   const auto dy = testing::random_bf16(p.host.x.size(), 92);
   const EpGrads g(p, dy);
   const TrainRun expected = train_group(p, g, Training::save);
-  SeparateRanks group(p, Training::save);
+  Config ring;  // the second pass: the backward's rows through rings that wrap
+  ring.comm_sms = 2, ring.minibatch_rows = 128, ring.ring_rows = tight_ring(ring_needs(p).expert_rows, 128);
+  for (const Config& config : {Config{}, ring}) {
+  SCOPED_TRACE(config.comm_sms > 0 ? "ring" : "no ring");
+  SeparateRanks group(p, Training::save, config);
   std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
   for (int r = 0; r < p.ep; ++r) saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.ranks[r]->saved_elements()));
   const auto fa = p.args();
@@ -607,6 +719,7 @@ TEST(EpRanks, SeparateLaunchesTrainBitwiseLikeVirtualRanks) {
   EXPECT_TRUE(same_bits(EpGrads::concat(g.d_up), expected.up));
   EXPECT_TRUE(same_bits(EpGrads::concat(g.d_down), expected.down));
   EXPECT_EQ(EpGrads::summed(g.d_sdown), expected.sdown);
+  }
 }
 
 // A rank that never pushes its rows: its peers' combines must stop within the timeout and

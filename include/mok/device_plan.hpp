@@ -14,12 +14,12 @@ namespace mok {
 // Written by the planner kernels; read by later kernels (which stop when code != 0)
 // and by the host only when it asks (DevicePlan::check()).
 struct PlanStatus {
-  enum Code : std::int32_t { ok = 0, expert_out_of_range = 1, capacity_exceeded = 2 };
+  enum Code : std::int32_t { ok = 0, expert_out_of_range = 1, capacity_exceeded = 2, ring_too_small = 3 };
   std::int32_t code;
   std::int32_t pad;
-  std::int64_t index;  // expert_out_of_range: first bad position in all_topk_ids
-  std::int64_t value;  // expert_out_of_range: the bad id; capacity_exceeded: padded rows needed
-  std::int64_t limit;  // capacity_exceeded: capacity_rows
+  std::int64_t index;  // expert_out_of_range: first bad position in all_topk_ids; ring_too_small: the local expert
+  std::int64_t value;  // expert_out_of_range: the bad id; capacity_exceeded, ring_too_small: its padded rows
+  std::int64_t limit;  // capacity_exceeded: capacity_rows; ring_too_small: the ring's rows
 };
 
 // Raw device pointers of a plan, as the kernels take them.
@@ -66,9 +66,17 @@ class DevicePlan {
   DevicePlanView view_{};
 };
 
+// A ring token buffer the plan's rows will stream through in the EP backward, whose
+// weight-gradient tasks read all of an expert's rows at once: every minibatch an expert's
+// rows touch must fit in the ring together. ring_rows = 0: no ring (nothing to check).
+struct RingFit {
+  std::int64_t minibatch_rows = 0, ring_rows = 0;
+};
+
 // Plans `rank` from the routing of every rank: all_topk_ids is [ep, T, k] (or [T, k] when
 // ep = 1), i32 or i64, on the plan's device. Launches on `stream`; never synchronises.
+// With `ring`, an expert whose rows do not fit it is flagged (PlanStatus::ring_too_small).
 void plan_device(const TensorView& all_topk_ids, std::int64_t rank, DevicePlan& plan,
-                 cudaStream_t stream);
+                 cudaStream_t stream, const RingFit& ring = {});
 
 }  // namespace mok

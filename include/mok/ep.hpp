@@ -122,7 +122,7 @@ class EpRank {
  private:
   struct Layout;
   void begin(const ForwardArgs& args, const BackwardArgs* bwd, const unsigned long long* saved_marker,
-             cudaStream_t stream);
+             cudaStream_t stream, int backward_comm_ctas = 0);
   void set_peers(kernels::EpPeers& peers) const;
   int ctas() const;
   MoeShape shape_;

@@ -80,7 +80,10 @@ struct Config {
   int compute_sms = 0;              // SMs given to GEMM tiles; 0 = all the rest
   std::int64_t minibatch_rows = 4096;  // grain of compute/communication overlap
   std::int64_t ring_rows = 0;          // EP: rows of the received-token ring; 0 = all routed rows
-                                       // (if comm_sms > 0); > 0 turns the ring on (comm_sms: 1 in 32)
+                                       // (if comm_sms > 0); > 0 turns the ring on (comm_sms: 1 in 32).
+                                       // The backward's rings must hold every minibatch one expert's
+                                       // rows touch: a call whose routing gives a local expert more than
+                                       // ring_rows - minibatch_rows + 128 rows may fail (a clear error)
   double capacity_factor = 0.0;        // plan capacity in units of T*k rows; 0 = worst case (EP*T*k)
   double timeout_seconds = 10.0;       // bound of every device-side wait
 };

@@ -81,6 +81,12 @@ void DevicePlan::check(cudaStream_t stream) const {
     throw Error(detail::concat("mok::plan_device: capacity exceeded: routed rows need ", status.value,
                                " padded rows, capacity is ", status.limit,
                                " (raise Config::capacity_factor)"));
+  if (status.code == PlanStatus::ring_too_small)
+    throw Error(detail::concat("mok::plan_device: the backward's ring token buffer is too small: local expert ",
+                               status.index, " has ", status.value, " padded rows and the ring holds ", status.limit,
+                               " rows; the ring must hold every minibatch an expert's rows touch (raise "
+                               "Config::ring_rows to at least those rows + minibatch_rows - 128, or 0 for room for "
+                               "every row)"));
   if (status.code != PlanStatus::ok)
     throw Error(detail::concat("mok::plan_device: unknown status code ", status.code));
 }
@@ -106,7 +112,7 @@ Plan DevicePlan::to_host(cudaStream_t stream, std::int64_t rank) const {
   return p;
 }
 
-void plan_device(const TensorView& ids, std::int64_t rank, DevicePlan& plan, cudaStream_t stream) {
+void plan_device(const TensorView& ids, std::int64_t rank, DevicePlan& plan, cudaStream_t stream, const RingFit& ring) {
   constexpr const char* where = "mok::plan_device";
   const MoeShape& s = plan.shape();
   const std::int64_t ep = s.ep_size(), T = plan.tokens(), k = s.top_k;
@@ -138,6 +144,12 @@ void plan_device(const TensorView& ids, std::int64_t rank, DevicePlan& plan, cud
   p.num_local_experts = static_cast<std::int32_t>(s.num_local_experts);
   p.block_m = static_cast<std::int32_t>(plan.block_m());
   p.capacity_rows = plan.capacity_rows();
+  if (ring.ring_rows > 0 && (ring.minibatch_rows <= 0 || ring.minibatch_rows % plan.block_m() != 0 ||
+                             ring.ring_rows % ring.minibatch_rows != 0))
+    throw_argument_error(where, "ring", "minibatch_rows must be a positive multiple of ", plan.block_m(),
+                         " and ring_rows a multiple of it, got ", ring.minibatch_rows, " and ", ring.ring_rows);
+  p.ring_minibatch_rows = ring.minibatch_rows;
+  p.ring_rows = ring.ring_rows;
   kernels::launch_plan(p, v, stream);
   check_cuda(cudaGetLastError(), "launching the planner");
 }

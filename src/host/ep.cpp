@@ -150,7 +150,7 @@ namespace {
 struct ExchangeAndPlan {
   template <typename Ranks>
   static void run(Ranks& ranks, std::span<const ForwardArgs> args, const MoeShape& shape, std::int64_t T, int device,
-                  bool weights, cudaStream_t stream) {
+                  bool weights, cudaStream_t stream, int backward_comm_ctas = 0) {
     const int ep = static_cast<int>(ranks.size());
     const std::int64_t k = shape.top_k;
     kernels::ExchangeParams ex{};
@@ -171,7 +171,7 @@ struct ExchangeAndPlan {
     detail::cuda_check(cudaGetLastError(), kWhere, "launching the routing exchange");
     for (int r = 0; r < ep; ++r) {
       const TensorView all_ids = TensorView::contiguous(ranks[r]->all_ids, DType::i32, Device::cuda(device), {ep, T, k});
-      plan_device(all_ids, r, ranks[r]->ws->plan(), stream);
+      plan_device(all_ids, r, ranks[r]->ws->plan(), stream, detail::backward_ring_fit(*ranks[r]->ws, backward_comm_ctas));
     }
   }
 };
@@ -241,38 +241,52 @@ void VirtualRanks::backward(std::span<const ForwardArgs> fwd, std::span<const Ba
     if ((bwd[r].d_w_gate.dtype == DType::f32) != grad_fp32)
       throw_argument_error(where, "bwd", "weight gradients must have one dtype on every rank (rank 0: ",
                            dtype_name(bwd[0].d_w_gate.dtype), ", rank ", r, ": ", dtype_name(bwd[r].d_w_gate.dtype), ")");
-  ExchangeAndPlan::run(ranks_, fwd, shape_, T, launch.device, true, stream);
+  ExchangeAndPlan::run(ranks_, fwd, shape_, T, launch.device, true, stream, launch.comm_ctas);
 
+  // With comm CTAs the dy and x rows stream through the rings (pulled from these sources);
+  // otherwise every row is pulled before the launch.
+  const bool ring = launch.comm_ctas > 0;
   const void* x_peers[kMaxEpRanks] = {};
   const void* dy_peers[kMaxEpRanks] = {};
-  for (int r = 0; r < ep; ++r) x_peers[r] = fwd[r].x.data, dy_peers[r] = bwd[r].dy.data;
   kernels::BackwardGroupParams group{};
+  for (int r = 0; r < ep; ++r) {
+    x_peers[r] = fwd[r].x.data, dy_peers[r] = bwd[r].dy.data;
+    group.sources.x[r] = static_cast<const std::uint16_t*>(x_peers[r]);
+    group.sources.dy[r] = static_cast<const std::uint16_t*>(dy_peers[r]);
+  }
   unsigned long long* markers[kMaxEpRanks] = {};
   for (int r = 0; r < ep; ++r) {
     Rank& rank = *ranks_[r];
     Workspace& ws = *rank.ws;
     auto* gu = static_cast<std::uint16_t*>(saved.empty() ? ws.recompute_buffer() : saved[r].data);
-    detail::dispatch_rows(std::span<const void* const>(x_peers, ep), ws.x_routed(), ws, stream);
+    if (!ring || saved.empty())  // (the recompute's GEMM1 reads every x row)
+      detail::dispatch_rows(std::span<const void* const>(x_peers, ep), ws.x_routed(), ws, stream);
     if (saved.empty()) {  // Training::recompute: GEMM1 again (no rank waits on another here)
       detail::cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), kWhere,
                          "cudaMemsetAsync(counters)");
       kernels::launch_forward(detail::forward_params(fwd[r], ws, gu, true), launch.ctas_per_rank * ep, stream);
       detail::cuda_check(cudaGetLastError(), kWhere, "launching the recompute");
     }
-    detail::dispatch_rows(std::span<const void* const>(dy_peers, ep), ws.dy_routed(), ws, stream);
+    if (!ring) detail::dispatch_rows(std::span<const void* const>(dy_peers, ep), ws.dy_routed(), ws, stream);
     detail::cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), kWhere,
                        "cudaMemsetAsync(counters)");
     kernels::BackwardParams& p = group.rank[r];
     p = detail::backward_params(fwd[r], bwd[r], ws, gu);
     p.topk_weights = rank.all_weights;  // the dh epilogue reads the weight of global pair p
     set_peers(p.ep, r);
+    if (ring) {
+      detail::cuda_check(
+          cudaMemsetAsync(rank.ring_counters, 0, sizeof(int) * 2 * detail::ring_minibatches(ws), stream), kWhere,
+          "cudaMemsetAsync(ring counters)");
+      detail::set_backward_ring(p, ws, launch.comm_ctas, rank.ring_counters);
+    }
     markers[r] = detail::saved_marker(gu, ws);
   }
   for (int r = 0; r < ep; ++r)
     for (int q = 0; q < ep; ++q) group.rank[r].ep.saved_marker[q] = markers[q];
   group.ranks = ep;
   group.ctas_per_rank = launch.ctas_per_rank;
-  if (ep == 1) kernels::launch_backward(group.rank[0], group.ctas_per_rank, stream);
+  if (ep == 1) kernels::launch_backward(group.rank[0], group.ctas_per_rank, stream, group.sources);
   else kernels::launch_backward_group(group, stream);
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
   for (int r = 0; r < ep; ++r)  // consumed: the pre-activations were replaced by their gradients

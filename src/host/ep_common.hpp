@@ -9,7 +9,9 @@
 #include <span>
 #include <string_view>
 
+#include "kernels/backward.cuh"
 #include "kernels/forward.cuh"
+#include "mok/device_plan.hpp"
 #include "mok/ep.hpp"
 #include "mok/error.hpp"
 #include "mok/forward.hpp"
@@ -40,6 +42,27 @@ inline void set_ring(kernels::ForwardParams& p, const Workspace& ws, int comm_ct
   p.ring.buffer = ring;
   for (std::size_t q = 0; q < x.size(); ++q) p.ring.x[q] = static_cast<const std::uint16_t*>(x[q]);
   p.maps.x_routed = make_bf16_tensor_map(ring, {std::uint64_t(ws.shape().hidden), std::uint64_t(rows)}, {64, 128}, "ring");
+}
+
+// The backward's ring (kernels/backward.cuh): the workspace's dy and x row buffers, used
+// ring_rows rows at a time (rows never pass capacity, so a ring larger than that never
+// wraps), counters as set_ring's. The maps of the routed dy and x rows then cover them.
+inline void set_backward_ring(kernels::BackwardParams& p, Workspace& ws, int comm_ctas, int* counters) {
+  const std::int64_t rows = std::min(ring_rows(ws), ws.plan().capacity_rows());
+  const std::uint64_t H = ws.shape().hidden;
+  auto* dy = static_cast<std::uint16_t*>(ws.dy_routed());
+  auto* x = static_cast<std::uint16_t*>(ws.x_routed());
+  p.ring = {comm_ctas, static_cast<int>(ws.config().minibatch_rows), static_cast<int>(ring_rows(ws)), counters,
+            counters + ring_minibatches(ws), dy, x};
+  p.routed_maps.dy_k = make_bf16_tensor_map(dy, {H, std::uint64_t(rows)}, {64, 128}, "dy ring");
+  p.routed_maps.dy_mn = make_bf16_tensor_map(dy, {H, std::uint64_t(rows)}, {64, 64}, "dy ring");
+  p.routed_maps.x_mn = make_bf16_tensor_map(x, {H, std::uint64_t(rows)}, {64, 64}, "x ring");
+}
+
+// What the planner must check for the backward's ring (none without comm CTAs).
+inline RingFit backward_ring_fit(const Workspace& ws, int comm_ctas) {
+  if (comm_ctas == 0) return {};
+  return {ws.config().minibatch_rows, ring_rows(ws)};
 }
 
 // The checks both EP front ends make of a group's shape: ranks, tokens per rank, and what

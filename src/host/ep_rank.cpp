@@ -100,7 +100,7 @@ EpRank::~EpRank() {
 // status at every rank. bwd: the backward's call (weights and dy rows exchanged too);
 // saved_marker: its saved tensor's trailer (null in the forward).
 void EpRank::begin(const ForwardArgs& a, const BackwardArgs* bwd, const unsigned long long* saved_marker,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, int backward_comm_ctas) {
   const Layout l = Layout::of(shape_, tokens_);
   const int ep = size();
   const std::int64_t T = tokens_, k = shape_.top_k, H = shape_.hidden;
@@ -139,7 +139,7 @@ void EpRank::begin(const ForwardArgs& a, const BackwardArgs* bwd, const unsigned
     return d;
   }();
   plan_device(TensorView::contiguous(own + l.ids, DType::i32, Device::cuda(device), {ep, T, k}), rank_, ws_->plan(),
-              stream);
+              stream, detail::backward_ring_fit(*ws_, backward_comm_ctas));
   kernels::PeerFlags flags{};
   for (int q = 0; q < ep; ++q) flags.header[q] = reinterpret_cast<kernels::EpHeader*>(bases_[q] + l.header);
   flags.rank = rank_;
@@ -211,28 +211,41 @@ void EpRank::backward(const ForwardArgs& a, const BackwardArgs& b, cudaStream_t 
   detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
   detail::check_backward_call(where, a, b, *ws_, saved, device);
   const int ctas = this->ctas();
+  const int comm = detail::comm_ctas(where, config_, ctas);
+  const bool ring = comm > 0;  // the dy and x rows stream through the rings (else: pulled before the launch)
   auto* gu = static_cast<std::uint16_t*>(saved ? saved->data : ws_->recompute_buffer());
   unsigned long long* marker = detail::saved_marker(gu, *ws_);
-  begin(a, &b, saved ? marker : nullptr, stream);
+  begin(a, &b, saved ? marker : nullptr, stream, comm);
 
   const Layout l = Layout::of(shape_, tokens_);
   const void* x_peers[kMaxEpRanks] = {};
   const void* dy_peers[kMaxEpRanks] = {};
-  for (int q = 0; q < size(); ++q) x_peers[q] = bases_[q] + l.x, dy_peers[q] = bases_[q] + l.dy;
-  detail::dispatch_rows(std::span<const void* const>(x_peers, size()), ws_->x_routed(), *ws_, stream);
+  kernels::RingSources sources{};
+  for (int q = 0; q < size(); ++q) {
+    x_peers[q] = bases_[q] + l.x, dy_peers[q] = bases_[q] + l.dy;
+    sources.x[q] = static_cast<const std::uint16_t*>(x_peers[q]);
+    sources.dy[q] = static_cast<const std::uint16_t*>(dy_peers[q]);
+  }
+  if (!ring || !saved)  // (the recompute's GEMM1 reads every x row)
+    detail::dispatch_rows(std::span<const void* const>(x_peers, size()), ws_->x_routed(), *ws_, stream);
   if (!saved) {  // Training::recompute: GEMM1 again (fills the recompute buffer and its marker)
     detail::cuda_check(cudaMemsetAsync(ws_->counters(), 0, 4 * ws_->counter_count(), stream), kWhere,
                        "cudaMemsetAsync(counters)");
     kernels::launch_forward(detail::forward_params(a, *ws_, gu, true), ctas, stream);
     detail::cuda_check(cudaGetLastError(), kWhere, "launching the recompute");
   }
-  detail::dispatch_rows(std::span<const void* const>(dy_peers, size()), ws_->dy_routed(), *ws_, stream);
+  if (!ring) detail::dispatch_rows(std::span<const void* const>(dy_peers, size()), ws_->dy_routed(), *ws_, stream);
   detail::cuda_check(cudaMemsetAsync(ws_->counters(), 0, 4 * ws_->counter_count(), stream), kWhere,
                      "cudaMemsetAsync(counters)");
   kernels::BackwardParams p = detail::backward_params(a, b, *ws_, gu);
   p.topk_weights = reinterpret_cast<const float*>(bases_[rank_] + l.weights);  // by global pair
   set_peers(p.ep);
-  kernels::launch_backward(p, ctas, stream);
+  if (ring) {
+    detail::cuda_check(cudaMemsetAsync(ring_counters_, 0, sizeof(int) * 2 * detail::ring_minibatches(*ws_), stream),
+                       kWhere, "cudaMemsetAsync(ring counters)");
+    detail::set_backward_ring(p, *ws_, comm, ring_counters_);
+  }
+  kernels::launch_backward(p, ctas, stream, sources);
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
   detail::cuda_check(cudaMemsetAsync(marker, 0, sizeof(*marker), stream), kWhere, "cudaMemsetAsync(saved marker)");
 }

@@ -58,6 +58,9 @@ const char* kernel_phase_name(std::int32_t phase) {
     case 12: return "waiting for a peer rank's routing exchange of this call (exchange flag)";
     case 13: return "waiting for a peer rank's plan of this call (plan flag)";
     case 14: return "forward: comm CTA waiting for a bulk copy of rows into its staging (comm loaded barrier)";
+    case 15: return "backward: waiting for a minibatch of dy and x rows to land in the ring (landed)";
+    case 16: return "backward: comm CTA waiting for the dh and weight-gradient tasks to free a ring slot (freed)";
+    case 17: return "backward: comm CTA waiting for a bulk copy of rows into its staging (comm loaded barrier)";
     default: return "unknown phase";
   }
 }

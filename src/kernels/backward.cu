@@ -30,6 +30,7 @@
 #include "kernels/ep_push.cuh"
 #include "kernels/persistent.cuh"
 #include "kernels/pipeline.cuh"
+#include "kernels/ring_copy.cuh"
 #include "kernels/swiglu.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
@@ -45,19 +46,34 @@ using namespace mok::ptx;
 constexpr std::uint32_t kBoxBytes = 64 * 64 * 2;          // one MN-major box {64, 64}
 constexpr std::uint32_t kKMajorABytes = kBlockM * kBlockK * 2;  // one K-major A box {64, 128}
 
-enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitDgu = 5, kWaitRows = 6, kWaitDx = 7, kWaitPushed = 9 };
+enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitDgu = 5, kWaitRows = 6, kWaitDx = 7, kWaitPushed = 9,
+                   kWaitLanded = 15, kWaitFreed = 16, kWaitCopy = 17 };
+
+// Comm CTAs (ring): kCommWarps warps pull rows, each through kCommSlots staging slots of
+// kCommPiece bytes in the (otherwise unused) pipeline stages.
+constexpr int kCommWarps = 8, kCommSlots = 6, kCommLag = 2, kCommPiece = 4096;
+using CommPipe = BulkCopyPipe<kCommSlots, kCommLag, kCommPiece>;
 
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
     std::uint16_t a[kBlockM * kBlockK];  // 16 KB: K-major 128 x 64, or two MN-major boxes
     std::uint16_t b[kBlockN * kBlockK];  // 32 KB: four MN-major boxes
   } stages[kStages];
-  std::uint16_t staging[kConsumerWarpgroups][2 * 64 * 64];  // per warpgroup: 64 x 128 bf16 of a weight gradient
+  struct Comm {  // comm CTAs (which have no epilogues): per staging slot
+    std::uint64_t loaded[kCommWarps * kCommSlots];  // its load's bytes have arrived
+    std::uint16_t* dst[kCommWarps * kCommSlots];    // where its piece goes in a ring
+    int bytes[kCommWarps * kCommSlots];
+  };
+  union {
+    std::uint16_t staging[kConsumerWarpgroups][2 * 64 * 64];  // per warpgroup: 64 x 128 bf16 of a weight gradient
+    Comm comm;
+  };
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
   PushedRows pushed[kConsumerWarpgroups];  // EP: rows pushed (dx rows, partials), not yet published
 };
 static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory over the sm_90 opt-in limit");
+static_assert(kCommWarps * kCommSlots * kCommPiece <= sizeof(SharedStorage::stages), "comm staging fits the stages");
 
 enum TaskKind : int { kDh, kDx, kWd, kWgu, kCombine };
 
@@ -69,11 +85,20 @@ struct Task {
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// Task order. Phase-major (no ring): all dh tiles (routed, then shared), all dx tiles, all
+// dW_down tiles, all dW_gate|up tiles, the combine. Expert-major (ring): per routed expert
+// its dh, dx, dW_down and dW_gate|up tiles, then the shared expert's tiles phase by phase,
+// then the combine — an expert's rows are done with before later experts need the ring.
+// Either way a task waits only on lower-numbered tasks (or on comm progress, which waits
+// only on lower-numbered tasks). kRing: a kernel of its own, so that the ring's decoding
+// costs the default kernel no registers.
+template <bool kRing_>
 struct Schedule {
+  static constexpr bool kRing = kRing_;
   int cta, ctas;  // this CTA among those serving this rank: it takes tasks cta, cta + ctas, ...
   // dW_down tiles cover [H, I] (N-tiles as dh's), dW_gate|up tiles [2I, H] (N-tiles as dx's)
   int m_routed, m_shared, n_dh_r, n_dh_s, n_dx, m_wd, m_wgu_r, m_wgu_s, experts;
-  int dh_r, dh_s, dx_r, dx_s, wd_r, wd_s, wgu_r, wgu_s, total;  // end of each task range
+  int dh_r, dh_s, dx_r, dx_s, wd_r, wd_s, wgu_r, wgu_s, total;  // end of each task range (phase-major)
 
   __device__ Schedule(const BackwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
     const int I = p.routed.inter, Is = p.shared.inter;
@@ -86,16 +111,50 @@ struct Schedule {
     m_wd = ceil_div(p.hidden, kBlockM);
     m_wgu_r = ceil_div(2 * I, kBlockM);
     m_wgu_s = ceil_div(2 * Is, kBlockM);
-    const bool has_shared = m_shared > 0;
-    dh_r = m_routed * n_dh_r;
+    const bool has_shared = m_shared > 0, expert_major = kRing;
+    // Expert-major: every routed task in the first range, the other routed ranges empty.
+    dh_r = expert_major ? m_routed * (n_dh_r + n_dx) + experts * weight_tasks() : m_routed * n_dh_r;
     dh_s = dh_r + m_shared * n_dh_s;
-    dx_r = dh_s + m_routed * n_dx;
+    dx_r = dh_s + (expert_major ? 0 : m_routed * n_dx);
     dx_s = dx_r + m_shared * n_dx;
-    wd_r = dx_s + experts * m_wd * n_dh_r;
+    wd_r = dx_s + (expert_major ? 0 : experts * m_wd * n_dh_r);
     wd_s = wd_r + (has_shared ? m_wd * n_dh_s : 0);
-    wgu_r = wd_s + experts * m_wgu_r * n_dx;
+    wgu_r = wd_s + (expert_major ? 0 : experts * m_wgu_r * n_dx);
     wgu_s = wgu_r + (has_shared ? m_wgu_s * n_dx : 0);
     total = wgu_s + ceil_div(p.tokens, kCombineTokens);
+  }
+
+  // Weight-gradient tasks of one routed expert.
+  __device__ int weight_tasks() const { return m_wd * n_dh_r + m_wgu_r * n_dx; }
+
+  __device__ void decode_expert_major(const BackwardParams& p, int task, Task& t) const {
+    const int per_tile = n_dh_r + n_dx, weights = weight_tasks();
+    int lo = 0, hi = experts - 1;  // the last expert whose first task is <= task
+#pragma unroll 1
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (p.expert_offset[mid] / kBlockM * per_tile + mid * weights <= task) lo = mid;
+      else hi = mid - 1;
+    }
+    const int first = p.expert_offset[lo] / kBlockM, tiles = p.expert_offset[lo + 1] / kBlockM - first;
+    int l = task - (first * per_tile + lo * weights);
+    t.e = lo;
+    if (l < tiles * n_dh_r) {
+      t.kind = kDh, t.n = l / tiles, t.m = first + l % tiles;
+      return;
+    }
+    l -= tiles * n_dh_r;
+    if (l < tiles * n_dx) {
+      t.kind = kDx, t.n = l / tiles, t.m = first + l % tiles;
+      return;
+    }
+    l -= tiles * n_dx;
+    if (l < m_wd * n_dh_r) {
+      t.kind = kWd, t.n = l / m_wd, t.m = l % m_wd;
+      return;
+    }
+    l -= m_wd * n_dh_r;
+    t.kind = kWgu, t.n = l / m_wgu_r, t.m = l % m_wgu_r;
   }
 
   // Routed M-tile tasks: N-tile-major inside each expert (the forward's order).
@@ -115,7 +174,8 @@ struct Schedule {
   __device__ Task decode(const BackwardParams& p, int task) const {
     Task t{kCombine, false, 0, 0, 0};
     if (task < dh_r) {
-      t.kind = kDh, split_routed(p, task, n_dh_r, t);
+      if constexpr (kRing) decode_expert_major(p, task, t);
+      else t.kind = kDh, split_routed(p, task, n_dh_r, t);
     } else if (task < dh_s) {
       t.kind = kDh, t.shared = true, t.n = (task - dh_r) / m_shared, t.m = (task - dh_r) % m_shared;
     } else if (task < dx_r) {
@@ -158,17 +218,47 @@ __device__ __forceinline__ int dgu_counter(const BackwardParams& p, const Task& 
   return t.shared ? p.max_routed_tiles + m_tile : m_tile;
 }
 
+// Ring: whether the task reads dy or x rows from the rings (routed dh, dW_down, dW_gate|up
+// tasks), the plan rows of minibatch mb, and where plan row `row` sits in a ring.
+template <typename Sched>
+__device__ __forceinline__ bool reads_ring(const Task& t) {
+  return Sched::kRing && !t.shared && t.kind != kDx;
+}
+__device__ __forceinline__ int minibatch_rows(const BackwardParams& p, int mb) {
+  return min(p.ring.minibatch_rows, p.expert_offset[p.num_local_experts] - mb * p.ring.minibatch_rows);
+}
+__device__ __forceinline__ int ring_row(const BackwardParams& p, bool ring, int row) {
+  return ring ? row % p.ring.ring_rows : row;
+}
+
+// The plan rows [first, first + count) a ring-reading task reads: its M-tile (dh), or its
+// expert's rows (weight gradients; none if the expert has no rows).
+__device__ __forceinline__ void ring_rows_read(const BackwardParams& p, const Task& t, int& first, int& count) {
+  if (t.kind == kDh) first = p.tile_row[t.m], count = kBlockM;
+  else expert_rows(p, t, first, count);
+}
+
 // ---------------------------------------------------------------------------------- producer
 
 // One thread issues every load. Boxes entirely past the matrix edge are not loaded: their
 // accumulator rows/columns are never stored.
-__device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Schedule& sched) {
+template <typename Sched>
+__device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sched& sched) {
   PipelineState<kStages> pipe;
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) break;
     const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
     const int inter = t.shared ? p.shared.inter : p.routed.inter;
+    const bool ring = reads_ring<Sched>(t);
+    if (ring) {  // its dy / x rows have landed in the rings
+      int first = 0, count = 0;
+      ring_rows_read(p, t, first, count);
+      const int per = p.ring.minibatch_rows;
+      for (int mb = first / per; count > 0 && mb <= (first + count - 1) / per; ++mb)
+        wait_counter(p, p.ring.landed + mb, minibatch_rows(p, mb), task, kWaitLanded);
+      fence_proxy_async_global();  // written by the comm CTAs' bulk and generic stores
+    }
     int row0 = 0, k_steps = 0;
     if (t.kind == kDh || t.kind == kDx) {
       row0 = tile_row0(p, t);
@@ -204,7 +294,7 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
       const int k0 = kb * kBlockK;
       switch (t.kind) {
         case kDh:
-          tma_load_2d(st.a, &maps.dy_k, full, k0, row0);
+          tma_load_2d(st.a, &maps.dy_k, full, k0, ring_row(p, ring, row0));
           for (int c = 0; c < b_boxes; ++c) tma_load_3d(st.b + c * 4096, &maps.down_mn, full, n0 + 64 * c, k0, t.e);
           break;
         case kDx: {
@@ -215,12 +305,14 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
           break;
         }
         case kWd:
-          for (int w = 0; w < a_boxes; ++w) tma_load_2d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, row0 + k0);
+          for (int w = 0; w < a_boxes; ++w)
+            tma_load_2d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, ring_row(p, ring, row0 + k0));
           for (int c = 0; c < b_boxes; ++c) tma_load_2d(st.b + c * 4096, &maps.hw_mn, full, n0 + 64 * c, row0 + k0);
           break;
         default:  // kWgu
           for (int w = 0; w < a_boxes; ++w) tma_load_2d(st.a + w * 4096, &maps.dgu_mn, full, m0 + 64 * w, row0 + k0);
-          for (int c = 0; c < b_boxes; ++c) tma_load_2d(st.b + c * 4096, &maps.x_mn, full, n0 + 64 * c, row0 + k0);
+          for (int c = 0; c < b_boxes; ++c)
+            tma_load_2d(st.b + c * 4096, &maps.x_mn, full, n0 + 64 * c, ring_row(p, ring, row0 + k0));
           break;
       }
       pipe.advance();
@@ -415,7 +507,8 @@ __device__ void epilogue_weight(const BackwardParams& p, SharedStorage& s, const
 // dx for a block of tokens, then d_topk_weights[t, j] = sum over N-tiles of the row's
 // partials, in N order (0 for a slot without an expert).
 // EP: the owner's combine, from the rows and partials its peers pushed.
-__device__ void combine_pushed(const BackwardParams& p, const Task& t, const Schedule& sched) {
+template <typename Sched>
+__device__ void combine_pushed(const BackwardParams& p, const Task& t, const Sched& sched) {
   const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
   const int begin = t.m * kCombineTokens, end = min(p.tokens, begin + kCombineTokens);
   const int pairs_per_rank = p.tokens * p.top_k;
@@ -431,7 +524,8 @@ __device__ void combine_pushed(const BackwardParams& p, const Task& t, const Sch
   }
 }
 
-__device__ void combine(const BackwardParams& p, const Task& t, const Schedule& sched) {
+template <typename Sched>
+__device__ void combine(const BackwardParams& p, const Task& t, const Sched& sched) {
   if (p.ep.push) {
     combine_pushed(p, t, sched);
     return;
@@ -464,7 +558,8 @@ __device__ void publish_dx_rows(const BackwardParams& p, int wg, int& pending) {
 // EP: publishes, per owner, the rows this warpgroup pushed (dx rows and d_topk_weights
 // partials) in its routed dh and dx tasks before `end`. Counted here, once, from the task
 // list rather than in each epilogue: the consumer loop has no registers to spare.
-__device__ void publish_pushes(const BackwardParams& p, SharedStorage& s, const Schedule& sched, int wg, int end) {
+template <typename Sched>
+__device__ void publish_pushes(const BackwardParams& p, SharedStorage& s, const Sched& sched, int wg, int end) {
   for (int task = sched.cta; task < end; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (!t.shared && (t.kind == kDh || t.kind == kDx))
@@ -473,7 +568,17 @@ __device__ void publish_pushes(const BackwardParams& p, SharedStorage& s, const 
   publish_pushed_rows(p.ep, s.pushed[wg], wg);
 }
 
-__device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Schedule& sched, int wg) {
+// Ring: this warpgroup has read the task's dy / x rows (its mainloop is done): freed[mb] += 1
+// for every minibatch they lie in.
+__device__ void free_ring_rows(const BackwardParams& p, const Task& t, int wg) {
+  int first = 0, count = 0;
+  ring_rows_read(p, t, first, count);
+  const int per = p.ring.minibatch_rows;
+  for (int mb = first / per; count > 0 && mb <= (first + count - 1) / per; ++mb) publish_count(p.ring.freed + mb, 1, wg);
+}
+
+template <typename Sched>
+__device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sched& sched, int wg) {
   PipelineState<kStages> pipe;
   float acc[128];
   bool rows_ready = false;
@@ -505,6 +610,7 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
       if (t.kind == kDh) {
         mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
         epilogue_dh(p, acc, t, row0, wg, sched.n_dh(t.shared));
+        if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);  // (after the epilogue: acc's registers are free)
         fence_proxy_async_global();  // TMA loads of other CTAs read these rows next
         publish_count(p.counters.dgu_ready + dgu_counter(p, t, t.m), 1, wg);
       } else {
@@ -520,6 +626,7 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
       expert_rows(p, t, first, count);
       mainloop<MnMajor, MnMajor>(p, s, pipe, acc, count / kBlockK, wg, task);
       epilogue_weight(p, s, acc, t, wg, count == 0);
+      if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);
     }
   }
   publish_dx_rows(p, wg, pending_dx);
@@ -540,8 +647,39 @@ __device__ void poison_output(const BackwardParams& p, KernelStatus::Code code, 
   }
 }
 
+// Comm CTA `comm` of `comms`: its kCommWarps warps pull the plan's dy and x rows into the
+// rings (see RingPull). A minibatch's slots are free again once every task that reads its
+// rows is done: 2 warpgroups x (its M-tiles' dh tiles + the weight-gradient tiles of every
+// expert with rows in it).
+__device__ void run_comm(const BackwardParams& p, const RingSources& sources, SharedStorage& s, int comm, int comms) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kCommWarps * kCommSlots; ++i) mbarrier_init(&s.comm.loaded[i], 1);
+    fence_proxy_async_shared_cta();
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  if (warp >= kCommWarps) return;
+  const RingPull<2> pull{{{p.ring.dy_buffer, sources.dy}, {p.ring.x_buffer, sources.x}}, p.row_pair,
+                         p.expert_offset[p.num_local_experts], p.ring.minibatch_rows, p.ring.ring_rows, p.hidden,
+                         p.tokens, p.top_k, p.ring.landed, p.ring.freed};
+  const Schedule<true> sched(p, 0, 1);  // (for its tile counts)
+  CommPipe pipe{reinterpret_cast<std::uint8_t*>(&s.stages[0]) + warp * kCommSlots * kCommPiece,
+                &s.comm.loaded[warp * kCommSlots], &s.comm.dst[warp * kCommSlots], &s.comm.bytes[warp * kCommSlots]};
+  const auto expected_freed = [&](int mb) {
+    const int begin = mb * p.ring.minibatch_rows, end = begin + pull.rows_of(mb);
+    int tasks = sched.n_dh_r * (end - begin) / kBlockM;
+    for (int e = 0; e < p.num_local_experts; ++e) {
+      const int lo = p.expert_offset[e], hi = p.expert_offset[e + 1];
+      if (lo < hi && lo < end && hi > begin) tasks += sched.weight_tasks();
+    }
+    return kConsumerWarpgroups * tasks;
+  };
+  pull.run(p, pipe, comm * kCommWarps + warp, comms * kCommWarps, expected_freed, kWaitFreed, kWaitCopy);
+}
+
 // One rank's backward on CTAs cta = 0 .. ctas - 1 of those serving it.
-__device__ __forceinline__ void run_backward(const BackwardParams& p, int cta, int ctas) {
+template <bool kRing>
+__device__ __forceinline__ void run_backward(const BackwardParams& p, const RingSources& sources, int cta, int ctas) {
   if (p.ep.stalled) return;
   if (!all_plans_ok(p, true)) {
     poison_output(p, KernelStatus::bad_plan, cta, ctas);
@@ -560,35 +698,53 @@ __device__ __forceinline__ void run_backward(const BackwardParams& p, int cta, i
   init_ring_barriers<kStages, kConsumerWarpgroups>(s);
   if (threadIdx.x < kConsumerWarpgroups * 2 * kMaxRanks) (&s.pushed[0][0][0])[threadIdx.x] = 0;
   __syncthreads();
-  const Schedule sched(p, cta, ctas);
+  if (kRing && cta < p.ring.comm_ctas) {  // comm CTAs pull rows and take no tasks
+    run_comm(p, sources, s, cta, p.ring.comm_ctas);
+    return;
+  }
+  const Schedule<kRing> sched(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
   split_roles<kProducerRegisters, kConsumerRegisters>([&] { run_producer(p, s, sched); },
                                                       [&](int wg) { run_consumer(p, s, sched, wg); });
 }
 
-__global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_constant__ BackwardParams p) {
-  run_backward(p, blockIdx.x, gridDim.x);
+struct BackwardLaunch {  // the plain kernel's parameters
+  BackwardParams rank;
+  RingSources sources;
+};
+
+template <bool kRing>
+__global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_constant__ BackwardLaunch l) {
+  run_backward<kRing>(l.rank, l.sources, blockIdx.x, gridDim.x);
 }
 
+template <bool kRing>
 __global__ void __launch_bounds__(kThreads, 1) backward_group_kernel(const __grid_constant__ BackwardGroupParams g) {
-  run_backward(g.rank[blockIdx.x / g.ctas_per_rank], blockIdx.x % g.ctas_per_rank, g.ctas_per_rank);
+  run_backward<kRing>(g.rank[blockIdx.x / g.ctas_per_rank], g.sources, blockIdx.x % g.ctas_per_rank, g.ctas_per_rank);
 }
 
 }  // namespace
 
 std::size_t backward_shared_memory_bytes() { return shared_storage_bytes<SharedStorage>(); }
 
-void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream) {
-  launch_persistent(backward_kernel, backward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream, const RingSources& sources) {
+  const BackwardLaunch launch{params, sources};
+  if (params.ring.comm_ctas > 0) launch_persistent<backward_kernel<true>>(backward_shared_memory_bytes(), kThreads, launch, num_ctas, stream);
+  else launch_persistent<backward_kernel<false>>(backward_shared_memory_bytes(), kThreads, launch, num_ctas, stream);
 }
 
 void load_backward_kernels() {
-  configure_persistent(backward_kernel, backward_shared_memory_bytes());
-  configure_persistent(backward_group_kernel, backward_shared_memory_bytes());
+  configure_persistent<backward_kernel<false>>(backward_shared_memory_bytes());
+  configure_persistent<backward_kernel<true>>(backward_shared_memory_bytes());
+  configure_persistent<backward_group_kernel<false>>(backward_shared_memory_bytes());
+  configure_persistent<backward_group_kernel<true>>(backward_shared_memory_bytes());
 }
 
+// (Every rank of a group has the same ring configuration.)
 void launch_backward_group(const BackwardGroupParams& params, cudaStream_t stream) {
-  launch_persistent(backward_group_kernel, backward_shared_memory_bytes(), kThreads, params,
-                    params.ranks * params.ctas_per_rank, stream);
+  const int ctas = params.ranks * params.ctas_per_rank;
+  if (params.rank[0].ring.comm_ctas > 0)
+    launch_persistent<backward_group_kernel<true>>(backward_shared_memory_bytes(), kThreads, params, ctas, stream);
+  else launch_persistent<backward_group_kernel<false>>(backward_shared_memory_bytes(), kThreads, params, ctas, stream);
 }
 
 }  // namespace mok::kernels

@@ -42,6 +42,32 @@ struct ExpertSetData {
   int inter;
 };
 
+// Ring token buffer of the EP backward (the forward's RingParams for two kinds of rows):
+// with comm_ctas > 0 the first comm_ctas CTAs of the rank pull the plan's dy and x rows
+// from their ranks into two rings of ring_rows rows, one minibatch at a time (landed[m] +=
+// rows); the tasks then run expert by expert (dh, dx, dW_down, dW_gate|up of one expert,
+// then the next), and a minibatch's slots are reused once every task that reads its rows
+// (dh tiles, and the weight-gradient tiles of the experts it holds) is done (freed[m]).
+// A weight-gradient task reads all of its expert's rows: the planner checks that every
+// minibatch an expert's rows touch fits in the ring together (PlanStatus::ring_too_small).
+// maps.dy_k, dy_mn and x_mn then cover the rings. Without comm CTAs the rows were copied
+// before the launch. The rows' sources (RingSources) are the same for every rank of a
+// group: they are kernel parameters once, beside the ranks' params.
+struct BackwardRing {
+  int comm_ctas;
+  int minibatch_rows;  // a multiple of kBlockM
+  int ring_rows;       // a multiple of minibatch_rows
+  int* landed;         // [minibatches]
+  int* freed;          // [minibatches]
+  std::uint16_t* dy_buffer;  // [ring_rows, H]
+  std::uint16_t* x_buffer;   // [ring_rows, H]
+};
+
+struct RingSources {
+  const std::uint16_t* dy[kMaxRanks];  // rank q's dy rows [T, H]
+  const std::uint16_t* x[kMaxRanks];   // rank q's x rows [T, H]
+};
+
 struct BackwardCounters {
   int* dgu_ready;  // [max_routed_tiles + shared_tiles]: dh warpgroup-tiles done per M-tile
   int* dx_done;    // dx-row warpgroup-tiles done
@@ -53,6 +79,7 @@ struct BackwardParams {
   // Expert parallelism: dx rows and d_topk_weights partials are pushed to the owner of the
   // token (kernels/ep.cuh), topk_weights is every rank's [ep, T, k] (global pair index).
   EpPeers ep;
+  BackwardRing ring;
   ExpertSetData routed, shared;
   // plan
   const std::int32_t* row_pair;
@@ -79,11 +106,12 @@ struct BackwardParams {
   long long timeout_ns;
 };
 
-void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream);
+void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream, const RingSources& sources = {});
 
 // Virtual ranks: one launch serving every rank (see ForwardGroupParams).
 struct BackwardGroupParams {
   BackwardParams rank[kMaxRanks];
+  RingSources sources;
   int ranks, ctas_per_rank;
 };
 static_assert(sizeof(BackwardGroupParams) <= 32764, "kernel parameters are limited to 32764 bytes");

@@ -418,66 +418,25 @@ __device__ void poison_output(const ForwardParams& p, int cta, int ctas) {
 
 using CommPipe = BulkCopyPipe<kCommSlots, kCommLag, kCommPiece>;
 
-// Comm CTA `comm` of `comms`: copies the plan's rows (bulk copies, see BulkCopyPipe) from the
-// owning rank into the ring, minibatch by minibatch; row r of a minibatch goes to copy warp
-// r mod (comms * kCommWarps). Before overwriting a slot a warp waits until GEMM1 has read
-// the minibatch that held it; after its rows of a minibatch it adds their count to
-// landed[mb]. Padding rows become zeros.
+// Comm CTA `comm` of `comms`: its kCommWarps warps pull the plan's rows into the ring (see
+// RingPull); a minibatch's slots are free again once every GEMM1 warpgroup-tile of it has
+// read them.
 __device__ void run_comm(const ForwardParams& p, SharedStorage& s, int comm, int comms) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < kCommWarps * kCommSlots; ++i) mbarrier_init(&s.comm.loaded[i], 1);
     fence_proxy_async_shared_cta();
   }
   __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
   if (warp >= kCommWarps) return;
-  const int rows_total = p.expert_offset[p.num_local_experts];
-  const int per = p.ring.minibatch_rows, slots = p.ring.ring_rows / per;
-  const int minibatches = (rows_total + per - 1) / per;
+  const RingPull<1> pull{{{p.ring.buffer, p.ring.x}}, p.row_pair, p.expert_offset[p.num_local_experts],
+                         p.ring.minibatch_rows, p.ring.ring_rows, p.hidden, p.tokens, p.top_k, p.ring.landed,
+                         p.ring.freed};
   const int n1 = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
-  const int row_bytes = p.hidden * 2, pairs_per_rank = p.tokens * p.top_k;
-  const int worker = comm * kCommWarps + warp, workers = comms * kCommWarps;
   CommPipe pipe{reinterpret_cast<std::uint8_t*>(&s.stages[0]) + warp * kCommSlots * kCommPiece,
                 &s.comm.loaded[warp * kCommSlots], &s.comm.dst[warp * kCommSlots], &s.comm.bytes[warp * kCommSlots]};
-  for (int mb = 0; mb < minibatches; ++mb) {
-    if (mb >= slots) {
-      if (lane == 0)
-        wait_counter(p, p.ring.freed + (mb - slots), kConsumerWarpgroups * n1 * minibatch_rows(p, mb - slots) / kBlockM,
-                     mb, kWaitFreed);
-      __syncwarp();
-      fence_proxy_async_global();  // the TMA reads of the slot's old rows come before these writes
-    }
-    const int first = mb * per, count = minibatch_rows(p, mb);
-    int copied = 0, pair_of_lane = -1;
-    for (int i = 0, r = worker; r < count; ++i, r += workers, ++copied) {
-      if (i % 32 == 0) {  // the next 32 rows' pairs, one load per lane (not one latency per row)
-        const int mine = r + lane * workers;
-        pair_of_lane = mine < count ? p.row_pair[first + mine] : -1;
-      }
-      const int row = first + r, pair = __shfl_sync(0xffffffffu, pair_of_lane, i % 32);
-      std::uint16_t* dst = p.ring.buffer + static_cast<std::int64_t>(row % p.ring.ring_rows) * p.hidden;
-      if (pair < 0) {
-        uint4* d = reinterpret_cast<uint4*>(dst);
-        for (int v = lane; v < row_bytes / 16; v += 32) d[v] = make_uint4(0, 0, 0, 0);
-      } else if (lane == 0) {
-        const int token = (pair % pairs_per_rank) / p.top_k;
-        const std::uint16_t* src = p.ring.x[pair / pairs_per_rank] + static_cast<std::int64_t>(token) * p.hidden;
-        for (int b = 0; b < row_bytes; b += kCommPiece)
-          pipe.copy(p, dst + b / 2, src + b / 2, min(kCommPiece, row_bytes - b), mb, kWaitCopy);
-      }
-    }
-    fence_proxy_async_global();  // the zeroed rows: GEMM1's TMA loads read them next
-    __syncwarp();
-    if (lane == 0) {
-      pipe.drain(p, mb, kWaitCopy);
-      fence_proxy_async_global();
-      if (copied > 0) {
-        fence_acq_rel_gpu();
-        red_release_gpu_add(p.ring.landed + mb, copied);
-      }
-    }
-    __syncwarp();
-  }
+  pull.run(p, pipe, comm * kCommWarps + warp, comms * kCommWarps,
+           [&](int mb) { return kConsumerWarpgroups * n1 * pull.rows_of(mb) / kBlockM; }, kWaitFreed, kWaitCopy);
 }
 
 // One rank's forward on CTAs cta = 0 .. ctas - 1 of those serving it.
@@ -518,16 +477,16 @@ __global__ void __launch_bounds__(kThreads, 1) forward_group_kernel(const __grid
 std::size_t forward_shared_memory_bytes() { return shared_storage_bytes<SharedStorage>(); }
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream) {
-  launch_persistent(forward_kernel, forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+  launch_persistent<forward_kernel>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
 }
 
 void load_forward_kernels() {
-  configure_persistent(forward_kernel, forward_shared_memory_bytes());
-  configure_persistent(forward_group_kernel, forward_shared_memory_bytes());
+  configure_persistent<forward_kernel>(forward_shared_memory_bytes());
+  configure_persistent<forward_group_kernel>(forward_shared_memory_bytes());
 }
 
 void launch_forward_group(const ForwardGroupParams& params, cudaStream_t stream) {
-  launch_persistent(forward_group_kernel, forward_shared_memory_bytes(), kThreads, params,
+  launch_persistent<forward_group_kernel>(forward_shared_memory_bytes(), kThreads, params,
                     params.ranks * params.ctas_per_rank, stream);
 }
 

@@ -123,26 +123,25 @@ __device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& cons
 }
 
 // Raises a persistent kernel's dynamic shared memory limit to `smem` bytes on the current
-// device, once per device (this also loads the kernel's module; see kernels/load.cuh).
-template <typename Params>
-void configure_persistent(void (*kernel)(Params), std::size_t smem) {
-  static bool configured[64] = {};  // per kernel signature and device (the attribute is per device context)
+// device, once per kernel and device (this also loads the kernel's module; see kernels/load.cuh).
+template <auto Kernel>
+void configure_persistent(std::size_t smem) {
+  static bool configured[64] = {};  // per kernel and device (the attribute is per device context)
   int device = 0;
   cudaGetDevice(&device);
   if (device < 0 || device >= 64 || !configured[device]) {
     // An error here (e.g. too much shared memory) surfaces as the launch's error, checked by the caller.
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) == cudaSuccess &&
+    if (cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) == cudaSuccess &&
         device >= 0 && device < 64)
       configured[device] = true;
   }
 }
 
 // Launches a persistent kernel with `smem` bytes of dynamic shared memory.
-template <typename Params>
-void launch_persistent(void (*kernel)(Params), std::size_t smem, int threads, const Params& params, int ctas,
-                       cudaStream_t stream) {
-  configure_persistent(kernel, smem);
-  kernel<<<ctas, threads, smem, stream>>>(params);
+template <auto Kernel, typename Params>
+void launch_persistent(std::size_t smem, int threads, const Params& params, int ctas, cudaStream_t stream) {
+  configure_persistent<Kernel>(smem);
+  Kernel<<<ctas, threads, smem, stream>>>(params);
 }
 
 

@@ -91,6 +91,20 @@ __global__ void scan_kernel(PlanProblem p, DevicePlanView plan, std::int64_t num
     } else {
       *plan.num_tiles = static_cast<std::int32_t>(offset / p.block_m);
     }
+    if (status.code == PlanStatus::ok && p.ring_rows > 0) {  // every expert's minibatches fit the ring together
+      const std::int64_t mb = p.ring_minibatch_rows;
+      for (int e = 0; e < El; ++e) {
+        const std::int64_t first = plan.expert_offset[e], rows = padded[e];
+        if (rows > 0 && ((first + rows - 1) / mb - first / mb + 1) * mb > p.ring_rows) {
+          status.code = PlanStatus::ring_too_small;
+          status.index = e;
+          status.value = rows;
+          status.limit = p.ring_rows;
+          *plan.num_tiles = 0;
+          break;
+        }
+      }
+    }
   }
   __syncthreads();
   if (status.code != PlanStatus::ok) return;

@@ -20,6 +20,7 @@ struct PlanProblem {
   std::int64_t rank;
   std::int32_t num_experts, num_local_experts, block_m;
   std::int64_t capacity_rows;
+  std::int64_t ring_minibatch_rows, ring_rows;  // RingFit (ring_rows 0: no check)
 };
 
 void launch_plan(const PlanProblem& problem, const DevicePlanView& plan, cudaStream_t stream);

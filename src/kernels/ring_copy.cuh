@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/persistent.cuh"
+#include "mok/ptx/fence.cuh"
 #include "mok/ptx/mbarrier.cuh"
 #include "mok/ptx/tma.cuh"
 
@@ -32,6 +33,7 @@ __device__ __forceinline__ void warp_copy_row(uint4* dst, const uint4* src, int 
 template <int kSlots, int kLag, int kPiece>
 struct BulkCopyPipe {
   static_assert(kLag >= 1 && kLag < kSlots && kPiece % 16 == 0);
+  static constexpr int kPieceBytes = kPiece;
   std::uint8_t* staging;   // kSlots * kPiece bytes of shared memory
   std::uint64_t* loaded;   // kSlots mbarriers of one arrival (initialised by the caller)
   std::uint16_t** dst;     // kSlots: where each slot's piece goes (shared memory)
@@ -64,6 +66,78 @@ struct BulkCopyPipe {
   __device__ void drain(const P& p, int task, int phase) {
     while (stored < issued) retire(p, task, phase);
     ptx::tma_store_wait_all();
+  }
+};
+
+// Where one kind of row goes and comes from: ring [ring_rows, H]; ranks[q]: rank q's rows [T, H].
+struct RowSource {
+  std::uint16_t* ring;
+  const std::uint16_t* const* ranks;
+};
+
+// The comm side of a ring token buffer: plan rows [0, rows_total) go, minibatch by
+// minibatch, to ring row (row mod ring_rows) of each source's ring; row r of a minibatch is
+// copied by comm warp r mod workers. Before overwriting a minibatch's slots a warp waits
+// until freed[mb - ring_rows / minibatch_rows] reaches expected_freed(that minibatch)
+// (what the compute side counts once it has read the rows); after its rows of a minibatch it
+// adds their count to landed[mb]. Padding rows (row_pair -1) become zeros.
+template <int kSources>
+struct RingPull {
+  RowSource sources[kSources];
+  const std::int32_t* row_pair;
+  int rows_total, minibatch_rows, ring_rows, hidden, tokens, top_k;
+  int* landed;
+  const int* freed;
+
+  __device__ int rows_of(int mb) const { return min(minibatch_rows, rows_total - mb * minibatch_rows); }
+
+  template <typename Pipe, typename P, typename ExpectedFreed>
+  __device__ void run(const P& p, Pipe& pipe, int worker, int workers, ExpectedFreed expected_freed, int phase_freed,
+                      int phase_copy) const {
+    const int lane = threadIdx.x % 32;
+    const int slots = ring_rows / minibatch_rows, minibatches = (rows_total + minibatch_rows - 1) / minibatch_rows;
+    const int row_bytes = hidden * 2, pairs_per_rank = tokens * top_k;
+    for (int mb = 0; mb < minibatches; ++mb) {
+      if (mb >= slots) {
+        if (lane == 0) wait_counter(p, freed + (mb - slots), expected_freed(mb - slots), mb, phase_freed);
+        __syncwarp();
+        ptx::fence_proxy_async_global();  // the TMA reads of the slots' old rows come before these writes
+      }
+      const int first = mb * minibatch_rows, count = rows_of(mb);
+      int copied = 0, pair_of_lane = -1;
+      for (int i = 0, r = worker; r < count; ++i, r += workers, ++copied) {
+        if (i % 32 == 0) {  // the next 32 rows' pairs, one load per lane (not one latency per row)
+          const int mine = r + lane * workers;
+          pair_of_lane = mine < count ? row_pair[first + mine] : -1;
+        }
+        const int pair = __shfl_sync(0xffffffffu, pair_of_lane, i % 32);
+        const std::int64_t slot = static_cast<std::int64_t>((first + r) % ring_rows) * hidden;
+#pragma unroll
+        for (int k = 0; k < kSources; ++k) {
+          std::uint16_t* dst = sources[k].ring + slot;
+          if (pair < 0) {
+            uint4* d = reinterpret_cast<uint4*>(dst);
+            for (int v = lane; v < row_bytes / 16; v += 32) d[v] = make_uint4(0, 0, 0, 0);
+          } else if (lane == 0) {
+            const int token = (pair % pairs_per_rank) / top_k;
+            const std::uint16_t* src = sources[k].ranks[pair / pairs_per_rank] + static_cast<std::int64_t>(token) * hidden;
+            for (int b = 0; b < row_bytes; b += Pipe::kPieceBytes)
+              pipe.copy(p, dst + b / 2, src + b / 2, min(Pipe::kPieceBytes, row_bytes - b), mb, phase_copy);
+          }
+        }
+      }
+      ptx::fence_proxy_async_global();  // the zeroed rows: TMA loads read them next
+      __syncwarp();
+      if (lane == 0) {
+        pipe.drain(p, mb, phase_copy);
+        ptx::fence_proxy_async_global();
+        if (copied > 0) {
+          ptx::fence_acq_rel_gpu();
+          ptx::red_release_gpu_add(landed + mb, copied);
+        }
+      }
+      __syncwarp();
+    }
   }
 };
 
