@@ -573,7 +573,9 @@ TEST(EpBackward, GraphReplayOfForwardAndBackward) {
   EpProblem p(c, 51);
   const EpGrads g(p, testing::random_bf16(p.host.x.size(), 52));
   Config config;
-  config.minibatch_rows = 256, config.ring_rows = 512;  // the ring wraps in every replay
+  // A ring of 128-row minibatches that holds any one expert's rows (at most ep * T * k =
+  // 2048; the backward needs that) and wraps when a rank receives more (skewed routing).
+  config.minibatch_rows = 128, config.ring_rows = 2048;
   VirtualRanks group(p.shape, p.T, config, Training::save);
   std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
   std::vector<TensorView> views;
