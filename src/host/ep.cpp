@@ -274,6 +274,7 @@ void VirtualRanks::backward(std::span<const ForwardArgs> fwd, std::span<const Ba
     p = detail::backward_params(fwd[r], bwd[r], ws, gu);
     p.topk_weights = rank.all_weights;  // the dh epilogue reads the weight of global pair p
     set_peers(p.ep, r);
+    p.ep.push = ep > 1;  // one rank has no peer: dx rows leave by TMA stores in plan order
     if (ring) {
       detail::cuda_check(
           cudaMemsetAsync(rank.ring_counters, 0, sizeof(int) * 2 * detail::ring_minibatches(ws), stream), kWhere,

@@ -240,6 +240,7 @@ void EpRank::backward(const ForwardArgs& a, const BackwardArgs& b, cudaStream_t 
   kernels::BackwardParams p = detail::backward_params(a, b, *ws_, gu);
   p.topk_weights = reinterpret_cast<const float*>(bases_[rank_] + l.weights);  // by global pair
   set_peers(p.ep);
+  p.ep.push = size() > 1;  // one rank has no peer: dx rows leave by TMA stores in plan order
   if (ring) {
     detail::cuda_check(cudaMemsetAsync(ring_counters_, 0, sizeof(int) * 2 * detail::ring_minibatches(*ws_), stream),
                        kWhere, "cudaMemsetAsync(ring counters)");
