@@ -688,9 +688,12 @@ TEST(EpRanks, SeparateLaunchesMatchOneGpuBitwiseAcrossQueuedCalls) {
   }
 }
 
+// (One rank too: it has no peer to push to and keeps its dx rows local.)
 TEST(EpRanks, SeparateLaunchesTrainBitwiseLikeVirtualRanks) {
   MOK_REQUIRE_HOPPER();
-  const EpCase c{"", 4, 200, 256, 256, 16, 4, 128, 0.75f, RoutingKind::padded};
+  for (int ep : {4, 1}) {
+  SCOPED_TRACE("EP " + std::to_string(ep));
+  const EpCase c{"", ep, 200, 256, 256, 16, 4, 128, 0.75f, RoutingKind::padded};
   const EpProblem p(c, 91);
   const auto dy = testing::random_bf16(p.host.x.size(), 92);
   const EpGrads g(p, dy);
@@ -721,6 +724,7 @@ TEST(EpRanks, SeparateLaunchesTrainBitwiseLikeVirtualRanks) {
   EXPECT_TRUE(same_bits(EpGrads::concat(g.d_up), expected.up));
   EXPECT_TRUE(same_bits(EpGrads::concat(g.d_down), expected.down));
   EXPECT_EQ(EpGrads::summed(g.d_sdown), expected.sdown);
+  }
   }
 }
 
