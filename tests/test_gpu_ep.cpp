@@ -520,6 +520,30 @@ TEST(EpBackward, RingWrapsAndGradientsDoNotDependOnCommSmsMinibatchOrRingSize) {
   }
 }
 
+// Many experts per rank: the tightest ring holds one expert's minibatches and every rank's
+// rows go round it three times or more (EP = 2, 4, 8; uniform and padded routing).
+TEST(EpBackward, RingWrapsSeveralTimesOnEveryRank) {
+  MOK_REQUIRE_HOPPER();
+  for (const EpCase c : {EpCase{"", 2, 600, 256, 256, 16, 4, 0, 0, RoutingKind::uniform},
+                         EpCase{"", 4, 600, 256, 256, 32, 4, 128, 0.75f, RoutingKind::uniform},
+                         EpCase{"", 8, 600, 256, 256, 64, 4, 0, 0, RoutingKind::uniform},
+                         EpCase{"", 8, 600, 256, 256, 32, 4, 128, 0, RoutingKind::padded}}) {
+    const EpProblem p(c, 171 + c.ep);
+    const EpGrads g(p, testing::random_bf16(p.host.x.size(), 172 + c.ep));
+    const RingNeeds need = ring_needs(p);
+    const TrainRun plain = train_group(p, g, Training::save);
+    for (int comm_sms : {1, 2}) {
+      Config config;
+      config.comm_sms = comm_sms, config.minibatch_rows = 128, config.ring_rows = tight_ring(need.expert_rows, 128);
+      const std::string what = "EP " + std::to_string(c.ep) + ", E " + std::to_string(c.experts) + ", comm_sms " +
+                               std::to_string(comm_sms) + ", ring " + std::to_string(config.ring_rows) + ", rank rows " +
+                               std::to_string(need.rank_rows);
+      EXPECT_GE(need.rank_rows, 3 * config.ring_rows) << what;
+      EXPECT_TRUE(same_grads(train_group(p, g, Training::save, config), plain)) << what;
+    }
+  }
+}
+
 // A small backward ring case for compute-sanitizer (scripts/gpu_check.sh): two ranks, one
 // comm SM each, 128-row minibatches through the tightest ring, padding and a shared expert.
 TEST(EpBackward, SmallRingWrapsBitwiseLikeNoRing) {
