@@ -520,9 +520,9 @@ TEST(EpBackward, RingWrapsAndGradientsDoNotDependOnCommSmsMinibatchOrRingSize) {
   }
 }
 
-// Many experts per rank: the tightest ring holds one expert's minibatches and every rank's
-// rows go round it three times or more (EP = 2, 4, 8; uniform and padded routing).
-TEST(EpBackward, RingWrapsSeveralTimesOnEveryRank) {
+// Many experts per rank: the tightest ring holds one expert's minibatches and the busiest
+// rank's rows go round it three times or more (EP = 2, 4, 8; uniform and padded routing).
+TEST(EpBackward, RingWrapsSeveralTimes) {
   MOK_REQUIRE_HOPPER();
   for (const EpCase c : {EpCase{"", 2, 600, 256, 256, 16, 4, 0, 0, RoutingKind::uniform},
                          EpCase{"", 4, 600, 256, 256, 32, 4, 128, 0.75f, RoutingKind::uniform},
