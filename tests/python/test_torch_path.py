@@ -58,8 +58,16 @@ def _in_process_group(rank, world, port, check, *args):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         check(rank, world, *args)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Passed: leave without the interpreter's teardown, where gloo's worker threads can still
+    # free tensors and abort the process ("terminate called without an active exception",
+    # SIGABRT; seen with torch 2.11 and 2.15, pytorch/pytorch#179291). A failure above raises
+    # instead, and mp.spawn reports it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_in_two_processes(check, *args):
