@@ -356,6 +356,11 @@ struct TrainRun {
   std::vector<double> sgate, sup, sdown;
 };
 
+bool same_grads(const TrainRun& a, const TrainRun& b) {
+  return same_bits(a.dx, b.dx) && same_bits(a.dtw, b.dtw) && same_bits(a.gate, b.gate) && same_bits(a.up, b.up) &&
+         same_bits(a.down, b.down) && a.sgate == b.sgate && a.sup == b.sup && a.sdown == b.sdown;
+}
+
 TrainRun train_group(const EpProblem& p, const EpGrads& g, Training mode, const Config& config = {}) {
   VirtualRanks group(p.shape, p.T, config, mode);
   std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
@@ -425,10 +430,7 @@ TEST_P(EpBackwardCases, MatchesReferenceAndOneGpuBitwise) {
 
   // Recompute mode: the same bits.
   const TrainRun again = train_group(p, g, Training::recompute);
-  EXPECT_TRUE(same_bits(again.dx, got.dx) && same_bits(again.dtw, got.dtw) && same_bits(again.gate, got.gate) &&
-              same_bits(again.up, got.up) && same_bits(again.down, got.down) && again.sgate == got.sgate &&
-              again.sup == got.sup && again.sdown == got.sdown)
-      << c.name << ": recompute differs from save";
+  EXPECT_TRUE(same_grads(again, got)) << c.name << ": recompute differs from save";
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -452,9 +454,7 @@ TEST(EpBackward, BitwiseEqualAcrossRunsAndSmCounts) {
     Config config;
     config.compute_sms = sms;
     const TrainRun run = train_group(p, g, Training::save, config);
-    EXPECT_TRUE(same_bits(run.dx, first.dx) && same_bits(run.dtw, first.dtw) && same_bits(run.gate, first.gate) &&
-                same_bits(run.up, first.up) && same_bits(run.down, first.down) && run.sgate == first.sgate)
-        << sms << " SMs";
+    EXPECT_TRUE(same_grads(run, first)) << sms << " SMs";
   }
 }
 
@@ -478,11 +478,6 @@ RingNeeds ring_needs(const EpProblem& p) {
 // wherever its rows start (128-row aligned).
 std::int64_t tight_ring(std::int64_t rows, std::int64_t minibatch_rows) {
   return (rows + minibatch_rows - 128 + minibatch_rows - 1) / minibatch_rows * minibatch_rows;
-}
-
-bool same_grads(const TrainRun& a, const TrainRun& b) {
-  return same_bits(a.dx, b.dx) && same_bits(a.dtw, b.dtw) && same_bits(a.gate, b.gate) && same_bits(a.up, b.up) &&
-         same_bits(a.down, b.down) && a.sgate == b.sgate && a.sup == b.sup && a.sdown == b.sdown;
 }
 
 // The backward's rings: dy and x rows stream through two rings, a minibatch at a time,

@@ -29,16 +29,19 @@ inline std::int64_t ring_rows(const Workspace& ws) {
   return ws.config().ring_rows > 0 ? ws.config().ring_rows : ring_minibatches(ws) * ws.config().minibatch_rows;
 }
 
+// A ring's shape for `comm_ctas` comm CTAs; counters: [2 * ring_minibatches] (landed, then
+// freed), zeroed per call.
+inline kernels::RingGeometry ring_geometry(const Workspace& ws, int comm_ctas, int* counters) {
+  return {comm_ctas, static_cast<int>(ws.config().minibatch_rows), static_cast<int>(ring_rows(ws)), counters,
+          counters + ring_minibatches(ws)};
+}
+
 // The forward's ring fields: `comm_ctas` CTAs pull rank q's rows from x[q] into `ring`
-// ([ring_rows, H]); counters: [2 * ring_minibatches] (landed, then freed), zeroed per call.
+// ([ring_rows, H]).
 inline void set_ring(kernels::ForwardParams& p, const Workspace& ws, int comm_ctas, std::uint16_t* ring, int* counters,
                      std::span<const void* const> x) {
   const std::int64_t rows = ring_rows(ws);
-  p.ring.comm_ctas = comm_ctas;
-  p.ring.minibatch_rows = static_cast<int>(ws.config().minibatch_rows);
-  p.ring.ring_rows = static_cast<int>(rows);
-  p.ring.landed = counters;
-  p.ring.freed = counters + ring_minibatches(ws);
+  static_cast<kernels::RingGeometry&>(p.ring) = ring_geometry(ws, comm_ctas, counters);
   p.ring.buffer = ring;
   for (std::size_t q = 0; q < x.size(); ++q) p.ring.x[q] = static_cast<const std::uint16_t*>(x[q]);
   p.maps.x_routed = make_bf16_tensor_map(ring, {std::uint64_t(ws.shape().hidden), std::uint64_t(rows)}, {64, 128}, "ring");
@@ -46,14 +49,13 @@ inline void set_ring(kernels::ForwardParams& p, const Workspace& ws, int comm_ct
 
 // The backward's ring (kernels/backward.cuh): the workspace's dy and x row buffers, used
 // ring_rows rows at a time (rows never pass capacity, so a ring larger than that never
-// wraps), counters as set_ring's. The maps of the routed dy and x rows then cover them.
+// wraps). The maps of the routed dy and x rows then cover them.
 inline void set_backward_ring(kernels::BackwardParams& p, Workspace& ws, int comm_ctas, int* counters) {
   const std::int64_t rows = std::min(ring_rows(ws), ws.plan().capacity_rows());
   const std::uint64_t H = ws.shape().hidden;
   auto* dy = static_cast<std::uint16_t*>(ws.dy_routed());
   auto* x = static_cast<std::uint16_t*>(ws.x_routed());
-  p.ring = {comm_ctas, static_cast<int>(ws.config().minibatch_rows), static_cast<int>(ring_rows(ws)), counters,
-            counters + ring_minibatches(ws), dy, x};
+  p.ring = {ring_geometry(ws, comm_ctas, counters), dy, x};
   p.routed_maps.dy_k = make_bf16_tensor_map(dy, {H, std::uint64_t(rows)}, {64, 128}, "dy ring");
   p.routed_maps.dy_mn = make_bf16_tensor_map(dy, {H, std::uint64_t(rows)}, {64, 64}, "dy ring");
   p.routed_maps.x_mn = make_bf16_tensor_map(x, {H, std::uint64_t(rows)}, {64, 64}, "x ring");

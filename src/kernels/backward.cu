@@ -49,31 +49,21 @@ constexpr std::uint32_t kKMajorABytes = kBlockM * kBlockK * 2;  // one K-major A
 enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitDgu = 5, kWaitRows = 6, kWaitDx = 7, kWaitPushed = 9,
                    kWaitLanded = 15, kWaitFreed = 16, kWaitCopy = 17 };
 
-// Comm CTAs (ring): kCommWarps warps pull rows, each through kCommSlots staging slots of
-// kCommPiece bytes in the (otherwise unused) pipeline stages.
-constexpr int kCommWarps = 8, kCommSlots = 6, kCommLag = 2, kCommPiece = 4096;
-using CommPipe = BulkCopyPipe<kCommSlots, kCommLag, kCommPiece>;
-
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
     std::uint16_t a[kBlockM * kBlockK];  // 16 KB: K-major 128 x 64, or two MN-major boxes
     std::uint16_t b[kBlockN * kBlockK];  // 32 KB: four MN-major boxes
   } stages[kStages];
-  struct Comm {  // comm CTAs (which have no epilogues): per staging slot
-    std::uint64_t loaded[kCommWarps * kCommSlots];  // its load's bytes have arrived
-    std::uint16_t* dst[kCommWarps * kCommSlots];    // where its piece goes in a ring
-    int bytes[kCommWarps * kCommSlots];
-  };
   union {
     std::uint16_t staging[kConsumerWarpgroups][2 * 64 * 64];  // per warpgroup: 64 x 128 bf16 of a weight gradient
-    Comm comm;
+    CommShared comm;  // comm CTAs (which have no epilogues)
   };
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
   PushedRows pushed[kConsumerWarpgroups];  // EP: rows pushed (dx rows, partials), not yet published
 };
 static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory over the sm_90 opt-in limit");
-static_assert(kCommWarps * kCommSlots * kCommPiece <= sizeof(SharedStorage::stages), "comm staging fits the stages");
+static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");
 
 enum TaskKind : int { kDh, kDx, kWd, kWgu, kCombine };
 
@@ -225,7 +215,7 @@ __device__ __forceinline__ bool reads_ring(const Task& t) {
   return Sched::kRing && !t.shared && t.kind != kDx;
 }
 __device__ __forceinline__ int minibatch_rows(const BackwardParams& p, int mb) {
-  return min(p.ring.minibatch_rows, p.expert_offset[p.num_local_experts] - mb * p.ring.minibatch_rows);
+  return minibatch_rows(p.ring, p.expert_offset[p.num_local_experts], mb);
 }
 __device__ __forceinline__ int ring_row(const BackwardParams& p, bool ring, int row) {
   return ring ? row % p.ring.ring_rows : row;
@@ -286,6 +276,9 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
     if (t.kind == kWd || t.kind == kWgu) a_boxes = m0 + 64 < a_limit ? 2 : 1;
     const std::uint32_t a_bytes = (t.kind == kDh || t.kind == kDx) ? kKMajorABytes : a_boxes * kBoxBytes;
     const std::uint32_t bytes = a_bytes + b_boxes * kBoxBytes;
+    // Where the dy / x rows of the next load sit: plan row row0 (dh), row0 + k0 (weight
+    // gradients: advanced by each K step), mod ring_rows in a ring.
+    int rows_at = ring_row(p, ring, row0);
     for (int kb = 0; kb < k_steps; ++kb) {
       wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, kWaitEmpty);
       SharedStorage::Stage& st = s.stages[pipe.index];
@@ -294,7 +287,7 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
       const int k0 = kb * kBlockK;
       switch (t.kind) {
         case kDh:
-          tma_load_2d(st.a, &maps.dy_k, full, k0, ring_row(p, ring, row0));
+          tma_load_2d(st.a, &maps.dy_k, full, k0, rows_at);
           for (int c = 0; c < b_boxes; ++c) tma_load_3d(st.b + c * 4096, &maps.down_mn, full, n0 + 64 * c, k0, t.e);
           break;
         case kDx: {
@@ -306,14 +299,18 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
         }
         case kWd:
           for (int w = 0; w < a_boxes; ++w)
-            tma_load_2d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, ring_row(p, ring, row0 + k0));
+            tma_load_2d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, rows_at);
           for (int c = 0; c < b_boxes; ++c) tma_load_2d(st.b + c * 4096, &maps.hw_mn, full, n0 + 64 * c, row0 + k0);
           break;
         default:  // kWgu
           for (int w = 0; w < a_boxes; ++w) tma_load_2d(st.a + w * 4096, &maps.dgu_mn, full, m0 + 64 * w, row0 + k0);
           for (int c = 0; c < b_boxes; ++c)
-            tma_load_2d(st.b + c * 4096, &maps.x_mn, full, n0 + 64 * c, ring_row(p, ring, row0 + k0));
+            tma_load_2d(st.b + c * 4096, &maps.x_mn, full, n0 + 64 * c, rows_at);
           break;
+      }
+      if (t.kind == kWd || t.kind == kWgu) {  // the next 64 rows (ring_rows is a multiple of 64)
+        rows_at += kBlockK;
+        if (ring && rows_at == p.ring.ring_rows) rows_at = 0;
       }
       pipe.advance();
     }
@@ -652,19 +649,13 @@ __device__ void poison_output(const BackwardParams& p, KernelStatus::Code code, 
 // rows is done: 2 warpgroups x (its M-tiles' dh tiles + the weight-gradient tiles of every
 // expert with rows in it).
 __device__ void run_comm(const BackwardParams& p, const RingSources& sources, SharedStorage& s, int comm, int comms) {
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kCommWarps * kCommSlots; ++i) mbarrier_init(&s.comm.loaded[i], 1);
-    fence_proxy_async_shared_cta();
-  }
-  __syncthreads();
+  init_comm(s.comm);
   const int warp = threadIdx.x / 32;
   if (warp >= kCommWarps) return;
   const RingPull<2> pull{{{p.ring.dy_buffer, sources.dy}, {p.ring.x_buffer, sources.x}}, p.row_pair,
-                         p.expert_offset[p.num_local_experts], p.ring.minibatch_rows, p.ring.ring_rows, p.hidden,
-                         p.tokens, p.top_k, p.ring.landed, p.ring.freed};
+                         p.expert_offset[p.num_local_experts], p.hidden, p.tokens, p.top_k, p.ring};
   const Schedule<true> sched(p, 0, 1);  // (for its tile counts)
-  CommPipe pipe{reinterpret_cast<std::uint8_t*>(&s.stages[0]) + warp * kCommSlots * kCommPiece,
-                &s.comm.loaded[warp * kCommSlots], &s.comm.dst[warp * kCommSlots], &s.comm.bytes[warp * kCommSlots]};
+  CommPipe pipe = comm_pipe(s.stages, s.comm, warp);
   const auto expected_freed = [&](int mb) {
     const int begin = mb * p.ring.minibatch_rows, end = begin + pull.rows_of(mb);
     int tasks = sched.n_dh_r * (end - begin) / kBlockM;

@@ -42,23 +42,17 @@ struct ExpertSetData {
   int inter;
 };
 
-// Ring token buffer of the EP backward (the forward's RingParams for two kinds of rows):
-// with comm_ctas > 0 the first comm_ctas CTAs of the rank pull the plan's dy and x rows
-// from their ranks into two rings of ring_rows rows, one minibatch at a time (landed[m] +=
-// rows); the tasks then run expert by expert (dh, dx, dW_down, dW_gate|up of one expert,
-// then the next), and a minibatch's slots are reused once every task that reads its rows
-// (dh tiles, and the weight-gradient tiles of the experts it holds) is done (freed[m]).
+// Ring token buffer of the EP backward (RingGeometry, for two kinds of rows): the comm CTAs
+// pull the plan's dy and x rows into two rings; the tasks then run expert by expert (dh,
+// dx, dW_down, dW_gate|up of one expert, then the next), and freed[m] counts the reads of
+// minibatch m by every task that reads its rows (dh tiles, and the weight-gradient tiles of
+// the experts it holds).
 // A weight-gradient task reads all of its expert's rows: the planner checks that every
 // minibatch an expert's rows touch fits in the ring together (PlanStatus::ring_too_small).
 // maps.dy_k, dy_mn and x_mn then cover the rings. Without comm CTAs the rows were copied
 // before the launch. The rows' sources (RingSources) are the same for every rank of a
 // group: they are kernel parameters once, beside the ranks' params.
-struct BackwardRing {
-  int comm_ctas;
-  int minibatch_rows;  // a multiple of kBlockM
-  int ring_rows;       // a multiple of minibatch_rows
-  int* landed;         // [minibatches]
-  int* freed;          // [minibatches]
+struct BackwardRing : RingGeometry {
   std::uint16_t* dy_buffer;  // [ring_rows, H]
   std::uint16_t* x_buffer;   // [ring_rows, H]
 };

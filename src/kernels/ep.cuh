@@ -10,6 +10,19 @@ namespace mok::kernels {
 // Ranks of an EP group (one NVLink node); virtual ranks share this limit.
 inline constexpr int kMaxRanks = 8;
 
+// A ring token buffer's shape and counters (forward: RingParams, backward: BackwardRing).
+// comm_ctas > 0: the first comm_ctas CTAs of the rank pull the plan's rows into a ring of
+// ring_rows rows, one minibatch of minibatch_rows plan rows at a time (landed[m] += rows);
+// the compute side counts its reads of minibatch m in freed[m], and a slot is overwritten
+// only once the minibatch that held it is read (kernels/ring_copy.cuh: RingPull).
+struct RingGeometry {
+  int comm_ctas;
+  int minibatch_rows;  // a multiple of 128 (an M-tile)
+  int ring_rows;       // a multiple of minibatch_rows
+  int* landed;         // [minibatches]
+  int* freed;          // [minibatches]
+};
+
 // Push combine. With push set, result rows go to the slots of the rank that owns the
 // token, at row t * k + j there, and each rank's combine waits until slots_done[q] (rows
 // pushed by rank q, times column tiles) reaches what its own routing expects from q.

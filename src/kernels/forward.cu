@@ -50,29 +50,20 @@ constexpr int kRowBytes = kBlockK * 2;
 enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitHidden = 3, kWaitSlots = 4, kWaitPushed = 8, kWaitLanded = 10,
                    kWaitFreed = 11, kWaitCopy = 14 };
 
-// Comm CTAs: kCommWarps warps copy rows, each through kCommSlots staging slots of
-// kCommPiece bytes in the (otherwise unused) pipeline stages.
-constexpr int kCommWarps = 8, kCommSlots = 6, kCommLag = 2, kCommPiece = 4096;
-
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
     std::uint16_t a[kBlockM * kBlockK];  // 16 KB
     std::uint16_t b[kBlockN * kBlockK];  // 32 KB
   } stages[kStages];
-  struct Comm {  // comm CTAs (which have no epilogues): per staging slot
-    std::uint64_t loaded[kCommWarps * kCommSlots];  // its load's bytes have arrived
-    std::uint16_t* dst[kCommWarps * kCommSlots];    // where its piece goes in the ring
-    int bytes[kCommWarps * kCommSlots];
-  };
   union {
     std::uint16_t h_staging[kConsumerWarpgroups][2][64 * 64];  // per warpgroup: two 64-column panels
-    Comm comm;
+    CommShared comm;  // comm CTAs (which have no epilogues)
   };
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
   PushedRows pushed[kConsumerWarpgroups];  // push combine: rows pushed, not yet published
 };
-static_assert(kCommWarps * kCommSlots * kCommPiece <= sizeof(SharedStorage::stages), "comm staging fits the stages");
+static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");
 static_assert(kCommWarps <= kThreads / 32);
 static_assert(sizeof(SharedStorage::Stage) % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
 static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory over the sm_90 opt-in limit");
@@ -91,9 +82,9 @@ struct Task {
   int mb;       // ring: the minibatch of a routed GEMM1 tile (else -1)
 };
 
-// Ring: plan rows of minibatch mb (the last one may be short; rows_total is a multiple of 128).
+// Ring: plan rows of minibatch mb (the last one may be short).
 __device__ __forceinline__ int minibatch_rows(const ForwardParams& p, int mb) {
-  return min(p.ring.minibatch_rows, p.expert_offset[p.num_local_experts] - mb * p.ring.minibatch_rows);
+  return minibatch_rows(p.ring, p.expert_offset[p.num_local_experts], mb);
 }
 
 // Task ranges of one launch; routed tile count comes from the device plan.
@@ -416,25 +407,17 @@ __device__ void poison_output(const ForwardParams& p, int cta, int ctas) {
 
 // ------------------------------------------------------------------------------- comm CTAs
 
-using CommPipe = BulkCopyPipe<kCommSlots, kCommLag, kCommPiece>;
-
 // Comm CTA `comm` of `comms`: its kCommWarps warps pull the plan's rows into the ring (see
 // RingPull); a minibatch's slots are free again once every GEMM1 warpgroup-tile of it has
 // read them.
 __device__ void run_comm(const ForwardParams& p, SharedStorage& s, int comm, int comms) {
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kCommWarps * kCommSlots; ++i) mbarrier_init(&s.comm.loaded[i], 1);
-    fence_proxy_async_shared_cta();
-  }
-  __syncthreads();
+  init_comm(s.comm);
   const int warp = threadIdx.x / 32;
   if (warp >= kCommWarps) return;
-  const RingPull<1> pull{{{p.ring.buffer, p.ring.x}}, p.row_pair, p.expert_offset[p.num_local_experts],
-                         p.ring.minibatch_rows, p.ring.ring_rows, p.hidden, p.tokens, p.top_k, p.ring.landed,
-                         p.ring.freed};
+  const RingPull<1> pull{{{p.ring.buffer, p.ring.x}}, p.row_pair, p.expert_offset[p.num_local_experts], p.hidden,
+                         p.tokens, p.top_k, p.ring};
   const int n1 = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
-  CommPipe pipe{reinterpret_cast<std::uint8_t*>(&s.stages[0]) + warp * kCommSlots * kCommPiece,
-                &s.comm.loaded[warp * kCommSlots], &s.comm.dst[warp * kCommSlots], &s.comm.bytes[warp * kCommSlots]};
+  CommPipe pipe = comm_pipe(s.stages, s.comm, warp);
   pull.run(p, pipe, comm * kCommWarps + warp, comms * kCommWarps,
            [&](int mb) { return kConsumerWarpgroups * n1 * pull.rows_of(mb) / kBlockM; }, kWaitFreed, kWaitCopy);
 }

@@ -41,18 +41,11 @@ struct ForwardMaps {
   CUtensorMap slots, shared_slots;             // fp32 [capacity, H], [T_pad, H], box 32 x 64 (stores)
 };
 
-// Ring token buffer. With comm_ctas > 0 the first comm_ctas CTAs of the rank copy (pull)
-// the plan's rows from their ranks into a ring of ring_rows rows, one minibatch of
-// minibatch_rows plan rows at a time (landed[m] += rows), reusing a slot once GEMM1 is
-// done with the minibatch that held it (freed[m] counts its warpgroup-tiles); GEMM1 runs
-// minibatch by minibatch and starts a minibatch as soon as it has landed. maps.x_routed
-// then covers the ring. Without comm CTAs the rows were copied before the launch.
-struct RingParams {
-  int comm_ctas;
-  int minibatch_rows;  // a multiple of kBlockM
-  int ring_rows;       // a multiple of minibatch_rows
-  int* landed;         // [minibatches]
-  int* freed;          // [minibatches]
+// The forward's ring token buffer (RingGeometry) of x rows: freed[m] counts the GEMM1
+// warpgroup-tiles of minibatch m; GEMM1 runs minibatch by minibatch and starts a minibatch
+// as soon as it has landed. maps.x_routed then covers the ring. Without comm CTAs the rows
+// were copied before the launch.
+struct RingParams : RingGeometry {
   std::uint16_t* buffer;              // [ring_rows, H]
   const std::uint16_t* x[kMaxRanks];  // rank q's rows [T, H] (one GPU: x[0])
 };

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "kernels/ep.cuh"
 #include "kernels/persistent.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/mbarrier.cuh"
@@ -69,6 +70,37 @@ struct BulkCopyPipe {
   }
 };
 
+// Comm CTAs (either kernel): kCommWarps warps pull rows, each through kCommSlots staging
+// slots of kCommPiece bytes in the kernel's (otherwise unused) pipeline stages.
+inline constexpr int kCommWarps = 8, kCommSlots = 6, kCommLag = 2, kCommPiece = 4096;
+inline constexpr std::size_t kCommStagingBytes = std::size_t{kCommWarps} * kCommSlots * kCommPiece;
+using CommPipe = BulkCopyPipe<kCommSlots, kCommLag, kCommPiece>;
+
+struct CommShared {  // per staging slot
+  std::uint64_t loaded[kCommWarps * kCommSlots];  // its load's bytes have arrived
+  std::uint16_t* dst[kCommWarps * kCommSlots];    // where its piece goes in a ring
+  int bytes[kCommWarps * kCommSlots];
+};
+
+// Every thread of a comm CTA calls this: thread 0 initialises the staging barriers. Warp
+// `warp` (< kCommWarps) then copies through its slots of `staging` (kCommStagingBytes).
+__device__ __forceinline__ void init_comm(CommShared& c) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kCommWarps * kCommSlots; ++i) ptx::mbarrier_init(&c.loaded[i], 1);
+    ptx::fence_proxy_async_shared_cta();
+  }
+  __syncthreads();
+}
+__device__ __forceinline__ CommPipe comm_pipe(void* staging, CommShared& c, int warp) {
+  return CommPipe{static_cast<std::uint8_t*>(staging) + warp * kCommSlots * kCommPiece, &c.loaded[warp * kCommSlots],
+                  &c.dst[warp * kCommSlots], &c.bytes[warp * kCommSlots]};
+}
+
+// Plan rows of minibatch mb of a plan of rows_total rows (the last one may be short).
+__device__ __forceinline__ int minibatch_rows(const RingGeometry& ring, int rows_total, int mb) {
+  return min(ring.minibatch_rows, rows_total - mb * ring.minibatch_rows);
+}
+
 // Where one kind of row goes and comes from: ring [ring_rows, H]; ranks[q]: rank q's rows [T, H].
 struct RowSource {
   std::uint16_t* ring;
@@ -85,25 +117,24 @@ template <int kSources>
 struct RingPull {
   RowSource sources[kSources];
   const std::int32_t* row_pair;
-  int rows_total, minibatch_rows, ring_rows, hidden, tokens, top_k;
-  int* landed;
-  const int* freed;
+  int rows_total, hidden, tokens, top_k;
+  RingGeometry ring;
 
-  __device__ int rows_of(int mb) const { return min(minibatch_rows, rows_total - mb * minibatch_rows); }
+  __device__ int rows_of(int mb) const { return kernels::minibatch_rows(ring, rows_total, mb); }
 
   template <typename Pipe, typename P, typename ExpectedFreed>
   __device__ void run(const P& p, Pipe& pipe, int worker, int workers, ExpectedFreed expected_freed, int phase_freed,
                       int phase_copy) const {
     const int lane = threadIdx.x % 32;
-    const int slots = ring_rows / minibatch_rows, minibatches = (rows_total + minibatch_rows - 1) / minibatch_rows;
+    const int per = ring.minibatch_rows, slots = ring.ring_rows / per, minibatches = (rows_total + per - 1) / per;
     const int row_bytes = hidden * 2, pairs_per_rank = tokens * top_k;
     for (int mb = 0; mb < minibatches; ++mb) {
       if (mb >= slots) {
-        if (lane == 0) wait_counter(p, freed + (mb - slots), expected_freed(mb - slots), mb, phase_freed);
+        if (lane == 0) wait_counter(p, ring.freed + (mb - slots), expected_freed(mb - slots), mb, phase_freed);
         __syncwarp();
         ptx::fence_proxy_async_global();  // the TMA reads of the slots' old rows come before these writes
       }
-      const int first = mb * minibatch_rows, count = rows_of(mb);
+      const int first = mb * per, count = rows_of(mb);
       int copied = 0, pair_of_lane = -1;
       for (int i = 0, r = worker; r < count; ++i, r += workers, ++copied) {
         if (i % 32 == 0) {  // the next 32 rows' pairs, one load per lane (not one latency per row)
@@ -111,7 +142,7 @@ struct RingPull {
           pair_of_lane = mine < count ? row_pair[first + mine] : -1;
         }
         const int pair = __shfl_sync(0xffffffffu, pair_of_lane, i % 32);
-        const std::int64_t slot = static_cast<std::int64_t>((first + r) % ring_rows) * hidden;
+        const std::int64_t slot = static_cast<std::int64_t>((first + r) % ring.ring_rows) * hidden;
 #pragma unroll
         for (int k = 0; k < kSources; ++k) {
           std::uint16_t* dst = sources[k].ring + slot;
@@ -133,7 +164,7 @@ struct RingPull {
         ptx::fence_proxy_async_global();
         if (copied > 0) {
           ptx::fence_acq_rel_gpu();
-          ptx::red_release_gpu_add(landed + mb, copied);
+          ptx::red_release_gpu_add(ring.landed + mb, copied);
         }
       }
       __syncwarp();
