@@ -67,17 +67,31 @@ class Workspace {
   // Throws if an earlier call already recorded an error (no synchronisation).
   void throw_if_failed() const;
 
-  // Device buffers (kernels' view).
-  void* x_routed() const { return x_routed_; }  // [capacity, H] bf16: routed rows in plan order
+  // Device buffers (kernels' view). The fp32 slot buffer [capacity + T_pad, H] is the
+  // largest; on one GPU it also holds the routed rows (rows_in_slots()):
+  //   forward:  x rows in its upper half (bytes [2 capacity H, 4 capacity H)); a GEMM2
+  //             tile's slot rows overwrite x rows only after GEMM1 has read them (the
+  //             kernel waits for those M-tiles' h_ready);
+  //   backward: dy rows in its lower half, x rows in its upper half; a dx row tile
+  //             overwrites its dy rows once its expert's dW_down tiles have read them.
+  // An expert-parallel rank's x rows have a buffer of their own (peers' pushes land in
+  // separate slots, and the ring's dy rows stay put while dx rows are written).
+  bool rows_in_slots() const { return x_routed_ == nullptr; }
+  void* x_routed() const {  // [capacity, H] bf16: routed rows in plan order
+    return rows_in_slots() ? static_cast<std::uint16_t*>(static_cast<void*>(slots_)) + capacity_h() : x_routed_;
+  }
   void* hidden() const { return hidden_; }  // [capacity, I] bf16
-  float* slots() const { return slots_; }    // [capacity, H] fp32
+  float* slots() const { return slots_; }    // [capacity, H] fp32, then [T_pad, H] of the shared expert
   int* counters() const { return counters_; }
   std::int64_t counter_count() const;
   KernelStatus* status_device() const { return status_device_; }
-  // Backward buffers (training only). dy rows and dx rows reuse the forward's fp32 slot
-  // buffer, which is dead between the forward's combine and the next forward.
-  void* dy_routed() const { return slots_; }                        // [capacity, H] bf16
-  void* dx_rows() const { return static_cast<std::uint16_t*>(dy_routed()) + capacity_h(); }  // [capacity + T_pad, H] bf16
+  // Backward buffers (training only), in the slot buffer (dead between the forward's
+  // combine and the next forward).
+  void* dy_routed() const { return slots_; }  // [capacity, H] bf16
+  void* dx_rows() const {                     // [capacity, H] bf16: over the dy rows on one GPU
+    return rows_in_slots() ? dy_routed() : static_cast<std::uint16_t*>(dy_routed()) + capacity_h();
+  }
+  void* shared_dx_rows() const { return static_cast<std::uint16_t*>(dy_routed()) + 2 * capacity_h(); }  // [T_pad, H]
   float* dw_partial() const { return dw_partial_; }                  // [capacity, ceil(I / 256)]
   void* recompute_buffer() const { return recompute_; }              // saved_elements() bf16 (recompute)
   std::int64_t bytes() const { return bytes_; }

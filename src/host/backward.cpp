@@ -103,7 +103,7 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
     std::uint16_t* s_hw = hw + capacity * I;
     p.shared_maps = set_maps(b.dy.data, a.x.data, T, s_dgu, s_hw, padded_tokens, a.shared_gate->data,
                              a.shared_up->data, a.shared_down->data, 1, H, Is);
-    std::uint16_t* s_dx_rows = dx_rows + capacity * H;
+    auto* s_dx_rows = static_cast<std::uint16_t*>(ws.shared_dx_rows());
     p.shared_maps.dx_rows =
         detail::make_bf16_tensor_map(s_dx_rows, {U(H), U(padded_tokens), 1}, {64, 64, 1}, "shared dx rows");
     p.shared = {s_dgu, s_hw, s_dx_rows, b.d_shared_gate->data, b.d_shared_up->data, b.d_shared_down->data,
@@ -117,6 +117,7 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   p.d_topk_weights = static_cast<float*>(b.d_topk_weights.data);
   p.grad_fp32 = grad_fp32;
   p.saved_marker = detail::saved_marker(gu, ws);
+  p.dx_over_dy = ws.rows_in_slots();
   return p;
 }
 

@@ -48,7 +48,7 @@ const char* kernel_phase_name(std::int32_t phase) {
     case 2: return "waiting for a free pipeline stage (empty barrier)";
     case 3: return "forward: waiting for GEMM1 rows of an M-tile (h_ready)";
     case 4: return "forward: waiting for every GEMM2 tile before the combine (y_done)";
-    case 5: return "backward: waiting for the dh tiles of an M-tile (dgu_ready)";
+    case 5: return "backward: waiting for the dh tiles of an M-tile (and on one GPU its expert's dW_down tiles) (dgu_ready)";
     case 6: return "backward: waiting for every dh tile of an expert before its weight gradients (dgu_ready)";
     case 7: return "backward: waiting for every dx row tile before the combine (dx_done)";
     case 8: return "forward: waiting for the result rows a peer rank pushes into this rank's combine slots (slots_done)";
@@ -61,6 +61,7 @@ const char* kernel_phase_name(std::int32_t phase) {
     case 15: return "backward: waiting for a minibatch of dy and x rows to land in the ring (landed)";
     case 16: return "backward: comm CTA waiting for the dh and weight-gradient tasks to free a ring slot (freed)";
     case 17: return "backward: comm CTA waiting for a bulk copy of rows into its staging (comm loaded barrier)";
+    case 18: return "forward: waiting for GEMM1 to read the x rows that a GEMM2 tile's slot rows overwrite (h_ready)";
     default: return "unknown phase";
   }
 }
@@ -84,7 +85,7 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
   const std::int64_t capacity = plan_->capacity_rows();
   const std::int64_t padded_tokens = detail::shared_tiles(shape, tokens) * detail::kTileRows;
   const std::int64_t H = shape.hidden, I = shape.intermediate, Is = shape.shared_intermediate;
-  allocate(x_routed_, 2 * capacity * H, "cudaMalloc(x_routed)", bytes_);
+  if (rank.rank >= 0) allocate(x_routed_, 2 * capacity * H, "cudaMalloc(x_routed)", bytes_);  // else in the slots
   allocate(hidden_, 2 * (capacity * I + padded_tokens * Is), "cudaMalloc(hidden)", bytes_);
   allocate(slots_, 4 * (capacity * H + padded_tokens * H), "cudaMalloc(slots)", bytes_);
   allocate(counters_, 4 * counter_count(), "cudaMalloc(counters)", bytes_);
@@ -241,6 +242,7 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, std::
   p.shared_saved_gu = saved_gu && s.has_shared() ? saved_gu + 2 * capacity * I : nullptr;
   p.saved_marker = saved_gu ? saved_marker(saved_gu, ws) : nullptr;
   p.gemm1_only = gemm1_only;
+  p.x_rows_in_slots = ws.rows_in_slots() ? capacity : 0;
   p.inter = static_cast<int>(I);
   p.shared_inter = static_cast<int>(Is);
   return p;

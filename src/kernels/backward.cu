@@ -75,10 +75,10 @@ struct Task {
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Task order. Phase-major (no ring): all dh tiles (routed, then shared), all dx tiles, all
-// dW_down tiles, all dW_gate|up tiles, the combine. Expert-major (ring): per routed expert
-// its dh, dx, dW_down and dW_gate|up tiles, then the shared expert's tiles phase by phase,
-// then the combine — an expert's rows are done with before later experts need the ring.
+// Task order. Phase-major (no ring): all dh tiles (routed, then shared), all dW_down tiles,
+// all dx tiles (which may overwrite the dy rows dW_down has read), all dW_gate|up tiles,
+// the combine. Expert-major (ring): per routed expert its dh, dx, dW_down and dW_gate|up
+// tiles, then the shared expert's tiles phase by phase, then the combine — an expert's rows are done with before later experts need the ring.
 // Either way a task waits only on lower-numbered tasks (or on comm progress, which waits
 // only on lower-numbered tasks). kRing: a kernel of its own, so that the ring's decoding
 // costs the default kernel no registers.
@@ -88,7 +88,7 @@ struct Schedule {
   int cta, ctas;  // this CTA among those serving this rank: it takes tasks cta, cta + ctas, ...
   // dW_down tiles cover [H, I] (N-tiles as dh's), dW_gate|up tiles [2I, H] (N-tiles as dx's)
   int m_routed, m_shared, n_dh_r, n_dh_s, n_dx, m_wd, m_wgu_r, m_wgu_s, experts;
-  int dh_r, dh_s, dx_r, dx_s, wd_r, wd_s, wgu_r, wgu_s, total;  // end of each task range (phase-major)
+  int dh_r, dh_s, wd_r, wd_s, dx_r, dx_s, wgu_r, wgu_s, total;  // end of each task range (phase-major)
 
   __device__ Schedule(const BackwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
     const int I = p.routed.inter, Is = p.shared.inter;
@@ -105,11 +105,11 @@ struct Schedule {
     // Expert-major: every routed task in the first range, the other routed ranges empty.
     dh_r = expert_major ? m_routed * (n_dh_r + n_dx) + experts * weight_tasks() : m_routed * n_dh_r;
     dh_s = dh_r + m_shared * n_dh_s;
-    dx_r = dh_s + (expert_major ? 0 : m_routed * n_dx);
-    dx_s = dx_r + m_shared * n_dx;
-    wd_r = dx_s + (expert_major ? 0 : experts * m_wd * n_dh_r);
+    wd_r = dh_s + (expert_major ? 0 : experts * m_wd * n_dh_r);
     wd_s = wd_r + (has_shared ? m_wd * n_dh_s : 0);
-    wgu_r = wd_s + (expert_major ? 0 : experts * m_wgu_r * n_dx);
+    dx_r = wd_s + (expert_major ? 0 : m_routed * n_dx);
+    dx_s = dx_r + m_shared * n_dx;
+    wgu_r = dx_s + (expert_major ? 0 : experts * m_wgu_r * n_dx);
     wgu_s = wgu_r + (has_shared ? m_wgu_s * n_dx : 0);
     total = wgu_s + ceil_div(p.tokens, kCombineTokens);
   }
@@ -168,16 +168,16 @@ struct Schedule {
       else t.kind = kDh, split_routed(p, task, n_dh_r, t);
     } else if (task < dh_s) {
       t.kind = kDh, t.shared = true, t.n = (task - dh_r) / m_shared, t.m = (task - dh_r) % m_shared;
-    } else if (task < dx_r) {
-      t.kind = kDx, split_routed(p, task - dh_s, n_dx, t);
-    } else if (task < dx_s) {
-      t.kind = kDx, t.shared = true, t.n = (task - dx_r) / m_shared, t.m = (task - dx_r) % m_shared;
     } else if (task < wd_r) {
-      t.kind = kWd, split_weight(task - dx_s, m_wd, n_dh_r, t);
+      t.kind = kWd, split_weight(task - dh_s, m_wd, n_dh_r, t);
     } else if (task < wd_s) {
       t.kind = kWd, t.shared = true, split_weight(task - wd_r, m_wd, n_dh_s, t);
+    } else if (task < dx_r) {
+      t.kind = kDx, split_routed(p, task - wd_s, n_dx, t);
+    } else if (task < dx_s) {
+      t.kind = kDx, t.shared = true, t.n = (task - dx_r) / m_shared, t.m = (task - dx_r) % m_shared;
     } else if (task < wgu_r) {
-      t.kind = kWgu, split_weight(task - wd_s, m_wgu_r, n_dx, t);
+      t.kind = kWgu, split_weight(task - dx_s, m_wgu_r, n_dx, t);
     } else if (task < wgu_s) {
       t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_dx, t);
     } else {
@@ -253,7 +253,11 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
     if (t.kind == kDh || t.kind == kDx) {
       row0 = tile_row0(p, t);
       if (t.kind == kDx) {
-        wait_counter(p, p.counters.dgu_ready + dgu_counter(p, t, t.m), kConsumerWarpgroups * sched.n_dh(t.shared), task,
+        // Its dh tiles; one GPU: also its expert's dW_down tiles (lower-numbered), which read
+        // the dy rows its dx rows overwrite and then count in dgu_ready too (one wait).
+        const bool over_dy = !Sched::kRing && p.dx_over_dy && !t.shared;
+        wait_counter(p, p.counters.dgu_ready + dgu_counter(p, t, t.m),
+                     kConsumerWarpgroups * (sched.n_dh(t.shared) + (over_dy ? sched.m_wd * sched.n_dh_r : 0)), task,
                      kWaitDgu);
         fence_proxy_async_global();  // dgu was written by generic stores of other CTAs
       }
@@ -623,6 +627,8 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
       expert_rows(p, t, first, count);
       mainloop<MnMajor, MnMajor>(p, s, pipe, acc, count / kBlockK, wg, task);
       epilogue_weight(p, s, acc, t, wg, count == 0);
+      if (t.kind == kWd && !t.shared && p.dx_over_dy)  // its dy rows are read: count it at each of its M-tiles
+        for (int m = first / kBlockM; m < (first + count) / kBlockM; ++m) publish_count(p.counters.dgu_ready + m, 1, wg);
       if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);
     }
   }

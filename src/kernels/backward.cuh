@@ -64,6 +64,7 @@ struct RingSources {
 
 struct BackwardCounters {
   int* dgu_ready;  // [max_routed_tiles + shared_tiles]: dh warpgroup-tiles done per M-tile
+                   // (dx_over_dy: then also its expert's dW_down warpgroup-tiles)
   int* dx_done;    // dx-row warpgroup-tiles done
   int* abort;
 };
@@ -89,6 +90,9 @@ struct BackwardParams {
   std::uint16_t* dx;          // [T, H] bf16
   float* d_topk_weights;      // [T, k]
   bool grad_fp32;             // weight gradients: f32 accumulated into (else bf16 written)
+  // One GPU: routed.dx_rows are the dy rows (Workspace::rows_in_slots): a dx tile waits
+  // until its expert's dW_down tiles have read them (phase-major order only).
+  bool dx_over_dy;
   BackwardCounters counters;
   KernelStatus* status;
   // The saved tensor's trailer: kSavedValid while it holds a forward's pre-activations

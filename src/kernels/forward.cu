@@ -48,7 +48,7 @@ using namespace mok::ptx;
 constexpr int kRowBytes = kBlockK * 2;
 
 enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitHidden = 3, kWaitSlots = 4, kWaitPushed = 8, kWaitLanded = 10,
-                   kWaitFreed = 11, kWaitCopy = 14 };
+                   kWaitFreed = 11, kWaitCopy = 14, kWaitXRead = 18 };
 
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
@@ -156,6 +156,17 @@ struct Schedule {
 
 // ---------------------------------------------------------------------------------- producer
 
+// One GPU, x rows in the slot buffer's upper half: slot row s (fp32, 4H bytes at 4H s)
+// shares bytes with x rows 2s - C and 2s - C + 1 (bf16, 2H bytes at 2H (C + r)), C the
+// capacity. Before the slot rows [row0, row0 + 128) are stored, every GEMM1 tile of those
+// x rows must have read them: M-tiles at or below this tile's, so lower-numbered tasks.
+__device__ void wait_x_rows_read(const ForwardParams& p, const Schedule& sched, int row0, int task) {
+  const long long used = static_cast<long long>(sched.m_routed) * kBlockM;
+  const long long lo = max(0ll, 2ll * row0 - p.x_rows_in_slots), hi = min(used, 2ll * row0 + 2 * kBlockM - p.x_rows_in_slots);
+  for (long long m = lo / kBlockM; m * kBlockM < hi; ++m)
+    wait_counter(p, p.counters.h_ready + m, kConsumerWarpgroups * sched.n1_routed, task, kWaitXRead);
+}
+
 // One thread issues every load; the rest of the warpgroup has nothing to do.
 __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Schedule& sched) {
   PipelineState<kStages> pipe;
@@ -181,6 +192,7 @@ __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Sch
     } else {
       wait_counter(p, p.counters.h_ready + (t.shared ? p.max_routed_tiles + t.m : t.m),
                    kConsumerWarpgroups * sched.n1(t.shared), task, kWaitHidden);
+      if (p.x_rows_in_slots > 0 && !t.shared) wait_x_rows_read(p, sched, row0, task);
       fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
       a = t.shared ? &p.maps.shared_h_load : &p.maps.h_load;
       b0 = t.shared ? &p.maps.shared_down : &p.maps.down;

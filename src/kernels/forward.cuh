@@ -74,6 +74,10 @@ struct ForwardParams {
   std::uint16_t* shared_saved_gu;
   unsigned long long* saved_marker;  // set to kSavedValid when saved_gu is written
   bool gemm1_only;
+  // One GPU: x_routed lies in the upper half of the slot buffer (Workspace::rows_in_slots);
+  // this is its capacity in rows (0: a buffer of its own). A GEMM2 tile then waits for
+  // the GEMM1 tiles of the x rows its slot rows overwrite.
+  int x_rows_in_slots;
   ForwardCounters counters;
   KernelStatus* status;
   // sizes
