@@ -253,10 +253,12 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
     if (t.kind == kDh || t.kind == kDx) {
       row0 = tile_row0(p, t);
       if (t.kind == kDx) {
-        // Its dh tiles; one GPU: also its expert's dW_down tiles (lower-numbered), which read
-        // the dy rows its dx rows overwrite and then count in dgu_ready too (one wait).
+        // Its dh tiles. One GPU: its dx rows overwrite its dy rows, which its expert's
+        // dW_down tiles (lower-numbered) read; those count in the dgu_ready of the expert's
+        // first M-tile once done, and each of them waited for every dh tile of the expert,
+        // so that one counter says both (one wait: a second call site spilled).
         const bool over_dy = !Sched::kRing && p.dx_over_dy && !t.shared;
-        wait_counter(p, p.counters.dgu_ready + dgu_counter(p, t, t.m),
+        wait_counter(p, p.counters.dgu_ready + (over_dy ? p.expert_offset[t.e] / kBlockM : dgu_counter(p, t, t.m)),
                      kConsumerWarpgroups * (sched.n_dh(t.shared) + (over_dy ? sched.m_wd * sched.n_dh_r : 0)), task,
                      kWaitDgu);
         fence_proxy_async_global();  // dgu was written by generic stores of other CTAs
@@ -627,8 +629,8 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
       expert_rows(p, t, first, count);
       mainloop<MnMajor, MnMajor>(p, s, pipe, acc, count / kBlockK, wg, task);
       epilogue_weight(p, s, acc, t, wg, count == 0);
-      if (t.kind == kWd && !t.shared && p.dx_over_dy)  // its dy rows are read: count it at each of its M-tiles
-        for (int m = first / kBlockM; m < (first + count) / kBlockM; ++m) publish_count(p.counters.dgu_ready + m, 1, wg);
+      if (t.kind == kWd && !t.shared && p.dx_over_dy && count > 0)  // its dy rows are read (see the dx wait)
+        publish_count(p.counters.dgu_ready + first / kBlockM, 1, wg);
       if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);
     }
   }

@@ -64,7 +64,7 @@ struct RingSources {
 
 struct BackwardCounters {
   int* dgu_ready;  // [max_routed_tiles + shared_tiles]: dh warpgroup-tiles done per M-tile
-                   // (dx_over_dy: then also its expert's dW_down warpgroup-tiles)
+                   // (dx_over_dy: an expert's first M-tile also counts its dW_down ones)
   int* dx_done;    // dx-row warpgroup-tiles done
   int* abort;
 };
