@@ -5,12 +5,14 @@
 #   $OUT/<date>-<commit>-gpucheck.json  each test's name and outcome on this GPU
 # plus $OUT/logs.tgz (build, ptxas, ctest, benchmark logs), then prints a short table. Copy the two JSON files to bench/results/ and
 # run `python3 bench/report.py table` to refresh bench/results/README.md.
-#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep]
+#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON, `bench` (build if missing, then
 # the one-GPU benchmarks) the bench JSON, `ep` (machines with 2 or more GPUs: the package
 # if missing, then bench/ep_bench.py on every GPU under torchrun) its own bench JSON
-# (<date>-<commit>-ep<W>-bench.json). `all` runs the three.
+# (<date>-<commit>-ep<W>-bench.json). `all` runs the three. `speed` (a kernel change's
+# check in one call, ~5 min): build, the one-GPU forward/backward tests, then mok (and the
+# EP machinery at EP = 1) against the PyTorch baseline and the dense ceiling on every preset.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -24,11 +26,11 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --quick) iters=5 ;;
     --part) part="$2"; shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|bench|ep) ;; *) echo "gpu_check.sh: --part must be all, tests, bench or ep"; exit 2 ;; esac
+case "$part" in all|tests|bench|ep|speed) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep or speed"; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 source scripts/setup.sh || exit 1
@@ -87,6 +89,17 @@ junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
 
 bench=()
+if [ "$part" = speed ]; then
+ctest --test-dir $build --output-on-failure -j2 -R "^(Forward|Backward)" --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1
+test_rc=$?
+tail -3 "$LOG/ctest.log"
+junit=("$LOG/ctest.xml")
+$build/bench/mok_bench --preset all --impl mok,mok-ep1 --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" --date "$date" \
+  2>&1 | tee "$LOG/bench_mok.log"
+python3 bench/torch_baseline.py --preset all --iters $iters --out "$LOG/bench_torch.json" --commit "$commit" --date "$date" \
+  2>&1 | tee "$LOG/bench_torch.log"
+bench=("$LOG/bench_mok.json" "$LOG/bench_torch.json")
+fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
 $build/bench/mok_bench --preset all --impl mok,mok-ep1,cublas,plan --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" --date "$date" \
   2>&1 | tee "$LOG/bench_mok.log"
