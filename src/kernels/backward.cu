@@ -8,9 +8,10 @@
 //                (one per 256 columns, summed later in order); dg, du = SwiGLU backward of
 //                w * d (clamp-aware), written over g, u in the saved tensor; w * h for the
 //                weight gradient of W_down
-//   dx    tasks  dx_row = [dg du] . [W_gate; W_up]   A dgu (K-major), B W_gate|W_up (MN-major)
-//                -> bf16 rows (TMA stores); waits for the M-tile's dh tasks
 //   dWd   tasks  dW_down[e] = dy^T . (w h) over the expert's rows     (both MN-major)
+//   dx    tasks  dx_row = [dg du] . [W_gate; W_up]   A dgu (K-major), B W_gate|W_up (MN-major)
+//                -> bf16 rows (TMA stores); waits for the M-tile's dh tasks (one GPU: the
+//                rows overwrite the dy rows, so it waits for its expert's dWd tasks too)
 //   dWgu  tasks  [dW_gate; dW_up][e] = [dg du]^T . x over its rows    (both MN-major)
 //                each output tile is one task with the full K loop in row order (no
 //                split-K); f32 gradients are accumulated into, bf16 ones written
