@@ -75,6 +75,26 @@ TEST(Forward, BitwiseEqualAcrossRunsAndSmCounts) {
   for (int sms : {1, 7, 37, 100}) EXPECT_TRUE(same_bits(run_once(host, gpu, sms), first)) << sms << " SMs";
 }
 
+// On one GPU the routed x rows live in the upper half of the fp32 slot buffer
+// (Workspace::rows_in_slots): GEMM2 tile m's slot rows share bytes with x rows of M-tiles
+// 2m - C and 2m - C + 1 (C: the capacity in tiles). With two experts (little padding) the
+// last half of the GEMM2 tiles overwrite nearly every x row, while GEMM1 tiles of other
+// CTAs may still be reading: the kernel must order them (the result matches the reference
+// and does not depend on the SM count).
+TEST(Forward, SlotRowsOverwriteRoutedRowsOnlyAfterGemm1HasReadThem) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 1024, 256, 2, 2, 0, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 2048, RoutingKind::uniform, 2024);
+  GpuProblem gpu(host);
+  EXPECT_TRUE(Workspace(s, host.tokens).rows_in_slots());
+  const auto first = run_once(host, gpu, 0);
+  const auto ref = reference::forward(s, host.tokens, host.reference_x(), host.reference_routing(), host.reference_weights());
+  const auto cmp = testing::compare(gpu.output(), ref);
+  EXPECT_EQ(cmp.non_finite, 0);
+  EXPECT_LE(cmp.rel_error, 1e-2);
+  for (int sms : {2, 9, 33, 132}) EXPECT_TRUE(same_bits(run_once(host, gpu, sms), first)) << sms << " SMs";
+}
+
 TEST(Forward, BadExpertIdPoisonsOutputAndIsReported) {
   MOK_REQUIRE_HOPPER();
   const MoeShape s = shape_of({"", 0, 256, 128, 8, 2, 0, 0, RoutingKind::uniform});

@@ -71,6 +71,31 @@ def moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     return _combine(x, k, topk_weights, pairs, rows, shared, swiglu_limit)
 
 
+class _Exchange(torch.autograd.Function):
+    """all_to_all_single of rows with autograd: rows split by send_sizes, piece q to rank q;
+    the pieces that arrive are concatenated in rank order (recv_sizes). The gradient goes
+    back the same way. (torch.distributed.nn.functional.all_to_all_single does this too but
+    is deprecated in torch 2.15.)"""
+
+    @staticmethod
+    def forward(ctx, rows, recv_sizes, send_sizes, group):
+        import torch.distributed as dist
+
+        ctx.sizes, ctx.group = (recv_sizes, send_sizes), group
+        out = rows.new_empty(sum(recv_sizes), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), recv_sizes, send_sizes, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        recv_sizes, send_sizes = ctx.sizes
+        out = grad.new_empty(sum(send_sizes), *grad.shape[1:])
+        dist.all_to_all_single(out, grad.contiguous(), send_sizes, recv_sizes, group=ctx.group)
+        return out, None, None, None
+
+
 def moe_torch_ep(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
                  w_up: torch.Tensor, w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
                  swiglu_limit: Optional[float] = None, group=None) -> torch.Tensor:
@@ -82,10 +107,9 @@ def moe_torch_ep(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     and return the same way; the owner sums the k slots in fp32. Autograd flows through
     the exchanges. -1 = no expert."""
     import torch.distributed as dist
-    from torch.distributed.nn.functional import all_to_all_single
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    k, H, E_l = topk_ids.shape[1], x.shape[1], w_gate.shape[0]
+    k, E_l = topk_ids.shape[1], w_gate.shape[0]
     pairs, experts = _pairs_by_expert(topk_ids)  # sorted by expert, so by destination rank
     sent = torch.zeros(world, dtype=torch.int64, device=experts.device).index_add(
         0, experts // E_l, torch.ones_like(experts))
@@ -93,12 +117,12 @@ def moe_torch_ep(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     dist.all_to_all_single(received, sent, group=group)
     send_sizes, recv_sizes = sent.tolist(), received.tolist()  # the exchanges need them on the host
     arrived = sum(recv_sizes)
-    x_in = all_to_all_single(x.new_empty(arrived, H), x.index_select(0, pairs // k), recv_sizes, send_sizes, group=group)
+    x_in = _Exchange.apply(x.index_select(0, pairs // k), recv_sizes, send_sizes, group)
     experts_in = experts.new_empty(arrived)
     dist.all_to_all_single(experts_in, experts, recv_sizes, send_sizes, group=group)
     local = experts_in - rank * E_l  # rows arrive by source rank: regroup them by local expert
     regroup = torch.argsort(local, stable=True)
     rows = _experts(x_in.index_select(0, regroup), local[regroup], w_gate, w_up, w_down, swiglu_limit)
     rows = rows.index_select(0, torch.argsort(regroup))  # back to arrival order
-    returned = all_to_all_single(rows.new_empty(pairs.numel(), H), rows, send_sizes, recv_sizes, group=group)
+    returned = _Exchange.apply(rows, send_sizes, recv_sizes, group)
     return _combine(x, k, topk_weights, pairs, returned, shared, swiglu_limit)
