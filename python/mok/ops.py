@@ -26,17 +26,20 @@ def _release_at_exit() -> None:
             group.release()
 
 
-def _workspace(x, w_gate, top_k, shared_intermediate, swiglu_limit, training=False):
+def _workspace(x, w_gate, top_k, shared_intermediate, swiglu_limit):
+    """The workspace of this shape and device, made on first use. It is made for training
+    (4*ceil(I/256) bytes per row more than an inference one) so that training steps and
+    evaluation under no_grad share one workspace instead of holding two."""
     T, H = x.shape
     E, I, _ = w_gate.shape
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    key = (device, T, H, I, E, top_k, shared_intermediate, swiglu_limit, training)
+    key = (device, T, H, I, E, top_k, shared_intermediate, swiglu_limit)
     ws = _workspaces.get(key)
     if ws is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("mok.moe: the first call for a shape allocates its workspace; "
                                "run it once before capturing a CUDA graph")
-        ws = _C.Workspace(H, I, E, top_k, shared_intermediate, swiglu_limit, T, device, training=training)
+        ws = _C.Workspace(H, I, E, top_k, shared_intermediate, swiglu_limit, T, device, training=True)
         _workspaces[key] = ws
     return ws
 
@@ -87,8 +90,7 @@ def moe_train_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
                         dtype=torch.bfloat16, device=x.device)
     if x.shape[0] == 0:
         return y, saved
-    ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit,
-                    training=True)
+    ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _C.forward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, saved,
                stream)
@@ -116,8 +118,7 @@ def moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk
     """dx, d_topk_weights, d_w_gate, d_w_up, d_w_down[, d_shared_gate, d_shared_up, d_shared_down]."""
     dy = dy.contiguous()
     grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
-    ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit,
-                    training=True)
+    ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit)
     shared_grads = grads[5:] if shared_gate is not None else (None, None, None)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _C.backward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,

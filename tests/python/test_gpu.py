@@ -162,3 +162,19 @@ def test_cuda_graph_of_forward_and_backward():
     mok.moe(eager[0], ids, *eager[1:]).backward(dy)
     for a, b in zip(replayed, eager):
         assert torch.equal(a, b.grad)
+
+
+def test_evaluation_and_training_share_one_workspace():
+    """An evaluation call under no_grad and a training step of the same shape use one
+    workspace (a training workspace also serves inference): no second copy of the buffers."""
+    from mok import ops
+
+    x, ids, w, gate, up, down, _ = _problem(T=211, H=256, I=128, E=4, seed=9)
+    before = len(ops._workspaces)
+    with torch.no_grad():
+        y_eval = mok.moe(x, ids, w, gate, up, down)
+    params = [t.clone().requires_grad_(True) for t in (w, gate, up, down)]
+    y_train = mok.moe(x, ids, *params)
+    y_train.float().sum().backward()
+    assert len(ops._workspaces) == before + 1
+    assert torch.equal(y_eval, y_train.detach())
