@@ -63,6 +63,15 @@ else
   echo "pip install . failed (see pip.log)"; tail -20 "$LOG/pip.log"; test_rc=1
 fi
 
+# The README's main job on this GPU (its build dir is ours: nothing is built twice).
+if MOK_BUILD_DIR=$build scripts/run.sh > "$LOG/main_job.log" 2>&1 && grep -q "CHECK PASSED" "$LOG/main_job.log"; then
+  extra+=("main job scripts/run.sh=passed")
+  tail -2 "$LOG/main_job.log"
+else
+  extra+=("main job scripts/run.sh=failed")
+  echo "main job failed"; tail -20 "$LOG/main_job.log"; test_rc=1
+fi
+
 # The training example: the fused kernel against the PyTorch path (loss and tokens/s).
 if python3 examples/train_moe_lm.py --steps 100 > "$LOG/train_example.log" 2> "$LOG/train_example.err"; then
   tail -5 "$LOG/train_example.log"
