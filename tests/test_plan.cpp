@@ -3,6 +3,7 @@
 #include "mok/error.hpp"
 #include "mok/plan.hpp"
 #include "mok/routing.hpp"
+#include "kernels/slot_rows.hpp"
 #include "plan_checks.hpp"
 
 namespace mok {
@@ -114,6 +115,27 @@ TEST(HostPlan, RejectsBadIdsAndSizes) {
   EXPECT_THROW(plan_host(s, 3, ids, 0), Error);          // size mismatch
   const std::vector<std::int32_t> good{0, 1, 2, 3};
   EXPECT_THROW(plan_host(s, 2, good, 1), Error);  // rank out of range at EP=1
+}
+
+// On one GPU the x rows live in the upper half of the fp32 slot buffer: a GEMM2 tile must
+// wait for exactly the x rows its slot rows share bytes with (checked byte by byte, in
+// units of H), and those lie in M-tiles at or below its own (no wait on a later task).
+TEST(SlotRows, XRowsUnderSlotTilesAreTheOnesSharingBytes) {
+  constexpr long long kTile = 128;
+  for (long long capacity : {128ll, 300ll, 1278ll, 4350ll, 8192ll}) {
+    for (long long used = kTile; used <= capacity; used += kTile) {
+      for (long long row0 = 0; row0 < used; row0 += kTile) {
+        const kernels::RowRange x = kernels::x_rows_under_slots(row0, kTile, capacity, used);
+        for (long long r = 0; r < used; ++r) {
+          // slot rows [row0, row0 + 128): bytes [4 row0, 4 (row0 + 128)); x row r: [2 (C + r), 2 (C + r + 1))
+          const bool shares = 2 * (capacity + r) < 4 * (row0 + kTile) && 2 * (capacity + r + 1) > 4 * row0;
+          const bool waited = r >= x.first && r < x.end;
+          ASSERT_EQ(shares, waited) << "capacity " << capacity << " used " << used << " tile row " << row0 << " x row " << r;
+          if (waited) ASSERT_LE(r / kTile, row0 / kTile) << "a wait on a later M-tile could deadlock";
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

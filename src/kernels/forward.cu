@@ -33,6 +33,7 @@
 #include "kernels/persistent.cuh"
 #include "kernels/pipeline.cuh"
 #include "kernels/ring_copy.cuh"
+#include "kernels/slot_rows.hpp"
 #include "kernels/swiglu.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
@@ -156,14 +157,12 @@ struct Schedule {
 
 // ---------------------------------------------------------------------------------- producer
 
-// One GPU, x rows in the slot buffer's upper half: slot row s (fp32, 4H bytes at 4H s)
-// shares bytes with x rows 2s - C and 2s - C + 1 (bf16, 2H bytes at 2H (C + r)), C the
-// capacity. Before the slot rows [row0, row0 + 128) are stored, every GEMM1 tile of those
-// x rows must have read them: M-tiles at or below this tile's, so lower-numbered tasks.
+// One GPU, x rows in the slot buffer's upper half (kernels/slot_rows.hpp): before the slot
+// rows [row0, row0 + 128) are stored, every GEMM1 tile of the x rows under them must have
+// read them: M-tiles at or below this tile's, so lower-numbered tasks.
 __device__ void wait_x_rows_read(const ForwardParams& p, const Schedule& sched, int row0, int task) {
-  const long long used = static_cast<long long>(sched.m_routed) * kBlockM;
-  const long long lo = max(0ll, 2ll * row0 - p.x_rows_in_slots), hi = min(used, 2ll * row0 + 2 * kBlockM - p.x_rows_in_slots);
-  for (long long m = lo / kBlockM; m * kBlockM < hi; ++m)
+  const RowRange x = x_rows_under_slots(row0, kBlockM, p.x_rows_in_slots, static_cast<long long>(sched.m_routed) * kBlockM);
+  for (long long m = x.first / kBlockM; m * kBlockM < x.end; ++m)
     wait_counter(p, p.counters.h_ready + m, kConsumerWarpgroups * sched.n1_routed, task, kWaitXRead);
 }
 
