@@ -11,7 +11,7 @@
 # the one-GPU benchmarks) the bench JSON, `ep` (machines with 2 or more GPUs: the package
 # if missing, then bench/ep_bench.py on every GPU under torchrun) its own bench JSON
 # (<date>-<commit>-ep<W>-bench.json). `all` runs the three. `speed` (a kernel change's
-# check in one call, ~5 min): build, the one-GPU forward/backward tests, then mok (and the
+# check in one call, ~9.5 min on an H200): build, the one-GPU forward/backward tests, then mok (and the
 # EP machinery at EP = 1) against the PyTorch baseline and the dense ceiling on every preset.
 set -uo pipefail
 cd "$(dirname "$0")/.."
