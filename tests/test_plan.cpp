@@ -3,7 +3,7 @@
 #include "mok/error.hpp"
 #include "mok/plan.hpp"
 #include "mok/routing.hpp"
-#include "kernels/slot_rows.hpp"
+#include "kernels/slot_rows.cuh"
 #include "plan_checks.hpp"
 
 namespace mok {

@@ -79,7 +79,8 @@ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; 
 // Task order. Phase-major (no ring): all dh tiles (routed, then shared), all dW_down tiles,
 // all dx tiles (which may overwrite the dy rows dW_down has read), all dW_gate|up tiles,
 // the combine. Expert-major (ring): per routed expert its dh, dx, dW_down and dW_gate|up
-// tiles, then the shared expert's tiles phase by phase, then the combine — an expert's rows are done with before later experts need the ring.
+// tiles, then the shared expert's tiles phase by phase, then the combine — an expert's
+// rows are done with before later experts need the ring.
 // Either way a task waits only on lower-numbered tasks (or on comm progress, which waits
 // only on lower-numbered tasks). kRing: a kernel of its own, so that the ring's decoding
 // costs the default kernel no registers.

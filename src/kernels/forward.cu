@@ -33,7 +33,7 @@
 #include "kernels/persistent.cuh"
 #include "kernels/pipeline.cuh"
 #include "kernels/ring_copy.cuh"
-#include "kernels/slot_rows.hpp"
+#include "kernels/slot_rows.cuh"
 #include "kernels/swiglu.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
@@ -157,7 +157,7 @@ struct Schedule {
 
 // ---------------------------------------------------------------------------------- producer
 
-// One GPU, x rows in the slot buffer's upper half (kernels/slot_rows.hpp): before the slot
+// One GPU, x rows in the slot buffer's upper half (kernels/slot_rows.cuh): before the slot
 // rows [row0, row0 + 128) are stored, every GEMM1 tile of the x rows under them must have
 // read them: M-tiles at or below this tile's, so lower-numbered tasks.
 __device__ void wait_x_rows_read(const ForwardParams& p, const Schedule& sched, int row0, int task) {

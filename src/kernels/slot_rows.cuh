@@ -2,11 +2,7 @@
 // (Workspace::rows_in_slots): plain arithmetic, shared by the kernel and a CPU test.
 #pragma once
 
-#if defined(__CUDACC__)
-#define MOK_HOST_DEVICE __host__ __device__
-#else
-#define MOK_HOST_DEVICE
-#endif
+#include <cuda_runtime_api.h>
 
 namespace mok::kernels {
 
@@ -19,8 +15,8 @@ struct RowRange {
 // with x rows 2s - capacity and 2s - capacity + 1. Returns the x rows, clipped to the used
 // rows [0, used), that the slot rows [row0, row0 + rows) overwrite: all of them lie at or
 // below row0 + rows - 1, so a GEMM2 tile waits only for GEMM1 tiles at or below its own.
-MOK_HOST_DEVICE inline RowRange x_rows_under_slots(long long row0, long long rows, long long capacity,
-                                                   long long used) {
+__host__ __device__ inline RowRange x_rows_under_slots(long long row0, long long rows, long long capacity,
+                                                      long long used) {
   const long long first = 2 * row0 - capacity, end = 2 * (row0 + rows) - capacity;
   return {first < 0 ? 0 : first, end < used ? end : used};
 }
