@@ -11,8 +11,9 @@
 # the one-GPU benchmarks) the bench JSON, `ep` (machines with 2 or more GPUs: the package
 # if missing, then bench/ep_bench.py on every GPU under torchrun) its own bench JSON
 # (<date>-<commit>-ep<W>-bench.json). `all` runs the three. `speed` (a kernel change's
-# check in one call, ~9.5 min on an H200): build, the one-GPU forward/backward tests, then mok (and the
-# EP machinery at EP = 1) against the PyTorch baseline and the dense ceiling on every preset.
+# check in one call, ~9.5 min on an H200): build, the one-GPU forward/backward tests, then
+# mok (and the EP machinery at EP = 1) against the PyTorch baseline and the dense ceiling
+# on every preset.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -97,27 +98,28 @@ done
 junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
 
+# mok_bench with the implementations $1, then the PyTorch baseline and the dense ceiling,
+# every preset, one GPU: the bench JSON's two inputs.
+one_gpu_bench() {
+  $build/bench/mok_bench --preset all --impl "$1" --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" \
+    --date "$date" 2>&1 | tee "$LOG/bench_mok.log"
+  python3 bench/torch_baseline.py --preset all --iters $iters --out "$LOG/bench_torch.json" --commit "$commit" \
+    --date "$date" 2>&1 | tee "$LOG/bench_torch.log"
+  bench=("$LOG/bench_mok.json" "$LOG/bench_torch.json")
+}
+
 bench=()
 if [ "$part" = speed ]; then
 ctest --test-dir $build --output-on-failure -j2 -R "^(Forward|Backward)" --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1
 test_rc=$?
 tail -3 "$LOG/ctest.log"
 junit=("$LOG/ctest.xml")
-$build/bench/mok_bench --preset all --impl mok,mok-ep1 --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" --date "$date" \
-  2>&1 | tee "$LOG/bench_mok.log"
-python3 bench/torch_baseline.py --preset all --iters $iters --out "$LOG/bench_torch.json" --commit "$commit" --date "$date" \
-  2>&1 | tee "$LOG/bench_torch.log"
-bench=("$LOG/bench_mok.json" "$LOG/bench_torch.json")
+one_gpu_bench mok,mok-ep1
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
-$build/bench/mok_bench --preset all --impl mok,mok-ep1,cublas,plan --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" --date "$date" \
-  2>&1 | tee "$LOG/bench_mok.log"
+one_gpu_bench mok,mok-ep1,cublas,plan
 # The ring's row copy alone (qwen3-30b-a3b's and deepseek-v3's row sizes): GB/s per comm SM.
 { $build/bench/ring_copy_bench && $build/bench/ring_copy_bench --tokens 8192 --hidden 7168; } 2>&1 | tee "$LOG/ring_copy.log"
-python3 bench/torch_baseline.py --preset all --iters $iters --out "$LOG/bench_torch.json" --commit "$commit" --date "$date" \
-  2>&1 | tee "$LOG/bench_torch.log"
-
-bench=("$LOG/bench_mok.json" "$LOG/bench_torch.json")
 fi
 
 # Expert parallelism across every GPU of the machine: mok-ep against NCCL + PyTorch.
