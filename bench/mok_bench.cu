@@ -12,8 +12,10 @@
 //          then the fused backward into bf16 gradients); the forward is checked first on
 //          sampled tokens against the fp64 CPU reference, the backward's outputs for
 //          finiteness (its exactness is the test suite's job). peak_bytes: what one pass
-//          needs beyond its inputs and weights, counted like the PyTorch baseline's peak:
-//          workspace + y (+ saved tensor + dx + d_topk_weights + bf16 weight gradients)
+//          needs beyond its inputs and weights, like the PyTorch baseline's peak: the
+//          workspace + y + the high-water mark of what the pass allocates from a caching
+//          stream-ordered pool (scratch; fwd+bwd: saved tensor, dx, d_topk_weights, bf16
+//          weight gradients, allocated when the backward runs), measured over one pass
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -22,7 +24,9 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <sstream>
 #include <string>
@@ -86,6 +90,57 @@ class Arena {
  private:
   std::vector<void*> blocks_;
   std::size_t bytes_ = 0;
+};
+
+// A stream-ordered pool that keeps what is freed (a caching allocator, as PyTorch's):
+// the memory one pass allocates, and its high-water mark.
+class StepPool {
+ public:
+  explicit StepPool(cudaStream_t stream) : stream_(stream) {
+    int device = 0;
+    CUDA_OK(cudaGetDevice(&device));
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    CUDA_OK(cudaMemPoolCreate(&pool_, &props));
+    std::uint64_t keep = ~std::uint64_t{0};
+    CUDA_OK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep));
+  }
+  ~StepPool() {
+    cudaStreamSynchronize(stream_);
+    cudaMemPoolDestroy(pool_);
+  }
+  StepPool(const StepPool&) = delete;
+  StepPool& operator=(const StepPool&) = delete;
+
+  template <typename T>
+  T* alloc(std::size_t n) {
+    void* p = nullptr;
+    CUDA_OK(cudaMallocFromPoolAsync(&p, std::max<std::size_t>(1, n) * sizeof(T), pool_, stream_));
+    return static_cast<T*>(p);
+  }
+  void free(void* p) { CUDA_OK(cudaFreeAsync(p, stream_)); }
+  static mok::TensorView u8(void* p, std::int64_t bytes) {
+    return mok::TensorView::contiguous(p, mok::DType::u8, mok::Device::cuda(0), {bytes});
+  }
+  // Bytes in use at the highest point while `body` runs, above what was in use before.
+  template <typename Body>
+  std::size_t high_water(Body body) {
+    CUDA_OK(cudaStreamSynchronize(stream_));
+    std::uint64_t used = 0, zero = 0;
+    CUDA_OK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemCurrent, &used));
+    CUDA_OK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrUsedMemHigh, &zero));  // (resets it to the current use)
+    body();
+    CUDA_OK(cudaStreamSynchronize(stream_));
+    std::uint64_t high = 0;
+    CUDA_OK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemHigh, &high));
+    return static_cast<std::size_t>(high - used);
+  }
+
+ private:
+  cudaStream_t stream_;
+  cudaMemPool_t pool_{};
 };
 
 // Fills bf16 buffers with small random values on the device (never time zeros).
@@ -289,12 +344,21 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl
   a.w_down = mok::TensorView::contiguous(down, mok::DType::bf16, dev, {E, H, I});
   a.y = mok::TensorView::contiguous(y, mok::DType::bf16, dev, {T, H});
   CUDA_OK(cudaMemsetAsync(y, 0xff, T * H * 2, stream));
+  // One GPU: what a pass allocates (scratch, saved tensor, gradients) comes from a caching
+  // stream-ordered pool, as a framework's allocator would hand it out, and peak_bytes is
+  // the pool's measured high-water mark over one pass + the workspace + y.
+  StepPool pool(stream);
+  auto forward = [&](const std::optional<mok::TensorView>& saved) {
+    auto* scratch = pool.alloc<std::uint8_t>(ws.forward_scratch_bytes());
+    mok::forward(a, ws, stream, saved, pool.u8(scratch, ws.forward_scratch_bytes()));
+    pool.free(scratch);
+  };
   std::unique_ptr<mok::VirtualRanks> group;
   if (ep1) {
     group = std::make_unique<mok::VirtualRanks>(s, T, o.ep_config, bwd ? mok::Training::save : mok::Training::off);
     if (!bwd) group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream);
   } else {
-    mok::forward(a, ws, stream);
+    forward(std::nullopt);
   }
   if (!(ep1 && bwd)) {  // (the training forward needs its saved tensor: checked after the first step below)
     if (ep1) group->check(stream);
@@ -303,51 +367,68 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl
     if (!(err <= 1e-2))
       throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
   }
-  std::vector<float> ms;
-  std::int64_t extra_bytes = 0;
+  std::function<void()> step;
+  std::uint16_t *dx = nullptr, *saved_fixed = nullptr;  // (one GPU: kept for the checks after the first step)
+  float* d_tw = nullptr;
   if (ep1 && !bwd) {
-    ms = time_iterations(o, stream, [&] { group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream); });
-    group->check(stream);
+    step = [&] { group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream); };
   } else if (!bwd) {
-    ms = time_iterations(o, stream, [&] { mok::forward(a, ws, stream); });
+    step = [&] { forward(std::nullopt); };
   } else {
-    auto* saved = arena.alloc<std::uint16_t>(ws.saved_elements());
     auto* dy = arena.alloc<std::uint16_t>(T * H);
-    auto* dx = arena.alloc<std::uint16_t>(T * H);
-    auto* d_tw = arena.alloc<float>(T * k);
-    auto* d_gate = arena.alloc<std::uint16_t>(E * I * H);
-    auto* d_up = arena.alloc<std::uint16_t>(E * I * H);
-    auto* d_down = arena.alloc<std::uint16_t>(E * H * I);
     fill_random_kernel<<<1024, 256, 0, stream>>>(dy, T * H, seed++);
-    extra_bytes = 2 * ws.saved_elements() + 2 * T * H + 4 * T * k + 2 * 3 * E * I * H;
-    const auto saved_view = mok::TensorView::contiguous(saved, mok::DType::bf16, dev, {ws.saved_elements()});
-    mok::BackwardArgs b;
-    b.dy = mok::TensorView::contiguous(dy, mok::DType::bf16, dev, {T, H});
-    b.dx = mok::TensorView::contiguous(dx, mok::DType::bf16, dev, {T, H});
-    b.d_topk_weights = mok::TensorView::contiguous(d_tw, mok::DType::f32, dev, {T, k});
-    b.d_w_gate = mok::TensorView::contiguous(d_gate, mok::DType::bf16, dev, {E, I, H});
-    b.d_w_up = mok::TensorView::contiguous(d_up, mok::DType::bf16, dev, {E, I, H});
-    b.d_w_down = mok::TensorView::contiguous(d_down, mok::DType::bf16, dev, {E, H, I});
-    auto step = [&] {
-      if (ep1) {
-        group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream, std::span<const mok::TensorView>(&saved_view, 1));
-        group->backward(std::span<const mok::ForwardArgs>(&a, 1), std::span<const mok::BackwardArgs>(&b, 1), stream,
-                        std::span<const mok::TensorView>(&saved_view, 1));
-      } else {
-        mok::forward(a, ws, stream, saved_view);
-        mok::backward(a, b, ws, stream, saved_view);
-      }
+    const std::int64_t saved_n = ws.saved_elements();
+    // One training step's tensors: saved (forward to backward), dx, d_topk_weights and the
+    // bf16 weight gradients (allocated when the backward runs, as autograd does).
+    auto grads = [&](std::uint16_t* dx_, float* d_tw_, void* dg, void* du, void* dd) {
+      mok::BackwardArgs b;
+      b.dy = mok::TensorView::contiguous(dy, mok::DType::bf16, dev, {T, H});
+      b.dx = mok::TensorView::contiguous(dx_, mok::DType::bf16, dev, {T, H});
+      b.d_topk_weights = mok::TensorView::contiguous(d_tw_, mok::DType::f32, dev, {T, k});
+      b.d_w_gate = mok::TensorView::contiguous(dg, mok::DType::bf16, dev, {E, I, H});
+      b.d_w_up = mok::TensorView::contiguous(du, mok::DType::bf16, dev, {E, I, H});
+      b.d_w_down = mok::TensorView::contiguous(dd, mok::DType::bf16, dev, {E, H, I});
+      return b;
     };
-    CUDA_OK(cudaMemsetAsync(dx, 0xff, T * H * 2, stream));
-    step();
-    if (ep1) {
-      group->check(stream);
-      const double err = check_sampled_tokens(s, T, x, gate, up, down, ids, weights, y);
-      if (!(err <= 1e-2))
-        throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
+    auto saved_view = [&](std::uint16_t* at) { return mok::TensorView::contiguous(at, mok::DType::bf16, dev, {saved_n}); };
+    if (ep1) {  // the EP machinery owns its buffers: fixed tensors, peak not reported
+      saved_fixed = arena.alloc<std::uint16_t>(saved_n);
+      dx = arena.alloc<std::uint16_t>(T * H);
+      d_tw = arena.alloc<float>(T * k);
+      const mok::BackwardArgs b = grads(dx, d_tw, arena.alloc<std::uint16_t>(E * I * H),
+                                        arena.alloc<std::uint16_t>(E * I * H), arena.alloc<std::uint16_t>(E * H * I));
+      step = [&, b] {
+        const mok::TensorView sv = saved_view(saved_fixed);
+        group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream, std::span<const mok::TensorView>(&sv, 1));
+        group->backward(std::span<const mok::ForwardArgs>(&a, 1), std::span<const mok::BackwardArgs>(&b, 1), stream,
+                        std::span<const mok::TensorView>(&sv, 1));
+      };
     } else {
-      ws.check(stream);
+      step = [&, grads, saved_view] {
+        auto* saved = pool.alloc<std::uint16_t>(saved_n);
+        forward(saved_view(saved));
+        auto* dx_ = pool.alloc<std::uint16_t>(T * H);
+        auto* d_tw_ = pool.alloc<float>(T * k);
+        auto* dg = pool.alloc<std::uint16_t>(E * I * H);
+        auto* du = pool.alloc<std::uint16_t>(E * I * H);
+        auto* dd = pool.alloc<std::uint16_t>(E * H * I);
+        const std::int64_t bytes = ws.backward_scratch_bytes(mok::DType::bf16);
+        auto* scratch = pool.alloc<std::uint8_t>(bytes);
+        mok::backward(a, grads(dx_, d_tw_, dg, du, dd), ws, stream, saved_view(saved), pool.u8(scratch, bytes));
+        for (void* q : {static_cast<void*>(scratch), static_cast<void*>(saved), static_cast<void*>(dg),
+                        static_cast<void*>(du), static_cast<void*>(dd)})
+          pool.free(q);
+        if (dx == nullptr) dx = dx_, d_tw = d_tw_;  // the first step's, checked below
+        else pool.free(dx_), pool.free(d_tw_);
+      };
+      CUDA_OK(cudaMemsetAsync(y, 0xff, T * H * 2, stream));
     }
+    step();
+    if (ep1) group->check(stream);
+    else ws.check(stream);
+    const double err = check_sampled_tokens(s, T, x, gate, up, down, ids, weights, y);
+    if (!(err <= 1e-2))
+      throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
     std::vector<mok::bf16> dx_host(T * H);
     std::vector<float> dtw_host(T * k);
     CUDA_OK(cudaMemcpy(dx_host.data(), dx, T * H * 2, cudaMemcpyDeviceToHost));
@@ -356,14 +437,20 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl
       if (!std::isfinite(v.to_float())) throw mok::Error("mok_bench: fused backward wrote a non-finite dx on " + p.name);
     for (float v : dtw_host)
       if (!std::isfinite(v)) throw mok::Error("mok_bench: fused backward wrote a non-finite d_topk_weights on " + p.name);
-    ms = time_iterations(o, stream, step);
+    if (!ep1) pool.free(dx), pool.free(d_tw);
   }
+  std::size_t peak = 0;
+  if (!ep1) {  // one pass, measured
+    const std::size_t high = pool.high_water([&] { step(); });
+    peak = static_cast<std::size_t>(ws.bytes()) + 2 * T * H + high;
+  }
+  const std::vector<float> ms = time_iterations(o, stream, step);
   if (ep1) group->check(stream);
   else ws.check(stream);
   const double med = ms[ms.size() / 2];
   const double flops = mok::forward_flops(s, T * k, T) * (bwd ? 3 : 1);
   return {p.name, impl, pass, T, 1, H, I, E, k, med, ms[ms.size() / 10], ms[ms.size() * 9 / 10],
-          flops / (med * 1e-3) / 1e12, ep1 ? 0 : static_cast<std::size_t>(ws.bytes() + 2 * T * H + extra_bytes), o.iters};
+          flops / (med * 1e-3) / 1e12, peak, o.iters};
 }
 
 void write_json(const Options& o, const std::vector<Record>& records, const std::string& gpu) {

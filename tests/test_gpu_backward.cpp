@@ -192,6 +192,84 @@ TEST(Backward, BadExpertIdPoisonsGradientsAndIsReported) {
   for (bf16 v : grads.dx.download()) ASSERT_TRUE(std::isnan(v.to_float()));
 }
 
+TensorView scratch_view(const DeviceBuffer<std::uint8_t>& scratch) {
+  return TensorView::contiguous(scratch.get(), DType::u8, Device::cuda(0), {static_cast<std::int64_t>(scratch.size())});
+}
+
+// Scratch given per call (exactly the bytes asked for, poisoned first) gives the bits of
+// the workspace's own; with bf16 gradients the backward keeps its dy rows and w h in the
+// W_gate / W_up gradient buffers where they fit (both, dy rows only, w h only, neither).
+TEST(Backward, CallerScratchAndRowsInGradientsMatchOwnScratchBitwise) {
+  MOK_REQUIRE_HOPPER();
+  struct Fit {
+    Case c;
+    bool dy_fits, hw_fits;  // capacity <= E I (dy rows in d_w_gate), capacity <= E H (w h in d_w_up)
+  };
+  for (const Fit& f : {Fit{{"both", 300, 256, 512, 8, 2, 128, 0, RoutingKind::skewed}, true, true},
+                       Fit{{"dy_only", 400, 128, 512, 8, 2, 0, 0, RoutingKind::uniform}, true, false},
+                       Fit{{"hw_only", 900, 512, 256, 8, 2, 256, 0, RoutingKind::skewed}, false, true},
+                       Fit{{"neither", 700, 128, 128, 4, 4, 0, 0, RoutingKind::padded}, false, false}}) {
+    SCOPED_TRACE(f.c.name);
+    const MoeShape s = shape_of(f.c);
+    const HostProblem host = make_problem(s, f.c.tokens, f.c.routing, 60);
+    GpuProblem gpu(host);
+    const auto dy = random_bf16(host.x.size(), 61);
+    GpuGrads grads(gpu, dy, false);
+    Workspace ws(s, host.tokens, {}, Training::save);
+    const std::int64_t cap = ws.plan().capacity_rows(), E = s.num_experts, H = s.hidden, I = s.intermediate;
+    ASSERT_EQ(f.dy_fits, cap <= E * I);
+    ASSERT_EQ(f.hw_fits, cap <= E * H);
+    const std::int64_t bf16_bytes = ws.backward_scratch_bytes(DType::bf16), f32_bytes = ws.backward_scratch_bytes(DType::f32);
+    EXPECT_EQ(f32_bytes - bf16_bytes, (f.dy_fits ? 2 * cap * H : 0) + (f.hw_fits ? 2 * cap * I : 0));
+    EXPECT_LE(f32_bytes, ws.forward_scratch_bytes());
+    DeviceBuffer<bf16> saved(ws.saved_elements());
+    forward(gpu.args(), ws, nullptr, saved_view(saved));
+    grads.poison();
+    backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));
+    ws.check(nullptr);
+    check_gradients(host, grads, dy, f.c.name);
+    const auto own = grads.snapshot();
+    const std::int64_t own_bytes = ws.bytes();
+
+    Workspace lean(s, host.tokens, {}, Training::save);
+    DeviceBuffer<std::uint8_t> fwd_scratch(lean.forward_scratch_bytes()), bwd_scratch(bf16_bytes);
+    cudaMemset(fwd_scratch.get(), 0xff, fwd_scratch.size());
+    cudaMemset(bwd_scratch.get(), 0xff, bwd_scratch.size());
+    forward(gpu.args(), lean, nullptr, saved_view(saved), scratch_view(fwd_scratch));
+    grads.poison();
+    backward(gpu.args(), grads.args(), lean, nullptr, saved_view(saved), scratch_view(bwd_scratch));
+    lean.check(nullptr);
+    EXPECT_TRUE(grads.snapshot() == own) << "caller scratch changed the gradients";
+    EXPECT_LT(lean.bytes(), own_bytes) << "given scratch, the workspace allocated its own";
+  }
+}
+
+TEST(Backward, RejectsBadScratch) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 256, 128, 8, 2, 0, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 100, RoutingKind::uniform, 5);
+  GpuProblem gpu(host);
+  GpuGrads grads(gpu, random_bf16(host.x.size(), 6), false);
+  Workspace ws(s, host.tokens, {}, Training::save);
+  DeviceBuffer<bf16> saved(ws.saved_elements());
+  DeviceBuffer<std::uint8_t> small(ws.forward_scratch_bytes() - 1);
+  auto expect_error = [](auto&& call, const char* needle) {
+    try {
+      call();
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { forward(gpu.args(), ws, nullptr, saved_view(saved), scratch_view(small)); }, "scratch");
+  const TensorView as_bf16 = TensorView::contiguous(small.get(), DType::bf16, Device::cuda(0), {4});
+  expect_error([&] { forward(gpu.args(), ws, nullptr, saved_view(saved), as_bf16); }, "u8");
+  forward(gpu.args(), ws, nullptr, saved_view(saved));
+  DeviceBuffer<std::uint8_t> bwd_small(ws.backward_scratch_bytes(DType::bf16) - 1);
+  expect_error([&] { backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved), scratch_view(bwd_small)); },
+               "backward_scratch_bytes");
+}
+
 // Forward + backward captured once, replayed with new routing, activations and dy.
 TEST(Backward, GraphReplayOfForwardAndBackward) {
   MOK_REQUIRE_HOPPER();

@@ -18,7 +18,11 @@ namespace mok {
 //
 // `saved`: the tensor the forward filled (Training::save). Without it the workspace must
 // be Training::recompute and GEMM1 runs again first.
+// `scratch`: 1-D u8 of at least workspace.backward_scratch_bytes(d_w_gate's dtype), or none
+// (see Workspace). With bf16 weight gradients the W_gate / W_up gradient buffers also serve
+// as scratch until the kernel writes them: they must not overlap any other argument.
 void backward(const ForwardArgs& fwd, const BackwardArgs& bwd, Workspace& workspace, cudaStream_t stream,
-              const std::optional<TensorView>& saved = std::nullopt);
+              const std::optional<TensorView>& saved = std::nullopt,
+              const std::optional<TensorView>& scratch = std::nullopt);
 
 }  // namespace mok

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string_view>
 
 #include "mok/device_plan.hpp"
 #include "mok/types.hpp"
@@ -39,10 +40,20 @@ enum class Training { off, save, recompute };
 // shape, T and config (Workspace::saved_elements(), computed without a GPU).
 std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Config& config = {});
 
-// Buffers of one layer's forward (and backward) for a fixed number of tokens T: the
-// plan, the routed rows of x (and dy) in plan order, the SwiGLU output h, fp32 per-slot
-// outputs, dependency counters and the status record. Reusable across calls and layers
-// of the same shape; it keeps nothing that the backward needs from the forward.
+// What one layer's forward (and backward) keeps for a fixed number of tokens T: the plan,
+// dependency counters, the d_topk_weights partials and the status record. Reusable across
+// calls and layers of the same shape; it keeps nothing that the backward needs from the
+// forward.
+//
+// Each call also needs scratch for its rows (one GPU): the forward the fp32 per-slot
+// outputs, x's routed rows and the SwiGLU output h; the backward x's and dy's routed rows,
+// w*h and the dx rows. Pass a buffer of forward_scratch_bytes() / backward_scratch_bytes()
+// to each call — from a caching allocator, so the forward's bytes serve the backward (the
+// PyTorch op does this) — or none: the workspace then allocates one buffer that serves
+// every call on its first call that needs it (not while a CUDA graph is being captured).
+// With bf16 weight gradients a Training::save backward keeps its routed dy rows and w*h
+// in the W_gate / W_up gradient buffers (which it writes last) where they fit, so its
+// scratch is smaller than the forward's.
 class Workspace {
  public:
   Workspace(const MoeShape& shape, std::int64_t tokens, const Config& config = {}, Training training = Training::off);
@@ -67,33 +78,42 @@ class Workspace {
   // Throws if an earlier call already recorded an error (no synchronisation).
   void throw_if_failed() const;
 
-  // Device buffers (kernels' view). The fp32 slot buffer [capacity + T_pad, H] is the
-  // largest; on one GPU it also holds the routed rows (rows_in_slots()):
-  //   forward:  x rows in its upper half (bytes [2 capacity H, 4 capacity H)); a GEMM2
-  //             tile's slot rows overwrite x rows only after GEMM1 has read them (the
-  //             kernel waits for those M-tiles' h_ready);
-  //   backward: dy rows in its lower half, x rows in its upper half; a dx row tile
-  //             overwrites its dy rows once its expert's dW_down tiles have read them.
-  // An expert-parallel rank's x rows have a buffer of their own (peers' pushes land in
-  // separate slots, and the ring's dy rows stay put while dx rows are written).
+  // Bytes of the scratch a forward / a backward with weight gradients of `grad_dtype`
+  // (bf16 or f32) takes (one GPU).
+  std::int64_t forward_scratch_bytes() const;
+  std::int64_t backward_scratch_bytes(DType grad_dtype) const;
+  // The scratch of a call: `given` after checking it (1-D u8 on this GPU, at least `bytes`),
+  // else the workspace's own (allocated on first use). Used by forward() and backward().
+  void* call_scratch(const std::optional<TensorView>& given, std::int64_t bytes, std::string_view where,
+                     cudaStream_t stream);
+
+  // One GPU (rows_in_slots()): the forward's x rows lie in the upper half of its fp32 slot
+  // buffer (bytes [2 capacity H, 4 capacity H) of the scratch); a GEMM2 tile's slot rows
+  // overwrite x rows only after GEMM1 has read them (the kernel waits for those M-tiles'
+  // h_ready). The backward's dx row tiles overwrite their x rows once their expert's
+  // dW_gate|up tiles have read them.
+  // An expert-parallel rank owns its buffers (below; its x rows have a buffer of their own:
+  // peers' pushes land in separate slots, and the ring's dy rows stay put while dx rows
+  // are written).
   bool rows_in_slots() const { return x_routed_ == nullptr; }
-  void* x_routed() const {  // [capacity, H] bf16: routed rows in plan order
-    return rows_in_slots() ? static_cast<std::uint16_t*>(static_cast<void*>(slots_)) + capacity_h() : x_routed_;
-  }
-  void* hidden() const { return hidden_; }  // [capacity, I] bf16
-  float* slots() const { return slots_; }    // [capacity, H] fp32, then [T_pad, H] of the shared expert
   int* counters() const { return counters_; }
   std::int64_t counter_count() const;
   KernelStatus* status_device() const { return status_device_; }
+  float* dw_partial() const { return dw_partial_; }  // [capacity, ceil(I / 256)]
+
+  // An EP rank's own buffers (null on one GPU, whose calls take scratch).
+  void* x_routed() const { return x_routed_; }  // [capacity, H] bf16: routed rows in plan order
+  void* hidden() const { return hidden_; }      // [capacity, I] bf16
+  float* slots() const { return slots_; }       // [capacity, H] fp32, then [T_pad, H] of the shared expert
   // Backward buffers (training only), in the slot buffer (dead between the forward's
   // combine and the next forward).
-  void* dy_routed() const { return slots_; }  // [capacity, H] bf16
-  void* dx_rows() const {                     // [capacity, H] bf16: over the dy rows on one GPU
-    return rows_in_slots() ? dy_routed() : static_cast<std::uint16_t*>(dy_routed()) + capacity_h();
+  void* dy_routed() const { return slots_; }    // [capacity, H] bf16
+  void* dx_rows() const { return slots_ ? static_cast<std::uint16_t*>(dy_routed()) + capacity_h() : nullptr; }
+  void* shared_dx_rows() const {                // [T_pad, H]
+    return slots_ ? static_cast<std::uint16_t*>(dy_routed()) + 2 * capacity_h() : nullptr;
   }
-  void* shared_dx_rows() const { return static_cast<std::uint16_t*>(dy_routed()) + 2 * capacity_h(); }  // [T_pad, H]
-  float* dw_partial() const { return dw_partial_; }                  // [capacity, ceil(I / 256)]
-  void* recompute_buffer() const { return recompute_; }              // saved_elements() bf16 (recompute)
+  void* recompute_buffer() const { return recompute_; }  // saved_elements() bf16 (recompute)
+  // Device bytes the workspace holds (with its own scratch once allocated).
   std::int64_t bytes() const { return bytes_; }
   int rank() const { return rank_; }  // this workspace's rank in an EP group (0 on one GPU)
 
@@ -118,6 +138,8 @@ class Workspace {
   float* slots_ = nullptr;
   float* dw_partial_ = nullptr;
   void* recompute_ = nullptr;
+  void* scratch_ = nullptr;  // one GPU, when a call is given no scratch
+  std::int64_t scratch_bytes_ = 0;
   int* counters_ = nullptr;
   KernelStatus* status_host_ = nullptr;
   KernelStatus* status_device_ = nullptr;
@@ -130,7 +152,9 @@ class Workspace {
 // invalid arguments; errors found on the device surface at Workspace::check() or the next call.
 // `saved` (Training::save only): 1-D bf16 [workspace.saved_elements()], written with the
 // gate/up pre-activations the backward reads; keep it until the backward has run.
+// `scratch`: 1-D u8 of at least workspace.forward_scratch_bytes() (see Workspace), or none.
 void forward(const ForwardArgs& args, Workspace& workspace, cudaStream_t stream,
-             const std::optional<TensorView>& saved = std::nullopt);
+             const std::optional<TensorView>& saved = std::nullopt,
+             const std::optional<TensorView>& scratch = std::nullopt);
 
 }  // namespace mok

@@ -44,6 +44,12 @@ def _workspace(x, w_gate, top_k, shared_intermediate, swiglu_limit):
     return ws
 
 
+def _scratch(nbytes, device):
+    """One call's scratch from PyTorch's caching allocator: freed when the call returns
+    (stream-ordered), so the forward's bytes serve the backward and the next layer."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 def _saved_elements(x, w_gate, top_k, shared_gate, swiglu_limit):
     T, H = x.shape
     E, I, _ = w_gate.shape
@@ -64,7 +70,7 @@ def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _C.forward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, None,
-               stream)
+               stream, scratch=_scratch(ws.forward_scratch_bytes, x.device))
     return y
 
 
@@ -93,7 +99,7 @@ def moe_train_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _C.forward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, saved,
-               stream)
+               stream, scratch=_scratch(ws.forward_scratch_bytes, x.device))
     return y, saved
 
 
@@ -122,7 +128,8 @@ def moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk
     shared_grads = grads[5:] if shared_gate is not None else (None, None, None)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _C.backward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
-                dy, *grads[:5], *shared_grads, stream)
+                dy, *grads[:5], *shared_grads, stream,
+                scratch=_scratch(ws.backward_scratch_bytes(w_gate.dtype == torch.float32), x.device))
     return grads
 
 

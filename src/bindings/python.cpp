@@ -112,8 +112,8 @@ void select_device(const mok::ForwardArgs& a, const char* where) {
 namespace {
 
 // Binds name(target, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_*, y, saved,
-// stream): the tensors as views on their device, then run(target, args, stream, saved)
-// without the GIL. Target: a Workspace (one GPU) or an EpRank.
+// stream, scratch=None): the tensors as views on their device, then run(target, args,
+// stream, saved, scratch) without the GIL. Target: a Workspace (one GPU) or an EpRank.
 template <typename Target, typename Run>
 void def_forward(nb::module_& m, const char* name, const char* target, const char* where, Run run) {
   m.def(
@@ -121,20 +121,20 @@ void def_forward(nb::module_& m, const char* name, const char* target, const cha
       [where, run](Target& t, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
                    nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
                    std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
-                   std::optional<nb::ndarray<>> saved, std::uintptr_t stream) {
+                   std::optional<nb::ndarray<>> saved, std::uintptr_t stream, std::optional<nb::ndarray<>> scratch) {
         const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y);
         select_device(a, where);
-        const std::optional<mok::TensorView> saved_view = optional_view(saved);
+        const std::optional<mok::TensorView> saved_view = optional_view(saved), scratch_view = optional_view(scratch);
         nb::gil_scoped_release release;
-        run(t, a, reinterpret_cast<cudaStream_t>(stream), saved_view);
+        run(t, a, reinterpret_cast<cudaStream_t>(stream), saved_view, scratch_view);
       },
       nb::arg(target), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
       nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
-      nb::arg("y"), nb::arg("saved").none(), nb::arg("stream"));
+      nb::arg("y"), nb::arg("saved").none(), nb::arg("stream"), nb::arg("scratch").none() = nb::none());
 }
 
 // The same for the backward: name(target, forward's inputs, saved, dy, dx, d_topk_weights,
-// d_w_gate, d_w_up, d_w_down, d_shared_*, stream).
+// d_w_gate, d_w_up, d_w_down, d_shared_*, stream, scratch=None).
 template <typename Target, typename Run>
 void def_backward(nb::module_& m, const char* name, const char* target, const char* where, Run run) {
   m.def(
@@ -145,20 +145,21 @@ void def_backward(nb::module_& m, const char* name, const char* target, const ch
                    nb::ndarray<> dy, nb::ndarray<> dx, nb::ndarray<> d_weights, nb::ndarray<> d_gate,
                    nb::ndarray<> d_up, nb::ndarray<> d_down, std::optional<nb::ndarray<>> d_shared_gate,
                    std::optional<nb::ndarray<>> d_shared_up, std::optional<nb::ndarray<>> d_shared_down,
-                   std::uintptr_t stream) {
+                   std::uintptr_t stream, std::optional<nb::ndarray<>> scratch) {
         const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr);
         select_device(a, where);
         const mok::BackwardArgs b = backward_args(dy, dx, d_weights, d_gate, d_up, d_down, d_shared_gate, d_shared_up,
                                                   d_shared_down);
         const mok::TensorView saved_view = view_of(saved);
+        const std::optional<mok::TensorView> scratch_view = optional_view(scratch);
         nb::gil_scoped_release release;
-        run(t, a, b, reinterpret_cast<cudaStream_t>(stream), saved_view);
+        run(t, a, b, reinterpret_cast<cudaStream_t>(stream), saved_view, scratch_view);
       },
       nb::arg(target), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
       nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
       nb::arg("saved"), nb::arg("dy"), nb::arg("dx"), nb::arg("d_topk_weights"), nb::arg("d_w_gate"),
       nb::arg("d_w_up"), nb::arg("d_w_down"), nb::arg("d_shared_gate").none(), nb::arg("d_shared_up").none(),
-      nb::arg("d_shared_down").none(), nb::arg("stream"));
+      nb::arg("d_shared_down").none(), nb::arg("stream"), nb::arg("scratch").none() = nb::none());
 }
 
 }  // namespace
@@ -222,17 +223,28 @@ NB_MODULE(_C, m) {
           nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("tokens"), nb::arg("device"),
           nb::arg("compute_sms") = 0, nb::arg("timeout_seconds") = 10.0, nb::arg("training") = false)
       .def_prop_ro("saved_elements", &mok::Workspace::saved_elements)
+      .def_prop_ro("forward_scratch_bytes", &mok::Workspace::forward_scratch_bytes)
+      .def(
+          "backward_scratch_bytes",
+          [](const mok::Workspace& ws, bool f32_grads) {
+            return ws.backward_scratch_bytes(f32_grads ? mok::DType::f32 : mok::DType::bf16);
+          },
+          nb::arg("f32_grads") = false)
       .def("check", [](mok::Workspace& ws, std::uintptr_t stream) { ws.check(reinterpret_cast<cudaStream_t>(stream)); })
       .def_prop_ro("bytes", &mok::Workspace::bytes);
 
   def_forward<mok::Workspace>(m, "forward", "workspace", "mok.forward",
                               [](mok::Workspace& ws, const mok::ForwardArgs& a, cudaStream_t stream,
-                                 const std::optional<mok::TensorView>& saved) { mok::forward(a, ws, stream, saved); });
+                                 const std::optional<mok::TensorView>& saved,
+                                 const std::optional<mok::TensorView>& scratch) {
+                                mok::forward(a, ws, stream, saved, scratch);
+                              });
 
   def_backward<mok::Workspace>(m, "backward", "workspace", "mok.backward",
                                [](mok::Workspace& ws, const mok::ForwardArgs& a, const mok::BackwardArgs& b,
-                                  cudaStream_t stream, const mok::TensorView& saved) {
-                                 mok::backward(a, b, ws, stream, saved);
+                                  cudaStream_t stream, const mok::TensorView& saved,
+                                  const std::optional<mok::TensorView>& scratch) {
+                                 mok::backward(a, b, ws, stream, saved, scratch);
                                });
 
   // Expert parallelism: one rank of a group whose symmetric regions come from the caller
@@ -286,11 +298,19 @@ NB_MODULE(_C, m) {
 
   def_forward<mok::EpRank>(m, "ep_forward", "rank", "mok.ep_forward",
                            [](mok::EpRank& rank, const mok::ForwardArgs& a, cudaStream_t stream,
-                              const std::optional<mok::TensorView>& saved) { rank.forward(a, stream, saved); });
+                              const std::optional<mok::TensorView>& saved,
+                              const std::optional<mok::TensorView>& scratch) {
+                             if (scratch) throw mok::Error("mok.ep_forward: scratch: an EP rank owns its buffers; pass None");
+                             rank.forward(a, stream, saved);
+                           });
 
   def_backward<mok::EpRank>(m, "ep_backward", "rank", "mok.ep_backward",
                             [](mok::EpRank& rank, const mok::ForwardArgs& a, const mok::BackwardArgs& b,
-                               cudaStream_t stream, const mok::TensorView& saved) { rank.backward(a, b, stream, saved); });
+                               cudaStream_t stream, const mok::TensorView& saved,
+                               const std::optional<mok::TensorView>& scratch) {
+                              if (scratch) throw mok::Error("mok.ep_backward: scratch: an EP rank owns its buffers; pass None");
+                              rank.backward(a, b, stream, saved);
+                            });
 
   m.def(
       "saved_elements",

@@ -80,7 +80,8 @@ void check_backward_call(std::string_view kWhere, const ForwardArgs& a, const Ba
       check_pointer_location(kWhere, name, *view);
 }
 
-kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, std::uint16_t* gu) {
+kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws,
+                                        const CallBuffers& buffers, std::uint16_t* gu) {
   const MoeShape& s = ws.shape();
   const std::int64_t T = ws.tokens();
   const bool grad_fp32 = b.d_w_gate.dtype == DType::f32;
@@ -89,21 +90,21 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   const std::int64_t capacity = plan.capacity_rows(), n_shared_tiles = detail::shared_tiles(s, T);
   const std::int64_t padded_tokens = n_shared_tiles * detail::kTileRows;
   std::uint16_t* dgu = gu;  // the kernel replaces the pre-activations by their gradients
-  auto* hw = static_cast<std::uint16_t*>(ws.hidden());
-  auto* dx_rows = static_cast<std::uint16_t*>(ws.dx_rows());
+  std::uint16_t* hw = buffers.hidden;
+  std::uint16_t* dx_rows = buffers.dx_rows;
 
   kernels::BackwardParams p{};
-  p.routed_maps = set_maps(ws.dy_routed(), ws.x_routed(), capacity, dgu, hw, capacity, a.w_gate.data, a.w_up.data,
+  p.routed_maps = set_maps(buffers.dy_rows, buffers.x_rows, capacity, dgu, hw, capacity, a.w_gate.data, a.w_up.data,
                            a.w_down.data, El, H, I);
   p.routed_maps.dx_rows = detail::make_bf16_tensor_map(dx_rows, {U(H), U(capacity), 1}, {64, 64, 1}, "dx rows");
   p.routed = {gu, hw, dx_rows, b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, static_cast<int>(I)};
   if (!grad_fp32) set_gradient_maps(p.routed_maps, b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, El, H, I);
   if (s.has_shared()) {
     std::uint16_t* s_dgu = dgu + 2 * capacity * I;
-    std::uint16_t* s_hw = hw + capacity * I;
+    std::uint16_t* s_hw = buffers.shared_hidden;
     p.shared_maps = set_maps(b.dy.data, a.x.data, T, s_dgu, s_hw, padded_tokens, a.shared_gate->data,
                              a.shared_up->data, a.shared_down->data, 1, H, Is);
-    auto* s_dx_rows = static_cast<std::uint16_t*>(ws.shared_dx_rows());
+    std::uint16_t* s_dx_rows = buffers.shared_dx_rows;
     p.shared_maps.dx_rows =
         detail::make_bf16_tensor_map(s_dx_rows, {U(H), U(padded_tokens), 1}, {64, 64, 1}, "shared dx rows");
     p.shared = {s_dgu, s_hw, s_dx_rows, b.d_shared_gate->data, b.d_shared_up->data, b.d_shared_down->data,
@@ -117,14 +118,15 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   p.d_topk_weights = static_cast<float*>(b.d_topk_weights.data);
   p.grad_fp32 = grad_fp32;
   p.saved_marker = detail::saved_marker(gu, ws);
-  p.dx_over_dy = ws.rows_in_slots();
+  p.dx_over_x = ws.rows_in_slots();
+  p.rows_in_grads = buffers.rows_in_grads;
   return p;
 }
 
 }  // namespace detail
 
 void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaStream_t stream,
-              const std::optional<TensorView>& saved) {
+              const std::optional<TensorView>& saved, const std::optional<TensorView>& scratch) {
   int device = 0;
   detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
   ws.throw_if_failed();
@@ -132,6 +134,7 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   const std::int64_t T = ws.tokens();
   const bool grad_fp32 = b.d_w_gate.dtype == DType::f32;
   if (T == 0) {  // no rows: bf16 gradients are zero, f32 ones keep their value
+    if (scratch) ws.call_scratch(scratch, 0, kWhere, stream);  // (checked all the same)
     if (!grad_fp32)
       for (const auto& g : {std::optional<TensorView>(b.d_w_gate), std::optional<TensorView>(b.d_w_up),
                             std::optional<TensorView>(b.d_w_down), b.d_shared_gate, b.d_shared_up, b.d_shared_down})
@@ -139,14 +142,17 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     return;
   }
 
+  void* base = ws.call_scratch(scratch, ws.backward_scratch_bytes(b.d_w_gate.dtype), kWhere, stream);
+  const detail::CallBuffers buffers =
+      detail::backward_buffers(ws, base, grad_fp32 ? nullptr : b.d_w_gate.data, grad_fp32 ? nullptr : b.d_w_up.data);
   plan_device(a.topk_ids, 0, ws.plan(), stream);
-  auto* gu = static_cast<std::uint16_t*>(saved ? saved->data : ws.recompute_buffer());
-  if (!saved) detail::launch_forward_kernel(a, ws, stream, gu, true, kWhere);  // also copies x's rows
-  else detail::dispatch_rows(a.x.data, ws.x_routed(), ws, stream);
-  detail::dispatch_rows(b.dy.data, ws.dy_routed(), ws, stream);
+  std::uint16_t* gu = saved ? static_cast<std::uint16_t*>(saved->data) : buffers.recompute;
+  if (!saved) detail::launch_forward_kernel(a, ws, buffers, stream, gu, true, kWhere);  // also copies x's rows
+  else detail::dispatch_rows(a.x.data, buffers.x_rows, ws, stream);
+  detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, stream);
   detail::cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), kWhere,
                      "cudaMemsetAsync(counters)");
-  const kernels::BackwardParams p = detail::backward_params(a, b, ws, gu);
+  const kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
   unsigned long long* marker = detail::saved_marker(gu, ws);
   kernels::launch_backward(p, detail::persistent_ctas(ws, kWhere), stream);
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");

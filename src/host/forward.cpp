@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -48,7 +49,7 @@ const char* kernel_phase_name(std::int32_t phase) {
     case 2: return "waiting for a free pipeline stage (empty barrier)";
     case 3: return "forward: waiting for GEMM1 rows of an M-tile (h_ready)";
     case 4: return "forward: waiting for every GEMM2 tile before the combine (y_done)";
-    case 5: return "backward: waiting for the dh tiles of an M-tile (and on one GPU its expert's dW_down tiles) (dgu_ready)";
+    case 5: return "backward: waiting for the dh tiles of an M-tile (and on one GPU its expert's dW_gate|up tiles) (dgu_ready)";
     case 6: return "backward: waiting for every dh tile of an expert before its weight gradients (dgu_ready)";
     case 7: return "backward: waiting for every dx row tile before the combine (dx_done)";
     case 8: return "forward: waiting for the result rows a peer rank pushes into this rank's combine slots (slots_done)";
@@ -62,6 +63,7 @@ const char* kernel_phase_name(std::int32_t phase) {
     case 16: return "backward: comm CTA waiting for the dh and weight-gradient tasks to free a ring slot (freed)";
     case 17: return "backward: comm CTA waiting for a bulk copy of rows into its staging (comm loaded barrier)";
     case 18: return "forward: waiting for GEMM1 to read the x rows that a GEMM2 tile's slot rows overwrite (h_ready)";
+    case 19: return "backward: waiting for every dW_down tile to read the dy rows and w*h kept in the W_gate / W_up gradient buffers (wd_done)";
     default: return "unknown phase";
   }
 }
@@ -85,12 +87,14 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
   const std::int64_t capacity = plan_->capacity_rows();
   const std::int64_t padded_tokens = detail::shared_tiles(shape, tokens) * detail::kTileRows;
   const std::int64_t H = shape.hidden, I = shape.intermediate, Is = shape.shared_intermediate;
-  if (rank.rank >= 0) allocate(x_routed_, 2 * capacity * H, "cudaMalloc(x_routed)", bytes_);  // else in the slots
-  allocate(hidden_, 2 * (capacity * I + padded_tokens * Is), "cudaMalloc(hidden)", bytes_);
-  allocate(slots_, 4 * (capacity * H + padded_tokens * H), "cudaMalloc(slots)", bytes_);
+  if (rank.rank >= 0) {  // an EP rank owns its row buffers; one GPU's calls take scratch
+    allocate(x_routed_, 2 * capacity * H, "cudaMalloc(x_routed)", bytes_);
+    allocate(hidden_, 2 * (capacity * I + padded_tokens * Is), "cudaMalloc(hidden)", bytes_);
+    allocate(slots_, 4 * (capacity * H + padded_tokens * H), "cudaMalloc(slots)", bytes_);
+    if (training == Training::recompute) allocate(recompute_, 2 * saved_elements(), "cudaMalloc(recompute)", bytes_);
+  }
   allocate(counters_, 4 * counter_count(), "cudaMalloc(counters)", bytes_);
   if (training != Training::off) allocate(dw_partial_, 4 * capacity * dh_tiles(shape), "cudaMalloc(dw_partial)", bytes_);
-  if (training == Training::recompute) allocate(recompute_, 2 * saved_elements(), "cudaMalloc(recompute)", bytes_);
   check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&status_host_), sizeof(KernelStatus), cudaHostAllocMapped),
              "cudaHostAlloc(status)");
   *status_host_ = KernelStatus{};
@@ -100,13 +104,59 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
 
 Workspace::~Workspace() {
   for (void* p : {x_routed_, hidden_, static_cast<void*>(slots_), static_cast<void*>(counters_),
-                  static_cast<void*>(dw_partial_), recompute_})
+                  static_cast<void*>(dw_partial_), recompute_, scratch_})
     cudaFree(p);
   cudaFreeHost(status_host_);
 }
 
 std::int64_t Workspace::counter_count() const {
-  return plan_->max_tiles() + detail::shared_tiles(shape_, tokens_) + 2;  // per-tile counters, done, abort
+  return plan_->max_tiles() + detail::shared_tiles(shape_, tokens_) + 3;  // per-tile counters, done, abort, wd_done
+}
+
+std::int64_t Workspace::forward_scratch_bytes() const {
+  return rows_in_slots() ? detail::forward_buffers(*this, nullptr).bytes : 0;
+}
+
+std::int64_t Workspace::backward_scratch_bytes(DType grad_dtype) const {
+  if (!rows_in_slots() || training_ == Training::off) return 0;
+  // (any non-null address stands for the gradient buffers: only the sizes are used)
+  void* grads = grad_dtype == DType::bf16 ? reinterpret_cast<void*>(std::uintptr_t{256}) : nullptr;
+  return detail::backward_buffers(*this, nullptr, grads, grads).bytes;
+}
+
+void* Workspace::call_scratch(const std::optional<TensorView>& given, std::int64_t bytes, std::string_view where,
+                              cudaStream_t stream) {
+  if (given) {
+    const TensorView& g = *given;
+    int device = 0;
+    detail::cuda_check(cudaGetDevice(&device), where, "cudaGetDevice");
+    if (g.dtype != DType::u8) throw_argument_error(where, "scratch", "dtype must be u8, got ", dtype_name(g.dtype));
+    if (g.ndim != 1 || !g.is_contiguous())
+      throw_argument_error(where, "scratch", "must be a contiguous 1-D tensor, got shape ", g.shape_string());
+    if (g.numel() < bytes)
+      throw_argument_error(where, "scratch", "has ", g.numel(), " bytes; this call needs ", bytes,
+                           " (Workspace::forward_scratch_bytes() / backward_scratch_bytes())");
+    if (g.device != Device::cuda(device))
+      throw_argument_error(where, "scratch", "must be on ", device_name(Device::cuda(device)), ", got ",
+                           device_name(g.device));
+    if (bytes > 0 && (g.data == nullptr || reinterpret_cast<std::uintptr_t>(g.data) % kPointerAlignment != 0))
+      throw_argument_error(where, "scratch", "must be a non-null pointer aligned to ", kPointerAlignment, " bytes");
+    if (bytes > 0) check_pointer_location(where, "scratch", g);
+    return g.data;
+  }
+  if (scratch_ == nullptr) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    detail::cuda_check(cudaStreamIsCapturing(stream, &capturing), where, "cudaStreamIsCapturing");
+    if (capturing != cudaStreamCaptureStatusNone)
+      throw_argument_error(where, "scratch", "is needed: this workspace allocates its own on its first call, which "
+                                             "cannot happen while a CUDA graph is being captured (run one call first, "
+                                             "or pass scratch)");
+    // One buffer for every call: the larger of the forward's and the backward's (f32 gradients).
+    scratch_bytes_ = std::max({bytes, forward_scratch_bytes(), backward_scratch_bytes(DType::f32)});
+    allocate(scratch_, scratch_bytes_, "cudaMalloc(scratch)", bytes_);
+  }
+  if (bytes > scratch_bytes_) throw Error(detail::concat(where, ": internal error: scratch of ", bytes, " bytes > ", scratch_bytes_));
+  return scratch_;
 }
 
 
@@ -204,7 +254,74 @@ void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t s
   dispatch_rows(std::span<const void* const>(sources), routed, ws, stream);
 }
 
-kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, std::uint16_t* saved_gu, bool gemm1_only) {
+namespace {
+
+std::uint16_t* at(void* base, std::int64_t byte) { return reinterpret_cast<std::uint16_t*>(static_cast<char*>(base) + byte); }
+
+}  // namespace
+
+// [f32 slots (capacity + T_pad) x H, x rows = the bf16 rows [capacity, 2 capacity) of its
+// view as bf16 [2 (capacity + T_pad), H]][h capacity x I][shared h T_pad x I_s]
+CallBuffers forward_buffers(const Workspace& ws, void* scratch) {
+  const MoeShape& s = ws.shape();
+  const std::int64_t cap = ws.plan().capacity_rows(), Tpad = shared_tiles(s, ws.tokens()) * kTileRows;
+  const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate;
+  CallBuffers b;
+  b.slots = reinterpret_cast<float*>(scratch);
+  b.x_rows = at(scratch, 2 * cap * H);
+  b.hidden = at(scratch, 4 * (cap + Tpad) * H);
+  b.shared_hidden = at(scratch, 4 * (cap + Tpad) * H + 2 * cap * I);
+  b.bytes = 4 * (cap + Tpad) * H + 2 * (cap * I + Tpad * Is);
+  return b;
+}
+
+// [dy rows capacity x H, unless in d_w_gate][x rows, then dx rows, capacity x H][shared dx
+// rows T_pad x H][w h capacity x I, unless in d_w_up][shared w h T_pad x I_s][recomputed
+// pre-activations]. The recompute's GEMM1 runs the forward kernel on this layout: its x rows
+// then sit where the forward's do (the dy rows are never in d_w_gate), its slots unused.
+CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* d_w_gate, void* d_w_up) {
+  const MoeShape& s = ws.shape();
+  const std::int64_t cap = ws.plan().capacity_rows(), Tpad = shared_tiles(s, ws.tokens()) * kTileRows;
+  const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate, El = s.num_local_experts;
+  const bool in_grads = ws.training() == Training::save && d_w_gate != nullptr && d_w_up != nullptr;
+  const bool dy_in_grads = in_grads && cap * H <= El * I * H, hw_in_grads = in_grads && cap * I <= El * I * H;
+  CallBuffers b;
+  std::int64_t used = 0;
+  b.slots = reinterpret_cast<float*>(scratch);
+  b.dy_rows = dy_in_grads ? static_cast<std::uint16_t*>(d_w_gate) : at(scratch, used);
+  if (!dy_in_grads) used += 2 * cap * H;
+  b.x_rows = b.dx_rows = at(scratch, used);
+  used += 2 * cap * H;
+  b.shared_dx_rows = at(scratch, used);
+  used += 2 * Tpad * H;
+  b.hidden = hw_in_grads ? static_cast<std::uint16_t*>(d_w_up) : at(scratch, used);
+  if (!hw_in_grads) used += 2 * cap * I;
+  b.shared_hidden = at(scratch, used);
+  used += 2 * Tpad * Is;
+  if (ws.training() == Training::recompute) {
+    b.recompute = at(scratch, used);
+    used += 2 * ws.saved_elements();
+  }
+  b.rows_in_grads = dy_in_grads || hw_in_grads;
+  b.bytes = used;
+  return b;
+}
+
+CallBuffers rank_buffers(const Workspace& ws) {
+  CallBuffers b;
+  b.slots = ws.slots();
+  b.x_rows = static_cast<std::uint16_t*>(ws.x_routed());
+  b.hidden = static_cast<std::uint16_t*>(ws.hidden());
+  b.shared_hidden = b.hidden ? b.hidden + ws.plan().capacity_rows() * ws.shape().intermediate : nullptr;
+  b.dy_rows = static_cast<std::uint16_t*>(ws.dy_routed());
+  b.dx_rows = static_cast<std::uint16_t*>(ws.dx_rows());
+  b.shared_dx_rows = static_cast<std::uint16_t*>(ws.shared_dx_rows());
+  b.recompute = static_cast<std::uint16_t*>(ws.recompute_buffer());
+  return b;
+}
+
+kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,
+                                      std::uint16_t* saved_gu, bool gemm1_only) {
   const MoeShape& s = ws.shape();
   const std::int64_t T = ws.tokens();
   DevicePlan& plan = ws.plan();
@@ -216,49 +333,51 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, std::
   using U = std::uint64_t;
   kernels::ForwardParams p{};
   p.maps.x = make_bf16_tensor_map(a.x.data, {U(H), U(T)}, {64, 128}, "x");
-  p.maps.x_routed = make_bf16_tensor_map(ws.x_routed(), {U(H), U(capacity)}, {64, 128}, "x_routed");
-  auto* hidden = static_cast<std::uint16_t*>(ws.hidden());
+  p.maps.x_routed = make_bf16_tensor_map(buffers.x_rows, {U(H), U(capacity)}, {64, 128}, "x_routed");
+  std::uint16_t* hidden = buffers.hidden;
   p.maps.gate = make_bf16_tensor_map(a.w_gate.data, {U(H), U(I), U(El)}, {64, 128, 1}, "w_gate");
   p.maps.up = make_bf16_tensor_map(a.w_up.data, {U(H), U(I), U(El)}, {64, 128, 1}, "w_up");
   p.maps.down = make_bf16_tensor_map(a.w_down.data, {U(I), U(H), U(El)}, {64, 256, 1}, "w_down");
   p.maps.h_store = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, {64, 64}, "h");
   p.maps.h_load = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, {64, 128}, "h");
   if (s.has_shared()) {
-    std::uint16_t* shared_hidden = hidden + capacity * I;
+    std::uint16_t* shared_hidden = buffers.shared_hidden;
     p.maps.shared_gate = make_bf16_tensor_map(a.shared_gate->data, {U(H), U(Is), 1}, {64, 128, 1}, "shared_gate");
     p.maps.shared_up = make_bf16_tensor_map(a.shared_up->data, {U(H), U(Is), 1}, {64, 128, 1}, "shared_up");
     p.maps.shared_down = make_bf16_tensor_map(a.shared_down->data, {U(Is), U(H), 1}, {64, 256, 1}, "shared_down");
     p.maps.shared_h_store = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, {64, 64}, "shared h");
     p.maps.shared_h_load = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, {64, 128}, "shared h");
-    p.shared_slots = ws.slots() + capacity * H;
+    p.shared_slots = buffers.slots + capacity * H;
     p.maps.shared_slots = make_f32_tensor_map(p.shared_slots, {U(H), U(padded_tokens)}, {32, 64}, "shared slots");
   }
-  p.maps.slots = make_f32_tensor_map(ws.slots(), {U(H), U(capacity)}, {32, 64}, "slots");
+  p.maps.slots = make_f32_tensor_map(buffers.slots, {U(H), U(capacity)}, {32, 64}, "slots");
   fill_common_params(p, ws, a.topk_weights.data);
   p.expert_rows = v.expert_rows;
-  p.slots = ws.slots();
+  p.slots = buffers.slots;
   p.y = static_cast<std::uint16_t*>(a.y.data);
   p.saved_gu = saved_gu;
   p.shared_saved_gu = saved_gu && s.has_shared() ? saved_gu + 2 * capacity * I : nullptr;
   p.saved_marker = saved_gu ? saved_marker(saved_gu, ws) : nullptr;
   p.gemm1_only = gemm1_only;
+  // One GPU: x rows in the upper half of the slots (forward_buffers()).
   p.x_rows_in_slots = ws.rows_in_slots() ? capacity : 0;
   p.inter = static_cast<int>(I);
   p.shared_inter = static_cast<int>(Is);
   return p;
 }
 
-void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, std::uint16_t* saved_gu,
-                           bool gemm1_only, std::string_view where) {
-  dispatch_rows(a.x.data, ws.x_routed(), ws, stream);
+void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
+                           std::uint16_t* saved_gu, bool gemm1_only, std::string_view where) {
+  dispatch_rows(a.x.data, buffers.x_rows, ws, stream);
   cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), where, "cudaMemsetAsync(counters)");
-  kernels::launch_forward(forward_params(a, ws, saved_gu, gemm1_only), persistent_ctas(ws, where), stream);
+  kernels::launch_forward(forward_params(a, ws, buffers, saved_gu, gemm1_only), persistent_ctas(ws, where), stream);
   cuda_check(cudaGetLastError(), where, "launching the forward kernel");
 }
 
 }  // namespace detail
 
-void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std::optional<TensorView>& saved) {
+void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std::optional<TensorView>& saved,
+             const std::optional<TensorView>& scratch) {
   ws.throw_if_failed();
   const MoeShape& s = ws.shape();
   int device = 0;
@@ -272,10 +391,14 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
       throw_argument_error(kWhere, "saved", "needs a workspace made with Training::save");
     detail::check_saved(kWhere, *saved, ws, Device::cuda(device));
   }
-  if (T == 0) return;
+  if (T == 0) {
+    if (scratch) ws.call_scratch(scratch, 0, kWhere, stream);  // (checked all the same)
+    return;
+  }
+  void* base = ws.call_scratch(scratch, ws.forward_scratch_bytes(), kWhere, stream);
   plan_device(a.topk_ids, 0, ws.plan(), stream);
-  detail::launch_forward_kernel(a, ws, stream, saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, false,
-                                kWhere);
+  detail::launch_forward_kernel(a, ws, detail::forward_buffers(ws, base), stream,
+                                saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, false, kWhere);
 }
 
 }  // namespace mok

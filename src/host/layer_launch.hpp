@@ -46,7 +46,7 @@ void fill_common_params(Params& p, const Workspace& ws, const void* topk_weights
   p.plan_status = v.status;
   p.topk_weights = static_cast<const float*>(topk_weights);
   const std::int64_t per_tile = plan.max_tiles() + shared_tiles(s, ws.tokens());
-  p.counters = {ws.counters(), ws.counters() + per_tile, ws.counters() + per_tile + 1};
+  p.counters = {ws.counters(), ws.counters() + per_tile, ws.counters() + per_tile + 1};  // (+ 2: the backward's wd_done)
   p.status = ws.status_device();
   p.tokens = static_cast<int>(ws.tokens());
   p.hidden = static_cast<int>(s.hidden);
@@ -58,6 +58,28 @@ void fill_common_params(Params& p, const Workspace& ws, const void* topk_weights
   p.timeout_ns = static_cast<long long>(ws.config().timeout_seconds * 1e9);
 }
 
+// Where one call's row buffers lie (kernels' view); null = none.
+struct CallBuffers {
+  float* slots = nullptr;                   // forward: [capacity + T_pad, H] f32
+  std::uint16_t* x_rows = nullptr;          // [capacity, H]: x's routed rows (one GPU: backward's dx rows over them)
+  std::uint16_t* hidden = nullptr;          // [capacity, I]: h (forward), w h (backward)
+  std::uint16_t* shared_hidden = nullptr;   // [T_pad, I_s]
+  std::uint16_t* dy_rows = nullptr;         // backward: [capacity, H]
+  std::uint16_t* dx_rows = nullptr;         // backward: [capacity, H]
+  std::uint16_t* shared_dx_rows = nullptr;  // backward: [T_pad, H]
+  std::uint16_t* recompute = nullptr;       // backward of a Training::recompute workspace: the pre-activations
+  bool rows_in_grads = false;               // dy_rows or hidden lie in the W_gate / W_up gradient buffers
+  std::int64_t bytes = 0;                   // of the scratch
+};
+
+// One GPU: a forward's buffers in `scratch` (null: offsets from 0, for .bytes).
+CallBuffers forward_buffers(const Workspace& ws, void* scratch);
+// One GPU: a backward's buffers in `scratch`; bf16 weight gradients (d_w_gate, d_w_up non-null)
+// of a Training::save workspace take the routed dy rows / w h where they fit.
+CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* d_w_gate, void* d_w_up);
+// An EP rank: the workspace's own buffers.
+CallBuffers rank_buffers(const Workspace& ws);
+
 // Number of CTAs of a persistent kernel: the configured compute SMs, or every SM.
 int persistent_ctas(const Workspace& ws, std::string_view where);
 
@@ -68,19 +90,29 @@ void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t s
 void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& ws, cudaStream_t stream);
 
 // The forward kernel's params for one rank (no EP fields), after plan_device().
-kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, std::uint16_t* saved_gu, bool gemm1_only);
+kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,
+                                      std::uint16_t* saved_gu, bool gemm1_only);
+inline kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, std::uint16_t* saved_gu,
+                                             bool gemm1_only) {
+  return forward_params(a, ws, rank_buffers(ws), saved_gu, gemm1_only);
+}
 
 // The checks of one backward call against its workspace (throws mok::Error).
 void check_backward_call(std::string_view where, const ForwardArgs& a, const BackwardArgs& b, const Workspace& ws,
                          const std::optional<TensorView>& saved, int device);
 // The backward kernel's params for one rank (no EP fields), after plan_device() and the
 // row copies into ws; gu: the saved (or recomputed) pre-activations.
-kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, std::uint16_t* gu);
+kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws,
+                                        const CallBuffers& buffers, std::uint16_t* gu);
+inline kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws,
+                                               std::uint16_t* gu) {
+  return backward_params(a, b, ws, rank_buffers(ws), gu);
+}
 
 // After plan_device() into ws.plan(): copies x's rows and launches the forward kernel,
 // the full layer into a.y, or only GEMM1 (gemm1_only, the backward's recompute).
 // saved_gu: null or the tensor of the gate/up pre-activations to fill.
-void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, std::uint16_t* saved_gu,
-                           bool gemm1_only, std::string_view where);
+void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
+                           std::uint16_t* saved_gu, bool gemm1_only, std::string_view where);
 
 }  // namespace mok::detail

@@ -9,12 +9,15 @@
 //                w * d (clamp-aware), written over g, u in the saved tensor; w * h for the
 //                weight gradient of W_down
 //   dWd   tasks  dW_down[e] = dy^T . (w h) over the expert's rows     (both MN-major)
-//   dx    tasks  dx_row = [dg du] . [W_gate; W_up]   A dgu (K-major), B W_gate|W_up (MN-major)
-//                -> bf16 rows (TMA stores); waits for the M-tile's dh tasks (one GPU: the
-//                rows overwrite the dy rows, so it waits for its expert's dWd tasks too)
 //   dWgu  tasks  [dW_gate; dW_up][e] = [dg du]^T . x over its rows    (both MN-major)
 //                each output tile is one task with the full K loop in row order (no
-//                split-K); f32 gradients are accumulated into, bf16 ones written
+//                split-K); f32 gradients are accumulated into, bf16 ones written. One
+//                GPU with bf16 gradients: the dy rows and w h may live in the W_gate / W_up
+//                gradient buffers (rows_in_grads), so a dWgu tile first waits for every
+//                routed dWd tile (which read them, after every dh tile of their expert)
+//   dx    tasks  dx_row = [dg du] . [W_gate; W_up]   A dgu (K-major), B W_gate|W_up (MN-major)
+//                -> bf16 rows (TMA stores); waits for the M-tile's dh tasks (one GPU: the
+//                rows overwrite the x rows, so it waits for its expert's dWgu tasks too)
 //   combine      dx[t] = shared[t] + sum_j row_j (ascending j); d_topk_weights from the
 //                partials in column order
 //
@@ -48,7 +51,7 @@ constexpr std::uint32_t kBoxBytes = 64 * 64 * 2;          // one MN-major box {6
 constexpr std::uint32_t kKMajorABytes = kBlockM * kBlockK * 2;  // one K-major A box {64, 128}
 
 enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitDgu = 5, kWaitRows = 6, kWaitDx = 7, kWaitPushed = 9,
-                   kWaitLanded = 15, kWaitFreed = 16, kWaitCopy = 17 };
+                   kWaitLanded = 15, kWaitFreed = 16, kWaitCopy = 17, kWaitGradRows = 19 };
 
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
@@ -77,10 +80,11 @@ struct Task {
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // Task order. Phase-major (no ring): all dh tiles (routed, then shared), all dW_down tiles,
-// all dx tiles (which may overwrite the dy rows dW_down has read), all dW_gate|up tiles,
-// the combine. Expert-major (ring): per routed expert its dh, dx, dW_down and dW_gate|up
-// tiles, then the shared expert's tiles phase by phase, then the combine — an expert's
-// rows are done with before later experts need the ring.
+// all dW_gate|up tiles (which may overwrite the dy rows and w h that dW_down has read), all
+// dx tiles (which may overwrite the x rows dW_gate|up has read), the combine. Expert-major
+// (ring): per routed expert its dh, dx, dW_down and dW_gate|up tiles, then the shared
+// expert's tiles phase by phase, then the combine — an expert's rows are done with before
+// later experts need the ring.
 // Either way a task waits only on lower-numbered tasks (or on comm progress, which waits
 // only on lower-numbered tasks). kRing: a kernel of its own, so that the ring's decoding
 // costs the default kernel no registers.
@@ -90,7 +94,7 @@ struct Schedule {
   int cta, ctas;  // this CTA among those serving this rank: it takes tasks cta, cta + ctas, ...
   // dW_down tiles cover [H, I] (N-tiles as dh's), dW_gate|up tiles [2I, H] (N-tiles as dx's)
   int m_routed, m_shared, n_dh_r, n_dh_s, n_dx, m_wd, m_wgu_r, m_wgu_s, experts;
-  int dh_r, dh_s, wd_r, wd_s, dx_r, dx_s, wgu_r, wgu_s, total;  // end of each task range (phase-major)
+  int dh_r, dh_s, wd_r, wd_s, wgu_r, wgu_s, dx_r, dx_s, total;  // end of each task range (phase-major)
 
   __device__ Schedule(const BackwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
     const int I = p.routed.inter, Is = p.shared.inter;
@@ -109,11 +113,11 @@ struct Schedule {
     dh_s = dh_r + m_shared * n_dh_s;
     wd_r = dh_s + (expert_major ? 0 : experts * m_wd * n_dh_r);
     wd_s = wd_r + (has_shared ? m_wd * n_dh_s : 0);
-    dx_r = wd_s + (expert_major ? 0 : m_routed * n_dx);
-    dx_s = dx_r + m_shared * n_dx;
-    wgu_r = dx_s + (expert_major ? 0 : experts * m_wgu_r * n_dx);
+    wgu_r = wd_s + (expert_major ? 0 : experts * m_wgu_r * n_dx);
     wgu_s = wgu_r + (has_shared ? m_wgu_s * n_dx : 0);
-    total = wgu_s + ceil_div(p.tokens, kCombineTokens);
+    dx_r = wgu_s + (expert_major ? 0 : m_routed * n_dx);
+    dx_s = dx_r + m_shared * n_dx;
+    total = dx_s + ceil_div(p.tokens, kCombineTokens);
   }
 
   // Weight-gradient tasks of one routed expert.
@@ -174,16 +178,16 @@ struct Schedule {
       t.kind = kWd, split_weight(task - dh_s, m_wd, n_dh_r, t);
     } else if (task < wd_s) {
       t.kind = kWd, t.shared = true, split_weight(task - wd_r, m_wd, n_dh_s, t);
-    } else if (task < dx_r) {
-      t.kind = kDx, split_routed(p, task - wd_s, n_dx, t);
-    } else if (task < dx_s) {
-      t.kind = kDx, t.shared = true, t.n = (task - dx_r) / m_shared, t.m = (task - dx_r) % m_shared;
     } else if (task < wgu_r) {
-      t.kind = kWgu, split_weight(task - dx_s, m_wgu_r, n_dx, t);
+      t.kind = kWgu, split_weight(task - wd_s, m_wgu_r, n_dx, t);
     } else if (task < wgu_s) {
       t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_dx, t);
+    } else if (task < dx_r) {
+      t.kind = kDx, split_routed(p, task - wgu_s, n_dx, t);
+    } else if (task < dx_s) {
+      t.kind = kDx, t.shared = true, t.n = (task - dx_r) / m_shared, t.m = (task - dx_r) % m_shared;
     } else {
-      t.m = task - wgu_s;
+      t.m = task - dx_s;
     }
     return t;
   }
@@ -205,6 +209,8 @@ __device__ __forceinline__ void expert_rows(const BackwardParams& p, const Task&
     first = p.expert_offset[t.e], count = p.expert_offset[t.e + 1] - first;
   }
 }
+
+__device__ __forceinline__ int* wd_done(const BackwardParams& p) { return p.counters.abort + 1; }
 
 __device__ __forceinline__ int dgu_counter(const BackwardParams& p, const Task& t, int m_tile) {
   return t.shared ? p.max_routed_tiles + m_tile : m_tile;
@@ -252,18 +258,22 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
       fence_proxy_async_global();  // written by the comm CTAs' bulk and generic stores
     }
     int row0 = 0, k_steps = 0;
+    // One counter to wait for (one call site: a second one spilled): a dx task's dh tiles,
+    // or, when a routed dW_gate|up task's stores overwrite the dy rows and w h kept in the
+    // gradient buffers, every routed dW_down tile (each waited for the dh tiles of its expert).
+    int* counter = nullptr;
+    int expected = 0, phase = kWaitDgu;
     if (t.kind == kDh || t.kind == kDx) {
       row0 = tile_row0(p, t);
       if (t.kind == kDx) {
-        // Its dh tiles. One GPU: its dx rows overwrite its dy rows, which its expert's
-        // dW_down tiles (lower-numbered) read; those count in the dgu_ready of the expert's
-        // first M-tile once done, and each of them waited for every dh tile of the expert,
-        // so that one counter says both (one wait: a second call site spilled).
-        const bool over_dy = !Sched::kRing && p.dx_over_dy && !t.shared;
-        wait_counter(p, p.counters.dgu_ready + (over_dy ? p.expert_offset[t.e] / kBlockM : dgu_counter(p, t, t.m)),
-                     kConsumerWarpgroups * (sched.n_dh(t.shared) + (over_dy ? sched.m_wd * sched.n_dh_r : 0)), task,
-                     kWaitDgu);
-        fence_proxy_async_global();  // dgu was written by generic stores of other CTAs
+        // One GPU: its dx rows overwrite its x rows, which its expert's dW_gate|up tiles
+        // (lower-numbered) read; those count in the dgu_ready of the expert's first M-tile
+        // once done, and each of them waited for every dh tile of the expert, so that one
+        // counter says both.
+        const bool over_x = !Sched::kRing && p.dx_over_x && !t.shared;
+        counter = p.counters.dgu_ready + (over_x ? p.expert_offset[t.e] / kBlockM : dgu_counter(p, t, t.m));
+        expected = kConsumerWarpgroups * (sched.n_dh(t.shared) + (over_x ? sched.m_wgu_r * sched.n_dx : 0));
+        if constexpr (Sched::kRing) wait_counter(p, counter, expected, task, phase);  // (here: fewer registers)
       }
       k_steps = (t.kind == kDh ? p.hidden : 2 * inter) / kBlockK;
     } else {
@@ -272,9 +282,15 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
       for (int m = row0 / kBlockM; m < (row0 + count) / kBlockM; ++m)
         wait_counter(p, p.counters.dgu_ready + dgu_counter(p, t, m), kConsumerWarpgroups * sched.n_dh(t.shared), task,
                      kWaitRows);
-      fence_proxy_async_global();
+      if (!Sched::kRing && p.rows_in_grads && t.kind == kWgu && !t.shared) {
+        counter = wd_done(p);
+        expected = kConsumerWarpgroups * sched.experts * sched.m_wd * sched.n_dh_r;
+        phase = kWaitGradRows;
+      }
       k_steps = count / kBlockK;
     }
+    if (!Sched::kRing && counter != nullptr) wait_counter(p, counter, expected, task, phase);
+    if (t.kind != kDh || Sched::kRing) fence_proxy_async_global();  // dgu, w h (ring: rows) written by generic stores
     // Boxes of this task: A (K-major: one; MN-major: up to two), B (up to four MN-major).
     const int n0 = t.n * kBlockN, m0 = t.m * kBlockM;
     const int b_limit = t.kind == kDh ? inter : t.kind == kWd ? inter : p.hidden;
@@ -631,8 +647,10 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
       expert_rows(p, t, first, count);
       mainloop<MnMajor, MnMajor>(p, s, pipe, acc, count / kBlockK, wg, task);
       epilogue_weight(p, s, acc, t, wg, count == 0);
-      if (t.kind == kWd && !t.shared && p.dx_over_dy && count > 0)  // its dy rows are read (see the dx wait)
-        publish_count(p.counters.dgu_ready + first / kBlockM, 1, wg);
+      int* read = nullptr;  // what its having read its rows tells (see the dx and dW_gate|up waits)
+      if (!t.shared && t.kind == kWgu && p.dx_over_x && count > 0) read = p.counters.dgu_ready + first / kBlockM;
+      if (!t.shared && t.kind == kWd && p.rows_in_grads) read = wd_done(p);
+      if (read != nullptr) publish_count(read, 1, wg);
       if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);
     }
   }

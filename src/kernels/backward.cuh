@@ -64,9 +64,10 @@ struct RingSources {
 
 struct BackwardCounters {
   int* dgu_ready;  // [max_routed_tiles + shared_tiles]: dh warpgroup-tiles done per M-tile
-                   // (dx_over_dy: an expert's first M-tile also counts its dW_down ones)
+                   // (dx_over_x: an expert's first M-tile also counts its dW_gate|up ones)
   int* dx_done;    // dx-row warpgroup-tiles done
-  int* abort;
+  int* abort;      // (then, rows_in_grads: abort[1] counts the routed dW_down warpgroup-tiles
+                   // done; no pointer of its own: BackwardGroupParams is at its size limit)
 };
 
 struct BackwardParams {
@@ -90,9 +91,13 @@ struct BackwardParams {
   std::uint16_t* dx;          // [T, H] bf16
   float* d_topk_weights;      // [T, k]
   bool grad_fp32;             // weight gradients: f32 accumulated into (else bf16 written)
-  // One GPU: routed.dx_rows are the dy rows (Workspace::rows_in_slots): a dx tile waits
-  // until its expert's dW_down tiles have read them (phase-major order only).
-  bool dx_over_dy;
+  // One GPU: routed.dx_rows are the x rows (Workspace::rows_in_slots): a dx tile waits
+  // until its expert's dW_gate|up tiles have read them (phase-major order only).
+  bool dx_over_x;
+  // One GPU, bf16 gradients: the routed dy rows live in d_gate's buffer and/or w h in
+  // d_up's (both dead until the dW_gate|up tiles write them): a routed dW_gate|up tile
+  // first waits for every routed dW_down tile (phase-major order only).
+  bool rows_in_grads;
   BackwardCounters counters;
   KernelStatus* status;
   // The saved tensor's trailer: kSavedValid while it holds a forward's pre-activations

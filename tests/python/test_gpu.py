@@ -178,3 +178,19 @@ def test_evaluation_and_training_share_one_workspace():
     y_train.float().sum().backward()
     assert len(ops._workspaces) == before + 1
     assert torch.equal(y_eval, y_train.detach())
+
+
+def test_scratch_comes_from_pytorch_and_backward_needs_less_than_forward():
+    """The op hands each call its scratch from PyTorch's caching allocator (the workspace
+    keeps none), and with bf16 gradients the backward keeps its dy rows and w*h in the
+    W_gate / W_up gradient buffers: its scratch is smaller than the forward's."""
+    from mok import ops
+
+    x, ids, w, gate, up, down, _ = _problem(T=300, H=256, I=512, E=8, seed=12)
+    params = [t.clone().requires_grad_(True) for t in (w, gate, up, down)]
+    mok.moe(x, ids, *params).float().sum().backward()
+    torch.cuda.synchronize()
+    ws = ops._workspace(x, gate, ids.shape[1], 0, None)
+    assert ws.bytes < ws.forward_scratch_bytes  # plan, counters, partials: no scratch of its own
+    assert ws.backward_scratch_bytes(False) < ws.backward_scratch_bytes(True) <= ws.forward_scratch_bytes
+    assert all(torch.isfinite(p.grad).all() for p in params)
