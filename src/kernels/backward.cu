@@ -212,6 +212,13 @@ __device__ __forceinline__ void expert_rows(const BackwardParams& p, const Task&
 
 __device__ __forceinline__ int* wd_done(const BackwardParams& p) { return p.counters.abort + 1; }
 
+// K steps of a weight-gradient task over `count` rows (a multiple of 128): at least one,
+// even for an expert without rows (its loads land, its product is not stored: zeros are),
+// so that the consumer's stores always wait for a stage of the producer, which waited for
+// what the task's stores overwrite (rows_in_grads: every dW_down tile). (The producer
+// writes this rule out: calling it there spilled.)
+__device__ __forceinline__ int weight_k_steps(int count) { return max(count, kBlockK) / kBlockK; }
+
 __device__ __forceinline__ int dgu_counter(const BackwardParams& p, const Task& t, int m_tile) {
   return t.shared ? p.max_routed_tiles + m_tile : m_tile;
 }
@@ -289,6 +296,7 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
       }
       k_steps = count / kBlockK;
     }
+    if (k_steps == 0) k_steps = 1;  // weight_k_steps() (dh and dx tasks have more)
     if (!Sched::kRing && counter != nullptr) wait_counter(p, counter, expected, task, phase);
     if (t.kind != kDh || Sched::kRing) fence_proxy_async_global();  // dgu, w h (ring: rows) written by generic stores
     // Boxes of this task: A (K-major: one; MN-major: up to two), B (up to four MN-major).
@@ -645,7 +653,7 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
     } else {
       int first = 0, count = 0;
       expert_rows(p, t, first, count);
-      mainloop<MnMajor, MnMajor>(p, s, pipe, acc, count / kBlockK, wg, task);
+      mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task);
       epilogue_weight(p, s, acc, t, wg, count == 0);
       int* read = nullptr;  // what its having read its rows tells (see the dx and dW_gate|up waits)
       if (!t.shared && t.kind == kWgu && p.dx_over_x && count > 0) read = p.counters.dgu_ready + first / kBlockM;
