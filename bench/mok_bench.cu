@@ -380,7 +380,7 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl
     const std::int64_t saved_n = ws.saved_elements();
     // One training step's tensors: saved (forward to backward), dx, d_topk_weights and the
     // bf16 weight gradients (allocated when the backward runs, as autograd does).
-    auto grads = [&](std::uint16_t* dx_, float* d_tw_, void* dg, void* du, void* dd) {
+    auto grads = [=](std::uint16_t* dx_, float* d_tw_, void* dg, void* du, void* dd) {  // (by value: step outlives this block)
       mok::BackwardArgs b;
       b.dy = mok::TensorView::contiguous(dy, mok::DType::bf16, dev, {T, H});
       b.dx = mok::TensorView::contiguous(dx_, mok::DType::bf16, dev, {T, H});
@@ -390,21 +390,21 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl
       b.d_w_down = mok::TensorView::contiguous(dd, mok::DType::bf16, dev, {E, H, I});
       return b;
     };
-    auto saved_view = [&](std::uint16_t* at) { return mok::TensorView::contiguous(at, mok::DType::bf16, dev, {saved_n}); };
+    auto saved_view = [=](std::uint16_t* at) { return mok::TensorView::contiguous(at, mok::DType::bf16, dev, {saved_n}); };
     if (ep1) {  // the EP machinery owns its buffers: fixed tensors, peak not reported
       saved_fixed = arena.alloc<std::uint16_t>(saved_n);
       dx = arena.alloc<std::uint16_t>(T * H);
       d_tw = arena.alloc<float>(T * k);
       const mok::BackwardArgs b = grads(dx, d_tw, arena.alloc<std::uint16_t>(E * I * H),
                                         arena.alloc<std::uint16_t>(E * I * H), arena.alloc<std::uint16_t>(E * H * I));
-      step = [&, b] {
+      step = [&, b, saved_view] {
         const mok::TensorView sv = saved_view(saved_fixed);
         group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream, std::span<const mok::TensorView>(&sv, 1));
         group->backward(std::span<const mok::ForwardArgs>(&a, 1), std::span<const mok::BackwardArgs>(&b, 1), stream,
                         std::span<const mok::TensorView>(&sv, 1));
       };
     } else {
-      step = [&, grads, saved_view] {
+      step = [&, grads, saved_view, saved_n] {
         auto* saved = pool.alloc<std::uint16_t>(saved_n);
         forward(saved_view(saved));
         auto* dx_ = pool.alloc<std::uint16_t>(T * H);
