@@ -250,6 +250,8 @@ __device__ __forceinline__ void ring_rows_read(const BackwardParams& p, const Ta
 template <typename Sched>
 __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sched& sched) {
   PipelineState<kStages> pipe;
+  int rows_seen = -2;  // the expert (-1: shared) whose dh tiles this CTA's weight tasks saw done
+  bool dw_down_seen = false;  // rows_in_grads: every routed dW_down tile seen done
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) break;
@@ -286,10 +288,15 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
     } else {
       int count = 0;
       expert_rows(p, t, row0, count);
-      for (int m = row0 / kBlockM; m < (row0 + count) / kBlockM; ++m)
-        wait_counter(p, p.counters.dgu_ready + dgu_counter(p, t, m), kConsumerWarpgroups * sched.n_dh(t.shared), task,
-                     kWaitRows);
-      if (!Sched::kRing && p.rows_in_grads && t.kind == kWgu && !t.shared) {
+      // Its expert's dh tiles, once per run of tasks of one expert (a CTA takes ~tasks / CTAs
+      // in a row): each wait is a round trip to L2 before the task's first load.
+      const int expert = t.shared ? -1 : t.e;
+      if (Sched::kRing || expert != rows_seen)  // (the ring kernel: every time; skipping there spilled)
+        for (int m = row0 / kBlockM; m < (row0 + count) / kBlockM; ++m)
+          wait_counter(p, p.counters.dgu_ready + dgu_counter(p, t, m), kConsumerWarpgroups * sched.n_dh(t.shared),
+                       task, kWaitRows);
+      if constexpr (!Sched::kRing) rows_seen = expert;
+      if (!Sched::kRing && p.rows_in_grads && t.kind == kWgu && !t.shared && !dw_down_seen) {
         counter = wd_done(p);
         expected = kConsumerWarpgroups * sched.experts * sched.m_wd * sched.n_dh_r;
         phase = kWaitGradRows;
@@ -297,7 +304,10 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
       k_steps = count / kBlockK;
     }
     if (k_steps == 0) k_steps = 1;  // weight_k_steps() (dh and dx tasks have more)
-    if (!Sched::kRing && counter != nullptr) wait_counter(p, counter, expected, task, phase);
+    if (!Sched::kRing && counter != nullptr) {
+      wait_counter(p, counter, expected, task, phase);
+      dw_down_seen = dw_down_seen || phase == kWaitGradRows;  // (it stays done)
+    }
     if (t.kind != kDh || Sched::kRing) fence_proxy_async_global();  // dgu, w h (ring: rows) written by generic stores
     // Boxes of this task: A (K-major: one; MN-major: up to two), B (up to four MN-major).
     const int n0 = t.n * kBlockN, m0 = t.m * kBlockM;
