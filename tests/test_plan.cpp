@@ -1,8 +1,13 @@
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <string>
+#include <vector>
+
 #include "mok/error.hpp"
 #include "mok/plan.hpp"
 #include "mok/routing.hpp"
+#include "host/layer_launch.hpp"
 #include "kernels/slot_rows.cuh"
 #include "plan_checks.hpp"
 
@@ -136,6 +141,84 @@ TEST(SlotRows, XRowsUnderSlotTilesAreTheOnesSharingBytes) {
       }
     }
   }
+}
+
+// Where a call's buffers lie in its scratch (and, with bf16 weight gradients, in the
+// W_gate / W_up gradient buffers): every buffer inside its block, no two overlapping,
+// the forward's x rows in the upper half of its fp32 slots, the backward's dy rows / w h in
+// the gradient buffers exactly when they fit, and the sizes each mode asks for.
+TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
+  struct Region {
+    const char* name;
+    std::uintptr_t begin, end;
+  };
+  const std::uintptr_t base = std::uintptr_t{1} << 40, gate = std::uintptr_t{2} << 40, up = std::uintptr_t{3} << 40;
+  auto check = [](const std::vector<Region>& regions, std::uintptr_t lo, std::uintptr_t hi, const std::string& what) {
+    for (std::size_t i = 0; i < regions.size(); ++i) {
+      const Region& r = regions[i];
+      EXPECT_TRUE(r.begin >= lo && r.end <= hi && r.begin <= r.end) << what << ": " << r.name << " outside its block";
+      for (std::size_t j = 0; j < i; ++j)
+        EXPECT_TRUE(r.end <= regions[j].begin || regions[j].end <= r.begin)
+            << what << ": " << r.name << " overlaps " << regions[j].name;
+    }
+  };
+  auto at = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  for (std::int64_t H : {64, 256, 7168})
+    for (std::int64_t I : {64, 512, 2048})
+      for (std::int64_t E : {1, 8, 48})
+        for (std::int64_t k : {1, 2, 8})
+          for (std::int64_t Is : {0, 128})
+            for (std::int64_t T : {1, 300, 8192}) {
+              if (k > E) continue;
+              detail::ScratchShape sh;
+              sh.shape.hidden = H, sh.shape.intermediate = I, sh.shape.num_experts = sh.shape.num_local_experts = E;
+              sh.shape.top_k = k, sh.shape.shared_intermediate = Is;
+              sh.tokens = T;
+              sh.capacity = plan_capacity_rows(sh.shape, {}, T, detail::kTileRows);
+              const std::int64_t cap = sh.capacity, Tpad = detail::shared_tiles(sh.shape, T) * detail::kTileRows;
+              sh.saved_elements = 2 * (cap * I + Tpad * Is) + 8;
+              const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + " E " +
+                                       std::to_string(E) + " k " + std::to_string(k) + " Is " + std::to_string(Is) +
+                                       " T " + std::to_string(T);
+              void* b = reinterpret_cast<void*>(base);
+              const detail::CallBuffers f = detail::forward_buffers(sh, b);
+              check({{"slots", at(f.slots), at(f.slots) + 4 * (cap + Tpad) * H},
+                     {"h", at(f.hidden), at(f.hidden) + 2 * cap * I},
+                     {"shared h", at(f.shared_hidden), at(f.shared_hidden) + 2 * Tpad * Is}},
+                    base, base + f.bytes, what + " forward");
+              EXPECT_EQ(at(f.x_rows), base + 2 * cap * H) << what << ": x rows not in the slots' upper half";
+              EXPECT_EQ(f.bytes, 4 * (cap + Tpad) * H + 2 * (cap * I + Tpad * Is)) << what;
+              for (Training mode : {Training::save, Training::recompute})
+                for (bool bf16 : {true, false}) {
+                  sh.training = mode;
+                  void* g = bf16 ? reinterpret_cast<void*>(gate) : nullptr;
+                  void* u = bf16 ? reinterpret_cast<void*>(up) : nullptr;
+                  const detail::CallBuffers w = detail::backward_buffers(sh, b, g, u);
+                  const std::string wb = what + (mode == Training::save ? " save" : " recompute") + (bf16 ? " bf16" : " f32");
+                  const bool in_grads = mode == Training::save && bf16;
+                  const bool dy_in = in_grads && cap <= E * I, hw_in = in_grads && cap <= E * H;
+                  EXPECT_EQ(at(w.dy_rows) == gate, dy_in) << wb;
+                  EXPECT_EQ(at(w.hidden) == up, hw_in) << wb;
+                  EXPECT_EQ(w.rows_in_grads, dy_in || hw_in) << wb;
+                  EXPECT_EQ(w.dx_rows, w.x_rows) << wb;
+                  std::vector<Region> in_scratch{{"x rows", at(w.x_rows), at(w.x_rows) + 2 * cap * H},
+                                                 {"shared dx rows", at(w.shared_dx_rows), at(w.shared_dx_rows) + 2 * Tpad * H},
+                                                 {"shared w h", at(w.shared_hidden), at(w.shared_hidden) + 2 * Tpad * Is}};
+                  if (!dy_in) in_scratch.push_back({"dy rows", at(w.dy_rows), at(w.dy_rows) + 2 * cap * H});
+                  if (!hw_in) in_scratch.push_back({"w h", at(w.hidden), at(w.hidden) + 2 * cap * I});
+                  if (mode == Training::recompute)
+                    in_scratch.push_back({"recompute", at(w.recompute), at(w.recompute) + 2 * sh.saved_elements});
+                  check(in_scratch, base, base + w.bytes, wb);
+                  if (dy_in) check({{"dy rows", gate, gate + 2 * cap * H}}, gate, gate + 2 * E * I * H, wb);
+                  if (hw_in) check({{"w h", up, up + 2 * cap * I}}, up, up + 2 * E * I * H, wb);
+                  // The recompute runs the forward kernel's GEMM1 on this layout: x rows where the forward's are.
+                  if (mode == Training::recompute) EXPECT_EQ(at(w.x_rows), base + 2 * cap * H) << wb;
+                  std::int64_t expect = 2 * cap * H + 2 * Tpad * H + 2 * Tpad * Is + (dy_in ? 0 : 2 * cap * H) +
+                                        (hw_in ? 0 : 2 * cap * I) + (mode == Training::recompute ? 2 * sh.saved_elements : 0);
+                  EXPECT_EQ(w.bytes, expect) << wb;
+                  if (mode == Training::save) EXPECT_LE(w.bytes, f.bytes) << wb << ": backward scratch above the forward's";
+                }
+            }
 }
 
 }  // namespace

@@ -260,11 +260,15 @@ std::uint16_t* at(void* base, std::int64_t byte) { return reinterpret_cast<std::
 
 }  // namespace
 
+ScratchShape scratch_shape(const Workspace& ws) {
+  return {ws.shape(), ws.tokens(), ws.plan().capacity_rows(), ws.saved_elements(), ws.training()};
+}
+
 // [f32 slots (capacity + T_pad) x H, x rows = the bf16 rows [capacity, 2 capacity) of its
 // view as bf16 [2 (capacity + T_pad), H]][h capacity x I][shared h T_pad x I_s]
-CallBuffers forward_buffers(const Workspace& ws, void* scratch) {
-  const MoeShape& s = ws.shape();
-  const std::int64_t cap = ws.plan().capacity_rows(), Tpad = shared_tiles(s, ws.tokens()) * kTileRows;
+CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
+  const MoeShape& s = shape.shape;
+  const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
   const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate;
   CallBuffers b;
   b.slots = reinterpret_cast<float*>(scratch);
@@ -279,11 +283,11 @@ CallBuffers forward_buffers(const Workspace& ws, void* scratch) {
 // rows T_pad x H][w h capacity x I, unless in d_w_up][shared w h T_pad x I_s][recomputed
 // pre-activations]. The recompute's GEMM1 runs the forward kernel on this layout: its x rows
 // then sit where the forward's do (the dy rows are never in d_w_gate), its slots unused.
-CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* d_w_gate, void* d_w_up) {
-  const MoeShape& s = ws.shape();
-  const std::int64_t cap = ws.plan().capacity_rows(), Tpad = shared_tiles(s, ws.tokens()) * kTileRows;
+CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* d_w_gate, void* d_w_up) {
+  const MoeShape& s = shape.shape;
+  const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
   const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate, El = s.num_local_experts;
-  const bool in_grads = ws.training() == Training::save && d_w_gate != nullptr && d_w_up != nullptr;
+  const bool in_grads = shape.training == Training::save && d_w_gate != nullptr && d_w_up != nullptr;
   const bool dy_in_grads = in_grads && cap * H <= El * I * H, hw_in_grads = in_grads && cap * I <= El * I * H;
   CallBuffers b;
   std::int64_t used = 0;
@@ -298,9 +302,9 @@ CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* d_w_gate,
   if (!hw_in_grads) used += 2 * cap * I;
   b.shared_hidden = at(scratch, used);
   used += 2 * Tpad * Is;
-  if (ws.training() == Training::recompute) {
+  if (shape.training == Training::recompute) {
     b.recompute = at(scratch, used);
-    used += 2 * ws.saved_elements();
+    used += 2 * shape.saved_elements;
   }
   b.rows_in_grads = dy_in_grads || hw_in_grads;
   b.bytes = used;

@@ -72,11 +72,25 @@ struct CallBuffers {
   std::int64_t bytes = 0;                   // of the scratch
 };
 
+// What a call's scratch layout depends on (a workspace's, or any, for tests).
+struct ScratchShape {
+  MoeShape shape;
+  std::int64_t tokens = 0, capacity = 0, saved_elements = 0;
+  Training training = Training::off;
+};
+ScratchShape scratch_shape(const Workspace& ws);
+
 // One GPU: a forward's buffers in `scratch` (null: offsets from 0, for .bytes).
-CallBuffers forward_buffers(const Workspace& ws, void* scratch);
+CallBuffers forward_buffers(const ScratchShape& s, void* scratch);
 // One GPU: a backward's buffers in `scratch`; bf16 weight gradients (d_w_gate, d_w_up non-null)
 // of a Training::save workspace take the routed dy rows / w h where they fit.
-CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* d_w_gate, void* d_w_up);
+CallBuffers backward_buffers(const ScratchShape& s, void* scratch, void* d_w_gate, void* d_w_up);
+inline CallBuffers forward_buffers(const Workspace& ws, void* scratch) {
+  return forward_buffers(scratch_shape(ws), scratch);
+}
+inline CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* d_w_gate, void* d_w_up) {
+  return backward_buffers(scratch_shape(ws), scratch, d_w_gate, d_w_up);
+}
 // An EP rank: the workspace's own buffers.
 CallBuffers rank_buffers(const Workspace& ws);
 
