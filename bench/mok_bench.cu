@@ -535,9 +535,10 @@ int main(int argc, char** argv) try {
         const Record& r = records.back();
         std::printf("%-16s %-6s %-8s %10.4f %9.1f\n", r.preset.c_str(), r.impl.c_str(), r.pass.c_str(), r.ms, r.tflops);
         std::fflush(stdout);
+        // Rewritten after every record: a run cut short (a machine's time limit) keeps what it measured.
+        if (!o.out.empty()) write_json(o, records, dev.name);
       }
     }
-  if (!o.out.empty()) write_json(o, records, dev.name);
   cublasDestroy(handle);
   cudaStreamDestroy(stream);
   return 0;

@@ -217,15 +217,15 @@ def main():
         records.append(rec)
         print(f"{p['name']:<16} {impl:<6} {pass_:<8} {ms:10.4f} ms {rec['tflops']:8.1f} TFLOP/s "
               f"peak {peak / 2**30:7.2f} GiB", flush=True)
+        if args.out:  # rewritten after every record: a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(records, f, indent=1)
 
     for i, n in enumerate(names):
         print(f"[{i + 1}/{len(names)}] {n}", flush=True)
         for impl in args.impl.split(","):
             {"torch": bench_torch, "dense": bench_dense}[impl](presets[n], args, record)
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # runs every test, the benchmark and the PyTorch baseline, and writes
 #   $OUT/<date>-<commit>-bench.json     every benchmark record
 #   $OUT/<date>-<commit>-gpucheck.json  each test's name and outcome on this GPU
-# plus $OUT/logs.tgz (build, ptxas, ctest, benchmark logs), then prints a short table. Copy the two JSON files to bench/results/ and
+# plus $OUT/logs.tgz (build, ptxas, ctest, benchmark logs) and the raw records
+# $OUT/bench_mok.json, bench_torch.json (written as measured), then prints a short table. Copy the two JSON files to bench/results/ and
 # run `python3 bench/report.py table` to refresh bench/results/README.md.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed]
 # --part splits the check for machines that limit one command's time: `tests` (clean
@@ -99,13 +100,14 @@ junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
 
 # mok_bench with the implementations $1, then the PyTorch baseline and the dense ceiling,
-# every preset, one GPU: the bench JSON's two inputs.
+# every preset, one GPU: the bench JSON's two inputs, written into $OUT record by record
+# (a call cut short by a machine's time limit still returns what was measured).
 one_gpu_bench() {
-  $build/bench/mok_bench --preset all --impl "$1" --iters $iters --out "$LOG/bench_mok.json" --commit "$commit" \
+  $build/bench/mok_bench --preset all --impl "$1" --iters $iters --out "$OUT/bench_mok.json" --commit "$commit" \
     --date "$date" 2>&1 | tee "$LOG/bench_mok.log"
-  python3 bench/torch_baseline.py --preset all --iters $iters --out "$LOG/bench_torch.json" --commit "$commit" \
+  python3 bench/torch_baseline.py --preset all --iters $iters --out "$OUT/bench_torch.json" --commit "$commit" \
     --date "$date" 2>&1 | tee "$LOG/bench_torch.log"
-  bench=("$LOG/bench_mok.json" "$LOG/bench_torch.json")
+  bench=("$OUT/bench_mok.json" "$OUT/bench_torch.json")
 }
 
 bench=()
