@@ -4,7 +4,8 @@
 #   $OUT/<date>-<commit>-bench.json     every benchmark record
 #   $OUT/<date>-<commit>-gpucheck.json  each test's name and outcome on this GPU
 # plus $OUT/logs.tgz (build, ptxas, ctest, benchmark logs) and the raw records
-# $OUT/bench_mok.json, bench_torch.json (written as measured), then prints a short table. Copy the two JSON files to bench/results/ and
+# $OUT/bench_mok.json, bench_torch.json (written as measured), then prints a short table.
+# Copy the two dated JSON files to bench/results/ and
 # run `python3 bench/report.py table` to refresh bench/results/README.md.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed]
 # --part splits the check for machines that limit one command's time: `tests` (clean
