@@ -314,7 +314,7 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
       wait_counter(p, counter, expected, task, phase);
       dw_down_seen = dw_down_seen || phase == kWaitGradRows;  // (it stays done)
     }
-    if (t.kind != kDh || Sched::kRing) fence_proxy_async_global();  // dgu, w h (ring: rows) written by generic stores
+    if (t.kind != kDh) fence_proxy_async_global();  // dgu, w h written by generic stores of other CTAs
     // Boxes of this task: A (K-major: one; MN-major: up to two), B (up to four MN-major).
     const int n0 = t.n * kBlockN, m0 = t.m * kBlockM;
     const int b_limit = t.kind == kDh ? inter : t.kind == kWd ? inter : p.hidden;
