@@ -40,6 +40,13 @@ enum class Training { off, save, recompute };
 // shape, T and config (Workspace::saved_elements(), computed without a GPU).
 std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Config& config = {});
 
+class Workspace;
+namespace detail {
+// A call's scratch: `given` after checking it, else the workspace's own (src/host/forward.cpp).
+void* call_scratch(Workspace& ws, const std::optional<TensorView>& given, std::int64_t bytes,
+                   std::string_view bytes_from, std::string_view where, cudaStream_t stream);
+}  // namespace detail
+
 // What one layer's forward (and backward) keeps for a fixed number of tokens T: the plan,
 // dependency counters, the d_topk_weights partials and the status record. Reusable across
 // calls and layers of the same shape; it keeps nothing that the backward needs from the
@@ -82,10 +89,6 @@ class Workspace {
   // (bf16 or f32) takes (one GPU).
   std::int64_t forward_scratch_bytes() const;
   std::int64_t backward_scratch_bytes(DType grad_dtype) const;
-  // The scratch of a call: `given` after checking it (1-D u8 on this GPU, at least `bytes`),
-  // else the workspace's own (allocated on first use). Used by forward() and backward().
-  void* call_scratch(const std::optional<TensorView>& given, std::int64_t bytes, std::string_view where,
-                     cudaStream_t stream);
 
   // One GPU (rows_in_slots()): the forward's x rows lie in the upper half of its fp32 slot
   // buffer (bytes [2 capacity H, 4 capacity H) of the scratch); a GEMM2 tile's slot rows
@@ -120,6 +123,10 @@ class Workspace {
  private:
   friend class VirtualRanks;
   friend class EpRank;
+  friend void* detail::call_scratch(Workspace&, const std::optional<TensorView>&, std::int64_t, std::string_view,
+                                    std::string_view, cudaStream_t);
+  // The workspace's own scratch for a call given none (allocated on its first such call).
+  void* own_scratch(std::int64_t bytes, std::string_view where, cudaStream_t stream);
   struct ForRank {
     int rank;
   };

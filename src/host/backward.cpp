@@ -14,6 +14,7 @@ namespace mok {
 namespace {
 
 constexpr const char* kWhere = "mok::backward";
+constexpr const char* kScratchFrom = "Workspace::backward_scratch_bytes(d_w_gate's dtype)";
 using U = std::uint64_t;
 
 // The nine tensor maps of one expert set: rows = the set's row count (capacity or padded
@@ -134,7 +135,7 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   const std::int64_t T = ws.tokens();
   const bool grad_fp32 = b.d_w_gate.dtype == DType::f32;
   if (T == 0) {  // no rows: bf16 gradients are zero, f32 ones keep their value
-    if (scratch) ws.call_scratch(scratch, 0, kWhere, stream);  // (checked all the same)
+    if (scratch) detail::call_scratch(ws, scratch, 0, kScratchFrom, kWhere, stream);  // (checked all the same)
     if (!grad_fp32)
       for (const auto& g : {std::optional<TensorView>(b.d_w_gate), std::optional<TensorView>(b.d_w_up),
                             std::optional<TensorView>(b.d_w_down), b.d_shared_gate, b.d_shared_up, b.d_shared_down})
@@ -142,7 +143,8 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     return;
   }
 
-  void* base = ws.call_scratch(scratch, ws.backward_scratch_bytes(b.d_w_gate.dtype), kWhere, stream);
+  void* base =
+      detail::call_scratch(ws, scratch, ws.backward_scratch_bytes(b.d_w_gate.dtype), kScratchFrom, kWhere, stream);
   const detail::CallBuffers buffers =
       detail::backward_buffers(ws, base, grad_fp32 ? nullptr : b.d_w_gate.data, grad_fp32 ? nullptr : b.d_w_up.data);
   plan_device(a.topk_ids, 0, ws.plan(), stream);

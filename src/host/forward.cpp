@@ -17,6 +17,7 @@ namespace mok {
 namespace {
 
 constexpr const char* kWhere = "mok::forward";
+constexpr const char* kScratchFrom = "Workspace::forward_scratch_bytes()";
 
 void check_cuda(cudaError_t err, const char* what) { detail::cuda_check(err, "mok::Workspace", what); }
 
@@ -124,26 +125,7 @@ std::int64_t Workspace::backward_scratch_bytes(DType grad_dtype) const {
   return detail::backward_buffers(*this, nullptr, grads, grads).bytes;
 }
 
-void* Workspace::call_scratch(const std::optional<TensorView>& given, std::int64_t bytes, std::string_view where,
-                              cudaStream_t stream) {
-  if (given) {
-    const TensorView& g = *given;
-    int device = 0;
-    detail::cuda_check(cudaGetDevice(&device), where, "cudaGetDevice");
-    if (g.dtype != DType::u8) throw_argument_error(where, "scratch", "dtype must be u8, got ", dtype_name(g.dtype));
-    if (g.ndim != 1 || !g.is_contiguous())
-      throw_argument_error(where, "scratch", "must be a contiguous 1-D tensor, got shape ", g.shape_string());
-    if (g.numel() < bytes)
-      throw_argument_error(where, "scratch", "has ", g.numel(), " bytes; this call needs ", bytes,
-                           " (Workspace::forward_scratch_bytes() / backward_scratch_bytes())");
-    if (g.device != Device::cuda(device))
-      throw_argument_error(where, "scratch", "must be on ", device_name(Device::cuda(device)), ", got ",
-                           device_name(g.device));
-    if (bytes > 0 && (g.data == nullptr || reinterpret_cast<std::uintptr_t>(g.data) % kPointerAlignment != 0))
-      throw_argument_error(where, "scratch", "must be a non-null pointer aligned to ", kPointerAlignment, " bytes");
-    if (bytes > 0) check_pointer_location(where, "scratch", g);
-    return g.data;
-  }
+void* Workspace::own_scratch(std::int64_t bytes, std::string_view where, cudaStream_t stream) {
   if (scratch_ == nullptr) {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     detail::cuda_check(cudaStreamIsCapturing(stream, &capturing), where, "cudaStreamIsCapturing");
@@ -155,7 +137,8 @@ void* Workspace::call_scratch(const std::optional<TensorView>& given, std::int64
     scratch_bytes_ = std::max({bytes, forward_scratch_bytes(), backward_scratch_bytes(DType::f32)});
     allocate(scratch_, scratch_bytes_, "cudaMalloc(scratch)", bytes_);
   }
-  if (bytes > scratch_bytes_) throw Error(detail::concat(where, ": internal error: scratch of ", bytes, " bytes > ", scratch_bytes_));
+  if (bytes > scratch_bytes_)
+    throw Error(detail::concat(where, ": internal error: scratch of ", bytes, " bytes > ", scratch_bytes_));
   return scratch_;
 }
 
@@ -209,16 +192,37 @@ void check_locations(std::string_view where, const ForwardArgs& a, const MoeShap
       check_pointer_location(where, name, *view);
 }
 
+namespace {
+
+// A flat buffer argument (saved, scratch): dtype, 1-D with `elements` (at least, or exactly)
+// as `from` says, device, then contiguous, non-null and where it says it lives.
+void check_flat(std::string_view where, std::string_view arg, const TensorView& v, DType dtype, std::int64_t elements,
+                bool at_least, std::string_view from, Device device) {
+  if (v.dtype != dtype) throw_argument_error(where, arg, "dtype must be ", dtype_name(dtype), ", got ", dtype_name(v.dtype));
+  if (v.ndim != 1 || (at_least ? v.shape[0] < elements : v.shape[0] != elements))
+    throw_argument_error(where, arg, "shape must be [", at_least ? ">= " : "", elements, "] (", from, "), got ",
+                         v.shape_string());
+  if (v.device != device) throw_argument_error(where, arg, "must be on ", device_name(device), ", got ", device_name(v.device));
+  if (v.numel() > 0 && (v.data == nullptr || !v.is_contiguous()))
+    throw_argument_error(where, arg, "must be a contiguous non-null tensor");
+  if (v.numel() > 0) check_pointer_location(where, arg, v);
+}
+
+}  // namespace
+
 void check_saved(std::string_view where, const TensorView& saved, const Workspace& ws, Device device) {
-  if (saved.dtype != DType::bf16) throw_argument_error(where, "saved", "dtype must be bf16, got ", dtype_name(saved.dtype));
-  if (saved.ndim != 1 || saved.shape[0] != ws.saved_elements())
-    throw_argument_error(where, "saved", "shape must be [", ws.saved_elements(), "] (Workspace::saved_elements()), got ",
-                         saved.shape_string());
-  if (saved.device != device)
-    throw_argument_error(where, "saved", "must be on ", device_name(device), ", got ", device_name(saved.device));
-  if (saved.numel() > 0 && (saved.data == nullptr || !saved.is_contiguous()))
-    throw_argument_error(where, "saved", "must be a contiguous non-null tensor");
-  if (saved.numel() > 0) check_pointer_location(where, "saved", saved);
+  check_flat(where, "saved", saved, DType::bf16, ws.saved_elements(), false, "Workspace::saved_elements()", device);
+}
+
+void* call_scratch(Workspace& ws, const std::optional<TensorView>& given, std::int64_t bytes,
+                   std::string_view bytes_from, std::string_view where, cudaStream_t stream) {
+  if (!given) return ws.own_scratch(bytes, where, stream);
+  int device = 0;
+  cuda_check(cudaGetDevice(&device), where, "cudaGetDevice");
+  check_flat(where, "scratch", *given, DType::u8, bytes, true, bytes_from, Device::cuda(device));
+  if (reinterpret_cast<std::uintptr_t>(given->data) % kPointerAlignment != 0)
+    throw_argument_error(where, "scratch", "must be aligned to ", kPointerAlignment, " bytes");
+  return given->data;
 }
 
 unsigned long long* saved_marker(std::uint16_t* saved, const Workspace& ws) {
@@ -396,10 +400,10 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
     detail::check_saved(kWhere, *saved, ws, Device::cuda(device));
   }
   if (T == 0) {
-    if (scratch) ws.call_scratch(scratch, 0, kWhere, stream);  // (checked all the same)
+    if (scratch) detail::call_scratch(ws, scratch, 0, kScratchFrom, kWhere, stream);  // (checked all the same)
     return;
   }
-  void* base = ws.call_scratch(scratch, ws.forward_scratch_bytes(), kWhere, stream);
+  void* base = detail::call_scratch(ws, scratch, ws.forward_scratch_bytes(), kScratchFrom, kWhere, stream);
   plan_device(a.topk_ids, 0, ws.plan(), stream);
   detail::launch_forward_kernel(a, ws, detail::forward_buffers(ws, base), stream,
                                 saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, false, kWhere);
