@@ -78,12 +78,10 @@ static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging 
 
 enum TaskKind : int { kDh, kDx, kWd, kWgu, kCombine };
 
-// The plain kernel's producer is a warp (x_gather) and takes 16 registers more from the
-// consumers (40 spilled there; 224 do not spill the consumers).
-constexpr int kWarpProducerRegisters = 56, kWarpConsumerRegisters = 224;
-static_assert(kWarpProducerRegisters * kProducerThreads + kWarpConsumerRegisters * 128 * kConsumerWarpgroups <=
-              kLaunchRegisters * kThreads);
-
+// The plain kernel's producer warp (x_gather: per-lane row tokens) gets the registers the
+// consumers leave: 48 x 128 + 232 x 256 = 65536.
+constexpr int kWarpProducerRegisters = 48;
+static_assert(kWarpProducerRegisters * kProducerThreads + kConsumerRegisters * 128 * kConsumerWarpgroups <= 65536);
 
 struct Task {
   TaskKind kind;
@@ -259,12 +257,16 @@ __device__ __forceinline__ void ring_rows_read(const BackwardParams& p, const Ta
 
 // ---------------------------------------------------------------------------------- producer
 
-// x_gather: the x row (token) of plan row row0 + r of a routed dW_gate|up task's expert
-// (count rows); T, out of x's bounds (TMA fills zeros), for a padding row or a row past the
-// expert's (an expert without rows takes one K step).
-__device__ __forceinline__ int gathered_token(const BackwardParams& p, int row0, int r, int count) {
-  const int pair = r < count ? p.row_pair[row0 + r] : -1;
-  return pair < 0 ? p.tokens : pair / p.top_k;
+// x_gather: the x rows (tokens) of plan rows row0 + k0 + lane and + 32 of a routed
+// dW_gate|up task's expert (count rows); T, out of x's bounds (TMA fills zeros), for padding
+// rows and rows past the expert's (an expert without rows takes one K step).
+__device__ __forceinline__ void gathered_tokens(const BackwardParams& p, int row0, int k0, int count, int lane,
+                                                int (&token)[2]) {
+  for (int h = 0; h < 2; ++h) {
+    const int r = k0 + lane + 32 * h;
+    const int pair = r < count ? p.row_pair[row0 + r] : -1;
+    token[h] = pair < 0 ? p.tokens : pair / p.top_k;
+  }
 }
 
 // One warp runs the loop (the ring kernel: one thread); lane 0 arrives on the full barriers
@@ -274,6 +276,7 @@ __device__ __forceinline__ int gathered_token(const BackwardParams& p, int row0,
 // loaded otherwise: their accumulator rows/columns are never stored.
 template <typename Sched>
 __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sched& sched) {
+  const int lane = Sched::kRing ? 0 : threadIdx.x % 32;
   PipelineState<kStages> pipe;
   int rows_seen = -2;  // the expert (-1: shared) whose dh tiles this CTA's weight tasks saw done
   bool dw_down_seen = false;  // rows_in_grads: every routed dW_down tile seen done
@@ -291,7 +294,7 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
         wait_counter(p, p.ring.landed + mb, minibatch_rows(p, mb), task, kWaitLanded);
       fence_proxy_async_global();  // written by the comm CTAs' bulk and generic stores
     }
-    int row0 = 0, k_steps = 0, count = -1;  // (count: rows of a weight task's expert)
+    int row0 = 0, k_steps = 0, count = 0;  // (count: rows of a weight task's expert)
     // One counter to wait for (one call site: a second one spilled): a dx task's dh tiles,
     // or, when a routed dW_gate|up task's stores overwrite the dy rows and w h kept in the
     // gradient buffers, every routed dW_down tile (each waited for the dh tiles of its expert).
@@ -353,23 +356,24 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
     // Where the dy / x rows of the next load sit: plan row row0 (dh), row0 + k0 (weight
     // gradients: advanced by each K step), mod ring_rows in a ring.
     int rows_at = ring_row(p, ring, row0);
-    // x_gather: the expert's rows if this task gathers its x rows, else -1 (one register).
-    const int gather_rows = !Sched::kRing && p.x_gather && t.kind == kWgu && !t.shared ? count : -1;
-    const int lane = Sched::kRing ? 0 : threadIdx.x % 32;
+    // x_gather: the tokens of rows lane and lane + 32 of the next K step (T: a padding row).
+    const bool gather = !Sched::kRing && p.x_gather && t.kind == kWgu && !t.shared;
+    int token[2] = {0, 0};
+    if (gather) gathered_tokens(p, row0, 0, count, lane, token);
     for (int kb = 0; kb < k_steps; ++kb) {
       wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, kWaitEmpty);
       SharedStorage::Stage& st = s.stages[pipe.index];
       std::uint64_t* full = &s.full[pipe.index];
       const int k0 = kb * kBlockK;
       if (lane == 0) mbarrier_arrive_expect_tx(full, bytes);
-      if (gather_rows >= 0) {
+      if (gather) {
         if (lane == 0)
           for (int w = 0; w < a_boxes; ++w) tma_load_2d(st.a + w * 4096, &maps.dgu_mn, full, m0 + 64 * w, row0 + k0);
         __syncwarp();  // (the bytes are expected before the gathered loads land)
-        for (int r = lane; r < kBlockK; r += 32) {
-          const int token = gathered_token(p, row0, k0 + r, gather_rows);
-          for (int c = 0; c < b_boxes; ++c) tma_load_2d(st.b + c * 4096 + r * 64, &maps.x_mn, full, n0 + 64 * c, token);
-        }
+        for (int h = 0; h < 2; ++h)
+          for (int c = 0; c < b_boxes; ++c)
+            tma_load_2d(st.b + c * 4096 + (lane + 32 * h) * 64, &maps.x_mn, full, n0 + 64 * c, token[h]);
+        if (kb + 1 < k_steps) gathered_tokens(p, row0, k0 + kBlockK, count, lane, token);
       } else if (lane == 0) {
         switch (t.kind) {
           case kDh:
@@ -808,10 +812,9 @@ __device__ __forceinline__ void run_backward(const BackwardParams& p, const Ring
     return;
   }
   const Schedule<kRing> sched(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
-  constexpr int kProducer = kRing ? kProducerRegisters : kWarpProducerRegisters;
-  constexpr int kConsumer = kRing ? kConsumerRegisters : kWarpConsumerRegisters;
-  split_roles<kProducer, kConsumer, kRing ? 1 : 32>([&] { run_producer(p, s, sched); },
-                                                    [&](int wg) { run_consumer(p, s, sched, wg); });
+  constexpr int kProducerRegs = kRing ? kProducerRegisters : kWarpProducerRegisters;
+  split_roles<kProducerRegs, kConsumerRegisters, kRing ? 1 : 32>([&] { run_producer(p, s, sched); },
+                                                                [&](int wg) { run_consumer(p, s, sched, wg); });
 }
 
 struct BackwardLaunch {  // the plain kernel's parameters
