@@ -200,16 +200,11 @@ TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
                   EXPECT_EQ(at(w.dy_rows) == gate, dy_in) << wb;
                   EXPECT_EQ(at(w.hidden) == up, hw_in) << wb;
                   EXPECT_EQ(w.rows_in_grads, dy_in || hw_in) << wb;
-                  // save: no x rows (gathered from x), dx rows over the dy rows when those are in the
-                  // scratch; recompute: dx rows over the x rows.
-                  const bool dx_over_dy = mode == Training::save && !dy_in;
-                  EXPECT_EQ(w.x_rows == nullptr, mode == Training::save) << wb;
-                  if (mode == Training::recompute) EXPECT_EQ(w.dx_rows, w.x_rows) << wb;
-                  EXPECT_EQ(w.dx_rows == w.dy_rows, dx_over_dy) << wb;
-                  std::vector<Region> in_scratch{{"shared dx rows", at(w.shared_dx_rows), at(w.shared_dx_rows) + 2 * Tpad * H},
+                  EXPECT_EQ(w.dx_rows, w.x_rows) << wb;
+                  std::vector<Region> in_scratch{{"x rows", at(w.x_rows), at(w.x_rows) + 2 * cap * H},
+                                                 {"shared dx rows", at(w.shared_dx_rows), at(w.shared_dx_rows) + 2 * Tpad * H},
                                                  {"shared w h", at(w.shared_hidden), at(w.shared_hidden) + 2 * Tpad * Is}};
                   if (!dy_in) in_scratch.push_back({"dy rows", at(w.dy_rows), at(w.dy_rows) + 2 * cap * H});
-                  if (!dx_over_dy) in_scratch.push_back({"dx rows", at(w.dx_rows), at(w.dx_rows) + 2 * cap * H});
                   if (!hw_in) in_scratch.push_back({"w h", at(w.hidden), at(w.hidden) + 2 * cap * I});
                   if (mode == Training::recompute)
                     in_scratch.push_back({"recompute", at(w.recompute), at(w.recompute) + 2 * sh.saved_elements});
@@ -218,7 +213,7 @@ TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
                   if (hw_in) check({{"w h", up, up + 2 * cap * I}}, up, up + 2 * E * I * H, wb);
                   // The recompute runs the forward kernel's GEMM1 on this layout: x rows where the forward's are.
                   if (mode == Training::recompute) EXPECT_EQ(at(w.x_rows), base + 2 * cap * H) << wb;
-                  std::int64_t expect = (dx_over_dy ? 0 : 2 * cap * H) + 2 * Tpad * H + 2 * Tpad * Is + (dy_in ? 0 : 2 * cap * H) +
+                  std::int64_t expect = 2 * cap * H + 2 * Tpad * H + 2 * Tpad * Is + (dy_in ? 0 : 2 * cap * H) +
                                         (hw_in ? 0 : 2 * cap * I) + (mode == Training::recompute ? 2 * sh.saved_elements : 0);
                   EXPECT_EQ(w.bytes, expect) << wb;
                   if (mode == Training::save) EXPECT_LE(w.bytes, f.bytes) << wb << ": backward scratch above the forward's";

@@ -98,9 +98,6 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   p.routed_maps = set_maps(buffers.dy_rows, buffers.x_rows, capacity, dgu, hw, capacity, a.w_gate.data, a.w_up.data,
                            a.w_down.data, El, H, I);
   p.routed_maps.dx_rows = detail::make_bf16_tensor_map(dx_rows, {U(H), U(capacity), 1}, {64, 64, 1}, "dx rows");
-  p.x_gather = buffers.x_rows == nullptr;  // one GPU, Training::save: the x rows are loaded from x row by row
-  if (p.x_gather) p.routed_maps.x_mn = detail::make_bf16_tensor_map(a.x.data, {U(H), U(T)}, {64, 1}, "x");
-  p.dx_over_dy = p.x_gather && dx_rows == buffers.dy_rows;
   p.routed = {gu, hw, dx_rows, b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, static_cast<int>(I)};
   if (!grad_fp32) set_gradient_maps(p.routed_maps, b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, El, H, I);
   if (s.has_shared()) {
@@ -122,7 +119,7 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   p.d_topk_weights = static_cast<float*>(b.d_topk_weights.data);
   p.grad_fp32 = grad_fp32;
   p.saved_marker = detail::saved_marker(gu, ws);
-  p.dx_over_x = ws.rows_in_slots() && !p.x_gather;
+  p.dx_over_x = ws.rows_in_slots();
   p.rows_in_grads = buffers.rows_in_grads;
   return p;
 }
@@ -153,8 +150,7 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   plan_device(a.topk_ids, 0, ws.plan(), stream);
   std::uint16_t* gu = saved ? static_cast<std::uint16_t*>(saved->data) : buffers.recompute;
   if (!saved) detail::launch_forward_kernel(a, ws, buffers, stream, gu, true, kWhere);  // also copies x's rows
-  else if (buffers.x_rows != nullptr) detail::dispatch_rows(a.x.data, buffers.x_rows, ws, stream);  // (recompute
-                                                                                                   //  workspace, saved given)
+  else detail::dispatch_rows(a.x.data, buffers.x_rows, ws, stream);
   detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, stream);
   detail::cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), kWhere,
                      "cudaMemsetAsync(counters)");

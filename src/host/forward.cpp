@@ -65,7 +65,6 @@ const char* kernel_phase_name(std::int32_t phase) {
     case 17: return "backward: comm CTA waiting for a bulk copy of rows into its staging (comm loaded barrier)";
     case 18: return "forward: waiting for GEMM1 to read the x rows that a GEMM2 tile's slot rows overwrite (h_ready)";
     case 19: return "backward: waiting for every dW_down tile to read the dy rows and w*h kept in the W_gate / W_up gradient buffers (wd_done)";
-    case 20: return "backward: waiting for every dW_down tile to read the dy rows that the dx rows overwrite (wd_done)";
     default: return "unknown phase";
   }
 }
@@ -284,32 +283,23 @@ CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
   return b;
 }
 
-// [dy rows capacity x H, unless in d_w_gate][dx rows capacity x H, unless over the dy
-// rows][shared dx rows T_pad x H][w h capacity x I, unless in d_w_up][shared w h T_pad x
-// I_s][recomputed pre-activations]. Training::save keeps no x rows (the dW_gate|up tiles
-// gather them from x: x_gather); its dx rows are written over the dy rows when those are in
-// the scratch. Training::recompute: the recompute's GEMM1 runs the forward kernel on this
-// layout, its x rows (then its dx rows) where the forward's are (the dy rows are never in
-// d_w_gate), its slots unused.
+// [dy rows capacity x H, unless in d_w_gate][x rows, then dx rows, capacity x H][shared dx
+// rows T_pad x H][w h capacity x I, unless in d_w_up][shared w h T_pad x I_s][recomputed
+// pre-activations]. The recompute's GEMM1 runs the forward kernel on this layout: its x rows
+// then sit where the forward's do (the dy rows are never in d_w_gate), its slots unused.
 CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* d_w_gate, void* d_w_up) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
   const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate, El = s.num_local_experts;
-  const bool save = shape.training == Training::save;
-  const bool in_grads = save && d_w_gate != nullptr && d_w_up != nullptr;
+  const bool in_grads = shape.training == Training::save && d_w_gate != nullptr && d_w_up != nullptr;
   const bool dy_in_grads = in_grads && cap * H <= El * I * H, hw_in_grads = in_grads && cap * I <= El * I * H;
   CallBuffers b;
   std::int64_t used = 0;
   b.slots = reinterpret_cast<float*>(scratch);
   b.dy_rows = dy_in_grads ? static_cast<std::uint16_t*>(d_w_gate) : at(scratch, used);
   if (!dy_in_grads) used += 2 * cap * H;
-  if (save && !dy_in_grads) {
-    b.dx_rows = b.dy_rows;
-  } else {
-    b.dx_rows = at(scratch, used);
-    used += 2 * cap * H;
-  }
-  if (!save) b.x_rows = b.dx_rows;
+  b.x_rows = b.dx_rows = at(scratch, used);
+  used += 2 * cap * H;
   b.shared_dx_rows = at(scratch, used);
   used += 2 * Tpad * H;
   b.hidden = hw_in_grads ? static_cast<std::uint16_t*>(d_w_up) : at(scratch, used);

@@ -61,11 +61,11 @@ void fill_common_params(Params& p, const Workspace& ws, const void* topk_weights
 // Where one call's row buffers lie (kernels' view); null = none.
 struct CallBuffers {
   float* slots = nullptr;                   // forward: [capacity + T_pad, H] f32
-  std::uint16_t* x_rows = nullptr;          // [capacity, H]: x's routed rows (backward: recompute only, dx rows over them)
+  std::uint16_t* x_rows = nullptr;          // [capacity, H]: x's routed rows (one GPU: backward's dx rows over them)
   std::uint16_t* hidden = nullptr;          // [capacity, I]: h (forward), w h (backward)
   std::uint16_t* shared_hidden = nullptr;   // [T_pad, I_s]
   std::uint16_t* dy_rows = nullptr;         // backward: [capacity, H]
-  std::uint16_t* dx_rows = nullptr;         // backward: [capacity, H] (one GPU: maybe over x_rows or dy_rows)
+  std::uint16_t* dx_rows = nullptr;         // backward: [capacity, H]
   std::uint16_t* shared_dx_rows = nullptr;  // backward: [T_pad, H]
   std::uint16_t* recompute = nullptr;       // backward of a Training::recompute workspace: the pre-activations
   bool rows_in_grads = false;               // dy_rows or hidden lie in the W_gate / W_up gradient buffers

@@ -51,8 +51,7 @@ constexpr std::uint32_t kBoxBytes = 64 * 64 * 2;          // one MN-major box {6
 constexpr std::uint32_t kKMajorABytes = kBlockM * kBlockK * 2;  // one K-major A box {64, 128}
 
 enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitDgu = 5, kWaitRows = 6, kWaitDx = 7, kWaitPushed = 9,
-                   kWaitLanded = 15, kWaitFreed = 16, kWaitCopy = 17, kWaitGradRows = 19,
-                   kWaitDyRead = 20 };
+                   kWaitLanded = 15, kWaitFreed = 16, kWaitCopy = 17, kWaitGradRows = 19 };
 
 struct ReadCount {
   int at;     // the counter (switch_read())
@@ -77,11 +76,6 @@ static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory ov
 static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");
 
 enum TaskKind : int { kDh, kDx, kWd, kWgu, kCombine };
-
-// The plain kernel's producer warp (x_gather: per-lane row tokens) gets the registers the
-// consumers leave: 48 x 128 + 232 x 256 = 65536.
-constexpr int kWarpProducerRegisters = 48;
-static_assert(kWarpProducerRegisters * kProducerThreads + kConsumerRegisters * 128 * kConsumerWarpgroups <= 65536);
 
 struct Task {
   TaskKind kind;
@@ -257,26 +251,10 @@ __device__ __forceinline__ void ring_rows_read(const BackwardParams& p, const Ta
 
 // ---------------------------------------------------------------------------------- producer
 
-// x_gather: the x rows (tokens) of plan rows row0 + k0 + lane and + 32 of a routed
-// dW_gate|up task's expert (count rows); T, out of x's bounds (TMA fills zeros), for padding
-// rows and rows past the expert's (an expert without rows takes one K step).
-__device__ __forceinline__ void gathered_tokens(const BackwardParams& p, int row0, int k0, int count, int lane,
-                                                int (&token)[2]) {
-  for (int h = 0; h < 2; ++h) {
-    const int r = k0 + lane + 32 * h;
-    const int pair = r < count ? p.row_pair[row0 + r] : -1;
-    token[h] = pair < 0 ? p.tokens : pair / p.top_k;
-  }
-}
-
-// One warp runs the loop (the ring kernel: one thread); lane 0 arrives on the full barriers
-// and issues every load but the gathered x rows of routed dW_gate|up tasks (x_gather: each
-// lane loads rows lane and lane + 32 of each K step straight from x, one box of 64 columns
-// per row, padding rows out of bounds: zeros). Boxes entirely past the matrix edge are not
-// loaded otherwise: their accumulator rows/columns are never stored.
+// One thread issues every load. Boxes entirely past the matrix edge are not loaded: their
+// accumulator rows/columns are never stored.
 template <typename Sched>
 __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sched& sched) {
-  const int lane = Sched::kRing ? 0 : threadIdx.x % 32;
   PipelineState<kStages> pipe;
   int rows_seen = -2;  // the expert (-1: shared) whose dh tiles this CTA's weight tasks saw done
   bool dw_down_seen = false;  // rows_in_grads: every routed dW_down tile seen done
@@ -294,7 +272,7 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
         wait_counter(p, p.ring.landed + mb, minibatch_rows(p, mb), task, kWaitLanded);
       fence_proxy_async_global();  // written by the comm CTAs' bulk and generic stores
     }
-    int row0 = 0, k_steps = 0, count = 0;  // (count: rows of a weight task's expert)
+    int row0 = 0, k_steps = 0;
     // One counter to wait for (one call site: a second one spilled): a dx task's dh tiles,
     // or, when a routed dW_gate|up task's stores overwrite the dy rows and w h kept in the
     // gradient buffers, every routed dW_down tile (each waited for the dh tiles of its expert).
@@ -310,18 +288,11 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
         const bool over_x = !Sched::kRing && p.dx_over_x && !t.shared;
         counter = p.counters.dgu_ready + (over_x ? p.expert_offset[t.e] / kBlockM : dgu_counter(p, t, t.m));
         expected = kConsumerWarpgroups * (sched.n_dh(t.shared) + (over_x ? sched.m_wgu_r * sched.n_dx : 0));
-        if (!Sched::kRing && p.dx_over_dy && !t.shared) {
-          // Its dx rows overwrite its dy rows (x_gather, dy rows in the scratch), which the
-          // dh tiles of the M-tile and the dW_down tiles of the expert read: every routed
-          // dW_down tile done says both (each waited for its expert's dh tiles).
-          counter = wd_done(p);
-          expected = kConsumerWarpgroups * sched.experts * sched.m_wd * sched.n_dh_r;
-          phase = kWaitDyRead;
-        }
         if constexpr (Sched::kRing) wait_counter(p, counter, expected, task, phase);  // (here: fewer registers)
       }
       k_steps = (t.kind == kDh ? p.hidden : 2 * inter) / kBlockK;
     } else {
+      int count = 0;
       expert_rows(p, t, row0, count);
       // Its expert's dh tiles, once per run of tasks of one expert (a CTA takes ~tasks / CTAs
       // in a row): each wait is a round trip to L2 before the task's first load.
@@ -356,49 +327,34 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
     // Where the dy / x rows of the next load sit: plan row row0 (dh), row0 + k0 (weight
     // gradients: advanced by each K step), mod ring_rows in a ring.
     int rows_at = ring_row(p, ring, row0);
-    // x_gather: the tokens of rows lane and lane + 32 of the next K step (T: a padding row).
-    const bool gather = !Sched::kRing && p.x_gather && t.kind == kWgu && !t.shared;
-    int token[2] = {0, 0};
-    if (gather) gathered_tokens(p, row0, 0, count, lane, token);
     for (int kb = 0; kb < k_steps; ++kb) {
       wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, kWaitEmpty);
       SharedStorage::Stage& st = s.stages[pipe.index];
       std::uint64_t* full = &s.full[pipe.index];
+      mbarrier_arrive_expect_tx(full, bytes);
       const int k0 = kb * kBlockK;
-      if (lane == 0) mbarrier_arrive_expect_tx(full, bytes);
-      if (gather) {
-        if (lane == 0)
-          for (int w = 0; w < a_boxes; ++w) tma_load_2d(st.a + w * 4096, &maps.dgu_mn, full, m0 + 64 * w, row0 + k0);
-        __syncwarp();  // (the bytes are expected before the gathered loads land)
-        for (int h = 0; h < 2; ++h)
+      switch (t.kind) {
+        case kDh:
+          tma_load_2d(st.a, &maps.dy_k, full, k0, rows_at);
+          for (int c = 0; c < b_boxes; ++c) tma_load_3d(st.b + c * 4096, &maps.down_mn, full, n0 + 64 * c, k0, t.e);
+          break;
+        case kDx: {
+          tma_load_2d(st.a, &maps.dgu_k, full, k0, row0);
+          const bool gate = k0 < inter;
           for (int c = 0; c < b_boxes; ++c)
-            tma_load_2d(st.b + c * 4096 + (lane + 32 * h) * 64, &maps.x_mn, full, n0 + 64 * c, token[h]);
-        if (kb + 1 < k_steps) gathered_tokens(p, row0, k0 + kBlockK, count, lane, token);
-      } else if (lane == 0) {
-        switch (t.kind) {
-          case kDh:
-            tma_load_2d(st.a, &maps.dy_k, full, k0, rows_at);
-            for (int c = 0; c < b_boxes; ++c) tma_load_3d(st.b + c * 4096, &maps.down_mn, full, n0 + 64 * c, k0, t.e);
-            break;
-          case kDx: {
-            tma_load_2d(st.a, &maps.dgu_k, full, k0, row0);
-            const bool gate = k0 < inter;
-            for (int c = 0; c < b_boxes; ++c)
-              tma_load_3d(st.b + c * 4096, gate ? &maps.gate_mn : &maps.up_mn, full, n0 + 64 * c,
-                          gate ? k0 : k0 - inter, t.e);
-            break;
-          }
-          case kWd:
-            for (int w = 0; w < a_boxes; ++w)
-              tma_load_2d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, rows_at);
-            for (int c = 0; c < b_boxes; ++c) tma_load_2d(st.b + c * 4096, &maps.hw_mn, full, n0 + 64 * c, row0 + k0);
-            break;
-          default:  // kWgu
-            for (int w = 0; w < a_boxes; ++w) tma_load_2d(st.a + w * 4096, &maps.dgu_mn, full, m0 + 64 * w, row0 + k0);
-            for (int c = 0; c < b_boxes; ++c)
-              tma_load_2d(st.b + c * 4096, &maps.x_mn, full, n0 + 64 * c, rows_at);
-            break;
+            tma_load_3d(st.b + c * 4096, gate ? &maps.gate_mn : &maps.up_mn, full, n0 + 64 * c, gate ? k0 : k0 - inter, t.e);
+          break;
         }
+        case kWd:
+          for (int w = 0; w < a_boxes; ++w)
+            tma_load_2d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, rows_at);
+          for (int c = 0; c < b_boxes; ++c) tma_load_2d(st.b + c * 4096, &maps.hw_mn, full, n0 + 64 * c, row0 + k0);
+          break;
+        default:  // kWgu
+          for (int w = 0; w < a_boxes; ++w) tma_load_2d(st.a + w * 4096, &maps.dgu_mn, full, m0 + 64 * w, row0 + k0);
+          for (int c = 0; c < b_boxes; ++c)
+            tma_load_2d(st.b + c * 4096, &maps.x_mn, full, n0 + 64 * c, rows_at);
+          break;
       }
       if (t.kind == kWd || t.kind == kWgu) {  // the next 64 rows (ring_rows is a multiple of 64)
         rows_at += kBlockK;
@@ -676,7 +632,7 @@ constexpr int kReadNone = -1, kReadWdDone = -2;  // else an index into dgu_ready
 
 __device__ __forceinline__ int read_counter(const BackwardParams& p, const Task& t) {
   if (!t.shared && t.kind == kWgu && p.dx_over_x) return p.expert_offset[t.e] / kBlockM;
-  if (!t.shared && t.kind == kWd && (p.rows_in_grads || p.dx_over_dy)) return kReadWdDone;
+  if (!t.shared && t.kind == kWd && p.rows_in_grads) return kReadWdDone;
   return kReadNone;
 }
 
@@ -812,9 +768,8 @@ __device__ __forceinline__ void run_backward(const BackwardParams& p, const Ring
     return;
   }
   const Schedule<kRing> sched(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
-  constexpr int kProducerRegs = kRing ? kProducerRegisters : kWarpProducerRegisters;
-  split_roles<kProducerRegs, kConsumerRegisters, kRing ? 1 : 32>([&] { run_producer(p, s, sched); },
-                                                                [&](int wg) { run_consumer(p, s, sched, wg); });
+  split_roles<kProducerRegisters, kConsumerRegisters>([&] { run_producer(p, s, sched); },
+                                                      [&](int wg) { run_consumer(p, s, sched, wg); });
 }
 
 struct BackwardLaunch {  // the plain kernel's parameters

@@ -66,9 +66,8 @@ struct BackwardCounters {
   int* dgu_ready;  // [max_routed_tiles + shared_tiles]: dh warpgroup-tiles done per M-tile
                    // (dx_over_x: an expert's first M-tile also counts its dW_gate|up ones)
   int* dx_done;    // dx-row warpgroup-tiles done
-  int* abort;      // (then, rows_in_grads or dx_over_dy: abort[1] counts the routed dW_down
-                   // warpgroup-tiles done; no pointer of its own: BackwardGroupParams is at its
-                   // size limit)
+  int* abort;      // (then, rows_in_grads: abort[1] counts the routed dW_down warpgroup-tiles
+                   // done; no pointer of its own: BackwardGroupParams is at its size limit)
 };
 
 struct BackwardParams {
@@ -99,12 +98,6 @@ struct BackwardParams {
   // d_up's (both dead until the dW_gate|up tiles write them): a routed dW_gate|up tile
   // first waits for every routed dW_down tile (phase-major order only).
   bool rows_in_grads;
-  // One GPU, Training::save: no routed x rows; the routed dW_gate|up tiles load their B rows
-  // from x itself (routed_maps.x_mn: x [T, H], box {64, 1}, one load per row and 64 columns).
-  bool x_gather;
-  // x_gather with the dy rows in the scratch: routed.dx_rows are the dy rows; a dx tile
-  // waits until every routed dW_down tile has read them (counted in abort[1], as above).
-  bool dx_over_dy;
   BackwardCounters counters;
   KernelStatus* status;
   // The saved tensor's trailer: kSavedValid while it holds a forward's pre-activations

@@ -109,16 +109,13 @@ __device__ __forceinline__ void init_ring_barriers(S& s) {
   ptx::fence_proxy_async_shared_cta();
 }
 
-// Warp specialisation: warpgroup 0 hands registers back and its first kProducerLanes
-// threads (one, or the whole first warp) run producer(); the other warpgroups take the
-// registers and run consumer(warpgroup index from 0).
-template <int kProducerRegisters, int kConsumerRegisters, int kProducerLanes = 1, typename Producer,
-          typename Consumer>
+// Warp specialisation: warpgroup 0 hands registers back and its thread 0 runs producer();
+// the other warpgroups take the registers and run consumer(warpgroup index from 0).
+template <int kProducerRegisters, int kConsumerRegisters, typename Producer, typename Consumer>
 __device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& consumer) {
-  static_assert(kProducerLanes == 1 || kProducerLanes == 32);
   if (threadIdx.x < 128) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
-    if (threadIdx.x < kProducerLanes) producer();
+    if (threadIdx.x == 0) producer();
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
     consumer((threadIdx.x - 128) / 128);  // unsigned arithmetic, converted to int
