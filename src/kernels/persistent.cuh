@@ -28,7 +28,12 @@ inline constexpr int kThreads = kProducerThreads + 128 * kConsumerWarpgroups;
 inline constexpr int kProducerRegisters = 40;
 inline constexpr int kConsumerRegisters = 232;
 inline constexpr int kConsumerBarrier = 3;  // named barrier of all consumer threads; 1, 2: one per warpgroup
-static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * 128 * kConsumerWarpgroups <= 65536);
+// setmaxnreg moves registers within the CTA's launch allocation (kThreads x the kernel's
+// count, 168 under __launch_bounds__(kThreads, 1)): what the consumers take, the producer
+// must give back, or setmaxnreg.inc waits forever (seen: 48 + 232 hung every CTA).
+inline constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * 128 * kConsumerWarpgroups <=
+              kLaunchRegisters * kThreads);
 
 // Records the first failure in the host-mapped status and stops the kernel: a stalled
 // wait must never hang silently.
