@@ -1,21 +1,40 @@
-// Benchmark harness: times implementations of the layer on named presets and writes
-// records in the schema shared with bench/torch_baseline.py:
-//   preset, impl, pass, tokens, ep, ms (median), ms_p10, ms_p90, tflops, peak_bytes,
-//   gpu, commit, date, hidden, intermediate, experts, top_k, routing, iters
+// Benchmark harness of the C++ layer. Two ways to run it:
 //
-// impls:
+//   mok_bench [--preset all|NAME,...] [--impl mok,mok-ep1,cublas,plan] ...   (standalone)
+//       times implementations on named presets, with its own inputs (uniform routing), and
+//       writes records in the schema shared with bench/torch_baseline.py:
+//       preset, impl, pass, tokens, ep, ms (median), ms_p10, ms_p90, tflops, peak_bytes,
+//       gpu, commit, date, hidden, intermediate, experts, top_k, routing, iters
+//   mok_bench --serve
+//       the "mok" implementation of bench/layer_bench.py: reads one command a line on
+//       stdin and answers one JSON line on stdout, so that the Python driver interleaves
+//       it with the PyTorch implementations on the very same inputs:
+//         load PRESET SEED IDS_FILE WEIGHTS_FILE  inputs: x, weights, dy from fill_bits
+//                                                 (seeded as layer_bench.py's hash_fill),
+//                                                 routing from the files (i32 / f32 [T, k])
+//         check PASS                              one pass with poisoned outputs; answers the
+//                                                 checksum of each output (y, dx, d_topk_weights,
+//                                                 every weight gradient): the driver compares
+//                                                 them with mok.moe's, which it checks against
+//                                                 the PyTorch path at full size
+//         time PASS WARMUP ITERS                  each iteration's ms, L2 flushed before each
+//         peak PASS                               bytes one pass needs beyond inputs and weights
+//         quit
+//   mok_bench --fill-sample SEED N                 (no GPU) the first N values fill_bits gives,
+//                                                 for the CPU test of layer_bench's hash_fill
+//
+// impls (standalone):
 //   cublas cuBLAS GEMMs with the layer's FLOPs as if every routed row went to one expert
-//          (fwd: X[M,H]·[gate|up]^T, h·down^T; fwd+bwd adds the four backward GEMMs):
-//          the ceiling a grouped kernel is measured against
+//          (+ the shared expert's): the ceiling a grouped kernel is measured against
 //   plan   the device planner alone (pass "plan"): its cost inside every pass
-//   mok    the fused layer: "fwd" (forward), "fwd+bwd" (forward saving the pre-activations,
-//          then the fused backward into bf16 gradients); the forward is checked first on
-//          sampled tokens against the fp64 CPU reference, the backward's outputs for
-//          finiteness (its exactness is the test suite's job). peak_bytes: what one pass
-//          needs beyond its inputs and weights, like the PyTorch baseline's peak: the
-//          workspace + y + the high-water mark of what the pass allocates from a caching
-//          stream-ordered pool (scratch; fwd+bwd: saved tensor, dx, d_topk_weights, bf16
-//          weight gradients, allocated when the backward runs), measured over one pass
+//   mok    the fused layer: "fwd" (forward, Training::off), "fwd+bwd" (forward saving the
+//          pre-activations, then the fused backward into bf16 gradients); the forward is
+//          checked first on sampled tokens against the fp64 CPU reference, the backward's
+//          outputs for finiteness (the full-size check is layer_bench.py's)
+//   mok-ep1 the same layer through the expert-parallel machinery as an EP group of one rank
+// peak_bytes (mok): the workspace + y + the high-water mark of what one pass allocates from
+// a caching stream-ordered pool (scratch; fwd+bwd: saved tensor, dx, d_topk_weights, bf16
+// weight gradients, allocated when the backward runs), as PyTorch's allocator would count it.
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -25,6 +44,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <span>
@@ -63,17 +83,45 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
+std::string json_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\', out += c;
+    else if (c == '\n') out += "\\n";
+    else if (static_cast<unsigned char>(c) >= 0x20) out += c;
+  }
+  return out;
+}
+
 struct Record {
-  std::string preset, impl, pass;  // impl: cublas | plan
-  std::int64_t tokens, ep, hidden, intermediate, experts, top_k;
+  std::string preset, impl, pass;
+  std::int64_t tokens, ep, hidden, intermediate, experts, top_k, shared_intermediate;
   double ms, ms_p10, ms_p90, tflops;
   std::size_t peak_bytes;
   int iters;
 };
 
+// The layer's FLOPs (DESIGN.md's convention): forward 6·H·(routed pairs·I + T·I_s),
+// forward+backward 3x that.
+double pass_flops(const mok::MoeShape& s, std::int64_t T, const std::string& pass) {
+  return mok::forward_flops(s, T * s.top_k, T) * (pass == "fwd+bwd" ? 3.0 : 1.0);
+}
+
+Record make_record(const mok::Preset& p, const std::string& impl, const std::string& pass,
+                   const std::vector<float>& ms, std::size_t peak, int iters) {
+  const mok::MoeShape& s = p.shape;
+  const double med = ms[ms.size() / 2];
+  const double flops = pass == "plan" ? 0.0 : pass_flops(s, p.tokens, pass);
+  return {p.name, impl, pass, p.tokens, 1, s.hidden, s.intermediate, s.num_experts, s.top_k, s.shared_intermediate,
+          med, ms[ms.size() / 10], ms[ms.size() * 9 / 10], flops / (med * 1e-3) / 1e12, peak, iters};
+}
+
 // Device memory owned for one measurement, counted for peak_bytes.
 class Arena {
  public:
+  Arena() = default;
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
   ~Arena() {
     for (void* p : blocks_) cudaFree(p);
   }
@@ -121,9 +169,6 @@ class StepPool {
     return static_cast<T*>(p);
   }
   void free(void* p) { CUDA_OK(cudaFreeAsync(p, stream_)); }
-  static mok::TensorView u8(void* p, std::int64_t bytes) {
-    return mok::TensorView::contiguous(p, mok::DType::u8, mok::Device::cuda(0), {bytes});
-  }
   // Bytes in use at the highest point while `body` runs, above what was in use before.
   template <typename Body>
   std::size_t high_water(Body body) {
@@ -143,21 +188,73 @@ class StepPool {
   cudaMemPool_t pool_{};
 };
 
-// Fills bf16 buffers with small random values on the device (never time zeros).
-__global__ void fill_random_kernel(std::uint16_t* p, std::size_t n, std::uint32_t seed);
+// The benchmark's data: element i of a tensor filled with `seed` is the bf16 value
+// (hash(i, seed) & 0xff - 128) / 1024, exact in bf16 (never zeros, |v| <= 1/8).
+// bench/layer_bench.py's hash_fill computes the same values with PyTorch, so the
+// driver and this process hold identical inputs without sharing memory.
+__host__ __device__ inline std::uint16_t fill_bits(std::uint64_t i, std::uint32_t seed) {
+  std::uint32_t h = static_cast<std::uint32_t>(i) * 2654435761u ^ seed * 0x9e3779b9u;
+  h ^= h >> 15, h *= 0x2c1b3c6du, h ^= h >> 12;
+  const int level = static_cast<int>(h & 0xffu) - 128;  // [-128, 127]: 8 significant bits at most
+  const float v = static_cast<float>(level) * (1.0f / 1024.0f);
+  std::uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return static_cast<std::uint16_t>(bits >> 16);  // exact: v has no bits below bf16's mantissa
+}
+
+__global__ void fill_kernel(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    p[i] = fill_bits(i, seed);
+}
+
+void fill(std::uint16_t* p, std::size_t n, std::uint32_t seed, cudaStream_t stream) {
+  fill_kernel<<<1024, 256, 0, stream>>>(p, n, seed);
+  CUDA_OK(cudaGetLastError());
+}
+
+// The seeds of one problem's tensors (layer_bench.py's TENSOR_SEEDS mirrors them).
+enum class Tensor : std::uint32_t { x = 1, gate, up, down, dy, shared_gate, shared_up, shared_down };
+std::uint32_t tensor_seed(std::uint32_t seed, Tensor t) { return seed * 16u + static_cast<std::uint32_t>(t); }
+
+// Checksum of a buffer of 4-byte words w_i: sum of w_i * (2i + 1) modulo 2^64. Integer
+// adds commute, so the result does not depend on the order of the atomics; any change of
+// one word changes it (2i + 1 is odd, so invertible modulo 2^64).
+__global__ void checksum_kernel(const std::uint32_t* w, std::size_t n, unsigned long long* out) {
+  unsigned long long acc = 0;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    acc += static_cast<unsigned long long>(w[i]) * (2ull * i + 1ull);
+  for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_down_sync(0xffffffffu, acc, offset);
+  if (threadIdx.x % 32 == 0) atomicAdd(out, acc);
+}
+
+std::uint64_t checksum(const void* p, std::size_t bytes, cudaStream_t stream) {
+  if (bytes % 4 != 0) throw mok::Error("mok_bench: checksum of " + std::to_string(bytes) + " bytes (not whole words)");
+  unsigned long long* d_sum = nullptr;
+  CUDA_OK(cudaMallocAsync(&d_sum, sizeof(unsigned long long), stream));
+  CUDA_OK(cudaMemsetAsync(d_sum, 0, sizeof(unsigned long long), stream));
+  checksum_kernel<<<264, 256, 0, stream>>>(static_cast<const std::uint32_t*>(p), bytes / 4, d_sum);
+  CUDA_OK(cudaGetLastError());
+  unsigned long long sum = 0;
+  CUDA_OK(cudaMemcpyAsync(&sum, d_sum, sizeof(sum), cudaMemcpyDeviceToHost, stream));
+  CUDA_OK(cudaFreeAsync(d_sum, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  return sum;
+}
 
 // Times `body` with CUDA events: warm-up, then each iteration after an L2 flush.
 template <typename Body>
-std::vector<float> time_iterations(const Options& o, cudaStream_t stream, Body body) {
+std::vector<float> time_iterations(int warmup, int iters, cudaStream_t stream, Body body) {
   static void* flush = nullptr;
   constexpr std::size_t kFlushBytes = 256u << 20;  // > 4x the H200's 60 MB L2
   if (!flush) CUDA_OK(cudaMalloc(&flush, kFlushBytes));
   cudaEvent_t start, stop;
   CUDA_OK(cudaEventCreate(&start));
   CUDA_OK(cudaEventCreate(&stop));
-  for (int i = 0; i < o.warmup; ++i) body();
+  for (int i = 0; i < warmup; ++i) body();
   std::vector<float> ms;
-  for (int i = 0; i < o.iters; ++i) {
+  for (int i = 0; i < iters; ++i) {
     CUDA_OK(cudaMemsetAsync(flush, i & 0xff, kFlushBytes, stream));
     CUDA_OK(cudaEventRecord(start, stream));
     body();
@@ -209,7 +306,7 @@ Record bench_dense(const Options& o, const mok::Preset& p, const std::string& pa
     std::uint32_t seed = 1;
     for (auto [ptr, n] : {std::pair{c.x, M * H}, {c.w1, 2 * I * H}, {c.w2, H * I}, {c.hid, M * I},
                           {bwd ? c.dy : nullptr, M * H}, {bwd ? c.dgu : nullptr, M * 2 * I}})
-      if (ptr) fill_random_kernel<<<1024, 256, 0, stream>>>(ptr, n, seed++);
+      if (ptr) fill(ptr, n, seed++, stream);
   }
   CUBLAS_OK(cublasSetStream(handle, stream));
   auto body = [&] {
@@ -223,11 +320,7 @@ Record bench_dense(const Options& o, const mok::Preset& p, const std::string& pa
       gemm(handle, true, false, 2 * c.I, c.H, c.M, c.dgu, c.x, c.dw1);   // wgrad gate|up
     }
   };
-  const auto ms = time_iterations(o, stream, body);
-  const double flops = mok::forward_flops(s, p.tokens * s.top_k, p.tokens) * (bwd ? 3.0 : 1.0);
-  const double med = ms[ms.size() / 2];
-  return {p.name, "cublas", pass, p.tokens, 1, s.hidden, s.intermediate, s.num_experts, s.top_k, med,
-          ms[ms.size() / 10], ms[ms.size() * 9 / 10], flops / (med * 1e-3) / 1e12, arena.bytes(), o.iters};
+  return make_record(p, "cublas", pass, time_iterations(o.warmup, o.iters, stream, body), arena.bytes(), o.iters);
 }
 
 Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
@@ -246,30 +339,61 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
   const mok::Plan expected = mok::plan_host(s, p.tokens, ids, 0);
   if (got.row_pair != expected.row_pair || got.tile_row != expected.tile_row)
     throw mok::Error("mok_bench: device plan differs from the host plan on preset " + p.name);
-  const auto ms = time_iterations(o, stream, [&] { mok::plan_device(view, 0, plan, stream); });
-  const double med = ms[ms.size() / 2];
-  return {p.name, "plan", "plan", p.tokens, 1, s.hidden, s.intermediate, s.num_experts, s.top_k, med,
-          ms[ms.size() / 10], ms[ms.size() * 9 / 10], 0.0,
-          static_cast<std::size_t>(plan.capacity_rows() * 4 * 3), o.iters};
+  const auto ms = time_iterations(o.warmup, o.iters, stream, [&] { mok::plan_device(view, 0, plan, stream); });
+  return make_record(p, "plan", "plan", ms, static_cast<std::size_t>(plan.capacity_rows() * 4 * 3), o.iters);
 }
 
-__global__ void fill_random_kernel(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    std::uint32_t h = static_cast<std::uint32_t>(i) * 2654435761u ^ seed * 0x9e3779b9u;
-    h ^= h >> 15, h *= 0x2c1b3c6du, h ^= h >> 12;
-    const float v = (static_cast<float>(h & 0xffff) / 65535.0f - 0.5f) * 0.25f;  // |v| <= 1/8
-    std::uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    p[i] = static_cast<std::uint16_t>(bits >> 16);
+// One preset's inputs on the device: x, the weights (+ shared expert), dy, the routing.
+struct Problem {
+  mok::MoeShape s;
+  std::int64_t T = 0;
+  Arena arena;
+  std::uint16_t *x = nullptr, *gate = nullptr, *up = nullptr, *down = nullptr, *dy = nullptr;
+  std::uint16_t *shared_gate = nullptr, *shared_up = nullptr, *shared_down = nullptr;
+  std::int32_t* ids = nullptr;
+  float* weights = nullptr;
+  std::vector<std::int32_t> host_ids;
+  std::vector<float> host_weights;
+
+  Problem(const mok::Preset& p, std::uint32_t seed, std::vector<std::int32_t> ids_, std::vector<float> weights_,
+          cudaStream_t stream)
+      : s(p.shape), T(p.tokens), host_ids(std::move(ids_)), host_weights(std::move(weights_)) {
+    const std::int64_t H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k, Is = s.shared_intermediate;
+    if (static_cast<std::int64_t>(host_ids.size()) != T * k || static_cast<std::int64_t>(host_weights.size()) != T * k)
+      throw mok::Error("mok_bench: routing of preset " + p.name + " needs " + std::to_string(T * k) + " ids and weights, got " +
+                       std::to_string(host_ids.size()) + " and " + std::to_string(host_weights.size()));
+    auto filled = [&](std::size_t n, Tensor t) {
+      auto* ptr = arena.alloc<std::uint16_t>(n);
+      fill(ptr, n, tensor_seed(seed, t), stream);
+      return ptr;
+    };
+    x = filled(T * H, Tensor::x);
+    gate = filled(E * I * H, Tensor::gate);
+    up = filled(E * I * H, Tensor::up);
+    down = filled(E * H * I, Tensor::down);
+    dy = filled(T * H, Tensor::dy);
+    if (s.has_shared()) {
+      shared_gate = filled(Is * H, Tensor::shared_gate);
+      shared_up = filled(Is * H, Tensor::shared_up);
+      shared_down = filled(H * Is, Tensor::shared_down);
+    }
+    ids = arena.alloc<std::int32_t>(T * k);
+    weights = arena.alloc<float>(T * k);
+    CUDA_OK(cudaMemcpyAsync(ids, host_ids.data(), T * k * 4, cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaMemcpyAsync(weights, host_weights.data(), T * k * 4, cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
   }
+};
+
+mok::TensorView bf16_view(const void* p, std::initializer_list<std::int64_t> shape) {
+  return mok::TensorView::contiguous(p, mok::DType::bf16, mok::Device::cuda(0), shape);
 }
 
 // The fp64 reference of a few tokens: their experts' weights are copied back and
 // renumbered into a small problem.
-double check_sampled_tokens(const mok::MoeShape& s, std::int64_t T, const std::uint16_t* d_x, const std::uint16_t* d_gate,
-                            const std::uint16_t* d_up, const std::uint16_t* d_down, const std::vector<std::int32_t>& ids,
-                            const std::vector<float>& weights, const std::uint16_t* d_y) {
-  const std::int64_t H = s.hidden, I = s.intermediate, k = s.top_k;
+double check_sampled_tokens(const Problem& pr, const std::uint16_t* d_y) {
+  const mok::MoeShape& s = pr.s;
+  const std::int64_t H = s.hidden, I = s.intermediate, k = s.top_k, Is = s.shared_intermediate, T = pr.T;
   const std::vector<std::int64_t> tokens{0, T / 3, T / 2, T - 1};
   mok::MoeShape small = s;
   std::vector<std::int32_t> experts;
@@ -281,23 +405,26 @@ double check_sampled_tokens(const mok::MoeShape& s, std::int64_t T, const std::u
     return mok::reference::to_double(host);
   };
   mok::reference::Weights w;
+  if (s.has_shared())
+    w.shared_gate = fetch(pr.shared_gate, 0, Is * H), w.shared_up = fetch(pr.shared_up, 0, Is * H),
+    w.shared_down = fetch(pr.shared_down, 0, H * Is);
   for (std::int64_t t : tokens) {
-    auto xr = fetch(d_x, t * H, H), yr = fetch(d_y, t * H, H);
+    auto xr = fetch(pr.x, t * H, H), yr = fetch(d_y, t * H, H);
     x.insert(x.end(), xr.begin(), xr.end());
     y_gpu.insert(y_gpu.end(), yr.begin(), yr.end());
     for (std::int64_t j = 0; j < k; ++j) {
-      const std::int32_t e = ids[t * k + j];
+      const std::int32_t e = pr.host_ids[t * k + j];
       auto at = std::find(experts.begin(), experts.end(), e);
       if (e >= 0 && at == experts.end()) {
         experts.push_back(e);
-        auto g = fetch(d_gate, e * I * H, I * H), u = fetch(d_up, e * I * H, I * H), d = fetch(d_down, e * H * I, H * I);
+        auto g = fetch(pr.gate, e * I * H, I * H), u = fetch(pr.up, e * I * H, I * H), d = fetch(pr.down, e * H * I, H * I);
         w.gate.insert(w.gate.end(), g.begin(), g.end());
         w.up.insert(w.up.end(), u.begin(), u.end());
         w.down.insert(w.down.end(), d.begin(), d.end());
         at = experts.end() - 1;
       }
       r.ids.push_back(e < 0 ? -1 : static_cast<std::int32_t>(at - experts.begin()));
-      r.weights.push_back(weights[t * k + j]);
+      r.weights.push_back(pr.host_weights[t * k + j]);
     }
   }
   // The sampled tokens' experts, renumbered; at least k of them so that top_k <= E holds
@@ -308,149 +435,237 @@ double check_sampled_tokens(const mok::MoeShape& s, std::int64_t T, const std::u
   return mok::reference::relative_error(y_gpu, ref);
 }
 
+// The fused layer on one Problem: one pass ("fwd" or "fwd+bwd") as a step that can be
+// timed, measured for peak memory, or run once with its outputs kept for a checksum.
 // impl "mok": the one-GPU kernels; "mok-ep1": the same layer through the expert-parallel
 // machinery (routing exchange, peer pulls, push combine) as an EP group of one rank.
+class FusedLayer {
+ public:
+  FusedLayer(const Problem& pr, const std::string& impl, const std::string& pass, const mok::Config& ep_config,
+             cudaStream_t stream)
+      : pr_(pr), ep1_(impl == "mok-ep1"), bwd_(pass == "fwd+bwd"), stream_(stream), pool_(stream),
+        ws_(pr.s, pr.T, {}, bwd_ ? mok::Training::save : mok::Training::off) {
+    const mok::MoeShape& s = pr.s;
+    const std::int64_t T = pr.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
+                       Is = s.shared_intermediate;
+    const mok::Device dev = mok::Device::cuda(0);
+    y_ = arena_.alloc<std::uint16_t>(T * H);
+    a_.x = bf16_view(pr.x, {T, H});
+    a_.topk_ids = mok::TensorView::contiguous(pr.ids, mok::DType::i32, dev, {T, k});
+    a_.topk_weights = mok::TensorView::contiguous(pr.weights, mok::DType::f32, dev, {T, k});
+    a_.w_gate = bf16_view(pr.gate, {E, I, H});
+    a_.w_up = bf16_view(pr.up, {E, I, H});
+    a_.w_down = bf16_view(pr.down, {E, H, I});
+    if (s.has_shared())
+      a_.shared_gate = bf16_view(pr.shared_gate, {Is, H}), a_.shared_up = bf16_view(pr.shared_up, {Is, H}),
+      a_.shared_down = bf16_view(pr.shared_down, {H, Is});
+    a_.y = bf16_view(y_, {T, H});
+    if (ep1_) {
+      group_ = std::make_unique<mok::VirtualRanks>(s, T, ep_config, bwd_ ? mok::Training::save : mok::Training::off);
+      if (bwd_) {  // the EP machinery owns its buffers: fixed tensors, peak not reported
+        saved_fixed_ = arena_.alloc<std::uint16_t>(ws_.saved_elements());
+        outputs_ = {arena_.alloc<std::uint16_t>(T * H), arena_.alloc<float>(T * k), arena_.alloc<std::uint16_t>(E * I * H),
+                    arena_.alloc<std::uint16_t>(E * I * H), arena_.alloc<std::uint16_t>(E * H * I)};
+        if (s.has_shared())
+          outputs_.d_shared_gate = arena_.alloc<std::uint16_t>(Is * H), outputs_.d_shared_up = arena_.alloc<std::uint16_t>(Is * H),
+          outputs_.d_shared_down = arena_.alloc<std::uint16_t>(H * Is);
+      }
+    }
+  }
+
+  // One pass. With keep, the outputs stay allocated (poisoned before the pass) for the
+  // caller to read; release_kept() frees them.
+  void step(bool keep = false) {
+    if (keep) CUDA_OK(cudaMemsetAsync(y_, 0xff, pr_.T * pr_.s.hidden * 2, stream_));
+    if (ep1_) return step_ep1(keep);
+    if (!bwd_) {
+      forward(std::nullopt);
+      return;
+    }
+    const mok::MoeShape& s = pr_.s;
+    const std::int64_t T = pr_.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
+                       Is = s.shared_intermediate;
+    // One training step's tensors: saved (forward to backward), then dx, d_topk_weights and
+    // the bf16 weight gradients, allocated when the backward runs (as autograd does).
+    auto* saved = pool_.alloc<std::uint16_t>(ws_.saved_elements());
+    forward(saved_view(saved));
+    Outputs g{pool_.alloc<std::uint16_t>(T * H), pool_.alloc<float>(T * k), pool_.alloc<std::uint16_t>(E * I * H),
+              pool_.alloc<std::uint16_t>(E * I * H), pool_.alloc<std::uint16_t>(E * H * I)};
+    if (s.has_shared())
+      g.d_shared_gate = pool_.alloc<std::uint16_t>(Is * H), g.d_shared_up = pool_.alloc<std::uint16_t>(Is * H),
+      g.d_shared_down = pool_.alloc<std::uint16_t>(H * Is);
+    if (keep) poison(g);
+    const std::int64_t bytes = ws_.backward_scratch_bytes(mok::DType::bf16);
+    auto* scratch = pool_.alloc<std::uint8_t>(bytes);
+    mok::backward(a_, grads(g), ws_, stream_, saved_view(saved), u8(scratch, bytes));
+    pool_.free(scratch);
+    pool_.free(saved);
+    if (keep) outputs_ = g, kept_ = true;
+    else for (void* q : g.all()) pool_.free(q);
+  }
+
+  // (name, bytes) of every output of the last kept pass.
+  std::vector<std::pair<std::string, std::pair<const void*, std::size_t>>> outputs() const {
+    const mok::MoeShape& s = pr_.s;
+    const std::size_t T = pr_.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
+                      Is = s.shared_intermediate;
+    std::vector<std::pair<std::string, std::pair<const void*, std::size_t>>> out{{"y", {y_, T * H * 2}}};
+    if (!bwd_) return out;
+    out.push_back({"dx", {outputs_.dx, T * H * 2}});
+    out.push_back({"d_topk_weights", {outputs_.d_topk_weights, T * k * 4}});
+    out.push_back({"d_w_gate", {outputs_.d_w_gate, E * I * H * 2}});
+    out.push_back({"d_w_up", {outputs_.d_w_up, E * I * H * 2}});
+    out.push_back({"d_w_down", {outputs_.d_w_down, E * H * I * 2}});
+    if (s.has_shared()) {
+      out.push_back({"d_shared_gate", {outputs_.d_shared_gate, Is * H * 2}});
+      out.push_back({"d_shared_up", {outputs_.d_shared_up, Is * H * 2}});
+      out.push_back({"d_shared_down", {outputs_.d_shared_down, H * Is * 2}});
+    }
+    return out;
+  }
+
+  void release_kept() {
+    if (kept_ && !ep1_)
+      for (void* q : outputs_.all()) pool_.free(q);
+    kept_ = false;
+  }
+
+  // Raises if a kernel recorded an error.
+  void check_status() {
+    if (ep1_) group_->check(stream_);
+    else ws_.check(stream_);
+  }
+
+  // What one pass needs beyond its inputs and weights: the workspace, y and the pool's
+  // high-water mark (EP machinery: not measured, 0).
+  std::size_t peak_bytes() {
+    if (ep1_) return 0;
+    const std::size_t high = pool_.high_water([&] { step(); });
+    return static_cast<std::size_t>(ws_.bytes()) + 2 * pr_.T * pr_.s.hidden + high;
+  }
+
+  const std::uint16_t* y() const { return y_; }
+  // The kept pass's dx and d_topk_weights, copied to the host.
+  void copy_dx_and_d_topk_weights(std::vector<mok::bf16>* dx, std::vector<float>* dtw) const {
+    dx->resize(pr_.T * pr_.s.hidden), dtw->resize(pr_.T * pr_.s.top_k);
+    CUDA_OK(cudaMemcpy(dx->data(), outputs_.dx, dx->size() * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(dtw->data(), outputs_.d_topk_weights, dtw->size() * 4, cudaMemcpyDeviceToHost));
+  }
+
+ private:
+  struct Outputs {
+    std::uint16_t* dx = nullptr;
+    float* d_topk_weights = nullptr;
+    std::uint16_t *d_w_gate = nullptr, *d_w_up = nullptr, *d_w_down = nullptr;
+    std::uint16_t *d_shared_gate = nullptr, *d_shared_up = nullptr, *d_shared_down = nullptr;
+    std::vector<void*> all() const {
+      std::vector<void*> v{dx, d_topk_weights, d_w_gate, d_w_up, d_w_down};
+      for (void* q : {d_shared_gate, d_shared_up, d_shared_down})
+        if (q) v.push_back(q);
+      return v;
+    }
+  };
+
+  static mok::TensorView u8(void* p, std::int64_t bytes) {
+    return mok::TensorView::contiguous(p, mok::DType::u8, mok::Device::cuda(0), {bytes});
+  }
+  mok::TensorView saved_view(std::uint16_t* at) const { return bf16_view(at, {ws_.saved_elements()}); }
+
+  void forward(const std::optional<mok::TensorView>& saved) {
+    auto* scratch = pool_.alloc<std::uint8_t>(ws_.forward_scratch_bytes());
+    mok::forward(a_, ws_, stream_, saved, u8(scratch, ws_.forward_scratch_bytes()));
+    pool_.free(scratch);
+  }
+
+  void poison(const Outputs& g) {
+    const mok::MoeShape& s = pr_.s;
+    const std::size_t T = pr_.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
+                      Is = s.shared_intermediate;
+    CUDA_OK(cudaMemsetAsync(g.dx, 0xff, T * H * 2, stream_));
+    CUDA_OK(cudaMemsetAsync(g.d_topk_weights, 0xff, T * k * 4, stream_));
+    CUDA_OK(cudaMemsetAsync(g.d_w_gate, 0xff, E * I * H * 2, stream_));
+    CUDA_OK(cudaMemsetAsync(g.d_w_up, 0xff, E * I * H * 2, stream_));
+    CUDA_OK(cudaMemsetAsync(g.d_w_down, 0xff, E * H * I * 2, stream_));
+    if (s.has_shared()) {
+      CUDA_OK(cudaMemsetAsync(g.d_shared_gate, 0xff, Is * H * 2, stream_));
+      CUDA_OK(cudaMemsetAsync(g.d_shared_up, 0xff, Is * H * 2, stream_));
+      CUDA_OK(cudaMemsetAsync(g.d_shared_down, 0xff, H * Is * 2, stream_));
+    }
+  }
+
+  mok::BackwardArgs grads(const Outputs& g) const {
+    const mok::MoeShape& s = pr_.s;
+    const std::int64_t T = pr_.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
+                       Is = s.shared_intermediate;
+    mok::BackwardArgs b;
+    b.dy = bf16_view(pr_.dy, {T, H});
+    b.dx = bf16_view(g.dx, {T, H});
+    b.d_topk_weights = mok::TensorView::contiguous(g.d_topk_weights, mok::DType::f32, mok::Device::cuda(0), {T, k});
+    b.d_w_gate = bf16_view(g.d_w_gate, {E, I, H});
+    b.d_w_up = bf16_view(g.d_w_up, {E, I, H});
+    b.d_w_down = bf16_view(g.d_w_down, {E, H, I});
+    if (s.has_shared())
+      b.d_shared_gate = bf16_view(g.d_shared_gate, {Is, H}), b.d_shared_up = bf16_view(g.d_shared_up, {Is, H}),
+      b.d_shared_down = bf16_view(g.d_shared_down, {H, Is});
+    return b;
+  }
+
+  void step_ep1(bool keep) {
+    if (!bwd_) {
+      group_->forward(std::span<const mok::ForwardArgs>(&a_, 1), stream_);
+      return;
+    }
+    if (keep) poison(outputs_);
+    const mok::TensorView sv = saved_view(saved_fixed_);
+    const mok::BackwardArgs b = grads(outputs_);
+    group_->forward(std::span<const mok::ForwardArgs>(&a_, 1), stream_, std::span<const mok::TensorView>(&sv, 1));
+    group_->backward(std::span<const mok::ForwardArgs>(&a_, 1), std::span<const mok::BackwardArgs>(&b, 1), stream_,
+                     std::span<const mok::TensorView>(&sv, 1));
+    kept_ = keep;
+  }
+
+  const Problem& pr_;
+  const bool ep1_, bwd_;
+  cudaStream_t stream_;
+  Arena arena_;
+  StepPool pool_;
+  mok::Workspace ws_;
+  std::unique_ptr<mok::VirtualRanks> group_;
+  mok::ForwardArgs a_;
+  std::uint16_t* y_ = nullptr;
+  std::uint16_t* saved_fixed_ = nullptr;
+  Outputs outputs_;
+  bool kept_ = false;
+};
+
+// Standalone "mok" / "mok-ep1": own inputs (uniform routing), sampled fp64 check of the
+// forward, finiteness of the backward's outputs, then timing and peak.
 Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl, const std::string& pass,
                  cudaStream_t stream) {
-  const bool ep1 = impl == "mok-ep1";
   const mok::MoeShape& s = p.shape;
-  if (s.has_shared()) throw mok::Error("mok_bench: presets with a shared expert are not benchmarked");
-  const std::int64_t T = p.tokens, H = s.hidden, I = s.intermediate, E = s.num_experts, k = s.top_k;
-  Arena arena;
-  auto* x = arena.alloc<std::uint16_t>(T * H);
-  auto* gate = arena.alloc<std::uint16_t>(E * I * H);
-  auto* up = arena.alloc<std::uint16_t>(E * I * H);
-  auto* down = arena.alloc<std::uint16_t>(E * H * I);
-  auto* y = arena.alloc<std::uint16_t>(T * H);
-  auto* d_ids = arena.alloc<std::int32_t>(T * k);
-  auto* d_weights = arena.alloc<float>(T * k);
-  std::uint32_t seed = 11;
-  for (auto [ptr, n] : {std::pair{x, T * H}, {gate, E * I * H}, {up, E * I * H}, {down, E * H * I}})
-    fill_random_kernel<<<1024, 256, 0, stream>>>(ptr, n, seed++);
-  const auto ids = mok::make_routing(mok::RoutingKind::uniform, T, E, k, 7);
-  const auto weights = mok::make_routing_weights(ids, k, 7);
-  CUDA_OK(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream));
-  CUDA_OK(cudaMemcpyAsync(d_weights, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice, stream));
-  CUDA_OK(cudaStreamSynchronize(stream));
-  const bool bwd = pass == "fwd+bwd";
-  mok::Workspace ws(s, T, {}, bwd ? mok::Training::save : mok::Training::off);
-  const mok::Device dev = mok::Device::cuda(0);
-  mok::ForwardArgs a;
-  a.x = mok::TensorView::contiguous(x, mok::DType::bf16, dev, {T, H});
-  a.topk_ids = mok::TensorView::contiguous(d_ids, mok::DType::i32, dev, {T, k});
-  a.topk_weights = mok::TensorView::contiguous(d_weights, mok::DType::f32, dev, {T, k});
-  a.w_gate = mok::TensorView::contiguous(gate, mok::DType::bf16, dev, {E, I, H});
-  a.w_up = mok::TensorView::contiguous(up, mok::DType::bf16, dev, {E, I, H});
-  a.w_down = mok::TensorView::contiguous(down, mok::DType::bf16, dev, {E, H, I});
-  a.y = mok::TensorView::contiguous(y, mok::DType::bf16, dev, {T, H});
-  CUDA_OK(cudaMemsetAsync(y, 0xff, T * H * 2, stream));
-  // One GPU: what a pass allocates (scratch, saved tensor, gradients) comes from a caching
-  // stream-ordered pool, as a framework's allocator would hand it out, and peak_bytes is
-  // the pool's measured high-water mark over one pass + the workspace + y.
-  StepPool pool(stream);
-  auto forward = [&](const std::optional<mok::TensorView>& saved) {
-    auto* scratch = pool.alloc<std::uint8_t>(ws.forward_scratch_bytes());
-    mok::forward(a, ws, stream, saved, pool.u8(scratch, ws.forward_scratch_bytes()));
-    pool.free(scratch);
-  };
-  std::unique_ptr<mok::VirtualRanks> group;
-  if (ep1) {
-    group = std::make_unique<mok::VirtualRanks>(s, T, o.ep_config, bwd ? mok::Training::save : mok::Training::off);
-    if (!bwd) group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream);
-  } else {
-    forward(std::nullopt);
-  }
-  if (!(ep1 && bwd)) {  // (the training forward needs its saved tensor: checked after the first step below)
-    if (ep1) group->check(stream);
-    else ws.check(stream);
-    const double err = check_sampled_tokens(s, T, x, gate, up, down, ids, weights, y);
-    if (!(err <= 1e-2))
-      throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
-  }
-  std::function<void()> step;
-  std::uint16_t *dx = nullptr, *saved_fixed = nullptr;  // (one GPU: kept for the checks after the first step)
-  float* d_tw = nullptr;
-  if (ep1 && !bwd) {
-    step = [&] { group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream); };
-  } else if (!bwd) {
-    step = [&] { forward(std::nullopt); };
-  } else {
-    auto* dy = arena.alloc<std::uint16_t>(T * H);
-    fill_random_kernel<<<1024, 256, 0, stream>>>(dy, T * H, seed++);
-    const std::int64_t saved_n = ws.saved_elements();
-    // One training step's tensors: saved (forward to backward), dx, d_topk_weights and the
-    // bf16 weight gradients (allocated when the backward runs, as autograd does).
-    auto grads = [=](std::uint16_t* dx_, float* d_tw_, void* dg, void* du, void* dd) {  // (by value: step outlives this block)
-      mok::BackwardArgs b;
-      b.dy = mok::TensorView::contiguous(dy, mok::DType::bf16, dev, {T, H});
-      b.dx = mok::TensorView::contiguous(dx_, mok::DType::bf16, dev, {T, H});
-      b.d_topk_weights = mok::TensorView::contiguous(d_tw_, mok::DType::f32, dev, {T, k});
-      b.d_w_gate = mok::TensorView::contiguous(dg, mok::DType::bf16, dev, {E, I, H});
-      b.d_w_up = mok::TensorView::contiguous(du, mok::DType::bf16, dev, {E, I, H});
-      b.d_w_down = mok::TensorView::contiguous(dd, mok::DType::bf16, dev, {E, H, I});
-      return b;
-    };
-    auto saved_view = [=](std::uint16_t* at) { return mok::TensorView::contiguous(at, mok::DType::bf16, dev, {saved_n}); };
-    if (ep1) {  // the EP machinery owns its buffers: fixed tensors, peak not reported
-      saved_fixed = arena.alloc<std::uint16_t>(saved_n);
-      dx = arena.alloc<std::uint16_t>(T * H);
-      d_tw = arena.alloc<float>(T * k);
-      const mok::BackwardArgs b = grads(dx, d_tw, arena.alloc<std::uint16_t>(E * I * H),
-                                        arena.alloc<std::uint16_t>(E * I * H), arena.alloc<std::uint16_t>(E * H * I));
-      step = [&, b, saved_view] {
-        const mok::TensorView sv = saved_view(saved_fixed);
-        group->forward(std::span<const mok::ForwardArgs>(&a, 1), stream, std::span<const mok::TensorView>(&sv, 1));
-        group->backward(std::span<const mok::ForwardArgs>(&a, 1), std::span<const mok::BackwardArgs>(&b, 1), stream,
-                        std::span<const mok::TensorView>(&sv, 1));
-      };
-    } else {
-      step = [&, grads, saved_view, saved_n] {
-        auto* saved = pool.alloc<std::uint16_t>(saved_n);
-        forward(saved_view(saved));
-        auto* dx_ = pool.alloc<std::uint16_t>(T * H);
-        auto* d_tw_ = pool.alloc<float>(T * k);
-        auto* dg = pool.alloc<std::uint16_t>(E * I * H);
-        auto* du = pool.alloc<std::uint16_t>(E * I * H);
-        auto* dd = pool.alloc<std::uint16_t>(E * H * I);
-        const std::int64_t bytes = ws.backward_scratch_bytes(mok::DType::bf16);
-        auto* scratch = pool.alloc<std::uint8_t>(bytes);
-        mok::backward(a, grads(dx_, d_tw_, dg, du, dd), ws, stream, saved_view(saved), pool.u8(scratch, bytes));
-        for (void* q : {static_cast<void*>(scratch), static_cast<void*>(saved), static_cast<void*>(dg),
-                        static_cast<void*>(du), static_cast<void*>(dd)})
-          pool.free(q);
-        if (dx == nullptr) dx = dx_, d_tw = d_tw_;  // the first step's, checked below
-        else pool.free(dx_), pool.free(d_tw_);
-      };
-      CUDA_OK(cudaMemsetAsync(y, 0xff, T * H * 2, stream));
-    }
-    step();
-    if (ep1) group->check(stream);
-    else ws.check(stream);
-    const double err = check_sampled_tokens(s, T, x, gate, up, down, ids, weights, y);
-    if (!(err <= 1e-2))
-      throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
-    std::vector<mok::bf16> dx_host(T * H);
-    std::vector<float> dtw_host(T * k);
-    CUDA_OK(cudaMemcpy(dx_host.data(), dx, T * H * 2, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(dtw_host.data(), d_tw, T * k * 4, cudaMemcpyDeviceToHost));
-    for (mok::bf16 v : dx_host)
+  auto ids = mok::make_routing(mok::RoutingKind::uniform, p.tokens, s.num_experts, s.top_k, 7);
+  auto weights = mok::make_routing_weights(ids, s.top_k, 7);
+  const Problem pr(p, 11, std::move(ids), std::move(weights), stream);
+  FusedLayer layer(pr, impl, pass, o.ep_config, stream);
+  layer.step(/*keep=*/true);
+  layer.check_status();
+  const double err = check_sampled_tokens(pr, layer.y());
+  if (!(err <= 1e-2))
+    throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
+  if (pass == "fwd+bwd") {
+    std::vector<float> dtw;
+    std::vector<mok::bf16> dx;
+    layer.copy_dx_and_d_topk_weights(&dx, &dtw);
+    for (mok::bf16 v : dx)
       if (!std::isfinite(v.to_float())) throw mok::Error("mok_bench: fused backward wrote a non-finite dx on " + p.name);
-    for (float v : dtw_host)
+    for (float v : dtw)
       if (!std::isfinite(v)) throw mok::Error("mok_bench: fused backward wrote a non-finite d_topk_weights on " + p.name);
-    if (!ep1) pool.free(dx), pool.free(d_tw);
   }
-  std::size_t peak = 0;
-  if (!ep1) {  // one pass, measured
-    const std::size_t high = pool.high_water([&] { step(); });
-    peak = static_cast<std::size_t>(ws.bytes()) + 2 * T * H + high;
-  }
-  const std::vector<float> ms = time_iterations(o, stream, step);
-  if (ep1) group->check(stream);
-  else ws.check(stream);
-  const double med = ms[ms.size() / 2];
-  const double flops = mok::forward_flops(s, T * k, T) * (bwd ? 3 : 1);
-  return {p.name, impl, pass, T, 1, H, I, E, k, med, ms[ms.size() / 10], ms[ms.size() * 9 / 10],
-          flops / (med * 1e-3) / 1e12, peak, o.iters};
+  layer.release_kept();
+  const std::size_t peak = layer.peak_bytes();
+  const std::vector<float> ms = time_iterations(o.warmup, o.iters, stream, [&] { layer.step(); });
+  layer.check_status();
+  return make_record(p, impl, pass, ms, peak, o.iters);
 }
 
 void write_json(const Options& o, const std::vector<Record>& records, const std::string& gpu) {
@@ -464,23 +679,110 @@ void write_json(const Options& o, const std::vector<Record>& records, const std:
        << ", \"peak_bytes\": " << r.peak_bytes << ", \"gpu\": \"" << gpu << "\", \"commit\": \"" << o.commit
        << "\", \"date\": \"" << o.date << "\", \"hidden\": " << r.hidden << ", \"intermediate\": " << r.intermediate
        << ", \"experts\": " << r.experts << ", \"top_k\": " << r.top_k
+       << ", \"shared_intermediate\": " << r.shared_intermediate
        << ", \"routing\": \"uniform\", \"iters\": " << r.iters << "}" << (i + 1 < records.size() ? "," : "") << "\n";
   }
   js << "]\n";
   std::ofstream(o.out) << js.str();
 }
 
+template <typename T>
+std::vector<T> read_binary(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) throw mok::Error("mok_bench: cannot read " + path);
+  const std::streamsize bytes = in.tellg();
+  if (bytes % sizeof(T) != 0) throw mok::Error("mok_bench: " + path + " is not a whole number of elements");
+  std::vector<T> v(bytes / sizeof(T));
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(v.data()), bytes);
+  return v;
+}
+
+// --serve: the "mok" implementation of bench/layer_bench.py (see the top of this file).
+int serve() {
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::unique_ptr<Problem> problem;
+  std::unique_ptr<FusedLayer> layers[2];  // fwd, fwd+bwd
+  auto layer = [&](const std::string& pass) -> FusedLayer& {
+    if (!problem) throw mok::Error("mok_bench: 'load' a preset first");
+    if (pass != "fwd" && pass != "fwd+bwd") throw mok::Error("mok_bench: pass must be fwd or fwd+bwd, got '" + pass + "'");
+    auto& l = layers[pass == "fwd+bwd"];
+    if (!l) l = std::make_unique<FusedLayer>(*problem, "mok", pass, mok::Config{}, stream);
+    return *l;
+  };
+  for (std::string line; std::getline(std::cin, line);) {
+    std::istringstream in(line);
+    std::string cmd, pass;
+    in >> cmd;
+    std::ostringstream reply;
+    try {
+      if (cmd == "quit") break;
+      if (cmd == "load") {
+        std::string preset, ids_path, weights_path;
+        std::uint32_t seed = 0;
+        if (!(in >> preset >> seed >> ids_path >> weights_path)) throw mok::Error("mok_bench: load PRESET SEED IDS WEIGHTS");
+        layers[0].reset(), layers[1].reset(), problem.reset();
+        problem = std::make_unique<Problem>(mok::find_preset(preset), seed, read_binary<std::int32_t>(ids_path),
+                                            read_binary<float>(weights_path), stream);
+        reply << "{\"ok\": true}";
+      } else if (cmd == "check") {
+        in >> pass;
+        FusedLayer& l = layer(pass);
+        l.step(/*keep=*/true);
+        l.check_status();
+        reply << "{\"checksums\": {";
+        const auto outs = l.outputs();
+        for (std::size_t i = 0; i < outs.size(); ++i)
+          reply << (i ? ", " : "") << "\"" << outs[i].first << "\": \""
+                << checksum(outs[i].second.first, outs[i].second.second, stream) << "\"";
+        reply << "}}";
+        l.release_kept();
+      } else if (cmd == "time") {
+        int warmup = 0, iters = 0;
+        if (!(in >> pass >> warmup >> iters) || iters < 1) throw mok::Error("mok_bench: time PASS WARMUP ITERS");
+        FusedLayer& l = layer(pass);
+        const auto ms = time_iterations(warmup, iters, stream, [&] { l.step(); });
+        l.check_status();
+        reply << "{\"ms\": [";
+        for (std::size_t i = 0; i < ms.size(); ++i) reply << (i ? ", " : "") << ms[i];
+        reply << "]}";
+      } else if (cmd == "peak") {
+        in >> pass;
+        reply << "{\"peak_bytes\": " << layer(pass).peak_bytes() << "}";
+      } else {
+        throw mok::Error("mok_bench: unknown command '" + cmd + "' (load, check, time, peak, quit)");
+      }
+    } catch (const std::exception& e) {
+      reply.str("");
+      reply << "{\"error\": \"" << json_escape(e.what()) << "\"}";
+    }
+    std::cout << reply.str() << std::endl;  // (endl flushes: the driver waits for the line)
+  }
+  layers[0].reset(), layers[1].reset(), problem.reset();
+  cudaStreamDestroy(stream);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
   Options o;
+  bool serving = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
       if (i + 1 >= argc) throw mok::Error("mok_bench: " + a + " needs a value");
       return argv[++i];
     };
-    if (a == "--preset") o.presets = split(next());
+    if (a == "--fill-sample") {  // no GPU needed
+      const auto seed = static_cast<std::uint32_t>(std::stoul(next()));
+      const std::uint64_t n = std::stoull(next());
+      for (std::uint64_t j = 0; j < n; ++j) std::printf("%u\n", fill_bits(j, seed));
+      return 0;
+    }
+    if (a == "--serve") serving = true;
+    else if (a == "--preset") o.presets = split(next());
     else if (a == "--impl") o.impls = split(next());
     else if (a == "--pass") o.passes = split(next());
     else if (a == "--iters") o.iters = std::stoi(next());
@@ -494,7 +796,9 @@ int main(int argc, char** argv) try {
     else {
       std::printf("usage: mok_bench [--preset all|NAME,...] [--impl mok,mok-ep1,cublas,plan] [--pass fwd,fwd+bwd]\n"
                   "                 [--iters N] [--warmup N] [--out FILE.json] [--commit C] [--date D]\n"
-                  "                 [--comm-sms N] [--minibatch-rows N] [--ring-rows N]  (mok-ep1's Config)\n");
+                  "                 [--comm-sms N] [--minibatch-rows N] [--ring-rows N]  (mok-ep1's Config)\n"
+                  "       mok_bench --serve            (bench/layer_bench.py's mok implementation)\n"
+                  "       mok_bench --fill-sample SEED N\n");
       return 2;
     }
   }
@@ -508,6 +812,7 @@ int main(int argc, char** argv) try {
     std::fprintf(stderr, "mok_bench: GPU 0 is %s, not Hopper (sm_90)\n", dev.name.c_str());
     return 3;
   }
+  if (serving) return serve();
   std::vector<const mok::Preset*> chosen;
   for (const mok::Preset& p : mok::presets())
     if (o.presets == std::vector<std::string>{"all"} ? p.model_ep > 1 || p.tokens >= 8192
@@ -524,7 +829,7 @@ int main(int argc, char** argv) try {
   cublasHandle_t handle;
   CUBLAS_OK(cublasCreate(&handle));
   std::vector<Record> records;
-  std::printf("%-16s %-6s %-8s %10s %9s\n", "preset", "impl", "pass", "ms", "TFLOP/s");
+  std::printf("%-16s %-7s %-8s %10s %9s\n", "preset", "impl", "pass", "ms", "TFLOP/s");
   for (const mok::Preset* p : chosen)
     for (const std::string& impl : o.impls) {
       std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
@@ -533,7 +838,7 @@ int main(int argc, char** argv) try {
         else if (impl == "cublas") records.push_back(bench_dense(o, *p, pass, stream, handle));
         else records.push_back(bench_plan(o, *p, stream));
         const Record& r = records.back();
-        std::printf("%-16s %-6s %-8s %10.4f %9.1f\n", r.preset.c_str(), r.impl.c_str(), r.pass.c_str(), r.ms, r.tflops);
+        std::printf("%-16s %-7s %-8s %10.4f %9.1f\n", r.preset.c_str(), r.impl.c_str(), r.pass.c_str(), r.ms, r.tflops);
         std::fflush(stdout);
         // Rewritten after every record: a run cut short (a machine's time limit) keeps what it measured.
         if (!o.out.empty()) write_json(o, records, dev.name);

@@ -82,6 +82,71 @@ def table(records):
     return "\n".join(lines)
 
 
+LAYER_IMPLS = ("mok", "mok-py", "torch-compiled", "torch", "dense")
+
+
+def round_ratio(rs, a, b):
+    """How many times faster a runs than b, per interleaved round (time(b) / time(a) of the
+    same round): (median, min, max), or None."""
+    if a not in rs or b not in rs:
+        return None
+    ra, rb = rs[a], rs[b]
+    ta, tb_ = ra.get("ms_repeats") or [ra["ms"]], rb.get("ms_repeats") or [rb["ms"]]
+    ratios = sorted(y / x for x, y in zip(ta, tb_))
+    n = len(ratios)
+    med = ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2
+    return med, ratios[0], ratios[-1]
+
+
+def fmt_ratio(r):
+    if r is None:
+        return "–"
+    med, lo, hi = r
+    return f"{med:.3f}" if lo == hi else f"{med:.3f} ({lo:.3f}–{hi:.3f})"
+
+
+def layer_table(records):
+    """Markdown tables of bench/layer_bench.py records, one per routing and pass: TFLOP/s of
+    each implementation, ratios per interleaved round (median and range) to torch-compiled,
+    to eager torch and to the dense ceiling, peak memory, the busiest expert's load, checks."""
+    out = []
+    routings = list(dict.fromkeys(r["routing"] for r in records))
+    for routing in routings:
+        for ps in ("fwd", "fwd+bwd"):
+            by = {}
+            for r in records:
+                if r["routing"] == routing and r["pass"] == ps:
+                    by.setdefault(r["preset"], {})[r["impl"]] = r
+            if not by:
+                continue
+            impls = [i for i in LAYER_IMPLS if any(i in rs for rs in by.values())]
+            out += [f"### {ps}, routing {routing}", "",
+                    "| preset | " + " | ".join(f"{i} TFLOP/s" for i in impls) +
+                    " | mok / torch-compiled | mok-py / torch-compiled | mok / torch | mok / dense"
+                    " | peak GiB mok | peak GiB torch-compiled | peak mok / torch-compiled | busiest expert / mean | checks |"]
+            out.append("|" + "---|" * (out[-1].count("|") - 1))
+            for preset, rs in by.items():
+                row = f"| {preset} | " + " | ".join(f"{rs[i]['tflops']:.0f}" if i in rs else "–" for i in impls)
+                row += f" | {fmt_ratio(round_ratio(rs, 'mok', 'torch-compiled'))}"
+                row += f" | {fmt_ratio(round_ratio(rs, 'mok-py', 'torch-compiled'))}"
+                row += f" | {fmt_ratio(round_ratio(rs, 'mok', 'torch'))}"
+                row += f" | {fmt_ratio(round_ratio(rs, 'mok', 'dense'))}"
+                peak = {i: rs[i]["peak_bytes"] for i in ("mok", "torch-compiled") if i in rs}
+                row += "".join(f" | {peak[i] / 2**30:.2f}" if i in peak else " | –" for i in ("mok", "torch-compiled"))
+                row += f" | {peak['mok'] / peak['torch-compiled']:.3f}" if len(peak) == 2 else " | –"
+                load = next(iter(rs.values())).get("max_load_ratio")
+                row += f" | {load:.2f}" if load is not None else " | –"
+                bad = [i for i, r in rs.items() if r.get("check") == "failed"]
+                row += f" | {'FAILED: ' + ', '.join(bad) if bad else 'passed'} |"
+                out.append(row)
+            out.append("")
+    return "\n".join(out)
+
+
+def is_layer_run(records):
+    return any("ms_repeats" in r for r in records)
+
+
 def cmd_gpucheck(a):
     records = []
     for path in a.bench:
@@ -104,7 +169,7 @@ def cmd_gpucheck(a):
     if a.bench:  # gpu_check.sh --part tests gives no benchmark, --part bench no tests
         with open(os.path.join(a.out_dir, f"{stem}-bench.json"), "w") as f:
             json.dump(records, f, indent=1)
-        print(table(records))
+        print(layer_table(records) if is_layer_run(records) else table(records))
     if not (a.junit or a.extra):
         return
     summary = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "skipped")}
@@ -127,50 +192,85 @@ def result_files(results_dir):
     return [(path, records) for _, path, records in sorted(runs, reverse=True)]
 
 
+LAYER_NOTE = [
+    "Layer runs (`bench/layer_bench.py`, one GPU): every implementation on the same inputs in one",
+    "process, interleaved round by round (A B C A B C …); a ratio is time(other) / time(mok) per round,",
+    "quoted as the median over rounds with the min–max in brackets; TFLOP/s from the median of the",
+    "rounds' medians. `mok`: the C++ layer (`mok_bench --serve`, no Python); `mok-py`: `mok.moe` from",
+    "Python (autograd for fwd+bwd); `torch-compiled`: the best plain-PyTorch layer we could write",
+    "(`torch._grouped_mm`, static shapes, SwiGLU and the fp32 combine fused by Inductor) under",
+    "`torch.compile(dynamic=False, fullgraph=True)`; `torch`: the same layer in eager PyTorch",
+    "(DESIGN.md §7); `dense`: the same FLOPs as dense GEMMs (`torch.matmul`), the ceiling. `fwd` is a",
+    "forward without autograd; `fwd+bwd` a training forward and its backward into bf16 gradients.",
+    "Routing `uniform`: k distinct experts per token, uniformly; `zipf1.2`: expert popularity ∝",
+    "1/rank^1.2 (k distinct per token). Checks (all at full size, before timing): mok-py's y and",
+    "every gradient against autograd through eager PyTorch (rel ≤ 1e-2, cosine ≥ 0.9999); mok's",
+    "outputs bitwise equal to mok-py's; torch-compiled against eager and, like eager, sampled rows",
+    "against fp32. Peak memory: bytes one pass needs above the inputs and weights (gradients cleared",
+    "before the pass, so fwd+bwd counts them); PyTorch's allocator peak for the Python impls, plus",
+    "mok-py's workspace (outside that allocator); mok: workspace + y + its pool's high-water mark.",
+]
+
+
 def cmd_table(a):
     out = ["# Benchmark results", "",
-           "Generated by `python3 bench/report.py table` from the `*-bench.json` files here.",
-           "TFLOP/s use DESIGN.md's convention (forward = 6·H·(routed pairs·I + T·I_s), fwd+bwd = 3× forward);",
-           "ratios are time ratios taken in the same run. `torch`: PyTorch path (argsort, gather,",
-           "`torch._grouped_mm`, SwiGLU, weighted sum; autograd for fwd+bwd). `dense`: cuBLAS/torch.matmul GEMMs",
-           "with the same FLOPs (the ceiling; `cublas` is the same GEMMs called from C++). `plan`: the device planner alone.",
-           "Peak memory: what one fwd+bwd needs beyond its inputs and weights (torch: peak allocated above the",
-           "inputs; mok: workspace + saved tensor + y + dx + d_topk_weights + bf16 weight gradients).",
-           "", "![TFLOP/s of the newest run](latest.svg)", ""]
+           "Generated by `python3 bench/report.py table` from the `*-bench.json` files here, newest first.",
+           "TFLOP/s use DESIGN.md's convention (forward = 6·H·(routed pairs·I + T·I_s), fwd+bwd = 3× forward).",
+           ""] + LAYER_NOTE + [
+           "",
+           "Older runs (before the layer benchmark): `torch` there is the eager PyTorch path only, one",
+           "round; `cublas` the dense GEMMs called from C++; `plan` the device planner alone.",
+           "", "![TFLOP/s of the newest layer run](latest.svg)", ""]
     for path, records in result_files(a.results_dir):
         r0 = records[0]
-        out += [f"## {os.path.basename(path)}", "",
-                f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, median of {r0.get('iters', '?')} iterations", "",
-                table(records), ""]
+        if is_layer_run(records):
+            reps = max(r.get("repeats", 1) for r in records)
+            desc = f"{reps} interleaved rounds of {r0.get('iters', '?')} iterations, PyTorch {r0.get('torch', '?')}"
+            body = layer_table(records)
+        else:
+            desc = f"median of {r0.get('iters', '?')} iterations"
+            body = table(records)
+        out += [f"## {os.path.basename(path)}", "", f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, {desc}", "",
+                body, ""]
     with open(os.path.join(a.results_dir, "README.md"), "w") as f:
         f.write("\n".join(out))
 
 
 def cmd_plot(a):
-    """Bar chart of the newest full results file: TFLOP/s of mok, torch and the dense ceiling per
-    preset, forward and forward+backward (needs matplotlib)."""
+    """Bars of the newest layer run: TFLOP/s of every implementation per preset (median of the
+    rounds, whiskers min–max), one panel per routing and pass (needs matplotlib)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # The newest full run (partial runs, e.g. an EP overhead check, have no PyTorch records).
-    _, records = next((path, r) for path, r in result_files(a.results_dir) if any(x["impl"] == "torch" for x in r))
-    by = {(r["preset"], r["impl"], r["pass"]): r["tflops"] for r in records}
+    path, records = next((p, r) for p, r in result_files(a.results_dir) if is_layer_run(r))
+    routings = list(dict.fromkeys(r["routing"] for r in records))
     presets = list(dict.fromkeys(r["preset"] for r in records))
-    impls = [("mok", "MoK (fused)"), ("torch", "PyTorch"), ("dense", "dense GEMM ceiling")]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), sharey=True)
+    impls = [i for i in LAYER_IMPLS if any(r["impl"] == i for r in records)]
+    by = {(r["preset"], r["impl"], r["pass"], r["routing"]): r for r in records}
+    fig, axes = plt.subplots(len(routings), 2, figsize=(16, 4.2 * len(routings)), sharey=True, squeeze=False)
     width = 0.8 / len(impls)
-    for ax, pass_ in zip(axes, ("fwd", "fwd+bwd")):
-        for i, (impl, label) in enumerate(impls):
-            xs = [j + (i - 1) * width for j in range(len(presets))]
-            ax.bar(xs, [by.get((p, impl, pass_), 0) for p in presets], width, label=label)
-        ax.set_xticks(range(len(presets)), presets, rotation=35, ha="right")
-        ax.set_title(pass_)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel("TFLOP/s")
-    axes[0].legend()
+    for row, routing in enumerate(routings):
+        for col, ps in enumerate(("fwd", "fwd+bwd")):
+            ax = axes[row][col]
+            for i, impl in enumerate(impls):
+                xs, ys, lo, hi = [], [], [], []
+                for j, p in enumerate(presets):
+                    r = by.get((p, impl, ps, routing))
+                    if r is None:
+                        continue
+                    xs.append(j + (i - (len(impls) - 1) / 2) * width)
+                    ys.append(r["tflops"])
+                    lo.append(r["tflops"] - r["tflops"] * r["ms"] / r.get("ms_max", r["ms"]))
+                    hi.append(r["tflops"] * r["ms"] / r.get("ms_min", r["ms"]) - r["tflops"])
+                ax.bar(xs, ys, width, yerr=[lo, hi], capsize=1.5, label=impl)
+            ax.set_xticks(range(len(presets)), presets, rotation=35, ha="right")
+            ax.set_title(f"{ps}, routing {routing}")
+            ax.grid(axis="y", alpha=0.3)
+        axes[row][0].set_ylabel("TFLOP/s")
+    axes[0][0].legend(ncol=len(impls), fontsize=8)
     r0 = records[0]
-    fig.suptitle(f"{r0['gpu']}, commit {r0['commit']}, {r0['date'][:10]}")
+    fig.suptitle(f"{r0['gpu']}, commit {r0['commit']}, {r0['date'][:10]} ({os.path.basename(path)})")
     fig.tight_layout()
     fig.savefig(os.path.join(a.results_dir, "latest.svg"), metadata={"Date": None})
 

@@ -1,19 +1,32 @@
 #!/usr/bin/env python3
-"""PyTorch baseline of the MoE layer and the dense-GEMM ceiling, in mok_bench's schema.
+"""The PyTorch implementations of the MoE layer the fused kernel is measured against, the
+dense-GEMM ceiling, and what every benchmark shares (presets, routings, inputs, timing,
+peak memory, full-size comparison). bench/layer_bench.py runs them next to mok in one
+process; run alone, this script times the PyTorch ones.
 
-impl "torch": the path of DESIGN.md §7 — argsort -> gather -> torch._grouped_mm
-[gate|up] -> SwiGLU -> torch._grouped_mm down -> weighted sum over the k slots;
-fwd+bwd is autograd through the same path.
-impl "dense": the layer's GEMMs as if every routed row went to one expert (the same six
-GEMMs as mok_bench's dense impl), through torch.matmul: the ceiling.
+impl "torch-compiled": the strongest plain-PyTorch layer we can write — pairs sorted by
+  expert (torch.sort, offsets by searchsorted: no bincount, no graph break), gate|up as one
+  torch._grouped_mm over the concatenated [E, 2I, H] weight (as frameworks store it),
+  SwiGLU, the down torch._grouped_mm, the un-permute as a row scatter (index_copy) and the
+  fp32 weighted sum over the k slots (+ the shared expert) fused by Inductor into one
+  reduction — under torch.compile(dynamic=False, fullgraph=True): a graph break or a
+  recompile-limit fallback to eager is an error, not a record.
+impl "torch": the same layer in eager PyTorch as DESIGN.md §7 measured it (argsort,
+  bincount, gather, _grouped_mm, SwiGLU, _grouped_mm, inverse-index gather, fp32 [T, k, H]
+  weighted sum); fwd+bwd is autograd through it.
+impl "dense": the layer's GEMMs as if every routed row went to one expert (+ the shared
+  expert's), through torch.matmul: the ceiling a grouped kernel is measured against.
 
-Each preset is checked against an fp32 per-token computation before it is timed.
-Usage: torch_baseline.py [--preset all|NAME,...] [--out FILE.json] [--iters N]
+Each implementation is checked against an fp32 per-token computation of sampled tokens
+before it is timed.
+Usage: torch_baseline.py [--preset all|NAME,...] [--impl torch,torch-compiled,dense]
+                         [--routing uniform,zipf1.2] [--out FILE.json] [--iters N]
 """
 import argparse
 import csv
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -22,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROUTINGS = ("uniform", "zipf1.2")
+PASSES = ("fwd", "fwd+bwd")
 
 
 def load_presets(path=os.path.join(HERE, "presets.csv")):
@@ -38,9 +53,16 @@ def load_presets(path=os.path.join(HERE, "presets.csv")):
     return out
 
 
+def benchmark_presets(presets):
+    """The presets `--preset all` means: every one-GPU share of a real model (not the
+    CPU-sized check cases)."""
+    return [n for n, p in presets.items() if p["tokens"] >= 8192]
+
+
 def layer_flops(p, pass_):
-    """DESIGN.md's convention: forward = 6·H·(routed pairs)·I, forward+backward = 3x that."""
-    return 6.0 * p["hidden"] * p["tokens"] * p["top_k"] * p["intermediate"] * (3 if pass_ == "fwd+bwd" else 1)
+    """DESIGN.md's convention: forward = 6·H·(routed pairs·I + T·I_s), forward+backward = 3x that."""
+    fwd = 6.0 * p["hidden"] * p["tokens"] * (p["top_k"] * p["intermediate"] + p["shared_intermediate"])
+    return fwd * (3 if pass_ == "fwd+bwd" else 1)
 
 
 def add_run_args(ap, iters):
@@ -52,15 +74,96 @@ def add_run_args(ap, iters):
     ap.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
 
+# ---------------------------------------------------------------------------------------
+# Routing and inputs
+# ---------------------------------------------------------------------------------------
+
+def make_routing(tokens, experts, top_k, kind, seed, device):
+    """(ids int32 [T, k], weights fp32 [T, k]): k distinct experts per token.
+    uniform: every expert equally likely. zipf1.2: expert popularity ∝ 1/rank^1.2 (ranks
+    shuffled over the experts), k distinct experts drawn without replacement in proportion
+    to it (Gumbel top-k). Weights: a softmax of normal scores, normalised per token."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if kind == "uniform":
+        scores = torch.rand(tokens, experts, device=device, generator=gen)
+    elif kind == "zipf1.2":
+        rank = torch.randperm(experts, device=device, generator=gen).double() + 1.0
+        log_popularity = -1.2 * torch.log(rank)
+        u = torch.rand(tokens, experts, device=device, generator=gen, dtype=torch.float64).clamp_min(1e-300)
+        scores = log_popularity - torch.log(-torch.log(u))  # + Gumbel noise
+    else:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got '{kind}'")
+    ids = scores.topk(top_k, dim=1).indices.int()
+    weights = torch.softmax(torch.randn(tokens, top_k, device=device, generator=gen), dim=1)
+    return ids.contiguous(), weights.contiguous()
+
+
+def max_load_ratio(ids, experts):
+    """The busiest expert's rows over the mean rows per expert."""
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=experts).double()
+    return float(counts.max() / counts.mean())
+
+
+# Seeds of a problem's tensors: mok_bench.cu's `Tensor` enum mirrors them.
+TENSOR_SEEDS = {"x": 1, "gate": 2, "up": 3, "down": 4, "dy": 5, "shared_gate": 6, "shared_up": 7, "shared_down": 8}
+_M32 = 0xFFFFFFFF
+
+
+def hash_fill(shape, seed, device, chunk=1 << 26):
+    """bf16 values (hash(i, seed) & 0xff - 128) / 1024 — mok_bench.cu's fill_bits, element
+    for element (|v| <= 1/8, exact in bf16, never zeros everywhere), so the C++ benchmark
+    process builds the very same inputs."""
+    out = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    flat, n = out.view(-1), math.prod(shape)
+    mix = (seed * 0x9E3779B9) & _M32
+    for start in range(0, n, chunk):
+        i = torch.arange(start, min(n, start + chunk), device=device, dtype=torch.int64)
+        h = ((i & _M32) * 2654435761) & _M32 ^ mix
+        h = h ^ (h >> 15)
+        h = (h * 0x2C1B3C6D) & _M32
+        h = h ^ (h >> 12)
+        flat[start:start + i.numel()] = ((h & 0xFF) - 128).to(torch.bfloat16) * (1.0 / 1024.0)
+    return out
+
+
+def make_inputs(p, routing, seed, device="cuda"):
+    """One problem of preset p: the tensors both mok and PyTorch take (gate and up separate
+    for mok, concatenated [E, 2I, H] for the PyTorch paths, as frameworks store them)."""
+    T, H, I, E, k, Is = p["tokens"], p["hidden"], p["intermediate"], p["experts"], p["top_k"], p["shared_intermediate"]
+    fill = lambda name, *shape: hash_fill(shape, seed * 16 + TENSOR_SEEDS[name], device)
+    d = dict(x=fill("x", T, H), w_gate=fill("gate", E, I, H), w_up=fill("up", E, I, H), w_down=fill("down", E, H, I),
+             dy=fill("dy", T, H))
+    d["ids"], d["weights"] = make_routing(T, E, k, routing, seed, device)
+    d["w_gate_up"] = torch.cat([d["w_gate"], d["w_up"]], dim=1)
+    d["shared"] = None
+    d["shared_gate_up"] = d["shared_down"] = None
+    if Is:
+        sg, su, sd = fill("shared_gate", Is, H), fill("shared_up", Is, H), fill("shared_down", H, Is)
+        d["shared"] = (sg, su, sd)
+        d["shared_gate_up"], d["shared_down"] = torch.cat([sg, su], dim=0), sd
+    d["limit"] = p["swiglu_limit"] if p["swiglu_limit"] > 0 else None
+    return d
+
+
+# ---------------------------------------------------------------------------------------
+# The PyTorch layers
+# ---------------------------------------------------------------------------------------
+
 def swiglu(g, u, limit):
-    if limit > 0:
+    if limit is not None:
         g = g.clamp(max=limit)
         u = u.clamp(-limit, limit)
     return F.silu(g) * u
 
 
-def moe_torch(x, ids, weights, w_gate_up, w_down, limit):
-    """The PyTorch MoE layer (no shared expert in the benchmark presets)."""
+def shared_mlp(x, shared_gate_up, shared_down, limit):
+    g, u = (x @ shared_gate_up.t()).chunk(2, dim=-1)
+    return swiglu(g, u, limit) @ shared_down.t()
+
+
+def moe_eager(x, ids, weights, w_gate_up, w_down, limit, shared_gate_up=None, shared_down=None):
+    """DESIGN.md §7's PyTorch layer: argsort, bincount, gather, grouped GEMMs, inverse-index
+    gather, fp32 [T, k, H] weighted sum."""
     T, k = ids.shape
     E, two_i, _ = w_gate_up.shape
     flat = ids.reshape(-1)
@@ -74,24 +177,107 @@ def moe_torch(x, ids, weights, w_gate_up, w_down, limit):
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     per_slot = out.index_select(0, inverse).view(T, k, -1)
-    return (per_slot.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+    y = (per_slot.float() * weights.unsqueeze(-1)).sum(1)
+    if shared_gate_up is not None:
+        y = y + shared_mlp(x, shared_gate_up, shared_down, limit).float()
+    return y.to(x.dtype)
 
 
-def reference_rows(x, ids, weights, w_gate_up, w_down, limit, rows):
+def moe_compilable(x, ids, weights, w_gate_up, w_down, limit, shared_gate_up=None, shared_down=None):
+    """The layer written for torch.compile (every id in [0, E), as the benchmark's routings):
+    static shapes throughout, the un-permute as a scatter of rows, and the fp32 combine left
+    to Inductor to fuse (no fp32 [T, k, H] in memory)."""
+    T, k = ids.shape
+    E, two_i, H = w_gate_up.shape
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    bounds = torch.arange(E, device=ids.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, bounds, right=True).to(torch.int32)  # end of each expert's rows
+    xs = x.index_select(0, order // k)
+    gu = torch._grouped_mm(xs, w_gate_up.transpose(-2, -1), offs=offs)
+    g, u = gu.split(two_i // 2, dim=-1)
+    out = torch._grouped_mm(swiglu(g, u, limit), w_down.transpose(-2, -1), offs=offs)
+    per_slot = torch.index_copy(torch.empty_like(out), 0, order, out)  # row order[i] <- out[i]
+    y = (per_slot.view(T, k, H).float() * weights.unsqueeze(-1)).sum(1)
+    if shared_gate_up is not None:
+        y = y + shared_mlp(x, shared_gate_up, shared_down, limit).float()
+    return y.to(x.dtype)
+
+
+def configure_compile():
+    """Every preset and both passes must compile (presets differ in shape, so each is a new
+    graph): a raised recompile limit, and an error instead of a silent eager fallback."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
+        torch._dynamo.config.accumulated_recompile_limit = 1024
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def compiled_layer():
+    return torch.compile(moe_compilable, dynamic=False, fullgraph=True)
+
+
+def reference_rows(d, rows):
     """fp32, one token at a time, straight from the layer's definition."""
-    I = w_down.shape[-1]
+    x, ids, weights, limit = d["x"], d["ids"], d["weights"], d["limit"]
+    I = d["w_down"].shape[-1]
     out = []
     for t in rows.tolist():
         acc = torch.zeros(x.shape[1], device=x.device, dtype=torch.float32)
+        xt = x[t].float()
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            gu = w_gate_up[e].float() @ x[t].float()
-            acc += weights[t, j] * (w_down[e].float() @ swiglu(gu[:I], gu[I:], limit))
+            gu = d["w_gate_up"][e].float() @ xt
+            acc += weights[t, j] * (d["w_down"][e].float() @ swiglu(gu[:I], gu[I:], limit))
+        if d["shared"] is not None:
+            sg, su, sd = (s.float() for s in d["shared"])
+            acc += sd @ swiglu(sg @ xt, su @ xt, limit)
         out.append(acc)
     return torch.stack(out)
 
 
+def sampled_error(d, y, count=16, seed=5):
+    """Relative error of y's rows for `count` random tokens against reference_rows."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rows = torch.randperm(y.shape[0], generator=gen)[:count].to(y.device)
+    with torch.no_grad():
+        ref = reference_rows(d, rows)
+    return ((y[rows].detach().float() - ref).norm() / ref.norm()).item()
+
+
+# ---------------------------------------------------------------------------------------
+# Comparison, timing, memory
+# ---------------------------------------------------------------------------------------
+
+REL_TOL, COS_TOL = 1e-2, 0.9999
+
+
+def compare(got, ref, chunk=1 << 26):
+    """Relative error ‖got − ref‖/‖ref‖ and cosine of two whole tensors, accumulated in
+    fp64 over chunks; NaN or Inf anywhere fails."""
+    g, r = got.reshape(-1), ref.reshape(-1)
+    if g.numel() != r.numel():
+        return dict(rel=float("inf"), cos=0.0, passed=False)
+    gg = rr = gr = dd = 0.0
+    finite = True
+    for s in range(0, g.numel(), chunk):
+        a, b = g[s:s + chunk].double(), r[s:s + chunk].double()
+        finite = finite and bool(torch.isfinite(a).all())
+        gg += float((a * a).sum())
+        rr += float((b * b).sum())
+        gr += float((a * b).sum())
+        dd += float(((a - b) ** 2).sum())
+    rel = math.sqrt(dd) / math.sqrt(rr) if rr > 0 else (0.0 if dd == 0 else float("inf"))
+    cos = gr / math.sqrt(gg * rr) if gg > 0 and rr > 0 else (1.0 if gg == rr == 0 else 0.0)
+    return dict(rel=rel, cos=cos, passed=bool(finite and rel <= REL_TOL and cos >= COS_TOL))
+
+
 def time_ms(fn, warmup, iters, before=None):
+    """Each iteration's ms (sorted), CUDA events around fn, the L2 flushed before each."""
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # > 4x the 60 MB L2
     for _ in range(warmup):
         if before:
@@ -113,7 +299,8 @@ def time_ms(fn, warmup, iters, before=None):
 
 
 def peak_bytes(fn, before=None):
-    """Peak device memory one pass allocates above what was allocated before it."""
+    """Peak device memory one pass allocates through PyTorch's allocator above what was
+    allocated before it (inputs, weights; weight gradients cleared by `before`)."""
     if before:
         before()
     torch.cuda.synchronize()
@@ -124,108 +311,140 @@ def peak_bytes(fn, before=None):
     return torch.cuda.max_memory_allocated() - base
 
 
-def make_inputs(p, seed):
+def dense_step(p, seed=2):
+    """{pass: fn} of the dense ceiling: the routed rows (T·k) through one [I, H] SwiGLU
+    MLP's GEMMs (+ the shared expert's T rows through [I_s, H]), torch.matmul."""
+    T, H, k = p["tokens"], p["hidden"], p["top_k"]
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    T, H, I, E, k = p["tokens"], p["hidden"], p["intermediate"], p["experts"], p["top_k"]
-    dev = "cuda"
-    x = torch.randn(T, H, device=dev, generator=gen).bfloat16()
-    ids = torch.rand(T, E, device=dev, generator=gen).topk(k, dim=1).indices.int()  # uniform, distinct
-    weights = torch.softmax(torch.randn(T, k, device=dev, generator=gen), dim=1)
-    w_gate_up = (torch.randn(E, 2 * I, H, device=dev, generator=gen) / H ** 0.5).bfloat16()
-    w_down = (torch.randn(E, H, I, device=dev, generator=gen) / I ** 0.5).bfloat16()
-    dy = torch.randn(T, H, device=dev, generator=gen).bfloat16()
-    return x, ids, weights, w_gate_up, w_down, dy
-
-
-def bench_torch(p, args, record):
-    x, ids, weights, w_gate_up, w_down, dy = make_inputs(p, seed=1)
-    limit = p["swiglu_limit"]
-    # Correctness first: sampled tokens against the fp32 per-token computation.
-    rows = torch.randperm(p["tokens"], device="cuda")[:16]
-    with torch.no_grad():
-        y = moe_torch(x, ids, weights, w_gate_up, w_down, limit)
-        ref = reference_rows(x, ids, weights, w_gate_up, w_down, limit, rows)
-    err = ((y[rows].float() - ref).norm() / ref.norm()).item()
-    if not err <= 1e-2:
-        raise SystemExit(f"torch baseline wrong on {p['name']}: relative error {err:.3e}")
-    del y
-
-    params = [t.requires_grad_() for t in (x, weights, w_gate_up, w_down)]
-
-    def clear_grads():
-        for t in params:
-            t.grad = None
-
-    fwd = lambda: moe_torch(x, ids, weights, w_gate_up, w_down, limit)
-    fwd_bwd = lambda: fwd().backward(dy)
-    for name, fn, before in (("fwd", fwd, None), ("fwd+bwd", fwd_bwd, clear_grads)):
-        times = time_ms(fn, args.warmup, args.iters, before)
-        record(p, "torch", name, times, peak_bytes(fn, before), check_error=err)
-    clear_grads()
-
-
-def bench_dense(p, args, record):
-    T, H, I, k = p["tokens"], p["hidden"], p["intermediate"], p["top_k"]
-    M = T * k
-    gen = torch.Generator(device="cuda").manual_seed(2)
     r = lambda *s: (torch.rand(*s, device="cuda", generator=gen) - 0.5).bfloat16()
-    x, w1, w2, hid, dy, dgu = r(M, H), r(2 * I, H), r(H, I), r(M, I), r(M, H), r(M, 2 * I)
+    chains = [(T * k, p["intermediate"])] + ([(T, p["shared_intermediate"])] if p["shared_intermediate"] else [])
+    tensors = [(r(M, H), r(2 * I, H), r(H, I), r(M, I), r(M, H), r(M, 2 * I)) for M, I in chains]
 
     def fwd():
-        x @ w1.t()
-        hid @ w2.t()
+        for x, w1, w2, hid, _, _ in tensors:
+            x @ w1.t()
+            hid @ w2.t()
 
     def fwd_bwd():
         fwd()
-        dy @ w2            # dgrad down
-        dy.t() @ hid       # wgrad down
-        dgu @ w1           # dgrad gate|up
-        dgu.t() @ x        # wgrad gate|up
+        for x, w1, w2, hid, dy, dgu in tensors:
+            dy @ w2            # dgrad down
+            dy.t() @ hid       # wgrad down
+            dgu @ w1           # dgrad gate|up
+            dgu.t() @ x        # wgrad gate|up
 
-    for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-        record(p, "dense", name, time_ms(fn, args.warmup, args.iters), peak_bytes(fn))
+    return {"fwd": fwd, "fwd+bwd": fwd_bwd}
+
+
+# ---------------------------------------------------------------------------------------
+# The PyTorch implementations as timed closures
+# ---------------------------------------------------------------------------------------
+
+class TorchImpl:
+    """One PyTorch implementation (eager or compiled) on one problem: its leaves (x,
+    weights, w_gate_up, w_down, shared) require grad; run(pass) gives the outputs."""
+
+    def __init__(self, d, layer):
+        self.d, self.layer = d, layer
+        self.leaves = [d["x"], d["weights"], d["w_gate_up"], d["w_down"]]
+        if d["shared"] is not None:
+            self.leaves += [d["shared_gate_up"], d["shared_down"]]
+        for t in self.leaves:
+            t.requires_grad_()
+
+    def clear_grads(self):
+        for t in self.leaves:
+            t.grad = None
+
+    def _call(self):
+        d = self.d
+        return self.layer(d["x"], d["ids"], d["weights"], d["w_gate_up"], d["w_down"], d["limit"],
+                          d["shared_gate_up"], d["shared_down"])
+
+    def step(self, pass_):
+        if pass_ == "fwd":
+            def fwd():
+                with torch.no_grad():
+                    return self._call()
+            return fwd, None
+        return (lambda: self._call().backward(self.d["dy"])), self.clear_grads
+
+    def outputs(self, pass_):
+        """{name: tensor} of one pass, named as mok's outputs."""
+        if pass_ == "fwd":
+            with torch.no_grad():
+                return {"y": self._call()}
+        self.clear_grads()
+        y = self._call()
+        y.backward(self.d["dy"])
+        d, I = self.d, self.d["w_down"].shape[-1]
+        out = {"y": y.detach(), "dx": d["x"].grad, "d_topk_weights": d["weights"].grad,
+               "d_w_gate": d["w_gate_up"].grad[:, :I], "d_w_up": d["w_gate_up"].grad[:, I:],
+               "d_w_down": d["w_down"].grad}
+        if d["shared"] is not None:
+            Is = d["shared_down"].shape[-1]
+            g = d["shared_gate_up"].grad
+            out.update(d_shared_gate=g[:Is], d_shared_up=g[Is:], d_shared_down=d["shared_down"].grad)
+        self.clear_grads()
+        return out
+
+    def release(self):
+        self.clear_grads()
+        for t in self.leaves:
+            t.requires_grad_(False)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="all")
-    ap.add_argument("--impl", default="torch,dense")
+    ap.add_argument("--impl", default="torch,torch-compiled,dense")
+    ap.add_argument("--routing", default="uniform")
     add_run_args(ap, iters=20)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("torch_baseline: no CUDA GPU")
     presets = load_presets()
-    names = [n for n, p in presets.items() if p["tokens"] >= 8192] if args.preset == "all" else args.preset.split(",")
+    names = benchmark_presets(presets) if args.preset == "all" else args.preset.split(",")
     for n in names:
         if n not in presets:
             sys.exit(f"torch_baseline: unknown preset '{n}'; known: {', '.join(presets)}")
-        if presets[n]["shared_intermediate"]:
-            sys.exit(f"torch_baseline: preset '{n}' has a shared expert, which the baseline does not model")
+    configure_compile()
     gpu = torch.cuda.get_device_name(0)
     records = []
-
-    def record(p, impl, pass_, times, peak, check_error=None):
-        ms = statistics.median(times)
-        flops = layer_flops(p, pass_)
-        rec = dict(preset=p["name"], impl=impl, **{"pass": pass_}, tokens=p["tokens"], ep=1, ms=ms,
-                   ms_p10=times[len(times) // 10], ms_p90=times[len(times) * 9 // 10],
-                   tflops=flops / (ms * 1e-3) / 1e12, peak_bytes=int(peak), gpu=gpu, commit=args.commit,
-                   date=args.date, hidden=p["hidden"], intermediate=p["intermediate"], experts=p["experts"],
-                   top_k=p["top_k"], routing="uniform", iters=args.iters, torch=torch.__version__)
-        if check_error is not None:
-            rec["check_rel_error"] = check_error
-        records.append(rec)
-        print(f"{p['name']:<16} {impl:<6} {pass_:<8} {ms:10.4f} ms {rec['tflops']:8.1f} TFLOP/s "
-              f"peak {peak / 2**30:7.2f} GiB", flush=True)
-        if args.out:  # rewritten after every record: a run cut short keeps what it measured
-            with open(args.out, "w") as f:
-                json.dump(records, f, indent=1)
-
-    for i, n in enumerate(names):
-        print(f"[{i + 1}/{len(names)}] {n}", flush=True)
-        for impl in args.impl.split(","):
-            {"torch": bench_torch, "dense": bench_dense}[impl](presets[n], args, record)
-        torch.cuda.empty_cache()
+    for n in names:
+        p = presets[n]
+        torch._dynamo.reset()
+        for routing in args.routing.split(","):
+            d = make_inputs(p, routing, seed=1)
+            for impl in args.impl.split(","):
+                if impl == "dense":
+                    steps, before = dense_step(p), {}
+                else:
+                    t = TorchImpl(d, moe_eager if impl == "torch" else compiled_layer())
+                    with torch.no_grad():
+                        err = sampled_error(d, t._call())
+                    if not err <= 1e-2:
+                        raise SystemExit(f"{impl} wrong on {n}: relative error {err:.3e}")
+                    steps = {ps: t.step(ps)[0] for ps in PASSES}
+                    before = {ps: t.step(ps)[1] for ps in PASSES}
+                for ps in PASSES:
+                    times = time_ms(steps[ps], args.warmup, args.iters, before.get(ps))
+                    ms = statistics.median(times)
+                    rec = dict(preset=n, impl=impl, **{"pass": ps}, routing=routing, tokens=p["tokens"], ep=1, ms=ms,
+                               ms_p10=times[len(times) // 10], ms_p90=times[len(times) * 9 // 10],
+                               tflops=layer_flops(p, ps) / (ms * 1e-3) / 1e12,
+                               peak_bytes=int(peak_bytes(steps[ps], before.get(ps))), gpu=gpu, commit=args.commit,
+                               date=args.date, iters=args.iters, torch=torch.__version__)
+                    records.append(rec)
+                    print(f"{n:<16} {impl:<15} {ps:<8} {routing:<8} {ms:10.4f} ms {rec['tflops']:8.1f} TFLOP/s",
+                          flush=True)
+                    if args.out:
+                        with open(args.out, "w") as f:
+                            json.dump(records, f, indent=1)
+                if impl != "dense":
+                    t.release()
+            del d
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # The whole GPU check, on a Hopper machine: builds with all cores (ptxas reports kept),
-# runs every test, the benchmark and the PyTorch baseline, and writes
+# runs every test, the layer benchmark, and writes
 #   $OUT/<date>-<commit>-bench.json     every benchmark record
 #   $OUT/<date>-<commit>-gpucheck.json  each test's name and outcome on this GPU
 # plus $OUT/logs.tgz (build, ptxas, ctest, benchmark logs) and the raw records
-# $OUT/bench_mok.json, bench_torch.json (written as measured), then prints a short table.
-# Copy the two dated JSON files to bench/results/ and
-# run `python3 bench/report.py table` to refresh bench/results/README.md.
+# $OUT/bench_layer.json (written as measured), then prints a short table.
+# Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
+# (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed]
+#                                                   [--presets all|NAME,...] [--repeats N]
 # --part splits the check for machines that limit one command's time: `tests` (clean
-# build, every test, sanitizers) writes the gpucheck JSON, `bench` (build if missing, then
-# the one-GPU benchmarks) the bench JSON, `ep` (machines with 2 or more GPUs: the package
-# if missing, then bench/ep_bench.py on every GPU under torchrun) its own bench JSON
-# (<date>-<commit>-ep<W>-bench.json). `all` runs the three. `speed` (a kernel change's
-# check in one call, ~9.5 min on an H200): build, the one-GPU forward/backward tests, then
-# mok (and the EP machinery at EP = 1) against the PyTorch baseline and the dense ceiling
-# on every preset.
+# build, every test, sanitizers) writes the gpucheck JSON; `bench` (build if missing, then
+# bench/layer_bench.py: mok, mok-py, torch-compiled, torch and dense on the same inputs,
+# interleaved, both routings, full-size checks) the bench JSON; `ep` (machines with 2 or
+# more GPUs: the package if missing, then bench/ep_bench.py on every GPU under torchrun)
+# its own bench JSON (<date>-<commit>-ep<W>-bench.json). `all` runs the three. `speed` (a
+# kernel change's check in one call): build, the one-GPU forward/backward tests, then the
+# layer benchmark with uniform routing. --presets/--repeats choose the benchmark's presets
+# (a run split over several calls) and rounds (default 3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -23,13 +25,17 @@ mkdir -p "$OUT"
 LOG="$(mktemp -d)"
 commit="${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-iters=20
+iters=10
+repeats=3
+presets=all
 part=all
 while [ $# -gt 0 ]; do
   case "$1" in
-    --quick) iters=5 ;;
+    --quick) iters=3; repeats=1 ;;
     --part) part="$2"; shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed]"; exit 2 ;;
+    --presets) presets="$2"; shift ;;
+    --repeats) repeats="$2"; shift ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed] [--presets all|NAME,...] [--repeats N]"; exit 2 ;;
   esac
   shift
 done
@@ -45,9 +51,16 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 build=build-gpu
 if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
   if [ "$part" = tests ] || [ "$part" = all ]; then rm -rf "$build"; fi  # a clean build: the ptxas report covers every kernel
-  { cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON &&
+  # The benchmark needs the library, mok_bench and the extension mok._C, not the tests.
+  with_tests=ON
+  { [ "$part" = bench ] && [ ! -f $build/tests/test_plan ]; } && with_tests=OFF
+  { cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON -DMOK_BUILD_PYTHON=ON \
+      -DMOK_BUILD_TESTS=$with_tests &&
     cmake --build $build -j"$(nproc)"; } > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
   grep -E "spill|Used [0-9]+ registers|stack frame" "$LOG/build.log" | sort -u > "$LOG/ptxas.txt" || true
+  # The package from this build (python/mok + the extension just built) for the benchmark,
+  # so it runs without a second build through pip.
+  rm -rf $build/pkg && mkdir -p $build/pkg && cp -r python/mok $build/pkg/ && cp $build/_C*.so $build/pkg/mok/
 fi
 
 test_rc=0
@@ -100,15 +113,17 @@ done
 junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
 
-# mok_bench with the implementations $1, then the PyTorch baseline and the dense ceiling,
-# every preset, one GPU: the bench JSON's two inputs, written into $OUT record by record
-# (a call cut short by a machine's time limit still returns what was measured).
-one_gpu_bench() {
-  $build/bench/mok_bench --preset all --impl "$1" --iters $iters --out "$OUT/bench_mok.json" --commit "$commit" \
-    --date "$date" 2>&1 | tee "$LOG/bench_mok.log"
-  python3 bench/torch_baseline.py --preset all --iters $iters --out "$OUT/bench_torch.json" --commit "$commit" \
-    --date "$date" 2>&1 | tee "$LOG/bench_torch.log"
-  bench=("$OUT/bench_mok.json" "$OUT/bench_torch.json")
+# The layer benchmark (bench/layer_bench.py): a smoke run on the small preset first (one
+# round: a broken build or check stops here, cheaply), then the chosen presets, written into
+# $OUT record by record (a call cut short by a machine's time limit keeps what it measured).
+layer_bench() {  # $1: routings
+  local py=(env PYTHONPATH="$PWD/$build/pkg" python3 bench/layer_bench.py --mok-bench $build/bench/mok_bench)
+  if ! "${py[@]}" --preset small --repeats 1 --iters 2 --warmup 1 > "$LOG/bench_smoke.log" 2>&1; then
+    echo "layer_bench smoke run failed:"; tail -30 "$LOG/bench_smoke.log"; test_rc=1; return
+  fi
+  "${py[@]}" --preset "$presets" --routing "$1" --repeats $repeats --iters $iters --out "$OUT/bench_layer.json" \
+    --commit "$commit" --date "$date" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
+  bench=("$OUT/bench_layer.json")
 }
 
 bench=()
@@ -117,12 +132,10 @@ ctest --test-dir $build --output-on-failure -j2 -R "^(Forward|Backward)" --outpu
 test_rc=$?
 tail -3 "$LOG/ctest.log"
 junit=("$LOG/ctest.xml")
-one_gpu_bench mok,mok-ep1
+layer_bench uniform
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
-one_gpu_bench mok,mok-ep1,cublas,plan
-# The ring's row copy alone (qwen3-30b-a3b's and deepseek-v3's row sizes): GB/s per comm SM.
-{ $build/bench/ring_copy_bench && $build/bench/ring_copy_bench --tokens 8192 --hidden 7168; } 2>&1 | tee "$LOG/ring_copy.log"
+layer_bench uniform,zipf1.2
 fi
 
 # Expert parallelism across every GPU of the machine: mok-ep against NCCL + PyTorch.

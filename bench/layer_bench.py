@@ -1,0 +1,381 @@
+#!/usr/bin/env python3
+"""The one-GPU layer benchmark: every implementation on the same inputs, in one run,
+interleaved, checked at full size before it is timed.
+
+  layer_bench.py [--preset all|NAME,...] [--routing uniform,zipf1.2] [--repeats 3]
+                 [--impl torch-compiled,torch,mok,mok-py,dense] [--iters 10] [--out FILE.json]
+
+impls:
+  torch-compiled  the strongest plain-PyTorch layer (torch_baseline.moe_compilable under
+                  torch.compile(dynamic=False, fullgraph=True))
+  torch           the eager PyTorch layer (torch_baseline.moe_eager)
+  mok             the C++ layer, without Python: `mok_bench --serve` in a second process,
+                  driven line by line from here (so it interleaves with the others) on the
+                  very same inputs (both processes fill them from one hash; the routing
+                  goes through a file)
+  mok-py          the package: mok.moe from Python (autograd for fwd+bwd)
+  dense           the same FLOPs as dense GEMMs through torch.matmul: the ceiling
+
+Checks, per preset and routing, before anything is timed:
+  - torch and torch-compiled: y of 16 sampled tokens against an fp32 per-token computation
+    (rel <= 1e-2); torch-compiled's y and every gradient against the eager path's.
+  - mok-py: the whole y and, for fwd+bwd, every gradient (dx, d_topk_weights, d_w_gate,
+    d_w_up, d_w_down, the shared expert's) against autograd through the eager PyTorch path:
+    ‖got − ref‖/‖ref‖ <= 1e-2 and cosine >= 0.9999, nothing non-finite.
+  - mok: every output bitwise equal to mok-py's (checksums of the raw bytes), so it passes
+    the same full-size check.
+A failed check marks the record (`check`: failed) and the failure is printed; a failure to
+run (a compile error, a graph break) leaves the implementation out of that preset.
+
+Timing: --repeats rounds; in each, every pass of every implementation in turn (A B C A B C
+…), warm-up then --iters iterations with the L2 flushed before each (CUDA events). A record
+keeps each round's median, p10 and p90 (`ms_repeats`, `ms_p10_repeats`, `ms_p90_repeats`);
+`ms` is the median of the rounds' medians, `ms_min`/`ms_max` their range.
+
+Peak memory (`peak_bytes`): what one pass needs beyond its inputs and weights, measured the
+same way for each: PyTorch's peak allocated bytes over one pass above what was allocated
+before it (weight gradients cleared before the pass, so a fwd+bwd counts its gradients);
+mok-py adds its workspace (held by the extension, outside PyTorch's allocator); mok counts
+its workspace, y and the high-water mark of a caching pool that serves everything the pass
+allocates (scratch, saved tensor, dx, gradients).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import torch_baseline as tb  # noqa: E402
+
+IMPLS = ("torch-compiled", "torch", "mok", "mok-py", "dense")
+
+
+def checksum(t, chunk=1 << 26):
+    """mok_bench.cu's checksum: the tensor's bytes as 4-byte words w_i, sum of w_i·(2i+1)
+    modulo 2^64."""
+    w = t.contiguous().view(-1).view(torch.int32)
+    total = 0
+    for s in range(0, w.numel(), chunk):
+        a = w[s:s + chunk].to(torch.int64) & 0xFFFFFFFF
+        i = torch.arange(s, s + a.numel(), device=a.device, dtype=torch.int64)
+        total += int((a * (2 * i + 1)).sum())
+    return total % (1 << 64)
+
+
+class MokPy(tb.TorchImpl):
+    """mok.moe from Python, on the same problem (gate and up as separate tensors)."""
+
+    def __init__(self, d):
+        import mok
+
+        self.mok, self.d = mok, d
+        self.leaves = [d["x"], d["weights"], d["w_gate"], d["w_up"], d["w_down"]] + list(d["shared"] or ())
+        for t in self.leaves:
+            t.requires_grad_()
+
+    def _call(self):
+        d = self.d
+        return self.mok.moe(d["x"], d["ids"], d["weights"], d["w_gate"], d["w_up"], d["w_down"], shared=d["shared"],
+                            swiglu_limit=d["limit"])
+
+    def outputs(self, pass_):
+        if pass_ == "fwd":
+            with torch.no_grad():
+                out = {"y": self._call()}
+        else:
+            self.clear_grads()
+            y = self._call()
+            y.backward(self.d["dy"])
+            d = self.d
+            out = {"y": y.detach(), "dx": d["x"].grad, "d_topk_weights": d["weights"].grad, "d_w_gate": d["w_gate"].grad,
+                   "d_w_up": d["w_up"].grad, "d_w_down": d["w_down"].grad}
+            if d["shared"] is not None:
+                out.update(zip(("d_shared_gate", "d_shared_up", "d_shared_down"), (s.grad for s in d["shared"])))
+            self.clear_grads()
+        self.mok.check()  # raises if a kernel recorded an error
+        return out
+
+    def workspace_bytes(self):
+        from mok import ops
+
+        return sum(ws.bytes for ws in ops._workspaces.values())
+
+
+class MokBench:
+    """`mok_bench --serve`: the C++ layer in a second process, one command a line."""
+
+    def __init__(self, path):
+        if not os.access(path, os.X_OK):
+            raise SystemExit(f"layer_bench: {path} not found: build it (cmake --build <dir> --target mok_bench) "
+                             "or pass --mok-bench")
+        self.proc = subprocess.Popen([path, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def call(self, *words):
+        self.proc.stdin.write(" ".join(str(w) for w in words) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        while line and not line.startswith("{"):  # (only JSON answers count)
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"mok_bench --serve exited (code {self.proc.poll()}) on '{' '.join(map(str, words))}'")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return reply
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def full_check(got, ref, names):
+    """{name: {rel, cos, passed}} of each output against the reference's."""
+    return {n: tb.compare(got[n], ref[n]) for n in names}
+
+
+def run_preset(p, routing, args, server, gpu, emit):
+    """Checks, then interleaved timing and peak memory, of every implementation on one
+    preset and routing; emits one record per implementation and pass."""
+    name = p["name"]
+    d = tb.make_inputs(p, routing, seed=args.seed)
+    load_ratio = tb.max_load_ratio(d["ids"], p["experts"])
+    passes = args.passes
+    checks = {impl: {} for impl in IMPLS}  # impl -> pass -> dict(passed, tensors | error)
+    steps = {}  # (impl, pass) -> (fn, before) or "server"
+    peak_extra = {}
+
+    def fail(impl, ps, err):
+        checks[impl][ps] = dict(passed=False, error=str(err)[:2000])
+        print(f"  {name} {routing} {impl} {ps}: FAILED: {str(err)[:400]}", flush=True)
+
+    # The reference: autograd through the eager PyTorch path (its y also against fp32 rows).
+    eager = tb.TorchImpl(d, tb.moe_eager)
+    ref = {ps: eager.outputs(ps) for ps in passes}
+    eager_err = tb.sampled_error(d, ref[passes[0]]["y"])
+    impls = {}
+    if "torch" in args.impls:
+        impls["torch"] = eager
+        for ps in passes:
+            checks["torch"][ps] = dict(passed=eager_err <= 1e-2, sampled_rel=eager_err)
+    else:
+        eager.release()
+
+    if "torch-compiled" in args.impls:
+        try:
+            t = tb.TorchImpl(d, args.compiled)
+            impls["torch-compiled"] = t
+            for ps in passes:
+                out = t.outputs(ps)
+                res = full_check(out, ref[ps], out.keys())
+                err = tb.sampled_error(d, out["y"])
+                checks["torch-compiled"][ps] = dict(passed=err <= 1e-2 and all(r["passed"] for r in res.values()),
+                                                    sampled_rel=err, tensors=res)
+                del out
+        except Exception as e:  # a compile error or graph break: no record
+            for ps in passes:
+                fail("torch-compiled", ps, e)
+            impls.pop("torch-compiled", None)
+
+    sums = {}
+    if "mok-py" in args.impls or "mok" in args.impls:
+        try:
+            m = MokPy(d)
+            for ps in passes:
+                out = m.outputs(ps)
+                res = full_check(out, ref[ps], out.keys())
+                checks["mok-py"][ps] = dict(passed=all(r["passed"] for r in res.values()), tensors=res)
+                sums[ps] = {n: checksum(t) for n, t in out.items()}
+                del out
+            if "mok-py" in args.impls:
+                impls["mok-py"] = m
+                peak_extra["mok-py"] = m.workspace_bytes()
+        except Exception as e:
+            for ps in passes:
+                fail("mok-py", ps, e)
+    if "mok" in args.impls:
+        with tempfile.TemporaryDirectory() as tmp:
+            ids_path, w_path = os.path.join(tmp, "ids.i32"), os.path.join(tmp, "weights.f32")
+            d["ids"].cpu().numpy().tofile(ids_path)
+            d["weights"].detach().cpu().numpy().tofile(w_path)
+            try:
+                server.call("load", name, args.seed, ids_path, w_path)
+                impls["mok"] = server
+            except Exception as e:
+                for ps in passes:
+                    fail("mok", ps, e)
+        if "mok" in impls:
+            for ps in passes:
+                try:
+                    got = {n: int(v) for n, v in server.call("check", ps)["checksums"].items()}
+                    want = sums.get(ps)
+                    same = want is not None and got == want
+                    checks["mok"][ps] = dict(passed=same and checks["mok-py"].get(ps, {}).get("passed", False),
+                                             bitwise_equal_to_mok_py=same,
+                                             differing=sorted(n for n in got if want is None or got[n] != want.get(n)))
+                except Exception as e:
+                    fail("mok", ps, e)
+    if "dense" in args.impls:
+        impls["dense"] = tb.dense_step(p)
+        for ps in passes:
+            checks["dense"][ps] = dict(passed=None)  # not the layer: nothing to check
+    for impl in args.impls:
+        for ps in passes:
+            c = checks[impl].get(ps)
+            if c is not None and c.get("passed") is False and "error" not in c:
+                print(f"  {name} {routing} {impl} {ps}: CHECK FAILED: {json.dumps(c)[:600]}", flush=True)
+    del ref
+
+    def timer(impl, ps):
+        obj = impls[impl]
+        if impl == "mok":
+            return lambda: sorted(obj.call("time", ps, args.warmup, args.iters)["ms"])
+        if impl == "dense":
+            return lambda: tb.time_ms(obj[ps], args.warmup, args.iters)
+        fn, before = obj.step(ps)
+        return lambda: tb.time_ms(fn, args.warmup, args.iters, before)
+
+    runnable = [(impl, ps) for ps in passes for impl in args.impls if impl in impls and "error" not in checks[impl].get(ps, {})]
+    rounds = {key: [] for key in runnable}
+    for _ in range(args.repeats):
+        for key in runnable:
+            try:
+                rounds[key].append(timer(*key)())
+            except Exception as e:
+                fail(*key, e)
+                rounds[key] = None
+                runnable = [k for k in runnable if k != key]
+    for impl, ps in runnable:
+        obj = impls[impl]
+        if impl == "mok":
+            peak = obj.call("peak", ps)["peak_bytes"]
+        elif impl == "dense":
+            peak = tb.peak_bytes(obj[ps])
+        else:
+            fn, before = obj.step(ps)
+            peak = tb.peak_bytes(fn, before) + peak_extra.get(impl, 0)
+        medians = [statistics.median(t) for t in rounds[(impl, ps)]]
+        ms = statistics.median(medians)
+        c = checks[impl].get(ps, {})
+        emit(dict(preset=name, impl=impl, **{"pass": ps}, routing=routing, max_load_ratio=load_ratio,
+                  tokens=p["tokens"], ep=1, hidden=p["hidden"], intermediate=p["intermediate"], experts=p["experts"],
+                  top_k=p["top_k"], shared_intermediate=p["shared_intermediate"], swiglu_limit=p["swiglu_limit"],
+                  ms=ms, ms_min=min(medians), ms_max=max(medians), repeats=len(medians), ms_repeats=medians,
+                  ms_p10_repeats=[t[len(t) // 10] for t in rounds[(impl, ps)]],
+                  ms_p90_repeats=[t[len(t) * 9 // 10] for t in rounds[(impl, ps)]],
+                  tflops=tb.layer_flops(p, ps) / (ms * 1e-3) / 1e12, peak_bytes=int(peak),
+                  check={True: "passed", False: "failed", None: "n/a"}[c.get("passed")], check_detail=c,
+                  iters=args.iters, warmup=args.warmup, gpu=gpu, commit=args.commit, date=args.date,
+                  torch=torch.__version__))
+    for obj in impls.values():
+        if isinstance(obj, tb.TorchImpl):
+            obj.release()
+
+
+def summary(records):
+    """A short table: TFLOP/s per implementation and mok's ratios to torch-compiled."""
+    by = {(r["preset"], r["routing"], r["pass"], r["impl"]): r for r in records}
+    keys = list(dict.fromkeys((r["preset"], r["routing"], r["pass"]) for r in records))
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
+    lines = [f"{'preset':<18}{'routing':<9}{'pass':<8}" + "".join(f"{i:>15}" for i in impls) +
+             f"{'mok/compiled':>14}{'mok-py/compiled':>16}{'checks':>8}"]
+    for key in keys:
+        row = f"{key[0]:<18}{key[1]:<9}{key[2]:<8}"
+        for i in impls:
+            r = by.get(key + (i,))
+            row += f"{r['tflops']:>15.1f}" if r else f"{'-':>15}"
+        base = by.get(key + ("torch-compiled",))
+        for i, w in (("mok", 14), ("mok-py", 16)):
+            r = by.get(key + (i,))
+            row += f"{base['ms'] / r['ms']:>{w}.3f}" if r and base else f"{'-':>{w}}"
+        bad = [r["impl"] for k, r in by.items() if k[:3] == key and r["check"] == "failed"]
+        row += f"{'ok' if not bad else 'FAIL':>8}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="all")
+    ap.add_argument("--routing", default=",".join(tb.ROUTINGS))
+    ap.add_argument("--impl", default=",".join(IMPLS))
+    ap.add_argument("--pass", dest="passes", default=",".join(tb.PASSES))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--mok-bench", default=os.environ.get("MOK_BENCH", ""),
+                    help="the mok_bench executable (default: build-gpu/bench/mok_bench, else build/bench/mok_bench)")
+    tb.add_run_args(ap, iters=10)
+    args = ap.parse_args()
+    args.impls = args.impl.split(",")
+    args.passes = args.passes.split(",")
+    for impl in args.impls:
+        if impl not in IMPLS:
+            sys.exit(f"layer_bench: unknown impl '{impl}'; known: {', '.join(IMPLS)}")
+    for ps in args.passes:
+        if ps not in tb.PASSES:
+            sys.exit(f"layer_bench: --pass must be among {', '.join(tb.PASSES)}, got '{ps}'")
+    for routing in args.routing.split(","):
+        if routing not in tb.ROUTINGS:
+            sys.exit(f"layer_bench: unknown routing '{routing}'; known: {', '.join(tb.ROUTINGS)}")
+    if args.repeats < 1 or args.iters < 1:
+        sys.exit("layer_bench: --repeats and --iters must be >= 1")
+    if not torch.cuda.is_available():
+        sys.exit("layer_bench: no CUDA GPU")
+    presets = tb.load_presets()
+    names = tb.benchmark_presets(presets) if args.preset == "all" else args.preset.split(",")
+    for n in names:
+        if n not in presets:
+            sys.exit(f"layer_bench: unknown preset '{n}'; known: {', '.join(presets)}")
+    server = None
+    if "mok" in args.impls:
+        root = os.path.dirname(HERE)
+        path = args.mok_bench or next((c for c in (os.path.join(root, "build-gpu/bench/mok_bench"),
+                                                    os.path.join(root, "build/bench/mok_bench")) if os.path.exists(c)),
+                                      os.path.join(root, "build-gpu/bench/mok_bench"))
+        server = MokBench(path)
+    tb.configure_compile()
+    gpu = torch.cuda.get_device_name(0)
+    records = []
+
+    def emit(rec):
+        records.append(rec)
+        print(f"{rec['preset']:<16} {rec['routing']:<8} {rec['impl']:<15} {rec['pass']:<8} {rec['ms']:9.3f} ms "
+              f"[{rec['ms_min']:.3f}, {rec['ms_max']:.3f}] {rec['tflops']:7.1f} TFLOP/s "
+              f"peak {rec['peak_bytes'] / 2**30:6.2f} GiB  check {rec['check']}", flush=True)
+        if args.out:  # rewritten after every record: a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(records, f, indent=1)
+
+    try:
+        for i, n in enumerate(names):
+            print(f"[{i + 1}/{len(names)}] {n}", flush=True)
+            torch._dynamo.reset()  # each preset compiles afresh (a new shape is a new graph anyway)
+            args.compiled = tb.compiled_layer()
+            for routing in args.routing.split(","):
+                run_preset(presets[n], routing, args, server, gpu, emit)
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            if "mok-py" in args.impls or "mok" in args.impls:
+                from mok import ops  # one workspace per shape: free this preset's before the next
+
+                ops._workspaces.clear()
+    finally:
+        if server:
+            server.close()
+    print()
+    print(summary(records))
+    failed = [r for r in records if r["check"] == "failed"]
+    if failed:
+        print(f"\n{len(failed)} record(s) failed their check")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The benchmark's own pieces, without a GPU: the inputs both processes build from one hash,
+the routings, the PyTorch layers it times (eager and the one written for torch.compile)
+against the fp32 per-token reference, the checksum that ties mok_bench's outputs to
+mok.moe's, and the report's ratios."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import layer_bench  # noqa: E402
+import report  # noqa: E402
+import torch_baseline as tb  # noqa: E402
+
+MOK_BENCH = os.path.join(ROOT, os.environ.get("MOK_BUILD_DIR", "build"), "bench", "mok_bench")
+
+
+def small_preset(shared=0, limit=0.0, tokens=96, experts=8, top_k=2):
+    return dict(name="test", tokens=tokens, hidden=128, intermediate=64, experts=experts, top_k=top_k,
+                shared_intermediate=shared, swiglu_limit=limit)
+
+
+@pytest.mark.skipif(not os.path.exists(MOK_BENCH), reason=f"{MOK_BENCH} not built (scripts/test.sh builds it)")
+def test_hash_fill_is_mok_bench_fill_element_for_element():
+    n, seed = 5000, 16 * 3 + 2
+    out = subprocess.run([MOK_BENCH, "--fill-sample", str(seed), str(n)], check=True, capture_output=True, text=True)
+    cpp = torch.tensor([int(v) for v in out.stdout.split()], dtype=torch.int32)
+    ours = tb.hash_fill((n,), seed, "cpu")
+    assert torch.equal(ours.view(torch.int16).to(torch.int32) & 0xFFFF, cpp)
+    values = ours.float()
+    assert values.abs().max() <= 0.125 and values.std() > 0.05 and (values == 0).float().mean() < 0.01
+    assert not torch.equal(tb.hash_fill((n,), seed + 1, "cpu"), ours)
+
+
+@pytest.mark.parametrize("kind", tb.ROUTINGS)
+def test_routing_is_distinct_per_token_and_reproducible(kind):
+    ids, w = tb.make_routing(4096, 32, 4, kind, seed=3, device="cpu")
+    assert ids.dtype == torch.int32 and ids.shape == (4096, 4) and w.dtype == torch.float32
+    assert int(ids.min()) >= 0 and int(ids.max()) < 32
+    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all(), "a token routed twice to one expert"
+    torch.testing.assert_close(w.sum(1), torch.ones(4096))
+    again, _ = tb.make_routing(4096, 32, 4, kind, seed=3, device="cpu")
+    assert torch.equal(ids, again)
+
+
+def test_zipf_routing_is_skewed_and_uniform_is_not():
+    uniform, _ = tb.make_routing(8192, 32, 4, "uniform", seed=1, device="cpu")
+    zipf, _ = tb.make_routing(8192, 32, 4, "zipf1.2", seed=1, device="cpu")
+    assert tb.max_load_ratio(uniform, 32) < 1.15
+    assert tb.max_load_ratio(zipf, 32) > 3.0
+    counts = torch.bincount(zipf.reshape(-1).long(), minlength=32).sort(descending=True).values.double()
+    assert (counts[:-1] >= counts[1:]).all() and counts[0] > 4 * counts[16]  # a long tail, not a few hot experts
+
+
+@pytest.mark.parametrize("shared,limit,routing", [(0, 0.0, "uniform"), (64, 0.5, "zipf1.2")])
+def test_torch_layers_match_the_fp32_reference_and_each_other(shared, limit, routing):
+    p = small_preset(shared, limit)
+    d = tb.make_inputs(p, routing, seed=2, device="cpu")
+    rows = torch.arange(p["tokens"])
+    ref = tb.reference_rows(d, rows)
+    eager, compilable = tb.TorchImpl(d, tb.moe_eager), tb.TorchImpl(d, tb.moe_compilable)
+    outs = {}
+    for name, impl in (("eager", eager), ("compilable", compilable)):
+        for ps in tb.PASSES:
+            outs[name, ps] = impl.outputs(ps)
+            y = outs[name, ps]["y"].float()
+            assert ((y - ref).norm() / ref.norm()) < 1e-2, (name, ps)
+    for ps in tb.PASSES:
+        got, want = outs["compilable", ps], outs["eager", ps]
+        assert set(got) == set(want)
+        for n in want:
+            res = tb.compare(got[n], want[n])
+            assert res["passed"], (n, ps, res)
+    grads = outs["eager", "fwd+bwd"]
+    assert set(grads) >= {"dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"}
+    if shared:
+        assert {"d_shared_gate", "d_shared_up", "d_shared_down"} <= set(grads)
+
+
+def test_compare_fails_on_wrong_or_non_finite_values():
+    a = torch.randn(1000)
+    assert tb.compare(a, a)["passed"]
+    assert not tb.compare(a * 1.05, a)["passed"]  # 5 % off
+    b = a.clone()
+    b[7] = float("nan")
+    assert not tb.compare(b, a)["passed"]
+    assert not tb.compare(a[:999], a)["passed"]
+
+
+def test_compiled_layer_compiles_whole_for_both_passes():
+    """fullgraph=True: a graph break would raise. Forward and forward+backward agree with
+    the uncompiled function."""
+    tb.configure_compile()
+    torch._dynamo.reset()
+    p = small_preset(shared=64, limit=7.0, tokens=64)
+    d = tb.make_inputs(p, "uniform", seed=4, device="cpu")
+    eager = tb.TorchImpl(d, tb.moe_compilable)
+    want = {ps: eager.outputs(ps) for ps in tb.PASSES}
+    compiled = tb.TorchImpl(d, tb.compiled_layer())
+    for ps in tb.PASSES:
+        got = compiled.outputs(ps)
+        for n in want[ps]:
+            assert tb.compare(got[n], want[ps][n])["passed"], (n, ps)
+
+
+def test_checksum_is_the_sum_of_words_times_odd_positions():
+    gen = torch.Generator().manual_seed(0)
+    for t in (torch.randn(6, 10, generator=gen).bfloat16(), torch.randn(33, generator=gen)):
+        words = t.contiguous().view(-1).view(torch.int32).tolist()
+        want = sum((w & 0xFFFFFFFF) * (2 * i + 1) for i, w in enumerate(words)) % (1 << 64)
+        assert layer_bench.checksum(t) == want
+        assert layer_bench.checksum(t, chunk=7) == want  # chunking does not change it
+    t = torch.randn(64, generator=gen).bfloat16()
+    u = t.clone()
+    u[40] = -u[40]
+    assert layer_bench.checksum(t) != layer_bench.checksum(u)
+
+
+def test_report_table_quotes_ratios_to_torch_compiled(tmp_path):
+    base = dict(preset="deepseek-v3", tokens=8192, ep=1, hidden=7168, intermediate=2048, experts=32, top_k=8,
+                shared_intermediate=0, swiglu_limit=0.0, repeats=3, iters=10, gpu="NVIDIA H200", commit="abc1234",
+                date="2026-12-01T00:00:00Z", max_load_ratio=1.05, check="passed")
+    records = []
+    for routing in ("uniform", "zipf1.2"):
+        for ps, scale in (("fwd", 1.0), ("fwd+bwd", 3.0)):
+            for impl, ms in (("mok", 10.0), ("mok-py", 10.5), ("torch-compiled", 12.0), ("torch", 15.0),
+                             ("dense", 8.0)):
+                records.append(dict(base, impl=impl, routing=routing, **{"pass": ps}, ms=ms * scale,
+                                    ms_min=ms * scale * 0.99, ms_max=ms * scale * 1.02, tflops=100 / ms,
+                                    peak_bytes=int(1e9 * (2 if impl == "torch-compiled" else 1))))
+    text = report.layer_table(records)
+    assert "1.200" in text  # mok / torch-compiled: 12 / 10
+    assert "1.143" in text  # mok-py / torch-compiled: 12 / 10.5
+    assert "1.500" in text  # mok / torch eager
+    assert "0.500" in text  # peak mok / torch-compiled
+    assert "zipf1.2" in text
+    path = tmp_path / "2026-12-01-abc1234-layer-bench.json"
+    path.write_text(json.dumps(records))
+    assert report.result_files(str(tmp_path))[0][0] == str(path)
