@@ -6,6 +6,10 @@
       DIR/<date>-<commit>-gpucheck.json (each test's name and outcome), prints a table
   report.py table [--results-dir bench/results]
       writes bench/results/README.md: one table per benchmark file, newest first
+  report.py plot [--results-dir bench/results]
+      writes bench/results/latest.svg from the newest layer benchmark file
+  report.py train-plot --input RUN.json --output RUN.svg
+      loss curves and tokens/s of a training-example record (examples/train_moe_lm.py --out)
 """
 import argparse
 import glob
@@ -275,6 +279,36 @@ def cmd_plot(a):
     fig.savefig(os.path.join(a.results_dir, "latest.svg"), metadata={"Date": None})
 
 
+def cmd_train_plot(a):
+    """Loss per step of each backend of a training-example record (examples/train_moe_lm.py
+    --out) and their tokens/s, as one SVG (needs matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(a.input) as f:
+        rec = json.load(f)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [2, 1]})
+    for name, b in rec["backends"].items():
+        ax.plot(range(1, len(b["losses"]) + 1), b["losses"], label=f"{name} (final {b['final_loss']:.3f})", lw=1)
+    ax.axhline(rec["entropy_floor"], color="gray", ls=":", lw=1, label="the chain's entropy (floor)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    names = list(rec["backends"])
+    bx.bar(names, [rec["backends"][n]["tokens_per_s"] for n in names])
+    bx.set_ylabel("tokens/s")
+    bx.tick_params(axis="x", rotation=25)
+    bx.grid(axis="y", alpha=0.3)
+    c = rec["config"]
+    fig.suptitle(f"train_moe_lm --size {rec['size']} ({c['layers']} layers, {c['experts']} experts top-{c['top_k']}), "
+                 f"{rec['gpu']}, commit {rec['commit']}, {rec['date'][:10]}")
+    fig.tight_layout()
+    fig.savefig(a.output, metadata={"Date": None})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -289,8 +323,11 @@ def main():
     results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     for name in ("table", "plot"):
         sub.add_parser(name).add_argument("--results-dir", default=results)
+    t = sub.add_parser("train-plot")
+    t.add_argument("--input", required=True)
+    t.add_argument("--output", required=True)
     a = ap.parse_args()
-    {"gpucheck": cmd_gpucheck, "table": cmd_table, "plot": cmd_plot}[a.cmd](a)
+    {"gpucheck": cmd_gpucheck, "table": cmd_table, "plot": cmd_plot, "train-plot": cmd_train_plot}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
 #!/usr/bin/env python3
-"""Train a small mixture-of-experts language model on synthetic data, once with the fused
-MoK kernel and once with the plain PyTorch path (same initialisation, same data), and
-compare the loss curves and tokens/s.
+"""Train a small mixture-of-experts language model on synthetic data with the fused MoK
+kernel and with the plain PyTorch path, eager and under torch.compile (same
+initialisation, same data), and compare the loss curves and tokens/s.
 
-    python examples/train_moe_lm.py                          # both backends, Hopper GPU
+    python examples/train_moe_lm.py                          # mok, torch, torch-compiled (Hopper GPU)
+    python examples/train_moe_lm.py --backend mok,mok-compiled,torch,torch-compiled --out run.json
     python examples/train_moe_lm.py --backend torch --device cpu --size tiny --steps 60
+
+Backends: `mok` (the experts on the fused kernel), `torch` (mok.moe_torch, the same layer in
+plain PyTorch), and `-compiled` variants of each: the whole model under torch.compile (graph
+breaks, if any, are counted and reported). --out writes the losses of every step and the
+tokens/s of each backend as JSON (with the commit, GPU and PyTorch version).
 
 The data is a random Markov chain over the vocabulary (each token has four possible
 successors), so the loss falls from ln(vocab) towards the chain's entropy (< ln 4) as the
@@ -12,7 +18,10 @@ model learns the table. The script exits non-zero if the loss does not fall.
 """
 
 import argparse
+import datetime
+import json
 import math
+import os
 import time
 
 import torch
@@ -87,19 +96,21 @@ class MarkovData:
 
 def train(backend, args, c, device, dtype):
     torch.manual_seed(args.seed)
-    model = MoeLM(c, backend, device, dtype)
+    layer_backend, compiled = backend.removesuffix("-compiled"), backend.endswith("-compiled")
+    model = MoeLM(c, layer_backend, device, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    forward = torch.compile(model) if compiled else model
     data = MarkovData(c["vocab"], args.seed, device)
     batches = [data.batch(c["batch"], c["seq"]) for _ in range(args.steps)]  # same data for both backends
     tokens_per_step = c["batch"] * c["seq"]
     losses, timed_tokens, timed_seconds = [], 0, 0.0
-    bar = tqdm(range(args.steps), desc=f"{backend:5s}", unit="step")
+    bar = tqdm(range(args.steps), desc=f"{backend:14s}", unit="step")
     for step in bar:
         inputs, targets = batches[step]
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        logits = model(inputs)
+        logits = forward(inputs)
         loss = F.cross_entropy(logits.float().view(-1, c["vocab"]), targets.reshape(-1))
         balance = sum(block.moe.aux_loss for block in model.blocks) / len(model.blocks)
         opt.zero_grad(set_to_none=True)
@@ -113,14 +124,25 @@ def train(backend, args, c, device, dtype):
         losses.append(loss_value)
         rate = timed_tokens / timed_seconds if timed_seconds else float("nan")
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:,.0f}")
-    if backend == "mok":
+    if layer_backend == "mok":
         mok.check()  # raise now if a kernel flagged bad input
     return losses, timed_tokens / timed_seconds if timed_seconds else float("nan"), data.entropy
 
 
+def graph_breaks():
+    """Graph breaks torch.compile has reported so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+BACKENDS = ("mok", "mok-compiled", "torch", "torch-compiled")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", choices=["mok", "torch", "both"], default="both")
+    ap.add_argument("--backend", default="mok,torch,torch-compiled",
+                    help=f"comma-separated, among {', '.join(BACKENDS)} ('both' = mok,torch)")
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=200)
@@ -128,25 +150,49 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--balance", type=float, default=0.01, help="weight of the router load-balancing loss")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="", help="write the losses and tokens/s of every backend as JSON")
+    ap.add_argument("--commit", default=os.environ.get("MOK_COMMIT", "unknown"))
     args = ap.parse_args()
     device = torch.device(args.device)
-    backends = ["mok", "torch"] if args.backend == "both" else [args.backend]
-    if "mok" in backends and device.type != "cuda":
-        ap.error("the mok backend needs a Hopper GPU (--device cuda); use --backend torch on the CPU")
+    backends = ["mok", "torch"] if args.backend == "both" else args.backend.split(",")
+    for b in backends:
+        if b not in BACKENDS:
+            ap.error(f"unknown backend '{b}'; known: {', '.join(BACKENDS)}")
+    if any(b.startswith("mok") for b in backends) and device.type != "cuda":
+        ap.error("the mok backends need a Hopper GPU (--device cuda); use --backend torch on the CPU")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the fused kernel is bf16
     c = SIZES[args.size]
     print(f"{args.size}: vocab {c['vocab']}, hidden {c['hidden']}, {c['layers']} layers, {c['experts']} experts "
           f"(top-{c['top_k']}, intermediate {c['inter']}), {c['batch']}x{c['seq']} tokens a step, on {device}")
-    results = {b: train(b, args, c, device, dtype) for b in backends}
-    print(f"\n{'backend':8s} {'first loss':>10s} {'final loss':>10s} {'tokens/s':>12s}")
+    results, breaks = {}, {}
+    for b in backends:
+        before = graph_breaks()
+        results[b] = train(b, args, c, device, dtype)
+        breaks[b] = graph_breaks() - before
+    print(f"\n{'backend':15s} {'first loss':>10s} {'final loss':>10s} {'tokens/s':>12s} {'graph breaks':>13s}")
     ok = True
     for b, (losses, rate, entropy) in results.items():
         final = sum(losses[-10:]) / len(losses[-10:])
-        print(f"{b:8s} {losses[0]:10.3f} {final:10.3f} {rate:12,.0f}")
+        print(f"{b:15s} {losses[0]:10.3f} {final:10.3f} {rate:12,.0f} {breaks[b] if b.endswith('compiled') else '':>13}")
         ok = ok and final < 0.8 * losses[0]
     print(f"(start ~ ln vocab = {math.log(c['vocab']):.2f}; the chain's entropy, the floor: {entropy:.2f})")
-    if len(results) == 2:
-        print(f"mok / torch tokens/s: {results['mok'][1] / results['torch'][1]:.2f}x")
+    for other in ("torch", "torch-compiled"):
+        for mine in ("mok", "mok-compiled"):
+            if mine in results and other in results:
+                print(f"{mine} / {other} tokens/s: {results[mine][1] / results[other][1]:.3f}x")
+    if args.out:
+        record = dict(example="train_moe_lm", commit=args.commit, size=args.size, config=c, steps=args.steps,
+                      warmup_steps=args.warmup, seed=args.seed, lr=args.lr, device=str(device),
+                      gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                      torch=torch.__version__,
+                      date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                      backends={b: dict(losses=losses, tokens_per_s=rate,
+                                        final_loss=sum(losses[-10:]) / len(losses[-10:]),
+                                        graph_breaks=breaks[b] if b.endswith("compiled") else None)
+                                for b, (losses, rate, _) in results.items()},
+                      entropy_floor=entropy)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
     if not ok:
         raise SystemExit("the loss did not fall below 0.8x its first value")
 

@@ -7,7 +7,7 @@
 # $OUT/bench_layer.json (written as measured), then prints a short table.
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
-#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed]
+#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train]
 #                                                   [--presets all|NAME,...] [--repeats N]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON; `bench` (build if missing, then
@@ -17,7 +17,8 @@
 # its own bench JSON (<date>-<commit>-ep<W>-bench.json). `all` runs the three. `speed` (a
 # kernel change's check in one call): build, the one-GPU forward/backward tests, then the
 # layer benchmark with uniform routing. --presets/--repeats choose the benchmark's presets
-# (a run split over several calls) and rounds (default 3).
+# (a run split over several calls) and rounds (default 3). `train` runs the training
+# example alone (tests and all run it too) and writes <date>-<commit>-train.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -35,11 +36,11 @@ while [ $# -gt 0 ]; do
     --part) part="$2"; shift ;;
     --presets) presets="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed] [--presets all|NAME,...] [--repeats N]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train] [--presets all|NAME,...] [--repeats N]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|bench|ep|speed) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep or speed"; exit 2 ;; esac
+case "$part" in all|tests|bench|ep|speed|train) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep, speed or train"; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 source scripts/setup.sh || exit 1
@@ -53,7 +54,7 @@ if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
   if [ "$part" = tests ] || [ "$part" = all ]; then rm -rf "$build"; fi  # a clean build: the ptxas report covers every kernel
   # The benchmark needs the library, mok_bench and the extension mok._C, not the tests.
   with_tests=ON
-  { [ "$part" = bench ] && [ ! -f $build/tests/test_plan ]; } && with_tests=OFF
+  { [ "$part" = bench ] || [ "$part" = train ]; } && [ ! -f $build/tests/test_plan ] && with_tests=OFF
   { cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON -DMOK_BUILD_PYTHON=ON \
       -DMOK_BUILD_TESTS=$with_tests &&
     cmake --build $build -j"$(nproc)"; } > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
@@ -62,6 +63,33 @@ if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
   # so it runs without a second build through pip.
   rm -rf $build/pkg && mkdir -p $build/pkg && cp -r python/mok $build/pkg/ && cp $build/_C*.so $build/pkg/mok/
 fi
+
+# The layer benchmark (bench/layer_bench.py): a smoke run on the small preset first (one
+# round: a broken build or check stops here, cheaply), then the chosen presets, written into
+# $OUT record by record (a call cut short by a machine's time limit keeps what it measured).
+layer_bench() {  # $1: routings
+  local py=(env PYTHONPATH="$PWD/$build/pkg" python3 bench/layer_bench.py --mok-bench $build/bench/mok_bench)
+  if ! "${py[@]}" --preset small --repeats 1 --iters 2 --warmup 1 > "$LOG/bench_smoke.log" 2>&1; then
+    echo "layer_bench smoke run failed:"; tail -30 "$LOG/bench_smoke.log"; test_rc=1; return
+  fi
+  "${py[@]}" --preset "$presets" --routing "$1" --repeats $repeats --iters $iters --out "$OUT/bench_layer.json" \
+    --commit "$commit" --date "$date" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
+  bench=("$OUT/bench_layer.json")
+}
+
+# The training example (examples/train_moe_lm.py): mok, mok-compiled, torch and
+# torch-compiled from one initialisation on the same data; the record (loss of every step,
+# tokens/s) goes to $OUT/<date>-<commit>-train.json.
+train_example() {
+  local py=python3
+  python3 -c "import mok" 2>/dev/null || py=(env PYTHONPATH="$PWD/$build/pkg" python3)
+  if "${py[@]}" examples/train_moe_lm.py --steps 200 --backend mok,mok-compiled,torch,torch-compiled \
+       --commit "$commit" --out "$OUT/${date:0:10}-$commit-train.json" > "$LOG/train_example.log" 2> "$LOG/train_example.err"; then
+    tail -9 "$LOG/train_example.log"
+  else
+    echo "training example failed"; tail -5 "$LOG/train_example.log" "$LOG/train_example.err"; test_rc=1
+  fi
+}
 
 test_rc=0
 extra=()
@@ -88,12 +116,8 @@ else
   echo "main job failed"; tail -20 "$LOG/main_job.log"; test_rc=1
 fi
 
-# The training example: the fused kernel against the PyTorch path (loss and tokens/s).
-if python3 examples/train_moe_lm.py --steps 100 > "$LOG/train_example.log" 2> "$LOG/train_example.err"; then
-  tail -5 "$LOG/train_example.log"
-else
-  echo "training example failed"; tail -5 "$LOG/train_example.log" "$LOG/train_example.err"; test_rc=1
-fi
+# The training example: the fused kernel against the PyTorch path, eager and compiled.
+train_example
 
 # compute-sanitizer on small cases: shared expert, clamp, padding, ragged T, the EP ring.
 for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
@@ -113,20 +137,10 @@ done
 junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
 
-# The layer benchmark (bench/layer_bench.py): a smoke run on the small preset first (one
-# round: a broken build or check stops here, cheaply), then the chosen presets, written into
-# $OUT record by record (a call cut short by a machine's time limit keeps what it measured).
-layer_bench() {  # $1: routings
-  local py=(env PYTHONPATH="$PWD/$build/pkg" python3 bench/layer_bench.py --mok-bench $build/bench/mok_bench)
-  if ! "${py[@]}" --preset small --repeats 1 --iters 2 --warmup 1 > "$LOG/bench_smoke.log" 2>&1; then
-    echo "layer_bench smoke run failed:"; tail -30 "$LOG/bench_smoke.log"; test_rc=1; return
-  fi
-  "${py[@]}" --preset "$presets" --routing "$1" --repeats $repeats --iters $iters --out "$OUT/bench_layer.json" \
-    --commit "$commit" --date "$date" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
-  bench=("$OUT/bench_layer.json")
-}
-
 bench=()
+if [ "$part" = train ]; then
+train_example
+fi
 if [ "$part" = speed ]; then
 ctest --test-dir $build --output-on-failure -j2 -R "^(Forward|Backward)" --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1
 test_rc=$?

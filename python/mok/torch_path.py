@@ -62,13 +62,36 @@ def moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
               w_up: torch.Tensor, w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
               swiglu_limit: Optional[float] = None) -> torch.Tensor:
     """mok.moe's semantics in PyTorch: sort the (token, slot) pairs by expert, gather, grouped
-    GEMMs (torch._grouped_mm on CUDA), SwiGLU, weighted sum over the k slots; -1 = no expert.
+    GEMMs (torch._grouped_mm on CUDA), SwiGLU, scatter the result rows back to their slots,
+    weighted sum over the k slots in fp32; -1 = no expert.
+
+    Written for torch.compile on CUDA: every shape is static (no boolean indexing, no
+    bincount), so `torch.compile(model)` takes the layer whole. A padding slot (-1) becomes a
+    row of zeros at the end of the last expert's group: zeros in, zeros out, no gradient.
     Accumulates in the inputs' dtype per GEMM (as PyTorch does), so it is not bitwise equal
     to the fused kernel."""
-    k = topk_ids.shape[1]
-    pairs, experts = _pairs_by_expert(topk_ids)
-    rows = _experts(x.index_select(0, pairs // k), experts, w_gate, w_up, w_down, swiglu_limit)
-    return _combine(x, k, topk_weights, pairs, rows, shared, swiglu_limit)
+    T, k = topk_ids.shape
+    E = w_gate.shape[0]
+    flat = topk_ids.reshape(-1)
+    valid = flat >= 0
+    sorted_ids, order = torch.sort(torch.where(valid, flat, E - 1), stable=True)
+    keep = valid.index_select(0, order).unsqueeze(-1)
+    xs = torch.where(keep, x.index_select(0, order // k), 0)
+    if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        bounds = torch.arange(E, device=flat.device, dtype=sorted_ids.dtype)
+        offsets, counts = torch.searchsorted(sorted_ids, bounds, right=True).to(torch.int32), None
+    else:  # the loop needs the group sizes on the host
+        offsets, counts = None, torch.bincount(sorted_ids.long(), minlength=E).tolist()
+    g = _grouped(xs, w_gate, offsets, counts)
+    u = _grouped(xs, w_up, offsets, counts)
+    rows = _grouped(_swiglu(g, u, swiglu_limit), w_down, offsets, counts)
+    per_slot = torch.index_copy(torch.empty_like(rows), 0, order, rows).view(T, k, -1)  # slot order[i] <- row i
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = (per_slot.to(acc) * topk_weights.to(acc).unsqueeze(-1)).sum(1)
+    if shared is not None:
+        sg, su, sd = shared
+        y = y + (_swiglu(x @ sg.T, x @ su.T, swiglu_limit) @ sd.T).to(acc)
+    return y.to(x.dtype)
 
 
 class _Exchange(torch.autograd.Function):
