@@ -17,7 +17,9 @@ import layer_bench  # noqa: E402
 import report  # noqa: E402
 import torch_baseline as tb  # noqa: E402
 
-MOK_BENCH = os.path.join(ROOT, os.environ.get("MOK_BUILD_DIR", "build"), "bench", "mok_bench")
+MOK_BENCH = next((p for p in (os.path.join(ROOT, d, "bench", "mok_bench")
+                              for d in (os.environ.get("MOK_BUILD_DIR", "build"), "build-gpu")) if os.path.exists(p)),
+                 os.path.join(ROOT, "build", "bench", "mok_bench"))
 
 
 def small_preset(shared=0, limit=0.0, tokens=96, experts=8, top_k=2):
