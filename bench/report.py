@@ -87,6 +87,7 @@ def table(records):
 
 
 LAYER_IMPLS = ("mok", "mok-py", "torch-compiled", "torch", "dense")
+EP_IMPLS = ("mok-ep", "torch-compiled-ep", "torch-ep", "mok-compute")
 
 
 def round_ratio(rs, a, b):
@@ -110,36 +111,51 @@ def fmt_ratio(r):
 
 
 def layer_table(records):
-    """Markdown tables of bench/layer_bench.py records, one per routing and pass: TFLOP/s of
-    each implementation, ratios per interleaved round (median and range) to torch-compiled,
-    to eager torch and to the dense ceiling, peak memory, the busiest expert's load, checks."""
+    """Markdown tables of bench/layer_bench.py (one GPU) or bench/ep_bench.py (EP) records,
+    one per routing and pass: TFLOP/s of each implementation, ratios per interleaved round
+    (median and range) to the compiled and eager PyTorch baselines and to the ceiling or the
+    compute-only floor, peak memory, the busiest expert's load, checks."""
+    ep = any(r["impl"] in EP_IMPLS for r in records)
+    if ep:
+        me, base, eager = "mok-ep", "torch-compiled-ep", "torch-ep"
+        ratios = [(f"{me} / {base}", me, base), (f"{me} / {eager}", me, eager),
+                  (f"mok-compute time / {me} time", me, "mok-compute")]
+        order = EP_IMPLS
+    else:
+        me, base, eager = "mok", "torch-compiled", "torch"
+        ratios = [(f"mok / {base}", "mok", base), (f"mok-py / {base}", "mok-py", base), ("mok / torch", "mok", eager),
+                  ("mok / dense", "mok", "dense")]
+        order = LAYER_IMPLS
     out = []
-    routings = list(dict.fromkeys(r["routing"] for r in records))
-    for routing in routings:
+    for routing in dict.fromkeys(r.get("routing", "uniform") for r in records):
         for ps in ("fwd", "fwd+bwd"):
             by = {}
             for r in records:
-                if r["routing"] == routing and r["pass"] == ps:
+                if r.get("routing", "uniform") == routing and r["pass"] == ps:
                     by.setdefault(r["preset"], {})[r["impl"]] = r
             if not by:
                 continue
-            impls = [i for i in LAYER_IMPLS if any(i in rs for rs in by.values())]
-            out += [f"### {ps}, routing {routing}", "",
-                    "| preset | " + " | ".join(f"{i} TFLOP/s" for i in impls) +
-                    " | mok / torch-compiled | mok-py / torch-compiled | mok / torch | mok / dense"
-                    " | peak GiB mok | peak GiB torch-compiled | peak mok / torch-compiled | busiest expert / mean | checks |"]
+            impls = [i for i in order if any(i in rs for rs in by.values())]
+            head = ("| preset | " + " | ".join(f"{i} TFLOP/s" for i in impls) + "".join(f" | {t}" for t, _, _ in ratios) +
+                    f" | peak GiB {me} | peak GiB {base} | peak {me} / {base} | busiest expert / mean")
+            if ep and ps == "fwd":
+                head += f" | {me} dispatch GB/s (lower bound) | NCCL dispatch alone GB/s"
+            out += [f"### {ps}, routing {routing}" + (f", EP = {records[0].get('ep')}" if ep else ""), "",
+                    head + " | checks |"]
             out.append("|" + "---|" * (out[-1].count("|") - 1))
             for preset, rs in by.items():
                 row = f"| {preset} | " + " | ".join(f"{rs[i]['tflops']:.0f}" if i in rs else "–" for i in impls)
-                row += f" | {fmt_ratio(round_ratio(rs, 'mok', 'torch-compiled'))}"
-                row += f" | {fmt_ratio(round_ratio(rs, 'mok-py', 'torch-compiled'))}"
-                row += f" | {fmt_ratio(round_ratio(rs, 'mok', 'torch'))}"
-                row += f" | {fmt_ratio(round_ratio(rs, 'mok', 'dense'))}"
-                peak = {i: rs[i]["peak_bytes"] for i in ("mok", "torch-compiled") if i in rs}
-                row += "".join(f" | {peak[i] / 2**30:.2f}" if i in peak else " | –" for i in ("mok", "torch-compiled"))
-                row += f" | {peak['mok'] / peak['torch-compiled']:.3f}" if len(peak) == 2 else " | –"
+                row += "".join(f" | {fmt_ratio(round_ratio(rs, a, b))}" for _, a, b in ratios)
+                peak = {i: rs[i]["peak_bytes"] for i in (me, base) if i in rs and rs[i].get("peak_bytes")}
+                row += "".join(f" | {peak[i] / 2**30:.2f}" if i in peak else " | –" for i in (me, base))
+                row += f" | {peak[me] / peak[base]:.3f}" if len(peak) == 2 else " | –"
                 load = next(iter(rs.values())).get("max_load_ratio")
                 row += f" | {load:.2f}" if load is not None else " | –"
+                if ep and ps == "fwd":
+                    gbps = rs.get(me, {}).get("dispatch_gbps")
+                    nccl = next((r.get("nccl_dispatch_gbps") for r in rs.values() if r.get("nccl_dispatch_gbps")), None)
+                    row += f" | {gbps:.0f}" if gbps else " | –"
+                    row += f" | {nccl:.0f}" if nccl else " | –"
                 bad = [i for i, r in rs.items() if r.get("check") == "failed"]
                 row += f" | {'FAILED: ' + ', '.join(bad) if bad else 'passed'} |"
                 out.append(row)
@@ -247,7 +263,8 @@ def cmd_plot(a):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path, records = next((p, r) for p, r in result_files(a.results_dir) if is_layer_run(r))
+    path, records = next((p, r) for p, r in result_files(a.results_dir)
+                         if is_layer_run(r) and not any(x["impl"] in EP_IMPLS for x in r))
     routings = list(dict.fromkeys(r["routing"] for r in records))
     presets = list(dict.fromkeys(r["preset"] for r in records))
     impls = [i for i in LAYER_IMPLS if any(r["impl"] == i for r in records)]

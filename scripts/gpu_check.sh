@@ -158,8 +158,8 @@ if { [ "$part" = ep ] || [ "$part" = all ]; } && [ "$gpus" -ge 2 ]; then
   python3 -c "import mok.ep" 2>/dev/null ||
     python3 -m pip install -q --no-build-isolation --no-deps . > "$LOG/pip.log" 2>&1 || { echo "pip install . failed"; test_rc=1; }
   ep_json="$OUT/${date:0:10}-$commit-ep$gpus-bench.json"
-  timeout 540 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" bench/ep_bench.py \
-    --iters $iters --out "$ep_json" --commit "$commit" --date "$date" 2>&1 | tee "$LOG/bench_ep.log" || test_rc=1
+  timeout 580 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" bench/ep_bench.py \
+    --iters $iters --repeats $repeats --out "$ep_json" --commit "$commit" --date "$date" 2>&1 | tee "$LOG/bench_ep.log" || test_rc=1
 elif [ "$part" = ep ]; then
   echo "gpu_check.sh --part ep: this machine has $gpus GPU(s); expert parallelism across GPUs needs 2 or more"
 fi

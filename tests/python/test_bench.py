@@ -144,3 +144,15 @@ def test_report_table_quotes_ratios_to_torch_compiled(tmp_path):
     path = tmp_path / "2026-12-01-abc1234-layer-bench.json"
     path.write_text(json.dumps(records))
     assert report.result_files(str(tmp_path))[0][0] == str(path)
+
+
+def test_report_table_of_an_ep_run_compares_mok_ep_with_the_compiled_ep_baseline():
+    base = dict(preset="deepseek-v3", tokens=8192, ep=2, gpu="NVIDIA H200", commit="abc1234", repeats=3, iters=10,
+                date="2026-12-01T00:00:00Z", routing="uniform", max_load_ratio=1.05, check="passed", peak_bytes=0)
+    records = [dict(base, impl=impl, **{"pass": ps}, ms=ms, ms_repeats=[ms, ms, ms], tflops=1000 / ms,
+                    dispatch_gbps=150.0 if impl == "mok-ep" else None)
+               for ps in ("fwd", "fwd+bwd")
+               for impl, ms in (("mok-ep", 10.0), ("torch-compiled-ep", 13.0), ("torch-ep", 16.0), ("mok-compute", 9.0))]
+    text = report.layer_table(records)
+    assert "mok-ep / torch-compiled-ep" in text and "1.300" in text and "1.600" in text and "0.900" in text
+    assert "EP = 2" in text and "| 150 |" in text
