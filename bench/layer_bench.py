@@ -32,6 +32,10 @@ Timing: --repeats rounds; in each, every pass of every implementation in turn (A
 keeps each round's median, p10 and p90 (`ms_repeats`, `ms_p10_repeats`, `ms_p90_repeats`);
 `ms` is the median of the rounds' medians, `ms_min`/`ms_max` their range.
 
+Host time (`host_ms`): the median over the timed iterations of the host time to enqueue one
+pass (from the call to its return, no synchronisation): what the GPU waits for when it has
+nothing queued, as in these timings, and what a training loop must hide behind earlier work.
+
 Peak memory (`peak_bytes`): what one pass needs beyond its inputs and weights, measured the
 same way for each: PyTorch's peak allocated bytes over one pass above what was allocated
 before it (weight gradients cleared before the pass, so a fwd+bwd counts its gradients);
@@ -233,14 +237,20 @@ def run_preset(p, routing, args, server, gpu, emit):
                 print(f"  {name} {routing} {impl} {ps}: CHECK FAILED: {json.dumps(c)[:600]}", flush=True)
     del ref
 
+    host = {}  # (impl, pass) -> host ms to enqueue one pass, every timed iteration
+
     def timer(impl, ps):
-        obj = impls[impl]
+        obj, h = impls[impl], host.setdefault((impl, ps), [])
         if impl == "mok":
-            return lambda: sorted(obj.call("time", ps, args.warmup, args.iters)["ms"])
+            def run():
+                reply = obj.call("time", ps, args.warmup, args.iters)
+                h.extend(reply["host_ms"])
+                return sorted(reply["ms"])
+            return run
         if impl == "dense":
-            return lambda: tb.time_ms(obj[ps], args.warmup, args.iters)
+            return lambda: tb.time_ms(obj[ps], args.warmup, args.iters, host=h)
         fn, before = obj.step(ps)
-        return lambda: tb.time_ms(fn, args.warmup, args.iters, before)
+        return lambda: tb.time_ms(fn, args.warmup, args.iters, before, host=h)
 
     runnable = [(impl, ps) for ps in passes for impl in args.impls if impl in impls and "error" not in checks[impl].get(ps, {})]
     rounds = {key: [] for key in runnable}
@@ -271,6 +281,7 @@ def run_preset(p, routing, args, server, gpu, emit):
                   ms_p10_repeats=[t[len(t) // 10] for t in rounds[(impl, ps)]],
                   ms_p90_repeats=[t[len(t) * 9 // 10] for t in rounds[(impl, ps)]],
                   tflops=tb.layer_flops(p, ps) / (ms * 1e-3) / 1e12, peak_bytes=int(peak),
+                  host_ms=statistics.median(host[(impl, ps)]) if host.get((impl, ps)) else None,
                   check={True: "passed", False: "failed", None: "n/a"}[c.get("passed")], check_detail=c,
                   iters=args.iters, warmup=args.warmup, gpu=gpu, commit=args.commit, date=args.date,
                   torch=torch.__version__))

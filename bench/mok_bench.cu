@@ -17,7 +17,8 @@
 //                                                 every weight gradient): the driver compares
 //                                                 them with mok.moe's, which it checks against
 //                                                 the PyTorch path at full size
-//         time PASS WARMUP ITERS                  each iteration's ms, L2 flushed before each
+//         time PASS WARMUP ITERS                  each iteration's ms, L2 flushed before each,
+//                                                 and its host time to enqueue the pass
 //         peak PASS                               bytes one pass needs beyond inputs and weights
 //         quit
 //   mok_bench --fill-sample SEED N                 (no GPU) the first N values fill_bits gives,
@@ -39,6 +40,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -243,9 +245,11 @@ std::uint64_t checksum(const void* p, std::size_t bytes, cudaStream_t stream) {
   return sum;
 }
 
-// Times `body` with CUDA events: warm-up, then each iteration after an L2 flush.
+// Times `body` with CUDA events: warm-up, then each iteration after an L2 flush. With
+// `host_ms`, each iteration's host time to enqueue `body` is appended (unsorted).
 template <typename Body>
-std::vector<float> time_iterations(int warmup, int iters, cudaStream_t stream, Body body) {
+std::vector<float> time_iterations(int warmup, int iters, cudaStream_t stream, Body body,
+                                   std::vector<double>* host_ms = nullptr) {
   static void* flush = nullptr;
   constexpr std::size_t kFlushBytes = 256u << 20;  // > 4x the H200's 60 MB L2
   if (!flush) CUDA_OK(cudaMalloc(&flush, kFlushBytes));
@@ -257,8 +261,11 @@ std::vector<float> time_iterations(int warmup, int iters, cudaStream_t stream, B
   for (int i = 0; i < iters; ++i) {
     CUDA_OK(cudaMemsetAsync(flush, i & 0xff, kFlushBytes, stream));
     CUDA_OK(cudaEventRecord(start, stream));
+    const auto t0 = std::chrono::steady_clock::now();
     body();
+    const auto t1 = std::chrono::steady_clock::now();
     CUDA_OK(cudaEventRecord(stop, stream));
+    if (host_ms) host_ms->push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
     CUDA_OK(cudaEventSynchronize(stop));
     float t = 0;
     CUDA_OK(cudaEventElapsedTime(&t, start, stop));
@@ -742,10 +749,13 @@ int serve() {
         int warmup = 0, iters = 0;
         if (!(in >> pass >> warmup >> iters) || iters < 1) throw mok::Error("mok_bench: time PASS WARMUP ITERS");
         FusedLayer& l = layer(pass);
-        const auto ms = time_iterations(warmup, iters, stream, [&] { l.step(); });
+        std::vector<double> host_ms;
+        const auto ms = time_iterations(warmup, iters, stream, [&] { l.step(); }, &host_ms);
         l.check_status();
         reply << "{\"ms\": [";
         for (std::size_t i = 0; i < ms.size(); ++i) reply << (i ? ", " : "") << ms[i];
+        reply << "], \"host_ms\": [";
+        for (std::size_t i = 0; i < host_ms.size(); ++i) reply << (i ? ", " : "") << host_ms[i];
         reply << "]}";
       } else if (cmd == "peak") {
         in >> pass;

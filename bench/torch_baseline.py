@@ -30,6 +30,7 @@ import math
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -276,8 +277,9 @@ def compare(got, ref, chunk=1 << 26):
     return dict(rel=rel, cos=cos, passed=bool(finite and rel <= REL_TOL and cos >= COS_TOL))
 
 
-def time_ms(fn, warmup, iters, before=None):
-    """Each iteration's ms (sorted), CUDA events around fn, the L2 flushed before each."""
+def time_ms(fn, warmup, iters, before=None, host=None):
+    """Each iteration's ms (sorted), CUDA events around fn, the L2 flushed before each. With
+    `host` (a list), each iteration's host time to enqueue fn (ms, unsorted) is appended."""
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # > 4x the 60 MB L2
     for _ in range(warmup):
         if before:
@@ -290,10 +292,14 @@ def time_ms(fn, warmup, iters, before=None):
         flush.zero_()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         fn()
+        t1 = time.perf_counter()
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop))
+        if host is not None:
+            host.append((t1 - t0) * 1e3)
     times.sort()
     return times
 
