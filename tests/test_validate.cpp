@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <typeinfo>
 
 #include "mok/ep.hpp"
 #include "mok/error.hpp"
@@ -51,6 +52,42 @@ struct Fixture {
   void forward() const { validate_forward_args("mok::forward", shape, args, Device::cpu()); }
   void backward() const { validate_backward_args("mok::backward", shape, args, grads, Device::cpu()); }
 };
+
+// The error's type says what is wrong (the Python extension maps it: DTypeError ->
+// TypeError, ArgumentError -> ValueError, Error -> RuntimeError), and a prefix keeps it.
+TEST(Validate, ErrorTypesSayWhatIsWrong) {
+  Fixture f;
+  f.args.x.dtype = DType::f32;
+  EXPECT_THROW(f.forward(), DTypeError);
+  Fixture g;
+  g.args.x.shape[1] = 96;
+  try {
+    g.forward();
+    ADD_FAILURE() << "no error for a wrong shape";
+  } catch (const DTypeError&) {
+    ADD_FAILURE() << "a wrong shape is not a dtype error";
+  } catch (const ArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("argument 'x': shape must be"), std::string::npos) << e.what();
+  }
+  for (const std::function<void()>& original :
+       {std::function<void()>([] { throw DTypeError("d"); }), std::function<void()>([] { throw ArgumentError("a"); }),
+        std::function<void()>([] { throw Error("e"); })}) {
+    try {
+      try {
+        original();
+      } catch (const Error& e) {
+        e.rethrow_with_prefix("rank 3: ");
+      }
+    } catch (const Error& prefixed) {
+      try {
+        original();
+      } catch (const Error& e) {
+        EXPECT_EQ(typeid(prefixed), typeid(e));
+        EXPECT_EQ(std::string(prefixed.what()), "rank 3: " + std::string(e.what()));
+      }
+    }
+  }
+}
 
 TEST(Validate, GoodArgumentsPass) {
   Fixture f;

@@ -57,21 +57,34 @@ def _saved_elements(x, w_gate, top_k, shared_gate, swiglu_limit):
     return _C.saved_elements(H, I, E, top_k, Is, swiglu_limit, T)
 
 
+def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                 swiglu_limit, training):
+    """The fused forward on the current stream: y, and (training) the gate/up pre-activations
+    (bf16, flat) the backward reads, else None. The one body of the custom ops and of the
+    eager path."""
+    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
+    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit)
+    y = torch.empty_like(x)
+    saved = None
+    if training:
+        saved = torch.empty(_saved_elements(x, w_gate, topk_ids.shape[1], shared_gate, swiglu_limit),
+                            dtype=torch.bfloat16, device=x.device)
+    if x.shape[0] == 0:
+        return y, saved
+    ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    _C.forward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, saved,
+               stream, scratch=_scratch(ws.forward_scratch_bytes, x.device))
+    return y, saved
+
+
 @torch.library.custom_op("mok::moe_forward", mutates_args=())
 def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
                 w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
                 shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
                 swiglu_limit: Optional[float]) -> torch.Tensor:
-    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
-    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit)
-    y = torch.empty_like(x)
-    if x.shape[0] == 0:
-        return y
-    ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    _C.forward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, None,
-               stream, scratch=_scratch(ws.forward_scratch_bytes, x.device))
-    return y
+    return _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                        swiglu_limit, training=False)[0]
 
 
 @moe_forward.register_fake
@@ -89,18 +102,8 @@ def moe_train_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
                       swiglu_limit: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The forward of a training step: y, and the gate/up pre-activations (bf16, flat) the
     backward reads."""
-    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
-    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit)
-    y = torch.empty_like(x)
-    saved = torch.empty(_saved_elements(x, w_gate, topk_ids.shape[1], shared_gate, swiglu_limit),
-                        dtype=torch.bfloat16, device=x.device)
-    if x.shape[0] == 0:
-        return y, saved
-    ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    _C.forward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, saved,
-               stream, scratch=_scratch(ws.forward_scratch_bytes, x.device))
-    return y, saved
+    return _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                        swiglu_limit, training=True)
 
 
 @moe_train_forward.register_fake
@@ -122,6 +125,13 @@ def moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk
                  shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor], saved: torch.Tensor,
                  swiglu_limit: Optional[float]) -> List[torch.Tensor]:
     """dx, d_topk_weights, d_w_gate, d_w_up, d_w_down[, d_shared_gate, d_shared_up, d_shared_down]."""
+    return _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                         saved, swiglu_limit)
+
+
+def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
+                  swiglu_limit):
+    """The fused backward on the current stream (the body of the custom op and of the eager path)."""
     dy = dy.contiguous()
     grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
     ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit)
@@ -200,6 +210,36 @@ def _moe_backward(ctx, grad):
 moe_forward.register_autograd(_moe_backward, setup_context=_moe_setup_context)
 
 
+class _EagerTrainStep(torch.autograd.Function):
+    """mok.moe with autograd outside torch.compile: the same forward and backward bodies as
+    the custom ops, without the custom-op dispatch (its per-call checks cost about as much host
+    time as the whole C++ call)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                swiglu_limit):
+        y, saved = _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                                swiglu_limit, training=True)
+        ctx.save_for_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                              saved)
+        ctx.swiglu_limit = swiglu_limit
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        dy, saved = _backward_inputs(ctx, grad_y, "mok.moe")
+        grads = _run_backward(dy, *saved, ctx.swiglu_limit)
+        return _input_grads(grads, saved[6] is not None, 1)
+
+
+def _eager(tensors) -> bool:
+    """Whether this call may skip the custom ops: plain CUDA tensors (no fake, meta or other
+    subclass), outside torch.compile's tracing."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda for t in tensors)
+
+
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
         w_up: torch.Tensor, w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
         swiglu_limit: Optional[float] = None) -> torch.Tensor:
@@ -212,17 +252,26 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     Differentiable (x, topk_weights and every weight) when autograd records the call: the
     forward then saves the gate/up pre-activations (bf16, k*2I*2 bytes per token plus padding)
     and the fused backward computes every gradient in one kernel.
+    Under torch.compile (and on fake or meta tensors) it is the custom ops mok::moe_forward /
+    mok::moe_train_forward + mok::moe_backward; in eager mode the same bodies are called
+    directly (the custom ops' dispatch is host time the GPU would wait for).
     """
     shared = tuple(shared) if shared is not None else (None, None, None)
     tensors = (x, topk_weights, w_gate, w_up, w_down) + tuple(t for t in shared if t is not None)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if _eager(tensors + (topk_ids,)):
+        if train:
+            return _EagerTrainStep.apply(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit)
+        return _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, training=False)[0]
+    if train:
         return moe_train_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit)[0]
     return moe_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit)
 
 
 def check() -> None:
-    """Synchronises and raises ValueError if a kernel recorded an error (bad expert id,
-    capacity, a timed-out wait) in any workspace, or in any expert-parallel rank (mok.ep)."""
+    """Synchronises and raises if a kernel recorded an error in any workspace, or in any
+    expert-parallel rank (mok.ep): ValueError for bad input (an expert id out of range, more
+    routed rows than the capacity), RuntimeError for a failure (a timed-out wait, a CUDA error)."""
     for ws in _workspaces.values():
         ws.check(torch.cuda.current_stream().cuda_stream)
     ep = sys.modules.get("mok.ep")  # only if expert parallelism was used

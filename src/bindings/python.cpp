@@ -168,13 +168,18 @@ NB_MODULE(_C, m) {
   m.doc() = "MoK for Hopper: C++/CUDA core (see the mok package for the PyTorch API)";
   m.attr("__version__") = mok::kVersion;
 
-  // Bad arguments surface as ValueError, bad dtypes as TypeError, with the library's message.
+  // The library's error types as Python's, with the library's message: a wrong dtype is a
+  // TypeError, any other wrong argument a ValueError, a failure of the device or the
+  // library (CUDA error, timeout) a RuntimeError.
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
+    } catch (const mok::DTypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    } catch (const mok::ArgumentError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
     } catch (const mok::Error& e) {
-      if (std::strstr(e.what(), "dtype must be")) PyErr_SetString(PyExc_TypeError, e.what());
-      else PyErr_SetString(PyExc_ValueError, e.what());
+      PyErr_SetString(PyExc_RuntimeError, e.what());
     }
   });
 
@@ -300,7 +305,7 @@ NB_MODULE(_C, m) {
                            [](mok::EpRank& rank, const mok::ForwardArgs& a, cudaStream_t stream,
                               const std::optional<mok::TensorView>& saved,
                               const std::optional<mok::TensorView>& scratch) {
-                             if (scratch) throw mok::Error("mok.ep_forward: scratch: an EP rank owns its buffers; pass None");
+                             if (scratch) throw mok::ArgumentError("mok.ep_forward: scratch: an EP rank owns its buffers; pass None");
                              rank.forward(a, stream, saved);
                            });
 
@@ -308,7 +313,7 @@ NB_MODULE(_C, m) {
                             [](mok::EpRank& rank, const mok::ForwardArgs& a, const mok::BackwardArgs& b,
                                cudaStream_t stream, const mok::TensorView& saved,
                                const std::optional<mok::TensorView>& scratch) {
-                              if (scratch) throw mok::Error("mok.ep_backward: scratch: an EP rank owns its buffers; pass None");
+                              if (scratch) throw mok::ArgumentError("mok.ep_backward: scratch: an EP rank owns its buffers; pass None");
                               rank.backward(a, b, stream, saved);
                             });
 

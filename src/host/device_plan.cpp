@@ -78,11 +78,11 @@ void DevicePlan::check(cudaStream_t stream) const {
                          "), got ", status.value, " at rank ", status.index / (T * k), ", token ",
                          (status.index / k) % T, ", slot ", status.index % k);
   if (status.code == PlanStatus::capacity_exceeded)
-    throw Error(detail::concat("mok::plan_device: capacity exceeded: routed rows need ", status.value,
+    throw ArgumentError(detail::concat("mok::plan_device: capacity exceeded: routed rows need ", status.value,
                                " padded rows, capacity is ", status.limit,
                                " (raise Config::capacity_factor)"));
   if (status.code == PlanStatus::ring_too_small)
-    throw Error(detail::concat("mok::plan_device: the backward's ring token buffer is too small: local expert ",
+    throw ArgumentError(detail::concat("mok::plan_device: the backward's ring token buffer is too small: local expert ",
                                status.index, " has ", status.value, " padded rows and the ring holds ", status.limit,
                                " rows; the ring must hold every minibatch an expert's rows touch (raise "
                                "Config::ring_rows to at least those rows + minibatch_rows - 128, or 0 for room for "
@@ -117,7 +117,7 @@ void plan_device(const TensorView& ids, std::int64_t rank, DevicePlan& plan, cud
   const MoeShape& s = plan.shape();
   const std::int64_t ep = s.ep_size(), T = plan.tokens(), k = s.top_k;
   if (ids.dtype != DType::i32 && ids.dtype != DType::i64)
-    throw_argument_error(where, "topk_ids", "dtype must be i32 or i64, got ", dtype_name(ids.dtype));
+    throw_dtype_error(where, "topk_ids", "dtype must be i32 or i64, got ", dtype_name(ids.dtype));
   if (ids.device.kind != DeviceKind::cuda)
     throw_argument_error(where, "topk_ids", "must be on a CUDA device, got ", device_name(ids.device));
   const bool shape_ok = (ids.ndim == 3 && ids.shape[0] == ep && ids.shape[1] == T && ids.shape[2] == k) ||

@@ -303,7 +303,7 @@ void VirtualRanks::check(cudaStream_t stream) {
     try {
       ranks_[r]->ws->plan().check(stream);
     } catch (const Error& e) {
-      throw Error(detail::concat("rank ", r, ": ", e.what()));
+      e.rethrow_with_prefix(detail::concat("rank ", r, ": "));
     }
   }
 }

@@ -258,7 +258,7 @@ void EpRank::check(cudaStream_t stream) {
   try {
     ws_->plan().check(stream);
   } catch (const Error& e) {
-    throw Error(detail::concat("rank ", rank_, ": ", e.what()));
+    e.rethrow_with_prefix(detail::concat("rank ", rank_, ": "));
   }
 }
 

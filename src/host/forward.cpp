@@ -160,11 +160,11 @@ void Workspace::throw_if_failed() const {
   const KernelStatus s{v->code, v->block, v->task, v->phase, v->peer, 0, v->observed, v->expected};
   status_host_->code = KernelStatus::ok;  // reported once
   if (s.code == KernelStatus::saved_not_valid)
-    throw Error("mok::backward: the saved tensor was not filled by a forward, or an earlier backward already "
+    throw ArgumentError("mok::backward: the saved tensor was not filled by a forward, or an earlier backward already "
                 "consumed it (the backward overwrites it); dx and d_topk_weights were set to NaN");
   if (s.code == KernelStatus::bad_plan) {
     plan_->check(nullptr);  // synchronises; throws the planner's message (bad id, capacity)
-    throw Error("mok: the plan was invalid and the outputs were set to NaN");
+    throw ArgumentError("mok: the plan was invalid and the outputs were set to NaN");
   }
   throw Error(detail::concat("mok: timeout after ", config_.timeout_seconds, " s on rank ", rank_, " (CTA ", s.block,
                              ", task ", s.task, "): ", kernel_phase_name(s.phase),
@@ -198,7 +198,7 @@ namespace {
 // as `from` says, device, then contiguous, non-null and where it says it lives.
 void check_flat(std::string_view where, std::string_view arg, const TensorView& v, DType dtype, std::int64_t elements,
                 bool at_least, std::string_view from, Device device) {
-  if (v.dtype != dtype) throw_argument_error(where, arg, "dtype must be ", dtype_name(dtype), ", got ", dtype_name(v.dtype));
+  if (v.dtype != dtype) throw_dtype_error(where, arg, "dtype must be ", dtype_name(dtype), ", got ", dtype_name(v.dtype));
   if (v.ndim != 1 || (at_least ? v.shape[0] < elements : v.shape[0] != elements))
     throw_argument_error(where, arg, "shape must be [", at_least ? ">= " : "", elements, "] (", from, "), got ",
                          v.shape_string());

@@ -52,7 +52,7 @@ Plan plan_host(const MoeShape& shape, std::int64_t T, std::span<const std::int32
     p.expert_offset[e + 1] = static_cast<std::int32_t>(p.expert_offset[e] + padded);
   }
   if (p.padded_rows() > p.capacity_rows)
-    throw Error(detail::concat(where, ": capacity exceeded on rank ", rank, ": ", p.routed_rows(),
+    throw ArgumentError(detail::concat(where, ": capacity exceeded on rank ", rank, ": ", p.routed_rows(),
                                " routed rows need ", p.padded_rows(), " padded rows, capacity is ",
                                p.capacity_rows, " (raise Config::capacity_factor)"));
 

@@ -43,7 +43,7 @@ std::string device_name(Device device) {
 
 TensorView TensorView::contiguous(const void* data, DType dtype, Device device,
                                   std::initializer_list<std::int64_t> dims) {
-  if (dims.size() > kMaxDims) throw Error("TensorView::contiguous: more than 4 dimensions");
+  if (dims.size() > kMaxDims) throw ArgumentError("TensorView::contiguous: more than 4 dimensions");
   TensorView v;
   v.data = const_cast<void*>(data);
   v.dtype = dtype;

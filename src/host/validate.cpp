@@ -22,7 +22,7 @@ struct Checker {
     if (!dtype_ok) {
       std::string allowed;
       for (DType d : dtypes) allowed += (allowed.empty() ? "" : " or ") + std::string(dtype_name(d));
-      throw_argument_error(where, arg, "dtype must be ", allowed, ", got ", dtype_name(v.dtype));
+      throw_dtype_error(where, arg, "dtype must be ", allowed, ", got ", dtype_name(v.dtype));
     }
     bool shape_ok = v.ndim == static_cast<int>(dims.size());
     int i = 0;
@@ -105,7 +105,7 @@ void validate_backward_args(std::string_view where, const MoeShape& shape, const
   c.tensor("d_topk_weights", b.d_topk_weights, {DType::f32}, {T, k});
   const DType gdt = b.d_w_gate.dtype;
   if (gdt != DType::bf16 && gdt != DType::f32)
-    throw_argument_error(where, "d_w_gate", "dtype must be bf16 (written) or f32 (accumulated), got ", dtype_name(gdt));
+    throw_dtype_error(where, "d_w_gate", "dtype must be bf16 (written) or f32 (accumulated), got ", dtype_name(gdt));
   c.tensor("d_w_gate", b.d_w_gate, {gdt}, {El, I, H});
   c.tensor("d_w_up", b.d_w_up, {gdt}, {El, I, H});
   c.tensor("d_w_down", b.d_w_down, {gdt}, {El, H, I});
