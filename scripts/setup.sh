@@ -9,7 +9,7 @@ if ! command -v nvcc >/dev/null 2>&1; then
   if [ -x /usr/local/cuda/bin/nvcc ]; then
     export PATH="/usr/local/cuda/bin:$PATH"
   else
-    echo "setup: nvcc not found: install the CUDA toolkit (12.8 or newer) first" >&2
+    echo "setup: nvcc not found: install the CUDA 13 toolkit first (nvcc 13.0 or newer)" >&2
     exit 1
   fi
 fi

@@ -11,14 +11,26 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$build" -j"$(nproc)"
 ctest --test-dir "$build" --output-on-failure -j"$(nproc)"
 
-# Python: a virtual environment with PyTorch and the build tools, then the package.
+# Python: a virtual environment with PyTorch and the build tools, then the package. With
+# MOK_TEST_PINNED_TORCH=1 (CI) the tests run a second time against the pinned PyTorch of
+# scripts/torch-pinned.txt, in .venv-pinned.
 command -v readelf >/dev/null 2>&1 || apt_install binutils
-venv="${MOK_VENV:-.venv}"
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || apt_install python3-venv
-  python3 -m venv "$venv"
+python_tests() {  # $1: virtual environment, $2: optional pip constraints file
+  local venv="$1" constraints=()
+  [ -n "${2:-}" ] && constraints=(-c "$2")
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || apt_install python3-venv
+    python3 -m venv "$venv"
+  fi
+  "$venv/bin/pip" install -q --upgrade pip
+  "$venv/bin/pip" install -q "${constraints[@]}" "torch>=2.6" numpy pytest tqdm "transformers>=5" "nanobind>=2.0" \
+    "scikit-build-core>=0.10" "cmake>=3.28" ninja
+  "$venv/bin/pip" install -q --no-build-isolation --no-deps .
+  echo "test.sh: Python tests with PyTorch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')" \
+       "in $venv${2:+ (pinned by $2)}"
+  "$venv/bin/python" -m pytest -q tests/python
+}
+python_tests "${MOK_VENV:-.venv}"
+if [ "${MOK_TEST_PINNED_TORCH:-0}" = 1 ]; then
+  python_tests "${MOK_VENV_PINNED:-.venv-pinned}" scripts/torch-pinned.txt
 fi
-"$venv/bin/pip" install -q --upgrade pip
-"$venv/bin/pip" install -q "torch>=2.6" numpy pytest tqdm "transformers>=5" "nanobind>=2.0" "scikit-build-core>=0.10" "cmake>=3.28" ninja
-"$venv/bin/pip" install -q --no-build-isolation --no-deps .
-"$venv/bin/python" -m pytest -q tests/python
