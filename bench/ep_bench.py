@@ -413,7 +413,7 @@ def run_checks(d, p, args, ctx):
         return check_outputs(out, ref[ps])
 
     attempt("mok-ep", lambda: MokEp(d, ctx.group), mok_ep_pass)
-    del ref
+    ref.clear()  # (frees the reference outputs before timing)
     local = tb.TorchImpl(dict(d, ids=d["local_ids"]), tb.moe_eager)  # mok-compute's reference
 
     def mok_compute_pass(obj, ps):
@@ -547,18 +547,7 @@ def parse_args():
     ap.add_argument("--seed", type=int, default=1)
     tb.add_run_args(ap, iters=10)
     args = ap.parse_args()
-    args.impls, args.passes, args.routings = args.impl.split(","), args.passes.split(","), args.routing.split(",")
-    for impl in args.impls:
-        if impl not in IMPLS:
-            sys.exit(f"ep_bench: unknown impl '{impl}'; known: {', '.join(IMPLS)}")
-    for ps in args.passes:
-        if ps not in tb.PASSES:
-            sys.exit(f"ep_bench: --pass must be among {', '.join(tb.PASSES)}, got '{ps}'")
-    for routing in args.routings:
-        if routing not in tb.ROUTINGS:
-            sys.exit(f"ep_bench: unknown routing '{routing}'; known: {', '.join(tb.ROUTINGS)}")
-    if args.repeats < 1 or args.iters < 1:
-        sys.exit("ep_bench: --repeats and --iters must be >= 1")
+    tb.check_run_args("ep_bench", args, IMPLS)
     presets = tb.load_presets()
     args.names = args.preset.split(",")
     for n in args.names:
@@ -587,16 +576,7 @@ def main():
     tb.configure_compile()
     records, failed = [], []
 
-    def emit(rec):
-        records.append(rec)
-        if ctx.rank != 0:
-            return
-        print(f"{rec['preset']:<16} {rec['routing']:<8} {rec['impl']:<18} {rec['pass']:<8} {rec['ms']:9.3f} ms "
-              f"[{rec['ms_min']:.3f}, {rec['ms_max']:.3f}] {rec['tflops']:7.1f} TFLOP/s per GPU "
-              f"peak {rec['peak_bytes'] / 2**30:6.2f} GiB  check {rec['check']}", flush=True)
-        if args.out:  # rewritten after every record: a run cut short keeps what it measured
-            with open(args.out, "w") as f:
-                json.dump(records, f, indent=1)
+    emit = tb.record_sink(records, args.out, impl_width=18, unit="TFLOP/s per GPU", echo=ctx.rank == 0)
 
     # (An exception leaves without a barrier: a rank waiting there for a peer stuck in a
     # collective would hang; exiting lets torchrun stop the others.)

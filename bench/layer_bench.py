@@ -153,7 +153,6 @@ def run_preset(p, routing, args, server, gpu, emit):
     load_ratio = tb.max_load_ratio(d["ids"], p["experts"])
     passes = args.passes
     checks = {impl: {} for impl in IMPLS}  # impl -> pass -> dict(passed, tensors | error)
-    steps = {}  # (impl, pass) -> (fn, before) or "server"
     peak_extra = {}
 
     def fail(impl, ps, err):
@@ -324,19 +323,7 @@ def main():
                     help="the mok_bench executable (default: build-gpu/bench/mok_bench, else build/bench/mok_bench)")
     tb.add_run_args(ap, iters=10)
     args = ap.parse_args()
-    args.impls = args.impl.split(",")
-    args.passes = args.passes.split(",")
-    for impl in args.impls:
-        if impl not in IMPLS:
-            sys.exit(f"layer_bench: unknown impl '{impl}'; known: {', '.join(IMPLS)}")
-    for ps in args.passes:
-        if ps not in tb.PASSES:
-            sys.exit(f"layer_bench: --pass must be among {', '.join(tb.PASSES)}, got '{ps}'")
-    for routing in args.routing.split(","):
-        if routing not in tb.ROUTINGS:
-            sys.exit(f"layer_bench: unknown routing '{routing}'; known: {', '.join(tb.ROUTINGS)}")
-    if args.repeats < 1 or args.iters < 1:
-        sys.exit("layer_bench: --repeats and --iters must be >= 1")
+    tb.check_run_args("layer_bench", args, IMPLS)
     if not torch.cuda.is_available():
         sys.exit("layer_bench: no CUDA GPU")
     presets = tb.load_presets()
@@ -354,22 +341,14 @@ def main():
     tb.configure_compile()
     gpu = torch.cuda.get_device_name(0)
     records = []
-
-    def emit(rec):
-        records.append(rec)
-        print(f"{rec['preset']:<16} {rec['routing']:<8} {rec['impl']:<15} {rec['pass']:<8} {rec['ms']:9.3f} ms "
-              f"[{rec['ms_min']:.3f}, {rec['ms_max']:.3f}] {rec['tflops']:7.1f} TFLOP/s "
-              f"peak {rec['peak_bytes'] / 2**30:6.2f} GiB  check {rec['check']}", flush=True)
-        if args.out:  # rewritten after every record: a run cut short keeps what it measured
-            with open(args.out, "w") as f:
-                json.dump(records, f, indent=1)
+    emit = tb.record_sink(records, args.out)
 
     try:
         for i, n in enumerate(names):
             print(f"[{i + 1}/{len(names)}] {n}", flush=True)
             torch._dynamo.reset()  # each preset compiles afresh (a new shape is a new graph anyway)
             args.compiled = tb.compiled_layer()
-            for routing in args.routing.split(","):
+            for routing in args.routings:
                 run_preset(presets[n], routing, args, server, gpu, emit)
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()

@@ -75,6 +75,36 @@ def add_run_args(ap, iters):
     ap.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
 
+def check_run_args(prog, args, known_impls):
+    """Exits naming the bad value if --impl, --pass, --routing, --repeats or --iters of a
+    driver (layer_bench.py, ep_bench.py) asks for what does not exist; splits the lists into
+    args.impls, args.passes, args.routings."""
+    args.impls, args.passes, args.routings = args.impl.split(","), args.passes.split(","), args.routing.split(",")
+    for what, values, known in (("impl", args.impls, known_impls), ("pass", args.passes, PASSES),
+                                ("routing", args.routings, ROUTINGS)):
+        for v in values:
+            if v not in known:
+                sys.exit(f"{prog}: unknown {what} '{v}'; known: {', '.join(known)}")
+    if args.repeats < 1 or args.iters < 1:
+        sys.exit(f"{prog}: --repeats and --iters must be >= 1")
+
+
+def record_sink(records, out, impl_width=15, unit="TFLOP/s", echo=True):
+    """emit(record): appends it, prints one line (when echo) and rewrites `out` (JSON) — after
+    every record, so a run cut short keeps what it measured."""
+    def emit(rec):
+        records.append(rec)
+        if not echo:
+            return
+        print(f"{rec['preset']:<16} {rec['routing']:<8} {rec['impl']:<{impl_width}} {rec['pass']:<8} {rec['ms']:9.3f} ms "
+              f"[{rec['ms_min']:.3f}, {rec['ms_max']:.3f}] {rec['tflops']:7.1f} {unit} "
+              f"peak {rec['peak_bytes'] / 2**30:6.2f} GiB  check {rec['check']}", flush=True)
+        if out:
+            with open(out, "w") as f:
+                json.dump(records, f, indent=1)
+    return emit
+
+
 # ---------------------------------------------------------------------------------------
 # Routing and inputs
 # ---------------------------------------------------------------------------------------

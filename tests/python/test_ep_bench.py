@@ -6,7 +6,6 @@ against mok.moe_torch_ep (values and gradients). What needs GPUs (mok-ep, NCCL, 
 under torchrun on the GPU machine."""
 
 import os
-import socket
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import ep_bench  # noqa: E402
 import torch_baseline as tb  # noqa: E402
+from process_group import run_in_two_processes  # noqa: E402
 
 H, I = 64, 32
 gloo = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -138,54 +138,36 @@ def test_summary_ratios_are_per_round():
 # Two gloo processes: the EP layers against mok.moe_torch_ep
 # ---------------------------------------------------------------------------------------
 
-def _ep_rank(rank, world, port):
-    import torch.distributed as dist
-
+def _ep_rank(rank, world):
     import mok
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        tb.configure_compile()
-        T, E_l, k = 24, 3, 2
-        w_gate_up, w_down = weights(E_l * world, seed=11)
-        mine = slice(rank * E_l, (rank + 1) * E_l)
-        layers = {"torch-ep": ep_bench.TorchEp(), "torch-compiled-ep": ep_bench.TorchEp(compiled=True)}
-        for call, kind in enumerate(("zipf1.2", "uniform", "zipf1.2")):  # row counts change every call
-            p = dict(tokens=T, experts=E_l, top_k=k)
-            ids, w, _, _ = ep_bench.rank_routing(p, world, rank, kind, seed=12 + call, device="cpu")
-            x = torch.randn(T, H, generator=torch.Generator().manual_seed(100 * rank + call)).bfloat16()
-            outs = {}
-            for name, layer in list(layers.items()) + [("moe_torch_ep", None)]:
-                leaves = [t.clone().requires_grad_() for t in (x, w, w_gate_up[mine], w_down[mine])]
-                with torch._dynamo.config.patch(error_on_recompile=call > 0):
-                    if layer is None:
-                        gate, up = leaves[2].split(I, dim=1)
-                        y = mok.moe_torch_ep(leaves[0], ids, leaves[1], gate, up, leaves[3], swiglu_limit=0.75)
-                    else:
-                        y = layer(leaves[0], ids, leaves[1], leaves[2], leaves[3], 0.75)
-                    y.backward(torch.ones_like(y))
-                outs[name] = [y.detach()] + [t.grad for t in leaves]
-            for name in layers:
-                for what, got, want in zip(("y", "dx", "d_topk_weights", "d_w_gate_up", "d_w_down"), outs[name],
-                                           outs["moe_torch_ep"]):
-                    res = tb.compare(got, want)
-                    assert res["passed"], (rank, call, name, what, res)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # Passed: leave without the interpreter's teardown, where gloo's worker threads can abort
-    # the process (pytorch/pytorch#179291; see test_torch_path.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    tb.configure_compile()
+    T, E_l, k = 24, 3, 2
+    w_gate_up, w_down = weights(E_l * world, seed=11)
+    mine = slice(rank * E_l, (rank + 1) * E_l)
+    layers = {"torch-ep": ep_bench.TorchEp(), "torch-compiled-ep": ep_bench.TorchEp(compiled=True)}
+    for call, kind in enumerate(("zipf1.2", "uniform", "zipf1.2")):  # row counts change every call
+        p = dict(tokens=T, experts=E_l, top_k=k)
+        ids, w, _, _ = ep_bench.rank_routing(p, world, rank, kind, seed=12 + call, device="cpu")
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(100 * rank + call)).bfloat16()
+        outs = {}
+        for name, layer in list(layers.items()) + [("moe_torch_ep", None)]:
+            leaves = [t.clone().requires_grad_() for t in (x, w, w_gate_up[mine], w_down[mine])]
+            with torch._dynamo.config.patch(error_on_recompile=call > 0):
+                if layer is None:
+                    gate, up = leaves[2].split(I, dim=1)
+                    y = mok.moe_torch_ep(leaves[0], ids, leaves[1], gate, up, leaves[3], swiglu_limit=0.75)
+                else:
+                    y = layer(leaves[0], ids, leaves[1], leaves[2], leaves[3], 0.75)
+                y.backward(torch.ones_like(y))
+            outs[name] = [y.detach()] + [t.grad for t in leaves]
+        for name in layers:
+            for what, got, want in zip(("y", "dx", "d_topk_weights", "d_w_gate_up", "d_w_down"), outs[name],
+                                       outs["moe_torch_ep"]):
+                res = tb.compare(got, want)
+                assert res["passed"], (rank, call, name, what, res)
 
 
 @gloo
 def test_torch_ep_and_torch_compiled_ep_match_moe_torch_ep_in_two_processes():
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ep_rank, args=(2, port), nprocs=2, join=True)
+    run_in_two_processes(_ep_rank)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mok
+from process_group import run_in_two_processes
 from torch_reference import moe_reference, random_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,38 +51,6 @@ def test_training_example_loss_falls_on_cpu():
     assert "final loss" in run.stdout
 
 
-def _in_process_group(rank, world, port, check, *args):
-    """One process of a gloo group on this machine: runs check(rank, world, *args)."""
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        check(rank, world, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # Passed: leave without the interpreter's teardown, where gloo's worker threads can still
-    # free tensors and abort the process ("terminate called without an active exception",
-    # SIGABRT; seen with torch 2.11 and 2.15, pytorch/pytorch#179291). A failure above raises
-    # instead, and mp.spawn reports it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _run_in_two_processes(check, *args):
-    """check(rank, world, *args) in two processes of a gloo group (a failure in one fails the test)."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_in_process_group, args=(2, port, check) + args, nprocs=2, join=True)
-
-
 def _ep_rank(rank, world, shared, limit):
     """One process of the two-rank check below: its part of one global problem through
     mok.moe_torch_ep, against mok.moe_torch on the whole problem."""
@@ -114,7 +83,7 @@ def _ep_rank(rank, world, shared, limit):
                     reason="needs torch.distributed with gloo")
 @pytest.mark.parametrize("shared,limit", [(0, None), (16, 0.75)])
 def test_expert_parallel_torch_path_matches_one_process(shared, limit):
-    _run_in_two_processes(_ep_rank, shared, limit)
+    run_in_two_processes(_ep_rank, shared, limit)
 
 
 def _ep_module_rank(rank, world):
@@ -149,4 +118,4 @@ def _ep_module_rank(rank, world):
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="needs torch.distributed with gloo")
 def test_expert_parallel_module_with_the_torch_backend_matches_one_process():
-    _run_in_two_processes(_ep_module_rank)
+    run_in_two_processes(_ep_module_rank)
