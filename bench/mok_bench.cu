@@ -103,7 +103,7 @@ struct Record {
   int iters;
 };
 
-// The layer's FLOPs (DESIGN.md's convention): forward 6·H·(routed pairs·I + T·I_s),
+// The layer's FLOPs (docs/design.md's convention): forward 6·H·(routed pairs·I + T·I_s),
 // forward+backward 3x that.
 double pass_flops(const mok::MoeShape& s, std::int64_t T, const std::string& pass) {
   return mok::forward_flops(s, T * s.top_k, T) * (pass == "fwd+bwd" ? 3.0 : 1.0);

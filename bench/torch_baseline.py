@@ -11,7 +11,7 @@ impl "torch-compiled": the strongest plain-PyTorch layer we can write — pairs 
   fp32 weighted sum over the k slots (+ the shared expert) fused by Inductor into one
   reduction — under torch.compile(dynamic=False, fullgraph=True): a graph break or a
   recompile-limit fallback to eager is an error, not a record.
-impl "torch": the same layer in eager PyTorch as DESIGN.md §7 measured it (argsort,
+impl "torch": the same layer in eager PyTorch, as the project first measured it (argsort,
   bincount, gather, _grouped_mm, SwiGLU, _grouped_mm, inverse-index gather, fp32 [T, k, H]
   weighted sum); fwd+bwd is autograd through it.
 impl "dense": the layer's GEMMs as if every routed row went to one expert (+ the shared
@@ -61,7 +61,7 @@ def benchmark_presets(presets):
 
 
 def layer_flops(p, pass_):
-    """DESIGN.md's convention: forward = 6·H·(routed pairs·I + T·I_s), forward+backward = 3x that."""
+    """docs/design.md's FLOP convention: forward = 6·H·(routed pairs·I + T·I_s), forward+backward = 3x that."""
     fwd = 6.0 * p["hidden"] * p["tokens"] * (p["top_k"] * p["intermediate"] + p["shared_intermediate"])
     return fwd * (3 if pass_ == "fwd+bwd" else 1)
 
@@ -193,7 +193,7 @@ def shared_mlp(x, shared_gate_up, shared_down, limit):
 
 
 def moe_eager(x, ids, weights, w_gate_up, w_down, limit, shared_gate_up=None, shared_down=None):
-    """DESIGN.md §7's PyTorch layer: argsort, bincount, gather, grouped GEMMs, inverse-index
+    """The eager PyTorch layer first measured against: argsort, bincount, gather, grouped GEMMs, inverse-index
     gather, fp32 [T, k, H] weighted sum."""
     T, k = ids.shape
     E, two_i, _ = w_gate_up.shape

@@ -33,7 +33,7 @@ inline MoeShape shape_of(const Case& c) {
   return s;
 }
 
-// The routing cases every layer pass is tested on (DESIGN.md §6): uniform, skewed, all
+// The routing cases every layer pass is tested on (docs/design.md §6): uniform, skewed, all
 // tokens on one expert with k = 1, experts with zero tokens, -1 padding, ragged T and
 // sizes, E_l = 1, shared expert, clamp. Each test adds its own cases (e.g. T = 1).
 inline std::vector<Case> routing_cases(std::initializer_list<Case> extra) {

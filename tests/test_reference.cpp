@@ -20,7 +20,7 @@ MoeShape small_shape(std::int64_t shared, std::optional<float> limit) {
   return s;
 }
 
-// Straight from DESIGN.md §2, one scalar at a time, no shared code with the reference.
+// Straight from docs/design.md §2, one scalar at a time, no shared code with the reference.
 std::vector<double> naive_forward(const MoeShape& s, std::int64_t T, const std::vector<double>& x,
                                   const reference::Routing& r, const reference::Weights& w) {
   const std::int64_t H = s.hidden;

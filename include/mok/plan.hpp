@@ -1,4 +1,4 @@
-// The schedule of one rank (DESIGN.md §3.1): which routed rows this rank's experts
+// The schedule of one rank (docs/design.md §3): which routed rows this rank's experts
 // receive, in which order, padded how, and the M-tiles the GEMMs walk.
 //
 // Rows of one expert are ordered by global pair id  (source_rank * T + token) * k + slot,

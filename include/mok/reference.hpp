@@ -1,4 +1,4 @@
-// CPU reference of the whole layer (DESIGN.md §2) in fp64: the oracle every kernel is
+// CPU reference of the whole layer (docs/design.md §2) in fp64: the oracle every kernel is
 // checked against. It computes the *global* layer (all E experts), so one reference
 // serves one GPU, N virtual ranks and N real ranks alike. No intermediate rounding.
 #pragma once

@@ -95,7 +95,7 @@ void validate(const Config& config);
 std::int64_t plan_capacity_rows(const MoeShape& shape, const Config& config, std::int64_t tokens,
                                 std::int64_t block_m);
 
-// DESIGN.md's FLOP convention: forward = 6*H*(routed_pairs*I + tokens*I_s); backward = 2x.
+// docs/design.md's FLOP convention (§2): forward = 6*H*(routed_pairs*I + tokens*I_s); backward = 2x.
 double forward_flops(const MoeShape& shape, std::int64_t routed_pairs, std::int64_t tokens);
 
 }  // namespace mok
