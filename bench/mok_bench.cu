@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "mok/mok.hpp"
+#include "mok/testing.hpp"
 
 namespace {
 

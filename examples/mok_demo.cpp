@@ -15,6 +15,7 @@
 #include <string>
 
 #include "mok/mok.hpp"
+#include "mok/testing.hpp"
 
 namespace {
 

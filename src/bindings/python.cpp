@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "mok/mok.hpp"
+#include "mok/testing.hpp"
 
 namespace nb = nanobind;
 

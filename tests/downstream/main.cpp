@@ -1,5 +1,6 @@
 // A downstream program: plans a routing and runs the CPU reference through the installed package.
 #include <mok/mok.hpp>
+#include <mok/testing.hpp>
 
 #include <cstdio>
 
