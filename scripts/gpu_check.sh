@@ -122,9 +122,9 @@ train_example
 # compute-sanitizer on small cases: shared expert, clamp, padding, ragged T, the EP ring.
 for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
               test_gpu_backward:Backward/BackwardCases.MatchesReference/shared_padded_clamp \
-              test_gpu_ep:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp \
-              test_gpu_ep:Ep.SmallRingWrapsBitwiseLikeOneGpu \
-              test_gpu_ep:EpBackward.SmallRingWrapsBitwiseLikeNoRing; do
+              test_gpu_ep_forward:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp \
+              test_gpu_ep_forward:Ep.SmallRingWrapsBitwiseLikeOneGpu \
+              test_gpu_ep_backward:EpBackward.SmallRingWrapsBitwiseLikeNoRing; do
   binary=${target%%:*} small_case=${target#*:}
   for tool in memcheck racecheck synccheck; do
     if timeout 600 compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/$binary \
