@@ -17,6 +17,7 @@
 namespace mok::detail {
 
 inline constexpr std::int64_t kTileRows = 128;  // the kernels' M-tile = the plan's block_m
+inline constexpr std::int64_t kSavedTrailer = 8;  // bf16 elements at a saved tensor's end: the 8-byte validity marker
 
 inline std::int64_t shared_tiles(const MoeShape& s, std::int64_t tokens) {
   return s.has_shared() ? (tokens + kTileRows - 1) / kTileRows : 0;

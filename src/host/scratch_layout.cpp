@@ -1,0 +1,77 @@
+// Where one call's row buffers lie: in the caller's scratch (one GPU; the backward's dy rows
+// and w h in the W_gate / W_up gradient buffers where they fit) or in an EP rank's own buffers.
+#include "layer_launch.hpp"
+
+namespace mok::detail {
+
+namespace {
+
+std::uint16_t* at(void* base, std::int64_t byte) { return reinterpret_cast<std::uint16_t*>(static_cast<char*>(base) + byte); }
+
+}  // namespace
+
+ScratchShape scratch_shape(const Workspace& ws) {
+  return {ws.shape(), ws.tokens(), ws.plan().capacity_rows(), ws.saved_elements(), ws.training()};
+}
+
+// [f32 slots (capacity + T_pad) x H, x rows = the bf16 rows [capacity, 2 capacity) of its
+// view as bf16 [2 (capacity + T_pad), H]][h capacity x I][shared h T_pad x I_s]
+CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
+  const MoeShape& s = shape.shape;
+  const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
+  const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate;
+  CallBuffers b;
+  b.slots = reinterpret_cast<float*>(scratch);
+  b.x_rows = at(scratch, 2 * cap * H);
+  b.hidden = at(scratch, 4 * (cap + Tpad) * H);
+  b.shared_hidden = at(scratch, 4 * (cap + Tpad) * H + 2 * cap * I);
+  b.bytes = 4 * (cap + Tpad) * H + 2 * (cap * I + Tpad * Is);
+  return b;
+}
+
+// [dy rows capacity x H, unless in d_w_gate][x rows, then dx rows, capacity x H][shared dx
+// rows T_pad x H][w h capacity x I, unless in d_w_up][shared w h T_pad x I_s][recomputed
+// pre-activations]. The recompute's GEMM1 runs the forward kernel on this layout: its x rows
+// then sit where the forward's do (the dy rows are never in d_w_gate), its slots unused.
+CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* d_w_gate, void* d_w_up) {
+  const MoeShape& s = shape.shape;
+  const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
+  const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate, El = s.num_local_experts;
+  const bool in_grads = shape.training == Training::save && d_w_gate != nullptr && d_w_up != nullptr;
+  const bool dy_in_grads = in_grads && cap * H <= El * I * H, hw_in_grads = in_grads && cap * I <= El * I * H;
+  CallBuffers b;
+  std::int64_t used = 0;
+  b.slots = reinterpret_cast<float*>(scratch);
+  b.dy_rows = dy_in_grads ? static_cast<std::uint16_t*>(d_w_gate) : at(scratch, used);
+  if (!dy_in_grads) used += 2 * cap * H;
+  b.x_rows = b.dx_rows = at(scratch, used);
+  used += 2 * cap * H;
+  b.shared_dx_rows = at(scratch, used);
+  used += 2 * Tpad * H;
+  b.hidden = hw_in_grads ? static_cast<std::uint16_t*>(d_w_up) : at(scratch, used);
+  if (!hw_in_grads) used += 2 * cap * I;
+  b.shared_hidden = at(scratch, used);
+  used += 2 * Tpad * Is;
+  if (shape.training == Training::recompute) {
+    b.recompute = at(scratch, used);
+    used += 2 * shape.saved_elements;
+  }
+  b.rows_in_grads = dy_in_grads || hw_in_grads;
+  b.bytes = used;
+  return b;
+}
+
+CallBuffers rank_buffers(const Workspace& ws) {
+  CallBuffers b;
+  b.slots = ws.slots();
+  b.x_rows = static_cast<std::uint16_t*>(ws.x_routed());
+  b.hidden = static_cast<std::uint16_t*>(ws.hidden());
+  b.shared_hidden = b.hidden ? b.hidden + ws.plan().capacity_rows() * ws.shape().intermediate : nullptr;
+  b.dy_rows = static_cast<std::uint16_t*>(ws.dy_routed());
+  b.dx_rows = static_cast<std::uint16_t*>(ws.dx_rows());
+  b.shared_dx_rows = static_cast<std::uint16_t*>(ws.shared_dx_rows());
+  b.recompute = static_cast<std::uint16_t*>(ws.recompute_buffer());
+  return b;
+}
+
+}  // namespace mok::detail

@@ -1,0 +1,171 @@
+// mok::Workspace: what one shape keeps between calls (the plan, counters, the d_topk_weights
+// partials, an EP rank's own row buffers), the errors the device records and their texts.
+#include "mok/forward.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "cuda_check.hpp"
+#include "layer_launch.hpp"
+#include "mok/error.hpp"
+
+namespace mok {
+namespace {
+
+void check_cuda(cudaError_t err, const char* what) { detail::cuda_check(err, "mok::Workspace", what); }
+
+template <typename T>
+void allocate(T*& ptr, std::int64_t bytes, const char* what, std::int64_t& total) {
+  check_cuda(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<std::int64_t>(bytes, 16)), what);
+  total += bytes;
+}
+
+std::int64_t dh_tiles(const MoeShape& s) { return (s.intermediate + 255) / 256; }
+
+PlanOptions plan_options(const MoeShape& shape, std::int64_t tokens, const Config& config) {
+  PlanOptions options;
+  options.block_m = detail::kTileRows;
+  if (config.capacity_factor > 0) options.capacity_rows = plan_capacity_rows(shape, config, tokens, detail::kTileRows);
+  return options;
+}
+
+}  // namespace
+
+const char* kernel_phase_name(std::int32_t phase) {
+  switch (phase) {
+    case 1: return "waiting for a filled pipeline stage (full barrier)";
+    case 2: return "waiting for a free pipeline stage (empty barrier)";
+    case 3: return "forward: waiting for GEMM1 rows of an M-tile (h_ready)";
+    case 4: return "forward: waiting for every GEMM2 tile before the combine (y_done)";
+    case 5: return "backward: waiting for the dh tiles of an M-tile (and on one GPU its expert's dW_gate|up tiles) (dgu_ready)";
+    case 6: return "backward: waiting for every dh tile of an expert before its weight gradients (dgu_ready)";
+    case 7: return "backward: waiting for every dx row tile before the combine (dx_done)";
+    case 8: return "forward: waiting for the result rows a peer rank pushes into this rank's combine slots (slots_done)";
+    case 9: return "backward: waiting for the dx rows and d_topk_weights partials a peer rank pushes (slots_done)";
+    case 10: return "forward: waiting for a minibatch of rows to land in the ring (landed)";
+    case 11: return "forward: comm CTA waiting for GEMM1 to free a ring slot (freed)";
+    case 12: return "waiting for a peer rank's routing exchange of this call (exchange flag)";
+    case 13: return "waiting for a peer rank's plan of this call (plan flag)";
+    case 14: return "forward: comm CTA waiting for a bulk copy of rows into its staging (comm loaded barrier)";
+    case 15: return "backward: waiting for a minibatch of dy and x rows to land in the ring (landed)";
+    case 16: return "backward: comm CTA waiting for the dh and weight-gradient tasks to free a ring slot (freed)";
+    case 17: return "backward: comm CTA waiting for a bulk copy of rows into its staging (comm loaded barrier)";
+    case 18: return "forward: waiting for GEMM1 to read the x rows that a GEMM2 tile's slot rows overwrite (h_ready)";
+    case 19: return "backward: waiting for every dW_down tile to read the dy rows and w*h kept in the W_gate / W_up gradient buffers (wd_done)";
+    default: return "unknown phase";
+  }
+}
+
+Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& config, Training training)
+    : Workspace(shape, tokens, config, training, ForRank{-1}) {}
+
+Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& config, Training training, ForRank rank)
+    : rank_(std::max(rank.rank, 0)), shape_(shape), config_(config), training_(training), tokens_(tokens) {
+  validate(shape);
+  validate(config);
+  if (rank.rank < 0 && shape.ep_size() != 1)
+    throw_argument_error("mok::Workspace", "num_local_experts",
+                         "must equal num_experts = ", shape.num_experts, " on one GPU (got ", shape.num_local_experts,
+                         "); an expert-parallel group's workspaces come from mok::VirtualRanks");
+  if (tokens < 0) throw_argument_error("mok::Workspace", "tokens", "must be >= 0, got ", tokens);
+  if (tokens * shape.top_k > std::numeric_limits<std::int32_t>::max())
+    throw_argument_error("mok::Workspace", "tokens", "T*k must fit in int32, got ", tokens * shape.top_k);
+  plan_ = std::make_unique<DevicePlan>(shape, tokens, plan_options(shape, tokens, config));
+
+  const std::int64_t capacity = plan_->capacity_rows();
+  const std::int64_t padded_tokens = detail::shared_tiles(shape, tokens) * detail::kTileRows;
+  const std::int64_t H = shape.hidden, I = shape.intermediate, Is = shape.shared_intermediate;
+  if (rank.rank >= 0) {  // an EP rank owns its row buffers; one GPU's calls take scratch
+    allocate(x_routed_, 2 * capacity * H, "cudaMalloc(x_routed)", bytes_);
+    allocate(hidden_, 2 * (capacity * I + padded_tokens * Is), "cudaMalloc(hidden)", bytes_);
+    allocate(slots_, 4 * (capacity * H + padded_tokens * H), "cudaMalloc(slots)", bytes_);
+    if (training == Training::recompute) allocate(recompute_, 2 * saved_elements(), "cudaMalloc(recompute)", bytes_);
+  }
+  allocate(counters_, 4 * counter_count(), "cudaMalloc(counters)", bytes_);
+  if (training != Training::off) allocate(dw_partial_, 4 * capacity * dh_tiles(shape), "cudaMalloc(dw_partial)", bytes_);
+  check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&status_host_), sizeof(KernelStatus), cudaHostAllocMapped),
+             "cudaHostAlloc(status)");
+  *status_host_ = KernelStatus{};
+  check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_host_, 0),
+             "cudaHostGetDevicePointer(status)");
+}
+
+Workspace::~Workspace() {
+  for (void* p : {x_routed_, hidden_, static_cast<void*>(slots_), static_cast<void*>(counters_),
+                  static_cast<void*>(dw_partial_), recompute_, scratch_})
+    cudaFree(p);
+  cudaFreeHost(status_host_);
+}
+
+std::int64_t Workspace::counter_count() const {
+  return plan_->max_tiles() + detail::shared_tiles(shape_, tokens_) + 3;  // per-tile counters, done, abort, wd_done
+}
+
+std::int64_t Workspace::forward_scratch_bytes() const {
+  return rows_in_slots() ? detail::forward_buffers(*this, nullptr).bytes : 0;
+}
+
+std::int64_t Workspace::backward_scratch_bytes(DType grad_dtype) const {
+  if (!rows_in_slots() || training_ == Training::off) return 0;
+  // (any non-null address stands for the gradient buffers: only the sizes are used)
+  void* grads = grad_dtype == DType::bf16 ? reinterpret_cast<void*>(std::uintptr_t{256}) : nullptr;
+  return detail::backward_buffers(*this, nullptr, grads, grads).bytes;
+}
+
+void* Workspace::own_scratch(std::int64_t bytes, std::string_view where, cudaStream_t stream) {
+  if (scratch_ == nullptr) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    detail::cuda_check(cudaStreamIsCapturing(stream, &capturing), where, "cudaStreamIsCapturing");
+    if (capturing != cudaStreamCaptureStatusNone)
+      throw_argument_error(where, "scratch", "is needed: this workspace allocates its own on its first call, which "
+                                             "cannot happen while a CUDA graph is being captured (run one call first, "
+                                             "or pass scratch)");
+    // One buffer for every call: the larger of the forward's and the backward's (f32 gradients).
+    scratch_bytes_ = std::max({bytes, forward_scratch_bytes(), backward_scratch_bytes(DType::f32)});
+    allocate(scratch_, scratch_bytes_, "cudaMalloc(scratch)", bytes_);
+  }
+  if (bytes > scratch_bytes_)
+    throw Error(detail::concat(where, ": internal error: scratch of ", bytes, " bytes > ", scratch_bytes_));
+  return scratch_;
+}
+
+
+std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Config& config) {
+  validate(shape);
+  const std::int64_t capacity = device_plan_capacity_rows(shape, tokens, plan_options(shape, tokens, config));
+  const std::int64_t padded_tokens = detail::shared_tiles(shape, tokens) * detail::kTileRows;
+  return 2 * (capacity * shape.intermediate + padded_tokens * shape.shared_intermediate) + detail::kSavedTrailer;
+}
+
+std::int64_t Workspace::capacity_h() const { return plan_->capacity_rows() * shape_.hidden; }
+
+std::int64_t Workspace::saved_elements() const { return mok::saved_elements(shape_, tokens_, config_); }
+
+void Workspace::throw_if_failed() const {
+  const volatile KernelStatus* v = status_host_;  // written by the device, read without a sync
+  if (v->code == KernelStatus::ok) return;
+  const KernelStatus s{v->code, v->block, v->task, v->phase, v->peer, 0, v->observed, v->expected};
+  status_host_->code = KernelStatus::ok;  // reported once
+  if (s.code == KernelStatus::saved_not_valid)
+    throw ArgumentError("mok::backward: the saved tensor was not filled by a forward, or an earlier backward already "
+                "consumed it (the backward overwrites it); dx and d_topk_weights were set to NaN");
+  if (s.code == KernelStatus::bad_plan) {
+    plan_->check(nullptr);  // synchronises; throws the planner's message (bad id, capacity)
+    throw ArgumentError("mok: the plan was invalid and the outputs were set to NaN");
+  }
+  throw Error(detail::concat("mok: timeout after ", config_.timeout_seconds, " s on rank ", rank_, " (CTA ", s.block,
+                             ", task ", s.task, "): ", kernel_phase_name(s.phase),
+                             s.peer >= 0 ? detail::concat(" from peer rank ", s.peer) : std::string(), "; expected ",
+                             s.expected, ", observed ", s.observed));
+}
+
+void Workspace::check(cudaStream_t stream) {
+  const cudaError_t err = cudaStreamSynchronize(stream);
+  throw_if_failed();
+  if (err != cudaSuccess) throw Error(detail::concat("mok: CUDA error: ", cudaGetErrorString(err)));
+  plan_->check(stream);
+}
+
+}  // namespace mok
