@@ -1,0 +1,164 @@
+// The extension's conversions: DLPack tensors (any framework) to mok::TensorView, the
+// layer's argument structs, NumPy results of the reference, and the two binding templates
+// that every forward and backward entry point (one GPU, EP rank) is made of.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "mok/mok.hpp"
+#include "mok/testing.hpp"
+
+namespace mok_python {
+
+namespace nb = nanobind;
+
+inline mok::DType dtype_of(const nb::dlpack::dtype& d) {
+  using code = nb::dlpack::dtype_code;
+  const auto c = static_cast<code>(d.code);
+  if (d.lanes == 1) {
+    if (c == code::Bfloat && d.bits == 16) return mok::DType::bf16;
+    if (c == code::Float && d.bits == 16) return mok::DType::f16;
+    if (c == code::Float && d.bits == 32) return mok::DType::f32;
+    if (c == code::Float && d.bits == 64) return mok::DType::f64;
+    if (c == code::Int && d.bits == 32) return mok::DType::i32;
+    if (c == code::Int && d.bits == 64) return mok::DType::i64;
+    if (c == code::UInt && d.bits == 8) return mok::DType::u8;
+  }
+  throw nb::type_error("mok: unsupported tensor dtype");
+}
+
+inline mok::TensorView view_of(const nb::ndarray<>& a) {
+  mok::TensorView v;
+  if (a.ndim() > static_cast<std::size_t>(mok::TensorView::kMaxDims)) throw nb::value_error("mok: more than 4 dimensions");
+  v.data = a.data();
+  v.dtype = dtype_of(a.dtype());
+  v.device = a.device_type() == nb::device::cuda::value ? mok::Device::cuda(a.device_id()) : mok::Device::cpu();
+  v.ndim = static_cast<int>(a.ndim());
+  for (int i = 0; i < v.ndim; ++i) v.shape[i] = a.shape(i), v.stride[i] = a.stride(i);
+  return v;
+}
+
+inline std::optional<mok::TensorView> optional_view(const std::optional<nb::ndarray<>>& a) {
+  return a ? std::optional<mok::TensorView>(view_of(*a)) : std::nullopt;
+}
+
+inline mok::MoeShape make_shape(std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts,
+                         std::int64_t num_local_experts, std::int64_t top_k, std::int64_t shared_intermediate,
+                         std::optional<float> swiglu_limit) {
+  mok::MoeShape s;
+  s.hidden = hidden, s.intermediate = intermediate, s.num_experts = num_experts;
+  s.num_local_experts = num_local_experts, s.top_k = top_k, s.shared_intermediate = shared_intermediate;
+  s.swiglu_limit = swiglu_limit;
+  mok::validate(s);
+  return s;
+}
+
+using F64 = nb::ndarray<double, nb::c_contig, nb::device::cpu>;
+using I32 = nb::ndarray<std::int32_t, nb::c_contig, nb::device::cpu>;
+
+inline std::span<const double> span_of(const F64& a) { return {a.data(), a.size()}; }
+inline std::vector<double> vec_of(const std::optional<F64>& a) {
+  return a ? std::vector<double>(a->data(), a->data() + a->size()) : std::vector<double>{};
+}
+
+inline nb::ndarray<nb::numpy, double> to_numpy(std::vector<double> values, std::initializer_list<std::size_t> shape) {
+  auto* owned = new std::vector<double>(std::move(values));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<double>*>(p); });
+  return nb::ndarray<nb::numpy, double>(owned->data(), shape.size(), shape.begin(), owner);
+}
+
+inline mok::ForwardArgs forward_args(const nb::ndarray<>& x, const nb::ndarray<>& ids, const nb::ndarray<>& weights,
+                              const nb::ndarray<>& gate, const nb::ndarray<>& up, const nb::ndarray<>& down,
+                              const std::optional<nb::ndarray<>>& shared_gate,
+                              const std::optional<nb::ndarray<>>& shared_up,
+                              const std::optional<nb::ndarray<>>& shared_down, const nb::ndarray<>* y) {
+  mok::ForwardArgs a;
+  a.x = view_of(x), a.topk_ids = view_of(ids), a.topk_weights = view_of(weights);
+  a.w_gate = view_of(gate), a.w_up = view_of(up), a.w_down = view_of(down);
+  if (y) a.y = view_of(*y);
+  a.shared_gate = optional_view(shared_gate), a.shared_up = optional_view(shared_up);
+  a.shared_down = optional_view(shared_down);
+  return a;
+}
+
+inline mok::BackwardArgs backward_args(const nb::ndarray<>& dy, const nb::ndarray<>& dx, const nb::ndarray<>& d_weights,
+                                const nb::ndarray<>& d_gate, const nb::ndarray<>& d_up, const nb::ndarray<>& d_down,
+                                const std::optional<nb::ndarray<>>& d_shared_gate,
+                                const std::optional<nb::ndarray<>>& d_shared_up,
+                                const std::optional<nb::ndarray<>>& d_shared_down) {
+  mok::BackwardArgs b;
+  b.dy = view_of(dy), b.dx = view_of(dx), b.d_topk_weights = view_of(d_weights);
+  b.d_w_gate = view_of(d_gate), b.d_w_up = view_of(d_up), b.d_w_down = view_of(d_down);
+  b.d_shared_gate = optional_view(d_shared_gate), b.d_shared_up = optional_view(d_shared_up);
+  b.d_shared_down = optional_view(d_shared_down);
+  return b;
+}
+
+// This extension has its own CUDA runtime: select the tensors' device explicitly.
+inline void select_device(const mok::ForwardArgs& a, const char* where) {
+  if (a.x.device.kind == mok::DeviceKind::cuda && cudaSetDevice(a.x.device.index) != cudaSuccess)
+    throw nb::value_error((std::string(where) + ": cannot use CUDA device " + std::to_string(a.x.device.index)).c_str());
+}
+
+// Binds name(target, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_*, y, saved,
+// stream, scratch=None): the tensors as views on their device, then run(target, args,
+// stream, saved, scratch) without the GIL. Target: a Workspace (one GPU) or an EpRank.
+template <typename Target, typename Run>
+void def_forward(nb::module_& m, const char* name, const char* target, const char* where, Run run) {
+  m.def(
+      name,
+      [where, run](Target& t, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
+                   nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
+                   std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
+                   std::optional<nb::ndarray<>> saved, std::uintptr_t stream, std::optional<nb::ndarray<>> scratch) {
+        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y);
+        select_device(a, where);
+        const std::optional<mok::TensorView> saved_view = optional_view(saved), scratch_view = optional_view(scratch);
+        nb::gil_scoped_release release;
+        run(t, a, reinterpret_cast<cudaStream_t>(stream), saved_view, scratch_view);
+      },
+      nb::arg(target), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
+      nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
+      nb::arg("y"), nb::arg("saved").none(), nb::arg("stream"), nb::arg("scratch").none() = nb::none());
+}
+
+// The same for the backward: name(target, forward's inputs, saved, dy, dx, d_topk_weights,
+// d_w_gate, d_w_up, d_w_down, d_shared_*, stream, scratch=None).
+template <typename Target, typename Run>
+void def_backward(nb::module_& m, const char* name, const char* target, const char* where, Run run) {
+  m.def(
+      name,
+      [where, run](Target& t, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
+                   nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
+                   std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> saved,
+                   nb::ndarray<> dy, nb::ndarray<> dx, nb::ndarray<> d_weights, nb::ndarray<> d_gate,
+                   nb::ndarray<> d_up, nb::ndarray<> d_down, std::optional<nb::ndarray<>> d_shared_gate,
+                   std::optional<nb::ndarray<>> d_shared_up, std::optional<nb::ndarray<>> d_shared_down,
+                   std::uintptr_t stream, std::optional<nb::ndarray<>> scratch) {
+        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr);
+        select_device(a, where);
+        const mok::BackwardArgs b = backward_args(dy, dx, d_weights, d_gate, d_up, d_down, d_shared_gate, d_shared_up,
+                                                  d_shared_down);
+        const mok::TensorView saved_view = view_of(saved);
+        const std::optional<mok::TensorView> scratch_view = optional_view(scratch);
+        nb::gil_scoped_release release;
+        run(t, a, b, reinterpret_cast<cudaStream_t>(stream), saved_view, scratch_view);
+      },
+      nb::arg(target), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
+      nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
+      nb::arg("saved"), nb::arg("dy"), nb::arg("dx"), nb::arg("d_topk_weights"), nb::arg("d_w_gate"),
+      nb::arg("d_w_up"), nb::arg("d_w_down"), nb::arg("d_shared_gate").none(), nb::arg("d_shared_up").none(),
+      nb::arg("d_shared_down").none(), nb::arg("stream"), nb::arg("scratch").none() = nb::none());
+}
+
+}  // namespace mok_python
