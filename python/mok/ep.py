@@ -15,19 +15,14 @@ Run on two H200s under torchrun (tests/python/test_ep.py: forward and gradients 
 equal to one GPU). `mok.moe_torch_ep` is the same split in plain PyTorch (all-to-all).
 """
 
-import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from mok import _C
 from mok._checks import check_moe_args
+from mok._state import ep_groups as _groups
 from mok.ops import _backward_inputs, _empty_grads, _input_grads
-
-# Live groups by id (the custom ops take an int): weak, so that a group, its process group
-# and its symmetric memory go with the last module that holds it (a process group kept
-# alive past destroy_process_group until the interpreter's teardown can abort there).
-_groups: "weakref.WeakValueDictionary[int, ExpertParallel]" = weakref.WeakValueDictionary()
 
 
 class ExpertParallel:

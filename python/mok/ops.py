@@ -1,29 +1,14 @@
 """The PyTorch API: a torch.library custom op with a fake implementation, so the layer
 works under torch.compile(fullgraph=True) and CUDA-graph capture."""
 
-import atexit
-import sys
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from mok import _C
 from mok._checks import check_moe_args
-
-_workspaces = {}
-
-
-@atexit.register
-def _release_at_exit() -> None:
-    """Frees the cached workspaces and EP ranks while the interpreter and CUDA are still up
-    (objects of the extension alive at its teardown are reported as leaks by nanobind)."""
-    if _workspaces:
-        torch.cuda.synchronize()
-        _workspaces.clear()
-    ep = sys.modules.get("mok.ep")
-    if ep is not None:
-        for group in list(ep._groups.values()):
-            group.release()
+from mok._state import ep_groups
+from mok._state import workspaces as _workspaces
 
 
 def _workspace(x, w_gate, top_k, shared_intermediate, swiglu_limit):
@@ -274,7 +259,5 @@ def check() -> None:
     routed rows than the capacity), RuntimeError for a failure (a timed-out wait, a CUDA error)."""
     for ws in _workspaces.values():
         ws.check(torch.cuda.current_stream().cuda_stream)
-    ep = sys.modules.get("mok.ep")  # only if expert parallelism was used
-    if ep is not None:
-        for group in ep._groups.values():
-            group.check()
+    for group in ep_groups.values():  # (empty unless mok.ep was used)
+        group.check()
