@@ -156,3 +156,23 @@ def test_report_table_of_an_ep_run_compares_mok_ep_with_the_compiled_ep_baseline
     text = report.layer_table(records)
     assert "mok-ep / torch-compiled-ep" in text and "1.300" in text and "1.600" in text and "0.900" in text
     assert "EP = 2" in text and "| 150 |" in text
+
+
+def test_hf_bench_runs_both_backends_from_one_initialisation_on_cpu(tmp_path):
+    """bench/hf_bench.py on a tiny Qwen3-MoE: the glue over mok.moe_torch and transformers'
+    own grouped_mm backend give the same first loss, and the step's time splits into
+    experts, attention and the rest."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "hf_bench.py"), "--impls", "mok_torch,grouped_mm",
+                          "--size", "tiny", "--layers", "2", "--seq", "64", "--steps", "1", "--warmup", "0",
+                          "--repeats", "2", "--device", "cpu", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    records = json.loads(out.read_text())
+    assert [r["impl"] for r in records] == ["mok_torch", "grouped_mm"]
+    for r in records:
+        assert r["loss_rel_diff"] <= 1e-3 and r["tokens_per_s"] > 0 and len(r["ms_repeats"]) == 2
+        parts = r["profile_ms"]
+        assert {"experts fwd", "experts bwd", "attention fwd", "attention bwd", "rest"} <= set(parts)
+        assert all(v > 0 for k, v in parts.items() if k != "rest"), parts
