@@ -7,7 +7,7 @@
 # $OUT/bench_layer.json (written as measured), then prints a short table.
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
-#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train]
+#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf]
 #                                                   [--presets all|NAME,...] [--repeats N]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON; `bench` (build if missing, then
@@ -18,7 +18,9 @@
 # kernel change's check in one call): build, the one-GPU forward/backward tests, then the
 # layer benchmark with uniform routing. --presets/--repeats choose the benchmark's presets
 # (a run split over several calls) and rounds (default 3). `train` runs the training
-# example alone (tests and all run it too) and writes <date>-<commit>-train.json.
+# example alone (tests and all run it too) and writes <date>-<commit>-train.json; `hf` the
+# Hugging Face end-to-end benchmark (bench/hf_bench.py: mok against transformers' grouped_mm
+# backend), <date>-<commit>-hf.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -36,11 +38,11 @@ while [ $# -gt 0 ]; do
     --part) part="$2"; shift ;;
     --presets) presets="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train] [--presets all|NAME,...] [--repeats N]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf] [--presets all|NAME,...] [--repeats N]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|bench|ep|speed|train) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep, speed or train"; exit 2 ;; esac
+case "$part" in all|tests|bench|ep|speed|train|hf) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep, speed, train or hf"; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 source scripts/setup.sh || exit 1
@@ -54,7 +56,7 @@ if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
   if [ "$part" = tests ] || [ "$part" = all ]; then rm -rf "$build"; fi  # a clean build: the ptxas report covers every kernel
   # The benchmark needs the library, mok_bench and the extension mok._C, not the tests.
   with_tests=ON
-  { [ "$part" = bench ] || [ "$part" = train ]; } && [ ! -f $build/tests/test_plan ] && with_tests=OFF
+  { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ]; } && [ ! -f $build/tests/test_plan ] && with_tests=OFF
   { cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON -DMOK_BUILD_PYTHON=ON \
       -DMOK_BUILD_TESTS=$with_tests &&
     cmake --build $build -j"$(nproc)"; } > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
@@ -140,6 +142,12 @@ fi
 bench=()
 if [ "$part" = train ]; then
 train_example
+fi
+if [ "$part" = hf ] || [ "$part" = all ]; then
+  if env PYTHONPATH="$PWD/$build/pkg" python3 bench/hf_bench.py --commit "$commit" \
+       --out "$OUT/${date:0:10}-$commit-hf.json" 2>&1 | tee "$LOG/hf_bench.log"; then :; else
+    echo "hf_bench failed"; test_rc=1
+  fi
 fi
 if [ "$part" = speed ]; then
 ctest --test-dir $build --output-on-failure -j2 -R "^(Forward|Backward)" --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1
