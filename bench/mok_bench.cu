@@ -513,22 +513,12 @@ class FusedLayer {
   }
 
   // (name, bytes) of every output of the last kept pass.
-  std::vector<std::pair<std::string, std::pair<const void*, std::size_t>>> outputs() const {
-    const mok::MoeShape& s = pr_.s;
-    const std::size_t T = pr_.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
-                      Is = s.shared_intermediate;
-    std::vector<std::pair<std::string, std::pair<const void*, std::size_t>>> out{{"y", {y_, T * H * 2}}};
+  using Buffers = std::vector<std::pair<std::string, std::pair<void*, std::size_t>>>;
+  Buffers outputs() const {
+    Buffers out{{"y", {y_, pr_.T * pr_.s.hidden * 2}}};
     if (!bwd_) return out;
-    out.push_back({"dx", {outputs_.dx, T * H * 2}});
-    out.push_back({"d_topk_weights", {outputs_.d_topk_weights, T * k * 4}});
-    out.push_back({"d_w_gate", {outputs_.d_w_gate, E * I * H * 2}});
-    out.push_back({"d_w_up", {outputs_.d_w_up, E * I * H * 2}});
-    out.push_back({"d_w_down", {outputs_.d_w_down, E * H * I * 2}});
-    if (s.has_shared()) {
-      out.push_back({"d_shared_gate", {outputs_.d_shared_gate, Is * H * 2}});
-      out.push_back({"d_shared_up", {outputs_.d_shared_up, Is * H * 2}});
-      out.push_back({"d_shared_down", {outputs_.d_shared_down, H * Is * 2}});
-    }
+    Buffers g = gradient_buffers(outputs_);
+    out.insert(out.end(), g.begin(), g.end());
     return out;
   }
 
@@ -585,20 +575,26 @@ class FusedLayer {
     pool_.free(scratch);
   }
 
-  void poison(const Outputs& g) {
+  // (name, bytes) of a backward's outputs, as the layer writes them.
+  Buffers gradient_buffers(const Outputs& g) const {
     const mok::MoeShape& s = pr_.s;
     const std::size_t T = pr_.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
                       Is = s.shared_intermediate;
-    CUDA_OK(cudaMemsetAsync(g.dx, 0xff, T * H * 2, stream_));
-    CUDA_OK(cudaMemsetAsync(g.d_topk_weights, 0xff, T * k * 4, stream_));
-    CUDA_OK(cudaMemsetAsync(g.d_w_gate, 0xff, E * I * H * 2, stream_));
-    CUDA_OK(cudaMemsetAsync(g.d_w_up, 0xff, E * I * H * 2, stream_));
-    CUDA_OK(cudaMemsetAsync(g.d_w_down, 0xff, E * H * I * 2, stream_));
-    if (s.has_shared()) {
-      CUDA_OK(cudaMemsetAsync(g.d_shared_gate, 0xff, Is * H * 2, stream_));
-      CUDA_OK(cudaMemsetAsync(g.d_shared_up, 0xff, Is * H * 2, stream_));
-      CUDA_OK(cudaMemsetAsync(g.d_shared_down, 0xff, H * Is * 2, stream_));
-    }
+    Buffers out{{"dx", {g.dx, T * H * 2}},
+                {"d_topk_weights", {g.d_topk_weights, T * k * 4}},
+                {"d_w_gate", {g.d_w_gate, E * I * H * 2}},
+                {"d_w_up", {g.d_w_up, E * I * H * 2}},
+                {"d_w_down", {g.d_w_down, E * H * I * 2}}};
+    if (s.has_shared())
+      out.insert(out.end(), {{"d_shared_gate", {g.d_shared_gate, Is * H * 2}},
+                             {"d_shared_up", {g.d_shared_up, Is * H * 2}},
+                             {"d_shared_down", {g.d_shared_down, H * Is * 2}}});
+    return out;
+  }
+
+  void poison(const Outputs& g) {
+    for (const auto& [name, buffer] : gradient_buffers(g))
+      CUDA_OK(cudaMemsetAsync(buffer.first, 0xff, buffer.second, stream_));
   }
 
   mok::BackwardArgs grads(const Outputs& g) const {

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """The PyTorch implementations of the MoE layer the fused kernel is measured against, the
 dense-GEMM ceiling, and what every benchmark shares (presets, routings, inputs, timing,
 peak memory, full-size comparison). bench/layer_bench.py runs them next to mok in one
-process; run alone, this script times the PyTorch ones.
+process (`--impl torch-compiled,torch,dense` times the PyTorch ones alone).
 
 impl "torch-compiled": the strongest plain-PyTorch layer we can write — pairs sorted by
   expert (torch.sort, offsets by searchsorted: no bincount, no graph break), gate|up as one
@@ -16,19 +15,12 @@ impl "torch": the same layer in eager PyTorch, as the project first measured it 
   weighted sum); fwd+bwd is autograd through it.
 impl "dense": the layer's GEMMs as if every routed row went to one expert (+ the shared
   expert's), through torch.matmul: the ceiling a grouped kernel is measured against.
-
-Each implementation is checked against an fp32 per-token computation of sampled tokens
-before it is timed.
-Usage: torch_baseline.py [--preset all|NAME,...] [--impl torch,torch-compiled,dense]
-                         [--routing uniform,zipf1.2] [--out FILE.json] [--iters N]
 """
-import argparse
 import csv
 import datetime
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -428,60 +420,3 @@ class TorchImpl:
         self.clear_grads()
         for t in self.leaves:
             t.requires_grad_(False)
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="all")
-    ap.add_argument("--impl", default="torch,torch-compiled,dense")
-    ap.add_argument("--routing", default="uniform")
-    add_run_args(ap, iters=20)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("torch_baseline: no CUDA GPU")
-    presets = load_presets()
-    names = benchmark_presets(presets) if args.preset == "all" else args.preset.split(",")
-    for n in names:
-        if n not in presets:
-            sys.exit(f"torch_baseline: unknown preset '{n}'; known: {', '.join(presets)}")
-    configure_compile()
-    gpu = torch.cuda.get_device_name(0)
-    records = []
-    for n in names:
-        p = presets[n]
-        torch._dynamo.reset()
-        for routing in args.routing.split(","):
-            d = make_inputs(p, routing, seed=1)
-            for impl in args.impl.split(","):
-                if impl == "dense":
-                    steps, before = dense_step(p), {}
-                else:
-                    t = TorchImpl(d, moe_eager if impl == "torch" else compiled_layer())
-                    with torch.no_grad():
-                        err = sampled_error(d, t._call())
-                    if not err <= 1e-2:
-                        raise SystemExit(f"{impl} wrong on {n}: relative error {err:.3e}")
-                    steps = {ps: t.step(ps)[0] for ps in PASSES}
-                    before = {ps: t.step(ps)[1] for ps in PASSES}
-                for ps in PASSES:
-                    times = time_ms(steps[ps], args.warmup, args.iters, before.get(ps))
-                    ms = statistics.median(times)
-                    rec = dict(preset=n, impl=impl, **{"pass": ps}, routing=routing, tokens=p["tokens"], ep=1, ms=ms,
-                               ms_p10=times[len(times) // 10], ms_p90=times[len(times) * 9 // 10],
-                               tflops=layer_flops(p, ps) / (ms * 1e-3) / 1e12,
-                               peak_bytes=int(peak_bytes(steps[ps], before.get(ps))), gpu=gpu, commit=args.commit,
-                               date=args.date, iters=args.iters, torch=torch.__version__)
-                    records.append(rec)
-                    print(f"{n:<16} {impl:<15} {ps:<8} {routing:<8} {ms:10.4f} ms {rec['tflops']:8.1f} TFLOP/s",
-                          flush=True)
-                    if args.out:
-                        with open(args.out, "w") as f:
-                            json.dump(records, f, indent=1)
-                if impl != "dense":
-                    t.release()
-            del d
-            torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    main()
