@@ -113,6 +113,39 @@ TEST(Backward, BitwiseEqualAcrossRunsSmCountsAndModes) {
   EXPECT_TRUE(run(0, Training::recompute, 2) == reference_bytes) << "recompute mode";
 }
 
+// One Training::save workspace for up to 1200 tokens serves smaller calls (forward and
+// backward, the saved tensor and scratch sized for each T): every gradient is bitwise that
+// of a workspace made for exactly T, a small T after a large one included.
+TEST(Backward, OneWorkspaceServesEveryTokenCountBitwise) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 512, 256, 8, 2, 128, 0, RoutingKind::uniform});
+  Workspace big(s, 1200, {}, Training::save);
+  for (std::int64_t T : {1200, 5, 640, 1}) {
+    const HostProblem host = make_problem(s, T, RoutingKind::skewed, 900 + T);
+    GpuProblem gpu(host);
+    const auto dy = random_bf16(host.x.size(), 901 + T);
+    GpuGrads grads(gpu, dy, false);
+    auto run = [&](Workspace& ws) {
+      ASSERT_EQ(ws.saved_elements(T), saved_elements(s, T));
+      DeviceBuffer<bf16> saved(ws.saved_elements(T));
+      DeviceBuffer<std::uint8_t> fwd(ws.forward_scratch_bytes(T)), bwd(ws.backward_scratch_bytes(DType::bf16, T));
+      auto u8 = [](const DeviceBuffer<std::uint8_t>& b) {
+        return TensorView::contiguous(b.get(), DType::u8, Device::cuda(0), {static_cast<std::int64_t>(b.size())});
+      };
+      forward(gpu.args(), ws, nullptr, saved_view(saved), u8(fwd));
+      grads.poison();
+      backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved), u8(bwd));
+      ws.check(nullptr);
+    };
+    Workspace exact(s, T, {}, Training::save);
+    run(exact);
+    const auto want = grads.snapshot();
+    if (T == 5) check_gradients(host, grads, dy, "T = 5");
+    run(big);
+    EXPECT_TRUE(grads.snapshot() == want) << "T = " << T;
+  }
+}
+
 TEST(Backward, AccumulatesIntoF32Gradients) {
   MOK_REQUIRE_HOPPER();
   const MoeShape s = shape_of({"", 0, 256, 192, 4, 2, 128, 0, RoutingKind::uniform});

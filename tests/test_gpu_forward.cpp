@@ -117,13 +117,37 @@ TEST(Forward, BadExpertIdPoisonsOutputAndIsReported) {
   EXPECT_NO_THROW(ws.check(nullptr));
 }
 
-TEST(Forward, WrongTokenCountIsAnError) {
+TEST(Forward, MoreTokensThanTheWorkspaceIsAnError) {
   MOK_REQUIRE_HOPPER();
   const MoeShape s = shape_of({"", 0, 256, 128, 8, 2, 0, 0, RoutingKind::uniform});
   const HostProblem host = make_problem(s, 100, RoutingKind::uniform, 5);
   GpuProblem gpu(host);
   Workspace ws(s, 99);
-  EXPECT_THROW(forward(gpu.args(), ws, nullptr), Error);
+  try {
+    forward(gpu.args(), ws, nullptr);
+    FAIL() << "no error";
+  } catch (const ArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("'x': has 100 tokens, more than the workspace's max_tokens = 99"),
+              std::string::npos) << e.what();
+  }
+}
+
+// A workspace serves every T up to its max_tokens: each call plans T tokens into its first
+// rows and counters. Its results are bitwise those of a workspace made for exactly T, in any
+// order of token counts (a small T after a large one finds no stale plan or counter).
+TEST(Forward, OneWorkspaceServesEveryTokenCountBitwise) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 512, 256, 8, 2, 256, 0.8f, RoutingKind::uniform});
+  Workspace big(s, 1500);
+  for (std::int64_t T : {1500, 1, 700, 128, 129, 1499, 3}) {
+    const HostProblem host = make_problem(s, T, RoutingKind::skewed, 500 + T);
+    GpuProblem gpu(host);
+    const auto exact = run_once(host, gpu, 0);
+    gpu.poison_output();
+    forward(gpu.args(), big, nullptr);
+    big.check(nullptr);
+    EXPECT_TRUE(same_bits(gpu.y.download(), exact)) << "T = " << T;
+  }
 }
 
 // Captured once; replayed with new routing and new activations written into the same buffers.

@@ -40,18 +40,29 @@ std::int64_t device_plan_capacity_rows(const MoeShape& shape, std::int64_t token
 
 class DevicePlan {
  public:
-  // Allocates the plan of one rank for T tokens per rank on the current device.
-  DevicePlan(const MoeShape& shape, std::int64_t tokens, const PlanOptions& options = {});
+  // Allocates the plan of one rank for up to `max_tokens` tokens per rank on the current
+  // device (options.capacity_rows: the rows for max_tokens). It plans max_tokens tokens
+  // until set_tokens() says otherwise.
+  DevicePlan(const MoeShape& shape, std::int64_t max_tokens, const PlanOptions& options = {});
   ~DevicePlan();
   DevicePlan(const DevicePlan&) = delete;
   DevicePlan& operator=(const DevicePlan&) = delete;
 
+  // The next plan_device() plans `tokens` (<= max_tokens()) tokens per rank into the first
+  // `capacity_rows` rows (a positive multiple of block_m, <= allocated_rows(); 0: the worst
+  // case for `tokens`, capped at allocated_rows()). Host state: set it before the call that
+  // plans, on the thread that enqueues it.
+  void set_tokens(std::int64_t tokens, std::int64_t capacity_rows = 0);
+
   const DevicePlanView& view() const { return view_; }
   const MoeShape& shape() const { return shape_; }
-  std::int64_t tokens() const { return tokens_; }
+  std::int64_t tokens() const { return tokens_; }          // of the current plan
+  std::int64_t max_tokens() const { return max_tokens_; }  // it was allocated for
   std::int64_t block_m() const { return block_m_; }
-  std::int64_t capacity_rows() const { return capacity_rows_; }
+  std::int64_t capacity_rows() const { return capacity_rows_; }    // of the current plan
+  std::int64_t allocated_rows() const { return allocated_rows_; }  // >= capacity_rows()
   std::int64_t max_tiles() const { return capacity_rows_ / block_m_; }
+  std::int64_t allocated_tiles() const { return allocated_rows_ / block_m_; }
   std::int64_t num_chunks() const;
 
   // Synchronises `stream` and throws mok::Error if the planner flagged bad input.
@@ -60,8 +71,10 @@ class DevicePlan {
   Plan to_host(cudaStream_t stream, std::int64_t rank) const;
 
  private:
+  std::int64_t chunks_for(std::int64_t tokens) const;
+
   MoeShape shape_;
-  std::int64_t tokens_, block_m_, capacity_rows_;
+  std::int64_t max_tokens_, tokens_, block_m_, allocated_rows_, capacity_rows_;
   void* memory_ = nullptr;
   DevicePlanView view_{};
 };

@@ -47,23 +47,25 @@ void* call_scratch(Workspace& ws, const std::optional<TensorView>& given, std::i
                    std::string_view bytes_from, std::string_view where, cudaStream_t stream);
 }  // namespace detail
 
-// What one layer's forward (and backward) keeps for a fixed number of tokens T: the plan,
-// dependency counters, the d_topk_weights partials and the status record. Reusable across
-// calls and layers of the same shape; it keeps nothing that the backward needs from the
-// forward.
+// What one layer's forward (and backward) keeps between calls, for any number of tokens up
+// to the `max_tokens` it is made for: the plan, dependency counters, the d_topk_weights
+// partials and the status record. Reusable across calls and layers of the same shape and
+// across token counts (a call with T <= max_tokens uses its first rows); it keeps nothing
+// that the backward needs from the forward.
 //
 // Each call also needs scratch for its rows (one GPU): the forward the fp32 per-slot
 // outputs, x's routed rows and the SwiGLU output h; the backward x's and dy's routed rows,
-// w*h and the dx rows. Pass a buffer of forward_scratch_bytes() / backward_scratch_bytes()
+// w*h and the dx rows. Pass a buffer of forward_scratch_bytes(T) / backward_scratch_bytes()
 // to each call — from a caching allocator, so the forward's bytes serve the backward (the
-// PyTorch op does this) — or none: the workspace then allocates one buffer that serves
-// every call on its first call that needs it (not while a CUDA graph is being captured).
-// With bf16 weight gradients a Training::save backward keeps its routed dy rows and w*h
-// in the W_gate / W_up gradient buffers (which it writes last) where they fit, so its
-// scratch is smaller than the forward's.
+// PyTorch op does this) — or none: the workspace then allocates one buffer for max_tokens
+// that serves every call on its first call that needs it (not while a CUDA graph is being
+// captured). With bf16 weight gradients a Training::save backward keeps its routed dy rows
+// and w*h in the W_gate / W_up gradient buffers (which it writes last) where they fit, so
+// its scratch is smaller than the forward's.
 class Workspace {
  public:
-  Workspace(const MoeShape& shape, std::int64_t tokens, const Config& config = {}, Training training = Training::off);
+  Workspace(const MoeShape& shape, std::int64_t max_tokens, const Config& config = {},
+            Training training = Training::off);
   ~Workspace();
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
@@ -71,11 +73,17 @@ class Workspace {
   const MoeShape& shape() const { return shape_; }
   const Config& config() const { return config_; }
   Training training() const { return training_; }
-  // bf16 elements of the tensor a forward saves for the backward (Training::save):
-  // capacity_rows * 2I + ceil(T / 128) * 128 * 2 I_s, plus an 8-element trailer that marks
-  // it as filled by a forward and not yet consumed by a backward.
-  std::int64_t saved_elements() const;
-  std::int64_t tokens() const { return tokens_; }
+  // bf16 elements of the tensor a forward of T tokens saves for the backward
+  // (Training::save): capacity_rows(T) * 2I + ceil(T / 128) * 128 * 2 I_s, plus an
+  // 8-element trailer that marks it as filled by a forward and not yet consumed by a
+  // backward. No argument: T = max_tokens().
+  std::int64_t saved_elements(std::int64_t tokens) const;
+  std::int64_t saved_elements() const { return saved_elements(max_tokens_); }
+  std::int64_t max_tokens() const { return max_tokens_; }
+  // Rows of the plan of a call of T tokens (a multiple of 128; capacity_factor's, or the worst case).
+  std::int64_t capacity_rows(std::int64_t tokens) const;
+  // T of the call being enqueued (set by each forward / backward; max_tokens() before one).
+  std::int64_t tokens() const;
   DevicePlan& plan() { return *plan_; }
   const DevicePlan& plan() const { return *plan_; }
 
@@ -86,9 +94,14 @@ class Workspace {
   void throw_if_failed() const;
 
   // Bytes of the scratch a forward / a backward with weight gradients of `grad_dtype`
-  // (bf16 or f32) takes (one GPU).
-  std::int64_t forward_scratch_bytes() const;
-  std::int64_t backward_scratch_bytes(DType grad_dtype) const;
+  // (bf16 or f32) of T tokens takes (one GPU); no T: max_tokens().
+  std::int64_t forward_scratch_bytes(std::int64_t tokens) const;
+  std::int64_t backward_scratch_bytes(DType grad_dtype, std::int64_t tokens) const;
+  std::int64_t forward_scratch_bytes() const { return forward_scratch_bytes(max_tokens_); }
+  std::int64_t backward_scratch_bytes(DType grad_dtype) const { return backward_scratch_bytes(grad_dtype, max_tokens_); }
+  // Before a call of T tokens: checks T <= max_tokens() (an EP rank: T == max_tokens()) and
+  // sizes the plan for T. forward() and backward() call it.
+  void begin_call(std::int64_t tokens, std::string_view where);
 
   // One GPU (rows_in_slots()): the forward's x rows lie in the upper half of its fp32 slot
   // buffer (bytes [2 capacity H, 4 capacity H) of the scratch); a GEMM2 tile's slot rows
@@ -137,7 +150,7 @@ class Workspace {
   MoeShape shape_;
   Config config_;
   Training training_;
-  std::int64_t tokens_;
+  std::int64_t max_tokens_;
   std::unique_ptr<DevicePlan> plan_;
   void* x_routed_ = nullptr;
   void* hidden_ = nullptr;

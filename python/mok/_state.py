@@ -1,10 +1,10 @@
-"""The package's module state, in one place: the workspaces of mok.moe (one per layer shape,
-token count and device) and the live expert-parallel groups of mok.ep, released at exit."""
+"""The package's module state, in one place: the workspaces of mok.moe (one per layer shape
+and device) and the live expert-parallel groups of mok.ep, released at exit."""
 
 import atexit
 import weakref
 
-# mok.moe: (device, T, H, I, E, k, I_s, swiglu_limit) -> mok._C.Workspace
+# mok.moe: (device, H, I, E, k, I_s, swiglu_limit) -> mok._C.Workspace for the largest T seen
 workspaces = {}
 
 # mok.ep: live groups by id (the custom ops take an int). Weak, so that a group, its process

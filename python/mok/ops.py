@@ -13,18 +13,23 @@ from mok._state import workspaces as _workspaces
 
 
 def _workspace(x, w_gate, top_k, shared_intermediate, swiglu_limit):
-    """The workspace of this shape and device, made on first use. It is made for training
+    """The workspace of this layer shape and device, made on first use and remade for a
+    larger T when one comes (a workspace serves every T up to its max_tokens: variable batch
+    or sequence lengths hold one per shape, the size of the largest). It is made for training
     (4*ceil(I/256) bytes per row more than an inference one) so that training steps and
     evaluation under no_grad share one workspace instead of holding two."""
     T, H = x.shape
     E, I, _ = w_gate.shape
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    key = (device, T, H, I, E, top_k, shared_intermediate, swiglu_limit)
+    key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit)
     ws = _workspaces.get(key)
-    if ws is None:
+    if ws is None or ws.max_tokens < T:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("mok.moe: the first call for a shape allocates its workspace; "
-                               "run it once before capturing a CUDA graph")
+            raise RuntimeError(f"mok.moe: a call with {T} tokens needs a workspace for more tokens than this "
+                               f"layer shape has seen ({0 if ws is None else ws.max_tokens}); it is allocated "
+                               "outside CUDA graph capture: run the largest token count once before capturing")
+        if ws is not None:  # replaced: report what its calls recorded (synchronises, once per growth)
+            ws.check(torch.cuda.current_stream(x.device).cuda_stream)
         ws = _C.Workspace(H, I, E, top_k, shared_intermediate, swiglu_limit, T, device, training=True)
         _workspaces[key] = ws
     return ws
@@ -60,7 +65,7 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
     ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _C.forward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, saved,
-               stream, scratch=_scratch(ws.forward_scratch_bytes, x.device))
+               stream, scratch=_scratch(ws.forward_scratch_bytes(x.shape[0]), x.device))
     return y, saved
 
 
@@ -125,7 +130,7 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _C.backward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
                 dy, *grads[:5], *shared_grads, stream,
-                scratch=_scratch(ws.backward_scratch_bytes(w_gate.dtype == torch.float32), x.device))
+                scratch=_scratch(ws.backward_scratch_bytes(w_gate.dtype == torch.float32, x.shape[0]), x.device))
     return grads
 
 

@@ -49,7 +49,7 @@ NB_MODULE(_C, m) {
       nb::arg("w_down"), nb::arg("shared_gate") = nb::none(), nb::arg("shared_up") = nb::none(),
       nb::arg("shared_down") = nb::none(), nb::arg("swiglu_limit") = nb::none());
 
-  // The fused forward's workspace for one shape and token count (one GPU, EP = 1).
+  // The fused forward's workspace for one shape and up to max_tokens tokens (one GPU, EP = 1).
   nb::class_<mok::Workspace>(m, "Workspace")
       .def(
           "__init__",
@@ -67,16 +67,28 @@ NB_MODULE(_C, m) {
                                       tokens, config, training ? mok::Training::save : mok::Training::off);
           },
           nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("top_k"),
-          nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("tokens"), nb::arg("device"),
+          nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("max_tokens"), nb::arg("device"),
           nb::arg("compute_sms") = 0, nb::arg("timeout_seconds") = 10.0, nb::arg("training") = false)
-      .def_prop_ro("saved_elements", &mok::Workspace::saved_elements)
-      .def_prop_ro("forward_scratch_bytes", &mok::Workspace::forward_scratch_bytes)
+      .def_prop_ro("max_tokens", &mok::Workspace::max_tokens)
+      .def(
+          "saved_elements",
+          [](const mok::Workspace& ws, std::optional<std::int64_t> tokens) {
+            return ws.saved_elements(tokens.value_or(ws.max_tokens()));
+          },
+          nb::arg("tokens") = nb::none())
+      .def(
+          "forward_scratch_bytes",
+          [](const mok::Workspace& ws, std::optional<std::int64_t> tokens) {
+            return ws.forward_scratch_bytes(tokens.value_or(ws.max_tokens()));
+          },
+          nb::arg("tokens") = nb::none())
       .def(
           "backward_scratch_bytes",
-          [](const mok::Workspace& ws, bool f32_grads) {
-            return ws.backward_scratch_bytes(f32_grads ? mok::DType::f32 : mok::DType::bf16);
+          [](const mok::Workspace& ws, bool f32_grads, std::optional<std::int64_t> tokens) {
+            return ws.backward_scratch_bytes(f32_grads ? mok::DType::f32 : mok::DType::bf16,
+                                             tokens.value_or(ws.max_tokens()));
           },
-          nb::arg("f32_grads") = false)
+          nb::arg("f32_grads") = false, nb::arg("tokens") = nb::none())
       .def("check", [](mok::Workspace& ws, std::uintptr_t stream) { ws.check(reinterpret_cast<cudaStream_t>(stream)); })
       .def_prop_ro("bytes", &mok::Workspace::bytes);
 

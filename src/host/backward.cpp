@@ -14,7 +14,7 @@ namespace mok {
 namespace {
 
 constexpr const char* kWhere = "mok::backward";
-constexpr const char* kScratchFrom = "Workspace::backward_scratch_bytes(d_w_gate's dtype)";
+constexpr const char* kScratchFrom = "Workspace::backward_scratch_bytes(d_w_gate's dtype, T)";
 using U = std::uint64_t;
 
 // The nine tensor maps of one expert set: rows = the set's row count (capacity or padded
@@ -55,13 +55,11 @@ void zero_gradient(const std::optional<TensorView>& g, cudaStream_t stream) {
 
 namespace detail {
 
-void check_backward_call(std::string_view kWhere, const ForwardArgs& a, const BackwardArgs& b, const Workspace& ws,
+void check_backward_call(std::string_view kWhere, const ForwardArgs& a, const BackwardArgs& b, Workspace& ws,
                          const std::optional<TensorView>& saved, int device) {
   const MoeShape& s = ws.shape();
   validate_backward_args(kWhere, s, a, b, Device::cuda(device));
-  const std::int64_t T = a.x.shape[0];
-  if (T != ws.tokens())
-    throw_argument_error(kWhere, "x", "has ", T, " tokens but the workspace was made for ", ws.tokens());
+  ws.begin_call(a.x.shape[0], kWhere);
   if (ws.training() == Training::off)
     throw_argument_error(kWhere, "workspace", "was made for inference (Training::off): make it with Training::save or "
                                               "Training::recompute");
@@ -144,7 +142,7 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   }
 
   void* base =
-      detail::call_scratch(ws, scratch, ws.backward_scratch_bytes(b.d_w_gate.dtype), kScratchFrom, kWhere, stream);
+      detail::call_scratch(ws, scratch, ws.backward_scratch_bytes(b.d_w_gate.dtype, T), kScratchFrom, kWhere, stream);
   const detail::CallBuffers buffers =
       detail::backward_buffers(ws, base, grad_fp32 ? nullptr : b.d_w_gate.data, grad_fp32 ? nullptr : b.d_w_up.data);
   plan_device(a.topk_ids, 0, ws.plan(), stream);

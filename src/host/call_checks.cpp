@@ -38,7 +38,8 @@ void check_flat(std::string_view where, std::string_view arg, const TensorView& 
 }  // namespace
 
 void check_saved(std::string_view where, const TensorView& saved, const Workspace& ws, Device device) {
-  check_flat(where, "saved", saved, DType::bf16, ws.saved_elements(), false, "Workspace::saved_elements()", device);
+  check_flat(where, "saved", saved, DType::bf16, ws.saved_elements(ws.tokens()), false, "Workspace::saved_elements(T)",
+             device);
 }
 
 void* call_scratch(Workspace& ws, const std::optional<TensorView>& given, std::int64_t bytes,
@@ -53,7 +54,7 @@ void* call_scratch(Workspace& ws, const std::optional<TensorView>& given, std::i
 }
 
 unsigned long long* saved_marker(std::uint16_t* saved, const Workspace& ws) {
-  return reinterpret_cast<unsigned long long*>(saved + ws.saved_elements() - kSavedTrailer);
+  return reinterpret_cast<unsigned long long*>(saved + ws.saved_elements(ws.tokens()) - kSavedTrailer);
 }
 
 }  // namespace mok::detail

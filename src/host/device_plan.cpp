@@ -27,7 +27,7 @@ std::int64_t device_plan_capacity_rows(const MoeShape& shape, std::int64_t token
 }
 
 DevicePlan::DevicePlan(const MoeShape& shape, std::int64_t tokens, const PlanOptions& options)
-    : shape_(shape), tokens_(tokens), block_m_(options.block_m) {
+    : shape_(shape), max_tokens_(tokens), tokens_(tokens), block_m_(options.block_m) {
   validate(shape);
   if (tokens < 0) throw_argument_error("mok::DevicePlan", "tokens", "must be >= 0, got ", tokens);
   if (block_m_ <= 0 || block_m_ % 64 != 0)
@@ -37,13 +37,14 @@ DevicePlan::DevicePlan(const MoeShape& shape, std::int64_t tokens, const PlanOpt
   capacity_rows_ = device_plan_capacity_rows(shape, tokens, options);
   if (capacity_rows_ <= 0)
     throw_argument_error("mok::DevicePlan", "capacity_rows", "must hold at least one tile of ", block_m_, " rows, got ", options.capacity_rows);
+  allocated_rows_ = capacity_rows_;
 
   const std::int64_t El = shape.num_local_experts;
   const std::size_t i32 = sizeof(std::int32_t);
   const std::size_t sizes[] = {
       round_up(i32 * El), round_up(i32 * (El + 1)), round_up(i32 * capacity_rows_),
-      round_up(i32 * max_tiles()), round_up(i32 * max_tiles()), round_up(i32),
-      round_up(i32 * tokens * shape.top_k), round_up(i32 * std::max<std::int64_t>(1, num_chunks()) * El),
+      round_up(i32 * allocated_tiles()), round_up(i32 * allocated_tiles()), round_up(i32),
+      round_up(i32 * tokens * shape.top_k), round_up(i32 * std::max<std::int64_t>(1, chunks_for(max_tokens_)) * El),
       round_up(sizeof(PlanStatus))};
   std::size_t total = 0;
   for (std::size_t s : sizes) total += s;
@@ -63,9 +64,24 @@ DevicePlan::~DevicePlan() {
   if (memory_) cudaFree(memory_);
 }
 
-std::int64_t DevicePlan::num_chunks() const {
-  const std::int64_t ids = shape_.ep_size() * tokens_ * shape_.top_k;
+std::int64_t DevicePlan::chunks_for(std::int64_t tokens) const {
+  const std::int64_t ids = shape_.ep_size() * tokens * shape_.top_k;
   return (ids + kernels::kPlanChunk - 1) / kernels::kPlanChunk;
+}
+
+std::int64_t DevicePlan::num_chunks() const { return chunks_for(tokens_); }
+
+void DevicePlan::set_tokens(std::int64_t tokens, std::int64_t capacity_rows) {
+  constexpr const char* where = "mok::DevicePlan::set_tokens";
+  if (tokens < 0 || tokens > max_tokens_)
+    throw_argument_error(where, "tokens", "must be in [0, ", max_tokens_, "] (the plan's max_tokens), got ", tokens);
+  std::int64_t rows = capacity_rows;
+  if (rows <= 0) rows = std::min(allocated_rows_, device_plan_capacity_rows(shape_, tokens, PlanOptions{block_m_, 0}));
+  if (rows <= 0 || rows % block_m_ != 0 || rows > allocated_rows_)
+    throw_argument_error(where, "capacity_rows", "must be a positive multiple of ", block_m_, " and at most ",
+                         allocated_rows_, " (the rows allocated), got ", rows);
+  tokens_ = tokens;
+  capacity_rows_ = rows;
 }
 
 void DevicePlan::check(cudaStream_t stream) const {

@@ -17,7 +17,7 @@ namespace mok {
 namespace {
 
 constexpr const char* kWhere = "mok::forward";
-constexpr const char* kScratchFrom = "Workspace::forward_scratch_bytes()";
+constexpr const char* kScratchFrom = "Workspace::forward_scratch_bytes(T)";
 
 }  // namespace
 
@@ -115,8 +115,7 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
   int device = 0;
   detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
   const std::int64_t T = validate_forward_args(kWhere, s, a, Device::cuda(device));
-  if (T != ws.tokens())
-    throw_argument_error(kWhere, "x", "has ", T, " tokens but the workspace was made for ", ws.tokens());
+  ws.begin_call(T, kWhere);
   detail::check_locations(kWhere, a, s, true);
   if (saved) {
     if (ws.training() != Training::save)
@@ -127,7 +126,7 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
     if (scratch) detail::call_scratch(ws, scratch, 0, kScratchFrom, kWhere, stream);  // (checked all the same)
     return;
   }
-  void* base = detail::call_scratch(ws, scratch, ws.forward_scratch_bytes(), kScratchFrom, kWhere, stream);
+  void* base = detail::call_scratch(ws, scratch, ws.forward_scratch_bytes(T), kScratchFrom, kWhere, stream);
   plan_device(a.topk_ids, 0, ws.plan(), stream);
   detail::launch_forward_kernel(a, ws, detail::forward_buffers(ws, base), stream,
                                 saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, false, kWhere);

@@ -31,8 +31,15 @@ void check_saved(std::string_view where, const TensorView& saved, const Workspac
 // the backward kernel, cleared after it).
 unsigned long long* saved_marker(std::uint16_t* saved, const Workspace& ws);
 
+// Per-tile counters a workspace holds: its allocated routed tiles, then the shared expert's
+// tiles of max_tokens (a call uses the first max_tiles() + shared_tiles(T) of them).
+inline std::int64_t counters_per_tile(const Workspace& ws) {
+  return ws.plan().allocated_tiles() + shared_tiles(ws.shape(), ws.max_tokens());
+}
+
 // The fields both kernels' params share: plan pointers, routing weights, counters, status
-// and sizes (the counters array is [per-tile counters..., done, abort]).
+// and sizes of the current call (the counters array is [per-tile counters..., done, abort,
+// wd_done]).
 template <typename Params>
 void fill_common_params(Params& p, const Workspace& ws, const void* topk_weights) {
   const MoeShape& s = ws.shape();
@@ -46,7 +53,7 @@ void fill_common_params(Params& p, const Workspace& ws, const void* topk_weights
   p.pair_row = v.pair_row;
   p.plan_status = v.status;
   p.topk_weights = static_cast<const float*>(topk_weights);
-  const std::int64_t per_tile = plan.max_tiles() + shared_tiles(s, ws.tokens());
+  const std::int64_t per_tile = counters_per_tile(ws);
   p.counters = {ws.counters(), ws.counters() + per_tile, ws.counters() + per_tile + 1};  // (+ 2: the backward's wd_done)
   p.status = ws.status_device();
   p.tokens = static_cast<int>(ws.tokens());
@@ -79,7 +86,9 @@ struct ScratchShape {
   std::int64_t tokens = 0, capacity = 0, saved_elements = 0;
   Training training = Training::off;
 };
-ScratchShape scratch_shape(const Workspace& ws);
+// Of a call of `tokens` tokens (no argument: the call being enqueued).
+ScratchShape scratch_shape(const Workspace& ws, std::int64_t tokens);
+inline ScratchShape scratch_shape(const Workspace& ws) { return scratch_shape(ws, ws.tokens()); }
 
 // One GPU: a forward's buffers in `scratch` (null: offsets from 0, for .bytes).
 CallBuffers forward_buffers(const ScratchShape& s, void* scratch);
@@ -113,7 +122,8 @@ inline kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws
 }
 
 // The checks of one backward call against its workspace (throws mok::Error).
-void check_backward_call(std::string_view where, const ForwardArgs& a, const BackwardArgs& b, const Workspace& ws,
+// (Sizes the workspace's plan for the call: Workspace::begin_call.)
+void check_backward_call(std::string_view where, const ForwardArgs& a, const BackwardArgs& b, Workspace& ws,
                          const std::optional<TensorView>& saved, int device);
 // The backward kernel's params for one rank (no EP fields), after plan_device() and the
 // row copies into ws; gu: the saved (or recomputed) pre-activations.

@@ -10,8 +10,8 @@ std::uint16_t* at(void* base, std::int64_t byte) { return reinterpret_cast<std::
 
 }  // namespace
 
-ScratchShape scratch_shape(const Workspace& ws) {
-  return {ws.shape(), ws.tokens(), ws.plan().capacity_rows(), ws.saved_elements(), ws.training()};
+ScratchShape scratch_shape(const Workspace& ws, std::int64_t tokens) {
+  return {ws.shape(), tokens, ws.capacity_rows(tokens), ws.saved_elements(tokens), ws.training()};
 }
 
 // [f32 slots (capacity + T_pad) x H, x rows = the bf16 rows [capacity, 2 capacity) of its
@@ -66,7 +66,7 @@ CallBuffers rank_buffers(const Workspace& ws) {
   b.slots = ws.slots();
   b.x_rows = static_cast<std::uint16_t*>(ws.x_routed());
   b.hidden = static_cast<std::uint16_t*>(ws.hidden());
-  b.shared_hidden = b.hidden ? b.hidden + ws.plan().capacity_rows() * ws.shape().intermediate : nullptr;
+  b.shared_hidden = b.hidden ? b.hidden + ws.plan().allocated_rows() * ws.shape().intermediate : nullptr;
   b.dy_rows = static_cast<std::uint16_t*>(ws.dy_routed());
   b.dx_rows = static_cast<std::uint16_t*>(ws.dx_rows());
   b.shared_dx_rows = static_cast<std::uint16_t*>(ws.shared_dx_rows());

@@ -24,11 +24,13 @@ void allocate(T*& ptr, std::int64_t bytes, const char* what, std::int64_t& total
 
 std::int64_t dh_tiles(const MoeShape& s) { return (s.intermediate + 255) / 256; }
 
-PlanOptions plan_options(const MoeShape& shape, std::int64_t tokens, const Config& config) {
+// The plan rows a call of T tokens gets: every routed row plus padding (capacity_factor 0),
+// else capacity_factor * T * k rows plus padding, in whole tiles, at least one.
+std::int64_t call_capacity_rows(const MoeShape& shape, std::int64_t tokens, const Config& config) {
   PlanOptions options;
   options.block_m = detail::kTileRows;
   if (config.capacity_factor > 0) options.capacity_rows = plan_capacity_rows(shape, config, tokens, detail::kTileRows);
-  return options;
+  return std::max(device_plan_capacity_rows(shape, tokens, options), detail::kTileRows);
 }
 
 }  // namespace
@@ -62,7 +64,7 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
     : Workspace(shape, tokens, config, training, ForRank{-1}) {}
 
 Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& config, Training training, ForRank rank)
-    : rank_(std::max(rank.rank, 0)), shape_(shape), config_(config), training_(training), tokens_(tokens) {
+    : rank_(std::max(rank.rank, 0)), shape_(shape), config_(config), training_(training), max_tokens_(tokens) {
   validate(shape);
   validate(config);
   if (rank.rank < 0 && shape.ep_size() != 1)
@@ -72,9 +74,12 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
   if (tokens < 0) throw_argument_error("mok::Workspace", "tokens", "must be >= 0, got ", tokens);
   if (tokens * shape.top_k > std::numeric_limits<std::int32_t>::max())
     throw_argument_error("mok::Workspace", "tokens", "T*k must fit in int32, got ", tokens * shape.top_k);
-  plan_ = std::make_unique<DevicePlan>(shape, tokens, plan_options(shape, tokens, config));
+  PlanOptions options;
+  options.block_m = detail::kTileRows;
+  options.capacity_rows = call_capacity_rows(shape, tokens, config);
+  plan_ = std::make_unique<DevicePlan>(shape, tokens, options);
 
-  const std::int64_t capacity = plan_->capacity_rows();
+  const std::int64_t capacity = plan_->allocated_rows();
   const std::int64_t padded_tokens = detail::shared_tiles(shape, tokens) * detail::kTileRows;
   const std::int64_t H = shape.hidden, I = shape.intermediate, Is = shape.shared_intermediate;
   if (rank.rank >= 0) {  // an EP rank owns its row buffers; one GPU's calls take scratch
@@ -99,19 +104,37 @@ Workspace::~Workspace() {
   cudaFreeHost(status_host_);
 }
 
+std::int64_t Workspace::tokens() const { return plan_->tokens(); }
+
 std::int64_t Workspace::counter_count() const {
-  return plan_->max_tiles() + detail::shared_tiles(shape_, tokens_) + 3;  // per-tile counters, done, abort, wd_done
+  return detail::counters_per_tile(*this) + 3;  // per-tile counters, done, abort, wd_done
 }
 
-std::int64_t Workspace::forward_scratch_bytes() const {
-  return rows_in_slots() ? detail::forward_buffers(*this, nullptr).bytes : 0;
+void Workspace::begin_call(std::int64_t tokens, std::string_view where) {
+  if (!rows_in_slots()) {  // an EP rank: its group's T
+    if (tokens != max_tokens_)
+      throw_argument_error(where, "x", "has ", tokens, " tokens but the rank was made for ", max_tokens_);
+    return;
+  }
+  if (tokens > max_tokens_)
+    throw_argument_error(where, "x", "has ", tokens, " tokens, more than the workspace's max_tokens = ", max_tokens_,
+                         " (make a workspace for the largest T)");
+  plan_->set_tokens(tokens, capacity_rows(tokens));
 }
 
-std::int64_t Workspace::backward_scratch_bytes(DType grad_dtype) const {
+std::int64_t Workspace::capacity_rows(std::int64_t tokens) const {
+  return std::min(call_capacity_rows(shape_, tokens, config_), plan_->allocated_rows());
+}
+
+std::int64_t Workspace::forward_scratch_bytes(std::int64_t tokens) const {
+  return rows_in_slots() ? detail::forward_buffers(detail::scratch_shape(*this, tokens), nullptr).bytes : 0;
+}
+
+std::int64_t Workspace::backward_scratch_bytes(DType grad_dtype, std::int64_t tokens) const {
   if (!rows_in_slots() || training_ == Training::off) return 0;
   // (any non-null address stands for the gradient buffers: only the sizes are used)
   void* grads = grad_dtype == DType::bf16 ? reinterpret_cast<void*>(std::uintptr_t{256}) : nullptr;
-  return detail::backward_buffers(*this, nullptr, grads, grads).bytes;
+  return detail::backward_buffers(detail::scratch_shape(*this, tokens), nullptr, grads, grads).bytes;
 }
 
 void* Workspace::own_scratch(std::int64_t bytes, std::string_view where, cudaStream_t stream) {
@@ -134,14 +157,14 @@ void* Workspace::own_scratch(std::int64_t bytes, std::string_view where, cudaStr
 
 std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Config& config) {
   validate(shape);
-  const std::int64_t capacity = device_plan_capacity_rows(shape, tokens, plan_options(shape, tokens, config));
+  const std::int64_t capacity = call_capacity_rows(shape, tokens, config);
   const std::int64_t padded_tokens = detail::shared_tiles(shape, tokens) * detail::kTileRows;
   return 2 * (capacity * shape.intermediate + padded_tokens * shape.shared_intermediate) + detail::kSavedTrailer;
 }
 
-std::int64_t Workspace::capacity_h() const { return plan_->capacity_rows() * shape_.hidden; }
+std::int64_t Workspace::capacity_h() const { return plan_->allocated_rows() * shape_.hidden; }
 
-std::int64_t Workspace::saved_elements() const { return mok::saved_elements(shape_, tokens_, config_); }
+std::int64_t Workspace::saved_elements(std::int64_t tokens) const { return mok::saved_elements(shape_, tokens, config_); }
 
 void Workspace::throw_if_failed() const {
   const volatile KernelStatus* v = status_host_;  // written by the device, read without a sync

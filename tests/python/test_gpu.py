@@ -180,6 +180,45 @@ def test_evaluation_and_training_share_one_workspace():
     assert torch.equal(y_eval, y_train.detach())
 
 
+def test_one_workspace_serves_every_token_count():
+    """Variable batch or sequence lengths: one workspace per layer shape, grown to the largest
+    T seen. After 120 distinct token counts (forward + backward each) the device memory held
+    (cudaMemGetInfo, with PyTorch's cache emptied) is what it was after the largest one, and a
+    T's results do not depend on the workspace's size (bitwise) and match the reference."""
+    from mok import ops
+
+    H, I, E, k, t_max = 256, 128, 8, 2, 1000
+    rng = torch.Generator().manual_seed(31)
+    counts = (torch.randperm(t_max - 1, generator=rng)[:120] + 1).tolist()  # distinct, in [1, t_max)
+    x, ids, w, gate, up, down, _ = _problem(T=t_max, H=H, I=I, E=E, seed=33)
+    params = [t.clone().requires_grad_(True) for t in (gate, up, down)]
+    key_count = len(ops._workspaces)
+
+    def step(T):
+        xs = x[:T].clone().requires_grad_(True)
+        y = mok.moe(xs, ids[:T], w[:T], *params)
+        y.float().square().sum().backward()
+        return y.detach(), xs.grad
+
+    small = step(counts[0])  # in a workspace made for counts[0] tokens
+    step(t_max)  # grows it to t_max
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
+    results = {T: step(T) for T in counts}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_after = torch.cuda.mem_get_info()[0]
+    assert len(ops._workspaces) == key_count + 1
+    assert ops._workspace(x, gate, k, 0, None).max_tokens == t_max
+    assert free_before - free_after < 2 << 20, f"{(free_before - free_after) / 2**20:.1f} MiB more held after {len(counts)} token counts"
+    assert torch.equal(results[counts[0]][0], small[0]) and torch.equal(results[counts[0]][1], small[1])
+    for T in sorted(counts)[:3] + sorted(counts)[-2:]:
+        _check(results[T][0], (x[:T], ids[:T], w[:T], gate, up, down, None))
+        with torch.no_grad():  # the forward alone, again: bitwise the same
+            assert torch.equal(mok.moe(x[:T], ids[:T], w[:T], gate, up, down), results[T][0])
+
+
 def test_scratch_comes_from_pytorch_and_backward_needs_less_than_forward():
     """The op hands each call its scratch from PyTorch's caching allocator (the workspace
     keeps none), and with bf16 gradients the backward keeps its dy rows and w*h in the
@@ -191,6 +230,7 @@ def test_scratch_comes_from_pytorch_and_backward_needs_less_than_forward():
     mok.moe(x, ids, *params).float().sum().backward()
     torch.cuda.synchronize()
     ws = ops._workspace(x, gate, ids.shape[1], 0, None)
-    assert ws.bytes < ws.forward_scratch_bytes  # plan, counters, partials: no scratch of its own
-    assert ws.backward_scratch_bytes(False) < ws.backward_scratch_bytes(True) <= ws.forward_scratch_bytes
+    assert ws.bytes < ws.forward_scratch_bytes()  # plan, counters, partials: no scratch of its own
+    assert ws.backward_scratch_bytes(False) < ws.backward_scratch_bytes(True) <= ws.forward_scratch_bytes()
+    assert ws.forward_scratch_bytes(100) < ws.forward_scratch_bytes()  # a call's scratch follows its T
     assert all(torch.isfinite(p.grad).all() for p in params)
