@@ -150,6 +150,30 @@ TEST(Validate, NonContiguous) {
   expect_error([&] { f.forward(); }, "argument 'x': must be contiguous (row-major), got strides [256, 1] for shape [5, 128]");
 }
 
+// Expert weights may be strided views (the gate and up halves of one [E, 2I, H] tensor, rows
+// with a pitch); bf16 weight gradients too, f32 ones (accumulated) may not.
+TEST(Validate, StridedExpertWeights) {
+  Fixture f;
+  const std::int64_t H = 128, I = 64;
+  f.args.w_gate.stride = {2 * I * H, H, 1};
+  f.args.w_up.stride = {2 * I * H, H, 1};
+  f.args.w_down.stride = {H * (I + 64), I + 64, 1};
+  f.grads.d_w_gate.stride = f.args.w_gate.stride;
+  f.grads.d_w_up.stride = f.args.w_up.stride;
+  EXPECT_NO_THROW(f.backward());
+  f.args.w_up.stride = {2 * I * H, H + 4, 1};
+  expect_error([&] { f.forward(); }, "argument 'w_up': must be contiguous or a view with contiguous rows, row and "
+                                     "expert strides multiples of 8 and no overlap (like one half of [E, 2I, H]), got "
+                                     "strides [16384, 132, 1] for shape [4, 64, 128]");
+  f.args.w_up.stride = {I * H / 2, H, 1};  // experts overlap
+  expect_error([&] { f.forward(); }, "argument 'w_up': must be contiguous or a view");
+  f.args.w_up.stride = {2 * I * H, 1, H};  // column-major rows
+  expect_error([&] { f.forward(); }, "argument 'w_up': must be contiguous or a view");
+  f.args.w_up.stride = {2 * I * H, H, 1};
+  for (TensorView* g : {&f.grads.d_w_gate, &f.grads.d_w_up, &f.grads.d_w_down}) g->dtype = DType::f32;
+  expect_error([&] { f.backward(); }, "argument 'd_w_gate': must be contiguous (row-major), got strides [16384, 128, 1]");
+}
+
 TEST(Validate, MisalignedPointer) {
   Fixture f;
   f.args.y.data = Fixture::memory + 2;

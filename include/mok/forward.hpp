@@ -94,7 +94,9 @@ class Workspace {
   void throw_if_failed() const;
 
   // Bytes of the scratch a forward / a backward with weight gradients of `grad_dtype`
-  // (bf16 or f32) of T tokens takes (one GPU); no T: max_tokens().
+  // (bf16 or f32) of T tokens takes (one GPU); no T: max_tokens(). (The bf16 figure holds for
+  // W_gate / W_up gradients that are contiguous or the two halves of one [E, 2I, H] tensor;
+  // other strided views of them take the f32 figure.)
   std::int64_t forward_scratch_bytes(std::int64_t tokens) const;
   std::int64_t backward_scratch_bytes(DType grad_dtype, std::int64_t tokens) const;
   std::int64_t forward_scratch_bytes() const { return forward_scratch_bytes(max_tokens_); }

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <limits>
+#include <utility>
 
 #include "cuda_check.hpp"
 #include "kernels/backward.cuh"
@@ -18,17 +19,19 @@ constexpr const char* kScratchFrom = "Workspace::backward_scratch_bytes(d_w_gate
 using U = std::uint64_t;
 
 // The nine tensor maps of one expert set: rows = the set's row count (capacity or padded
-// tokens), dy/x = its A-side row sources, weights = its [E, I, H] / [E, H, I] matrices.
+// tokens), dy/x = its A-side row sources, weights = its [E, I, H] / [E, H, I] matrices (strided
+// views too).
 kernels::ExpertSetMaps set_maps(const void* dy, const void* x, std::int64_t dy_rows, const void* dgu, const void* hw,
-                                std::int64_t rows, const void* gate, const void* up, const void* down,
-                                std::int64_t experts, std::int64_t H, std::int64_t I) {
+                                std::int64_t rows, const TensorView& gate, const TensorView& up,
+                                const TensorView& down, std::int64_t H, std::int64_t I) {
   using detail::make_bf16_tensor_map;
+  using detail::make_bf16_weight_map;
   kernels::ExpertSetMaps m{};
   m.dy_k = make_bf16_tensor_map(dy, {U(H), U(dy_rows)}, {64, 128}, "dy rows");
-  m.down_mn = make_bf16_tensor_map(down, {U(I), U(H), U(experts)}, {64, 64, 1}, "w_down");
+  m.down_mn = make_bf16_weight_map(down, 64, 64, "w_down");
   m.dgu_k = make_bf16_tensor_map(dgu, {U(2 * I), U(rows)}, {64, 128}, "d pre-activations");
-  m.gate_mn = make_bf16_tensor_map(gate, {U(H), U(I), U(experts)}, {64, 64, 1}, "w_gate");
-  m.up_mn = make_bf16_tensor_map(up, {U(H), U(I), U(experts)}, {64, 64, 1}, "w_up");
+  m.gate_mn = make_bf16_weight_map(gate, 64, 64, "w_gate");
+  m.up_mn = make_bf16_weight_map(up, 64, 64, "w_up");
   m.dy_mn = make_bf16_tensor_map(dy, {U(H), U(dy_rows)}, {64, 64}, "dy rows");
   m.hw_mn = make_bf16_tensor_map(hw, {U(I), U(rows)}, {64, 64}, "w h");
   m.dgu_mn = make_bf16_tensor_map(dgu, {U(2 * I), U(rows)}, {64, 64}, "d pre-activations");
@@ -37,18 +40,46 @@ kernels::ExpertSetMaps set_maps(const void* dy, const void* x, std::int64_t dy_r
 }
 
 // Store maps of bf16 weight gradients (f32 ones are accumulated with plain loads/stores).
-void set_gradient_maps(kernels::ExpertSetMaps& m, const void* d_gate, const void* d_up, const void* d_down,
-                       std::int64_t experts, std::int64_t H, std::int64_t I) {
-  using detail::make_bf16_tensor_map;
-  m.d_gate = make_bf16_tensor_map(d_gate, {U(H), U(I), U(experts)}, {64, 64, 1}, "d_w_gate");
-  m.d_up = make_bf16_tensor_map(d_up, {U(H), U(I), U(experts)}, {64, 64, 1}, "d_w_up");
-  m.d_down = make_bf16_tensor_map(d_down, {U(I), U(H), U(experts)}, {64, 64, 1}, "d_w_down");
+void set_gradient_maps(kernels::ExpertSetMaps& m, const TensorView& d_gate, const TensorView& d_up,
+                       const TensorView& d_down) {
+  using detail::make_bf16_weight_map;
+  m.d_gate = make_bf16_weight_map(d_gate, 64, 64, "d_w_gate");
+  m.d_up = make_bf16_weight_map(d_up, 64, 64, "d_w_up");
+  m.d_down = make_bf16_weight_map(d_down, 64, 64, "d_w_down");
+}
+
+// Two spaces of E_l I H bf16 elements each that the W_gate / W_up gradients cover entirely
+// (the backward may keep its routed dy rows and w h there: it writes them last, after every
+// task that reads those rows): the two tensors when contiguous, or the two halves of the
+// [E_l, 2I, H] tensor whose gate and up halves they are; else none.
+std::pair<void*, void*> gradient_row_spaces(const BackwardArgs& b, const MoeShape& s) {
+  if (b.d_w_gate.dtype != DType::bf16) return {nullptr, nullptr};
+  if (b.d_w_gate.is_contiguous() && b.d_w_up.is_contiguous()) return {b.d_w_gate.data, b.d_w_up.data};
+  const std::int64_t H = s.hidden, I = s.intermediate;
+  auto* gate = static_cast<std::uint16_t*>(b.d_w_gate.data);
+  auto halves_layout = [&](const TensorView& v) { return v.stride[0] == 2 * I * H && v.stride[1] == H && v.stride[2] == 1; };
+  if (b.d_w_up.data == gate + I * H && halves_layout(b.d_w_gate) && halves_layout(b.d_w_up))
+    return {gate, gate + s.num_local_experts * I * H};
+  return {nullptr, nullptr};
+}
+
+// The shared expert's 2-D matrix as one expert's [1, rows, cols].
+TensorView one_expert(const TensorView& w) {
+  return TensorView::contiguous(w.data, w.dtype, w.device, {1, w.shape[0], w.shape[1]});
 }
 
 void zero_gradient(const std::optional<TensorView>& g, cudaStream_t stream) {
-  if (g && g->numel() > 0)
+  if (!g || g->numel() == 0) return;
+  if (g->is_contiguous()) {
     detail::cuda_check(cudaMemsetAsync(g->data, 0, g->numel() * dtype_size(g->dtype), stream), kWhere,
                        "cudaMemsetAsync(weight gradient)");
+    return;
+  }
+  const std::size_t bytes = dtype_size(g->dtype);  // a strided [E, rows, cols] view: each expert's rows
+  for (std::int64_t e = 0; e < g->shape[0]; ++e)
+    detail::cuda_check(cudaMemset2DAsync(static_cast<char*>(g->data) + e * g->stride[0] * bytes, g->stride[1] * bytes, 0,
+                                         g->shape[2] * bytes, g->shape[1], stream),
+                       kWhere, "cudaMemset2DAsync(weight gradient)");
 }
 
 }  // namespace
@@ -93,23 +124,24 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   std::uint16_t* dx_rows = buffers.dx_rows;
 
   kernels::BackwardParams p{};
-  p.routed_maps = set_maps(buffers.dy_rows, buffers.x_rows, capacity, dgu, hw, capacity, a.w_gate.data, a.w_up.data,
-                           a.w_down.data, El, H, I);
+  p.routed_maps = set_maps(buffers.dy_rows, buffers.x_rows, capacity, dgu, hw, capacity, a.w_gate, a.w_up, a.w_down,
+                           H, I);
   p.routed_maps.dx_rows = detail::make_bf16_tensor_map(dx_rows, {U(H), U(capacity), 1}, {64, 64, 1}, "dx rows");
   p.routed = {gu, hw, dx_rows, b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, static_cast<int>(I)};
-  if (!grad_fp32) set_gradient_maps(p.routed_maps, b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, El, H, I);
+  if (!grad_fp32) set_gradient_maps(p.routed_maps, b.d_w_gate, b.d_w_up, b.d_w_down);
   if (s.has_shared()) {
     std::uint16_t* s_dgu = dgu + 2 * capacity * I;
     std::uint16_t* s_hw = buffers.shared_hidden;
-    p.shared_maps = set_maps(b.dy.data, a.x.data, T, s_dgu, s_hw, padded_tokens, a.shared_gate->data,
-                             a.shared_up->data, a.shared_down->data, 1, H, Is);
+    p.shared_maps = set_maps(b.dy.data, a.x.data, T, s_dgu, s_hw, padded_tokens, one_expert(*a.shared_gate),
+                             one_expert(*a.shared_up), one_expert(*a.shared_down), H, Is);
     std::uint16_t* s_dx_rows = buffers.shared_dx_rows;
     p.shared_maps.dx_rows =
         detail::make_bf16_tensor_map(s_dx_rows, {U(H), U(padded_tokens), 1}, {64, 64, 1}, "shared dx rows");
     p.shared = {s_dgu, s_hw, s_dx_rows, b.d_shared_gate->data, b.d_shared_up->data, b.d_shared_down->data,
                 static_cast<int>(Is)};
     if (!grad_fp32)
-      set_gradient_maps(p.shared_maps, b.d_shared_gate->data, b.d_shared_up->data, b.d_shared_down->data, 1, H, Is);
+      set_gradient_maps(p.shared_maps, one_expert(*b.d_shared_gate), one_expert(*b.d_shared_up),
+                        one_expert(*b.d_shared_down));
   }
   detail::fill_common_params(p, ws, a.topk_weights.data);
   p.dw_partial = ws.dw_partial();
@@ -143,8 +175,8 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
 
   void* base =
       detail::call_scratch(ws, scratch, ws.backward_scratch_bytes(b.d_w_gate.dtype, T), kScratchFrom, kWhere, stream);
-  const detail::CallBuffers buffers =
-      detail::backward_buffers(ws, base, grad_fp32 ? nullptr : b.d_w_gate.data, grad_fp32 ? nullptr : b.d_w_up.data);
+  const auto [row_space_a, row_space_b] = gradient_row_spaces(b, ws.shape());
+  const detail::CallBuffers buffers = detail::backward_buffers(ws, base, row_space_a, row_space_b);
   plan_device(a.topk_ids, 0, ws.plan(), stream);
   std::uint16_t* gu = saved ? static_cast<std::uint16_t*>(saved->data) : buffers.recompute;
   if (!saved) detail::launch_forward_kernel(a, ws, buffers, stream, gu, true, kWhere);  // also copies x's rows

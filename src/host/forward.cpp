@@ -67,9 +67,9 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const
   p.maps.x = make_bf16_tensor_map(a.x.data, {U(H), U(T)}, {64, 128}, "x");
   p.maps.x_routed = make_bf16_tensor_map(buffers.x_rows, {U(H), U(capacity)}, {64, 128}, "x_routed");
   std::uint16_t* hidden = buffers.hidden;
-  p.maps.gate = make_bf16_tensor_map(a.w_gate.data, {U(H), U(I), U(El)}, {64, 128, 1}, "w_gate");
-  p.maps.up = make_bf16_tensor_map(a.w_up.data, {U(H), U(I), U(El)}, {64, 128, 1}, "w_up");
-  p.maps.down = make_bf16_tensor_map(a.w_down.data, {U(I), U(H), U(El)}, {64, 256, 1}, "w_down");
+  p.maps.gate = make_bf16_weight_map(a.w_gate, 64, 128, "w_gate");
+  p.maps.up = make_bf16_weight_map(a.w_up, 64, 128, "w_up");
+  p.maps.down = make_bf16_weight_map(a.w_down, 64, 256, "w_down");
   p.maps.h_store = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, {64, 64}, "h");
   p.maps.h_load = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, {64, 128}, "h");
   if (s.has_shared()) {

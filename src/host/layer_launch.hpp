@@ -92,14 +92,15 @@ inline ScratchShape scratch_shape(const Workspace& ws) { return scratch_shape(ws
 
 // One GPU: a forward's buffers in `scratch` (null: offsets from 0, for .bytes).
 CallBuffers forward_buffers(const ScratchShape& s, void* scratch);
-// One GPU: a backward's buffers in `scratch`; bf16 weight gradients (d_w_gate, d_w_up non-null)
-// of a Training::save workspace take the routed dy rows / w h where they fit.
-CallBuffers backward_buffers(const ScratchShape& s, void* scratch, void* d_w_gate, void* d_w_up);
+// One GPU: a backward's buffers in `scratch`; with bf16 weight gradients of a Training::save
+// workspace the routed dy rows / w h go to row_space_a / row_space_b (non-null: E_l I H
+// elements each that the W_gate / W_up gradients cover) where they fit.
+CallBuffers backward_buffers(const ScratchShape& s, void* scratch, void* row_space_a, void* row_space_b);
 inline CallBuffers forward_buffers(const Workspace& ws, void* scratch) {
   return forward_buffers(scratch_shape(ws), scratch);
 }
-inline CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* d_w_gate, void* d_w_up) {
-  return backward_buffers(scratch_shape(ws), scratch, d_w_gate, d_w_up);
+inline CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* row_space_a, void* row_space_b) {
+  return backward_buffers(scratch_shape(ws), scratch, row_space_a, row_space_b);
 }
 // An EP rank: the workspace's own buffers.
 CallBuffers rank_buffers(const Workspace& ws);

@@ -29,26 +29,26 @@ CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
   return b;
 }
 
-// [dy rows capacity x H, unless in d_w_gate][x rows, then dx rows, capacity x H][shared dx
-// rows T_pad x H][w h capacity x I, unless in d_w_up][shared w h T_pad x I_s][recomputed
+// [dy rows capacity x H, unless in row space a][x rows, then dx rows, capacity x H][shared dx
+// rows T_pad x H][w h capacity x I, unless in row space b][shared w h T_pad x I_s][recomputed
 // pre-activations]. The recompute's GEMM1 runs the forward kernel on this layout: its x rows
-// then sit where the forward's do (the dy rows are never in d_w_gate), its slots unused.
-CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* d_w_gate, void* d_w_up) {
+// then sit where the forward's do (the dy rows are never in the gradients), its slots unused.
+CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row_space_a, void* row_space_b) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
   const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate, El = s.num_local_experts;
-  const bool in_grads = shape.training == Training::save && d_w_gate != nullptr && d_w_up != nullptr;
+  const bool in_grads = shape.training == Training::save && row_space_a != nullptr && row_space_b != nullptr;
   const bool dy_in_grads = in_grads && cap * H <= El * I * H, hw_in_grads = in_grads && cap * I <= El * I * H;
   CallBuffers b;
   std::int64_t used = 0;
   b.slots = reinterpret_cast<float*>(scratch);
-  b.dy_rows = dy_in_grads ? static_cast<std::uint16_t*>(d_w_gate) : at(scratch, used);
+  b.dy_rows = dy_in_grads ? static_cast<std::uint16_t*>(row_space_a) : at(scratch, used);
   if (!dy_in_grads) used += 2 * cap * H;
   b.x_rows = b.dx_rows = at(scratch, used);
   used += 2 * cap * H;
   b.shared_dx_rows = at(scratch, used);
   used += 2 * Tpad * H;
-  b.hidden = hw_in_grads ? static_cast<std::uint16_t*>(d_w_up) : at(scratch, used);
+  b.hidden = hw_in_grads ? static_cast<std::uint16_t*>(row_space_b) : at(scratch, used);
   if (!hw_in_grads) used += 2 * cap * I;
   b.shared_hidden = at(scratch, used);
   used += 2 * Tpad * Is;

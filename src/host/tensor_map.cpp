@@ -27,14 +27,17 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
 
 namespace {
 
+// strides: bytes, for dims 1..rank-1 (empty: row-major contiguous).
 CUtensorMap make_tensor_map(CUtensorMapDataType type, cuuint64_t element_bytes, const void* base,
                             std::initializer_list<std::uint64_t> dims_list,
-                            std::initializer_list<std::uint32_t> box_list, const char* what) {
+                            std::initializer_list<std::uint32_t> box_list, const char* what,
+                            std::vector<cuuint64_t> strides = {}) {
   const std::vector<cuuint64_t> dims(dims_list.begin(), dims_list.end());
   const std::vector<cuuint32_t> box(box_list.begin(), box_list.end());
-  std::vector<cuuint64_t> strides;  // bytes, for dims 1..rank-1
-  cuuint64_t stride = element_bytes;
-  for (std::size_t i = 0; i + 1 < dims.size(); ++i) strides.push_back(stride *= dims[i]);
+  if (strides.empty()) {
+    cuuint64_t stride = element_bytes;
+    for (std::size_t i = 0; i + 1 < dims.size(); ++i) strides.push_back(stride *= dims[i]);
+  }
   const std::vector<cuuint32_t> element_strides(dims.size(), 1);
   CUtensorMap map{};
   const CUresult r = encode_function()(&map, type, static_cast<cuuint32_t>(dims.size()),
@@ -57,6 +60,12 @@ CUtensorMap make_bf16_tensor_map(const void* base, std::initializer_list<std::ui
 CUtensorMap make_f32_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims,
                                 std::initializer_list<std::uint32_t> box, const char* what) {
   return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, box, what);
+}
+
+CUtensorMap make_bf16_weight_map(const TensorView& w, std::uint32_t box_cols, std::uint32_t box_rows, const char* what) {
+  using U = std::uint64_t;
+  return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w.data, {U(w.shape[2]), U(w.shape[1]), U(w.shape[0])},
+                         {box_cols, box_rows, 1}, what, {2 * U(w.stride[1]), 2 * U(w.stride[0])});
 }
 
 }  // namespace mok::detail

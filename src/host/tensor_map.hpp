@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "mok/types.hpp"
+
 namespace mok::detail {
 
 // A row-major bf16 tensor: dims innermost first ({cols, rows[, batch]}), box likewise,
@@ -16,5 +18,9 @@ CUtensorMap make_bf16_tensor_map(const void* base, std::initializer_list<std::ui
 // The same for fp32 (a 128-byte row is 32 elements).
 CUtensorMap make_f32_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims,
                                 std::initializer_list<std::uint32_t> box, const char* what);
+
+// A 3-D bf16 weight [E, rows, cols] as the view says (strided views too: the gate or up half
+// of a concatenated [E, 2I, H]), box {cols, rows, 1} innermost first.
+CUtensorMap make_bf16_weight_map(const TensorView& w, std::uint32_t box_cols, std::uint32_t box_rows, const char* what);
 
 }  // namespace mok::detail

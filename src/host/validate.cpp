@@ -15,8 +15,11 @@ struct Checker {
   std::string_view where;
   Device device;
 
+  // strided: a 3-D expert weight (or its bf16 gradient) may be a strided view, e.g. the gate
+  // or up half of a concatenated [E, 2I, H] tensor: rows contiguous, row and expert strides
+  // multiples of 8 elements (16 bytes, for TMA), experts and rows not overlapping.
   void tensor(std::string_view arg, const TensorView& v, std::initializer_list<DType> dtypes,
-              std::initializer_list<std::int64_t> dims) const {
+              std::initializer_list<std::int64_t> dims, bool strided = false) const {
     bool dtype_ok = false;
     for (DType d : dtypes) dtype_ok |= (v.dtype == d);
     if (!dtype_ok) {
@@ -37,9 +40,17 @@ struct Checker {
                            device_name(v.device));
     if (v.numel() == 0) return;  // an empty tensor may have a null pointer
     if (v.data == nullptr) throw_argument_error(where, arg, "data pointer is null");
-    if (!v.is_contiguous())
+    if (strided && !v.is_contiguous()) {
+      const bool ok = v.ndim == 3 && v.stride[2] == 1 && v.stride[1] % 8 == 0 && v.stride[0] % 8 == 0 &&
+                      v.stride[1] >= v.shape[2] && v.stride[0] >= v.shape[1] * v.stride[1];
+      if (!ok)
+        throw_argument_error(where, arg, "must be contiguous or a view with contiguous rows, row and expert "
+                             "strides multiples of 8 and no overlap (like one half of [E, 2I, H]), got strides ",
+                             stride_string(v), " for shape ", v.shape_string());
+    } else if (!v.is_contiguous()) {
       throw_argument_error(where, arg, "must be contiguous (row-major), got strides ",
                            stride_string(v), " for shape ", v.shape_string());
+    }
     const auto address = reinterpret_cast<std::uintptr_t>(v.data);
     if (address % kPointerAlignment != 0)
       throw_argument_error(where, arg, "data pointer must be ", kPointerAlignment,
@@ -76,9 +87,9 @@ std::int64_t validate_forward_args(std::string_view where, const MoeShape& shape
   c.tensor("topk_ids", a.topk_ids, {DType::i32, DType::i64}, {T, k});
   check_rows(where, "topk_weights", a.topk_weights, T, "x");
   c.tensor("topk_weights", a.topk_weights, {DType::f32}, {T, k});
-  c.tensor("w_gate", a.w_gate, {DType::bf16}, {El, I, H});
-  c.tensor("w_up", a.w_up, {DType::bf16}, {El, I, H});
-  c.tensor("w_down", a.w_down, {DType::bf16}, {El, H, I});
+  c.tensor("w_gate", a.w_gate, {DType::bf16}, {El, I, H}, true);
+  c.tensor("w_up", a.w_up, {DType::bf16}, {El, I, H}, true);
+  c.tensor("w_down", a.w_down, {DType::bf16}, {El, H, I}, true);
   const bool any_shared = a.shared_gate || a.shared_up || a.shared_down;
   if (shape.has_shared()) {
     if (!a.shared_gate) throw_argument_error(where, "shared_gate", "is required: shape.shared_intermediate = ", Is);
@@ -106,9 +117,12 @@ void validate_backward_args(std::string_view where, const MoeShape& shape, const
   const DType gdt = b.d_w_gate.dtype;
   if (gdt != DType::bf16 && gdt != DType::f32)
     throw_dtype_error(where, "d_w_gate", "dtype must be bf16 (written) or f32 (accumulated), got ", dtype_name(gdt));
-  c.tensor("d_w_gate", b.d_w_gate, {gdt}, {El, I, H});
-  c.tensor("d_w_up", b.d_w_up, {gdt}, {El, I, H});
-  c.tensor("d_w_down", b.d_w_down, {gdt}, {El, H, I});
+  // bf16 gradients are written through tensor maps (strided views too); f32 ones are
+  // accumulated with plain loads and stores of contiguous rows.
+  const bool strided = gdt == DType::bf16;
+  c.tensor("d_w_gate", b.d_w_gate, {gdt}, {El, I, H}, strided);
+  c.tensor("d_w_up", b.d_w_up, {gdt}, {El, I, H}, strided);
+  c.tensor("d_w_down", b.d_w_down, {gdt}, {El, H, I}, strided);
   if (shape.has_shared()) {
     if (!b.d_shared_gate || !b.d_shared_up || !b.d_shared_down)
       throw_argument_error(where, "d_shared_gate", "shared-expert gradients are required: shape.shared_intermediate = ", Is);
