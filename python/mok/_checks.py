@@ -11,23 +11,31 @@ def _require(cond, exc, message):
 
 def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts=None,
                    where="mok.moe"):
-    """num_experts: the group's E under expert parallelism (the weights hold this rank's E_l)."""
+    """num_experts: the group's E under expert parallelism (the weights hold this rank's E_l).
+    w_up None: w_gate holds gate and up concatenated, [E, 2I, H] (gate rows, then up rows)."""
     import torch
 
+    fused = w_up is None
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
-                    ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+                    ("w_gate", w_gate), ("w_up", w_gate if fused else w_up), ("w_down", w_down)):
         _require(isinstance(t, torch.Tensor), TypeError, f"{where}: '{name}' must be a torch.Tensor, got {type(t).__name__}")
     _require(x.dtype == torch.bfloat16, TypeError, f"{where}: 'x' dtype must be torch.bfloat16, got {x.dtype}")
     _require(topk_ids.dtype in (torch.int32, torch.int64), TypeError,
              f"{where}: 'topk_ids' dtype must be torch.int32 or torch.int64, got {topk_ids.dtype}")
     _require(topk_weights.dtype == torch.float32, TypeError,
              f"{where}: 'topk_weights' dtype must be torch.float32, got {topk_weights.dtype}")
-    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+    weights = (("w_gate", w_gate),) + (() if fused else (("w_up", w_up),)) + (("w_down", w_down),)
+    for name, w in weights:
         _require(w.dtype == torch.bfloat16, TypeError, f"{where}: '{name}' dtype must be torch.bfloat16, got {w.dtype}")
     _require(x.dim() == 2, ValueError, f"{where}: 'x' must be 2-D [T, H], got shape {tuple(x.shape)}")
     T, H = x.shape
-    _require(w_gate.dim() == 3, ValueError, f"{where}: 'w_gate' must be 3-D [E, I, H], got shape {tuple(w_gate.shape)}")
+    layout = "[E, 2I, H] (gate and up concatenated: w_up is None)" if fused else "[E, I, H]"
+    _require(w_gate.dim() == 3, ValueError, f"{where}: 'w_gate' must be 3-D {layout}, got shape {tuple(w_gate.shape)}")
     E, I, _ = w_gate.shape
+    if fused:
+        _require(I % 2 == 0, ValueError, f"{where}: 'w_gate' must be {layout}: an even number of rows, got shape "
+                                         f"{tuple(w_gate.shape)}")
+        I //= 2
     _require(topk_ids.dim() == 2 and topk_ids.shape[0] == T, ValueError,
              f"{where}: 'topk_ids' must be [T, k] with T = {T}, got shape {tuple(topk_ids.shape)}")
     k = topk_ids.shape[1]
@@ -36,15 +44,16 @@ def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swig
     _require(1 <= k <= E_all, ValueError, f"{where}: top-k must be in [1, E = {E_all}], got {k}")
     _require(tuple(topk_weights.shape) == (T, k), ValueError,
              f"{where}: 'topk_weights' shape must be {(T, k)}, got {tuple(topk_weights.shape)}")
-    _require(tuple(w_gate.shape) == (E, I, H), ValueError,
-             f"{where}: 'w_gate' shape must be {(E, I, H)} (H from x), got {tuple(w_gate.shape)}")
-    _require(tuple(w_up.shape) == (E, I, H), ValueError, f"{where}: 'w_up' shape must be {(E, I, H)}, got {tuple(w_up.shape)}")
+    gate_rows = 2 * I if fused else I
+    _require(tuple(w_gate.shape) == (E, gate_rows, H), ValueError,
+             f"{where}: 'w_gate' shape must be {(E, gate_rows, H)} (H from x), got {tuple(w_gate.shape)}")
+    _require(fused or tuple(w_up.shape) == (E, I, H), ValueError,
+             f"{where}: 'w_up' shape must be {(E, I, H)}, got {None if fused else tuple(w_up.shape)}")
     _require(tuple(w_down.shape) == (E, H, I), ValueError,
              f"{where}: 'w_down' shape must be {(E, H, I)}, got {tuple(w_down.shape)}")
     for name, n in (("hidden size H", H), ("intermediate size I", I)):
         _require(n % GRANULARITY == 0 and n > 0, ValueError, f"{where}: {name} must be a positive multiple of {GRANULARITY}, got {n}")
-    tensors = [("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_gate", w_gate), ("w_up", w_up),
-               ("w_down", w_down)]
+    tensors = [("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)]
     if shared is not None:
         _require(isinstance(shared, (tuple, list)) and len(shared) == 3, ValueError,
                  f"{where}: 'shared' must be (gate [I_s, H], up [I_s, H], down [H, I_s]), got {type(shared).__name__}")
@@ -60,8 +69,13 @@ def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swig
         _require(swiglu_limit > 0 and swiglu_limit != float("inf"), ValueError,
                  f"{where}: 'swiglu_limit' must be a finite positive number, got {swiglu_limit}")
     device = x.device
-    for name, t in tensors:
+    for name, t in tensors + list(weights):
         _require(t.device == device, ValueError, f"{where}: '{name}' is on {t.device}, but x is on {device}")
+    for name, t in tensors:
         _require(t.is_contiguous(), ValueError, f"{where}: '{name}' must be contiguous")
+    for name, t in weights:  # strided views with contiguous rows are taken as they are (the
+        # kernels' tensor maps take the strides; the extension checks the rest and names them)
+        _require(t.stride(-1) == 1, ValueError, f"{where}: '{name}' must have contiguous rows (stride 1 in its last "
+                                                f"dimension), got strides {tuple(t.stride())}")
     if device.type != "meta":
         _require(device.type == "cuda", ValueError, f"{where}: tensors must be on a CUDA device, got {device}")

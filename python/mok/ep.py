@@ -15,14 +15,13 @@ Run on two H200s under torchrun (tests/python/test_ep.py: forward and gradients 
 equal to one GPU). `mok.moe_torch_ep` is the same split in plain PyTorch (all-to-all).
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from mok import _C
-from mok._checks import check_moe_args
 from mok._state import ep_groups as _groups
-from mok.ops import _backward_inputs, _empty_grads, _input_grads
+from mok.ops import call_layer
 
 
 class ExpertParallel:
@@ -104,128 +103,15 @@ class ExpertParallel:
             rank.check(torch.cuda.current_stream().cuda_stream)
 
 
-def _shared_size(shared_gate):
-    return 0 if shared_gate is None else shared_gate.shape[0]
-
-
-@torch.library.custom_op("mok::ep_moe_forward", mutates_args=())
-def ep_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
-                   w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
-                   shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
-                   swiglu_limit: Optional[float], num_experts: int, group_id: int) -> torch.Tensor:
-    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
-    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, "mok.ep.moe")
-    y = torch.empty_like(x)
-    rank = _groups[group_id].rank_for(x, w_gate, num_experts, topk_ids.shape[1], _shared_size(shared_gate),
-                                      swiglu_limit, False)
-    _C.ep_forward(rank, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, None,
-                  torch.cuda.current_stream(x.device).cuda_stream)
-    return y
-
-
-@ep_moe_forward.register_fake
-def _ep_moe_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                         swiglu_limit, num_experts, group_id):
-    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
-    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, "mok.ep.moe")
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("mok::ep_moe_train_forward", mutates_args=())
-def ep_moe_train_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
-                         w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
-                         shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
-                         swiglu_limit: Optional[float], num_experts: int,
-                         group_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
-    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, "mok.ep.moe")
-    rank = _groups[group_id].rank_for(x, w_gate, num_experts, topk_ids.shape[1], _shared_size(shared_gate),
-                                      swiglu_limit, True)
-    y = torch.empty_like(x)
-    saved = torch.empty(_saved_elements(x, w_gate, topk_ids, shared_gate, swiglu_limit, num_experts),
-                        dtype=torch.bfloat16, device=x.device)
-    _C.ep_forward(rank, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, saved,
-                  torch.cuda.current_stream(x.device).cuda_stream)
-    return y, saved
-
-
-def _saved_elements(x, w_gate, topk_ids, shared_gate, swiglu_limit, num_experts):
-    T, H = x.shape
-    E_l, I, _ = w_gate.shape
-    return _C.ep_saved_elements(H, I, num_experts, E_l, topk_ids.shape[1], _shared_size(shared_gate), swiglu_limit, T)
-
-
-@ep_moe_train_forward.register_fake
-def _ep_moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                               swiglu_limit, num_experts, group_id):
-    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
-    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, "mok.ep.moe")
-    n = _saved_elements(x, w_gate, topk_ids, shared_gate, swiglu_limit, num_experts)
-    return torch.empty_like(x), x.new_empty((n,), dtype=torch.bfloat16)
-
-
-# Overwrites `saved` without declaring it, as mok::moe_backward does (see mok/ops.py).
-@torch.library.custom_op("mok::ep_moe_backward", mutates_args=())
-def ep_moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                    shared_gate: Optional[torch.Tensor], shared_up: Optional[torch.Tensor],
-                    shared_down: Optional[torch.Tensor], saved: torch.Tensor, swiglu_limit: Optional[float],
-                    num_experts: int, group_id: int) -> List[torch.Tensor]:
-    dy = dy.contiguous()
-    grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
-    rank = _groups[group_id].rank_for(x, w_gate, num_experts, topk_ids.shape[1], _shared_size(shared_gate),
-                                      swiglu_limit, True)
-    shared_grads = grads[5:] if shared_gate is not None else (None, None, None)
-    _C.ep_backward(rank, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
-                   dy, *grads[:5], *shared_grads, torch.cuda.current_stream(x.device).cuda_stream)
-    return grads
-
-
-@ep_moe_backward.register_fake
-def _ep_moe_backward_fake(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                          saved, swiglu_limit, num_experts, group_id):
-    return _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
-
-
-def _train_setup_context(ctx, inputs, output):
-    (x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit, num_experts,
-     group_id) = inputs
-    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                          output[1])
-    ctx.swiglu_limit, ctx.num_experts, ctx.group_id = swiglu_limit, num_experts, group_id
-    ctx.mark_non_differentiable(output[1])
-
-
-def _train_backward(ctx, grad_y, grad_saved):
-    dy, saved = _backward_inputs(ctx, grad_y, "mok.ep.moe")
-    grads = ep_moe_backward(dy, *saved, ctx.swiglu_limit, ctx.num_experts, ctx.group_id)
-    return _input_grads(grads, saved[6] is not None, 3)
-
-
-ep_moe_train_forward.register_autograd(_train_backward, setup_context=_train_setup_context)
-
-
-def _no_backward(ctx, grad):
-    raise RuntimeError("mok.ep.moe: this call ran without autograd recording; call it with grad enabled to train")
-
-
-ep_moe_forward.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
-
-
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
-        w_up: torch.Tensor, w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
+        w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
         swiglu_limit: Optional[float] = None, *, group: ExpertParallel) -> torch.Tensor:
     """This rank's part of the expert-parallel layer: x [T, H] its tokens, topk_ids [T, k]
-    global expert ids, w_gate/w_up/w_down its E_l = E / W experts. The shared expert (if
-    any) is applied to this rank's tokens; its gradient is this rank's share (all-reduce it
-    with the data-parallel gradients)."""
+    global expert ids, w_gate/w_up/w_down its E_l = E / W experts (as for mok.moe: w_up None
+    takes w_gate as [E_l, 2I, H]). The shared expert (if any) is applied to this rank's tokens;
+    its gradient is this rank's share (all-reduce it with the data-parallel gradients). The
+    same custom ops as mok.moe (mok::moe_forward, ...), with this group's id."""
     if not isinstance(group, ExpertParallel):
         raise TypeError(f"mok.ep.moe: 'group' must be a mok.ep.ExpertParallel, got {type(group).__name__}")
-    num_experts = w_gate.shape[0] * group.world
-    shared = tuple(shared) if shared is not None else (None, None, None)
-    tensors = (x, topk_weights, w_gate, w_up, w_down) + tuple(t for t in shared if t is not None)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return ep_moe_train_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit,
-                                    num_experts, group.id)[0]
-    return ep_moe_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, num_experts,
-                          group.id)
+    num_experts = w_gate.shape[0] * group.world if isinstance(w_gate, torch.Tensor) and w_gate.dim() > 0 else 0
+    return call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, group.id)

@@ -9,8 +9,8 @@ rows), `down_proj` [E, H, I], no biases and SiLU (Qwen3-MoE, Mixtral, OLMoE, Dee
 DeepSeek-V3's shared expert stays in the model's own code. "mok_torch" registers the same
 glue over mok.moe_torch (plain PyTorch, any device) for comparisons and CPU tests.
 
-Cost to know: the gate and up halves of `gate_up_proj` are copied into contiguous tensors
-on every call (the fused kernel takes them as separate [E, I, H] tensors).
+`gate_up_proj` goes to the kernel as it is (w_up None: the kernel reads its gate and up
+halves in place, and writes its gradient as one [E, 2I, H] tensor): no copy per call.
 """
 
 from typing import Callable
@@ -22,8 +22,8 @@ from mok.torch_path import moe_torch
 
 
 def _expert_weights(module: torch.nn.Module):
-    """(w_gate, w_up, w_down) of a transformers experts module, or ValueError naming what
-    does not fit the fused layer."""
+    """(w_gate_up [E, 2I, H], None, w_down) of a transformers experts module (mok.moe's
+    arguments for concatenated gate and up weights), or ValueError naming what does not fit."""
     name = type(module).__name__
     for flag, wanted in (("has_bias", False), ("is_transposed", False), ("is_concatenated", True), ("has_gate", True),
                          ("has_post_expert_norm", False)):
@@ -34,9 +34,7 @@ def _expert_weights(module: torch.nn.Module):
         raise ValueError(f"mok.hf: {name} uses hidden_act = {act!r}; the fused layer is SwiGLU (needs 'silu')")
     if getattr(module, "_is_expert_parallel", False):
         raise ValueError(f"mok.hf: {name} is expert-parallel in transformers; not supported by this backend yet")
-    gate_up, down = module.gate_up_proj, module.down_proj
-    inter = gate_up.shape[1] // 2
-    return gate_up[:, :inter].contiguous(), gate_up[:, inter:].contiguous(), down
+    return module.gate_up_proj, None, module.down_proj
 
 
 def _experts_forward(layer: Callable) -> Callable:

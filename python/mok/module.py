@@ -13,8 +13,11 @@ from mok.torch_path import moe_torch, moe_torch_ep
 class MoE(nn.Module):
     """A SwiGLU mixture-of-experts layer computed by the fused kernel.
 
-    Weights: w_gate, w_up [E, I, H], w_down [E, H, I] (bf16), and with shared_intermediate
-    > 0 one shared expert (shared_gate, shared_up [I_s, H], shared_down [H, I_s]).
+    Weights: w_gate, w_up [E, I, H], w_down [E, H, I] (bf16) — or with fused_gate_up=True one
+    w_gate_up [E, 2I, H] (gate rows, then up rows: the layout of Hugging Face, torchtitan and
+    Megatron checkpoints; the kernel reads its halves in place and writes its gradient as one
+    tensor) in place of w_gate and w_up — and with shared_intermediate > 0 one shared expert
+    (shared_gate, shared_up [I_s, H], shared_down [H, I_s]).
     router: "softmax" or "sigmoid" scores over a bias-free fp32 linear layer, top_k of them,
     renormalised to sum to one if `renormalize`; None: the caller passes topk_ids and
     topk_weights to forward(). backend: "mok" (the fused kernel, Hopper GPU, bf16) or
@@ -31,7 +34,7 @@ class MoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  shared_intermediate: int = 0, router: Optional[str] = "softmax", renormalize: bool = True,
                  swiglu_limit: Optional[float] = None, backend: str = "mok", load_balancing: bool = False,
-                 group=None, device=None, dtype=torch.bfloat16):
+                 group=None, fused_gate_up: bool = False, device=None, dtype=torch.bfloat16):
         super().__init__()
         if router not in ("softmax", "sigmoid", None):
             raise ValueError(f"mok.MoE: 'router' must be 'softmax', 'sigmoid' or None, got {router!r}")
@@ -60,8 +63,12 @@ class MoE(nn.Module):
         self.hidden, self.intermediate, self.num_experts, self.top_k = hidden, intermediate, num_experts, top_k
         self.router_kind, self.renormalize, self.swiglu_limit = router, renormalize, swiglu_limit
         kw = dict(device=device, dtype=dtype)
-        self.w_gate = nn.Parameter(torch.empty(local_experts, intermediate, hidden, **kw))
-        self.w_up = nn.Parameter(torch.empty(local_experts, intermediate, hidden, **kw))
+        self.fused_gate_up = fused_gate_up
+        if fused_gate_up:
+            self.w_gate_up = nn.Parameter(torch.empty(local_experts, 2 * intermediate, hidden, **kw))
+        else:
+            self.w_gate = nn.Parameter(torch.empty(local_experts, intermediate, hidden, **kw))
+            self.w_up = nn.Parameter(torch.empty(local_experts, intermediate, hidden, **kw))
         self.w_down = nn.Parameter(torch.empty(local_experts, hidden, intermediate, **kw))
         self.shared = None
         if shared_intermediate:
@@ -74,9 +81,10 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        if self.w_gate.device.type == "meta":
+        if self.w_down.device.type == "meta":
             return
-        for w, fan_in in ((self.w_gate, self.hidden), (self.w_up, self.hidden), (self.w_down, self.intermediate)):
+        gate_up = (self.w_gate_up,) if self.fused_gate_up else (self.w_gate, self.w_up)
+        for w, fan_in in [(w, self.hidden) for w in gate_up] + [(self.w_down, self.intermediate)]:
             w.normal_(0.0, 1.0 / math.sqrt(fan_in))
         if self.shared is not None:
             i_s = self.shared[0].shape[0]
@@ -118,18 +126,20 @@ class MoE(nn.Module):
         elif topk_weights is None:
             raise ValueError("mok.MoE: 'topk_ids' was given without 'topk_weights'")
         shared = None if self.shared is None else tuple(self.shared)
+        # (w_up None: w_gate is [E, 2I, H], taken as it is by every backend)
+        gate, up = (self.w_gate_up, None) if self.fused_gate_up else (self.w_gate, self.w_up)
         ids, weights = topk_ids.reshape(-1, self.top_k), topk_weights.reshape(-1, self.top_k)
         if self.group is not None:
             from mok import ep
 
             if self.backend == "mok":
-                y = ep.moe(x2, ids, weights, self.w_gate, self.w_up, self.w_down, shared=shared,
+                y = ep.moe(x2, ids, weights, gate, up, self.w_down, shared=shared,
                            swiglu_limit=self.swiglu_limit, group=self.group)
             else:  # NCCL (or gloo) all-to-all around the PyTorch path: any device
-                y = moe_torch_ep(x2, ids, weights, self.w_gate, self.w_up, self.w_down, shared=shared,
+                y = moe_torch_ep(x2, ids, weights, gate, up, self.w_down, shared=shared,
                                  swiglu_limit=self.swiglu_limit, group=self.group.group)
         else:
             layer = moe if self.backend == "mok" else moe_torch
-            y = layer(x2, ids, weights, self.w_gate, self.w_up, self.w_down, shared=shared,
+            y = layer(x2, ids, weights, gate, up, self.w_down, shared=shared,
                       swiglu_limit=self.swiglu_limit)
         return y.reshape(shape)

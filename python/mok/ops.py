@@ -41,68 +41,144 @@ def _scratch(nbytes, device):
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def _saved_elements(x, w_gate, top_k, shared_gate, swiglu_limit):
+ONE_GPU = 0  # the group id of the one-GPU layer (an EP group's is its mok.ep.ExpertParallel.id)
+
+
+def gate_and_up(w_gate, w_up):
+    """(gate, up), each [E, I, H]: the two tensors, or with w_up None the two halves of
+    w_gate = [E, 2I, H] (gate rows, then up rows) as views: no copy."""
+    if w_up is not None:
+        return w_gate, w_up
+    inter = w_gate.shape[1] // 2
+    return w_gate[:, :inter], w_gate[:, inter:]
+
+
+def _where(group_id):
+    return "mok.moe" if group_id == ONE_GPU else "mok.ep.moe"
+
+
+def _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
+           num_experts, group_id):
+    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
+    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts,
+                   _where(group_id))
+
+
+def _shared_size(shared_gate):
+    return 0 if shared_gate is None else shared_gate.shape[0]
+
+
+def _saved_elements(x, w_gate, w_up, top_k, shared_gate, swiglu_limit, num_experts):
     T, H = x.shape
-    E, I, _ = w_gate.shape
-    Is = 0 if shared_gate is None else shared_gate.shape[0]
-    return _C.saved_elements(H, I, E, top_k, Is, swiglu_limit, T)
+    gate, _ = gate_and_up(w_gate, w_up)
+    E_l, I, _ = gate.shape
+    return _C.ep_saved_elements(H, I, num_experts, E_l, top_k, _shared_size(shared_gate), swiglu_limit, T)
+
+
+def _ep_group(group_id):
+    group = ep_groups.get(group_id)
+    if group is None:
+        raise RuntimeError(f"mok.ep.moe: expert-parallel group {group_id} no longer exists (its ExpertParallel was "
+                           "released or garbage-collected)")
+    return group
 
 
 def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                 swiglu_limit, training):
-    """The fused forward on the current stream: y, and (training) the gate/up pre-activations
-    (bf16, flat) the backward reads, else None. The one body of the custom ops and of the
-    eager path."""
-    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
-    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit)
+                 swiglu_limit, num_experts, group_id, training):
+    """The fused forward on the current stream, on one GPU or as a rank of an EP group: y, and
+    (training) the gate/up pre-activations (bf16, flat) the backward reads, else None. The one
+    body of the custom ops and of the eager path."""
+    _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
+           num_experts, group_id)
+    gate, up = gate_and_up(w_gate, w_up)
+    k, T = topk_ids.shape[1], x.shape[0]
     y = torch.empty_like(x)
     saved = None
     if training:
-        saved = torch.empty(_saved_elements(x, w_gate, topk_ids.shape[1], shared_gate, swiglu_limit),
+        saved = torch.empty(_saved_elements(x, w_gate, w_up, k, shared_gate, swiglu_limit, num_experts),
                             dtype=torch.bfloat16, device=x.device)
-    if x.shape[0] == 0:
-        return y, saved
-    ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    _C.forward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y, saved,
-               stream, scratch=_scratch(ws.forward_scratch_bytes(x.shape[0]), x.device))
+    tensors = (x, topk_ids, topk_weights, gate, up, w_down, shared_gate, shared_up, shared_down, y, saved, stream)
+    if group_id == ONE_GPU:
+        if T == 0:
+            return y, saved
+        ws = _workspace(x, gate, k, _shared_size(shared_gate), swiglu_limit)
+        _C.forward(ws, *tensors, scratch=_scratch(ws.forward_scratch_bytes(T), x.device))
+    else:
+        rank = _ep_group(group_id).rank_for(x, gate, num_experts, k, _shared_size(shared_gate), swiglu_limit,
+                                            training)
+        _C.ep_forward(rank, *tensors)
     return y, saved
 
 
+def _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down):
+    """dx, d_topk_weights, d_w_gate, d_w_up, d_w_down[, the shared expert's], each like its
+    input (d_w_up: empty when w_up is None, d_w_gate then [E, 2I, H])."""
+    grads = [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate),
+             w_gate.new_empty(0) if w_up is None else torch.empty_like(w_up), torch.empty_like(w_down)]
+    if shared_gate is not None:
+        grads += [torch.empty_like(shared_gate), torch.empty_like(shared_up), torch.empty_like(shared_down)]
+    return grads
+
+
+def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
+                  swiglu_limit, num_experts, group_id):
+    """The fused backward on the current stream (the body of the custom op and of the eager path)."""
+    dy = dy.contiguous()
+    grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
+    gate, up = gate_and_up(w_gate, w_up)
+    d_gate, d_up = gate_and_up(grads[2], None if w_up is None else grads[3])
+    shared_grads = grads[5:] if shared_gate is not None else (None, None, None)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    tensors = (x, topk_ids, topk_weights, gate, up, w_down, shared_gate, shared_up, shared_down, saved, dy, grads[0],
+               grads[1], d_gate, d_up, grads[4], *shared_grads, stream)
+    if group_id == ONE_GPU:
+        ws = _workspace(x, gate, topk_ids.shape[1], _shared_size(shared_gate), swiglu_limit)
+        _C.backward(ws, *tensors, scratch=_scratch(ws.backward_scratch_bytes(False, x.shape[0]), x.device))
+    else:
+        rank = _ep_group(group_id).rank_for(x, gate, num_experts, topk_ids.shape[1], _shared_size(shared_gate),
+                                            swiglu_limit, True)
+        _C.ep_backward(rank, *tensors)
+    return grads
+
+
+# The custom ops serve torch.compile and fake tensors; one set for one GPU (group_id 0) and
+# for a rank of an expert-parallel group (mok.ep). w_up None: w_gate is [E, 2I, H].
 @torch.library.custom_op("mok::moe_forward", mutates_args=())
 def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
-                w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
+                w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
                 shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
-                swiglu_limit: Optional[float]) -> torch.Tensor:
+                swiglu_limit: Optional[float], num_experts: int, group_id: int) -> torch.Tensor:
     return _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                        swiglu_limit, training=False)[0]
+                        swiglu_limit, num_experts, group_id, training=False)[0]
 
 
 @moe_forward.register_fake
 def _moe_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                      swiglu_limit):
-    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
-    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit)
+                      swiglu_limit, num_experts, group_id):
+    _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
+           num_experts, group_id)
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("mok::moe_train_forward", mutates_args=())
 def moe_train_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
-                      w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
+                      w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
                       shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
-                      swiglu_limit: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+                      swiglu_limit: Optional[float], num_experts: int,
+                      group_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The forward of a training step: y, and the gate/up pre-activations (bf16, flat) the
     backward reads."""
     return _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                        swiglu_limit, training=True)
+                        swiglu_limit, num_experts, group_id, training=True)
 
 
 @moe_train_forward.register_fake
 def _moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                            swiglu_limit):
-    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
-    check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit)
-    n = _saved_elements(x, w_gate, topk_ids.shape[1], shared_gate, swiglu_limit)
+                            swiglu_limit, num_experts, group_id):
+    _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
+           num_experts, group_id)
+    n = _saved_elements(x, w_gate, w_up, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
     return torch.empty_like(x), x.new_empty((n,), dtype=torch.bfloat16)
 
 
@@ -112,115 +188,91 @@ def _moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, sha
 # reads `saved` afterwards: the autograd context refuses a second backward.
 @torch.library.custom_op("mok::moe_backward", mutates_args=())
 def moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
-                 shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor], saved: torch.Tensor,
-                 swiglu_limit: Optional[float]) -> List[torch.Tensor]:
+                 w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
+                 shared_gate: Optional[torch.Tensor], shared_up: Optional[torch.Tensor],
+                 shared_down: Optional[torch.Tensor], saved: torch.Tensor, swiglu_limit: Optional[float],
+                 num_experts: int, group_id: int) -> List[torch.Tensor]:
     """dx, d_topk_weights, d_w_gate, d_w_up, d_w_down[, d_shared_gate, d_shared_up, d_shared_down]."""
     return _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                         saved, swiglu_limit)
-
-
-def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
-                  swiglu_limit):
-    """The fused backward on the current stream (the body of the custom op and of the eager path)."""
-    dy = dy.contiguous()
-    grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
-    ws = _workspace(x, w_gate, topk_ids.shape[1], 0 if shared_gate is None else shared_gate.shape[0], swiglu_limit)
-    shared_grads = grads[5:] if shared_gate is not None else (None, None, None)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    _C.backward(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
-                dy, *grads[:5], *shared_grads, stream,
-                scratch=_scratch(ws.backward_scratch_bytes(w_gate.dtype == torch.float32, x.shape[0]), x.device))
-    return grads
-
-
-def _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down):
-    grads = [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate), torch.empty_like(w_up),
-             torch.empty_like(w_down)]
-    if shared_gate is not None:
-        grads += [torch.empty_like(shared_gate), torch.empty_like(shared_up), torch.empty_like(shared_down)]
-    return grads
+                         saved, swiglu_limit, num_experts, group_id)
 
 
 @moe_backward.register_fake
 def _moe_backward_fake(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                       saved, swiglu_limit):
+                       saved, swiglu_limit, num_experts, group_id):
     return _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
 
 
+_TENSOR_INPUTS = 9  # x .. shared_down; then swiglu_limit, num_experts, group_id
+
+
+def _save(ctx, inputs, saved):
+    ctx.save_for_backward(*inputs[:_TENSOR_INPUTS], saved)
+    ctx.swiglu_limit, ctx.num_experts, ctx.group_id = inputs[_TENSOR_INPUTS:]
+
+
 def _train_setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit = inputs
-    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                          output[1])
-    ctx.swiglu_limit = swiglu_limit
+    _save(ctx, inputs, output[1])
     ctx.mark_non_differentiable(output[1])
 
 
-def _consume(ctx, where):
-    """Refuses a second backward through one forward: the fused backward overwrites the
-    pre-activations the forward saved."""
+def _backward_inputs(ctx, grad_y):
+    """The arguments of the backward of one train-forward, which may run only once: the fused
+    backward overwrites the pre-activations the forward saved."""
     if getattr(ctx, "consumed", False):
-        raise RuntimeError(f"{where}: a second backward through the same forward (retain_graph=True) is not "
-                           "supported: the fused backward overwrites the pre-activations the forward saved")
+        raise RuntimeError(f"{_where(ctx.group_id)}: a second backward through the same forward (retain_graph=True) "
+                           "is not supported: the fused backward overwrites the pre-activations the forward saved")
     ctx.consumed = True
-
-
-def _backward_inputs(ctx, grad_y, where):
-    """(dy, the train-forward's saved tensors) for its backward, which may run only once."""
-    _consume(ctx, where)
     saved = ctx.saved_tensors
-    return (grad_y if grad_y is not None else torch.zeros_like(saved[0])), saved
+    dy = grad_y if grad_y is not None else torch.zeros_like(saved[0])
+    return (dy, *saved, ctx.swiglu_limit, ctx.num_experts, ctx.group_id)
 
 
-def _input_grads(grads, has_shared, non_tensor_inputs):
-    """The train-forward op's input gradients from the backward op's outputs (dx,
-    d_topk_weights, d_w_gate, d_w_up, d_w_down[, shared expert's]): none for topk_ids and
-    the trailing non-tensor inputs."""
-    shared = grads[5:] if has_shared else [None, None, None]
-    return (grads[0], None, grads[1], grads[2], grads[3], grads[4], *shared) + (None,) * non_tensor_inputs
+def _input_grads(grads, args):
+    """The train-forward's input gradients from the backward's outputs (dx, d_topk_weights,
+    d_w_gate, d_w_up, d_w_down[, the shared expert's]): none for topk_ids, for an absent w_up
+    or shared expert, and for the non-tensor inputs."""
+    w_up, shared_gate = args[5], args[7]
+    shared = grads[5:] if shared_gate is not None else [None, None, None]
+    d_up = None if w_up is None else grads[3]
+    return (grads[0], None, grads[1], grads[2], d_up, grads[4], *shared, None, None, None)
 
 
 def _train_backward(ctx, grad_y, grad_saved):
-    dy, saved = _backward_inputs(ctx, grad_y, "mok.moe")
-    grads = moe_backward(dy, *saved, ctx.swiglu_limit)
-    return _input_grads(grads, saved[6] is not None, 1)
+    args = _backward_inputs(ctx, grad_y)
+    return _input_grads(moe_backward(*args), args)
 
 
 moe_train_forward.register_autograd(_train_backward, setup_context=_train_setup_context)
 
 
-def _moe_setup_context(ctx, inputs, output):
-    pass
-
-
-def _moe_backward(ctx, grad):
-    raise RuntimeError("mok.moe: this call ran without autograd recording (no input required grad "
+def _no_backward(ctx, grad):
+    raise RuntimeError(f"{_where(ctx.group_id)}: this call ran without autograd recording (no input required grad "
                        "when it ran); call it with grad enabled to train")
 
 
-moe_forward.register_autograd(_moe_backward, setup_context=_moe_setup_context)
+def _forward_setup_context(ctx, inputs, output):
+    ctx.group_id = inputs[-1]
+
+
+moe_forward.register_autograd(_no_backward, setup_context=_forward_setup_context)
 
 
 class _EagerTrainStep(torch.autograd.Function):
-    """mok.moe with autograd outside torch.compile: the same forward and backward bodies as
+    """The layer with autograd outside torch.compile: the same forward and backward bodies as
     the custom ops, without the custom-op dispatch (its per-call checks cost about as much host
     time as the whole C++ call)."""
 
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                swiglu_limit):
-        y, saved = _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                                swiglu_limit, training=True)
-        ctx.save_for_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                              saved)
-        ctx.swiglu_limit = swiglu_limit
+    def forward(ctx, *inputs):
+        y, saved = _run_forward(*inputs, training=True)
+        _save(ctx, inputs, saved)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        dy, saved = _backward_inputs(ctx, grad_y, "mok.moe")
-        grads = _run_backward(dy, *saved, ctx.swiglu_limit)
-        return _input_grads(grads, saved[6] is not None, 1)
+        args = _backward_inputs(ctx, grad_y)
+        return _input_grads(_run_backward(*args), args)
 
 
 def _eager(tensors) -> bool:
@@ -231,32 +283,43 @@ def _eager(tensors) -> bool:
     return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda for t in tensors)
 
 
+def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, group_id):
+    """mok.moe and mok.ep.moe: the eager path or the custom ops, with autograd when it records."""
+    shared = tuple(shared) if shared is not None else (None, None, None)
+    tensors = tuple(t for t in (x, topk_weights, w_gate, w_up, w_down, *shared) if t is not None)
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, num_experts, group_id)
+    if _eager(tensors + (topk_ids,)):
+        if train:
+            return _EagerTrainStep.apply(*args)
+        return _run_forward(*args, training=False)[0]
+    if train:
+        return moe_train_forward(*args)[0]
+    return moe_forward(*args)
+
+
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
-        w_up: torch.Tensor, w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
+        w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
         swiglu_limit: Optional[float] = None) -> torch.Tensor:
     """The fused MoE layer on the current CUDA stream.
 
     x [T, H] bf16; topk_ids [T, k] int32/int64 (-1 = no expert); topk_weights [T, k] fp32;
-    w_gate, w_up [E, I, H] bf16; w_down [E, H, I] bf16; shared = (gate [I_s, H], up [I_s, H],
-    down [H, I_s]) or None; swiglu_limit clamps gate <= limit and |up| <= limit.
+    w_gate, w_up [E, I, H] bf16 — or w_gate [E, 2I, H] (gate rows, then up rows, as Hugging
+    Face, torchtitan and Megatron keep them) and w_up None; w_down [E, H, I] bf16; expert
+    weights may be strided views with contiguous rows (no copy is made); shared = (gate
+    [I_s, H], up [I_s, H], down [H, I_s]) or None; swiglu_limit clamps gate <= limit and
+    |up| <= limit. Any T: one workspace per layer shape serves every token count.
     Expert ids out of range set y to NaN and raise at the next call or at mok.check().
     Differentiable (x, topk_weights and every weight) when autograd records the call: the
     forward then saves the gate/up pre-activations (bf16, k*2I*2 bytes per token plus padding)
-    and the fused backward computes every gradient in one kernel.
+    and the fused backward computes every gradient in one kernel (a concatenated w_gate's
+    gradient is one [E, 2I, H] tensor).
     Under torch.compile (and on fake or meta tensors) it is the custom ops mok::moe_forward /
     mok::moe_train_forward + mok::moe_backward; in eager mode the same bodies are called
     directly (the custom ops' dispatch is host time the GPU would wait for).
     """
-    shared = tuple(shared) if shared is not None else (None, None, None)
-    tensors = (x, topk_weights, w_gate, w_up, w_down) + tuple(t for t in shared if t is not None)
-    train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if _eager(tensors + (topk_ids,)):
-        if train:
-            return _EagerTrainStep.apply(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit)
-        return _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, training=False)[0]
-    if train:
-        return moe_train_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit)[0]
-    return moe_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit)
+    num_experts = w_gate.shape[0] if isinstance(w_gate, torch.Tensor) and w_gate.dim() > 0 else 0
+    return call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, ONE_GPU)
 
 
 def check() -> None:

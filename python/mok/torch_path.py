@@ -33,6 +33,14 @@ def _pairs_by_expert(topk_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor
     return pairs[order], experts[order]
 
 
+def _gate_up(xs, w_gate, w_up, offsets, counts):
+    """The gate and up pre-activations of the grouped rows: two grouped GEMMs, or one over
+    w_gate = [E, 2I, H] (gate rows, then up rows) when w_up is None."""
+    if w_up is not None:
+        return _grouped(xs, w_gate, offsets, counts), _grouped(xs, w_up, offsets, counts)
+    return _grouped(xs, w_gate, offsets, counts).chunk(2, dim=-1)
+
+
 def _experts(xs: torch.Tensor, experts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
              limit: Optional[float]) -> torch.Tensor:
     """Rows xs, sorted by their expert (ids in [0, E)), through the SwiGLU experts."""
@@ -41,8 +49,7 @@ def _experts(xs: torch.Tensor, experts: torch.Tensor, w_gate: torch.Tensor, w_up
     offsets = torch.cumsum(group_sizes, 0, dtype=torch.int32)
     grouped_mm = xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
     counts = None if grouped_mm else group_sizes.tolist()  # the loop needs sizes on the host
-    g = _grouped(xs, w_gate, offsets, counts)
-    u = _grouped(xs, w_up, offsets, counts)
+    g, u = _gate_up(xs, w_gate, w_up, offsets, counts)
     return _grouped(_swiglu(g, u, limit), w_down, offsets, counts)
 
 
@@ -59,9 +66,9 @@ def _combine(x: torch.Tensor, k: int, topk_weights: torch.Tensor, pairs: torch.T
 
 
 def moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
-              w_up: torch.Tensor, w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
+              w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
               swiglu_limit: Optional[float] = None) -> torch.Tensor:
-    """mok.moe's semantics in PyTorch: sort the (token, slot) pairs by expert, gather, grouped
+    """mok.moe's semantics (and arguments: w_up None takes w_gate as [E, 2I, H]) in PyTorch: sort the (token, slot) pairs by expert, gather, grouped
     GEMMs (torch._grouped_mm on CUDA), SwiGLU, scatter the result rows back to their slots,
     weighted sum over the k slots in fp32; -1 = no expert.
 
@@ -82,8 +89,7 @@ def moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         offsets, counts = torch.searchsorted(sorted_ids, bounds, right=True).to(torch.int32), None
     else:  # the loop needs the group sizes on the host
         offsets, counts = None, torch.bincount(sorted_ids.long(), minlength=E).tolist()
-    g = _grouped(xs, w_gate, offsets, counts)
-    u = _grouped(xs, w_up, offsets, counts)
+    g, u = _gate_up(xs, w_gate, w_up, offsets, counts)
     rows = _grouped(_swiglu(g, u, swiglu_limit), w_down, offsets, counts)
     per_slot = torch.index_copy(torch.empty_like(rows), 0, order, rows).view(T, k, -1)  # slot order[i] <- row i
     acc = torch.promote_types(x.dtype, torch.float32)
@@ -120,7 +126,7 @@ class _Exchange(torch.autograd.Function):
 
 
 def moe_torch_ep(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
-                 w_up: torch.Tensor, w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
+                 w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
                  swiglu_limit: Optional[float] = None, group=None) -> torch.Tensor:
     """The expert-parallel layer in plain PyTorch over torch.distributed (the NCCL + PyTorch
     baseline of bench/ep_bench.py, and a fallback off Hopper): this rank holds the

@@ -73,11 +73,11 @@ def test_fake_implementations_give_output_metadata():
     w = torch.empty(T, k, dtype=torch.float32, **m)
     gate = torch.empty(El, I, H, dtype=torch.bfloat16, **m)
     down = torch.empty(El, H, I, dtype=torch.bfloat16, **m)
-    y = torch.ops.mok.ep_moe_forward(x, ids, w, gate, gate, down, None, None, None, None, E, 0)
+    y = torch.ops.mok.moe_forward(x, ids, w, gate, gate, down, None, None, None, None, E, 1)
     assert y.shape == (T, H) and y.device.type == "meta"
-    y, saved = torch.ops.mok.ep_moe_train_forward(x, ids, w, gate, gate, down, None, None, None, None, E, 0)
+    y, saved = torch.ops.mok.moe_train_forward(x, ids, w, gate, gate, down, None, None, None, None, E, 1)
     assert saved.shape == (_C.ep_saved_elements(H, I, E, El, k, 0, None, T),) and saved.dtype == torch.bfloat16
-    grads = torch.ops.mok.ep_moe_backward(x, x, ids, w, gate, gate, down, None, None, None, saved, None, E, 0)
+    grads = torch.ops.mok.moe_backward(x, x, ids, w, gate, gate, down, None, None, None, saved, None, E, 1)
     assert [tuple(g.shape) for g in grads] == [(T, H), (T, k), (El, I, H), (El, I, H), (El, H, I)]
 
 
@@ -92,7 +92,7 @@ def test_compiled_ep_training_step_traces_through_the_fake_implementations():
         t.requires_grad_()
 
     def step(x, w, gate, up, down):
-        y, _ = torch.ops.mok.ep_moe_train_forward(x, ids, w, gate, up, down, None, None, None, None, E, 0)
+        y, _ = torch.ops.mok.moe_train_forward(x, ids, w, gate, up, down, None, None, None, None, E, 1)
         return y.float().sum()
 
     torch.compile(step, backend="aot_eager", fullgraph=True)(*leaves).backward()

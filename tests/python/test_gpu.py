@@ -120,6 +120,41 @@ def test_backward_bitwise_repeatable_and_compiled():
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+def test_concatenated_gate_up_is_read_in_place_bitwise():
+    """w_gate = [E, 2I, H] with w_up None (as Hugging Face keeps it): the kernel reads the two
+    halves in place (no copy: the op allocates nothing of the weights' size but the
+    gradient) and writes one [E, 2I, H] gradient whose halves are bitwise the separate
+    tensors' gradients; eager and compiled."""
+    x, ids, w, gate, up, down, _ = _problem(seed=21, T=500, I=256)
+    gate_up = torch.cat([gate, up], dim=1)
+
+    def run(fn, *weights):
+        leaves = [_leaf(t) for t in (x, w) + weights + (down,)]
+        y = fn(leaves[0], ids, leaves[1], *leaves[2:-1], leaves[-1]) if len(weights) == 2 else \
+            fn(leaves[0], ids, leaves[1], leaves[2], None, leaves[3])
+        return (y,) + torch.autograd.grad((y.float() ** 2).sum(), leaves)
+
+    y, dx, dw, d_gate, d_up, d_down = run(mok.moe, gate, up)
+    for fn in (mok.moe, torch.compile(mok.moe, fullgraph=True)):
+        y2, dx2, dw2, d_gate_up, d_down2 = run(fn, gate_up)
+        assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(dw, dw2) and torch.equal(d_down, d_down2)
+        assert d_gate_up.shape == gate_up.shape
+        assert torch.equal(d_gate_up[:, :256], d_gate) and torch.equal(d_gate_up[:, 256:], d_up)
+    with torch.no_grad():  # strided halves of one tensor, given as two views
+        assert torch.equal(mok.moe(x, ids, w, gate_up[:, :256], gate_up[:, 256:], down), y)
+
+    def peak_growth(*weights):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            mok.moe(x, ids, w, *weights, down)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    assert peak_growth(gate_up, None) == peak_growth(gate, up)  # y and the scratch: no copy of the weights
+
+
 def test_second_backward_through_one_forward_is_refused():
     x, ids, w, gate, up, down, _ = _problem(seed=9)
     leaves = [_leaf(t) for t in (x, w, gate, up, down)]

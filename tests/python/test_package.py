@@ -99,10 +99,47 @@ def test_cpu_tensors_are_rejected():
 def test_non_contiguous_and_bad_limit():
     args = _meta_args()
     args["w_gate"] = torch.empty(4, 128, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
-    with pytest.raises(ValueError, match="'w_gate' must be contiguous"):
+    with pytest.raises(ValueError, match=r"'w_gate' must have contiguous rows \(stride 1 in its last dimension\)"):
         mok.moe(**args)
     with pytest.raises(ValueError, match="'swiglu_limit' must be a finite positive number"):
         mok.moe(**_meta_args(), swiglu_limit=-1.0)
+
+
+def test_concatenated_gate_up_and_strided_views_on_fake_tensors():
+    # w_up None: w_gate is [E, 2I, H] (gate rows, then up rows) and gets one gradient of that
+    # shape, w_up none; a strided view (a half of such a tensor) is taken as it is.
+    args = _meta_args()
+    gate_up = torch.empty(4, 128, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    x = args["x"].requires_grad_(True)
+    y = mok.moe(x, args["topk_ids"], args["topk_weights"], gate_up, None, args["w_down"])
+    assert y.shape == (8, 128)
+    dx, d_gate_up = torch.autograd.grad(y, [x, gate_up], torch.empty_like(y))
+    assert d_gate_up.shape == gate_up.shape and dx.shape == x.shape
+    assert mok.moe(x, args["topk_ids"], args["topk_weights"], gate_up[:, :64], gate_up[:, 64:], args["w_down"]).shape == (8, 128)
+    with pytest.raises(ValueError, match=r"'w_down' shape must be \(4, 128, 48\)"):  # I = 96 / 2 from w_gate
+        mok.moe(x, args["topk_ids"], args["topk_weights"], gate_up[:, :96], None, args["w_down"])
+    with pytest.raises(ValueError, match=r"'w_gate' must be \[E, 2I, H\] \(gate and up concatenated: w_up is None\): "
+                                         r"an even number of rows"):
+        mok.moe(x, args["topk_ids"], args["topk_weights"], gate_up[:, :97], None, args["w_down"])
+
+
+def test_torch_path_and_module_take_concatenated_gate_up():
+    """moe_torch with w_up None equals the separate tensors; MoE(fused_gate_up=True) keeps one
+    w_gate_up parameter [E, 2I, H] and trains through it (backend "torch", CPU)."""
+    torch.manual_seed(0)
+    T, H, I, E, k = 16, 64, 64, 4, 2
+    x = torch.randn(T, H)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
+    w = torch.rand(T, k)
+    gate_up, down = torch.randn(E, 2 * I, H) / 8, torch.randn(E, H, I) / 8
+    fused = mok.moe_torch(x, ids, w, gate_up, None, down)
+    separate = mok.moe_torch(x, ids, w, gate_up[:, :I], gate_up[:, I:], down)
+    torch.testing.assert_close(fused, separate)
+    layer = mok.MoE(H, I, E, k, backend="torch", fused_gate_up=True, dtype=torch.float32)
+    assert tuple(layer.w_gate_up.shape) == (E, 2 * I, H) and not hasattr(layer, "w_gate")
+    assert "w_gate_up" in layer.state_dict()
+    layer(x).square().sum().backward()
+    assert layer.w_gate_up.grad is not None and layer.w_gate_up.grad.abs().sum() > 0
 
 
 def test_autograd_gives_every_gradient_its_shape():
