@@ -229,11 +229,11 @@ def test_one_workspace_serves_every_token_count():
     params = [t.clone().requires_grad_(True) for t in (gate, up, down)]
     key_count = len(ops._workspaces)
 
-    def step(T):
+    def step(T):  # (results kept on the host: on the GPU they would be what grows)
         xs = x[:T].clone().requires_grad_(True)
         y = mok.moe(xs, ids[:T], w[:T], *params)
         y.float().square().sum().backward()
-        return y.detach(), xs.grad
+        return y.detach().cpu(), xs.grad.cpu()
 
     small = step(counts[0])  # in a workspace made for counts[0] tokens
     step(t_max)  # grows it to t_max
@@ -249,9 +249,9 @@ def test_one_workspace_serves_every_token_count():
     assert free_before - free_after < 2 << 20, f"{(free_before - free_after) / 2**20:.1f} MiB more held after {len(counts)} token counts"
     assert torch.equal(results[counts[0]][0], small[0]) and torch.equal(results[counts[0]][1], small[1])
     for T in sorted(counts)[:3] + sorted(counts)[-2:]:
-        _check(results[T][0], (x[:T], ids[:T], w[:T], gate, up, down, None))
+        _check(results[T][0].cuda(), (x[:T], ids[:T], w[:T], gate, up, down, None))
         with torch.no_grad():  # the forward alone, again: bitwise the same
-            assert torch.equal(mok.moe(x[:T], ids[:T], w[:T], gate, up, down), results[T][0])
+            assert torch.equal(mok.moe(x[:T], ids[:T], w[:T], gate, up, down).cpu(), results[T][0])
 
 
 def test_scratch_comes_from_pytorch_and_backward_needs_less_than_forward():
