@@ -241,6 +241,33 @@ def cmd_table(a):
            "Older runs (before the layer benchmark): `torch` there is the eager PyTorch path only, one",
            "round; `cublas` the dense GEMMs called from C++; `plan` the device planner alone.",
            "", "![TFLOP/s of the newest layer run](latest.svg)", ""]
+    hf = sorted(glob.glob(os.path.join(a.results_dir, "*-hf.json")), reverse=True)
+    if hf:
+        out += ["## Hugging Face end to end (bench/hf_bench.py)", "",
+                "A Qwen3-MoE model with the expert shapes of its `--size`, trained forward+backward through",
+                "transformers with each `experts_implementation`, from one initialisation: tokens/s (median of the",
+                "rounds, min–max), the first loss's relative difference to the first backend's, the step's GPU",
+                "time by part (CUDA events from module hooks) and the peak memory.", ""]
+        for path in hf:
+            with open(path) as f:
+                records = json.load(f)
+            r0 = records[0]
+            base = records[-1]["tokens_per_s"]
+            out += [f"### {os.path.basename(path)}", "",
+                    f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, size {r0['size']}, {r0['layers']} layers, "
+                    f"{r0['batch']} x {r0['seq']} tokens, {r0['repeats']} rounds of {r0['steps']} steps, "
+                    f"PyTorch {r0.get('torch', '?')}", "",
+                    "| impl | tokens/s | / " + records[-1]["impl"] + " | step ms (min–max) | loss rel. diff | "
+                    "experts fwd ms | experts bwd ms | attention ms | rest ms | peak GiB |",
+                    "|---|---|---|---|---|---|---|---|---|---|"]
+            for r in records:
+                pm = r["profile_ms"]
+                attention = pm.get("attention fwd", 0) + pm.get("attention bwd", 0)
+                out.append(f"| {r['impl']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.3f} | "
+                           f"{r['ms']:.2f} ({min(r['ms_repeats']):.2f}–{max(r['ms_repeats']):.2f}) | "
+                           f"{r['loss_rel_diff']:.1e} | {pm.get('experts fwd', 0):.2f} | {pm.get('experts bwd', 0):.2f} | "
+                           f"{attention:.2f} | {pm.get('rest', 0):.2f} | {r['peak_bytes'] / 2**30:.2f} |")
+            out.append("")
     for path, records in result_files(a.results_dir):
         r0 = records[0]
         if is_layer_run(records):
