@@ -5,8 +5,10 @@ GRANULARITY = 64  # H, I and I_s must be multiples of this (one 128-byte bf16 K-
 
 
 def _require(cond, exc, message):
+    """Raises exc(message()) unless cond: the message is formatted only when it is raised
+    (formatting every call's messages cost the op host time the GPU waited for)."""
     if not cond:
-        raise exc(message)
+        raise exc(message())
 
 
 def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts=None,
@@ -18,64 +20,64 @@ def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swig
     fused = w_up is None
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
                     ("w_gate", w_gate), ("w_up", w_gate if fused else w_up), ("w_down", w_down)):
-        _require(isinstance(t, torch.Tensor), TypeError, f"{where}: '{name}' must be a torch.Tensor, got {type(t).__name__}")
-    _require(x.dtype == torch.bfloat16, TypeError, f"{where}: 'x' dtype must be torch.bfloat16, got {x.dtype}")
+        _require(isinstance(t, torch.Tensor), TypeError, lambda: f"{where}: '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    _require(x.dtype == torch.bfloat16, TypeError, lambda: f"{where}: 'x' dtype must be torch.bfloat16, got {x.dtype}")
     _require(topk_ids.dtype in (torch.int32, torch.int64), TypeError,
-             f"{where}: 'topk_ids' dtype must be torch.int32 or torch.int64, got {topk_ids.dtype}")
+             lambda: f"{where}: 'topk_ids' dtype must be torch.int32 or torch.int64, got {topk_ids.dtype}")
     _require(topk_weights.dtype == torch.float32, TypeError,
-             f"{where}: 'topk_weights' dtype must be torch.float32, got {topk_weights.dtype}")
+             lambda: f"{where}: 'topk_weights' dtype must be torch.float32, got {topk_weights.dtype}")
     weights = (("w_gate", w_gate),) + (() if fused else (("w_up", w_up),)) + (("w_down", w_down),)
     for name, w in weights:
-        _require(w.dtype == torch.bfloat16, TypeError, f"{where}: '{name}' dtype must be torch.bfloat16, got {w.dtype}")
-    _require(x.dim() == 2, ValueError, f"{where}: 'x' must be 2-D [T, H], got shape {tuple(x.shape)}")
+        _require(w.dtype == torch.bfloat16, TypeError, lambda: f"{where}: '{name}' dtype must be torch.bfloat16, got {w.dtype}")
+    _require(x.dim() == 2, ValueError, lambda: f"{where}: 'x' must be 2-D [T, H], got shape {tuple(x.shape)}")
     T, H = x.shape
     layout = "[E, 2I, H] (gate and up concatenated: w_up is None)" if fused else "[E, I, H]"
-    _require(w_gate.dim() == 3, ValueError, f"{where}: 'w_gate' must be 3-D {layout}, got shape {tuple(w_gate.shape)}")
+    _require(w_gate.dim() == 3, ValueError, lambda: f"{where}: 'w_gate' must be 3-D {layout}, got shape {tuple(w_gate.shape)}")
     E, I, _ = w_gate.shape
     if fused:
-        _require(I % 2 == 0, ValueError, f"{where}: 'w_gate' must be {layout}: an even number of rows, got shape "
+        _require(I % 2 == 0, ValueError, lambda: f"{where}: 'w_gate' must be {layout}: an even number of rows, got shape "
                                          f"{tuple(w_gate.shape)}")
         I //= 2
     _require(topk_ids.dim() == 2 and topk_ids.shape[0] == T, ValueError,
-             f"{where}: 'topk_ids' must be [T, k] with T = {T}, got shape {tuple(topk_ids.shape)}")
+             lambda: f"{where}: 'topk_ids' must be [T, k] with T = {T}, got shape {tuple(topk_ids.shape)}")
     k = topk_ids.shape[1]
     E_all = E if num_experts is None else num_experts
-    _require(E_all % E == 0, ValueError, f"{where}: the {E} local experts must divide num_experts = {E_all}")
-    _require(1 <= k <= E_all, ValueError, f"{where}: top-k must be in [1, E = {E_all}], got {k}")
+    _require(E_all % E == 0, ValueError, lambda: f"{where}: the {E} local experts must divide num_experts = {E_all}")
+    _require(1 <= k <= E_all, ValueError, lambda: f"{where}: top-k must be in [1, E = {E_all}], got {k}")
     _require(tuple(topk_weights.shape) == (T, k), ValueError,
-             f"{where}: 'topk_weights' shape must be {(T, k)}, got {tuple(topk_weights.shape)}")
+             lambda: f"{where}: 'topk_weights' shape must be {(T, k)}, got {tuple(topk_weights.shape)}")
     gate_rows = 2 * I if fused else I
     _require(tuple(w_gate.shape) == (E, gate_rows, H), ValueError,
-             f"{where}: 'w_gate' shape must be {(E, gate_rows, H)} (H from x), got {tuple(w_gate.shape)}")
+             lambda: f"{where}: 'w_gate' shape must be {(E, gate_rows, H)} (H from x), got {tuple(w_gate.shape)}")
     _require(fused or tuple(w_up.shape) == (E, I, H), ValueError,
-             f"{where}: 'w_up' shape must be {(E, I, H)}, got {None if fused else tuple(w_up.shape)}")
+             lambda: f"{where}: 'w_up' shape must be {(E, I, H)}, got {None if fused else tuple(w_up.shape)}")
     _require(tuple(w_down.shape) == (E, H, I), ValueError,
-             f"{where}: 'w_down' shape must be {(E, H, I)}, got {tuple(w_down.shape)}")
+             lambda: f"{where}: 'w_down' shape must be {(E, H, I)}, got {tuple(w_down.shape)}")
     for name, n in (("hidden size H", H), ("intermediate size I", I)):
-        _require(n % GRANULARITY == 0 and n > 0, ValueError, f"{where}: {name} must be a positive multiple of {GRANULARITY}, got {n}")
+        _require(n % GRANULARITY == 0 and n > 0, ValueError, lambda: f"{where}: {name} must be a positive multiple of {GRANULARITY}, got {n}")
     tensors = [("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)]
     if shared is not None:
         _require(isinstance(shared, (tuple, list)) and len(shared) == 3, ValueError,
-                 f"{where}: 'shared' must be (gate [I_s, H], up [I_s, H], down [H, I_s]), got {type(shared).__name__}")
+                 lambda: f"{where}: 'shared' must be (gate [I_s, H], up [I_s, H], down [H, I_s]), got {type(shared).__name__}")
         sg, su, sd = shared
-        _require(sg.dim() == 2, ValueError, f"{where}: shared gate must be [I_s, H], got shape {tuple(sg.shape)}")
+        _require(sg.dim() == 2, ValueError, lambda: f"{where}: shared gate must be [I_s, H], got shape {tuple(sg.shape)}")
         Is = sg.shape[0]
         for name, t, shape in (("shared gate", sg, (Is, H)), ("shared up", su, (Is, H)), ("shared down", sd, (H, Is))):
-            _require(t.dtype == torch.bfloat16, TypeError, f"{where}: {name} dtype must be torch.bfloat16, got {t.dtype}")
-            _require(tuple(t.shape) == shape, ValueError, f"{where}: {name} shape must be {shape}, got {tuple(t.shape)}")
+            _require(t.dtype == torch.bfloat16, TypeError, lambda: f"{where}: {name} dtype must be torch.bfloat16, got {t.dtype}")
+            _require(tuple(t.shape) == shape, ValueError, lambda: f"{where}: {name} shape must be {shape}, got {tuple(t.shape)}")
             tensors.append((name, t))
-        _require(Is % GRANULARITY == 0, ValueError, f"{where}: shared intermediate size must be a multiple of {GRANULARITY}, got {Is}")
+        _require(Is % GRANULARITY == 0, ValueError, lambda: f"{where}: shared intermediate size must be a multiple of {GRANULARITY}, got {Is}")
     if swiglu_limit is not None:
         _require(swiglu_limit > 0 and swiglu_limit != float("inf"), ValueError,
-                 f"{where}: 'swiglu_limit' must be a finite positive number, got {swiglu_limit}")
+                 lambda: f"{where}: 'swiglu_limit' must be a finite positive number, got {swiglu_limit}")
     device = x.device
     for name, t in tensors + list(weights):
-        _require(t.device == device, ValueError, f"{where}: '{name}' is on {t.device}, but x is on {device}")
+        _require(t.device == device, ValueError, lambda: f"{where}: '{name}' is on {t.device}, but x is on {device}")
     for name, t in tensors:
-        _require(t.is_contiguous(), ValueError, f"{where}: '{name}' must be contiguous")
+        _require(t.is_contiguous(), ValueError, lambda: f"{where}: '{name}' must be contiguous")
     for name, t in weights:  # strided views with contiguous rows are taken as they are (the
         # kernels' tensor maps take the strides; the extension checks the rest and names them)
-        _require(t.stride(-1) == 1, ValueError, f"{where}: '{name}' must have contiguous rows (stride 1 in its last "
+        _require(t.stride(-1) == 1, ValueError, lambda: f"{where}: '{name}' must have contiguous rows (stride 1 in its last "
                                                 f"dimension), got strides {tuple(t.stride())}")
     if device.type != "meta":
-        _require(device.type == "cuda", ValueError, f"{where}: tensors must be on a CUDA device, got {device}")
+        _require(device.type == "cuda", ValueError, lambda: f"{where}: tensors must be on a CUDA device, got {device}")

@@ -3,6 +3,9 @@
 #include <cuda_runtime_api.h>
 #include <cudaTypedefs.h>
 
+#include <cstring>
+#include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "mok/error.hpp"
@@ -27,6 +30,34 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
 
 namespace {
 
+// Everything a descriptor is made from (the swizzle, interleave, promotion and fill are the
+// same for every map): equal keys give bytewise equal descriptors.
+struct MapKey {
+  std::uint64_t base = 0;
+  std::uint32_t type = 0, rank = 0;
+  cuuint64_t dims[5] = {}, strides[4] = {};
+  cuuint32_t box[5] = {};
+  std::uint32_t pad = 0;  // (no padding bytes: compared and hashed as bytes)
+  bool operator==(const MapKey& o) const { return std::memcmp(this, &o, sizeof(MapKey)) == 0; }
+};
+static_assert(std::has_unique_object_representations_v<MapKey>);
+
+struct MapKeyHash {
+  std::size_t operator()(const MapKey& k) const {  // FNV-1a over the key's bytes
+    const auto* p = reinterpret_cast<const unsigned char*>(&k);
+    std::uint64_t h = 1469598103934665603ull;
+    for (std::size_t i = 0; i < sizeof(MapKey); ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return static_cast<std::size_t>(h);
+  }
+};
+
+// The descriptors this thread encoded, by key: a layer's calls see the same weights, and
+// mostly the same activations and scratch (a caching allocator hands the same blocks back),
+// so most maps of a call are found here instead of encoded (a driver call each). Bounded:
+// cleared when it holds more than kMaxCachedMaps.
+constexpr std::size_t kMaxCachedMaps = 16384;
+thread_local std::unordered_map<MapKey, CUtensorMap, MapKeyHash> cached_maps;
+
 // strides: bytes, for dims 1..rank-1 (empty: row-major contiguous).
 CUtensorMap make_tensor_map(CUtensorMapDataType type, cuuint64_t element_bytes, const void* base,
                             std::initializer_list<std::uint64_t> dims_list,
@@ -38,6 +69,14 @@ CUtensorMap make_tensor_map(CUtensorMapDataType type, cuuint64_t element_bytes, 
     cuuint64_t stride = element_bytes;
     for (std::size_t i = 0; i + 1 < dims.size(); ++i) strides.push_back(stride *= dims[i]);
   }
+  MapKey key;
+  key.base = reinterpret_cast<std::uint64_t>(base);
+  key.type = static_cast<std::uint32_t>(type);
+  key.rank = static_cast<std::uint32_t>(dims.size());
+  for (std::size_t i = 0; i < dims.size() && i < 5; ++i) key.dims[i] = dims[i], key.box[i] = box[i];
+  for (std::size_t i = 0; i < strides.size() && i < 4; ++i) key.strides[i] = strides[i];
+  if (const auto hit = cached_maps.find(key); hit != cached_maps.end()) return hit->second;
+
   const std::vector<cuuint32_t> element_strides(dims.size(), 1);
   CUtensorMap map{};
   const CUresult r = encode_function()(&map, type, static_cast<cuuint32_t>(dims.size()),
@@ -47,6 +86,8 @@ CUtensorMap make_tensor_map(CUtensorMapDataType type, cuuint64_t element_bytes, 
                                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw Error(mok::detail::concat("mok: cuTensorMapEncodeTiled failed for ", what, " (CUresult ", static_cast<int>(r), ")"));
+  if (cached_maps.size() >= kMaxCachedMaps) cached_maps.clear();
+  cached_maps.emplace(key, map);
   return map;
 }
 
