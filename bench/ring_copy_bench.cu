@@ -97,10 +97,10 @@ __global__ void __launch_bounds__(384) copy_bulk(const Copy c, const WaitParams 
     if (lane == 0) {
       const std::uint16_t* s = c.src + static_cast<std::int64_t>(source) * c.hidden;
       std::uint16_t* d = c.dst + static_cast<std::int64_t>(r) * c.hidden;
-      for (int b = 0; b < row_bytes; b += kPiece) pipe.copy(p, d + b / 2, s + b / 2, min(kPiece, row_bytes - b), r, 14);
+      for (int b = 0; b < row_bytes; b += kPiece) pipe.copy(p, d + b / 2, s + b / 2, min(kPiece, row_bytes - b), r, mok::WaitSite::forward_copy);
     }
   }
-  if (lane == 0) pipe.drain(p, -1, 14);
+  if (lane == 0) pipe.drain(p, -1, mok::WaitSite::forward_copy);
 }
 
 struct Variant {

@@ -6,21 +6,11 @@
 
 #include <cstdint>
 
+#include "mok/kernel_status.hpp"  // PlanStatus
 #include "mok/plan.hpp"
 #include "mok/types.hpp"
 
 namespace mok {
-
-// Written by the planner kernels; read by later kernels (which stop when code != 0)
-// and by the host only when it asks (DevicePlan::check()).
-struct PlanStatus {
-  enum Code : std::int32_t { ok = 0, expert_out_of_range = 1, capacity_exceeded = 2, ring_too_small = 3 };
-  std::int32_t code;
-  std::int32_t pad;
-  std::int64_t index;  // expert_out_of_range: first bad position in all_topk_ids; ring_too_small: the local expert
-  std::int64_t value;  // expert_out_of_range: the bad id; capacity_exceeded, ring_too_small: its padded rows
-  std::int64_t limit;  // capacity_exceeded: capacity_rows; ring_too_small: the ring's rows
-};
 
 // Raw device pointers of a plan, as the kernels take them.
 struct DevicePlanView {

@@ -21,13 +21,13 @@
 #include <vector>
 
 #include "mok/forward.hpp"
+#include "mok/kernel_status.hpp"  // kMaxEpRanks
 
 namespace mok {
 namespace kernels {
 struct EpPeers;
 }
 
-inline constexpr int kMaxEpRanks = 8;
 
 class VirtualRanks {
  public:

@@ -9,26 +9,14 @@
 #include <string_view>
 
 #include "mok/device_plan.hpp"
+#include "mok/kernel_status.hpp"
 #include "mok/types.hpp"
 #include "mok/validate.hpp"
 
 namespace mok {
 
-// Device-side record of a failed wait or bad input, in host-mapped memory: the host can
-// read it without synchronising, and it survives a kernel that stopped early.
-struct KernelStatus {
-  enum Code : std::int32_t { ok = 0, timeout = 1, bad_plan = 2, saved_not_valid = 3 };
-  std::int32_t code;
-  std::int32_t block;     // CTA that gave up
-  std::int32_t task;      // task it was on
-  std::int32_t phase;     // which wait: see kernel_phase_name()
-  std::int32_t peer;      // rank whose progress it waited for (expert parallelism), else -1
-  std::int32_t pad;
-  std::int64_t observed;  // counter value seen last
-  std::int64_t expected;  // value it waited for
-};
-
-const char* kernel_phase_name(std::int32_t phase);
+// The text of a wait site, for timeout messages.
+const char* wait_site_text(WaitSite site);
 
 // What a workspace is made for. `off`: forward only. `save`: the forward saves the gate/up
 // pre-activations into a caller-given tensor (saved_elements() bf16) that the backward

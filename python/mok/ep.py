@@ -44,8 +44,8 @@ class ExpertParallel:
         self.group = group if group is not None else dist.group.WORLD
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        if self.world > 8:
-            raise ValueError(f"mok.ep.ExpertParallel: at most 8 ranks (one NVLink node), got {self.world}")
+        if self.world > _C.MAX_EP_RANKS:
+            raise ValueError(f"mok.ep.ExpertParallel: at most {_C.MAX_EP_RANKS} ranks (one NVLink node), got {self.world}")
         self.compute_sms, self.timeout_seconds = compute_sms, timeout_seconds
         self._ranks: Dict[tuple, object] = {}
         self._regions: List[torch.Tensor] = []

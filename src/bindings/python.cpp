@@ -9,6 +9,7 @@ using namespace mok_python;
 NB_MODULE(_C, m) {
   m.doc() = "MoK for Hopper: C++/CUDA core (see the mok package for the PyTorch API)";
   m.attr("__version__") = mok::kVersion;
+  m.attr("MAX_EP_RANKS") = mok::kMaxEpRanks;  // ranks of one expert-parallel group
 
   // The library's error types as Python's, with the library's message: a wrong dtype is a
   // TypeError, any other wrong argument a ValueError, a failure of the device or the

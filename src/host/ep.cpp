@@ -24,7 +24,6 @@ namespace {
 
 constexpr const char* kWhere = "mok::VirtualRanks";
 
-static_assert(kMaxEpRanks == kernels::kMaxRanks);
 
 template <typename T>
 T* allocate(std::int64_t count, const char* what) {

@@ -35,29 +35,41 @@ std::int64_t call_capacity_rows(const MoeShape& shape, std::int64_t tokens, cons
 
 }  // namespace
 
-const char* kernel_phase_name(std::int32_t phase) {
-  switch (phase) {
-    case 1: return "waiting for a filled pipeline stage (full barrier)";
-    case 2: return "waiting for a free pipeline stage (empty barrier)";
-    case 3: return "forward: waiting for GEMM1 rows of an M-tile (h_ready)";
-    case 4: return "forward: waiting for every GEMM2 tile before the combine (y_done)";
-    case 5: return "backward: waiting for the dh tiles of an M-tile (and on one GPU its expert's dW_gate|up tiles) (dgu_ready)";
-    case 6: return "backward: waiting for every dh tile of an expert before its weight gradients (dgu_ready)";
-    case 7: return "backward: waiting for every dx row tile before the combine (dx_done)";
-    case 8: return "forward: waiting for the result rows a peer rank pushes into this rank's combine slots (slots_done)";
-    case 9: return "backward: waiting for the dx rows and d_topk_weights partials a peer rank pushes (slots_done)";
-    case 10: return "forward: waiting for a minibatch of rows to land in the ring (landed)";
-    case 11: return "forward: comm CTA waiting for GEMM1 to free a ring slot (freed)";
-    case 12: return "waiting for a peer rank's routing exchange of this call (exchange flag)";
-    case 13: return "waiting for a peer rank's plan of this call (plan flag)";
-    case 14: return "forward: comm CTA waiting for a bulk copy of rows into its staging (comm loaded barrier)";
-    case 15: return "backward: waiting for a minibatch of dy and x rows to land in the ring (landed)";
-    case 16: return "backward: comm CTA waiting for the dh and weight-gradient tasks to free a ring slot (freed)";
-    case 17: return "backward: comm CTA waiting for a bulk copy of rows into its staging (comm loaded barrier)";
-    case 18: return "forward: waiting for GEMM1 to read the x rows that a GEMM2 tile's slot rows overwrite (h_ready)";
-    case 19: return "backward: waiting for every dW_down tile to read the dy rows and w*h kept in the W_gate / W_up gradient buffers (wd_done)";
-    default: return "unknown phase";
+const char* wait_site_text(WaitSite site) {
+  switch (site) {
+    case WaitSite::none: return "no wait";
+    case WaitSite::stage_full: return "waiting for a filled pipeline stage (full barrier)";
+    case WaitSite::stage_empty: return "waiting for a free pipeline stage (empty barrier)";
+    case WaitSite::hidden_ready: return "forward: waiting for GEMM1 rows of an M-tile (h_ready)";
+    case WaitSite::all_gemm2: return "forward: waiting for every GEMM2 tile before the combine (y_done)";
+    case WaitSite::dh_ready:
+      return "backward: waiting for the dh tiles of an M-tile (and on one GPU its expert's dW_gate|up tiles) (dgu_ready)";
+    case WaitSite::expert_dh_ready:
+      return "backward: waiting for every dh tile of an expert before its weight gradients (dgu_ready)";
+    case WaitSite::all_dx: return "backward: waiting for every dx row tile before the combine (dx_done)";
+    case WaitSite::forward_pushed:
+      return "forward: waiting for the result rows a peer rank pushes into this rank's combine slots (slots_done)";
+    case WaitSite::backward_pushed:
+      return "backward: waiting for the dx rows and d_topk_weights partials a peer rank pushes (slots_done)";
+    case WaitSite::forward_landed: return "forward: waiting for a minibatch of rows to land in the ring (landed)";
+    case WaitSite::forward_freed: return "forward: comm CTA waiting for GEMM1 to free a ring slot (freed)";
+    case WaitSite::exchange_flag: return "waiting for a peer rank's routing exchange of this call (exchange flag)";
+    case WaitSite::plan_flag: return "waiting for a peer rank's plan of this call (plan flag)";
+    case WaitSite::forward_copy:
+      return "forward: comm CTA waiting for a bulk copy of rows into its staging (comm loaded barrier)";
+    case WaitSite::backward_landed:
+      return "backward: waiting for a minibatch of dy and x rows to land in the ring (landed)";
+    case WaitSite::backward_freed:
+      return "backward: comm CTA waiting for the dh and weight-gradient tasks to free a ring slot (freed)";
+    case WaitSite::backward_copy:
+      return "backward: comm CTA waiting for a bulk copy of rows into its staging (comm loaded barrier)";
+    case WaitSite::x_rows_read:
+      return "forward: waiting for GEMM1 to read the x rows that a GEMM2 tile's slot rows overwrite (h_ready)";
+    case WaitSite::grad_rows_read:
+      return "backward: waiting for every dW_down tile to read the dy rows and w*h kept in the W_gate / W_up "
+             "gradient buffers (wd_done)";
   }
+  return "unknown wait site";
 }
 
 Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& config, Training training)
@@ -169,7 +181,7 @@ std::int64_t Workspace::saved_elements(std::int64_t tokens) const { return mok::
 void Workspace::throw_if_failed() const {
   const volatile KernelStatus* v = status_host_;  // written by the device, read without a sync
   if (v->code == KernelStatus::ok) return;
-  const KernelStatus s{v->code, v->block, v->task, v->phase, v->peer, 0, v->observed, v->expected};
+  const KernelStatus s{v->code, v->block, v->task, v->site, v->peer, 0, v->observed, v->expected};
   status_host_->code = KernelStatus::ok;  // reported once
   if (s.code == KernelStatus::saved_not_valid)
     throw ArgumentError("mok::backward: the saved tensor was not filled by a forward, or an earlier backward already "
@@ -179,7 +191,7 @@ void Workspace::throw_if_failed() const {
     throw ArgumentError("mok: the plan was invalid and the outputs were set to NaN");
   }
   throw Error(detail::concat("mok: timeout after ", config_.timeout_seconds, " s on rank ", rank_, " (CTA ", s.block,
-                             ", task ", s.task, "): ", kernel_phase_name(s.phase),
+                             ", task ", s.task, "): ", wait_site_text(s.site),
                              s.peer >= 0 ? detail::concat(" from peer rank ", s.peer) : std::string(), "; expected ",
                              s.expected, ", observed ", s.observed));
 }

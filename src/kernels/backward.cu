@@ -50,8 +50,6 @@ using namespace mok::ptx;
 constexpr std::uint32_t kBoxBytes = 64 * 64 * 2;          // one MN-major box {64, 64}
 constexpr std::uint32_t kKMajorABytes = kBlockM * kBlockK * 2;  // one K-major A box {64, 128}
 
-enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitDgu = 5, kWaitRows = 6, kWaitDx = 7, kWaitPushed = 9,
-                   kWaitLanded = 15, kWaitFreed = 16, kWaitCopy = 17, kWaitGradRows = 19 };
 
 struct ReadCount {
   int at;     // the counter (switch_read())
@@ -269,7 +267,7 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
       ring_rows_read(p, t, first, count);
       const int per = p.ring.minibatch_rows;
       for (int mb = first / per; count > 0 && mb <= (first + count - 1) / per; ++mb)
-        wait_counter(p, p.ring.landed + mb, minibatch_rows(p, mb), task, kWaitLanded);
+        wait_counter(p, p.ring.landed + mb, minibatch_rows(p, mb), task, WaitSite::backward_landed);
       fence_proxy_async_global();  // written by the comm CTAs' bulk and generic stores
     }
     int row0 = 0, k_steps = 0;
@@ -277,7 +275,8 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
     // or, when a routed dW_gate|up task's stores overwrite the dy rows and w h kept in the
     // gradient buffers, every routed dW_down tile (each waited for the dh tiles of its expert).
     int* counter = nullptr;
-    int expected = 0, phase = kWaitDgu;
+    int expected = 0;
+    WaitSite site = WaitSite::dh_ready;
     if (t.kind == kDh || t.kind == kDx) {
       row0 = tile_row0(p, t);
       if (t.kind == kDx) {
@@ -288,7 +287,7 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
         const bool over_x = !Sched::kRing && p.dx_over_x && !t.shared;
         counter = p.counters.dgu_ready + (over_x ? p.expert_offset[t.e] / kBlockM : dgu_counter(p, t, t.m));
         expected = kConsumerWarpgroups * (sched.n_dh(t.shared) + (over_x ? sched.m_wgu_r * sched.n_dx : 0));
-        if constexpr (Sched::kRing) wait_counter(p, counter, expected, task, phase);  // (here: fewer registers)
+        if constexpr (Sched::kRing) wait_counter(p, counter, expected, task, site);  // (here: fewer registers)
       }
       k_steps = (t.kind == kDh ? p.hidden : 2 * inter) / kBlockK;
     } else {
@@ -300,19 +299,19 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
       if (Sched::kRing || expert != rows_seen)  // (the ring kernel: every time; skipping there spilled)
         for (int m = row0 / kBlockM; m < (row0 + count) / kBlockM; ++m)
           wait_counter(p, p.counters.dgu_ready + dgu_counter(p, t, m), kConsumerWarpgroups * sched.n_dh(t.shared),
-                       task, kWaitRows);
+                       task, WaitSite::expert_dh_ready);
       if constexpr (!Sched::kRing) rows_seen = expert;
       if (!Sched::kRing && p.rows_in_grads && t.kind == kWgu && !t.shared && !dw_down_seen) {
         counter = wd_done(p);
         expected = kConsumerWarpgroups * sched.experts * sched.m_wd * sched.n_dh_r;
-        phase = kWaitGradRows;
+        site = WaitSite::grad_rows_read;
       }
       k_steps = count / kBlockK;
     }
     if (k_steps == 0) k_steps = 1;  // weight_k_steps() (dh and dx tasks have more)
     if (!Sched::kRing && counter != nullptr) {
-      wait_counter(p, counter, expected, task, phase);
-      dw_down_seen = dw_down_seen || phase == kWaitGradRows;  // (it stays done)
+      wait_counter(p, counter, expected, task, site);
+      dw_down_seen = dw_down_seen || site == WaitSite::grad_rows_read;  // (it stays done)
     }
     if (t.kind != kDh) fence_proxy_async_global();  // dgu, w h written by generic stores of other CTAs
     // Boxes of this task: A (K-major: one; MN-major: up to two), B (up to four MN-major).
@@ -328,7 +327,7 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
     // gradients: advanced by each K step), mod ring_rows in a ring.
     int rows_at = ring_row(p, ring, row0);
     for (int kb = 0; kb < k_steps; ++kb) {
-      wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, kWaitEmpty);
+      wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, WaitSite::stage_empty);
       SharedStorage::Stage& st = s.stages[pipe.index];
       std::uint64_t* full = &s.full[pipe.index];
       mbarrier_arrive_expect_tx(full, bytes);
@@ -657,13 +656,13 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
         publish_dx_rows(p, wg, pending_dx);
         if (p.ep.push) publish_pushes(p, s, sched, wg, task);
         if (threadIdx.x == kProducerThreads) {
-          wait_counter(p, p.counters.dx_done, sched.dx_tiles_total(), task, kWaitDx);
+          wait_counter(p, p.counters.dx_done, sched.dx_tiles_total(), task, WaitSite::all_dx);
           for (int m = 0; m < sched.m_routed; ++m)  // the d_topk_weights partials (already complete)
-            wait_counter(p, p.counters.dgu_ready + m, kConsumerWarpgroups * sched.n_dh_r, task, kWaitDgu);
+            wait_counter(p, p.counters.dgu_ready + m, kConsumerWarpgroups * sched.n_dh_r, task, WaitSite::dh_ready);
           if (p.ep.push)  // every pushed dx row and partial of this rank's tokens
             for (int q = 0; q < p.ep.size; ++q)
               wait_peer_counter(p, p.ep.slots_done[p.ep.rank] + q, p.ep.expected_rows[q] * (sched.n_dx + sched.n_dh_r),
-                                task, kWaitPushed, q);
+                                task, WaitSite::backward_pushed, q);
         }
         named_barrier_sync(kConsumerBarrier, 128 * kConsumerWarpgroups);
         rows_ready = true;
@@ -738,7 +737,7 @@ __device__ void run_comm(const BackwardParams& p, const RingSources& sources, Sh
     }
     return kConsumerWarpgroups * tasks;
   };
-  pull.run(p, pipe, comm * kCommWarps + warp, comms * kCommWarps, expected_freed, kWaitFreed, kWaitCopy);
+  pull.run(p, pipe, comm * kCommWarps + warp, comms * kCommWarps, expected_freed, WaitSite::backward_freed, WaitSite::backward_copy);
 }
 
 // One rank's backward on CTAs cta = 0 .. ctas - 1 of those serving it.
@@ -760,7 +759,7 @@ __device__ __forceinline__ void run_backward(const BackwardParams& p, const Ring
   }
   SharedStorage& s = shared_storage<SharedStorage>();
   init_ring_barriers<kStages, kConsumerWarpgroups>(s);
-  if (threadIdx.x < kConsumerWarpgroups * 2 * kMaxRanks) (&s.pushed[0][0][0])[threadIdx.x] = 0;
+  if (threadIdx.x < kConsumerWarpgroups * 2 * kMaxEpRanks) (&s.pushed[0][0][0])[threadIdx.x] = 0;
   if (threadIdx.x < kConsumerWarpgroups) s.reads[threadIdx.x] = {-1, 0};  // (kReadNone)
   __syncthreads();
   if (kRing && cta < p.ring.comm_ctas) {  // comm CTAs pull rows and take no tasks

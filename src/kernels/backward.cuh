@@ -8,7 +8,7 @@
 
 #include "kernels/forward.cuh"
 #include "mok/device_plan.hpp"
-#include "mok/forward.hpp"
+#include "mok/kernel_status.hpp"
 
 namespace mok::kernels {
 
@@ -58,8 +58,8 @@ struct BackwardRing : RingGeometry {
 };
 
 struct RingSources {
-  const std::uint16_t* dy[kMaxRanks];  // rank q's dy rows [T, H]
-  const std::uint16_t* x[kMaxRanks];   // rank q's x rows [T, H]
+  const std::uint16_t* dy[kMaxEpRanks];  // rank q's dy rows [T, H]
+  const std::uint16_t* x[kMaxEpRanks];   // rank q's x rows [T, H]
 };
 
 struct BackwardCounters {
@@ -113,7 +113,7 @@ void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t st
 
 // Virtual ranks: one launch serving every rank (see ForwardGroupParams).
 struct BackwardGroupParams {
-  BackwardParams rank[kMaxRanks];
+  BackwardParams rank[kMaxEpRanks];
   RingSources sources;
   int ranks, ctas_per_rank;
 };

@@ -13,7 +13,7 @@
 namespace mok::kernels {
 
 struct DispatchParams {
-  const std::uint16_t* x[kMaxRanks];  // rank q's [T, H] bf16 bits
+  const std::uint16_t* x[kMaxEpRanks];  // rank q's [T, H] bf16 bits
   std::uint16_t* x_routed;       // [capacity, H]
   const std::int32_t* row_pair;  // [capacity]
   const std::int32_t* expert_offset;  // [E_l + 1]: rows beyond expert_offset[E_l] are not copied

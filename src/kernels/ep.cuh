@@ -5,10 +5,9 @@
 
 #include <cstdint>
 
-namespace mok::kernels {
+#include "mok/kernel_status.hpp"  // kMaxEpRanks: the ranks of an EP group (virtual ranks too)
 
-// Ranks of an EP group (one NVLink node); virtual ranks share this limit.
-inline constexpr int kMaxRanks = 8;
+namespace mok::kernels {
 
 // A ring token buffer's shape and counters (forward: RingParams, backward: BackwardRing).
 // comm_ctas > 0: the first comm_ctas CTAs of the rank pull the plan's rows into a ring of
@@ -34,14 +33,14 @@ struct RingGeometry {
 struct EpPeers {
   bool push;
   int rank, size;
-  float* slots[kMaxRanks];       // rank q's combine slots
-  int* slots_done[kMaxRanks];    // rank q's counters [kMaxRanks]: entry r counts rank r's pushes
-  const int* expected_rows;      // [kMaxRanks]: rows this rank's routing sends to each rank
+  float* slots[kMaxEpRanks];       // rank q's combine slots
+  int* slots_done[kMaxEpRanks];    // rank q's counters [kMaxEpRanks]: entry r counts rank r's pushes
+  const int* expected_rows;      // [kMaxEpRanks]: rows this rank's routing sends to each rank
   bool system_scope;             // peers are other GPUs (else: virtual ranks on this GPU)
   bool stalled;                  // tests: this rank does nothing, as a hung peer would
   const std::int32_t* own_ids;   // [T, k] this rank's routing (-1: no expert)
-  const void* plan_status[kMaxRanks];  // rank q's PlanStatus: a bad plan anywhere stops every rank
-  const unsigned long long* saved_marker[kMaxRanks];  // backward: rank q's saved-tensor trailer, likewise
+  const void* plan_status[kMaxEpRanks];  // rank q's PlanStatus: a bad plan anywhere stops every rank
+  const unsigned long long* saved_marker[kMaxEpRanks];  // backward: rank q's saved-tensor trailer, likewise
   // Separate launches per rank (kernels/ep_sync.cuh): this rank's EpHeader, whose plan
   // flags carry every rank's plan (and saved-tensor) status instead of the pointers above.
   const void* header;

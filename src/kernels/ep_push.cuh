@@ -13,7 +13,7 @@
 namespace mok::kernels {
 
 // Rows a warpgroup pushed and has not published yet, per warp 0 / 1 and owner rank (shared memory).
-using PushedRows = int[2][kMaxRanks];
+using PushedRows = int[2][kMaxEpRanks];
 
 // Adds the owners of plan rows [row0, row0 + 64) to `pushed`: thread i < 64 of the
 // warpgroup looks at row i (padding rows, pair -1, belong to no one).
@@ -49,7 +49,7 @@ __device__ __forceinline__ void publish_pushed_rows(const EpPeers& ep, PushedRow
 
 // Whether every rank's plan is good (and, in the backward, its saved tensor): a rank whose
 // plan failed pushes nothing, so its peers must not wait for it. Separate launches: waits
-// (bounded, phase 13) for every rank's plan flag of this call. P: a kernel's params.
+// (bounded: WaitSite::plan_flag) for every rank's plan flag of this call. P: a kernel's params.
 template <typename P>
 __device__ __forceinline__ bool all_plans_ok(const P& p, bool check_saved) {
   const EpPeers& ep = p.ep;
@@ -71,7 +71,7 @@ __device__ __forceinline__ bool all_plans_ok(const P& p, bool check_saved) {
       const std::uint64_t start = ptx::globaltimer_ns();
       while (!reached(seen, epoch)) {
         __nanosleep(256);
-        if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, -1, 13, seen, epoch, q);
+        if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, -1, WaitSite::plan_flag, seen, epoch, q);
         seen = ptx::ld_acquire_sys(flag);
       }
       bad |= *reinterpret_cast<const volatile int*>(&header->plan_code[q]) & (check_saved ? 15 : 7);

@@ -26,7 +26,7 @@ __global__ void wait_exchange_kernel(const EpHeader* header, int ranks, long lon
       __nanosleep(1000);
       if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(timeout_ns)) {
         volatile KernelStatus* s = status;
-        s->block = 0, s->task = 0, s->phase = 12, s->peer = q, s->observed = seen, s->expected = epoch;
+        s->block = 0, s->task = 0, s->site = WaitSite::exchange_flag, s->peer = q, s->observed = seen, s->expected = epoch;
         __threadfence_system();
         s->code = KernelStatus::timeout;
         __threadfence_system();

@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "kernels/ep.cuh"
-#include "mok/forward.hpp"
+#include "mok/kernel_status.hpp"
 
 namespace mok::kernels {
 
@@ -20,9 +20,9 @@ struct EpHeader {
   unsigned epoch;
   int blocks_done;
   int pad[6];
-  unsigned exchange_flag[kMaxRanks];  // = epoch of rank q's last exchange into this rank
-  unsigned plan_flag[kMaxRanks];      // = epoch of rank q's last published plan
-  int plan_code[kMaxRanks];           // its code, written before the flag (see publish_plan)
+  unsigned exchange_flag[kMaxEpRanks];  // = epoch of rank q's last exchange into this rank
+  unsigned plan_flag[kMaxEpRanks];      // = epoch of rank q's last published plan
+  int plan_code[kMaxEpRanks];           // its code, written before the flag (see publish_plan)
 };
 
 // Whether a flag holding `seen` has reached call `epoch` (modulo 2^32).
@@ -32,14 +32,14 @@ __host__ __device__ inline bool reached(unsigned seen, unsigned epoch) { return 
 void launch_begin_call(EpHeader* header, int* counters, int count, cudaStream_t stream);
 
 // Waits until every rank's exchange flag in `header` has reached this rank's epoch.
-// On timeout: `status` names the phase (12) and the peer, and the kernel traps.
+// On timeout: `status` names the site (WaitSite::exchange_flag) and the peer, and the kernel traps.
 void launch_wait_exchange(const EpHeader* header, int ranks, long long timeout_ns, KernelStatus* status,
                           cudaStream_t stream);
 
 // At every rank q: plan_code[this rank] = code, then plan_flag[this rank] = epoch (release);
 // code = the plan's code (0 ok), + 8 if `saved_marker` (the backward's) is not valid.
 struct PeerFlags {
-  EpHeader* header[kMaxRanks];  // rank q's header
+  EpHeader* header[kMaxEpRanks];  // rank q's header
   int rank;                     // this rank
 };
 void launch_publish_plan(const EpHeader* header, const void* plan_status, const unsigned long long* saved_marker,

@@ -15,8 +15,8 @@ __global__ void __launch_bounds__(256) exchange_kernel(const ExchangeParams p) {
   const int local = blockIdx.x / kCtasPerRank, cta = blockIdx.x % kCtasPerRank;
   const int rank = p.first_rank + local;
   const std::int64_t n = p.pairs_per_rank;
-  __shared__ int sent[kMaxRanks];  // rows this block's ids send to each rank
-  if (threadIdx.x < kMaxRanks) sent[threadIdx.x] = 0;
+  __shared__ int sent[kMaxEpRanks];  // rows this block's ids send to each rank
+  if (threadIdx.x < kMaxEpRanks) sent[threadIdx.x] = 0;
   __syncthreads();
   for (std::int64_t i = cta * blockDim.x + threadIdx.x; i < n; i += kCtasPerRank * blockDim.x) {
     // i64 ids outside int32 are clamped, not wrapped: the planner still sees them as out of range.

@@ -13,12 +13,12 @@
 namespace mok::kernels {
 
 struct ExchangeParams {
-  const void* ids[kMaxRanks];       // rank r's topk_ids [T, k]
-  bool ids_are_i64[kMaxRanks];
-  std::int32_t* all_ids[kMaxRanks];  // rank q's [ep, T, k] buffer
-  int* expected_rows[kMaxRanks];     // rank r's [kMaxRanks] rows its routing sends to each rank (zeroed)
-  const float* weights[kMaxRanks];   // rank r's topk_weights [T, k], or null: not exchanged
-  float* all_weights[kMaxRanks];     // rank q's [ep, T, k] (the backward's dh epilogue reads them)
+  const void* ids[kMaxEpRanks];       // rank r's topk_ids [T, k]
+  bool ids_are_i64[kMaxEpRanks];
+  std::int32_t* all_ids[kMaxEpRanks];  // rank q's [ep, T, k] buffer
+  int* expected_rows[kMaxEpRanks];     // rank r's [kMaxEpRanks] rows its routing sends to each rank (zeroed)
+  const float* weights[kMaxEpRanks];   // rank r's topk_weights [T, k], or null: not exchanged
+  float* all_weights[kMaxEpRanks];     // rank q's [ep, T, k] (the backward's dh epilogue reads them)
   int num_local_experts;
   int ranks;                         // ranks this launch serves (virtual ranks: all of them)
   int first_rank;                    // global rank of the first one
@@ -31,7 +31,7 @@ struct ExchangeParams {
   const std::uint16_t* rows_src[2];
   std::uint16_t* rows_dst[2];
   std::int64_t row_elements;         // T * H
-  int* flags[kMaxRanks];             // rank q's exchange flag of this rank
+  int* flags[kMaxEpRanks];             // rank q's exchange flag of this rank
   const unsigned* epoch;             // this rank's call number
   int* blocks_done;                  // this rank's counter of finished blocks (zeroed)
 };

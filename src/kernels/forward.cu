@@ -48,8 +48,6 @@ using namespace mok::ptx;
 
 constexpr int kRowBytes = kBlockK * 2;
 
-enum Phase : int { kWaitFull = 1, kWaitEmpty = 2, kWaitHidden = 3, kWaitSlots = 4, kWaitPushed = 8, kWaitLanded = 10,
-                   kWaitFreed = 11, kWaitCopy = 14, kWaitXRead = 18 };
 
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
@@ -163,7 +161,7 @@ struct Schedule {
 __device__ void wait_x_rows_read(const ForwardParams& p, const Schedule& sched, int row0, int task) {
   const RowRange x = x_rows_under_slots(row0, kBlockM, p.x_rows_in_slots, static_cast<long long>(sched.m_routed) * kBlockM);
   for (long long m = x.first / kBlockM; m * kBlockM < x.end; ++m)
-    wait_counter(p, p.counters.h_ready + m, kConsumerWarpgroups * sched.n1_routed, task, kWaitXRead);
+    wait_counter(p, p.counters.h_ready + m, kConsumerWarpgroups * sched.n1_routed, task, WaitSite::x_rows_read);
 }
 
 // One thread issues every load; the rest of the warpgroup has nothing to do.
@@ -179,7 +177,7 @@ __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Sch
     int a_row = row0;
     if (t.kind == kGemm1) {
       if (t.mb >= 0) {  // ring: the minibatch's rows have landed; they sit at row mod ring_rows
-        wait_counter(p, p.ring.landed + t.mb, minibatch_rows(p, t.mb), task, kWaitLanded);
+        wait_counter(p, p.ring.landed + t.mb, minibatch_rows(p, t.mb), task, WaitSite::forward_landed);
         fence_proxy_async_global();  // written by the comm CTAs' generic stores
         a_row = row0 % p.ring.ring_rows;
       }
@@ -190,7 +188,7 @@ __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Sch
       b_row = t.n * kGemm1Columns;
     } else {
       wait_counter(p, p.counters.h_ready + (t.shared ? p.max_routed_tiles + t.m : t.m),
-                   kConsumerWarpgroups * sched.n1(t.shared), task, kWaitHidden);
+                   kConsumerWarpgroups * sched.n1(t.shared), task, WaitSite::hidden_ready);
       if (p.x_rows_in_slots > 0 && !t.shared) wait_x_rows_read(p, sched, row0, task);
       fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
       a = t.shared ? &p.maps.shared_h_load : &p.maps.h_load;
@@ -199,7 +197,7 @@ __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Sch
       b_row = t.n * kBlockN;
     }
     for (int kb = 0; kb < k_steps; ++kb) {
-      wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, kWaitEmpty);
+      wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, WaitSite::stage_empty);
       SharedStorage::Stage& stage = s.stages[pipe.index];
       std::uint64_t* full = &s.full[pipe.index];
       mbarrier_arrive_expect_tx(full, kStageBytesA + kStageBytesB);
@@ -376,10 +374,10 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
         publish_slots(p, wg, pending_slots);
         publish_pushes(p, s, wg);
         if (threadIdx.x == kProducerThreads) {
-          wait_counter(p, p.counters.y_done, sched.slot_tiles_total(), task, kWaitSlots);
+          wait_counter(p, p.counters.y_done, sched.slot_tiles_total(), task, WaitSite::all_gemm2);
           if (p.ep.push)
             for (int q = 0; q < p.ep.size; ++q)
-              wait_peer_counter(p, p.ep.slots_done[p.ep.rank] + q, p.ep.expected_rows[q] * sched.n2, task, kWaitPushed, q);
+              wait_peer_counter(p, p.ep.slots_done[p.ep.rank] + q, p.ep.expected_rows[q] * sched.n2, task, WaitSite::forward_pushed, q);
         }
         named_barrier_sync(kConsumerBarrier, 128 * kConsumerWarpgroups);
         slots_ready = true;
@@ -430,7 +428,7 @@ __device__ void run_comm(const ForwardParams& p, SharedStorage& s, int comm, int
   const int n1 = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
   CommPipe pipe = comm_pipe(s.stages, s.comm, warp);
   pull.run(p, pipe, comm * kCommWarps + warp, comms * kCommWarps,
-           [&](int mb) { return kConsumerWarpgroups * n1 * pull.rows_of(mb) / kBlockM; }, kWaitFreed, kWaitCopy);
+           [&](int mb) { return kConsumerWarpgroups * n1 * pull.rows_of(mb) / kBlockM; }, WaitSite::forward_freed, WaitSite::forward_copy);
 }
 
 // One rank's forward on CTAs cta = 0 .. ctas - 1 of those serving it.
@@ -442,7 +440,7 @@ __device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int
   }
   SharedStorage& s = shared_storage<SharedStorage>();
   init_ring_barriers<kStages, kConsumerWarpgroups>(s);
-  if (threadIdx.x < kConsumerWarpgroups * 2 * kMaxRanks) (&s.pushed[0][0][0])[threadIdx.x] = 0;
+  if (threadIdx.x < kConsumerWarpgroups * 2 * kMaxEpRanks) (&s.pushed[0][0][0])[threadIdx.x] = 0;
   if (threadIdx.x == 32) {
     const ForwardMaps& m = p.maps;
     for (const CUtensorMap* map : {&m.x_routed, &m.gate, &m.up, &m.down, &m.h_load, &m.h_store}) tma_prefetch_descriptor(map);

@@ -8,7 +8,7 @@
 
 #include "kernels/ep.cuh"
 #include "mok/device_plan.hpp"
-#include "mok/forward.hpp"
+#include "mok/kernel_status.hpp"
 
 namespace mok::kernels {
 
@@ -47,7 +47,7 @@ struct ForwardMaps {
 // were copied before the launch.
 struct RingParams : RingGeometry {
   std::uint16_t* buffer;              // [ring_rows, H]
-  const std::uint16_t* x[kMaxRanks];  // rank q's rows [T, H] (one GPU: x[0])
+  const std::uint16_t* x[kMaxEpRanks];  // rank q's rows [T, H] (one GPU: x[0])
 };
 
 struct ForwardParams {
@@ -94,7 +94,7 @@ void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stre
 // c / ctas_per_rank with the same device code, so that every rank's CTAs are resident
 // together (their waits on each other cannot deadlock).
 struct ForwardGroupParams {
-  ForwardParams rank[kMaxRanks];
+  ForwardParams rank[kMaxEpRanks];
   int ranks, ctas_per_rank;
 };
 static_assert(sizeof(ForwardGroupParams) <= 32764, "kernel parameters are limited to 32764 bytes");

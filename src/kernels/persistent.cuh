@@ -12,7 +12,7 @@
 #include <cstdint>
 
 #include "kernels/pipeline.cuh"
-#include "mok/forward.hpp"
+#include "mok/kernel_status.hpp"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/mbarrier.cuh"
@@ -38,13 +38,13 @@ static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * 128 *
 // Records the first failure in the host-mapped status and stops the kernel: a stalled
 // wait must never hang silently.
 template <typename P>
-__device__ __noinline__ void give_up(const P& p, int task, int phase, long long observed, long long expected,
+__device__ __noinline__ void give_up(const P& p, int task, WaitSite site, long long observed, long long expected,
                                     int peer = -1) {
   if (atomicCAS(p.counters.abort, 0, 1) == 0) {
     volatile KernelStatus* s = p.status;
     s->block = blockIdx.x;
     s->task = task;
-    s->phase = phase;
+    s->site = site;
     s->peer = peer;
     s->observed = observed;
     s->expected = expected;
@@ -56,30 +56,30 @@ __device__ __noinline__ void give_up(const P& p, int task, int phase, long long 
 }
 
 template <typename P>
-__device__ __forceinline__ void wait_barrier(const P& p, std::uint64_t* bar, std::uint32_t parity, int task, int phase) {
+__device__ __forceinline__ void wait_barrier(const P& p, std::uint64_t* bar, std::uint32_t parity, int task, WaitSite site) {
   if (ptx::mbarrier_try_wait_parity(bar, parity)) return;
   const std::uint64_t start = ptx::globaltimer_ns();
   for (std::uint32_t spin = 1;; ++spin) {
     if (ptx::mbarrier_try_wait_parity(bar, parity)) return;
     if ((spin & 1023) == 0 && ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns))
-      give_up(p, task, phase, parity ^ 1u, parity);
+      give_up(p, task, site, parity ^ 1u, parity);
   }
 }
 
 template <typename P>
-__device__ __forceinline__ void wait_counter(const P& p, const int* counter, int expected, int task, int phase) {
+__device__ __forceinline__ void wait_counter(const P& p, const int* counter, int expected, int task, WaitSite site) {
   int seen = ptx::ld_acquire_gpu(counter);
   if (seen >= expected) return;
   const std::uint64_t start = ptx::globaltimer_ns();
   while ((seen = ptx::ld_acquire_gpu(counter)) < expected) {
     __nanosleep(128);
-    if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, task, phase, seen, expected);
+    if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, task, site, seen, expected);
   }
 }
 
 // The same for a counter that rank `peer` advances (system scope: it may be another GPU).
 template <typename P>
-__device__ __forceinline__ void wait_peer_counter(const P& p, const int* counter, int expected, int task, int phase,
+__device__ __forceinline__ void wait_peer_counter(const P& p, const int* counter, int expected, int task, WaitSite site,
                                                   int peer) {
   int seen = ptx::ld_acquire_sys(counter);
   if (seen >= expected) return;
@@ -87,7 +87,7 @@ __device__ __forceinline__ void wait_peer_counter(const P& p, const int* counter
   while ((seen = ptx::ld_acquire_sys(counter)) < expected) {
     __nanosleep(256);
     if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns))
-      give_up(p, task, phase, seen, expected, peer);
+      give_up(p, task, site, seen, expected, peer);
   }
 }
 
@@ -213,7 +213,7 @@ __device__ __forceinline__ void mainloop(const P& p, S& s, PipelineState<kStages
   constexpr int kBlockK = 64;
   int previous = -1;
   for (int kb = 0; kb < k_steps; ++kb) {
-    wait_barrier(p, &s.full[pipe.index], pipe.phase, task, 1);
+    wait_barrier(p, &s.full[pipe.index], pipe.phase, task, WaitSite::stage_full);
     const auto& stage = s.stages[pipe.index];
     const std::uint64_t desc_a = LayoutA::descriptor(stage.a + wg * 64 * kBlockK);
     const std::uint64_t desc_b = LayoutB::descriptor(stage.b);

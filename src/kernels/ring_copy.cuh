@@ -41,19 +41,19 @@ struct BulkCopyPipe {
   int* bytes;              // kSlots: its size (shared memory)
   std::uint32_t issued = 0, stored = 0;  // pieces loaded / stored so far
 
-  // The oldest loaded piece: wait for its bytes (bounded: task, phase name the wait), store it.
+  // The oldest loaded piece: wait for its bytes (bounded: task and site name the wait), store it.
   template <typename P>
-  __device__ void retire(const P& p, int task, int phase) {
+  __device__ void retire(const P& p, int task, WaitSite site) {
     const int slot = stored % kSlots;
-    wait_barrier(p, &loaded[slot], (stored / kSlots) & 1u, task, phase);
+    wait_barrier(p, &loaded[slot], (stored / kSlots) & 1u, task, site);
     ptx::bulk_store(dst[slot], staging + slot * kPiece, bytes[slot]);
     ptx::tma_store_commit_group();
     ++stored;
   }
 
   template <typename P>
-  __device__ void copy(const P& p, std::uint16_t* to, const std::uint16_t* from, int n, int task, int phase) {
-    if (issued - stored == kSlots - kLag) retire(p, task, phase);
+  __device__ void copy(const P& p, std::uint16_t* to, const std::uint16_t* from, int n, int task, WaitSite site) {
+    if (issued - stored == kSlots - kLag) retire(p, task, site);
     const int slot = issued % kSlots;
     if (issued >= kSlots) ptx::bulk_wait_read<kLag - 1>();  // the slot's last store has read it
     dst[slot] = to, bytes[slot] = n;
@@ -64,8 +64,8 @@ struct BulkCopyPipe {
 
   // Every piece stored and its writes performed.
   template <typename P>
-  __device__ void drain(const P& p, int task, int phase) {
-    while (stored < issued) retire(p, task, phase);
+  __device__ void drain(const P& p, int task, WaitSite site) {
+    while (stored < issued) retire(p, task, site);
     ptx::tma_store_wait_all();
   }
 };
@@ -123,14 +123,14 @@ struct RingPull {
   __device__ int rows_of(int mb) const { return kernels::minibatch_rows(ring, rows_total, mb); }
 
   template <typename Pipe, typename P, typename ExpectedFreed>
-  __device__ void run(const P& p, Pipe& pipe, int worker, int workers, ExpectedFreed expected_freed, int phase_freed,
-                      int phase_copy) const {
+  __device__ void run(const P& p, Pipe& pipe, int worker, int workers, ExpectedFreed expected_freed, WaitSite freed_site,
+                      WaitSite copy_site) const {
     const int lane = threadIdx.x % 32;
     const int per = ring.minibatch_rows, slots = ring.ring_rows / per, minibatches = (rows_total + per - 1) / per;
     const int row_bytes = hidden * 2, pairs_per_rank = tokens * top_k;
     for (int mb = 0; mb < minibatches; ++mb) {
       if (mb >= slots) {
-        if (lane == 0) wait_counter(p, ring.freed + (mb - slots), expected_freed(mb - slots), mb, phase_freed);
+        if (lane == 0) wait_counter(p, ring.freed + (mb - slots), expected_freed(mb - slots), mb, freed_site);
         __syncwarp();
         ptx::fence_proxy_async_global();  // the TMA reads of the slots' old rows come before these writes
       }
@@ -153,14 +153,14 @@ struct RingPull {
             const int token = (pair % pairs_per_rank) / top_k;
             const std::uint16_t* src = sources[k].ranks[pair / pairs_per_rank] + static_cast<std::int64_t>(token) * hidden;
             for (int b = 0; b < row_bytes; b += Pipe::kPieceBytes)
-              pipe.copy(p, dst + b / 2, src + b / 2, min(Pipe::kPieceBytes, row_bytes - b), mb, phase_copy);
+              pipe.copy(p, dst + b / 2, src + b / 2, min(Pipe::kPieceBytes, row_bytes - b), mb, copy_site);
           }
         }
       }
       ptx::fence_proxy_async_global();  // the zeroed rows: TMA loads read them next
       __syncwarp();
       if (lane == 0) {
-        pipe.drain(p, mb, phase_copy);
+        pipe.drain(p, mb, copy_site);
         ptx::fence_proxy_async_global();
         if (copied > 0) {
           ptx::fence_acq_rel_gpu();
