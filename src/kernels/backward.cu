@@ -65,8 +65,7 @@ struct alignas(1024) SharedStorage {
     std::uint16_t staging[kConsumerWarpgroups][2 * 64 * 64];  // per warpgroup: 64 x 128 bf16 of a weight gradient
     CommShared comm;  // comm CTAs (which have no epilogues)
   };
-  std::uint64_t full[kStages];
-  std::uint64_t empty[kStages];
+  PipelineBarriers<kStages> barriers;
   PushedRows pushed[kConsumerWarpgroups];  // EP: rows pushed (dx rows, partials), not yet published
   ReadCount reads[kConsumerWarpgroups];    // see switch_read()
 };
@@ -253,7 +252,7 @@ __device__ __forceinline__ void ring_rows_read(const BackwardParams& p, const Ta
 // accumulator rows/columns are never stored.
 template <typename Sched>
 __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sched& sched) {
-  PipelineState<kStages> pipe;
+  Pipeline<kStages> pipe;
   int rows_seen = -2;  // the expert (-1: shared) whose dh tiles this CTA's weight tasks saw done
   bool dw_down_seen = false;  // rows_in_grads: every routed dW_down tile seen done
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
@@ -327,10 +326,8 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
     // gradients: advanced by each K step), mod ring_rows in a ring.
     int rows_at = ring_row(p, ring, row0);
     for (int kb = 0; kb < k_steps; ++kb) {
-      wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, WaitSite::stage_empty);
-      SharedStorage::Stage& st = s.stages[pipe.index];
-      std::uint64_t* full = &s.full[pipe.index];
-      mbarrier_arrive_expect_tx(full, bytes);
+      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, bytes);
+      SharedStorage::Stage& st = s.stages[pipe.stage()];
       const int k0 = kb * kBlockK;
       switch (t.kind) {
         case kDh:
@@ -359,7 +356,7 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
         rows_at += kBlockK;
         if (ring && rows_at == p.ring.ring_rows) rows_at = 0;
       }
-      pipe.advance();
+      pipe.producer_commit();
     }
   }
 }
@@ -643,7 +640,7 @@ __device__ __forceinline__ void switch_read(const BackwardParams& p, ReadCount& 
 
 template <typename Sched>
 __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sched& sched, int wg) {
-  PipelineState<kStages> pipe;
+  Pipeline<kStages> pipe;
   float acc[128];
   bool rows_ready = false;
   int pending_dx = 0;  // dx tiles not yet counted in dx_done
@@ -758,7 +755,7 @@ __device__ __forceinline__ void run_backward(const BackwardParams& p, const Ring
     return;
   }
   SharedStorage& s = shared_storage<SharedStorage>();
-  init_ring_barriers<kStages, kConsumerWarpgroups>(s);
+  s.barriers.init(kConsumerWarpgroups);
   if (threadIdx.x < kConsumerWarpgroups * 2 * kMaxEpRanks) (&s.pushed[0][0][0])[threadIdx.x] = 0;
   if (threadIdx.x < kConsumerWarpgroups) s.reads[threadIdx.x] = {-1, 0};  // (kReadNone)
   __syncthreads();

@@ -58,8 +58,7 @@ struct alignas(1024) SharedStorage {
     std::uint16_t h_staging[kConsumerWarpgroups][2][64 * 64];  // per warpgroup: two 64-column panels
     CommShared comm;  // comm CTAs (which have no epilogues)
   };
-  std::uint64_t full[kStages];
-  std::uint64_t empty[kStages];
+  PipelineBarriers<kStages> barriers;
   PushedRows pushed[kConsumerWarpgroups];  // push combine: rows pushed, not yet published
 };
 static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");
@@ -166,7 +165,7 @@ __device__ void wait_x_rows_read(const ForwardParams& p, const Schedule& sched, 
 
 // One thread issues every load; the rest of the warpgroup has nothing to do.
 __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Schedule& sched) {
-  PipelineState<kStages> pipe;
+  Pipeline<kStages> pipe;
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) break;  // combine tasks come last and load nothing
@@ -197,10 +196,8 @@ __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Sch
       b_row = t.n * kBlockN;
     }
     for (int kb = 0; kb < k_steps; ++kb) {
-      wait_barrier(p, &s.empty[pipe.index], pipe.phase ^ 1u, task, WaitSite::stage_empty);
-      SharedStorage::Stage& stage = s.stages[pipe.index];
-      std::uint64_t* full = &s.full[pipe.index];
-      mbarrier_arrive_expect_tx(full, kStageBytesA + kStageBytesB);
+      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, kStageBytesA + kStageBytesB);
+      SharedStorage::Stage& stage = s.stages[pipe.stage()];
       tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
       if (b1) {
         tma_load_3d(stage.b, b0, full, kb * kBlockK, b_row, expert);
@@ -208,7 +205,7 @@ __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Sch
       } else {
         tma_load_3d(stage.b, b0, full, kb * kBlockK, b_row, expert);
       }
-      pipe.advance();
+      pipe.producer_commit();
     }
   }
 }
@@ -360,7 +357,7 @@ __device__ void combine(const ForwardParams& p, const Task& t) {
 }
 
 __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int wg) {
-  PipelineState<kStages> pipe;
+  Pipeline<kStages> pipe;
   float acc[128];
   bool slots_ready = false;
   int pending_hidden = -1;  // h_ready index of a GEMM1 store not yet published
@@ -439,7 +436,7 @@ __device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int
     return;
   }
   SharedStorage& s = shared_storage<SharedStorage>();
-  init_ring_barriers<kStages, kConsumerWarpgroups>(s);
+  s.barriers.init(kConsumerWarpgroups);
   if (threadIdx.x < kConsumerWarpgroups * 2 * kMaxEpRanks) (&s.pushed[0][0][0])[threadIdx.x] = 0;
   if (threadIdx.x == 32) {
     const ForwardMaps& m = p.maps;

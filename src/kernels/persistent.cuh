@@ -1,10 +1,9 @@
-// Pieces shared by the persistent kernels (forward.cu, backward.cu): bounded waits that
-// report instead of hanging, the wgmma accumulator layout, and the consumer mainloop over
-// a ring of {A 128 x 64, B 256 x 64} stages.
+// Pieces shared by the persistent kernels (forward.cu, backward.cu): the CTA's roles and
+// register split, the wgmma accumulator layout, and the consumer mainloop over a pipeline
+// of {A 128 x 64, B 256 x 64} stages (kernels/pipeline.cuh; bounded waits: kernels/waits.cuh).
 //
-// A kernel's params type P provides: counters.abort (int*), status (KernelStatus*),
-// timeout_ns. Its shared storage S provides: stages[kStages] with members a and b, and
-// the mbarrier arrays full[kStages], empty[kStages].
+// A kernel's params type P provides what kernels/waits.cuh needs. Its shared storage S
+// provides: stages[kStages] with members a and b, and barriers (PipelineBarriers<kStages>).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,62 +34,6 @@ inline constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
 static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * 128 * kConsumerWarpgroups <=
               kLaunchRegisters * kThreads);
 
-// Records the first failure in the host-mapped status and stops the kernel: a stalled
-// wait must never hang silently.
-template <typename P>
-__device__ __noinline__ void give_up(const P& p, int task, WaitSite site, long long observed, long long expected,
-                                    int peer = -1) {
-  if (atomicCAS(p.counters.abort, 0, 1) == 0) {
-    volatile KernelStatus* s = p.status;
-    s->block = blockIdx.x;
-    s->task = task;
-    s->site = site;
-    s->peer = peer;
-    s->observed = observed;
-    s->expected = expected;
-    __threadfence_system();
-    s->code = KernelStatus::timeout;
-    __threadfence_system();
-  }
-  __trap();
-}
-
-template <typename P>
-__device__ __forceinline__ void wait_barrier(const P& p, std::uint64_t* bar, std::uint32_t parity, int task, WaitSite site) {
-  if (ptx::mbarrier_try_wait_parity(bar, parity)) return;
-  const std::uint64_t start = ptx::globaltimer_ns();
-  for (std::uint32_t spin = 1;; ++spin) {
-    if (ptx::mbarrier_try_wait_parity(bar, parity)) return;
-    if ((spin & 1023) == 0 && ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns))
-      give_up(p, task, site, parity ^ 1u, parity);
-  }
-}
-
-template <typename P>
-__device__ __forceinline__ void wait_counter(const P& p, const int* counter, int expected, int task, WaitSite site) {
-  int seen = ptx::ld_acquire_gpu(counter);
-  if (seen >= expected) return;
-  const std::uint64_t start = ptx::globaltimer_ns();
-  while ((seen = ptx::ld_acquire_gpu(counter)) < expected) {
-    __nanosleep(128);
-    if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, task, site, seen, expected);
-  }
-}
-
-// The same for a counter that rank `peer` advances (system scope: it may be another GPU).
-template <typename P>
-__device__ __forceinline__ void wait_peer_counter(const P& p, const int* counter, int expected, int task, WaitSite site,
-                                                  int peer) {
-  int seen = ptx::ld_acquire_sys(counter);
-  if (seen >= expected) return;
-  const std::uint64_t start = ptx::globaltimer_ns();
-  while ((seen = ptx::ld_acquire_sys(counter)) < expected) {
-    __nanosleep(256);
-    if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns))
-      give_up(p, task, site, seen, expected, peer);
-  }
-}
-
 // The kernel's shared storage S in dynamic shared memory, aligned to 1024 bytes (the
 // 128-byte swizzle's atom); the launch asks for shared_storage_bytes<S>().
 template <typename S>
@@ -100,18 +43,6 @@ template <typename S>
 __device__ __forceinline__ S& shared_storage() {
   extern __shared__ std::uint8_t smem_raw[];
   return *reinterpret_cast<S*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
-}
-
-// Thread 0 initialises the ring's barriers: `full` completes on the producer's expect-tx
-// arrival plus the bytes, `empty` on one arrival per consumer warpgroup.
-template <int kStages, int kConsumerWarpgroups, typename S>
-__device__ __forceinline__ void init_ring_barriers(S& s) {
-  if (threadIdx.x != 0) return;
-  for (int i = 0; i < kStages; ++i) {
-    ptx::mbarrier_init(&s.full[i], 1);
-    ptx::mbarrier_init(&s.empty[i], kConsumerWarpgroups);
-  }
-  ptx::fence_proxy_async_shared_cta();
 }
 
 // Warp specialisation: warpgroup 0 hands registers back and its thread 0 runs producer();
@@ -206,15 +137,16 @@ struct MnMajor {
 // The consumer warpgroup `wg` multiplies its 64 rows of A by the stage's 256 columns of B
 // over k_steps stages, handing each stage back once its MMAs are done. With k_steps = 0
 // the accumulator is left undefined (zeroing it here costs the forward spills): the
-// caller handles the empty sum. Phase code 1 = waiting for a filled stage.
+// caller handles the empty sum.
 template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
-__device__ __forceinline__ void mainloop(const P& p, S& s, PipelineState<kStages>& pipe, float (&acc)[128], int k_steps,
+__device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                          int wg, int task) {
   constexpr int kBlockK = 64;
+  const bool leader = threadIdx.x % 128 == 0;  // releases the warpgroup's stages
   int previous = -1;
   for (int kb = 0; kb < k_steps; ++kb) {
-    wait_barrier(p, &s.full[pipe.index], pipe.phase, task, WaitSite::stage_full);
-    const auto& stage = s.stages[pipe.index];
+    const int stage_index = pipe.consumer_wait(p, s.barriers, task);
+    const auto& stage = s.stages[stage_index];
     const std::uint64_t desc_a = LayoutA::descriptor(stage.a + wg * 64 * kBlockK);
     const std::uint64_t desc_b = LayoutB::descriptor(stage.b);
     ptx::wgmma_fence();
@@ -224,12 +156,12 @@ __device__ __forceinline__ void mainloop(const P& p, S& s, PipelineState<kStages
                                                              desc_b + LayoutB::kDescStep * kk, (kb | kk) != 0);
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // the previous stage's MMAs are done: hand it back
-    if (previous >= 0 && threadIdx.x % 128 == 0) ptx::mbarrier_arrive(&s.empty[previous]);
-    previous = pipe.index;
-    pipe.advance();
+    if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
+    previous = stage_index;
+    pipe.consumer_advance();
   }
   ptx::wgmma_wait_group<0>();
-  if (previous >= 0 && threadIdx.x % 128 == 0) ptx::mbarrier_arrive(&s.empty[previous]);
+  if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
 }
 
 // counter += count (release, gpu scope) once every thread of warpgroup `wg` has issued the
