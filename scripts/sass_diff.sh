@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Whether a change leaves the kernels' machine code as it was: builds the library's kernels
 # at BASE (a git worktree) and in the working tree, disassembles each kernel object with
-# cuobjdump -sass, and says per object "identical" or how many SASS lines differ (names of
+# cuobjdump -sass, and says per object "identical" or how many SASS lines differ (addresses and names of
 # anonymous namespaces normalised). A refactor whose SASS is identical is proven neutral in
 # speed and results without a GPU; one that differs needs the GPU check.
 #   scripts/sass_diff.sh [BASE=HEAD]      (needs nvcc; cuobjdump from the CUDA toolkit, or
@@ -27,7 +27,7 @@ build() {  # $1: source tree, $2: build dir
 sass() {  # $1: build dir, $2: out dir
   mkdir -p "$2"
   for o in "$1"/CMakeFiles/mok.dir/src/kernels/*.o; do
-    "$cuobjdump" -sass "$o" | grep -v '^\s*$' | sed 's@_GLOBAL__N__[0-9a-f]*_@_GLOBAL__N__@' > "$2/$(basename "$o" .o).sass"
+    "$cuobjdump" -sass "$o" | grep -v '^\s*$' | sed 's@/\*[0-9a-f]*\*/@@; s@_GLOBAL__N__[0-9a-f]*_@_GLOBAL__N__@' > "$2/$(basename "$o" .o).sass"
   done
 }
 echo "building $base and the working tree ..."

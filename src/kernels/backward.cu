@@ -485,14 +485,14 @@ __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (tid == 0) tma_store_wait_read();  // the previous stores have read the staging
-    named_barrier_sync(1 + wg, 128);
+    sync_warpgroup(wg);
 #pragma unroll
     for (int i = 64 * half; i < 64 * half + 64; i += 2) {
       const int r = acc_row(warp, lane, i), c = acc_col(lane, i) - 128 * half;
       *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(r, c)) = zero ? 0u : pack_bf16x2(acc[i], acc[i + 1]);
     }
     fence_proxy_async_shared_cta();
-    named_barrier_sync(1 + wg, 128);
+    sync_warpgroup(wg);
     if (tid == 0 && row < rows) {
       for (int panel = 0; panel < 2; ++panel) {
         const int col = col0 + 128 * half + 64 * panel;
@@ -661,7 +661,7 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
               wait_peer_counter(p, p.ep.slots_done[p.ep.rank] + q, p.ep.expected_rows[q] * (sched.n_dx + sched.n_dh_r),
                                 task, WaitSite::backward_pushed, q);
         }
-        named_barrier_sync(kConsumerBarrier, 128 * kConsumerWarpgroups);
+        sync_consumers();
         rows_ready = true;
       }
       combine(p, t, sched);

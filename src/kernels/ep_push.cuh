@@ -31,9 +31,9 @@ __device__ __forceinline__ void count_pushed_rows(const EpPeers& ep, const std::
 
 // slots_done[this rank] += `tiles` x rows at each owner (release; system scope across
 // GPUs) for every row counted since the last call, once all of warpgroup `wg`'s stores
-// are issued (named barrier 1 + wg).
+// are issued (sync_warpgroup).
 __device__ __forceinline__ void publish_pushed_rows(const EpPeers& ep, PushedRows& pushed, int wg) {
-  ptx::named_barrier_sync(1 + wg, 128);
+  sync_warpgroup(wg);
   const int tid = threadIdx.x % 128, warp = tid / 32;
   if (tid % 32 != 0 || warp >= 2) return;
   if (ep.system_scope) ptx::fence_acq_rel_sys();

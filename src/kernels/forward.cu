@@ -250,7 +250,7 @@ __device__ void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const f
                                int row0, int wg, int& pending_index) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   publish_hidden(p, pending_index);  // its store has also finished reading the staging
-  named_barrier_sync(1 + wg, 128);
+  sync_warpgroup(wg);
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
 #pragma unroll
   for (int i = 0; i < 64; i += 2) {  // gate column c is element i, up column c + 128 is element i + 64
@@ -261,7 +261,7 @@ __device__ void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const f
   }
   if (std::uint16_t* gu = t.shared ? p.shared_saved_gu : p.saved_gu) save_pre_activations(p, acc, t, row0, wg, gu);
   fence_proxy_async_shared_cta();
-  named_barrier_sync(1 + wg, 128);
+  sync_warpgroup(wg);
   if (tid == 0) {
     const int inter = t.shared ? p.shared_inter : p.inter;
     const CUtensorMap* h = t.shared ? &p.maps.shared_h_store : &p.maps.h_store;
@@ -298,14 +298,14 @@ __device__ void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const f
 #pragma unroll
   for (int round = 0; round < 4; ++round) {
     if (tid == 0) tma_store_wait_read();  // earlier stores (h or slots) have read the staging
-    named_barrier_sync(1 + wg, 128);
+    sync_warpgroup(wg);
 #pragma unroll
     for (int i = 32 * round; i < 32 * round + 32; i += 2) {
       const int row = acc_row(warp, lane, i), col = acc_col(lane, i) - 64 * round;  // 0..63
       *reinterpret_cast<float2*>(staging + swizzled_offset_bytes(row, col * 4)) = make_float2(acc[i], acc[i + 1]);
     }
     fence_proxy_async_shared_cta();
-    named_barrier_sync(1 + wg, 128);
+    sync_warpgroup(wg);
     if (tid == 0) {
       for (int box = 0; box < 2; ++box) {
         const int col = n0 + 64 * round + 32 * box;
@@ -376,7 +376,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
             for (int q = 0; q < p.ep.size; ++q)
               wait_peer_counter(p, p.ep.slots_done[p.ep.rank] + q, p.ep.expected_rows[q] * sched.n2, task, WaitSite::forward_pushed, q);
         }
-        named_barrier_sync(kConsumerBarrier, 128 * kConsumerWarpgroups);
+        sync_consumers();
         slots_ready = true;
       }
       combine(p, t);

@@ -26,7 +26,17 @@ inline constexpr int kConsumerWarpgroups = 2;
 inline constexpr int kThreads = kProducerThreads + 128 * kConsumerWarpgroups;
 inline constexpr int kProducerRegisters = 40;
 inline constexpr int kConsumerRegisters = 232;
-inline constexpr int kConsumerBarrier = 3;  // named barrier of all consumer threads; 1, 2: one per warpgroup
+// The named barriers (bar.sync ids; 0 is __syncthreads'): one per consumer warpgroup (its
+// 128 threads), and one of every consumer thread.
+enum class NamedBarrier : int { warpgroup0 = 1, consumers = 1 + kConsumerWarpgroups };
+// Synchronises the 128 threads of consumer warpgroup `wg`.
+__device__ __forceinline__ void sync_warpgroup(int wg) {
+  ptx::named_barrier_sync(static_cast<int>(NamedBarrier::warpgroup0) + wg, 128);
+}
+// Synchronises every consumer thread.
+__device__ __forceinline__ void sync_consumers() {
+  ptx::named_barrier_sync(static_cast<int>(NamedBarrier::consumers), 128 * kConsumerWarpgroups);
+}
 // setmaxnreg moves registers within the CTA's launch allocation (kThreads x the kernel's
 // count, 168 under __launch_bounds__(kThreads, 1)): what the consumers take, the producer
 // must give back, or setmaxnreg.inc waits forever (seen: 48 + 232 hung every CTA).
@@ -165,10 +175,10 @@ __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pi
 }
 
 // counter += count (release, gpu scope) once every thread of warpgroup `wg` has issued the
-// writes it counts. Named barrier 1 + wg is the warpgroup's own.
+// writes it counts.
 __device__ __forceinline__ void publish_count(int* counter, int count, int wg) {
   if (count == 0) return;
-  ptx::named_barrier_sync(1 + wg, 128);
+  sync_warpgroup(wg);
   if (threadIdx.x % 128 == 0) {
     ptx::fence_acq_rel_gpu();
     ptx::red_release_gpu_add(counter, count);
