@@ -1,0 +1,303 @@
+// The fused backward's consumer epilogues (dh, weight gradients, dx rows and their pushes),
+// the combine, and how consumer warpgroups publish what they have done.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/backward.cuh"
+#include "kernels/ep_push.cuh"
+#include "kernels/load.cuh"
+#include "kernels/persistent.cuh"
+#include "kernels/pipeline.cuh"
+#include "kernels/ring_copy.cuh"
+#include "kernels/swiglu.cuh"
+#include "mok/ptx/fence.cuh"
+#include "mok/ptx/ld_st.cuh"
+#include "mok/ptx/mbarrier.cuh"
+#include "mok/ptx/tma.cuh"
+#include "kernels/backward/tasks.cuh"
+
+namespace mok::kernels::bwd {
+
+using namespace mok::ptx;
+
+// ---------------------------------------------------------------------------------- consumers
+
+// dh tile epilogue (see the header comment). Writes every row of the tile, zeros on rows
+// that are padding (routed) or past T (shared).
+__device__ void epilogue_dh(const BackwardParams& p, const float (&acc)[128], const Task& t, int row0, int wg,
+                            int n_tiles) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const ExpertSetData& d = t.shared ? p.shared : p.routed;
+  const int inter = d.inter, n0 = t.n * kBlockN;
+  std::int64_t row[2];
+  float weight[2];
+  bool valid[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row[h] = row0 + wg * 64 + warp * 16 + lane / 4 + 8 * h;
+    if (t.shared) {
+      valid[h] = row[h] < p.tokens;
+      weight[h] = 1.0f;
+    } else {
+      const int pair = p.row_pair[row[h]];
+      valid[h] = pair >= 0;
+      weight[h] = valid[h] ? p.topk_weights[pair] : 0.0f;
+    }
+  }
+  float partial[2] = {0.0f, 0.0f};
+  constexpr int kGroup = 16;  // accumulators whose g, u loads are in flight together
+#pragma unroll
+  for (int i0 = 0; i0 < 128; i0 += kGroup) {
+    std::uint32_t g[kGroup / 2], u[kGroup / 2];
+#pragma unroll
+    for (int i = i0; i < i0 + kGroup; i += 2) {
+      const int h = (i >> 1) & 1, col = n0 + acc_col(lane, i);
+      const std::int64_t at = row[h] * 2 * inter + col;
+      const bool load = valid[h] && col < inter;
+      g[(i - i0) / 2] = load ? ld_global_ordered(d.gu + at) : 0u;
+      u[(i - i0) / 2] = load ? ld_global_ordered(d.gu + at + inter) : 0u;
+    }
+#pragma unroll
+    for (int i = i0; i < i0 + kGroup; i += 2) {
+      const int h = (i >> 1) & 1, col = n0 + acc_col(lane, i);
+      if (col >= inter) continue;
+      const std::int64_t at = row[h] * 2 * inter + col;
+      std::uint32_t dg = 0, du = 0, hw = 0;
+      if (valid[h]) {
+        const float2 gv = unpack_bf16x2(g[(i - i0) / 2]), uv = unpack_bf16x2(u[(i - i0) / 2]);
+        const SwigluGrad r0 = swiglu_backward(gv.x, uv.x, __fmul_rn(weight[h], acc[i]), p.swiglu_limit);
+        const SwigluGrad r1 = swiglu_backward(gv.y, uv.y, __fmul_rn(weight[h], acc[i + 1]), p.swiglu_limit);
+        partial[h] = __fmaf_rn(r0.hidden, acc[i], partial[h]);
+        partial[h] = __fmaf_rn(r1.hidden, acc[i + 1], partial[h]);
+        dg = pack_bf16x2(r0.d_gate, r1.d_gate);
+        du = pack_bf16x2(r0.d_up, r1.d_up);
+        hw = pack_bf16x2(__fmul_rn(weight[h], r0.hidden), __fmul_rn(weight[h], r1.hidden));
+      }
+      st_global_ordered(d.gu + at, dg);  // in place: this thread just read these two values
+      st_global_ordered(d.gu + at + inter, du);
+      st_global_ordered(d.hw + row[h] * inter + col, hw);
+    }
+  }
+  if (!t.shared) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the four lanes of a quad hold one row: a fixed tree
+      float v = partial[h];
+      v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+      v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
+      if (lane % 4 != 0 || !valid[h]) continue;
+      if (p.ep.push) {  // into the owner's partials, at its pair t * k + j
+        const int pair = p.row_pair[row[h]], pairs_per_rank = p.tokens * p.top_k;
+        float* partials = reinterpret_cast<float*>(reinterpret_cast<std::uint16_t*>(p.ep.slots[pair / pairs_per_rank]) +
+                                                   static_cast<std::int64_t>(pairs_per_rank) * p.hidden);
+        partials[static_cast<std::int64_t>(pair % pairs_per_rank) * n_tiles + t.n] = v;
+      } else {
+        p.dw_partial[row[h] * n_tiles + t.n] = v;
+      }
+    }
+  }
+}
+
+// f32 weight gradient: the warpgroup's 64 x 256 tile added into rows of [rows, cols] where
+// a row pointer is given (one owner per element: a plain read-modify-write). empty: the
+// expert has no rows (nothing to add; acc was never written).
+__device__ void accumulate_weight_grad(const float (&acc)[128], void* const (&row)[2], int n0, int cols, bool empty) {
+  if (empty) return;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < 128; i += 2) {
+    const int h = (i >> 1) & 1, col = n0 + acc_col(lane, i);
+    if (row[h] == nullptr || col >= cols) continue;
+    float2* out = reinterpret_cast<float2*>(static_cast<float*>(row[h]) + col);
+    const float2 old = *out;
+    *out = make_float2(__fadd_rn(old.x, acc[i]), __fadd_rn(old.y, acc[i + 1]));
+  }
+}
+
+// EP: the dx rows of this warpgroup's 64 x 256 tile as bf16 straight into the slots of
+// the tokens' owners (row t * k + j there); publish_pushes() counts them later.
+__device__ void push_dx_rows(const BackwardParams& p, const float (&acc)[128], int n0, int row0) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, pairs_per_rank = p.tokens * p.top_k;
+  std::uint16_t* rows[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int pair = p.row_pair[row0 + warp * 16 + lane / 4 + 8 * h];
+    rows[h] = pair < 0 ? nullptr
+                       : reinterpret_cast<std::uint16_t*>(p.ep.slots[pair / pairs_per_rank]) +
+                             static_cast<std::int64_t>(pair % pairs_per_rank) * p.hidden + n0;
+  }
+#pragma unroll
+  for (int i = 0; i < 128; i += 2) {
+    std::uint16_t* row = rows[(i >> 1) & 1];
+    const int col = acc_col(lane, i);
+    if (row != nullptr && n0 + col < p.hidden) st_global_ordered(row + col, pack_bf16x2(acc[i], acc[i + 1]));
+  }
+}
+
+// A bf16 64 x 256 tile of this warpgroup leaves through its swizzled staging buffer in
+// two 64 x 128 halves, each as two TMA stores to (col0 + 64 i, row, layer) of `map`
+// (clipped at the matrix edges, skipped when row >= rows or the column >= cols), so the
+// writes drain while the next tile's mainloop runs. zero: store zeros instead of acc.
+__device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg, const CUtensorMap* map, int col0,
+                               int row, int layer, int rows, int cols, bool zero) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  char* staging = reinterpret_cast<char*>(s.staging[wg]);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (tid == 0) tma_store_wait_read();  // the previous stores have read the staging
+    sync_warpgroup(wg);
+#pragma unroll
+    for (int i = 64 * half; i < 64 * half + 64; i += 2) {
+      const int r = acc_row(warp, lane, i), c = acc_col(lane, i) - 128 * half;
+      *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(r, c)) = zero ? 0u : pack_bf16x2(acc[i], acc[i + 1]);
+    }
+    fence_proxy_async_shared_cta();
+    sync_warpgroup(wg);
+    if (tid == 0 && row < rows) {
+      for (int panel = 0; panel < 2; ++panel) {
+        const int col = col0 + 128 * half + 64 * panel;
+        if (col < cols) tma_store_3d(map, s.staging[wg] + panel * 64 * 64, col, row, layer);
+      }
+      tma_store_commit_group();
+    }
+  }
+}
+
+// bf16 weight gradient tile (empty: the expert has no rows, the gradient is zero).
+__device__ void store_weight_grad_tma(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
+                                      int wg, bool empty) {
+  const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
+  const int H = p.hidden, I = (t.shared ? p.shared : p.routed).inter;
+  const int row0 = t.m * kBlockM + wg * 64;
+  if (t.kind == kWd) {
+    store_tile_tma(s, acc, wg, &maps.d_down, t.n * kBlockN, row0, t.e, H, I, empty);
+  } else {  // rows [0, I) of the tile space are W_gate's, [I, 2I) W_up's (I % 64 == 0)
+    const bool gate = row0 < I;
+    store_tile_tma(s, acc, wg, gate ? &maps.d_gate : &maps.d_up, t.n * kBlockN, gate ? row0 : row0 - I, t.e,
+                   gate ? I : (row0 < 2 * I ? I : 0), H, empty);
+  }
+}
+
+__device__ void epilogue_weight(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
+                                int wg, bool empty) {
+  if (!p.grad_fp32) {
+    store_weight_grad_tma(p, s, acc, t, wg, empty);
+    return;
+  }
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const ExpertSetData& d = t.shared ? p.shared : p.routed;
+  const int H = p.hidden, I = d.inter;
+  void* row[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = t.m * kBlockM + wg * 64 + warp * 16 + lane / 4 + 8 * h;
+    const std::int64_t expert = static_cast<std::int64_t>(t.e) * H * I;  // elements of one expert's matrix
+    float* base = nullptr;
+    if (t.kind == kWd) {  // dW_down [E, H, I]: row m < H
+      if (m < H) base = static_cast<float*>(d.d_down) + expert + static_cast<std::int64_t>(m) * I;
+    } else if (m < I) {  // dW_gate [E, I, H]
+      base = static_cast<float*>(d.d_gate) + expert + static_cast<std::int64_t>(m) * H;
+    } else if (m < 2 * I) {
+      base = static_cast<float*>(d.d_up) + expert + static_cast<std::int64_t>(m - I) * H;
+    }
+    row[h] = base;
+  }
+  accumulate_weight_grad(acc, row, t.n * kBlockN, t.kind == kWd ? I : H, empty);
+}
+
+// dx for a block of tokens, then d_topk_weights[t, j] = sum over N-tiles of the row's
+// partials, in N order (0 for a slot without an expert).
+// EP: the owner's combine, from the rows and partials its peers pushed.
+template <typename Sched>
+__device__ void combine_pushed(const BackwardParams& p, const Task& t, const Sched& sched) {
+  const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
+  const int begin = t.m * kCombineTokens, end = min(p.tokens, begin + kCombineTokens);
+  const int pairs_per_rank = p.tokens * p.top_k;
+  const auto* rows = reinterpret_cast<const std::uint16_t*>(p.ep.slots[p.ep.rank]);
+  const auto* partials = reinterpret_cast<const float*>(rows + static_cast<std::int64_t>(pairs_per_rank) * p.hidden);
+  combine_tokens<false, true, std::uint16_t>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, nullptr, rows,
+                                             p.shared.dx_rows, p.dx, tid, threads);
+  for (int i = begin * p.top_k + tid; i < end * p.top_k; i += threads) {
+    float v = 0.0f;
+    if (p.ep.own_ids[i] >= 0)
+      for (int n = 0; n < sched.n_dh_r; ++n) v = __fadd_rn(v, partials[static_cast<std::int64_t>(i) * sched.n_dh_r + n]);
+    p.d_topk_weights[i] = v;
+  }
+}
+
+template <typename Sched>
+__device__ void combine(const BackwardParams& p, const Task& t, const Sched& sched) {
+  if (p.ep.push) {
+    combine_pushed(p, t, sched);
+    return;
+  }
+  const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
+  const int begin = t.m * kCombineTokens, end = min(p.tokens, begin + kCombineTokens);
+  combine_tokens<false, false, std::uint16_t>(begin, end, p.hidden, p.top_k, p.pair_row, nullptr, nullptr, p.routed.dx_rows,
+                                       p.shared.dx_rows, p.dx, tid, threads);
+  for (int i = begin * p.top_k + tid; i < end * p.top_k; i += threads) {
+    const int row = p.pair_row[i];
+    float v = 0.0f;
+    if (row >= 0)
+      for (int n = 0; n < sched.n_dh_r; ++n) v = __fadd_rn(v, p.dw_partial[static_cast<std::int64_t>(row) * sched.n_dh_r + n]);
+    p.d_topk_weights[i] = v;
+  }
+}
+
+// dx_done += this warpgroup's dx tiles, once their TMA stores have completed (the
+// combine reads the rows with plain loads). Deferred until the combine.
+__device__ void publish_dx_rows(const BackwardParams& p, int wg, int& pending) {
+  if (pending == 0) return;
+  if (threadIdx.x % 128 == 0) {
+    tma_store_wait_all();
+    fence_proxy_async_global();
+  }
+  publish_count(p.counters.dx_done, pending, wg);
+  pending = 0;
+}
+
+// EP: publishes, per owner, the rows this warpgroup pushed (dx rows and d_topk_weights
+// partials) in its routed dh and dx tasks before `end`. Counted here, once, from the task
+// list rather than in each epilogue: the consumer loop has no registers to spare.
+template <typename Sched>
+__device__ void publish_pushes(const BackwardParams& p, SharedStorage& s, const Sched& sched, int wg, int end) {
+  for (int task = sched.cta; task < end; task += sched.ctas) {
+    const Task t = sched.decode(p, task);
+    if (!t.shared && (t.kind == kDh || t.kind == kDx))
+      count_pushed_rows(p.ep, p.row_pair, tile_row0(p, t) + wg * 64, p.tokens * p.top_k, s.pushed[wg]);
+  }
+  publish_pushed_rows(p.ep, s.pushed[wg], wg);
+}
+
+// Ring: this warpgroup has read the task's dy / x rows (its mainloop is done): freed[mb] += 1
+// for every minibatch they lie in.
+__device__ void free_ring_rows(const BackwardParams& p, const Task& t, int wg) {
+  int first = 0, count = 0;
+  ring_rows_read(p, t, first, count);
+  const int per = p.ring.minibatch_rows;
+  for (int mb = first / per; count > 0 && mb <= (first + count - 1) / per; ++mb) publish_count(p.ring.freed + mb, 1, wg);
+}
+
+// Weight tiles that have read their rows (see the dx and dW_gate|up waits) are counted by
+// thread 0 of their warpgroup in shared memory and released when the warpgroup moves on to
+// a task that counts elsewhere (another expert, another phase) — before that task can wait
+// for anything — rather than with a fence per tile (that cost ~1.5 % of fwd+bwd). Thread 0
+// saw every load of those tiles land (the full barriers): its release orders them; no other
+// thread's writes are published. (Counters as indices: pointers in registers spilled.)
+constexpr int kReadNone = -1, kReadWdDone = -2;  // else an index into dgu_ready
+
+__device__ __forceinline__ int read_counter(const BackwardParams& p, const Task& t) {
+  if (!t.shared && t.kind == kWgu && p.dx_over_x) return p.expert_offset[t.e] / kBlockM;
+  if (!t.shared && t.kind == kWd && p.rows_in_grads) return kReadWdDone;
+  return kReadNone;
+}
+
+__device__ __forceinline__ void switch_read(const BackwardParams& p, ReadCount& r, int at) {
+  if (threadIdx.x % 128 != 0 || at == r.at) return;
+  if (r.count > 0) red_release_gpu_add(r.at == kReadWdDone ? wd_done(p) : p.counters.dgu_ready + r.at, r.count);
+  r.at = at, r.count = 0;
+}
+
+}  // namespace mok::kernels::bwd

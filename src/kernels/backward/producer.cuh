@@ -1,0 +1,141 @@
+// The fused backward's producer: one thread that waits for each task's inputs (its
+// counters, the ring's rows) and issues the task's TMA loads into the pipeline.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/backward.cuh"
+#include "kernels/ep_push.cuh"
+#include "kernels/load.cuh"
+#include "kernels/persistent.cuh"
+#include "kernels/pipeline.cuh"
+#include "kernels/ring_copy.cuh"
+#include "kernels/swiglu.cuh"
+#include "mok/ptx/fence.cuh"
+#include "mok/ptx/ld_st.cuh"
+#include "mok/ptx/mbarrier.cuh"
+#include "mok/ptx/tma.cuh"
+#include "kernels/backward/tasks.cuh"
+
+namespace mok::kernels::bwd {
+
+using namespace mok::ptx;
+
+// ---------------------------------------------------------------------------------- producer
+
+// One thread issues every load. Boxes entirely past the matrix edge are not loaded: their
+// accumulator rows/columns are never stored.
+template <typename Sched>
+__device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sched& sched) {
+  Pipeline<kStages> pipe;
+  int rows_seen = -2;  // the expert (-1: shared) whose dh tiles this CTA's weight tasks saw done
+  bool dw_down_seen = false;  // rows_in_grads: every routed dW_down tile seen done
+  for (int task = sched.cta; task < sched.total; task += sched.ctas) {
+    const Task t = sched.decode(p, task);
+    if (t.kind == kCombine) break;
+    const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
+    const int inter = t.shared ? p.shared.inter : p.routed.inter;
+    const bool ring = reads_ring<Sched>(t);
+    if (ring) {  // its dy / x rows have landed in the rings
+      int first = 0, count = 0;
+      ring_rows_read(p, t, first, count);
+      const int per = p.ring.minibatch_rows;
+      for (int mb = first / per; count > 0 && mb <= (first + count - 1) / per; ++mb)
+        wait_counter(p, p.ring.landed + mb, minibatch_rows(p, mb), task, WaitSite::backward_landed);
+      fence_proxy_async_global();  // written by the comm CTAs' bulk and generic stores
+    }
+    int row0 = 0, k_steps = 0;
+    // One counter to wait for (one call site: a second one spilled): a dx task's dh tiles,
+    // or, when a routed dW_gate|up task's stores overwrite the dy rows and w h kept in the
+    // gradient buffers, every routed dW_down tile (each waited for the dh tiles of its expert).
+    int* counter = nullptr;
+    int expected = 0;
+    WaitSite site = WaitSite::dh_ready;
+    if (t.kind == kDh || t.kind == kDx) {
+      row0 = tile_row0(p, t);
+      if (t.kind == kDx) {
+        // One GPU: its dx rows overwrite its x rows, which its expert's dW_gate|up tiles
+        // (lower-numbered) read; those count in the dgu_ready of the expert's first M-tile
+        // once done, and each of them waited for every dh tile of the expert, so that one
+        // counter says both.
+        const bool over_x = !Sched::kRing && p.dx_over_x && !t.shared;
+        counter = p.counters.dgu_ready + (over_x ? p.expert_offset[t.e] / kBlockM : dgu_counter(p, t, t.m));
+        expected = kConsumerWarpgroups * (sched.n_dh(t.shared) + (over_x ? sched.m_wgu_r * sched.n_dx : 0));
+        if constexpr (Sched::kRing) wait_counter(p, counter, expected, task, site);  // (here: fewer registers)
+      }
+      k_steps = (t.kind == kDh ? p.hidden : 2 * inter) / kBlockK;
+    } else {
+      int count = 0;
+      expert_rows(p, t, row0, count);
+      // Its expert's dh tiles, once per run of tasks of one expert (a CTA takes ~tasks / CTAs
+      // in a row): each wait is a round trip to L2 before the task's first load.
+      const int expert = t.shared ? -1 : t.e;
+      if (Sched::kRing || expert != rows_seen)  // (the ring kernel: every time; skipping there spilled)
+        for (int m = row0 / kBlockM; m < (row0 + count) / kBlockM; ++m)
+          wait_counter(p, p.counters.dgu_ready + dgu_counter(p, t, m), kConsumerWarpgroups * sched.n_dh(t.shared),
+                       task, WaitSite::expert_dh_ready);
+      if constexpr (!Sched::kRing) rows_seen = expert;
+      if (!Sched::kRing && p.rows_in_grads && t.kind == kWgu && !t.shared && !dw_down_seen) {
+        counter = wd_done(p);
+        expected = kConsumerWarpgroups * sched.experts * sched.m_wd * sched.n_dh_r;
+        site = WaitSite::grad_rows_read;
+      }
+      k_steps = count / kBlockK;
+    }
+    if (k_steps == 0) k_steps = 1;  // weight_k_steps() (dh and dx tasks have more)
+    if (!Sched::kRing && counter != nullptr) {
+      wait_counter(p, counter, expected, task, site);
+      dw_down_seen = dw_down_seen || site == WaitSite::grad_rows_read;  // (it stays done)
+    }
+    if (t.kind != kDh) fence_proxy_async_global();  // dgu, w h written by generic stores of other CTAs
+    // Boxes of this task: A (K-major: one; MN-major: up to two), B (up to four MN-major).
+    const int n0 = t.n * kBlockN, m0 = t.m * kBlockM;
+    const int b_limit = t.kind == kDh ? inter : t.kind == kWd ? inter : p.hidden;
+    const int a_limit = t.kind == kWd ? p.hidden : 2 * inter;
+    int b_boxes = 0, a_boxes = 1;
+    while (b_boxes < 4 && n0 + 64 * b_boxes < b_limit) ++b_boxes;
+    if (t.kind == kWd || t.kind == kWgu) a_boxes = m0 + 64 < a_limit ? 2 : 1;
+    const std::uint32_t a_bytes = (t.kind == kDh || t.kind == kDx) ? kKMajorABytes : a_boxes * kBoxBytes;
+    const std::uint32_t bytes = a_bytes + b_boxes * kBoxBytes;
+    // Where the dy / x rows of the next load sit: plan row row0 (dh), row0 + k0 (weight
+    // gradients: advanced by each K step), mod ring_rows in a ring.
+    int rows_at = ring_row(p, ring, row0);
+    for (int kb = 0; kb < k_steps; ++kb) {
+      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, bytes);
+      SharedStorage::Stage& st = s.stages[pipe.stage()];
+      const int k0 = kb * kBlockK;
+      switch (t.kind) {
+        case kDh:
+          tma_load_2d(st.a, &maps.dy_k, full, k0, rows_at);
+          for (int c = 0; c < b_boxes; ++c) tma_load_3d(st.b + c * 4096, &maps.down_mn, full, n0 + 64 * c, k0, t.e);
+          break;
+        case kDx: {
+          tma_load_2d(st.a, &maps.dgu_k, full, k0, row0);
+          const bool gate = k0 < inter;
+          for (int c = 0; c < b_boxes; ++c)
+            tma_load_3d(st.b + c * 4096, gate ? &maps.gate_mn : &maps.up_mn, full, n0 + 64 * c, gate ? k0 : k0 - inter, t.e);
+          break;
+        }
+        case kWd:
+          for (int w = 0; w < a_boxes; ++w)
+            tma_load_2d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, rows_at);
+          for (int c = 0; c < b_boxes; ++c) tma_load_2d(st.b + c * 4096, &maps.hw_mn, full, n0 + 64 * c, row0 + k0);
+          break;
+        default:  // kWgu
+          for (int w = 0; w < a_boxes; ++w) tma_load_2d(st.a + w * 4096, &maps.dgu_mn, full, m0 + 64 * w, row0 + k0);
+          for (int c = 0; c < b_boxes; ++c)
+            tma_load_2d(st.b + c * 4096, &maps.x_mn, full, n0 + 64 * c, rows_at);
+          break;
+      }
+      if (t.kind == kWd || t.kind == kWgu) {  // the next 64 rows (ring_rows is a multiple of 64)
+        rows_at += kBlockK;
+        if (ring && rows_at == p.ring.ring_rows) rows_at = 0;
+      }
+      pipe.producer_commit();
+    }
+  }
+}
+
+}  // namespace mok::kernels::bwd

@@ -1,0 +1,175 @@
+// The fused forward's consumer epilogues (GEMM1's SwiGLU and saved pre-activations, GEMM2's
+// slot rows or their pushes to the owning rank), the combine, and how consumer warpgroups
+// publish what they have done.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/ep_push.cuh"
+#include "kernels/forward.cuh"
+#include "kernels/load.cuh"
+#include "kernels/persistent.cuh"
+#include "kernels/pipeline.cuh"
+#include "kernels/ring_copy.cuh"
+#include "kernels/slot_rows.cuh"
+#include "kernels/swiglu.cuh"
+#include "mok/ptx/fence.cuh"
+#include "mok/ptx/ld_st.cuh"
+#include "mok/ptx/mbarrier.cuh"
+#include "mok/ptx/tma.cuh"
+#include "mok/ptx/wgmma.cuh"
+#include "kernels/forward/tasks.cuh"
+
+namespace mok::kernels::fwd {
+
+using namespace mok::ptx;
+
+// ---------------------------------------------------------------------------------- consumers
+
+// Completes this warpgroup's previous GEMM1 store and publishes it: h_ready[index] += 1.
+// Deferred to the next task so that the store's latency hides behind a mainloop.
+__device__ __forceinline__ void publish_hidden(const ForwardParams& p, int& pending_index) {
+  if (pending_index < 0) return;
+  if (threadIdx.x % 128 == 0) {
+    tma_store_wait_all();
+    fence_proxy_async_global();
+    red_release_gpu_add(p.counters.h_ready + pending_index, 1);
+  }
+  pending_index = -1;
+}
+
+// Training: the gate and up pre-activations of this warpgroup's tile, bf16, into rows of
+// [gate (I) | up (I)] for the backward. A value the clamp cut is saved as +-inf: rounding
+// to bf16 must not move a value across the limit (the gradient there is zero).
+__device__ void save_pre_activations(const ForwardParams& p, const float (&acc)[128], const Task& t, int row0, int wg,
+                                     std::uint16_t* gu) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int inter = t.shared ? p.shared_inter : p.inter, n0 = t.n * kGemm1Columns;
+  std::uint16_t* rows = gu + static_cast<std::int64_t>(row0 + wg * 64) * 2 * inter;
+#pragma unroll
+  for (int i = 0; i < 64; i += 2) {
+    const int col = n0 + acc_col(lane, i);
+    if (col >= inter) continue;
+    std::uint16_t* row = rows + static_cast<std::int64_t>(acc_row(warp, lane, i)) * 2 * inter;
+    *reinterpret_cast<std::uint32_t*>(row + col) =
+        pack_bf16x2(saved_gate(acc[i], p.swiglu_limit), saved_gate(acc[i + 1], p.swiglu_limit));
+    *reinterpret_cast<std::uint32_t*>(row + inter + col) =
+        pack_bf16x2(saved_up(acc[i + 64], p.swiglu_limit), saved_up(acc[i + 65], p.swiglu_limit));
+  }
+}
+
+// h = swiglu(gate, up) of this warpgroup's 64 x 128 tile -> staging (swizzled) -> TMA store,
+// published later by publish_hidden().
+__device__ void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
+                               int row0, int wg, int& pending_index) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  publish_hidden(p, pending_index);  // its store has also finished reading the staging
+  sync_warpgroup(wg);
+  char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
+#pragma unroll
+  for (int i = 0; i < 64; i += 2) {  // gate column c is element i, up column c + 128 is element i + 64
+    const int row = acc_row(warp, lane, i), col = acc_col(lane, i);
+    const float h0 = swiglu(acc[i], acc[i + 64], p.swiglu_limit);
+    const float h1 = swiglu(acc[i + 1], acc[i + 65], p.swiglu_limit);
+    *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(row, col)) = pack_bf16x2(h0, h1);
+  }
+  if (std::uint16_t* gu = t.shared ? p.shared_saved_gu : p.saved_gu) save_pre_activations(p, acc, t, row0, wg, gu);
+  fence_proxy_async_shared_cta();
+  sync_warpgroup(wg);
+  if (tid == 0) {
+    const int inter = t.shared ? p.shared_inter : p.inter;
+    const CUtensorMap* h = t.shared ? &p.maps.shared_h_store : &p.maps.h_store;
+    const int n0 = t.n * kGemm1Columns, r0 = row0 + wg * 64;
+    tma_store_2d(h, s.h_staging[wg][0], n0, r0);
+    if (n0 + 64 < inter) tma_store_2d(h, s.h_staging[wg][1], n0 + 64, r0);
+    tma_store_commit_group();
+  }
+  pending_index = t.shared ? p.max_routed_tiles + t.m : t.m;
+}
+
+// Publishes this warpgroup's GEMM2 tiles: y_done += count, once their TMA stores have
+// completed. Deferred until the combine (the only reader), so the slot stores drain behind
+// later mainloops instead of behind a wait.
+__device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, int& pending_tiles) {
+  if (pending_tiles == 0) return;
+  if (threadIdx.x % 128 == 0) {
+    tma_store_wait_all();
+    fence_proxy_async_global();
+  }
+  publish_count(p.counters.y_done, pending_tiles, wg);
+  pending_tiles = 0;
+}
+
+// fp32 rows of this warpgroup's 64 x 256 tile into the slot buffer (published by
+// publish_slots()): four rounds of 64 columns through the warpgroup's 16 KB staging
+// buffer, each as two TMA stores of 64 rows x 32 columns (128-byte swizzle).
+__device__ void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
+                               int row0, int wg) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const CUtensorMap* map = t.shared ? &p.maps.shared_slots : &p.maps.slots;
+  char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
+  const int n0 = t.n * kBlockN;
+#pragma unroll
+  for (int round = 0; round < 4; ++round) {
+    if (tid == 0) tma_store_wait_read();  // earlier stores (h or slots) have read the staging
+    sync_warpgroup(wg);
+#pragma unroll
+    for (int i = 32 * round; i < 32 * round + 32; i += 2) {
+      const int row = acc_row(warp, lane, i), col = acc_col(lane, i) - 64 * round;  // 0..63
+      *reinterpret_cast<float2*>(staging + swizzled_offset_bytes(row, col * 4)) = make_float2(acc[i], acc[i + 1]);
+    }
+    fence_proxy_async_shared_cta();
+    sync_warpgroup(wg);
+    if (tid == 0) {
+      for (int box = 0; box < 2; ++box) {
+        const int col = n0 + 64 * round + 32 * box;
+        if (col < p.hidden) tma_store_2d(map, staging + box * 64 * 128, col, row0 + wg * 64);
+      }
+      tma_store_commit_group();
+    }
+  }
+}
+
+// Expert parallelism: fp32 rows of this warpgroup's 64 x 256 tile straight into the slots
+// of the rank that owns each token (row t * k + j there); the rows per owner are counted
+// in shared memory and published by publish_pushes(), so that no epilogue waits for its
+// stores to land (a fence per tile cost 20% on qwen3-30b-a3b).
+__device__ void epilogue_gemm2_push(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
+                                    int row0, int wg) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int n0 = t.n * kBlockN;
+  const int pairs_per_rank = p.tokens * p.top_k;
+  float* rows[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int pair = p.row_pair[row0 + wg * 64 + warp * 16 + lane / 4 + 8 * half];
+    rows[half] = pair < 0 ? nullptr
+                          : p.ep.slots[pair / pairs_per_rank] + static_cast<std::int64_t>(pair % pairs_per_rank) * p.hidden + n0;
+  }
+#pragma unroll
+  for (int i = 0; i < 128; i += 2) {
+    float* row = rows[(i >> 1) & 1];
+    const int col = acc_col(lane, i);
+    if (row != nullptr && n0 + col < p.hidden) *reinterpret_cast<float2*>(row + col) = make_float2(acc[i], acc[i + 1]);
+  }
+  count_pushed_rows(p.ep, p.row_pair, row0 + wg * 64, pairs_per_rank, s.pushed[wg]);
+}
+
+__device__ void publish_pushes(const ForwardParams& p, SharedStorage& s, int wg) {
+  if (p.ep.push) publish_pushed_rows(p.ep, s.pushed[wg], wg);
+}
+
+__device__ void combine(const ForwardParams& p, const Task& t) {
+  const int begin = t.m * kCombineTokens, end = min(p.tokens, (t.m + 1) * kCombineTokens);
+  const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
+  if (p.ep.push)
+    combine_tokens<true, true, float>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, p.topk_weights,
+                                p.ep.slots[p.ep.rank], p.shared_slots, p.y, tid, threads);
+  else
+    combine_tokens<true, false, float>(begin, end, p.hidden, p.top_k, p.pair_row, nullptr, p.topk_weights, p.slots,
+                                p.shared_slots, p.y, tid, threads);
+}
+
+}  // namespace mok::kernels::fwd

@@ -1,0 +1,132 @@
+// The fused forward's shared storage, tasks and schedule (see kernels/forward.cu's header):
+// what each task is and in which order the CTAs take them.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/ep_push.cuh"
+#include "kernels/forward.cuh"
+#include "kernels/load.cuh"
+#include "kernels/persistent.cuh"
+#include "kernels/pipeline.cuh"
+#include "kernels/ring_copy.cuh"
+#include "kernels/slot_rows.cuh"
+#include "kernels/swiglu.cuh"
+#include "mok/ptx/fence.cuh"
+#include "mok/ptx/ld_st.cuh"
+#include "mok/ptx/mbarrier.cuh"
+#include "mok/ptx/tma.cuh"
+#include "mok/ptx/wgmma.cuh"
+
+namespace mok::kernels::fwd {
+
+using namespace mok::ptx;
+
+constexpr int kRowBytes = kBlockK * 2;
+
+struct alignas(1024) SharedStorage {
+  struct alignas(1024) Stage {
+    std::uint16_t a[kBlockM * kBlockK];  // 16 KB
+    std::uint16_t b[kBlockN * kBlockK];  // 32 KB
+  } stages[kStages];
+  union {
+    std::uint16_t h_staging[kConsumerWarpgroups][2][64 * 64];  // per warpgroup: two 64-column panels
+    CommShared comm;  // comm CTAs (which have no epilogues)
+  };
+  PipelineBarriers<kStages> barriers;
+  PushedRows pushed[kConsumerWarpgroups];  // push combine: rows pushed, not yet published
+};
+static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");
+static_assert(kCommWarps <= kThreads / 32);
+static_assert(sizeof(SharedStorage::Stage) % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
+static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory over the sm_90 opt-in limit");
+static_assert(kBlockK * 2 == 128, "one K step is one 128-byte swizzle atom");
+static_assert(kBlockN == 2 * kGemm1Columns && kBlockM == 64 * kConsumerWarpgroups);
+
+constexpr std::uint32_t kStageBytesB = kBlockN * kRowBytes;
+constexpr std::uint32_t kStageBytesA = kBlockM * kRowBytes;
+
+enum TaskKind : int { kGemm1, kGemm2, kCombine };
+
+struct Task {
+  TaskKind kind;
+  bool shared;  // the shared expert's tiles
+  int m, n;     // M-tile (per set), N-tile; combine: token block in m
+  int mb;       // ring: the minibatch of a routed GEMM1 tile (else -1)
+};
+
+// Ring: plan rows of minibatch mb (the last one may be short).
+__device__ __forceinline__ int minibatch_rows(const ForwardParams& p, int mb) {
+  return minibatch_rows(p.ring, p.expert_offset[p.num_local_experts], mb);
+}
+
+// Task ranges of one launch; routed tile count comes from the device plan.
+struct Schedule {
+  int cta, ctas;  // this CTA among the CTAs serving this rank: it takes tasks cta, cta + ctas, ...
+  int m_routed, m_shared, n1_routed, n1_shared, n2, combine_tasks;
+  int g1_routed_end, g1_shared_end, g2_routed_end, g2_shared_end, total;
+
+  __device__ Schedule(const ForwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
+    m_routed = *p.num_tiles;
+    m_shared = p.shared_tiles;
+    n1_routed = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
+    n1_shared = (p.shared_inter + kGemm1Columns - 1) / kGemm1Columns;
+    n2 = (p.hidden + kBlockN - 1) / kBlockN;
+    combine_tasks = (p.tokens + kCombineTokens - 1) / kCombineTokens;
+    g1_routed_end = m_routed * n1_routed;
+    g1_shared_end = g1_routed_end + m_shared * n1_shared;
+    g2_routed_end = g1_shared_end + m_routed * n2;
+    g2_shared_end = g2_routed_end + m_shared * n2;
+    total = p.gemm1_only ? g1_shared_end : g2_shared_end + combine_tasks;
+  }
+
+  // Inside a set of M-tiles, task i is N-tile i / tiles, M-tile first + i % tiles.
+  __device__ static void split(int local, int first_tile, int tiles, Task& t) {
+    t.n = local / tiles;
+    t.m = first_tile + local % tiles;
+  }
+
+  // Ring: routed GEMM1 tasks minibatch by minibatch (N-tile-major inside one), so that
+  // a minibatch is done with before later ones need its ring slots.
+  __device__ void split_minibatch(const ForwardParams& p, int local, Task& t) const {
+    const int per = p.ring.minibatch_rows / kBlockM;  // M-tiles of a full minibatch
+    t.mb = local / (per * n1_routed);
+    const int l = local - t.mb * per * n1_routed, tiles = min(per, m_routed - t.mb * per);
+    t.n = l / tiles;
+    t.m = t.mb * per + l % tiles;
+  }
+
+  // Routed tasks: find the expert whose task range holds `local`, then split inside it.
+  __device__ static void split_routed(const ForwardParams& p, int local, int n_tiles, Task& t) {
+    const int e = expert_of_task(p.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
+    const int first = p.expert_offset[e] / kBlockM;
+    split(local - first * n_tiles, first, p.expert_offset[e + 1] / kBlockM - first, t);
+  }
+
+  __device__ Task decode(const ForwardParams& p, int task) const {
+    Task t{kCombine, false, 0, 0, -1};
+    if (task < g1_routed_end) {
+      t.kind = kGemm1;
+      if (p.ring.comm_ctas > 0) split_minibatch(p, task, t);
+      else split_routed(p, task, n1_routed, t);
+    } else if (task < g1_shared_end) {
+      t.kind = kGemm1, t.shared = true;
+      split(task - g1_routed_end, 0, m_shared, t);
+    } else if (task < g2_routed_end) {
+      t.kind = kGemm2;
+      split_routed(p, task - g1_shared_end, n2, t);
+    } else if (task < g2_shared_end) {
+      t.kind = kGemm2, t.shared = true;
+      split(task - g2_routed_end, 0, m_shared, t);
+    } else {
+      t.m = task - g2_shared_end;
+    }
+    return t;
+  }
+  __device__ int n1(bool shared) const { return shared ? n1_shared : n1_routed; }
+  __device__ int slot_tiles_total() const { return kConsumerWarpgroups * (m_routed + m_shared) * n2; }
+};
+
+}  // namespace mok::kernels::fwd
