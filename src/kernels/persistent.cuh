@@ -17,6 +17,10 @@
 #include "mok/ptx/mbarrier.cuh"
 #include "mok/ptx/wgmma.cuh"
 
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ != 900 || !defined(__CUDA_ARCH_FEAT_SM90_ALL))
+#error "mok's persistent kernels are Hopper's (wgmma, TMA, setmaxnreg): compile them for sm_90a only"
+#endif
+
 namespace mok::kernels {
 
 // The CTA both persistent kernels use: one producer warpgroup (its thread 0 issues every
@@ -48,6 +52,8 @@ static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * 128 *
 // 128-byte swizzle's atom); the launch asks for shared_storage_bytes<S>().
 template <typename S>
 constexpr std::size_t shared_storage_bytes() { return sizeof(S) + 1024; }
+// The most dynamic shared memory one CTA of sm_90 may opt in to (227 KiB).
+inline constexpr std::size_t kMaxSharedMemoryBytes = 227 * 1024;
 
 template <typename S>
 __device__ __forceinline__ S& shared_storage() {

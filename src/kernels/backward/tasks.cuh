@@ -44,7 +44,7 @@ struct alignas(1024) SharedStorage {
   PushedRows pushed[kConsumerWarpgroups];  // EP: rows pushed (dx rows, partials), not yet published
   ReadCount reads[kConsumerWarpgroups];    // see switch_read()
 };
-static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory over the sm_90 opt-in limit");
+static_assert(shared_storage_bytes<SharedStorage>() <= kMaxSharedMemoryBytes, "shared memory over the sm_90 opt-in limit");
 static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");
 
 enum TaskKind : int { kDh, kDx, kWd, kWgu, kCombine };

@@ -41,7 +41,7 @@ struct alignas(1024) SharedStorage {
 static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");
 static_assert(kCommWarps <= kThreads / 32);
 static_assert(sizeof(SharedStorage::Stage) % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
-static_assert(shared_storage_bytes<SharedStorage>() <= 232448, "shared memory over the sm_90 opt-in limit");
+static_assert(shared_storage_bytes<SharedStorage>() <= kMaxSharedMemoryBytes, "shared memory over the sm_90 opt-in limit");
 static_assert(kBlockK * 2 == 128, "one K step is one 128-byte swizzle atom");
 static_assert(kBlockN == 2 * kGemm1Columns && kBlockM == 64 * kConsumerWarpgroups);
 
