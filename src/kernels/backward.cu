@@ -38,6 +38,7 @@
 #include "kernels/persistent.cuh"
 #include "kernels/pipeline.cuh"
 #include "kernels/ring_copy.cuh"
+#include "kernels/skeleton.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/mbarrier.cuh"
@@ -128,7 +129,7 @@ __device__ void poison_output(const BackwardParams& p, KernelStatus::Code code, 
 // rings (see RingPull). A minibatch's slots are free again once every task that reads its
 // rows is done: 2 warpgroups x (its M-tiles' dh tiles + the weight-gradient tiles of every
 // expert with rows in it).
-__device__ void run_comm(const BackwardParams& p, const RingSources& sources, SharedStorage& s, int comm, int comms) {
+__device__ void bwd_run_comm(const BackwardParams& p, const RingSources& sources, SharedStorage& s, int comm, int comms) {
   init_comm(s.comm);
   const int warp = threadIdx.x / 32;
   if (warp >= kCommWarps) return;
@@ -148,35 +149,49 @@ __device__ void run_comm(const BackwardParams& p, const RingSources& sources, Sh
   pull.run(p, pipe, comm * kCommWarps + warp, comms * kCommWarps, expected_freed, WaitSite::backward_freed, WaitSite::backward_copy);
 }
 
-// One rank's backward on CTAs cta = 0 .. ctas - 1 of those serving it.
+// The backward as a policy of the persistent skeleton (kernels/skeleton.cuh): one rank's
+// backward on CTAs cta = 0 .. ctas - 1 of those serving it.
+template <bool kRing>
+struct BackwardKernel {
+  using Storage = SharedStorage;
+  using P = BackwardParams;
+
+  __device__ static bool stalled(const P& p) { return p.ep.stalled; }
+  __device__ static bool inputs_valid(const P& p, int cta, int ctas) {
+    if (!all_plans_ok(p, true)) {
+      poison_output(p, KernelStatus::bad_plan, cta, ctas);
+      return false;
+    }
+    // Never filled by a forward, or consumed by an earlier backward. EP: on any rank, or
+    // a rank that stops here would leave its peers waiting for its pushes.
+    bool saved_ok = *p.saved_marker == kSavedValid;
+    if (p.ep.push && p.ep.header == nullptr)  // (separate launches: checked through the plan flags above)
+      for (int q = 0; q < p.ep.size; ++q) saved_ok = saved_ok && *p.ep.saved_marker[q] == kSavedValid;
+    if (!saved_ok) {
+      poison_output(p, KernelStatus::saved_not_valid, cta, ctas);
+      return false;
+    }
+    return true;
+  }
+  __device__ static void init_shared(const P&, Storage& s, int) {
+    if (threadIdx.x < kConsumerWarpgroups) s.reads[threadIdx.x] = {-1, 0};  // (kReadNone)
+  }
+  __device__ static bool is_comm(const P& p, int cta) { return kRing && cta < p.ring.comm_ctas; }
+  __device__ static void run_comm(const P& p, const RingSources& sources, Storage& s, int cta) {
+    bwd_run_comm(p, sources, s, cta, p.ring.comm_ctas);
+  }
+  __device__ static Schedule<kRing> schedule(const P& p, int cta, int ctas) {
+    return Schedule<kRing>(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
+  }
+  __device__ static void produce(const P& p, Storage& s, const Schedule<kRing>& sched) { run_producer(p, s, sched); }
+  __device__ static void consume(const P& p, Storage& s, const Schedule<kRing>& sched, int wg) {
+    run_consumer(p, s, sched, wg);
+  }
+};
+
 template <bool kRing>
 __device__ __forceinline__ void run_backward(const BackwardParams& p, const RingSources& sources, int cta, int ctas) {
-  if (p.ep.stalled) return;
-  if (!all_plans_ok(p, true)) {
-    poison_output(p, KernelStatus::bad_plan, cta, ctas);
-    return;
-  }
-  // Never filled by a forward, or consumed by an earlier backward. EP: on any rank, or
-  // a rank that stops here would leave its peers waiting for its pushes.
-  bool saved_ok = *p.saved_marker == kSavedValid;
-  if (p.ep.push && p.ep.header == nullptr)  // (separate launches: checked through the plan flags above)
-    for (int q = 0; q < p.ep.size; ++q) saved_ok = saved_ok && *p.ep.saved_marker[q] == kSavedValid;
-  if (!saved_ok) {
-    poison_output(p, KernelStatus::saved_not_valid, cta, ctas);
-    return;
-  }
-  SharedStorage& s = shared_storage<SharedStorage>();
-  s.barriers.init(kConsumerWarpgroups);
-  if (threadIdx.x < kConsumerWarpgroups * 2 * kMaxEpRanks) (&s.pushed[0][0][0])[threadIdx.x] = 0;
-  if (threadIdx.x < kConsumerWarpgroups) s.reads[threadIdx.x] = {-1, 0};  // (kReadNone)
-  __syncthreads();
-  if (kRing && cta < p.ring.comm_ctas) {  // comm CTAs pull rows and take no tasks
-    run_comm(p, sources, s, cta, p.ring.comm_ctas);
-    return;
-  }
-  const Schedule<kRing> sched(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
-  split_roles<kProducerRegisters, kConsumerRegisters>([&] { run_producer(p, s, sched); },
-                                                      [&](int wg) { run_consumer(p, s, sched, wg); });
+  run_persistent<BackwardKernel<kRing>>(p, cta, ctas, sources);
 }
 
 struct BackwardLaunch {  // the plain kernel's parameters

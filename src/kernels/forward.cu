@@ -36,6 +36,7 @@
 #include "kernels/persistent.cuh"
 #include "kernels/pipeline.cuh"
 #include "kernels/ring_copy.cuh"
+#include "kernels/skeleton.cuh"
 #include "kernels/slot_rows.cuh"
 #include "kernels/swiglu.cuh"
 #include "mok/ptx/fence.cuh"
@@ -110,7 +111,7 @@ __device__ void poison_output(const ForwardParams& p, int cta, int ctas) {
 // Comm CTA `comm` of `comms`: its kCommWarps warps pull the plan's rows into the ring (see
 // RingPull); a minibatch's slots are free again once every GEMM1 warpgroup-tile of it has
 // read them.
-__device__ void run_comm(const ForwardParams& p, SharedStorage& s, int comm, int comms) {
+__device__ void fwd_run_comm(const ForwardParams& p, SharedStorage& s, int comm, int comms) {
   init_comm(s.comm);
   const int warp = threadIdx.x / 32;
   if (warp >= kCommWarps) return;
@@ -122,29 +123,36 @@ __device__ void run_comm(const ForwardParams& p, SharedStorage& s, int comm, int
            [&](int mb) { return kConsumerWarpgroups * n1 * pull.rows_of(mb) / kBlockM; }, WaitSite::forward_freed, WaitSite::forward_copy);
 }
 
-// One rank's forward on CTAs cta = 0 .. ctas - 1 of those serving it.
-__device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int ctas) {
-  if (p.ep.stalled) return;
-  if (!all_plans_ok(p, false)) {
+// The forward as a policy of the persistent skeleton (kernels/skeleton.cuh): one rank's
+// forward on CTAs cta = 0 .. ctas - 1 of those serving it.
+struct ForwardKernel {
+  using Storage = SharedStorage;
+  using P = ForwardParams;
+
+  __device__ static bool stalled(const P& p) { return p.ep.stalled; }
+  __device__ static bool inputs_valid(const P& p, int cta, int ctas) {
+    if (all_plans_ok(p, false)) return true;
     poison_output(p, cta, ctas);
-    return;
+    return false;
   }
-  SharedStorage& s = shared_storage<SharedStorage>();
-  s.barriers.init(kConsumerWarpgroups);
-  if (threadIdx.x < kConsumerWarpgroups * 2 * kMaxEpRanks) (&s.pushed[0][0][0])[threadIdx.x] = 0;
-  if (threadIdx.x == 32) {
-    const ForwardMaps& m = p.maps;
-    for (const CUtensorMap* map : {&m.x_routed, &m.gate, &m.up, &m.down, &m.h_load, &m.h_store}) tma_prefetch_descriptor(map);
+  __device__ static void init_shared(const P& p, Storage&, int cta) {
+    if (threadIdx.x == 32) {
+      const ForwardMaps& m = p.maps;
+      for (const CUtensorMap* map : {&m.x_routed, &m.gate, &m.up, &m.down, &m.h_load, &m.h_store}) tma_prefetch_descriptor(map);
+    }
+    if (p.saved_marker && cta == 0 && threadIdx.x == 0) *p.saved_marker = kSavedValid;
   }
-  if (p.saved_marker && cta == 0 && threadIdx.x == 0) *p.saved_marker = kSavedValid;
-  __syncthreads();
-  if (cta < p.ring.comm_ctas) {  // comm CTAs copy rows and take no tasks
-    run_comm(p, s, cta, p.ring.comm_ctas);
-    return;
+  __device__ static bool is_comm(const P& p, int cta) { return cta < p.ring.comm_ctas; }
+  __device__ static void run_comm(const P& p, Storage& s, int cta) { fwd_run_comm(p, s, cta, p.ring.comm_ctas); }
+  __device__ static Schedule schedule(const P& p, int cta, int ctas) {
+    return Schedule(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
   }
-  const Schedule sched(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
-  split_roles<kProducerRegisters, kConsumerRegisters>([&] { run_producer(p, s, sched); },
-                                                      [&](int wg) { run_consumer(p, s, sched, wg); });
+  __device__ static void produce(const P& p, Storage& s, const Schedule& sched) { run_producer(p, s, sched); }
+  __device__ static void consume(const P& p, Storage& s, const Schedule& sched, int wg) { run_consumer(p, s, sched, wg); }
+};
+
+__device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int ctas) {
+  run_persistent<ForwardKernel>(p, cta, ctas);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_constant__ ForwardParams p) {
