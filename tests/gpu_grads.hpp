@@ -120,4 +120,30 @@ inline void expect_close(const char* what, const std::vector<double>& got, const
   ::testing::Test::RecordProperty(std::string("rel_error_") + what, std::to_string(rel));
 }
 
+// Compares every gradient with the reference; `base` holds the f32 gradients' values
+// before the call (accumulation) or is empty.
+inline void check_gradients(const HostProblem& host, const GpuGrads& g, const std::vector<bf16>& dy, const char* name,
+                            const std::vector<std::vector<double>>& base = {}) {
+  const MoeShape& s = host.shape;
+  const auto ref = reference::backward(s, host.tokens, host.reference_x(), host.reference_routing(),
+                                       host.reference_weights(), reference::to_double(dy));
+  expect_close("dx", reference::to_double(g.dx.download()), ref.x, name);
+  expect_close("d_topk_weights", reference::to_double(g.d_weights.download()), ref.topk_weights, name);
+  const std::vector<const DeviceBuffer<std::uint8_t>*> bufs{&g.d_gate, &g.d_up, &g.d_down, &g.d_sgate, &g.d_sup, &g.d_sdown};
+  const std::vector<const std::vector<double>*> refs{&ref.w.gate, &ref.w.up, &ref.w.down, &ref.w.shared_gate,
+                                                     &ref.w.shared_up, &ref.w.shared_down};
+  const char* names[] = {"d_w_gate", "d_w_up", "d_w_down", "d_shared_gate", "d_shared_up", "d_shared_down"};
+  for (std::size_t i = 0; i < bufs.size(); ++i) {
+    if (refs[i]->empty()) continue;
+    auto got = GpuGrads::as_double(*bufs[i], g.f32);
+    if (!base.empty())
+      for (std::size_t j = 0; j < got.size(); ++j) got[j] -= base[i][j];
+    expect_close(names[i], got, *refs[i], name);
+  }
+}
+
+inline TensorView saved_view(const DeviceBuffer<bf16>& saved) {
+  return TensorView::contiguous(saved.get(), DType::bf16, Device::cuda(0), {static_cast<std::int64_t>(saved.size())});
+}
+
 }  // namespace mok::testing
