@@ -1,0 +1,372 @@
+// mok_bench's implementations: the planner alone, and the fused layer (one GPU or an EP
+// group of one rank) on one preset's problem, with its sampled-token check.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "mok/mok.hpp"
+#include "mok/testing.hpp"
+
+#include "mok/mok.hpp"
+#include "mok_bench/support.cuh"
+
+namespace mok_bench {
+
+Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
+  const mok::MoeShape& s = p.shape;
+  const auto ids = mok::make_routing(mok::RoutingKind::uniform, p.tokens, s.num_experts, s.top_k, 7);
+  Arena arena;
+  std::int32_t* d_ids = arena.alloc<std::int32_t>(ids.size());
+  // Async copy on the bench stream: a plain cudaMemcpy from pageable memory may return
+  // before its DMA lands, and a non-blocking stream does not wait for it.
+  CUDA_OK(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  mok::DevicePlan plan(s, p.tokens);
+  const auto view = mok::TensorView::contiguous(d_ids, mok::DType::i32, mok::Device::cuda(0), {p.tokens, s.top_k});
+  mok::plan_device(view, 0, plan, stream);
+  const mok::Plan got = plan.to_host(stream, 0);  // correctness first
+  const mok::Plan expected = mok::plan_host(s, p.tokens, ids, 0);
+  if (got.row_pair != expected.row_pair || got.tile_row != expected.tile_row)
+    throw mok::Error("mok_bench: device plan differs from the host plan on preset " + p.name);
+  const auto ms = time_iterations(o.warmup, o.iters, stream, [&] { mok::plan_device(view, 0, plan, stream); });
+  return make_record(p, "plan", "plan", ms, static_cast<std::size_t>(plan.capacity_rows() * 4 * 3), o.iters);
+}
+
+// One preset's inputs on the device: x, the weights (+ shared expert), dy, the routing.
+struct Problem {
+  mok::MoeShape s;
+  std::int64_t T = 0;
+  Arena arena;
+  std::uint16_t *x = nullptr, *gate = nullptr, *up = nullptr, *down = nullptr, *dy = nullptr;
+  std::uint16_t *shared_gate = nullptr, *shared_up = nullptr, *shared_down = nullptr;
+  std::int32_t* ids = nullptr;
+  float* weights = nullptr;
+  std::vector<std::int32_t> host_ids;
+  std::vector<float> host_weights;
+
+  Problem(const mok::Preset& p, std::uint32_t seed, std::vector<std::int32_t> ids_, std::vector<float> weights_,
+          cudaStream_t stream)
+      : s(p.shape), T(p.tokens), host_ids(std::move(ids_)), host_weights(std::move(weights_)) {
+    const std::int64_t H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k, Is = s.shared_intermediate;
+    if (static_cast<std::int64_t>(host_ids.size()) != T * k || static_cast<std::int64_t>(host_weights.size()) != T * k)
+      throw mok::Error("mok_bench: routing of preset " + p.name + " needs " + std::to_string(T * k) + " ids and weights, got " +
+                       std::to_string(host_ids.size()) + " and " + std::to_string(host_weights.size()));
+    auto filled = [&](std::size_t n, Tensor t) {
+      auto* ptr = arena.alloc<std::uint16_t>(n);
+      fill(ptr, n, tensor_seed(seed, t), stream);
+      return ptr;
+    };
+    x = filled(T * H, Tensor::x);
+    gate = filled(E * I * H, Tensor::gate);
+    up = filled(E * I * H, Tensor::up);
+    down = filled(E * H * I, Tensor::down);
+    dy = filled(T * H, Tensor::dy);
+    if (s.has_shared()) {
+      shared_gate = filled(Is * H, Tensor::shared_gate);
+      shared_up = filled(Is * H, Tensor::shared_up);
+      shared_down = filled(H * Is, Tensor::shared_down);
+    }
+    ids = arena.alloc<std::int32_t>(T * k);
+    weights = arena.alloc<float>(T * k);
+    CUDA_OK(cudaMemcpyAsync(ids, host_ids.data(), T * k * 4, cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaMemcpyAsync(weights, host_weights.data(), T * k * 4, cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+  }
+};
+
+mok::TensorView bf16_view(const void* p, std::initializer_list<std::int64_t> shape) {
+  return mok::TensorView::contiguous(p, mok::DType::bf16, mok::Device::cuda(0), shape);
+}
+
+// The fp64 reference of a few tokens: their experts' weights are copied back and
+// renumbered into a small problem.
+double check_sampled_tokens(const Problem& pr, const std::uint16_t* d_y) {
+  const mok::MoeShape& s = pr.s;
+  const std::int64_t H = s.hidden, I = s.intermediate, k = s.top_k, Is = s.shared_intermediate, T = pr.T;
+  const std::vector<std::int64_t> tokens{0, T / 3, T / 2, T - 1};
+  mok::MoeShape small = s;
+  std::vector<std::int32_t> experts;
+  mok::reference::Routing r;
+  std::vector<double> x, y_gpu;
+  auto fetch = [](const std::uint16_t* src, std::int64_t offset, std::int64_t n) {
+    std::vector<mok::bf16> host(n);
+    CUDA_OK(cudaMemcpy(host.data(), src + offset, n * 2, cudaMemcpyDeviceToHost));
+    return mok::reference::to_double(host);
+  };
+  mok::reference::Weights w;
+  if (s.has_shared())
+    w.shared_gate = fetch(pr.shared_gate, 0, Is * H), w.shared_up = fetch(pr.shared_up, 0, Is * H),
+    w.shared_down = fetch(pr.shared_down, 0, H * Is);
+  for (std::int64_t t : tokens) {
+    auto xr = fetch(pr.x, t * H, H), yr = fetch(d_y, t * H, H);
+    x.insert(x.end(), xr.begin(), xr.end());
+    y_gpu.insert(y_gpu.end(), yr.begin(), yr.end());
+    for (std::int64_t j = 0; j < k; ++j) {
+      const std::int32_t e = pr.host_ids[t * k + j];
+      auto at = std::find(experts.begin(), experts.end(), e);
+      if (e >= 0 && at == experts.end()) {
+        experts.push_back(e);
+        auto g = fetch(pr.gate, e * I * H, I * H), u = fetch(pr.up, e * I * H, I * H), d = fetch(pr.down, e * H * I, H * I);
+        w.gate.insert(w.gate.end(), g.begin(), g.end());
+        w.up.insert(w.up.end(), u.begin(), u.end());
+        w.down.insert(w.down.end(), d.begin(), d.end());
+        at = experts.end() - 1;
+      }
+      r.ids.push_back(e < 0 ? -1 : static_cast<std::int32_t>(at - experts.begin()));
+      r.weights.push_back(pr.host_weights[t * k + j]);
+    }
+  }
+  // The sampled tokens' experts, renumbered; at least k of them so that top_k <= E holds
+  // (unused extra experts get zero weights).
+  small.num_experts = small.num_local_experts = std::max<std::int64_t>(k, static_cast<std::int64_t>(experts.size()));
+  w.gate.resize(small.num_experts * I * H), w.up.resize(small.num_experts * I * H), w.down.resize(small.num_experts * H * I);
+  const auto ref = mok::reference::forward(small, static_cast<std::int64_t>(tokens.size()), x, r, w);
+  return mok::reference::relative_error(y_gpu, ref);
+}
+
+// The fused layer on one Problem: one pass ("fwd" or "fwd+bwd") as a step that can be
+// timed, measured for peak memory, or run once with its outputs kept for a checksum.
+// impl "mok": the one-GPU kernels; "mok-ep1": the same layer through the expert-parallel
+// machinery (routing exchange, peer pulls, push combine) as an EP group of one rank.
+class FusedLayer {
+ public:
+  FusedLayer(const Problem& pr, const std::string& impl, const std::string& pass, const mok::Config& ep_config,
+             cudaStream_t stream)
+      : pr_(pr), ep1_(impl == "mok-ep1"), bwd_(pass == "fwd+bwd"), stream_(stream), pool_(stream),
+        ws_(pr.s, pr.T, {}, bwd_ ? mok::Training::save : mok::Training::off) {
+    const mok::MoeShape& s = pr.s;
+    const std::int64_t T = pr.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
+                       Is = s.shared_intermediate;
+    const mok::Device dev = mok::Device::cuda(0);
+    y_ = arena_.alloc<std::uint16_t>(T * H);
+    a_.x = bf16_view(pr.x, {T, H});
+    a_.topk_ids = mok::TensorView::contiguous(pr.ids, mok::DType::i32, dev, {T, k});
+    a_.topk_weights = mok::TensorView::contiguous(pr.weights, mok::DType::f32, dev, {T, k});
+    a_.w_gate = bf16_view(pr.gate, {E, I, H});
+    a_.w_up = bf16_view(pr.up, {E, I, H});
+    a_.w_down = bf16_view(pr.down, {E, H, I});
+    if (s.has_shared())
+      a_.shared_gate = bf16_view(pr.shared_gate, {Is, H}), a_.shared_up = bf16_view(pr.shared_up, {Is, H}),
+      a_.shared_down = bf16_view(pr.shared_down, {H, Is});
+    a_.y = bf16_view(y_, {T, H});
+    if (ep1_) {
+      group_ = std::make_unique<mok::VirtualRanks>(s, T, ep_config, bwd_ ? mok::Training::save : mok::Training::off);
+      if (bwd_) {  // the EP machinery owns its buffers: fixed tensors, peak not reported
+        saved_fixed_ = arena_.alloc<std::uint16_t>(ws_.saved_elements());
+        outputs_ = {arena_.alloc<std::uint16_t>(T * H), arena_.alloc<float>(T * k), arena_.alloc<std::uint16_t>(E * I * H),
+                    arena_.alloc<std::uint16_t>(E * I * H), arena_.alloc<std::uint16_t>(E * H * I)};
+        if (s.has_shared())
+          outputs_.d_shared_gate = arena_.alloc<std::uint16_t>(Is * H), outputs_.d_shared_up = arena_.alloc<std::uint16_t>(Is * H),
+          outputs_.d_shared_down = arena_.alloc<std::uint16_t>(H * Is);
+      }
+    }
+  }
+
+  // One pass. With keep, the outputs stay allocated (poisoned before the pass) for the
+  // caller to read; release_kept() frees them.
+  void step(bool keep = false) {
+    if (keep) CUDA_OK(cudaMemsetAsync(y_, 0xff, pr_.T * pr_.s.hidden * 2, stream_));
+    if (ep1_) return step_ep1(keep);
+    if (!bwd_) {
+      forward(std::nullopt);
+      return;
+    }
+    const mok::MoeShape& s = pr_.s;
+    const std::int64_t T = pr_.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
+                       Is = s.shared_intermediate;
+    // One training step's tensors: saved (forward to backward), then dx, d_topk_weights and
+    // the bf16 weight gradients, allocated when the backward runs (as autograd does).
+    auto* saved = pool_.alloc<std::uint16_t>(ws_.saved_elements());
+    forward(saved_view(saved));
+    Outputs g{pool_.alloc<std::uint16_t>(T * H), pool_.alloc<float>(T * k), pool_.alloc<std::uint16_t>(E * I * H),
+              pool_.alloc<std::uint16_t>(E * I * H), pool_.alloc<std::uint16_t>(E * H * I)};
+    if (s.has_shared())
+      g.d_shared_gate = pool_.alloc<std::uint16_t>(Is * H), g.d_shared_up = pool_.alloc<std::uint16_t>(Is * H),
+      g.d_shared_down = pool_.alloc<std::uint16_t>(H * Is);
+    if (keep) poison(g);
+    const std::int64_t bytes = ws_.backward_scratch_bytes(mok::DType::bf16);
+    auto* scratch = pool_.alloc<std::uint8_t>(bytes);
+    mok::backward(a_, grads(g), ws_, stream_, saved_view(saved), u8(scratch, bytes));
+    pool_.free(scratch);
+    pool_.free(saved);
+    if (keep) outputs_ = g, kept_ = true;
+    else for (void* q : g.all()) pool_.free(q);
+  }
+
+  // (name, bytes) of every output of the last kept pass.
+  using Buffers = std::vector<std::pair<std::string, std::pair<void*, std::size_t>>>;
+  Buffers outputs() const {
+    Buffers out{{"y", {y_, pr_.T * pr_.s.hidden * 2}}};
+    if (!bwd_) return out;
+    Buffers g = gradient_buffers(outputs_);
+    out.insert(out.end(), g.begin(), g.end());
+    return out;
+  }
+
+  void release_kept() {
+    if (kept_ && !ep1_)
+      for (void* q : outputs_.all()) pool_.free(q);
+    kept_ = false;
+  }
+
+  // Raises if a kernel recorded an error.
+  void check_status() {
+    if (ep1_) group_->check(stream_);
+    else ws_.check(stream_);
+  }
+
+  // What one pass needs beyond its inputs and weights: the workspace, y and the pool's
+  // high-water mark (EP machinery: not measured, 0).
+  std::size_t peak_bytes() {
+    if (ep1_) return 0;
+    const std::size_t high = pool_.high_water([&] { step(); });
+    return static_cast<std::size_t>(ws_.bytes()) + 2 * pr_.T * pr_.s.hidden + high;
+  }
+
+  const std::uint16_t* y() const { return y_; }
+  // The kept pass's dx and d_topk_weights, copied to the host.
+  void copy_dx_and_d_topk_weights(std::vector<mok::bf16>* dx, std::vector<float>* dtw) const {
+    dx->resize(pr_.T * pr_.s.hidden), dtw->resize(pr_.T * pr_.s.top_k);
+    CUDA_OK(cudaMemcpy(dx->data(), outputs_.dx, dx->size() * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(dtw->data(), outputs_.d_topk_weights, dtw->size() * 4, cudaMemcpyDeviceToHost));
+  }
+
+ private:
+  struct Outputs {
+    std::uint16_t* dx = nullptr;
+    float* d_topk_weights = nullptr;
+    std::uint16_t *d_w_gate = nullptr, *d_w_up = nullptr, *d_w_down = nullptr;
+    std::uint16_t *d_shared_gate = nullptr, *d_shared_up = nullptr, *d_shared_down = nullptr;
+    std::vector<void*> all() const {
+      std::vector<void*> v{dx, d_topk_weights, d_w_gate, d_w_up, d_w_down};
+      for (void* q : {d_shared_gate, d_shared_up, d_shared_down})
+        if (q) v.push_back(q);
+      return v;
+    }
+  };
+
+  static mok::TensorView u8(void* p, std::int64_t bytes) {
+    return mok::TensorView::contiguous(p, mok::DType::u8, mok::Device::cuda(0), {bytes});
+  }
+  mok::TensorView saved_view(std::uint16_t* at) const { return bf16_view(at, {ws_.saved_elements()}); }
+
+  void forward(const std::optional<mok::TensorView>& saved) {
+    auto* scratch = pool_.alloc<std::uint8_t>(ws_.forward_scratch_bytes());
+    mok::forward(a_, ws_, stream_, saved, u8(scratch, ws_.forward_scratch_bytes()));
+    pool_.free(scratch);
+  }
+
+  // (name, bytes) of a backward's outputs, as the layer writes them.
+  Buffers gradient_buffers(const Outputs& g) const {
+    const mok::MoeShape& s = pr_.s;
+    const std::size_t T = pr_.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
+                      Is = s.shared_intermediate;
+    Buffers out{{"dx", {g.dx, T * H * 2}},
+                {"d_topk_weights", {g.d_topk_weights, T * k * 4}},
+                {"d_w_gate", {g.d_w_gate, E * I * H * 2}},
+                {"d_w_up", {g.d_w_up, E * I * H * 2}},
+                {"d_w_down", {g.d_w_down, E * H * I * 2}}};
+    if (s.has_shared())
+      out.insert(out.end(), {{"d_shared_gate", {g.d_shared_gate, Is * H * 2}},
+                             {"d_shared_up", {g.d_shared_up, Is * H * 2}},
+                             {"d_shared_down", {g.d_shared_down, H * Is * 2}}});
+    return out;
+  }
+
+  void poison(const Outputs& g) {
+    for (const auto& [name, buffer] : gradient_buffers(g))
+      CUDA_OK(cudaMemsetAsync(buffer.first, 0xff, buffer.second, stream_));
+  }
+
+  mok::BackwardArgs grads(const Outputs& g) const {
+    const mok::MoeShape& s = pr_.s;
+    const std::int64_t T = pr_.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
+                       Is = s.shared_intermediate;
+    mok::BackwardArgs b;
+    b.dy = bf16_view(pr_.dy, {T, H});
+    b.dx = bf16_view(g.dx, {T, H});
+    b.d_topk_weights = mok::TensorView::contiguous(g.d_topk_weights, mok::DType::f32, mok::Device::cuda(0), {T, k});
+    b.d_w_gate = bf16_view(g.d_w_gate, {E, I, H});
+    b.d_w_up = bf16_view(g.d_w_up, {E, I, H});
+    b.d_w_down = bf16_view(g.d_w_down, {E, H, I});
+    if (s.has_shared())
+      b.d_shared_gate = bf16_view(g.d_shared_gate, {Is, H}), b.d_shared_up = bf16_view(g.d_shared_up, {Is, H}),
+      b.d_shared_down = bf16_view(g.d_shared_down, {H, Is});
+    return b;
+  }
+
+  void step_ep1(bool keep) {
+    if (!bwd_) {
+      group_->forward(std::span<const mok::ForwardArgs>(&a_, 1), stream_);
+      return;
+    }
+    if (keep) poison(outputs_);
+    const mok::TensorView sv = saved_view(saved_fixed_);
+    const mok::BackwardArgs b = grads(outputs_);
+    group_->forward(std::span<const mok::ForwardArgs>(&a_, 1), stream_, std::span<const mok::TensorView>(&sv, 1));
+    group_->backward(std::span<const mok::ForwardArgs>(&a_, 1), std::span<const mok::BackwardArgs>(&b, 1), stream_,
+                     std::span<const mok::TensorView>(&sv, 1));
+    kept_ = keep;
+  }
+
+  const Problem& pr_;
+  const bool ep1_, bwd_;
+  cudaStream_t stream_;
+  Arena arena_;
+  StepPool pool_;
+  mok::Workspace ws_;
+  std::unique_ptr<mok::VirtualRanks> group_;
+  mok::ForwardArgs a_;
+  std::uint16_t* y_ = nullptr;
+  std::uint16_t* saved_fixed_ = nullptr;
+  Outputs outputs_;
+  bool kept_ = false;
+};
+
+// Standalone "mok" / "mok-ep1": own inputs (uniform routing), sampled fp64 check of the
+// forward, finiteness of the backward's outputs, then timing and peak.
+Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl, const std::string& pass,
+                 cudaStream_t stream) {
+  const mok::MoeShape& s = p.shape;
+  auto ids = mok::make_routing(mok::RoutingKind::uniform, p.tokens, s.num_experts, s.top_k, 7);
+  auto weights = mok::make_routing_weights(ids, s.top_k, 7);
+  const Problem pr(p, 11, std::move(ids), std::move(weights), stream);
+  FusedLayer layer(pr, impl, pass, o.ep_config, stream);
+  layer.step(/*keep=*/true);
+  layer.check_status();
+  const double err = check_sampled_tokens(pr, layer.y());
+  if (!(err <= 1e-2))
+    throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
+  if (pass == "fwd+bwd") {
+    std::vector<float> dtw;
+    std::vector<mok::bf16> dx;
+    layer.copy_dx_and_d_topk_weights(&dx, &dtw);
+    for (mok::bf16 v : dx)
+      if (!std::isfinite(v.to_float())) throw mok::Error("mok_bench: fused backward wrote a non-finite dx on " + p.name);
+    for (float v : dtw)
+      if (!std::isfinite(v)) throw mok::Error("mok_bench: fused backward wrote a non-finite d_topk_weights on " + p.name);
+  }
+  layer.release_kept();
+  const std::size_t peak = layer.peak_bytes();
+  const std::vector<float> ms = time_iterations(o.warmup, o.iters, stream, [&] { layer.step(); });
+  layer.check_status();
+  return make_record(p, impl, pass, ms, peak, o.iters);
+}
+
+}  // namespace mok_bench
