@@ -14,6 +14,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import ep_bench  # noqa: E402
+import ep_layers  # noqa: E402
 import torch_baseline as tb  # noqa: E402
 from process_group import run_in_two_processes  # noqa: E402
 
@@ -51,7 +52,7 @@ def test_expert_rows_regroup_by_expert_and_return_in_arrival_order(limit):
     counts = torch.tensor([[3, 0, 5, 1], [0, 2, 4, 0], [6, 1, 0, 2]])  # 3 source ranks, 4 local experts
     x_in, experts = arrival(counts, seed=1)
     w_gate_up, w_down = weights(4, seed=2)
-    got = ep_bench.expert_rows(x_in, counts, w_gate_up, w_down, limit)
+    got = ep_layers.expert_rows(x_in, counts, w_gate_up, w_down, limit)
     res = tb.compare(got, per_row(x_in, experts, w_gate_up, w_down, limit))
     assert res["passed"], res
 
@@ -59,7 +60,7 @@ def test_expert_rows_regroup_by_expert_and_return_in_arrival_order(limit):
 def test_compiled_expert_rows_take_any_row_count_without_recompiling():
     tb.configure_compile()
     torch._dynamo.reset()
-    compiled = torch.compile(ep_bench.expert_rows, dynamic=False, fullgraph=True)
+    compiled = torch.compile(ep_layers.expert_rows, dynamic=False, fullgraph=True)
     w_gate_up, w_down = weights(4, seed=3)
     gen = torch.Generator().manual_seed(4)
     for call in range(4):
@@ -67,7 +68,7 @@ def test_compiled_expert_rows_take_any_row_count_without_recompiling():
         counts[0, 0] += 2  # at least 2 rows (dynamo specialises 0 and 1)
         x_in, _ = arrival(counts, seed=10 + call)
         outs = []
-        for fn in (ep_bench.expert_rows, compiled):
+        for fn in (ep_layers.expert_rows, compiled):
             leaves = [t.clone().requires_grad_() for t in (x_in, w_gate_up, w_down)]
             if fn is compiled:
                 torch._dynamo.mark_dynamic(leaves[0], 0)
@@ -82,7 +83,7 @@ def test_compiled_expert_rows_take_any_row_count_without_recompiling():
 
 def one_rank_layer(x, ids, w, w_gate_up, w_down, limit, compiled):
     """ep_bench's layer with W = 1 and no process group: every row stays on the rank."""
-    pieces = (ep_bench.route, ep_bench.expert_rows, ep_bench.combine)
+    pieces = (ep_layers.route, ep_layers.expert_rows, ep_layers.combine)
     if compiled:
         pieces = tuple(torch.compile(f, dynamic=False, fullgraph=True) for f in pieces)
     route, experts, combine = pieces
@@ -98,7 +99,7 @@ def test_one_rank_layer_is_the_one_gpu_layer(compiled):
     ids, w = tb.make_routing(T, E, k, "zipf1.2", seed=5, device="cpu")
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(6)).bfloat16()
     w_gate_up, w_down = weights(E, seed=7)
-    _, _, counts = ep_bench.route(x, ids, E)
+    _, _, counts = ep_layers.route(x, ids, E)
     assert torch.equal(counts, torch.bincount(ids.reshape(-1).long(), minlength=E))
     outs = []
     for layer in (lambda *a: one_rank_layer(*a, compiled), tb.moe_eager):
@@ -115,14 +116,14 @@ def test_rank_routing_is_a_slice_of_one_global_routing():
     p = dict(tokens=64, experts=4, top_k=2)
     whole, _ = tb.make_routing(64 * 3, 12, 2, "zipf1.2", seed=9, device="cpu")
     for rank in range(3):
-        ids, w, load, rank_load = ep_bench.rank_routing(p, 3, rank, "zipf1.2", seed=9, device="cpu")
+        ids, w, load, rank_load = ep_layers.rank_routing(p, 3, rank, "zipf1.2", seed=9, device="cpu")
         assert torch.equal(ids, whole[rank * 64:(rank + 1) * 64]) and w.shape == (64, 2)
         assert load == tb.max_load_ratio(whole, 12) and rank_load >= 1.0
 
 
 def test_exchange_bytes_count_rows_to_and_from_other_ranks_only():
-    assert ep_bench.exchange_bytes([5, 7, 1], [2, 9, 4], rank=1, row_bytes=10) == (60, 60)
-    assert ep_bench.exchange_bytes([5], [5], rank=0, row_bytes=10) == (0, 0)
+    assert ep_layers.exchange_bytes([5, 7, 1], [2, 9, 4], rank=1, row_bytes=10) == (60, 60)
+    assert ep_layers.exchange_bytes([5], [5], rank=0, row_bytes=10) == (0, 0)
 
 
 def test_summary_ratios_are_per_round():
@@ -145,10 +146,10 @@ def _ep_rank(rank, world):
     T, E_l, k = 24, 3, 2
     w_gate_up, w_down = weights(E_l * world, seed=11)
     mine = slice(rank * E_l, (rank + 1) * E_l)
-    layers = {"torch-ep": ep_bench.TorchEp(), "torch-compiled-ep": ep_bench.TorchEp(compiled=True)}
+    layers = {"torch-ep": ep_layers.TorchEp(), "torch-compiled-ep": ep_layers.TorchEp(compiled=True)}
     for call, kind in enumerate(("zipf1.2", "uniform", "zipf1.2")):  # row counts change every call
         p = dict(tokens=T, experts=E_l, top_k=k)
-        ids, w, _, _ = ep_bench.rank_routing(p, world, rank, kind, seed=12 + call, device="cpu")
+        ids, w, _, _ = ep_layers.rank_routing(p, world, rank, kind, seed=12 + call, device="cpu")
         x = torch.randn(T, H, generator=torch.Generator().manual_seed(100 * rank + call)).bfloat16()
         outs = {}
         for name, layer in list(layers.items()) + [("moe_torch_ep", None)]:
