@@ -12,3 +12,4 @@
 #include "mok/forward.hpp"
 #include "mok/backward.hpp"
 #include "mok/ep.hpp"
+#include "mok/fp8.hpp"

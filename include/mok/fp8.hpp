@@ -1,0 +1,48 @@
+// FP8 on the host: E4M3 values (OCP FP8: 1 sign, 4 exponent bits of bias 7, 3 mantissa bits,
+// no infinities, largest finite 448) and the blockwise scaling the FP8 path will use
+// (DeepSeek-V3's recipe: activations per 1 x 128 block of a row, weights per 128 x 128 block),
+// with power-of-two scales, so that a quantized tensor converts to MXFP8 (an E8M0 exponent per
+// 32 elements of a row) without changing a value. The reference and the tests of the FP8
+// kernels are built on these; the kernels will produce the same bytes.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace mok::fp8 {
+
+inline constexpr float kE4m3Max = 448.0f;
+
+// Round to nearest, ties to even; magnitudes above 448 saturate to +-448 (training's
+// "satfinite"); NaN becomes 0x7f. -0.0 keeps its sign.
+std::uint8_t encode_e4m3(float value);
+float decode_e4m3(std::uint8_t bits);
+
+// The exponent e of a block's power-of-two scale 2^e: the smallest e with amax / 2^e <= 448,
+// so that the block's largest magnitude fits (0 for an all-zero block). A block is stored
+// as values v_i = encode(x_i / 2^e) and dequantizes to decode(v_i) * 2^e.
+int scale_exponent(float amax);
+
+// A row-major [rows, cols] tensor quantized per block_rows x block_cols block (cols and rows
+// need not be multiples: edge blocks are smaller).
+struct Blockwise {
+  int rows = 0, cols = 0, block_rows = 1, block_cols = 128;
+  std::vector<std::uint8_t> values;  // [rows, cols] E4M3
+  std::vector<int> exponents;        // [ceil(rows / block_rows), ceil(cols / block_cols)]
+  int exponent_of(int row, int col) const;
+};
+
+Blockwise quantize(const float* x, int rows, int cols, int block_rows, int block_cols);
+std::vector<float> dequantize(const Blockwise& q);
+
+// MXFP8 (OCP microscaling): the same E4M3 values, one E8M0 scale (exponent + 127) per 32
+// consecutive elements of a row. Exact for a Blockwise whose block_cols is a multiple of 32.
+struct Mxfp8 {
+  int rows = 0, cols = 0;
+  std::vector<std::uint8_t> values;  // [rows, cols] E4M3
+  std::vector<std::uint8_t> e8m0;    // [rows, ceil(cols / 32)]
+};
+Mxfp8 to_mxfp8(const Blockwise& q);
+std::vector<float> dequantize(const Mxfp8& m);
+
+}  // namespace mok::fp8

@@ -1,0 +1,115 @@
+// E4M3 encoding and blockwise power-of-two scaling on the host (mok/fp8.hpp).
+#include "mok/fp8.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "mok/error.hpp"
+
+namespace mok::fp8 {
+
+std::uint8_t encode_e4m3(float value) {
+  if (std::isnan(value)) return 0x7f;
+  const std::uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
+  float a = std::fabs(value);
+  if (a >= kE4m3Max) return sign | 0x7e;  // 1.75 * 2^8, saturated
+  // Quantum of |value|'s binade (subnormals share the smallest normal binade's 2^-9).
+  const int e = a >= std::ldexp(1.0f, -6) ? std::ilogb(a) : -6;
+  const float quantum = std::ldexp(1.0f, e - 3);
+  a = std::nearbyint(a / quantum) * quantum;  // ties to even (the default rounding mode)
+  if (a >= kE4m3Max) return sign | 0x7e;
+  if (a < std::ldexp(1.0f, -6)) return sign | static_cast<std::uint8_t>(a / std::ldexp(1.0f, -9));  // subnormal
+  const int e2 = std::ilogb(a);
+  const int mantissa = static_cast<int>(std::ldexp(a, -e2) * 8.0f) - 8;
+  return sign | static_cast<std::uint8_t>(((e2 + 7) << 3) | mantissa);
+}
+
+float decode_e4m3(std::uint8_t bits) {
+  const float sign = (bits & 0x80) ? -1.0f : 1.0f;
+  const int exponent = (bits >> 3) & 0xf, mantissa = bits & 0x7;
+  if (exponent == 0xf && mantissa == 0x7) return std::nanf("");
+  if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);
+  return sign * std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+}
+
+int scale_exponent(float amax) {
+  if (!(amax > 0.0f) || !std::isfinite(amax)) return 0;
+  int e = static_cast<int>(std::ceil(std::log2(amax / kE4m3Max)));
+  while (std::ldexp(amax, -e) > kE4m3Max) ++e;  // (log2's rounding)
+  while (std::ldexp(amax, -(e - 1)) <= kE4m3Max) --e;
+  return e;
+}
+
+int Blockwise::exponent_of(int row, int col) const {
+  const int blocks_per_row = (cols + block_cols - 1) / block_cols;
+  return exponents[static_cast<std::size_t>(row / block_rows) * blocks_per_row + col / block_cols];
+}
+
+Blockwise quantize(const float* x, int rows, int cols, int block_rows, int block_cols) {
+  if (rows < 0 || cols < 0) throw_argument_error("mok::fp8::quantize", "rows", "rows and cols must be >= 0");
+  if (block_rows < 1 || block_cols < 1)
+    throw_argument_error("mok::fp8::quantize", "block_rows", "block sizes must be >= 1, got ", block_rows, " x ",
+                         block_cols);
+  Blockwise q;
+  q.rows = rows, q.cols = cols, q.block_rows = block_rows, q.block_cols = block_cols;
+  const int br = (rows + block_rows - 1) / block_rows, bc = (cols + block_cols - 1) / block_cols;
+  q.exponents.assign(static_cast<std::size_t>(br) * bc, 0);
+  q.values.resize(static_cast<std::size_t>(rows) * cols);
+  for (int i = 0; i < br; ++i)
+    for (int j = 0; j < bc; ++j) {
+      const int r1 = std::min(rows, (i + 1) * block_rows), c1 = std::min(cols, (j + 1) * block_cols);
+      float amax = 0.0f;
+      for (int r = i * block_rows; r < r1; ++r)
+        for (int c = j * block_cols; c < c1; ++c) amax = std::max(amax, std::fabs(x[static_cast<std::size_t>(r) * cols + c]));
+      const int e = scale_exponent(amax);
+      q.exponents[static_cast<std::size_t>(i) * bc + j] = e;
+      for (int r = i * block_rows; r < r1; ++r)
+        for (int c = j * block_cols; c < c1; ++c) {
+          const std::size_t at = static_cast<std::size_t>(r) * cols + c;
+          q.values[at] = encode_e4m3(std::ldexp(x[at], -e));
+        }
+    }
+  return q;
+}
+
+std::vector<float> dequantize(const Blockwise& q) {
+  std::vector<float> out(q.values.size());
+  for (int r = 0; r < q.rows; ++r)
+    for (int c = 0; c < q.cols; ++c) {
+      const std::size_t at = static_cast<std::size_t>(r) * q.cols + c;
+      out[at] = std::ldexp(decode_e4m3(q.values[at]), q.exponent_of(r, c));
+    }
+  return out;
+}
+
+Mxfp8 to_mxfp8(const Blockwise& q) {
+  if (q.block_cols % 32 != 0)
+    throw_argument_error("mok::fp8::to_mxfp8", "block_cols", "must be a multiple of 32 (MXFP8 scales 32 elements), got ",
+                         q.block_cols);
+  Mxfp8 m;
+  m.rows = q.rows, m.cols = q.cols, m.values = q.values;
+  const int groups = (q.cols + 31) / 32;
+  m.e8m0.resize(static_cast<std::size_t>(q.rows) * groups);
+  for (int r = 0; r < q.rows; ++r)
+    for (int g = 0; g < groups; ++g) {
+      const int e = q.exponent_of(r, g * 32);
+      if (e < -127 || e > 127)
+        throw_argument_error("mok::fp8::to_mxfp8", "exponents", "a scale 2^", e, " is outside E8M0's range");
+      m.e8m0[static_cast<std::size_t>(r) * groups + g] = static_cast<std::uint8_t>(e + 127);
+    }
+  return m;
+}
+
+std::vector<float> dequantize(const Mxfp8& m) {
+  const int groups = (m.cols + 31) / 32;
+  std::vector<float> out(m.values.size());
+  for (int r = 0; r < m.rows; ++r)
+    for (int c = 0; c < m.cols; ++c) {
+      const std::size_t at = static_cast<std::size_t>(r) * m.cols + c;
+      out[at] = std::ldexp(decode_e4m3(m.values[at]), static_cast<int>(m.e8m0[static_cast<std::size_t>(r) * groups + c / 32]) - 127);
+    }
+  return out;
+}
+
+}  // namespace mok::fp8
