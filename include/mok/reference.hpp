@@ -40,6 +40,14 @@ std::vector<double> forward(const MoeShape& shape, std::int64_t tokens,
                             const Weights& weights);
 
 // Gradients of sum(y * dy). Where the clamp is active its input gets zero gradient.
+// The forward of the FP8 recipe the FP8 path will implement (DeepSeek-V3's, power-of-two
+// scales; mok/fp8.hpp), in fp64 arithmetic on the quantized operands: x quantized per 1 x 128
+// block of each token, the routed experts' W_gate, W_up, W_down per 128 x 128 block, the
+// SwiGLU output h per 1 x 128 block of each routed row; the shared expert unquantized. It
+// differs from an FP8 kernel only in the order and precision of its sums (fp32 there).
+std::vector<double> forward_fp8(const MoeShape& shape, std::int64_t tokens, std::span<const double> x,
+                                const Routing& routing, const Weights& weights);
+
 Gradients backward(const MoeShape& shape, std::int64_t tokens, std::span<const double> x,
                    const Routing& routing, const Weights& weights, std::span<const double> dy);
 

@@ -1,9 +1,12 @@
 #include "mok/reference.hpp"
 
 #include <cmath>
+#include <algorithm>
 #include <limits>
+#include <tuple>
 
 #include "mok/error.hpp"
+#include "mok/fp8.hpp"
 #include "parallel.hpp"
 
 namespace mok::reference {
@@ -111,6 +114,52 @@ std::vector<double> forward(const MoeShape& s, std::int64_t T, std::span<const d
     for (std::int64_t j = 0; j < k; ++j) {
       const std::int32_t e = r.ids[t * k + j];
       if (e >= 0) add_expert(routed_expert(s, w, e), r.weights[t * k + j]);
+    }
+  });
+  return y;
+}
+
+namespace {
+
+// `values` ([rows, cols]) through E4M3 with power-of-two scales per block, back in fp64.
+std::vector<double> through_fp8(const double* values, std::int64_t rows, std::int64_t cols, int block_rows, int block_cols) {
+  std::vector<float> f(values, values + rows * cols);
+  const auto q = fp8::quantize(f.data(), static_cast<int>(rows), static_cast<int>(cols), block_rows, block_cols);
+  const auto d = fp8::dequantize(q);
+  return std::vector<double>(d.begin(), d.end());
+}
+
+}  // namespace
+
+std::vector<double> forward_fp8(const MoeShape& s, std::int64_t T, std::span<const double> x, const Routing& r,
+                                const Weights& w) {
+  check_inputs(s, T, x, r, w);
+  const std::int64_t H = s.hidden, I = s.intermediate, E = s.num_experts, k = s.top_k;
+  Weights q;  // the routed experts' weights through FP8, 128 x 128 blocks per expert matrix
+  q.gate.resize(E * I * H), q.up.resize(E * I * H), q.down.resize(E * H * I);
+  detail::parallel_for(E, [&](std::int64_t e) {
+    for (auto [from, to, rows, cols] : {std::tuple{&w.gate, &q.gate, I, H}, {&w.up, &q.up, I, H}, {&w.down, &q.down, H, I}}) {
+      const auto m = through_fp8(from->data() + e * rows * cols, rows, cols, 128, 128);
+      std::copy(m.begin(), m.end(), to->begin() + e * rows * cols);
+    }
+  });
+  const std::vector<double> xq = through_fp8(x.data(), T, H, 1, 128);
+  std::vector<double> y(T * H, 0.0);
+  detail::parallel_for(T, [&](std::int64_t t) {
+    double* yt = y.data() + t * H;
+    Activation a;
+    if (s.has_shared()) {  // BF16 (unquantized)
+      const Expert ex = shared_expert(s, w);
+      activate(ex, x.data() + t * H, H, s, a);
+      for (std::int64_t h = 0; h < H; ++h) yt[h] += dot(ex.down + h * ex.inter, a.hidden.data(), ex.inter);
+    }
+    for (std::int64_t j = 0; j < k; ++j) {
+      const std::int32_t e = r.ids[t * k + j];
+      if (e < 0) continue;
+      const Expert ex = routed_expert(s, q, e);
+      activate(ex, xq.data() + t * H, H, s, a);
+      const std::vector<double> hq = through_fp8(a.hidden.data(), 1, I, 1, 128);
+      for (std::int64_t h = 0; h < H; ++h) yt[h] += r.weights[t * k + j] * dot(ex.down + h * I, hq.data(), I);
     }
   });
   return y;
