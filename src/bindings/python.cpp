@@ -31,6 +31,18 @@ NB_MODULE(_C, m) {
         nb::arg("num_local_experts"), nb::arg("top_k"), nb::arg("shared_intermediate") = 0,
         nb::arg("swiglu_limit") = nb::none());
 
+  // The host's FP8 quantization (mok/fp8.hpp), the oracle of mok.fp8's: [rows, cols] f32 ->
+  // (E4M3 bytes [rows, cols], exponents [ceil(rows / block_rows), ceil(cols / block_cols)]).
+  m.def(
+      "fp8_quantize",
+      [](nb::ndarray<float, nb::c_contig, nb::device::cpu> x, int block_rows, int block_cols) {
+        if (x.ndim() != 2) throw nb::value_error("mok._C.fp8_quantize: x must be 2-D");
+        const auto q = mok::fp8::quantize(x.data(), static_cast<int>(x.shape(0)), static_cast<int>(x.shape(1)),
+                                          block_rows, block_cols);
+        return std::make_pair(q.values, q.exponents);
+      },
+      nb::arg("x"), nb::arg("block_rows"), nb::arg("block_cols"));
+
   // fp64 CPU reference of the whole layer (the test oracle). Weights of all E experts.
   m.def(
       "reference_forward",

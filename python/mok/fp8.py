@@ -1,0 +1,86 @@
+"""FP8 (E4M3) blockwise quantization in PyTorch, the scaling the FP8 path will use: values
+scaled per block by a power of two 2^e, the smallest that fits the block's largest magnitude
+into E4M3's 448, rounded to nearest (ties to even), saturating. Power-of-two scales make the
+conversion to MXFP8 (an E8M0 exponent per 32 elements of a row) exact.
+
+    values, exponents = mok.fp8.quantize(w, block=(128, 128))   # weights [..., rows, cols]
+    values, exponents = mok.fp8.quantize(x, block=(1, 128))     # activations
+    x_again = mok.fp8.dequantize(values, exponents, block=(1, 128))
+    mx_values, e8m0 = mok.fp8.to_mxfp8(values, exponents, block=(1, 128))
+
+Bytes equal to the C++ host implementation (mok/fp8.hpp; tests/python/test_fp8.py).
+"""
+
+from typing import Tuple
+
+import torch
+
+E4M3_MAX = 448.0
+
+
+def _blocks(t: torch.Tensor, block: Tuple[int, int]):
+    """t [..., rows, cols] as [..., rows/br, br, cols/bc, bc] (padded with zeros to whole blocks)."""
+    br, bc = block
+    if br < 1 or bc < 1:
+        raise ValueError(f"mok.fp8: block sizes must be >= 1, got {block}")
+    rows, cols = t.shape[-2], t.shape[-1]
+    pr, pc = (-rows) % br, (-cols) % bc
+    if pr or pc:
+        t = torch.nn.functional.pad(t, (0, pc, 0, pr))
+    return t.reshape(*t.shape[:-2], (rows + pr) // br, br, (cols + pc) // bc, bc), rows, cols
+
+
+def scale_exponents(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest e with amax / 2^e <= 448 (0 where amax is 0), int32."""
+    amax = amax.float()
+    mantissa, e = torch.frexp(amax / E4M3_MAX)
+    e = torch.where(mantissa == 0.5, e - 1, e)  # amax / 448 a power of two exactly
+    # (the division rounds: settle on the exact condition)
+    e = torch.where(torch.ldexp(amax, -e.float()) > E4M3_MAX, e + 1, e)
+    e = torch.where(torch.ldexp(amax, -(e - 1).float()) <= E4M3_MAX, e - 1, e)
+    return torch.where(amax > 0, e, torch.zeros_like(e)).to(torch.int32)
+
+
+def quantize(t: torch.Tensor, block: Tuple[int, int] = (1, 128)) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(values float8_e4m3fn [..., rows, cols], exponents int32 [..., ceil(rows/br), ceil(cols/bc)])
+    of t [..., rows, cols]: value = e4m3(t / 2^e) per block; leading dimensions (experts) are
+    quantized independently."""
+    if t.dim() < 2:
+        raise ValueError(f"mok.fp8.quantize: needs [..., rows, cols], got shape {tuple(t.shape)}")
+    b, rows, cols = _blocks(t.float(), block)
+    amax = b.abs().amax(dim=(-3, -1))
+    e = scale_exponents(amax)
+    scaled = torch.ldexp(b, -e[..., :, None, :, None].float()).clamp(-E4M3_MAX, E4M3_MAX)
+    values = scaled.to(torch.float8_e4m3fn).reshape(*t.shape[:-2], b.shape[-4] * block[0], b.shape[-2] * block[1])
+    return values[..., :rows, :cols].contiguous(), e
+
+
+def dequantize(values: torch.Tensor, exponents: torch.Tensor, block: Tuple[int, int] = (1, 128),
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """values * 2^e per block, in `dtype`."""
+    b, rows, cols = _blocks(values.float(), block)
+    out = torch.ldexp(b, exponents[..., :, None, :, None].float())
+    return out.reshape(*values.shape[:-2], b.shape[-4] * block[0], b.shape[-2] * block[1])[..., :rows, :cols].to(dtype)
+
+
+def to_mxfp8(values: torch.Tensor, exponents: torch.Tensor,
+             block: Tuple[int, int] = (1, 128)) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 of a blockwise-quantized tensor: the same E4M3 values and an E8M0 scale (uint8,
+    exponent + 127) per 32 consecutive elements of a row, [..., rows, ceil(cols / 32)]. Exact:
+    block columns must be a multiple of 32."""
+    br, bc = block
+    if bc % 32:
+        raise ValueError(f"mok.fp8.to_mxfp8: the block's columns must be a multiple of 32, got {bc}")
+    if exponents.numel() and (exponents.min() < -127 or exponents.max() > 127):
+        raise ValueError("mok.fp8.to_mxfp8: a scale exponent is outside E8M0's range [-127, 127]")
+    rows, cols = values.shape[-2], values.shape[-1]
+    per_row = exponents.repeat_interleave(br, dim=-2)[..., :rows, :]
+    per_group = per_row.repeat_interleave(bc // 32, dim=-1)[..., : (cols + 31) // 32]
+    return values, (per_group + 127).to(torch.uint8)
+
+
+def dequantize_mxfp8(values: torch.Tensor, e8m0: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """values * 2^(e8m0 - 127) per 32 elements of a row."""
+    cols = values.shape[-1]
+    scale = e8m0.to(torch.int32).repeat_interleave(32, dim=-1)[..., :cols] - 127
+    return torch.ldexp(values.float(), scale.float()).to(dtype)
