@@ -3,10 +3,10 @@
 #include <cuda_runtime_api.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <unordered_map>
-#include <vector>
 
 #include "mok/error.hpp"
 
@@ -58,32 +58,30 @@ struct MapKeyHash {
 constexpr std::size_t kMaxCachedMaps = 16384;
 thread_local std::unordered_map<MapKey, CUtensorMap, MapKeyHash> cached_maps;
 
-// strides: bytes, for dims 1..rank-1 (empty: row-major contiguous).
+// strides: bytes, for dims 1..rank-1 (empty: row-major contiguous). The key is built in
+// place and holds the encoder's arrays: a cache hit allocates nothing.
 CUtensorMap make_tensor_map(CUtensorMapDataType type, cuuint64_t element_bytes, const void* base,
-                            std::initializer_list<std::uint64_t> dims_list,
-                            std::initializer_list<std::uint32_t> box_list, const char* what,
-                            std::vector<cuuint64_t> strides = {}) {
-  const std::vector<cuuint64_t> dims(dims_list.begin(), dims_list.end());
-  const std::vector<cuuint32_t> box(box_list.begin(), box_list.end());
-  if (strides.empty()) {
-    cuuint64_t stride = element_bytes;
-    for (std::size_t i = 0; i + 1 < dims.size(); ++i) strides.push_back(stride *= dims[i]);
-  }
+                            std::initializer_list<std::uint64_t> dims, std::initializer_list<std::uint32_t> box,
+                            const char* what, std::initializer_list<std::uint64_t> strides = {}) {
   MapKey key;
   key.base = reinterpret_cast<std::uint64_t>(base);
   key.type = static_cast<std::uint32_t>(type);
-  key.rank = static_cast<std::uint32_t>(dims.size());
-  for (std::size_t i = 0; i < dims.size() && i < 5; ++i) key.dims[i] = dims[i], key.box[i] = box[i];
-  for (std::size_t i = 0; i < strides.size() && i < 4; ++i) key.strides[i] = strides[i];
+  key.rank = static_cast<std::uint32_t>(std::min<std::size_t>(dims.size(), 5));
+  std::copy_n(dims.begin(), key.rank, key.dims);
+  std::copy_n(box.begin(), std::min<std::size_t>(box.size(), 5), key.box);
+  if (strides.size() > 0) {
+    std::copy_n(strides.begin(), std::min<std::size_t>(strides.size(), 4), key.strides);
+  } else {
+    cuuint64_t stride = element_bytes;
+    for (std::uint32_t i = 0; i + 1 < key.rank; ++i) key.strides[i] = stride *= key.dims[i];
+  }
   if (const auto hit = cached_maps.find(key); hit != cached_maps.end()) return hit->second;
 
-  const std::vector<cuuint32_t> element_strides(dims.size(), 1);
+  constexpr cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
   CUtensorMap map{};
-  const CUresult r = encode_function()(&map, type, static_cast<cuuint32_t>(dims.size()),
-                                       const_cast<void*>(base), dims.data(), strides.data(), box.data(),
-                                       element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode_function()(&map, type, key.rank, const_cast<void*>(base), key.dims, key.strides, key.box,
+                                       element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw Error(mok::detail::concat("mok: cuTensorMapEncodeTiled failed for ", what, " (CUresult ", static_cast<int>(r), ")"));
   if (cached_maps.size() >= kMaxCachedMaps) cached_maps.clear();
