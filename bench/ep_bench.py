@@ -5,7 +5,7 @@ the same inputs, in one run, interleaved, checked at full size before it is time
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
   torchrun --standalone --nproc-per-node W bench/ep_bench.py [--preset NAME,...]
       [--routing uniform,zipf1.2] [--impl mok-ep,torch-compiled-ep,torch-ep,mok-compute]
-      [--pass fwd,fwd+bwd] [--repeats 3] [--iters 10] [--out FILE.json]
+      [--ring-sms N,...] [--pass fwd,fwd+bwd] [--repeats 3] [--iters 10] [--out FILE.json]
 
 NVLink multicast stays off (NCCL's NVLS collectives, PyTorch symmetric memory's and
 NVSHMEM's multicast objects): a program that uses it can put a shared host's GPUs out of
@@ -25,6 +25,12 @@ Each rank's tensors come from torch_baseline.hash_fill with seeds of its own.
 impls:
   mok-ep             mok.ep.moe: the fused kernels with the exchange, pull and push between
                      ranks through symmetric memory (no host synchronisation)
+  mok-ep-ring{N}     mok-ep with the ring token buffer, one per N of --ring-sms (run
+                     whether --impl names it or not): its own group,
+                     mok.ep.ExpertParallel(comm_sms=N), whose N comm SMs per rank pull the
+                     rows it receives into a ring while the other SMs compute (mok-ep: every
+                     SM pulls them before the fused kernel); checked, timed and recorded as
+                     mok-ep is
   torch-compiled-ep  the strongest NCCL + PyTorch layer we can write: mok.moe_torch_ep's
                      split (NCCL all_to_all_single dispatch and combine, split sizes read on
                      the host), with this rank's device work in three torch.compile(
@@ -46,9 +52,9 @@ Checks, per preset and routing, before anything is timed (rel = ‖got − ref�
 cosine >= 0.9999, nothing non-finite: torch_baseline.compare):
   - torch-ep: y of 16 sampled tokens against an fp32 per-token computation from the layer's
     definition (the other ranks' experts regenerated from their seeds);
-  - torch-compiled-ep and mok-ep: y and, for fwd+bwd, dx, d_topk_weights, d_w_gate, d_w_up,
-    d_w_down against autograd through torch-ep (gate and up are the halves of its gate|up
-    gradient); torch-compiled-ep's sampled y against fp32 as well;
+  - torch-compiled-ep, mok-ep and mok-ep-ring{N}: y and, for fwd+bwd, dx, d_topk_weights,
+    d_w_gate, d_w_up, d_w_down against autograd through torch-ep (gate and up are the halves
+    of its gate|up gradient); torch-compiled-ep's sampled y against fp32 as well;
   - mok-compute: the same outputs against autograd through torch_baseline.moe_eager on the
     same rows.
 A record's `check` is "passed" only if it passed on every rank (all_reduce); a failure to run
@@ -72,7 +78,7 @@ rank sends to other ranks in the forward dispatch, one per (token, expert) pair 
 lives on another rank (rows for its own experts are not counted); `combine_bytes`: the bf16
 result rows it sends back to other ranks in the combine (one per pair it received from
 another rank), as the NCCL path moves them (mok-ep's own formats may differ); both are the
-busiest rank's. On the fwd records of mok-ep, torch-compiled-ep and torch-ep,
+busiest rank's. On the fwd records of every implementation but mok-compute,
 `dispatch_gbps` / `combine_gbps` = those bytes over the record's whole forward time: an
 effective rate, a lower bound on what the exchange sustained inside the layer.
 `nccl_dispatch_ms` / `nccl_combine_ms`: NCCL's all_to_all_single of the same rows with the
@@ -81,9 +87,10 @@ median of rounds), and `nccl_dispatch_gbps` / `nccl_combine_gbps` the bytes over
 
 Peak memory (`peak_bytes`, the largest over ranks): PyTorch's peak allocated bytes over one
 pass above what was allocated before it (weight gradients cleared first, so fwd+bwd counts
-them); mok-compute adds its workspace; mok-ep adds the device memory its first call for the
-shape took outside PyTorch's allocator (symmetric region, EpRank workspace: cudaMemGetInfo's
-drop less the allocator's growth). NCCL's own buffers are not counted for anyone.
+them); mok-compute adds its workspace; mok-ep (and each mok-ep-ring{N}) adds the device
+memory its first call for the shape took outside PyTorch's allocator (symmetric region,
+EpRank workspace: cudaMemGetInfo's drop less the allocator's growth). NCCL's own buffers are
+not counted for anyone.
 
 Records keep bench/report.py's fields (preset, impl, pass, routing, tokens, ep = W, ms,
 tflops, peak_bytes, gpu, commit, date); TFLOP/s are per GPU (layer_flops of one rank's T
@@ -105,9 +112,31 @@ from ep_layers import (MokCompute, MokEp, TorchEp, all_agree, check_outputs, exc
                        make_inputs, nccl_steps, outside_allocator, round_stats, sampled_reference, synced)
 
 IMPLS = ("mok-ep", "torch-compiled-ep", "torch-ep", "mok-compute")
+RING = "mok-ep-ring"  # RING + str(N): mok-ep with comm_sms = N (--ring-sms)
 EXCHANGES = ("dispatch", "combine")
 DEFAULT_PRESETS = "deepseek-v3,qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b"
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def ring_impls(spec):
+    """The implementations --ring-sms asks for: "4,8" -> ("mok-ep-ring4", "mok-ep-ring8");
+    exits naming a value that is not a positive SM count."""
+    names = []
+    for v in filter(None, (v.strip() for v in spec.split(","))):
+        if not v.isdigit() or int(v) < 1:
+            sys.exit(f"ep_bench: --ring-sms takes positive SM counts, got '{v}'")
+        names.append(f"{RING}{int(v)}")
+    return tuple(dict.fromkeys(names))
+
+
+def impl_names(ring=()):
+    """Every implementation, in table order: IMPLS with the ring ones after mok-ep."""
+    return IMPLS[:1] + tuple(ring) + IMPLS[1:]
+
+
+def comm_sms(impl):
+    """mok.ep.ExpertParallel's comm_sms of mok-ep (0) or of mok-ep-ring{N} (N)."""
+    return int(impl[len(RING):]) if impl.startswith(RING) else 0
 
 
 def run_checks(d, p, args, ctx):
@@ -116,8 +145,8 @@ def run_checks(d, p, args, ctx):
     passes, name = args.passes, p["name"]
     rows, want = sampled_reference(d, p, ctx.world, args.seed)
     sampled = lambda y: tb.compare(y[rows].detach().float(), want)
-    checks = {impl: {} for impl in IMPLS}
-    extra = {impl: {} for impl in IMPLS}
+    checks = {impl: {} for impl in args.all_impls}
+    extra = {impl: {} for impl in args.all_impls}
     errors = {}
 
     eager = tb.TorchImpl(d, args.torch_ep)  # the reference: autograd through torch-ep
@@ -143,11 +172,14 @@ def run_checks(d, p, args, ctx):
     attempt("torch-compiled-ep", lambda: tb.TorchImpl(d, args.torch_compiled_ep),
             lambda obj, ps: check_outputs(obj.outputs(ps), ref[ps], sampled))
 
-    def mok_ep_pass(obj, ps):  # its first call per pass sets up the shape's region and EpRank
-        out, extra["mok-ep"][ps] = outside_allocator(lambda: obj.outputs(ps), ctx.device)
-        return check_outputs(out, ref[ps])
+    def mok_ep_pass(impl):
+        def check_pass(obj, ps):  # its first call per pass sets up the shape's region and EpRank
+            out, extra[impl][ps] = outside_allocator(lambda: obj.outputs(ps), ctx.device)
+            return check_outputs(out, ref[ps])
+        return check_pass
 
-    attempt("mok-ep", lambda: MokEp(d, ctx.group), mok_ep_pass)
+    for impl, group in ctx.groups.items():  # mok-ep, then each mok-ep-ring{N} (make() runs at once)
+        attempt(impl, lambda: MokEp(d, group), mok_ep_pass(impl))
     ref.clear()  # (frees the reference outputs before timing)
     local = tb.TorchImpl(dict(d, ids=d["local_ids"]), tb.moe_eager)  # mok-compute's reference
 
@@ -167,8 +199,8 @@ def run_preset(p, routing, args, ctx, emit):
     name, passes, world = p["name"], args.passes, ctx.world
     d = make_inputs(p, world, ctx.rank, routing, args.seed, ctx.device)
     impls, checks, extra, errors = run_checks(d, p, args, ctx)
-    ran = all_agree([impl not in errors for impl in IMPLS], ctx.device)
-    failed = [impl for impl, ok in zip(IMPLS, ran) if impl in args.impls and not ok]
+    ran = all_agree([impl not in errors for impl in args.all_impls], ctx.device)
+    failed = [impl for impl, ok in zip(args.all_impls, ran) if impl in args.impls and not ok]
     keys = [(impl, ps) for ps in passes for impl in args.impls if impl in impls and impl not in failed]
     verdicts = all_agree([checks[impl][ps]["passed"] for impl, ps in keys], ctx.device)
     worst = gather([v for impl, ps in keys for v in (checks[impl][ps]["rel"], -checks[impl][ps]["cos"])], world,
@@ -192,8 +224,8 @@ def run_preset(p, routing, args, ctx, emit):
     for _ in range(args.repeats):
         for key in timed:
             rounds[key].append(round_stats(timer(key), world, ctx.device))
-            if key[0] == "mok-ep":
-                ctx.group.check()
+            if key[0] in ctx.groups:
+                ctx.groups[key[0]].check()
     nccl_ms = {e: statistics.median(r[0] for r in rounds[("nccl", e)]) for e in EXCHANGES}
     rate = lambda nbytes, ms: nbytes / (ms * 1e-3) / 1e9 if nbytes else None
 
@@ -244,8 +276,10 @@ def summary(records):
     by = {}
     for r in records:
         by.setdefault((r["preset"], r["routing"], r["pass"]), {})[r["impl"]] = r
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
-    ratios = (("torch-ep", "mok-ep"), ("torch-compiled-ep", "mok-ep"), ("mok-ep", "mok-compute"))
+    ring = sorted({comm_sms(r["impl"]) for r in records if r["impl"].startswith(RING)})
+    impls = [i for i in impl_names(f"{RING}{n}" for n in ring) if any(r["impl"] == i for r in records)]
+    ratios = (("torch-ep", "mok-ep"), ("torch-compiled-ep", "mok-ep"), ("mok-ep", "mok-compute")) + tuple(
+        ("mok-ep", i) for i in impls if i.startswith(RING))
     lines = [f"{'preset':<16}{'routing':<9}{'pass':<8}" + "".join(f"{i + ' ms':>20}" for i in impls) +
              "".join(f"{a + '/' + b:>28}" for a, b in ratios) + f"{'NCCL disp GB/s':>16}{'comb GB/s':>11}{'checks':>8}"]
     for key, rs in by.items():
@@ -263,12 +297,13 @@ def summary(records):
 
 
 class Context:
-    """This process's place in the group: world, rank, device, mok's EP group, GPU name."""
+    """This process's place in the group: world, rank, device, mok's EP groups, GPU name."""
 
-    def __init__(self, group):
+    def __init__(self, groups):
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.group = group
+        self.groups = groups  # {mok-ep or mok-ep-ring{N}: its mok.ep.ExpertParallel}
+        self.group = groups["mok-ep"]  # (its process group carries the NCCL exchanges)
         self.gpu = f"{self.world}x {torch.cuda.get_device_name(self.device)}"
 
 
@@ -277,12 +312,15 @@ def parse_args():
     ap.add_argument("--preset", default=DEFAULT_PRESETS)
     ap.add_argument("--routing", default=",".join(tb.ROUTINGS))
     ap.add_argument("--impl", default=",".join(IMPLS))
+    ap.add_argument("--ring-sms", default="", metavar="N,...", help="comm SM counts: one mok-ep-ring{N} for each")
     ap.add_argument("--pass", dest="passes", default=",".join(tb.PASSES))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
     tb.add_run_args(ap, iters=10)
     args = ap.parse_args()
-    tb.check_run_args("ep_bench", args, IMPLS)
+    args.all_impls = impl_names(ring_impls(args.ring_sms))
+    tb.check_run_args("ep_bench", args, args.all_impls)
+    args.impls += [i for i in args.all_impls if i.startswith(RING) and i not in args.impls]
     presets = tb.load_presets()
     args.names = args.preset.split(",")
     for n in args.names:
@@ -307,7 +345,8 @@ def main():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    ctx = Context(mok.ep.ExpertParallel())
+    ctx = Context({impl: mok.ep.ExpertParallel(comm_sms=comm_sms(impl)) for impl in args.all_impls
+                   if impl == "mok-ep" or impl.startswith(RING)})
     tb.configure_compile()
     records, failed = [], []
 
@@ -322,11 +361,12 @@ def main():
         args.torch_ep, args.torch_compiled_ep = TorchEp(), TorchEp(compiled=True)
         for routing in args.routings:
             failed += [(p["name"], routing, impl) for impl in run_preset(p, routing, args, ctx, emit)]
-            ctx.group.release()  # this shape's regions and EpRanks (set up again, collectively, next time)
+            for group in ctx.groups.values():
+                group.release()  # this shape's regions and EpRanks (set up again, collectively, next time)
             ops._workspaces.clear()
             torch.cuda.empty_cache()
     dist.barrier()
-    ctx.group = None  # mok.ep's groups are weak: this one goes before its process group
+    ctx.group = ctx.groups = None  # mok.ep's groups are weak: these go before their process group
     dist.destroy_process_group()
     bad = [r for r in records if r["check"] == "failed"]
     if ctx.rank == 0:

@@ -172,7 +172,8 @@ class TorchEp:
 # ---------------------------------------------------------------------------------------
 
 class MokEp(layer_bench.MokPy):
-    """mok.ep.moe on this rank's share (gate and up separate)."""
+    """mok.ep.moe on this rank's share (gate and up separate), through `group`: mok-ep's
+    mok.ep.ExpertParallel, or a mok-ep-ring{N}'s (comm_sms = N)."""
 
     def __init__(self, d, group):
         super().__init__(d)

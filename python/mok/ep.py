@@ -33,11 +33,18 @@ class ExpertParallel:
     GPU reaches it, so it must cover a peer's host-side pauses: checkpoints, evaluation).
     The fused kernels are persistent and use every SM (or compute_sms): kernels of other
     streams on the same GPU (e.g. NCCL collectives of data parallelism) should not run
-    concurrently with them, or set compute_sms to leave SMs free."""
+    concurrently with them, or set compute_sms to leave SMs free.
 
-    def __init__(self, group=None, *, compute_sms: int = 0, timeout_seconds: float = 600.0):
+    comm_sms > 0 (or ring_rows > 0, which takes 1 SM in 32) turns on the ring: comm_sms SMs of
+    each rank pull the rows it receives into a ring of ring_rows rows (0 = all of them),
+    minibatch_rows at a time, while the others compute; 0 and 0 (the default): every SM pulls
+    the rows before the kernel."""
+
+    def __init__(self, group=None, *, compute_sms: int = 0, timeout_seconds: float = 600.0, comm_sms: int = 0,
+                 ring_rows: int = 0, minibatch_rows: int = 4096):
         import torch.distributed as dist
 
+        _check_ring(comm_sms, ring_rows, minibatch_rows)
         if not dist.is_initialized():
             raise RuntimeError("mok.ep.ExpertParallel: torch.distributed is not initialised (launch with torchrun "
                                "and call torch.distributed.init_process_group first)")
@@ -47,6 +54,7 @@ class ExpertParallel:
         if self.world > _C.MAX_EP_RANKS:
             raise ValueError(f"mok.ep.ExpertParallel: at most {_C.MAX_EP_RANKS} ranks (one NVLink node), got {self.world}")
         self.compute_sms, self.timeout_seconds = compute_sms, timeout_seconds
+        self.comm_sms, self.ring_rows, self.minibatch_rows = comm_sms, ring_rows, minibatch_rows
         self._ranks: Dict[tuple, object] = {}
         self._regions: List[torch.Tensor] = []
         self.id = id(self)
@@ -83,7 +91,8 @@ class ExpertParallel:
         ptrs = [int(p) + offset for p in handle.buffer_ptrs]
         rank = _C.EpRank(H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, T, self.rank, ptrs,
                          x.device.index, compute_sms=self.compute_sms, timeout_seconds=self.timeout_seconds,
-                         training=training, peers_on_other_gpus=self.world > 1)
+                         training=training, peers_on_other_gpus=self.world > 1, comm_sms=self.comm_sms,
+                         ring_rows=self.ring_rows, minibatch_rows=self.minibatch_rows)
         dist.barrier(group=self.group)  # every region zeroed and every rank built before any call
         self._regions.append(region)
         self._ranks[key] = rank
@@ -101,6 +110,19 @@ class ExpertParallel:
         """Synchronises and raises ValueError (naming rank and peer) if a kernel recorded an error."""
         for rank in self._ranks.values():
             rank.check(torch.cuda.current_stream().cuda_stream)
+
+
+def _check_ring(comm_sms, ring_rows, minibatch_rows) -> None:
+    """Raises ValueError naming the first bad ring argument (mok::Config's rules)."""
+    for name, v in (("comm_sms", comm_sms), ("ring_rows", ring_rows), ("minibatch_rows", minibatch_rows)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"mok.ep.ExpertParallel: {name} must be an int >= 0, got {v!r}")
+    if minibatch_rows == 0 or minibatch_rows % 128:
+        raise ValueError(f"mok.ep.ExpertParallel: minibatch_rows must be a positive multiple of 128, "
+                         f"got {minibatch_rows}")
+    if ring_rows % minibatch_rows:
+        raise ValueError(f"mok.ep.ExpertParallel: ring_rows must be 0 or a multiple of minibatch_rows = "
+                         f"{minibatch_rows}, got {ring_rows}")
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,

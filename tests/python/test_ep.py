@@ -22,6 +22,19 @@ def test_needs_an_initialised_process_group():
         mok.ep.ExpertParallel()
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(comm_sms=-1), "comm_sms must be an int >= 0, got -1"),
+    (dict(comm_sms=2.0), "comm_sms must be an int >= 0, got 2.0"),
+    (dict(ring_rows=-4096), "ring_rows must be an int >= 0, got -4096"),
+    (dict(minibatch_rows=0), "minibatch_rows must be a positive multiple of 128, got 0"),
+    (dict(minibatch_rows=1000), "minibatch_rows must be a positive multiple of 128, got 1000"),
+    (dict(ring_rows=3000, minibatch_rows=1024), "ring_rows must be 0 or a multiple of minibatch_rows = 1024, got 3000"),
+])
+def test_ring_arguments_are_checked_before_the_process_group(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mok.ep.ExpertParallel(**kwargs)
+
+
 def test_moe_checks_its_group_argument():
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="'group' must be a mok.ep.ExpertParallel"):
@@ -111,6 +124,9 @@ def single_process_group(tmp_path):
 def test_moe_module_with_a_group_holds_its_share_of_the_experts(single_process_group):
     group = mok.ep.ExpertParallel()
     assert group.world == 1 and group.rank == 0
+    assert (group.comm_sms, group.ring_rows, group.minibatch_rows) == (0, 0, 4096)
+    ring = mok.ep.ExpertParallel(comm_sms=8, ring_rows=8192, minibatch_rows=1024)
+    assert (ring.comm_sms, ring.ring_rows, ring.minibatch_rows) == (8, 8192, 1024)
     layer = mok.MoE(128, 64, 8, 2, group=group, device="meta")
     assert layer.w_gate.shape == (8, 64, 128)  # one rank: every expert
     x = torch.empty(4, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)

@@ -135,6 +135,34 @@ def test_summary_ratios_are_per_round():
     assert len(table) == 2 and "100.0" in table[1] and table[1].rstrip().endswith("ok")
 
 
+def test_ring_sms_adds_one_mok_ep_implementation_per_sm_count(monkeypatch):
+    assert ep_bench.ring_impls("4,8") == ("mok-ep-ring4", "mok-ep-ring8")
+    assert ep_bench.ring_impls("") == ()
+    assert [ep_bench.comm_sms(i) for i in ep_bench.impl_names(ep_bench.ring_impls("4,8"))] == [0, 4, 8, 0, 0, 0]
+    with pytest.raises(SystemExit, match="--ring-sms takes positive SM counts, got '0'"):
+        ep_bench.ring_impls("4,0")
+    monkeypatch.setattr(sys, "argv", ["ep_bench.py", "--ring-sms", "4,8"])
+    args = ep_bench.parse_args()
+    assert args.all_impls == ("mok-ep", "mok-ep-ring4", "mok-ep-ring8", "torch-compiled-ep", "torch-ep", "mok-compute")
+    assert args.impls == list(ep_bench.IMPLS) + ["mok-ep-ring4", "mok-ep-ring8"]  # whatever --impl says
+    monkeypatch.setattr(sys, "argv", ["ep_bench.py", "--impl", "mok-ep-ring8,mok-ep", "--ring-sms", "8"])
+    assert ep_bench.parse_args().impls == ["mok-ep-ring8", "mok-ep"]
+    monkeypatch.setattr(sys, "argv", ["ep_bench.py", "--impl", "mok-ep-ring8"])  # no --ring-sms 8
+    with pytest.raises(SystemExit, match="unknown impl 'mok-ep-ring8'"):
+        ep_bench.parse_args()
+
+
+def test_summary_has_a_column_and_a_ratio_per_ring_implementation():
+    rec = lambda impl, ms: dict(preset="p", routing="uniform", impl=impl, ms=ms[0], ms_repeats=ms, check="passed",
+                                nccl_dispatch_gbps=None, nccl_combine_gbps=None, **{"pass": "fwd"})
+    records = [rec("mok-ep", [2.0]), rec("mok-ep-ring16", [1.0]), rec("mok-ep-ring4", [4.0])]
+    head, row = ep_bench.summary(records).splitlines()
+    assert head.index("mok-ep ms") < head.index("mok-ep-ring4 ms") < head.index("mok-ep-ring16 ms")
+    assert head.index("mok-ep/mok-ep-ring4") < head.index("mok-ep/mok-ep-ring16")
+    assert row.split()[3:8] == ["2.000", "4.000", "1.000", "-", "-"]  # ms, then the fixed ratios (absent)
+    assert row.split()[-5:-3] == ["0.500", "2.000"]  # mok-ep / ring4, mok-ep / ring16
+
+
 # ---------------------------------------------------------------------------------------
 # Two gloo processes: the EP layers against mok.moe_torch_ep
 # ---------------------------------------------------------------------------------------
