@@ -41,6 +41,10 @@ __device__ __forceinline__ std::uint32_t ld_global_ordered(const void* p) {
 __device__ __forceinline__ void st_global_ordered(void* p, std::uint32_t v) {
   asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v));
 }
+// The same store, 16 bytes (p 16-byte aligned).
+__device__ __forceinline__ void st_global_v4_ordered(void* p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
 
 __device__ __forceinline__ std::uint64_t globaltimer_ns() {
   std::uint64_t t;

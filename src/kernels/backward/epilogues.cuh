@@ -116,24 +116,45 @@ __device__ void accumulate_weight_grad(const float (&acc)[128], void* const (&ro
   }
 }
 
-// EP: the dx rows of this warpgroup's 64 x 256 tile as bf16 straight into the slots of
-// the tokens' owners (row t * k + j there); publish_pushes() counts them later.
+// EP: the dx rows of this warpgroup's 64 x 256 tile (plan rows row0 .. row0 + 63) as bf16
+// into the slots of the tokens' owners (row t * k + j there); publish_pushes() counts them
+// later. Each 64 x 128 half goes through the warpgroup's staging (store_tile_tma's layout)
+// and leaves in 16-byte stores, 16 threads to a row's 256 bytes: from the accumulators,
+// where a quad of lanes holds 16 contiguous bytes of a row, each write to a peer was a
+// 16-byte NVLink fragment. The stores are plain; publish_pushed_rows() orders them.
 __device__ void push_dx_rows(const BackwardParams& p, const float (&acc)[128], int n0, int row0) {
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, pairs_per_rank = p.tokens * p.top_k;
-  std::uint16_t* rows[2];
+  SharedStorage& s = shared_storage<SharedStorage>();  // (the consumer's s and wg, found again)
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, wg = (threadIdx.x - kProducerThreads) / 128;
+  char* staging = reinterpret_cast<char*>(s.staging[wg]);
+  if (tid == 0) tma_store_wait_read();  // earlier TMA stores (weight gradients, shared dx) have read the staging
+  std::uint16_t* dst = nullptr;  // lane l < 16: the slot row of plan row row0 + (l / 2) * 8 + 2 * warp + l % 2
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int pair = p.row_pair[row0 + warp * 16 + lane / 4 + 8 * h];
-    rows[h] = pair < 0 ? nullptr
-                       : reinterpret_cast<std::uint16_t*>(p.ep.slots[pair / pairs_per_rank]) +
-                             static_cast<std::int64_t>(pair % pairs_per_rank) * p.hidden + n0;
-  }
+  for (int half = 0; half < 2; ++half) {
+    sync_warpgroup(wg);  // the staging is free (half 1: every thread has read half 0 out of it)
 #pragma unroll
-  for (int i = 0; i < 128; i += 2) {
-    std::uint16_t* row = rows[(i >> 1) & 1];
-    const int col = acc_col(lane, i);
-    if (row != nullptr && n0 + col < p.hidden) st_global_ordered(row + col, pack_bf16x2(acc[i], acc[i + 1]));
+    for (int i = 64 * half; i < 64 * half + 64; i += 2) {
+      const int r = acc_row(warp, lane, i), c = acc_col(lane, i) - 128 * half;
+      *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(r, c)) = pack_bf16x2(acc[i], acc[i + 1]);
+    }
+    sync_warpgroup(wg);  // (read back by threads, the generic proxy: no proxy fence)
+    if (half == 0 && lane < 16) {  // (not earlier: with all of acc live, registers spilled)
+      const int pair = p.row_pair[row0 + (lane / 2) * 8 + 2 * warp + lane % 2], pairs_per_rank = p.tokens * p.top_k;
+      if (pair >= 0)  // (padding: pair -1)
+        dst = reinterpret_cast<std::uint16_t*>(p.ep.slots[pair / pairs_per_rank]) +
+              static_cast<std::int64_t>(pair % pairs_per_rank) * p.hidden + n0;
+    }
+    const int c = (tid % 16) * 8;                     // this thread's 8 columns of the half, rows it * 8 + tid / 16
+    const bool in = n0 + 128 * half + c < p.hidden;  // (hidden % 64 == 0: a chunk is wholly in or out)
+#pragma unroll 4  // (all 8 at once: registers spilled)
+    for (int it = 0; it < 8; ++it) {
+      const int r = it * 8 + tid / 16;
+      auto* row = reinterpret_cast<std::uint16_t*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<std::uintptr_t>(dst), it * 2 + lane / 16));
+      if (row == nullptr || !in) continue;
+      st_global_v4_ordered(row + 128 * half + c, *reinterpret_cast<const uint4*>(staging + swizzled_offset(r, c)));
+    }
   }
+  // (The next writer of the staging, store_tile_tma or this, first syncs the warpgroup.)
 }
 
 // A bf16 64 x 256 tile of this warpgroup leaves through its swizzled staging buffer in

@@ -132,29 +132,43 @@ __device__ void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const f
   }
 }
 
-// Expert parallelism: fp32 rows of this warpgroup's 64 x 256 tile straight into the slots
-// of the rank that owns each token (row t * k + j there); the rows per owner are counted
+// Expert parallelism: fp32 rows of this warpgroup's 64 x 256 tile into the slots of the
+// rank that owns each token (row t * k + j there). Four rounds of 64 columns through the
+// warpgroup's 16 KB staging buffer: the accumulators land there (swizzled, as for
+// epilogue_gemm2), then every thread stores 16-byte pieces, 16 threads covering one row's
+// 256 bytes, so a peer GPU receives whole 256-byte row segments over NVLink instead of
+// 32-byte fragments straight from the accumulator layout. The rows per owner are counted
 // in shared memory and published by publish_pushes(), so that no epilogue waits for its
 // stores to land (a fence per tile cost 20% on qwen3-30b-a3b).
 __device__ void epilogue_gemm2_push(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                     int row0, int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const int n0 = t.n * kBlockN;
+  const int n0 = t.n * kBlockN, rows0 = row0 + wg * 64, piece = tid % 16;  // piece: 4 columns of a round
   const int pairs_per_rank = p.tokens * p.top_k;
-  float* rows[2];
+  char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
+  std::int32_t pair[8];  // of rows tid / 16 + 8 i
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int pair = p.row_pair[row0 + wg * 64 + warp * 16 + lane / 4 + 8 * half];
-    rows[half] = pair < 0 ? nullptr
-                          : p.ep.slots[pair / pairs_per_rank] + static_cast<std::int64_t>(pair % pairs_per_rank) * p.hidden + n0;
-  }
+  for (int i = 0; i < 8; ++i) pair[i] = p.row_pair[rows0 + tid / 16 + 8 * i];
 #pragma unroll
-  for (int i = 0; i < 128; i += 2) {
-    float* row = rows[(i >> 1) & 1];
-    const int col = acc_col(lane, i);
-    if (row != nullptr && n0 + col < p.hidden) *reinterpret_cast<float2*>(row + col) = make_float2(acc[i], acc[i + 1]);
+  for (int round = 0; round < 4; ++round) {
+    if (n0 + 64 * round >= p.hidden) break;  // (hidden is a multiple of 64: a round is wholly in or out)
+    if (tid == 0) tma_store_wait_read();     // earlier TMA stores (h) have read the staging
+    sync_warpgroup(wg);                      // ... and every thread has read the previous round
+#pragma unroll
+    for (int i = 32 * round; i < 32 * round + 32; i += 2) {
+      const int row = acc_row(warp, lane, i), col = acc_col(lane, i) - 64 * round;  // 0..63
+      *reinterpret_cast<float2*>(staging + swizzled_offset_bytes(row, col * 4)) = make_float2(acc[i], acc[i + 1]);
+    }
+    sync_warpgroup(wg);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (pair[i] < 0) continue;  // padding row
+      const float4 v = *reinterpret_cast<const float4*>(staging + swizzled_offset_bytes(tid / 16 + 8 * i, piece * 16));
+      float* row = p.ep.slots[pair[i] / pairs_per_rank] + static_cast<std::int64_t>(pair[i] % pairs_per_rank) * p.hidden;
+      *reinterpret_cast<float4*>(row + n0 + 64 * round + 4 * piece) = v;
+    }
   }
-  count_pushed_rows(p.ep, p.row_pair, row0 + wg * 64, pairs_per_rank, s.pushed[wg]);
+  count_pushed_rows(p.ep, p.row_pair, rows0, pairs_per_rank, s.pushed[wg]);
 }
 
 __device__ void publish_pushes(const ForwardParams& p, SharedStorage& s, int wg) {
