@@ -116,7 +116,7 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   const std::int64_t T = ws.tokens();
   const bool grad_fp32 = b.d_w_gate.dtype == DType::f32;
   DevicePlan& plan = ws.plan();
-  const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts, Is = s.shared_intermediate;
+  const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate;
   const std::int64_t capacity = plan.capacity_rows(), n_shared_tiles = detail::shared_tiles(s, T);
   const std::int64_t padded_tokens = n_shared_tiles * detail::kTileRows;
   std::uint16_t* dgu = gu;  // the kernel replaces the pre-activations by their gradients

@@ -58,10 +58,9 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const
   const std::int64_t T = ws.tokens();
   DevicePlan& plan = ws.plan();
 
-  const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts, Is = s.shared_intermediate;
+  const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate;
   const std::int64_t capacity = plan.capacity_rows(), n_shared_tiles = shared_tiles(s, T);
   const std::int64_t padded_tokens = n_shared_tiles * kTileRows;
-  const DevicePlanView& v = plan.view();
   using U = std::uint64_t;
   kernels::ForwardParams p{};
   p.maps.x = make_bf16_tensor_map(a.x.data, {U(H), U(T)}, {64, 128}, "x");
@@ -84,7 +83,6 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const
   }
   p.maps.slots = make_f32_tensor_map(buffers.slots, {U(H), U(capacity)}, {32, 64}, "slots");
   fill_common_params(p, ws, a.topk_weights.data);
-  p.expert_rows = v.expert_rows;
   p.slots = buffers.slots;
   p.y = static_cast<std::uint16_t*>(a.y.data);
   p.saved_gu = saved_gu;

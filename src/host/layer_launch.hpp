@@ -9,6 +9,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <type_traits>
 
 #include "kernels/backward.cuh"
 #include "kernels/forward.cuh"
@@ -37,24 +38,25 @@ inline std::int64_t counters_per_tile(const Workspace& ws) {
   return ws.plan().allocated_tiles() + shared_tiles(ws.shape(), ws.max_tokens());
 }
 
-// The fields both kernels' params share: plan pointers, routing weights, counters, status
-// and sizes of the current call (the counters array is [per-tile counters..., done, abort,
-// wd_done]).
+// The fields both kernels' params share: plan tables, routing weights, counters, status
+// and sizes of the current call.
 template <typename Params>
 void fill_common_params(Params& p, const Workspace& ws, const void* topk_weights) {
   const MoeShape& s = ws.shape();
   const DevicePlan& plan = ws.plan();
   const DevicePlanView& v = plan.view();
-  p.row_pair = v.row_pair;
-  p.tile_expert = v.tile_expert;
-  p.tile_row = v.tile_row;
-  p.num_tiles = v.num_tiles;
-  p.expert_offset = v.expert_offset;
-  p.pair_row = v.pair_row;
-  p.plan_status = v.status;
+  p.plan = {v.row_pair, v.tile_expert, v.tile_row, v.num_tiles, v.expert_offset, v.pair_row, v.status};
   p.topk_weights = static_cast<const float*>(topk_weights);
   const std::int64_t per_tile = counters_per_tile(ws);
-  p.counters = {ws.counters(), ws.counters() + per_tile, ws.counters() + per_tile + 1};  // (+ 2: the backward's wd_done)
+  // [per-tile counters (h_ready / dgu_ready)..., done (y_done / dx_done), abort, the backward's wd_done]
+  p.counters = {};
+  p.counters.abort = ws.counters() + per_tile + 1;
+  if constexpr (std::is_same_v<Params, kernels::ForwardParams>) {
+    p.counters.h_ready = ws.counters(), p.counters.y_done = ws.counters() + per_tile;
+  } else {
+    p.counters.dgu_ready = ws.counters(), p.counters.dx_done = ws.counters() + per_tile;
+    p.counters.wd_done = ws.counters() + per_tile + 2;
+  }
   p.status = ws.status_device();
   p.tokens = static_cast<int>(ws.tokens());
   p.hidden = static_cast<int>(s.hidden);

@@ -58,8 +58,8 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
   int pending_dx = 0;  // dx tiles not yet counted in dx_done
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
-    const int read = read_counter(p, t);
-    switch_read(p, s.reads[wg], read);
+    const bool counts_reads = read_counter(p, t) != nullptr;
+    switch_read(s.reads[wg], read_counter(p, t));
     if (t.kind == kCombine) {
       if (!rows_ready) {
         publish_dx_rows(p, wg, pending_dx);
@@ -101,12 +101,12 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
       expert_rows(p, t, first, count);
       mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task);
       epilogue_weight(p, s, acc, t, wg, count == 0);
-      if (threadIdx.x % 128 == 0 && read != kReadNone && (count > 0 || t.kind == kWd))  // (an expert without
+      if (threadIdx.x % 128 == 0 && counts_reads && (count > 0 || t.kind == kWd))  // (an expert without
         ++s.reads[wg].count;                                                             //  rows has no dx tiles)
       if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);
     }
   }
-  switch_read(p, s.reads[wg], kReadNone);
+  switch_read(s.reads[wg], nullptr);
   publish_dx_rows(p, wg, pending_dx);
   if (p.ep.push && !rows_ready) publish_pushes(p, s, sched, wg, sched.total);
   if (threadIdx.x % 128 == 0) tma_store_wait_all();  // weight-gradient stores complete before exit
@@ -133,15 +133,15 @@ __device__ void bwd_run_comm(const BackwardParams& p, const RingSources& sources
   init_comm(s.comm);
   const int warp = threadIdx.x / 32;
   if (warp >= kCommWarps) return;
-  const RingPull<2> pull{{{p.ring.dy_buffer, sources.dy}, {p.ring.x_buffer, sources.x}}, p.row_pair,
-                         p.expert_offset[p.num_local_experts], p.hidden, p.tokens, p.top_k, p.ring};
+  const RingPull<2> pull{{{p.ring.dy_buffer, sources.dy}, {p.ring.x_buffer, sources.x}}, p.plan.row_pair,
+                         p.plan.expert_offset[p.num_local_experts], p.hidden, p.tokens, p.top_k, p.ring};
   const Schedule<true> sched(p, 0, 1);  // (for its tile counts)
   CommPipe pipe = comm_pipe(s.stages, s.comm, warp);
   const auto expected_freed = [&](int mb) {
     const int begin = mb * p.ring.minibatch_rows, end = begin + pull.rows_of(mb);
     int tasks = sched.n_dh_r * (end - begin) / kBlockM;
     for (int e = 0; e < p.num_local_experts; ++e) {
-      const int lo = p.expert_offset[e], hi = p.expert_offset[e + 1];
+      const int lo = p.plan.expert_offset[e], hi = p.plan.expert_offset[e + 1];
       if (lo < hi && lo < end && hi > begin) tasks += sched.weight_tasks();
     }
     return kConsumerWarpgroups * tasks;
@@ -174,7 +174,7 @@ struct BackwardKernel {
     return true;
   }
   __device__ static void init_shared(const P&, Storage& s, int) {
-    if (threadIdx.x < kConsumerWarpgroups) s.reads[threadIdx.x] = {-1, 0};  // (kReadNone)
+    if (threadIdx.x < kConsumerWarpgroups) s.reads[threadIdx.x] = {nullptr, 0};
   }
   __device__ static bool is_comm(const P& p, int cta) { return kRing && cta < p.ring.comm_ctas; }
   __device__ static void run_comm(const P& p, const RingSources& sources, Storage& s, int cta) {

@@ -7,7 +7,6 @@
 #include <cstdint>
 
 #include "kernels/forward.cuh"
-#include "mok/device_plan.hpp"
 #include "mok/kernel_status.hpp"
 
 namespace mok::kernels {
@@ -66,8 +65,8 @@ struct BackwardCounters {
   int* dgu_ready;  // [max_routed_tiles + shared_tiles]: dh warpgroup-tiles done per M-tile
                    // (dx_over_x: an expert's first M-tile also counts its dW_gate|up ones)
   int* dx_done;    // dx-row warpgroup-tiles done
-  int* abort;      // (then, rows_in_grads: abort[1] counts the routed dW_down warpgroup-tiles
-                   // done; no pointer of its own: BackwardGroupParams is at its size limit)
+  int* abort;      // set by the first CTA that gives up; every wait checks it
+  int* wd_done;    // rows_in_grads: routed dW_down warpgroup-tiles done (their rows read)
 };
 
 struct BackwardParams {
@@ -77,14 +76,7 @@ struct BackwardParams {
   EpPeers ep;
   BackwardRing ring;
   ExpertSetData routed, shared;
-  // plan
-  const std::int32_t* row_pair;
-  const std::int32_t* tile_expert;
-  const std::int32_t* tile_row;
-  const std::int32_t* num_tiles;
-  const std::int32_t* expert_offset;
-  const std::int32_t* pair_row;
-  const PlanStatus* plan_status;
+  PlanTables plan;
   // data
   const float* topk_weights;  // [T, k] (EP: [ep, T, k])
   float* dw_partial;          // [capacity, ceil(I / 256)]: per N-tile partial of d_topk_weights

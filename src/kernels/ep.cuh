@@ -31,13 +31,13 @@ struct RingGeometry {
 // combine finds them through pair_row.
 
 struct EpPeers {
-  bool push;
   int rank, size;
+  bool push;
+  bool system_scope;             // peers are other GPUs (else: virtual ranks on this GPU)
+  bool stalled;                  // tests: this rank does nothing, as a hung peer would
   float* slots[kMaxEpRanks];       // rank q's combine slots
   int* slots_done[kMaxEpRanks];    // rank q's counters [kMaxEpRanks]: entry r counts rank r's pushes
   const int* expected_rows;      // [kMaxEpRanks]: rows this rank's routing sends to each rank
-  bool system_scope;             // peers are other GPUs (else: virtual ranks on this GPU)
-  bool stalled;                  // tests: this rank does nothing, as a hung peer would
   const std::int32_t* own_ids;   // [T, k] this rank's routing (-1: no expert)
   const void* plan_status[kMaxEpRanks];  // rank q's PlanStatus: a bad plan anywhere stops every rank
   const unsigned long long* saved_marker[kMaxEpRanks];  // backward: rank q's saved-tensor trailer, likewise

@@ -53,7 +53,7 @@ __device__ __forceinline__ void publish_pushed_rows(const EpPeers& ep, PushedRow
 template <typename P>
 __device__ __forceinline__ bool all_plans_ok(const P& p, bool check_saved) {
   const EpPeers& ep = p.ep;
-  if (p.plan_status->code != PlanStatus::ok) return false;
+  if (p.plan.status->code != PlanStatus::ok) return false;
   if (!ep.push) return true;
   if (ep.header == nullptr) {  // virtual ranks in one launch: the stream ordered every planner before it
     for (int q = 0; q < ep.size; ++q)

@@ -77,7 +77,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
       combine(p, t);
       continue;
     }
-    const int row0 = t.shared ? t.m * kBlockM : p.tile_row[t.m];
+    const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
     const int k_steps = (t.kind == kGemm1 ? p.hidden : (t.shared ? p.shared_inter : p.inter)) / kBlockK;
     mainloop<KMajor, KMajor>(p, s, pipe, acc, k_steps, wg, task);
     if (t.mb >= 0) publish_count(p.ring.freed + t.mb, 1, wg);  // its ring rows are read: the slot may be reused
@@ -115,7 +115,7 @@ __device__ void fwd_run_comm(const ForwardParams& p, SharedStorage& s, int comm,
   init_comm(s.comm);
   const int warp = threadIdx.x / 32;
   if (warp >= kCommWarps) return;
-  const RingPull<1> pull{{{p.ring.buffer, p.ring.x}}, p.row_pair, p.expert_offset[p.num_local_experts], p.hidden,
+  const RingPull<1> pull{{{p.ring.buffer, p.ring.x}}, p.plan.row_pair, p.plan.expert_offset[p.num_local_experts], p.hidden,
                          p.tokens, p.top_k, p.ring};
   const int n1 = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
   CommPipe pipe = comm_pipe(s.stages, s.comm, warp);

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "kernels/ep.cuh"
-#include "mok/device_plan.hpp"
+#include "kernels/plan_tables.cuh"
 #include "mok/kernel_status.hpp"
 
 namespace mok::kernels {
@@ -54,15 +54,7 @@ struct ForwardParams {
   ForwardMaps maps;
   EpPeers ep;
   RingParams ring;
-  // plan
-  const std::int32_t* row_pair;
-  const std::int32_t* tile_expert;
-  const std::int32_t* tile_row;
-  const std::int32_t* num_tiles;
-  const std::int32_t* expert_rows;
-  const std::int32_t* expert_offset;
-  const std::int32_t* pair_row;
-  const PlanStatus* plan_status;
+  PlanTables plan;
   // data
   const float* topk_weights;     // [T, k]
   float* slots;                  // [capacity, H]

@@ -15,6 +15,7 @@
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/mbarrier.cuh"
+#include "mok/ptx/tma.cuh"
 #include "mok/ptx/wgmma.cuh"
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ != 900 || !defined(__CUDA_ARCH_FEAT_SM90_ALL))
@@ -189,6 +190,19 @@ __device__ __forceinline__ void publish_count(int* counter, int count, int wg) {
     ptx::fence_acq_rel_gpu();
     ptx::red_release_gpu_add(counter, count);
   }
+}
+
+// counter += pending (then pending = 0) once the TMA stores of warpgroup `wg`'s pending
+// tiles have completed (their readers use plain loads). Callers defer it until a reader
+// needs the tiles, so the stores drain behind later mainloops instead of behind a wait.
+__device__ __forceinline__ void publish_stored_tiles(int* counter, int& pending, int wg) {
+  if (pending == 0) return;
+  if (threadIdx.x % 128 == 0) {
+    ptx::tma_store_wait_all();
+    ptx::fence_proxy_async_global();
+  }
+  publish_count(counter, pending, wg);
+  pending = 0;
 }
 
 // Four consecutive values of a slot row as fp32 (rows of fp32, or of bf16 bits).

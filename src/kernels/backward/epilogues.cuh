@@ -42,7 +42,7 @@ __device__ void epilogue_dh(const BackwardParams& p, const float (&acc)[128], co
       valid[h] = row[h] < p.tokens;
       weight[h] = 1.0f;
     } else {
-      const int pair = p.row_pair[row[h]];
+      const int pair = p.plan.row_pair[row[h]];
       valid[h] = pair >= 0;
       weight[h] = valid[h] ? p.topk_weights[pair] : 0.0f;
     }
@@ -89,7 +89,7 @@ __device__ void epilogue_dh(const BackwardParams& p, const float (&acc)[128], co
       v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
       if (lane % 4 != 0 || !valid[h]) continue;
       if (p.ep.push) {  // into the owner's partials, at its pair t * k + j
-        const int pair = p.row_pair[row[h]], pairs_per_rank = p.tokens * p.top_k;
+        const int pair = p.plan.row_pair[row[h]], pairs_per_rank = p.tokens * p.top_k;
         float* partials = reinterpret_cast<float*>(reinterpret_cast<std::uint16_t*>(p.ep.slots[pair / pairs_per_rank]) +
                                                    static_cast<std::int64_t>(pairs_per_rank) * p.hidden);
         partials[static_cast<std::int64_t>(pair % pairs_per_rank) * n_tiles + t.n] = v;
@@ -138,7 +138,7 @@ __device__ void push_dx_rows(const BackwardParams& p, const float (&acc)[128], i
     }
     sync_warpgroup(wg);  // (read back by threads, the generic proxy: no proxy fence)
     if (half == 0 && lane < 16) {  // (not earlier: with all of acc live, registers spilled)
-      const int pair = p.row_pair[row0 + (lane / 2) * 8 + 2 * warp + lane % 2], pairs_per_rank = p.tokens * p.top_k;
+      const int pair = p.plan.row_pair[row0 + (lane / 2) * 8 + 2 * warp + lane % 2], pairs_per_rank = p.tokens * p.top_k;
       if (pair >= 0)  // (padding: pair -1)
         dst = reinterpret_cast<std::uint16_t*>(p.ep.slots[pair / pairs_per_rank]) +
               static_cast<std::int64_t>(pair % pairs_per_rank) * p.hidden + n0;
@@ -256,10 +256,10 @@ __device__ void combine(const BackwardParams& p, const Task& t, const Sched& sch
   }
   const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
   const int begin = t.m * kCombineTokens, end = min(p.tokens, begin + kCombineTokens);
-  combine_tokens<false, false, std::uint16_t>(begin, end, p.hidden, p.top_k, p.pair_row, nullptr, nullptr, p.routed.dx_rows,
+  combine_tokens<false, false, std::uint16_t>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, nullptr, p.routed.dx_rows,
                                        p.shared.dx_rows, p.dx, tid, threads);
   for (int i = begin * p.top_k + tid; i < end * p.top_k; i += threads) {
-    const int row = p.pair_row[i];
+    const int row = p.plan.pair_row[i];
     float v = 0.0f;
     if (row >= 0)
       for (int n = 0; n < sched.n_dh_r; ++n) v = __fadd_rn(v, p.dw_partial[static_cast<std::int64_t>(row) * sched.n_dh_r + n]);
@@ -267,16 +267,9 @@ __device__ void combine(const BackwardParams& p, const Task& t, const Sched& sch
   }
 }
 
-// dx_done += this warpgroup's dx tiles, once their TMA stores have completed (the
-// combine reads the rows with plain loads). Deferred until the combine.
+// Publishes this warpgroup's dx tiles (dx_done), deferred until the combine, their only reader.
 __device__ void publish_dx_rows(const BackwardParams& p, int wg, int& pending) {
-  if (pending == 0) return;
-  if (threadIdx.x % 128 == 0) {
-    tma_store_wait_all();
-    fence_proxy_async_global();
-  }
-  publish_count(p.counters.dx_done, pending, wg);
-  pending = 0;
+  publish_stored_tiles(p.counters.dx_done, pending, wg);
 }
 
 // EP: publishes, per owner, the rows this warpgroup pushed (dx rows and d_topk_weights
@@ -287,7 +280,7 @@ __device__ void publish_pushes(const BackwardParams& p, SharedStorage& s, const 
   for (int task = sched.cta; task < end; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (!t.shared && (t.kind == kDh || t.kind == kDx))
-      count_pushed_rows(p.ep, p.row_pair, tile_row0(p, t) + wg * 64, p.tokens * p.top_k, s.pushed[wg]);
+      count_pushed_rows(p.ep, p.plan.row_pair, tile_row0(p, t) + wg * 64, p.tokens * p.top_k, s.pushed[wg]);
   }
   publish_pushed_rows(p.ep, s.pushed[wg], wg);
 }
@@ -306,19 +299,19 @@ __device__ void free_ring_rows(const BackwardParams& p, const Task& t, int wg) {
 // a task that counts elsewhere (another expert, another phase) — before that task can wait
 // for anything — rather than with a fence per tile (that cost ~1.5 % of fwd+bwd). Thread 0
 // saw every load of those tiles land (the full barriers): its release orders them; no other
-// thread's writes are published. (Counters as indices: pointers in registers spilled.)
-constexpr int kReadNone = -1, kReadWdDone = -2;  // else an index into dgu_ready
+// thread's writes are published.
 
-__device__ __forceinline__ int read_counter(const BackwardParams& p, const Task& t) {
-  if (!t.shared && t.kind == kWgu && p.dx_over_x) return p.expert_offset[t.e] / kBlockM;
-  if (!t.shared && t.kind == kWd && p.rows_in_grads) return kReadWdDone;
-  return kReadNone;
+// The counter that task t's reads count in (null: none).
+__device__ __forceinline__ int* read_counter(const BackwardParams& p, const Task& t) {
+  if (!t.shared && t.kind == kWgu && p.dx_over_x) return p.counters.dgu_ready + p.plan.expert_offset[t.e] / kBlockM;
+  if (!t.shared && t.kind == kWd && p.rows_in_grads) return p.counters.wd_done;
+  return nullptr;
 }
 
-__device__ __forceinline__ void switch_read(const BackwardParams& p, ReadCount& r, int at) {
-  if (threadIdx.x % 128 != 0 || at == r.at) return;
-  if (r.count > 0) red_release_gpu_add(r.at == kReadWdDone ? wd_done(p) : p.counters.dgu_ready + r.at, r.count);
-  r.at = at, r.count = 0;
+__device__ __forceinline__ void switch_read(ReadCount& r, int* counter) {
+  if (threadIdx.x % 128 != 0 || counter == r.counter) return;
+  if (r.count > 0) red_release_gpu_add(r.counter, r.count);
+  r.counter = counter, r.count = 0;
 }
 
 }  // namespace mok::kernels::bwd

@@ -61,7 +61,7 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
         // once done, and each of them waited for every dh tile of the expert, so that one
         // counter says both.
         const bool over_x = !Sched::kRing && p.dx_over_x && !t.shared;
-        counter = p.counters.dgu_ready + (over_x ? p.expert_offset[t.e] / kBlockM : dgu_counter(p, t, t.m));
+        counter = p.counters.dgu_ready + (over_x ? p.plan.expert_offset[t.e] / kBlockM : dgu_counter(p, t, t.m));
         expected = kConsumerWarpgroups * (sched.n_dh(t.shared) + (over_x ? sched.m_wgu_r * sched.n_dx : 0));
         if constexpr (Sched::kRing) wait_counter(p, counter, expected, task, site);  // (here: fewer registers)
       }
@@ -78,7 +78,7 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
                        task, WaitSite::expert_dh_ready);
       if constexpr (!Sched::kRing) rows_seen = expert;
       if (!Sched::kRing && p.rows_in_grads && t.kind == kWgu && !t.shared && !dw_down_seen) {
-        counter = wd_done(p);
+        counter = p.counters.wd_done;
         expected = kConsumerWarpgroups * sched.experts * sched.m_wd * sched.n_dh_r;
         site = WaitSite::grad_rows_read;
       }

@@ -27,8 +27,8 @@ constexpr std::uint32_t kBoxBytes = 64 * 64 * 2;          // one MN-major box {6
 constexpr std::uint32_t kKMajorABytes = kBlockM * kBlockK * 2;  // one K-major A box {64, 128}
 
 struct ReadCount {
-  int at;     // the counter (switch_read())
-  int count;  // tiles not yet counted in it
+  int* counter;  // the counter (switch_read()); null: none
+  int count;     // tiles not yet counted in it
 };
 
 struct alignas(1024) SharedStorage {
@@ -77,7 +77,7 @@ struct Schedule {
   __device__ Schedule(const BackwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
     const int I = p.routed.inter, Is = p.shared.inter;
     experts = p.num_local_experts;
-    m_routed = *p.num_tiles;
+    m_routed = *p.plan.num_tiles;
     m_shared = p.shared_tiles;
     n_dh_r = ceil_div(I, kBlockN);
     n_dh_s = ceil_div(Is, kBlockN);
@@ -107,10 +107,10 @@ struct Schedule {
 #pragma unroll 1
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (p.expert_offset[mid] / kBlockM * per_tile + mid * weights <= task) lo = mid;
+      if (p.plan.expert_offset[mid] / kBlockM * per_tile + mid * weights <= task) lo = mid;
       else hi = mid - 1;
     }
-    const int first = p.expert_offset[lo] / kBlockM, tiles = p.expert_offset[lo + 1] / kBlockM - first;
+    const int first = p.plan.expert_offset[lo] / kBlockM, tiles = p.plan.expert_offset[lo + 1] / kBlockM - first;
     int l = task - (first * per_tile + lo * weights);
     t.e = lo;
     if (l < tiles * n_dh_r) {
@@ -133,8 +133,8 @@ struct Schedule {
 
   // Routed M-tile tasks: N-tile-major inside each expert (the forward's order).
   __device__ static void split_routed(const BackwardParams& p, int local, int n_tiles, Task& t) {
-    const int e = expert_of_task(p.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
-    const int first = p.expert_offset[e] / kBlockM, tiles = p.expert_offset[e + 1] / kBlockM - first;
+    const int e = expert_of_task(p.plan.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
+    const int first = p.plan.expert_offset[e] / kBlockM, tiles = p.plan.expert_offset[e + 1] / kBlockM - first;
     const int l = local - first * n_tiles;
     t.e = e, t.n = l / tiles, t.m = first + l % tiles;
   }
@@ -176,7 +176,7 @@ struct Schedule {
 
 // First row of an M-tile task's rows (routed: the plan's tile row; shared: token order).
 __device__ __forceinline__ int tile_row0(const BackwardParams& p, const Task& t) {
-  return t.shared ? t.m * kBlockM : p.tile_row[t.m];
+  return t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
 }
 
 // Row range [first, first + count) of the expert of a weight-gradient task (padded to 128).
@@ -184,11 +184,9 @@ __device__ __forceinline__ void expert_rows(const BackwardParams& p, const Task&
   if (t.shared) {
     first = 0, count = p.shared_tiles * kBlockM;
   } else {
-    first = p.expert_offset[t.e], count = p.expert_offset[t.e + 1] - first;
+    first = p.plan.expert_offset[t.e], count = p.plan.expert_offset[t.e + 1] - first;
   }
 }
-
-__device__ __forceinline__ int* wd_done(const BackwardParams& p) { return p.counters.abort + 1; }
 
 // K steps of a weight-gradient task over `count` rows (a multiple of 128): at least one,
 // even for an expert without rows (its loads land, its product is not stored: zeros are),
@@ -208,7 +206,7 @@ __device__ __forceinline__ bool reads_ring(const Task& t) {
   return Sched::kRing && !t.shared && t.kind != kDx;
 }
 __device__ __forceinline__ int minibatch_rows(const BackwardParams& p, int mb) {
-  return minibatch_rows(p.ring, p.expert_offset[p.num_local_experts], mb);
+  return minibatch_rows(p.ring, p.plan.expert_offset[p.num_local_experts], mb);
 }
 __device__ __forceinline__ int ring_row(const BackwardParams& p, bool ring, int row) {
   return ring ? row % p.ring.ring_rows : row;
@@ -217,7 +215,7 @@ __device__ __forceinline__ int ring_row(const BackwardParams& p, bool ring, int 
 // The plan rows [first, first + count) a ring-reading task reads: its M-tile (dh), or its
 // expert's rows (weight gradients; none if the expert has no rows).
 __device__ __forceinline__ void ring_rows_read(const BackwardParams& p, const Task& t, int& first, int& count) {
-  if (t.kind == kDh) first = p.tile_row[t.m], count = kBlockM;
+  if (t.kind == kDh) first = p.plan.tile_row[t.m], count = kBlockM;
   else expert_rows(p, t, first, count);
 }
 

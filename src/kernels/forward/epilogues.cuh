@@ -89,17 +89,9 @@ __device__ void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const f
   pending_index = t.shared ? p.max_routed_tiles + t.m : t.m;
 }
 
-// Publishes this warpgroup's GEMM2 tiles: y_done += count, once their TMA stores have
-// completed. Deferred until the combine (the only reader), so the slot stores drain behind
-// later mainloops instead of behind a wait.
+// Publishes this warpgroup's GEMM2 tiles (y_done), deferred until the combine, their only reader.
 __device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, int& pending_tiles) {
-  if (pending_tiles == 0) return;
-  if (threadIdx.x % 128 == 0) {
-    tma_store_wait_all();
-    fence_proxy_async_global();
-  }
-  publish_count(p.counters.y_done, pending_tiles, wg);
-  pending_tiles = 0;
+  publish_stored_tiles(p.counters.y_done, pending_tiles, wg);
 }
 
 // fp32 rows of this warpgroup's 64 x 256 tile into the slot buffer (published by
@@ -148,7 +140,7 @@ __device__ void epilogue_gemm2_push(const ForwardParams& p, SharedStorage& s, co
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
   std::int32_t pair[8];  // of rows tid / 16 + 8 i
 #pragma unroll
-  for (int i = 0; i < 8; ++i) pair[i] = p.row_pair[rows0 + tid / 16 + 8 * i];
+  for (int i = 0; i < 8; ++i) pair[i] = p.plan.row_pair[rows0 + tid / 16 + 8 * i];
 #pragma unroll
   for (int round = 0; round < 4; ++round) {
     if (n0 + 64 * round >= p.hidden) break;  // (hidden is a multiple of 64: a round is wholly in or out)
@@ -168,7 +160,7 @@ __device__ void epilogue_gemm2_push(const ForwardParams& p, SharedStorage& s, co
       *reinterpret_cast<float4*>(row + n0 + 64 * round + 4 * piece) = v;
     }
   }
-  count_pushed_rows(p.ep, p.row_pair, rows0, pairs_per_rank, s.pushed[wg]);
+  count_pushed_rows(p.ep, p.plan.row_pair, rows0, pairs_per_rank, s.pushed[wg]);
 }
 
 __device__ void publish_pushes(const ForwardParams& p, SharedStorage& s, int wg) {
@@ -182,7 +174,7 @@ __device__ void combine(const ForwardParams& p, const Task& t) {
     combine_tokens<true, true, float>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, p.topk_weights,
                                 p.ep.slots[p.ep.rank], p.shared_slots, p.y, tid, threads);
   else
-    combine_tokens<true, false, float>(begin, end, p.hidden, p.top_k, p.pair_row, nullptr, p.topk_weights, p.slots,
+    combine_tokens<true, false, float>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, p.topk_weights, p.slots,
                                 p.shared_slots, p.y, tid, threads);
 }
 

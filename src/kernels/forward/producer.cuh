@@ -42,8 +42,8 @@ __device__ void run_producer(const ForwardParams& p, SharedStorage& s, const Sch
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) break;  // combine tasks come last and load nothing
-    const int expert = t.shared ? 0 : p.tile_expert[t.m];
-    const int row0 = t.shared ? t.m * kBlockM : p.tile_row[t.m];
+    const int expert = t.shared ? 0 : p.plan.tile_expert[t.m];
+    const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
     const CUtensorMap *a, *b0, *b1 = nullptr;
     int k_steps, b_row;
     int a_row = row0;

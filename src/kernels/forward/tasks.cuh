@@ -59,7 +59,7 @@ struct Task {
 
 // Ring: plan rows of minibatch mb (the last one may be short).
 __device__ __forceinline__ int minibatch_rows(const ForwardParams& p, int mb) {
-  return minibatch_rows(p.ring, p.expert_offset[p.num_local_experts], mb);
+  return minibatch_rows(p.ring, p.plan.expert_offset[p.num_local_experts], mb);
 }
 
 // Task ranges of one launch; routed tile count comes from the device plan.
@@ -69,7 +69,7 @@ struct Schedule {
   int g1_routed_end, g1_shared_end, g2_routed_end, g2_shared_end, total;
 
   __device__ Schedule(const ForwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
-    m_routed = *p.num_tiles;
+    m_routed = *p.plan.num_tiles;
     m_shared = p.shared_tiles;
     n1_routed = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
     n1_shared = (p.shared_inter + kGemm1Columns - 1) / kGemm1Columns;
@@ -100,9 +100,9 @@ struct Schedule {
 
   // Routed tasks: find the expert whose task range holds `local`, then split inside it.
   __device__ static void split_routed(const ForwardParams& p, int local, int n_tiles, Task& t) {
-    const int e = expert_of_task(p.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
-    const int first = p.expert_offset[e] / kBlockM;
-    split(local - first * n_tiles, first, p.expert_offset[e + 1] / kBlockM - first, t);
+    const int e = expert_of_task(p.plan.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
+    const int first = p.plan.expert_offset[e] / kBlockM;
+    split(local - first * n_tiles, first, p.plan.expert_offset[e + 1] / kBlockM - first, t);
   }
 
   __device__ Task decode(const ForwardParams& p, int task) const {
