@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/ring_copy.cuh"
+#include "kernels/ep/ring_copy.cuh"
 #include "mok/forward.hpp"
 #include "mok/ptx/fence.cuh"
 

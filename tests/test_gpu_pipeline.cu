@@ -1,4 +1,4 @@
-// The kernels' pipeline alone (kernels/pipeline.cuh), without GEMMs: one producer thread
+// The kernels' pipeline alone (kernels/common/pipeline.cuh), without GEMMs: one producer thread
 // fills kStages shared-memory stages with bulk copies (completing each stage's full barrier
 // by its bytes, as TMA loads do) and two consumer warpgroups read every item and release its
 // stage. Many passes over few stages exercise every wrap-around and parity flip; each item's
@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "gpu_support.hpp"
-#include "kernels/pipeline.cuh"
-#include "kernels/persistent.cuh"
+#include "kernels/common/pipeline.cuh"
+#include "kernels/common/persistent.cuh"
 #include "mok/forward.hpp"  // wait_site_text
 #include "mok/kernel_status.hpp"
 #include "mok/ptx/tma.cuh"
@@ -26,7 +26,7 @@ struct Counters {
   int* abort;
 };
 
-struct PipelineTestParams {  // what kernels/waits.cuh needs, plus the test's buffers
+struct PipelineTestParams {  // what kernels/common/waits.cuh needs, plus the test's buffers
   Counters counters;
   KernelStatus* status;
   long long timeout_ns;

@@ -8,7 +8,7 @@
 #include "mok/plan.hpp"
 #include "mok/routing.hpp"
 #include "host/layer_launch.hpp"
-#include "kernels/slot_rows.cuh"
+#include "kernels/common/slot_rows.cuh"
 #include "plan_checks.hpp"
 
 namespace mok {

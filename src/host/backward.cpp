@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "cuda_check.hpp"
-#include "kernels/backward.cuh"
+#include "kernels/backward/backward.cuh"
 #include "layer_launch.hpp"
 #include "mok/error.hpp"
 #include "tensor_map.hpp"

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "kernels/plan.cuh"
+#include "kernels/plan/plan.cuh"
 #include "cuda_check.hpp"
 #include "mok/error.hpp"
 

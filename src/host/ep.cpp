@@ -12,9 +12,9 @@
 
 #include "cuda_check.hpp"
 #include "ep_common.hpp"
-#include "kernels/backward.cuh"
-#include "kernels/exchange.cuh"
-#include "kernels/forward.cuh"
+#include "kernels/backward/backward.cuh"
+#include "kernels/ep/exchange.cuh"
+#include "kernels/forward/forward.cuh"
 #include "layer_launch.hpp"
 #include "mok/error.hpp"
 #include "tensor_map.hpp"

@@ -9,8 +9,8 @@
 #include <span>
 #include <string_view>
 
-#include "kernels/backward.cuh"
-#include "kernels/forward.cuh"
+#include "kernels/backward/backward.cuh"
+#include "kernels/forward/forward.cuh"
 #include "mok/device_plan.hpp"
 #include "mok/ep.hpp"
 #include "mok/error.hpp"
@@ -47,7 +47,7 @@ inline void set_ring(kernels::ForwardParams& p, const Workspace& ws, int comm_ct
   p.maps.x_routed = make_bf16_tensor_map(ring, {std::uint64_t(ws.shape().hidden), std::uint64_t(rows)}, {64, 128}, "ring");
 }
 
-// The backward's ring (kernels/backward.cuh): the workspace's dy and x row buffers, used
+// The backward's ring (kernels/backward/backward.cuh): the workspace's dy and x row buffers, used
 // ring_rows rows at a time (rows never pass capacity, so a ring larger than that never
 // wraps). The maps of the routed dy and x rows then cover them.
 inline void set_backward_ring(kernels::BackwardParams& p, Workspace& ws, int comm_ctas, int* counters) {

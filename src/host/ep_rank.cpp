@@ -11,11 +11,11 @@
 
 #include "cuda_check.hpp"
 #include "ep_common.hpp"
-#include "kernels/backward.cuh"
-#include "kernels/ep_sync.cuh"
-#include "kernels/exchange.cuh"
-#include "kernels/forward.cuh"
-#include "kernels/load.cuh"
+#include "kernels/backward/backward.cuh"
+#include "kernels/ep/ep_sync.cuh"
+#include "kernels/ep/exchange.cuh"
+#include "kernels/forward/forward.cuh"
+#include "kernels/common/load.cuh"
 #include "layer_launch.hpp"
 #include "mok/ep.hpp"
 #include "mok/error.hpp"
@@ -82,7 +82,7 @@ EpRank::EpRank(const MoeShape& shape, std::int64_t tokens_per_rank, int rank, st
       throw_argument_error(kWhere, "region_bases", "entry ", q, " must be 256-byte aligned");
     bases_.push_back(static_cast<char*>(region_bases[q]));
   }
-  kernels::load_ep_kernels();  // before any call: see kernels/load.cuh
+  kernels::load_ep_kernels();  // before any call: see kernels/common/load.cuh
   ws_.reset(new Workspace(shape, tokens_per_rank, config, training, Workspace::ForRank{rank}));
   if (detail::uses_ring(config))
     detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&ring_), detail::ring_rows(*ws_) * shape.hidden * 2), kWhere,

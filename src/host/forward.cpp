@@ -7,8 +7,8 @@
 #include <limits>
 
 #include "cuda_check.hpp"
-#include "kernels/dispatch.cuh"
-#include "kernels/forward.cuh"
+#include "kernels/ep/dispatch.cuh"
+#include "kernels/forward/forward.cuh"
 #include "layer_launch.hpp"
 #include "mok/error.hpp"
 #include "tensor_map.hpp"

@@ -11,8 +11,8 @@
 #include <string_view>
 #include <type_traits>
 
-#include "kernels/backward.cuh"
-#include "kernels/forward.cuh"
+#include "kernels/backward/backward.cuh"
+#include "kernels/forward/forward.cuh"
 #include "mok/forward.hpp"
 
 namespace mok::detail {

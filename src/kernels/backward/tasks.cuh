@@ -1,4 +1,4 @@
-// The fused backward's shared storage, tasks and schedule (see kernels/backward.cu's header):
+// The fused backward's shared storage, tasks and schedule (see kernels/backward/backward.cu's header):
 // what each task is, in which order the CTAs take them, and which rows and counters it uses.
 #pragma once
 
@@ -6,13 +6,13 @@
 
 #include <cstdint>
 
-#include "kernels/backward.cuh"
-#include "kernels/ep_push.cuh"
-#include "kernels/load.cuh"
-#include "kernels/persistent.cuh"
-#include "kernels/pipeline.cuh"
-#include "kernels/ring_copy.cuh"
-#include "kernels/swiglu.cuh"
+#include "kernels/backward/backward.cuh"
+#include "kernels/ep/ep_push.cuh"
+#include "kernels/common/load.cuh"
+#include "kernels/common/persistent.cuh"
+#include "kernels/common/pipeline.cuh"
+#include "kernels/ep/ring_copy.cuh"
+#include "kernels/common/swiglu.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/mbarrier.cuh"
@@ -22,7 +22,7 @@ namespace mok::kernels::bwd {
 
 using namespace mok::ptx;
 
-// Tile sizes, stages and the CTA layout are the forward's (kernels/forward.cuh, persistent.cuh).
+// Tile sizes, stages and the CTA layout are the forward's (kernels/forward/forward.cuh, persistent.cuh).
 constexpr std::uint32_t kBoxBytes = 64 * 64 * 2;          // one MN-major box {64, 64}
 constexpr std::uint32_t kKMajorABytes = kBlockM * kBlockK * 2;  // one K-major A box {64, 128}
 

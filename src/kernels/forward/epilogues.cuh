@@ -7,14 +7,14 @@
 
 #include <cstdint>
 
-#include "kernels/ep_push.cuh"
-#include "kernels/forward.cuh"
-#include "kernels/load.cuh"
-#include "kernels/persistent.cuh"
-#include "kernels/pipeline.cuh"
-#include "kernels/ring_copy.cuh"
-#include "kernels/slot_rows.cuh"
-#include "kernels/swiglu.cuh"
+#include "kernels/ep/ep_push.cuh"
+#include "kernels/forward/forward.cuh"
+#include "kernels/common/load.cuh"
+#include "kernels/common/persistent.cuh"
+#include "kernels/common/pipeline.cuh"
+#include "kernels/ep/ring_copy.cuh"
+#include "kernels/common/slot_rows.cuh"
+#include "kernels/common/swiglu.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/mbarrier.cuh"

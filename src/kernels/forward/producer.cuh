@@ -6,14 +6,14 @@
 
 #include <cstdint>
 
-#include "kernels/ep_push.cuh"
-#include "kernels/forward.cuh"
-#include "kernels/load.cuh"
-#include "kernels/persistent.cuh"
-#include "kernels/pipeline.cuh"
-#include "kernels/ring_copy.cuh"
-#include "kernels/slot_rows.cuh"
-#include "kernels/swiglu.cuh"
+#include "kernels/ep/ep_push.cuh"
+#include "kernels/forward/forward.cuh"
+#include "kernels/common/load.cuh"
+#include "kernels/common/persistent.cuh"
+#include "kernels/common/pipeline.cuh"
+#include "kernels/ep/ring_copy.cuh"
+#include "kernels/common/slot_rows.cuh"
+#include "kernels/common/swiglu.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/mbarrier.cuh"
@@ -27,7 +27,7 @@ using namespace mok::ptx;
 
 // ---------------------------------------------------------------------------------- producer
 
-// One GPU, x rows in the slot buffer's upper half (kernels/slot_rows.cuh): before the slot
+// One GPU, x rows in the slot buffer's upper half (kernels/common/slot_rows.cuh): before the slot
 // rows [row0, row0 + 128) are stored, every GEMM1 tile of the x rows under them must have
 // read them: M-tiles at or below this tile's, so lower-numbered tasks.
 __device__ void wait_x_rows_read(const ForwardParams& p, const Schedule& sched, int row0, int task) {

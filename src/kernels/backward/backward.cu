@@ -29,16 +29,16 @@
 
 #include <cstdint>
 
-#include "kernels/backward.cuh"
+#include "kernels/backward/backward.cuh"
 #include "kernels/backward/epilogues.cuh"
 #include "kernels/backward/producer.cuh"
 #include "kernels/backward/tasks.cuh"
-#include "kernels/ep_push.cuh"
-#include "kernels/load.cuh"
-#include "kernels/persistent.cuh"
-#include "kernels/pipeline.cuh"
-#include "kernels/ring_copy.cuh"
-#include "kernels/skeleton.cuh"
+#include "kernels/ep/ep_push.cuh"
+#include "kernels/common/load.cuh"
+#include "kernels/common/persistent.cuh"
+#include "kernels/common/pipeline.cuh"
+#include "kernels/ep/ring_copy.cuh"
+#include "kernels/common/skeleton.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/mbarrier.cuh"
@@ -149,7 +149,7 @@ __device__ void bwd_run_comm(const BackwardParams& p, const RingSources& sources
   pull.run(p, pipe, comm * kCommWarps + warp, comms * kCommWarps, expected_freed, WaitSite::backward_freed, WaitSite::backward_copy);
 }
 
-// The backward as a policy of the persistent skeleton (kernels/skeleton.cuh): one rank's
+// The backward as a policy of the persistent skeleton (kernels/common/skeleton.cuh): one rank's
 // backward on CTAs cta = 0 .. ctas - 1 of those serving it.
 template <bool kRing>
 struct BackwardKernel {

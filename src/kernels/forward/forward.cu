@@ -27,18 +27,18 @@
 
 #include <cstdint>
 
-#include "kernels/ep_push.cuh"
+#include "kernels/ep/ep_push.cuh"
 #include "kernels/forward/epilogues.cuh"
 #include "kernels/forward/producer.cuh"
 #include "kernels/forward/tasks.cuh"
-#include "kernels/forward.cuh"
-#include "kernels/load.cuh"
-#include "kernels/persistent.cuh"
-#include "kernels/pipeline.cuh"
-#include "kernels/ring_copy.cuh"
-#include "kernels/skeleton.cuh"
-#include "kernels/slot_rows.cuh"
-#include "kernels/swiglu.cuh"
+#include "kernels/forward/forward.cuh"
+#include "kernels/common/load.cuh"
+#include "kernels/common/persistent.cuh"
+#include "kernels/common/pipeline.cuh"
+#include "kernels/ep/ring_copy.cuh"
+#include "kernels/common/skeleton.cuh"
+#include "kernels/common/slot_rows.cuh"
+#include "kernels/common/swiglu.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/mbarrier.cuh"
@@ -123,7 +123,7 @@ __device__ void fwd_run_comm(const ForwardParams& p, SharedStorage& s, int comm,
            [&](int mb) { return kConsumerWarpgroups * n1 * pull.rows_of(mb) / kBlockM; }, WaitSite::forward_freed, WaitSite::forward_copy);
 }
 
-// The forward as a policy of the persistent skeleton (kernels/skeleton.cuh): one rank's
+// The forward as a policy of the persistent skeleton (kernels/common/skeleton.cuh): one rank's
 // forward on CTAs cta = 0 .. ctas - 1 of those serving it.
 struct ForwardKernel {
   using Storage = SharedStorage;

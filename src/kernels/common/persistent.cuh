@@ -1,8 +1,8 @@
 // Pieces shared by the persistent kernels (forward.cu, backward.cu): the CTA's roles and
 // register split, the wgmma accumulator layout, and the consumer mainloop over a pipeline
-// of {A 128 x 64, B 256 x 64} stages (kernels/pipeline.cuh; bounded waits: kernels/waits.cuh).
+// of {A 128 x 64, B 256 x 64} stages (kernels/common/pipeline.cuh; bounded waits: kernels/common/waits.cuh).
 //
-// A kernel's params type P provides what kernels/waits.cuh needs. Its shared storage S
+// A kernel's params type P provides what kernels/common/waits.cuh needs. Its shared storage S
 // provides: stages[kStages] with members a and b, and barriers (PipelineBarriers<kStages>).
 #pragma once
 
@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-#include "kernels/pipeline.cuh"
+#include "kernels/common/pipeline.cuh"
 #include "mok/kernel_status.hpp"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
@@ -76,7 +76,7 @@ __device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& cons
 }
 
 // Raises a persistent kernel's dynamic shared memory limit to `smem` bytes on the current
-// device, once per kernel and device (this also loads the kernel's module; see kernels/load.cuh).
+// device, once per kernel and device (this also loads the kernel's module; see kernels/common/load.cuh).
 template <auto Kernel>
 void configure_persistent(std::size_t smem) {
   static bool configured[64] = {};  // per kernel and device (the attribute is per device context)

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "kernels/ep.cuh"
+#include "kernels/ep/ep.cuh"
 #include "mok/kernel_status.hpp"
 
 namespace mok::kernels {

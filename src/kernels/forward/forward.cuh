@@ -1,4 +1,4 @@
-// Parameters and launcher of the fused forward kernel (src/kernels/forward.cu).
+// Parameters and launcher of the fused forward kernel (src/kernels/forward/forward.cu).
 #pragma once
 
 #include <cuda.h>
@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "kernels/ep.cuh"
-#include "kernels/plan_tables.cuh"
+#include "kernels/ep/ep.cuh"
+#include "kernels/plan/plan_tables.cuh"
 #include "mok/kernel_status.hpp"
 
 namespace mok::kernels {

@@ -1,5 +1,5 @@
-#include "kernels/exchange.cuh"
-#include "kernels/load.cuh"
+#include "kernels/ep/exchange.cuh"
+#include "kernels/common/load.cuh"
 
 #include <cstdint>
 

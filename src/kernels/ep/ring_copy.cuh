@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "kernels/ep.cuh"
-#include "kernels/persistent.cuh"
+#include "kernels/ep/ep.cuh"
+#include "kernels/common/persistent.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/mbarrier.cuh"
 #include "mok/ptx/tma.cuh"

@@ -1,12 +1,12 @@
-// Device side of the push combine (kernels/ep.cuh): counting the rows a warpgroup pushed,
+// Device side of the push combine (kernels/ep/ep.cuh): counting the rows a warpgroup pushed,
 // per owner rank, and publishing them once its stores were issued.
 #pragma once
 
 #include <cstdint>
 
-#include "kernels/ep.cuh"
-#include "kernels/ep_sync.cuh"
-#include "kernels/persistent.cuh"
+#include "kernels/ep/ep.cuh"
+#include "kernels/ep/ep_sync.cuh"
+#include "kernels/common/persistent.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
 

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "kernels/ep.cuh"
+#include "kernels/ep/ep.cuh"
 
 namespace mok::kernels {
 

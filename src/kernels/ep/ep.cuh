@@ -13,7 +13,7 @@ namespace mok::kernels {
 // comm_ctas > 0: the first comm_ctas CTAs of the rank pull the plan's rows into a ring of
 // ring_rows rows, one minibatch of minibatch_rows plan rows at a time (landed[m] += rows);
 // the compute side counts its reads of minibatch m in freed[m], and a slot is overwritten
-// only once the minibatch that held it is read (kernels/ring_copy.cuh: RingPull).
+// only once the minibatch that held it is read (kernels/ep/ring_copy.cuh: RingPull).
 struct RingGeometry {
   int comm_ctas;
   int minibatch_rows;  // a multiple of 128 (an M-tile)
@@ -41,7 +41,7 @@ struct EpPeers {
   const std::int32_t* own_ids;   // [T, k] this rank's routing (-1: no expert)
   const void* plan_status[kMaxEpRanks];  // rank q's PlanStatus: a bad plan anywhere stops every rank
   const unsigned long long* saved_marker[kMaxEpRanks];  // backward: rank q's saved-tensor trailer, likewise
-  // Separate launches per rank (kernels/ep_sync.cuh): this rank's EpHeader, whose plan
+  // Separate launches per rank (kernels/ep/ep_sync.cuh): this rank's EpHeader, whose plan
   // flags carry every rank's plan (and saved-tensor) status instead of the pointers above.
   const void* header;
 };

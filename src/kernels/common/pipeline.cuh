@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "kernels/waits.cuh"
+#include "kernels/common/waits.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/mbarrier.cuh"
 

@@ -1,4 +1,4 @@
-// Launchers of the planner kernels (src/kernels/plan.cu).
+// Launchers of the planner kernels (src/kernels/plan/plan.cu).
 #pragma once
 
 #include <cuda_runtime_api.h>

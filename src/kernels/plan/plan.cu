@@ -12,8 +12,8 @@
 // shared memory are used, for counts (order-free).
 #include <cstdint>
 
-#include "kernels/plan.cuh"
-#include "kernels/load.cuh"
+#include "kernels/plan/plan.cuh"
+#include "kernels/common/load.cuh"
 
 namespace mok::kernels {
 namespace {

@@ -21,8 +21,8 @@
 //   void consume(p, Storage&, const Schedule&, int wg);  (consumer warpgroup wg)
 #pragma once
 
-#include "kernels/ep.cuh"
-#include "kernels/persistent.cuh"
+#include "kernels/ep/ep.cuh"
+#include "kernels/common/persistent.cuh"
 
 namespace mok::kernels {
 

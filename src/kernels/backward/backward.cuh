@@ -1,4 +1,4 @@
-// Parameters and launcher of the fused backward kernel (src/kernels/backward.cu).
+// Parameters and launcher of the fused backward kernel (src/kernels/backward/backward.cu).
 #pragma once
 
 #include <cuda.h>
@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "kernels/forward.cuh"
+#include "kernels/forward/forward.cuh"
 #include "mok/kernel_status.hpp"
 
 namespace mok::kernels {
@@ -72,7 +72,7 @@ struct BackwardCounters {
 struct BackwardParams {
   ExpertSetMaps routed_maps, shared_maps;
   // Expert parallelism: dx rows and d_topk_weights partials are pushed to the owner of the
-  // token (kernels/ep.cuh), topk_weights is every rank's [ep, T, k] (global pair index).
+  // token (kernels/ep/ep.cuh), topk_weights is every rank's [ep, T, k] (global pair index).
   EpPeers ep;
   BackwardRing ring;
   ExpertSetData routed, shared;

@@ -1,7 +1,7 @@
-#include "kernels/ep_sync.cuh"
-#include "kernels/load.cuh"
+#include "kernels/ep/ep_sync.cuh"
+#include "kernels/common/load.cuh"
 
-#include "kernels/forward.cuh"
+#include "kernels/forward/forward.cuh"
 #include "mok/device_plan.hpp"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"

@@ -1,4 +1,4 @@
-// The device plan's tables as the persistent kernels read them (kernels/plan.cu makes
+// The device plan's tables as the persistent kernels read them (kernels/plan/plan.cu makes
 // them; mok/device_plan.hpp's DevicePlanView owns them): each plan row's pair, each
 // M-tile's expert and first row, each expert's first row, each pair's row.
 #pragma once

@@ -2,9 +2,9 @@
 // (one at a time left the copy latency-bound); rows in plan order, so writes are contiguous.
 #include <cstdint>
 
-#include "kernels/dispatch.cuh"
-#include "kernels/load.cuh"
-#include "kernels/ring_copy.cuh"
+#include "kernels/ep/dispatch.cuh"
+#include "kernels/common/load.cuh"
+#include "kernels/ep/ring_copy.cuh"
 #include "mok/device_plan.hpp"
 
 namespace mok::kernels {
