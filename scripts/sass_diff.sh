@@ -26,7 +26,8 @@ build() {  # $1: source tree, $2: build dir
 }
 sass() {  # $1: build dir, $2: out dir
   mkdir -p "$2"
-  for o in "$1"/CMakeFiles/mok.dir/src/kernels/*/*.o; do
+  for o in "$1"/CMakeFiles/mok.dir/src/kernels/*.o "$1"/CMakeFiles/mok.dir/src/kernels/*/*.o; do  # (flat before 066317f)
+    [ -f "$o" ] || continue
     "$cuobjdump" -sass "$o" | grep -v '^\s*$' | sed 's@/\*[0-9a-f]*\*/@@; s@_GLOBAL__N__[0-9a-f]*_@_GLOBAL__N__@; s@_cu_[0-9a-f]\{8\}@_cu_@' > "$2/$(basename "$o" .o).sass"
   done
 }
