@@ -13,6 +13,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+import ab_compare  # noqa: E402
 import layer_bench  # noqa: E402
 import report  # noqa: E402
 import torch_baseline as tb  # noqa: E402
@@ -176,3 +177,21 @@ def test_hf_bench_runs_both_backends_from_one_initialisation_on_cpu(tmp_path):
         parts = r["profile_ms"]
         assert {"experts fwd", "experts bwd", "attention fwd", "attention bwd", "rest"} <= set(parts)
         assert all(v > 0 for k, v in parts.items() if k != "rest"), parts
+
+
+def test_ab_compare_takes_the_median_of_rounds_and_the_range_of_round_ratios(tmp_path):
+    def round_file(side, i, ms):
+        path = tmp_path / f"ab-{side}-{i}.json"
+        path.write_text(json.dumps([dict(preset="p", impl="mok", **{"pass": "fwd"}, ms=ms, gpu="G", commit=side,
+                                         date="d")]))
+        return str(path)
+
+    base = [round_file("base", i, ms) for i, ms in enumerate((10.0, 12.0, 11.0))]
+    head = [round_file("head", i, ms) for i, ms in enumerate((9.0, 12.0, 11.0))]
+    out = tmp_path / "ab.json"
+    ab_compare.main(base + ["--head"] + head + ["--out", str(out)])
+    got = json.loads(out.read_text())
+    row = got["rows"][0]
+    assert (got["base_commit"], got["head_commit"]) == ("base", "head")
+    assert (row["base_ms"], row["head_ms"]) == (11.0, 11.0)
+    assert row["ratio"] == 1.0 and row["ratio_min"] == 0.9 and row["ratio_max"] == 1.0 and row["rounds"] == 3
