@@ -31,6 +31,9 @@ impls:
                      rows it receives into a ring while the other SMs compute (mok-ep: every
                      SM pulls them before the fused kernel); checked, timed and recorded as
                      mok-ep is
+  mok-ep-once        mok-ep with each peer token pulled once per rank into a local buffer,
+                     then its routed rows gathered locally (mok.ep.ExpertParallel(
+                     pull_tokens_once=True)); checked, timed and recorded as mok-ep is
   torch-compiled-ep  the strongest NCCL + PyTorch layer we can write: mok.moe_torch_ep's
                      split (NCCL all_to_all_single dispatch and combine, split sizes read on
                      the host), with this rank's device work in three torch.compile(
@@ -111,7 +114,8 @@ import torch_baseline as tb  # noqa: E402
 from ep_layers import (MokCompute, MokEp, TorchEp, all_agree, check_outputs, exchange_bytes, gather,  # noqa: E402
                        make_inputs, nccl_steps, outside_allocator, round_stats, sampled_reference, synced)
 
-IMPLS = ("mok-ep", "torch-compiled-ep", "torch-ep", "mok-compute")
+IMPLS = ("mok-ep", "mok-ep-once", "torch-compiled-ep", "torch-ep", "mok-compute")
+ONCE = "mok-ep-once"  # mok-ep with pull_tokens_once
 RING = "mok-ep-ring"  # RING + str(N): mok-ep with comm_sms = N (--ring-sms)
 EXCHANGES = ("dispatch", "combine")
 DEFAULT_PRESETS = "deepseek-v3,qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b"
@@ -137,6 +141,13 @@ def impl_names(ring=()):
 def comm_sms(impl):
     """mok.ep.ExpertParallel's comm_sms of mok-ep (0) or of mok-ep-ring{N} (N)."""
     return int(impl[len(RING):]) if impl.startswith(RING) else 0
+
+
+def group_options(impl):
+    """mok.ep.ExpertParallel's keyword arguments for a mok-ep variant, or None for the others."""
+    if impl == ONCE:
+        return dict(pull_tokens_once=True)
+    return dict(comm_sms=comm_sms(impl)) if impl == "mok-ep" or impl.startswith(RING) else None
 
 
 def run_checks(d, p, args, ctx):
@@ -178,7 +189,7 @@ def run_checks(d, p, args, ctx):
             return check_outputs(out, ref[ps])
         return check_pass
 
-    for impl, group in ctx.groups.items():  # mok-ep, then each mok-ep-ring{N} (make() runs at once)
+    for impl, group in ctx.groups.items():  # mok-ep and its variants (make() runs at once)
         attempt(impl, lambda: MokEp(d, group), mok_ep_pass(impl))
     ref.clear()  # (frees the reference outputs before timing)
     local = tb.TorchImpl(dict(d, ids=d["local_ids"]), tb.moe_eager)  # mok-compute's reference
@@ -279,7 +290,7 @@ def summary(records):
     ring = sorted({comm_sms(r["impl"]) for r in records if r["impl"].startswith(RING)})
     impls = [i for i in impl_names(f"{RING}{n}" for n in ring) if any(r["impl"] == i for r in records)]
     ratios = (("torch-ep", "mok-ep"), ("torch-compiled-ep", "mok-ep"), ("mok-ep", "mok-compute")) + tuple(
-        ("mok-ep", i) for i in impls if i.startswith(RING))
+        ("mok-ep", i) for i in impls if i.startswith(RING) or i == ONCE)
     lines = [f"{'preset':<16}{'routing':<9}{'pass':<8}" + "".join(f"{i + ' ms':>20}" for i in impls) +
              "".join(f"{a + '/' + b:>28}" for a, b in ratios) + f"{'NCCL disp GB/s':>16}{'comb GB/s':>11}{'checks':>8}"]
     for key, rs in by.items():
@@ -302,7 +313,7 @@ class Context:
     def __init__(self, groups):
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.groups = groups  # {mok-ep or mok-ep-ring{N}: its mok.ep.ExpertParallel}
+        self.groups = groups  # {mok-ep and its variants: its mok.ep.ExpertParallel}
         self.group = groups["mok-ep"]  # (its process group carries the NCCL exchanges)
         self.gpu = f"{self.world}x {torch.cuda.get_device_name(self.device)}"
 
@@ -345,8 +356,8 @@ def main():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    ctx = Context({impl: mok.ep.ExpertParallel(comm_sms=comm_sms(impl)) for impl in args.all_impls
-                   if impl == "mok-ep" or impl.startswith(RING)})
+    ctx = Context({impl: mok.ep.ExpertParallel(**group_options(impl)) for impl in args.all_impls
+                   if group_options(impl) is not None})
     tb.configure_compile()
     records, failed = [], []
 

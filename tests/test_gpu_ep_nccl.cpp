@@ -36,7 +36,10 @@ TEST(EpNccl, RanksOnNcclWindowsMatchOneGpuBitwise) {
   shape.num_local_experts = E / ranks;
   ncclUniqueId id;
   ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
-  std::vector<std::vector<bf16>> outputs(ranks);
+  Config once;  // the second group: each peer token pulled once, then gathered locally
+  once.pull_tokens_once = true;
+  const Config configs[2] = {Config{}, once};
+  std::vector<std::vector<bf16>> outputs[2] = {std::vector<std::vector<bf16>>(ranks), std::vector<std::vector<bf16>>(ranks)};
   std::vector<std::string> errors(ranks);
   auto run_rank = [&](int r) {
     try {
@@ -62,15 +65,15 @@ TEST(EpNccl, RanksOnNcclWindowsMatchOneGpuBitwise) {
       a.w_up = TensorView::contiguous(up.get(), DType::bf16, d, {El, I, H});
       a.w_down = TensorView::contiguous(down.get(), DType::bf16, d, {El, H, I});
       a.y = TensorView::contiguous(y.get(), DType::bf16, d, {T, H});
-      {
+      for (int c = 0; c < 2; ++c) {
         NcclEpRegion region(comm, EpRank::region_bytes(shape, T));
-        EpRank rank(shape, T, r, region.bases(), {}, Training::off, ranks > 1);
+        EpRank rank(shape, T, r, region.bases(), configs[c], Training::off, ranks > 1);
         for (int call = 0; call < 2; ++call) {
           cudaMemset(y.get(), 0xff, y.size() * sizeof(bf16));
           rank.forward(a, nullptr);
           rank.check(nullptr);
         }
-        outputs[r] = y.download();
+        outputs[c][r] = y.download();
       }
       ncclCommDestroy(comm);
     } catch (const std::exception& e) {
@@ -81,10 +84,12 @@ TEST(EpNccl, RanksOnNcclWindowsMatchOneGpuBitwise) {
   for (int r = 0; r < ranks; ++r) threads.emplace_back(run_rank, r);
   for (auto& t : threads) t.join();
   for (int r = 0; r < ranks; ++r) ASSERT_TRUE(errors[r].empty()) << "rank " << r << ": " << errors[r];
-  std::vector<bf16> all;
-  for (const auto& o : outputs) all.insert(all.end(), o.begin(), o.end());
-  ASSERT_EQ(all.size(), expected.size());
-  EXPECT_TRUE(testing::same_bits(all, expected)) << ranks << " ranks over NCCL";
+  for (int c = 0; c < 2; ++c) {
+    std::vector<bf16> all;
+    for (const auto& o : outputs[c]) all.insert(all.end(), o.begin(), o.end());
+    ASSERT_EQ(all.size(), expected.size());
+    EXPECT_TRUE(testing::same_bits(all, expected)) << ranks << " ranks over NCCL" << (c ? ", tokens pulled once" : "");
+  }
 }
 
 }  // namespace

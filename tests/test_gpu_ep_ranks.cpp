@@ -59,8 +59,13 @@ TEST(EpRanks, SeparateLaunchesMatchOneGpuBitwiseAcrossQueuedCalls) {
       expected.push_back(run_one_gpu(calls.back()->host));
       calls.back()->poison_outputs();
     }
-    Config config;
-    config.minibatch_rows = 128, config.ring_rows = 256;  // the ring wraps
+    Config ring;
+    ring.minibatch_rows = 128, ring.ring_rows = 256;  // the ring wraps
+    Config once;  // each peer token pulled once, then gathered locally
+    once.pull_tokens_once = true;
+    for (const Config& config : {ring, once}) {
+    SCOPED_TRACE(config.pull_tokens_once ? "tokens pulled once" : "ring");
+    for (auto& call : calls) call->poison_outputs();
     SeparateRanks group(*calls[0], Training::off, config);
     for (std::size_t c = 0; c < calls.size(); ++c) {
       if (c == 1)  // rank 0 falls behind by 50 ms
@@ -72,6 +77,7 @@ TEST(EpRanks, SeparateLaunchesMatchOneGpuBitwiseAcrossQueuedCalls) {
     group.check();
     for (std::size_t c = 0; c < calls.size(); ++c)
       EXPECT_TRUE(same_bits(calls[c]->outputs(), expected[c])) << "EP " << ep << ", call " << c;
+    }
   }
 }
 
@@ -87,8 +93,10 @@ TEST(EpRanks, SeparateLaunchesTrainBitwiseLikeVirtualRanks) {
   const TrainRun expected = train_group(p, g, Training::save);
   Config ring;  // the second pass: the backward's rows through rings that wrap
   ring.comm_sms = 2, ring.minibatch_rows = 128, ring.ring_rows = tight_ring(ring_needs(p).expert_rows, 128);
-  for (const Config& config : {Config{}, ring}) {
-  SCOPED_TRACE(config.comm_sms > 0 ? "ring" : "no ring");
+  Config once;  // the rows pulled before the kernels, each peer token once
+  once.pull_tokens_once = true;
+  for (const Config& config : {Config{}, ring, once}) {
+  SCOPED_TRACE(config.comm_sms > 0 ? "ring" : config.pull_tokens_once ? "tokens pulled once" : "no ring");
   SeparateRanks group(p, Training::save, config);
   std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
   for (int r = 0; r < p.ep; ++r) saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.ranks[r]->saved_elements()));

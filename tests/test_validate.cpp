@@ -298,6 +298,11 @@ TEST(Validate, ConfigFields) {
   c = Config{};
   c.capacity_factor = -1;
   expect_error([&] { validate(c); }, "argument 'capacity_factor': must be a finite number >= 0, got -1");
+  c = Config{};
+  c.pull_tokens_once = true, c.comm_sms = 8;
+  expect_error([&] { validate(c); },
+               "argument 'pull_tokens_once': applies to rows pulled before the kernel; the ring (comm_sms = 8, "
+               "ring_rows = 0) pulls its own");
 }
 
 TEST(Validate, EmptyBatchIsAllowed) {
@@ -328,6 +333,9 @@ TEST(ValidateEp, EpRankArguments) {
   expect_error([&] { EpRank(too_many, 64, 0, bases); }, "makes 16 ranks (num_experts / num_local_experts); at most 8");
   expect_error([&] { VirtualRanks(too_many, 64); }, "makes 16 ranks (num_experts / num_local_experts); at most 8");
   expect_error([&] { VirtualRanks(s, 0); }, "mok::VirtualRanks: argument 'tokens_per_rank': must be >= 1, got 0");
+  Config once;
+  once.pull_tokens_once = true;
+  expect_error([&] { VirtualRanks(s, 64, once); }, "mok::VirtualRanks: argument 'config.pull_tokens_once': is for EpRank");
 }
 
 TEST(ValidateEp, RegionBytesNeedNoGpu) {

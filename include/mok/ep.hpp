@@ -124,6 +124,7 @@ class EpRank {
   void begin(const ForwardArgs& args, const BackwardArgs* bwd, const unsigned long long* saved_marker,
              cudaStream_t stream, int backward_comm_ctas = 0);
   void set_peers(kernels::EpPeers& peers) const;
+  void pull_rows(const void* const (&rows)[kMaxEpRanks], void* routed, cudaStream_t stream);
   int ctas() const;
   MoeShape shape_;
   std::int64_t tokens_;
@@ -135,6 +136,7 @@ class EpRank {
   std::unique_ptr<Workspace> ws_;
   std::uint16_t* ring_ = nullptr;
   int* ring_counters_ = nullptr;
+  std::uint16_t* recv_ = nullptr;  // Config::pull_tokens_once: [ep, T, H] the peers' tokens this rank needs
 };
 
 }  // namespace mok

@@ -84,6 +84,9 @@ struct Config {
                                        // The backward's rings must hold every minibatch one expert's
                                        // rows touch: a call whose routing gives a local expert more than
                                        // ring_rows - minibatch_rows + 128 rows may fail (a clear error)
+  bool pull_tokens_once = false;       // EpRank without the ring: pull each peer token once into a
+                                       // local buffer ([EP, T, H] bf16 more memory), then gather the
+                                       // routed rows locally (else: pulled once per (token, expert) pair)
   double capacity_factor = 0.0;        // plan capacity in units of T*k rows; 0 = worst case (EP*T*k)
   double timeout_seconds = 10.0;       // bound of every device-side wait
 };

@@ -38,13 +38,20 @@ class ExpertParallel:
     comm_sms > 0 (or ring_rows > 0, which takes 1 SM in 32) turns on the ring: comm_sms SMs of
     each rank pull the rows it receives into a ring of ring_rows rows (0 = all of them),
     minibatch_rows at a time, while the others compute; 0 and 0 (the default): every SM pulls
-    the rows before the kernel."""
+    the rows before the kernel, once per (token, expert) pair, or, with pull_tokens_once, each
+    peer token once into a local buffer ([W, T, H] bf16 more memory) and then every row from
+    local memory (fewer bytes over NVLink when tokens have several experts on one rank)."""
 
     def __init__(self, group=None, *, compute_sms: int = 0, timeout_seconds: float = 600.0, comm_sms: int = 0,
-                 ring_rows: int = 0, minibatch_rows: int = 4096):
+                 ring_rows: int = 0, minibatch_rows: int = 4096, pull_tokens_once: bool = False):
         import torch.distributed as dist
 
         _check_ring(comm_sms, ring_rows, minibatch_rows)
+        if not isinstance(pull_tokens_once, bool):
+            raise ValueError(f"mok.ep.ExpertParallel: pull_tokens_once must be a bool, got {pull_tokens_once!r}")
+        if pull_tokens_once and (comm_sms or ring_rows):
+            raise ValueError(f"mok.ep.ExpertParallel: pull_tokens_once applies to rows pulled before the kernel; the "
+                             f"ring (comm_sms = {comm_sms}, ring_rows = {ring_rows}) pulls its own")
         if not dist.is_initialized():
             raise RuntimeError("mok.ep.ExpertParallel: torch.distributed is not initialised (launch with torchrun "
                                "and call torch.distributed.init_process_group first)")
@@ -55,6 +62,7 @@ class ExpertParallel:
             raise ValueError(f"mok.ep.ExpertParallel: at most {_C.MAX_EP_RANKS} ranks (one NVLink node), got {self.world}")
         self.compute_sms, self.timeout_seconds = compute_sms, timeout_seconds
         self.comm_sms, self.ring_rows, self.minibatch_rows = comm_sms, ring_rows, minibatch_rows
+        self.pull_tokens_once = pull_tokens_once
         self._ranks: Dict[tuple, object] = {}
         self._regions: List[torch.Tensor] = []
         self.id = id(self)
@@ -92,7 +100,8 @@ class ExpertParallel:
         rank = _C.EpRank(H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, T, self.rank, ptrs,
                          x.device.index, compute_sms=self.compute_sms, timeout_seconds=self.timeout_seconds,
                          training=training, peers_on_other_gpus=self.world > 1, comm_sms=self.comm_sms,
-                         ring_rows=self.ring_rows, minibatch_rows=self.minibatch_rows)
+                         ring_rows=self.ring_rows, minibatch_rows=self.minibatch_rows,
+                         pull_tokens_once=self.pull_tokens_once)
         dist.barrier(group=self.group)  # every region zeroed and every rank built before any call
         self._regions.append(region)
         self._ranks[key] = rank

@@ -72,6 +72,9 @@ struct VirtualRanks::Launch {
 VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, const Config& config, Training training)
     : shape_(shape), tokens_(tokens_per_rank), config_(config), training_(training) {
   const std::int64_t ep = detail::check_ep_group(kWhere, shape, config, tokens_per_rank, training);
+  if (config.pull_tokens_once)
+    throw_argument_error(kWhere, "config.pull_tokens_once", "is for EpRank (ranks on other GPUs); virtual ranks share "
+                         "one GPU's memory and pull nothing across a fabric");
   const std::int64_t T = tokens_per_rank, k = shape.top_k, H = shape.hidden;
   for (int r = 0; r < ep; ++r) {
     auto rank = std::make_unique<Rank>();

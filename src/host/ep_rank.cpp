@@ -12,6 +12,7 @@
 #include "cuda_check.hpp"
 #include "ep_common.hpp"
 #include "kernels/backward/backward.cuh"
+#include "kernels/ep/dispatch.cuh"
 #include "kernels/ep/ep_sync.cuh"
 #include "kernels/ep/exchange.cuh"
 #include "kernels/forward/forward.cuh"
@@ -84,6 +85,9 @@ EpRank::EpRank(const MoeShape& shape, std::int64_t tokens_per_rank, int rank, st
   }
   kernels::load_ep_kernels();  // before any call: see kernels/common/load.cuh
   ws_.reset(new Workspace(shape, tokens_per_rank, config, training, Workspace::ForRank{rank}));
+  if (config.pull_tokens_once && ep > 1)
+    detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&recv_), ep * tokens_per_rank * shape.hidden * 2), kWhere,
+                       "cudaMalloc(received tokens)");
   if (detail::uses_ring(config))
     detail::cuda_check(cudaMalloc(reinterpret_cast<void**>(&ring_), detail::ring_rows(*ws_) * shape.hidden * 2), kWhere,
                        "cudaMalloc(ring)");
@@ -92,6 +96,7 @@ EpRank::EpRank(const MoeShape& shape, std::int64_t tokens_per_rank, int rank, st
 }
 
 EpRank::~EpRank() {
+  cudaFree(recv_);
   cudaFree(ring_);
   cudaFree(ring_counters_);
 }
@@ -169,6 +174,32 @@ int EpRank::ctas() const {
   return config_.compute_sms > 0 ? std::min(config_.compute_sms, sms) : sms;
 }
 
+// The plan's rows of `rows` (rank q's [T, H] at rows[q], in the symmetric regions) into
+// `routed`, before the kernel: once per (token, expert) pair straight from the peers, or,
+// with Config::pull_tokens_once, each needed peer token once into recv_, then every row
+// from local memory.
+void EpRank::pull_rows(const void* const (&rows)[kMaxEpRanks], void* routed, cudaStream_t stream) {
+  if (recv_ == nullptr) {
+    detail::dispatch_rows(std::span<const void* const>(rows, size()), routed, *ws_, stream);
+    return;
+  }
+  const Layout l = Layout::of(shape_, tokens_);
+  kernels::TokenPullParams t{};
+  for (int q = 0; q < size(); ++q) t.x[q] = static_cast<const std::uint16_t*>(rows[q]);
+  t.recv = recv_;
+  t.ids = reinterpret_cast<const std::int32_t*>(bases_[rank_] + l.ids);
+  t.tokens = tokens_;
+  t.ep = size(), t.rank = rank_, t.top_k = static_cast<int>(shape_.top_k), t.hidden = static_cast<int>(shape_.hidden);
+  t.num_local_experts = static_cast<int>(shape_.num_local_experts);
+  int device = 0;
+  detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
+  kernels::launch_pull_tokens(t, 4 * sm_count(device), stream);
+  detail::cuda_check(cudaGetLastError(), kWhere, "launching the token pull");
+  const void* local[kMaxEpRanks] = {};
+  for (int q = 0; q < size(); ++q) local[q] = q == rank_ ? rows[q] : recv_ + q * tokens_ * shape_.hidden;
+  detail::dispatch_rows(std::span<const void* const>(local, size()), routed, *ws_, stream);
+}
+
 void EpRank::forward(const ForwardArgs& a, cudaStream_t stream, const std::optional<TensorView>& saved) {
   const std::string where = detail::concat("mok::EpRank::forward (rank ", rank_, ")");
   int device = 0;
@@ -191,7 +222,7 @@ void EpRank::forward(const ForwardArgs& a, cudaStream_t stream, const std::optio
   const Layout l = Layout::of(shape_, tokens_);
   const void* x_peers[kMaxEpRanks] = {};
   for (int q = 0; q < size(); ++q) x_peers[q] = bases_[q] + l.x;
-  if (comm == 0) detail::dispatch_rows(std::span<const void* const>(x_peers, size()), ws_->x_routed(), *ws_, stream);
+  if (comm == 0) pull_rows(x_peers, ws_->x_routed(), stream);
   detail::cuda_check(cudaMemsetAsync(ws_->counters(), 0, 4 * ws_->counter_count(), stream), kWhere,
                      "cudaMemsetAsync(counters)");
   detail::cuda_check(cudaMemsetAsync(ring_counters_, 0, sizeof(int) * 2 * detail::ring_minibatches(*ws_), stream),
@@ -226,15 +257,14 @@ void EpRank::backward(const ForwardArgs& a, const BackwardArgs& b, cudaStream_t 
     sources.x[q] = static_cast<const std::uint16_t*>(x_peers[q]);
     sources.dy[q] = static_cast<const std::uint16_t*>(dy_peers[q]);
   }
-  if (!ring || !saved)  // (the recompute's GEMM1 reads every x row)
-    detail::dispatch_rows(std::span<const void* const>(x_peers, size()), ws_->x_routed(), *ws_, stream);
+  if (!ring || !saved) pull_rows(x_peers, ws_->x_routed(), stream);  // (the recompute's GEMM1 reads every x row)
   if (!saved) {  // Training::recompute: GEMM1 again (fills the recompute buffer and its marker)
     detail::cuda_check(cudaMemsetAsync(ws_->counters(), 0, 4 * ws_->counter_count(), stream), kWhere,
                        "cudaMemsetAsync(counters)");
     kernels::launch_forward(detail::forward_params(a, *ws_, gu, true), ctas, stream);
     detail::cuda_check(cudaGetLastError(), kWhere, "launching the recompute");
   }
-  if (!ring) detail::dispatch_rows(std::span<const void* const>(dy_peers, size()), ws_->dy_routed(), *ws_, stream);
+  if (!ring) pull_rows(dy_peers, ws_->dy_routed(), stream);
   detail::cuda_check(cudaMemsetAsync(ws_->counters(), 0, 4 * ws_->counter_count(), stream), kWhere,
                      "cudaMemsetAsync(counters)");
   kernels::BackwardParams p = detail::backward_params(a, b, *ws_, gu);

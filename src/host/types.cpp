@@ -117,6 +117,9 @@ void validate(const Config& c) {
   if (c.ring_rows < 0 || (c.ring_rows > 0 && c.ring_rows % c.minibatch_rows != 0))
     throw_argument_error(where, "ring_rows", "must be 0 or a multiple of minibatch_rows = ",
                          c.minibatch_rows, ", got ", c.ring_rows);
+  if (c.pull_tokens_once && (c.comm_sms > 0 || c.ring_rows > 0))
+    throw_argument_error(where, "pull_tokens_once", "applies to rows pulled before the kernel; the ring (comm_sms = ",
+                         c.comm_sms, ", ring_rows = ", c.ring_rows, ") pulls its own");
   if (!(c.capacity_factor >= 0.0) || !std::isfinite(c.capacity_factor))
     throw_argument_error(where, "capacity_factor", "must be a finite number >= 0, got ",
                          c.capacity_factor);

@@ -25,4 +25,19 @@ struct DispatchParams {
 
 void launch_dispatch(const DispatchParams& params, int num_ctas, cudaStream_t stream);
 
+// Expert parallelism, rows pulled once per token (Config::pull_tokens_once): before the
+// dispatch, rank `rank` copies each peer token that any of its k pairs routes to this
+// rank's experts, once, from the peer's rows into recv (local), so that the dispatch then
+// gathers every routed row from local memory; a token with several experts here crosses
+// the fabric once instead of once per pair. Tokens routed elsewhere are not copied.
+struct TokenPullParams {
+  const std::uint16_t* x[kMaxEpRanks];  // rank q's [T, H] rows (peer table)
+  std::uint16_t* recv;                  // [ep, T, H]: rank q's tokens at [q] (this rank's own: untouched)
+  const std::int32_t* ids;              // [ep, T, k]: every rank's routing (the exchange's copy)
+  std::int64_t tokens;                  // T
+  int ep, rank, top_k, hidden, num_local_experts;
+};
+
+void launch_pull_tokens(const TokenPullParams& params, int num_ctas, cudaStream_t stream);
+
 }  // namespace mok::kernels
