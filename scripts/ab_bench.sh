@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Before/after timing of the fused layer on one Hopper GPU, in one run: builds mok_bench from
-# a base source tree and from this checkout, then runs them in alternating rounds (base,
-# head, base, head, ...) on the same presets, and prints bench/ab_compare.py's table
-# (per preset and pass: median of the rounds' medians, head / base, its range over rounds).
+# a base source tree and from this checkout, then bench/ab_serve.py loads each preset in both
+# (`mok_bench --serve`), checks that their outputs are bitwise equal and times them in
+# alternating rounds (base, head, base, head, ...): per preset and pass, the median of the
+# rounds' medians, head / base and its range over rounds.
 #
-#   OUT=<dir> scripts/ab_bench.sh BASE_SRC_DIR [--presets all|NAME,...] [--rounds 3] [--iters 10]
+#   OUT=<dir> scripts/ab_bench.sh BASE_SRC_DIR [--presets all|NAME,...] [--rounds 5] [--iters 10]
 #
 # BASE_SRC_DIR: the base commit's files, e.g. `git archive <rev> | tar x -C .ab/base`
-# (carried to a GPU machine as an ignored folder). Records: $OUT/ab-{base,head}-<round>.json.
+# (carried to a GPU machine as an ignored folder). Rows: $OUT/ab.json.
 set -uo pipefail
 base_src=$1; shift
-presets=all rounds=3 iters=10
+presets=all rounds=5 iters=10
 while [ $# -gt 0 ]; do
   case "$1" in
     --presets) presets=$2; shift ;;
@@ -30,10 +31,6 @@ build() {  # $1: source, $2: build dir
 }
 build "$base_src" build-ab-base
 build . build-ab-head
-for r in $(seq 1 "$rounds"); do
-  for side in base head; do
-    build-ab-$side/bench/mok_bench --preset "$presets" --impl mok --pass fwd,fwd+bwd --iters "$iters" \
-      --out "$OUT/ab-$side-$r.json" > "$OUT/ab-$side-$r.log" 2>&1 || echo "ab_bench.sh: $side round $r failed (see its log)"
-  done
-done
-python3 bench/ab_compare.py "$OUT"/ab-base-*.json --head "$OUT"/ab-head-*.json
+python3 bench/ab_serve.py --base build-ab-base/bench/mok_bench --head build-ab-head/bench/mok_bench \
+  --preset "$presets" --rounds "$rounds" --iters "$iters" --out "$OUT/ab.json" \
+  --meta "{\"base\": \"$base_src\", \"gpu\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)\"}"

@@ -14,6 +14,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import ab_compare  # noqa: E402
+import ab_serve  # noqa: E402
 import layer_bench  # noqa: E402
 import report  # noqa: E402
 import torch_baseline as tb  # noqa: E402
@@ -195,3 +196,11 @@ def test_ab_compare_takes_the_median_of_rounds_and_the_range_of_round_ratios(tmp
     assert (got["base_commit"], got["head_commit"]) == ("base", "head")
     assert (row["base_ms"], row["head_ms"]) == (11.0, 11.0)
     assert row["ratio"] == 1.0 and row["ratio_min"] == 0.9 and row["ratio_max"] == 1.0 and row["rounds"] == 3
+
+
+def test_ab_serve_rows_carry_the_round_ratios_and_the_bitwise_verdict():
+    times = {("p", "fwd"): {"base": [10.0, 12.0, 11.0], "head": [9.0, 12.0, 11.0]}}
+    (row,) = ab_serve.rows_of(times, {("p", "fwd"): True})
+    assert (row["base_ms"], row["head_ms"], row["ratio"]) == (11.0, 11.0, 1.0)
+    assert (row["ratio_min"], row["ratio_max"], row["rounds"], row["bitwise_equal"]) == (0.9, 1.0, 3, True)
+    assert "largest change: p fwd 1.000" in ab_compare.table([row])

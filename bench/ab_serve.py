@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Before/after of the fused layer on one GPU, cheaply: two `mok_bench --serve` processes
+(a base build and a head build) load the same problem once per preset, must give bitwise
+equal outputs, and are then timed in alternating rounds (base, head, base, head, ...).
+
+  python3 bench/ab_serve.py --base BASE/bench/mok_bench --head HEAD/bench/mok_bench
+      [--preset all|NAME,...] [--routing uniform] [--rounds 5] [--iters 10] [--out FILE.json]
+
+Per (preset, pass): each side's median over rounds of its round medians, head / base, the
+range of the per-round ratios, and whether the two builds' outputs (y, dx, d_topk_weights,
+every weight gradient: mok_bench's checksums) are bitwise equal. scripts/ab_bench.sh does
+the same with whole mok_bench runs (a fixed cost of ~10 s per record: the fp64 check and
+the set-up); this loads each problem once.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import ab_compare  # noqa: E402
+import torch_baseline as tb  # noqa: E402
+from layer_bench import MokBench  # noqa: E402
+
+
+def rows_of(times, same):
+    """ab_compare's rows from {(preset, pass): {"base": [ms per round], "head": [...]}}."""
+    rows = []
+    for (preset, pass_), t in times.items():
+        per_round = [h / b for h, b in zip(t["head"], t["base"])]
+        rows.append(dict(preset=preset, **{"pass": pass_}, base_ms=statistics.median(t["base"]),
+                         head_ms=statistics.median(t["head"]),
+                         ratio=statistics.median(t["head"]) / statistics.median(t["base"]),
+                         ratio_min=min(per_round), ratio_max=max(per_round), rounds=len(per_round),
+                         bitwise_equal=same[(preset, pass_)]))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True)
+    ap.add_argument("--head", required=True)
+    ap.add_argument("--preset", default="all")
+    ap.add_argument("--routing", default="uniform")
+    ap.add_argument("--pass", dest="passes", default="fwd,fwd+bwd")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--meta", default="{}", help="JSON object merged into the output (gpu, commits, date)")
+    args = ap.parse_args()
+    presets = tb.load_presets()
+    names = tb.benchmark_presets(presets) if args.preset == "all" else args.preset.split(",")
+    passes = args.passes.split(",")
+    servers = {"base": MokBench(args.base), "head": MokBench(args.head)}
+    times, same = {}, {}
+    try:
+        for name in names:
+            p = presets[name]
+            ids, weights = tb.make_routing(p["tokens"], p["experts"], p["top_k"], args.routing, args.seed, "cpu")
+            with tempfile.TemporaryDirectory() as tmp:
+                ids_path, w_path = os.path.join(tmp, "ids.i32"), os.path.join(tmp, "weights.f32")
+                ids.numpy().tofile(ids_path)
+                weights.numpy().tofile(w_path)
+                for s in servers.values():
+                    s.call("load", name, args.seed, ids_path, w_path)
+            for ps in passes:
+                sums = {side: s.call("check", ps)["checksums"] for side, s in servers.items()}
+                same[(name, ps)] = sums["base"] == sums["head"]
+                t = times[(name, ps)] = {"base": [], "head": []}
+                for _ in range(args.rounds):
+                    for side, s in servers.items():
+                        t[side].append(statistics.median(s.call("time", ps, args.warmup, args.iters)["ms"]))
+                print(f"{name:<20}{ps:<9}base {statistics.median(t['base']):8.3f}  head "
+                      f"{statistics.median(t['head']):8.3f}  bitwise equal: {same[(name, ps)]}", flush=True)
+    finally:
+        for s in servers.values():
+            s.close()
+        rows = rows_of(times, same)
+        print(ab_compare.table(rows))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(json.loads(args.meta), routing=args.routing, iters=args.iters, rows=rows), f, indent=1)
+    if not all(same.values()):
+        sys.exit("ab_serve: the two builds' outputs differ on " + ", ".join(f"{n} {ps}" for (n, ps), v in same.items()
+                                                                        if not v))
+
+
+if __name__ == "__main__":
+    main()
