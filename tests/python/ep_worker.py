@@ -41,21 +41,27 @@ def main():
             if not torch.equal(y.view(torch.int16), y_one[mine].view(torch.int16)):
                 failures.append(f"rank {rank}: forward call {call} differs from one GPU")
 
-    # Training step: gradients against one GPU's.
+    # Training step: gradients against one GPU's, with the rows pulled once per pair (the
+    # default) and with each peer token pulled once (pull_tokens_once).
     def leaves(*ts):
         return [t.detach().clone().requires_grad_() for t in ts]
 
     xa, wa, ga, ua, da = leaves(x, w, gate, up, down)
-    mok.moe(xa, ids, wa, ga, ua, da).backward(dy)
-    xb, wb, gb, ub, db = leaves(x[mine].contiguous(), w[mine].contiguous(), gate[experts].contiguous(),
-                                up[experts].contiguous(), down[experts].contiguous())
-    mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=group).backward(dy[mine].contiguous())
-    group.check()
-    for name, got, want in (("dx", xb.grad, xa.grad[mine]), ("d_topk_weights", wb.grad, wa.grad[mine]),
-                            ("d_w_gate", gb.grad, ga.grad[experts]), ("d_w_up", ub.grad, ua.grad[experts]),
-                            ("d_w_down", db.grad, da.grad[experts])):
-        if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
-            failures.append(f"rank {rank}: {name} differs from one GPU")
+    ya = mok.moe(xa, ids, wa, ga, ua, da)
+    ya.backward(dy)
+    for how, g in (("", group), (" (tokens pulled once)", mok.ep.ExpertParallel(pull_tokens_once=True))):
+        xb, wb, gb, ub, db = leaves(x[mine].contiguous(), w[mine].contiguous(), gate[experts].contiguous(),
+                                    up[experts].contiguous(), down[experts].contiguous())
+        yb = mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=g)
+        yb.backward(dy[mine].contiguous())
+        g.check()
+        if not torch.equal(yb.detach().view(torch.int16), ya.detach()[mine].view(torch.int16)):
+            failures.append(f"rank {rank}: training forward{how} differs from one GPU")
+        for name, got, want in (("dx", xb.grad, xa.grad[mine]), ("d_topk_weights", wb.grad, wa.grad[mine]),
+                                ("d_w_gate", gb.grad, ga.grad[experts]), ("d_w_up", ub.grad, ua.grad[experts]),
+                                ("d_w_down", db.grad, da.grad[experts])):
+            if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
+                failures.append(f"rank {rank}: {name}{how} differs from one GPU")
 
     # The same through the module: mok.MoE(..., group=...) holds only this rank's experts.
     layer = mok.MoE(H, I, E, k, router=None, group=group, device=device)
