@@ -34,6 +34,9 @@ impls:
   mok-ep-once        mok-ep with each peer token pulled once per rank into a local buffer,
                      then its routed rows gathered locally (mok.ep.ExpertParallel(
                      pull_tokens_once=True)); checked, timed and recorded as mok-ep is
+  mok-ep-interleave  mok-ep with the forward's GEMM2 tiles of each 4096-row chunk right after
+                     the next chunk's GEMM1 tiles (ExpertParallel(interleave_rows=4096)): the
+                     result pushes spread over the kernel
   torch-compiled-ep  the strongest NCCL + PyTorch layer we can write: mok.moe_torch_ep's
                      split (NCCL all_to_all_single dispatch and combine, split sizes read on
                      the host), with this rank's device work in three torch.compile(
@@ -114,8 +117,9 @@ import torch_baseline as tb  # noqa: E402
 from ep_layers import (MokCompute, MokEp, TorchEp, all_agree, check_outputs, exchange_bytes, gather,  # noqa: E402
                        make_inputs, nccl_steps, outside_allocator, round_stats, sampled_reference, synced)
 
-IMPLS = ("mok-ep", "mok-ep-once", "torch-compiled-ep", "torch-ep", "mok-compute")
+IMPLS = ("mok-ep", "mok-ep-once", "mok-ep-interleave", "torch-compiled-ep", "torch-ep", "mok-compute")
 ONCE = "mok-ep-once"  # mok-ep with pull_tokens_once
+INTERLEAVE = "mok-ep-interleave"  # mok-ep with interleave_rows = 4096
 RING = "mok-ep-ring"  # RING + str(N): mok-ep with comm_sms = N (--ring-sms)
 EXCHANGES = ("dispatch", "combine")
 DEFAULT_PRESETS = "deepseek-v3,qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b"
@@ -147,6 +151,8 @@ def group_options(impl):
     """mok.ep.ExpertParallel's keyword arguments for a mok-ep variant, or None for the others."""
     if impl == ONCE:
         return dict(pull_tokens_once=True)
+    if impl == INTERLEAVE:
+        return dict(interleave_rows=4096)
     return dict(comm_sms=comm_sms(impl)) if impl == "mok-ep" or impl.startswith(RING) else None
 
 
@@ -290,7 +296,7 @@ def summary(records):
     ring = sorted({comm_sms(r["impl"]) for r in records if r["impl"].startswith(RING)})
     impls = [i for i in impl_names(f"{RING}{n}" for n in ring) if any(r["impl"] == i for r in records)]
     ratios = (("torch-ep", "mok-ep"), ("torch-compiled-ep", "mok-ep"), ("mok-ep", "mok-compute")) + tuple(
-        ("mok-ep", i) for i in impls if i.startswith(RING) or i == ONCE)
+        ("mok-ep", i) for i in impls if i.startswith(RING) or i in (ONCE, INTERLEAVE))
     lines = [f"{'preset':<16}{'routing':<9}{'pass':<8}" + "".join(f"{i + ' ms':>20}" for i in impls) +
              "".join(f"{a + '/' + b:>28}" for a, b in ratios) + f"{'NCCL disp GB/s':>16}{'comb GB/s':>11}{'checks':>8}"]
     for key, rs in by.items():

@@ -187,6 +187,7 @@ int main(int argc, char** argv) try {
     else if (a == "--comm-sms") o.ep_config.comm_sms = std::stoi(next());
     else if (a == "--minibatch-rows") o.ep_config.minibatch_rows = std::stoll(next());
     else if (a == "--ring-rows") o.ep_config.ring_rows = std::stoll(next());
+    else if (a == "--interleave-rows") o.ep_config.interleave_rows = std::stoll(next());
     else if (a == "--out") o.out = next();
     else if (a == "--commit") o.commit = next();
     else if (a == "--date") o.date = next();
@@ -194,6 +195,7 @@ int main(int argc, char** argv) try {
       std::printf("usage: mok_bench [--preset all|NAME,...] [--impl mok,mok-ep1,cublas,plan] [--pass fwd,fwd+bwd]\n"
                   "                 [--iters N] [--warmup N] [--out FILE.json] [--commit C] [--date D]\n"
                   "                 [--comm-sms N] [--minibatch-rows N] [--ring-rows N]  (mok-ep1's Config)\n"
+                  "                 [--interleave-rows N]  (both impls' forward task order)\n"
                   "       mok_bench --serve            (bench/layer_bench.py's mok implementation)\n"
                   "       mok_bench --fill-sample SEED N\n");
       return 2;

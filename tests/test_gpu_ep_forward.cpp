@@ -62,6 +62,8 @@ TEST(Ep, BitwiseEqualAcrossRunsAndSmCounts) {
     Config config;
     config.compute_sms = sms;
     EXPECT_TRUE(same_bits(run_group(p, config), first)) << sms << " SMs";
+    config.interleave_rows = 256;  // GEMM2 of a chunk after GEMM1 of the next: the same bits
+    EXPECT_TRUE(same_bits(run_group(p, config), first)) << sms << " SMs, interleave 256";
   }
 }
 

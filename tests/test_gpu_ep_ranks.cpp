@@ -95,8 +95,13 @@ TEST(EpRanks, SeparateLaunchesTrainBitwiseLikeVirtualRanks) {
   ring.comm_sms = 2, ring.minibatch_rows = 128, ring.ring_rows = tight_ring(ring_needs(p).expert_rows, 128);
   Config once;  // the rows pulled before the kernels, each peer token once
   once.pull_tokens_once = true;
-  for (const Config& config : {Config{}, ring, once}) {
-  SCOPED_TRACE(config.comm_sms > 0 ? "ring" : config.pull_tokens_once ? "tokens pulled once" : "no ring");
+  Config spread = once;  // and the forward's GEMM2 tiles (their pushes) interleaved with GEMM1's
+  spread.interleave_rows = 128;
+  for (const Config& config : {Config{}, ring, once, spread}) {
+  SCOPED_TRACE(config.comm_sms > 0               ? "ring"
+               : config.interleave_rows > 0      ? "tokens pulled once, interleaved"
+               : config.pull_tokens_once         ? "tokens pulled once"
+                                                 : "no ring");
   SeparateRanks group(p, Training::save, config);
   std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
   for (int r = 0; r < p.ep; ++r) saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.ranks[r]->saved_elements()));

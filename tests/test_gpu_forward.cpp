@@ -48,9 +48,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"shared_single_token", 1, 256, 128, 4, 2, 256, 1.0f, RoutingKind::uniform}})),
     [](const auto& info) { return std::string(info.param.name); });
 
-std::vector<bf16> run_once(const HostProblem& host, GpuProblem& gpu, int sms) {
+std::vector<bf16> run_once(const HostProblem& host, GpuProblem& gpu, int sms, std::int64_t interleave_rows = 0) {
   Config config;
   config.compute_sms = sms;
+  config.interleave_rows = interleave_rows;
   Workspace ws(host.shape, host.tokens, config);
   gpu.poison_output();
   forward(gpu.args(), ws, nullptr);
@@ -73,6 +74,9 @@ TEST(Forward, BitwiseEqualAcrossRunsAndSmCounts) {
     ASSERT_TRUE(same_bits(gpu.y.download(), first)) << "run " << run;
   }
   for (int sms : {1, 7, 37, 100}) EXPECT_TRUE(same_bits(run_once(host, gpu, sms), first)) << sms << " SMs";
+  // Config::interleave_rows reorders the tasks (GEMM2 of a chunk after GEMM1 of the next): the same bits
+  for (std::int64_t rows : {128, 384, 1 << 20})
+    for (int sms : {0, 9}) EXPECT_TRUE(same_bits(run_once(host, gpu, sms, rows), first)) << "interleave " << rows;
 }
 
 // On one GPU the routed x rows live in the upper half of the fp32 slot buffer
@@ -93,6 +97,8 @@ TEST(Forward, SlotRowsOverwriteRoutedRowsOnlyAfterGemm1HasReadThem) {
   EXPECT_EQ(cmp.non_finite, 0);
   EXPECT_LE(cmp.rel_error, 1e-2);
   for (int sms : {2, 9, 33, 132}) EXPECT_TRUE(same_bits(run_once(host, gpu, sms), first)) << sms << " SMs";
+  for (int sms : {2, 33, 132})  // interleaved: a GEMM2 tile still waits for the x rows under its slots
+    EXPECT_TRUE(same_bits(run_once(host, gpu, sms, 256), first)) << sms << " SMs, interleave 256";
 }
 
 TEST(Forward, BadExpertIdPoisonsOutputAndIsReported) {

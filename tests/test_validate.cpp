@@ -299,6 +299,12 @@ TEST(Validate, ConfigFields) {
   c.capacity_factor = -1;
   expect_error([&] { validate(c); }, "argument 'capacity_factor': must be a finite number >= 0, got -1");
   c = Config{};
+  c.interleave_rows = 100;
+  expect_error([&] { validate(c); }, "argument 'interleave_rows': must be 0 or a positive multiple of 128, got 100");
+  c.interleave_rows = 4096, c.ring_rows = 8192;
+  expect_error([&] { validate(c); }, "argument 'interleave_rows': cannot be combined with the ring (comm_sms = 0, "
+                                     "ring_rows = 8192), which orders GEMM1 by its minibatches");
+  c = Config{};
   c.pull_tokens_once = true, c.comm_sms = 8;
   expect_error([&] { validate(c); },
                "argument 'pull_tokens_once': applies to rows pulled before the kernel; the ring (comm_sms = 8, "

@@ -145,11 +145,17 @@ double check_sampled_tokens(const Problem& pr, const std::uint16_t* d_y) {
 // impl "mok": the one-GPU kernels; "mok-ep1": the same layer through the expert-parallel
 // machinery (routing exchange, peer pulls, push combine) as an EP group of one rank.
 class FusedLayer {
+  static mok::Config one_gpu_config(const mok::Config& ep_config) {  // (--interleave-rows applies to both)
+    mok::Config c;
+    c.interleave_rows = ep_config.interleave_rows;
+    return c;
+  }
+
  public:
   FusedLayer(const Problem& pr, const std::string& impl, const std::string& pass, const mok::Config& ep_config,
              cudaStream_t stream)
       : pr_(pr), ep1_(impl == "mok-ep1"), bwd_(pass == "fwd+bwd"), stream_(stream), pool_(stream),
-        ws_(pr.s, pr.T, {}, bwd_ ? mok::Training::save : mok::Training::off) {
+        ws_(pr.s, pr.T, one_gpu_config(ep_config), bwd_ ? mok::Training::save : mok::Training::off) {
     const mok::MoeShape& s = pr.s;
     const std::int64_t T = pr.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
                        Is = s.shared_intermediate;

@@ -84,6 +84,11 @@ struct Config {
                                        // The backward's rings must hold every minibatch one expert's
                                        // rows touch: a call whose routing gives a local expert more than
                                        // ring_rows - minibatch_rows + 128 rows may fail (a clear error)
+  std::int64_t interleave_rows = 0;    // forward task order: 0 = every routed GEMM1 tile before any
+                                       // GEMM2 tile; > 0 (a multiple of 128, no ring): chunks of this
+                                       // many plan rows, chunk c's GEMM2 tiles after chunk c + 1's GEMM1
+                                       // tiles (spreads GEMM2's epilogues, EP's result pushes, over the
+                                       // kernel). The same bits either way.
   bool pull_tokens_once = false;       // EpRank without the ring: pull each peer token once into a
                                        // local buffer ([EP, T, H] bf16 more memory), then gather the
                                        // routed rows locally (else: pulled once per (token, expert) pair)

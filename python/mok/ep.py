@@ -40,15 +40,27 @@ class ExpertParallel:
     minibatch_rows at a time, while the others compute; 0 and 0 (the default): every SM pulls
     the rows before the kernel, once per (token, expert) pair, or, with pull_tokens_once, each
     peer token once into a local buffer ([W, T, H] bf16 more memory) and then every row from
-    local memory (fewer bytes over NVLink when tokens have several experts on one rank)."""
+    local memory (fewer bytes over NVLink when tokens have several experts on one rank).
+    interleave_rows > 0 (a multiple of 128; no ring) runs the forward's GEMM2 tiles of each
+    chunk of that many rows right after the next chunk's GEMM1 tiles, so that the result
+    pushes to other ranks spread over the kernel instead of crowding its last third; the same
+    bits either way."""
 
     def __init__(self, group=None, *, compute_sms: int = 0, timeout_seconds: float = 600.0, comm_sms: int = 0,
-                 ring_rows: int = 0, minibatch_rows: int = 4096, pull_tokens_once: bool = False):
+                 ring_rows: int = 0, minibatch_rows: int = 4096, pull_tokens_once: bool = False,
+                 interleave_rows: int = 0):
         import torch.distributed as dist
 
         _check_ring(comm_sms, ring_rows, minibatch_rows)
         if not isinstance(pull_tokens_once, bool):
             raise ValueError(f"mok.ep.ExpertParallel: pull_tokens_once must be a bool, got {pull_tokens_once!r}")
+        if not isinstance(interleave_rows, int) or isinstance(interleave_rows, bool) or interleave_rows < 0 \
+                or interleave_rows % 128:
+            raise ValueError(f"mok.ep.ExpertParallel: interleave_rows must be 0 or a positive multiple of 128, "
+                             f"got {interleave_rows!r}")
+        if interleave_rows and (comm_sms or ring_rows):
+            raise ValueError(f"mok.ep.ExpertParallel: interleave_rows cannot be combined with the ring (comm_sms = "
+                             f"{comm_sms}, ring_rows = {ring_rows})")
         if pull_tokens_once and (comm_sms or ring_rows):
             raise ValueError(f"mok.ep.ExpertParallel: pull_tokens_once applies to rows pulled before the kernel; the "
                              f"ring (comm_sms = {comm_sms}, ring_rows = {ring_rows}) pulls its own")
@@ -62,7 +74,7 @@ class ExpertParallel:
             raise ValueError(f"mok.ep.ExpertParallel: at most {_C.MAX_EP_RANKS} ranks (one NVLink node), got {self.world}")
         self.compute_sms, self.timeout_seconds = compute_sms, timeout_seconds
         self.comm_sms, self.ring_rows, self.minibatch_rows = comm_sms, ring_rows, minibatch_rows
-        self.pull_tokens_once = pull_tokens_once
+        self.pull_tokens_once, self.interleave_rows = pull_tokens_once, interleave_rows
         self._ranks: Dict[tuple, object] = {}
         self._regions: List[torch.Tensor] = []
         self.id = id(self)
@@ -101,7 +113,7 @@ class ExpertParallel:
                          x.device.index, compute_sms=self.compute_sms, timeout_seconds=self.timeout_seconds,
                          training=training, peers_on_other_gpus=self.world > 1, comm_sms=self.comm_sms,
                          ring_rows=self.ring_rows, minibatch_rows=self.minibatch_rows,
-                         pull_tokens_once=self.pull_tokens_once)
+                         pull_tokens_once=self.pull_tokens_once, interleave_rows=self.interleave_rows)
         dist.barrier(group=self.group)  # every region zeroed and every rank built before any call
         self._regions.append(region)
         self._ranks[key] = rank

@@ -149,7 +149,8 @@ NB_MODULE(_C, m) {
              std::int64_t num_local_experts, std::int64_t top_k, std::int64_t shared_intermediate,
              std::optional<float> limit, std::int64_t tokens, int rank, std::vector<std::uintptr_t> region_ptrs,
              int device, int compute_sms, double timeout_seconds, bool training, bool peers_on_other_gpus,
-             int comm_sms, std::int64_t ring_rows, std::int64_t minibatch_rows, bool pull_tokens_once) {
+             int comm_sms, std::int64_t ring_rows, std::int64_t minibatch_rows, bool pull_tokens_once,
+             std::int64_t interleave_rows) {
             if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
               throw nb::value_error(("mok.EpRank: cannot use CUDA device " + std::to_string(device) + ": " +
                                      cudaGetErrorString(err)).c_str());
@@ -160,6 +161,7 @@ NB_MODULE(_C, m) {
             config.ring_rows = ring_rows;
             config.minibatch_rows = minibatch_rows;
             config.pull_tokens_once = pull_tokens_once;
+            config.interleave_rows = interleave_rows;
             std::vector<void*> bases;
             for (std::uintptr_t p : region_ptrs) bases.push_back(reinterpret_cast<void*>(p));
             new (self) mok::EpRank(
@@ -171,7 +173,7 @@ NB_MODULE(_C, m) {
           nb::arg("rank"), nb::arg("region_ptrs"), nb::arg("device"), nb::arg("compute_sms") = 0,
           nb::arg("timeout_seconds") = 10.0, nb::arg("training") = false, nb::arg("peers_on_other_gpus") = true,
           nb::arg("comm_sms") = 0, nb::arg("ring_rows") = 0, nb::arg("minibatch_rows") = 4096,
-          nb::arg("pull_tokens_once") = false)
+          nb::arg("pull_tokens_once") = false, nb::arg("interleave_rows") = 0)
       .def_prop_ro("saved_elements", &mok::EpRank::saved_elements)
       .def("check", [](mok::EpRank& r, std::uintptr_t stream) { r.check(reinterpret_cast<cudaStream_t>(stream)); });
 

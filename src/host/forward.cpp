@@ -89,6 +89,7 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const
   p.shared_saved_gu = saved_gu && s.has_shared() ? saved_gu + 2 * capacity * I : nullptr;
   p.saved_marker = saved_gu ? saved_marker(saved_gu, ws) : nullptr;
   p.gemm1_only = gemm1_only;
+  p.interleave_tiles = gemm1_only ? 0 : static_cast<int>(ws.config().interleave_rows / kTileRows);
   // One GPU: x rows in the upper half of the slots (forward_buffers()).
   p.x_rows_in_slots = ws.rows_in_slots() ? capacity : 0;
   p.inter = static_cast<int>(I);

@@ -117,6 +117,11 @@ void validate(const Config& c) {
   if (c.ring_rows < 0 || (c.ring_rows > 0 && c.ring_rows % c.minibatch_rows != 0))
     throw_argument_error(where, "ring_rows", "must be 0 or a multiple of minibatch_rows = ",
                          c.minibatch_rows, ", got ", c.ring_rows);
+  if (c.interleave_rows < 0 || c.interleave_rows % 128 != 0)
+    throw_argument_error(where, "interleave_rows", "must be 0 or a positive multiple of 128, got ", c.interleave_rows);
+  if (c.interleave_rows > 0 && (c.comm_sms > 0 || c.ring_rows > 0))
+    throw_argument_error(where, "interleave_rows", "cannot be combined with the ring (comm_sms = ", c.comm_sms,
+                         ", ring_rows = ", c.ring_rows, "), which orders GEMM1 by its minibatches");
   if (c.pull_tokens_once && (c.comm_sms > 0 || c.ring_rows > 0))
     throw_argument_error(where, "pull_tokens_once", "applies to rows pulled before the kernel; the ring (comm_sms = ",
                          c.comm_sms, ", ring_rows = ", c.ring_rows, ") pulls its own");

@@ -30,6 +30,8 @@ def test_needs_an_initialised_process_group():
     (dict(minibatch_rows=1000), "minibatch_rows must be a positive multiple of 128, got 1000"),
     (dict(ring_rows=3000, minibatch_rows=1024), "ring_rows must be 0 or a multiple of minibatch_rows = 1024, got 3000"),
     (dict(pull_tokens_once=1), "pull_tokens_once must be a bool, got 1"),
+    (dict(interleave_rows=100), "interleave_rows must be 0 or a positive multiple of 128, got 100"),
+    (dict(interleave_rows=4096, comm_sms=4), r"interleave_rows cannot be combined with the ring \(comm_sms = 4"),
     (dict(pull_tokens_once=True, comm_sms=8), r"pull_tokens_once applies to rows pulled before the kernel; the ring "
                                               r"\(comm_sms = 8, ring_rows = 0\) pulls its own"),
 ])

@@ -70,6 +70,9 @@ struct ForwardParams {
   // this is its capacity in rows (0: a buffer of its own). A GEMM2 tile then waits for
   // the GEMM1 tiles of the x rows its slot rows overwrite.
   int x_rows_in_slots;
+  // Task order (Config::interleave_rows / 128; 0: phase-major): routed tiles in chunks of
+  // this many M-tiles, chunk c's GEMM2 tiles right after chunk c + 1's GEMM1 tiles.
+  int interleave_tiles;
   ForwardCounters counters;
   KernelStatus* status;
   // sizes
