@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mok/error.hpp"
@@ -9,6 +11,7 @@
 #include "mok/routing.hpp"
 #include "host/layer_launch.hpp"
 #include "kernels/common/slot_rows.cuh"
+#include "kernels/forward/interleave.cuh"
 #include "plan_checks.hpp"
 
 namespace mok {
@@ -147,6 +150,33 @@ TEST(SlotRows, XRowsUnderSlotTilesAreTheOnesSharingBytes) {
 // W_gate / W_up gradient buffers): every buffer inside its block, no two overlapping,
 // the forward's x rows in the upper half of its fp32 slots, the backward's dy rows / w h in
 // the gradient buffers exactly when they fit, and the sizes each mode asks for.
+// Config::interleave_rows: every routed GEMM tile exactly once, and every GEMM1 tile of
+// M-tiles at or below m before the first GEMM2 tile of m (what a GEMM2 tile waits for:
+// its own M-tile's h, and on one GPU the x rows under its slot rows), so that every wait
+// is on a lower-numbered task.
+TEST(Schedule, InterleavedOrderCoversEveryTileAndWaitsOnlyBackwards) {
+  for (int m_routed = 1; m_routed <= 40; ++m_routed)
+    for (int chunk : {1, 2, 3, 5, 32})
+      for (auto [n1, n2] : {std::pair{1, 1}, {2, 3}, {4, 28}, {16, 8}}) {
+        SCOPED_TRACE(::testing::Message() << m_routed << " M-tiles, chunks of " << chunk << ", n " << n1 << "/" << n2);
+        const int total = m_routed * (n1 + n2);
+        std::vector<int> g1_last(m_routed, -1), g2_first(m_routed, total), seen(total, 0);
+        for (int task = 0; task < total; ++task) {
+          const auto t = kernels::interleaved_task(m_routed, n1, n2, chunk, task);
+          ASSERT_TRUE(t.m >= 0 && t.m < m_routed && t.n >= 0 && t.n < (t.gemm2 ? n2 : n1)) << "task " << task;
+          ++seen[(t.gemm2 ? m_routed * n1 + t.m * n2 : t.m * n1) + t.n];
+          if (t.gemm2) g2_first[t.m] = std::min(g2_first[t.m], task);
+          else g1_last[t.m] = std::max(g1_last[t.m], task);
+        }
+        EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), total);
+        int g1_done = -1;  // the last GEMM1 task of M-tiles 0 .. m
+        for (int m = 0; m < m_routed; ++m) {
+          g1_done = std::max(g1_done, g1_last[m]);
+          EXPECT_LT(g1_done, g2_first[m]) << "M-tile " << m;
+        }
+      }
+}
+
 TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
   struct Region {
     const char* name;

@@ -8,6 +8,7 @@
 
 #include "kernels/ep/ep_push.cuh"
 #include "kernels/forward/forward.cuh"
+#include "kernels/forward/interleave.cuh"
 #include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
 #include "kernels/common/pipeline.cuh"
@@ -105,36 +106,9 @@ struct Schedule {
     split(local - first * n_tiles, first, p.plan.expert_offset[e + 1] / kBlockM - first, t);
   }
 
-  // Interleaved order (p.interleave_tiles = C > 0): the routed tasks [0, m_routed (n1 + n2))
-  // in blocks G1(0), G1(1) G2(0), G1(2) G2(1), ..., G1(last) G2(last - 1), G2(last), where
-  // G1(c) / G2(c) are chunk c's GEMM1 / GEMM2 tiles (M-tiles [c C, c C + C), N-tile-major).
-  // A GEMM2 tile waits for GEMM1 tiles of its own chunk (or, one GPU, of the x rows under its
-  // slots: M-tiles at or below its own), which come earlier: lower-numbered tasks only.
   __device__ void split_interleaved(const ForwardParams& p, int local, Task& t) const {
-    const int C = p.interleave_tiles, chunks = (m_routed + C - 1) / C;
-    const int last = m_routed - (chunks - 1) * C;  // M-tiles of the last chunk (the others: C)
-    auto take = [&](TaskKind kind, int c, int tiles, int l) {  // task l of G1(c) or G2(c)
-      t.kind = kind;
-      t.n = l / tiles;
-      t.m = c * C + l % tiles;
-    };
-    if (local < (chunks == 1 ? last : C) * n1_routed) return take(kGemm1, 0, chunks == 1 ? last : C, local);
-    local -= (chunks == 1 ? last : C) * n1_routed;
-    const int pair = C * (n1_routed + n2), full = max(chunks - 2, 0);  // blocks G1(c) G2(c - 1), c = 1 .. full
-    if (local < full * pair) {
-      const int c = 1 + local / pair;
-      local %= pair;
-      if (local < C * n1_routed) return take(kGemm1, c, C, local);
-      return take(kGemm2, c - 1, C, local - C * n1_routed);
-    }
-    local -= full * pair;
-    if (chunks >= 2) {  // G1(last chunk) G2(the one before)
-      if (local < last * n1_routed) return take(kGemm1, chunks - 1, last, local);
-      local -= last * n1_routed;
-      if (local < C * n2) return take(kGemm2, chunks - 2, C, local);
-      local -= C * n2;
-    }
-    take(kGemm2, chunks - 1, last, local);
+    const InterleavedTask it = interleaved_task(m_routed, n1_routed, n2, p.interleave_tiles, local);
+    t.kind = it.gemm2 ? kGemm2 : kGemm1, t.m = it.m, t.n = it.n;
   }
 
   __device__ Task decode(const ForwardParams& p, int task) const {
