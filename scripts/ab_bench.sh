@@ -7,7 +7,7 @@
 #
 #   OUT=<dir> scripts/ab_bench.sh BASE_SRC_DIR [--presets all|NAME,...] [--rounds 5] [--iters 10]
 #
-# BASE_SRC_DIR: the base commit's files, e.g. `git archive <rev> | tar x -C .ab/base`
+# BASE_SRC_DIR: the base commit's files, e.g. `mkdir -p .ab/base && git archive <rev> | tar x -C .ab/base`
 # (carried to a GPU machine as an ignored folder). Rows: $OUT/ab.json.
 set -uo pipefail
 base_src=$1; shift
