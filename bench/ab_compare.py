@@ -22,18 +22,19 @@ def load(paths):
     return rounds
 
 
+def row(preset, pass_, base_ms, head_ms, **extra):
+    """One table row from each side's ms per round (round i of head against round i of base)."""
+    per_round = [h / b for h, b in zip(head_ms, base_ms)]
+    return dict(preset=preset, **{"pass": pass_}, base_ms=statistics.median(base_ms), head_ms=statistics.median(head_ms),
+                ratio=statistics.median(head_ms) / statistics.median(base_ms), ratio_min=min(per_round),
+                ratio_max=max(per_round), rounds=len(per_round), **extra)
+
+
 def compare(base, head):
     """Rows per (preset, pass) present in every round of both sides."""
     keys = [k for k in base[0] if all(k in r for r in base + head)]
-    rows = []
-    for preset, pass_ in keys:
-        b = [r[(preset, pass_)]["ms"] for r in base]
-        h = [r[(preset, pass_)]["ms"] for r in head]
-        per_round = [hh / bb for hh, bb in zip(h, b)]
-        rows.append(dict(preset=preset, **{"pass": pass_}, base_ms=statistics.median(b), head_ms=statistics.median(h),
-                         ratio=statistics.median(h) / statistics.median(b), ratio_min=min(per_round),
-                         ratio_max=max(per_round), rounds=len(per_round)))
-    return rows
+    return [row(preset, pass_, [r[(preset, pass_)]["ms"] for r in base], [r[(preset, pass_)]["ms"] for r in head])
+            for preset, pass_ in keys]
 
 
 def table(rows):

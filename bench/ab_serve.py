@@ -28,15 +28,8 @@ from layer_bench import MokBench  # noqa: E402
 
 def rows_of(times, same):
     """ab_compare's rows from {(preset, pass): {"base": [ms per round], "head": [...]}}."""
-    rows = []
-    for (preset, pass_), t in times.items():
-        per_round = [h / b for h, b in zip(t["head"], t["base"])]
-        rows.append(dict(preset=preset, **{"pass": pass_}, base_ms=statistics.median(t["base"]),
-                         head_ms=statistics.median(t["head"]),
-                         ratio=statistics.median(t["head"]) / statistics.median(t["base"]),
-                         ratio_min=min(per_round), ratio_max=max(per_round), rounds=len(per_round),
-                         bitwise_equal=same[(preset, pass_)]))
-    return rows
+    return [ab_compare.row(preset, pass_, t["base"], t["head"], bitwise_equal=same[(preset, pass_)])
+            for (preset, pass_), t in times.items()]
 
 
 def main():

@@ -144,6 +144,7 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
                         one_expert(*b.d_shared_down));
   }
   detail::fill_common_params(p, ws, a.topk_weights.data);
+  p.counters.wd_done = ws.counters() + detail::counters_per_tile(ws) + 2;  // after done and abort
   p.dw_partial = ws.dw_partial();
   p.dx = static_cast<std::uint16_t*>(b.dx.data);
   p.d_topk_weights = static_cast<float*>(b.d_topk_weights.data);

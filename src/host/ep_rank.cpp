@@ -191,9 +191,7 @@ void EpRank::pull_rows(const void* const (&rows)[kMaxEpRanks], void* routed, cud
   t.tokens = tokens_;
   t.ep = size(), t.rank = rank_, t.top_k = static_cast<int>(shape_.top_k), t.hidden = static_cast<int>(shape_.hidden);
   t.num_local_experts = static_cast<int>(shape_.num_local_experts);
-  int device = 0;
-  detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
-  kernels::launch_pull_tokens(t, 4 * sm_count(device), stream);
+  kernels::launch_pull_tokens(t, 4 * detail::persistent_ctas(*ws_, kWhere), stream);  // (the dispatch's grid)
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the token pull");
   const void* local[kMaxEpRanks] = {};
   for (int q = 0; q < size(); ++q) local[q] = q == rank_ ? rows[q] : recv_ + q * tokens_ * shape_.hidden;

@@ -9,7 +9,6 @@
 #include <optional>
 #include <span>
 #include <string_view>
-#include <type_traits>
 
 #include "kernels/backward/backward.cuh"
 #include "kernels/forward/forward.cuh"
@@ -49,14 +48,7 @@ void fill_common_params(Params& p, const Workspace& ws, const void* topk_weights
   p.topk_weights = static_cast<const float*>(topk_weights);
   const std::int64_t per_tile = counters_per_tile(ws);
   // [per-tile counters (h_ready / dgu_ready)..., done (y_done / dx_done), abort, the backward's wd_done]
-  p.counters = {};
-  p.counters.abort = ws.counters() + per_tile + 1;
-  if constexpr (std::is_same_v<Params, kernels::ForwardParams>) {
-    p.counters.h_ready = ws.counters(), p.counters.y_done = ws.counters() + per_tile;
-  } else {
-    p.counters.dgu_ready = ws.counters(), p.counters.dx_done = ws.counters() + per_tile;
-    p.counters.wd_done = ws.counters() + per_tile + 2;
-  }
+  p.counters = {ws.counters(), ws.counters() + per_tile, ws.counters() + per_tile + 1};
   p.status = ws.status_device();
   p.tokens = static_cast<int>(ws.tokens());
   p.hidden = static_cast<int>(s.hidden);

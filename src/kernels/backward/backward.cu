@@ -92,7 +92,7 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
         mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
         const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
         const bool push = p.ep.push && !t.shared;
-        if (push) push_dx_rows(p, acc, t.n * kBlockN, row0 + wg * 64);
+        if (push) push_dx_rows(p, s, acc, wg, t.n * kBlockN, row0 + wg * 64);
         else store_tile_tma(s, acc, wg, &maps.dx_rows, t.n * kBlockN, row0 + wg * 64, 0, 1 << 30, p.hidden, false);
         ++pending_dx;
       }

@@ -66,7 +66,7 @@ struct BackwardCounters {
                    // (dx_over_x: an expert's first M-tile also counts its dW_gate|up ones)
   int* dx_done;    // dx-row warpgroup-tiles done
   int* abort;      // set by the first CTA that gives up; every wait checks it
-  int* wd_done;    // rows_in_grads: routed dW_down warpgroup-tiles done (their rows read)
+  int* wd_done = nullptr;  // rows_in_grads: routed dW_down warpgroup-tiles done (their rows read)
 };
 
 struct BackwardParams {

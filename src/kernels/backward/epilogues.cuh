@@ -122,9 +122,9 @@ __device__ void accumulate_weight_grad(const float (&acc)[128], void* const (&ro
 // and leaves in 16-byte stores, 16 threads to a row's 256 bytes: from the accumulators,
 // where a quad of lanes holds 16 contiguous bytes of a row, each write to a peer was a
 // 16-byte NVLink fragment. The stores are plain; publish_pushed_rows() orders them.
-__device__ void push_dx_rows(const BackwardParams& p, const float (&acc)[128], int n0, int row0) {
-  SharedStorage& s = shared_storage<SharedStorage>();  // (the consumer's s and wg, found again)
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, wg = (threadIdx.x - kProducerThreads) / 128;
+__device__ void push_dx_rows(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], int wg, int n0,
+                             int row0) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   char* staging = reinterpret_cast<char*>(s.staging[wg]);
   if (tid == 0) tma_store_wait_read();  // earlier TMA stores (weight gradients, shared dx) have read the staging
   std::uint16_t* dst = nullptr;  // lane l < 16: the slot row of plan row row0 + (l / 2) * 8 + 2 * warp + l % 2

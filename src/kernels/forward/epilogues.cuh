@@ -94,24 +94,32 @@ __device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, in
   publish_stored_tiles(p.counters.y_done, pending_tiles, wg);
 }
 
+// Columns [64 round, 64 round + 64) of this warpgroup's 64 x 256 fp32 tile into its 16 KB
+// staging buffer (swizzled, two panels of 64 rows x 32 columns), once earlier TMA stores
+// have read the staging and every thread of the warpgroup is past its previous use.
+__device__ __forceinline__ void stage_fp32_columns(char* staging, const float (&acc)[128], int round, int wg) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  if (tid == 0) tma_store_wait_read();
+  sync_warpgroup(wg);
+#pragma unroll
+  for (int i = 32 * round; i < 32 * round + 32; i += 2) {
+    const int row = acc_row(warp, lane, i), col = acc_col(lane, i) - 64 * round;  // 0..63
+    *reinterpret_cast<float2*>(staging + swizzled_offset_bytes(row, col * 4)) = make_float2(acc[i], acc[i + 1]);
+  }
+}
+
 // fp32 rows of this warpgroup's 64 x 256 tile into the slot buffer (published by
 // publish_slots()): four rounds of 64 columns through the warpgroup's 16 KB staging
 // buffer, each as two TMA stores of 64 rows x 32 columns (128-byte swizzle).
 __device__ void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                int row0, int wg) {
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x % 128;
   const CUtensorMap* map = t.shared ? &p.maps.shared_slots : &p.maps.slots;
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
   const int n0 = t.n * kBlockN;
 #pragma unroll
   for (int round = 0; round < 4; ++round) {
-    if (tid == 0) tma_store_wait_read();  // earlier stores (h or slots) have read the staging
-    sync_warpgroup(wg);
-#pragma unroll
-    for (int i = 32 * round; i < 32 * round + 32; i += 2) {
-      const int row = acc_row(warp, lane, i), col = acc_col(lane, i) - 64 * round;  // 0..63
-      *reinterpret_cast<float2*>(staging + swizzled_offset_bytes(row, col * 4)) = make_float2(acc[i], acc[i + 1]);
-    }
+    stage_fp32_columns(staging, acc, round, wg);
     fence_proxy_async_shared_cta();
     sync_warpgroup(wg);
     if (tid == 0) {
@@ -134,7 +142,7 @@ __device__ void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const f
 // stores to land (a fence per tile cost 20% on qwen3-30b-a3b).
 __device__ void epilogue_gemm2_push(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                     int row0, int wg) {
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x % 128;
   const int n0 = t.n * kBlockN, rows0 = row0 + wg * 64, piece = tid % 16;  // piece: 4 columns of a round
   const int pairs_per_rank = p.tokens * p.top_k;
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
@@ -144,13 +152,7 @@ __device__ void epilogue_gemm2_push(const ForwardParams& p, SharedStorage& s, co
 #pragma unroll
   for (int round = 0; round < 4; ++round) {
     if (n0 + 64 * round >= p.hidden) break;  // (hidden is a multiple of 64: a round is wholly in or out)
-    if (tid == 0) tma_store_wait_read();     // earlier TMA stores (h) have read the staging
-    sync_warpgroup(wg);                      // ... and every thread has read the previous round
-#pragma unroll
-    for (int i = 32 * round; i < 32 * round + 32; i += 2) {
-      const int row = acc_row(warp, lane, i), col = acc_col(lane, i) - 64 * round;  // 0..63
-      *reinterpret_cast<float2*>(staging + swizzled_offset_bytes(row, col * 4)) = make_float2(acc[i], acc[i + 1]);
-    }
+    stage_fp32_columns(staging, acc, round, wg);  // (its first sync: every thread has read the previous round)
     sync_warpgroup(wg);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
