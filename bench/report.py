@@ -268,6 +268,28 @@ def cmd_table(a):
                            f"{r['loss_rel_diff']:.1e} | {pm.get('experts fwd', 0):.2f} | {pm.get('experts bwd', 0):.2f} | "
                            f"{attention:.2f} | {pm.get('rest', 0):.2f} | {r['peak_bytes'] / 2**30:.2f} |")
             out.append("")
+    ab = sorted(glob.glob(os.path.join(a.results_dir, "*-vs-*-ab*.json")), reverse=True)
+    if ab:
+        out += ["## Before / after (scripts/ab_bench.sh, bench/ab_serve.py)", "",
+                "One GPU, one run: mok_bench built from a base tree and from the head, the same problem loaded",
+                "in both, outputs checked bitwise equal, then timed in alternating rounds (base, head, …).",
+                "head/base: median over rounds of the round medians; range: the per-round ratios.", ""]
+        for path in ab:
+            with open(path) as f:
+                d = json.load(f)
+            rows = d.get("rows", [])
+            if not rows:
+                continue
+            out += [f"### {os.path.basename(path)}", "",
+                    f"GPU {d.get('gpu', '?')}, base {d.get('base_commit', '?')}, head {d.get('head_commit', '?')}, "
+                    f"{d.get('date', '?')}, {rows[0].get('rounds', '?')} rounds of {d.get('iters', '?')} iterations, "
+                    f"routing {d.get('routing', '?')}" + (f". {d['note']}" if d.get("note") else ""), "",
+                    "| preset | pass | base ms | head ms | head/base | range | bitwise equal |", "|---|---|---|---|---|---|---|"]
+            for r in rows:
+                spread = f"{r['ratio_min']:.3f}–{r['ratio_max']:.3f}" if "ratio_min" in r else "one round"
+                out.append(f"| {r['preset']} | {r['pass']} | {r['base_ms']:.3f} | {r['head_ms']:.3f} | {r['ratio']:.3f} | "
+                           f"{spread} | {r.get('bitwise_equal', 'not checked')} |")
+            out.append("")
     for path, records in result_files(a.results_dir):
         r0 = records[0]
         if is_layer_run(records):
