@@ -5,6 +5,7 @@ under torch.compile(fullgraph=True); in eager mode the same bodies are called di
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.dlpack import to_dlpack
 
 from mok import _C
 from mok._checks import check_moe_args
@@ -39,6 +40,16 @@ def _scratch(nbytes, device):
     """One call's scratch from PyTorch's caching allocator: freed when the call returns
     (stream-ordered), so the forward's bytes serve the backward and the next layer."""
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _capsules(tensors):
+    """The tensors as DLPack capsules (None stays None) for the extension. torch's C entry
+    to_dlpack takes ~0.7 µs a tensor; handed the tensors themselves, the extension would call
+    Tensor.__dlpack__, Python code that queries and compares CUDA streams (~10 µs a tensor,
+    more for parameters, which it refuses before the fallback): with 12–21 tensors a pass,
+    that was most of the op's host time before the first launch, which the GPU waits for.
+    The streams need no handshake: everything runs on the stream the call passes."""
+    return tuple(None if t is None else to_dlpack(t) for t in tensors)
 
 
 ONE_GPU = 0  # the group id of the one-GPU layer (an EP group's is its mok.ep.ExpertParallel.id)
@@ -98,12 +109,13 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
         saved = torch.empty(_saved_elements(x, w_gate, w_up, k, shared_gate, swiglu_limit, num_experts),
                             dtype=torch.bfloat16, device=x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    tensors = (x, topk_ids, topk_weights, gate, up, w_down, shared_gate, shared_up, shared_down, y, saved, stream)
+    tensors = (*_capsules((x, topk_ids, topk_weights, gate, up, w_down, shared_gate, shared_up, shared_down, y, saved)),
+               stream)
     if group_id == ONE_GPU:
         if T == 0:
             return y, saved
         ws = _workspace(x, gate, k, _shared_size(shared_gate), swiglu_limit)
-        _C.forward(ws, *tensors, scratch=_scratch(ws.forward_scratch_bytes(T), x.device))
+        _C.forward(ws, *tensors, scratch=to_dlpack(_scratch(ws.forward_scratch_bytes(T), x.device)))
     else:
         rank = _ep_group(group_id).rank_for(x, gate, num_experts, k, _shared_size(shared_gate), swiglu_limit,
                                             training)
@@ -130,11 +142,11 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
     d_gate, d_up = gate_and_up(grads[2], None if w_up is None else grads[3])
     shared_grads = grads[5:] if shared_gate is not None else (None, None, None)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    tensors = (x, topk_ids, topk_weights, gate, up, w_down, shared_gate, shared_up, shared_down, saved, dy, grads[0],
-               grads[1], d_gate, d_up, grads[4], *shared_grads, stream)
+    tensors = (*_capsules((x, topk_ids, topk_weights, gate, up, w_down, shared_gate, shared_up, shared_down, saved, dy,
+                           grads[0], grads[1], d_gate, d_up, grads[4], *shared_grads)), stream)
     if group_id == ONE_GPU:
         ws = _workspace(x, gate, topk_ids.shape[1], _shared_size(shared_gate), swiglu_limit)
-        _C.backward(ws, *tensors, scratch=_scratch(ws.backward_scratch_bytes(False, x.shape[0]), x.device))
+        _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(ws.backward_scratch_bytes(False, x.shape[0]), x.device)))
     else:
         rank = _ep_group(group_id).rank_for(x, gate, num_experts, topk_ids.shape[1], _shared_size(shared_gate),
                                             swiglu_limit, True)
