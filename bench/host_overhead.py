@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Where the host time of one mok.moe call goes: cProfile of N forward (no autograd) and N
 forward+backward calls on one preset, printed by cumulative time, and the median host time
-to enqueue each (the GPU is synchronised between calls, so nothing else is queued).
+to enqueue each (the GPU is synchronised between calls, so nothing else is queued); then
+what the GPU waits for: the pass timed as layer_bench times it (L2 flush, events around the
+call) and again with the GPU kept busy while the host enqueues (a spin kernel between the
+flush and the start event), and the pass's kernels by GPU time (torch.profiler).
 
   host_overhead.py [--preset qwen3-30b-a3b] [--calls 50] [--top 25]
 """
@@ -60,6 +63,18 @@ def main():
         print(f"\n== {args.preset} {ps}: host time to enqueue, median {statistics.median(plain):.3f} ms "
               f"(min {min(plain):.3f}); with the profiler on {statistics.median(host):.3f} ms")
         pstats.Stats(prof).sort_stats("cumulative").print_stats(args.top)
+        idle = tb.time_ms(fn, 3, args.calls, before=before)
+        busy = tb.time_ms(fn, 3, args.calls, before=lambda: (before and before(), torch.cuda._sleep(4_000_000)))
+        print(f"GPU time, median: {statistics.median(idle):.3f} ms as layer_bench times it, "
+              f"{statistics.median(busy):.3f} ms with the host ahead (the GPU waited "
+              f"{statistics.median(idle) - statistics.median(busy):.3f} ms for the host)")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as kprof:
+            for _ in range(5):
+                if before:
+                    before()
+                fn()
+            torch.cuda.synchronize()
+        print(kprof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
 if __name__ == "__main__":
