@@ -24,6 +24,26 @@ import torch_baseline as tb  # noqa: E402
 from layer_bench import MokPy  # noqa: E402
 
 
+def events_and_kernels(fn, before, iters, warmup=3):
+    """Median event time of one pass (tb.time_ms: L2 flush, events around the call) and the
+    median over iterations of the summed durations of the layer's own kernels (names with
+    'mok', from torch.profiler) in the same run: their difference is GPU time spent on
+    nothing (waiting for the host); a change in the kernels' sum is the kernels' speed."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        times = tb.time_ms(fn, warmup, iters, before=before)
+    cuda = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    sums = []  # a pass: the layer's kernels after a flush (or spin) kernel, the first work of an iteration
+    for start, end, name in cuda:
+        if "mok" in name:
+            if sums:
+                sums[-1] += (end - start) / 1e3
+        elif end - start > 20:  # (µs) the 256 MB flush or the spin; not the layer's counter memsets
+            if not sums or sums[-1] > 0:
+                sums.append(0.0)
+    return statistics.median(times), statistics.median(sums)  # (the warm-up runs before the first flush)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-30b-a3b")
@@ -63,11 +83,11 @@ def main():
         print(f"\n== {args.preset} {ps}: host time to enqueue, median {statistics.median(plain):.3f} ms "
               f"(min {min(plain):.3f}); with the profiler on {statistics.median(host):.3f} ms")
         pstats.Stats(prof).sort_stats("cumulative").print_stats(args.top)
-        idle = tb.time_ms(fn, 3, args.calls, before=before)
-        busy = tb.time_ms(fn, 3, args.calls, before=lambda: (before and before(), torch.cuda._sleep(4_000_000)))
-        print(f"GPU time, median: {statistics.median(idle):.3f} ms as layer_bench times it, "
-              f"{statistics.median(busy):.3f} ms with the host ahead (the GPU waited "
-              f"{statistics.median(idle) - statistics.median(busy):.3f} ms for the host)")
+        for mode, pre in (("as layer_bench times it", before),
+                          ("behind a 4M-cycle spin kernel", lambda: (before and before(), torch.cuda._sleep(4_000_000)))):
+            ev, kern = events_and_kernels(fn, pre, args.calls)
+            print(f"GPU time {mode}: events {ev:.3f} ms, the pass's kernels {kern:.3f} ms (medians; the rest: "
+                  f"idle waiting for the host, or the flush's tail)")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as kprof:
             for _ in range(5):
                 if before:
