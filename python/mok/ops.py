@@ -12,6 +12,19 @@ from mok._checks import check_moe_args
 from mok._state import ep_groups
 from mok._state import workspaces as _workspaces
 
+try:  # the current stream as an integer in one C call (what Inductor's generated code calls)
+    from torch._C import _cuda_getCurrentRawStream as _current_raw_stream
+except ImportError:  # pragma: no cover (older PyTorch)
+    _current_raw_stream = None
+
+
+def _stream(x):
+    """The handle of the current CUDA stream of x's device. torch.cuda.current_stream builds a
+    Stream object through several Python calls: host time the GPU would wait for."""
+    if _current_raw_stream is not None:
+        return _current_raw_stream(x.get_device())
+    return torch.cuda.current_stream(x.device).cuda_stream
+
 
 def _workspace(x, w_gate, top_k, shared_intermediate, swiglu_limit):
     """The workspace of this layer shape and device, made on first use and remade for a
@@ -108,7 +121,7 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
     if training:
         saved = torch.empty(_saved_elements(x, w_gate, w_up, k, shared_gate, swiglu_limit, num_experts),
                             dtype=torch.bfloat16, device=x.device)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
+    stream = _stream(x)
     tensors = (*_capsules((x, topk_ids, topk_weights, gate, up, w_down, shared_gate, shared_up, shared_down, y, saved)),
                stream)
     if group_id == ONE_GPU:
@@ -141,7 +154,7 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
     gate, up = gate_and_up(w_gate, w_up)
     d_gate, d_up = gate_and_up(grads[2], None if w_up is None else grads[3])
     shared_grads = grads[5:] if shared_gate is not None else (None, None, None)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
+    stream = _stream(x)
     tensors = (*_capsules((x, topk_ids, topk_weights, gate, up, w_down, shared_gate, shared_up, shared_down, saved, dy,
                            grads[0], grads[1], d_gate, d_up, grads[4], *shared_grads)), stream)
     if group_id == ONE_GPU:
