@@ -27,15 +27,15 @@ kernels::ExpertSetMaps set_maps(const void* dy, const void* x, std::int64_t dy_r
   using detail::make_bf16_tensor_map;
   using detail::make_bf16_weight_map;
   kernels::ExpertSetMaps m{};
-  m.dy_k = make_bf16_tensor_map(dy, {U(H), U(dy_rows)}, {64, 128}, "dy rows");
-  m.down_mn = make_bf16_weight_map(down, 64, 64, "w_down");
-  m.dgu_k = make_bf16_tensor_map(dgu, {U(2 * I), U(rows)}, {64, 128}, "d pre-activations");
-  m.gate_mn = make_bf16_weight_map(gate, 64, 64, "w_gate");
-  m.up_mn = make_bf16_weight_map(up, 64, 64, "w_up");
-  m.dy_mn = make_bf16_tensor_map(dy, {U(H), U(dy_rows)}, {64, 64}, "dy rows");
-  m.hw_mn = make_bf16_tensor_map(hw, {U(I), U(rows)}, {64, 64}, "w h");
-  m.dgu_mn = make_bf16_tensor_map(dgu, {U(2 * I), U(rows)}, {64, 64}, "d pre-activations");
-  m.x_mn = make_bf16_tensor_map(x, {U(H), U(dy_rows)}, {64, 64}, "x rows");
+  m.dy_k = make_bf16_tensor_map(dy, {U(H), U(dy_rows)}, kernels::kBoxK, "dy rows");
+  m.down_mn = make_bf16_weight_map(down, kernels::kBoxMN, "w_down");
+  m.dgu_k = make_bf16_tensor_map(dgu, {U(2 * I), U(rows)}, kernels::kBoxK, "d pre-activations");
+  m.gate_mn = make_bf16_weight_map(gate, kernels::kBoxMN, "w_gate");
+  m.up_mn = make_bf16_weight_map(up, kernels::kBoxMN, "w_up");
+  m.dy_mn = make_bf16_tensor_map(dy, {U(H), U(dy_rows)}, kernels::kBoxMN, "dy rows");
+  m.hw_mn = make_bf16_tensor_map(hw, {U(I), U(rows)}, kernels::kBoxMN, "w h");
+  m.dgu_mn = make_bf16_tensor_map(dgu, {U(2 * I), U(rows)}, kernels::kBoxMN, "d pre-activations");
+  m.x_mn = make_bf16_tensor_map(x, {U(H), U(dy_rows)}, kernels::kBoxMN, "x rows");
   return m;
 }
 
@@ -43,9 +43,9 @@ kernels::ExpertSetMaps set_maps(const void* dy, const void* x, std::int64_t dy_r
 void set_gradient_maps(kernels::ExpertSetMaps& m, const TensorView& d_gate, const TensorView& d_up,
                        const TensorView& d_down) {
   using detail::make_bf16_weight_map;
-  m.d_gate = make_bf16_weight_map(d_gate, 64, 64, "d_w_gate");
-  m.d_up = make_bf16_weight_map(d_up, 64, 64, "d_w_up");
-  m.d_down = make_bf16_weight_map(d_down, 64, 64, "d_w_down");
+  m.d_gate = make_bf16_weight_map(d_gate, kernels::kBoxMN, "d_w_gate");
+  m.d_up = make_bf16_weight_map(d_up, kernels::kBoxMN, "d_w_up");
+  m.d_down = make_bf16_weight_map(d_down, kernels::kBoxMN, "d_w_down");
 }
 
 // Two spaces of E_l I H bf16 elements each that the W_gate / W_up gradients cover entirely
@@ -126,7 +126,7 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   kernels::BackwardParams p{};
   p.routed_maps = set_maps(buffers.dy_rows, buffers.x_rows, capacity, dgu, hw, capacity, a.w_gate, a.w_up, a.w_down,
                            H, I);
-  p.routed_maps.dx_rows = detail::make_bf16_tensor_map(dx_rows, {U(H), U(capacity), 1}, {64, 64, 1}, "dx rows");
+  p.routed_maps.dx_rows = detail::make_bf16_tensor_map(dx_rows, {U(H), U(capacity), 1}, kernels::kBoxMN, "dx rows");
   p.routed = {gu, hw, dx_rows, b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, static_cast<int>(I)};
   if (!grad_fp32) set_gradient_maps(p.routed_maps, b.d_w_gate, b.d_w_up, b.d_w_down);
   if (s.has_shared()) {
@@ -136,7 +136,7 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
                              one_expert(*a.shared_up), one_expert(*a.shared_down), H, Is);
     std::uint16_t* s_dx_rows = buffers.shared_dx_rows;
     p.shared_maps.dx_rows =
-        detail::make_bf16_tensor_map(s_dx_rows, {U(H), U(padded_tokens), 1}, {64, 64, 1}, "shared dx rows");
+        detail::make_bf16_tensor_map(s_dx_rows, {U(H), U(padded_tokens), 1}, kernels::kBoxMN, "shared dx rows");
     p.shared = {s_dgu, s_hw, s_dx_rows, b.d_shared_gate->data, b.d_shared_up->data, b.d_shared_down->data,
                 static_cast<int>(Is)};
     if (!grad_fp32)

@@ -44,7 +44,7 @@ inline void set_ring(kernels::ForwardParams& p, const Workspace& ws, int comm_ct
   static_cast<kernels::RingGeometry&>(p.ring) = ring_geometry(ws, comm_ctas, counters);
   p.ring.buffer = ring;
   for (std::size_t q = 0; q < x.size(); ++q) p.ring.x[q] = static_cast<const std::uint16_t*>(x[q]);
-  p.maps.x_routed = make_bf16_tensor_map(ring, {std::uint64_t(ws.shape().hidden), std::uint64_t(rows)}, {64, 128}, "ring");
+  p.maps.x_routed = make_bf16_tensor_map(ring, {std::uint64_t(ws.shape().hidden), std::uint64_t(rows)}, kernels::kBoxK, "ring");
 }
 
 // The backward's ring (kernels/backward/backward.cuh): the workspace's dy and x row buffers, used
@@ -56,9 +56,9 @@ inline void set_backward_ring(kernels::BackwardParams& p, Workspace& ws, int com
   auto* dy = static_cast<std::uint16_t*>(ws.dy_routed());
   auto* x = static_cast<std::uint16_t*>(ws.x_routed());
   p.ring = {ring_geometry(ws, comm_ctas, counters), dy, x};
-  p.routed_maps.dy_k = make_bf16_tensor_map(dy, {H, std::uint64_t(rows)}, {64, 128}, "dy ring");
-  p.routed_maps.dy_mn = make_bf16_tensor_map(dy, {H, std::uint64_t(rows)}, {64, 64}, "dy ring");
-  p.routed_maps.x_mn = make_bf16_tensor_map(x, {H, std::uint64_t(rows)}, {64, 64}, "x ring");
+  p.routed_maps.dy_k = make_bf16_tensor_map(dy, {H, std::uint64_t(rows)}, kernels::kBoxK, "dy ring");
+  p.routed_maps.dy_mn = make_bf16_tensor_map(dy, {H, std::uint64_t(rows)}, kernels::kBoxMN, "dy ring");
+  p.routed_maps.x_mn = make_bf16_tensor_map(x, {H, std::uint64_t(rows)}, kernels::kBoxMN, "x ring");
 }
 
 // What the planner must check for the backward's ring (none without comm CTAs).

@@ -61,14 +61,15 @@ thread_local std::unordered_map<MapKey, CUtensorMap, MapKeyHash> cached_maps;
 // strides: bytes, for dims 1..rank-1 (empty: row-major contiguous). The key is built in
 // place and holds the encoder's arrays: a cache hit allocates nothing.
 CUtensorMap make_tensor_map(CUtensorMapDataType type, cuuint64_t element_bytes, const void* base,
-                            std::initializer_list<std::uint64_t> dims, std::initializer_list<std::uint32_t> box,
-                            const char* what, std::initializer_list<std::uint64_t> strides = {}) {
+                            std::initializer_list<std::uint64_t> dims, kernels::Box box, const char* what,
+                            std::initializer_list<std::uint64_t> strides = {}) {
   MapKey key;
   key.base = reinterpret_cast<std::uint64_t>(base);
   key.type = static_cast<std::uint32_t>(type);
   key.rank = static_cast<std::uint32_t>(std::min<std::size_t>(dims.size(), 5));
   std::copy_n(dims.begin(), key.rank, key.dims);
-  std::copy_n(box.begin(), std::min<std::size_t>(box.size(), 5), key.box);
+  key.box[0] = box.cols, key.box[1] = box.rows;  // (outer dimensions: one element each)
+  for (std::uint32_t i = 2; i < key.rank; ++i) key.box[i] = 1;
   if (strides.size() > 0) {
     std::copy_n(strides.begin(), std::min<std::size_t>(strides.size(), 4), key.strides);
   } else {
@@ -91,20 +92,20 @@ CUtensorMap make_tensor_map(CUtensorMapDataType type, cuuint64_t element_bytes, 
 
 }  // namespace
 
-CUtensorMap make_bf16_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims,
-                                 std::initializer_list<std::uint32_t> box, const char* what) {
+CUtensorMap make_bf16_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims, kernels::Box box,
+                                 const char* what) {
   return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, box, what);
 }
 
-CUtensorMap make_f32_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims,
-                                std::initializer_list<std::uint32_t> box, const char* what) {
+CUtensorMap make_f32_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims, kernels::Box box,
+                                const char* what) {
   return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, box, what);
 }
 
-CUtensorMap make_bf16_weight_map(const TensorView& w, std::uint32_t box_cols, std::uint32_t box_rows, const char* what) {
+CUtensorMap make_bf16_weight_map(const TensorView& w, kernels::Box box, const char* what) {
   using U = std::uint64_t;
   return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w.data, {U(w.shape[2]), U(w.shape[1]), U(w.shape[0])},
-                         {box_cols, box_rows, 1}, what, {2 * U(w.stride[1]), 2 * U(w.stride[0])});
+                         box, what, {2 * U(w.stride[1]), 2 * U(w.stride[0])});
 }
 
 }  // namespace mok::detail

@@ -7,20 +7,22 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "kernels/common/boxes.hpp"
 #include "mok/types.hpp"
 
 namespace mok::detail {
 
-// A row-major bf16 tensor: dims innermost first ({cols, rows[, batch]}), box likewise,
-// 128-byte swizzle, out-of-bounds elements read as zero.
-CUtensorMap make_bf16_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims,
-                                 std::initializer_list<std::uint32_t> box, const char* what);
+// A row-major bf16 tensor: dims innermost first ({cols, rows[, batch]}), one of the
+// kernels' boxes (kernels/common/boxes.hpp; one element of any batch dimension), 128-byte
+// swizzle, out-of-bounds elements read as zero.
+CUtensorMap make_bf16_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims, kernels::Box box,
+                                 const char* what);
 // The same for fp32 (a 128-byte row is 32 elements).
-CUtensorMap make_f32_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims,
-                                std::initializer_list<std::uint32_t> box, const char* what);
+CUtensorMap make_f32_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims, kernels::Box box,
+                                const char* what);
 
 // A 3-D bf16 weight [E, rows, cols] as the view says (strided views too: the gate or up half
-// of a concatenated [E, 2I, H]), box {cols, rows, 1} innermost first.
-CUtensorMap make_bf16_weight_map(const TensorView& w, std::uint32_t box_cols, std::uint32_t box_rows, const char* what);
+// of a concatenated [E, 2I, H]), box {cols, rows} of one expert.
+CUtensorMap make_bf16_weight_map(const TensorView& w, kernels::Box box, const char* what);
 
 }  // namespace mok::detail

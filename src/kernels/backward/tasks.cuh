@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/backward/backward.cuh"
+#include "kernels/common/boxes.hpp"
 #include "kernels/ep/ep_push.cuh"
 #include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
@@ -23,8 +24,9 @@ namespace mok::kernels::bwd {
 using namespace mok::ptx;
 
 // Tile sizes, stages and the CTA layout are the forward's (kernels/forward/forward.cuh, persistent.cuh).
-constexpr std::uint32_t kBoxBytes = 64 * 64 * 2;          // one MN-major box {64, 64}
-constexpr std::uint32_t kKMajorABytes = kBlockM * kBlockK * 2;  // one K-major A box {64, 128}
+constexpr std::uint32_t kBoxBytes = kBoxMN.bytes(2);       // one MN-major box (the host's kBoxMN)
+constexpr std::uint32_t kKMajorABytes = kBoxK.bytes(2);    // one K-major A box (the host's kBoxK)
+static_assert(kKMajorABytes == kBlockM * kBlockK * 2 && kBoxMN.cols == kBlockK);
 
 struct ReadCount {
   int* counter;  // the counter (switch_read()); null: none

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/boxes.hpp"
 #include "kernels/ep/ep_push.cuh"
 #include "kernels/forward/forward.cuh"
 #include "kernels/forward/interleave.cuh"
@@ -48,6 +49,11 @@ static_assert(kBlockN == 2 * kGemm1Columns && kBlockM == 64 * kConsumerWarpgroup
 
 constexpr std::uint32_t kStageBytesB = kBlockN * kRowBytes;
 constexpr std::uint32_t kStageBytesA = kBlockM * kRowBytes;
+// The host's boxes (kernels/common/boxes.hpp) are these tiles: A is one K-major box, B two
+// (GEMM1: gate rows, then up rows) or one GEMM2 weight box; h leaves in 64 x 64 boxes.
+static_assert(kBoxK.cols == kBlockK && kBoxK.rows == kBlockM && kStageBytesA == kBoxK.bytes(2));
+static_assert(kStageBytesB == 2 * kBoxK.bytes(2) && kStageBytesB == kBoxDown.bytes(2) && kBoxDown.rows == kBlockN);
+static_assert(kBoxMN.cols == kBlockK && kBoxMN.rows * kConsumerWarpgroups == kBlockM);
 
 enum TaskKind : int { kGemm1, kGemm2, kCombine };
 

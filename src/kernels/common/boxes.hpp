@@ -1,0 +1,27 @@
+// The TMA boxes of the kernels' loads and stores, innermost dimension first ({columns, rows}
+// in elements), in one place: the host encodes every tensor map with these (src/host), and
+// the kernels count the bytes a stage expects from them (forward/tasks.cuh and
+// backward/tasks.cuh static_assert that they match the tile constants). Plain C++: the host
+// compiler includes it too.
+#pragma once
+
+#include <cstdint>
+
+namespace mok::kernels {
+
+struct Box {
+  std::uint32_t cols, rows;
+  constexpr std::uint32_t bytes(std::uint32_t element_bytes) const { return cols * rows * element_bytes; }
+};
+
+// A K-major bf16 operand tile: one 128-byte swizzle atom of K (64) by an M-tile's 128 rows
+// (x and routed x rows, GEMM1's gate and up rows, GEMM2's h rows; the backward's K-major A).
+inline constexpr Box kBoxK{64, 128};
+// GEMM2's weight tile (w_down, the shared expert's down): 64 of K by a 256-column N-tile.
+inline constexpr Box kBoxDown{64, 256};
+// 64 x 64 bf16: the forward's h stores, the backward's MN-major loads and its row stores.
+inline constexpr Box kBoxMN{64, 64};
+// fp32 slot rows: 128 bytes (32 floats) by 64 rows.
+inline constexpr Box kBoxSlots{32, 64};
+
+}  // namespace mok::kernels
