@@ -24,6 +24,9 @@
 #include "mok/kernel_status.hpp"  // kMaxEpRanks
 
 namespace mok {
+namespace detail {
+struct RankPeers;  // src/host/ep_step.hpp: one rank's view of its group, for the shared rank step
+}  // namespace detail
 namespace kernels {
 struct EpPeers;
 }
@@ -78,6 +81,7 @@ class VirtualRanks {
   struct Launch;
   Launch prepare(std::span<const ForwardArgs> args, const char* where, bool weights);
   void set_peers(kernels::EpPeers& peers, int rank) const;
+  detail::RankPeers peers(int rank, std::span<const void* const> x, std::span<const void* const> dy);
   MoeShape shape_;
   std::int64_t tokens_;
   Config config_;
@@ -124,7 +128,8 @@ class EpRank {
   void begin(const ForwardArgs& args, const BackwardArgs* bwd, const unsigned long long* saved_marker,
              cudaStream_t stream, int backward_comm_ctas = 0);
   void set_peers(kernels::EpPeers& peers) const;
-  void pull_rows(const void* const (&rows)[kMaxEpRanks], void* routed, cudaStream_t stream);
+  void pull_rows(std::span<const void* const> rows, void* routed, cudaStream_t stream);
+  detail::RankPeers peers(std::span<const void* const> x, std::span<const void* const> dy);
   int ctas() const;
   MoeShape shape_;
   std::int64_t tokens_;

@@ -183,8 +183,7 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   if (!saved) detail::launch_forward_kernel(a, ws, buffers, stream, gu, true, kWhere);  // also copies x's rows
   else detail::dispatch_rows(a.x.data, buffers.x_rows, ws, stream);
   detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, stream);
-  detail::cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), kWhere,
-                     "cudaMemsetAsync(counters)");
+  detail::zero_counters(ws, stream, kWhere);
   const kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
   unsigned long long* marker = detail::saved_marker(gu, ws);
   kernels::launch_backward(p, detail::persistent_ctas(ws, kWhere), stream);

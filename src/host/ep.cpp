@@ -12,6 +12,7 @@
 
 #include "cuda_check.hpp"
 #include "ep_common.hpp"
+#include "ep_step.hpp"
 #include "kernels/backward/backward.cuh"
 #include "kernels/ep/exchange.cuh"
 #include "kernels/forward/forward.cuh"
@@ -116,6 +117,16 @@ void VirtualRanks::set_peers(kernels::EpPeers& e, int r) const {
   e.stalled = r == stalled_rank_;
 }
 
+// Rank r's peer table for the shared rank step (ep_step.hpp): every rank's rows on this GPU,
+// rank r's ring, its EpPeers, and the row pull straight from the peers' tensors.
+detail::RankPeers VirtualRanks::peers(int r, std::span<const void* const> x, std::span<const void* const> dy) {
+  Rank& rank = *ranks_[r];
+  return {x, dy, rank.ring, rank.ring_counters, [this, r](kernels::EpPeers& e) { set_peers(e, r); },
+          [&rank](std::span<const void* const> rows, void* routed, cudaStream_t s) {
+            detail::dispatch_rows(rows, routed, *rank.ws, s);
+          }};
+}
+
 void VirtualRanks::stall_rank_for_testing(int rank) {
   if (rank < -1 || rank >= size()) throw_argument_error(kWhere, "rank", "must be in [-1, ", size(), "), got ", rank);
   stalled_rank_ = rank;
@@ -199,23 +210,10 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
   kernels::ForwardGroupParams group{};
   const void* x_peers[kMaxEpRanks] = {};
   for (int r = 0; r < ep; ++r) x_peers[r] = args[r].x.data;
-  for (int r = 0; r < ep; ++r) {
-    Rank& rank = *ranks_[r];
-    if (launch.comm_ctas == 0)  // no comm CTAs: every row is pulled before the launch
-      detail::dispatch_rows(std::span<const void* const>(x_peers, ep), rank.ws->x_routed(), *rank.ws, stream);
-    detail::cuda_check(cudaMemsetAsync(rank.ws->counters(), 0, 4 * rank.ws->counter_count(), stream), kWhere,
-                       "cudaMemsetAsync(counters)");
-    detail::cuda_check(
-        cudaMemsetAsync(rank.ring_counters, 0, sizeof(int) * 2 * detail::ring_minibatches(*rank.ws), stream), kWhere,
-        "cudaMemsetAsync(ring counters)");
-    kernels::ForwardParams& p = group.rank[r];
-    p = detail::forward_params(args[r], *rank.ws, saved.empty() ? nullptr : static_cast<std::uint16_t*>(saved[r].data),
-                               false);
-    set_peers(p.ep, r);
-    if (launch.comm_ctas > 0)
-      detail::set_ring(p, *rank.ws, launch.comm_ctas, rank.ring, rank.ring_counters,
-                       std::span<const void* const>(x_peers, ep));
-  }
+  for (int r = 0; r < ep; ++r)
+    group.rank[r] = detail::forward_step(peers(r, {x_peers, std::size_t(ep)}, {}), args[r], *ranks_[r]->ws,
+                                         saved.empty() ? nullptr : static_cast<std::uint16_t*>(saved[r].data),
+                                         launch.comm_ctas, stream, kWhere);
   group.ranks = ep;
   group.ctas_per_rank = launch.ctas_per_rank;
   // One rank (and each process of a multi-GPU group) launches the plain kernel: the group
@@ -246,8 +244,7 @@ void VirtualRanks::backward(std::span<const ForwardArgs> fwd, std::span<const Ba
   ExchangeAndPlan::run(ranks_, fwd, shape_, T, launch.device, true, stream, launch.comm_ctas);
 
   // With comm CTAs the dy and x rows stream through the rings (pulled from these sources);
-  // otherwise every row is pulled before the launch.
-  const bool ring = launch.comm_ctas > 0;
+  // otherwise every row is pulled before the launch (detail::backward_step).
   const void* x_peers[kMaxEpRanks] = {};
   const void* dy_peers[kMaxEpRanks] = {};
   kernels::BackwardGroupParams group{};
@@ -258,32 +255,12 @@ void VirtualRanks::backward(std::span<const ForwardArgs> fwd, std::span<const Ba
   }
   unsigned long long* markers[kMaxEpRanks] = {};
   for (int r = 0; r < ep; ++r) {
-    Rank& rank = *ranks_[r];
-    Workspace& ws = *rank.ws;
-    auto* gu = static_cast<std::uint16_t*>(saved.empty() ? ws.recompute_buffer() : saved[r].data);
-    if (!ring || saved.empty())  // (the recompute's GEMM1 reads every x row)
-      detail::dispatch_rows(std::span<const void* const>(x_peers, ep), ws.x_routed(), ws, stream);
-    if (saved.empty()) {  // Training::recompute: GEMM1 again (no rank waits on another here)
-      detail::cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), kWhere,
-                         "cudaMemsetAsync(counters)");
-      kernels::launch_forward(detail::forward_params(fwd[r], ws, gu, true), launch.ctas_per_rank * ep, stream);
-      detail::cuda_check(cudaGetLastError(), kWhere, "launching the recompute");
-    }
-    if (!ring) detail::dispatch_rows(std::span<const void* const>(dy_peers, ep), ws.dy_routed(), ws, stream);
-    detail::cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), kWhere,
-                       "cudaMemsetAsync(counters)");
-    kernels::BackwardParams& p = group.rank[r];
-    p = detail::backward_params(fwd[r], bwd[r], ws, gu);
-    p.topk_weights = rank.all_weights;  // the dh epilogue reads the weight of global pair p
-    set_peers(p.ep, r);
-    p.ep.push = ep > 1;  // one rank has no peer: dx rows leave by TMA stores in plan order
-    if (ring) {
-      detail::cuda_check(
-          cudaMemsetAsync(rank.ring_counters, 0, sizeof(int) * 2 * detail::ring_minibatches(ws), stream), kWhere,
-          "cudaMemsetAsync(ring counters)");
-      detail::set_backward_ring(p, ws, launch.comm_ctas, rank.ring_counters);
-    }
-    markers[r] = detail::saved_marker(gu, ws);
+    const detail::BackwardStep step =
+        detail::backward_step(peers(r, {x_peers, std::size_t(ep)}, {dy_peers, std::size_t(ep)}), fwd[r], bwd[r],
+                              *ranks_[r]->ws, saved.empty() ? nullptr : static_cast<std::uint16_t*>(saved[r].data),
+                              ranks_[r]->all_weights, launch.comm_ctas, launch.ctas_per_rank * ep, stream, kWhere);
+    group.rank[r] = step.params;
+    markers[r] = step.marker;
   }
   for (int r = 0; r < ep; ++r)
     for (int q = 0; q < ep; ++q) group.rank[r].ep.saved_marker[q] = markers[q];

@@ -11,6 +11,7 @@
 
 #include "cuda_check.hpp"
 #include "ep_common.hpp"
+#include "ep_step.hpp"
 #include "kernels/backward/backward.cuh"
 #include "kernels/ep/dispatch.cuh"
 #include "kernels/ep/ep_sync.cuh"
@@ -178,9 +179,9 @@ int EpRank::ctas() const {
 // `routed`, before the kernel: once per (token, expert) pair straight from the peers, or,
 // with Config::pull_tokens_once, each needed peer token once into recv_, then every row
 // from local memory.
-void EpRank::pull_rows(const void* const (&rows)[kMaxEpRanks], void* routed, cudaStream_t stream) {
+void EpRank::pull_rows(std::span<const void* const> rows, void* routed, cudaStream_t stream) {
   if (recv_ == nullptr) {
-    detail::dispatch_rows(std::span<const void* const>(rows, size()), routed, *ws_, stream);
+    detail::dispatch_rows(rows, routed, *ws_, stream);
     return;
   }
   const Layout l = Layout::of(shape_, tokens_);
@@ -196,6 +197,13 @@ void EpRank::pull_rows(const void* const (&rows)[kMaxEpRanks], void* routed, cud
   const void* local[kMaxEpRanks] = {};
   for (int q = 0; q < size(); ++q) local[q] = q == rank_ ? rows[q] : recv_ + q * tokens_ * shape_.hidden;
   detail::dispatch_rows(std::span<const void* const>(local, size()), routed, *ws_, stream);
+}
+
+// This rank's peer table for the shared rank step (ep_step.hpp): its symmetric regions' rows,
+// its ring, its EpPeers and its row pull (pull_rows).
+detail::RankPeers EpRank::peers(std::span<const void* const> x, std::span<const void* const> dy) {
+  return {x, dy, ring_, ring_counters_, [this](kernels::EpPeers& e) { set_peers(e); },
+          [this](std::span<const void* const> rows, void* routed, cudaStream_t s) { pull_rows(rows, routed, s); }};
 }
 
 void EpRank::forward(const ForwardArgs& a, cudaStream_t stream, const std::optional<TensorView>& saved) {
@@ -220,15 +228,9 @@ void EpRank::forward(const ForwardArgs& a, cudaStream_t stream, const std::optio
   const Layout l = Layout::of(shape_, tokens_);
   const void* x_peers[kMaxEpRanks] = {};
   for (int q = 0; q < size(); ++q) x_peers[q] = bases_[q] + l.x;
-  if (comm == 0) pull_rows(x_peers, ws_->x_routed(), stream);
-  detail::cuda_check(cudaMemsetAsync(ws_->counters(), 0, 4 * ws_->counter_count(), stream), kWhere,
-                     "cudaMemsetAsync(counters)");
-  detail::cuda_check(cudaMemsetAsync(ring_counters_, 0, sizeof(int) * 2 * detail::ring_minibatches(*ws_), stream),
-                     kWhere, "cudaMemsetAsync(ring counters)");
-  kernels::ForwardParams p =
-      detail::forward_params(a, *ws_, saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, false);
-  set_peers(p.ep);
-  if (comm > 0) detail::set_ring(p, *ws_, comm, ring_, ring_counters_, std::span<const void* const>(x_peers, size()));
+  const kernels::ForwardParams p =
+      detail::forward_step(peers({x_peers, std::size_t(size())}, {}), a, *ws_,
+                           saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, comm, stream, kWhere);
   kernels::launch_forward(p, ctas, stream);
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the forward kernel");
 }
@@ -241,7 +243,6 @@ void EpRank::backward(const ForwardArgs& a, const BackwardArgs& b, cudaStream_t 
   detail::check_backward_call(where, a, b, *ws_, saved, device);
   const int ctas = this->ctas();
   const int comm = detail::comm_ctas(where, config_, ctas);
-  const bool ring = comm > 0;  // the dy and x rows stream through the rings (else: pulled before the launch)
   auto* gu = static_cast<std::uint16_t*>(saved ? saved->data : ws_->recompute_buffer());
   unsigned long long* marker = detail::saved_marker(gu, *ws_);
   begin(a, &b, saved ? marker : nullptr, stream, comm);
@@ -255,26 +256,11 @@ void EpRank::backward(const ForwardArgs& a, const BackwardArgs& b, cudaStream_t 
     sources.x[q] = static_cast<const std::uint16_t*>(x_peers[q]);
     sources.dy[q] = static_cast<const std::uint16_t*>(dy_peers[q]);
   }
-  if (!ring || !saved) pull_rows(x_peers, ws_->x_routed(), stream);  // (the recompute's GEMM1 reads every x row)
-  if (!saved) {  // Training::recompute: GEMM1 again (fills the recompute buffer and its marker)
-    detail::cuda_check(cudaMemsetAsync(ws_->counters(), 0, 4 * ws_->counter_count(), stream), kWhere,
-                       "cudaMemsetAsync(counters)");
-    kernels::launch_forward(detail::forward_params(a, *ws_, gu, true), ctas, stream);
-    detail::cuda_check(cudaGetLastError(), kWhere, "launching the recompute");
-  }
-  if (!ring) pull_rows(dy_peers, ws_->dy_routed(), stream);
-  detail::cuda_check(cudaMemsetAsync(ws_->counters(), 0, 4 * ws_->counter_count(), stream), kWhere,
-                     "cudaMemsetAsync(counters)");
-  kernels::BackwardParams p = detail::backward_params(a, b, *ws_, gu);
-  p.topk_weights = reinterpret_cast<const float*>(bases_[rank_] + l.weights);  // by global pair
-  set_peers(p.ep);
-  p.ep.push = size() > 1;  // one rank has no peer: dx rows leave by TMA stores in plan order
-  if (ring) {
-    detail::cuda_check(cudaMemsetAsync(ring_counters_, 0, sizeof(int) * 2 * detail::ring_minibatches(*ws_), stream),
-                       kWhere, "cudaMemsetAsync(ring counters)");
-    detail::set_backward_ring(p, *ws_, comm, ring_counters_);
-  }
-  kernels::launch_backward(p, ctas, stream, sources);
+  const detail::BackwardStep step = detail::backward_step(
+      peers({x_peers, std::size_t(size())}, {dy_peers, std::size_t(size())}), a, b, *ws_,
+      saved ? static_cast<std::uint16_t*>(saved->data) : nullptr,
+      reinterpret_cast<const float*>(bases_[rank_] + l.weights), comm, ctas, stream, kWhere);
+  kernels::launch_backward(step.params, ctas, stream, sources);
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
   detail::cuda_check(cudaMemsetAsync(marker, 0, sizeof(*marker), stream), kWhere, "cudaMemsetAsync(saved marker)");
 }

@@ -97,10 +97,14 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const
   return p;
 }
 
+void zero_counters(Workspace& ws, cudaStream_t stream, std::string_view where) {
+  cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), where, "cudaMemsetAsync(counters)");
+}
+
 void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                            std::uint16_t* saved_gu, bool gemm1_only, std::string_view where) {
   dispatch_rows(a.x.data, buffers.x_rows, ws, stream);
-  cuda_check(cudaMemsetAsync(ws.counters(), 0, 4 * ws.counter_count(), stream), where, "cudaMemsetAsync(counters)");
+  zero_counters(ws, stream, where);
   kernels::launch_forward(forward_params(a, ws, buffers, saved_gu, gemm1_only), persistent_ctas(ws, where), stream);
   cuda_check(cudaGetLastError(), where, "launching the forward kernel");
 }

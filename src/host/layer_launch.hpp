@@ -102,6 +102,10 @@ CallBuffers rank_buffers(const Workspace& ws);
 // Number of CTAs of a persistent kernel: the configured compute SMs, or every SM.
 int persistent_ctas(const Workspace& ws, std::string_view where);
 
+// Zeroes the workspace's counters (per-tile readiness, done, abort, wd_done) on `stream`:
+// before every kernel that counts in them.
+void zero_counters(Workspace& ws, cudaStream_t stream, std::string_view where);
+
 // Copies the rows of `rows` ([T, H] bf16) into `routed` in the order of ws.plan()
 // (padding rows become zero).
 void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t stream);

@@ -1,0 +1,87 @@
+// One rank's step of an EP forward or backward, once the group's routing is exchanged and
+// this rank's plan made: the rows pulled (or the ring set up), the counters zeroed, the
+// recompute (backward without saved pre-activations) and the kernel's params. Both EP front
+// ends run it — VirtualRanks for every rank of its one-launch group, EpRank for its own
+// rank — and differ only in the peer table (RankPeers): where the peers' x and dy rows live
+// and how this rank's EpPeers and row pulls are made.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <functional>
+#include <span>
+
+#include "cuda_check.hpp"
+#include "ep_common.hpp"
+#include "kernels/backward/backward.cuh"
+#include "kernels/forward/forward.cuh"
+#include "layer_launch.hpp"
+
+namespace mok::detail {
+
+// One rank's view of its group.
+struct RankPeers {
+  std::span<const void* const> x, dy;  // every rank's [T, H] x rows and (backward) dy rows
+  std::uint16_t* ring = nullptr;       // this rank's forward ring ([ring_rows, H]; null without one)
+  int* ring_counters = nullptr;        // its counters ([2 ring_minibatches], zeroed per call)
+  std::function<void(kernels::EpPeers&)> set_peers;                            // the kernel's peer table
+  std::function<void(std::span<const void* const>, void*, cudaStream_t)> pull;  // peers' rows -> routed rows
+};
+
+inline void zero_ring_counters(const Workspace& ws, int* counters, cudaStream_t stream, std::string_view where) {
+  cuda_check(cudaMemsetAsync(counters, 0, sizeof(int) * 2 * ring_minibatches(ws), stream), where,
+             "cudaMemsetAsync(ring counters)");
+}
+
+// The forward's step: with comm CTAs (comm > 0) they pull the rows through the ring inside
+// the kernel; otherwise every row is pulled here, before the launch. saved: the pre-activations
+// to keep for the backward, or null.
+inline kernels::ForwardParams forward_step(const RankPeers& peers, const ForwardArgs& a, Workspace& ws,
+                                           std::uint16_t* saved, int comm, cudaStream_t stream,
+                                           std::string_view where) {
+  if (comm == 0) peers.pull(peers.x, ws.x_routed(), stream);
+  zero_counters(ws, stream, where);
+  zero_ring_counters(ws, peers.ring_counters, stream, where);
+  kernels::ForwardParams p = forward_params(a, ws, saved, false);
+  peers.set_peers(p.ep);
+  if (comm > 0) set_ring(p, ws, comm, peers.ring, peers.ring_counters, peers.x);
+  return p;
+}
+
+// The backward's step. saved: the forward's pre-activations, or null (Training::recompute:
+// GEMM1 runs again here on recompute_ctas CTAs, into the workspace's recompute buffer).
+// all_weights: every rank's routing weights (the dh epilogue reads the weight of a global
+// pair). With comm CTAs the dy and x rows stream through the rings; otherwise every row is
+// pulled here. Returns the params and the saved tensor's marker (cleared after the launch).
+struct BackwardStep {
+  kernels::BackwardParams params;
+  unsigned long long* marker;
+};
+
+inline BackwardStep backward_step(const RankPeers& peers, const ForwardArgs& a, const BackwardArgs& b, Workspace& ws,
+                                  std::uint16_t* saved, const float* all_weights, int comm, int recompute_ctas,
+                                  cudaStream_t stream, std::string_view where) {
+  const bool ring = comm > 0;
+  auto* gu = saved ? saved : static_cast<std::uint16_t*>(ws.recompute_buffer());
+  if (!ring || !saved) peers.pull(peers.x, ws.x_routed(), stream);  // (the recompute's GEMM1 reads every x row)
+  if (!saved) {
+    zero_counters(ws, stream, where);
+    kernels::launch_forward(forward_params(a, ws, gu, true), recompute_ctas, stream);
+    cuda_check(cudaGetLastError(), where, "launching the recompute");
+  }
+  if (!ring) peers.pull(peers.dy, ws.dy_routed(), stream);
+  zero_counters(ws, stream, where);
+  BackwardStep step{backward_params(a, b, ws, gu), saved_marker(gu, ws)};
+  kernels::BackwardParams& p = step.params;
+  p.topk_weights = all_weights;
+  peers.set_peers(p.ep);
+  p.ep.push = p.ep.size > 1;  // one rank has no peer: dx rows leave by TMA stores in plan order
+  if (ring) {
+    zero_ring_counters(ws, peers.ring_counters, stream, where);
+    set_backward_ring(p, ws, comm, peers.ring_counters);
+  }
+  return step;
+}
+
+}  // namespace mok::detail
