@@ -27,8 +27,9 @@ Checks, per preset and routing, before anything is timed:
 A failed check marks the record (`check`: failed) and the failure is printed; a failure to
 run (a compile error, a graph break) leaves the implementation out of that preset.
 
-Timing: --repeats rounds; in each, every pass of every implementation in turn (A B C A B C
-…), warm-up then --iters iterations with the L2 flushed before each (CUDA events). A record
+Timing: --repeats rounds; in each, every pass of every implementation in turn, the order
+reversed every other round (A B C, C B A, A B C, …: what ran just before does not favour
+one), warm-up then --iters iterations with the L2 flushed before each (CUDA events). A record
 keeps each round's median, p10 and p90 (`ms_repeats`, `ms_p10_repeats`, `ms_p90_repeats`);
 `ms` is the median of the rounds' medians, `ms_min`/`ms_max` their range.
 
@@ -253,8 +254,12 @@ def run_preset(p, routing, args, server, gpu, emit):
 
     runnable = [(impl, ps) for ps in passes for impl in args.impls if impl in impls and "error" not in checks[impl].get(ps, {})]
     rounds = {key: [] for key in runnable}
-    for _ in range(args.repeats):
-        for key in runnable:
+    for r in range(args.repeats):
+        # Counterbalanced: odd rounds run the implementations and passes in reverse (A B C,
+        # C B A, ...), so that what runs just before one (the GPU's clock and temperature
+        # after it, measured to move these times by a few %: bench/NOTES.md) is not always
+        # the same implementation.
+        for key in (runnable if r % 2 == 0 else runnable[::-1]):
             try:
                 rounds[key].append(timer(*key)())
             except Exception as e:
