@@ -7,12 +7,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <random>
 #include <vector>
 
 #include "mok/error.hpp"
 #include "mok/fp8.hpp"
+#include "mok/types.hpp"
 #include "mok/problem.hpp"
 #include "mok/reference.hpp"
 
@@ -143,6 +145,42 @@ TEST(Fp8Recipe, LayerForwardMeetsTheAccuracyBar) {
     EXPECT_GE(cosine, 0.995);
     EXPECT_GT(rel, 0.0);  // (the quantization did something)
   }
+}
+
+// The GPU quantization's argument checks (they run before anything touches the device, so
+// here on the CPU): each bad argument is named with its value.
+TEST(Fp8Weights, BadArgumentsAreNamed) {
+  static char fake[1];  // (never dereferenced: every call below is refused first)
+  const Device gpu = Device::cuda(0);
+  auto view = [&](DType dtype, std::initializer_list<std::int64_t> dims) { return TensorView::contiguous(fake, dtype, gpu, dims); };
+  const TensorView w = view(DType::bf16, {2, 200, 320}), values = view(DType::u8, {2, 200, 320});
+  const TensorView exps = view(DType::i32, {2, 2, 3});
+  auto message = [](const std::function<void()>& call) {
+    try {
+      call();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([&] { quantize_weights(view(DType::f32, {2, 200, 320}), values, exps, nullptr); })
+                .find("argument 'w': dtype must be bf16, got f32"), std::string::npos);
+  EXPECT_NE(message([&] { quantize_weights(w, view(DType::bf16, {2, 200, 320}), exps, nullptr); })
+                .find("argument 'values': dtype must be u8"), std::string::npos);
+  EXPECT_NE(message([&] { quantize_weights(w, values, view(DType::i64, {2, 2, 3}), nullptr); })
+                .find("argument 'exponents': dtype must be i32, got i64"), std::string::npos);
+  EXPECT_NE(message([&] { quantize_weights(view(DType::bf16, {200, 320}), values, exps, nullptr); })
+                .find("argument 'w': must be 3-D"), std::string::npos);
+  EXPECT_NE(message([&] { quantize_weights(w, view(DType::u8, {2, 200, 256}), exps, nullptr); })
+                .find("argument 'values': shape must be [2, 200, 320]"), std::string::npos);
+  EXPECT_NE(message([&] { quantize_weights(w, values, view(DType::i32, {2, 2, 2}), nullptr); })
+                .find("argument 'exponents': shape must be [2, 2, 3]"), std::string::npos);
+  EXPECT_NE(message([&] { quantize_weights(w, values, TensorView::contiguous(fake, DType::i32, Device::cpu(), {2, 2, 3}), nullptr); })
+                .find("argument 'exponents': must be on a CUDA device"), std::string::npos);
+  TensorView strided = w;
+  strided.stride = {200 * 320, 320, 2, 0};
+  EXPECT_NE(message([&] { quantize_weights(strided, values, exps, nullptr); }).find("argument 'w': must have contiguous"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -6,8 +6,12 @@
 // kernels are built on these; the kernels will produce the same bytes.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
 #include <vector>
+
+#include "mok/types.hpp"
 
 namespace mok::fp8 {
 
@@ -44,5 +48,14 @@ struct Mxfp8 {
 };
 Mxfp8 to_mxfp8(const Blockwise& q);
 std::vector<float> dequantize(const Mxfp8& m);
+
+// Weights quantized on the GPU, stream-ordered: w bf16 [E, rows, cols] (contiguous rows;
+// the expert and row strides as the view says, e.g. one half of a concatenated gate|up),
+// values u8 [E, rows, cols] (E4M3) and exponents i32 [E, ceil(rows / 128), ceil(cols / 128)]
+// (block (i, j) of expert e dequantizes as decode(value) * 2^exponent), both contiguous, all
+// on one CUDA device. Each expert's bytes equal quantize(w[e] as float, rows, cols, 128, 128).
+// Deterministic: a block's scale is its largest magnitude, whatever the order it is found in.
+void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
+                      cudaStream_t stream);
 
 }  // namespace mok::fp8

@@ -7,6 +7,7 @@ conversion to MXFP8 (an E8M0 exponent per 32 elements of a row) exact.
     values, exponents = mok.fp8.quantize(x, block=(1, 128))     # activations
     x_again = mok.fp8.dequantize(values, exponents, block=(1, 128))
     mx_values, e8m0 = mok.fp8.to_mxfp8(values, exponents, block=(1, 128))
+    values, exponents = mok.fp8.quantize_weights(w)             # the same as block (128, 128), one CUDA kernel
 
 Bytes equal to the C++ host implementation (mok/fp8.hpp; tests/python/test_fp8.py).
 """
@@ -84,3 +85,23 @@ def dequantize_mxfp8(values: torch.Tensor, e8m0: torch.Tensor, dtype: torch.dtyp
     cols = values.shape[-1]
     scale = e8m0.to(torch.int32).repeat_interleave(32, dim=-1)[..., :cols] - 127
     return torch.ldexp(values.float(), scale.float()).to(dtype)
+
+
+def quantize_weights(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """quantize(w, block=(128, 128)) of CUDA bf16 expert weights w [E, rows, cols] by one
+    kernel on the current stream (the same bytes): (values float8_e4m3fn [E, rows, cols],
+    exponents int32 [E, ceil(rows/128), ceil(cols/128)]). w may be a strided view with
+    contiguous rows (e.g. one half of a concatenated [E, 2I, H]); nothing is copied."""
+    from torch.utils.dlpack import to_dlpack
+
+    from mok import _C
+
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 3 or not w.is_cuda:
+        raise TypeError("mok.fp8.quantize_weights: w must be a CUDA bfloat16 tensor [E, rows, cols], got "
+                        + (f"{w.dtype} {tuple(w.shape)} on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__))
+    E, rows, cols = w.shape
+    values = torch.empty(E, rows, cols, dtype=torch.uint8, device=w.device)
+    exponents = torch.empty(E, -(-rows // 128), -(-cols // 128), dtype=torch.int32, device=w.device)
+    stream = torch.cuda.current_stream(w.device).cuda_stream
+    _C.fp8_quantize_weights(to_dlpack(w.detach()), to_dlpack(values), to_dlpack(exponents), stream)
+    return values.view(torch.float8_e4m3fn), exponents

@@ -43,6 +43,20 @@ NB_MODULE(_C, m) {
       },
       nb::arg("x"), nb::arg("block_rows"), nb::arg("block_cols"));
 
+  // The GPU's blockwise weight quantization (mok::fp8::quantize_weights) into given
+  // tensors: w bf16 [E, rows, cols], values u8 [E, rows, cols], exponents i32 [E, ceil(rows /
+  // 128), ceil(cols / 128)], on `stream`.
+  m.def(
+      "fp8_quantize_weights",
+      [](nb::ndarray<> w, nb::ndarray<> values, nb::ndarray<> exponents, std::uintptr_t stream) {
+        const mok::TensorView wv = view_of(w), vv = view_of(values), ev = view_of(exponents);
+        if (wv.device.kind == mok::DeviceKind::cuda && cudaSetDevice(wv.device.index) != cudaSuccess)
+          throw nb::value_error("mok.fp8.quantize_weights: cannot use the tensors' CUDA device");
+        nb::gil_scoped_release release;
+        mok::fp8::quantize_weights(wv, vv, ev, reinterpret_cast<cudaStream_t>(stream));
+      },
+      nb::arg("w"), nb::arg("values"), nb::arg("exponents"), nb::arg("stream"));
+
   // fp64 CPU reference of the whole layer (the test oracle). Weights of all E experts.
   m.def(
       "reference_forward",

@@ -4,7 +4,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
+#include "cuda_check.hpp"
+#include "kernels/fp8/quantize.cuh"
 #include "mok/error.hpp"
 
 namespace mok::fp8 {
@@ -110,6 +113,47 @@ std::vector<float> dequantize(const Mxfp8& m) {
       out[at] = std::ldexp(decode_e4m3(m.values[at]), static_cast<int>(m.e8m0[static_cast<std::size_t>(r) * groups + c / 32]) - 127);
     }
   return out;
+}
+
+void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
+                      cudaStream_t stream) {
+  constexpr const char* where = "mok::fp8::quantize_weights";
+  if (w.dtype != DType::bf16) throw_dtype_error(where, "w", "dtype must be bf16, got ", dtype_name(w.dtype));
+  if (values.dtype != DType::u8) throw_dtype_error(where, "values", "dtype must be u8 (E4M3 bytes), got ", dtype_name(values.dtype));
+  if (exponents.dtype != DType::i32)
+    throw_dtype_error(where, "exponents", "dtype must be i32, got ", dtype_name(exponents.dtype));
+  if (w.ndim != 3) throw_argument_error(where, "w", "must be 3-D [E, rows, cols], got shape ", w.shape_string());
+  const std::int64_t E = w.shape[0], R = w.shape[1], C = w.shape[2];
+  const std::int64_t rb = (R + kernels::kFp8Block - 1) / kernels::kFp8Block;
+  const std::int64_t cb = (C + kernels::kFp8Block - 1) / kernels::kFp8Block;
+  if (w.stride[2] != 1 || w.stride[1] < C || w.stride[0] < R * w.stride[1])
+    throw_argument_error(where, "w", "must have contiguous, non-overlapping rows, got strides (", w.stride[0], ", ",
+                         w.stride[1], ", ", w.stride[2], ") for shape ", w.shape_string());
+  if (values.ndim != 3 || values.shape[0] != E || values.shape[1] != R || values.shape[2] != C)
+    throw_argument_error(where, "values", "shape must be [", E, ", ", R, ", ", C, "] (w's), got ", values.shape_string());
+  if (exponents.ndim != 3 || exponents.shape[0] != E || exponents.shape[1] != rb || exponents.shape[2] != cb)
+    throw_argument_error(where, "exponents", "shape must be [", E, ", ", rb, ", ", cb, "] (128 x 128 blocks of w), got ",
+                         exponents.shape_string());
+  if (!values.is_contiguous()) throw_argument_error(where, "values", "must be contiguous");
+  if (!exponents.is_contiguous()) throw_argument_error(where, "exponents", "must be contiguous");
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"w", &w}, {"values", &values},
+                                {"exponents", &exponents}}) {
+    if (t->device.kind != DeviceKind::cuda)
+      throw_argument_error(where, name, "must be on a CUDA device, got ", device_name(t->device));
+    if (t->device.index != w.device.index)
+      throw_argument_error(where, name, "is on ", device_name(t->device), ", but w is on ", device_name(w.device));
+    if (t->numel() > 0 && t->data == nullptr) throw_argument_error(where, name, "data pointer is null");
+  }
+  if (R > INT32_MAX || C > INT32_MAX || E > 65535)
+    throw_argument_error(where, "w", "at most 65535 experts and 2^31 - 1 rows and columns, got shape ", w.shape_string());
+  kernels::QuantizeParams p{};
+  p.w = static_cast<const std::uint16_t*>(w.data);
+  p.expert_stride = w.stride[0], p.row_stride = w.stride[1];
+  p.values = static_cast<std::uint8_t*>(values.data);
+  p.exponents = static_cast<std::int32_t*>(exponents.data);
+  p.experts = static_cast<int>(E), p.rows = static_cast<int>(R), p.cols = static_cast<int>(C);
+  kernels::launch_quantize_blocks(p, stream);
+  detail::cuda_check(cudaGetLastError(), where, "launching the quantization");
 }
 
 }  // namespace mok::fp8

@@ -1,6 +1,7 @@
 """mok.fp8 (PyTorch) against the C++ host implementation (mok/fp8.hpp) byte for byte, and
 the properties of the scaling: the block's largest magnitude fits, the error stays within
-half a quantum, the MXFP8 conversion changes no value. CPU only."""
+half a quantum, the MXFP8 conversion changes no value. On a Hopper GPU also the CUDA weight
+quantization (mok.fp8.quantize_weights) against mok.fp8.quantize."""
 
 import pytest
 import torch
@@ -58,3 +59,26 @@ def test_mxfp8_conversion_changes_no_value():
         assert torch.equal(fp8.dequantize_mxfp8(mx_values, e8m0), fp8.dequantize(values, e, block))
     with pytest.raises(ValueError, match="multiple of 32"):
         fp8.to_mxfp8(*fp8.quantize(x, (1, 48)), (1, 48))
+
+
+hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("concatenated", [False, True])
+def test_gpu_weight_quantization_equals_quantize(concatenated):
+    g = torch.Generator().manual_seed(11)
+    rows, cols = 200, 320
+    w = torch.randn(3, 2 * rows if concatenated else rows, cols, generator=g)
+    w = (w * torch.pow(2.0, torch.randint(-20, 20, (3, 1, 1), generator=g).float())).to(torch.bfloat16).cuda()
+    if concatenated:
+        w = w[:, rows:]  # the up half of [E, 2I, H]: a strided view
+    values, exponents = fp8.quantize_weights(w)
+    want_values, want_exponents = fp8.quantize(w.float().cpu(), block=(128, 128))  # (checked against C++ above)
+    assert torch.equal(values.view(torch.uint8).cpu(), want_values.view(torch.uint8).cpu())
+    assert torch.equal(exponents.cpu(), want_exponents.cpu())
+
+
+def test_weight_quantization_refuses_bad_input():
+    with pytest.raises(TypeError, match="w must be a CUDA bfloat16 tensor"):
+        fp8.quantize_weights(torch.zeros(2, 128, 128))
