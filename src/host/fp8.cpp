@@ -144,8 +144,9 @@ void quantize_weights(const TensorView& w, const TensorView& values, const Tenso
       throw_argument_error(where, name, "is on ", device_name(t->device), ", but w is on ", device_name(w.device));
     if (t->numel() > 0 && t->data == nullptr) throw_argument_error(where, name, "data pointer is null");
   }
-  if (R > INT32_MAX || C > INT32_MAX || E > 65535)
-    throw_argument_error(where, "w", "at most 65535 experts and 2^31 - 1 rows and columns, got shape ", w.shape_string());
+  if (E > 65535 || rb > 65535 || C > INT32_MAX || R * C > INT64_MAX / 2)  // (the grid's y and z limits)
+    throw_argument_error(where, "w", "at most 65535 experts, 65535 * 128 rows and 2^31 - 1 columns, got shape ",
+                         w.shape_string());
   kernels::QuantizeParams p{};
   p.w = static_cast<const std::uint16_t*>(w.data);
   p.expert_stride = w.stride[0], p.row_stride = w.stride[1];
