@@ -147,10 +147,7 @@ void plan_device(const TensorView& ids, std::int64_t rank, DevicePlan& plan, cud
   if (ep * T * k > INT32_MAX) throw_argument_error(where, "topk_ids", "ep*T*k must fit in int32, got ", ep * T * k);
 
   const DevicePlanView& v = plan.view();
-  check_cuda(cudaMemsetAsync(v.row_pair, 0xff, sizeof(std::int32_t) * plan.capacity_rows(), stream), "cudaMemsetAsync");
-  if (T * k > 0)
-    check_cuda(cudaMemsetAsync(v.pair_row, 0xff, sizeof(std::int32_t) * T * k, stream), "cudaMemsetAsync");
-  kernels::PlanProblem p{};
+  kernels::PlanProblem p{};  // (the planner's first kernel sets row_pair and pair_row to -1)
   p.ids = ids.data;
   p.ids_are_i64 = ids.dtype == DType::i64;
   p.num_ids = ep * T * k;

@@ -1,5 +1,7 @@
-// Device planner: three small stream-ordered launches, no host synchronisation.
+// Device planner: four small stream-ordered launches, no host synchronisation.
 //
+//   reset_kernel  the call's starting state: status ok, no tiles, row_pair and this rank's
+//                 pair_row all -1 (what two memsets did, in one launch)
 //   count_kernel  one warp per chunk of kPlanChunk ids: per-local-expert counts of the
 //                 chunk, range check of every id (first bad position kept by atomicMin)
 //   scan_kernel   one CTA: per expert, exclusive prefix over chunks (chunk_base), row
@@ -25,9 +27,16 @@ __device__ std::int64_t load_id(const PlanProblem& p, std::int64_t i) {
                        : static_cast<const std::int32_t*>(p.ids)[i];
 }
 
-__global__ void reset_kernel(DevicePlanView plan) {
-  *plan.status = PlanStatus{PlanStatus::ok, 0, INT64_MAX, 0, 0};
-  *plan.num_tiles = 0;
+// The call's starting state: status ok, no tiles, every row of row_pair and every own pair
+// of pair_row -1 (padding rows, and pairs routed elsewhere or nowhere, stay so).
+__global__ void reset_kernel(PlanProblem p, DevicePlanView plan) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.capacity_rows; i += stride) plan.row_pair[i] = -1;
+  for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.tokens_times_k; i += stride) plan.pair_row[i] = -1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    *plan.status = PlanStatus{PlanStatus::ok, 0, INT64_MAX, 0, 0};
+    *plan.num_tiles = 0;
+  }
 }
 
 __global__ void count_kernel(PlanProblem p, DevicePlanView plan) {
@@ -161,7 +170,11 @@ void load_plan_kernels() {
 void launch_plan(const PlanProblem& p, const DevicePlanView& plan, cudaStream_t stream) {
   const std::int64_t chunks = (p.num_ids + kPlanChunk - 1) / kPlanChunk;
   const std::size_t smem = sizeof(std::int32_t) * p.num_local_experts;
-  reset_kernel<<<1, 1, 0, stream>>>(plan);
+  constexpr int kResetThreads = 256;
+  const std::int64_t reset_items = p.capacity_rows > p.tokens_times_k ? p.capacity_rows : p.tokens_times_k;
+  const std::int64_t reset_blocks = (reset_items + kResetThreads - 1) / kResetThreads;
+  reset_kernel<<<static_cast<unsigned>(reset_blocks < 1 ? 1 : reset_blocks > 264 ? 264 : reset_blocks), kResetThreads, 0,
+                 stream>>>(p, plan);
   if (chunks > 0) count_kernel<<<static_cast<unsigned>(chunks), kWarp, smem, stream>>>(p, plan);
   scan_kernel<<<1, 256, smem, stream>>>(p, plan, chunks);
   if (chunks > 0) place_kernel<<<static_cast<unsigned>(chunks), kWarp, smem, stream>>>(p, plan);
