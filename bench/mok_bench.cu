@@ -57,6 +57,12 @@
 #include "mok/mok.hpp"
 #include "mok_bench/layer.cuh"
 #include "mok_bench/support.cuh"
+#ifdef MOK_PHASE_TIMING
+#include "kernels/common/phase_timing.cuh"
+namespace mok::kernels {
+void set_forward_phase_table(unsigned long long* table);  // (src/kernels/forward/forward.cu)
+}
+#endif
 
 namespace mok_bench {
 
@@ -228,16 +234,38 @@ int main(int argc, char** argv) try {
   cublasHandle_t handle;
   CUBLAS_OK(cublasCreate(&handle));
   std::vector<Record> records;
+#ifdef MOK_PHASE_TIMING  // a diagnostic build: the forward kernel's consumer phases per record
+  unsigned long long* phase_table = nullptr;
+  CUDA_OK(cudaMalloc(&phase_table, sizeof(unsigned long long) * mok::kernels::kPhases));
+  mok::kernels::set_forward_phase_table(phase_table);
+#endif
   std::printf("%-16s %-7s %-8s %10s %9s\n", "preset", "impl", "pass", "ms", "TFLOP/s");
   for (const mok::Preset* p : chosen)
     for (const std::string& impl : o.impls) {
       std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
       for (const std::string& pass : passes) {
+#ifdef MOK_PHASE_TIMING
+        CUDA_OK(cudaMemset(phase_table, 0, sizeof(unsigned long long) * mok::kernels::kPhases));
+#endif
         if (impl == "mok" || impl == "mok-ep1") records.push_back(bench_mok(o, *p, impl, pass, stream));
         else if (impl == "cublas") records.push_back(bench_dense(o, *p, pass, stream, handle));
         else records.push_back(bench_plan(o, *p, stream));
         const Record& r = records.back();
         std::printf("%-16s %-7s %-8s %10.4f %9.1f\n", r.preset.c_str(), r.impl.c_str(), r.pass.c_str(), r.ms, r.tflops);
+#ifdef MOK_PHASE_TIMING
+        {  // shares of the forward consumers' cycles (every forward of the record: checks, warm-up, timing)
+          unsigned long long sums[mok::kernels::kPhases] = {};
+          CUDA_OK(cudaMemcpy(sums, phase_table, sizeof(sums), cudaMemcpyDeviceToHost));
+          unsigned long long total = 0;
+          for (unsigned long long v : sums) total += v;
+          if (total > 0) {
+            std::printf("  forward consumer cycles:");
+            for (int i = 0; i < mok::kernels::kPhases; ++i)
+              std::printf(" %s %.1f%%", mok::kernels::phase_name(i), 100.0 * static_cast<double>(sums[i]) / total);
+            std::printf("\n");
+          }
+        }
+#endif
         std::fflush(stdout);
         // Rewritten after every record: a run cut short (a machine's time limit) keeps what it measured.
         if (!o.out.empty()) write_json(o, records, dev.name);
@@ -245,6 +273,10 @@ int main(int argc, char** argv) try {
     }
   cublasDestroy(handle);
   cudaStreamDestroy(stream);
+#ifdef MOK_PHASE_TIMING
+  mok::kernels::set_forward_phase_table(nullptr);
+  cudaFree(phase_table);
+#endif
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "error: %s\n", e.what());

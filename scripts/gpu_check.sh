@@ -7,7 +7,7 @@
 # $OUT/bench_layer.json (written as measured), then prints a short table.
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
-#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf]
+#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases]
 #                                                   [--presets all|NAME,...] [--repeats N]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON; `bench` (build if missing, then
@@ -21,7 +21,10 @@
 # (a run split over several calls) and rounds (default 3). `train` runs the training
 # example alone (tests and all run it too) and writes <date>-<commit>-train.json; `hf` the
 # Hugging Face end-to-end benchmark (bench/hf_bench.py: mok against transformers' grouped_mm
-# backend), <date>-<commit>-hf.json.
+# backend), <date>-<commit>-hf.json. `phases` builds mok_bench with -DMOK_PHASE_TIMING=ON (its own
+# build dir) and prints, per preset, the share of the forward consumers' cycles in each phase
+# (mainloops, epilogues, combine and its wait; kernels/common/phase_timing.cuh) into
+# <date>-<commit>-phases.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -39,11 +42,11 @@ while [ $# -gt 0 ]; do
     --part) part="$2"; shift ;;
     --presets) presets="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf] [--presets all|NAME,...] [--repeats N]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases] [--presets all|NAME,...] [--repeats N]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|bench|ep|speed|train|hf) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep, speed, train or hf"; exit 2 ;; esac
+case "$part" in all|tests|bench|ep|speed|train|hf|phases) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep, speed, train, hf or phases"; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 source scripts/setup.sh || exit 1
@@ -51,6 +54,17 @@ set +e  # setup.sh sets -e; this script runs every part and reports each failure
 gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 echo "== $gpu, commit $commit, $date"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$LOG/nvidia-smi.txt" 2>&1
+
+if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else runs
+  { cmake -S . -B build-phase -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PHASE_TIMING=ON -DMOK_BUILD_TESTS=OFF \
+      -DMOK_BUILD_EXAMPLES=OFF && cmake --build build-phase --target mok_bench -j"$(nproc)"; } > "$LOG/build_phase.log" 2>&1 ||
+    { tail -30 "$LOG/build_phase.log"; exit 1; }
+  build-phase/bench/mok_bench --preset "$presets" --impl mok --pass fwd,fwd+bwd --iters "$iters" |
+    tee "$OUT/${date:0:10}-$commit-phases.txt"
+  rc=${PIPESTATUS[0]}
+  tar czf "$OUT/logs.tgz" -C "$LOG" .
+  exit "$rc"
+fi
 
 build=build-gpu
 if [ "$part" != ep ]; then  # (the ep part needs only the Python package)

@@ -34,6 +34,7 @@
 #include "kernels/forward/forward.cuh"
 #include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
+#include "kernels/common/phase_timing.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "kernels/ep/ring_copy.cuh"
 #include "kernels/common/skeleton.cuh"
@@ -48,6 +49,12 @@
 namespace mok::kernels {
 namespace {
 
+#ifdef MOK_PHASE_TIMING
+__device__ unsigned long long* forward_phase_table = nullptr;  // [kPhases] (set_forward_phase_table)
+#else
+constexpr unsigned long long* forward_phase_table = nullptr;
+#endif
+
 using namespace mok::ptx;
 using namespace fwd;
 
@@ -57,10 +64,12 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
   bool slots_ready = false;
   int pending_hidden = -1;  // h_ready index of a GEMM1 store not yet published
   int pending_slots = 0;    // GEMM2 tiles not yet counted in y_done
+  PhaseTimer timer(forward_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     // Publish before anything this CTA might wait for: its own GEMM2 loads can need it.
     if (t.kind != kGemm1) publish_hidden(p, pending_hidden);
+    timer.lap<Phase::other>();
     if (t.kind == kCombine) {
       if (!slots_ready) {
         publish_slots(p, wg, pending_slots);
@@ -73,25 +82,32 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
         }
         sync_consumers();
         slots_ready = true;
+        timer.lap<Phase::combine_wait>();
       }
       combine(p, t);
+      timer.lap<Phase::combine>();
       continue;
     }
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
     const int k_steps = (t.kind == kGemm1 ? p.hidden : (t.shared ? p.shared_inter : p.inter)) / kBlockK;
     mainloop<KMajor, KMajor>(p, s, pipe, acc, k_steps, wg, task);
+    if (t.kind == kGemm1) timer.lap<Phase::mainloop_gemm1>();
+    else timer.lap<Phase::mainloop_gemm2>();
     if (t.mb >= 0) publish_count(p.ring.freed + t.mb, 1, wg);  // its ring rows are read: the slot may be reused
     if (t.kind == kGemm1) {
       epilogue_gemm1(p, s, acc, t, row0, wg, pending_hidden);
+      timer.lap<Phase::epilogue_gemm1>();
     } else {
       if (p.ep.push && !t.shared) epilogue_gemm2_push(p, s, acc, t, row0, wg);
       else epilogue_gemm2(p, s, acc, t, row0, wg);
       ++pending_slots;
+      timer.lap<Phase::epilogue_gemm2>();
     }
   }
   publish_hidden(p, pending_hidden);
   publish_slots(p, wg, pending_slots);
   publish_pushes(p, s, wg);
+  timer.lap<Phase::other>();
 }
 
 // Bad routing (expert id out of range, capacity): no GEMM runs, y becomes NaN so the
@@ -166,6 +182,12 @@ __global__ void __launch_bounds__(kThreads, 1) forward_group_kernel(const __grid
 }  // namespace
 
 std::size_t forward_shared_memory_bytes() { return shared_storage_bytes<SharedStorage>(); }
+
+#ifdef MOK_PHASE_TIMING
+void set_forward_phase_table(unsigned long long* table) {
+  cudaMemcpyToSymbol(forward_phase_table, &table, sizeof(table));
+}
+#endif
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream) {
   launch_persistent<forward_kernel>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);

@@ -1,0 +1,58 @@
+// Where a persistent kernel's consumer warpgroups spend their time, by phase, for finding
+// what bounds a preset (issue 18 asks "which phase, measured how"). Only a build with
+// -DMOK_PHASE_TIMING=ON collects anything: there the first thread of each consumer warpgroup
+// adds the SM cycles (clock64) since its last lap to the phase's counter in a global table
+// (integer atomics: diagnostics, not results; a few per task). In the default build
+// PhaseTimer is empty and every call compiles to nothing.
+#pragma once
+
+#include <cstdint>
+
+namespace mok::kernels {
+
+enum class Phase : int {
+  other,           // task decoding, publications, the loop's own work
+  mainloop_gemm1,  // GEMM1's K loop, including waits for the producer's stages
+  epilogue_gemm1,  // SwiGLU, h stored
+  mainloop_gemm2,
+  epilogue_gemm2,  // fp32 rows staged and stored (or pushed)
+  combine_wait,    // waiting for every GEMM2 tile (and every peer's pushes)
+  combine,         // the fixed-order sum of each token's rows
+  count
+};
+inline constexpr int kPhases = static_cast<int>(Phase::count);
+
+inline const char* phase_name(int phase) {
+  constexpr const char* kNames[kPhases] = {"other", "mainloop_gemm1", "epilogue_gemm1", "mainloop_gemm2",
+                                           "epilogue_gemm2", "combine_wait", "combine"};
+  return phase >= 0 && phase < kPhases ? kNames[phase] : "?";
+}
+
+#ifdef MOK_PHASE_TIMING
+struct PhaseTimer {
+  unsigned long long* table;  // [kPhases], or null
+  long long last;
+  __device__ __forceinline__ explicit PhaseTimer(unsigned long long* t) : table(t), last(0) {
+#ifdef __CUDA_ARCH__
+    last = clock64();
+#endif
+  }
+  template <Phase kPhase>
+  __device__ __forceinline__ void lap() {  // the cycles since the last lap, added by the warpgroup's first thread
+#ifdef __CUDA_ARCH__
+    const long long now = clock64();
+    if (table != nullptr && threadIdx.x % 128 == 0)
+      atomicAdd(table + static_cast<int>(kPhase), static_cast<unsigned long long>(now - last));
+    last = now;
+#endif
+  }
+};
+#else
+struct PhaseTimer {
+  __device__ __forceinline__ explicit PhaseTimer(unsigned long long*) {}
+  template <Phase>
+  __device__ __forceinline__ void lap() {}
+};
+#endif
+
+}  // namespace mok::kernels
