@@ -22,8 +22,8 @@
 # example alone (tests and all run it too) and writes <date>-<commit>-train.json; `hf` the
 # Hugging Face end-to-end benchmark (bench/hf_bench.py: mok against transformers' grouped_mm
 # backend), <date>-<commit>-hf.json. `phases` builds mok_bench with -DMOK_PHASE_TIMING=ON (its own
-# build dir) and prints, per preset, the share of the forward consumers' cycles in each phase
-# (mainloops, epilogues, combine and its wait; kernels/common/phase_timing.cuh) into
+# build dir) and prints, per preset and pass, the share of the forward and backward consumers'
+# cycles in each phase (mainloops, epilogues, combine and its wait; kernels/common/phase_timing.cuh) into
 # <date>-<commit>-phases.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -36,6 +36,7 @@
 #include "kernels/ep/ep_push.cuh"
 #include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
+#include "kernels/common/phase_timing.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "kernels/ep/ring_copy.cuh"
 #include "kernels/common/skeleton.cuh"
@@ -47,6 +48,12 @@
 namespace mok::kernels {
 namespace {
 
+#ifdef MOK_PHASE_TIMING
+__device__ unsigned long long* backward_phase_table = nullptr;  // [kPhases] (set_backward_phase_table)
+#else
+constexpr unsigned long long* backward_phase_table = nullptr;
+#endif
+
 using namespace mok::ptx;
 using namespace bwd;
 
@@ -56,10 +63,12 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
   float acc[128];
   bool rows_ready = false;
   int pending_dx = 0;  // dx tiles not yet counted in dx_done
+  PhaseTimer timer(backward_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     const bool counts_reads = read_counter(p, t) != nullptr;
     switch_read(s.reads[wg], read_counter(p, t));
+    timer.lap<Phase::other>();
     if (t.kind == kCombine) {
       if (!rows_ready) {
         publish_dx_rows(p, wg, pending_dx);
@@ -75,8 +84,10 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
         }
         sync_consumers();
         rows_ready = true;
+        timer.lap<Phase::combine_wait>();
       }
       combine(p, t, sched);
+      timer.lap<Phase::combine>();
       continue;
     }
     const ExpertSetData& d = t.shared ? p.shared : p.routed;
@@ -84,32 +95,39 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
       const int row0 = tile_row0(p, t);
       if (t.kind == kDh) {
         mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
+        timer.lap<Phase::mainloop_dh>();
         epilogue_dh(p, acc, t, row0, wg, sched.n_dh(t.shared));
         if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);  // (after the epilogue: acc's registers are free)
         fence_proxy_async_global();  // TMA loads of other CTAs read these rows next
         publish_count(p.counters.dgu_ready + dgu_counter(p, t, t.m), 1, wg);
+        timer.lap<Phase::epilogue_dh>();
       } else {
         mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
+        timer.lap<Phase::mainloop_dx>();
         const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
         const bool push = p.ep.push && !t.shared;
         if (push) push_dx_rows(p, s, acc, wg, t.n * kBlockN, row0 + wg * 64);
         else store_tile_tma(s, acc, wg, &maps.dx_rows, t.n * kBlockN, row0 + wg * 64, 0, 1 << 30, p.hidden, false);
         ++pending_dx;
+        timer.lap<Phase::epilogue_dx>();
       }
     } else {
       int first = 0, count = 0;
       expert_rows(p, t, first, count);
       mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task);
+      timer.lap<Phase::mainloop_wgrad>();
       epilogue_weight(p, s, acc, t, wg, count == 0);
       if (threadIdx.x % 128 == 0 && counts_reads && (count > 0 || t.kind == kWd))  // (an expert without
         ++s.reads[wg].count;                                                             //  rows has no dx tiles)
       if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);
+      timer.lap<Phase::epilogue_wgrad>();
     }
   }
   switch_read(s.reads[wg], nullptr);
   publish_dx_rows(p, wg, pending_dx);
   if (p.ep.push && !rows_ready) publish_pushes(p, s, sched, wg, sched.total);
   if (threadIdx.x % 128 == 0) tma_store_wait_all();  // weight-gradient stores complete before exit
+  timer.lap<Phase::other>();
 }
 
 // Bad routing or saved tensor: no task runs; dx and d_topk_weights become NaN and the host

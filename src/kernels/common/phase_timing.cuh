@@ -12,19 +12,26 @@ namespace mok::kernels {
 
 enum class Phase : int {
   other,           // task decoding, publications, the loop's own work
-  mainloop_gemm1,  // GEMM1's K loop, including waits for the producer's stages
-  epilogue_gemm1,  // SwiGLU, h stored
+  mainloop_gemm1,  // forward: GEMM1's K loop, including waits for the producer's stages
+  epilogue_gemm1,  //          SwiGLU, h stored
   mainloop_gemm2,
-  epilogue_gemm2,  // fp32 rows staged and stored (or pushed)
-  combine_wait,    // waiting for every GEMM2 tile (and every peer's pushes)
+  epilogue_gemm2,  //          fp32 rows staged and stored (or pushed)
+  mainloop_dh,     // backward: dh = dy W_down^T's K loop
+  epilogue_dh,     //           the SwiGLU backward, d pre-activations stored
+  mainloop_dx,     //           dx rows = d pre-activations W_gu
+  epilogue_dx,     //           dx rows stored (or pushed)
+  mainloop_wgrad,  //           weight-gradient tiles (MN-major operands)
+  epilogue_wgrad,  //           weight-gradient tiles stored
+  combine_wait,    // waiting for every row tile (and every peer's pushes)
   combine,         // the fixed-order sum of each token's rows
   count
 };
 inline constexpr int kPhases = static_cast<int>(Phase::count);
 
 inline const char* phase_name(int phase) {
-  constexpr const char* kNames[kPhases] = {"other", "mainloop_gemm1", "epilogue_gemm1", "mainloop_gemm2",
-                                           "epilogue_gemm2", "combine_wait", "combine"};
+  constexpr const char* kNames[kPhases] = {"other", "mainloop_gemm1", "epilogue_gemm1", "mainloop_gemm2", "epilogue_gemm2",
+                                           "mainloop_dh", "epilogue_dh", "mainloop_dx", "epilogue_dx", "mainloop_wgrad",
+                                           "epilogue_wgrad", "combine_wait", "combine"};
   return phase >= 0 && phase < kPhases ? kNames[phase] : "?";
 }
 
