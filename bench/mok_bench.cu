@@ -59,9 +59,6 @@
 #include "mok_bench/support.cuh"
 #ifdef MOK_PHASE_TIMING
 #include "kernels/common/phase_timing.cuh"
-namespace mok::kernels {
-void set_forward_phase_table(unsigned long long* table);  // (src/kernels/forward/forward.cu)
-}
 #endif
 
 namespace mok_bench {
@@ -234,10 +231,11 @@ int main(int argc, char** argv) try {
   cublasHandle_t handle;
   CUBLAS_OK(cublasCreate(&handle));
   std::vector<Record> records;
-#ifdef MOK_PHASE_TIMING  // a diagnostic build: the forward kernel's consumer phases per record
-  unsigned long long* phase_table = nullptr;
-  CUDA_OK(cudaMalloc(&phase_table, sizeof(unsigned long long) * mok::kernels::kPhases));
+#ifdef MOK_PHASE_TIMING  // a diagnostic build: the kernels' consumer phases per record
+  unsigned long long* phase_table = nullptr;  // [2][kPhases]: forward kernel, backward kernel
+  CUDA_OK(cudaMalloc(&phase_table, sizeof(unsigned long long) * 2 * mok::kernels::kPhases));
   mok::kernels::set_forward_phase_table(phase_table);
+  mok::kernels::set_backward_phase_table(phase_table + mok::kernels::kPhases);
 #endif
   std::printf("%-16s %-7s %-8s %10s %9s\n", "preset", "impl", "pass", "ms", "TFLOP/s");
   for (const mok::Preset* p : chosen)
@@ -245,7 +243,7 @@ int main(int argc, char** argv) try {
       std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
       for (const std::string& pass : passes) {
 #ifdef MOK_PHASE_TIMING
-        CUDA_OK(cudaMemset(phase_table, 0, sizeof(unsigned long long) * mok::kernels::kPhases));
+        CUDA_OK(cudaMemset(phase_table, 0, sizeof(unsigned long long) * 2 * mok::kernels::kPhases));
 #endif
         if (impl == "mok" || impl == "mok-ep1") records.push_back(bench_mok(o, *p, impl, pass, stream));
         else if (impl == "cublas") records.push_back(bench_dense(o, *p, pass, stream, handle));
@@ -253,15 +251,17 @@ int main(int argc, char** argv) try {
         const Record& r = records.back();
         std::printf("%-16s %-7s %-8s %10.4f %9.1f\n", r.preset.c_str(), r.impl.c_str(), r.pass.c_str(), r.ms, r.tflops);
 #ifdef MOK_PHASE_TIMING
-        {  // shares of the forward consumers' cycles (every forward of the record: checks, warm-up, timing)
-          unsigned long long sums[mok::kernels::kPhases] = {};
+        {  // shares of each kernel's consumer cycles (every call of the record: checks, warm-up, timing)
+          unsigned long long sums[2][mok::kernels::kPhases] = {};
           CUDA_OK(cudaMemcpy(sums, phase_table, sizeof(sums), cudaMemcpyDeviceToHost));
-          unsigned long long total = 0;
-          for (unsigned long long v : sums) total += v;
-          if (total > 0) {
-            std::printf("  forward consumer cycles:");
+          for (int k = 0; k < 2; ++k) {
+            unsigned long long total = 0;
+            for (unsigned long long v : sums[k]) total += v;
+            if (total == 0) continue;
+            std::printf("  %s consumer cycles:", k == 0 ? "forward" : "backward");
             for (int i = 0; i < mok::kernels::kPhases; ++i)
-              std::printf(" %s %.1f%%", mok::kernels::phase_name(i), 100.0 * static_cast<double>(sums[i]) / total);
+              if (sums[k][i] > 0)
+                std::printf(" %s %.1f%%", mok::kernels::phase_name(i), 100.0 * static_cast<double>(sums[k][i]) / total);
             std::printf("\n");
           }
         }
@@ -275,6 +275,7 @@ int main(int argc, char** argv) try {
   cudaStreamDestroy(stream);
 #ifdef MOK_PHASE_TIMING
   mok::kernels::set_forward_phase_table(nullptr);
+  mok::kernels::set_backward_phase_table(nullptr);
   cudaFree(phase_table);
 #endif
   return 0;

@@ -46,13 +46,10 @@
 #include "mok/ptx/tma.cuh"
 
 namespace mok::kernels {
-namespace {
 
-#ifdef MOK_PHASE_TIMING
-__device__ unsigned long long* backward_phase_table = nullptr;  // [kPhases] (set_backward_phase_table)
-#else
-constexpr unsigned long long* backward_phase_table = nullptr;
-#endif
+MOK_PHASE_TABLE(backward)  // (kernels/common/phase_timing.cuh)
+
+namespace {
 
 using namespace mok::ptx;
 using namespace bwd;

@@ -35,6 +35,21 @@ inline const char* phase_name(int phase) {
   return phase >= 0 && phase < kPhases ? kNames[phase] : "?";
 }
 
+// A kernel's table, defined once in its .cu at namespace mok::kernels: MOK_PHASE_TABLE(forward)
+// gives forward_phase_table (a device pointer in a timing build, a constant null otherwise)
+// and, in a timing build, the host's set_forward_phase_table(table) (null: collect nothing).
+#ifdef MOK_PHASE_TIMING
+#define MOK_PHASE_TABLE(kernel)                                                      \
+  static __device__ unsigned long long* kernel##_phase_table = nullptr;              \
+  void set_##kernel##_phase_table(unsigned long long* table) {                       \
+    cudaMemcpyToSymbol(kernel##_phase_table, &table, sizeof(table));                 \
+  }
+void set_forward_phase_table(unsigned long long* table);   // [kPhases] (kernels/forward/forward.cu)
+void set_backward_phase_table(unsigned long long* table);  // [kPhases] (kernels/backward/backward.cu)
+#else
+#define MOK_PHASE_TABLE(kernel) constexpr unsigned long long* kernel##_phase_table = nullptr;
+#endif
+
 #ifdef MOK_PHASE_TIMING
 struct PhaseTimer {
   unsigned long long* table;  // [kPhases], or null

@@ -47,13 +47,10 @@
 #include "mok/ptx/wgmma.cuh"
 
 namespace mok::kernels {
-namespace {
 
-#ifdef MOK_PHASE_TIMING
-__device__ unsigned long long* forward_phase_table = nullptr;  // [kPhases] (set_forward_phase_table)
-#else
-constexpr unsigned long long* forward_phase_table = nullptr;
-#endif
+MOK_PHASE_TABLE(forward)  // (kernels/common/phase_timing.cuh)
+
+namespace {
 
 using namespace mok::ptx;
 using namespace fwd;
@@ -183,11 +180,6 @@ __global__ void __launch_bounds__(kThreads, 1) forward_group_kernel(const __grid
 
 std::size_t forward_shared_memory_bytes() { return shared_storage_bytes<SharedStorage>(); }
 
-#ifdef MOK_PHASE_TIMING
-void set_forward_phase_table(unsigned long long* table) {
-  cudaMemcpyToSymbol(forward_phase_table, &table, sizeof(table));
-}
-#endif
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream) {
   launch_persistent<forward_kernel>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);

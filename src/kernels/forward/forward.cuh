@@ -95,10 +95,5 @@ struct ForwardGroupParams {
 static_assert(sizeof(ForwardGroupParams) <= 32764, "kernel parameters are limited to 32764 bytes");
 void launch_forward_group(const ForwardGroupParams& params, cudaStream_t stream);
 std::size_t forward_shared_memory_bytes();
-#ifdef MOK_PHASE_TIMING
-// Where the forward kernel's consumer warpgroups add their cycles per phase
-// (kernels/common/phase_timing.cuh; a device table of kPhases counters, or null for none).
-void set_forward_phase_table(unsigned long long* table);
-#endif
 
 }  // namespace mok::kernels
