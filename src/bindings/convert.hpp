@@ -106,9 +106,9 @@ inline mok::BackwardArgs backward_args(const nb::ndarray<>& dy, const nb::ndarra
 }
 
 // This extension has its own CUDA runtime: select the tensors' device explicitly.
-inline void select_device(const mok::ForwardArgs& a, const char* where) {
-  if (a.x.device.kind == mok::DeviceKind::cuda && cudaSetDevice(a.x.device.index) != cudaSuccess)
-    throw nb::value_error((std::string(where) + ": cannot use CUDA device " + std::to_string(a.x.device.index)).c_str());
+inline void select_device(const mok::TensorView& t, const char* where) {
+  if (t.device.kind == mok::DeviceKind::cuda && cudaSetDevice(t.device.index) != cudaSuccess)
+    throw nb::value_error((std::string(where) + ": cannot use CUDA device " + std::to_string(t.device.index)).c_str());
 }
 
 // Binds name(target, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_*, y, saved,
@@ -123,7 +123,7 @@ void def_forward(nb::module_& m, const char* name, const char* target, const cha
                    std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
                    std::optional<nb::ndarray<>> saved, std::uintptr_t stream, std::optional<nb::ndarray<>> scratch) {
         const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y);
-        select_device(a, where);
+        select_device(a.x, where);
         const std::optional<mok::TensorView> saved_view = optional_view(saved), scratch_view = optional_view(scratch);
         nb::gil_scoped_release release;
         run(t, a, reinterpret_cast<cudaStream_t>(stream), saved_view, scratch_view);
@@ -147,7 +147,7 @@ void def_backward(nb::module_& m, const char* name, const char* target, const ch
                    std::optional<nb::ndarray<>> d_shared_up, std::optional<nb::ndarray<>> d_shared_down,
                    std::uintptr_t stream, std::optional<nb::ndarray<>> scratch) {
         const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr);
-        select_device(a, where);
+        select_device(a.x, where);
         const mok::BackwardArgs b = backward_args(dy, dx, d_weights, d_gate, d_up, d_down, d_shared_gate, d_shared_up,
                                                   d_shared_down);
         const mok::TensorView saved_view = view_of(saved);

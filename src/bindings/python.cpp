@@ -50,8 +50,7 @@ NB_MODULE(_C, m) {
       "fp8_quantize_weights",
       [](nb::ndarray<> w, nb::ndarray<> values, nb::ndarray<> exponents, std::uintptr_t stream) {
         const mok::TensorView wv = view_of(w), vv = view_of(values), ev = view_of(exponents);
-        if (wv.device.kind == mok::DeviceKind::cuda && cudaSetDevice(wv.device.index) != cudaSuccess)
-          throw nb::value_error("mok.fp8.quantize_weights: cannot use the tensors' CUDA device");
+        select_device(wv, "mok.fp8.quantize_weights");
         nb::gil_scoped_release release;
         mok::fp8::quantize_weights(wv, vv, ev, reinterpret_cast<cudaStream_t>(stream));
       },

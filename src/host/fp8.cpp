@@ -144,7 +144,7 @@ void quantize_weights(const TensorView& w, const TensorView& values, const Tenso
       throw_argument_error(where, name, "is on ", device_name(t->device), ", but w is on ", device_name(w.device));
     if (t->numel() > 0 && t->data == nullptr) throw_argument_error(where, name, "data pointer is null");
   }
-  if (E > 65535 || rb > 65535 || C > INT32_MAX || R * C > INT64_MAX / 2)  // (the grid's y and z limits)
+  if (E > 65535 || rb > 65535 || C > INT32_MAX)  // (the grid's y and z limits; int columns)
     throw_argument_error(where, "w", "at most 65535 experts, 65535 * 128 rows and 2^31 - 1 columns, got shape ",
                          w.shape_string());
   kernels::QuantizeParams p{};

@@ -9,9 +9,7 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float bf16_bits_to_float(std::uint16_t bits) {
-  return __uint_as_float(static_cast<std::uint32_t>(bits) << 16);
-}
+__device__ __forceinline__ float bf16_value(std::uint16_t bits) { return __bfloat162float(__ushort_as_bfloat16(bits)); }
 
 // The smallest e with amax / 2^e <= 448 (the largest E4M3): with amax = m * 2^k, m in [1, 2),
 // e = k - 8, plus one when m > 1.75 (448 = 1.75 * 2^8). 0 for a block of zeros or one with
@@ -30,7 +28,7 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParam
   float amax = 0.0f;
   for (int i = threadIdx.x; i < rows * kFp8Block; i += kThreads) {
     const int r = i / kFp8Block, c = i % kFp8Block;
-    if (c < cols) amax = fmaxf(amax, fabsf(bf16_bits_to_float(w[static_cast<std::int64_t>(r) * p.row_stride + c])));
+    if (c < cols) amax = fmaxf(amax, fabsf(bf16_value(w[static_cast<std::int64_t>(r) * p.row_stride + c])));
   }
   for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   __shared__ float warp_max[kThreads / 32];
@@ -45,7 +43,7 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParam
   for (int i = threadIdx.x; i < rows * kFp8Block; i += kThreads) {
     const int r = i / kFp8Block, c = i % kFp8Block;
     if (c >= cols) continue;
-    const float x = ldexpf(bf16_bits_to_float(w[static_cast<std::int64_t>(r) * p.row_stride + c]), -exponent);
+    const float x = ldexpf(bf16_value(w[static_cast<std::int64_t>(r) * p.row_stride + c]), -exponent);
     out[static_cast<std::int64_t>(r) * p.cols + c] =
         static_cast<std::uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
   }

@@ -12,6 +12,7 @@
 // Every row position follows from the chunk order and the lane order alone, so the plan
 // is bitwise identical run to run and equal to plan_host(). Only integer atomics in
 // shared memory are used, for counts (order-free).
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/plan/plan.cuh"
@@ -170,11 +171,10 @@ void load_plan_kernels() {
 void launch_plan(const PlanProblem& p, const DevicePlanView& plan, cudaStream_t stream) {
   const std::int64_t chunks = (p.num_ids + kPlanChunk - 1) / kPlanChunk;
   const std::size_t smem = sizeof(std::int32_t) * p.num_local_experts;
-  constexpr int kResetThreads = 256;
-  const std::int64_t reset_items = p.capacity_rows > p.tokens_times_k ? p.capacity_rows : p.tokens_times_k;
-  const std::int64_t reset_blocks = (reset_items + kResetThreads - 1) / kResetThreads;
-  reset_kernel<<<static_cast<unsigned>(reset_blocks < 1 ? 1 : reset_blocks > 264 ? 264 : reset_blocks), kResetThreads, 0,
-                 stream>>>(p, plan);
+  // (the reset: a grid-stride fill, at most two CTAs an H200 SM)
+  const std::int64_t reset_items = std::max(p.capacity_rows, p.tokens_times_k);
+  reset_kernel<<<static_cast<unsigned>(std::clamp<std::int64_t>((reset_items + 255) / 256, 1, 264)), 256, 0, stream>>>(
+      p, plan);
   if (chunks > 0) count_kernel<<<static_cast<unsigned>(chunks), kWarp, smem, stream>>>(p, plan);
   scan_kernel<<<1, 256, smem, stream>>>(p, plan, chunks);
   if (chunks > 0) place_kernel<<<static_cast<unsigned>(chunks), kWarp, smem, stream>>>(p, plan);
