@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <span>
 
 #include "mok/kernel_status.hpp"  // PlanStatus
 #include "mok/plan.hpp"
@@ -79,7 +80,9 @@ struct RingFit {
 // Plans `rank` from the routing of every rank: all_topk_ids is [ep, T, k] (or [T, k] when
 // ep = 1), i32 or i64, on the plan's device. Launches on `stream`; never synchronises.
 // With `ring`, an expert whose rows do not fit it is flagged (PlanStatus::ring_too_small).
+// also_zero: device words the planner's first kernel sets to 0 besides its own state (the
+// caller's dependency counters: one launch fewer than a memset of them).
 void plan_device(const TensorView& all_topk_ids, std::int64_t rank, DevicePlan& plan,
-                 cudaStream_t stream, const RingFit& ring = {});
+                 cudaStream_t stream, const RingFit& ring = {}, std::span<int> also_zero = {});
 
 }  // namespace mok

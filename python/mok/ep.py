@@ -80,13 +80,13 @@ class ExpertParallel:
         self.id = id(self)
         _groups[self.id] = self
 
-    def rank_for(self, x, w_gate, num_experts, top_k, shared_intermediate, swiglu_limit, training):
-        """The EpRank for this shape and token count (collective on first use)."""
+    def rank_for(self, x, w_down, num_experts, top_k, shared_intermediate, swiglu_limit, training):
+        """The EpRank for this shape and token count (collective on first use); w_down [E_l, H, I]."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
         T, H = x.shape
-        E_l, I, _ = w_gate.shape
+        E_l, _, I = w_down.shape
         key = (x.device.index, T, H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, training)
         rank = self._ranks.get(key)
         if rank is not None:

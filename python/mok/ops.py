@@ -26,15 +26,15 @@ def _stream(x):
     return torch.cuda.current_stream(x.device).cuda_stream
 
 
-def _workspace(x, w_gate, top_k, shared_intermediate, swiglu_limit):
+def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit):
     """The workspace of this layer shape and device, made on first use and remade for a
     larger T when one comes (a workspace serves every T up to its max_tokens: variable batch
     or sequence lengths hold one per shape, the size of the largest). It is made for training
     (4*ceil(I/256) bytes per row more than an inference one) so that training steps and
     evaluation under no_grad share one workspace instead of holding two."""
     T, H = x.shape
-    E, I, _ = w_gate.shape
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    E, _, I = w_down.shape
+    device = x.get_device()
     key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit)
     ws = _workspaces.get(key)
     if ws is None or ws.max_tokens < T:
@@ -62,19 +62,10 @@ def _capsules(tensors):
     more for parameters, which it refuses before the fallback): with 12–21 tensors a pass,
     that was most of the op's host time before the first launch, which the GPU waits for.
     The streams need no handshake: everything runs on the stream the call passes."""
-    return tuple(None if t is None else to_dlpack(t) for t in tensors)
+    return [None if t is None else to_dlpack(t) for t in tensors]
 
 
 ONE_GPU = 0  # the group id of the one-GPU layer (an EP group's is its mok.ep.ExpertParallel.id)
-
-
-def gate_and_up(w_gate, w_up):
-    """(gate, up), each [E, I, H]: the two tensors, or with w_up None the two halves of
-    w_gate = [E, 2I, H] (gate rows, then up rows) as views: no copy."""
-    if w_up is not None:
-        return w_gate, w_up
-    inter = w_gate.shape[1] // 2
-    return w_gate[:, :inter], w_gate[:, inter:]
 
 
 def _where(group_id):
@@ -92,11 +83,9 @@ def _shared_size(shared_gate):
     return 0 if shared_gate is None else shared_gate.shape[0]
 
 
-def _saved_elements(x, w_gate, w_up, top_k, shared_gate, swiglu_limit, num_experts):
-    T, H = x.shape
-    gate, _ = gate_and_up(w_gate, w_up)
-    E_l, I, _ = gate.shape
-    return _C.ep_saved_elements(H, I, num_experts, E_l, top_k, _shared_size(shared_gate), swiglu_limit, T)
+def _saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_experts):
+    E_l, H, I = w_down.shape
+    return _C.ep_saved_elements(H, I, num_experts, E_l, top_k, _shared_size(shared_gate), swiglu_limit, x.shape[0])
 
 
 def _ep_group(group_id):
@@ -111,28 +100,33 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
                  swiglu_limit, num_experts, group_id, training):
     """The fused forward on the current stream, on one GPU or as a rank of an EP group: y, and
     (training) the gate/up pre-activations (bf16, flat) the backward reads, else None. The one
-    body of the custom ops and of the eager path."""
+    body of the custom ops and of the eager path. w_up None: the extension takes the two
+    halves of the concatenated w_gate as views (no Python slicing: host time before the first
+    launch, which the GPU waits for)."""
     _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
            num_experts, group_id)
-    gate, up = gate_and_up(w_gate, w_up)
     k, T = topk_ids.shape[1], x.shape[0]
+    shared_size = 0 if shared_gate is None else shared_gate.shape[0]
     y = torch.empty_like(x)
+    if group_id == ONE_GPU:
+        ws = _workspace(x, w_down, k, shared_size, swiglu_limit) if T > 0 else None
+        saved = None
+        if training:
+            n = ws.saved_elements(T) if ws is not None else _saved_elements(x, w_down, k, shared_gate, swiglu_limit,
+                                                                            num_experts)
+            saved = torch.empty(n, dtype=torch.bfloat16, device=x.device)
+        if ws is not None:
+            _C.forward(ws, *_capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up,
+                                       shared_down, y, saved)),
+                       _stream(x), to_dlpack(_scratch(ws.forward_scratch_bytes(T), x.device)))
+        return y, saved
     saved = None
     if training:
-        saved = torch.empty(_saved_elements(x, w_gate, w_up, k, shared_gate, swiglu_limit, num_experts),
+        saved = torch.empty(_saved_elements(x, w_down, k, shared_gate, swiglu_limit, num_experts),
                             dtype=torch.bfloat16, device=x.device)
-    stream = _stream(x)
-    tensors = (*_capsules((x, topk_ids, topk_weights, gate, up, w_down, shared_gate, shared_up, shared_down, y, saved)),
-               stream)
-    if group_id == ONE_GPU:
-        if T == 0:
-            return y, saved
-        ws = _workspace(x, gate, k, _shared_size(shared_gate), swiglu_limit)
-        _C.forward(ws, *tensors, scratch=to_dlpack(_scratch(ws.forward_scratch_bytes(T), x.device)))
-    else:
-        rank = _ep_group(group_id).rank_for(x, gate, num_experts, k, _shared_size(shared_gate), swiglu_limit,
-                                            training)
-        _C.ep_forward(rank, *tensors)
+    rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, shared_size, swiglu_limit, training)
+    _C.ep_forward(rank, *_capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up,
+                                    shared_down, y, saved)), _stream(x))
     return y, saved
 
 
@@ -151,18 +145,16 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
     """The fused backward on the current stream (the body of the custom op and of the eager path)."""
     dy = dy.contiguous()
     grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
-    gate, up = gate_and_up(w_gate, w_up)
-    d_gate, d_up = gate_and_up(grads[2], None if w_up is None else grads[3])
     shared_grads = grads[5:] if shared_gate is not None else (None, None, None)
-    stream = _stream(x)
-    tensors = (*_capsules((x, topk_ids, topk_weights, gate, up, w_down, shared_gate, shared_up, shared_down, saved, dy,
-                           grads[0], grads[1], d_gate, d_up, grads[4], *shared_grads)), stream)
+    tensors = (*_capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
+                           dy, grads[0], grads[1], grads[2], None if w_up is None else grads[3], grads[4],
+                           *shared_grads)), _stream(x))
+    k = topk_ids.shape[1]
     if group_id == ONE_GPU:
-        ws = _workspace(x, gate, topk_ids.shape[1], _shared_size(shared_gate), swiglu_limit)
+        ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit)
         _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(ws.backward_scratch_bytes(False, x.shape[0]), x.device)))
     else:
-        rank = _ep_group(group_id).rank_for(x, gate, num_experts, topk_ids.shape[1], _shared_size(shared_gate),
-                                            swiglu_limit, True)
+        rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit, True)
         _C.ep_backward(rank, *tensors)
     return grads
 
@@ -203,7 +195,7 @@ def _moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, sha
                             swiglu_limit, num_experts, group_id):
     _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
            num_experts, group_id)
-    n = _saved_elements(x, w_gate, w_up, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
+    n = _saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
     return torch.empty_like(x), x.new_empty((n,), dtype=torch.bfloat16)
 
 

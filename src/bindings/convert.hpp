@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <tuple>
 #include <vector>
 
 #include "mok/mok.hpp"
@@ -78,14 +79,33 @@ inline nb::ndarray<nb::numpy, double> to_numpy(std::vector<double> values, std::
   return nb::ndarray<nb::numpy, double>(owned->data(), shape.size(), shape.begin(), owner);
 }
 
+// The gate and up weights (or their gradients) as two views. With `up` absent, `gate` holds
+// both concatenated along its rows, [E, 2I, H] (gate rows, then up rows, as Hugging Face,
+// torchtitan and Megatron keep them): its two halves, views of the same memory (no copy).
+inline std::pair<mok::TensorView, mok::TensorView> gate_and_up(const nb::ndarray<>& gate,
+                                                               const std::optional<nb::ndarray<>>& up,
+                                                               const char* where, const char* name) {
+  mok::TensorView g = view_of(gate);
+  if (up) return {g, view_of(*up)};
+  if (g.ndim != 3 || g.shape[1] % 2 != 0)
+    throw nb::value_error((std::string(where) + ": '" + name + "' must be [E, 2I, H] (gate and up concatenated, " +
+                           "its up absent), got shape " + g.shape_string()).c_str());
+  g.shape[1] /= 2;
+  mok::TensorView u = g;
+  u.data = static_cast<char*>(g.data) + g.shape[1] * g.stride[1] * static_cast<std::int64_t>(mok::dtype_size(g.dtype));
+  return {g, u};
+}
+
 inline mok::ForwardArgs forward_args(const nb::ndarray<>& x, const nb::ndarray<>& ids, const nb::ndarray<>& weights,
-                              const nb::ndarray<>& gate, const nb::ndarray<>& up, const nb::ndarray<>& down,
-                              const std::optional<nb::ndarray<>>& shared_gate,
-                              const std::optional<nb::ndarray<>>& shared_up,
-                              const std::optional<nb::ndarray<>>& shared_down, const nb::ndarray<>* y) {
+                                     const nb::ndarray<>& gate, const std::optional<nb::ndarray<>>& up,
+                                     const nb::ndarray<>& down, const std::optional<nb::ndarray<>>& shared_gate,
+                                     const std::optional<nb::ndarray<>>& shared_up,
+                                     const std::optional<nb::ndarray<>>& shared_down, const nb::ndarray<>* y,
+                                     const char* where) {
   mok::ForwardArgs a;
   a.x = view_of(x), a.topk_ids = view_of(ids), a.topk_weights = view_of(weights);
-  a.w_gate = view_of(gate), a.w_up = view_of(up), a.w_down = view_of(down);
+  std::tie(a.w_gate, a.w_up) = gate_and_up(gate, up, where, "w_gate");
+  a.w_down = view_of(down);
   if (y) a.y = view_of(*y);
   a.shared_gate = optional_view(shared_gate), a.shared_up = optional_view(shared_up);
   a.shared_down = optional_view(shared_down);
@@ -93,13 +113,14 @@ inline mok::ForwardArgs forward_args(const nb::ndarray<>& x, const nb::ndarray<>
 }
 
 inline mok::BackwardArgs backward_args(const nb::ndarray<>& dy, const nb::ndarray<>& dx, const nb::ndarray<>& d_weights,
-                                const nb::ndarray<>& d_gate, const nb::ndarray<>& d_up, const nb::ndarray<>& d_down,
-                                const std::optional<nb::ndarray<>>& d_shared_gate,
-                                const std::optional<nb::ndarray<>>& d_shared_up,
-                                const std::optional<nb::ndarray<>>& d_shared_down) {
+                                       const nb::ndarray<>& d_gate, const std::optional<nb::ndarray<>>& d_up,
+                                       const nb::ndarray<>& d_down, const std::optional<nb::ndarray<>>& d_shared_gate,
+                                       const std::optional<nb::ndarray<>>& d_shared_up,
+                                       const std::optional<nb::ndarray<>>& d_shared_down, const char* where) {
   mok::BackwardArgs b;
   b.dy = view_of(dy), b.dx = view_of(dx), b.d_topk_weights = view_of(d_weights);
-  b.d_w_gate = view_of(d_gate), b.d_w_up = view_of(d_up), b.d_w_down = view_of(d_down);
+  std::tie(b.d_w_gate, b.d_w_up) = gate_and_up(d_gate, d_up, where, "d_w_gate");
+  b.d_w_down = view_of(d_down);
   b.d_shared_gate = optional_view(d_shared_gate), b.d_shared_up = optional_view(d_shared_up);
   b.d_shared_down = optional_view(d_shared_down);
   return b;
@@ -112,53 +133,54 @@ inline void select_device(const mok::TensorView& t, const char* where) {
 }
 
 // Binds name(target, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_*, y, saved,
-// stream, scratch=None): the tensors as views on their device, then run(target, args,
-// stream, saved, scratch) without the GIL. Target: a Workspace (one GPU) or an EpRank.
+// stream, scratch=None) (w_up None: w_gate concatenated, see gate_and_up): the tensors as
+// views on their device, then run(target, args, stream, saved, scratch) without the GIL.
+// Target: a Workspace (one GPU) or an EpRank.
 template <typename Target, typename Run>
 void def_forward(nb::module_& m, const char* name, const char* target, const char* where, Run run) {
   m.def(
       name,
       [where, run](Target& t, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
-                   nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
+                   std::optional<nb::ndarray<>> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
                    std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
                    std::optional<nb::ndarray<>> saved, std::uintptr_t stream, std::optional<nb::ndarray<>> scratch) {
-        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y);
+        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y, where);
         select_device(a.x, where);
         const std::optional<mok::TensorView> saved_view = optional_view(saved), scratch_view = optional_view(scratch);
         nb::gil_scoped_release release;
         run(t, a, reinterpret_cast<cudaStream_t>(stream), saved_view, scratch_view);
       },
-      nb::arg(target), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
+      nb::arg(target), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up").none(),
       nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
       nb::arg("y"), nb::arg("saved").none(), nb::arg("stream"), nb::arg("scratch").none() = nb::none());
 }
 
 // The same for the backward: name(target, forward's inputs, saved, dy, dx, d_topk_weights,
-// d_w_gate, d_w_up, d_w_down, d_shared_*, stream, scratch=None).
+// d_w_gate, d_w_up, d_w_down, d_shared_*, stream, scratch=None) (w_up, d_w_up None: concatenated).
 template <typename Target, typename Run>
 void def_backward(nb::module_& m, const char* name, const char* target, const char* where, Run run) {
   m.def(
       name,
       [where, run](Target& t, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
-                   nb::ndarray<> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
+                   std::optional<nb::ndarray<>> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
                    std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> saved,
                    nb::ndarray<> dy, nb::ndarray<> dx, nb::ndarray<> d_weights, nb::ndarray<> d_gate,
-                   nb::ndarray<> d_up, nb::ndarray<> d_down, std::optional<nb::ndarray<>> d_shared_gate,
+                   std::optional<nb::ndarray<>> d_up, nb::ndarray<> d_down, std::optional<nb::ndarray<>> d_shared_gate,
                    std::optional<nb::ndarray<>> d_shared_up, std::optional<nb::ndarray<>> d_shared_down,
                    std::uintptr_t stream, std::optional<nb::ndarray<>> scratch) {
-        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr);
+        const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr, where);
         select_device(a.x, where);
         const mok::BackwardArgs b = backward_args(dy, dx, d_weights, d_gate, d_up, d_down, d_shared_gate, d_shared_up,
-                                                  d_shared_down);
+                                                  d_shared_down, where);
         const mok::TensorView saved_view = view_of(saved);
         const std::optional<mok::TensorView> scratch_view = optional_view(scratch);
         nb::gil_scoped_release release;
         run(t, a, b, reinterpret_cast<cudaStream_t>(stream), saved_view, scratch_view);
       },
-      nb::arg(target), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
+      nb::arg(target), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up").none(),
       nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
       nb::arg("saved"), nb::arg("dy"), nb::arg("dx"), nb::arg("d_topk_weights"), nb::arg("d_w_gate"),
-      nb::arg("d_w_up"), nb::arg("d_w_down"), nb::arg("d_shared_gate").none(), nb::arg("d_shared_up").none(),
+      nb::arg("d_w_up").none(), nb::arg("d_w_down"), nb::arg("d_shared_gate").none(), nb::arg("d_shared_up").none(),
       nb::arg("d_shared_down").none(), nb::arg("stream"), nb::arg("scratch").none() = nb::none());
 }
 

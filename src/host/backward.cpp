@@ -178,12 +178,12 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
       detail::call_scratch(ws, scratch, ws.backward_scratch_bytes(b.d_w_gate.dtype, T), kScratchFrom, kWhere, stream);
   const auto [row_space_a, row_space_b] = gradient_row_spaces(b, ws.shape());
   const detail::CallBuffers buffers = detail::backward_buffers(ws, base, row_space_a, row_space_b);
-  plan_device(a.topk_ids, 0, ws.plan(), stream);
+  plan_device(a.topk_ids, 0, ws.plan(), stream, {}, detail::counters(ws));  // (zeroes the counters too)
   std::uint16_t* gu = saved ? static_cast<std::uint16_t*>(saved->data) : buffers.recompute;
   if (!saved) detail::launch_forward_kernel(a, ws, buffers, stream, gu, true, kWhere);  // also copies x's rows
   else detail::dispatch_rows(a.x.data, buffers.x_rows, ws, stream);
   detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, stream);
-  detail::zero_counters(ws, stream, kWhere);
+  if (!saved) detail::zero_counters(ws, stream, kWhere);  // (the recompute used them)
   const kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
   unsigned long long* marker = detail::saved_marker(gu, ws);
   kernels::launch_backward(p, detail::persistent_ctas(ws, kWhere), stream);

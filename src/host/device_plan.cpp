@@ -128,7 +128,8 @@ Plan DevicePlan::to_host(cudaStream_t stream, std::int64_t rank) const {
   return p;
 }
 
-void plan_device(const TensorView& ids, std::int64_t rank, DevicePlan& plan, cudaStream_t stream, const RingFit& ring) {
+void plan_device(const TensorView& ids, std::int64_t rank, DevicePlan& plan, cudaStream_t stream, const RingFit& ring,
+                 std::span<int> also_zero) {
   constexpr const char* where = "mok::plan_device";
   const MoeShape& s = plan.shape();
   const std::int64_t ep = s.ep_size(), T = plan.tokens(), k = s.top_k;
@@ -163,6 +164,8 @@ void plan_device(const TensorView& ids, std::int64_t rank, DevicePlan& plan, cud
                          " and ring_rows a multiple of it, got ", ring.minibatch_rows, " and ", ring.ring_rows);
   p.ring_minibatch_rows = ring.minibatch_rows;
   p.ring_rows = ring.ring_rows;
+  p.zero_words = also_zero.data();
+  p.zero_count = static_cast<std::int64_t>(also_zero.size());
   kernels::launch_plan(p, v, stream);
   check_cuda(cudaGetLastError(), "launching the planner");
 }

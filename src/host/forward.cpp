@@ -104,7 +104,6 @@ void zero_counters(Workspace& ws, cudaStream_t stream, std::string_view where) {
 void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                            std::uint16_t* saved_gu, bool gemm1_only, std::string_view where) {
   dispatch_rows(a.x.data, buffers.x_rows, ws, stream);
-  zero_counters(ws, stream, where);
   kernels::launch_forward(forward_params(a, ws, buffers, saved_gu, gemm1_only), persistent_ctas(ws, where), stream);
   cuda_check(cudaGetLastError(), where, "launching the forward kernel");
 }
@@ -130,7 +129,7 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
     return;
   }
   void* base = detail::call_scratch(ws, scratch, ws.forward_scratch_bytes(T), kScratchFrom, kWhere, stream);
-  plan_device(a.topk_ids, 0, ws.plan(), stream);
+  plan_device(a.topk_ids, 0, ws.plan(), stream, {}, detail::counters(ws));  // (zeroes the counters too)
   detail::launch_forward_kernel(a, ws, detail::forward_buffers(ws, base), stream,
                                 saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, false, kWhere);
 }

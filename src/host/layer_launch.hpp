@@ -105,6 +105,11 @@ int persistent_ctas(const Workspace& ws, std::string_view where);
 // Zeroes the workspace's counters (per-tile readiness, done, abort, wd_done) on `stream`:
 // before every kernel that counts in them.
 void zero_counters(Workspace& ws, cudaStream_t stream, std::string_view where);
+// The workspace's dependency counters, for plan_device's also_zero (zeroed by the planner's
+// first kernel instead of a memset of their own).
+inline std::span<int> counters(Workspace& ws) {
+  return {ws.counters(), static_cast<std::size_t>(ws.counter_count())};
+}
 
 // Copies the rows of `rows` ([T, H] bf16) into `routed` in the order of ws.plan()
 // (padding rows become zero).
@@ -133,8 +138,9 @@ inline kernels::BackwardParams backward_params(const ForwardArgs& a, const Backw
   return backward_params(a, b, ws, rank_buffers(ws), gu);
 }
 
-// After plan_device() into ws.plan(): copies x's rows and launches the forward kernel,
-// the full layer into a.y, or only GEMM1 (gemm1_only, the backward's recompute).
+// After plan_device() into ws.plan() with the counters zeroed (also_zero = counters(ws)):
+// copies x's rows and launches the forward kernel, the full layer into a.y, or only GEMM1
+// (gemm1_only, the backward's recompute).
 // saved_gu: null or the tensor of the gate/up pre-activations to fill.
 void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                            std::uint16_t* saved_gu, bool gemm1_only, std::string_view where);

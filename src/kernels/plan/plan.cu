@@ -1,10 +1,10 @@
 // Device planner: four small stream-ordered launches, no host synchronisation.
 //
 //   reset_kernel  the call's starting state: status ok, no tiles, row_pair and this rank's
-//                 pair_row all -1 (what two memsets did, in one launch)
+//                 pair_row all -1, the caller's counters 0 (what three memsets did, in one launch)
 //   count_kernel  one warp per chunk of kPlanChunk ids: per-local-expert counts of the
 //                 chunk, range check of every id (first bad position kept by atomicMin)
-//   scan_kernel   one CTA: per expert, exclusive prefix over chunks (chunk_base), row
+//   scan_kernel   one CTA: per expert (a warp), exclusive prefix over chunks (chunk_base), row
 //                 counts, padded offsets, capacity check, the M-tile list
 //   place_kernel  one warp per chunk: walks its ids in order, 32 at a time; lanes that
 //                 hit the same expert take consecutive rows (match_any + popc)
@@ -22,6 +22,7 @@ namespace mok::kernels {
 namespace {
 
 constexpr int kWarp = 32;
+constexpr int kScanThreads = 1024;  // scan_kernel: one warp per expert, 32 at a time
 
 __device__ std::int64_t load_id(const PlanProblem& p, std::int64_t i) {
   return p.ids_are_i64 ? static_cast<const std::int64_t*>(p.ids)[i]
@@ -29,11 +30,13 @@ __device__ std::int64_t load_id(const PlanProblem& p, std::int64_t i) {
 }
 
 // The call's starting state: status ok, no tiles, every row of row_pair and every own pair
-// of pair_row -1 (padding rows, and pairs routed elsewhere or nowhere, stay so).
+// of pair_row -1 (padding rows, and pairs routed elsewhere or nowhere, stay so), and the
+// caller's words (p.zero_words: the layer kernels' dependency counters) 0.
 __global__ void reset_kernel(PlanProblem p, DevicePlanView plan) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.capacity_rows; i += stride) plan.row_pair[i] = -1;
   for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.tokens_times_k; i += stride) plan.pair_row[i] = -1;
+  for (std::int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < p.zero_count; i += stride) p.zero_words[i] = 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     *plan.status = PlanStatus{PlanStatus::ok, 0, INT64_MAX, 0, 0};
     *plan.num_tiles = 0;
@@ -74,16 +77,27 @@ __global__ void scan_kernel(PlanProblem p, DevicePlanView plan, std::int64_t num
     }
     return;
   }
-  for (int e = threadIdx.x; e < El; e += blockDim.x) {
+  // One warp per expert, its lanes over 32 chunks at a time (a warp scan of each group): the
+  // loads are independent, where one thread per expert walked every chunk's count in turn
+  // (~30 us on 128 chunks). Integer sums: the result does not depend on the order.
+  const int lane = threadIdx.x % kWarp;
+  for (int e = threadIdx.x / kWarp; e < El; e += blockDim.x / kWarp) {
     std::int32_t running = 0;
-    for (std::int64_t c = 0; c < num_chunks; ++c) {
-      std::int32_t& slot = plan.chunk_base[c * El + e];
-      const std::int32_t n = slot;
-      slot = running;
-      running += n;
+    for (std::int64_t first = 0; first < num_chunks; first += kWarp) {
+      const std::int64_t c = first + lane;
+      const std::int32_t n = c < num_chunks ? plan.chunk_base[c * El + e] : 0;
+      std::int32_t inclusive = n;
+      for (int offset = 1; offset < kWarp; offset *= 2) {
+        const std::int32_t below = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += below;
+      }
+      if (c < num_chunks) plan.chunk_base[c * El + e] = running + inclusive - n;
+      running += __shfl_sync(0xffffffffu, inclusive, kWarp - 1);
     }
-    plan.expert_rows[e] = running;
-    padded[e] = (running + p.block_m - 1) / p.block_m * p.block_m;
+    if (lane == 0) {
+      plan.expert_rows[e] = running;
+      padded[e] = (running + p.block_m - 1) / p.block_m * p.block_m;
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) {  // E_l is small: a serial scan is cheaper than a block scan here
@@ -172,11 +186,11 @@ void launch_plan(const PlanProblem& p, const DevicePlanView& plan, cudaStream_t 
   const std::int64_t chunks = (p.num_ids + kPlanChunk - 1) / kPlanChunk;
   const std::size_t smem = sizeof(std::int32_t) * p.num_local_experts;
   // (the reset: a grid-stride fill, at most two CTAs an H200 SM)
-  const std::int64_t reset_items = std::max(p.capacity_rows, p.tokens_times_k);
+  const std::int64_t reset_items = std::max({p.capacity_rows, p.tokens_times_k, p.zero_count});
   reset_kernel<<<static_cast<unsigned>(std::clamp<std::int64_t>((reset_items + 255) / 256, 1, 264)), 256, 0, stream>>>(
       p, plan);
   if (chunks > 0) count_kernel<<<static_cast<unsigned>(chunks), kWarp, smem, stream>>>(p, plan);
-  scan_kernel<<<1, 256, smem, stream>>>(p, plan, chunks);
+  scan_kernel<<<1, kScanThreads, smem, stream>>>(p, plan, chunks);
   if (chunks > 0) place_kernel<<<static_cast<unsigned>(chunks), kWarp, smem, stream>>>(p, plan);
 }
 

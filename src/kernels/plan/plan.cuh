@@ -21,6 +21,8 @@ struct PlanProblem {
   std::int32_t num_experts, num_local_experts, block_m;
   std::int64_t capacity_rows;
   std::int64_t ring_minibatch_rows, ring_rows;  // RingFit (ring_rows 0: no check)
+  int* zero_words;  // the caller's words reset_kernel also zeroes (zero_count of them)
+  std::int64_t zero_count;
 };
 
 void launch_plan(const PlanProblem& problem, const DevicePlanView& plan, cudaStream_t stream);
