@@ -76,7 +76,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"single_local_expert", RoutingKind::uniform, 300, 4, 1, 2, 64, false},
                       Case{"ep4", RoutingKind::uniform, 900, 16, 4, 4, 64, false},
                       Case{"ep8_skewed", RoutingKind::skewed, 513, 64, 8, 8, 128, false},
-                      Case{"many_experts", RoutingKind::uniform, 16384, 128, 128, 8, 128, false}),
+                      Case{"many_experts", RoutingKind::uniform, 16384, 128, 128, 8, 128, false},
+                      // scan_kernel's ranges: E_l not dividing its 1024 threads, and more
+                      // local experts than threads (one range, experts looped over)
+                      Case{"ep8_48_local", RoutingKind::skewed, 3000, 384, 48, 8, 128, false},
+                      Case{"more_local_than_threads", RoutingKind::uniform, 2500, 1536, 1536, 6, 64, false}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(DevicePlan, BadExpertIdIsReportedWithPosition) {

@@ -245,7 +245,7 @@ def test_one_workspace_serves_every_token_count():
     torch.cuda.empty_cache()
     free_after = torch.cuda.mem_get_info()[0]
     assert len(ops._workspaces) == key_count + 1
-    assert ops._workspace(x, gate, k, 0, None).max_tokens == t_max
+    assert ops._workspace(x, down, k, 0, None).max_tokens == t_max
     assert free_before - free_after < 2 << 20, f"{(free_before - free_after) / 2**20:.1f} MiB more held after {len(counts)} token counts"
     assert torch.equal(results[counts[0]][0], small[0]) and torch.equal(results[counts[0]][1], small[1])
     for T in sorted(counts)[:3] + sorted(counts)[-2:]:
@@ -264,7 +264,7 @@ def test_scratch_comes_from_pytorch_and_backward_needs_less_than_forward():
     params = [t.clone().requires_grad_(True) for t in (w, gate, up, down)]
     mok.moe(x, ids, *params).float().sum().backward()
     torch.cuda.synchronize()
-    ws = ops._workspace(x, gate, ids.shape[1], 0, None)
+    ws = ops._workspace(x, down, ids.shape[1], 0, None)
     assert ws.bytes < ws.forward_scratch_bytes()  # plan, counters, partials: no scratch of its own
     assert ws.backward_scratch_bytes(False) < ws.backward_scratch_bytes(True) <= ws.forward_scratch_bytes()
     assert ws.forward_scratch_bytes(100) < ws.forward_scratch_bytes()  # a call's scratch follows its T
