@@ -4,7 +4,9 @@ forward+backward calls on one preset, printed by cumulative time, and the median
 to enqueue each (the GPU is synchronised between calls, so nothing else is queued); then
 what the GPU waits for: the pass timed as layer_bench times it (L2 flush, events around the
 call) and again with the GPU kept busy while the host enqueues (a spin kernel between the
-flush and the start event), and the pass's kernels by GPU time (torch.profiler).
+flush and the start event), where the host time before the first launch goes (Python, then
+the extension) and how long the GPU idles for it, and the pass's kernels by GPU time
+(torch.profiler).
 
   host_overhead.py [--preset qwen3-30b-a3b] [--calls 50] [--top 25]
 """
@@ -42,6 +44,65 @@ def events_and_kernels(fn, before, iters, warmup=3):
             if not sums or sums[-1] > 0:
                 sums.append(0.0)
     return statistics.median(times), statistics.median(sums)  # (the warm-up runs before the first flush)
+
+
+def first_launch(fn, before, calls):
+    """Where the host time before the pass's first launch goes, from one torch.profiler trace
+    (CPU and CUDA activity, one clock): per call, the Python prelude (the call's start to the
+    extension's entry, marked by wrapping mok.ops._C's entry points), the extension's work up
+    to its first launch (cudaLaunch* or cudaMemsetAsync), and on the GPU the idle time from the
+    flush's end to the layer's first kernel. Medians in µs."""
+    import mok.ops as ops
+
+    real = ops._C
+
+    class Marked:  # the extension with its forward/backward entries marked
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def forward(self, *a, **k):
+            with torch.profiler.record_function("mok_C"):
+                return real.forward(*a, **k)
+
+        def backward(self, *a, **k):
+            with torch.profiler.record_function("mok_C"):
+                return real.backward(*a, **k)
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ops._C = Marked()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                if before:
+                    before()
+                flush.zero_()
+                with torch.profiler.record_function("mok_call"):
+                    fn()
+                torch.cuda.synchronize()
+    finally:
+        ops._C = real
+    ev = sorted(prof.events(), key=lambda e: e.time_range.start)
+    cpu = [e for e in ev if e.device_type == torch.autograd.DeviceType.CPU]
+    gpu = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
+    py, cxx, idle = [], [], []
+    for call in (e for e in cpu if e.name == "mok_call"):
+        t0, t1 = call.time_range.start, call.time_range.end
+        entry = next((e.time_range.start for e in cpu if e.name == "mok_C" and t0 <= e.time_range.start <= t1), None)
+        launch = next((e.time_range.start for e in cpu if t0 <= e.time_range.start <= t1 and
+                       (e.name.startswith("cudaLaunch") or e.name == "cudaMemsetAsync")), None)
+        if entry is None or launch is None:
+            continue
+        py.append(entry - t0)
+        cxx.append(launch - entry)
+        first = next((g for g in gpu if "mok" in g.name and g.time_range.start >= t0), None)
+        if first is not None:  # the flush: the last long kernel of something else before it
+            ends = [g.time_range.end for g in gpu if "mok" not in g.name and g.time_range.end <= first.time_range.start
+                    and g.time_range.end - g.time_range.start > 20]
+            if ends:
+                idle.append(first.time_range.start - max(ends))
+    med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+    return med(py), med(cxx), med(idle), len(py)
 
 
 def main():
@@ -88,6 +149,9 @@ def main():
             ev, kern = events_and_kernels(fn, pre, args.calls)
             print(f"GPU time {mode}: events {ev:.3f} ms, the pass's kernels {kern:.3f} ms (medians; the rest: "
                   f"idle waiting for the host, or the flush's tail)")
+        py, cxx, idle = first_launch(fn, before, args.calls)[:3]
+        print(f"Before the first launch (medians): Python {py:.1f} us, then the extension {cxx:.1f} us; the GPU idle "
+              f"from the flush's end to the layer's first kernel {idle:.1f} us")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as kprof:
             for _ in range(5):
                 if before:
