@@ -51,7 +51,8 @@ def first_launch(fn, before, calls):
     (CPU and CUDA activity, one clock): per call, the Python prelude (the call's start to the
     extension's entry, marked by wrapping mok.ops._C's entry points), the extension's work up
     to its first launch (cudaLaunch* or cudaMemsetAsync), and on the GPU the idle time from the
-    flush's end to the layer's first kernel. Medians in µs."""
+    flush's end to the layer's first kernel and between the layer's kernels (the largest gap
+    named by the kernels around it). Medians in µs."""
     import mok.ops as ops
 
     real = ops._C
@@ -83,26 +84,42 @@ def first_launch(fn, before, calls):
     finally:
         ops._C = real
     ev = sorted(prof.events(), key=lambda e: e.time_range.start)
-    cpu = [e for e in ev if e.device_type == torch.autograd.DeviceType.CPU]
-    gpu = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
-    py, cxx, idle = [], [], []
-    for call in (e for e in cpu if e.name == "mok_call"):
-        t0, t1 = call.time_range.start, call.time_range.end
-        entry = next((e.time_range.start for e in cpu if e.name == "mok_C" and t0 <= e.time_range.start <= t1), None)
-        launch = next((e.time_range.start for e in cpu if t0 <= e.time_range.start <= t1 and
-                       (e.name.startswith("cudaLaunch") or e.name == "cudaMemsetAsync")), None)
-        if entry is None or launch is None:
+    span = lambda e: (e.name, e.time_range.start, e.time_range.end)  # noqa: E731
+    return pass_timeline([span(e) for e in ev if e.device_type == torch.autograd.DeviceType.CPU],
+                         [span(e) for e in ev if e.device_type == torch.autograd.DeviceType.CUDA])
+
+
+def pass_timeline(cpu, gpu, long_us=20.0):
+    """first_launch's arithmetic on (name, start, end) spans in µs, each list sorted by start:
+    CPU spans hold the calls ("mok_call"), the extension's entries ("mok_C") and the CUDA
+    runtime calls; GPU spans the kernels, the layer's named with "mok", a flush being any other
+    kernel longer than long_us. Returns the medians of (Python before the extension, the
+    extension before its first launch, the GPU's idle time from a flush to the layer's first
+    kernel, its idle time between the layer's kernels up to the next flush) and the median
+    pass's largest gap between two layer kernels as (µs, kernel before, kernel after)."""
+    flushes = [g for g in gpu if "mok" not in g[0] and g[2] - g[1] > long_us]
+    first_idle, inner, largest = [], [], []
+    for i, (_, _, f_end) in enumerate(flushes):
+        nxt = flushes[i + 1][1] if i + 1 < len(flushes) else float("inf")
+        ks = [g for g in gpu if "mok" in g[0] and f_end <= g[1] < nxt]
+        if not ks:
             continue
-        py.append(entry - t0)
-        cxx.append(launch - entry)
-        first = next((g for g in gpu if "mok" in g.name and g.time_range.start >= t0), None)
-        if first is not None:  # the flush: the last long kernel of something else before it
-            ends = [g.time_range.end for g in gpu if "mok" not in g.name and g.time_range.end <= first.time_range.start
-                    and g.time_range.end - g.time_range.start > 20]
-            if ends:
-                idle.append(first.time_range.start - max(ends))
+        first_idle.append(ks[0][1] - f_end)
+        gaps = [(b[1] - a[2], a[0], b[0]) for a, b in zip(ks, ks[1:])]
+        inner.append(sum(max(0.0, g[0]) for g in gaps))
+        if gaps:
+            largest.append(max(gaps))
+    py, cxx = [], []
+    for _, t0, t1 in (c for c in cpu if c[0] == "mok_call"):
+        entry = next((c[1] for c in cpu if c[0] == "mok_C" and t0 <= c[1] <= t1), None)
+        launch = next((c[1] for c in cpu if t0 <= c[1] <= t1 and (c[0].startswith("cudaLaunch") or c[0] == "cudaMemsetAsync")),
+                      None)
+        if entry is not None and launch is not None:
+            py.append(entry - t0)
+            cxx.append(launch - entry)
     med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
-    return med(py), med(cxx), med(idle), len(py)
+    big = sorted(largest)[len(largest) // 2] if largest else (float("nan"), "", "")
+    return med(py), med(cxx), med(first_idle), med(inner), big
 
 
 def main():
@@ -149,9 +166,10 @@ def main():
             ev, kern = events_and_kernels(fn, pre, args.calls)
             print(f"GPU time {mode}: events {ev:.3f} ms, the pass's kernels {kern:.3f} ms (medians; the rest: "
                   f"idle waiting for the host, or the flush's tail)")
-        py, cxx, idle = first_launch(fn, before, args.calls)[:3]
+        py, cxx, idle, inner, big = first_launch(fn, before, args.calls)
         print(f"Before the first launch (medians): Python {py:.1f} us, then the extension {cxx:.1f} us; the GPU idle "
-              f"from the flush's end to the layer's first kernel {idle:.1f} us")
+              f"from the flush's end to the layer's first kernel {idle:.1f} us, between the layer's kernels {inner:.1f} "
+              f"us (the median call's largest gap {big[0]:.1f} us, after {big[1][:60]!r}, before {big[2][:60]!r})")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as kprof:
             for _ in range(5):
                 if before:

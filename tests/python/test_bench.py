@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import ab_compare  # noqa: E402
 import ab_serve  # noqa: E402
+import host_overhead  # noqa: E402
 import layer_bench  # noqa: E402
 import report  # noqa: E402
 import torch_baseline as tb  # noqa: E402
@@ -204,3 +205,23 @@ def test_ab_serve_rows_carry_the_round_ratios_and_the_bitwise_verdict():
     assert (row["base_ms"], row["head_ms"], row["ratio"]) == (11.0, 11.0, 1.0)
     assert (row["ratio_min"], row["ratio_max"], row["rounds"], row["bitwise_equal"]) == (0.9, 1.0, 3, True)
     assert "largest change: p fwd 1.000" in ab_compare.table([row])
+
+
+def test_pass_timeline_splits_host_and_gpu_idle_time():
+    """host_overhead.pass_timeline on a synthetic trace (µs): two calls, each after a 100 µs
+    flush; the layer's kernels with a gap of 30 µs (first call) and 50 µs (second)."""
+    cpu = []
+    gpu = []
+    for base, gap in ((0.0, 30.0), (10_000.0, 50.0)):
+        cpu += [("aten::zero_", base, base + 5), ("cudaLaunchKernel", base + 2, base + 4),  # the flush
+                ("mok_call", base + 10, base + 400), ("mok_C", base + 70, base + 390),
+                ("cudaLaunchKernel", base + 90, base + 95), ("cudaLaunchKernel", base + 100, base + 104)]
+        gpu += [("fill_kernel", base + 4, base + 104),
+                ("mok::plan", base + 120, base + 130),  # 16 µs after the flush
+                ("mok::forward_kernel", base + 130 + gap, base + 2000)]
+    cpu.sort(key=lambda c: c[1])
+    py, cxx, first_idle, inner, big = host_overhead.pass_timeline(cpu, gpu)
+    assert py == 60 and cxx == 20  # entry - call start, first launch - entry
+    assert first_idle == 16
+    assert inner == 40  # median of 30 and 50
+    assert big[1] == "mok::plan" and big[2] == "mok::forward_kernel" and big[0] in (30, 50)
