@@ -294,13 +294,22 @@ def run_preset(p, routing, args, server, gpu, emit):
             obj.release()
 
 
+def paired_ratio(a, b):
+    """(median, min, max) over rounds of a's time / b's time in the same round (ms_repeats is in
+    round order, and a round times both back to back): the clock's drift between rounds, which
+    moves both alike, cancels, where a ratio of the two medians keeps it."""
+    ratios = [x / y for x, y in zip(a["ms_repeats"], b["ms_repeats"])]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def summary(records):
-    """A short table: TFLOP/s per implementation and mok's ratios to torch-compiled."""
+    """A short table: TFLOP/s per implementation, mok's ratios to torch-compiled and, with both
+    mok and mok-py, mok-py's speed relative to the C++ call (paired by round, paired_ratio)."""
     by = {(r["preset"], r["routing"], r["pass"], r["impl"]): r for r in records}
     keys = list(dict.fromkeys((r["preset"], r["routing"], r["pass"]) for r in records))
     impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
     lines = [f"{'preset':<18}{'routing':<9}{'pass':<8}" + "".join(f"{i:>15}" for i in impls) +
-             f"{'mok/compiled':>14}{'mok-py/compiled':>16}{'checks':>8}"]
+             f"{'mok/compiled':>14}{'mok-py/compiled':>16}{'mok-py vs mok [range]':>24}{'checks':>8}"]
     for key in keys:
         row = f"{key[0]:<18}{key[1]:<9}{key[2]:<8}"
         for i in impls:
@@ -310,6 +319,12 @@ def summary(records):
         for i, w in (("mok", 14), ("mok-py", 16)):
             r = by.get(key + (i,))
             row += f"{base['ms'] / r['ms']:>{w}.3f}" if r and base else f"{'-':>{w}}"
+        c, py = by.get(key + ("mok",)), by.get(key + ("mok-py",))
+        if c and py:
+            med, lo, hi = paired_ratio(c, py)
+            row += f"{f'{med:.3f} [{lo:.3f}, {hi:.3f}]':>24}"
+        else:
+            row += f"{'-':>24}"
         bad = [r["impl"] for k, r in by.items() if k[:3] == key and r["check"] == "failed"]
         row += f"{'ok' if not bad else 'FAIL':>8}"
         lines.append(row)

@@ -225,3 +225,14 @@ def test_pass_timeline_splits_host_and_gpu_idle_time():
     assert first_idle == 16
     assert inner == 40  # median of 30 and 50
     assert big[1] == "mok::plan" and big[2] == "mok::forward_kernel" and big[0] in (30, 50)
+
+
+def test_paired_ratio_pairs_rounds_and_summary_shows_it():
+    """A clock that drifts between rounds moves both implementations alike: the per-round
+    ratio stays at 0.98 where a ratio of the medians would not."""
+    mok = dict(preset="p", routing="uniform", impl="mok", tflops=1.0, check="passed",
+               ms_repeats=[1.00, 1.20, 1.40], ms=1.20, **{"pass": "fwd"})
+    py = dict(mok, impl="mok-py", ms_repeats=[1.00 / 0.98, 1.20 / 0.98, 1.40 / 0.98], ms=1.20 / 0.98)
+    med, lo, hi = layer_bench.paired_ratio(mok, py)
+    assert abs(med - 0.98) < 1e-12 and abs(lo - 0.98) < 1e-12 and abs(hi - 0.98) < 1e-12
+    assert "0.980 [0.980, 0.980]" in layer_bench.summary([mok, py])
