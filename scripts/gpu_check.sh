@@ -7,7 +7,7 @@
 # $OUT/bench_layer.json (written as measured), then prints a short table.
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
-#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases]
+#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host]
 #                                                   [--presets all|NAME,...] [--repeats N]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON; `bench` (build if missing, then
@@ -24,7 +24,10 @@
 # backend), <date>-<commit>-hf.json. `phases` builds mok_bench with -DMOK_PHASE_TIMING=ON (its own
 # build dir) and prints, per preset and pass, the share of the forward and backward consumers'
 # cycles in each phase (mainloops, epilogues, combine and its wait; kernels/common/phase_timing.cuh) into
-# <date>-<commit>-phases.txt.
+# <date>-<commit>-phases.txt. `host` (issue 21: the Python op's cost) runs bench/host_overhead.py on each
+# preset (default: the short passes qwen3-30b-a3b, olmoe-1b-7b, qwen3.5-397b, glm-4.5, gpt-oss-120b) into
+# <date>-<commit>-host-<preset>.txt, then layer_bench --impl mok,mok-py with 20 iterations a round
+# (--repeats rounds: 9 or more to decide a 2 % difference) into the bench JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -42,11 +45,11 @@ while [ $# -gt 0 ]; do
     --part) part="$2"; shift ;;
     --presets) presets="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases] [--presets all|NAME,...] [--repeats N]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host] [--presets all|NAME,...] [--repeats N]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|bench|ep|speed|train|hf|phases) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep, speed, train, hf or phases"; exit 2 ;; esac
+case "$part" in all|tests|bench|ep|speed|train|hf|phases|host) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep, speed, train, hf, phases or host"; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 source scripts/setup.sh || exit 1
@@ -71,7 +74,8 @@ if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
   if [ "$part" = tests ] || [ "$part" = all ]; then rm -rf "$build"; fi  # a clean build: the ptxas report covers every kernel
   # The benchmark needs the library, mok_bench and the extension mok._C, not the tests.
   with_tests=ON
-  { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ]; } && [ ! -f $build/tests/test_plan ] && with_tests=OFF
+  { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ]; } && [ ! -f $build/tests/test_plan ] &&
+    with_tests=OFF
   { cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON -DMOK_BUILD_PYTHON=ON \
       -DMOK_BUILD_TESTS=$with_tests &&
     cmake --build $build -j"$(nproc)"; } > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
@@ -173,6 +177,20 @@ layer_bench uniform
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
 layer_bench uniform,zipf1.2
+fi
+if [ "$part" = host ]; then
+  host_presets=$presets
+  [ "$presets" = all ] && host_presets=qwen3-30b-a3b,olmoe-1b-7b,qwen3.5-397b,glm-4.5,gpt-oss-120b
+  for preset in ${host_presets//,/ }; do
+    host_log="$OUT/${date:0:10}-$commit-host-$preset.txt"
+    env PYTHONPATH="$PWD/$build/pkg" timeout 150 python3 bench/host_overhead.py --preset "$preset" --calls 20 --top 15 \
+      > "$host_log" 2>&1 || { echo "host_overhead $preset failed"; test_rc=1; }
+    grep -E "^==|^GPU time|^Before" "$host_log" | cut -c1-220
+  done
+  env PYTHONPATH="$PWD/$build/pkg" python3 bench/layer_bench.py --mok-bench $build/bench/mok_bench --impl mok,mok-py \
+    --preset "$host_presets" --routing uniform --repeats $repeats --iters $(( iters * 2 )) --out "$OUT/bench_layer.json" \
+    --commit "$commit" --date "$date" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
+  bench=("$OUT/bench_layer.json")
 fi
 
 # Expert parallelism across every GPU of the machine: mok-ep against NCCL + PyTorch.
