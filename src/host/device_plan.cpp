@@ -146,6 +146,9 @@ void plan_device(const TensorView& ids, std::int64_t rank, DevicePlan& plan, cud
   if (ids.numel() > 0 && ids.data == nullptr) throw_argument_error(where, "topk_ids", "data pointer is null");
   if (rank < 0 || rank >= ep) throw_argument_error(where, "rank", "must be in [0, ", ep, "), got ", rank);
   if (ep * T * k > INT32_MAX) throw_argument_error(where, "topk_ids", "ep*T*k must fit in int32, got ", ep * T * k);
+  if (s.num_local_experts > kernels::kMaxPlanLocalExperts)  // (the scan kernel's shared memory)
+    throw_argument_error(where, "num_local_experts", "must be at most ", kernels::kMaxPlanLocalExperts, ", got ",
+                         s.num_local_experts);
 
   const DevicePlanView& v = plan.view();
   kernels::PlanProblem p{};  // (the planner's first kernel sets row_pair and pair_row to -1)

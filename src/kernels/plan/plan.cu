@@ -206,6 +206,7 @@ void launch_plan(const PlanProblem& p, const DevicePlanView& plan, cudaStream_t 
   reset_kernel<<<static_cast<unsigned>(std::clamp<std::int64_t>((reset_items + 255) / 256, 1, 264)), 256, 0, stream>>>(
       p, plan);
   if (chunks > 0) count_kernel<<<static_cast<unsigned>(chunks), kWarp, smem, stream>>>(p, plan);
+  // (at most 48 KB without an opt-in: E_l <= 6144, which plan_device checks)
   const std::size_t scan_smem = sizeof(std::int32_t) * p.num_local_experts * (1 + scan_groups(p.num_local_experts));
   scan_kernel<<<1, kScanThreads, scan_smem, stream>>>(p, plan, chunks);
   if (chunks > 0) place_kernel<<<static_cast<unsigned>(chunks), kWarp, smem, stream>>>(p, plan);

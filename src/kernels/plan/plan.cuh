@@ -11,6 +11,9 @@ namespace mok::kernels {
 
 // One warp per chunk of ids: chunk order + in-warp order = global pair-id order.
 inline constexpr std::int64_t kPlanChunk = 512;
+// The most local experts one rank's plan takes: scan_kernel keeps 2 ints an expert in its
+// 48 KB of shared memory.
+inline constexpr std::int64_t kMaxPlanLocalExperts = 6144;
 
 struct PlanProblem {
   const void* ids;  // [ep * T * k]
