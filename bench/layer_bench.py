@@ -15,6 +15,9 @@ impls:
                   goes through a file)
   mok-py          the package: mok.moe from Python (autograd for fwd+bwd)
   dense           the same FLOPs as dense GEMMs through torch.matmul: the ceiling
+  torch-fp8       (only when asked for) the compiled PyTorch layer with rowwise-scaled FP8
+                  grouped GEMMs (torch._scaled_grouped_mm; bench/torch_fp8.py), forward only:
+                  issue 19's FP8 baseline
 
 Checks, per preset and routing, before anything is timed:
   - torch and torch-compiled: y of 16 sampled tokens against an fp32 per-token computation
@@ -24,6 +27,8 @@ Checks, per preset and routing, before anything is timed:
     ‖got − ref‖/‖ref‖ <= 1e-2 and cosine >= 0.9999, nothing non-finite.
   - mok: every output bitwise equal to mok-py's (checksums of the raw bytes), so it passes
     the same full-size check.
+  - torch-fp8: y against the eager path's with FP8's tolerance (cosine >= 0.99, nothing
+    non-finite; its relative error is recorded).
 A failed check marks the record (`check`: failed) and the failure is printed; a failure to
 run (a compile error, a graph break) leaves the implementation out of that preset.
 
@@ -46,6 +51,7 @@ allocates (scratch, saved tensor, dx, gradients).
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -59,6 +65,7 @@ sys.path.insert(0, HERE)
 import torch_baseline as tb  # noqa: E402
 
 IMPLS = ("torch-compiled", "torch", "mok", "mok-py", "dense")
+OPTIONAL_IMPLS = ("torch-fp8",)  # valid in --impl, not run unless named
 
 
 def checksum(t, chunk=1 << 26):
@@ -153,7 +160,7 @@ def run_preset(p, routing, args, server, gpu, emit):
     d = tb.make_inputs(p, routing, seed=args.seed)
     load_ratio = tb.max_load_ratio(d["ids"], p["experts"])
     passes = args.passes
-    checks = {impl: {} for impl in IMPLS}  # impl -> pass -> dict(passed, tensors | error)
+    checks = {impl: {} for impl in IMPLS + OPTIONAL_IMPLS}  # impl -> pass -> dict(passed, tensors | error)
     peak_extra = {}
 
     def fail(impl, ps, err):
@@ -226,6 +233,20 @@ def run_preset(p, routing, args, server, gpu, emit):
                                              differing=sorted(n for n in got if want is None or got[n] != want.get(n)))
                 except Exception as e:
                     fail("mok", ps, e)
+    if "torch-fp8" in args.impls:
+        import torch_fp8
+
+        try:
+            f = torch_fp8.TorchFp8(d)
+            for ps in passes:
+                if ps != "fwd":
+                    checks["torch-fp8"][ps] = dict(passed=None, error="forward only")  # (no record, no failure)
+                    continue
+                c = tb.compare(f.outputs(ps)["y"], ref[ps]["y"])
+                checks["torch-fp8"][ps] = dict(passed=bool(math.isfinite(c["rel"]) and c["cos"] >= 0.99), tensors={"y": c})
+            impls["torch-fp8"] = f
+        except Exception as e:  # (an unsupported GPU or PyTorch, a compile error)
+            fail("torch-fp8", "fwd", e)
     if "dense" in args.impls:
         impls["dense"] = tb.dense_step(p)
         for ps in passes:
@@ -290,7 +311,7 @@ def run_preset(p, routing, args, server, gpu, emit):
                   iters=args.iters, warmup=args.warmup, gpu=gpu, commit=args.commit, date=args.date,
                   torch=torch.__version__))
     for obj in impls.values():
-        if isinstance(obj, tb.TorchImpl):
+        if isinstance(obj, tb.TorchImpl) or type(obj).__name__ == "TorchFp8":
             obj.release()
 
 
@@ -307,7 +328,7 @@ def summary(records):
     mok and mok-py, mok-py's speed relative to the C++ call (paired by round, paired_ratio)."""
     by = {(r["preset"], r["routing"], r["pass"], r["impl"]): r for r in records}
     keys = list(dict.fromkeys((r["preset"], r["routing"], r["pass"]) for r in records))
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
+    impls = [i for i in IMPLS + OPTIONAL_IMPLS if any(r["impl"] == i for r in records)]
     lines = [f"{'preset':<18}{'routing':<9}{'pass':<8}" + "".join(f"{i:>15}" for i in impls) +
              f"{'mok/compiled':>14}{'mok-py/compiled':>16}{'mok-py vs mok [range]':>24}{'checks':>8}"]
     for key in keys:
@@ -343,7 +364,7 @@ def main():
                     help="the mok_bench executable (default: build-gpu/bench/mok_bench, else build/bench/mok_bench)")
     tb.add_run_args(ap, iters=10)
     args = ap.parse_args()
-    tb.check_run_args("layer_bench", args, IMPLS)
+    tb.check_run_args("layer_bench", args, IMPLS + OPTIONAL_IMPLS)
     if not torch.cuda.is_available():
         sys.exit("layer_bench: no CUDA GPU")
     presets = tb.load_presets()

@@ -236,3 +236,65 @@ def test_paired_ratio_pairs_rounds_and_summary_shows_it():
     med, lo, hi = layer_bench.paired_ratio(mok, py)
     assert abs(med - 0.98) < 1e-12 and abs(lo - 0.98) < 1e-12 and abs(hi - 0.98) < 1e-12
     assert "0.980 [0.980, 0.980]" in layer_bench.summary([mok, py])
+
+
+@pytest.mark.parametrize("shared,limit", [(0, 0.0), (64, 7.0)])
+def test_torch_fp8_baseline_is_the_layer_within_fp8_error(shared, limit):
+    """torch_fp8.moe_fp8 (the `torch-fp8` baseline, off the GPU through its dequantized
+    product) against the bf16 layer: FP8's ~4 % per-operand error leaves the cosine above
+    0.99; the quantization itself within one E4M3 step per value."""
+    import torch_fp8
+
+    t = torch.randn(8, 256) * torch.logspace(-3, 3, 8).unsqueeze(1)
+    values, scales = torch_fp8.quantize_rows(t)
+    back = values.float() * scales.unsqueeze(1)
+    assert values.dtype == torch.float8_e4m3fn and scales.shape == (8,)
+    assert ((back - t).abs() <= t.abs() * 2.0 ** -4 + scales.unsqueeze(1) * 2.0 ** -9).all()
+    assert torch.equal(values.float().abs().amax(1), torch.full((8,), 448.0))  # each row's amax lands on 448
+
+    p = small_preset(shared=shared, limit=limit, tokens=64)
+    d = tb.make_inputs(p, "uniform", seed=6, device="cpu")
+    fp8 = torch_fp8.TorchFp8(d, compile=False)
+    y = fp8.outputs("fwd")["y"]
+    with torch.no_grad():
+        ref = tb.moe_compilable(d["x"], d["ids"], d["weights"], d["w_gate_up"], d["w_down"], d["limit"],
+                                d["shared_gate_up"], d["shared_down"])
+    c = tb.compare(y, ref)
+    assert y.shape == ref.shape and y.dtype == torch.bfloat16
+    assert c["cos"] >= 0.99 and c["rel"] <= 0.1, c
+    assert c["rel"] > 1e-3  # (it is FP8: not the bf16 layer itself)
+    with pytest.raises(ValueError, match="no fwd\\+bwd"):
+        fp8.step("fwd+bwd")
+
+
+def test_layer_bench_times_torch_fp8_forward_only(monkeypatch):
+    """layer_bench.run_preset with torch-fp8 asked for, on the CPU (inputs on the CPU, the GPU
+    timers and peak-memory probe stubbed, the layer uncompiled): its forward is checked with
+    FP8's tolerance and recorded; its fwd+bwd is neither recorded nor reported as a failure."""
+    import argparse
+
+    import torch_fp8
+
+    make = tb.make_inputs
+    monkeypatch.setattr(tb, "make_inputs", lambda p, routing, seed, device="cuda": make(p, routing, seed, device="cpu"))
+
+    def time_ms(fn, warmup, iters, before=None, host=None):
+        for _ in range(iters):
+            if before:
+                before()
+            fn()
+            if host is not None:
+                host.append(0.0)
+        return [1.0] * iters
+    monkeypatch.setattr(tb, "time_ms", time_ms)
+    monkeypatch.setattr(tb, "peak_bytes", lambda fn, before=None: 0)
+    fp8_impl = torch_fp8.TorchFp8
+    monkeypatch.setattr(torch_fp8, "TorchFp8", lambda d: fp8_impl(d, compile=False))
+    args = argparse.Namespace(impls=["torch", "torch-fp8"], passes=["fwd", "fwd+bwd"], seed=1, repeats=1, iters=2,
+                              warmup=0, compiled=None, commit="c", date="d")
+    records = []
+    layer_bench.run_preset(dict(small_preset(tokens=64), name="test"), "uniform", args, None, "cpu", records.append)
+    got = {(r["impl"], r["pass"]): r for r in records}
+    assert set(got) == {("torch", "fwd"), ("torch", "fwd+bwd"), ("torch-fp8", "fwd")}
+    fp8 = got[("torch-fp8", "fwd")]
+    assert fp8["check"] == "passed" and fp8["check_detail"]["tensors"]["y"]["cos"] >= 0.99
