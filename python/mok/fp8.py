@@ -105,3 +105,42 @@ def quantize_weights(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     stream = torch.cuda.current_stream(w.device).cuda_stream
     _C.fp8_quantize_weights(to_dlpack(w.detach()), to_dlpack(values), to_dlpack(exponents), stream)
     return values.view(torch.float8_e4m3fn), exponents
+
+
+def _through(t: torch.Tensor, block: Tuple[int, int]) -> torch.Tensor:
+    """t quantized to E4M3 per block and back, fp32."""
+    return dequantize(*quantize(t, block), block)
+
+
+def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
+                  w_up: torch.Tensor, w_down: torch.Tensor, shared=None, swiglu_limit=None) -> torch.Tensor:
+    """y (fp32 [T, H]) of the layer on the FP8 recipe's quantized operands, in PyTorch on the
+    tensors' device (the full-size accuracy oracle of an FP8 kernel): x per 1 x 128 block of
+    each token, each routed expert's W_gate, W_up [E, I, H] and W_down [E, H, I] per 128 x 128
+    block, the SwiGLU output h per 1 x 128 block of each routed row; the shared expert (gate,
+    up, down) unquantized. fp32 products and sums: y = shared + sum over slots j, in
+    ascending j, of w[t, j] * down(h). The same recipe as mok._C.reference_forward_fp8 (fp64,
+    CPU; tests/python/test_fp8.py compares them)."""
+    from mok.torch_path import _swiglu as swiglu  # (the layer's SwiGLU with its clamp)
+
+    T, k = topk_ids.shape
+    H = x.shape[1]
+    xq = _through(x, (1, 128))
+    gate, up, down = (_through(w, (128, 128)) for w in (w_gate, w_up, w_down))
+    y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    if shared is not None:
+        sg, su, sd = (s.float() for s in shared)
+        xf = x.float()
+        y += swiglu(xf @ sg.t(), xf @ su.t(), swiglu_limit) @ sd.t()
+    ids = topk_ids.long()
+    for j in range(k):
+        slot = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+        for e in torch.unique(ids[:, j]).tolist():
+            if e < 0:
+                continue
+            tokens = (ids[:, j] == e).nonzero().squeeze(1)
+            rows = xq.index_select(0, tokens)
+            h = _through(swiglu(rows @ gate[e].t(), rows @ up[e].t(), swiglu_limit), (1, 128))
+            slot.index_copy_(0, tokens, h @ down[e].t())
+        y += topk_weights[:, j:j + 1].float() * slot
+    return y

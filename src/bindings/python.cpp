@@ -56,24 +56,29 @@ NB_MODULE(_C, m) {
       },
       nb::arg("w"), nb::arg("values"), nb::arg("exponents"), nb::arg("stream"));
 
-  // fp64 CPU reference of the whole layer (the test oracle). Weights of all E experts.
-  m.def(
-      "reference_forward",
-      [](F64 x, I32 ids, F64 weights, F64 gate, F64 up, F64 down, std::optional<F64> shared_gate,
-         std::optional<F64> shared_up, std::optional<F64> shared_down, std::optional<float> limit) {
-        if (x.ndim() != 2 || ids.ndim() != 2) throw nb::value_error("mok.reference_forward: x and topk_ids must be 2-D");
-        if (gate.ndim() != 3) throw nb::value_error("mok.reference_forward: w_gate must be [E, I, H]");
-        const std::int64_t T = x.shape(0), H = x.shape(1), E = gate.shape(0), I = gate.shape(1), k = ids.shape(1);
-        const std::int64_t Is = shared_gate ? shared_gate->shape(0) : 0;
-        const mok::MoeShape s = make_shape(H, I, E, E, k, Is, limit);
-        mok::reference::Routing r{std::vector<std::int32_t>(ids.data(), ids.data() + ids.size()), vec_of(weights)};
-        mok::reference::Weights w{vec_of(gate), vec_of(up), vec_of(down), vec_of(shared_gate), vec_of(shared_up),
-                                  vec_of(shared_down)};
-        return to_numpy(mok::reference::forward(s, T, span_of(x), r, w), {std::size_t(T), std::size_t(H)});
-      },
-      nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
-      nb::arg("w_down"), nb::arg("shared_gate") = nb::none(), nb::arg("shared_up") = nb::none(),
-      nb::arg("shared_down") = nb::none(), nb::arg("swiglu_limit") = nb::none());
+  // fp64 CPU references of the whole layer (the test oracles), weights of all E experts: the
+  // exact layer, and the layer on the FP8 recipe's quantized operands (reference::forward_fp8).
+  for (auto [name, reference] : {std::pair{"reference_forward", &mok::reference::forward},
+                                 std::pair{"reference_forward_fp8", &mok::reference::forward_fp8}}) {
+    const std::string where = std::string("mok.") + name;
+    m.def(
+        name,
+        [where, reference](F64 x, I32 ids, F64 weights, F64 gate, F64 up, F64 down, std::optional<F64> shared_gate,
+                           std::optional<F64> shared_up, std::optional<F64> shared_down, std::optional<float> limit) {
+          if (x.ndim() != 2 || ids.ndim() != 2) throw nb::value_error((where + ": x and topk_ids must be 2-D").c_str());
+          if (gate.ndim() != 3) throw nb::value_error((where + ": w_gate must be [E, I, H]").c_str());
+          const std::int64_t T = x.shape(0), H = x.shape(1), E = gate.shape(0), I = gate.shape(1), k = ids.shape(1);
+          const std::int64_t Is = shared_gate ? shared_gate->shape(0) : 0;
+          const mok::MoeShape s = make_shape(H, I, E, E, k, Is, limit);
+          mok::reference::Routing r{std::vector<std::int32_t>(ids.data(), ids.data() + ids.size()), vec_of(weights)};
+          mok::reference::Weights w{vec_of(gate), vec_of(up), vec_of(down), vec_of(shared_gate), vec_of(shared_up),
+                                    vec_of(shared_down)};
+          return to_numpy(reference(s, T, span_of(x), r, w), {std::size_t(T), std::size_t(H)});
+        },
+        nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up"),
+        nb::arg("w_down"), nb::arg("shared_gate") = nb::none(), nb::arg("shared_up") = nb::none(),
+        nb::arg("shared_down") = nb::none(), nb::arg("swiglu_limit") = nb::none());
+  }
 
   // The fused forward's workspace for one shape and up to max_tokens tokens (one GPU, EP = 1).
   nb::class_<mok::Workspace>(m, "Workspace")

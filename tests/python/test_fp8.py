@@ -82,3 +82,30 @@ def test_gpu_weight_quantization_equals_quantize(concatenated):
 def test_weight_quantization_refuses_bad_input():
     with pytest.raises(TypeError, match="w must be a CUDA bfloat16 tensor"):
         fp8.quantize_weights(torch.zeros(2, 128, 128))
+
+
+@pytest.mark.parametrize("shared,limit", [(False, None), (True, 7.0)])
+def test_recipe_reference_in_pytorch_matches_the_cpp_one(shared, limit):
+    """mok.fp8.moe_reference (PyTorch, fp32, any device: the full-size oracle of an FP8
+    kernel) against mok._C.reference_forward_fp8 (fp64, CPU) on the same bf16 inputs: the same
+    quantized operands, sums in another precision; and both within FP8's error of the exact
+    layer (mok._C.reference_forward)."""
+    g = torch.Generator().manual_seed(21)
+    T, H, I, E, k, Is = 96, 256, 256, 8, 2, 128
+    bf = lambda *shape, s=1.0: (torch.randn(*shape, generator=g) * s).to(torch.bfloat16)  # noqa: E731
+    x, w_gate, w_up, w_down = bf(T, H), bf(E, I, H, s=0.06), bf(E, I, H, s=0.06), bf(E, H, I, s=0.06)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    ids[3, 1] = -1  # a slot routed nowhere
+    weights = torch.rand(T, k, generator=g)
+    sh = (bf(Is, H, s=0.06), bf(Is, H, s=0.06), bf(H, Is, s=0.06)) if shared else None
+    y = fp8.moe_reference(x, ids, weights, w_gate, w_up, w_down, sh, limit).double()
+
+    as64 = lambda t: t.double().numpy()  # noqa: E731
+    extra = dict(shared_gate=as64(sh[0]), shared_up=as64(sh[1]), shared_down=as64(sh[2])) if shared else {}
+    args = (as64(x), ids.numpy(), as64(weights), as64(w_gate), as64(w_up), as64(w_down))
+    cpp = torch.from_numpy(mok._C.reference_forward_fp8(*args, swiglu_limit=limit, **extra))
+    exact = torch.from_numpy(mok._C.reference_forward(*args, swiglu_limit=limit, **extra))
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    cos = lambda a, b: float((a * b).sum() / (a.norm() * b.norm()))  # noqa: E731
+    assert rel(y, cpp) < 1e-4 and cos(y, cpp) > 0.99999  # (4.5e-8 seen: only the sums differ)
+    assert 1e-3 < rel(y, exact) < 0.1 and cos(y, exact) > 0.99  # (FP8's error, not none)
