@@ -310,8 +310,8 @@ def run_preset(p, routing, args, server, gpu, emit):
                   check={True: "passed", False: "failed", None: "n/a"}[c.get("passed")], check_detail=c,
                   iters=args.iters, warmup=args.warmup, gpu=gpu, commit=args.commit, date=args.date,
                   torch=torch.__version__))
-    for obj in impls.values():
-        if isinstance(obj, tb.TorchImpl) or type(obj).__name__ == "TorchFp8":
+    for obj in impls.values():  # (the PyTorch implementations give back their leaves and weights)
+        if hasattr(obj, "release"):
             obj.release()
 
 

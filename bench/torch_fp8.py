@@ -26,12 +26,6 @@ def quantize_rows(t):
     return (t.float() / scale.unsqueeze(-1)).to(FP8), scale
 
 
-def quantize_weights(w):
-    """An expert weight [E, N, K] (N output columns, K the contraction) as E4M3 [E, N, K] and
-    fp32 scales [E, N]: what scaled_grouped_mm takes as b and b_scale."""
-    return quantize_rows(w)
-
-
 def scaled_grouped_mm(a, a_scale, b, b_scale, offs):
     """bf16 [M, N]: rows [offs[e-1], offs[e]) of a (E4M3 [M, K], scales [M]) times expert e's
     b (E4M3 [E, N, K], scales [E, N]) transposed. On the GPU torch._scaled_grouped_mm (b
@@ -50,7 +44,8 @@ def scaled_grouped_mm(a, a_scale, b, b_scale, offs):
 def moe_fp8(x, ids, weights, w_gate_up_q, w_gate_up_s, w_down_q, w_down_s, limit, shared_gate_up=None,
             shared_down=None):
     """y (bf16 [T, H]) of the layer with FP8 routed experts: w_gate_up_q [E, 2I, H] and w_down_q
-    [E, H, I] E4M3 with their per-column scales (quantize_weights). Every id in [0, E)."""
+    [E, H, I] E4M3 with their per-output-column scales (quantize_rows of the weights: a weight's
+    rows are its output columns). Every id in [0, E)."""
     T, k = ids.shape
     E, two_i, H = w_gate_up_q.shape
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
@@ -75,8 +70,8 @@ class TorchFp8:
     def __init__(self, d, compile=True):
         self.d = d
         with torch.no_grad():
-            self.gate_up = quantize_weights(d["w_gate_up"])
-            self.down = quantize_weights(d["w_down"])
+            self.gate_up = quantize_rows(d["w_gate_up"])  # (rows: output columns)
+            self.down = quantize_rows(d["w_down"])
         self.layer = torch.compile(moe_fp8, dynamic=False, fullgraph=True) if compile else moe_fp8
 
     def _call(self):

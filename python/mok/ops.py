@@ -106,27 +106,22 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
     _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
            num_experts, group_id)
     k, T = topk_ids.shape[1], x.shape[0]
-    shared_size = 0 if shared_gate is None else shared_gate.shape[0]
     y = torch.empty_like(x)
-    if group_id == ONE_GPU:
-        ws = _workspace(x, w_down, k, shared_size, swiglu_limit) if T > 0 else None
-        saved = None
-        if training:
-            n = ws.saved_elements(T) if ws is not None else _saved_elements(x, w_down, k, shared_gate, swiglu_limit,
-                                                                            num_experts)
-            saved = torch.empty(n, dtype=torch.bfloat16, device=x.device)
-        if ws is not None:
-            _C.forward(ws, *_capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up,
-                                       shared_down, y, saved)),
-                       _stream(x), to_dlpack(_scratch(ws.forward_scratch_bytes(T), x.device)))
-        return y, saved
     saved = None
     if training:
         saved = torch.empty(_saved_elements(x, w_down, k, shared_gate, swiglu_limit, num_experts),
                             dtype=torch.bfloat16, device=x.device)
-    rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, shared_size, swiglu_limit, training)
-    _C.ep_forward(rank, *_capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up,
-                                    shared_down, y, saved)), _stream(x))
+    if group_id == ONE_GPU and T == 0:
+        return y, saved
+    tensors = (*_capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y,
+                           saved)), _stream(x))
+    if group_id == ONE_GPU:
+        ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit)
+        _C.forward(ws, *tensors, scratch=to_dlpack(_scratch(ws.forward_scratch_bytes(T), x.device)))
+    else:
+        rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit,
+                                            training)
+        _C.ep_forward(rank, *tensors)
     return y, saved
 
 
