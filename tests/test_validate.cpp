@@ -311,6 +311,41 @@ TEST(Validate, ConfigFields) {
                "ring_rows = 0) pulls its own");
 }
 
+// Precision::fp8: the quantized weights' tensors, and what a workspace of that precision
+// cannot do yet, are refused before anything touches a GPU.
+TEST(Validate, Fp8WeightsAndWorkspace) {
+  Fixture f;
+  const Device cpu = Device::cpu();
+  const std::int64_t El = f.shape.num_local_experts, I = f.shape.intermediate, H = f.shape.hidden;
+  Fp8Weights w;
+  w.gate = w.up = TensorView::contiguous(Fixture::memory, DType::u8, cpu, {El, I, H});
+  w.down = TensorView::contiguous(Fixture::memory, DType::u8, cpu, {El, H, I});
+  w.gate_exponents = w.up_exponents = TensorView::contiguous(Fixture::memory, DType::i32, cpu, {El, 1, 1});
+  w.down_exponents = w.gate_exponents;
+  f.args.fp8 = w;
+  EXPECT_NO_THROW(f.forward());
+  f.args.fp8->gate.dtype = DType::bf16;
+  expect_error([&] { f.forward(); }, "argument 'fp8.gate': dtype must be u8, got bf16");
+  f.args.fp8 = w;
+  f.args.fp8->down_exponents = TensorView::contiguous(Fixture::memory, DType::i32, cpu, {El, 2, 1});
+  expect_error([&] { f.forward(); }, "argument 'fp8.down_exponents': shape must be [4, 1, 1], got [4, 2, 1]");
+
+  Config fp8;
+  fp8.precision = Precision::fp8;
+  MoeShape s = f.shape;
+  s.num_local_experts = s.num_experts;  // one GPU
+  expect_error([&] { Workspace(s, 8, fp8); },
+               "argument 'shape': Precision::fp8 needs hidden and intermediate multiples of 128 (its scale blocks), "
+               "got hidden = 128, intermediate = 64");
+  s.intermediate = 256;
+  expect_error([&] { Workspace(s, 8, fp8, Training::save); },
+               "argument 'config.precision': fp8 is a forward (Training::off) for now");
+  Config bad;
+  bad.precision = static_cast<Precision>(7);
+  expect_error([&] { validate(bad); }, "argument 'precision': must be Precision::bf16 or Precision::fp8, got 7");
+  EXPECT_STREQ(precision_name(Precision::fp8), "fp8");
+}
+
 TEST(Validate, EmptyBatchIsAllowed) {
   Fixture f;
   f.args.x = TensorView::contiguous(nullptr, DType::bf16, Device::cpu(), {0, 128});

@@ -73,8 +73,17 @@ struct MoeShape {
 // Throws mok::Error naming the first invalid field and its value.
 void validate(const MoeShape& shape);
 
+// The arithmetic of the routed experts' GEMMs. fp8: E4M3 operands with DeepSeek-V3's blockwise
+// power-of-two scales (x and h per 1 x 128 of a row, weights per 128 x 128; mok/fp8.hpp), fp32
+// accumulation promoted every 128 of K; the shared expert, outputs and gradients stay bf16 /
+// fp32. fp8 is, for now, one GPU's forward (Training::off) with H and I multiples of 128; the
+// routed weights come quantized (ForwardArgs::fp8, mok::fp8::quantize_weights).
+enum class Precision { bf16, fp8 };
+const char* precision_name(Precision precision);
+
 // Run-time knobs of the fused kernels. Zero means "choose for me".
 struct Config {
+  Precision precision = Precision::bf16;
   int comm_sms = 0;                 // EP: comm SMs filling the ring; 0 = no ring unless ring_rows > 0
                                     // (rows pulled by every SM before the fused kernel)
   int compute_sms = 0;              // SMs given to GEMM tiles; 0 = all the rest

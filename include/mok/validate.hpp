@@ -10,6 +10,15 @@
 
 namespace mok {
 
+// The routed experts' weights quantized for Precision::fp8 (mok::fp8::quantize_weights of
+// w_gate, w_up and w_down): E4M3 values (u8, the shapes of the bf16 weights, contiguous) and
+// the power-of-two exponents (i32) of their 128 x 128 blocks, [E_l, I / 128, H / 128] for gate
+// and up, [E_l, H / 128, I / 128] for down.
+struct Fp8Weights {
+  TensorView gate, up, down;
+  TensorView gate_exponents, up_exponents, down_exponents;
+};
+
 // The tensors of one forward call on one rank. Expert weights are this rank's E_l experts.
 struct ForwardArgs {
   TensorView x;             // [T, H] bf16
@@ -22,6 +31,9 @@ struct ForwardArgs {
   std::optional<TensorView> shared_up;    // [I_s, H] bf16
   std::optional<TensorView> shared_down;  // [H, I_s] bf16
   TensorView y;             // [T, H] bf16, written
+  // Precision::fp8 only (and then required): the routed weights as the FP8 GEMMs read them.
+  // w_gate, w_up and w_down are still given (the bf16 weights they were quantized from).
+  std::optional<Fp8Weights> fp8;
 };
 
 // The extra tensors of one backward call. Weight gradients are bf16 (overwritten)

@@ -17,6 +17,11 @@ void check_locations(std::string_view where, const ForwardArgs& a, const MoeShap
     for (auto [name, view] : {std::pair{"shared_gate", &*a.shared_gate}, {"shared_up", &*a.shared_up},
                               {"shared_down", &*a.shared_down}})
       check_pointer_location(where, name, *view);
+  if (a.fp8)
+    for (auto [name, view] : {std::pair{"fp8.gate", &a.fp8->gate}, {"fp8.up", &a.fp8->up}, {"fp8.down", &a.fp8->down},
+                              {"fp8.gate_exponents", &a.fp8->gate_exponents}, {"fp8.up_exponents", &a.fp8->up_exponents},
+                              {"fp8.down_exponents", &a.fp8->down_exponents}})
+      if (view->numel() > 0) check_pointer_location(where, name, *view);
 }
 
 namespace {

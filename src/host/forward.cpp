@@ -55,15 +55,9 @@ void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t s
 kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,
                                       std::uint16_t* saved_gu, bool gemm1_only) {
   const MoeShape& s = ws.shape();
-  const std::int64_t T = ws.tokens();
-  DevicePlan& plan = ws.plan();
-
-  const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate;
-  const std::int64_t capacity = plan.capacity_rows(), n_shared_tiles = shared_tiles(s, T);
-  const std::int64_t padded_tokens = n_shared_tiles * kTileRows;
+  const std::int64_t H = s.hidden, I = s.intermediate, capacity = ws.plan().capacity_rows();
   using U = std::uint64_t;
   kernels::ForwardParams p{};
-  p.maps.x = make_bf16_tensor_map(a.x.data, {U(H), U(T)}, kernels::kBoxK, "x");
   p.maps.x_routed = make_bf16_tensor_map(buffers.x_rows, {U(H), U(capacity)}, kernels::kBoxK, "x_routed");
   std::uint16_t* hidden = buffers.hidden;
   p.maps.gate = make_bf16_weight_map(a.w_gate, kernels::kBoxK, "w_gate");
@@ -71,6 +65,23 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const
   p.maps.down = make_bf16_weight_map(a.w_down, kernels::kBoxDown, "w_down");
   p.maps.h_store = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, kernels::kBoxMN, "h");
   p.maps.h_load = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, kernels::kBoxK, "h");
+  set_shared_expert_params(p, a, ws, buffers);
+  p.saved_gu = saved_gu;
+  p.shared_saved_gu = saved_gu && s.has_shared() ? saved_gu + 2 * capacity * I : nullptr;
+  p.saved_marker = saved_gu ? saved_marker(saved_gu, ws) : nullptr;
+  p.gemm1_only = gemm1_only;
+  p.interleave_tiles = gemm1_only ? 0 : static_cast<int>(ws.config().interleave_rows / kTileRows);
+  // One GPU: x rows in the upper half of the slots (forward_buffers()).
+  p.x_rows_in_slots = ws.rows_in_slots() ? capacity : 0;
+  return p;
+}
+
+void set_shared_expert_params(kernels::ForwardParams& p, const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers) {
+  const MoeShape& s = ws.shape();
+  const std::int64_t T = ws.tokens(), H = s.hidden, Is = s.shared_intermediate;
+  const std::int64_t capacity = ws.plan().capacity_rows(), padded_tokens = shared_tiles(s, T) * kTileRows;
+  using U = std::uint64_t;
+  p.maps.x = make_bf16_tensor_map(a.x.data, {U(H), U(T)}, kernels::kBoxK, "x");
   if (s.has_shared()) {
     std::uint16_t* shared_hidden = buffers.shared_hidden;
     p.maps.shared_gate = make_bf16_tensor_map(a.shared_gate->data, {U(H), U(Is), 1}, kernels::kBoxK, "shared_gate");
@@ -85,16 +96,8 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const
   fill_common_params(p, ws, a.topk_weights.data);
   p.slots = buffers.slots;
   p.y = static_cast<std::uint16_t*>(a.y.data);
-  p.saved_gu = saved_gu;
-  p.shared_saved_gu = saved_gu && s.has_shared() ? saved_gu + 2 * capacity * I : nullptr;
-  p.saved_marker = saved_gu ? saved_marker(saved_gu, ws) : nullptr;
-  p.gemm1_only = gemm1_only;
-  p.interleave_tiles = gemm1_only ? 0 : static_cast<int>(ws.config().interleave_rows / kTileRows);
-  // One GPU: x rows in the upper half of the slots (forward_buffers()).
-  p.x_rows_in_slots = ws.rows_in_slots() ? capacity : 0;
-  p.inter = static_cast<int>(I);
+  p.inter = static_cast<int>(s.intermediate);
   p.shared_inter = static_cast<int>(Is);
-  return p;
 }
 
 void zero_counters(Workspace& ws, cudaStream_t stream, std::string_view where) {
@@ -119,6 +122,12 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
   const std::int64_t T = validate_forward_args(kWhere, s, a, Device::cuda(device));
   ws.begin_call(T, kWhere);
   detail::check_locations(kWhere, a, s, true);
+  if (ws.config().precision == Precision::fp8 && !a.fp8)
+    throw_argument_error(kWhere, "fp8", "is required: the workspace's precision is fp8 (quantize the routed weights "
+                                        "with mok::fp8::quantize_weights)");
+  if (ws.config().precision != Precision::fp8 && a.fp8)
+    throw_argument_error(kWhere, "fp8", "was given, but the workspace's precision is bf16 (make it with "
+                                        "Config::precision = Precision::fp8)");
   if (saved) {
     if (ws.training() != Training::save)
       throw_argument_error(kWhere, "saved", "needs a workspace made with Training::save");
@@ -130,6 +139,10 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
   }
   void* base = detail::call_scratch(ws, scratch, ws.forward_scratch_bytes(T), kScratchFrom, kWhere, stream);
   plan_device(a.topk_ids, 0, ws.plan(), stream, {}, detail::counters(ws));  // (zeroes the counters too)
+  if (ws.config().precision == Precision::fp8) {
+    detail::launch_forward_fp8(a, ws, detail::forward_buffers(ws, base), stream, kWhere);
+    return;
+  }
   detail::launch_forward_kernel(a, ws, detail::forward_buffers(ws, base), stream,
                                 saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, false, kWhere);
 }

@@ -12,6 +12,7 @@
 
 #include "kernels/backward/backward.cuh"
 #include "kernels/forward/forward.cuh"
+#include "kernels/forward/forward_fp8.cuh"
 #include "mok/forward.hpp"
 
 namespace mok::detail {
@@ -70,6 +71,12 @@ struct CallBuffers {
   std::uint16_t* dx_rows = nullptr;         // backward: [capacity, H]
   std::uint16_t* shared_dx_rows = nullptr;  // backward: [T_pad, H]
   std::uint16_t* recompute = nullptr;       // backward of a Training::recompute workspace: the pre-activations
+  // A Precision::fp8 forward: the routed x rows and h in E4M3 ([capacity, H], [capacity, I]) and
+  // their per-row scales of each 128 columns ([H / 128, capacity], [I / 128, capacity] f32).
+  std::uint8_t* x_fp8 = nullptr;
+  std::uint8_t* h_fp8 = nullptr;
+  float* x_scales = nullptr;
+  float* h_scales = nullptr;
   bool rows_in_grads = false;               // dy_rows or hidden lie in the W_gate / W_up gradient buffers
   std::int64_t bytes = 0;                   // of the scratch
 };
@@ -79,6 +86,7 @@ struct ScratchShape {
   MoeShape shape;
   std::int64_t tokens = 0, capacity = 0, saved_elements = 0;
   Training training = Training::off;
+  Precision precision = Precision::bf16;
 };
 // Of a call of `tokens` tokens (no argument: the call being enqueued).
 ScratchShape scratch_shape(const Workspace& ws, std::int64_t tokens);
@@ -120,6 +128,9 @@ void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& w
 // The forward kernel's params for one rank (no EP fields), after plan_device().
 kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,
                                       std::uint16_t* saved_gu, bool gemm1_only);
+// The fields of the forward kernel's params that are not the routed experts' (shared expert,
+// slots, y, plan, counters, sizes): forward_params() and the FP8 forward's.
+void set_shared_expert_params(kernels::ForwardParams& p, const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers);
 inline kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, std::uint16_t* saved_gu,
                                              bool gemm1_only) {
   return forward_params(a, ws, rank_buffers(ws), saved_gu, gemm1_only);
@@ -137,6 +148,11 @@ inline kernels::BackwardParams backward_params(const ForwardArgs& a, const Backw
                                                std::uint16_t* gu) {
   return backward_params(a, b, ws, rank_buffers(ws), gu);
 }
+
+// Precision::fp8, after plan_device() with the counters zeroed: gathers and quantizes x's
+// routed rows into buffers.x_fp8 / x_scales and launches the FP8 forward kernel into a.y.
+void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
+                        std::string_view where);
 
 // After plan_device() into ws.plan() with the counters zeroed (also_zero = counters(ws)):
 // copies x's rows and launches the forward kernel, the full layer into a.y, or only GEMM1

@@ -11,17 +11,34 @@ std::uint16_t* at(void* base, std::int64_t byte) { return reinterpret_cast<std::
 }  // namespace
 
 ScratchShape scratch_shape(const Workspace& ws, std::int64_t tokens) {
-  return {ws.shape(), tokens, ws.capacity_rows(tokens), ws.saved_elements(tokens), ws.training()};
+  return {ws.shape(), tokens, ws.capacity_rows(tokens), ws.saved_elements(tokens), ws.training(), ws.config().precision};
 }
 
 // [f32 slots (capacity + T_pad) x H, x rows = the bf16 rows [capacity, 2 capacity) of its
 // view as bf16 [2 (capacity + T_pad), H]][h capacity x I][shared h T_pad x I_s]
+// Precision::fp8: [f32 slots (capacity + T_pad) x H][E4M3 x rows capacity x H][x scales
+// H / 128 x capacity f32][E4M3 h capacity x I][h scales I / 128 x capacity f32][shared h
+// T_pad x I_s] (each a multiple of 512 bytes: capacity is one of 128).
 CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
   const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate;
   CallBuffers b;
   b.slots = reinterpret_cast<float*>(scratch);
+  if (shape.precision == Precision::fp8) {
+    std::int64_t used = 4 * (cap + Tpad) * H;
+    b.x_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, used));
+    used += cap * H;
+    b.x_scales = reinterpret_cast<float*>(at(scratch, used));
+    used += 4 * (H / kernels::kFp8BlockK) * cap;
+    b.h_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, used));
+    used += cap * I;
+    b.h_scales = reinterpret_cast<float*>(at(scratch, used));
+    used += 4 * (I / kernels::kFp8BlockK) * cap;
+    b.shared_hidden = at(scratch, used);
+    b.bytes = used + 2 * Tpad * Is;
+    return b;
+  }
   b.x_rows = at(scratch, 2 * cap * H);
   b.hidden = at(scratch, 4 * (cap + Tpad) * H);
   b.shared_hidden = at(scratch, 4 * (cap + Tpad) * H + 2 * cap * I);

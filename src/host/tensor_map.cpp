@@ -102,6 +102,11 @@ CUtensorMap make_f32_tensor_map(const void* base, std::initializer_list<std::uin
   return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, box, what);
 }
 
+CUtensorMap make_u8_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims, kernels::Box box,
+                               const char* what) {
+  return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, dims, box, what);
+}
+
 CUtensorMap make_bf16_weight_map(const TensorView& w, kernels::Box box, const char* what) {
   using U = std::uint64_t;
   return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w.data, {U(w.shape[2]), U(w.shape[1]), U(w.shape[0])},

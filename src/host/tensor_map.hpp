@@ -20,6 +20,9 @@ CUtensorMap make_bf16_tensor_map(const void* base, std::initializer_list<std::ui
 // The same for fp32 (a 128-byte row is 32 elements).
 CUtensorMap make_f32_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims, kernels::Box box,
                                 const char* what);
+// The same for bytes (E4M3 values; a 128-byte row is 128 elements).
+CUtensorMap make_u8_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims, kernels::Box box,
+                               const char* what);
 
 // A 3-D bf16 weight [E, rows, cols] as the view says (strided views too: the gate or up half
 // of a concatenated [E, 2I, H]), box {cols, rows} of one expert.

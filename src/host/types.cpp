@@ -106,8 +106,18 @@ void validate(const MoeShape& s) {
                          *s.swiglu_limit);
 }
 
+const char* precision_name(Precision precision) {
+  switch (precision) {
+    case Precision::bf16: return "bf16";
+    case Precision::fp8: return "fp8";
+  }
+  return "unknown";
+}
+
 void validate(const Config& c) {
   constexpr const char* where = "mok::Config";
+  if (c.precision != Precision::bf16 && c.precision != Precision::fp8)
+    throw_argument_error(where, "precision", "must be Precision::bf16 or Precision::fp8, got ", static_cast<int>(c.precision));
   if (c.comm_sms < 0) throw_argument_error(where, "comm_sms", "must be >= 0, got ", c.comm_sms);
   if (c.compute_sms < 0)
     throw_argument_error(where, "compute_sms", "must be >= 0, got ", c.compute_sms);

@@ -102,6 +102,15 @@ std::int64_t validate_forward_args(std::string_view where, const MoeShape& shape
     throw_argument_error(where, "shared_gate", "shared-expert weights were given but shape.shared_intermediate = 0");
   }
   if (require_output || a.y.ndim != 0) c.tensor("y", a.y, {DType::bf16}, {T, H});
+  if (a.fp8) {  // (whether the call takes them is the workspace's precision: checked by the call)
+    const std::int64_t Hb = (H + 127) / 128, Ib = (I + 127) / 128;
+    c.tensor("fp8.gate", a.fp8->gate, {DType::u8}, {El, I, H});
+    c.tensor("fp8.up", a.fp8->up, {DType::u8}, {El, I, H});
+    c.tensor("fp8.down", a.fp8->down, {DType::u8}, {El, H, I});
+    c.tensor("fp8.gate_exponents", a.fp8->gate_exponents, {DType::i32}, {El, Ib, Hb});
+    c.tensor("fp8.up_exponents", a.fp8->up_exponents, {DType::i32}, {El, Ib, Hb});
+    c.tensor("fp8.down_exponents", a.fp8->down_exponents, {DType::i32}, {El, Hb, Ib});
+  }
   return T;
 }
 

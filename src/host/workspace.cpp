@@ -83,6 +83,18 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
     throw_argument_error("mok::Workspace", "num_local_experts",
                          "must equal num_experts = ", shape.num_experts, " on one GPU (got ", shape.num_local_experts,
                          "); an expert-parallel group's workspaces come from mok::VirtualRanks");
+  if (config.precision == Precision::fp8) {
+    if (rank.rank >= 0)
+      throw_argument_error("mok::Workspace", "config.precision",
+                           "fp8 runs on one GPU for now; expert parallelism takes Precision::bf16");
+    if (training != Training::off)
+      throw_argument_error("mok::Workspace", "config.precision",
+                           "fp8 is a forward (Training::off) for now; training takes Precision::bf16");
+    if (shape.hidden % kernels::kFp8BlockK != 0 || shape.intermediate % kernels::kFp8BlockK != 0)
+      throw_argument_error("mok::Workspace", "shape", "Precision::fp8 needs hidden and intermediate multiples of ",
+                           kernels::kFp8BlockK, " (its scale blocks), got hidden = ", shape.hidden,
+                           ", intermediate = ", shape.intermediate);
+  }
   if (tokens < 0) throw_argument_error("mok::Workspace", "tokens", "must be >= 0, got ", tokens);
   if (tokens * shape.top_k > std::numeric_limits<std::int32_t>::max())
     throw_argument_error("mok::Workspace", "tokens", "T*k must fit in int32, got ", tokens * shape.top_k);

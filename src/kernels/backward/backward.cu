@@ -169,6 +169,7 @@ __device__ void bwd_run_comm(const BackwardParams& p, const RingSources& sources
 template <bool kRing>
 struct BackwardKernel {
   using Storage = SharedStorage;
+  static constexpr int kProducerRegs = kProducerRegisters, kConsumerRegs = kConsumerRegisters;
   using P = BackwardParams;
 
   __device__ static bool stalled(const P& p) { return p.ep.stalled; }

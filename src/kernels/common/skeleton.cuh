@@ -19,6 +19,7 @@
 //   Schedule schedule(p, cta, ctas);    the CTA's share of the tasks
 //   void produce(p, Storage&, const Schedule&);          (thread 0 of warpgroup 0)
 //   void consume(p, Storage&, const Schedule&, int wg);  (consumer warpgroup wg)
+//   int kProducerRegs, kConsumerRegs;   the register split (setmaxnreg; kernels/common/persistent.cuh)
 #pragma once
 
 #include "kernels/ep/ep.cuh"
@@ -40,7 +41,9 @@ __device__ __forceinline__ void run_persistent(const Params& p, int cta, int cta
     return;
   }
   const auto sched = K::schedule(p, cta, ctas);
-  split_roles<kProducerRegisters, kConsumerRegisters>([&] { K::produce(p, s, sched); },
+  static_assert(K::kProducerRegs * kProducerThreads + K::kConsumerRegs * 128 * kConsumerWarpgroups <=
+                kLaunchRegisters * kThreads, "the register split exceeds the launch's allocation");
+  split_roles<K::kProducerRegs, K::kConsumerRegs>([&] { K::produce(p, s, sched); },
                                                       [&](int wg) { K::consume(p, s, sched, wg); });
 }
 

@@ -43,7 +43,7 @@ __device__ __forceinline__ void publish_hidden(const ForwardParams& p, int& pend
 // Training: the gate and up pre-activations of this warpgroup's tile, bf16, into rows of
 // [gate (I) | up (I)] for the backward. A value the clamp cut is saved as +-inf: rounding
 // to bf16 must not move a value across the limit (the gradient there is zero).
-__device__ void save_pre_activations(const ForwardParams& p, const float (&acc)[128], const Task& t, int row0, int wg,
+__device__ inline void save_pre_activations(const ForwardParams& p, const float (&acc)[128], const Task& t, int row0, int wg,
                                      std::uint16_t* gu) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int inter = t.shared ? p.shared_inter : p.inter, n0 = t.n * kGemm1Columns;
@@ -62,7 +62,7 @@ __device__ void save_pre_activations(const ForwardParams& p, const float (&acc)[
 
 // h = swiglu(gate, up) of this warpgroup's 64 x 128 tile -> staging (swizzled) -> TMA store,
 // published later by publish_hidden().
-__device__ void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
+__device__ inline void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                int row0, int wg, int& pending_index) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   publish_hidden(p, pending_index);  // its store has also finished reading the staging
@@ -94,10 +94,13 @@ __device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, in
   publish_stored_tiles(p.counters.y_done, pending_tiles, wg);
 }
 
-// Columns [64 round, 64 round + 64) of this warpgroup's 64 x 256 fp32 tile into its 16 KB
-// staging buffer (swizzled, two panels of 64 rows x 32 columns), once earlier TMA stores
-// have read the staging and every thread of the warpgroup is past its previous use.
-__device__ __forceinline__ void stage_fp32_columns(char* staging, const float (&acc)[128], int round, int wg) {
+// Columns [64 round, 64 round + 64) of this warpgroup's 64 x (2 kAcc) fp32 tile (the first
+// kAcc accumulators of acc: 128 of a 256-column tile, 64 of the FP8 kernel's 128) into its
+// 16 KB staging buffer (swizzled, two panels of 64 rows x 32 columns), once earlier TMA
+// stores have read the staging and every thread of the warpgroup is past its previous use.
+template <int kAcc = 128, int kSize>
+__device__ __forceinline__ void stage_fp32_columns(char* staging, const float (&acc)[kSize], int round, int wg) {
+  static_assert(kAcc <= kSize);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   if (tid == 0) tma_store_wait_read();
   sync_warpgroup(wg);
@@ -108,18 +111,21 @@ __device__ __forceinline__ void stage_fp32_columns(char* staging, const float (&
   }
 }
 
-// fp32 rows of this warpgroup's 64 x 256 tile into the slot buffer (published by
-// publish_slots()): four rounds of 64 columns through the warpgroup's 16 KB staging
-// buffer, each as two TMA stores of 64 rows x 32 columns (128-byte swizzle).
-__device__ void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
+// fp32 rows of this warpgroup's 64 x (2 kAcc) tile (N-tile t.n of that width) into the slot
+// buffer (published by publish_slots()): rounds of 64 columns through the warpgroup's 16 KB
+// staging buffer, each as two TMA stores of 64 rows x 32 columns (128-byte swizzle).
+template <int kAcc = 128, int kSize>
+__device__ inline void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const float (&acc)[kSize], const Task& t,
                                int row0, int wg) {
+  static_assert(kAcc <= kSize);
+  constexpr int kColumns = 2 * kAcc;
   const int tid = threadIdx.x % 128;
   const CUtensorMap* map = t.shared ? &p.maps.shared_slots : &p.maps.slots;
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
-  const int n0 = t.n * kBlockN;
+  const int n0 = t.n * kColumns;
 #pragma unroll
-  for (int round = 0; round < 4; ++round) {
-    stage_fp32_columns(staging, acc, round, wg);
+  for (int round = 0; round < kColumns / 64; ++round) {
+    stage_fp32_columns<kAcc>(staging, acc, round, wg);
     fence_proxy_async_shared_cta();
     sync_warpgroup(wg);
     if (tid == 0) {
@@ -140,7 +146,7 @@ __device__ void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const f
 // 32-byte fragments straight from the accumulator layout. The rows per owner are counted
 // in shared memory and published by publish_pushes(), so that no epilogue waits for its
 // stores to land (a fence per tile cost 20% on qwen3-30b-a3b).
-__device__ void epilogue_gemm2_push(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
+__device__ inline void epilogue_gemm2_push(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                     int row0, int wg) {
   const int tid = threadIdx.x % 128;
   const int n0 = t.n * kBlockN, rows0 = row0 + wg * 64, piece = tid % 16;  // piece: 4 columns of a round
@@ -165,11 +171,11 @@ __device__ void epilogue_gemm2_push(const ForwardParams& p, SharedStorage& s, co
   count_pushed_rows(p.ep, p.plan.row_pair, rows0, pairs_per_rank, s.pushed[wg]);
 }
 
-__device__ void publish_pushes(const ForwardParams& p, SharedStorage& s, int wg) {
+__device__ inline void publish_pushes(const ForwardParams& p, SharedStorage& s, int wg) {
   if (p.ep.push) publish_pushed_rows(p.ep, s.pushed[wg], wg);
 }
 
-__device__ void combine(const ForwardParams& p, const Task& t) {
+__device__ inline void combine(const ForwardParams& p, const Task& t) {
   const int begin = t.m * kCombineTokens, end = min(p.tokens, (t.m + 1) * kCombineTokens);
   const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
   if (p.ep.push)
@@ -178,6 +184,18 @@ __device__ void combine(const ForwardParams& p, const Task& t) {
   else
     combine_tokens<true, false, float>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, p.topk_weights, p.slots,
                                 p.shared_slots, p.y, tid, threads);
+}
+
+// Bad routing (expert id out of range, capacity): no GEMM runs, y becomes NaN so the
+// failure cannot pass for a result, and the host reports it at the next check.
+__device__ inline void poison_output(const ForwardParams& p, int cta, int ctas) {
+  const std::int64_t n = static_cast<std::int64_t>(p.tokens) * p.hidden;
+  for (std::int64_t i = cta * blockDim.x + threadIdx.x; i < n; i += static_cast<std::int64_t>(ctas) * blockDim.x)
+    if (p.y) p.y[i] = 0x7fc0;  // bf16 quiet NaN (no y in the backward's recompute)
+  if (cta == 0 && threadIdx.x == 0) {
+    p.status->code = KernelStatus::bad_plan;
+    __threadfence_system();
+  }
 }
 
 }  // namespace mok::kernels::fwd

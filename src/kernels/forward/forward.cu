@@ -75,7 +75,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
           wait_counter(p, p.counters.y_done, sched.slot_tiles_total(), task, WaitSite::all_gemm2);
           if (p.ep.push)
             for (int q = 0; q < p.ep.size; ++q)
-              wait_peer_counter(p, p.ep.slots_done[p.ep.rank] + q, p.ep.expected_rows[q] * sched.n2, task, WaitSite::forward_pushed, q);
+              wait_peer_counter(p, p.ep.slots_done[p.ep.rank] + q, p.ep.expected_rows[q] * sched.n2_routed, task, WaitSite::forward_pushed, q);
         }
         sync_consumers();
         slots_ready = true;
@@ -107,18 +107,6 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
   timer.lap<Phase::other>();
 }
 
-// Bad routing (expert id out of range, capacity): no GEMM runs, y becomes NaN so the
-// failure cannot pass for a result, and the host reports it at the next check.
-__device__ void poison_output(const ForwardParams& p, int cta, int ctas) {
-  const std::int64_t n = static_cast<std::int64_t>(p.tokens) * p.hidden;
-  for (std::int64_t i = cta * blockDim.x + threadIdx.x; i < n; i += static_cast<std::int64_t>(ctas) * blockDim.x)
-    if (p.y) p.y[i] = 0x7fc0;  // bf16 quiet NaN (no y in the backward's recompute)
-  if (cta == 0 && threadIdx.x == 0) {
-    p.status->code = KernelStatus::bad_plan;
-    __threadfence_system();
-  }
-}
-
 // ------------------------------------------------------------------------------- comm CTAs
 
 // Comm CTA `comm` of `comms`: its kCommWarps warps pull the plan's rows into the ring (see
@@ -140,6 +128,7 @@ __device__ void fwd_run_comm(const ForwardParams& p, SharedStorage& s, int comm,
 // forward on CTAs cta = 0 .. ctas - 1 of those serving it.
 struct ForwardKernel {
   using Storage = SharedStorage;
+  static constexpr int kProducerRegs = kProducerRegisters, kConsumerRegs = kConsumerRegisters;
   using P = ForwardParams;
 
   __device__ static bool stalled(const P& p) { return p.ep.stalled; }

@@ -1,8 +1,12 @@
 // Blockwise FP8 quantization (kernels/fp8/quantize.cuh).
 #include "kernels/fp8/quantize.cuh"
 
+#include "kernels/fp8/fp8_math.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+
+#include "mok/device_plan.hpp"
 
 namespace mok::kernels {
 namespace {
@@ -10,15 +14,6 @@ namespace {
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float bf16_value(std::uint16_t bits) { return __bfloat162float(__ushort_as_bfloat16(bits)); }
-
-// The smallest e with amax / 2^e <= 448 (the largest E4M3): with amax = m * 2^k, m in [1, 2),
-// e = k - 8, plus one when m > 1.75 (448 = 1.75 * 2^8). 0 for a block of zeros or one with
-// an infinity (as the host's fp8::scale_exponent).
-__device__ __forceinline__ int scale_exponent(float amax) {
-  if (!(amax > 0.0f) || isinf(amax)) return 0;
-  const int k = ilogbf(amax);
-  return k - 8 + (ldexpf(amax, -k) > 1.75f ? 1 : 0);
-}
 
 __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParams p) {
   const int cb = blockIdx.x, rb = blockIdx.y, e = blockIdx.z;
@@ -36,7 +31,7 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParam
   __syncthreads();
   amax = warp_max[0];
   for (int i = 1; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
-  const int exponent = scale_exponent(amax);
+  const int exponent = fp8_scale_exponent(amax);
   const int row_blocks = (p.rows + kFp8Block - 1) / kFp8Block, col_blocks = (p.cols + kFp8Block - 1) / kFp8Block;
   if (threadIdx.x == 0) p.exponents[(static_cast<std::int64_t>(e) * row_blocks + rb) * col_blocks + cb] = exponent;
   std::uint8_t* out = p.values + (static_cast<std::int64_t>(e) * p.rows + r0) * p.cols + c0;
@@ -49,7 +44,49 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParam
   }
 }
 
+// The routed rows in plan order, quantized per 1 x 128 block as they are gathered: one warp
+// a row, a lane 4 columns of each block (its amax is a warp max: the same in any order).
+// Padding rows become zeros of scale 1; rows past the plan's last are not written.
+__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_constant__ QuantizeRowsParams p) {
+  if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
+  const std::int64_t rows = p.expert_offset[p.num_local_experts];
+  const int lane = threadIdx.x % 32, blocks = p.hidden / kFp8Block;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
+  for (std::int64_t row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < rows; row += warps) {
+    const std::int32_t pair = p.row_pair[row];
+    std::uint32_t* values = reinterpret_cast<std::uint32_t*>(p.values + row * p.hidden) + lane;
+    if (pair < 0) {
+      for (int b = 0; b < blocks; ++b) {
+        values[b * 32] = 0;
+        if (lane == 0) p.scales[b * p.capacity + row] = 1.0f;
+      }
+      continue;
+    }
+    const uint2* x = reinterpret_cast<const uint2*>(p.x + static_cast<std::int64_t>(pair / p.top_k) * p.hidden) + lane;
+    for (int b0 = 0; b0 < blocks; b0 += 4) {
+      uint2 bits[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bits[j] = b0 + j < blocks ? x[(b0 + j) * 32] : make_uint2(0, 0);  // loads in flight
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (b0 + j >= blocks) break;
+        const float v[4] = {bf16_value(bits[j].x & 0xffff), bf16_value(bits[j].x >> 16), bf16_value(bits[j].y & 0xffff),
+                            bf16_value(bits[j].y >> 16)};
+        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+        for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        const int e = fp8_scale_exponent(amax);
+        values[(b0 + j) * 32] = pack_e4m3x4(ldexpf(v[0], -e), ldexpf(v[1], -e), ldexpf(v[2], -e), ldexpf(v[3], -e));
+        if (lane == 0) p.scales[(b0 + j) * p.capacity + row] = ldexpf(1.0f, e);
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream) {
+  quantize_rows_kernel<<<num_ctas, kThreads, 0, stream>>>(p);
+}
 
 void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream) {
   if (p.experts == 0 || p.rows == 0 || p.cols == 0) return;

@@ -24,4 +24,22 @@ struct QuantizeParams {
 // (nearest, ties to even, saturating).
 void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream);
 
+// The FP8 forward's gather: the plan's routed rows of x (bf16 [T, H], H a multiple of 128)
+// into values (E4M3 [capacity, H], plan order) with one power-of-two scale per 1 x 128 block
+// of a row, stored as the float 2^e in scales[block * capacity + row] (a block's scales of
+// consecutive rows are contiguous: the GEMM reads a tile's 128 of them together). The bytes
+// equal the host's fp8::quantize(row, 1, H, 1, 128). Padding rows: zeros, scale 1.
+struct QuantizeRowsParams {
+  const std::uint16_t* x;        // [T, H] bf16 bits
+  std::uint8_t* values;          // [capacity, H] E4M3
+  float* scales;                 // [H / 128, capacity]
+  const std::int32_t* row_pair;  // [capacity]: t * k + j, or -1 (padding)
+  const std::int32_t* expert_offset;  // [E_l + 1]
+  const void* plan_status;       // PlanStatus*: nothing is written from a bad plan
+  std::int64_t capacity;
+  int hidden, top_k, num_local_experts;
+};
+
+void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream);
+
 }  // namespace mok::kernels

@@ -1,0 +1,54 @@
+// The FP8 forward's host steps (mok::forward on a Precision::fp8 workspace): the gather that
+// quantizes x's routed rows, then the FP8 kernel's params and launch.
+#include <cuda_runtime_api.h>
+
+#include "cuda_check.hpp"
+#include "kernels/fp8/quantize.cuh"
+#include "layer_launch.hpp"
+#include "tensor_map.hpp"
+
+namespace mok::detail {
+
+void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
+                        std::string_view where) {
+  const MoeShape& s = ws.shape();
+  const DevicePlanView& v = ws.plan().view();
+  const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts;
+  const std::int64_t capacity = ws.plan().capacity_rows();
+  const int ctas = persistent_ctas(ws, where);
+
+  kernels::QuantizeRowsParams rows{};
+  rows.x = static_cast<const std::uint16_t*>(a.x.data);
+  rows.values = buffers.x_fp8;
+  rows.scales = buffers.x_scales;
+  rows.row_pair = v.row_pair;
+  rows.expert_offset = v.expert_offset;
+  rows.plan_status = v.status;
+  rows.capacity = capacity;
+  rows.hidden = static_cast<int>(H);
+  rows.top_k = static_cast<int>(s.top_k);
+  rows.num_local_experts = static_cast<int>(El);
+  kernels::launch_quantize_rows(rows, 4 * ctas, stream);
+  cuda_check(cudaGetLastError(), where, "launching the FP8 row gather");
+
+  using U = std::uint64_t;
+  kernels::Fp8ForwardParams p{};
+  set_shared_expert_params(p.base, a, ws, buffers);  // (base's routed maps stay unused)
+  const Fp8Weights& w = *a.fp8;
+  p.maps.x = make_u8_tensor_map(buffers.x_fp8, {U(H), U(capacity)}, kernels::kBoxFp8, "x rows (fp8)");
+  p.maps.gate = make_u8_tensor_map(w.gate.data, {U(H), U(I), U(El)}, kernels::kBoxFp8Half, "fp8.gate");
+  p.maps.up = make_u8_tensor_map(w.up.data, {U(H), U(I), U(El)}, kernels::kBoxFp8Half, "fp8.up");
+  p.maps.down = make_u8_tensor_map(w.down.data, {U(I), U(H), U(El)}, kernels::kBoxFp8, "fp8.down");
+  p.maps.h_store = make_u8_tensor_map(buffers.h_fp8, {U(I), U(capacity)}, kernels::kBoxFp8Half, "h (fp8)");
+  p.maps.h_load = make_u8_tensor_map(buffers.h_fp8, {U(I), U(capacity)}, kernels::kBoxFp8, "h (fp8)");
+  p.capacity = capacity;
+  p.x_scales = buffers.x_scales;
+  p.h_scales = buffers.h_scales;
+  p.gate_exponents = static_cast<const std::int32_t*>(w.gate_exponents.data);
+  p.up_exponents = static_cast<const std::int32_t*>(w.up_exponents.data);
+  p.down_exponents = static_cast<const std::int32_t*>(w.down_exponents.data);
+  kernels::launch_forward_fp8(p, ctas, stream);
+  cuda_check(cudaGetLastError(), where, "launching the FP8 forward kernel");
+}
+
+}  // namespace mok::detail

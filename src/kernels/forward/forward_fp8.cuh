@@ -1,0 +1,41 @@
+// Parameters and launcher of the FP8 forward kernel (src/kernels/forward/forward_fp8.cu): the
+// routed experts in E4M3 with DeepSeek-V3's blockwise scaling (power-of-two scales, mok/fp8.hpp),
+// the shared expert and everything else as the BF16 forward.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/forward/forward.cuh"
+
+namespace mok::kernels {
+
+inline constexpr int kFp8BlockK = 128;  // K of one stage: a 128-byte swizzle atom of E4M3, one scale block
+inline constexpr int kFp8BlockN = 128;  // a routed GEMM2 N-tile (GEMM1: 64 gate + 64 up rows a pass)
+
+struct Fp8ForwardMaps {
+  CUtensorMap x;         // E4M3 [capacity, H]: the routed rows, quantized per 1 x 128; box 128 x 128
+  CUtensorMap gate, up;  // E4M3 [E_l, I, H]; box 128 x 64 x 1
+  CUtensorMap down;      // E4M3 [E_l, H, I]; box 128 x 128 x 1
+  CUtensorMap h_store;   // E4M3 [capacity, I]; box 128 x 64
+  CUtensorMap h_load;    // E4M3 [capacity, I]; box 128 x 128
+};
+
+struct Fp8ForwardParams {
+  // The BF16 forward's params: plan, counters, slots, y, sizes, the shared expert's maps
+  // (base.maps' routed maps are unused; no saved pre-activations, no EP, no ring).
+  ForwardParams base;
+  Fp8ForwardMaps maps;
+  std::int64_t capacity;           // plan rows: the stride of the row scales
+  const float* x_scales;           // [H / 128, capacity]: row r's block b scale (a power of two)
+  float* h_scales;                 // [I / 128, capacity], written by GEMM1
+  const std::int32_t* gate_exponents;  // [E_l, I / 128, H / 128]: weight block (i, j) scale 2^e
+  const std::int32_t* up_exponents;    // [E_l, I / 128, H / 128]
+  const std::int32_t* down_exponents;  // [E_l, H / 128, I / 128]
+};
+
+void launch_forward_fp8(const Fp8ForwardParams& params, int num_ctas, cudaStream_t stream);
+
+}  // namespace mok::kernels

@@ -1,0 +1,205 @@
+// The FP8 forward (Precision::fp8) against the fp64 reference of its recipe
+// (reference::forward_fp8: the same quantized operands, exact sums) and against the exact
+// layer, on fresh random inputs with the output poisoned first; then bitwise determinism
+// across runs and SM counts, one workspace for several token counts, bad routing, and
+// CUDA-graph replay. (Its argument errors: test_validate.cpp.)
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "gpu_problem.hpp"
+#include "mok/error.hpp"
+#include "mok/forward.hpp"
+#include "mok/fp8.hpp"
+
+namespace mok {
+namespace {
+
+using testing::Case;
+using testing::DeviceBuffer;
+using testing::GpuProblem;
+using testing::same_bits;
+using testing::shape_of;
+
+// The routed weights of a problem quantized on the GPU (mok::fp8::quantize_weights).
+struct QuantizedWeights {
+  DeviceBuffer<std::uint8_t> gate, up, down;
+  DeviceBuffer<std::int32_t> gate_exponents, up_exponents, down_exponents;
+  Fp8Weights views;
+
+  explicit QuantizedWeights(const GpuProblem& gpu)
+      : gate(gpu.w_gate.size()), up(gpu.w_up.size()), down(gpu.w_down.size()),
+        gate_exponents(blocks(gpu)), up_exponents(blocks(gpu)), down_exponents(blocks(gpu)) {
+    const MoeShape& s = gpu.host.shape;
+    const std::int64_t E = s.num_local_experts, H = s.hidden, I = s.intermediate, Hb = H / 128, Ib = I / 128;
+    const Device d = Device::cuda(0);
+    views.gate = TensorView::contiguous(gate.get(), DType::u8, d, {E, I, H});
+    views.up = TensorView::contiguous(up.get(), DType::u8, d, {E, I, H});
+    views.down = TensorView::contiguous(down.get(), DType::u8, d, {E, H, I});
+    views.gate_exponents = TensorView::contiguous(gate_exponents.get(), DType::i32, d, {E, Ib, Hb});
+    views.up_exponents = TensorView::contiguous(up_exponents.get(), DType::i32, d, {E, Ib, Hb});
+    views.down_exponents = TensorView::contiguous(down_exponents.get(), DType::i32, d, {E, Hb, Ib});
+    const ForwardArgs a = gpu.args();
+    fp8::quantize_weights(a.w_gate, views.gate, views.gate_exponents, nullptr);
+    fp8::quantize_weights(a.w_up, views.up, views.up_exponents, nullptr);
+    fp8::quantize_weights(a.w_down, views.down, views.down_exponents, nullptr);
+    cudaDeviceSynchronize();
+  }
+  static std::size_t blocks(const GpuProblem& gpu) {  // 128 x 128 blocks of one weight tensor
+    const MoeShape& s = gpu.host.shape;
+    return static_cast<std::size_t>(s.num_local_experts * (s.hidden / 128) * (s.intermediate / 128));
+  }
+};
+
+ForwardArgs fp8_args(const GpuProblem& gpu, const QuantizedWeights& q) {
+  ForwardArgs a = gpu.args();
+  a.fp8 = q.views;
+  return a;
+}
+
+Config fp8_config(int sms = 0) {
+  Config c;
+  c.precision = Precision::fp8;
+  c.compute_sms = sms;
+  return c;
+}
+
+double cosine(const std::vector<double>& a, const std::vector<double>& b) {
+  double ab = 0, aa = 0, bb = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) ab += a[i] * b[i], aa += a[i] * a[i], bb += b[i] * b[i];
+  return ab / std::sqrt(aa * bb);
+}
+
+class Fp8ForwardCases : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Fp8ForwardCases, MatchesTheRecipeReference) {
+  MOK_REQUIRE_HOPPER();
+  const Case c = GetParam();
+  const MoeShape s = shape_of(c);
+  for (std::uint64_t seed : {21u, 22u}) {  // fresh inputs each time
+    const HostProblem host = make_problem(s, c.tokens, c.routing, seed * 1000 + c.tokens);
+    GpuProblem gpu(host);
+    const QuantizedWeights q(gpu);
+    Workspace ws(s, c.tokens, fp8_config());
+    gpu.poison_output();
+    forward(fp8_args(gpu, q), ws, nullptr);
+    ws.check(nullptr);
+    const auto got = gpu.output();
+    const auto x = host.reference_x();
+    const auto recipe = reference::forward_fp8(s, c.tokens, x, host.reference_routing(), host.reference_weights());
+    const auto exact = reference::forward(s, c.tokens, x, host.reference_routing(), host.reference_weights());
+    const auto cmp = testing::compare(got, recipe);
+    EXPECT_EQ(cmp.non_finite, 0) << "unwritten or non-finite outputs";
+    // The recipe's operands exactly; what remains is fp32 sums, the bf16 output and the rare
+    // E4M3 rounding of h that fp32 and fp64 put on different sides of a tie.
+    EXPECT_LE(cmp.rel_error, 5e-3) << c.name << " seed " << seed;
+    const double cos_exact = cosine(got, exact);
+    EXPECT_GE(cos_exact, 0.995) << c.name << " seed " << seed << ": FP8 vs the exact layer (test_fp8.cpp: the recipe's own bar)";
+    RecordProperty("rel_error_vs_recipe", std::to_string(cmp.rel_error));
+    RecordProperty("cosine_vs_exact", std::to_string(cos_exact));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fp8Forward, Fp8ForwardCases,
+    ::testing::Values(Case{"uniform", 700, 512, 256, 8, 2, 0, 0, RoutingKind::uniform},
+                      Case{"skewed", 900, 256, 384, 8, 2, 0, 0, RoutingKind::skewed},
+                      Case{"one_expert_k1", 500, 256, 256, 4, 1, 0, 0, RoutingKind::one_expert},
+                      Case{"empty_experts", 400, 256, 256, 16, 2, 0, 0, RoutingKind::first_half},
+                      Case{"padded", 333, 256, 256, 8, 4, 0, 0, RoutingKind::padded},
+                      Case{"ragged_k1", 129, 384, 128, 8, 1, 0, 0, RoutingKind::uniform},
+                      Case{"single_expert", 257, 256, 256, 1, 1, 0, 0, RoutingKind::uniform},
+                      Case{"single_token", 1, 256, 256, 8, 2, 0, 0, RoutingKind::uniform},
+                      Case{"shared", 300, 256, 256, 8, 2, 384, 0, RoutingKind::uniform},
+                      Case{"shared_padded_clamp", 301, 256, 256, 8, 2, 192, 0.75f, RoutingKind::padded},
+                      Case{"clamp", 400, 512, 256, 8, 2, 0, 0.5f, RoutingKind::uniform},
+                      Case{"large", 2048, 1024, 512, 16, 4, 0, 0, RoutingKind::uniform}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+TEST(Fp8Forward, BitwiseEqualAcrossRunsAndSmCounts) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 512, 384, 8, 2, 256, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 1500, RoutingKind::skewed, 31);
+  GpuProblem gpu(host);
+  const QuantizedWeights q(gpu);
+  std::vector<std::vector<bf16>> runs;
+  for (int sms : {0, 0, 7, 61}) {
+    Workspace ws(s, host.tokens, fp8_config(sms));
+    gpu.poison_output();
+    forward(fp8_args(gpu, q), ws, nullptr);
+    ws.check(nullptr);
+    runs.push_back(gpu.y.download());
+  }
+  for (std::size_t i = 1; i < runs.size(); ++i) EXPECT_TRUE(same_bits(runs[0], runs[i])) << "run " << i;
+}
+
+TEST(Fp8Forward, OneWorkspaceServesEveryTokenCountBitwise) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 256, 256, 8, 2, 128, 0, RoutingKind::uniform});
+  Workspace big(s, 1000, fp8_config());
+  for (std::int64_t T : {1000, 1, 333}) {
+    const HostProblem host = make_problem(s, T, RoutingKind::uniform, 40 + T);
+    GpuProblem gpu(host);
+    const QuantizedWeights q(gpu);
+    Workspace own(s, T, fp8_config());
+    forward(fp8_args(gpu, q), own, nullptr);
+    own.check(nullptr);
+    const auto want = gpu.y.download();
+    gpu.poison_output();
+    forward(fp8_args(gpu, q), big, nullptr);
+    big.check(nullptr);
+    EXPECT_TRUE(same_bits(gpu.y.download(), want)) << "T = " << T;
+  }
+}
+
+TEST(Fp8Forward, BadExpertIdPoisonsOutputAndIsReported) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 256, 128, 8, 2, 0, 0, RoutingKind::uniform});
+  HostProblem host = make_problem(s, 100, RoutingKind::uniform, 5);
+  host.topk_ids[2 * 42 + 1] = 8;
+  GpuProblem gpu(host);
+  const QuantizedWeights q(gpu);
+  Workspace ws(s, host.tokens, fp8_config());
+  forward(fp8_args(gpu, q), ws, nullptr);
+  try {
+    ws.check(nullptr);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("got 8 at rank 0, token 42, slot 1"), std::string::npos) << e.what();
+  }
+  for (double v : gpu.output()) ASSERT_TRUE(std::isnan(v)) << "a bad plan must not leave a plausible y";
+}
+
+TEST(Fp8Forward, GraphReplayWithNewRouting) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 256, 256, 8, 2, 128, 0, RoutingKind::uniform});
+  const HostProblem first = make_problem(s, 600, RoutingKind::uniform, 51);
+  GpuProblem gpu(first);
+  const QuantizedWeights q(gpu);
+  Workspace ws(s, first.tokens, fp8_config());
+  cudaStream_t stream;
+  MOK_CUDA_OK(cudaStreamCreate(&stream));
+  forward(fp8_args(gpu, q), ws, stream);  // (the workspace allocates its scratch outside the capture)
+  ws.check(stream);
+  const testing::CapturedGraph graph(stream, [&] { forward(fp8_args(gpu, q), ws, stream); });
+  MOK_CUDA_OK(graph.error());
+  for (std::uint64_t seed : {52u, 53u}) {
+    const HostProblem next = testing::same_experts(first, RoutingKind::skewed, seed);
+    gpu.x.upload(next.x, stream);
+    gpu.ids.upload(next.topk_ids, stream);
+    gpu.weights.upload(next.topk_weights, stream);
+    gpu.poison_output(stream);
+    MOK_CUDA_OK(graph.launch(stream));
+    ws.check(stream);
+    const auto want = reference::forward_fp8(s, next.tokens, next.reference_x(), next.reference_routing(),
+                                             next.reference_weights());
+    const auto cmp = testing::compare(gpu.output(), want);
+    EXPECT_EQ(cmp.non_finite, 0);
+    EXPECT_LE(cmp.rel_error, 5e-3) << "seed " << seed;
+  }
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace mok
