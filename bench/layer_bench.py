@@ -18,6 +18,9 @@ impls:
   torch-fp8       (only when asked for) the compiled PyTorch layer with rowwise-scaled FP8
                   grouped GEMMs (torch._scaled_grouped_mm; bench/torch_fp8.py), forward only:
                   issue 19's FP8 baseline
+  mok-fp8-py      (only when asked for) mok.moe(..., precision="fp8"), forward only, the
+                  routed weights quantized once beforehand (mok.fp8.quantize_experts)
+  mok-fp8         (only when asked for) the same in C++ (`mok_bench --serve`, impl mok-fp8)
 
 Checks, per preset and routing, before anything is timed:
   - torch and torch-compiled: y of 16 sampled tokens against an fp32 per-token computation
@@ -29,6 +32,9 @@ Checks, per preset and routing, before anything is timed:
     the same full-size check.
   - torch-fp8: y against the eager path's with FP8's tolerance (cosine >= 0.99, nothing
     non-finite; its relative error is recorded).
+  - mok-fp8-py: y against mok.fp8.moe_reference (the FP8 recipe on the same quantized
+    operands, fp32, at full size): ‖got − ref‖/‖ref‖ <= 5e-3; its distance from the eager
+    bf16 path's y is recorded. mok-fp8: y bitwise equal to mok-fp8-py's.
 A failed check marks the record (`check`: failed) and the failure is printed; a failure to
 run (a compile error, a graph break) leaves the implementation out of that preset.
 
@@ -54,7 +60,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -63,89 +68,11 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_baseline as tb  # noqa: E402
+from mok_impls import MokBench, MokPy, check_mok_fp8, checksum  # noqa: E402,F401
 
 IMPLS = ("torch-compiled", "torch", "mok", "mok-py", "dense")
-OPTIONAL_IMPLS = ("torch-fp8",)  # valid in --impl, not run unless named
-
-
-def checksum(t, chunk=1 << 26):
-    """mok_bench.cu's checksum: the tensor's bytes as 4-byte words w_i, sum of w_i·(2i+1)
-    modulo 2^64."""
-    w = t.contiguous().view(-1).view(torch.int32)
-    total = 0
-    for s in range(0, w.numel(), chunk):
-        a = w[s:s + chunk].to(torch.int64) & 0xFFFFFFFF
-        i = torch.arange(s, s + a.numel(), device=a.device, dtype=torch.int64)
-        total += int((a * (2 * i + 1)).sum())
-    return total % (1 << 64)
-
-
-class MokPy(tb.TorchImpl):
-    """mok.moe from Python, on the same problem (gate and up as separate tensors)."""
-
-    def __init__(self, d):
-        import mok
-
-        self.mok, self.d = mok, d
-        self.leaves = [d["x"], d["weights"], d["w_gate"], d["w_up"], d["w_down"]] + list(d["shared"] or ())
-        for t in self.leaves:
-            t.requires_grad_()
-
-    def _call(self):
-        d = self.d
-        return self.mok.moe(d["x"], d["ids"], d["weights"], d["w_gate"], d["w_up"], d["w_down"], shared=d["shared"],
-                            swiglu_limit=d["limit"])
-
-    def outputs(self, pass_):
-        if pass_ == "fwd":
-            with torch.no_grad():
-                out = {"y": self._call()}
-        else:
-            self.clear_grads()
-            y = self._call()
-            y.backward(self.d["dy"])
-            d = self.d
-            out = {"y": y.detach(), "dx": d["x"].grad, "d_topk_weights": d["weights"].grad, "d_w_gate": d["w_gate"].grad,
-                   "d_w_up": d["w_up"].grad, "d_w_down": d["w_down"].grad}
-            if d["shared"] is not None:
-                out.update(zip(("d_shared_gate", "d_shared_up", "d_shared_down"), (s.grad for s in d["shared"])))
-            self.clear_grads()
-        self.mok.check()  # raises if a kernel recorded an error
-        return out
-
-    def workspace_bytes(self):
-        from mok import ops
-
-        return sum(ws.bytes for ws in ops._workspaces.values())
-
-
-class MokBench:
-    """`mok_bench --serve`: the C++ layer in a second process, one command a line."""
-
-    def __init__(self, path):
-        if not os.access(path, os.X_OK):
-            raise SystemExit(f"layer_bench: {path} not found: build it (cmake --build <dir> --target mok_bench) "
-                             "or pass --mok-bench")
-        self.proc = subprocess.Popen([path, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def call(self, *words):
-        self.proc.stdin.write(" ".join(str(w) for w in words) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        while line and not line.startswith("{"):  # (only JSON answers count)
-            line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"mok_bench --serve exited (code {self.proc.poll()}) on '{' '.join(map(str, words))}'")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(reply["error"])
-        return reply
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.close()
-            self.proc.wait(timeout=60)
+OPTIONAL_IMPLS = ("torch-fp8", "mok-fp8", "mok-fp8-py")  # valid in --impl, not run unless named
+FP8_IMPLS = ("torch-fp8", "mok-fp8", "mok-fp8-py")  # forward only
 
 
 def full_check(got, ref, names):
@@ -211,17 +138,35 @@ def run_preset(p, routing, args, server, gpu, emit):
         except Exception as e:
             for ps in passes:
                 fail("mok-py", ps, e)
-    if "mok" in args.impls:
+    fp8_sums = None
+    fp8_shape = p["hidden"] % 128 == 0 and p["intermediate"] % 128 == 0  # (the FP8 layer's scale blocks)
+    if ("mok-fp8-py" in args.impls or "mok-fp8" in args.impls) and not fp8_shape:
+        for impl in ("mok-fp8", "mok-fp8-py"):
+            for ps in passes:
+                checks[impl][ps] = dict(passed=None, error="precision fp8 needs H and I multiples of 128")
+    elif "mok-fp8-py" in args.impls or "mok-fp8" in args.impls:
+        fp8_sums = check_mok_fp8(d, ref, passes, checks, impls, args, fail)
+    if "mok" in args.impls or ("mok-fp8" in args.impls and fp8_shape):
         with tempfile.TemporaryDirectory() as tmp:
             ids_path, w_path = os.path.join(tmp, "ids.i32"), os.path.join(tmp, "weights.f32")
             d["ids"].cpu().numpy().tofile(ids_path)
             d["weights"].detach().cpu().numpy().tofile(w_path)
             try:
                 server.call("load", name, args.seed, ids_path, w_path)
-                impls["mok"] = server
+                for impl in ("mok", "mok-fp8"):
+                    if impl in args.impls and (impl == "mok" or fp8_shape):
+                        impls[impl] = server
             except Exception as e:
                 for ps in passes:
                     fail("mok", ps, e)
+        if "mok-fp8" in impls and "fwd" in passes:
+            try:
+                got = {n: int(v) for n, v in server.call("check", "fwd", "mok-fp8")["checksums"].items()}
+                same = fp8_sums is not None and got == fp8_sums
+                checks["mok-fp8"]["fwd"] = dict(passed=same and checks["mok-fp8-py"].get("fwd", {}).get("passed", False),
+                                                bitwise_equal_to_mok_fp8_py=same)
+            except Exception as e:
+                fail("mok-fp8", "fwd", e)
         if "mok" in impls:
             for ps in passes:
                 try:
@@ -262,9 +207,9 @@ def run_preset(p, routing, args, server, gpu, emit):
 
     def timer(impl, ps):
         obj, h = impls[impl], host.setdefault((impl, ps), [])
-        if impl == "mok":
+        if impl in ("mok", "mok-fp8"):
             def run():
-                reply = obj.call("time", ps, args.warmup, args.iters)
+                reply = obj.call("time", ps, args.warmup, args.iters, impl)
                 h.extend(reply["host_ms"])
                 return sorted(reply["ms"])
             return run
@@ -289,8 +234,8 @@ def run_preset(p, routing, args, server, gpu, emit):
                 runnable = [k for k in runnable if k != key]
     for impl, ps in runnable:
         obj = impls[impl]
-        if impl == "mok":
-            peak = obj.call("peak", ps)["peak_bytes"]
+        if impl in ("mok", "mok-fp8"):
+            peak = obj.call("peak", ps, impl)["peak_bytes"]
         elif impl == "dense":
             peak = tb.peak_bytes(obj[ps])
         else:
@@ -373,7 +318,7 @@ def main():
         if n not in presets:
             sys.exit(f"layer_bench: unknown preset '{n}'; known: {', '.join(presets)}")
     server = None
-    if "mok" in args.impls:
+    if "mok" in args.impls or "mok-fp8" in args.impls:
         root = os.path.dirname(HERE)
         path = args.mok_bench or next((c for c in (os.path.join(root, "build-gpu/bench/mok_bench"),
                                                     os.path.join(root, "build/bench/mok_bench")) if os.path.exists(c)),
@@ -393,7 +338,7 @@ def main():
                 run_preset(presets[n], routing, args, server, gpu, emit)
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-            if "mok-py" in args.impls or "mok" in args.impls:
+            if any(i in args.impls for i in ("mok-py", "mok", "mok-fp8-py")):
                 from mok import ops  # one workspace per shape: free this preset's before the next
 
                 ops._workspaces.clear()

@@ -1,6 +1,6 @@
 // Benchmark harness of the C++ layer. Two ways to run it:
 //
-//   mok_bench [--preset all|NAME,...] [--impl mok,mok-ep1,cublas,plan] ...   (standalone)
+//   mok_bench [--preset all|NAME,...] [--impl mok,mok-ep1,mok-fp8,cublas,plan] ...   (standalone)
 //       times implementations on named presets, with its own inputs (uniform routing), and
 //       writes records in the schema shared with bench/torch_baseline.py:
 //       preset, impl, pass, tokens, ep, ms (median), ms_p10, ms_p90, tflops, peak_bytes,
@@ -12,14 +12,15 @@
 //         load PRESET SEED IDS_FILE WEIGHTS_FILE  inputs: x, weights, dy from fill_bits
 //                                                 (seeded as layer_bench.py's hash_fill),
 //                                                 routing from the files (i32 / f32 [T, k])
-//         check PASS                              one pass with poisoned outputs; answers the
+//         check PASS [IMPL]                       one pass with poisoned outputs; answers the
 //                                                 checksum of each output (y, dx, d_topk_weights,
 //                                                 every weight gradient): the driver compares
 //                                                 them with mok.moe's, which it checks against
 //                                                 the PyTorch path at full size
-//         time PASS WARMUP ITERS                  each iteration's ms, L2 flushed before each,
+//         time PASS WARMUP ITERS [IMPL]           each iteration's ms, L2 flushed before each,
 //                                                 and its host time to enqueue the pass
-//         peak PASS                               bytes one pass needs beyond inputs and weights
+//         peak PASS [IMPL]                        bytes one pass needs beyond inputs and weights
+//                                                 (IMPL: mok, the default, or mok-fp8: pass fwd)
 //         quit
 //   mok_bench --fill-sample SEED N                 (no GPU) the first N values fill_bits gives,
 //                                                 for the CPU test of layer_bench's hash_fill
@@ -33,6 +34,8 @@
 //          checked first on sampled tokens against the fp64 CPU reference, the backward's
 //          outputs for finiteness (the full-size check is layer_bench.py's)
 //   mok-ep1 the same layer through the expert-parallel machinery as an EP group of one rank
+//   mok-fp8 the FP8 forward (Precision::fp8; pass fwd, fwd+bwd is skipped), weights quantized
+//          once beforehand; checked on sampled tokens against the FP8 recipe's fp64 reference
 // peak_bytes (mok): the workspace + y + the high-water mark of what one pass allocates from
 // a caching stream-ordered pool (scratch; fwd+bwd: saved tensor, dx, d_topk_weights, bf16
 // weight gradients, allocated when the backward runs), as PyTorch's allocator would count it.
@@ -98,12 +101,15 @@ int serve() {
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::unique_ptr<Problem> problem;
-  std::unique_ptr<FusedLayer> layers[2];  // fwd, fwd+bwd
-  auto layer = [&](const std::string& pass) -> FusedLayer& {
+  std::unique_ptr<FusedLayer> layers[3];  // mok fwd, mok fwd+bwd, mok-fp8 fwd
+  auto layer = [&](const std::string& pass, std::istringstream& in) -> FusedLayer& {
     if (!problem) throw mok::Error("mok_bench: 'load' a preset first");
     if (pass != "fwd" && pass != "fwd+bwd") throw mok::Error("mok_bench: pass must be fwd or fwd+bwd, got '" + pass + "'");
-    auto& l = layers[pass == "fwd+bwd"];
-    if (!l) l = std::make_unique<FusedLayer>(*problem, "mok", pass, mok::Config{}, stream);
+    std::string impl = "mok";
+    in >> impl;  // (optional)
+    if (impl != "mok" && impl != "mok-fp8") throw mok::Error("mok_bench: impl must be mok or mok-fp8, got '" + impl + "'");
+    auto& l = layers[impl == "mok-fp8" ? 2 : pass == "fwd+bwd"];
+    if (!l) l = std::make_unique<FusedLayer>(*problem, impl, pass, mok::Config{}, stream);
     return *l;
   };
   for (std::string line; std::getline(std::cin, line);) {
@@ -117,13 +123,14 @@ int serve() {
         std::string preset, ids_path, weights_path;
         std::uint32_t seed = 0;
         if (!(in >> preset >> seed >> ids_path >> weights_path)) throw mok::Error("mok_bench: load PRESET SEED IDS WEIGHTS");
-        layers[0].reset(), layers[1].reset(), problem.reset();
+        for (auto& l : layers) l.reset();
+        problem.reset();
         problem = std::make_unique<Problem>(mok::find_preset(preset), seed, read_binary<std::int32_t>(ids_path),
                                             read_binary<float>(weights_path), stream);
         reply << "{\"ok\": true}";
       } else if (cmd == "check") {
         in >> pass;
-        FusedLayer& l = layer(pass);
+        FusedLayer& l = layer(pass, in);
         l.step(/*keep=*/true);
         l.check_status();
         reply << "{\"checksums\": {";
@@ -135,8 +142,8 @@ int serve() {
         l.release_kept();
       } else if (cmd == "time") {
         int warmup = 0, iters = 0;
-        if (!(in >> pass >> warmup >> iters) || iters < 1) throw mok::Error("mok_bench: time PASS WARMUP ITERS");
-        FusedLayer& l = layer(pass);
+        if (!(in >> pass >> warmup >> iters) || iters < 1) throw mok::Error("mok_bench: time PASS WARMUP ITERS [IMPL]");
+        FusedLayer& l = layer(pass, in);
         std::vector<double> host_ms;
         const auto ms = time_iterations(warmup, iters, stream, [&] { l.step(); }, &host_ms);
         l.check_status();
@@ -147,7 +154,7 @@ int serve() {
         reply << "]}";
       } else if (cmd == "peak") {
         in >> pass;
-        reply << "{\"peak_bytes\": " << layer(pass).peak_bytes() << "}";
+        reply << "{\"peak_bytes\": " << layer(pass, in).peak_bytes() << "}";
       } else {
         throw mok::Error("mok_bench: unknown command '" + cmd + "' (load, check, time, peak, quit)");
       }
@@ -157,7 +164,8 @@ int serve() {
     }
     std::cout << reply.str() << std::endl;  // (endl flushes: the driver waits for the line)
   }
-  layers[0].reset(), layers[1].reset(), problem.reset();
+  for (auto& l : layers) l.reset();
+  problem.reset();
   cudaStreamDestroy(stream);
   return 0;
 }
@@ -195,7 +203,7 @@ int main(int argc, char** argv) try {
     else if (a == "--commit") o.commit = next();
     else if (a == "--date") o.date = next();
     else {
-      std::printf("usage: mok_bench [--preset all|NAME,...] [--impl mok,mok-ep1,cublas,plan] [--pass fwd,fwd+bwd]\n"
+      std::printf("usage: mok_bench [--preset all|NAME,...] [--impl mok,mok-ep1,mok-fp8,cublas,plan] [--pass fwd,fwd+bwd]\n"
                   "                 [--iters N] [--warmup N] [--out FILE.json] [--commit C] [--date D]\n"
                   "                 [--comm-sms N] [--minibatch-rows N] [--ring-rows N]  (mok-ep1's Config)\n"
                   "                 [--interleave-rows N]  (both impls' forward task order)\n"
@@ -223,8 +231,8 @@ int main(int argc, char** argv) try {
   for (const std::string& name : o.presets)
     if (name != "all") mok::find_preset(name);  // unknown names are an error
   for (const std::string& impl : o.impls)
-    if (impl != "mok" && impl != "mok-ep1" && impl != "cublas" && impl != "plan")
-      throw mok::Error("mok_bench: impl '" + impl + "' is not available (known: mok, mok-ep1, cublas, plan)");
+    if (impl != "mok" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "cublas" && impl != "plan")
+      throw mok::Error("mok_bench: impl '" + impl + "' is not available (known: mok, mok-ep1, mok-fp8, cublas, plan)");
 
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -242,10 +250,16 @@ int main(int argc, char** argv) try {
     for (const std::string& impl : o.impls) {
       std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
       for (const std::string& pass : passes) {
+        if (impl == "mok-fp8" && pass != "fwd") continue;  // (a forward for now)
+        if (impl == "mok-fp8" && (p->shape.hidden % 128 != 0 || p->shape.intermediate % 128 != 0)) {
+          std::printf("%-16s %-7s %-8s    (skipped: Precision::fp8 needs H and I multiples of 128)\n", p->name.c_str(),
+                      impl.c_str(), pass.c_str());
+          continue;
+        }
 #ifdef MOK_PHASE_TIMING
         CUDA_OK(cudaMemset(phase_table, 0, sizeof(unsigned long long) * 2 * mok::kernels::kPhases));
 #endif
-        if (impl == "mok" || impl == "mok-ep1") records.push_back(bench_mok(o, *p, impl, pass, stream));
+        if (impl == "mok" || impl == "mok-ep1" || impl == "mok-fp8") records.push_back(bench_mok(o, *p, impl, pass, stream));
         else if (impl == "cublas") records.push_back(bench_dense(o, *p, pass, stream, handle));
         else records.push_back(bench_plan(o, *p, stream));
         const Record& r = records.back();

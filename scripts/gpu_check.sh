@@ -7,8 +7,8 @@
 # $OUT/bench_layer.json (written as measured), then prints a short table.
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
-#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host]
-#                                                   [--presets all|NAME,...] [--repeats N]
+#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host|fp8]
+#                                                   [--presets all|NAME,...] [--repeats N] [--impl LIST] [--pass LIST]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON; `bench` (build if missing, then
 # bench/layer_bench.py: mok, mok-py, torch-compiled, torch and dense on the same inputs,
@@ -27,7 +27,11 @@
 # <date>-<commit>-phases.txt. `host` (issue 21: the Python op's cost) runs bench/host_overhead.py on each
 # preset (default: the short passes qwen3-30b-a3b, olmoe-1b-7b, qwen3.5-397b, glm-4.5, gpt-oss-120b) into
 # <date>-<commit>-host-<preset>.txt, then layer_bench --impl mok,mok-py with 20 iterations a round
-# (--repeats rounds: 9 or more to decide a 2 % difference) into the bench JSON.
+# (--repeats rounds: 9 or more to decide a 2 % difference) into the bench JSON. `fp8` (issue 19's
+# FP8 forward): build, the FP8 and forward tests (C++ and Python), compute-sanitizer on a small FP8
+# case, then mok_bench's mok against mok-fp8 (forward, --repeats runs) on issue 19's presets into
+# <date>-<commit>-fp8.txt. --impl / --pass choose layer_bench's implementations and passes in the
+# bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -39,17 +43,20 @@ iters=10
 repeats=3
 presets=all
 part=all
+impl_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) iters=3; repeats=1 ;;
     --part) part="$2"; shift ;;
     --presets) presets="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host] [--presets all|NAME,...] [--repeats N]"; exit 2 ;;
+    --impl) impl_args+=(--impl "$2"); shift ;;
+    --pass) impl_args+=(--pass "$2"); shift ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host|fp8] [--presets all|NAME,...] [--repeats N] [--impl LIST] [--pass LIST]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|bench|ep|speed|train|hf|phases|host) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep, speed, train, hf, phases or host"; exit 2 ;; esac
+case "$part" in all|tests|bench|ep|speed|train|hf|phases|host|fp8) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep, speed, train, hf, phases, host or fp8"; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 source scripts/setup.sh || exit 1
@@ -94,7 +101,7 @@ layer_bench() {  # $1: routings
     echo "layer_bench smoke run failed:"; tail -30 "$LOG/bench_smoke.log"; test_rc=1; return
   fi
   "${py[@]}" --preset "$presets" --routing "$1" --repeats $repeats --iters $iters --out "$OUT/bench_layer.json" \
-    --commit "$commit" --date "$date" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
+    --commit "$commit" --date "$date" "${impl_args[@]}" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
   bench=("$OUT/bench_layer.json")
 }
 
@@ -177,6 +184,28 @@ layer_bench uniform
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
 layer_bench uniform,zipf1.2
+fi
+if [ "$part" = fp8 ]; then
+  ctest --test-dir $build --output-on-failure -j4 -R "Fp8|^Forward|Validate" --output-junit "$LOG/ctest.xml" \
+    > "$LOG/ctest.log" 2>&1 || test_rc=1
+  tail -3 "$LOG/ctest.log"
+  env PYTHONPATH="$PWD/$build/pkg" python3 -m pytest -q tests/python/test_fp8_layer.py tests/python/test_fp8.py \
+    --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
+  tail -1 "$LOG/pytest.log"
+  small_case=Fp8Forward/Fp8ForwardCases.MatchesTheRecipeReference/shared_padded_clamp
+  for tool in memcheck racecheck synccheck; do
+    if timeout 300 compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/test_gpu_forward_fp8 \
+         --gtest_filter="$small_case" > "$LOG/sanitizer_fp8_$tool.log" 2>&1; then outcome=passed; else outcome=failed; test_rc=1; fi
+    echo "compute-sanitizer $tool $small_case: $outcome ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_fp8_$tool.log" | tail -1))"
+    extra+=("compute-sanitizer $tool: $small_case=$outcome")
+  done
+  junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
+  fp8_presets=$presets
+  [ "$presets" = all ] && fp8_presets=deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b
+  for r in $(seq "$repeats"); do
+    $build/bench/mok_bench --preset "$fp8_presets" --impl mok,mok-fp8 --pass fwd --iters "$iters" \
+      --out "$OUT/fp8_run$r.json" --commit "$commit" --date "$date" 2>&1 | tee -a "$OUT/${date:0:10}-$commit-fp8.txt" || test_rc=1
+  done
 fi
 if [ "$part" = host ]; then
   host_presets=$presets

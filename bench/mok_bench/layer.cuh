@@ -95,8 +95,9 @@ mok::TensorView bf16_view(const void* p, std::initializer_list<std::int64_t> sha
 }
 
 // The fp64 reference of a few tokens: their experts' weights are copied back and
-// renumbered into a small problem.
-double check_sampled_tokens(const Problem& pr, const std::uint16_t* d_y) {
+// renumbered into a small problem. fp8: the FP8 recipe's reference (reference::forward_fp8:
+// per-token and per-expert-block quantization, so the sample's is the full problem's).
+double check_sampled_tokens(const Problem& pr, const std::uint16_t* d_y, bool fp8 = false) {
   const mok::MoeShape& s = pr.s;
   const std::int64_t H = s.hidden, I = s.intermediate, k = s.top_k, Is = s.shared_intermediate, T = pr.T;
   const std::vector<std::int64_t> tokens{0, T / 3, T / 2, T - 1};
@@ -136,26 +137,35 @@ double check_sampled_tokens(const Problem& pr, const std::uint16_t* d_y) {
   // (unused extra experts get zero weights).
   small.num_experts = small.num_local_experts = std::max<std::int64_t>(k, static_cast<std::int64_t>(experts.size()));
   w.gate.resize(small.num_experts * I * H), w.up.resize(small.num_experts * I * H), w.down.resize(small.num_experts * H * I);
-  const auto ref = mok::reference::forward(small, static_cast<std::int64_t>(tokens.size()), x, r, w);
+  const std::int64_t n = static_cast<std::int64_t>(tokens.size());
+  const auto ref = fp8 ? mok::reference::forward_fp8(small, n, x, r, w) : mok::reference::forward(small, n, x, r, w);
   return mok::reference::relative_error(y_gpu, ref);
 }
 
 // The fused layer on one Problem: one pass ("fwd" or "fwd+bwd") as a step that can be
 // timed, measured for peak memory, or run once with its outputs kept for a checksum.
 // impl "mok": the one-GPU kernels; "mok-ep1": the same layer through the expert-parallel
-// machinery (routing exchange, peer pulls, push combine) as an EP group of one rank.
+// machinery (routing exchange, peer pulls, push combine) as an EP group of one rank;
+// "mok-fp8": the one-GPU FP8 forward (Precision::fp8, pass "fwd" only), its routed weights
+// quantized once when the layer is made (mok::fp8::quantize_weights; not in the timed pass).
 class FusedLayer {
-  static mok::Config one_gpu_config(const mok::Config& ep_config) {  // (--interleave-rows applies to both)
+  static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8) {  // (--interleave-rows applies to all)
     mok::Config c;
-    c.interleave_rows = ep_config.interleave_rows;
+    c.interleave_rows = fp8 ? 0 : ep_config.interleave_rows;
+    c.precision = fp8 ? mok::Precision::fp8 : mok::Precision::bf16;
     return c;
+  }
+  static bool fp8_forward(const std::string& impl, const std::string& pass) {
+    if (impl != "mok-fp8") return false;
+    if (pass != "fwd") throw mok::Error("mok_bench: mok-fp8 is a forward (pass fwd), got pass '" + pass + "'");
+    return true;
   }
 
  public:
   FusedLayer(const Problem& pr, const std::string& impl, const std::string& pass, const mok::Config& ep_config,
              cudaStream_t stream)
-      : pr_(pr), ep1_(impl == "mok-ep1"), bwd_(pass == "fwd+bwd"), stream_(stream), pool_(stream),
-        ws_(pr.s, pr.T, one_gpu_config(ep_config), bwd_ ? mok::Training::save : mok::Training::off) {
+      : pr_(pr), ep1_(impl == "mok-ep1"), bwd_(pass == "fwd+bwd"), fp8_(fp8_forward(impl, pass)), stream_(stream),
+        pool_(stream), ws_(pr.s, pr.T, one_gpu_config(ep_config, fp8_), bwd_ ? mok::Training::save : mok::Training::off) {
     const mok::MoeShape& s = pr.s;
     const std::int64_t T = pr.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
                        Is = s.shared_intermediate;
@@ -171,6 +181,22 @@ class FusedLayer {
       a_.shared_gate = bf16_view(pr.shared_gate, {Is, H}), a_.shared_up = bf16_view(pr.shared_up, {Is, H}),
       a_.shared_down = bf16_view(pr.shared_down, {H, Is});
     a_.y = bf16_view(y_, {T, H});
+    if (fp8_) {
+      const std::int64_t Hb = H / 128, Ib = I / 128;
+      auto u8 = [&](std::int64_t n) { return arena_.alloc<std::uint8_t>(n); };
+      auto i32 = [&](std::int64_t n) { return arena_.alloc<std::int32_t>(n); };
+      mok::Fp8Weights w;
+      w.gate = mok::TensorView::contiguous(u8(E * I * H), mok::DType::u8, dev, {E, I, H});
+      w.up = mok::TensorView::contiguous(u8(E * I * H), mok::DType::u8, dev, {E, I, H});
+      w.down = mok::TensorView::contiguous(u8(E * H * I), mok::DType::u8, dev, {E, H, I});
+      w.gate_exponents = mok::TensorView::contiguous(i32(E * Ib * Hb), mok::DType::i32, dev, {E, Ib, Hb});
+      w.up_exponents = mok::TensorView::contiguous(i32(E * Ib * Hb), mok::DType::i32, dev, {E, Ib, Hb});
+      w.down_exponents = mok::TensorView::contiguous(i32(E * Hb * Ib), mok::DType::i32, dev, {E, Hb, Ib});
+      mok::fp8::quantize_weights(a_.w_gate, w.gate, w.gate_exponents, stream_);
+      mok::fp8::quantize_weights(a_.w_up, w.up, w.up_exponents, stream_);
+      mok::fp8::quantize_weights(a_.w_down, w.down, w.down_exponents, stream_);
+      a_.fp8 = w;
+    }
     if (ep1_) {
       group_ = std::make_unique<mok::VirtualRanks>(s, T, ep_config, bwd_ ? mok::Training::save : mok::Training::off);
       if (bwd_) {  // the EP machinery owns its buffers: fixed tensors, peak not reported
@@ -332,7 +358,7 @@ class FusedLayer {
   }
 
   const Problem& pr_;
-  const bool ep1_, bwd_;
+  const bool ep1_, bwd_, fp8_;
   cudaStream_t stream_;
   Arena arena_;
   StepPool pool_;
@@ -356,7 +382,7 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl
   FusedLayer layer(pr, impl, pass, o.ep_config, stream);
   layer.step(/*keep=*/true);
   layer.check_status();
-  const double err = check_sampled_tokens(pr, layer.y());
+  const double err = check_sampled_tokens(pr, layer.y(), impl == "mok-fp8");
   if (!(err <= 1e-2))
     throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
   if (pass == "fwd+bwd") {

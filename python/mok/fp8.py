@@ -144,3 +144,7 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
             slot.index_copy_(0, tokens, h @ down[e].t())
         y += topk_weights[:, j:j + 1].float() * slot
     return y
+
+
+# The FP8 layer's weights (mok.moe(..., precision="fp8", fp8_experts=quantize_experts(...))).
+from mok.fp8_layer import Fp8Experts, quantize_experts  # noqa: E402,F401

@@ -312,7 +312,7 @@ def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_l
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
         w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
-        swiglu_limit: Optional[float] = None) -> torch.Tensor:
+        swiglu_limit: Optional[float] = None, *, precision: str = "bf16", fp8_experts=None) -> torch.Tensor:
     """The fused MoE layer on the current CUDA stream.
 
     x [T, H] bf16; topk_ids [T, k] int32/int64 (-1 = no expert); topk_weights [T, k] fp32;
@@ -329,7 +329,18 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     Under torch.compile (and on fake or meta tensors) it is the custom ops mok::moe_forward /
     mok::moe_train_forward + mok::moe_backward; in eager mode the same bodies are called
     directly (the custom ops' dispatch is host time the GPU would wait for).
+    precision="fp8": the routed experts in E4M3 with blockwise power-of-two scales (mok.fp8_layer:
+    a forward for now, H and I multiples of 128); fp8_experts: their weights from
+    mok.fp8.quantize_experts(w_gate, w_up, w_down), else the call quantizes them itself.
     """
+    if precision == "fp8":
+        from mok.fp8_layer import moe_fp8
+
+        return moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, fp8_experts)
+    if precision != "bf16":
+        raise ValueError(f"mok.moe: precision must be 'bf16' or 'fp8', got {precision!r}")
+    if fp8_experts is not None:
+        raise ValueError("mok.moe: fp8_experts was given, but precision is 'bf16' (pass precision='fp8')")
     num_experts = w_gate.shape[0] if isinstance(w_gate, torch.Tensor) and w_gate.dim() > 0 else 0
     return call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, ONE_GPU)
 

@@ -86,20 +86,24 @@ NB_MODULE(_C, m) {
           "__init__",
           [](mok::Workspace* self, std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts,
              std::int64_t top_k, std::int64_t shared_intermediate, std::optional<float> limit, std::int64_t tokens,
-             int device, int compute_sms, double timeout_seconds, bool training) {
+             int device, int compute_sms, double timeout_seconds, bool training, const std::string& precision) {
+            if (precision != "bf16" && precision != "fp8")
+              throw nb::value_error(("mok.Workspace: precision must be 'bf16' or 'fp8', got '" + precision + "'").c_str());
             if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
               throw nb::value_error(("mok.Workspace: cannot use CUDA device " + std::to_string(device) + ": " +
                                      cudaGetErrorString(err)).c_str());
             mok::Config config;
             config.compute_sms = compute_sms;
             config.timeout_seconds = timeout_seconds;
+            config.precision = precision == "fp8" ? mok::Precision::fp8 : mok::Precision::bf16;
             new (self) mok::Workspace(make_shape(hidden, intermediate, num_experts, num_experts, top_k,
                                                  shared_intermediate, limit),
                                       tokens, config, training ? mok::Training::save : mok::Training::off);
           },
           nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("top_k"),
           nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("max_tokens"), nb::arg("device"),
-          nb::arg("compute_sms") = 0, nb::arg("timeout_seconds") = 10.0, nb::arg("training") = false)
+          nb::arg("compute_sms") = 0, nb::arg("timeout_seconds") = 10.0, nb::arg("training") = false,
+          nb::arg("precision") = "bf16")
       .def_prop_ro("max_tokens", &mok::Workspace::max_tokens)
       .def(
           "saved_elements",
@@ -129,6 +133,32 @@ NB_MODULE(_C, m) {
                                  const std::optional<mok::TensorView>& scratch) {
                                 mok::forward(a, ws, stream, saved, scratch);
                               });
+
+  // The FP8 forward (a Workspace made with precision="fp8"): the forward's arguments (no
+  // saved tensor: a forward only), then the routed weights as mok.fp8.quantize_weights gives
+  // them: E4M3 values (u8) and block exponents (i32) of gate, up and down.
+  m.def(
+      "forward_fp8",
+      [](mok::Workspace& ws, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
+         std::optional<nb::ndarray<>> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
+         std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
+         nb::ndarray<> gate_values, nb::ndarray<> gate_exponents, nb::ndarray<> up_values, nb::ndarray<> up_exponents,
+         nb::ndarray<> down_values, nb::ndarray<> down_exponents, std::uintptr_t stream,
+         std::optional<nb::ndarray<>> scratch) {
+        constexpr const char* where = "mok.forward_fp8";
+        mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y, where);
+        a.fp8 = mok::Fp8Weights{view_of(gate_values), view_of(up_values), view_of(down_values),
+                                view_of(gate_exponents), view_of(up_exponents), view_of(down_exponents)};
+        select_device(a.x, where);
+        const std::optional<mok::TensorView> scratch_view = optional_view(scratch);
+        nb::gil_scoped_release release;
+        mok::forward(a, ws, reinterpret_cast<cudaStream_t>(stream), std::nullopt, scratch_view);
+      },
+      nb::arg("workspace"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"),
+      nb::arg("w_up").none(), nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(),
+      nb::arg("shared_down").none(), nb::arg("y"), nb::arg("gate_values"), nb::arg("gate_exponents"),
+      nb::arg("up_values"), nb::arg("up_exponents"), nb::arg("down_values"), nb::arg("down_exponents"),
+      nb::arg("stream"), nb::arg("scratch").none() = nb::none());
 
   def_backward<mok::Workspace>(m, "backward", "workspace", "mok.backward",
                                [](mok::Workspace& ws, const mok::ForwardArgs& a, const mok::BackwardArgs& b,

@@ -125,6 +125,8 @@ __device__ __forceinline__ void mainloop_fp8(const ForwardParams& p, SharedStora
       wgmma_m64n128k32_e4m3<64>(acc, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
     wgmma_commit_group();
     wgmma_wait_group<0>();
+#pragma unroll
+    for (int i = 64; i < 128; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // no read of the block before the wait
     if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
     pipe.consumer_advance();
     const float b_lo = ldexpf(1.0f, e_lo), b_hi = ldexpf(1.0f, e_hi);

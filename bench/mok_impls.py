@@ -1,0 +1,127 @@
+"""The fused layer's implementations in bench/layer_bench.py: mok.moe from Python (bf16 and
+FP8), `mok_bench --serve` (the C++ layer in a second process), the checksum that compares
+their outputs bitwise, and the FP8 forward's full-size check."""
+import json
+import math
+import os
+import subprocess
+
+import torch
+
+import torch_baseline as tb
+
+
+def checksum(t, chunk=1 << 26):
+    """mok_bench.cu's checksum: the tensor's bytes as 4-byte words w_i, sum of w_i·(2i+1)
+    modulo 2^64."""
+    w = t.contiguous().view(-1).view(torch.int32)
+    total = 0
+    for s in range(0, w.numel(), chunk):
+        a = w[s:s + chunk].to(torch.int64) & 0xFFFFFFFF
+        i = torch.arange(s, s + a.numel(), device=a.device, dtype=torch.int64)
+        total += int((a * (2 * i + 1)).sum())
+    return total % (1 << 64)
+
+
+class MokPy(tb.TorchImpl):
+    """mok.moe from Python, on the same problem (gate and up as separate tensors); precision
+    "fp8": the FP8 forward with the routed weights quantized once here."""
+
+    def __init__(self, d, precision="bf16"):
+        import mok
+
+        self.mok, self.d, self.precision = mok, d, precision
+        self.leaves = [d["x"], d["weights"], d["w_gate"], d["w_up"], d["w_down"]] + list(d["shared"] or ())
+        for t in self.leaves:
+            t.requires_grad_()
+        self.experts = None
+        if precision == "fp8":
+            self.experts = mok.fp8.quantize_experts(d["w_gate"], d["w_up"], d["w_down"])
+
+    def _call(self):
+        d = self.d
+        extra = {} if self.precision == "bf16" else dict(precision="fp8", fp8_experts=self.experts)
+        return self.mok.moe(d["x"], d["ids"], d["weights"], d["w_gate"], d["w_up"], d["w_down"], shared=d["shared"],
+                            swiglu_limit=d["limit"], **extra)
+
+    def outputs(self, pass_):
+        if pass_ == "fwd":
+            with torch.no_grad():
+                out = {"y": self._call()}
+        else:
+            self.clear_grads()
+            y = self._call()
+            y.backward(self.d["dy"])
+            d = self.d
+            out = {"y": y.detach(), "dx": d["x"].grad, "d_topk_weights": d["weights"].grad, "d_w_gate": d["w_gate"].grad,
+                   "d_w_up": d["w_up"].grad, "d_w_down": d["w_down"].grad}
+            if d["shared"] is not None:
+                out.update(zip(("d_shared_gate", "d_shared_up", "d_shared_down"), (s.grad for s in d["shared"])))
+            self.clear_grads()
+        self.mok.check()  # raises if a kernel recorded an error
+        return out
+
+    def workspace_bytes(self):
+        from mok import ops
+
+        return sum(ws.bytes for ws in ops._workspaces.values())
+
+
+class MokBench:
+    """`mok_bench --serve`: the C++ layer in a second process, one command a line."""
+
+    def __init__(self, path):
+        if not os.access(path, os.X_OK):
+            raise SystemExit(f"layer_bench: {path} not found: build it (cmake --build <dir> --target mok_bench) "
+                             "or pass --mok-bench")
+        self.proc = subprocess.Popen([path, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def call(self, *words):
+        self.proc.stdin.write(" ".join(str(w) for w in words) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        while line and not line.startswith("{"):  # (only JSON answers count)
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"mok_bench --serve exited (code {self.proc.poll()}) on '{' '.join(map(str, words))}'")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return reply
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def check_mok_fp8(d, ref, passes, checks, impls, args, fail):
+    """mok-fp8-py's full-size check (y against mok.fp8.moe_reference, the FP8 recipe's
+    oracle; its distance from the eager bf16 y recorded); returns the checksum of its y for
+    mok-fp8's bitwise comparison (None if it did not run)."""
+    import mok
+
+    for ps in passes:
+        if ps != "fwd":
+            for impl in ("mok-fp8", "mok-fp8-py"):
+                checks[impl][ps] = dict(passed=None, error="forward only")  # (no record, no failure)
+    if "fwd" not in passes:
+        return None
+    try:
+        m = MokPy(d, precision="fp8")
+        y = m.outputs("fwd")["y"]
+        with torch.no_grad():
+            recipe = mok.fp8.moe_reference(d["x"], d["ids"], d["weights"], d["w_gate"], d["w_up"], d["w_down"],
+                                           d["shared"], d["limit"])
+        c = tb.compare(y, recipe)
+        del recipe
+        exact = tb.compare(y, ref["fwd"]["y"])
+        checks["mok-fp8-py"]["fwd"] = dict(passed=bool(math.isfinite(c["rel"]) and c["rel"] <= 5e-3),
+                                           rel_vs_recipe=c["rel"], tensors={"y": exact})
+        if "mok-fp8-py" in args.impls:
+            impls["mok-fp8-py"] = m
+        return {"y": checksum(y)}
+    except Exception as e:
+        fail("mok-fp8-py", "fwd", e)
+        return None

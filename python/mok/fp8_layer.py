@@ -1,0 +1,150 @@
+"""The FP8 forward from PyTorch: mok.moe(..., precision="fp8").
+
+The routed experts run in E4M3 with DeepSeek-V3's blockwise power-of-two scales (x and the
+SwiGLU output h per 1 x 128 block of a row, quantized inside the layer; the weights per
+128 x 128 block), fp32 accumulation promoted every 128 of K; the shared expert, y and the
+combine stay as in bf16. For now it is a forward (inference, evaluation) on one GPU, with H and
+I multiples of 128: a call that autograd would record raises. The routed weights come from
+quantize_experts() (quantize once per weight update and pass them as fp8_experts), or, when
+none are given, are quantized by the call itself: three small kernels that read the bf16
+weights and write a quarter more bytes than E * 3 * I * H, every call.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch.utils.dlpack import to_dlpack
+
+from mok import _C
+from mok import fp8 as _fp8
+
+BLOCK = 128  # FP8: H and I multiples of this (the scale blocks)
+
+
+class Fp8Experts(NamedTuple):
+    """The routed weights as the FP8 layer reads them (quantize_experts): E4M3 values
+    (torch.float8_e4m3fn) and the int32 exponents of their 128 x 128 blocks (block (i, j) of
+    expert e is decode(value) * 2^exponent)."""
+    gate: torch.Tensor            # [E, I, H]
+    gate_exponents: torch.Tensor  # [E, I / 128, H / 128]
+    up: torch.Tensor              # [E, I, H]
+    up_exponents: torch.Tensor    # [E, I / 128, H / 128]
+    down: torch.Tensor            # [E, H, I]
+    down_exponents: torch.Tensor  # [E, H / 128, I / 128]
+
+
+def _halves(w_gate, w_up):
+    if w_up is not None:
+        return w_gate, w_up
+    inter = w_gate.shape[1] // 2
+    return w_gate[:, :inter], w_gate[:, inter:]  # views: quantize_weights reads them in place
+
+
+def quantize_experts(w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor) -> Fp8Experts:
+    """The routed weights quantized for mok.moe(..., precision="fp8", fp8_experts=...): one
+    kernel per matrix on the current stream (mok.fp8.quantize_weights). w_up None: w_gate is
+    [E, 2I, H] (gate rows, then up rows); its halves are read in place."""
+    gate, up = _halves(w_gate, w_up)
+    return Fp8Experts(*_fp8.quantize_weights(gate), *_fp8.quantize_weights(up), *_fp8.quantize_weights(w_down))
+
+
+def _bytes_of(name, t):
+    """An E4M3 tensor as the extension takes it (uint8: DLPack has no FP8 type everywhere)."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"mok.moe: fp8_experts.{name} must be a torch.float8_e4m3fn (or uint8) tensor, got "
+                        + (str(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__))
+    return t.view(torch.uint8)
+
+
+def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit):
+    """The FP8 workspace of this layer shape and device (as mok.ops._workspace: one per shape,
+    grown to the largest T seen), kept beside the bf16 ones."""
+    from mok._state import workspaces
+
+    T, H = x.shape
+    E, _, inter = w_down.shape
+    device = x.get_device()
+    key = (device, H, inter, E, top_k, shared_intermediate, swiglu_limit, "fp8")
+    ws = workspaces.get(key)
+    if ws is None or ws.max_tokens < T:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"mok.moe: a call with {T} tokens needs a workspace for more tokens than this layer "
+                               "shape has seen; it is allocated outside CUDA graph capture: run the largest token "
+                               "count once before capturing")
+        if ws is not None:
+            ws.check(torch.cuda.current_stream(x.device).cuda_stream)
+        ws = _C.Workspace(H, inter, E, top_k, shared_intermediate, swiglu_limit, T, device, training=False,
+                          precision="fp8")
+        workspaces[key] = ws
+    return ws
+
+
+def _check_fp8(x, w_down):
+    hidden, inter = w_down.shape[1], w_down.shape[2]
+    if hidden % BLOCK or inter % BLOCK:
+        raise ValueError(f"mok.moe: precision='fp8' needs the hidden size and the experts' intermediate size to be "
+                         f"multiples of {BLOCK} (its scale blocks), got H = {hidden}, I = {inter}")
+
+
+def _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                     swiglu_limit, experts):
+    from mok import ops
+
+    ops._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
+               w_gate.shape[0], ops.ONE_GPU)
+    _check_fp8(x, w_down)
+    y = torch.empty_like(x)
+    T = x.shape[0]
+    if T == 0:
+        return y
+    if experts is None:
+        experts = quantize_experts(w_gate, w_up, w_down)
+    names = Fp8Experts._fields
+    values = [_bytes_of(n, t) if i % 2 == 0 else t for i, (n, t) in enumerate(zip(names, experts))]
+    ws = _workspace(x, w_down, topk_ids.shape[1], ops._shared_size(shared_gate), swiglu_limit)
+    tensors = ops._capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y,
+                             *values))
+    _C.forward_fp8(ws, *tensors, ops._stream(x), scratch=to_dlpack(ops._scratch(ws.forward_scratch_bytes(T), x.device)))
+    return y
+
+
+@torch.library.custom_op("mok::moe_forward_fp8", mutates_args=())
+def moe_forward_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
+                    w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
+                    shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
+                    swiglu_limit: Optional[float], gate: Optional[torch.Tensor], gate_exponents: Optional[torch.Tensor],
+                    up: Optional[torch.Tensor], up_exponents: Optional[torch.Tensor], down: Optional[torch.Tensor],
+                    down_exponents: Optional[torch.Tensor]) -> torch.Tensor:
+    """The FP8 forward under torch.compile (the quantized weights None: quantized by the call)."""
+    experts = None if gate is None else Fp8Experts(gate, gate_exponents, up, up_exponents, down, down_exponents)
+    return _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                            swiglu_limit, experts)
+
+
+@moe_forward_fp8.register_fake
+def _moe_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                          swiglu_limit, *experts):
+    from mok import ops
+
+    ops._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
+               w_gate.shape[0], ops.ONE_GPU)
+    _check_fp8(x, w_down)
+    return torch.empty_like(x)
+
+
+def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, fp8_experts):
+    """mok.moe(..., precision="fp8") (see mok.moe and this module's docstring)."""
+    from mok import ops
+
+    shared = tuple(shared) if shared is not None else (None, None, None)
+    tensors = tuple(t for t in (x, topk_weights, w_gate, w_up, w_down, *shared) if t is not None)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError("mok.moe: precision='fp8' is a forward for now (no gradients): call it under "
+                           "torch.no_grad() or torch.inference_mode(), or train with precision='bf16'")
+    if fp8_experts is not None and not isinstance(fp8_experts, Fp8Experts):
+        raise TypeError("mok.moe: fp8_experts must be what mok.fp8.quantize_experts returns (an Fp8Experts), got "
+                        f"{type(fp8_experts).__name__}")
+    args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit)
+    if ops._eager(tensors + (topk_ids,)):
+        return _run_forward_fp8(*args, fp8_experts)
+    return moe_forward_fp8(*args, *(fp8_experts if fp8_experts is not None else (None,) * 6))

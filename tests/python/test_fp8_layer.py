@@ -1,0 +1,90 @@
+"""mok.moe(..., precision="fp8"): the FP8 forward against mok.fp8.moe_reference (the recipe's
+oracle in PyTorch) on a Hopper GPU, bitwise equal with and without pre-quantized weights,
+across calls, under torch.compile and in a CUDA graph; and its argument errors (no GPU)."""
+
+import pytest
+import torch
+
+import mok
+from mok import fp8
+
+hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+
+
+def _problem(T, H, I, E, k, Is, seed, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    bf = lambda *shape, s=1.0: (torch.randn(*shape, generator=g) * s).to(torch.bfloat16).to(device)  # noqa: E731
+    x, w_gate, w_up, w_down = bf(T, H), bf(E, I, H, s=H ** -0.5), bf(E, I, H, s=H ** -0.5), bf(E, H, I, s=I ** -0.5)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    if T > 3:
+        ids[3, k - 1] = -1  # a slot routed nowhere
+    weights = torch.rand(T, k, generator=g)
+    shared = (bf(Is, H, s=H ** -0.5), bf(Is, H, s=H ** -0.5), bf(H, Is, s=Is ** -0.5)) if Is else None
+    return x, ids.to(device), weights.to(device), w_gate, w_up, w_down, shared
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("concatenated,shared,limit", [(False, False, None), (True, True, 7.0)])
+def test_fp8_forward_matches_the_recipe_oracle(concatenated, shared, limit):
+    x, ids, weights, w_gate, w_up, w_down, sh = _problem(700, 512, 256, 8, 2, 256 if shared else 0, seed=5)
+    want = fp8.moe_reference(x, ids, weights, w_gate, w_up, w_down, sh, limit)
+    gate = torch.cat([w_gate, w_up], dim=1) if concatenated else w_gate
+    up = None if concatenated else w_up
+    with torch.no_grad():
+        y = mok.moe(x, ids, weights, gate, up, w_down, shared=sh, swiglu_limit=limit, precision="fp8")
+        experts = fp8.quantize_experts(gate, up, w_down)
+        y_given = mok.moe(x, ids, weights, gate, up, w_down, shared=sh, swiglu_limit=limit, precision="fp8",
+                          fp8_experts=experts)
+        y_again = mok.moe(x, ids, weights, gate, up, w_down, shared=sh, swiglu_limit=limit, precision="fp8")
+    mok.check()
+    assert torch.isfinite(y).all()
+    assert _rel(y, want) < 5e-3  # the recipe's operands: fp32 sums, bf16 y, rare E4M3 ties apart
+    assert torch.equal(y, y_given) and torch.equal(y, y_again)
+    exact = mok.moe(x, ids, weights, gate, up, w_down, shared=sh, swiglu_limit=limit)
+    assert 1e-3 < _rel(y, exact) < 0.1  # FP8's error against the bf16 layer, not none
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_fp8_forward_compiles_and_captures():
+    x, ids, weights, w_gate, w_up, w_down, sh = _problem(300, 256, 256, 8, 2, 128, seed=6)
+    experts = fp8.quantize_experts(w_gate, w_up, w_down)
+
+    def layer(x, ids, weights):
+        return mok.moe(x, ids, weights, w_gate, w_up, w_down, shared=sh, precision="fp8", fp8_experts=experts)
+
+    with torch.no_grad():
+        eager = layer(x, ids, weights)
+        compiled = torch.compile(layer, fullgraph=True)(x, ids, weights)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                captured = layer(x, ids, weights)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+    mok.check()
+    assert torch.equal(eager, compiled) and torch.equal(eager, captured)
+
+
+def test_fp8_arguments_are_refused_before_the_gpu():
+    x, ids, weights, w_gate, w_up, w_down, _ = _problem(8, 128, 128, 4, 2, 0, seed=7, device="meta")
+    with pytest.raises(ValueError, match="precision must be 'bf16' or 'fp8', got 'fp16'"):
+        mok.moe(x, ids, weights, w_gate, w_up, w_down, precision="fp16")
+    with pytest.raises(ValueError, match="fp8_experts was given, but precision is 'bf16'"):
+        mok.moe(x, ids, weights, w_gate, w_up, w_down, fp8_experts=object())
+    with pytest.raises(TypeError, match="fp8_experts must be what mok.fp8.quantize_experts returns"):
+        with torch.no_grad():
+            mok.moe(x, ids, weights, w_gate, w_up, w_down, precision="fp8", fp8_experts=(1, 2))
+    w = w_gate.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="precision='fp8' is a forward for now"):
+        mok.moe(x, ids, weights, w, w_up, w_down, precision="fp8")
+    x2, ids2, weights2, g2, u2, d2, _ = _problem(8, 192, 128, 4, 2, 0, seed=8, device="meta")
+    with pytest.raises(ValueError, match="multiples of 128 .* got H = 192, I = 128"):
+        with torch.no_grad():
+            mok.moe(x2, ids2, weights2, g2, u2, d2, precision="fp8")
