@@ -1,4 +1,4 @@
-"""FP8 (E4M3) blockwise quantization in PyTorch, the scaling the FP8 path will use: values
+"""FP8 (E4M3) blockwise quantization in PyTorch, the scaling the FP8 layer uses (docs/fp8.md): values
 scaled per block by a power of two 2^e, the smallest that fits the block's largest magnitude
 into E4M3's 448, rounded to nearest (ties to even), saturating. Power-of-two scales make the
 conversion to MXFP8 (an E8M0 exponent per 32 elements of a row) exact.

@@ -29,13 +29,24 @@ class MoE(nn.Module):
     [r E/W, (r + 1) E/W)), routes its tokens over all num_experts, and the fused kernels
     exchange rows with the other ranks (backend "torch": mok.moe_torch_ep, all-to-all over
     the group's process group, any device, e.g. gloo on CPUs).
+    precision: "bf16", or "fp8" (backend "mok", one GPU): the routed experts in E4M3 with
+    blockwise scales (mok.moe's precision="fp8": a forward for now, for inference and
+    evaluation); the quantized routed weights are kept and made again only when a weight
+    changes (its storage or its version counter).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  shared_intermediate: int = 0, router: Optional[str] = "softmax", renormalize: bool = True,
                  swiglu_limit: Optional[float] = None, backend: str = "mok", load_balancing: bool = False,
-                 group=None, fused_gate_up: bool = False, device=None, dtype=torch.bfloat16):
+                 group=None, fused_gate_up: bool = False, precision: str = "bf16", device=None,
+                 dtype=torch.bfloat16):
         super().__init__()
+        if precision not in ("bf16", "fp8"):
+            raise ValueError(f"mok.MoE: 'precision' must be 'bf16' or 'fp8', got {precision!r}")
+        if precision == "fp8" and (backend != "mok" or group is not None):
+            raise ValueError("mok.MoE: precision='fp8' runs on the fused kernel on one GPU (backend='mok', group=None)")
+        self.precision = precision
+        self._fp8_cache = None  # (the weights' identity and versions, their mok.fp8.Fp8Experts)
         if router not in ("softmax", "sigmoid", None):
             raise ValueError(f"mok.MoE: 'router' must be 'softmax', 'sigmoid' or None, got {router!r}")
         if not 1 <= top_k <= num_experts:
@@ -138,8 +149,21 @@ class MoE(nn.Module):
             else:  # NCCL (or gloo) all-to-all around the PyTorch path: any device
                 y = moe_torch_ep(x2, ids, weights, gate, up, self.w_down, shared=shared,
                                  swiglu_limit=self.swiglu_limit, group=self.group.group)
+        elif self.precision == "fp8":
+            y = moe(x2, ids, weights, gate, up, self.w_down, shared=shared, swiglu_limit=self.swiglu_limit,
+                    precision="fp8", fp8_experts=self._fp8_experts(gate, up))
         else:
             layer = moe if self.backend == "mok" else moe_torch
             y = layer(x2, ids, weights, gate, up, self.w_down, shared=shared,
                       swiglu_limit=self.swiglu_limit)
         return y.reshape(shape)
+
+    def _fp8_experts(self, gate, up):
+        """The routed weights quantized for precision="fp8", made again when one changed."""
+        from mok import fp8
+
+        weights = (gate, self.w_down) if up is None else (gate, up, self.w_down)
+        key = tuple((w.data_ptr(), w._version) for w in weights)
+        if self._fp8_cache is None or self._fp8_cache[0] != key:
+            self._fp8_cache = (key, fp8.quantize_experts(gate, up, self.w_down))
+        return self._fp8_cache[1]

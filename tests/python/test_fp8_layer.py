@@ -88,3 +88,32 @@ def test_fp8_arguments_are_refused_before_the_gpu():
     with pytest.raises(ValueError, match="multiples of 128 .* got H = 192, I = 128"):
         with torch.no_grad():
             mok.moe(x2, ids2, weights2, g2, u2, d2, precision="fp8")
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_module_keeps_quantized_weights_until_a_weight_changes():
+    torch.manual_seed(9)
+    layer = mok.MoE(256, 128, 8, 2, shared_intermediate=128, fused_gate_up=True, precision="fp8", device="cuda")
+    x = torch.randn(300, 256, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        y = layer(x)
+        cached = layer._fp8_cache[1]
+        assert torch.equal(layer(x), y) and layer._fp8_cache[1] is cached  # kept, same bits
+        ids, weights, _ = layer.route(x)
+        want = mok.moe(x, ids, weights, layer.w_gate_up, None, layer.w_down, shared=tuple(layer.shared),
+                       precision="fp8")
+        assert torch.equal(y, want)
+        layer.w_down.mul_(0.5)  # an optimizer step or load_state_dict: the version counter moves
+        y2 = layer(x)
+        assert layer._fp8_cache[1] is not cached
+        want2 = mok.moe(x, ids, weights, layer.w_gate_up, None, layer.w_down, shared=tuple(layer.shared),
+                        precision="fp8")
+        assert torch.equal(y2, want2) and not torch.equal(y2, y)
+    mok.check()
+
+
+def test_module_precision_arguments():
+    with pytest.raises(ValueError, match="'precision' must be 'bf16' or 'fp8', got 'int8'"):
+        mok.MoE(128, 128, 4, 2, precision="int8", device="meta")
+    with pytest.raises(ValueError, match="precision='fp8' runs on the fused kernel on one GPU"):
+        mok.MoE(128, 128, 4, 2, precision="fp8", backend="torch", device="meta")

@@ -111,11 +111,21 @@ __device__ __forceinline__ void mainloop_fp8(const ForwardParams& p, SharedStora
   const float* a_rows = sc.a_rows + warp * 16 + lane / 4;  // this thread's rows r and r + 8
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+  // The scales of block kb, loaded one block ahead (an L2 load's latency is longer than the
+  // block's MMAs). A's are read only after the pass's first stage has landed: GEMM2's h
+  // scales are published with the h rows its producer waited for before that stage's loads
+  // (all of the tile's K blocks at once).
+  float a_lo = 0.0f, a_hi = 0.0f;
+  int e_lo = __ldg(sc.b_lo), e_hi = __ldg(sc.b_hi);  // (weights: constant during the kernel)
   for (int kb = 0; kb < k_steps; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    // (After the stage's wait: GEMM2's h scales were published with its h rows.)
-    const float a_lo = __ldcg(a_rows + kb * sc.a_stride), a_hi = __ldcg(a_rows + kb * sc.a_stride + 8);
-    const int e_lo = __ldg(sc.b_lo + kb), e_hi = __ldg(sc.b_hi + kb);
+    if (kb == 0) a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
+    float next_a_lo = 0.0f, next_a_hi = 0.0f;
+    int next_e_lo = 0, next_e_hi = 0;
+    if (kb + 1 < k_steps) {
+      next_a_lo = __ldcg(a_rows + (kb + 1) * sc.a_stride), next_a_hi = __ldcg(a_rows + (kb + 1) * sc.a_stride + 8);
+      next_e_lo = __ldg(sc.b_lo + kb + 1), next_e_hi = __ldg(sc.b_hi + kb + 1);
+    }
     const auto& stage = s.stages[stage_index];
     const std::uint64_t desc_a = KMajor::descriptor(reinterpret_cast<const char*>(stage.a) + wg * 64 * kFp8BlockK);
     const std::uint64_t desc_b = KMajor::descriptor(stage.b);
@@ -133,6 +143,7 @@ __device__ __forceinline__ void mainloop_fp8(const ForwardParams& p, SharedStora
     const float scale[4] = {a_lo * b_lo, a_hi * b_lo, a_lo * b_hi, a_hi * b_hi};  // exact: powers of two
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = __fmaf_rn(acc[64 + i], scale[(i >= 32 ? 2 : 0) + ((i >> 1) & 1)], acc[i]);
+    a_lo = next_a_lo, a_hi = next_a_hi, e_lo = next_e_lo, e_hi = next_e_hi;
   }
 }
 
