@@ -10,6 +10,7 @@
 #include <functional>
 #include <string>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "mok/error.hpp"
@@ -145,6 +146,52 @@ TEST(Fp8Recipe, LayerForwardMeetsTheAccuracyBar) {
     EXPECT_GE(cosine, 0.995);
     EXPECT_GT(rel, 0.0);  // (the quantization did something)
   }
+}
+
+// The FP8 backward's recipe (reference::backward_fp8) against the exact backward: every
+// gradient within FP8's error (cosine >= 0.99 here; the values are printed), each one changed
+// by the quantization, and the shared expert's weight gradients untouched (it stays bf16).
+// Also: quantizing a 128 x 128 block and transposing gives the transpose's quantization (the
+// dgrad GEMMs' transposed weights have the forward's values).
+TEST(Fp8Recipe, BackwardStaysCloseToTheExactOne) {
+  MoeShape s;
+  s.hidden = 256, s.intermediate = 256, s.num_experts = s.num_local_experts = 8, s.top_k = 2;
+  s.shared_intermediate = 128, s.swiglu_limit = 7.0f;
+  const HostProblem p = make_problem(s, 64, RoutingKind::uniform, 77);
+  std::vector<double> dy = p.reference_x();
+  for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = std::sin(0.37 * static_cast<double>(i)) * 0.5;
+  const auto exact = reference::backward(s, p.tokens, p.reference_x(), p.reference_routing(), p.reference_weights(), dy);
+  const auto fp8 = reference::backward_fp8(s, p.tokens, p.reference_x(), p.reference_routing(), p.reference_weights(), dy);
+  auto cosine = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double ab = 0, aa = 0, bb = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) ab += a[i] * b[i], aa += a[i] * a[i], bb += b[i] * b[i];
+    return ab / std::sqrt(aa * bb);
+  };
+  for (const auto& [name, got, want] :
+       {std::tuple{"dx", &fp8.x, &exact.x}, {"d_topk_weights", &fp8.topk_weights, &exact.topk_weights},
+        {"d_w_gate", &fp8.w.gate, &exact.w.gate}, {"d_w_up", &fp8.w.up, &exact.w.up},
+        {"d_w_down", &fp8.w.down, &exact.w.down}}) {
+    const double c = cosine(*got, *want), rel = reference::relative_error(*got, *want);
+    std::printf("FP8 backward recipe: %-15s cosine %.6f, relative error %.4f\n", name, c, rel);
+    EXPECT_GE(c, 0.99) << name;
+    EXPECT_GT(rel, 0.0) << name << ": the quantization changed nothing";
+  }
+  EXPECT_EQ(fp8.w.shared_gate, exact.w.shared_gate);
+  EXPECT_EQ(fp8.w.shared_up, exact.w.shared_up);
+  EXPECT_EQ(fp8.w.shared_down, exact.w.shared_down);
+
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> w(256 * 384), wt(w.size());
+  for (float& v : w) v = normal(rng) * 0.01f;
+  for (int r = 0; r < 256; ++r)
+    for (int c = 0; c < 384; ++c) wt[static_cast<std::size_t>(c) * 256 + r] = w[static_cast<std::size_t>(r) * 384 + c];
+  const Blockwise q = quantize(w.data(), 256, 384, 128, 128), qt = quantize(wt.data(), 384, 256, 128, 128);
+  for (int r = 0; r < 256; ++r)
+    for (int c = 0; c < 384; ++c)
+      ASSERT_EQ(q.values[static_cast<std::size_t>(r) * 384 + c], qt.values[static_cast<std::size_t>(c) * 256 + r]);
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 3; ++j) ASSERT_EQ(q.exponents[i * 3 + j], qt.exponents[j * 2 + i]);
 }
 
 // The GPU quantization's argument checks (they run before anything touches the device, so

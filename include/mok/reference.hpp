@@ -51,6 +51,17 @@ std::vector<double> forward_fp8(const MoeShape& shape, std::int64_t tokens, std:
 Gradients backward(const MoeShape& shape, std::int64_t tokens, std::span<const double> x,
                    const Routing& routing, const Weights& weights, std::span<const double> dy);
 
+// The backward of the FP8 recipe (forward_fp8's, with the dgrad GEMMs in E4M3; what the FP8
+// backward will implement), in fp64: the routed experts' pre-activations are FP8 GEMM1's (x
+// per 1 x 128, weights per 128 x 128); dh = weight * W_down^T dy with dy quantized per 1 x 128
+// of the token; d_topk_weight = <W_down^T dy, h> on the same operands; dx gets W_gate^T dgate +
+// W_up^T dup with dgate and dup quantized per 1 x 128 of the pair's row (the transposed
+// weights have the same 128 x 128 blocks, so the same values); the weight gradients are the
+// BF16 backward's products of the unquantized x, dy, h and dgate / dup (straight through the
+// forward's quantization of h). The shared expert is the BF16 backward's.
+Gradients backward_fp8(const MoeShape& shape, std::int64_t tokens, std::span<const double> x,
+                       const Routing& routing, const Weights& weights, std::span<const double> dy);
+
 // Helpers to feed bf16 / f32 host data to the reference.
 std::vector<double> to_double(std::span<const bf16> values);
 std::vector<double> to_double(std::span<const float> values);

@@ -129,13 +129,11 @@ std::vector<double> through_fp8(const double* values, std::int64_t rows, std::in
   return std::vector<double>(d.begin(), d.end());
 }
 
-}  // namespace
-
-std::vector<double> forward_fp8(const MoeShape& s, std::int64_t T, std::span<const double> x, const Routing& r,
-                                const Weights& w) {
-  check_inputs(s, T, x, r, w);
-  const std::int64_t H = s.hidden, I = s.intermediate, E = s.num_experts, k = s.top_k;
-  Weights q;  // the routed experts' weights through FP8, 128 x 128 blocks per expert matrix
+// The routed experts' weights through FP8, 128 x 128 blocks per expert matrix (a transposed
+// copy for the backward's GEMMs has the same blocks, so the same values).
+Weights quantized_experts(const MoeShape& s, const Weights& w) {
+  const std::int64_t H = s.hidden, I = s.intermediate, E = s.num_experts;
+  Weights q;
   q.gate.resize(E * I * H), q.up.resize(E * I * H), q.down.resize(E * H * I);
   detail::parallel_for(E, [&](std::int64_t e) {
     for (auto [from, to, rows, cols] : {std::tuple{&w.gate, &q.gate, I, H}, {&w.up, &q.up, I, H}, {&w.down, &q.down, H, I}}) {
@@ -143,6 +141,16 @@ std::vector<double> forward_fp8(const MoeShape& s, std::int64_t T, std::span<con
       std::copy(m.begin(), m.end(), to->begin() + e * rows * cols);
     }
   });
+  return q;
+}
+
+}  // namespace
+
+std::vector<double> forward_fp8(const MoeShape& s, std::int64_t T, std::span<const double> x, const Routing& r,
+                                const Weights& w) {
+  check_inputs(s, T, x, r, w);
+  const std::int64_t H = s.hidden, I = s.intermediate, k = s.top_k;
+  const Weights q = quantized_experts(s, w);
   const std::vector<double> xq = through_fp8(x.data(), T, H, 1, 128);
   std::vector<double> y(T * H, 0.0);
   detail::parallel_for(T, [&](std::int64_t t) {
@@ -165,8 +173,38 @@ std::vector<double> forward_fp8(const MoeShape& s, std::int64_t T, std::span<con
   return y;
 }
 
+namespace {
+
+// The FP8 recipe's operands of the backward (backward_fp8): the routed experts' quantized
+// weights, x and dy per 1 x 128 of a token.
+struct Fp8Operands {
+  Weights w;
+  std::vector<double> x, dy;
+};
+
+Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x, const Routing& r, const Weights& w,
+                   std::span<const double> dy, const Fp8Operands* fp8);
+
+}  // namespace
+
 Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
                    const Routing& r, const Weights& w, std::span<const double> dy) {
+  return backward(s, T, x, r, w, dy, nullptr);
+}
+
+Gradients backward_fp8(const MoeShape& s, std::int64_t T, std::span<const double> x, const Routing& r,
+                       const Weights& w, std::span<const double> dy) {
+  check_inputs(s, T, x, r, w);
+  checked_size("dy", dy.size(), T * s.hidden);
+  const Fp8Operands q{quantized_experts(s, w), through_fp8(x.data(), T, s.hidden, 1, 128),
+                      through_fp8(dy.data(), T, s.hidden, 1, 128)};
+  return backward(s, T, x, r, w, dy, &q);
+}
+
+namespace {
+
+Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x, const Routing& r, const Weights& w,
+                   std::span<const double> dy, const Fp8Operands* fp8) {
   check_inputs(s, T, x, r, w);
   const std::int64_t H = s.hidden, I = s.intermediate, E = s.num_experts, k = s.top_k;
   const std::int64_t Is = s.shared_intermediate;
@@ -188,17 +226,19 @@ Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
     const double* dyt = dy.data() + t * H;
     Activation a;
     std::vector<double> out(H), dh;
-    auto backprop = [&](const Expert& ex, double weight, std::int64_t slot) -> double {
+    // fp8 (a routed expert, quantized): the forward's pre-activations are FP8 GEMM1's; the
+    // dgrad GEMMs read quantized operands: dy (per 1 x 128) with W_down, and dgate, dup (per
+    // 1 x 128 of the pair's row) with W_gate, W_up. The weight gradients (below) read x, dy,
+    // h and dgate/dup unquantized, as BF16 GEMMs would.
+    auto backprop = [&](const Expert& ex, double weight, std::int64_t slot, bool fp8_expert) -> double {
       const std::int64_t n = ex.inter;
-      activate(ex, xt, H, s, a);
-      // d(weight) = <dy, down h>;  dh = weight * down^T dy.
-      double d_weight = 0.0;
+      activate(ex, fp8_expert ? fp8->x.data() + t * H : xt, H, s, a);
+      const double* dy_in = fp8_expert ? fp8->dy.data() + t * H : dyt;
+      // d(weight) = <dy, down h> = <down^T dy, h>;  dh = weight * down^T dy.
       dh.assign(n, 0.0);
-      for (std::int64_t h = 0; h < H; ++h) {
-        const double* row = ex.down + h * n;
-        d_weight += dyt[h] * dot(row, a.hidden.data(), n);
-        axpy(weight * dyt[h], row, dh.data(), n);
-      }
+      for (std::int64_t h = 0; h < H; ++h) axpy(dy_in[h], ex.down + h * n, dh.data(), n);
+      const double d_weight = dot(dh.data(), a.hidden.data(), n);
+      for (std::int64_t i = 0; i < n; ++i) dh[i] *= weight;
       double* hid = pair_hidden.data() + (t * slots + slot) * stride;
       double* dg = pair_dgate.data() + (t * slots + slot) * stride;
       double* du = pair_dup.data() + (t * slots + slot) * stride;
@@ -209,16 +249,19 @@ Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
         du[i] = a.up_pass[i] ? dh[i] * gv * sg : 0.0;
       }
       double* dxt = g.x.data() + t * H;
+      const std::vector<double> dgq = fp8_expert ? through_fp8(dg, 1, n, 1, 128) : std::vector<double>(dg, dg + n);
+      const std::vector<double> duq = fp8_expert ? through_fp8(du, 1, n, 1, 128) : std::vector<double>(du, du + n);
       for (std::int64_t i = 0; i < n; ++i) {
-        axpy(dg[i], ex.gate + i * H, dxt, H);
-        axpy(du[i], ex.up + i * H, dxt, H);
+        axpy(dgq[i], ex.gate + i * H, dxt, H);
+        axpy(duq[i], ex.up + i * H, dxt, H);
       }
       return d_weight;
     };
-    if (s.has_shared()) backprop(shared_expert(s, w), 1.0, k);
+    if (s.has_shared()) backprop(shared_expert(s, w), 1.0, k, false);
     for (std::int64_t j = 0; j < k; ++j) {
       const std::int32_t e = r.ids[t * k + j];
-      if (e >= 0) g.topk_weights[t * k + j] = backprop(routed_expert(s, w, e), r.weights[t * k + j], j);
+      if (e >= 0)
+        g.topk_weights[t * k + j] = backprop(routed_expert(s, fp8 ? fp8->w : w, e), r.weights[t * k + j], j, fp8 != nullptr);
     }
   });
 
@@ -265,6 +308,8 @@ Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
   });
   return g;
 }
+
+}  // namespace
 
 std::vector<double> to_double(std::span<const bf16> values) {
   std::vector<double> out(values.size());
