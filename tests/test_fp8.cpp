@@ -228,6 +228,11 @@ TEST(Fp8Weights, BadArgumentsAreNamed) {
   strided.stride = {200 * 320, 320, 2, 0};
   EXPECT_NE(message([&] { quantize_weights(strided, values, exps, nullptr); }).find("argument 'w': must have contiguous"),
             std::string::npos);
+  // Transposed: w^T's shapes.
+  EXPECT_NE(message([&] { quantize_weights(w, values, exps, nullptr, true); })
+                .find("argument 'values': shape must be [2, 320, 200] (w^T's)"), std::string::npos);
+  EXPECT_NE(message([&] { quantize_weights(w, view(DType::u8, {2, 320, 200}), exps, nullptr, true); })
+                .find("argument 'exponents': shape must be [2, 3, 2] (128 x 128 blocks of w^T)"), std::string::npos);
 }
 
 }  // namespace

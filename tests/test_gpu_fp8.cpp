@@ -92,6 +92,42 @@ TEST(GpuFp8, WeightsMatchTheHostBitwise) {
   expect_matches_host(2, 256, 512, 512, 256 * 512, 8);  // whole blocks
 }
 
+// The transposed quantization (for GEMMs by W^T): W^T's values and exponents, equal to the
+// host's quantization of the transposed matrix, ragged edges included, from a strided view.
+TEST(GpuFp8, TransposedWeightsMatchTheHostBitwise) {
+  MOK_REQUIRE_HOPPER();
+  const int E = 2, rows = 200, cols = 320, pitch = 352;
+  const std::int64_t expert_pitch = static_cast<std::int64_t>(rows) * pitch + 32;
+  const std::vector<std::uint16_t> host_w = make_weights(E, rows, cols, pitch, expert_pitch, 12);
+  const int rb = (rows + 127) / 128, cb = (cols + 127) / 128;
+  DeviceBuffer<std::uint16_t> w(host_w);
+  DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(E) * rows * cols);
+  DeviceBuffer<std::int32_t> exponents(static_cast<std::size_t>(E) * rb * cb);
+  MOK_CUDA_OK(cudaMemset(values.get(), 0xa5, values.size()));
+  TensorView wv = TensorView::contiguous(w.get(), DType::bf16, Device::cuda(0), {E, rows, cols});
+  wv.stride = {expert_pitch, pitch, 1, 0};
+  const TensorView vv = TensorView::contiguous(values.get(), DType::u8, Device::cuda(0), {E, cols, rows});
+  const TensorView ev = TensorView::contiguous(exponents.get(), DType::i32, Device::cuda(0), {E, cb, rb});
+  quantize_weights(wv, vv, ev, nullptr, /*transpose=*/true);
+  MOK_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<std::uint8_t> got = values.download();
+  const std::vector<std::int32_t> got_e = exponents.download();
+  for (int e = 0; e < E; ++e) {
+    std::vector<float> xt(static_cast<std::size_t>(cols) * rows);
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c)
+        xt[static_cast<std::size_t>(c) * rows + r] =
+            bf16::from_bits(host_w[e * expert_pitch + static_cast<std::int64_t>(r) * pitch + c]).to_float();
+    const Blockwise want = quantize(xt.data(), cols, rows, 128, 128);
+    int mismatches = 0;
+    for (std::size_t i = 0; i < want.values.size(); ++i)
+      mismatches += got[static_cast<std::size_t>(e) * rows * cols + i] != want.values[i];
+    EXPECT_EQ(mismatches, 0) << "expert " << e;
+    for (std::size_t i = 0; i < want.exponents.size(); ++i)
+      EXPECT_EQ(got_e[static_cast<std::size_t>(e) * rb * cb + i], want.exponents[i]) << "expert " << e << " block " << i;
+  }
+}
+
 TEST(GpuFp8, StridedViewsAreReadAsTheySay) {
   MOK_REQUIRE_HOPPER();
   // The up half of a concatenated [E, 2I, H] (row pitch H, expert pitch 2 I H) would have

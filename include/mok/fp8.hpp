@@ -55,7 +55,10 @@ std::vector<float> dequantize(const Mxfp8& m);
 // (block (i, j) of expert e dequantizes as decode(value) * 2^exponent), both contiguous, all
 // on one CUDA device. Each expert's bytes equal quantize(w[e] as float, rows, cols, 128, 128).
 // Deterministic: a block's scale is its largest magnitude, whatever the order it is found in.
+// transpose: the quantization of w^T instead (values [E, cols, rows], exponents [E, ceil(cols /
+// 128), ceil(rows / 128)]): the transposed bytes of the untransposed one (the same 128 x 128
+// blocks), for GEMMs that multiply by w^T (E4M3 tensor cores read K-major operands only).
 void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
-                      cudaStream_t stream);
+                      cudaStream_t stream, bool transpose = false);
 
 }  // namespace mok::fp8

@@ -87,11 +87,13 @@ def dequantize_mxfp8(values: torch.Tensor, e8m0: torch.Tensor, dtype: torch.dtyp
     return torch.ldexp(values.float(), scale.float()).to(dtype)
 
 
-def quantize_weights(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_weights(w: torch.Tensor, transpose: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """quantize(w, block=(128, 128)) of CUDA bf16 expert weights w [E, rows, cols] by one
     kernel on the current stream (the same bytes): (values float8_e4m3fn [E, rows, cols],
     exponents int32 [E, ceil(rows/128), ceil(cols/128)]). w may be a strided view with
-    contiguous rows (e.g. one half of a concatenated [E, 2I, H]); nothing is copied."""
+    contiguous rows (e.g. one half of a concatenated [E, 2I, H]); nothing is copied.
+    transpose: the quantization of w^T ([E, cols, rows], exponents [E, ceil(cols/128),
+    ceil(rows/128)]): the same blocks, so the transposed values (K-major for GEMMs by w^T)."""
     from torch.utils.dlpack import to_dlpack
 
     from mok import _C
@@ -100,10 +102,12 @@ def quantize_weights(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         raise TypeError("mok.fp8.quantize_weights: w must be a CUDA bfloat16 tensor [E, rows, cols], got "
                         + (f"{w.dtype} {tuple(w.shape)} on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__))
     E, rows, cols = w.shape
+    if transpose:
+        rows, cols = cols, rows
     values = torch.empty(E, rows, cols, dtype=torch.uint8, device=w.device)
     exponents = torch.empty(E, -(-rows // 128), -(-cols // 128), dtype=torch.int32, device=w.device)
     stream = torch.cuda.current_stream(w.device).cuda_stream
-    _C.fp8_quantize_weights(to_dlpack(w.detach()), to_dlpack(values), to_dlpack(exponents), stream)
+    _C.fp8_quantize_weights(to_dlpack(w.detach()), to_dlpack(values), to_dlpack(exponents), stream, transpose)
     return values.view(torch.float8_e4m3fn), exponents
 
 

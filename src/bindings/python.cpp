@@ -45,16 +45,17 @@ NB_MODULE(_C, m) {
 
   // The GPU's blockwise weight quantization (mok::fp8::quantize_weights) into given
   // tensors: w bf16 [E, rows, cols], values u8 [E, rows, cols], exponents i32 [E, ceil(rows /
-  // 128), ceil(cols / 128)], on `stream`.
+  // 128), ceil(cols / 128)], on `stream` (transpose: w^T's, [E, cols, rows] and [E, ceil(cols /
+  // 128), ceil(rows / 128)]).
   m.def(
       "fp8_quantize_weights",
-      [](nb::ndarray<> w, nb::ndarray<> values, nb::ndarray<> exponents, std::uintptr_t stream) {
+      [](nb::ndarray<> w, nb::ndarray<> values, nb::ndarray<> exponents, std::uintptr_t stream, bool transpose) {
         const mok::TensorView wv = view_of(w), vv = view_of(values), ev = view_of(exponents);
         select_device(wv, "mok.fp8.quantize_weights");
         nb::gil_scoped_release release;
-        mok::fp8::quantize_weights(wv, vv, ev, reinterpret_cast<cudaStream_t>(stream));
+        mok::fp8::quantize_weights(wv, vv, ev, reinterpret_cast<cudaStream_t>(stream), transpose);
       },
-      nb::arg("w"), nb::arg("values"), nb::arg("exponents"), nb::arg("stream"));
+      nb::arg("w"), nb::arg("values"), nb::arg("exponents"), nb::arg("stream"), nb::arg("transpose") = false);
 
   // fp64 CPU references of the whole layer (the test oracles), weights of all E experts: the
   // exact layer, and the layer on the FP8 recipe's quantized operands (reference::forward_fp8).

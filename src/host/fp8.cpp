@@ -116,7 +116,7 @@ std::vector<float> dequantize(const Mxfp8& m) {
 }
 
 void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, bool transpose) {
   constexpr const char* where = "mok::fp8::quantize_weights";
   if (w.dtype != DType::bf16) throw_dtype_error(where, "w", "dtype must be bf16, got ", dtype_name(w.dtype));
   if (values.dtype != DType::u8) throw_dtype_error(where, "values", "dtype must be u8 (E4M3 bytes), got ", dtype_name(values.dtype));
@@ -129,11 +129,13 @@ void quantize_weights(const TensorView& w, const TensorView& values, const Tenso
   if (w.stride[2] != 1 || w.stride[1] < C || w.stride[0] < R * w.stride[1])
     throw_argument_error(where, "w", "must have contiguous, non-overlapping rows, got strides (", w.stride[0], ", ",
                          w.stride[1], ", ", w.stride[2], ") for shape ", w.shape_string());
-  if (values.ndim != 3 || values.shape[0] != E || values.shape[1] != R || values.shape[2] != C)
-    throw_argument_error(where, "values", "shape must be [", E, ", ", R, ", ", C, "] (w's), got ", values.shape_string());
-  if (exponents.ndim != 3 || exponents.shape[0] != E || exponents.shape[1] != rb || exponents.shape[2] != cb)
-    throw_argument_error(where, "exponents", "shape must be [", E, ", ", rb, ", ", cb, "] (128 x 128 blocks of w), got ",
-                         exponents.shape_string());
+  const std::int64_t VR = transpose ? C : R, VC = transpose ? R : C, XR = transpose ? cb : rb, XC = transpose ? rb : cb;
+  if (values.ndim != 3 || values.shape[0] != E || values.shape[1] != VR || values.shape[2] != VC)
+    throw_argument_error(where, "values", "shape must be [", E, ", ", VR, ", ", VC, "] (", transpose ? "w^T" : "w",
+                         "'s), got ", values.shape_string());
+  if (exponents.ndim != 3 || exponents.shape[0] != E || exponents.shape[1] != XR || exponents.shape[2] != XC)
+    throw_argument_error(where, "exponents", "shape must be [", E, ", ", XR, ", ", XC, "] (128 x 128 blocks of ",
+                         transpose ? "w^T" : "w", "), got ", exponents.shape_string());
   if (!values.is_contiguous()) throw_argument_error(where, "values", "must be contiguous");
   if (!exponents.is_contiguous()) throw_argument_error(where, "exponents", "must be contiguous");
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"w", &w}, {"values", &values},
@@ -153,6 +155,7 @@ void quantize_weights(const TensorView& w, const TensorView& values, const Tenso
   p.values = static_cast<std::uint8_t*>(values.data);
   p.exponents = static_cast<std::int32_t*>(exponents.data);
   p.experts = static_cast<int>(E), p.rows = static_cast<int>(R), p.cols = static_cast<int>(C);
+  p.transpose = transpose;
   kernels::launch_quantize_blocks(p, stream);
   detail::cuda_check(cudaGetLastError(), where, "launching the quantization");
 }

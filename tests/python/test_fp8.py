@@ -79,6 +79,20 @@ def test_gpu_weight_quantization_equals_quantize(concatenated):
     assert torch.equal(exponents.cpu(), want_exponents.cpu())
 
 
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_gpu_transposed_weight_quantization_is_the_transposes():
+    g = torch.Generator().manual_seed(12)
+    w = (torch.randn(2, 200, 320, generator=g) * 0.02).to(torch.bfloat16).cuda()
+    values, exponents = fp8.quantize_weights(w, transpose=True)
+    want_values, want_exponents = fp8.quantize(w.float().cpu().transpose(1, 2).contiguous(), block=(128, 128))
+    assert values.shape == (2, 320, 200) and exponents.shape == (2, 3, 2)
+    assert torch.equal(values.view(torch.uint8).cpu(), want_values.view(torch.uint8))
+    assert torch.equal(exponents.cpu(), want_exponents)
+    plain_values, plain_exponents = fp8.quantize_weights(w)
+    assert torch.equal(values.view(torch.uint8), plain_values.view(torch.uint8).transpose(1, 2))
+    assert torch.equal(exponents, plain_exponents.transpose(1, 2))
+
+
 def test_weight_quantization_refuses_bad_input():
     with pytest.raises(TypeError, match="w must be a CUDA bfloat16 tensor"):
         fp8.quantize_weights(torch.zeros(2, 128, 128))

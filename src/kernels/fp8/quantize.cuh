@@ -17,6 +17,10 @@ struct QuantizeParams {
   std::uint8_t* values;     // E4M3 [experts, rows, cols], contiguous
   std::int32_t* exponents;  // [experts, ceil(rows / 128), ceil(cols / 128)]: the block's scale is 2^e
   int experts, rows, cols;
+  // W^T instead: values [experts, cols, rows], exponents [experts, ceil(cols / 128), ceil(rows /
+  // 128)] (the same blocks, so the transposed values of the untransposed quantization): the
+  // K-major operand of a GEMM that multiplies by W^T (E4M3 wgmma reads K-major only).
+  bool transpose = false;
 };
 
 // One CTA a block: its largest magnitude (a max: any order gives the same value), then
