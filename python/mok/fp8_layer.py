@@ -16,7 +16,6 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from mok import _C
-from mok import fp8 as _fp8
 
 BLOCK = 128  # FP8: H and I multiples of this (the scale blocks)
 
@@ -44,8 +43,10 @@ def quantize_experts(w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down:
     """The routed weights quantized for mok.moe(..., precision="fp8", fp8_experts=...): one
     kernel per matrix on the current stream (mok.fp8.quantize_weights). w_up None: w_gate is
     [E, 2I, H] (gate rows, then up rows); its halves are read in place."""
+    from mok.fp8 import quantize_weights  # (mok.fp8 imports this module: not at the top)
+
     gate, up = _halves(w_gate, w_up)
-    return Fp8Experts(*_fp8.quantize_weights(gate), *_fp8.quantize_weights(up), *_fp8.quantize_weights(w_down))
+    return Fp8Experts(*quantize_weights(gate), *quantize_weights(up), *quantize_weights(w_down))
 
 
 def _bytes_of(name, t):
@@ -54,29 +55,6 @@ def _bytes_of(name, t):
         raise TypeError(f"mok.moe: fp8_experts.{name} must be a torch.float8_e4m3fn (or uint8) tensor, got "
                         + (str(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__))
     return t.view(torch.uint8)
-
-
-def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit):
-    """The FP8 workspace of this layer shape and device (as mok.ops._workspace: one per shape,
-    grown to the largest T seen), kept beside the bf16 ones."""
-    from mok._state import workspaces
-
-    T, H = x.shape
-    E, _, inter = w_down.shape
-    device = x.get_device()
-    key = (device, H, inter, E, top_k, shared_intermediate, swiglu_limit, "fp8")
-    ws = workspaces.get(key)
-    if ws is None or ws.max_tokens < T:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"mok.moe: a call with {T} tokens needs a workspace for more tokens than this layer "
-                               "shape has seen; it is allocated outside CUDA graph capture: run the largest token "
-                               "count once before capturing")
-        if ws is not None:
-            ws.check(torch.cuda.current_stream(x.device).cuda_stream)
-        ws = _C.Workspace(H, inter, E, top_k, shared_intermediate, swiglu_limit, T, device, training=False,
-                          precision="fp8")
-        workspaces[key] = ws
-    return ws
 
 
 def _check_fp8(x, w_down):
@@ -101,7 +79,7 @@ def _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gat
         experts = quantize_experts(w_gate, w_up, w_down)
     names = Fp8Experts._fields
     values = [_bytes_of(n, t) if i % 2 == 0 else t for i, (n, t) in enumerate(zip(names, experts))]
-    ws = _workspace(x, w_down, topk_ids.shape[1], ops._shared_size(shared_gate), swiglu_limit)
+    ws = ops._workspace(x, w_down, topk_ids.shape[1], ops._shared_size(shared_gate), swiglu_limit, precision="fp8")
     tensors = ops._capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y,
                              *values))
     _C.forward_fp8(ws, *tensors, ops._stream(x), scratch=to_dlpack(ops._scratch(ws.forward_scratch_bytes(T), x.device)))
@@ -123,7 +101,7 @@ def moe_forward_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 
 @moe_forward_fp8.register_fake
 def _moe_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                          swiglu_limit, *experts):
+                          swiglu_limit, gate, gate_exponents, up, up_exponents, down, down_exponents):
     from mok import ops
 
     ops._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,

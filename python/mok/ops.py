@@ -26,16 +26,17 @@ def _stream(x):
     return torch.cuda.current_stream(x.device).cuda_stream
 
 
-def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit):
-    """The workspace of this layer shape and device, made on first use and remade for a
-    larger T when one comes (a workspace serves every T up to its max_tokens: variable batch
-    or sequence lengths hold one per shape, the size of the largest). It is made for training
-    (4*ceil(I/256) bytes per row more than an inference one) so that training steps and
-    evaluation under no_grad share one workspace instead of holding two."""
+def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="bf16"):
+    """The workspace of this layer shape, precision and device, made on first use and remade
+    for a larger T when one comes (a workspace serves every T up to its max_tokens: variable
+    batch or sequence lengths hold one per shape, the size of the largest). A bf16 one is made
+    for training (4*ceil(I/256) bytes per row more than an inference one) so that training
+    steps and evaluation under no_grad share one workspace instead of holding two; an fp8 one
+    is a forward's (mok.fp8_layer)."""
     T, H = x.shape
     E, _, I = w_down.shape
     device = x.get_device()
-    key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit)
+    key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit, precision)
     ws = _workspaces.get(key)
     if ws is None or ws.max_tokens < T:
         if torch.cuda.is_current_stream_capturing():
@@ -44,7 +45,8 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit):
                                "outside CUDA graph capture: run the largest token count once before capturing")
         if ws is not None:  # replaced: report what its calls recorded (synchronises, once per growth)
             ws.check(torch.cuda.current_stream(x.device).cuda_stream)
-        ws = _C.Workspace(H, I, E, top_k, shared_intermediate, swiglu_limit, T, device, training=True)
+        ws = _C.Workspace(H, I, E, top_k, shared_intermediate, swiglu_limit, T, device, training=precision == "bf16",
+                          precision=precision)
         _workspaces[key] = ws
     return ws
 

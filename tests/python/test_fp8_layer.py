@@ -117,3 +117,14 @@ def test_module_precision_arguments():
         mok.MoE(128, 128, 4, 2, precision="int8", device="meta")
     with pytest.raises(ValueError, match="precision='fp8' runs on the fused kernel on one GPU"):
         mok.MoE(128, 128, 4, 2, precision="fp8", backend="torch", device="meta")
+
+
+@pytest.mark.parametrize("first", ["mok.fp8", "mok.fp8_layer"])
+def test_fp8_modules_import_in_either_order(first):
+    """mok.fp8 re-exports the layer's quantize_experts; mok.moe(precision="fp8") imports the
+    layer first: either order must work in a fresh interpreter (a circular import did not)."""
+    import subprocess
+    import sys
+
+    code = f"import {first}, mok.fp8, mok.fp8_layer; assert mok.fp8.quantize_experts is mok.fp8_layer.quantize_experts"
+    subprocess.run([sys.executable, "-c", code], check=True)
