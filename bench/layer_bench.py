@@ -72,7 +72,6 @@ from mok_impls import MokBench, MokPy, check_mok_fp8, checksum  # noqa: E402,F40
 
 IMPLS = ("torch-compiled", "torch", "mok", "mok-py", "dense")
 OPTIONAL_IMPLS = ("torch-fp8", "mok-fp8", "mok-fp8-py")  # valid in --impl, not run unless named
-FP8_IMPLS = ("torch-fp8", "mok-fp8", "mok-fp8-py")  # forward only
 
 
 def full_check(got, ref, names):

@@ -29,6 +29,7 @@ class MokPy(tb.TorchImpl):
 
     def __init__(self, d, precision="bf16"):
         import mok
+        import mok.fp8  # noqa: F401 (mok.fp8.quantize_experts below)
 
         self.mok, self.d, self.precision = mok, d, precision
         self.leaves = [d["x"], d["weights"], d["w_gate"], d["w_up"], d["w_down"]] + list(d["shared"] or ())
@@ -100,7 +101,7 @@ def check_mok_fp8(d, ref, passes, checks, impls, args, fail):
     """mok-fp8-py's full-size check (y against mok.fp8.moe_reference, the FP8 recipe's
     oracle; its distance from the eager bf16 y recorded); returns the checksum of its y for
     mok-fp8's bitwise comparison (None if it did not run)."""
-    import mok
+    import mok.fp8
 
     for ps in passes:
         if ps != "fwd":
