@@ -122,11 +122,9 @@ inline void expect_close(const char* what, const std::vector<double>& got, const
 
 // Compares every gradient with the reference; `base` holds the f32 gradients' values
 // before the call (accumulation) or is empty.
-inline void check_gradients(const HostProblem& host, const GpuGrads& g, const std::vector<bf16>& dy, const char* name,
-                            const std::vector<std::vector<double>>& base = {}) {
-  const MoeShape& s = host.shape;
-  const auto ref = reference::backward(s, host.tokens, host.reference_x(), host.reference_routing(),
-                                       host.reference_weights(), reference::to_double(dy));
+// Every gradient of g against ref (base: what f32 gradients held before the call).
+inline void expect_gradients(const reference::Gradients& ref, const GpuGrads& g, const char* name,
+                             const std::vector<std::vector<double>>& base = {}) {
   expect_close("dx", reference::to_double(g.dx.download()), ref.x, name);
   expect_close("d_topk_weights", reference::to_double(g.d_weights.download()), ref.topk_weights, name);
   const std::vector<const DeviceBuffer<std::uint8_t>*> bufs{&g.d_gate, &g.d_up, &g.d_down, &g.d_sgate, &g.d_sup, &g.d_sdown};
@@ -140,6 +138,13 @@ inline void check_gradients(const HostProblem& host, const GpuGrads& g, const st
       for (std::size_t j = 0; j < got.size(); ++j) got[j] -= base[i][j];
     expect_close(names[i], got, *refs[i], name);
   }
+}
+
+inline void check_gradients(const HostProblem& host, const GpuGrads& g, const std::vector<bf16>& dy, const char* name,
+                            const std::vector<std::vector<double>>& base = {}) {
+  const auto ref = reference::backward(host.shape, host.tokens, host.reference_x(), host.reference_routing(),
+                                       host.reference_weights(), reference::to_double(dy));
+  expect_gradients(ref, g, name, base);
 }
 
 inline TensorView saved_view(const DeviceBuffer<bf16>& saved) {

@@ -8,7 +8,9 @@
 #include <cmath>
 #include <string>
 
+#include "gpu_grads.hpp"
 #include "gpu_problem.hpp"
+#include "mok/backward.hpp"
 #include "mok/error.hpp"
 #include "mok/forward.hpp"
 #include "mok/fp8.hpp"
@@ -116,6 +118,35 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"clamp", 400, 512, 256, 8, 2, 0, 0.5f, RoutingKind::uniform},
                       Case{"large", 2048, 1024, 512, 16, 4, 0, 0, RoutingKind::uniform}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// Training::save: the FP8 forward saves its GEMM1's pre-activations as the BF16 forward does,
+// and the BF16 backward runs on them: every gradient against reference::backward_fp8 with
+// bf16 dgrad (the FP8 forward's activations, exact dgrad products), y against the recipe.
+TEST(Fp8Forward, TrainingBackwardRunsOnTheFp8Activations) {
+  MOK_REQUIRE_HOPPER();
+  for (const Case c : {Case{"plain", 500, 256, 256, 8, 2, 0, 0, RoutingKind::uniform},
+                       Case{"shared_padded_clamp", 301, 256, 256, 8, 2, 128, 0.75f, RoutingKind::padded}}) {
+    const MoeShape s = shape_of(c);
+    const HostProblem host = make_problem(s, c.tokens, c.routing, 61 + c.tokens);
+    GpuProblem gpu(host);
+    const QuantizedWeights q(gpu);
+    const auto dy = testing::random_bf16(host.x.size(), 7 + c.tokens);
+    testing::GpuGrads grads(gpu, dy, false);
+    Workspace ws(s, c.tokens, fp8_config(), Training::save);
+    DeviceBuffer<bf16> saved(ws.saved_elements());
+    gpu.poison_output();
+    forward(fp8_args(gpu, q), ws, nullptr, testing::saved_view(saved));
+    grads.poison();
+    backward(fp8_args(gpu, q), grads.args(), ws, nullptr, testing::saved_view(saved));  // (fp8 ignored)
+    ws.check(nullptr);
+    const auto x = host.reference_x();
+    const auto y_want = reference::forward_fp8(s, c.tokens, x, host.reference_routing(), host.reference_weights());
+    EXPECT_LE(testing::compare(gpu.output(), y_want).rel_error, 5e-3) << c.name;
+    const auto ref = reference::backward_fp8(s, c.tokens, x, host.reference_routing(), host.reference_weights(),
+                                             reference::to_double(dy), /*fp8_dgrad=*/false);
+    testing::expect_gradients(ref, grads, c.name);
+  }
+}
 
 TEST(Fp8Forward, BitwiseEqualAcrossRunsAndSmCounts) {
   MOK_REQUIRE_HOPPER();

@@ -338,8 +338,8 @@ TEST(Validate, Fp8WeightsAndWorkspace) {
                "argument 'shape': Precision::fp8 needs hidden and intermediate multiples of 128 (its scale blocks), "
                "got hidden = 128, intermediate = 64");
   s.intermediate = 256;
-  expect_error([&] { Workspace(s, 8, fp8, Training::save); },
-               "argument 'config.precision': fp8 is a forward (Training::off) for now");
+  expect_error([&] { Workspace(s, 8, fp8, Training::recompute); },
+               "argument 'config.precision': fp8 trains with Training::save");
   Config bad;
   bad.precision = static_cast<Precision>(7);
   expect_error([&] { validate(bad); }, "argument 'precision': must be Precision::bf16 or Precision::fp8, got 7");

@@ -58,9 +58,12 @@ Gradients backward(const MoeShape& shape, std::int64_t tokens, std::span<const d
 // W_up^T dup with dgate and dup quantized per 1 x 128 of the pair's row (the transposed
 // weights have the same 128 x 128 blocks, so the same values); the weight gradients are the
 // BF16 backward's products of the unquantized x, dy, h and dgate / dup (straight through the
-// forward's quantization of h). The shared expert is the BF16 backward's.
+// forward's quantization of h). The shared expert is the BF16 backward's. fp8_dgrad = false:
+// the BF16 backward on the FP8 forward's pre-activations (unquantized dy, weights, dgate, dup
+// in the dgrad products): what the layer computes today for Precision::fp8 with Training::save.
 Gradients backward_fp8(const MoeShape& shape, std::int64_t tokens, std::span<const double> x,
-                       const Routing& routing, const Weights& weights, std::span<const double> dy);
+                       const Routing& routing, const Weights& weights, std::span<const double> dy,
+                       bool fp8_dgrad = true);
 
 // Helpers to feed bf16 / f32 host data to the reference.
 std::vector<double> to_double(std::span<const bf16> values);

@@ -76,8 +76,10 @@ void validate(const MoeShape& shape);
 // The arithmetic of the routed experts' GEMMs. fp8: E4M3 operands with DeepSeek-V3's blockwise
 // power-of-two scales (x and h per 1 x 128 of a row, weights per 128 x 128; mok/fp8.hpp), fp32
 // accumulation promoted every 128 of K; the shared expert, outputs and gradients stay bf16 /
-// fp32. fp8 is, for now, one GPU's forward (Training::off) with H and I multiples of 128; the
-// routed weights come quantized (ForwardArgs::fp8, mok::fp8::quantize_weights).
+// fp32. fp8 is, for now, one GPU's, with H and I multiples of 128; the routed weights come
+// quantized (ForwardArgs::fp8, mok::fp8::quantize_weights). Training (Training::save): the
+// backward is the BF16 one, on the FP8 forward's saved pre-activations and the bf16 weights
+// (no FP8 backward GEMMs yet; reference::backward_fp8 with fp8_dgrad = false).
 enum class Precision { bf16, fp8 };
 const char* precision_name(Precision precision);
 

@@ -31,8 +31,9 @@ struct ForwardArgs {
   std::optional<TensorView> shared_up;    // [I_s, H] bf16
   std::optional<TensorView> shared_down;  // [H, I_s] bf16
   TensorView y;             // [T, H] bf16, written
-  // Precision::fp8 only (and then required): the routed weights as the FP8 GEMMs read them.
-  // w_gate, w_up and w_down are still given (the bf16 weights they were quantized from).
+  // Precision::fp8 only (and then required by the forward): the routed weights as the FP8
+  // GEMMs read them. w_gate, w_up and w_down are still given (the bf16 weights they were
+  // quantized from; the backward, which ignores fp8, runs on them).
   std::optional<Fp8Weights> fp8;
 };
 

@@ -3,14 +3,16 @@
 The routed experts run in E4M3 with DeepSeek-V3's blockwise power-of-two scales (x and the
 SwiGLU output h per 1 x 128 block of a row, quantized inside the layer; the weights per
 128 x 128 block), fp32 accumulation promoted every 128 of K; the shared expert, y and the
-combine stay as in bf16. For now it is a forward (inference, evaluation) on one GPU, with H and
-I multiples of 128: a call that autograd would record raises. The routed weights come from
+combine stay as in bf16. For now on one GPU, with H and I multiples of 128. Training: the
+forward saves its GEMM1's pre-activations and the backward is the bf16 one (every gradient,
+the bf16 weights' included; no FP8 backward GEMMs yet: C++ reference::backward_fp8 with
+fp8_dgrad = false). The routed weights come from
 quantize_experts() (quantize once per weight update and pass them as fp8_experts), or, when
 none are given, are quantized by the call itself: three small kernels that read the bf16
 weights and write a quarter more bytes than E * 3 * I * H, every call.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch.utils.dlpack import to_dlpack
@@ -65,16 +67,22 @@ def _check_fp8(x, w_down):
 
 
 def _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                     swiglu_limit, experts):
+                     swiglu_limit, experts, training=False):
+    """y, and (training) the pre-activations the bf16 backward reads (else None)."""
     from mok import ops
 
+    num_experts = w_gate.shape[0]
     ops._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
-               w_gate.shape[0], ops.ONE_GPU)
+               num_experts, ops.ONE_GPU)
     _check_fp8(x, w_down)
     y = torch.empty_like(x)
+    saved = None
+    if training:
+        saved = torch.empty(ops._saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts),
+                            dtype=torch.bfloat16, device=x.device)
     T = x.shape[0]
     if T == 0:
-        return y
+        return y, saved
     if experts is None:
         experts = quantize_experts(w_gate, w_up, w_down)
     names = Fp8Experts._fields
@@ -82,8 +90,17 @@ def _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gat
     ws = ops._workspace(x, w_down, topk_ids.shape[1], ops._shared_size(shared_gate), swiglu_limit, precision="fp8")
     tensors = ops._capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y,
                              *values))
-    _C.forward_fp8(ws, *tensors, ops._stream(x), scratch=to_dlpack(ops._scratch(ws.forward_scratch_bytes(T), x.device)))
-    return y
+    _C.forward_fp8(ws, *tensors, ops._stream(x), scratch=to_dlpack(ops._scratch(ws.forward_scratch_bytes(T), x.device)),
+                   saved=None if saved is None else to_dlpack(saved))
+    return y, saved
+
+
+_EXPERT_ARGS = 6  # the custom ops' trailing tensors: Fp8Experts' fields (None: quantized by the call)
+
+
+def _experts(args):
+    gate = args[0]
+    return None if gate is None else Fp8Experts(*args)
 
 
 @torch.library.custom_op("mok::moe_forward_fp8", mutates_args=())
@@ -94,9 +111,9 @@ def moe_forward_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     up: Optional[torch.Tensor], up_exponents: Optional[torch.Tensor], down: Optional[torch.Tensor],
                     down_exponents: Optional[torch.Tensor]) -> torch.Tensor:
     """The FP8 forward under torch.compile (the quantized weights None: quantized by the call)."""
-    experts = None if gate is None else Fp8Experts(gate, gate_exponents, up, up_exponents, down, down_exponents)
+    experts = _experts((gate, gate_exponents, up, up_exponents, down, down_exponents))
     return _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                            swiglu_limit, experts)
+                            swiglu_limit, experts)[0]
 
 
 @moe_forward_fp8.register_fake
@@ -110,19 +127,95 @@ def _moe_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, share
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("mok::moe_train_forward_fp8", mutates_args=())
+def moe_train_forward_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
+                          w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
+                          shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
+                          swiglu_limit: Optional[float], gate: Optional[torch.Tensor],
+                          gate_exponents: Optional[torch.Tensor], up: Optional[torch.Tensor],
+                          up_exponents: Optional[torch.Tensor], down: Optional[torch.Tensor],
+                          down_exponents: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 forward of a training step under torch.compile: y and the saved pre-activations."""
+    experts = _experts((gate, gate_exponents, up, up_exponents, down, down_exponents))
+    return _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                            swiglu_limit, experts, training=True)
+
+
+@moe_train_forward_fp8.register_fake
+def _moe_train_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                                swiglu_limit, gate, gate_exponents, up, up_exponents, down, down_exponents):
+    from mok import ops
+
+    y = _moe_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                              swiglu_limit, gate, gate_exponents, up, up_exponents, down, down_exponents)
+    n = ops._saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, w_gate.shape[0])
+    return y, x.new_empty((n,), dtype=torch.bfloat16)
+
+
+def _save(ctx, inputs, saved):
+    """What the bf16 backward needs (mok.ops' backward inputs), from the FP8 train-forward's."""
+    from mok import ops
+
+    ctx.save_for_backward(*inputs[:ops._TENSOR_INPUTS], saved)
+    ctx.swiglu_limit, ctx.num_experts, ctx.group_id = inputs[ops._TENSOR_INPUTS], inputs[3].shape[0], ops.ONE_GPU
+
+
+def _input_grads(grads, args):
+    """The FP8 train-forward's input gradients: mok.ops' (x .. shared_down, swiglu_limit), none
+    for the quantized weights (the gradient goes to the bf16 weights they were made from)."""
+    from mok import ops
+
+    return ops._input_grads(grads, args)[:ops._TENSOR_INPUTS + 1] + (None,) * _EXPERT_ARGS
+
+
+def _train_setup_context(ctx, inputs, output):
+    _save(ctx, inputs, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _train_backward(ctx, grad_y, grad_saved):
+    from mok import ops
+
+    args = ops._backward_inputs(ctx, grad_y)
+    return _input_grads(ops.moe_backward(*args), args)
+
+
+moe_train_forward_fp8.register_autograd(_train_backward, setup_context=_train_setup_context)
+
+
+class _EagerTrainStep(torch.autograd.Function):
+    """The FP8 forward with the bf16 backward outside torch.compile (mok.ops' eager path's twin)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        y, saved = _run_forward_fp8(*inputs[:10], _experts(inputs[10:]), training=True)
+        _save(ctx, inputs, saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from mok import ops
+
+        args = ops._backward_inputs(ctx, grad_y)
+        return _input_grads(ops._run_backward(*args), args)
+
+
 def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, fp8_experts):
     """mok.moe(..., precision="fp8") (see mok.moe and this module's docstring)."""
     from mok import ops
 
     shared = tuple(shared) if shared is not None else (None, None, None)
     tensors = tuple(t for t in (x, topk_weights, w_gate, w_up, w_down, *shared) if t is not None)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise RuntimeError("mok.moe: precision='fp8' is a forward for now (no gradients): call it under "
-                           "torch.no_grad() or torch.inference_mode(), or train with precision='bf16'")
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if fp8_experts is not None and not isinstance(fp8_experts, Fp8Experts):
         raise TypeError("mok.moe: fp8_experts must be what mok.fp8.quantize_experts returns (an Fp8Experts), got "
                         f"{type(fp8_experts).__name__}")
-    args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit)
+    args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit,
+            *(fp8_experts if fp8_experts is not None else (None,) * _EXPERT_ARGS))
     if ops._eager(tensors + (topk_ids,)):
-        return _run_forward_fp8(*args, fp8_experts)
-    return moe_forward_fp8(*args, *(fp8_experts if fp8_experts is not None else (None,) * 6))
+        if train:
+            return _EagerTrainStep.apply(*args)
+        return _run_forward_fp8(*args[:10], fp8_experts)[0]
+    if train:
+        return moe_train_forward_fp8(*args)[0]
+    return moe_forward_fp8(*args)

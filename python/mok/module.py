@@ -29,10 +29,10 @@ class MoE(nn.Module):
     [r E/W, (r + 1) E/W)), routes its tokens over all num_experts, and the fused kernels
     exchange rows with the other ranks (backend "torch": mok.moe_torch_ep, all-to-all over
     the group's process group, any device, e.g. gloo on CPUs).
-    precision: "bf16", or "fp8" (backend "mok", one GPU): the routed experts in E4M3 with
-    blockwise scales (mok.moe's precision="fp8": a forward for now, for inference and
-    evaluation); the quantized routed weights are kept and made again only when a weight
-    changes (its storage or its version counter).
+    precision: "bf16", or "fp8" (backend "mok", one GPU): the routed experts' forward in E4M3
+    with blockwise scales (mok.moe's precision="fp8"; the backward is the bf16 one); the
+    quantized routed weights are kept and made again only when a weight changes (its storage
+    or its version counter: every optimizer step).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,

@@ -29,10 +29,10 @@ def _stream(x):
 def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="bf16"):
     """The workspace of this layer shape, precision and device, made on first use and remade
     for a larger T when one comes (a workspace serves every T up to its max_tokens: variable
-    batch or sequence lengths hold one per shape, the size of the largest). A bf16 one is made
-    for training (4*ceil(I/256) bytes per row more than an inference one) so that training
-    steps and evaluation under no_grad share one workspace instead of holding two; an fp8 one
-    is a forward's (mok.fp8_layer)."""
+    batch or sequence lengths hold one per shape, the size of the largest). It is made for
+    training (4*ceil(I/256) bytes per row more than an inference one) so that training steps
+    and evaluation under no_grad share one workspace instead of holding two. (An fp8 one
+    serves mok.fp8_layer's forwards; their backward is the bf16 one's.)"""
     T, H = x.shape
     E, _, I = w_down.shape
     device = x.get_device()
@@ -45,7 +45,7 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
                                "outside CUDA graph capture: run the largest token count once before capturing")
         if ws is not None:  # replaced: report what its calls recorded (synchronises, once per growth)
             ws.check(torch.cuda.current_stream(x.device).cuda_stream)
-        ws = _C.Workspace(H, I, E, top_k, shared_intermediate, swiglu_limit, T, device, training=precision == "bf16",
+        ws = _C.Workspace(H, I, E, top_k, shared_intermediate, swiglu_limit, T, device, training=True,
                           precision=precision)
         _workspaces[key] = ws
     return ws
@@ -331,8 +331,9 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     Under torch.compile (and on fake or meta tensors) it is the custom ops mok::moe_forward /
     mok::moe_train_forward + mok::moe_backward; in eager mode the same bodies are called
     directly (the custom ops' dispatch is host time the GPU would wait for).
-    precision="fp8": the routed experts in E4M3 with blockwise power-of-two scales (mok.fp8_layer:
-    a forward for now, H and I multiples of 128); fp8_experts: their weights from
+    precision="fp8": the routed experts' forward in E4M3 with blockwise power-of-two scales
+    (mok.fp8_layer; H and I multiples of 128; the backward, if autograd records, is the bf16
+    one on the FP8 forward's activations); fp8_experts: the routed weights from
     mok.fp8.quantize_experts(w_gate, w_up, w_down), else the call quantizes them itself.
     """
     if precision == "fp8":

@@ -135,9 +135,10 @@ NB_MODULE(_C, m) {
                                 mok::forward(a, ws, stream, saved, scratch);
                               });
 
-  // The FP8 forward (a Workspace made with precision="fp8"): the forward's arguments (no
-  // saved tensor: a forward only), then the routed weights as mok.fp8.quantize_weights gives
-  // them: E4M3 values (u8) and block exponents (i32) of gate, up and down.
+  // The FP8 forward (a Workspace made with precision="fp8"): the forward's arguments, then the
+  // routed weights as mok.fp8.quantize_weights gives them: E4M3 values (u8) and block
+  // exponents (i32) of gate, up and down; saved (training): the pre-activations to fill, which
+  // the (bf16) mok._C.backward reads.
   m.def(
       "forward_fp8",
       [](mok::Workspace& ws, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
@@ -145,21 +146,21 @@ NB_MODULE(_C, m) {
          std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
          nb::ndarray<> gate_values, nb::ndarray<> gate_exponents, nb::ndarray<> up_values, nb::ndarray<> up_exponents,
          nb::ndarray<> down_values, nb::ndarray<> down_exponents, std::uintptr_t stream,
-         std::optional<nb::ndarray<>> scratch) {
+         std::optional<nb::ndarray<>> scratch, std::optional<nb::ndarray<>> saved) {
         constexpr const char* where = "mok.forward_fp8";
         mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y, where);
         a.fp8 = mok::Fp8Weights{view_of(gate_values), view_of(up_values), view_of(down_values),
                                 view_of(gate_exponents), view_of(up_exponents), view_of(down_exponents)};
         select_device(a.x, where);
-        const std::optional<mok::TensorView> scratch_view = optional_view(scratch);
+        const std::optional<mok::TensorView> scratch_view = optional_view(scratch), saved_view = optional_view(saved);
         nb::gil_scoped_release release;
-        mok::forward(a, ws, reinterpret_cast<cudaStream_t>(stream), std::nullopt, scratch_view);
+        mok::forward(a, ws, reinterpret_cast<cudaStream_t>(stream), saved_view, scratch_view);
       },
       nb::arg("workspace"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"),
       nb::arg("w_up").none(), nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(),
       nb::arg("shared_down").none(), nb::arg("y"), nb::arg("gate_values"), nb::arg("gate_exponents"),
       nb::arg("up_values"), nb::arg("up_exponents"), nb::arg("down_values"), nb::arg("down_exponents"),
-      nb::arg("stream"), nb::arg("scratch").none() = nb::none());
+      nb::arg("stream"), nb::arg("scratch").none() = nb::none(), nb::arg("saved").none() = nb::none());
 
   def_backward<mok::Workspace>(m, "backward", "workspace", "mok.backward",
                                [](mok::Workspace& ws, const mok::ForwardArgs& a, const mok::BackwardArgs& b,

@@ -140,7 +140,8 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
   void* base = detail::call_scratch(ws, scratch, ws.forward_scratch_bytes(T), kScratchFrom, kWhere, stream);
   plan_device(a.topk_ids, 0, ws.plan(), stream, {}, detail::counters(ws));  // (zeroes the counters too)
   if (ws.config().precision == Precision::fp8) {
-    detail::launch_forward_fp8(a, ws, detail::forward_buffers(ws, base), stream, kWhere);
+    detail::launch_forward_fp8(a, ws, detail::forward_buffers(ws, base), stream,
+                               saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, kWhere);
     return;
   }
   detail::launch_forward_kernel(a, ws, detail::forward_buffers(ws, base), stream,

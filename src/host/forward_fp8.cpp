@@ -10,7 +10,7 @@
 namespace mok::detail {
 
 void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
-                        std::string_view where) {
+                        std::uint16_t* saved_gu, std::string_view where) {
   const MoeShape& s = ws.shape();
   const DevicePlanView& v = ws.plan().view();
   const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts;
@@ -34,6 +34,9 @@ void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& 
   using U = std::uint64_t;
   kernels::Fp8ForwardParams p{};
   set_shared_expert_params(p.base, a, ws, buffers);  // (base's routed maps stay unused)
+  p.base.saved_gu = saved_gu;  // (the same layout as the BF16 forward's)
+  p.base.shared_saved_gu = saved_gu && s.has_shared() ? saved_gu + 2 * capacity * I : nullptr;
+  p.base.saved_marker = saved_gu ? saved_marker(saved_gu, ws) : nullptr;
   const Fp8Weights& w = *a.fp8;
   p.maps.x = make_u8_tensor_map(buffers.x_fp8, {U(H), U(capacity)}, kernels::kBoxFp8, "x rows (fp8)");
   p.maps.gate = make_u8_tensor_map(w.gate.data, {U(H), U(I), U(El)}, kernels::kBoxFp8Half, "fp8.gate");

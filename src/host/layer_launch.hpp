@@ -150,9 +150,10 @@ inline kernels::BackwardParams backward_params(const ForwardArgs& a, const Backw
 }
 
 // Precision::fp8, after plan_device() with the counters zeroed: gathers and quantizes x's
-// routed rows into buffers.x_fp8 / x_scales and launches the FP8 forward kernel into a.y.
+// routed rows into buffers.x_fp8 / x_scales and launches the FP8 forward kernel into a.y
+// (saved_gu: null, or the tensor of the gate/up pre-activations to fill, as the BF16 forward).
 void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
-                        std::string_view where);
+                        std::uint16_t* saved_gu, std::string_view where);
 
 // After plan_device() into ws.plan() with the counters zeroed (also_zero = counters(ws)):
 // copies x's rows and launches the forward kernel, the full layer into a.y, or only GEMM1

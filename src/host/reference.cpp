@@ -176,10 +176,11 @@ std::vector<double> forward_fp8(const MoeShape& s, std::int64_t T, std::span<con
 namespace {
 
 // The FP8 recipe's operands of the backward (backward_fp8): the routed experts' quantized
-// weights, x and dy per 1 x 128 of a token.
+// weights, x and dy per 1 x 128 of a token, and whether the dgrad GEMMs read them.
 struct Fp8Operands {
   Weights w;
   std::vector<double> x, dy;
+  bool dgrad = true;
 };
 
 Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x, const Routing& r, const Weights& w,
@@ -193,11 +194,11 @@ Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
 }
 
 Gradients backward_fp8(const MoeShape& s, std::int64_t T, std::span<const double> x, const Routing& r,
-                       const Weights& w, std::span<const double> dy) {
+                       const Weights& w, std::span<const double> dy, bool fp8_dgrad) {
   check_inputs(s, T, x, r, w);
   checked_size("dy", dy.size(), T * s.hidden);
   const Fp8Operands q{quantized_experts(s, w), through_fp8(x.data(), T, s.hidden, 1, 128),
-                      through_fp8(dy.data(), T, s.hidden, 1, 128)};
+                      through_fp8(dy.data(), T, s.hidden, 1, 128), fp8_dgrad};
   return backward(s, T, x, r, w, dy, &q);
 }
 
@@ -226,14 +227,16 @@ Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
     const double* dyt = dy.data() + t * H;
     Activation a;
     std::vector<double> out(H), dh;
-    // fp8 (a routed expert, quantized): the forward's pre-activations are FP8 GEMM1's; the
-    // dgrad GEMMs read quantized operands: dy (per 1 x 128) with W_down, and dgate, dup (per
-    // 1 x 128 of the pair's row) with W_gate, W_up. The weight gradients (below) read x, dy,
-    // h and dgate/dup unquantized, as BF16 GEMMs would.
-    auto backprop = [&](const Expert& ex, double weight, std::int64_t slot, bool fp8_expert) -> double {
+    // fp8 (a routed expert): the forward's pre-activations are FP8 GEMM1's (act: the quantized
+    // expert, and x per 1 x 128); with fp8 dgrad the dgrad GEMMs read quantized operands (ex:
+    // the quantized expert): dy (per 1 x 128) with W_down, and dgate, dup (per 1 x 128 of the
+    // pair's row) with W_gate, W_up. The weight gradients (below) read x, dy, h and dgate/dup
+    // unquantized, as BF16 GEMMs would.
+    auto backprop = [&](const Expert& ex, const Expert& act, double weight, std::int64_t slot, bool fp8_expert) -> double {
       const std::int64_t n = ex.inter;
-      activate(ex, fp8_expert ? fp8->x.data() + t * H : xt, H, s, a);
-      const double* dy_in = fp8_expert ? fp8->dy.data() + t * H : dyt;
+      const bool dgrad = fp8_expert && fp8->dgrad;
+      activate(act, fp8_expert ? fp8->x.data() + t * H : xt, H, s, a);
+      const double* dy_in = dgrad ? fp8->dy.data() + t * H : dyt;
       // d(weight) = <dy, down h> = <down^T dy, h>;  dh = weight * down^T dy.
       dh.assign(n, 0.0);
       for (std::int64_t h = 0; h < H; ++h) axpy(dy_in[h], ex.down + h * n, dh.data(), n);
@@ -249,19 +252,21 @@ Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
         du[i] = a.up_pass[i] ? dh[i] * gv * sg : 0.0;
       }
       double* dxt = g.x.data() + t * H;
-      const std::vector<double> dgq = fp8_expert ? through_fp8(dg, 1, n, 1, 128) : std::vector<double>(dg, dg + n);
-      const std::vector<double> duq = fp8_expert ? through_fp8(du, 1, n, 1, 128) : std::vector<double>(du, du + n);
+      const std::vector<double> dgq = dgrad ? through_fp8(dg, 1, n, 1, 128) : std::vector<double>(dg, dg + n);
+      const std::vector<double> duq = dgrad ? through_fp8(du, 1, n, 1, 128) : std::vector<double>(du, du + n);
       for (std::int64_t i = 0; i < n; ++i) {
         axpy(dgq[i], ex.gate + i * H, dxt, H);
         axpy(duq[i], ex.up + i * H, dxt, H);
       }
       return d_weight;
     };
-    if (s.has_shared()) backprop(shared_expert(s, w), 1.0, k, false);
+    if (s.has_shared()) backprop(shared_expert(s, w), shared_expert(s, w), 1.0, k, false);
     for (std::int64_t j = 0; j < k; ++j) {
       const std::int32_t e = r.ids[t * k + j];
-      if (e >= 0)
-        g.topk_weights[t * k + j] = backprop(routed_expert(s, fp8 ? fp8->w : w, e), r.weights[t * k + j], j, fp8 != nullptr);
+      if (e < 0) continue;
+      const Expert act = routed_expert(s, fp8 ? fp8->w : w, e);
+      const Expert ex = routed_expert(s, fp8 && fp8->dgrad ? fp8->w : w, e);
+      g.topk_weights[t * k + j] = backprop(ex, act, r.weights[t * k + j], j, fp8 != nullptr);
     }
   });
 

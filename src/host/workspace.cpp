@@ -87,9 +87,10 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
     if (rank.rank >= 0)
       throw_argument_error("mok::Workspace", "config.precision",
                            "fp8 runs on one GPU for now; expert parallelism takes Precision::bf16");
-    if (training != Training::off)
+    if (training == Training::recompute)
       throw_argument_error("mok::Workspace", "config.precision",
-                           "fp8 is a forward (Training::off) for now; training takes Precision::bf16");
+                           "fp8 trains with Training::save (its backward runs in bf16 on the saved pre-activations of "
+                           "the FP8 forward; a recompute would redo GEMM1 in bf16)");
     if (shape.hidden % kernels::kFp8BlockK != 0 || shape.intermediate % kernels::kFp8BlockK != 0)
       throw_argument_error("mok::Workspace", "shape", "Precision::fp8 needs hidden and intermediate multiples of ",
                            kernels::kFp8BlockK, " (its scale blocks), got hidden = ", shape.hidden,

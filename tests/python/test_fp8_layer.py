@@ -49,6 +49,40 @@ def test_fp8_forward_matches_the_recipe_oracle(concatenated, shared, limit):
 
 
 @pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("concatenated", [False, True])
+def test_fp8_training_step_uses_the_bf16_backward(concatenated):
+    """Autograd through mok.moe(precision="fp8"): the FP8 forward saves its pre-activations and
+    the bf16 backward computes every gradient; they are FP8's distance from the bf16 layer's
+    (close, not equal), the same bits eagerly and under torch.compile, and the same with and
+    without pre-quantized weights."""
+    x, ids, weights, w_gate, w_up, w_down, sh = _problem(500, 256, 256, 8, 2, 128, seed=10)
+    gate = torch.cat([w_gate, w_up], dim=1) if concatenated else w_gate
+    up = None if concatenated else w_up
+    dy = torch.randn_like(x)
+
+    def grads(precision, compiled=False, **kw):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weights, gate, w_down, *sh)]
+        up_leaf = None if up is None else up.detach().clone().requires_grad_()
+        fn = lambda *a: mok.moe(*a, precision=precision, **kw)  # noqa: E731
+        fn = torch.compile(fn, fullgraph=True) if compiled else fn
+        y = fn(leaves[0], ids, leaves[1], leaves[2], up_leaf, leaves[3], tuple(leaves[4:]))
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in leaves] + ([] if up_leaf is None else [up_leaf.grad])
+
+    fp8_grads = grads("fp8")
+    bf16_grads = grads("bf16")
+    mok.check()
+    for a, b in zip(fp8_grads, bf16_grads):
+        assert torch.isfinite(a.float()).all()
+        cos = float((a.float() * b.float()).sum() / (a.float().norm() * b.float().norm()))
+        assert cos > 0.99 and _rel(a, b) > 1e-4  # FP8's error, not none
+    experts = fp8.quantize_experts(gate, up, w_down)
+    for other in (grads("fp8", compiled=True), grads("fp8", fp8_experts=experts)):
+        for a, b in zip(fp8_grads, other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
 def test_fp8_forward_compiles_and_captures():
     x, ids, weights, w_gate, w_up, w_down, sh = _problem(300, 256, 256, 8, 2, 128, seed=6)
     experts = fp8.quantize_experts(w_gate, w_up, w_down)
@@ -81,9 +115,6 @@ def test_fp8_arguments_are_refused_before_the_gpu():
     with pytest.raises(TypeError, match="fp8_experts must be what mok.fp8.quantize_experts returns"):
         with torch.no_grad():
             mok.moe(x, ids, weights, w_gate, w_up, w_down, precision="fp8", fp8_experts=(1, 2))
-    w = w_gate.clone().requires_grad_()
-    with pytest.raises(RuntimeError, match="precision='fp8' is a forward for now"):
-        mok.moe(x, ids, weights, w, w_up, w_down, precision="fp8")
     x2, ids2, weights2, g2, u2, d2, _ = _problem(8, 192, 128, 4, 2, 0, seed=8, device="meta")
     with pytest.raises(ValueError, match="multiples of 128 .* got H = 192, I = 128"):
         with torch.no_grad():

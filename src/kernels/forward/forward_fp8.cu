@@ -16,7 +16,9 @@
 //       the scale as fp32 into h_scales, published through h_ready as in the BF16 kernel.
 //   routed GEMM2 task (128 columns of H): B = 128 rows of w_down, promoted the same way with
 //       h's row scales; the fp32 tile goes to the slot buffer as in the BF16 kernel.
-//   The shared expert's GEMMs, the combine and every wait are the BF16 kernel's.
+//   The shared expert's GEMMs, the combine and every wait are the BF16 kernel's. Training
+//   (Training::save): each pass also saves its gate/up pre-activations as the BF16 kernel
+//   does, so the BF16 backward runs on the FP8 forward's activations.
 //
 // A task only waits on lower-numbered tasks and every CTA is resident: no deadlock. The bits
 // do not depend on the grid: each tile's sums run in a fixed order in one warpgroup.
@@ -155,6 +157,23 @@ __device__ __forceinline__ void swiglu_pass(float (&acc)[128], float limit) {
   for (int i = 0; i < 32; ++i) acc[i] = swiglu(acc[i], acc[i + 32], limit);
 }
 
+// Training: one pass's gate and up pre-activations (acc[0, 32) and acc[32, 64): 64 columns of
+// each from column n0) into the saved rows [gate (I) | up (I)], bf16, as the BF16 kernel saves
+// them (a clamped value as +-inf): the BF16 backward reads them.
+__device__ __forceinline__ void save_pass_pre_activations(const ForwardParams& p, const float (&acc)[128], int n0,
+                                                          int rows) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const std::int64_t stride = 2 * static_cast<std::int64_t>(p.inter);
+#pragma unroll
+  for (int i = 0; i < 32; i += 2) {
+    std::uint16_t* row = p.saved_gu + (rows + acc_row(warp, lane, i)) * stride + n0 + acc_col(lane, i);
+    *reinterpret_cast<std::uint32_t*>(row) =
+        pack_bf16x2(saved_gate(acc[i], p.swiglu_limit), saved_gate(acc[i + 1], p.swiglu_limit));
+    *reinterpret_cast<std::uint32_t*>(row + p.inter) =
+        pack_bf16x2(saved_up(acc[i + 32], p.swiglu_limit), saved_up(acc[i + 33], p.swiglu_limit));
+  }
+}
+
 // Pass 0's h waits in the warpgroup's staging buffer while pass 1 runs (fp32, each thread's
 // 32 values at 4-byte words tid, tid + 128, ...: it reads back only its own). First every
 // earlier TMA store must have read the staging.
@@ -253,8 +272,10 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const std::int64_t block_row = (static_cast<std::int64_t>(expert) * (p.inter / kFp8BlockN) + t.n) * k_blocks;
       const PassScales sc{q.x_scales + rows, q.capacity, q.gate_exponents + block_row, q.up_exponents + block_row};
       mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
+      if (p.saved_gu) save_pass_pre_activations(p, acc, t.n * kGemm1Columns, rows);
       keep_first_pass(s, acc, wg, p.swiglu_limit);
       mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
+      if (p.saved_gu) save_pass_pre_activations(p, acc, t.n * kGemm1Columns + kFp8BlockN / 2, rows);
       epilogue_gemm1_fp8(q, s, acc, t, row0, wg, pending_hidden);
     } else {
       const int k_blocks = p.inter / kFp8BlockK;
@@ -283,11 +304,12 @@ struct Fp8ForwardKernel {
     poison_output(q.base, cta, ctas);
     return false;
   }
-  __device__ static void init_shared(const P& q, Storage&, int) {
+  __device__ static void init_shared(const P& q, Storage&, int cta) {
     if (threadIdx.x == 32) {
       const Fp8ForwardMaps& m = q.maps;
       for (const CUtensorMap* map : {&m.x, &m.gate, &m.up, &m.down, &m.h_load, &m.h_store}) tma_prefetch_descriptor(map);
     }
+    if (q.base.saved_marker && cta == 0 && threadIdx.x == 0) *q.base.saved_marker = kSavedValid;
   }
   __device__ static bool is_comm(const P&, int) { return false; }
   __device__ static void run_comm(const P&, Storage&, int) {}
