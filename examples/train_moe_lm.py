@@ -7,9 +7,10 @@ initialisation, same data), and compare the loss curves and tokens/s.
     python examples/train_moe_lm.py --backend mok,mok-compiled,torch,torch-compiled --out run.json
     python examples/train_moe_lm.py --backend torch --device cpu --size tiny --steps 60
 
-Backends: `mok` (the experts on the fused kernel), `torch` (mok.moe_torch, the same layer in
-plain PyTorch), and `-compiled` variants of each: the whole model under torch.compile (graph
-breaks, if any, are counted and reported). --out writes the losses of every step and the
+Backends: `mok` (the experts on the fused kernel), `mok-fp8` (the same with the routed
+experts' forward in FP8, `precision="fp8"`: the backward is the bf16 one), `torch`
+(mok.moe_torch, the same layer in plain PyTorch), and `-compiled` variants of each: the whole
+model under torch.compile (graph breaks, if any, are counted and reported). --out writes the losses of every step and the
 tokens/s of each backend as JSON (with the commit, GPU and PyTorch version).
 
 The data is a random Markov chain over the vocabulary (each token has four possible
@@ -38,7 +39,7 @@ SIZES = {  # vocab, hidden, layers, heads, expert intermediate, experts, top_k, 
 
 
 class Block(nn.Module):
-    def __init__(self, c, backend, device, dtype):
+    def __init__(self, c, backend, device, dtype, precision="bf16"):
         super().__init__()
         h = c["hidden"]
         self.heads = c["heads"]
@@ -47,7 +48,7 @@ class Block(nn.Module):
         self.proj = nn.Linear(h, h, bias=False, device=device, dtype=dtype)
         self.norm2 = nn.RMSNorm(h, device=device, dtype=dtype)
         self.moe = mok.MoE(h, c["inter"], c["experts"], c["top_k"], backend=backend, load_balancing=True,
-                           device=device, dtype=dtype)
+                           precision=precision, device=device, dtype=dtype)
 
     def forward(self, x):
         b, s, h = x.shape
@@ -58,10 +59,10 @@ class Block(nn.Module):
 
 
 class MoeLM(nn.Module):
-    def __init__(self, c, backend, device, dtype):
+    def __init__(self, c, backend, device, dtype, precision="bf16"):
         super().__init__()
         self.embed = nn.Embedding(c["vocab"], c["hidden"], device=device, dtype=dtype)
-        self.blocks = nn.ModuleList(Block(c, backend, device, dtype) for _ in range(c["layers"]))
+        self.blocks = nn.ModuleList(Block(c, backend, device, dtype, precision) for _ in range(c["layers"]))
         self.norm = nn.RMSNorm(c["hidden"], device=device, dtype=dtype)
         self.head = nn.Linear(c["hidden"], c["vocab"], bias=False, device=device, dtype=dtype)
 
@@ -97,7 +98,9 @@ class MarkovData:
 def train(backend, args, c, device, dtype):
     torch.manual_seed(args.seed)
     layer_backend, compiled = backend.removesuffix("-compiled"), backend.endswith("-compiled")
-    model = MoeLM(c, layer_backend, device, dtype)
+    precision = "fp8" if layer_backend == "mok-fp8" else "bf16"
+    layer_backend = layer_backend.removesuffix("-fp8")
+    model = MoeLM(c, layer_backend, device, dtype, precision)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     forward = torch.compile(model) if compiled else model
     data = MarkovData(c["vocab"], args.seed, device)
@@ -136,7 +139,7 @@ def graph_breaks():
     return sum(counters["graph_break"].values())
 
 
-BACKENDS = ("mok", "mok-compiled", "torch", "torch-compiled")
+BACKENDS = ("mok", "mok-compiled", "mok-fp8", "mok-fp8-compiled", "torch", "torch-compiled")
 
 
 def main():
@@ -176,8 +179,10 @@ def main():
         print(f"{b:15s} {losses[0]:10.3f} {final:10.3f} {rate:12,.0f} {breaks[b] if b.endswith('compiled') else '':>13}")
         ok = ok and final < 0.8 * losses[0]
     print(f"(start ~ ln vocab = {math.log(c['vocab']):.2f}; the chain's entropy, the floor: {entropy:.2f})")
-    for other in ("torch", "torch-compiled"):
-        for mine in ("mok", "mok-compiled"):
+    for other in ("torch", "torch-compiled", "mok", "mok-compiled"):
+        for mine in ("mok", "mok-compiled", "mok-fp8", "mok-fp8-compiled"):
+            if mine == other:
+                continue
             if mine in results and other in results:
                 print(f"{mine} / {other} tokens/s: {results[mine][1] / results[other][1]:.3f}x")
     if args.out:

@@ -30,7 +30,8 @@
 # (--repeats rounds: 9 or more to decide a 2 % difference) into the bench JSON. `fp8` (issue 19's
 # FP8 forward): build, the FP8 and forward tests (C++ and Python), compute-sanitizer on a small FP8
 # case, then mok_bench's mok against mok-fp8 (forward, --repeats runs) on issue 19's presets into
-# <date>-<commit>-fp8.txt. --impl / --pass choose layer_bench's implementations and passes in the
+# <date>-<commit>-fp8.txt, and the training example (500 steps, mok and mok-fp8: the FP8
+# forward with the bf16 backward) into <date>-<commit>-train-fp8.json. --impl / --pass choose layer_bench's implementations and passes in the
 # bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -206,6 +207,13 @@ if [ "$part" = fp8 ]; then
     $build/bench/mok_bench --preset "$fp8_presets" --impl mok,mok-fp8 --pass fwd --iters "$iters" \
       --out "$OUT/fp8_run$r.json" --commit "$commit" --date "$date" 2>&1 | tee -a "$OUT/${date:0:10}-$commit-fp8.txt" || test_rc=1
   done
+  # Training with the FP8 forward (and the bf16 backward) beside bf16, same seed and data.
+  if env PYTHONPATH="$PWD/$build/pkg" python3 examples/train_moe_lm.py --steps 500 --backend mok,mok-fp8 \
+       --commit "$commit" --out "$OUT/${date:0:10}-$commit-train-fp8.json" > "$LOG/train_fp8.log" 2> "$LOG/train_fp8.err"; then
+    tail -6 "$LOG/train_fp8.log"
+  else
+    echo "FP8 training example failed"; tail -5 "$LOG/train_fp8.log" "$LOG/train_fp8.err"; test_rc=1
+  fi
 fi
 if [ "$part" = host ]; then
   host_presets=$presets

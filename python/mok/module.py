@@ -159,9 +159,12 @@ class MoE(nn.Module):
         return y.reshape(shape)
 
     def _fp8_experts(self, gate, up):
-        """The routed weights quantized for precision="fp8", made again when one changed."""
+        """The routed weights quantized for precision="fp8", made again when one changed (under
+        torch.compile: None, the layer quantizes them itself, without a graph break)."""
         from mok import fp8
 
+        if torch.compiler.is_compiling():
+            return None
         weights = (gate, self.w_down) if up is None else (gate, up, self.w_down)
         key = tuple((w.data_ptr(), w._version) for w in weights)
         if self._fp8_cache is None or self._fp8_cache[0] != key:
