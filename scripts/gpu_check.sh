@@ -7,7 +7,7 @@
 # $OUT/bench_layer.json (written as measured), then prints a short table.
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
-#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host|fp8]
+#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host|fp8|fp8bench]
 #                                                   [--presets all|NAME,...] [--repeats N] [--impl LIST] [--pass LIST]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON; `bench` (build if missing, then
@@ -29,9 +29,9 @@
 # <date>-<commit>-host-<preset>.txt, then layer_bench --impl mok,mok-py with 20 iterations a round
 # (--repeats rounds: 9 or more to decide a 2 % difference) into the bench JSON. `fp8` (issue 19's
 # FP8 forward): build, the FP8 and forward tests (C++ and Python), compute-sanitizer on a small FP8
-# case, then mok_bench's mok against mok-fp8 (forward, --repeats runs) on issue 19's presets into
-# <date>-<commit>-fp8.txt, and the training example (500 steps, mok and mok-fp8: the FP8
-# forward with the bf16 backward) into <date>-<commit>-train-fp8.json. --impl / --pass choose layer_bench's implementations and passes in the
+# case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8 (forward, --repeats runs) on
+# issue 19's presets into <date>-<commit>-fp8.txt, and the training example (500 steps, mok and
+# mok-fp8: the FP8 forward with the bf16 backward) into <date>-<commit>-train-fp8.json. --impl / --pass choose layer_bench's implementations and passes in the
 # bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,11 +53,11 @@ while [ $# -gt 0 ]; do
     --repeats) repeats="$2"; shift ;;
     --impl) impl_args+=(--impl "$2"); shift ;;
     --pass) impl_args+=(--pass "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host|fp8] [--presets all|NAME,...] [--repeats N] [--impl LIST] [--pass LIST]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--impl LIST] [--pass LIST]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|bench|ep|speed|train|hf|phases|host|fp8) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep, speed, train, hf, phases, host or fp8"; exit 2 ;; esac
+case "$part" in all|tests|bench|ep|speed|train|hf|phases|host|fp8|fp8bench) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep, speed, train, hf, phases, host, fp8 or fp8bench"; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 source scripts/setup.sh || exit 1
@@ -82,7 +82,8 @@ if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
   if [ "$part" = tests ] || [ "$part" = all ]; then rm -rf "$build"; fi  # a clean build: the ptxas report covers every kernel
   # The benchmark needs the library, mok_bench and the extension mok._C, not the tests.
   with_tests=ON
-  { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ]; } && [ ! -f $build/tests/test_plan ] &&
+  { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ] || [ "$part" = fp8bench ]; } &&
+    [ ! -f $build/tests/test_plan ] &&
     with_tests=OFF
   { cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON -DMOK_BUILD_PYTHON=ON \
       -DMOK_BUILD_TESTS=$with_tests &&
@@ -201,6 +202,8 @@ if [ "$part" = fp8 ]; then
     extra+=("compute-sanitizer $tool: $small_case=$outcome")
   done
   junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
+fi
+if [ "$part" = fp8bench ]; then
   fp8_presets=$presets
   [ "$presets" = all ] && fp8_presets=deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b
   for r in $(seq "$repeats"); do
