@@ -2,7 +2,8 @@
 //
 // Without a GPU it runs the CPU reference (forward + backward) and checks its gradients
 // by directional finite differences. With a Hopper GPU it also runs the fused forward and
-// the fused backward and checks every output and gradient against the reference.
+// the fused backward and checks every output and gradient against the reference, and (H and
+// I multiples of 128) the FP8 forward against the FP8 recipe's fp64 reference.
 #include <cuda_runtime_api.h>
 
 #include <chrono>
@@ -165,6 +166,39 @@ int main(int argc, char** argv) try {
     std::printf("fused forward on GPU 0: rel. error vs fp64 reference %.2e, %.1f us per call (mean of %d)\n", err,
                 1e3 * ms / kRuns, kRuns);
     ok = ok && err <= 1e-2;
+
+    // The FP8 forward (Precision::fp8): the routed weights quantized on the GPU, y against the
+    // fp64 reference of the same recipe (reference::forward_fp8) and, for scale, the exact layer.
+    if (H % 128 == 0 && I % 128 == 0) {
+      mok::Fp8Weights q;
+      auto quantized = [&](const mok::TensorView& bf16, std::int64_t rows, std::int64_t cols, mok::TensorView& values,
+                           mok::TensorView& exponents) {
+        values = mok::TensorView::contiguous(upload(std::vector<std::uint8_t>(E * rows * cols)), mok::DType::u8, gpu,
+                                             {E, rows, cols});
+        exponents = mok::TensorView::contiguous(upload(std::vector<std::int32_t>(E * (rows / 128) * (cols / 128))),
+                                                mok::DType::i32, gpu, {E, rows / 128, cols / 128});
+        mok::fp8::quantize_weights(bf16, values, exponents, nullptr);
+      };
+      quantized(a.w_gate, I, H, q.gate, q.gate_exponents);
+      quantized(a.w_up, I, H, q.up, q.up_exponents);
+      quantized(a.w_down, H, I, q.down, q.down_exponents);
+      mok::ForwardArgs a8 = a;
+      a8.fp8 = q;
+      mok::Config fp8;
+      fp8.precision = mok::Precision::fp8;
+      mok::Workspace ws8(s, T, fp8);
+      cudaMemset(a.y.data, 0xff, T * H * 2);
+      mok::forward(a8, ws8, nullptr);
+      ws8.check(nullptr);
+      cudaMemcpy(y_gpu.data(), a.y.data, T * H * 2, cudaMemcpyDeviceToHost);
+      const auto y8 = mok::reference::to_double(y_gpu);
+      const double err8 = mok::reference::relative_error(y8, mok::reference::forward_fp8(s, T, x, routing, w));
+      std::printf("fused FP8 forward on GPU 0: rel. error vs the FP8 recipe's fp64 reference %.2e, vs the exact layer "
+                  "%.2e\n", err8, mok::reference::relative_error(y8, y));
+      ok = ok && err8 <= 5e-3;
+      for (const mok::TensorView* v : {&q.gate, &q.up, &q.down, &q.gate_exponents, &q.up_exponents, &q.down_exponents})
+        cudaFree(v->data);
+    }
 
     // The fused backward (the forward saves its pre-activations), every gradient against
     // the fp64 reference gradients computed above.
