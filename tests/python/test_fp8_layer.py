@@ -72,8 +72,12 @@ def test_fp8_training_step_uses_the_bf16_backward(concatenated):
     fp8_grads = grads("fp8")
     bf16_grads = grads("bf16")
     mok.check()
-    for a, b in zip(fp8_grads, bf16_grads):
+    shared = {5, 6, 7}  # the shared expert's gradients: it stays bf16, its inputs are the same
+    for i, (a, b) in enumerate(zip(fp8_grads, bf16_grads)):
         assert torch.isfinite(a.float()).all()
+        if i in shared:
+            assert torch.equal(a, b)
+            continue
         cos = float((a.float() * b.float()).sum() / (a.float().norm() * b.float().norm()))
         assert cos > 0.99 and _rel(a, b) > 1e-4  # FP8's error, not none
     experts = fp8.quantize_experts(gate, up, w_down)
