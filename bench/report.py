@@ -86,7 +86,7 @@ def table(records):
     return "\n".join(lines)
 
 
-LAYER_IMPLS = ("mok", "mok-py", "torch-compiled", "torch", "dense")
+LAYER_IMPLS = ("mok", "mok-py", "torch-compiled", "torch", "dense", "mok-fp8", "mok-fp8-py", "torch-fp8")
 EP_IMPLS = ("mok-ep", "torch-compiled-ep", "torch-ep", "mok-compute")
 
 
@@ -125,6 +125,8 @@ def layer_table(records):
         me, base, eager = "mok", "torch-compiled", "torch"
         ratios = [(f"mok / {base}", "mok", base), (f"mok-py / {base}", "mok-py", base), ("mok / torch", "mok", eager),
                   ("mok / dense", "mok", "dense")]
+        if any(r["impl"] in ("mok-fp8", "torch-fp8") for r in records):  # issue 19's ratios
+            ratios += [("mok-fp8 / mok", "mok-fp8", "mok"), ("mok-fp8 / torch-fp8", "mok-fp8", "torch-fp8")]
         order = LAYER_IMPLS
     out = []
     for routing in dict.fromkeys(r.get("routing", "uniform") for r in records):
