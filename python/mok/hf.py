@@ -7,7 +7,9 @@
 Works with the experts modules that store `gate_up_proj` [E, 2I, H] (gate rows, then up
 rows), `down_proj` [E, H, I], no biases and SiLU (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3);
 DeepSeek-V3's shared expert stays in the model's own code. "mok_torch" registers the same
-glue over mok.moe_torch (plain PyTorch, any device) for comparisons and CPU tests.
+glue over mok.moe_torch (plain PyTorch, any device) for comparisons and CPU tests; "mok_fp8"
+runs the routed experts' forward in FP8 (mok.moe(..., precision="fp8"); the backward is the
+bf16 one), the quantized weights kept on the experts module until a weight changes.
 
 `gate_up_proj` goes to the kernel as it is (w_up None: the kernel reads its gate and up
 halves in place, and writes its gradient as one [E, 2I, H] tensor): no copy per call.
@@ -41,23 +43,53 @@ def _experts_forward(layer: Callable) -> Callable:
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         w_gate, w_up, w_down = _expert_weights(self)
-        y = layer(hidden_states, top_k_index, top_k_weights.float(), w_gate, w_up, w_down)
+        y = layer(self, hidden_states, top_k_index, top_k_weights.float(), w_gate, w_up, w_down)
         return y.to(hidden_states.dtype)
 
     forward.__name__ = f"{layer.__name__}_experts_forward"
     return forward
 
 
-mok_experts_forward = _experts_forward(moe)
-mok_torch_experts_forward = _experts_forward(moe_torch)
+def _fp8_experts(module, w_gate, w_down):
+    """The module's routed weights quantized for the FP8 layer, kept on it until a weight's
+    storage or version changes (under torch.compile: None, the layer quantizes them itself)."""
+    from mok.fp8 import quantize_experts
+
+    if torch.compiler.is_compiling():
+        return None
+    key = tuple((w.data_ptr(), w._version) for w in (w_gate, w_down))
+    cached = getattr(module, "_mok_fp8_experts", None)
+    if cached is None or cached[0] != key:
+        cached = (key, quantize_experts(w_gate, None, w_down))
+        module._mok_fp8_experts = cached
+    return cached[1]
+
+
+def _mok(module, x, ids, weights, w_gate, w_up, w_down):
+    return moe(x, ids, weights, w_gate, w_up, w_down)
+
+
+def _mok_fp8(module, x, ids, weights, w_gate, w_up, w_down):
+    return moe(x, ids, weights, w_gate, w_up, w_down, precision="fp8", fp8_experts=_fp8_experts(module, w_gate, w_down))
+
+
+def _mok_torch(module, x, ids, weights, w_gate, w_up, w_down):
+    return moe_torch(x, ids, weights, w_gate, w_up, w_down)
+
+
+mok_experts_forward = _experts_forward(_mok)
+mok_fp8_experts_forward = _experts_forward(_mok_fp8)
+mok_torch_experts_forward = _experts_forward(_mok_torch)
 
 
 def register() -> None:
-    """Registers "mok" (the fused kernel) and "mok_torch" with transformers' experts
-    interface (needs transformers >= 5 with `transformers.integrations.moe.ExpertsInterface`)."""
+    """Registers "mok" (the fused kernel), "mok_fp8" (its FP8 forward) and "mok_torch" with
+    transformers' experts interface (needs transformers >= 5 with
+    `transformers.integrations.moe.ExpertsInterface`)."""
     try:
         from transformers.integrations.moe import ExpertsInterface
     except ImportError as e:  # pragma: no cover - depends on the installed transformers
         raise ImportError("mok.hf.register: needs transformers >= 5 (transformers.integrations.moe.ExpertsInterface)") from e
     ExpertsInterface.register("mok", mok_experts_forward)
+    ExpertsInterface.register("mok_fp8", mok_fp8_experts_forward)
     ExpertsInterface.register("mok_torch", mok_torch_experts_forward)

@@ -96,3 +96,25 @@ def test_fused_kernel_matches_eager_on_gpu(name):
     assert _rel(m, r) <= 2 * _rel(e, r) + 1e-3, (_rel(m, r), _rel(e, r))
     for n in gr:
         assert _rel(gm[n], gr[n]) <= 2 * _rel(ge[n], gr[n]) + 1e-3, (n, _rel(gm[n], gr[n]), _rel(ge[n], gr[n]))
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_fp8_experts_are_close_to_bf16_on_gpu():
+    # "mok_fp8" (the routed experts' forward in FP8, the bf16 backward): logits and every
+    # gradient within FP8's error of "mok"'s (expert sizes multiples of 128, as FP8 needs).
+    cfg = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=128, moe_intermediate_size=128, num_experts=8,
+                                      num_experts_per_tok=2, head_dim=32, norm_topk_prob=True)
+    torch.manual_seed(0)
+    models = []
+    for impl in ("mok", "mok_fp8"):
+        m = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=impl, dtype=torch.bfloat16)
+        if models:
+            m.load_state_dict(models[0].state_dict())
+        models.append(m.to("cuda"))
+    ids = torch.randint(0, 128, (4, 64), device="cuda")
+    (b, gb), (f, gf) = (_logits_and_grads(m, ids) for m in models)
+    mok.check()
+    cos = lambda a, c: float((a * c).sum() / (a.norm() * c.norm()))  # noqa: E731
+    assert torch.isfinite(f).all() and cos(f, b) > 0.99 and _rel(f, b) > 0
+    for n in gb:
+        assert torch.isfinite(gf[n]).all() and cos(gf[n], gb[n]) > 0.98, n
