@@ -338,6 +338,11 @@ TEST(Validate, Fp8WeightsAndWorkspace) {
                "argument 'shape': Precision::fp8 needs hidden and intermediate multiples of 128 (its scale blocks), "
                "got hidden = 128, intermediate = 64");
   s.intermediate = 256;
+  Config interleaved = fp8;
+  interleaved.interleave_rows = 1024;
+  expect_error([&] { Workspace(s, 8, interleaved); },
+               "argument 'config.interleave_rows': must be 0 with Precision::fp8 (its kernel runs GEMM1 before GEMM2), "
+               "got 1024");
   expect_error([&] { Workspace(s, 8, fp8, Training::recompute); },
                "argument 'config.precision': fp8 trains with Training::save");
   Config bad;

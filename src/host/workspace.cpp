@@ -91,6 +91,10 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
       throw_argument_error("mok::Workspace", "config.precision",
                            "fp8 trains with Training::save (its backward runs in bf16 on the saved pre-activations of "
                            "the FP8 forward; a recompute would redo GEMM1 in bf16)");
+    if (config.interleave_rows > 0)
+      throw_argument_error("mok::Workspace", "config.interleave_rows",
+                           "must be 0 with Precision::fp8 (its kernel runs GEMM1 before GEMM2), got ",
+                           config.interleave_rows);
     if (shape.hidden % kernels::kFp8BlockK != 0 || shape.intermediate % kernels::kFp8BlockK != 0)
       throw_argument_error("mok::Workspace", "shape", "Precision::fp8 needs hidden and intermediate multiples of ",
                            kernels::kFp8BlockK, " (its scale blocks), got hidden = ", shape.hidden,
