@@ -298,3 +298,65 @@ def test_layer_bench_times_torch_fp8_forward_only(monkeypatch):
     assert set(got) == {("torch", "fwd"), ("torch", "fwd+bwd"), ("torch-fp8", "fwd")}
     fp8 = got[("torch-fp8", "fwd")]
     assert fp8["check"] == "passed" and fp8["check_detail"]["tensors"]["y"]["cos"] >= 0.99
+
+
+def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch):
+    """layer_bench.run_preset with mok-fp8-py and mok-fp8 asked for, on the CPU: the FP8 layer
+    stubbed by its PyTorch oracle (mok.fp8.moe_reference rounded to bf16), the C++ server by an
+    object that answers with the same y's checksum, the GPU timers and peak probe stubbed. Both
+    are checked (mok-fp8-py against the oracle, mok-fp8 bitwise against mok-fp8-py) and
+    recorded for fwd only; fwd+bwd is neither recorded nor reported as a failure; a preset whose
+    H or I is not a multiple of 128 records no FP8 implementation and fails nothing."""
+    import argparse
+
+    import mok
+    import mok.fp8
+
+    make = tb.make_inputs
+    monkeypatch.setattr(tb, "make_inputs", lambda p, routing, seed, device="cuda": make(p, routing, seed, device="cpu"))
+    monkeypatch.setattr(tb, "time_ms", lambda fn, warmup, iters, before=None, host=None: [1.0] * iters)
+    monkeypatch.setattr(tb, "peak_bytes", lambda fn, before=None: 0)
+    monkeypatch.setattr(mok.fp8, "quantize_experts", lambda g, u, d: ("quantized", g, u, d))
+    seen = {}
+    real_moe = mok.moe
+
+    def fake_moe(x, ids, weights, w_gate, w_up, w_down, shared=None, swiglu_limit=None, *, precision="bf16",
+                 fp8_experts=None):
+        if precision != "fp8":
+            return real_moe(x, ids, weights, w_gate, w_up, w_down, shared, swiglu_limit)
+        assert fp8_experts == ("quantized", w_gate, w_up, w_down)  # quantized once, passed every call
+        y = mok.fp8.moe_reference(x, ids, weights, w_gate, w_up, w_down, shared, swiglu_limit).to(torch.bfloat16)
+        seen["checksum"] = layer_bench.checksum(y)
+        return y
+    monkeypatch.setattr(mok, "moe", fake_moe)
+
+    class Server:
+        calls = []
+
+        def call(self, *words):
+            self.calls.append(words)
+            if words[0] == "check":
+                return {"checksums": {"y": str(seen["checksum"])}}
+            if words[0] == "time":
+                return {"ms": [1.0] * words[3], "host_ms": [0.0] * words[3]}
+            if words[0] == "peak":
+                return {"peak_bytes": 0}
+            return {"ok": True}
+
+    server = Server()
+    args = argparse.Namespace(impls=["torch", "mok-fp8-py", "mok-fp8"], passes=["fwd", "fwd+bwd"], seed=1, repeats=1,
+                              iters=2, warmup=0, compiled=None, commit="c", date="d")
+    records = []
+    preset = dict(name="test", tokens=64, hidden=256, intermediate=128, experts=8, top_k=2, shared_intermediate=0,
+                  swiglu_limit=0.0)
+    layer_bench.run_preset(preset, "uniform", args, server, "cpu", records.append)
+    got = {(r["impl"], r["pass"]): r for r in records}
+    assert set(got) == {("torch", "fwd"), ("torch", "fwd+bwd"), ("mok-fp8-py", "fwd"), ("mok-fp8", "fwd")}
+    assert got[("mok-fp8-py", "fwd")]["check"] == "passed"
+    assert got[("mok-fp8", "fwd")]["check"] == "passed"
+    assert got[("mok-fp8", "fwd")]["check_detail"]["bitwise_equal_to_mok_fp8_py"]
+    assert ("check", "fwd", "mok-fp8") in server.calls and ("peak", "fwd", "mok-fp8") in server.calls
+
+    records.clear()
+    layer_bench.run_preset(small_preset(tokens=64), "uniform", args, server, "cpu", records.append)  # I = 64
+    assert {r["impl"] for r in records} == {"torch"} and all(r["check"] != "failed" for r in records)
