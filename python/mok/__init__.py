@@ -21,6 +21,7 @@ try:  # the PyTorch API needs torch; the CPU reference does not
 except ImportError:  # pragma: no cover - exercised only without torch
     pass
 else:
+    from mok import fp8  # noqa: F401 (mok.fp8.quantize_experts, the FP8 layer's weights)
     from mok.module import MoE  # noqa: F401
     from mok.ops import check, moe  # noqa: F401
     from mok.torch_path import moe_torch, moe_torch_ep  # noqa: F401
