@@ -60,6 +60,14 @@ ForwardArgs fp8_args(const GpuProblem& gpu, const QuantizedWeights& q) {
   return a;
 }
 
+// One FP8 forward on ws into gpu.y (poisoned first); y's bits.
+std::vector<bf16> run_fp8(const GpuProblem& gpu, const QuantizedWeights& q, Workspace& ws) {
+  gpu.poison_output();
+  forward(fp8_args(gpu, q), ws, nullptr);
+  ws.check(nullptr);
+  return gpu.y.download();
+}
+
 Config fp8_config(int sms = 0) {
   Config c;
   c.precision = Precision::fp8;
@@ -157,10 +165,7 @@ TEST(Fp8Forward, BitwiseEqualAcrossRunsAndSmCounts) {
   std::vector<std::vector<bf16>> runs;
   for (int sms : {0, 0, 7, 61}) {
     Workspace ws(s, host.tokens, fp8_config(sms));
-    gpu.poison_output();
-    forward(fp8_args(gpu, q), ws, nullptr);
-    ws.check(nullptr);
-    runs.push_back(gpu.y.download());
+    runs.push_back(run_fp8(gpu, q, ws));
   }
   for (std::size_t i = 1; i < runs.size(); ++i) EXPECT_TRUE(same_bits(runs[0], runs[i])) << "run " << i;
 }
@@ -174,13 +179,8 @@ TEST(Fp8Forward, OneWorkspaceServesEveryTokenCountBitwise) {
     GpuProblem gpu(host);
     const QuantizedWeights q(gpu);
     Workspace own(s, T, fp8_config());
-    forward(fp8_args(gpu, q), own, nullptr);
-    own.check(nullptr);
-    const auto want = gpu.y.download();
-    gpu.poison_output();
-    forward(fp8_args(gpu, q), big, nullptr);
-    big.check(nullptr);
-    EXPECT_TRUE(same_bits(gpu.y.download(), want)) << "T = " << T;
+    const auto want = run_fp8(gpu, q, own);
+    EXPECT_TRUE(same_bits(run_fp8(gpu, q, big), want)) << "T = " << T;
   }
 }
 

@@ -40,9 +40,13 @@ std::vector<std::uint16_t> make_weights(int E, int rows, int cols, int pitch, st
   return w;
 }
 
-void expect_matches_host(int E, int rows, int cols, int pitch, std::int64_t expert_pitch, std::uint64_t seed) {
+// transpose: the quantization of each expert's w^T ([E, cols, rows] values, [E, cb, rb]
+// exponents) against the host's quantization of the transposed matrix.
+void expect_matches_host(int E, int rows, int cols, int pitch, std::int64_t expert_pitch, std::uint64_t seed,
+                         bool transpose = false) {
   const std::vector<std::uint16_t> host_w = make_weights(E, rows, cols, pitch, expert_pitch, seed);
   const int rb = (rows + 127) / 128, cb = (cols + 127) / 128;
+  const int out_rows = transpose ? cols : rows, out_cols = transpose ? rows : cols;  // of the quantized matrix
   DeviceBuffer<std::uint16_t> w(host_w);
   DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(E) * rows * cols);
   DeviceBuffer<std::int32_t> exponents(static_cast<std::size_t>(E) * rb * cb);
@@ -50,20 +54,21 @@ void expect_matches_host(int E, int rows, int cols, int pitch, std::int64_t expe
   MOK_CUDA_OK(cudaMemset(exponents.get(), 0x5a, exponents.size() * 4));
   TensorView wv = TensorView::contiguous(w.get(), DType::bf16, Device::cuda(0), {E, rows, cols});
   wv.stride = {expert_pitch, pitch, 1, 0};
-  const TensorView vv = TensorView::contiguous(values.get(), DType::u8, Device::cuda(0), {E, rows, cols});
-  const TensorView ev = TensorView::contiguous(exponents.get(), DType::i32, Device::cuda(0), {E, rb, cb});
-  quantize_weights(wv, vv, ev, nullptr);
+  const TensorView vv = TensorView::contiguous(values.get(), DType::u8, Device::cuda(0), {E, out_rows, out_cols});
+  const TensorView ev = TensorView::contiguous(exponents.get(), DType::i32, Device::cuda(0),
+                                               {E, transpose ? cb : rb, transpose ? rb : cb});
+  quantize_weights(wv, vv, ev, nullptr, transpose);
   MOK_CUDA_OK(cudaDeviceSynchronize());
   const std::vector<std::uint8_t> got_values = values.download();
   const std::vector<std::int32_t> got_exponents = exponents.download();
   int value_mismatches = 0, exponent_mismatches = 0;
   for (int e = 0; e < E; ++e) {
-    std::vector<float> x(static_cast<std::size_t>(rows) * cols);
+    std::vector<float> x(static_cast<std::size_t>(rows) * cols);  // [out_rows, out_cols]
     for (int r = 0; r < rows; ++r)
       for (int c = 0; c < cols; ++c)
-        x[static_cast<std::size_t>(r) * cols + c] =
+        x[transpose ? static_cast<std::size_t>(c) * rows + r : static_cast<std::size_t>(r) * cols + c] =
             bf16::from_bits(host_w[e * expert_pitch + static_cast<std::int64_t>(r) * pitch + c]).to_float();
-    const Blockwise want = quantize(x.data(), rows, cols, 128, 128);
+    const Blockwise want = quantize(x.data(), out_rows, out_cols, 128, 128);
     for (std::size_t i = 0; i < want.values.size(); ++i) {
       const std::uint8_t got = got_values[static_cast<std::size_t>(e) * rows * cols + i];
       if (got != want.values[i] && value_mismatches++ < 5)
@@ -80,7 +85,7 @@ void expect_matches_host(int E, int rows, int cols, int pitch, std::int64_t expe
   EXPECT_EQ(exponent_mismatches, 0);
   // A second run gives the same bytes.
   MOK_CUDA_OK(cudaMemset(values.get(), 0, values.size()));
-  quantize_weights(wv, vv, ev, nullptr);
+  quantize_weights(wv, vv, ev, nullptr, transpose);
   MOK_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_EQ(values.download(), got_values);
   EXPECT_EQ(exponents.download(), got_exponents);
@@ -96,36 +101,8 @@ TEST(GpuFp8, WeightsMatchTheHostBitwise) {
 // host's quantization of the transposed matrix, ragged edges included, from a strided view.
 TEST(GpuFp8, TransposedWeightsMatchTheHostBitwise) {
   MOK_REQUIRE_HOPPER();
-  const int E = 2, rows = 200, cols = 320, pitch = 352;
-  const std::int64_t expert_pitch = static_cast<std::int64_t>(rows) * pitch + 32;
-  const std::vector<std::uint16_t> host_w = make_weights(E, rows, cols, pitch, expert_pitch, 12);
-  const int rb = (rows + 127) / 128, cb = (cols + 127) / 128;
-  DeviceBuffer<std::uint16_t> w(host_w);
-  DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(E) * rows * cols);
-  DeviceBuffer<std::int32_t> exponents(static_cast<std::size_t>(E) * rb * cb);
-  MOK_CUDA_OK(cudaMemset(values.get(), 0xa5, values.size()));
-  TensorView wv = TensorView::contiguous(w.get(), DType::bf16, Device::cuda(0), {E, rows, cols});
-  wv.stride = {expert_pitch, pitch, 1, 0};
-  const TensorView vv = TensorView::contiguous(values.get(), DType::u8, Device::cuda(0), {E, cols, rows});
-  const TensorView ev = TensorView::contiguous(exponents.get(), DType::i32, Device::cuda(0), {E, cb, rb});
-  quantize_weights(wv, vv, ev, nullptr, /*transpose=*/true);
-  MOK_CUDA_OK(cudaDeviceSynchronize());
-  const std::vector<std::uint8_t> got = values.download();
-  const std::vector<std::int32_t> got_e = exponents.download();
-  for (int e = 0; e < E; ++e) {
-    std::vector<float> xt(static_cast<std::size_t>(cols) * rows);
-    for (int r = 0; r < rows; ++r)
-      for (int c = 0; c < cols; ++c)
-        xt[static_cast<std::size_t>(c) * rows + r] =
-            bf16::from_bits(host_w[e * expert_pitch + static_cast<std::int64_t>(r) * pitch + c]).to_float();
-    const Blockwise want = quantize(xt.data(), cols, rows, 128, 128);
-    int mismatches = 0;
-    for (std::size_t i = 0; i < want.values.size(); ++i)
-      mismatches += got[static_cast<std::size_t>(e) * rows * cols + i] != want.values[i];
-    EXPECT_EQ(mismatches, 0) << "expert " << e;
-    for (std::size_t i = 0; i < want.exponents.size(); ++i)
-      EXPECT_EQ(got_e[static_cast<std::size_t>(e) * rb * cb + i], want.exponents[i]) << "expert " << e << " block " << i;
-  }
+  expect_matches_host(2, 200, 320, 352, 200 * 352 + 32, 12, /*transpose=*/true);
+  expect_matches_host(2, 256, 384, 384, 256 * 384, 13, /*transpose=*/true);  // whole blocks
 }
 
 TEST(GpuFp8, StridedViewsAreReadAsTheySay) {

@@ -51,6 +51,21 @@ def quantize_experts(w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down:
     return Fp8Experts(*quantize_weights(gate), *quantize_weights(up), *quantize_weights(w_down))
 
 
+def cached_experts(owner, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor) -> Optional[Fp8Experts]:
+    """quantize_experts(w_gate, w_up, w_down), kept on `owner` (its `_fp8_cache`: a module
+    holding the weights) and made again only when a weight's storage or version counter
+    changes (an optimizer step, load_state_dict). Under torch.compile: None (the layer then
+    quantizes them itself, without a graph break)."""
+    if torch.compiler.is_compiling():
+        return None
+    key = tuple((w.data_ptr(), w._version) for w in (w_gate, w_up, w_down) if w is not None)
+    cached = getattr(owner, "_fp8_cache", None)
+    if cached is None or cached[0] != key:
+        cached = (key, quantize_experts(w_gate, w_up, w_down))
+        owner._fp8_cache = cached
+    return cached[1]
+
+
 def _bytes_of(name, t):
     """An E4M3 tensor as the extension takes it (uint8: DLPack has no FP8 type everywhere)."""
     if not isinstance(t, torch.Tensor) or t.dtype not in (torch.float8_e4m3fn, torch.uint8):
@@ -152,20 +167,16 @@ def _moe_train_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down,
     return y, x.new_empty((n,), dtype=torch.bfloat16)
 
 
+# The FP8 train-forward's inputs: mok.ops' tensors, swiglu_limit, then the quantized weights
+# (no gradient: it goes to the bf16 weights they were made from).
+_TRAILING = 1 + _EXPERT_ARGS
+
+
 def _save(ctx, inputs, saved):
-    """What the bf16 backward needs (mok.ops' backward inputs), from the FP8 train-forward's."""
+    """What the bf16 backward reads (mok.ops._save), from the FP8 train-forward's inputs."""
     from mok import ops
 
-    ctx.save_for_backward(*inputs[:ops._TENSOR_INPUTS], saved)
-    ctx.swiglu_limit, ctx.num_experts, ctx.group_id = inputs[ops._TENSOR_INPUTS], inputs[3].shape[0], ops.ONE_GPU
-
-
-def _input_grads(grads, args):
-    """The FP8 train-forward's input gradients: mok.ops' (x .. shared_down, swiglu_limit), none
-    for the quantized weights (the gradient goes to the bf16 weights they were made from)."""
-    from mok import ops
-
-    return ops._input_grads(grads, args)[:ops._TENSOR_INPUTS + 1] + (None,) * _EXPERT_ARGS
+    ops._save(ctx, inputs, saved, inputs[ops._TENSOR_INPUTS], inputs[3].shape[0], ops.ONE_GPU)
 
 
 def _train_setup_context(ctx, inputs, output):
@@ -177,7 +188,7 @@ def _train_backward(ctx, grad_y, grad_saved):
     from mok import ops
 
     args = ops._backward_inputs(ctx, grad_y)
-    return _input_grads(ops.moe_backward(*args), args)
+    return ops._input_grads(ops.moe_backward(*args), args, _TRAILING)
 
 
 moe_train_forward_fp8.register_autograd(_train_backward, setup_context=_train_setup_context)
@@ -197,7 +208,7 @@ class _EagerTrainStep(torch.autograd.Function):
         from mok import ops
 
         args = ops._backward_inputs(ctx, grad_y)
-        return _input_grads(ops._run_backward(*args), args)
+        return ops._input_grads(ops._run_backward(*args), args, _TRAILING)
 
 
 def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, fp8_experts):

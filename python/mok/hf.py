@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from mok.fp8_layer import cached_experts
 from mok.ops import moe
 from mok.torch_path import moe_torch
 
@@ -50,27 +51,13 @@ def _experts_forward(layer: Callable) -> Callable:
     return forward
 
 
-def _fp8_experts(module, w_gate, w_down):
-    """The module's routed weights quantized for the FP8 layer, kept on it until a weight's
-    storage or version changes (under torch.compile: None, the layer quantizes them itself)."""
-    from mok.fp8 import quantize_experts
-
-    if torch.compiler.is_compiling():
-        return None
-    key = tuple((w.data_ptr(), w._version) for w in (w_gate, w_down))
-    cached = getattr(module, "_mok_fp8_experts", None)
-    if cached is None or cached[0] != key:
-        cached = (key, quantize_experts(w_gate, None, w_down))
-        module._mok_fp8_experts = cached
-    return cached[1]
-
-
 def _mok(module, x, ids, weights, w_gate, w_up, w_down):
     return moe(x, ids, weights, w_gate, w_up, w_down)
 
 
 def _mok_fp8(module, x, ids, weights, w_gate, w_up, w_down):
-    return moe(x, ids, weights, w_gate, w_up, w_down, precision="fp8", fp8_experts=_fp8_experts(module, w_gate, w_down))
+    return moe(x, ids, weights, w_gate, w_up, w_down, precision="fp8",
+               fp8_experts=cached_experts(module, w_gate, w_up, w_down))
 
 
 def _mok_torch(module, x, ids, weights, w_gate, w_up, w_down):

@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from mok.fp8_layer import cached_experts
 from mok.ops import moe
 from mok.torch_path import moe_torch, moe_torch_ep
 
@@ -46,7 +47,7 @@ class MoE(nn.Module):
         if precision == "fp8" and (backend != "mok" or group is not None):
             raise ValueError("mok.MoE: precision='fp8' runs on the fused kernel on one GPU (backend='mok', group=None)")
         self.precision = precision
-        self._fp8_cache = None  # (the weights' identity and versions, their mok.fp8.Fp8Experts)
+        self._fp8_cache = None  # precision "fp8": (the weights' identity and versions, their Fp8Experts)
         if router not in ("softmax", "sigmoid", None):
             raise ValueError(f"mok.MoE: 'router' must be 'softmax', 'sigmoid' or None, got {router!r}")
         if not 1 <= top_k <= num_experts:
@@ -151,22 +152,9 @@ class MoE(nn.Module):
                                  swiglu_limit=self.swiglu_limit, group=self.group.group)
         elif self.precision == "fp8":
             y = moe(x2, ids, weights, gate, up, self.w_down, shared=shared, swiglu_limit=self.swiglu_limit,
-                    precision="fp8", fp8_experts=self._fp8_experts(gate, up))
+                    precision="fp8", fp8_experts=cached_experts(self, gate, up, self.w_down))
         else:
             layer = moe if self.backend == "mok" else moe_torch
             y = layer(x2, ids, weights, gate, up, self.w_down, shared=shared,
                       swiglu_limit=self.swiglu_limit)
         return y.reshape(shape)
-
-    def _fp8_experts(self, gate, up):
-        """The routed weights quantized for precision="fp8", made again when one changed (under
-        torch.compile: None, the layer quantizes them itself, without a graph break)."""
-        from mok import fp8
-
-        if torch.compiler.is_compiling():
-            return None
-        weights = (gate, self.w_down) if up is None else (gate, up, self.w_down)
-        key = tuple((w.data_ptr(), w._version) for w in weights)
-        if self._fp8_cache is None or self._fp8_cache[0] != key:
-            self._fp8_cache = (key, fp8.quantize_experts(gate, up, self.w_down))
-        return self._fp8_cache[1]

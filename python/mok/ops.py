@@ -220,13 +220,16 @@ def _moe_backward_fake(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shar
 _TENSOR_INPUTS = 9  # x .. shared_down; then swiglu_limit, num_experts, group_id
 
 
-def _save(ctx, inputs, saved):
+def _save(ctx, inputs, saved, swiglu_limit, num_experts, group_id):
+    """What the backward reads (its inputs: _backward_inputs): the train-forward's tensor
+    inputs (the first _TENSOR_INPUTS of `inputs`), the saved pre-activations, and the layer's
+    swiglu_limit, num_experts and group id (mok.fp8_layer's train-forward saves the same)."""
     ctx.save_for_backward(*inputs[:_TENSOR_INPUTS], saved)
-    ctx.swiglu_limit, ctx.num_experts, ctx.group_id = inputs[_TENSOR_INPUTS:]
+    ctx.swiglu_limit, ctx.num_experts, ctx.group_id = swiglu_limit, num_experts, group_id
 
 
 def _train_setup_context(ctx, inputs, output):
-    _save(ctx, inputs, output[1])
+    _save(ctx, inputs, output[1], *inputs[_TENSOR_INPUTS:])
     ctx.mark_non_differentiable(output[1])
 
 
@@ -242,14 +245,15 @@ def _backward_inputs(ctx, grad_y):
     return (dy, *saved, ctx.swiglu_limit, ctx.num_experts, ctx.group_id)
 
 
-def _input_grads(grads, args):
+def _input_grads(grads, args, trailing=3):
     """The train-forward's input gradients from the backward's outputs (dx, d_topk_weights,
     d_w_gate, d_w_up, d_w_down[, the shared expert's]): none for topk_ids, for an absent w_up
-    or shared expert, and for the non-tensor inputs."""
+    or shared expert, and for the `trailing` inputs after the tensors (here swiglu_limit,
+    num_experts, group_id; mok.fp8_layer's: swiglu_limit and the six quantized weights)."""
     w_up, shared_gate = args[5], args[7]
     shared = grads[5:] if shared_gate is not None else [None, None, None]
     d_up = None if w_up is None else grads[3]
-    return (grads[0], None, grads[1], grads[2], d_up, grads[4], *shared, None, None, None)
+    return (grads[0], None, grads[1], grads[2], d_up, grads[4], *shared) + (None,) * trailing
 
 
 def _train_backward(ctx, grad_y, grad_saved):
@@ -280,7 +284,7 @@ class _EagerTrainStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
         y, saved = _run_forward(*inputs, training=True)
-        _save(ctx, inputs, saved)
+        _save(ctx, inputs, saved, *inputs[_TENSOR_INPUTS:])
         return y
 
     @staticmethod

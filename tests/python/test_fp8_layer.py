@@ -163,3 +163,22 @@ def test_fp8_modules_import_in_either_order(first):
 
     code = f"import {first}, mok.fp8, mok.fp8_layer; assert mok.fp8.quantize_experts is mok.fp8_layer.quantize_experts"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cached_experts_are_made_again_only_when_a_weight_changes(monkeypatch):
+    """mok.fp8_layer.cached_experts (mok.MoE's and mok.hf's cache), on the CPU with the
+    quantization stubbed: kept while the weights are unchanged, made again after an in-place
+    update (version counter) or a new storage."""
+    from mok import fp8_layer
+
+    made = []
+    monkeypatch.setattr(fp8_layer, "quantize_experts", lambda g, u, d: made.append((g, u, d)) or len(made))
+    owner = type("Owner", (), {})()
+    gate, down = torch.zeros(2, 256, 128), torch.zeros(2, 128, 128)
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 1
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 1 and len(made) == 1
+    down.add_(1.0)  # in place: the version counter moves
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 2
+    gate = gate.clone()  # a new storage
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 3
+    assert owner._fp8_cache[1] == 3

@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_fp8_kernel(const __grid_c
 }  // namespace
 
 void launch_forward_fp8(const Fp8ForwardParams& params, int num_ctas, cudaStream_t stream) {
-  launch_persistent<forward_fp8_kernel>(shared_storage_bytes<SharedStorage>(), kThreads, params, num_ctas, stream);
+  launch_persistent<forward_fp8_kernel>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);  // (one storage)
 }
 
 }  // namespace mok::kernels
