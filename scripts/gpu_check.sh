@@ -110,20 +110,33 @@ layer_bench() {  # $1: routings
 # The training example (examples/train_moe_lm.py): mok, mok-compiled, torch and
 # torch-compiled from one initialisation on the same data; the record (loss of every step,
 # tokens/s) goes to $OUT/<date>-<commit>-train.json.
+# train_example [STEPS BACKENDS NAME]: the record goes to <date>-<commit>-NAME.json.
 train_example() {
-  local py=python3
+  local steps=${1:-200} backends=${2:-mok,mok-compiled,torch,torch-compiled} name=${3:-train} py=python3
   python3 -c "import mok" 2>/dev/null || py=(env PYTHONPATH="$PWD/$build/pkg" python3)
-  if "${py[@]}" examples/train_moe_lm.py --steps 200 --backend mok,mok-compiled,torch,torch-compiled \
-       --commit "$commit" --out "$OUT/${date:0:10}-$commit-train.json" > "$LOG/train_example.log" 2> "$LOG/train_example.err"; then
-    tail -9 "$LOG/train_example.log"
+  if "${py[@]}" examples/train_moe_lm.py --steps "$steps" --backend "$backends" \
+       --commit "$commit" --out "$OUT/${date:0:10}-$commit-$name.json" > "$LOG/$name.log" 2> "$LOG/$name.err"; then
+    tail -9 "$LOG/$name.log"
   else
-    echo "training example failed"; tail -5 "$LOG/train_example.log" "$LOG/train_example.err"; test_rc=1
+    echo "training example ($name) failed"; tail -5 "$LOG/$name.log" "$LOG/$name.err"; test_rc=1
   fi
 }
 
 test_rc=0
 extra=()
 junit=()
+
+# compute-sanitizer memcheck, racecheck and synccheck on one small test case: sanitize BINARY
+# CASE [SECONDS] (BINARY under $build/tests; a failure marks the run failed).
+sanitize() {
+  local binary=$1 small_case=$2 limit=${3:-600} tool outcome
+  for tool in memcheck racecheck synccheck; do
+    if timeout "$limit" compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/$binary \
+         --gtest_filter="$small_case" > "$LOG/sanitizer_${binary}_$tool.log" 2>&1; then outcome=passed; else outcome=failed; test_rc=1; fi
+    echo "compute-sanitizer $tool $small_case: $outcome ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_${binary}_$tool.log" | tail -1))"
+    extra+=("compute-sanitizer $tool: $small_case=$outcome")
+  done
+}
 if [ "$part" = tests ] || [ "$part" = all ]; then
 ctest --test-dir $build --output-on-failure -j4 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1
 test_rc=$?
@@ -155,13 +168,7 @@ for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padd
               test_gpu_ep_forward:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp \
               test_gpu_ep_forward:Ep.SmallRingWrapsBitwiseLikeOneGpu \
               test_gpu_ep_backward:EpBackward.SmallRingWrapsBitwiseLikeNoRing; do
-  binary=${target%%:*} small_case=${target#*:}
-  for tool in memcheck racecheck synccheck; do
-    if timeout 600 compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/$binary \
-         --gtest_filter="$small_case" > "$LOG/sanitizer_${binary}_$tool.log" 2>&1; then outcome=passed; else outcome=failed; test_rc=1; fi
-    echo "compute-sanitizer $tool $small_case: $outcome ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_${binary}_$tool.log" | tail -1))"
-    extra+=("compute-sanitizer $tool: $small_case=$outcome")
-  done
+  sanitize "${target%%:*}" "${target#*:}"
 done
 
 junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
@@ -194,13 +201,7 @@ if [ "$part" = fp8 ]; then
   env PYTHONPATH="$PWD/$build/pkg" python3 -m pytest -q tests/python/test_fp8_layer.py tests/python/test_fp8.py \
     --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
   tail -1 "$LOG/pytest.log"
-  small_case=Fp8Forward/Fp8ForwardCases.MatchesTheRecipeReference/shared_padded_clamp
-  for tool in memcheck racecheck synccheck; do
-    if timeout 300 compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/test_gpu_forward_fp8 \
-         --gtest_filter="$small_case" > "$LOG/sanitizer_fp8_$tool.log" 2>&1; then outcome=passed; else outcome=failed; test_rc=1; fi
-    echo "compute-sanitizer $tool $small_case: $outcome ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_fp8_$tool.log" | tail -1))"
-    extra+=("compute-sanitizer $tool: $small_case=$outcome")
-  done
+  sanitize test_gpu_forward_fp8 Fp8Forward/Fp8ForwardCases.MatchesTheRecipeReference/shared_padded_clamp 300
   junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
 if [ "$part" = fp8bench ]; then
@@ -210,13 +211,7 @@ if [ "$part" = fp8bench ]; then
     $build/bench/mok_bench --preset "$fp8_presets" --impl mok,mok-fp8 --pass fwd --iters "$iters" \
       --out "$OUT/fp8_run$r.json" --commit "$commit" --date "$date" 2>&1 | tee -a "$OUT/${date:0:10}-$commit-fp8.txt" || test_rc=1
   done
-  # Training with the FP8 forward (and the bf16 backward) beside bf16, same seed and data.
-  if env PYTHONPATH="$PWD/$build/pkg" python3 examples/train_moe_lm.py --steps 500 --backend mok,mok-fp8 \
-       --commit "$commit" --out "$OUT/${date:0:10}-$commit-train-fp8.json" > "$LOG/train_fp8.log" 2> "$LOG/train_fp8.err"; then
-    tail -6 "$LOG/train_fp8.log"
-  else
-    echo "FP8 training example failed"; tail -5 "$LOG/train_fp8.log" "$LOG/train_fp8.err"; test_rc=1
-  fi
+  train_example 500 mok,mok-fp8 train-fp8  # the FP8 forward (bf16 backward) beside bf16, same seed and data
 fi
 if [ "$part" = host ]; then
   host_presets=$presets
