@@ -118,7 +118,7 @@ def check_mok_fp8(d, ref, passes, checks, impls, args, fail):
         c = tb.compare(y, recipe)
         del recipe
         exact = tb.compare(y, ref["fwd"]["y"])
-        checks["mok-fp8-py"]["fwd"] = dict(passed=bool(math.isfinite(c["rel"]) and c["rel"] <= 5e-3),
+        checks["mok-fp8-py"]["fwd"] = dict(passed=bool(math.isfinite(c["rel"]) and c["rel"] <= 1e-2),
                                            rel_vs_recipe=c["rel"], tensors={"y": exact})
         if "mok-fp8-py" in args.impls:
             impls["mok-fp8-py"] = m

@@ -195,7 +195,7 @@ int main(int argc, char** argv) try {
       const double err8 = mok::reference::relative_error(y8, mok::reference::forward_fp8(s, T, x, routing, w));
       std::printf("fused FP8 forward on GPU 0: rel. error vs the FP8 recipe's fp64 reference %.2e, vs the exact layer "
                   "%.2e\n", err8, mok::reference::relative_error(y8, y));
-      ok = ok && err8 <= 5e-3;
+      ok = ok && err8 <= 1e-2;  // (the recipe's operands, other sums: tests/test_gpu_forward_fp8.cpp)
       for (const mok::TensorView* v : {&q.gate, &q.up, &q.down, &q.gate_exponents, &q.up_exponents, &q.down_exponents})
         cudaFree(v->data);
     }

@@ -81,6 +81,13 @@ double cosine(const std::vector<double>& a, const std::vector<double>& b) {
   return ab / std::sqrt(aa * bb);
 }
 
+// y against reference::forward_fp8 (the recipe's operands exactly): what remains is the tensor
+// cores' sums inside a scale block (not fp64's), fp32 promotion, the bf16 output, and the
+// E4M3 roundings of h that those move across a rounding boundary (one step of E4M3 is
+// 6-12 %): measured on an H200, 0.2-0.5 % of y over these cases. A wrong scale, row or
+// block is far above 1 %.
+constexpr double kVsRecipe = 1e-2;
+
 class Fp8ForwardCases : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Fp8ForwardCases, MatchesTheRecipeReference) {
@@ -101,12 +108,16 @@ TEST_P(Fp8ForwardCases, MatchesTheRecipeReference) {
     const auto exact = reference::forward(s, c.tokens, x, host.reference_routing(), host.reference_weights());
     const auto cmp = testing::compare(got, recipe);
     EXPECT_EQ(cmp.non_finite, 0) << "unwritten or non-finite outputs";
-    // The recipe's operands exactly; what remains is fp32 sums, the bf16 output and the rare
-    // E4M3 rounding of h that fp32 and fp64 put on different sides of a tie.
-    EXPECT_LE(cmp.rel_error, 5e-3) << c.name << " seed " << seed;
+    // (kVsRecipe: the recipe's operands exactly, the sums not.)
+    EXPECT_LE(cmp.rel_error, kVsRecipe) << c.name << " seed " << seed;
+    // ... and no further from the exact layer than the recipe itself is.
+    const double err_gpu = reference::relative_error(got, exact), err_recipe = reference::relative_error(recipe, exact);
+    EXPECT_LE(err_gpu, 1.02 * err_recipe) << c.name << " seed " << seed << ": FP8 vs the exact layer, recipe " << err_recipe;
     const double cos_exact = cosine(got, exact);
     EXPECT_GE(cos_exact, 0.995) << c.name << " seed " << seed << ": FP8 vs the exact layer (test_fp8.cpp: the recipe's own bar)";
     RecordProperty("rel_error_vs_recipe", std::to_string(cmp.rel_error));
+    RecordProperty("rel_error_vs_exact", std::to_string(err_gpu));
+    RecordProperty("recipe_rel_error_vs_exact", std::to_string(err_recipe));
     RecordProperty("cosine_vs_exact", std::to_string(cos_exact));
   }
 }
@@ -149,7 +160,7 @@ TEST(Fp8Forward, TrainingBackwardRunsOnTheFp8Activations) {
     ws.check(nullptr);
     const auto x = host.reference_x();
     const auto y_want = reference::forward_fp8(s, c.tokens, x, host.reference_routing(), host.reference_weights());
-    EXPECT_LE(testing::compare(gpu.output(), y_want).rel_error, 5e-3) << c.name;
+    EXPECT_LE(testing::compare(gpu.output(), y_want).rel_error, kVsRecipe) << c.name;
     const auto ref = reference::backward_fp8(s, c.tokens, x, host.reference_routing(), host.reference_weights(),
                                              reference::to_double(dy), /*fp8_dgrad=*/false);
     testing::expect_gradients(ref, grads, c.name);
@@ -227,7 +238,7 @@ TEST(Fp8Forward, GraphReplayWithNewRouting) {
                                              next.reference_weights());
     const auto cmp = testing::compare(gpu.output(), want);
     EXPECT_EQ(cmp.non_finite, 0);
-    EXPECT_LE(cmp.rel_error, 5e-3) << "seed " << seed;
+    EXPECT_LE(cmp.rel_error, kVsRecipe) << "seed " << seed;
   }
   cudaStreamDestroy(stream);
 }

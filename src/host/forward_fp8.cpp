@@ -39,8 +39,8 @@ void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& 
   p.base.saved_marker = saved_gu ? saved_marker(saved_gu, ws) : nullptr;
   const Fp8Weights& w = *a.fp8;
   p.maps.x = make_u8_tensor_map(buffers.x_fp8, {U(H), U(capacity)}, kernels::kBoxFp8, "x rows (fp8)");
-  p.maps.gate = make_u8_tensor_map(w.gate.data, {U(H), U(I), U(El)}, kernels::kBoxFp8Half, "fp8.gate");
-  p.maps.up = make_u8_tensor_map(w.up.data, {U(H), U(I), U(El)}, kernels::kBoxFp8Half, "fp8.up");
+  p.maps.gate = make_u8_tensor_map(w.gate.data, {U(H), U(I), U(El)}, kernels::kBoxFp8, "fp8.gate");
+  p.maps.up = make_u8_tensor_map(w.up.data, {U(H), U(I), U(El)}, kernels::kBoxFp8, "fp8.up");
   p.maps.down = make_u8_tensor_map(w.down.data, {U(I), U(H), U(El)}, kernels::kBoxFp8, "fp8.down");
   p.maps.h_store = make_u8_tensor_map(buffers.h_fp8, {U(I), U(capacity)}, kernels::kBoxFp8Half, "h (fp8)");
   p.maps.h_load = make_u8_tensor_map(buffers.h_fp8, {U(I), U(capacity)}, kernels::kBoxFp8, "h (fp8)");

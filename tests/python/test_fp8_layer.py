@@ -42,7 +42,7 @@ def test_fp8_forward_matches_the_recipe_oracle(concatenated, shared, limit):
         y_again = mok.moe(x, ids, weights, gate, up, w_down, shared=sh, swiglu_limit=limit, precision="fp8")
     mok.check()
     assert torch.isfinite(y).all()
-    assert _rel(y, want) < 5e-3  # the recipe's operands: fp32 sums, bf16 y, rare E4M3 ties apart
+    assert _rel(y, want) < 1e-2  # the recipe's operands, other sums (tests/test_gpu_forward_fp8.cpp: kVsRecipe)
     assert torch.equal(y, y_given) and torch.equal(y, y_again)
     exact = mok.moe(x, ids, weights, gate, up, w_down, shared=sh, swiglu_limit=limit)
     assert 1e-3 < _rel(y, exact) < 0.1  # FP8's error against the bf16 layer, not none

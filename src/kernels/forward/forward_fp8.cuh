@@ -13,11 +13,10 @@
 namespace mok::kernels {
 
 inline constexpr int kFp8BlockK = 128;  // K of one stage: a 128-byte swizzle atom of E4M3, one scale block
-inline constexpr int kFp8BlockN = 128;  // a routed GEMM2 N-tile (GEMM1: 64 gate + 64 up rows a pass)
 
 struct Fp8ForwardMaps {
   CUtensorMap x;         // E4M3 [capacity, H]: the routed rows, quantized per 1 x 128; box 128 x 128
-  CUtensorMap gate, up;  // E4M3 [E_l, I, H]; box 128 x 64 x 1
+  CUtensorMap gate, up;  // E4M3 [E_l, I, H]; box 128 x 128 x 1
   CUtensorMap down;      // E4M3 [E_l, H, I]; box 128 x 128 x 1
   CUtensorMap h_store;   // E4M3 [capacity, I]; box 128 x 64
   CUtensorMap h_load;    // E4M3 [capacity, I]; box 128 x 128

@@ -69,20 +69,19 @@ __device__ __forceinline__ int minibatch_rows(const ForwardParams& p, int mb) {
   return minibatch_rows(p.ring, p.plan.expert_offset[p.num_local_experts], mb);
 }
 
-// Task ranges of one launch; routed tile count comes from the device plan. A routed GEMM2
-// tile is routed_columns wide (the FP8 kernel's are 128), the shared expert's kBlockN.
+// Task ranges of one launch; routed tile count comes from the device plan.
 struct Schedule {
   int cta, ctas;  // this CTA among the CTAs serving this rank: it takes tasks cta, cta + ctas, ...
   int m_routed, m_shared, n1_routed, n1_shared, n2_routed, n2, combine_tasks;
   int g1_routed_end, g1_shared_end, g2_routed_end, g2_shared_end, total;
 
-  __device__ Schedule(const ForwardParams& p, int cta_, int ctas_, int routed_columns = kBlockN) : cta(cta_), ctas(ctas_) {
+  __device__ Schedule(const ForwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
     m_routed = *p.plan.num_tiles;
     m_shared = p.shared_tiles;
     n1_routed = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
     n1_shared = (p.shared_inter + kGemm1Columns - 1) / kGemm1Columns;
-    n2_routed = (p.hidden + routed_columns - 1) / routed_columns;
     n2 = (p.hidden + kBlockN - 1) / kBlockN;
+    n2_routed = n2;
     combine_tasks = (p.tokens + kCombineTokens - 1) / kCombineTokens;
     g1_routed_end = m_routed * n1_routed;
     g1_shared_end = g1_routed_end + m_shared * n1_shared;
