@@ -14,11 +14,10 @@
 //       a 64-register block accumulator, which is then promoted into the fp32 total:
 //       total += block * a_scale(row) * b_scale(half) (the recipe's promotion every 128 K;
 //       a power-of-two scale product is exact). The total has the BF16 kernel's
-//       accumulator layout (gate in acc[0, 64), up in acc[64, 128)), so the training's
-//       saved pre-activations are the BF16 kernel's epilogue. GEMM1's h: each row's
-//       largest |h| over the tile's 128 columns gives its scale, h goes out as E4M3 (TMA
-//       store) and the scale as fp32 into h_scales, published through h_ready. GEMM2's
-//       fp32 tile goes from the registers straight into the slot rows.
+//       accumulator layout (gate in acc[0, 64), up in acc[64, 128)), so GEMM2's slot rows
+//       and the training's saved pre-activations are the BF16 kernel's epilogues. GEMM1's
+//       h: each row's largest |h| over the tile's 128 columns gives its scale, h goes out
+//       as E4M3 (TMA store) and the scale as fp32 into h_scales, published through h_ready.
 //   The two consumer warpgroups share each stage; while one promotes its block, the
 //   tensor cores run the other's MMAs.
 //   The shared expert's GEMMs, the combine and every wait are the BF16 kernel's. Training
@@ -209,26 +208,6 @@ __device__ void epilogue_gemm1_fp8(const Fp8ForwardParams& q, SharedStorage& s, 
   pending_index = t.m;
 }
 
-// GEMM2's fp32 tile (this warpgroup's 64 rows x 256 columns) straight from the registers into
-// its slot rows: each store is 8 bytes, a quad's four cover one 32-byte sector of a row.
-// The BF16 kernel's route through the staging buffer waits, round by round, for the previous
-// TMA store to have read it; the FP8 mainloop is half as long, so that wait was a larger
-// share of the task. Published by publish_slots() as the TMA-stored tiles are (a warpgroup
-// barrier, then a release at gpu scope).
-__device__ __forceinline__ void epilogue_gemm2_fp8(const ForwardParams& p, const float (&acc)[128], const Task& t,
-                                                   int row0, int wg) {
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const int n0 = t.n * kBlockN;
-  const bool second_half = n0 + kBlockN / 2 < p.hidden;  // (H = 128 mod 256: the last tile has one)
-  float* rows = p.slots + static_cast<std::int64_t>(row0 + wg * 64) * p.hidden + n0;
-#pragma unroll
-  for (int i = 0; i < 128; i += 2) {
-    if (i >= 64 && !second_half) break;
-    float* at = rows + static_cast<std::int64_t>(acc_row(warp, lane, i)) * p.hidden + acc_col(lane, i);
-    __stcg(reinterpret_cast<float2*>(at), make_float2(acc[i], acc[i + 1]));
-  }
-}
-
 __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, const Schedule& sched, int wg) {
   const ForwardParams& p = q.base;
   Pipeline<kStages> pipe;
@@ -280,7 +259,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const int b0 = 2 * t.n, b1 = b0 + 1 < h_blocks ? b0 + 1 : b0;
       const TaskScales sc{q.h_scales + rows, q.capacity, {down + b0 * k_blocks, down + b1 * k_blocks}};
       mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
-      epilogue_gemm2_fp8(p, acc, t, row0, wg);
+      epilogue_gemm2(p, s, acc, t, row0, wg);
       ++pending_slots;
     }
   }
