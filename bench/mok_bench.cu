@@ -243,6 +243,7 @@ int main(int argc, char** argv) try {
   unsigned long long* phase_table = nullptr;  // [2][kPhases]: forward kernel, backward kernel
   CUDA_OK(cudaMalloc(&phase_table, sizeof(unsigned long long) * 2 * mok::kernels::kPhases));
   mok::kernels::set_forward_phase_table(phase_table);
+  mok::kernels::set_forward_fp8_phase_table(phase_table);  // (one forward kernel runs per record)
   mok::kernels::set_backward_phase_table(phase_table + mok::kernels::kPhases);
 #endif
   std::printf("%-16s %-7s %-8s %10s %9s\n", "preset", "impl", "pass", "ms", "TFLOP/s");
@@ -289,6 +290,7 @@ int main(int argc, char** argv) try {
   cudaStreamDestroy(stream);
 #ifdef MOK_PHASE_TIMING
   mok::kernels::set_forward_phase_table(nullptr);
+  mok::kernels::set_forward_fp8_phase_table(nullptr);
   mok::kernels::set_backward_phase_table(nullptr);
   cudaFree(phase_table);
 #endif

@@ -24,7 +24,8 @@
 # backend), <date>-<commit>-hf.json. `phases` builds mok_bench with -DMOK_PHASE_TIMING=ON (its own
 # build dir) and prints, per preset and pass, the share of the forward and backward consumers'
 # cycles in each phase (mainloops, epilogues, combine and its wait; kernels/common/phase_timing.cuh) into
-# <date>-<commit>-phases.txt. `host` (issue 21: the Python op's cost) runs bench/host_overhead.py on each
+# <date>-<commit>-phases.txt (--impl/--pass: mok_bench's, default mok and fwd,fwd+bwd; e.g.
+# --impl mok,mok-fp8 --pass fwd for the FP8 forward beside BF16). `host` (issue 21: the Python op's cost) runs bench/host_overhead.py on each
 # preset (default: the short passes qwen3-30b-a3b, olmoe-1b-7b, qwen3.5-397b, glm-4.5, gpt-oss-120b) into
 # <date>-<commit>-host-<preset>.txt, then layer_bench --impl mok,mok-py with 20 iterations a round
 # (--repeats rounds: 9 or more to decide a 2 % difference) into the bench JSON. `fp8` (issue 19's
@@ -51,8 +52,8 @@ while [ $# -gt 0 ]; do
     --part) part="$2"; shift ;;
     --presets) presets="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
-    --impl) impl_args+=(--impl "$2"); shift ;;
-    --pass) impl_args+=(--pass "$2"); shift ;;
+    --impl) impl_args+=(--impl "$2"); impls="$2"; shift ;;
+    --pass) impl_args+=(--pass "$2"); passes="$2"; shift ;;
     *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--impl LIST] [--pass LIST]"; exit 2 ;;
   esac
   shift
@@ -70,7 +71,7 @@ if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else run
   { cmake -S . -B build-phase -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PHASE_TIMING=ON -DMOK_BUILD_TESTS=OFF \
       -DMOK_BUILD_EXAMPLES=OFF && cmake --build build-phase --target mok_bench -j"$(nproc)"; } > "$LOG/build_phase.log" 2>&1 ||
     { tail -30 "$LOG/build_phase.log"; exit 1; }
-  build-phase/bench/mok_bench --preset "$presets" --impl mok --pass fwd,fwd+bwd --iters "$iters" |
+  build-phase/bench/mok_bench --preset "$presets" --impl "${impls:-mok}" --pass "${passes:-fwd,fwd+bwd}" --iters "$iters" |
     tee "$OUT/${date:0:10}-$commit-phases.txt"
   rc=${PIPESTATUS[0]}
   tar czf "$OUT/logs.tgz" -C "$LOG" .

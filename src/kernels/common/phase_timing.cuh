@@ -45,6 +45,7 @@ inline const char* phase_name(int phase) {
     cudaMemcpyToSymbol(kernel##_phase_table, &table, sizeof(table));                 \
   }
 void set_forward_phase_table(unsigned long long* table);   // [kPhases] (kernels/forward/forward.cu)
+void set_forward_fp8_phase_table(unsigned long long* table);  // [kPhases] (kernels/forward/forward_fp8.cu)
 void set_backward_phase_table(unsigned long long* table);  // [kPhases] (kernels/backward/backward.cu)
 #else
 #define MOK_PHASE_TABLE(kernel) constexpr unsigned long long* kernel##_phase_table = nullptr;

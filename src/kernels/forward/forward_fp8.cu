@@ -34,6 +34,7 @@
 
 #include "kernels/common/boxes.hpp"
 #include "kernels/common/persistent.cuh"
+#include "kernels/common/phase_timing.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "kernels/common/skeleton.cuh"
 #include "kernels/common/swiglu.cuh"
@@ -46,6 +47,9 @@
 #include "mok/ptx/wgmma.cuh"
 
 namespace mok::kernels {
+
+MOK_PHASE_TABLE(forward_fp8)  // (kernels/common/phase_timing.cuh)
+
 namespace {
 
 using namespace mok::ptx;
@@ -214,9 +218,11 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
   bool slots_ready = false;
   int pending_hidden = -1;  // h_ready index of a GEMM1 store not yet published
   int pending_slots = 0;    // GEMM2 tiles not yet counted in y_done
+  PhaseTimer timer(forward_fp8_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind != kGemm1) publish_hidden(p, pending_hidden);  // (this CTA's own GEMM2 loads may need it)
+    timer.lap<Phase::other>();
     if (t.kind == kCombine) {
       if (!slots_ready) {
         publish_slots(p, wg, pending_slots);
@@ -224,8 +230,10 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
           wait_counter(p, p.counters.y_done, sched.slot_tiles_total(), task, WaitSite::all_gemm2);
         sync_consumers();
         slots_ready = true;
+        timer.lap<Phase::combine_wait>();
       }
       combine(p, t);
+      timer.lap<Phase::combine>();
       continue;
     }
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
@@ -236,9 +244,13 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const int k_steps = (t.kind == kGemm1 ? p.hidden : p.shared_inter) / kBlockK;
       mainloop<KMajor, KMajor>(p, s, pipe, acc, k_steps, wg, task);
       if (t.kind == kGemm1) {
+        timer.lap<Phase::mainloop_gemm1>();
         epilogue_gemm1(p, s, acc, t, row0, wg, pending_hidden);
+        timer.lap<Phase::epilogue_gemm1>();
       } else {
+        timer.lap<Phase::mainloop_gemm2>();
         epilogue_gemm2(p, s, acc, t, row0, wg);
+        timer.lap<Phase::epilogue_gemm2>();
         ++pending_slots;
       }
       continue;
@@ -250,7 +262,9 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const std::int64_t block_row = (static_cast<std::int64_t>(expert) * (p.inter / kGemm1Columns) + t.n) * k_blocks;
       const TaskScales sc{q.x_scales + rows, q.capacity, {q.gate_exponents + block_row, q.up_exponents + block_row}};
       mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
+      timer.lap<Phase::mainloop_gemm1>();
       epilogue_gemm1_fp8(q, s, acc, t, row0, wg, pending_hidden);
+      timer.lap<Phase::epilogue_gemm1>();
     } else {
       // w_down's blocks 2n and 2n + 1 along H; past H (H = 128 mod 256) the zero-filled rows
       // take block 2n's scale.
@@ -259,12 +273,15 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const int b0 = 2 * t.n, b1 = b0 + 1 < h_blocks ? b0 + 1 : b0;
       const TaskScales sc{q.h_scales + rows, q.capacity, {down + b0 * k_blocks, down + b1 * k_blocks}};
       mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
+      timer.lap<Phase::mainloop_gemm2>();
       epilogue_gemm2(p, s, acc, t, row0, wg);
+      timer.lap<Phase::epilogue_gemm2>();
       ++pending_slots;
     }
   }
   publish_hidden(p, pending_hidden);
   publish_slots(p, wg, pending_slots);
+  timer.lap<Phase::other>();
 }
 
 // The FP8 forward as a policy of the persistent skeleton (kernels/common/skeleton.cuh).
