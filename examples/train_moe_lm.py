@@ -142,10 +142,25 @@ def graph_breaks():
 BACKENDS = ("mok", "mok-compiled", "mok-fp8", "mok-fp8-compiled", "torch", "torch-compiled")
 
 
+def with_precision(backends, precision):
+    """--precision: fp8 turns mok / mok-compiled into their FP8 twins; both adds each twin after it."""
+    twins = {"mok": "mok-fp8", "mok-compiled": "mok-fp8-compiled"}
+    chosen = []
+    for b in backends:
+        if precision == "bf16" or precision == "both" or b not in twins:
+            chosen.append(b)
+        if precision != "bf16" and b in twins:
+            chosen.append(twins[b])
+    return list(dict.fromkeys(chosen))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="mok,torch,torch-compiled",
                     help=f"comma-separated, among {', '.join(BACKENDS)} ('both' = mok,torch)")
+    ap.add_argument("--precision", choices=("bf16", "fp8", "both"), default="bf16",
+                    help="the routed experts' forward on the mok backends: fp8 turns mok / mok-compiled into "
+                         "mok-fp8 / mok-fp8-compiled, both runs each beside its fp8 twin (same seed and data)")
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=200)
@@ -161,6 +176,7 @@ def main():
     for b in backends:
         if b not in BACKENDS:
             ap.error(f"unknown backend '{b}'; known: {', '.join(BACKENDS)}")
+    backends = with_precision(backends, args.precision)
     if any(b.startswith("mok") for b in backends) and device.type != "cuda":
         ap.error("the mok backends need a Hopper GPU (--device cuda); use --backend torch on the CPU")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the fused kernel is bf16
@@ -185,6 +201,10 @@ def main():
                 continue
             if mine in results and other in results:
                 print(f"{mine} / {other} tokens/s: {results[mine][1] / results[other][1]:.3f}x")
+    for bf16, fp8 in (("mok", "mok-fp8"), ("mok-compiled", "mok-fp8-compiled")):
+        if bf16 in results and fp8 in results:  # issue 19's bar: within 2 % of bf16's final loss
+            a, b = (sum(results[k][0][-10:]) / len(results[k][0][-10:]) for k in (bf16, fp8))
+            print(f"{fp8} final loss vs {bf16}: {(b - a) / a:+.2%}")
     if args.out:
         record = dict(example="train_moe_lm", commit=args.commit, size=args.size, config=c, steps=args.steps,
                       warmup_steps=args.warmup, seed=args.seed, lr=args.lr, device=str(device),

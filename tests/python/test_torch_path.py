@@ -51,6 +51,18 @@ def test_training_example_loss_falls_on_cpu():
     assert "final loss" in run.stdout
 
 
+def test_training_example_precision_picks_the_fp8_twins():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_moe_lm", os.path.join(ROOT, "examples", "train_moe_lm.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    pick = example.with_precision
+    assert pick(["mok", "torch"], "bf16") == ["mok", "torch"]
+    assert pick(["mok", "mok-compiled", "torch"], "fp8") == ["mok-fp8", "mok-fp8-compiled", "torch"]
+    assert pick(["mok", "torch-compiled"], "both") == ["mok", "mok-fp8", "torch-compiled"]
+    assert pick(["mok", "mok-fp8"], "both") == ["mok", "mok-fp8"]  # (no backend twice)
+
+
 def _ep_rank(rank, world, shared, limit):
     """One process of the two-rank check below: its part of one global problem through
     mok.moe_torch_ep, against mok.moe_torch on the whole problem."""
