@@ -16,6 +16,9 @@
 #include "mok/fp8.hpp"
 
 namespace mok {
+namespace kernels {
+void set_fp8_forward_ordered(bool ordered);  // (kernels/forward/forward_fp8.cuh: an experiment's switch)
+}
 namespace {
 
 using testing::Case;
@@ -179,6 +182,28 @@ TEST(Fp8Forward, BitwiseEqualAcrossRunsAndSmCounts) {
     runs.push_back(run_fp8(gpu, q, ws));
   }
   for (std::size_t i = 1; i < runs.size(); ++i) EXPECT_TRUE(same_bits(runs[0], runs[i])) << "run " << i;
+}
+
+// mok_bench's mok-fp8-ordered experiment: the kernel variant whose warpgroups take turns to
+// issue their MMAs sums in the same order, so its bits are the default kernel's.
+TEST(Fp8Forward, OrderedIssueVariantIsBitwiseTheSame) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 384, 256, 8, 2, 128, 0.75f, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 700, RoutingKind::padded, 33);
+  GpuProblem gpu(host);
+  const QuantizedWeights q(gpu);
+  Workspace ws(s, host.tokens, fp8_config());
+  const auto want = run_fp8(gpu, q, ws);
+  struct Ordered {  // (off again however the test ends)
+    Ordered() { kernels::set_fp8_forward_ordered(true); }
+    ~Ordered() { kernels::set_fp8_forward_ordered(false); }
+  };
+  std::vector<bf16> got;
+  {
+    const Ordered ordered;
+    got = run_fp8(gpu, q, ws);
+  }
+  EXPECT_TRUE(same_bits(got, want));
 }
 
 TEST(Fp8Forward, OneWorkspaceServesEveryTokenCountBitwise) {
