@@ -29,8 +29,8 @@
 # preset (default: the short passes qwen3-30b-a3b, olmoe-1b-7b, qwen3.5-397b, glm-4.5, gpt-oss-120b) into
 # <date>-<commit>-host-<preset>.txt, then layer_bench --impl mok,mok-py with 20 iterations a round
 # (--repeats rounds: 9 or more to decide a 2 % difference) into the bench JSON. `fp8` (issue 19's
-# FP8 forward): build, the FP8 and forward tests (C++ and Python), compute-sanitizer on a small FP8
-# case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8 and the mok-fp8-ordered experiment (forward, --repeats runs) on
+# FP8 forward): build, the FP8 and forward tests (C++ and Python), the accuracy numbers as gtest XML
+# (<date>-<commit>-fp8-accuracy.xml), compute-sanitizer on a small FP8 case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8 and the mok-fp8-ordered experiment (forward, --repeats runs) on
 # issue 19's presets into <date>-<commit>-fp8.txt, and the training example (500 steps, mok and
 # mok-fp8: the FP8 forward with the bf16 backward) into <date>-<commit>-train-fp8.json. --impl / --pass choose layer_bench's implementations and passes in the
 # bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd).
@@ -202,6 +202,10 @@ if [ "$part" = fp8 ]; then
   env PYTHONPATH="$PWD/$build/pkg" python3 -m pytest -q tests/python/test_fp8_layer.py tests/python/test_fp8.py \
     --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
   tail -1 "$LOG/pytest.log"
+  # issue 19's accuracy numbers (gtest properties: each case's error to the recipe and the
+  # exact layer; y and every gradient's cosine to the exact layer, FP8 beside BF16)
+  $build/tests/test_gpu_forward_fp8 --gtest_filter='Fp8Forward.AccuracyAgainstTheExactLayerBesideBf16:Fp8Forward/*' \
+    --gtest_output=xml:"$OUT/${date:0:10}-$commit-fp8-accuracy.xml" > "$LOG/fp8_accuracy.log" 2>&1 || test_rc=1
   sanitize test_gpu_forward_fp8 Fp8Forward/Fp8ForwardCases.MatchesTheRecipeReference/shared_padded_clamp 300
   junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi

@@ -184,6 +184,63 @@ TEST(Fp8Forward, BitwiseEqualAcrossRunsAndSmCounts) {
   for (std::size_t i = 1; i < runs.size(); ++i) EXPECT_TRUE(same_bits(runs[0], runs[i])) << "run " << i;
 }
 
+// Issue 19's accuracy table: y and every gradient of one training step against the exact
+// fp64 layer, as cosines, for the FP8 forward (with the bf16 backward on its activations) and
+// for the BF16 path on the same problem (recorded as gtest properties; scripts/gpu_check.sh
+// keeps the XML). Asserted: the FP8 path is finite and near the exact layer (cosine >= 0.99;
+// the recipe's own error bounds it lower than the BF16 path's, docs/fp8.md), the BF16 path's
+// cosines at least the FP8 path's.
+TEST(Fp8Forward, AccuracyAgainstTheExactLayerBesideBf16) {
+  MOK_REQUIRE_HOPPER();
+  const Case c{"h1024_i512", 256, 1024, 512, 8, 4, 256, 0, RoutingKind::uniform};
+  const MoeShape s = shape_of(c);
+  const HostProblem host = make_problem(s, c.tokens, c.routing, 91);
+  GpuProblem gpu(host);
+  const QuantizedWeights q(gpu);
+  const auto dy = testing::random_bf16(host.x.size(), 92);
+  const auto x = host.reference_x();
+  const auto y_exact = reference::forward(s, c.tokens, x, host.reference_routing(), host.reference_weights());
+  const auto exact = reference::backward(s, c.tokens, x, host.reference_routing(), host.reference_weights(),
+                                         reference::to_double(dy));
+  const char* names[] = {"y", "dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down", "d_shared_gate", "d_shared_up",
+                         "d_shared_down"};
+  const std::vector<const std::vector<double>*> want{&y_exact, &exact.x, &exact.topk_weights, &exact.w.gate, &exact.w.up,
+                                                     &exact.w.down, &exact.w.shared_gate, &exact.w.shared_up,
+                                                     &exact.w.shared_down};
+  std::vector<double> cos[2];  // [fp8, bf16][tensor]
+  for (int path = 0; path < 2; ++path) {
+    testing::GpuGrads grads(gpu, dy, false);
+    Config config;
+    if (path == 0) config = fp8_config();
+    Workspace ws(s, c.tokens, config, Training::save);
+    DeviceBuffer<bf16> saved(ws.saved_elements());
+    const ForwardArgs args = path == 0 ? fp8_args(gpu, q) : gpu.args();
+    gpu.poison_output();
+    forward(args, ws, nullptr, testing::saved_view(saved));
+    grads.poison();
+    backward(args, grads.args(), ws, nullptr, testing::saved_view(saved));
+    ws.check(nullptr);
+    const std::vector<std::vector<double>> got{
+        gpu.output(),
+        reference::to_double(grads.dx.download()),
+        reference::to_double(grads.d_weights.download()),
+        testing::GpuGrads::as_double(grads.d_gate, grads.f32),
+        testing::GpuGrads::as_double(grads.d_up, grads.f32),
+        testing::GpuGrads::as_double(grads.d_down, grads.f32),
+        testing::GpuGrads::as_double(grads.d_sgate, grads.f32),
+        testing::GpuGrads::as_double(grads.d_sup, grads.f32),
+        testing::GpuGrads::as_double(grads.d_sdown, grads.f32)};
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      cos[path].push_back(cosine(got[i], *want[i]));
+      RecordProperty(std::string(path == 0 ? "fp8_cosine_" : "bf16_cosine_") + names[i], std::to_string(cos[path][i]));
+    }
+  }
+  for (std::size_t i = 0; i < cos[0].size(); ++i) {
+    EXPECT_GE(cos[0][i], 0.99) << names[i] << ": the FP8 path against the exact layer";
+    EXPECT_GE(cos[1][i], cos[0][i]) << names[i] << ": the BF16 path less accurate than FP8's";
+  }
+}
+
 // mok_bench's mok-fp8-ordered experiment: the kernel variant whose warpgroups take turns to
 // issue their MMAs sums in the same order, so its bits are the default kernel's.
 TEST(Fp8Forward, OrderedIssueVariantIsBitwiseTheSame) {
