@@ -94,13 +94,10 @@ __device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, in
   publish_stored_tiles(p.counters.y_done, pending_tiles, wg);
 }
 
-// Columns [64 round, 64 round + 64) of this warpgroup's 64 x (2 kAcc) fp32 tile (the first
-// kAcc accumulators of acc: 128 of a 256-column tile, 64 of the FP8 kernel's 128) into its
-// 16 KB staging buffer (swizzled, two panels of 64 rows x 32 columns), once earlier TMA
-// stores have read the staging and every thread of the warpgroup is past its previous use.
-template <int kAcc = 128, int kSize>
-__device__ __forceinline__ void stage_fp32_columns(char* staging, const float (&acc)[kSize], int round, int wg) {
-  static_assert(kAcc <= kSize);
+// Columns [64 round, 64 round + 64) of this warpgroup's 64 x 256 fp32 tile into its 16 KB
+// staging buffer (swizzled, two panels of 64 rows x 32 columns), once earlier TMA stores
+// have read the staging and every thread of the warpgroup is past its previous use.
+__device__ __forceinline__ void stage_fp32_columns(char* staging, const float (&acc)[128], int round, int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   if (tid == 0) tma_store_wait_read();
   sync_warpgroup(wg);
@@ -111,21 +108,18 @@ __device__ __forceinline__ void stage_fp32_columns(char* staging, const float (&
   }
 }
 
-// fp32 rows of this warpgroup's 64 x (2 kAcc) tile (N-tile t.n of that width) into the slot
-// buffer (published by publish_slots()): rounds of 64 columns through the warpgroup's 16 KB
-// staging buffer, each as two TMA stores of 64 rows x 32 columns (128-byte swizzle).
-template <int kAcc = 128, int kSize>
-__device__ inline void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const float (&acc)[kSize], const Task& t,
+// fp32 rows of this warpgroup's 64 x 256 tile into the slot buffer (published by
+// publish_slots()): four rounds of 64 columns through the warpgroup's 16 KB staging
+// buffer, each as two TMA stores of 64 rows x 32 columns (128-byte swizzle).
+__device__ inline void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                int row0, int wg) {
-  static_assert(kAcc <= kSize);
-  constexpr int kColumns = 2 * kAcc;
   const int tid = threadIdx.x % 128;
   const CUtensorMap* map = t.shared ? &p.maps.shared_slots : &p.maps.slots;
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
-  const int n0 = t.n * kColumns;
+  const int n0 = t.n * kBlockN;
 #pragma unroll
-  for (int round = 0; round < kColumns / 64; ++round) {
-    stage_fp32_columns<kAcc>(staging, acc, round, wg);
+  for (int round = 0; round < 4; ++round) {
+    stage_fp32_columns(staging, acc, round, wg);
     fence_proxy_async_shared_cta();
     sync_warpgroup(wg);
     if (tid == 0) {
@@ -173,6 +167,22 @@ __device__ inline void epilogue_gemm2_push(const ForwardParams& p, SharedStorage
 
 __device__ inline void publish_pushes(const ForwardParams& p, SharedStorage& s, int wg) {
   if (p.ep.push) publish_pushed_rows(p.ep, s.pushed[wg], wg);
+}
+
+// Before a CTA's first combine task, on every consumer thread: publishes this warpgroup's
+// GEMM2 tiles (and pushed rows), then waits until every GEMM2 tile of the launch (and every
+// peer's rows pushed to this rank) has landed.
+__device__ inline void wait_for_slot_rows(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int wg,
+                                          int& pending_slots, int task) {
+  publish_slots(p, wg, pending_slots);
+  publish_pushes(p, s, wg);
+  if (threadIdx.x == kProducerThreads) {
+    wait_counter(p, p.counters.y_done, sched.slot_tiles_total(), task, WaitSite::all_gemm2);
+    if (p.ep.push)
+      for (int q = 0; q < p.ep.size; ++q)
+        wait_peer_counter(p, p.ep.slots_done[p.ep.rank] + q, p.ep.expected_rows[q] * sched.n2, task, WaitSite::forward_pushed, q);
+  }
+  sync_consumers();
 }
 
 __device__ inline void combine(const ForwardParams& p, const Task& t) {

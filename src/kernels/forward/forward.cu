@@ -69,15 +69,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     timer.lap<Phase::other>();
     if (t.kind == kCombine) {
       if (!slots_ready) {
-        publish_slots(p, wg, pending_slots);
-        publish_pushes(p, s, wg);
-        if (threadIdx.x == kProducerThreads) {
-          wait_counter(p, p.counters.y_done, sched.slot_tiles_total(), task, WaitSite::all_gemm2);
-          if (p.ep.push)
-            for (int q = 0; q < p.ep.size; ++q)
-              wait_peer_counter(p, p.ep.slots_done[p.ep.rank] + q, p.ep.expected_rows[q] * sched.n2_routed, task, WaitSite::forward_pushed, q);
-        }
-        sync_consumers();
+        wait_for_slot_rows(p, s, sched, wg, pending_slots, task);
         slots_ready = true;
         timer.lap<Phase::combine_wait>();
       }

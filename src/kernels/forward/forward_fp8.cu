@@ -159,7 +159,7 @@ __device__ __forceinline__ void mainloop_fp8(const ForwardParams& p, SharedStora
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
-        wgmma_m64n128k32_e4m3<0>(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
+        wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
       wgmma_commit_group();
       if constexpr (kOrdered) named_barrier_arrive(mma_turn(1 - wg), 256);  // the other's turn
       wgmma_wait_group<0>();
@@ -240,10 +240,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
     timer.lap<Phase::other>();
     if (t.kind == kCombine) {
       if (!slots_ready) {
-        publish_slots(p, wg, pending_slots);
-        if (threadIdx.x == kProducerThreads)
-          wait_counter(p, p.counters.y_done, sched.slot_tiles_total(), task, WaitSite::all_gemm2);
-        sync_consumers();
+        wait_for_slot_rows(p, s, sched, wg, pending_slots, task);  // (no pushes: one GPU)
         slots_ready = true;
         timer.lap<Phase::combine_wait>();
       }

@@ -72,7 +72,7 @@ __device__ __forceinline__ int minibatch_rows(const ForwardParams& p, int mb) {
 // Task ranges of one launch; routed tile count comes from the device plan.
 struct Schedule {
   int cta, ctas;  // this CTA among the CTAs serving this rank: it takes tasks cta, cta + ctas, ...
-  int m_routed, m_shared, n1_routed, n1_shared, n2_routed, n2, combine_tasks;
+  int m_routed, m_shared, n1_routed, n1_shared, n2, combine_tasks;
   int g1_routed_end, g1_shared_end, g2_routed_end, g2_shared_end, total;
 
   __device__ Schedule(const ForwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
@@ -81,11 +81,10 @@ struct Schedule {
     n1_routed = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
     n1_shared = (p.shared_inter + kGemm1Columns - 1) / kGemm1Columns;
     n2 = (p.hidden + kBlockN - 1) / kBlockN;
-    n2_routed = n2;
     combine_tasks = (p.tokens + kCombineTokens - 1) / kCombineTokens;
     g1_routed_end = m_routed * n1_routed;
     g1_shared_end = g1_routed_end + m_shared * n1_shared;
-    g2_routed_end = g1_shared_end + m_routed * n2_routed;
+    g2_routed_end = g1_shared_end + m_routed * n2;
     g2_shared_end = g2_routed_end + m_shared * n2;
     total = p.gemm1_only ? g1_shared_end : g2_shared_end + combine_tasks;
   }
@@ -114,7 +113,7 @@ struct Schedule {
   }
 
   __device__ void split_interleaved(const ForwardParams& p, int local, Task& t) const {
-    const InterleavedTask it = interleaved_task(m_routed, n1_routed, n2_routed, p.interleave_tiles, local);
+    const InterleavedTask it = interleaved_task(m_routed, n1_routed, n2, p.interleave_tiles, local);
     t.kind = it.gemm2 ? kGemm2 : kGemm1, t.m = it.m, t.n = it.n;
   }
 
@@ -144,7 +143,7 @@ struct Schedule {
       split(task - g1_routed_end, 0, m_shared, t);
     } else if (task < g2_routed_end) {
       t.kind = kGemm2;
-      split_routed(p, task - g1_shared_end, n2_routed, t);
+      split_routed(p, task - g1_shared_end, n2, t);
     } else if (task < g2_shared_end) {
       t.kind = kGemm2, t.shared = true;
       split(task - g2_routed_end, 0, m_shared, t);
@@ -154,7 +153,7 @@ struct Schedule {
     return t;
   }
   __device__ int n1(bool shared) const { return shared ? n1_shared : n1_routed; }
-  __device__ int slot_tiles_total() const { return kConsumerWarpgroups * (m_routed * n2_routed + m_shared * n2); }
+  __device__ int slot_tiles_total() const { return kConsumerWarpgroups * (m_routed + m_shared) * n2; }
 };
 
 }  // namespace mok::kernels::fwd
