@@ -101,8 +101,10 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
 
 // --------------------------------------------------------------------------------- consumers
 
-// The issue turn of warpgroup wg (kOrdered): it waits there for the other warpgroup's arrival.
+// The issue turn of warpgroup wg (kOrdered): it waits there (bar.sync) for the other
+// warpgroup's arrival (bar.arrive), every consumer thread counted.
 __device__ __forceinline__ int mma_turn(int wg) { return static_cast<int>(NamedBarrier::mma_turn0) + wg; }
+constexpr int kTurnThreads = 128 * kConsumerWarpgroups;
 
 // The scales of one routed task: A's per row and 128 K ([K / 128, capacity], this
 // warpgroup's rows from a_rows), B's per 128 x 128 block (exponents, one a K block: b[0] for
@@ -155,13 +157,13 @@ __device__ __forceinline__ void mainloop_fp8(const ForwardParams& p, SharedStora
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::uint64_t desc_b = KMajor::descriptor(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
-      if constexpr (kOrdered) named_barrier_sync(mma_turn(wg), 256);
+      if constexpr (kOrdered) named_barrier_sync(mma_turn(wg), kTurnThreads);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
         wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
       wgmma_commit_group();
-      if constexpr (kOrdered) named_barrier_arrive(mma_turn(1 - wg), 256);  // the other's turn
+      if constexpr (kOrdered) named_barrier_arrive(mma_turn(1 - wg), kTurnThreads);  // the other's turn
       wgmma_wait_group<0>();
 #pragma unroll
       for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(block[i])::"memory");  // no read of the block before the wait
@@ -233,7 +235,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
   PhaseTimer timer(forward_fp8_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   // kOrdered: warpgroup 0 issues first; each turn it waits for is one warpgroup 1 arrived at
   // (this first one, then one after each of warpgroup 1's halves; both run the same halves).
-  if (kOrdered && wg == 1) named_barrier_arrive(mma_turn(0), 256);
+  if (kOrdered && wg == 1) named_barrier_arrive(mma_turn(0), kTurnThreads);
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind != kGemm1) publish_hidden(p, pending_hidden);  // (this CTA's own GEMM2 loads may need it)
@@ -293,7 +295,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
   }
   publish_hidden(p, pending_hidden);
   publish_slots(p, wg, pending_slots);
-  if (kOrdered && wg == 0) named_barrier_sync(mma_turn(0), 256);  // warpgroup 1's last arrival
+  if (kOrdered && wg == 0) named_barrier_sync(mma_turn(0), kTurnThreads);  // warpgroup 1's last arrival
   timer.lap<Phase::other>();
 }
 
