@@ -36,8 +36,6 @@
 //   mok-ep1 the same layer through the expert-parallel machinery as an EP group of one rank
 //   mok-fp8 the FP8 forward (Precision::fp8; pass fwd, fwd+bwd is skipped), weights quantized
 //          once beforehand; checked on sampled tokens against the FP8 recipe's fp64 reference
-//   mok-fp8-ordered  an experiment: mok-fp8 with the kernel variant whose consumer warpgroups
-//          take turns to issue their MMAs (kernels::set_fp8_forward_ordered)
 // peak_bytes (mok): the workspace + y + the high-water mark of what one pass allocates from
 // a caching stream-ordered pool (scratch; fwd+bwd: saved tensor, dx, d_topk_weights, bf16
 // weight gradients, allocated when the backward runs), as PyTorch's allocator would count it.
@@ -65,10 +63,6 @@
 #ifdef MOK_PHASE_TIMING
 #include "kernels/common/phase_timing.cuh"
 #endif
-
-namespace mok::kernels {
-void set_fp8_forward_ordered(bool ordered);  // (src/kernels/forward/forward_fp8.cuh: an experiment's switch)
-}
 
 namespace mok_bench {
 
@@ -208,9 +202,10 @@ int main(int argc, char** argv) try {
     else if (a == "--out") o.out = next();
     else if (a == "--commit") o.commit = next();
     else if (a == "--date") o.date = next();
+    else if (a == "--no-check") o.check = false;
     else {
-      std::printf("usage: mok_bench [--preset all|NAME,...] [--impl mok,mok-ep1,mok-fp8,mok-fp8-ordered,cublas,plan] [--pass fwd,fwd+bwd]\n"
-                  "                 [--iters N] [--warmup N] [--out FILE.json] [--commit C] [--date D]\n"
+      std::printf("usage: mok_bench [--preset all|NAME,...] [--impl mok,mok-ep1,mok-fp8,cublas,plan] [--pass fwd,fwd+bwd]\n"
+                  "                 [--iters N] [--warmup N] [--out FILE.json] [--commit C] [--date D] [--no-check]\n"
                   "                 [--comm-sms N] [--minibatch-rows N] [--ring-rows N]  (mok-ep1's Config)\n"
                   "                 [--interleave-rows N]  (both impls' forward task order)\n"
                   "       mok_bench --serve            (bench/layer_bench.py's mok implementation)\n"
@@ -237,10 +232,10 @@ int main(int argc, char** argv) try {
   for (const std::string& name : o.presets)
     if (name != "all") mok::find_preset(name);  // unknown names are an error
   for (const std::string& impl : o.impls)
-    if (impl != "mok" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "mok-fp8-ordered" && impl != "cublas" &&
+    if (impl != "mok" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "cublas" &&
         impl != "plan")
       throw mok::Error("mok_bench: impl '" + impl +
-                       "' is not available (known: mok, mok-ep1, mok-fp8, mok-fp8-ordered, cublas, plan)");
+                       "' is not available (known: mok, mok-ep1, mok-fp8, cublas, plan)");
 
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -256,9 +251,7 @@ int main(int argc, char** argv) try {
 #endif
   std::printf("%-16s %-7s %-8s %10s %9s\n", "preset", "impl", "pass", "ms", "TFLOP/s");
   for (const mok::Preset* p : chosen)
-    for (const std::string& named : o.impls) {
-      const bool ordered = named == "mok-fp8-ordered";  // mok-fp8 with the experiment's kernel variant
-      const std::string impl = ordered ? "mok-fp8" : named;
+    for (const std::string& impl : o.impls) {
       std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
       for (const std::string& pass : passes) {
         if (impl == "mok-fp8" && pass != "fwd") continue;  // (a forward for now)
@@ -270,12 +263,9 @@ int main(int argc, char** argv) try {
 #ifdef MOK_PHASE_TIMING
         CUDA_OK(cudaMemset(phase_table, 0, sizeof(unsigned long long) * 2 * mok::kernels::kPhases));
 #endif
-        mok::kernels::set_fp8_forward_ordered(ordered);
         if (impl == "mok" || impl == "mok-ep1" || impl == "mok-fp8") records.push_back(bench_mok(o, *p, impl, pass, stream));
         else if (impl == "cublas") records.push_back(bench_dense(o, *p, pass, stream, handle));
         else records.push_back(bench_plan(o, *p, stream));
-        mok::kernels::set_fp8_forward_ordered(false);
-        records.back().impl = named;
         const Record& r = records.back();
         std::printf("%-16s %-7s %-8s %10.4f %9.1f\n", r.preset.c_str(), r.impl.c_str(), r.pass.c_str(), r.ms, r.tflops);
 #ifdef MOK_PHASE_TIMING

@@ -30,7 +30,7 @@
 # <date>-<commit>-host-<preset>.txt, then layer_bench --impl mok,mok-py with 20 iterations a round
 # (--repeats rounds: 9 or more to decide a 2 % difference) into the bench JSON. `fp8` (issue 19's
 # FP8 forward): build, the FP8 and forward tests (C++ and Python), the accuracy numbers as gtest XML
-# (<date>-<commit>-fp8-accuracy.xml), compute-sanitizer on a small FP8 case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8 and the mok-fp8-ordered experiment (forward, --repeats runs) on
+# (<date>-<commit>-fp8-accuracy.xml), compute-sanitizer on a small FP8 case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8 (forward, --repeats runs) on
 # issue 19's presets into <date>-<commit>-fp8.txt, and the training example (500 steps, mok and
 # mok-fp8: the FP8 forward with the bf16 backward) into <date>-<commit>-train-fp8.json. --impl / --pass choose layer_bench's implementations and passes in the
 # bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd).
@@ -213,7 +213,7 @@ if [ "$part" = fp8bench ]; then
   fp8_presets=$presets
   [ "$presets" = all ] && fp8_presets=deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b
   for r in $(seq "$repeats"); do
-    $build/bench/mok_bench --preset "$fp8_presets" --impl mok,mok-fp8,mok-fp8-ordered --pass fwd --iters "$iters" \
+    $build/bench/mok_bench --preset "$fp8_presets" --impl mok,mok-fp8 --pass fwd --iters "$iters" \
       --out "$OUT/fp8_run$r.json" --commit "$commit" --date "$date" 2>&1 | tee -a "$OUT/${date:0:10}-$commit-fp8.txt" || test_rc=1
   done
   train_example 500 mok,mok-fp8 train-fp8  # the FP8 forward (bf16 backward) beside bf16, same seed and data

@@ -16,9 +16,6 @@
 #include "mok/fp8.hpp"
 
 namespace mok {
-namespace kernels {
-void set_fp8_forward_ordered(bool ordered);  // (kernels/forward/forward_fp8.cuh: an experiment's switch)
-}
 namespace {
 
 using testing::Case;
@@ -239,28 +236,6 @@ TEST(Fp8Forward, AccuracyAgainstTheExactLayerBesideBf16) {
     EXPECT_GE(cos[0][i], 0.99) << names[i] << ": the FP8 path against the exact layer";
     EXPECT_GE(cos[1][i], cos[0][i]) << names[i] << ": the BF16 path less accurate than FP8's";
   }
-}
-
-// mok_bench's mok-fp8-ordered experiment: the kernel variant whose warpgroups take turns to
-// issue their MMAs sums in the same order, so its bits are the default kernel's.
-TEST(Fp8Forward, OrderedIssueVariantIsBitwiseTheSame) {
-  MOK_REQUIRE_HOPPER();
-  const MoeShape s = shape_of({"", 0, 384, 256, 8, 2, 128, 0.75f, RoutingKind::uniform});
-  const HostProblem host = make_problem(s, 700, RoutingKind::padded, 33);
-  GpuProblem gpu(host);
-  const QuantizedWeights q(gpu);
-  Workspace ws(s, host.tokens, fp8_config());
-  const auto want = run_fp8(gpu, q, ws);
-  struct Ordered {  // (off again however the test ends)
-    Ordered() { kernels::set_fp8_forward_ordered(true); }
-    ~Ordered() { kernels::set_fp8_forward_ordered(false); }
-  };
-  std::vector<bf16> got;
-  {
-    const Ordered ordered;
-    got = run_fp8(gpu, q, ws);
-  }
-  EXPECT_TRUE(same_bits(got, want));
 }
 
 TEST(Fp8Forward, OneWorkspaceServesEveryTokenCountBitwise) {

@@ -382,7 +382,7 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl
   FusedLayer layer(pr, impl, pass, o.ep_config, stream);
   layer.step(/*keep=*/true);
   layer.check_status();
-  const double err = check_sampled_tokens(pr, layer.y(), impl == "mok-fp8");
+  const double err = o.check ? check_sampled_tokens(pr, layer.y(), impl == "mok-fp8") : 0.0;
   if (!(err <= 1e-2))
     throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
   if (pass == "fwd+bwd") {

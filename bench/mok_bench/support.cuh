@@ -46,6 +46,8 @@ struct Options {
   int warmup = 3, iters = 20;
   mok::Config ep_config;  // mok-ep1: --comm-sms, --minibatch-rows, --ring-rows
   std::string out, commit = "unknown", date = "unknown";
+  bool check = true;  // --no-check: no sampled fp64 check before timing (profiling runs: it copies
+                      // the sampled tokens' experts to the host, ~1 min on the large presets)
 };
 
 std::vector<std::string> split(const std::string& s) {

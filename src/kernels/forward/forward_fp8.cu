@@ -101,11 +101,6 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
 
 // --------------------------------------------------------------------------------- consumers
 
-// The issue turn of warpgroup wg (kOrdered): it waits there (bar.sync) for the other
-// warpgroup's arrival (bar.arrive), every consumer thread counted.
-__device__ __forceinline__ int mma_turn(int wg) { return static_cast<int>(NamedBarrier::mma_turn0) + wg; }
-constexpr int kTurnThreads = 128 * kConsumerWarpgroups;
-
 // The scales of one routed task: A's per row and 128 K ([K / 128, capacity], this
 // warpgroup's rows from a_rows), B's per 128 x 128 block (exponents, one a K block: b[0] for
 // B's rows 0-127, b[1] for rows 128-255).
@@ -120,12 +115,6 @@ struct TaskScales {
 // of (A_kb B_kb^T) * a_scale(row, kb) * b_scale(half, kb). Each half's four MMAs sum into
 // the block accumulator (the tensor cores' own precision inside one scale block), which is
 // then promoted in fp32.
-//
-// kOrdered (an experiment, mok_bench's mok-fp8-ordered): the two warpgroups take turns to
-// issue a half's MMAs (named barriers mma_turn0 + wg), so the tensor cores run one
-// warpgroup's four MMAs, then the other's, and each promotes while the other's run instead
-// of both issuing, waiting and promoting in step.
-template <bool kOrdered>
 __device__ __forceinline__ void mainloop_fp8(const ForwardParams& p, SharedStorage& s, Pipeline<kStages>& pipe,
                                              float (&acc)[128], int k_steps, int wg, int task, const TaskScales& sc) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -157,13 +146,11 @@ __device__ __forceinline__ void mainloop_fp8(const ForwardParams& p, SharedStora
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::uint64_t desc_b = KMajor::descriptor(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
-      if constexpr (kOrdered) named_barrier_sync(mma_turn(wg), kTurnThreads);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
         wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
       wgmma_commit_group();
-      if constexpr (kOrdered) named_barrier_arrive(mma_turn(1 - wg), kTurnThreads);  // the other's turn
       wgmma_wait_group<0>();
 #pragma unroll
       for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(block[i])::"memory");  // no read of the block before the wait
@@ -225,7 +212,6 @@ __device__ void epilogue_gemm1_fp8(const Fp8ForwardParams& q, SharedStorage& s, 
   pending_index = t.m;
 }
 
-template <bool kOrdered>
 __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, const Schedule& sched, int wg) {
   const ForwardParams& p = q.base;
   Pipeline<kStages> pipe;
@@ -233,9 +219,6 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
   int pending_hidden = -1;  // h_ready index of a GEMM1 store not yet published
   int pending_slots = 0;    // GEMM2 tiles not yet counted in y_done
   PhaseTimer timer(forward_fp8_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
-  // kOrdered: warpgroup 0 issues first; each turn it waits for is one warpgroup 1 arrived at
-  // (this first one, then one after each of warpgroup 1's halves; both run the same halves).
-  if (kOrdered && wg == 1) named_barrier_arrive(mma_turn(0), kTurnThreads);
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind != kGemm1) publish_hidden(p, pending_hidden);  // (this CTA's own GEMM2 loads may need it)
@@ -275,7 +258,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const int k_blocks = p.hidden / kFp8BlockK;
       const std::int64_t block_row = (static_cast<std::int64_t>(expert) * (p.inter / kGemm1Columns) + t.n) * k_blocks;
       const TaskScales sc{q.x_scales + rows, q.capacity, {q.gate_exponents + block_row, q.up_exponents + block_row}};
-      mainloop_fp8<kOrdered>(p, s, pipe, acc, k_blocks, wg, task, sc);
+      mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm1>();
       epilogue_gemm1_fp8(q, s, acc, t, row0, wg, pending_hidden);
       timer.lap<Phase::epilogue_gemm1>();
@@ -286,7 +269,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const std::int32_t* down = q.down_exponents + static_cast<std::int64_t>(expert) * h_blocks * k_blocks;
       const int b0 = 2 * t.n, b1 = b0 + 1 < h_blocks ? b0 + 1 : b0;
       const TaskScales sc{q.h_scales + rows, q.capacity, {down + b0 * k_blocks, down + b1 * k_blocks}};
-      mainloop_fp8<kOrdered>(p, s, pipe, acc, k_blocks, wg, task, sc);
+      mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm2>();
       epilogue_gemm2(p, s, acc, t, row0, wg);
       timer.lap<Phase::epilogue_gemm2>();
@@ -295,12 +278,10 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
   }
   publish_hidden(p, pending_hidden);
   publish_slots(p, wg, pending_slots);
-  if (kOrdered && wg == 0) named_barrier_sync(mma_turn(0), kTurnThreads);  // warpgroup 1's last arrival
   timer.lap<Phase::other>();
 }
 
 // The FP8 forward as a policy of the persistent skeleton (kernels/common/skeleton.cuh).
-template <bool kOrdered>
 struct Fp8ForwardKernel {
   using Storage = SharedStorage;
   // The producer's FP8 and BF16 (shared expert) loads spill in the BF16 kernels' 40
@@ -325,25 +306,17 @@ struct Fp8ForwardKernel {
   __device__ static void run_comm(const P&, Storage&, int) {}
   __device__ static Schedule schedule(const P& q, int cta, int ctas) { return Schedule(q.base, cta, ctas); }
   __device__ static void produce(const P& q, Storage& s, const Schedule& sched) { run_producer_fp8(q, s, sched); }
-  __device__ static void consume(const P& q, Storage& s, const Schedule& sched, int wg) { run_consumer_fp8<kOrdered>(q, s, sched, wg); }
+  __device__ static void consume(const P& q, Storage& s, const Schedule& sched, int wg) { run_consumer_fp8(q, s, sched, wg); }
 };
 
-template <bool kOrdered>
 __global__ void __launch_bounds__(kThreads, 1) forward_fp8_kernel(const __grid_constant__ Fp8ForwardParams p) {
-  run_persistent<Fp8ForwardKernel<kOrdered>>(p, blockIdx.x, gridDim.x);
+  run_persistent<Fp8ForwardKernel>(p, blockIdx.x, gridDim.x);
 }
-
-bool ordered_variant = false;  // set_fp8_forward_ordered
 
 }  // namespace
 
-void set_fp8_forward_ordered(bool ordered) { ordered_variant = ordered; }
-
 void launch_forward_fp8(const Fp8ForwardParams& params, int num_ctas, cudaStream_t stream) {
-  if (ordered_variant)
-    launch_persistent<forward_fp8_kernel<true>>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
-  else
-    launch_persistent<forward_fp8_kernel<false>>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+  launch_persistent<forward_fp8_kernel>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
 }
 
 }  // namespace mok::kernels

@@ -37,9 +37,4 @@ struct Fp8ForwardParams {
 
 void launch_forward_fp8(const Fp8ForwardParams& params, int num_ctas, cudaStream_t stream);
 
-// An experiment for mok_bench (impl mok-fp8-ordered), not an option of the library: later
-// launches use the variant whose two consumer warpgroups take turns to issue their MMAs
-// (forward_fp8.cu, mainloop_fp8<true>). Not thread-safe; off unless set.
-void set_fp8_forward_ordered(bool ordered);
-
 }  // namespace mok::kernels

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Hardware counters of one fused forward kernel launch per implementation (Nsight Compute,
+# clocks left alone): where the consumers stall, how busy the tensor pipe is. On a Hopper
+# machine with ncu:
+#   OUT=<dir> scripts/ncu_forward.sh [--impl mok,mok-fp8] [--preset deepseek-v3] [--build DIR]
+# writes, per impl, $OUT/ncu-<preset>-<impl>.txt (ncu's details page: speed of light,
+# compute and memory workload, warp states, scheduler) and $OUT/ncu-<preset>-<impl>-sass.csv
+# (the source page: each SASS instruction's executions and warp-stall samples), and prints
+# the tensor-pipe and stall summary lines. The kernel is the one mok_bench times (its second
+# launch, after a warm-up), on the preset's own inputs, without the sampled fp64 check.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/ncu_out}"
+impls=mok,mok-fp8
+preset=deepseek-v3
+build=build-gpu
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --impl) impls="$2"; shift ;;
+    --preset) preset="$2"; shift ;;
+    --build) build="$2"; shift ;;
+    *) echo "usage: ncu_forward.sh [--impl LIST] [--preset NAME] [--build DIR]"; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$OUT"
+source scripts/setup.sh || exit 1
+set +e
+ncu_bin="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+[ -n "$ncu_bin" ] || { echo "ncu_forward.sh: no ncu (Nsight Compute) found"; exit 1; }
+if [ ! -x "$build/bench/mok_bench" ]; then
+  { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_TESTS=OFF -DMOK_BUILD_EXAMPLES=OFF &&
+    cmake --build "$build" --target mok_bench -j"$(nproc)"; } > "$OUT/ncu-build.log" 2>&1 ||
+    { tail -30 "$OUT/ncu-build.log"; exit 1; }
+fi
+rc=0
+for impl in ${impls//,/ }; do
+  rep="$(mktemp -d)/ncu-$preset-$impl"
+  "$ncu_bin" --clock-control none -k 'regex:forward(_fp8)?_kernel' --launch-skip 1 --launch-count 1 --set full \
+    --import-source no -f -o "$rep" \
+    "$build/bench/mok_bench" --preset "$preset" --impl "$impl" --pass fwd --iters 1 --warmup 1 --no-check \
+    > "$OUT/ncu-$preset-$impl.log" 2>&1 || { echo "ncu failed on $impl:"; tail -20 "$OUT/ncu-$preset-$impl.log"; rc=1; continue; }
+  "$ncu_bin" --import "$rep.ncu-rep" --page details > "$OUT/ncu-$preset-$impl.txt" 2>&1
+  "$ncu_bin" --import "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-$preset-$impl-sass.csv" 2>&1
+  echo "== $preset $impl"
+  grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Issue Slots Busy|Executed Ipc Active|No Eligible|Warp Cycles Per Issued" "$OUT/ncu-$preset-$impl.txt" | head -20
+done
+exit "$rc"
