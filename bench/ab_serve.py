@@ -38,7 +38,8 @@ def main():
     ap.add_argument("--head", required=True)
     ap.add_argument("--preset", default="all")
     ap.add_argument("--routing", default="uniform")
-    ap.add_argument("--pass", dest="passes", default="fwd,fwd+bwd")
+    ap.add_argument("--pass", dest="passes", default="fwd,fwd+bwd",
+                    help="fwd, fwd+bwd, and fp8 (the FP8 forward: mok_bench's impl mok-fp8, pass fwd)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -62,12 +63,13 @@ def main():
                 for s in servers.values():
                     s.call("load", name, args.seed, ids_path, w_path)
             for ps in passes:
-                sums = {side: s.call("check", ps)["checksums"] for side, s in servers.items()}
+                call = ("fwd", "mok-fp8") if ps == "fp8" else (ps,)
+                sums = {side: s.call("check", *call)["checksums"] for side, s in servers.items()}
                 same[(name, ps)] = sums["base"] == sums["head"]
                 t = times[(name, ps)] = {"base": [], "head": []}
                 for _ in range(args.rounds):
                     for side, s in servers.items():
-                        t[side].append(statistics.median(s.call("time", ps, args.warmup, args.iters)["ms"]))
+                        t[side].append(statistics.median(s.call("time", call[0], args.warmup, args.iters, *call[1:])["ms"]))
                 print(f"{name:<20}{ps:<9}base {statistics.median(t['base']):8.3f}  head "
                       f"{statistics.median(t['head']):8.3f}  bitwise equal: {same[(name, ps)]}", flush=True)
     finally:

@@ -36,9 +36,6 @@
 //   mok-ep1 the same layer through the expert-parallel machinery as an EP group of one rank
 //   mok-fp8 the FP8 forward (Precision::fp8; pass fwd, fwd+bwd is skipped), weights quantized
 //          once beforehand; checked on sampled tokens against the FP8 recipe's fp64 reference
-//   mok-fp8-q64ss / mok-fp8-q64rs  experiments: mok-fp8 with kernel variant 1 / 2 (quarters of
-//          64 B rows whose block accumulators alternate; A from shared memory / registers;
-//          kernels::set_fp8_forward_variant)
 // peak_bytes (mok): the workspace + y + the high-water mark of what one pass allocates from
 // a caching stream-ordered pool (scratch; fwd+bwd: saved tensor, dx, d_topk_weights, bf16
 // weight gradients, allocated when the backward runs), as PyTorch's allocator would count it.
@@ -67,14 +64,7 @@
 #include "kernels/common/phase_timing.cuh"
 #endif
 
-namespace mok::kernels {
-void set_fp8_forward_variant(int variant);  // (src/kernels/forward/forward_fp8.cuh: an experiment's switch)
-}
-
 namespace mok_bench {
-
-// The FP8 kernel variant an impl name selects (mok-fp8-q64ss: 1, mok-fp8-q64rs: 2; else 0).
-int fp8_variant(const std::string& impl) { return impl == "mok-fp8-q64ss" ? 1 : impl == "mok-fp8-q64rs" ? 2 : 0; }
 
 void write_json(const Options& o, const std::vector<Record>& records, const std::string& gpu) {
   std::ostringstream js;
@@ -242,10 +232,10 @@ int main(int argc, char** argv) try {
   for (const std::string& name : o.presets)
     if (name != "all") mok::find_preset(name);  // unknown names are an error
   for (const std::string& impl : o.impls)
-    if (impl != "mok" && impl != "mok-ep1" && impl != "mok-fp8" && fp8_variant(impl) == 0 && impl != "cublas" &&
+    if (impl != "mok" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "cublas" &&
         impl != "plan")
       throw mok::Error("mok_bench: impl '" + impl +
-                       "' is not available (known: mok, mok-ep1, mok-fp8, mok-fp8-q64ss, mok-fp8-q64rs, cublas, plan)");
+                       "' is not available (known: mok, mok-ep1, mok-fp8, cublas, plan)");
 
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -261,9 +251,7 @@ int main(int argc, char** argv) try {
 #endif
   std::printf("%-16s %-7s %-8s %10s %9s\n", "preset", "impl", "pass", "ms", "TFLOP/s");
   for (const mok::Preset* p : chosen)
-    for (const std::string& named : o.impls) {
-      const int variant = fp8_variant(named);
-      const std::string impl = variant ? "mok-fp8" : named;
+    for (const std::string& impl : o.impls) {
       std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
       for (const std::string& pass : passes) {
         if (impl == "mok-fp8" && pass != "fwd") continue;  // (a forward for now)
@@ -275,12 +263,9 @@ int main(int argc, char** argv) try {
 #ifdef MOK_PHASE_TIMING
         CUDA_OK(cudaMemset(phase_table, 0, sizeof(unsigned long long) * 2 * mok::kernels::kPhases));
 #endif
-        mok::kernels::set_fp8_forward_variant(variant);
         if (impl == "mok" || impl == "mok-ep1" || impl == "mok-fp8") records.push_back(bench_mok(o, *p, impl, pass, stream));
         else if (impl == "cublas") records.push_back(bench_dense(o, *p, pass, stream, handle));
         else records.push_back(bench_plan(o, *p, stream));
-        mok::kernels::set_fp8_forward_variant(0);
-        records.back().impl = named;
         const Record& r = records.back();
         std::printf("%-16s %-7s %-8s %10.4f %9.1f\n", r.preset.c_str(), r.impl.c_str(), r.pass.c_str(), r.ms, r.tflops);
 #ifdef MOK_PHASE_TIMING

@@ -6,18 +6,20 @@
 # rounds' medians, head / base and its range over rounds.
 #
 #   OUT=<dir> scripts/ab_bench.sh BASE_SRC_DIR [--presets all|NAME,...] [--rounds 5] [--iters 10]
+#                                 [--pass fwd,fwd+bwd[,fp8]]   (fp8: the FP8 forward)
 #
 # BASE_SRC_DIR: the base commit's files, e.g. `mkdir -p .ab/base && git archive <rev> | tar x -C .ab/base`
 # (carried to a GPU machine as an ignored folder). Rows: $OUT/ab.json.
 set -uo pipefail
 base_src=$1; shift
-presets=all rounds=5 iters=10
+presets=all rounds=5 iters=10 passes=fwd,fwd+bwd
 while [ $# -gt 0 ]; do
   case "$1" in
     --presets) presets=$2; shift ;;
     --rounds) rounds=$2; shift ;;
     --iters) iters=$2; shift ;;
-    *) echo "usage: ab_bench.sh BASE_SRC_DIR [--presets all|NAME,...] [--rounds N] [--iters N]"; exit 2 ;;
+    --pass) passes=$2; shift ;;
+    *) echo "usage: ab_bench.sh BASE_SRC_DIR [--presets all|NAME,...] [--rounds N] [--iters N] [--pass LIST]"; exit 2 ;;
   esac
   shift
 done
@@ -32,5 +34,5 @@ build() {  # $1: source, $2: build dir
 build "$base_src" build-ab-base
 build . build-ab-head
 python3 bench/ab_serve.py --base build-ab-base/bench/mok_bench --head build-ab-head/bench/mok_bench \
-  --preset "$presets" --rounds "$rounds" --iters "$iters" --out "$OUT/ab.json" \
+  --preset "$presets" --pass "$passes" --rounds "$rounds" --iters "$iters" --out "$OUT/ab.json" \
   --meta "{\"base\": \"$base_src\", \"gpu\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)\"}"

@@ -16,9 +16,6 @@
 #include "mok/fp8.hpp"
 
 namespace mok {
-namespace kernels {
-void set_fp8_forward_variant(int variant);  // (kernels/forward/forward_fp8.cuh: an experiment's switch)
-}
 namespace {
 
 using testing::Case;
@@ -238,33 +235,6 @@ TEST(Fp8Forward, AccuracyAgainstTheExactLayerBesideBf16) {
   for (std::size_t i = 0; i < cos[0].size(); ++i) {
     EXPECT_GE(cos[0][i], 0.99) << names[i] << ": the FP8 path against the exact layer";
     EXPECT_GE(cos[1][i], cos[0][i]) << names[i] << ": the BF16 path less accurate than FP8's";
-  }
-}
-
-// mok_bench's experiments mok-fp8-q64ss / mok-fp8-q64rs: kernel variants that split each half
-// into quarters (A from shared memory / from registers) sum in the same order, so their bits
-// are the default kernel's (with the shared expert and a training save, on ragged rows).
-TEST(Fp8Forward, QuarterVariantsAreBitwiseTheSame) {
-  MOK_REQUIRE_HOPPER();
-  const MoeShape s = shape_of({"", 0, 384, 256, 8, 2, 128, 0.75f, RoutingKind::uniform});
-  const HostProblem host = make_problem(s, 700, RoutingKind::padded, 33);
-  GpuProblem gpu(host);
-  const QuantizedWeights q(gpu);
-  Workspace ws(s, host.tokens, fp8_config(), Training::save);
-  DeviceBuffer<bf16> saved(ws.saved_elements());
-  auto run = [&](int variant) {  // y's bits and the saved pre-activations'
-    kernels::set_fp8_forward_variant(variant);
-    gpu.poison_output();
-    forward(fp8_args(gpu, q), ws, nullptr, testing::saved_view(saved));
-    kernels::set_fp8_forward_variant(0);
-    ws.check(nullptr);
-    return std::make_pair(gpu.y.download(), saved.download());
-  };
-  const auto want = run(0);
-  for (int variant : {1, 2}) {
-    const auto got = run(variant);
-    EXPECT_TRUE(same_bits(got.first, want.first)) << "y, variant " << variant;
-    EXPECT_TRUE(same_bits(got.second, want.second)) << "saved pre-activations, variant " << variant;
   }
 }
 

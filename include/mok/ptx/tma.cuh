@@ -13,6 +13,13 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) 
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<std::uint64_t>(map)) : "memory");
 }
 
+// Prefetches `bytes` (a multiple of 16, 16-byte aligned) of global memory into L2, one
+// thread's bulk request; nothing waits for it.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, std::uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(reinterpret_cast<std::uint64_t>(src)), "r"(bytes)
+               : "memory");
+}
+
 // Global -> shared, completion counted in bytes on `bar`.
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1) {
   asm volatile(

@@ -90,44 +90,4 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint6
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
-// D[64 x 64] (+)= A[64 x 32] * B[64 x 32]^T, E4M3 x E4M3 -> fp32, both operands in shared
-// memory; D is this thread's 32 accumulators (the m64nN layout).
-__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], std::uint64_t desc_a, std::uint64_t desc_b,
-                                                     int scale_d) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// The same with A from registers: a is this thread's fragment of A's 64 x 32 E4M3 tile (the
-// warp's 16 rows; a[0]: row lane / 4, bytes 4 (lane % 4) .. + 3; a[1]: row + 8; a[2], a[3]:
-// the same rows, bytes + 16), as ldmatrix_x4 of the four 8 x 16-byte pieces loads it.
-__device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const std::uint32_t (&a)[4],
-                                                        std::uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
-
-// Four 8 x 16-byte matrices from shared memory (lane l gives row l % 8 of matrix l / 8);
-// register i holds this thread's 4 bytes of matrix i: row lane / 4, bytes 4 (lane % 4) .. + 3.
-__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(row))
-               : "memory");
-}
-
 }  // namespace mok::ptx

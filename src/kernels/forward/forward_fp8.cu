@@ -167,93 +167,6 @@ __device__ __forceinline__ void mainloop_fp8(const ForwardParams& p, SharedStora
   }
 }
 
-// Experiment (mok_bench's mok-fp8-q64ss / mok-fp8-q64rs): the same sums with each half split
-// into two quarters of 64 B rows (wgmma m64n64k32) whose block accumulators alternate, so a
-// warpgroup promotes one quarter while its next quarter's MMAs run (the halves' form waits
-// for each half's MMAs, then promotes with no MMA of its own in flight). kRegistersA: A's
-// fragments are loaded once a stage from shared memory (ldmatrix, the 128-byte swizzle
-// undone) and reused by the four quarters, instead of each quarter's MMAs reading A from
-// shared memory again. Quarter q holds B's rows 64q .. 64q + 63: acc[32q, 32q + 32).
-template <bool kRegistersA>
-__device__ __forceinline__ void mainloop_fp8_quarters(const ForwardParams& p, SharedStorage& s, Pipeline<kStages>& pipe,
-                                                      float (&acc)[128], int k_steps, int wg, int task,
-                                                      const TaskScales& sc) {
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const float* a_rows = sc.a_rows + warp * 16 + lane / 4;
-  float block[2][32];
-#pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-#pragma unroll
-  for (int b = 0; b < 2; ++b)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) block[b][i] = 0.0f;
-  std::uint32_t a_frag[kRegistersA ? 4 : 1][4];
-  // ldmatrix_x4 rows of this lane: matrix lane / 8 is rows 8 (m % 2) .. + 7 and bytes 16 (m / 2) .. + 15
-  // of a k32 step; row r's 16-byte chunk c sits at chunk c ^ (r % 8) (the 128-byte swizzle).
-  const int a_row = wg * 64 + warp * 16 + ((lane / 8) % 2) * 8 + lane % 8, a_half = lane / 16;
-  float a_lo = 0.0f, a_hi = 0.0f;
-  int e0 = __ldg(sc.b[0]), e1 = __ldg(sc.b[1]);
-  auto promote = [&](int q, int b, int e) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(block[b][i])::"memory");  // not before the wait
-    const float b_scale = exp2_int(e), scale[2] = {a_lo * b_scale, a_hi * b_scale};  // exact: powers of two
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[32 * q + i] = __fmaf_rn(block[b][i], scale[(i >> 1) & 1], acc[32 * q + i]);
-  };
-  for (int kb = 0; kb < k_steps; ++kb) {
-    const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    if (kb == 0) a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
-    float next_a_lo = 0.0f, next_a_hi = 0.0f;
-    int next_e0 = 0, next_e1 = 0;
-    if (kb + 1 < k_steps) {
-      next_a_lo = __ldcg(a_rows + (kb + 1) * sc.a_stride), next_a_hi = __ldcg(a_rows + (kb + 1) * sc.a_stride + 8);
-      next_e0 = __ldg(sc.b[0] + kb + 1), next_e1 = __ldg(sc.b[1] + kb + 1);
-    }
-    const auto& stage = s.stages[stage_index];
-    const char* a_tile = reinterpret_cast<const char*>(stage.a);
-    if constexpr (kRegistersA) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        ldmatrix_x4(a_frag[k], a_tile + a_row * kFp8BlockK + (((2 * k + a_half) ^ (a_row % 8)) << 4));
-    }
-    auto issue = [&](int q, int b) {
-      const std::uint64_t desc_a = KMajor::descriptor(a_tile + wg * 64 * kFp8BlockK);
-      const std::uint64_t desc_b = KMajor::descriptor(reinterpret_cast<const char*>(stage.b) + q * 64 * kFp8BlockK);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kFp8BlockK / 32; ++kk) {
-        if constexpr (kRegistersA) wgmma_m64n64k32_e4m3_rs(block[b], a_frag[kk], desc_b + KMajor::kDescStep * kk, kk != 0);
-        else wgmma_m64n64k32_e4m3(block[b], desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
-      }
-      wgmma_commit_group();
-    };
-    issue(0, 0);
-    issue(1, 1);
-    wgmma_wait_group<1>();
-    promote(0, 0, e0);
-    issue(2, 0);
-    wgmma_wait_group<1>();
-    promote(1, 1, e0);
-    issue(3, 1);
-    wgmma_wait_group<1>();
-    promote(2, 0, e1);
-    wgmma_wait_group<0>();
-    if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
-    pipe.consumer_advance();
-    promote(3, 1, e1);
-    a_lo = next_a_lo, a_hi = next_a_hi, e0 = next_e0, e1 = next_e1;
-  }
-}
-
-// The routed GEMM's mainloop of kernel variant kVariant (0: halves, the default; 1, 2: the
-// quarters experiment with A from shared memory / registers).
-template <int kVariant>
-__device__ __forceinline__ void routed_mainloop(const ForwardParams& p, SharedStorage& s, Pipeline<kStages>& pipe,
-                                                float (&acc)[128], int k_steps, int wg, int task, const TaskScales& sc) {
-  if constexpr (kVariant == 0) mainloop_fp8(p, s, pipe, acc, k_steps, wg, task, sc);
-  else mainloop_fp8_quarters<kVariant == 2>(p, s, pipe, acc, k_steps, wg, task, sc);
-}
-
 // h = swiglu(gate, up) of this warpgroup's 64 rows x 128 columns as E4M3 with one
 // power-of-two scale a row (its 128 columns are one block): the row's largest |h| is a max
 // over the thread's values and its quad's (any order gives the same), the values go
@@ -299,7 +212,6 @@ __device__ void epilogue_gemm1_fp8(const Fp8ForwardParams& q, SharedStorage& s, 
   pending_index = t.m;
 }
 
-template <int kVariant>
 __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, const Schedule& sched, int wg) {
   const ForwardParams& p = q.base;
   Pipeline<kStages> pipe;
@@ -346,7 +258,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const int k_blocks = p.hidden / kFp8BlockK;
       const std::int64_t block_row = (static_cast<std::int64_t>(expert) * (p.inter / kGemm1Columns) + t.n) * k_blocks;
       const TaskScales sc{q.x_scales + rows, q.capacity, {q.gate_exponents + block_row, q.up_exponents + block_row}};
-      routed_mainloop<kVariant>(p, s, pipe, acc, k_blocks, wg, task, sc);
+      mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm1>();
       epilogue_gemm1_fp8(q, s, acc, t, row0, wg, pending_hidden);
       timer.lap<Phase::epilogue_gemm1>();
@@ -357,7 +269,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const std::int32_t* down = q.down_exponents + static_cast<std::int64_t>(expert) * h_blocks * k_blocks;
       const int b0 = 2 * t.n, b1 = b0 + 1 < h_blocks ? b0 + 1 : b0;
       const TaskScales sc{q.h_scales + rows, q.capacity, {down + b0 * k_blocks, down + b1 * k_blocks}};
-      routed_mainloop<kVariant>(p, s, pipe, acc, k_blocks, wg, task, sc);
+      mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm2>();
       epilogue_gemm2(p, s, acc, t, row0, wg);
       timer.lap<Phase::epilogue_gemm2>();
@@ -370,7 +282,6 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
 }
 
 // The FP8 forward as a policy of the persistent skeleton (kernels/common/skeleton.cuh).
-template <int kVariant>
 struct Fp8ForwardKernel {
   using Storage = SharedStorage;
   // The producer's FP8 and BF16 (shared expert) loads spill in the BF16 kernels' 40
@@ -395,25 +306,17 @@ struct Fp8ForwardKernel {
   __device__ static void run_comm(const P&, Storage&, int) {}
   __device__ static Schedule schedule(const P& q, int cta, int ctas) { return Schedule(q.base, cta, ctas); }
   __device__ static void produce(const P& q, Storage& s, const Schedule& sched) { run_producer_fp8(q, s, sched); }
-  __device__ static void consume(const P& q, Storage& s, const Schedule& sched, int wg) { run_consumer_fp8<kVariant>(q, s, sched, wg); }
+  __device__ static void consume(const P& q, Storage& s, const Schedule& sched, int wg) { run_consumer_fp8(q, s, sched, wg); }
 };
 
-template <int kVariant>
 __global__ void __launch_bounds__(kThreads, 1) forward_fp8_kernel(const __grid_constant__ Fp8ForwardParams p) {
-  run_persistent<Fp8ForwardKernel<kVariant>>(p, blockIdx.x, gridDim.x);
+  run_persistent<Fp8ForwardKernel>(p, blockIdx.x, gridDim.x);
 }
-
-int kernel_variant = 0;  // set_fp8_forward_variant
 
 }  // namespace
 
-void set_fp8_forward_variant(int variant) { kernel_variant = variant; }
-
 void launch_forward_fp8(const Fp8ForwardParams& params, int num_ctas, cudaStream_t stream) {
-  const std::size_t smem = forward_shared_memory_bytes();
-  if (kernel_variant == 1) launch_persistent<forward_fp8_kernel<1>>(smem, kThreads, params, num_ctas, stream);
-  else if (kernel_variant == 2) launch_persistent<forward_fp8_kernel<2>>(smem, kThreads, params, num_ctas, stream);
-  else launch_persistent<forward_fp8_kernel<0>>(smem, kThreads, params, num_ctas, stream);
+  launch_persistent<forward_fp8_kernel>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
 }
 
 }  // namespace mok::kernels

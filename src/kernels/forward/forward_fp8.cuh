@@ -37,9 +37,4 @@ struct Fp8ForwardParams {
 
 void launch_forward_fp8(const Fp8ForwardParams& params, int num_ctas, cudaStream_t stream);
 
-// An experiment for mok_bench (impls mok-fp8-q64ss, mok-fp8-q64rs), not an option of the
-// library: later launches use kernel variant 1 or 2 (forward_fp8.cu, mainloop_fp8_quarters);
-// 0 is the default kernel. Not thread-safe.
-void set_fp8_forward_variant(int variant);
-
 }  // namespace mok::kernels

@@ -18,11 +18,6 @@ __device__ __forceinline__ int fp8_scale_exponent(float amax) {
   return k - 8 + (ldexpf(amax, -k) > 1.75f ? 1 : 0);
 }
 
-// 2^e exactly, for any int e (0 below 2^-149): the normal range by its bits, the rest by ldexpf.
-__device__ __forceinline__ float exp2_int(int e) {
-  return e >= -126 && e <= 127 ? __int_as_float((e + 127) << 23) : ldexpf(1.0f, e);
-}
-
 // Four values (already divided by their scale) as four E4M3 bytes, the first in the lowest.
 __device__ __forceinline__ std::uint32_t pack_e4m3x4(float a, float b, float c, float d) {
   const std::uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
