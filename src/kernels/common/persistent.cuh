@@ -223,6 +223,13 @@ __device__ __forceinline__ float4 load4_streaming(const std::uint16_t* row, int 
 // Row: float or std::uint16_t (bf16 bits).
 constexpr int kMaxCombineSlots = 16;
 
+// The slot row of (token, slot) pair `pair`, -1 for none: the plan's row, or (kPushed, the push
+// combine) the pair itself where its expert id is valid.
+template <bool kPushed>
+__device__ __forceinline__ int combine_slot_row(int pair, const std::int32_t* pair_row, const std::int32_t* ids) {
+  return kPushed ? (ids[pair] >= 0 ? pair : -1) : pair_row[pair];
+}
+
 // Before token `token` of [begin, end) is combined: its slot rows (and shared row) are bulk-
 // prefetched into L2 `ahead` tokens early, one request a row from threads 0 .. k. ahead: up
 // to 2 tokens, as long as the rows prefetched ahead stay within 192 KB a CTA (~25 MB of L2
@@ -234,17 +241,17 @@ template <bool kPushed, typename Row>
 __device__ __noinline__ void prefetch_combine_rows(int token, int begin, int end, int hidden, int top_k,
                                                    const std::int32_t* pair_row, const std::int32_t* ids,
                                                    const Row* slots, const Row* shared, int tid) {
+  if (tid > top_k) return;
   const long long token_bytes = static_cast<long long>(top_k) * hidden * sizeof(Row);
   const int ahead = static_cast<int>(min(2LL, (192LL << 10) / token_bytes));
-  if (ahead == 0 || tid > top_k) return;
+  if (ahead == 0) return;
   const std::uint32_t bytes = static_cast<std::uint32_t>(hidden) * sizeof(Row);
   for (int t = token == begin ? token : token + ahead; t <= token + ahead && t < end; ++t) {
     if (tid == top_k) {
       if (shared) ptx::bulk_prefetch_l2(shared + static_cast<std::int64_t>(t) * hidden, bytes);
       continue;
     }
-    const int pair = t * top_k + tid;
-    const int row = kPushed ? (ids[pair] >= 0 ? pair : -1) : pair_row[pair];
+    const int row = combine_slot_row<kPushed>(t * top_k + tid, pair_row, ids);
     if (row >= 0) ptx::bulk_prefetch_l2(slots + static_cast<std::int64_t>(row) * hidden, bytes);
   }
 }
@@ -268,7 +275,7 @@ __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const 
           const int slot = j0 + j;
           const int pair = token * top_k + slot;
           int row = -1;
-          if (slot < top_k) row = kPushed ? (ids[pair] >= 0 ? pair : -1) : pair_row[pair];
+          if (slot < top_k) row = combine_slot_row<kPushed>(pair, pair_row, ids);
           valid[j] = row >= 0;  // -1: a padding slot, or past k
           w[j] = (kWeighted && valid[j]) ? weights[token * top_k + slot] : 1.0f;
           v[j] = valid[j] ? load4_streaming(slots + static_cast<std::int64_t>(row) * hidden, c)
