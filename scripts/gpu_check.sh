@@ -58,7 +58,10 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-case "$part" in all|tests|bench|ep|speed|train|hf|phases|host|fp8|fp8bench) ;; *) echo "gpu_check.sh: --part must be all, tests, bench, ep, speed, train, hf, phases, host, fp8 or fp8bench"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8 or fp8bench"; exit 2 ;; esac
+# tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
+run_ctest=false; run_pytest=false
+case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 source scripts/setup.sh || exit 1
@@ -80,10 +83,11 @@ fi
 
 build=build-gpu
 if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
-  if [ "$part" = tests ] || [ "$part" = all ]; then rm -rf "$build"; fi  # a clean build: the ptxas report covers every kernel
+  if $run_ctest; then rm -rf "$build"; fi  # a clean build: the ptxas report covers every kernel
   # The benchmark needs the library, mok_bench and the extension mok._C, not the tests.
   with_tests=ON
-  { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ] || [ "$part" = fp8bench ]; } &&
+  { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ] || [ "$part" = fp8bench ] ||
+    [ "$part" = pytest ]; } &&
     [ ! -f $build/tests/test_plan ] &&
     with_tests=OFF
   { cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON -DMOK_BUILD_PYTHON=ON \
@@ -138,10 +142,13 @@ sanitize() {
     extra+=("compute-sanitizer $tool: $small_case=$outcome")
   done
 }
-if [ "$part" = tests ] || [ "$part" = all ]; then
+if $run_ctest; then
 ctest --test-dir $build --output-on-failure -j4 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1
 test_rc=$?
 tail -5 "$LOG/ctest.log"
+junit+=("$LOG/ctest.xml")
+fi
+if $run_pytest; then
 
 # The Python package against the PyTorch installed on this machine (no network: no build isolation).
 if python3 -m pip install -q --no-build-isolation --no-deps . > "$LOG/pip.log" 2>&1; then
@@ -151,6 +158,11 @@ else
   echo "pip install . failed (see pip.log)"; tail -20 "$LOG/pip.log"; test_rc=1
 fi
 
+# The training example: the fused kernel against the PyTorch path, eager and compiled.
+train_example
+junit+=("$LOG/pytest.xml")
+fi
+if $run_ctest; then
 # The README's main job on this GPU (its build dir is ours: nothing is built twice).
 if MOK_BUILD_DIR=$build scripts/run.sh > "$LOG/main_job.log" 2>&1 && grep -q "CHECK PASSED" "$LOG/main_job.log"; then
   extra+=("main job scripts/run.sh=passed")
@@ -160,8 +172,6 @@ else
   echo "main job failed"; tail -20 "$LOG/main_job.log"; test_rc=1
 fi
 
-# The training example: the fused kernel against the PyTorch path, eager and compiled.
-train_example
 
 # compute-sanitizer on small cases: shared expert, clamp, padding, ragged T, the EP ring.
 for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
@@ -171,8 +181,6 @@ for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padd
               test_gpu_ep_backward:EpBackward.SmallRingWrapsBitwiseLikeNoRing; do
   sanitize "${target%%:*}" "${target#*:}"
 done
-
-junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
 
 bench=()
@@ -221,12 +229,15 @@ fi
 if [ "$part" = host ]; then
   host_presets=$presets
   [ "$presets" = all ] && host_presets=qwen3-30b-a3b,olmoe-1b-7b,qwen3.5-397b,glm-4.5,gpt-oss-120b
-  for preset in ${host_presets//,/ }; do
-    host_log="$OUT/${date:0:10}-$commit-host-$preset.txt"
-    env PYTHONPATH="$PWD/$build/pkg" timeout 150 python3 bench/host_overhead.py --preset "$preset" --calls 20 --top 15 \
-      > "$host_log" 2>&1 || { echo "host_overhead $preset failed"; test_rc=1; }
-    grep -E "^==|^GPU time|^Before" "$host_log" | cut -c1-220
+  for preset in ${host_presets//,/ }; do  # the prelude's pieces (seconds a preset)
+    env PYTHONPATH="$PWD/$build/pkg" timeout 120 python3 bench/host_sections.py --preset "$preset" 2>&1 |
+      tee "$OUT/${date:0:10}-$commit-host-sections-$preset.txt" || { echo "host_sections $preset failed"; test_rc=1; }
   done
+  preset=${host_presets%%,*}  # what the GPU waits for, on the first preset (a few minutes)
+  host_log="$OUT/${date:0:10}-$commit-host-$preset.txt"
+  env PYTHONPATH="$PWD/$build/pkg" timeout 150 python3 bench/host_overhead.py --preset "$preset" --calls 20 --top 15 \
+    > "$host_log" 2>&1 || { echo "host_overhead $preset failed"; test_rc=1; }
+  grep -E "^==|^GPU time|^Before" "$host_log" | cut -c1-220
   env PYTHONPATH="$PWD/$build/pkg" python3 bench/layer_bench.py --mok-bench $build/bench/mok_bench --impl mok,mok-py \
     --preset "$host_presets" --routing uniform --repeats $repeats --iters $(( iters * 2 )) --out "$OUT/bench_layer.json" \
     --commit "$commit" --date "$date" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
