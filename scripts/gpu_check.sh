@@ -7,10 +7,12 @@
 # $OUT/bench_layer.json (written as measured), then prints a short table.
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
-#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host|fp8|fp8bench]
-#                                                   [--presets all|NAME,...] [--repeats N] [--impl LIST] [--pass LIST]
+#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
+#                                                   host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N]
+#                                                   [--impl LIST] [--pass LIST]
 # --part splits the check for machines that limit one command's time: `tests` (clean
-# build, every test, sanitizers) writes the gpucheck JSON; `bench` (build if missing, then
+# build, every test, sanitizers) writes the gpucheck JSON, and so do its two halves `ctest` (clean
+# build, ctest, sanitizers, the main job) and `pytest` (the package, pytest, the training example); `bench` (build if missing, then
 # bench/layer_bench.py: mok, mok-py, torch-compiled, torch and dense on the same inputs,
 # interleaved, both routings, full-size checks) the bench JSON; `ep` (machines with 2 or
 # more GPUs: the package, then bench/ep_bench.py on every GPU under torchrun: mok-ep,
@@ -25,10 +27,12 @@
 # build dir) and prints, per preset and pass, the share of the forward and backward consumers'
 # cycles in each phase (mainloops, epilogues, combine and its wait; kernels/common/phase_timing.cuh) into
 # <date>-<commit>-phases.txt (--impl/--pass: mok_bench's, default mok and fwd,fwd+bwd; e.g.
-# --impl mok,mok-fp8 --pass fwd for the FP8 forward beside BF16). `host` (issue 21: the Python op's cost) runs bench/host_overhead.py on each
-# preset (default: the short passes qwen3-30b-a3b, olmoe-1b-7b, qwen3.5-397b, glm-4.5, gpt-oss-120b) into
-# <date>-<commit>-host-<preset>.txt, then layer_bench --impl mok,mok-py with 20 iterations a round
-# (--repeats rounds: 9 or more to decide a 2 % difference) into the bench JSON. `fp8` (issue 19's
+# --impl mok,mok-fp8 --pass fwd for the FP8 forward beside BF16). `host` (issue 21: the Python op's cost) runs bench/host_sections.py (the
+# host time of mok.moe's pieces) on the short passes qwen3-30b-a3b, olmoe-1b-7b, qwen3.5-397b, glm-4.5 and
+# gpt-oss-120b (or --presets) into <date>-<commit>-host-sections-<preset>.txt, then layer_bench --impl
+# mok,mok-py on --presets (all: every preset) with --repeats rounds of --iters iterations (many short
+# rounds, e.g. --repeats 25 --iters 5: the ratio paired by round is what decides a 2 % difference) into
+# the bench JSON; bench/host_overhead.py (what the GPU waits for, under torch.profiler) is run by hand. `fp8` (issue 19's
 # FP8 forward): build, the FP8 and forward tests (C++ and Python), the accuracy numbers as gtest XML
 # (<date>-<commit>-fp8-accuracy.xml), compute-sanitizer on a small FP8 case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8 (forward, --repeats runs) on
 # issue 19's presets into <date>-<commit>-fp8.txt, and the training example (500 steps, mok and
@@ -52,6 +56,7 @@ while [ $# -gt 0 ]; do
     --part) part="$2"; shift ;;
     --presets) presets="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
+    --iters) iters="$2"; shift ;;
     --impl) impl_args+=(--impl "$2"); impls="$2"; shift ;;
     --pass) impl_args+=(--pass "$2"); passes="$2"; shift ;;
     *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--impl LIST] [--pass LIST]"; exit 2 ;;
@@ -233,13 +238,8 @@ if [ "$part" = host ]; then
     env PYTHONPATH="$PWD/$build/pkg" timeout 120 python3 bench/host_sections.py --preset "$preset" 2>&1 |
       tee "$OUT/${date:0:10}-$commit-host-sections-$preset.txt" || { echo "host_sections $preset failed"; test_rc=1; }
   done
-  preset=${host_presets%%,*}  # what the GPU waits for, on the first preset (a few minutes)
-  host_log="$OUT/${date:0:10}-$commit-host-$preset.txt"
-  env PYTHONPATH="$PWD/$build/pkg" timeout 150 python3 bench/host_overhead.py --preset "$preset" --calls 20 --top 15 \
-    > "$host_log" 2>&1 || { echo "host_overhead $preset failed"; test_rc=1; }
-  grep -E "^==|^GPU time|^Before" "$host_log" | cut -c1-220
   env PYTHONPATH="$PWD/$build/pkg" python3 bench/layer_bench.py --mok-bench $build/bench/mok_bench --impl mok,mok-py \
-    --preset "$host_presets" --routing uniform --repeats $repeats --iters $(( iters * 2 )) --out "$OUT/bench_layer.json" \
+    --preset "$presets" --routing uniform --repeats $repeats --iters $iters --out "$OUT/bench_layer.json" \
     --commit "$commit" --date "$date" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
   bench=("$OUT/bench_layer.json")
 fi
