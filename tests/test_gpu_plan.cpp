@@ -150,6 +150,16 @@ TEST(PointerLocation, HostPointerDeclaredOnGpu) {
   }
   DeviceBuffer<std::uint16_t> d(32);
   EXPECT_NO_THROW(check_pointer_location("mok::forward", "x", TensorView::contiguous(d.get(), DType::bf16, Device::cuda(0), {32})));
+  // Passed once on cuda:0 (and remembered), the pointer is still refused on another device...
+  try {
+    check_pointer_location("mok::forward", "w", TensorView::contiguous(d.get(), DType::bf16, Device::cuda(1), {32}));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("argument 'w': is declared on cuda:1 but its pointer lives on cuda:0"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(check_pointer_location("mok::forward", "x", TensorView::contiguous(d.get(), DType::bf16, Device::cuda(0), {32})));
+  // ...and as cpu memory.
   try {
     check_pointer_location("mok::forward", "y", TensorView::contiguous(d.get(), DType::bf16, Device::cpu(), {32}));
     FAIL() << "no error";

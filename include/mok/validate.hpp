@@ -64,7 +64,8 @@ void validate_routing_values(std::string_view where, const MoeShape& shape,
                              const TensorView& topk_ids);
 
 // Asks the CUDA runtime where `view.data` really lives and throws if that is not
-// `view.device` (a host pointer passed as device memory, or the wrong GPU).
+// `view.device` (a host pointer passed as device memory, or the wrong GPU). A pointer this
+// thread has already found on its declared GPU is not asked about again.
 void check_pointer_location(std::string_view where, std::string_view arg, const TensorView& view);
 
 }  // namespace mok

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <unordered_set>
 #include <vector>
 
 #include "mok/error.hpp"
@@ -155,8 +156,25 @@ void validate_routing_values(std::string_view where, const MoeShape& shape,
   }
 }
 
+namespace {
+
+// The (pointer, device) pairs this thread found to be memory of that CUDA device: a layer's
+// calls see the same weights, activations and scratch blocks again and again (a caching
+// allocator hands the same blocks back), and each cudaPointerGetAttributes is a driver call
+// of ~1 µs before the first launch. Only passes are kept; bounded, cleared when full.
+constexpr std::size_t kMaxCheckedPointers = 4096;
+thread_local std::unordered_set<std::uint64_t> checked_pointers;
+
+std::uint64_t pointer_key(const void* p, int device) {  // (user-space addresses are below 2^57)
+  return (reinterpret_cast<std::uint64_t>(p) << 6) | static_cast<std::uint64_t>(device & 63);
+}
+
+}  // namespace
+
 void check_pointer_location(std::string_view where, std::string_view arg, const TensorView& v) {
   if (v.data == nullptr) return;
+  const bool cacheable = v.device.kind == DeviceKind::cuda && v.device.index >= 0 && v.device.index < 64;
+  if (cacheable && checked_pointers.count(pointer_key(v.data, v.device.index))) return;
   cudaPointerAttributes attr{};
   const cudaError_t err = cudaPointerGetAttributes(&attr, v.data);
   if (err != cudaSuccess) {
@@ -173,6 +191,10 @@ void check_pointer_location(std::string_view where, std::string_view arg, const 
                            " but its pointer lives on cuda:", attr.device);
   } else if (attr.type == cudaMemoryTypeDevice) {
     throw_argument_error(where, arg, "is declared on cpu but its pointer is memory of cuda:", attr.device);
+  }
+  if (cacheable) {
+    if (checked_pointers.size() >= kMaxCheckedPointers) checked_pointers.clear();
+    checked_pointers.insert(pointer_key(v.data, v.device.index));
   }
 }
 
