@@ -102,12 +102,14 @@ def test_fused_kernel_matches_eager_on_gpu(name):
 def test_fp8_experts_are_close_to_bf16_on_gpu():
     # "mok_fp8" (the routed experts' forward in FP8, the bf16 backward): logits and every
     # gradient within FP8's error of "mok"'s (expert sizes multiples of 128, as FP8 needs).
-    cfg = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=128, moe_intermediate_size=128, num_experts=8,
-                                      num_experts_per_tok=2, head_dim=32, norm_topk_prob=True)
+    # (a config each: from_config records the experts implementation on the config it is given,
+    # so two models from one config object would both run the second one)
+    config = lambda: transformers.Qwen3MoeConfig(**COMMON, intermediate_size=128, moe_intermediate_size=128,  # noqa: E731
+                                                 num_experts=8, num_experts_per_tok=2, head_dim=32, norm_topk_prob=True)
     torch.manual_seed(0)
     models = []
     for impl in ("mok", "mok_fp8"):
-        m = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=impl, dtype=torch.bfloat16)
+        m = transformers.AutoModelForCausalLM.from_config(config(), experts_implementation=impl, dtype=torch.bfloat16)
         if models:
             m.load_state_dict(models[0].state_dict())
         models.append(m.to("cuda"))
