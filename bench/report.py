@@ -200,8 +200,10 @@ def cmd_gpucheck(a):
     if not (a.junit or a.extra):
         return
     summary = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "skipped")}
-    with open(os.path.join(a.out_dir, f"{stem}-gpucheck.json"), "w") as f:
-        json.dump({"gpu": a.gpu, "commit": a.commit, "date": a.date, "summary": summary, "tests": tests}, f, indent=1)
+    part = "" if a.part in ("", "all", "tests") else f"-{a.part}"  # (a half of the tests: its own file)
+    with open(os.path.join(a.out_dir, f"{stem}{part}-gpucheck.json"), "w") as f:
+        json.dump({"gpu": a.gpu, "commit": a.commit, "date": a.date, "part": a.part or "tests", "summary": summary,
+                   "tests": tests}, f, indent=1)
     print(f"\ntests on {a.gpu}: {summary['passed']} passed, {summary['failed']} failed, {summary['skipped']} skipped")
     for t in tests:
         if t["outcome"] != "passed":
@@ -404,6 +406,7 @@ def main():
     g.add_argument("--date", required=True)
     g.add_argument("--out-dir", required=True)
     g.add_argument("--extra", nargs="*", default=[])
+    g.add_argument("--part", default="", help="gpu_check.sh's --part (ctest, pytest: <stem>-<part>-gpucheck.json)")
     results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     for name in ("table", "plot"):
         sub.add_parser(name).add_argument("--results-dir", default=results)

@@ -261,6 +261,6 @@ fi
 
 [ "$part" = ep ] && { tar czf "$OUT/logs.tgz" -C "$LOG" .; exit $test_rc; }
 python3 bench/report.py gpucheck --junit "${junit[@]}" --bench "${bench[@]}" \
-  --gpu "$gpu" --commit "$commit" --date "$date" --out-dir "$OUT" --extra "${extra[@]}"
+  --gpu "$gpu" --commit "$commit" --date "$date" --out-dir "$OUT" --part "$part" --extra "${extra[@]}"
 tar czf "$OUT/logs.tgz" -C "$LOG" .
 exit $test_rc
