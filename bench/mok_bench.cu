@@ -232,10 +232,8 @@ int main(int argc, char** argv) try {
   for (const std::string& name : o.presets)
     if (name != "all") mok::find_preset(name);  // unknown names are an error
   for (const std::string& impl : o.impls)
-    if (impl != "mok" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "cublas" &&
-        impl != "plan")
-      throw mok::Error("mok_bench: impl '" + impl +
-                       "' is not available (known: mok, mok-ep1, mok-fp8, cublas, plan)");
+    if (impl != "mok" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "cublas" && impl != "plan")
+      throw mok::Error("mok_bench: impl '" + impl + "' is not available (known: mok, mok-ep1, mok-fp8, cublas, plan)");
 
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

@@ -59,7 +59,7 @@ while [ $# -gt 0 ]; do
     --iters) iters="$2"; shift ;;
     --impl) impl_args+=(--impl "$2"); impls="$2"; shift ;;
     --pass) impl_args+=(--pass "$2"); passes="$2"; shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--impl LIST] [--pass LIST]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST]"; exit 2 ;;
   esac
   shift
 done
@@ -152,9 +152,27 @@ ctest --test-dir $build --output-on-failure -j4 --output-junit "$LOG/ctest.xml" 
 test_rc=$?
 tail -5 "$LOG/ctest.log"
 junit+=("$LOG/ctest.xml")
-fi
-if $run_pytest; then
 
+# The README's main job on this GPU (its build dir is ours: nothing is built twice).
+if MOK_BUILD_DIR=$build scripts/run.sh > "$LOG/main_job.log" 2>&1 && grep -q "CHECK PASSED" "$LOG/main_job.log"; then
+  extra+=("main job scripts/run.sh=passed")
+  tail -2 "$LOG/main_job.log"
+else
+  extra+=("main job scripts/run.sh=failed")
+  echo "main job failed"; tail -20 "$LOG/main_job.log"; test_rc=1
+fi
+
+# compute-sanitizer on small cases: shared expert, clamp, padding, ragged T, the EP ring.
+for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
+              test_gpu_backward:Backward/BackwardCases.MatchesReference/shared_padded_clamp \
+              test_gpu_ep_forward:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp \
+              test_gpu_ep_forward:Ep.SmallRingWrapsBitwiseLikeOneGpu \
+              test_gpu_ep_backward:EpBackward.SmallRingWrapsBitwiseLikeNoRing; do
+  sanitize "${target%%:*}" "${target#*:}"
+done
+fi
+
+if $run_pytest; then
 # The Python package against the PyTorch installed on this machine (no network: no build isolation).
 if python3 -m pip install -q --no-build-isolation --no-deps . > "$LOG/pip.log" 2>&1; then
   python3 -m pytest -q tests/python --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
@@ -166,26 +184,6 @@ fi
 # The training example: the fused kernel against the PyTorch path, eager and compiled.
 train_example
 junit+=("$LOG/pytest.xml")
-fi
-if $run_ctest; then
-# The README's main job on this GPU (its build dir is ours: nothing is built twice).
-if MOK_BUILD_DIR=$build scripts/run.sh > "$LOG/main_job.log" 2>&1 && grep -q "CHECK PASSED" "$LOG/main_job.log"; then
-  extra+=("main job scripts/run.sh=passed")
-  tail -2 "$LOG/main_job.log"
-else
-  extra+=("main job scripts/run.sh=failed")
-  echo "main job failed"; tail -20 "$LOG/main_job.log"; test_rc=1
-fi
-
-
-# compute-sanitizer on small cases: shared expert, clamp, padding, ragged T, the EP ring.
-for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
-              test_gpu_backward:Backward/BackwardCases.MatchesReference/shared_padded_clamp \
-              test_gpu_ep_forward:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp \
-              test_gpu_ep_forward:Ep.SmallRingWrapsBitwiseLikeOneGpu \
-              test_gpu_ep_backward:EpBackward.SmallRingWrapsBitwiseLikeNoRing; do
-  sanitize "${target%%:*}" "${target#*:}"
-done
 fi
 
 bench=()
