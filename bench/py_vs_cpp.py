@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Where mok-py's forward differs from the C++ call's (issue 21): one preset's evaluation
+forward timed as layer_bench times it (L2 flush, events around the call), four ways in
+alternating rounds:
+
+  mok-py        mok.moe under no_grad (the Python op, as layer_bench's mok-py)
+  direct-train  the extension's forward called with ready tensors: mok.moe's own workspace
+                (made for training), a fixed y and scratch (no checks, no allocations)
+  direct-off    the same with a workspace made without training and its own scratch (what
+                mok_bench's forward uses)
+  mok           `mok_bench --serve` (the C++ layer in a second process; layer_bench's mok)
+
+and for the three in-process ones the summed GPU time of the pass's kernels (torch.profiler):
+events minus kernels is GPU time spent waiting. If the kernels' sums differ, the gap is on the
+GPU (workspace, buffers); if only the events do, it is host time.
+
+  py_vs_cpp.py --mok-bench build-gpu/bench/mok_bench [--preset qwen3-30b-a3b,gpt-oss-120b]
+               [--rounds 15] [--iters 5]
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+from torch.utils.dlpack import to_dlpack
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import torch_baseline as tb  # noqa: E402
+from host_overhead import events_and_kernels  # noqa: E402
+from mok_impls import MokBench, MokPy  # noqa: E402
+
+
+def direct(d, training):
+    """The extension's forward on d with everything made once (a pass = the capsules + the call)."""
+    from mok import _C, ops
+
+    x, ids, weights, gate, up, down = d["x"], d["ids"], d["weights"], d["w_gate"], d["w_up"], d["w_down"]
+    shared = tuple(d["shared"]) if d["shared"] is not None else (None, None, None)
+    T, H = x.shape
+    E, _, I = down.shape
+    k = ids.shape[1]
+    Is = 0 if shared[0] is None else shared[0].shape[0]
+    if training:  # mok.moe's own (ops._workspace makes it on first use)
+        ws = ops._workspace(x, down, k, Is, d["limit"])
+        scratch = torch.empty(ws.forward_scratch_bytes(T), dtype=torch.uint8, device=x.device)
+    else:
+        ws = _C.Workspace(H, I, E, k, Is, d["limit"], T, x.get_device(), training=False)
+        scratch = None
+    y = torch.empty_like(x)
+    stream = ops._stream(x)
+    tensors = (x, ids, weights, gate, up, down, *shared, y, None)
+
+    def fn():
+        _C.forward(ws, *ops._capsules(tensors), stream, scratch=None if scratch is None else to_dlpack(scratch))
+
+    return fn, y
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mok-bench", required=True)
+    ap.add_argument("--preset", default="qwen3-30b-a3b,gpt-oss-120b")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--iters", type=int, default=5)
+    args = ap.parse_args()
+    presets = tb.load_presets()
+    server = MokBench(args.mok_bench)
+    try:
+        for name in args.preset.split(","):
+            p = presets[name]
+            d = tb.make_inputs(p, "uniform", seed=1)
+            m = MokPy(d)
+            py_fn, _ = m.step("fwd")
+            with torch.no_grad():
+                y_py = m._call()
+            train_fn, y_train = direct(d, True)
+            off_fn, y_off = direct(d, False)
+            train_fn(), off_fn()
+            torch.cuda.synchronize()
+            same = torch.equal(y_py.view(torch.int16), y_train.view(torch.int16)) and \
+                torch.equal(y_py.view(torch.int16), y_off.view(torch.int16))
+            with tempfile.TemporaryDirectory() as tmp:
+                ids_path, w_path = os.path.join(tmp, "ids.i32"), os.path.join(tmp, "weights.f32")
+                d["ids"].cpu().numpy().tofile(ids_path)
+                d["weights"].detach().cpu().numpy().tofile(w_path)
+                server.call("load", name, 1, ids_path, w_path)
+            fns = {"mok-py": py_fn, "direct-train": train_fn, "direct-off": off_fn}
+            impls = ["mok", "mok-py", "direct-train", "direct-off"]
+            rounds = {i: [] for i in impls}
+            host = {i: [] for i in impls}
+            for r in range(args.rounds):
+                for impl in (impls if r % 2 == 0 else impls[::-1]):
+                    if impl == "mok":
+                        reply = server.call("time", "fwd", 2, args.iters, "mok")
+                        ms, h = sorted(reply["ms"]), reply["host_ms"]
+                    else:
+                        h = []
+                        ms = tb.time_ms(fns[impl], 2, args.iters, host=h)
+                    rounds[impl].append(statistics.median(ms))
+                    host[impl].extend(h)
+            print(f"\n== {name} fwd (uniform), {args.rounds} rounds of {args.iters}; y bitwise equal across the "
+                  f"in-process calls: {same}")
+            print(f"{'impl':14s} {'median ms':>10s} {'paired mok/impl':>16s} {'host ms':>8s} {'events':>8s} "
+                  f"{'kernels':>8s} {'waited':>8s}")
+            for impl in impls:
+                paired = statistics.median(a / b for a, b in zip(rounds["mok"], rounds[impl]))
+                ev = kern = float("nan")
+                if impl != "mok":
+                    ev, kern = events_and_kernels(fns[impl], None, 20)
+                print(f"{impl:14s} {statistics.median(rounds[impl]):10.3f} {paired:16.3f} "
+                      f"{statistics.median(host[impl]):8.3f} {ev:8.3f} {kern:8.3f} {ev - kern:8.3f}", flush=True)
+            del m, fns, train_fn, off_fn
+            torch.cuda.empty_cache()
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    main()
