@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Where mok-py's forward differs from the C++ call's (issue 21): one preset's evaluation
-forward timed as layer_bench times it (L2 flush, events around the call), four ways in
+forward timed as layer_bench times it (L2 flush, events around the call), five ways in
 alternating rounds:
 
   mok-py        mok.moe under no_grad (the Python op, as layer_bench's mok-py)
+  run-forward   its body (ops._run_forward) called directly: without moe() and call_layer
   direct-train  the extension's forward called with ready tensors: mok.moe's own workspace
                 (made for training), a fixed y and scratch (no checks, no allocations)
   direct-off    the same with a workspace made without training and its own scratch (what
@@ -22,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 from torch.utils.dlpack import to_dlpack
@@ -59,6 +61,36 @@ def direct(d, training):
     return fn, y
 
 
+def split_host(fn, iters=40):
+    """mok-py's host time in the timing loop split at the extension's forward: Python before it,
+    the extension, Python after it (medians, ms)."""
+    import mok.ops as ops
+
+    real, stamps, calls = ops._C, [], []
+
+    class Marked:  # the extension with its forward's entry and exit stamped
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def forward(self, *a, **k):
+            t = time.perf_counter()
+            real.forward(*a, **k)
+            stamps.append((t, time.perf_counter()))
+
+    def timed():
+        t0 = time.perf_counter()
+        fn()
+        calls.append((t0, time.perf_counter()))
+
+    ops._C = Marked()
+    try:
+        tb.time_ms(timed, 2, iters)
+    finally:
+        ops._C = real
+    pairs = list(zip(calls[-iters:], stamps[-iters:]))
+    return tuple(statistics.median(x) * 1e3 for x in zip(*[(e0 - t0, e1 - e0, t1 - e1) for (t0, t1), (e0, e1) in pairs]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mok-bench", required=True)
@@ -87,8 +119,15 @@ def main():
                 d["ids"].cpu().numpy().tofile(ids_path)
                 d["weights"].detach().cpu().numpy().tofile(w_path)
                 server.call("load", name, 1, ids_path, w_path)
-            fns = {"mok-py": py_fn, "direct-train": train_fn, "direct-off": off_fn}
-            impls = ["mok", "mok-py", "direct-train", "direct-off"]
+            from mok import ops
+
+            def body_fn():  # mok.moe's body without moe() / call_layer / no_grad
+                with torch.no_grad():
+                    ops._run_forward(d["x"], d["ids"], d["weights"], d["w_gate"], d["w_up"], d["w_down"],
+                                     *(d["shared"] or (None, None, None)), d["limit"], d["w_gate"].shape[0],
+                                     ops.ONE_GPU, training=False)
+            fns = {"mok-py": py_fn, "run-forward": body_fn, "direct-train": train_fn, "direct-off": off_fn}
+            impls = ["mok", "mok-py", "run-forward", "direct-train", "direct-off"]
             rounds = {i: [] for i in impls}
             host = {i: [] for i in impls}
             for r in range(args.rounds):
@@ -112,6 +151,8 @@ def main():
                     ev, kern = events_and_kernels(fns[impl], None, 20)
                 print(f"{impl:14s} {statistics.median(rounds[impl]):10.3f} {paired:16.3f} "
                       f"{statistics.median(host[impl]):8.3f} {ev:8.3f} {kern:8.3f} {ev - kern:8.3f}", flush=True)
+            print("mok-py's host time in the loop: Python before the extension %.3f ms, the extension %.3f, "
+                  "Python after it %.3f" % split_host(py_fn))
             del m, fns, train_fn, off_fn
             torch.cuda.empty_cache()
     finally:
