@@ -101,13 +101,19 @@ int main(int argc, char** argv) try {
     auto ids = mok::make_routing(mok::RoutingKind::uniform, p.tokens, s.num_experts, s.top_k, 7);
     auto weights = mok::make_routing_weights(ids, s.top_k, 7);
     const mok_bench::Problem pr(p, 11, std::move(ids), std::move(weights), stream);
-    mok_bench::FusedLayer layer(pr, "mok", "fwd", mok::Config{}, stream);
+    mok::Config direct;
+    direct.replay_launches = false;
+    mok_bench::FusedLayer replaying(pr, "mok", "fwd", mok::Config{}, stream), launching(pr, "mok", "fwd", direct, stream);
+    mok_bench::FusedLayer training(pr, "mok", "fwd+bwd", mok::Config{}, stream), training_direct(pr, "mok", "fwd+bwd", direct, stream);
     mok::DevicePlan plan(s, p.tokens);
     const auto ids_view = mok::TensorView::contiguous(pr.ids, mok::DType::i32, mok::Device::cuda(0), {p.tokens, s.top_k});
     std::printf("== %s (T = %lld)\n", name.c_str(), static_cast<long long>(p.tokens));
     row("mok::plan_device (checks + 4 launches)", median_us(stream, calls, [&] { mok::plan_device(ids_view, 0, plan, stream); }));
-    row("mok::forward (checks, maps, 6 launches)", median_us(stream, calls, [&] { layer.step(); }));
-    layer.check_status();
+    row("mok::forward, launched (checks, maps, 6 launches)", median_us(stream, calls, [&] { launching.step(); }));
+    row("mok::forward, replayed (checks, one graph launch)", median_us(stream, calls, [&] { replaying.step(); }));
+    row("forward + backward, launched (mok_bench's fwd+bwd step)", median_us(stream, calls / 4, [&] { training_direct.step(); }));
+    row("forward + backward, replayed", median_us(stream, calls / 4, [&] { training.step(); }));
+    for (auto* l : {&replaying, &launching, &training, &training_direct}) l->check_status();
   }
   CUDA_OK(cudaGraphExecDestroy(exec));
   CUDA_OK(cudaGraphDestroy(graph));

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where mok-py's forward differs from the C++ call's (issue 21): one preset's evaluation
-forward timed as layer_bench times it (L2 flush, events around the call), five ways in
+forward timed as layer_bench times it (L2 flush, events around the call), six ways in
 alternating rounds:
 
   mok-py        mok.moe under no_grad (the Python op, as layer_bench's mok-py)
@@ -9,6 +9,7 @@ alternating rounds:
                 (made for training), a fixed y and scratch (no checks, no allocations)
   direct-off    the same with a workspace made without training and its own scratch (what
                 mok_bench's forward uses)
+  direct-late   direct-train after 100 µs of host time spent first
   mok           `mok_bench --serve` (the C++ layer in a second process; layer_bench's mok)
 
 and for the three in-process ones the summed GPU time of the pass's kernels (torch.profiler):
@@ -126,8 +127,15 @@ def main():
                     ops._run_forward(d["x"], d["ids"], d["weights"], d["w_gate"], d["w_up"], d["w_down"],
                                      *(d["shared"] or (None, None, None)), d["limit"], d["w_gate"].shape[0],
                                      ops.ONE_GPU, training=False)
-            fns = {"mok-py": py_fn, "run-forward": body_fn, "direct-train": train_fn, "direct-off": off_fn}
-            impls = ["mok", "mok-py", "run-forward", "direct-train", "direct-off"]
+
+            def late_fn():  # direct-train after 100 µs of host time (as if Python took that long first)
+                t = time.perf_counter() + 1e-4
+                while time.perf_counter() < t:
+                    pass
+                train_fn()
+            fns = {"mok-py": py_fn, "run-forward": body_fn, "direct-train": train_fn, "direct-off": off_fn,
+                   "direct-late": late_fn}
+            impls = ["mok", "mok-py", "run-forward", "direct-train", "direct-off", "direct-late"]
             rounds = {i: [] for i in impls}
             host = {i: [] for i in impls}
             for r in range(args.rounds):
@@ -153,7 +161,7 @@ def main():
                       f"{statistics.median(host[impl]):8.3f} {ev:8.3f} {kern:8.3f} {ev - kern:8.3f}", flush=True)
             print("mok-py's host time in the loop: Python before the extension %.3f ms, the extension %.3f, "
                   "Python after it %.3f" % split_host(py_fn))
-            del m, fns, train_fn, off_fn
+            del m, fns
             torch.cuda.empty_cache()
     finally:
         server.close()

@@ -4,6 +4,8 @@
 // of forward + backward replayed with new routing and data.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -65,9 +67,10 @@ TEST(Backward, BitwiseEqualAcrossRunsSmCountsAndModes) {
   GpuProblem gpu(host);
   const auto dy = random_bf16(host.x.size(), 32);
   GpuGrads grads(gpu, dy, false);
-  auto run = [&](int sms, Training mode, int repeats) {
+  auto run = [&](int sms, Training mode, int repeats, bool replay = true) {
     Config config;
     config.compute_sms = sms;
+    config.replay_launches = replay;
     Workspace ws(s, host.tokens, config, mode);
     DeviceBuffer<bf16> saved(mode == Training::save ? ws.saved_elements() : 0);
     std::vector<std::uint8_t> first;
@@ -81,12 +84,18 @@ TEST(Backward, BitwiseEqualAcrossRunsSmCountsAndModes) {
       if (r == 0) first = bytes;
       else EXPECT_TRUE(bytes == first) << "repeat " << r << " differs";
     }
+    // (Config::replay_launches: the forward's and the backward's calls after their second are
+    // replays of the graph captured at the second; the first is launched directly.)
+    const int passes = mode == Training::save ? 2 : 1;
+    EXPECT_EQ(ws.replayed_calls(), replay ? passes * std::max(0, repeats - 2) : 0);
     return first;
   };
   const auto reference_bytes = run(0, Training::save, 20);
   check_gradients(host, grads, dy, "determinism");
   for (int sms : {1, 7, 37, 100}) EXPECT_TRUE(run(sms, Training::save, 1) == reference_bytes) << sms << " SMs";
   EXPECT_TRUE(run(0, Training::recompute, 2) == reference_bytes) << "recompute mode";
+  EXPECT_TRUE(run(0, Training::recompute, 4) == reference_bytes) << "recompute mode, replayed";
+  EXPECT_TRUE(run(0, Training::save, 3, false) == reference_bytes) << "launched directly every call";
 }
 
 TEST(Backward, AccumulatesIntoF32Gradients) {

@@ -156,6 +156,49 @@ TEST(Forward, OneWorkspaceServesEveryTokenCountBitwise) {
   }
 }
 
+// Config::replay_launches: a call seen before is captured into a graph on its second call and
+// replayed from it after that. Every call gives the bits of a workspace that launches directly;
+// a call with other buffers or another T is not served by another call's graph, and a replay
+// reads the values its buffers hold when it runs.
+TEST(Forward, ReplayedLaunchesGiveTheBitsOfDirectOnes) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 512, 256, 8, 2, 128, 0, RoutingKind::uniform});
+  Config direct_config;
+  direct_config.replay_launches = false;
+  Workspace direct(s, 700, direct_config), replaying(s, 700);
+  for (std::int64_t T : {700, 300}) {
+    const HostProblem host = make_problem(s, T, RoutingKind::skewed, 40 + T);
+    GpuProblem a(host), b(host);  // the same values in two sets of buffers
+    forward(a.args(), direct, nullptr);
+    direct.check(nullptr);
+    const auto expected = a.y.download();
+    for (int call = 0; call < 4; ++call)
+      for (GpuProblem* g : {&a, &b}) {
+        g->poison_output();
+        forward(g->args(), replaying, nullptr);
+        replaying.check(nullptr);
+        EXPECT_TRUE(same_bits(g->y.download(), expected)) << "T = " << T << ", call " << call;
+      }
+    // New routing and activations in a's buffers: the replay runs on them.
+    const HostProblem next = testing::same_experts(host, RoutingKind::first_half, 90 + T);
+    a.x.upload(next.x);
+    a.ids.upload(next.topk_ids);
+    a.weights.upload(next.topk_weights);
+    a.poison_output();
+    forward(a.args(), direct, nullptr);
+    direct.check(nullptr);
+    const auto expected_next = a.y.download();
+    a.poison_output();
+    forward(a.args(), replaying, nullptr);
+    replaying.check(nullptr);
+    EXPECT_TRUE(same_bits(a.y.download(), expected_next)) << "T = " << T << ", new values";
+  }
+  EXPECT_EQ(replaying.captured_calls(), 4);   // (a, b) x two token counts, each at its second call
+  EXPECT_EQ(replaying.replayed_calls(), 10);  // calls 3 and 4 of each, and the new values' calls
+  EXPECT_EQ(direct.replayed_calls(), 0);
+  EXPECT_EQ(direct.captured_calls(), 0);
+}
+
 // Captured once; replayed with new routing and new activations written into the same buffers.
 TEST(Forward, GraphReplayWithNewRouting) {
   MOK_REQUIRE_HOPPER();

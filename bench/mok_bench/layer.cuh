@@ -149,9 +149,10 @@ double check_sampled_tokens(const Problem& pr, const std::uint16_t* d_y, bool fp
 // "mok-fp8": the one-GPU FP8 forward (Precision::fp8, pass "fwd" only), its routed weights
 // quantized once when the layer is made (mok::fp8::quantize_weights; not in the timed pass).
 class FusedLayer {
-  static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8) {  // (--interleave-rows applies to all)
+  static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8) {  // (--interleave-rows, replay_launches: all)
     mok::Config c;
     c.interleave_rows = fp8 ? 0 : ep_config.interleave_rows;
+    c.replay_launches = ep_config.replay_launches;
     c.precision = fp8 ? mok::Precision::fp8 : mok::Precision::bf16;
     return c;
   }

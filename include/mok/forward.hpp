@@ -30,6 +30,7 @@ std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Co
 
 class Workspace;
 namespace detail {
+class LaunchCache;  // src/host/launch_cache.hpp
 // A call's scratch: `given` after checking it, else the workspace's own (src/host/forward.cpp).
 void* call_scratch(Workspace& ws, const std::optional<TensorView>& given, std::int64_t bytes,
                    std::string_view bytes_from, std::string_view where, cudaStream_t stream);
@@ -122,6 +123,11 @@ class Workspace {
   // Device bytes the workspace holds (with its own scratch once allocated).
   std::int64_t bytes() const { return bytes_; }
   int rank() const { return rank_; }  // this workspace's rank in an EP group (0 on one GPU)
+  // The graphs that replay this workspace's repeated one-GPU calls (Config::replay_launches).
+  detail::LaunchCache& launch_cache() { return *launch_cache_; }
+  // Calls served by a graph so far, and graphs made (captured) so far.
+  std::int64_t replayed_calls() const;
+  std::int64_t captured_calls() const;
 
  private:
   friend class VirtualRanks;
@@ -142,6 +148,7 @@ class Workspace {
   Training training_;
   std::int64_t max_tokens_;
   std::unique_ptr<DevicePlan> plan_;
+  std::unique_ptr<detail::LaunchCache> launch_cache_;
   void* x_routed_ = nullptr;
   void* hidden_ = nullptr;
   std::int64_t capacity_h() const;

@@ -105,6 +105,11 @@ struct Config {
                                        // routed rows locally (else: pulled once per (token, expert) pair)
   double capacity_factor = 0.0;        // plan capacity in units of T*k rows; 0 = worst case (EP*T*k)
   double timeout_seconds = 10.0;       // bound of every device-side wait
+  bool replay_launches = true;         // one GPU: a call whose pointers, shapes and T repeat (a training
+                                       // loop's) is enqueued as one launch of a CUDA graph of its
+                                       // launches, captured the second time it is seen (the same
+                                       // kernels and bits; src/host/launch_cache.hpp). false: every
+                                       // call launches its kernels one by one
 };
 
 void validate(const Config& config);

@@ -7,6 +7,7 @@
 
 #include "cuda_check.hpp"
 #include "kernels/backward/backward.cuh"
+#include "launch_cache.hpp"
 #include "layer_launch.hpp"
 #include "mok/error.hpp"
 #include "tensor_map.hpp"
@@ -178,18 +179,22 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
       detail::call_scratch(ws, scratch, ws.backward_scratch_bytes(b.d_w_gate.dtype, T), kScratchFrom, kWhere, stream);
   const auto [row_space_a, row_space_b] = gradient_row_spaces(b, ws.shape());
   const detail::CallBuffers buffers = detail::backward_buffers(ws, base, row_space_a, row_space_b);
-  plan_device(a.topk_ids, 0, ws.plan(), stream, {}, detail::counters(ws));  // (zeroes the counters too)
   std::uint16_t* gu = saved ? static_cast<std::uint16_t*>(saved->data) : buffers.recompute;
-  if (!saved) detail::launch_forward_kernel(a, ws, buffers, stream, gu, true, kWhere);  // also copies x's rows
-  else detail::dispatch_rows(a.x.data, buffers.x_rows, ws, stream);
-  detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, stream);
-  if (!saved) detail::zero_counters(ws, stream, kWhere);  // (the recompute used them)
-  const kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
-  unsigned long long* marker = detail::saved_marker(gu, ws);
-  kernels::launch_backward(p, detail::persistent_ctas(ws, kWhere), stream);
-  detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
-  // The pre-activations are gone (replaced by their gradients): mark the tensor consumed.
-  detail::cuda_check(cudaMemsetAsync(marker, 0, sizeof(*marker), stream), kWhere, "cudaMemsetAsync(saved marker)");
+  detail::LaunchKey key;
+  key.add(std::uint64_t{2}).add(static_cast<std::uint64_t>(T)).add(base).add(gu).add(a).add(b);
+  ws.launch_cache().run(key, stream, kWhere, [&](cudaStream_t s) {
+    plan_device(a.topk_ids, 0, ws.plan(), s, {}, detail::counters(ws));  // (zeroes the counters too)
+    if (!saved) detail::launch_forward_kernel(a, ws, buffers, s, gu, true, kWhere);  // also copies x's rows
+    else detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
+    detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, s);
+    if (!saved) detail::zero_counters(ws, s, kWhere);  // (the recompute used them)
+    const kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
+    unsigned long long* marker = detail::saved_marker(gu, ws);
+    kernels::launch_backward(p, detail::persistent_ctas(ws, kWhere), s);
+    detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
+    // The pre-activations are gone (replaced by their gradients): mark the tensor consumed.
+    detail::cuda_check(cudaMemsetAsync(marker, 0, sizeof(*marker), s), kWhere, "cudaMemsetAsync(saved marker)");
+  });
 }
 
 }  // namespace mok

@@ -9,6 +9,7 @@
 #include "cuda_check.hpp"
 #include "kernels/ep/dispatch.cuh"
 #include "kernels/forward/forward.cuh"
+#include "launch_cache.hpp"
 #include "layer_launch.hpp"
 #include "mok/error.hpp"
 #include "tensor_map.hpp"
@@ -138,14 +139,16 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
     return;
   }
   void* base = detail::call_scratch(ws, scratch, ws.forward_scratch_bytes(T), kScratchFrom, kWhere, stream);
-  plan_device(a.topk_ids, 0, ws.plan(), stream, {}, detail::counters(ws));  // (zeroes the counters too)
-  if (ws.config().precision == Precision::fp8) {
-    detail::launch_forward_fp8(a, ws, detail::forward_buffers(ws, base), stream,
-                               saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, kWhere);
-    return;
-  }
-  detail::launch_forward_kernel(a, ws, detail::forward_buffers(ws, base), stream,
-                                saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, false, kWhere);
+  auto* saved_gu = saved ? static_cast<std::uint16_t*>(saved->data) : nullptr;
+  detail::LaunchKey key;
+  key.add(std::uint64_t{1}).add(static_cast<std::uint64_t>(T)).add(base).add(saved_gu).add(a);
+  ws.launch_cache().run(key, stream, kWhere, [&](cudaStream_t s) {
+    plan_device(a.topk_ids, 0, ws.plan(), s, {}, detail::counters(ws));  // (zeroes the counters too)
+    if (ws.config().precision == Precision::fp8)
+      detail::launch_forward_fp8(a, ws, detail::forward_buffers(ws, base), s, saved_gu, kWhere);
+    else
+      detail::launch_forward_kernel(a, ws, detail::forward_buffers(ws, base), s, saved_gu, false, kWhere);
+  });
 }
 
 }  // namespace mok

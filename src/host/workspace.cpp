@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "cuda_check.hpp"
+#include "launch_cache.hpp"
 #include "layer_launch.hpp"
 #include "mok/error.hpp"
 
@@ -107,6 +108,7 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
   options.block_m = detail::kTileRows;
   options.capacity_rows = call_capacity_rows(shape, tokens, config);
   plan_ = std::make_unique<DevicePlan>(shape, tokens, options);
+  launch_cache_ = std::make_unique<detail::LaunchCache>(config.replay_launches);
 
   const std::int64_t capacity = plan_->allocated_rows();
   const std::int64_t padded_tokens = detail::shared_tiles(shape, tokens) * detail::kTileRows;
@@ -134,6 +136,8 @@ Workspace::~Workspace() {
 }
 
 std::int64_t Workspace::tokens() const { return plan_->tokens(); }
+std::int64_t Workspace::replayed_calls() const { return launch_cache_->replays(); }
+std::int64_t Workspace::captured_calls() const { return launch_cache_->captures(); }
 
 std::int64_t Workspace::counter_count() const {
   return detail::counters_per_tile(*this) + 3;  // per-tile counters, done, abort, wd_done

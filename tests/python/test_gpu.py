@@ -120,6 +120,36 @@ def test_backward_bitwise_repeatable_and_compiled():
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+def test_repeated_steps_are_replayed_from_graphs_bitwise():
+    """A training loop repeats its calls (the caching allocator hands back the same blocks):
+    from the second call of a forward or backward on, the workspace enqueues it as one CUDA
+    graph launch (Config::replay_launches). Every step's output and gradients are the first
+    (direct) step's bits; a CUDA graph the user captures afterwards still records the layer."""
+    from mok import ops
+
+    x, ids, w, gate, up, down, _ = _problem(T=333, seed=21)
+    leaves = [_leaf(t) for t in (x, w, gate, up, down)]
+
+    def step():
+        y = mok.moe(leaves[0], ids, *leaves[1:])
+        return (y.detach(), *torch.autograd.grad((y.float() ** 2).sum(), leaves))
+
+    first = step()
+    ws = next(ws for key, ws in ops._workspaces.items() if key[1:4] == (256, 192, 8))
+    replayed = ws.replayed_calls
+    for _ in range(6):
+        for a, b in zip(first, step()):
+            assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+    assert ws.replayed_calls >= replayed + 4, (replayed, ws.replayed_calls)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = mok.moe(x, ids, w, gate, up, down)
+    y_direct = mok.moe(x, ids, w, gate, up, down)
+    graph.replay()
+    assert torch.equal(y.view(torch.int16), y_direct.view(torch.int16))
+
+
 def test_concatenated_gate_up_is_read_in_place_bitwise():
     """w_gate = [E, 2I, H] with w_up None (as Hugging Face keeps it): the kernel reads the two
     halves in place (no copy: the op allocates nothing of the weights' size but the
