@@ -99,14 +99,17 @@ def _ep_group(group_id):
 
 
 def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                 swiglu_limit, num_experts, group_id, training):
+                 swiglu_limit, num_experts, group_id, training, check=True):
     """The fused forward on the current stream, on one GPU or as a rank of an EP group: y, and
     (training) the gate/up pre-activations (bf16, flat) the backward reads, else None. The one
     body of the custom ops and of the eager path. w_up None: the extension takes the two
     halves of the concatenated w_gate as views (no Python slicing: host time before the first
-    launch, which the GPU waits for)."""
-    _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
-           num_experts, group_id)
+    launch, which the GPU waits for). check=False: the caller leaves the checks to the
+    extension, which refuses every call the Python checks refuse, and runs them itself when
+    the call fails, for their message (call_layer's eager path)."""
+    if check:
+        _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
+               num_experts, group_id)
     k, T = topk_ids.shape[1], x.shape[0]
     y = torch.empty_like(x)
     saved = None
@@ -283,7 +286,7 @@ class _EagerTrainStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        y, saved = _run_forward(*inputs, training=True)
+        y, saved = _run_forward(*inputs, training=True, check=inputs[-1] != ONE_GPU)
         _save(ctx, inputs, saved, *inputs[_TENSOR_INPUTS:])
         return y
 
@@ -293,27 +296,44 @@ class _EagerTrainStep(torch.autograd.Function):
         return _input_grads(_run_backward(*args), args)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _eager(tensors) -> bool:
     """Whether this call may skip the custom ops: plain CUDA tensors (no fake, meta or other
     subclass), outside torch.compile's tracing."""
     if torch.compiler.is_compiling():
         return False
-    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda for t in tensors)
+    for t in tensors:
+        if type(t) not in _PLAIN or not t.is_cuda:
+            return False
+    return True
 
 
 def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, group_id):
-    """mok.moe and mok.ep.moe: the eager path or the custom ops, with autograd when it records."""
-    shared = tuple(shared) if shared is not None else (None, None, None)
-    tensors = tuple(t for t in (x, topk_weights, w_gate, w_up, w_down, *shared) if t is not None)
-    train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    """mok.moe and mok.ep.moe: the eager path or the custom ops, with autograd when it records.
+    The eager path of one GPU leaves the argument checks to the extension (the same checks in
+    C++; the GPU waits for every µs of host time before the layer's first launch) and runs the
+    Python ones only when the call fails, so that a bad argument is named as the custom ops name
+    it (tests/python/test_gpu.py runs every broken variant of test_checks.py through both)."""
+    if shared is None:
+        shared = (None, None, None)
+    elif not isinstance(shared, (tuple, list)) or len(shared) != 3:  # (names it)
+        check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts,
+                       _where(group_id))
     args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, num_experts, group_id)
-    if _eager(tensors + (topk_ids,)):
+    tensors = [t for t in args[:9] if t is not None]
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not _eager(tensors):
+        return moe_train_forward(*args)[0] if train else moe_forward(*args)
+    try:
         if train:
             return _EagerTrainStep.apply(*args)
-        return _run_forward(*args, training=False)[0]
-    if train:
-        return moe_train_forward(*args)[0]
-    return moe_forward(*args)
+        return _run_forward(*args, training=False, check=group_id != ONE_GPU)[0]
+    except Exception:
+        if group_id == ONE_GPU:  # (raises what the custom ops would raise, if the checks find it)
+            _check(*args)
+        raise
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,

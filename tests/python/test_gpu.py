@@ -150,6 +150,52 @@ def test_repeated_steps_are_replayed_from_graphs_bitwise():
     assert torch.equal(y.view(torch.int16), y_direct.view(torch.int16))
 
 
+def _on_gpu(value):
+    """A meta or CPU tensor of test_checks' variants as a zero-filled CUDA tensor of the same
+    shape, strides and dtype; anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return tuple(map(_on_gpu, value)) if isinstance(value, tuple) else value
+    size = 1 + sum((n - 1) * st for n, st in zip(value.shape, value.stride())) if value.numel() else 0
+    return torch.zeros(size, dtype=value.dtype, device="cuda").as_strided(value.shape, value.stride())
+
+
+def test_eager_path_names_bad_arguments_as_the_checks_do():
+    """mok.moe's eager path leaves the checks to the extension and runs the Python ones only
+    when the call fails: every broken variant of test_checks.py (on the GPU) raises exactly what
+    check_moe_args raises, in evaluation and in training, and every valid one runs."""
+    from test_checks import BAD, GOOD
+    from mok._checks import check_moe_args
+
+    def call(a):
+        return mok.moe(a["x"], a["topk_ids"], a["topk_weights"], a["w_gate"], a["w_up"], a["w_down"],
+                       shared=a["shared"], swiglu_limit=a["swiglu_limit"])
+
+    ran = 0
+    for name, meta in GOOD + BAD:
+        if meta["num_experts"] is not None or not isinstance(meta["x"], torch.Tensor) or \
+                any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in meta.values()):
+            continue  # (expert parallelism's argument; a list or CPU tensors take the custom ops, not the eager path)
+        a = {k: _on_gpu(v) for k, v in meta.items()}
+        try:
+            check_moe_args(**a)
+            expected = None
+        except (TypeError, ValueError) as e:
+            expected = (type(e), str(e))
+        for train in (False, True):
+            if train:
+                a["topk_weights"] = a["topk_weights"].clone().requires_grad_(True)
+            if expected is None:
+                y = call(a)
+                assert y.shape == a["x"].shape, name
+            else:
+                with pytest.raises(expected[0]) as got:
+                    call(a)
+                assert str(got.value) == expected[1], (name, train, str(got.value))
+            ran += 1
+    assert ran >= 2 * 30, ran
+    mok.check()
+
+
 def test_concatenated_gate_up_is_read_in_place_bitwise():
     """w_gate = [E, 2I, H] with w_up None (as Hugging Face keeps it): the kernel reads the two
     halves in place (no copy: the op allocates nothing of the weights' size but the
