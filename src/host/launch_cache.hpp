@@ -48,8 +48,8 @@ class LaunchKey {
 
 class LaunchCache {
  public:
-  static constexpr int kMaxGraphs = 64;  // per workspace: a model's layers of one shape, forward and backward
-  static constexpr int kSeenKeys = 256;  // keys remembered after their first (direct) call
+  static constexpr int kMaxGraphs = 256;  // per workspace: a model's layers of one shape (forward and backward: 2 x 61 for Kimi K2)
+  static constexpr int kSeenKeys = 1024;  // keys remembered after their first (direct) call
 
   explicit LaunchCache(bool enabled) : enabled_(enabled) {}
   ~LaunchCache();
