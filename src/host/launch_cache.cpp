@@ -46,78 +46,87 @@ std::uint64_t LaunchKey::hash() const {
   return h;
 }
 
+LaunchTable::Decision LaunchTable::choose(const LaunchKey& key) {
+  if (!enabled_) return {Choice::direct};
+  const std::uint64_t h = key.hash();
+  for (Entry& e : entries_)
+    if (e.hash == h && e.key == key) {
+      e.last_use = ++clock_;
+      ++replays_;
+      return {Choice::replay, e.graph};
+    }
+  if (std::find(seen_.begin(), seen_.end(), h) != seen_.end()) return {Choice::capture};
+  if (seen_.size() < kSeenKeys) seen_.push_back(h);
+  else seen_[seen_next_++ % kSeenKeys] = h;
+  return {Choice::direct};
+}
+
+void* LaunchTable::keep(const LaunchKey& key, void* graph) {
+  void* replaced = nullptr;
+  Entry* slot = nullptr;
+  if (entries_.size() < kMaxGraphs) {
+    slot = &entries_.emplace_back();
+  } else {  // the least recently used makes room
+    slot = &*std::min_element(entries_.begin(), entries_.end(),
+                              [](const Entry& a, const Entry& b) { return a.last_use < b.last_use; });
+    replaced = slot->graph;
+  }
+  *slot = Entry{key, key.hash(), ++clock_, graph};
+  if (++captures_ > 2 * kMaxGraphs && replays_ < captures_) enabled_ = false;  // graphs not reused: stop making them
+  return replaced;
+}
+
+std::vector<void*> LaunchTable::graphs() const {
+  std::vector<void*> out;
+  for (const Entry& e : entries_) out.push_back(e.graph);
+  return out;
+}
+
 LaunchCache::~LaunchCache() {
-  for (Graph& g : graphs_) cudaGraphExecDestroy(g.exec);  // (one still running is freed when it completes)
+  for (void* g : table_.graphs()) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g));  // (a running one is freed when it completes)
   if (capture_stream_) cudaStreamDestroy(capture_stream_);
 }
 
-LaunchCache::Choice LaunchCache::choose(const LaunchKey& key, cudaStream_t stream) {
-  if (!enabled_) return Choice::direct;
+bool LaunchCache::may_replay(cudaStream_t stream) {
+  if (!table_.enabled()) return false;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
     (void)cudaGetLastError();  // (e.g. the legacy stream while another thread captures: launch directly)
-    return Choice::direct;
+    return false;
   }
-  if (status != cudaStreamCaptureStatusNone) return Choice::direct;  // the caller's graph records the launches
+  if (status != cudaStreamCaptureStatusNone) return false;  // the caller's graph records the launches
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return Choice::direct;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
   if (device_ < 0) device_ = device;
-  if (device != device_) return Choice::direct;
-
-  const std::uint64_t h = key.hash();
-  for (std::size_t i = 0; i < graphs_.size(); ++i)
-    if (graphs_[i].hash == h && graphs_[i].key == key) {
-      graphs_[i].last_use = ++clock_;
-      current_ = i;
-      ++replays_;
-      return Choice::replay;
-    }
-  if (std::find(seen_.begin(), seen_.end(), h) != seen_.end()) {
-    pending_hash_ = h;
-    return Choice::capture;
-  }
-  if (seen_.size() < kSeenKeys) seen_.push_back(h);
-  else seen_[seen_next_++ % kSeenKeys] = h;
-  return Choice::direct;
+  return device == device_;
 }
 
-cudaStream_t LaunchCache::begin_capture(std::string_view where) {
-  if (!capture_stream_) cuda_check(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking), where,
-                                   "cudaStreamCreateWithFlags (the launch cache's capture stream)");
-  cuda_check(cudaStreamBeginCapture(capture_stream_, cudaStreamCaptureModeThreadLocal), where,
-             "cudaStreamBeginCapture (the launch cache)");
+cudaStream_t LaunchCache::begin_capture() {
+  if (!capture_stream_ && cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking) != cudaSuccess) {
+    capture_stream_ = nullptr;
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  if (cudaStreamBeginCapture(capture_stream_, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
   return capture_stream_;
 }
 
-void LaunchCache::abandon_capture() {
+cudaGraphExec_t LaunchCache::end_capture() {
   cudaGraph_t graph = nullptr;
-  cudaStreamEndCapture(capture_stream_, &graph);
-  if (graph) cudaGraphDestroy(graph);
-  (void)cudaGetLastError();
-}
-
-void LaunchCache::end_capture(const LaunchKey& key, std::string_view where) {
-  cudaGraph_t graph = nullptr;
-  cuda_check(cudaStreamEndCapture(capture_stream_, &graph), where, "cudaStreamEndCapture (the launch cache)");
   cudaGraphExec_t exec = nullptr;
-  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
-  cudaGraphDestroy(graph);
-  cuda_check(made, where, "cudaGraphInstantiate (the launch cache)");
-  if (graphs_.size() < kMaxGraphs) {
-    graphs_.push_back({});
-    current_ = graphs_.size() - 1;
-  } else {  // the least recently used makes room
-    current_ = static_cast<std::size_t>(std::min_element(graphs_.begin(), graphs_.end(), [](const Graph& a, const Graph& b) {
-                                          return a.last_use < b.last_use;
-                                        }) - graphs_.begin());
-    cudaGraphExecDestroy(graphs_[current_].exec);
-  }
-  graphs_[current_] = Graph{key, pending_hash_, ++clock_, exec};
-  if (++captures_ > 2 * kMaxGraphs && replays_ < captures_) enabled_ = false;  // graphs not reused: stop making them
+  if (cudaStreamEndCapture(capture_stream_, &graph) == cudaSuccess && graph &&
+      cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+    exec = nullptr;
+  if (graph) cudaGraphDestroy(graph);
+  (void)cudaGetLastError();  // (a failed capture is not the call's error: it runs directly)
+  return exec;
 }
 
-void LaunchCache::replay(cudaStream_t stream, std::string_view where) {
-  cuda_check(cudaGraphLaunch(graphs_[current_].exec, stream), where, "cudaGraphLaunch (the launch cache)");
+void LaunchCache::launch(void* graph, cudaStream_t stream, std::string_view where) {
+  cuda_check(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph), stream), where, "cudaGraphLaunch (the launch cache)");
 }
 
 }  // namespace mok::detail
