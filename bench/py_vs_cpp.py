@@ -12,7 +12,8 @@ alternating rounds:
   direct-late   direct-train after 100 µs of host time spent first
   mok           `mok_bench --serve` (the C++ layer in a second process; layer_bench's mok)
 
-and for the three in-process ones the summed GPU time of the pass's kernels (torch.profiler):
+then mok-py's host time in the loop split at the extension, and piece by piece. For the
+in-process ones the summed GPU time of the pass's kernels (torch.profiler):
 events minus kernels is GPU time spent waiting. If the kernels' sums differ, the gap is on the
 GPU (workspace, buffers); if only the events do, it is host time.
 
@@ -92,6 +93,44 @@ def split_host(fn, iters=40):
     return tuple(statistics.median(x) * 1e3 for x in zip(*[(e0 - t0, e1 - e0, t1 - e1) for (t0, t1), (e0, e1) in pairs]))
 
 
+def prelude_pieces(fn, iters=40):
+    """The host time of each piece of mok-py's prelude inside the timing loop (the GPU busy with
+    the flush, as layer_bench times it), each piece wrapped and timed alone: the output and the
+    scratch from the caching allocator, the capsules, the workspace lookup, the stream and the
+    extension's forward. Medians in µs per call, and the whole call's."""
+    import mok.ops as ops
+
+    names = ("_workspace", "_scratch", "_capsules", "_stream")
+    real = {n: getattr(ops, n) for n in names}
+    real_c, real_empty_like = ops._C, torch.empty_like
+    times = {n: [] for n in names + ("empty_like", "extension forward", "whole call")}
+
+    def timed(name, f):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = f(*a, **k)
+            times[name].append((time.perf_counter() - t) * 1e6)
+            return out
+        return wrapper
+
+    class Marked:
+        def __getattr__(self, name):
+            return getattr(real_c, name)
+
+        forward = staticmethod(timed("extension forward", real_c.forward))
+
+    for n in names:
+        setattr(ops, n, timed(n, real[n]))
+    ops._C, torch.empty_like = Marked(), timed("empty_like", real_empty_like)
+    try:
+        tb.time_ms(timed("whole call", fn), 2, iters)
+    finally:
+        for n in names:
+            setattr(ops, n, real[n])
+        ops._C, torch.empty_like = real_c, real_empty_like
+    return {n: statistics.median(v[-iters:]) for n, v in times.items() if v}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mok-bench", required=True)
@@ -161,6 +200,8 @@ def main():
                       f"{statistics.median(host[impl]):8.3f} {ev:8.3f} {kern:8.3f} {ev - kern:8.3f}", flush=True)
             print("mok-py's host time in the loop: Python before the extension %.3f ms, the extension %.3f, "
                   "Python after it %.3f" % split_host(py_fn))
+            print("its pieces in the loop (each wrapped and timed alone; medians, µs): " +
+                  ", ".join(f"{n} {v:.1f}" for n, v in prelude_pieces(py_fn).items()))
             del m, fns
             torch.cuda.empty_cache()
     finally:
