@@ -11,6 +11,7 @@ the extension) and how long the GPU idles for it, and the pass's kernels by GPU 
   host_overhead.py [--preset qwen3-30b-a3b] [--calls 50] [--top 25]
 """
 import argparse
+import contextlib
 import cProfile
 import os
 import pstats
@@ -46,6 +47,28 @@ def events_and_kernels(fn, before, iters, warmup=3):
     return statistics.median(times), statistics.median(sums)  # (the warm-up runs before the first flush)
 
 
+@contextlib.contextmanager
+def wrapped_extension(wrap):
+    """mok.ops._C replaced, for the block, by a proxy whose forward and backward are
+    wrap(the extension's own) and whose other attributes are the extension's."""
+    import mok.ops as ops
+
+    real = ops._C
+
+    class Wrapped:
+        forward = staticmethod(wrap(real.forward))
+        backward = staticmethod(wrap(real.backward))
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    ops._C = Wrapped()
+    try:
+        yield
+    finally:
+        ops._C = real
+
+
 def first_launch(fn, before, calls):
     """Where the host time before the pass's first launch goes, from one torch.profiler trace
     (CPU and CUDA activity, one clock): per call, the Python prelude (the call's start to the
@@ -53,25 +76,14 @@ def first_launch(fn, before, calls):
     to its first launch (cudaLaunch* or cudaMemsetAsync), and on the GPU the idle time from the
     flush's end to the layer's first kernel and between the layer's kernels (the largest gap
     named by the kernels around it). Medians in µs."""
-    import mok.ops as ops
-
-    real = ops._C
-
-    class Marked:  # the extension with its forward/backward entries marked
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def forward(self, *a, **k):
+    def marked(entry):  # the extension's entry points marked in the trace
+        def call(*a, **k):
             with torch.profiler.record_function("mok_C"):
-                return real.forward(*a, **k)
-
-        def backward(self, *a, **k):
-            with torch.profiler.record_function("mok_C"):
-                return real.backward(*a, **k)
+                return entry(*a, **k)
+        return call
 
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    ops._C = Marked()
-    try:
+    with wrapped_extension(marked):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
@@ -81,8 +93,6 @@ def first_launch(fn, before, calls):
                 with torch.profiler.record_function("mok_call"):
                     fn()
                 torch.cuda.synchronize()
-    finally:
-        ops._C = real
     ev = sorted(prof.events(), key=lambda e: e.time_range.start)
     span = lambda e: (e.name, e.time_range.start, e.time_range.end)  # noqa: E731
     return pass_timeline([span(e) for e in ev if e.device_type == torch.autograd.DeviceType.CPU],

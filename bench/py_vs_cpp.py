@@ -33,7 +33,7 @@ from torch.utils.dlpack import to_dlpack
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_baseline as tb  # noqa: E402
-from host_overhead import events_and_kernels  # noqa: E402
+from host_overhead import events_and_kernels, wrapped_extension  # noqa: E402
 from mok_impls import MokBench, MokPy  # noqa: E402
 
 
@@ -66,29 +66,22 @@ def direct(d, training):
 def split_host(fn, iters=40):
     """mok-py's host time in the timing loop split at the extension's forward: Python before it,
     the extension, Python after it (medians, ms)."""
-    import mok.ops as ops
+    stamps, calls = [], []
 
-    real, stamps, calls = ops._C, [], []
-
-    class Marked:  # the extension with its forward's entry and exit stamped
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def forward(self, *a, **k):
+    def stamped(entry):  # the extension's entry and exit stamped
+        def call(*a, **k):
             t = time.perf_counter()
-            real.forward(*a, **k)
+            entry(*a, **k)
             stamps.append((t, time.perf_counter()))
+        return call
 
     def timed():
         t0 = time.perf_counter()
         fn()
         calls.append((t0, time.perf_counter()))
 
-    ops._C = Marked()
-    try:
+    with wrapped_extension(stamped):
         tb.time_ms(timed, 2, iters)
-    finally:
-        ops._C = real
     pairs = list(zip(calls[-iters:], stamps[-iters:]))
     return tuple(statistics.median(x) * 1e3 for x in zip(*[(e0 - t0, e1 - e0, t1 - e1) for (t0, t1), (e0, e1) in pairs]))
 
@@ -102,8 +95,8 @@ def prelude_pieces(fn, iters=40):
 
     names = ("_workspace", "_scratch", "_capsules", "_stream")
     real = {n: getattr(ops, n) for n in names}
-    real_c, real_empty_like = ops._C, torch.empty_like
-    times = {n: [] for n in names + ("empty_like", "extension forward", "whole call")}
+    real_empty_like = torch.empty_like
+    times = {n: [] for n in names + ("empty_like", "extension", "whole call")}
 
     def timed(name, f):
         def wrapper(*a, **k):
@@ -113,21 +106,16 @@ def prelude_pieces(fn, iters=40):
             return out
         return wrapper
 
-    class Marked:
-        def __getattr__(self, name):
-            return getattr(real_c, name)
-
-        forward = staticmethod(timed("extension forward", real_c.forward))
-
     for n in names:
         setattr(ops, n, timed(n, real[n]))
-    ops._C, torch.empty_like = Marked(), timed("empty_like", real_empty_like)
+    torch.empty_like = timed("empty_like", real_empty_like)
     try:
-        tb.time_ms(timed("whole call", fn), 2, iters)
+        with wrapped_extension(lambda entry: timed("extension", entry)):
+            tb.time_ms(timed("whole call", fn), 2, iters)
     finally:
         for n in names:
             setattr(ops, n, real[n])
-        ops._C, torch.empty_like = real_c, real_empty_like
+        torch.empty_like = real_empty_like
     return {n: statistics.median(v[-iters:]) for n, v in times.items() if v}
 
 

@@ -331,8 +331,12 @@ def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_l
             return _EagerTrainStep.apply(*args)
         return _run_forward(*args, training=False, check=group_id != ONE_GPU)[0]
     except Exception:
-        if group_id == ONE_GPU:  # (raises what the custom ops would raise, if the checks find it)
+        if group_id != ONE_GPU:
+            raise
+        try:  # what the custom ops would raise, if the checks find it (not chained to the extension's)
             _check(*args)
+        except (TypeError, ValueError) as named:
+            raise named from None
         raise
 
 
