@@ -199,6 +199,59 @@ TEST(Forward, ReplayedLaunchesGiveTheBitsOfDirectOnes) {
   EXPECT_EQ(direct.captured_calls(), 0);
 }
 
+// The forward in two enqueues (forward_rows, then forward with rows_enqueued, as the PyTorch
+// op's eager path calls it): the bits of one forward() call, launched, captured and replayed.
+// A forward that names other rows than the last forward_rows(), or follows another call on the
+// workspace, is refused, and so is a forward_rows() with a bad x.
+TEST(Forward, RowsEnqueuedFirstGiveTheBitsOfOneCall) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 512, 256, 8, 2, 128, 0.8f, RoutingKind::uniform});
+  Workspace one(s, 700), two(s, 700);
+  for (std::int64_t T : {700, 129}) {
+    const HostProblem host = make_problem(s, T, RoutingKind::skewed, 60 + T);
+    GpuProblem g(host);
+    forward(g.args(), one, nullptr);
+    one.check(nullptr);
+    const auto expected = g.y.download();
+    for (int call = 0; call < 3; ++call) {  // launched, captured, replayed
+      g.poison_output();
+      forward_rows(g.args().x, g.args().topk_ids, two, nullptr);
+      forward(g.args(), two, nullptr, std::nullopt, std::nullopt, true);
+      two.check(nullptr);
+      EXPECT_TRUE(same_bits(g.y.download(), expected)) << "T = " << T << ", call " << call;
+    }
+  }
+  EXPECT_EQ(two.captured_calls(), 4);  // (rows, rest) x two token counts
+  EXPECT_EQ(two.replayed_calls(), 4);
+
+  const HostProblem host = make_problem(s, 300, RoutingKind::uniform, 7);
+  GpuProblem a(host), b(host);
+  const auto refused = [&](const ForwardArgs& args, const char* text) {
+    try {
+      forward(args, two, nullptr, std::nullopt, std::nullopt, true);
+      ADD_FAILURE() << "no error (" << text << ")";
+    } catch (const ArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  refused(a.args(), "forward_rows() was not called on this workspace just before");  // (the last call: a forward)
+  forward_rows(a.args().x, a.args().topk_ids, two, nullptr);
+  refused(b.args(), "was for other x, topk_ids, scratch or stream");
+  forward_rows(a.args().x, a.args().topk_ids, two, nullptr);
+  forward(a.args(), two, nullptr);  // a call in between forgets the rows
+  refused(a.args(), "forward_rows() was not called on this workspace just before");
+  TensorView short_ids = a.args().topk_ids;
+  short_ids.shape[0] = 299;
+  try {
+    forward_rows(a.args().x, short_ids, two, nullptr);
+    ADD_FAILURE() << "no error";
+  } catch (const ArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("'topk_ids': must have 300 rows like 'x', got 299"), std::string::npos)
+        << e.what();
+  }
+  two.check(nullptr);
+}
+
 // Captured once; replayed with new routing and new activations written into the same buffers.
 TEST(Forward, GraphReplayWithNewRouting) {
   MOK_REQUIRE_HOPPER();

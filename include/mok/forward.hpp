@@ -128,12 +128,25 @@ class Workspace {
   // Calls served by a graph so far, and graphs made (captured) so far.
   std::int64_t replayed_calls() const;
   std::int64_t captured_calls() const;
+  // What forward_rows() enqueued, kept for the forward that follows it; begin_call() (every
+  // call) forgets it.
+  struct EnqueuedRows {
+    std::int64_t tokens;
+    const void* x;
+    const void* topk_ids;
+    const void* scratch;
+    cudaStream_t stream;
+    bool operator==(const EnqueuedRows&) const = default;
+  };
+  const std::optional<EnqueuedRows>& enqueued_rows() const { return enqueued_rows_; }
 
  private:
   friend class VirtualRanks;
   friend class EpRank;
   friend void* detail::call_scratch(Workspace&, const std::optional<TensorView>&, std::int64_t, std::string_view,
                                     std::string_view, cudaStream_t);
+  friend void forward_rows(const TensorView&, const TensorView&, Workspace&, cudaStream_t,
+                           const std::optional<TensorView>&);
   // The workspace's own scratch for a call given none (allocated on its first such call).
   void* own_scratch(std::int64_t bytes, std::string_view where, cudaStream_t stream);
   struct ForRank {
@@ -161,6 +174,7 @@ class Workspace {
   KernelStatus* status_host_ = nullptr;
   KernelStatus* status_device_ = nullptr;
   std::int64_t bytes_ = 0;
+  std::optional<EnqueuedRows> enqueued_rows_;
 };
 
 // y = shared(x) + sum_j w_j * expert_j(x), fused: plan on the device, then one persistent
@@ -170,8 +184,20 @@ class Workspace {
 // `saved` (Training::save only): 1-D bf16 [workspace.saved_elements()], written with the
 // gate/up pre-activations the backward reads; keep it until the backward has run.
 // `scratch`: 1-D u8 of at least workspace.forward_scratch_bytes() (see Workspace), or none.
+// rows_enqueued: forward_rows() has enqueued this call's plan and row copy (below).
 void forward(const ForwardArgs& args, Workspace& workspace, cudaStream_t stream,
              const std::optional<TensorView>& saved = std::nullopt,
-             const std::optional<TensorView>& scratch = std::nullopt);
+             const std::optional<TensorView>& scratch = std::nullopt, bool rows_enqueued = false);
+
+// The forward in two enqueues, for a caller with host work of its own before the layer (the
+// PyTorch op: allocating y and the saved tensor, autograd's bookkeeping): forward_rows() plans
+// the routing and copies x's routed rows into the scratch — work that needs only x, topk_ids
+// and the scratch — and forward(..., rows_enqueued = true) then checks the other arguments and
+// launches the fused kernel. The GPU copies rows while the caller's host work runs, instead of
+// waiting for all of it. The forward must name the same x, topk_ids, scratch and stream, with no
+// other call on the workspace in between (it throws otherwise); the bits are those of one
+// forward(). One GPU, bf16 workspaces.
+void forward_rows(const TensorView& x, const TensorView& topk_ids, Workspace& workspace, cudaStream_t stream,
+                  const std::optional<TensorView>& scratch = std::nullopt);
 
 }  // namespace mok

@@ -58,6 +58,9 @@ std::int64_t validate_forward_args(std::string_view where, const MoeShape& shape
                                    const ForwardArgs& args, Device device, bool require_output = true);
 void validate_backward_args(std::string_view where, const MoeShape& shape,
                             const ForwardArgs& fwd, const BackwardArgs& bwd, Device device);
+// The same checks of x and topk_ids alone (what forward_rows() reads); returns T.
+std::int64_t validate_rows_args(std::string_view where, const MoeShape& shape, const TensorView& x,
+                                const TensorView& topk_ids, Device device);
 
 // Checks every id of a host-resident [T, k] routing tensor: -1 <= id < E.
 void validate_routing_values(std::string_view where, const MoeShape& shape,

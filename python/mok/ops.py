@@ -98,15 +98,28 @@ def _ep_group(group_id):
     return group
 
 
+def _forward_rows(x, topk_ids, w_down, shared_gate, swiglu_limit):
+    """The first of the eager one-GPU forward's two enqueues (mok::forward_rows): the layer
+    shape's workspace, the call's scratch, and on the GPU the plan and x's routed rows, which
+    need nothing else. The GPU copies rows (0.05–0.4 ms) while the host allocates y and the
+    saved tensor and autograd records the call: host time it would otherwise wait for before
+    its first launch. (ws, scratch) for _run_forward's `rows`."""
+    ws = _workspace(x, w_down, topk_ids.shape[1], _shared_size(shared_gate), swiglu_limit)
+    scratch = _scratch(ws.forward_scratch_bytes(x.shape[0]), x.device)
+    _C.forward_rows(ws, to_dlpack(x), to_dlpack(topk_ids), _stream(x), to_dlpack(scratch))
+    return ws, scratch
+
+
 def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                 swiglu_limit, num_experts, group_id, training, check=True):
+                 swiglu_limit, num_experts, group_id, training, check=True, rows=None):
     """The fused forward on the current stream, on one GPU or as a rank of an EP group: y, and
     (training) the gate/up pre-activations (bf16, flat) the backward reads, else None. The one
     body of the custom ops and of the eager path. w_up None: the extension takes the two
     halves of the concatenated w_gate as views (no Python slicing: host time before the first
     launch, which the GPU waits for). check=False: the caller leaves the checks to the
     extension, which refuses every call the Python checks refuse, and runs them itself when
-    the call fails, for their message (call_layer's eager path)."""
+    the call fails, for their message (call_layer's eager path). rows: _forward_rows' (ws,
+    scratch) when it has enqueued this call's rows (one GPU)."""
     if check:
         _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
                num_experts, group_id)
@@ -120,7 +133,9 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
         return y, saved
     tensors = (*_capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y,
                            saved)), _stream(x))
-    if group_id == ONE_GPU:
+    if rows is not None:
+        _C.forward(rows[0], *tensors, scratch=to_dlpack(rows[1]), rows_enqueued=True)
+    elif group_id == ONE_GPU:
         ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit)
         _C.forward(ws, *tensors, scratch=to_dlpack(_scratch(ws.forward_scratch_bytes(T), x.device)))
     else:
@@ -282,18 +297,18 @@ moe_forward.register_autograd(_no_backward, setup_context=_forward_setup_context
 class _EagerTrainStep(torch.autograd.Function):
     """The layer with autograd outside torch.compile: the same forward and backward bodies as
     the custom ops, without the custom-op dispatch (its per-call checks cost about as much host
-    time as the whole C++ call)."""
+    time as the whole C++ call). apply(rows, *inputs): rows as _run_forward's."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        y, saved = _run_forward(*inputs, training=True, check=inputs[-1] != ONE_GPU)
+    def forward(ctx, rows, *inputs):
+        y, saved = _run_forward(*inputs, training=True, check=inputs[-1] != ONE_GPU, rows=rows)
         _save(ctx, inputs, saved, *inputs[_TENSOR_INPUTS:])
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         args = _backward_inputs(ctx, grad_y)
-        return _input_grads(_run_backward(*args), args)
+        return (None, *_input_grads(_run_backward(*args), args))
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -315,7 +330,8 @@ def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_l
     The eager path of one GPU leaves the argument checks to the extension (the same checks in
     C++; the GPU waits for every µs of host time before the layer's first launch) and runs the
     Python ones only when the call fails, so that a bad argument is named as the custom ops name
-    it (tests/python/test_gpu.py runs every broken variant of test_checks.py through both)."""
+    it (tests/python/test_gpu.py runs every broken variant of test_checks.py through both). It
+    enqueues the plan and the row copy first (_forward_rows), then the rest."""
     if shared is None:
         shared = (None, None, None)
     elif not isinstance(shared, (tuple, list)) or len(shared) != 3:  # (names it)
@@ -327,9 +343,12 @@ def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_l
     if not _eager(tensors):
         return moe_train_forward(*args)[0] if train else moe_forward(*args)
     try:
+        rows = None
+        if group_id == ONE_GPU and x.shape[0] > 0:
+            rows = _forward_rows(x, topk_ids, w_down, shared[0], swiglu_limit)
         if train:
-            return _EagerTrainStep.apply(*args)
-        return _run_forward(*args, training=False, check=group_id != ONE_GPU)[0]
+            return _EagerTrainStep.apply(rows, *args)
+        return _run_forward(*args, training=False, check=group_id != ONE_GPU, rows=rows)[0]
     except Exception:
         if group_id != ONE_GPU:
             raise

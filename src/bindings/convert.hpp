@@ -133,9 +133,9 @@ inline void select_device(const mok::TensorView& t, const char* where) {
 }
 
 // Binds name(target, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_*, y, saved,
-// stream, scratch=None) (w_up None: w_gate concatenated, see gate_and_up): the tensors as
-// views on their device, then run(target, args, stream, saved, scratch) without the GIL.
-// Target: a Workspace (one GPU) or an EpRank.
+// stream, scratch=None, rows_enqueued=False) (w_up None: w_gate concatenated, see gate_and_up):
+// the tensors as views on their device, then run(target, args, stream, saved, scratch,
+// rows_enqueued) without the GIL. Target: a Workspace (one GPU) or an EpRank.
 template <typename Target, typename Run>
 void def_forward(nb::module_& m, const char* name, const char* target, const char* where, Run run) {
   m.def(
@@ -143,16 +143,18 @@ void def_forward(nb::module_& m, const char* name, const char* target, const cha
       [where, run](Target& t, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
                    std::optional<nb::ndarray<>> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
                    std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
-                   std::optional<nb::ndarray<>> saved, std::uintptr_t stream, std::optional<nb::ndarray<>> scratch) {
+                   std::optional<nb::ndarray<>> saved, std::uintptr_t stream, std::optional<nb::ndarray<>> scratch,
+                   bool rows_enqueued) {
         const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y, where);
         select_device(a.x, where);
         const std::optional<mok::TensorView> saved_view = optional_view(saved), scratch_view = optional_view(scratch);
         nb::gil_scoped_release release;
-        run(t, a, reinterpret_cast<cudaStream_t>(stream), saved_view, scratch_view);
+        run(t, a, reinterpret_cast<cudaStream_t>(stream), saved_view, scratch_view, rows_enqueued);
       },
       nb::arg(target), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up").none(),
       nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
-      nb::arg("y"), nb::arg("saved").none(), nb::arg("stream"), nb::arg("scratch").none() = nb::none());
+      nb::arg("y"), nb::arg("saved").none(), nb::arg("stream"), nb::arg("scratch").none() = nb::none(),
+      nb::arg("rows_enqueued") = false);
 }
 
 // The same for the backward: name(target, forward's inputs, saved, dy, dx, d_topk_weights,

@@ -135,9 +135,25 @@ NB_MODULE(_C, m) {
   def_forward<mok::Workspace>(m, "forward", "workspace", "mok.forward",
                               [](mok::Workspace& ws, const mok::ForwardArgs& a, cudaStream_t stream,
                                  const std::optional<mok::TensorView>& saved,
-                                 const std::optional<mok::TensorView>& scratch) {
-                                mok::forward(a, ws, stream, saved, scratch);
+                                 const std::optional<mok::TensorView>& scratch, bool rows_enqueued) {
+                                mok::forward(a, ws, stream, saved, scratch, rows_enqueued);
                               });
+
+  // The first enqueue of a forward in two (mok::forward_rows): the plan and x's routed rows
+  // into the scratch; then forward(..., rows_enqueued=True) with the same x, topk_ids, scratch
+  // and stream.
+  m.def(
+      "forward_rows",
+      [](mok::Workspace& ws, nb::ndarray<> x, nb::ndarray<> ids, std::uintptr_t stream,
+         std::optional<nb::ndarray<>> scratch) {
+        const mok::TensorView x_view = view_of(x), ids_view = view_of(ids);
+        select_device(x_view, "mok.forward_rows");
+        const std::optional<mok::TensorView> scratch_view = optional_view(scratch);
+        nb::gil_scoped_release release;
+        mok::forward_rows(x_view, ids_view, ws, reinterpret_cast<cudaStream_t>(stream), scratch_view);
+      },
+      nb::arg("workspace"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("stream"),
+      nb::arg("scratch").none() = nb::none());
 
   // The FP8 forward (a Workspace made with precision="fp8"): the forward's arguments, then the
   // routed weights as mok.fp8.quantize_weights gives them: E4M3 values (u8) and block
@@ -234,8 +250,9 @@ NB_MODULE(_C, m) {
   def_forward<mok::EpRank>(m, "ep_forward", "rank", "mok.ep_forward",
                            [](mok::EpRank& rank, const mok::ForwardArgs& a, cudaStream_t stream,
                               const std::optional<mok::TensorView>& saved,
-                              const std::optional<mok::TensorView>& scratch) {
+                              const std::optional<mok::TensorView>& scratch, bool rows_enqueued) {
                              if (scratch) throw mok::ArgumentError("mok.ep_forward: scratch: an EP rank owns its buffers; pass None");
+                             if (rows_enqueued) throw mok::ArgumentError("mok.ep_forward: rows_enqueued: one GPU only");
                              rank.forward(a, stream, saved);
                            });
 

@@ -184,8 +184,8 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   key.add(std::uint64_t{2}).add(static_cast<std::uint64_t>(T)).add(base).add(gu).add(a).add(b);
   ws.launch_cache().run(key, stream, kWhere, [&](cudaStream_t s) {
     plan_device(a.topk_ids, 0, ws.plan(), s, {}, detail::counters(ws));  // (zeroes the counters too)
-    if (!saved) detail::launch_forward_kernel(a, ws, buffers, s, gu, true, kWhere);  // also copies x's rows
-    else detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
+    detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
+    if (!saved) detail::launch_forward_kernel(a, ws, buffers, s, gu, true, kWhere);
     detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, s);
     if (!saved) detail::zero_counters(ws, s, kWhere);  // (the recompute used them)
     const kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);

@@ -107,7 +107,6 @@ void zero_counters(Workspace& ws, cudaStream_t stream, std::string_view where) {
 
 void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                            std::uint16_t* saved_gu, bool gemm1_only, std::string_view where) {
-  dispatch_rows(a.x.data, buffers.x_rows, ws, stream);
   kernels::launch_forward(forward_params(a, ws, buffers, saved_gu, gemm1_only), persistent_ctas(ws, where), stream);
   cuda_check(cudaGetLastError(), where, "launching the forward kernel");
 }
@@ -115,12 +114,14 @@ void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffer
 }  // namespace detail
 
 void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std::optional<TensorView>& saved,
-             const std::optional<TensorView>& scratch) {
+             const std::optional<TensorView>& scratch, bool rows_enqueued) {
   ws.throw_if_failed();
   const MoeShape& s = ws.shape();
   int device = 0;
   detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
   const std::int64_t T = validate_forward_args(kWhere, s, a, Device::cuda(device));
+  // (forward_rows() checked and recorded this call's rows; begin_call() forgets them)
+  const std::optional<Workspace::EnqueuedRows> rows = ws.enqueued_rows();
   ws.begin_call(T, kWhere);
   detail::check_locations(kWhere, a, s, true);
   if (ws.config().precision == Precision::fp8 && !a.fp8)
@@ -139,16 +140,48 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
     return;
   }
   void* base = detail::call_scratch(ws, scratch, ws.forward_scratch_bytes(T), kScratchFrom, kWhere, stream);
+  if (rows_enqueued && rows != Workspace::EnqueuedRows{T, a.x.data, a.topk_ids.data, base, stream})
+    throw_argument_error(kWhere, "rows_enqueued",
+                         rows ? "is set, but the workspace's last forward_rows() was for other x, topk_ids, scratch "
+                                "or stream (each forward needs its own, with no other call in between)"
+                              : "is set, but forward_rows() was not called on this workspace just before");
   auto* saved_gu = saved ? static_cast<std::uint16_t*>(saved->data) : nullptr;
   detail::LaunchKey key;
-  key.add(std::uint64_t{1}).add(static_cast<std::uint64_t>(T)).add(base).add(saved_gu).add(a);
+  key.add(std::uint64_t{rows_enqueued ? 4u : 1u}).add(static_cast<std::uint64_t>(T)).add(base).add(saved_gu).add(a);
   ws.launch_cache().run(key, stream, kWhere, [&](cudaStream_t s) {
-    plan_device(a.topk_ids, 0, ws.plan(), s, {}, detail::counters(ws));  // (zeroes the counters too)
-    if (ws.config().precision == Precision::fp8)
-      detail::launch_forward_fp8(a, ws, detail::forward_buffers(ws, base), s, saved_gu, kWhere);
-    else
-      detail::launch_forward_kernel(a, ws, detail::forward_buffers(ws, base), s, saved_gu, false, kWhere);
+    const detail::CallBuffers buffers = detail::forward_buffers(ws, base);
+    if (!rows_enqueued) plan_device(a.topk_ids, 0, ws.plan(), s, {}, detail::counters(ws));  // (zeroes the counters too)
+    if (ws.config().precision == Precision::fp8) {
+      detail::launch_forward_fp8(a, ws, buffers, s, saved_gu, kWhere);
+      return;
+    }
+    if (!rows_enqueued) detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
+    detail::launch_forward_kernel(a, ws, buffers, s, saved_gu, false, kWhere);
   });
+}
+
+void forward_rows(const TensorView& x, const TensorView& topk_ids, Workspace& ws, cudaStream_t stream,
+                  const std::optional<TensorView>& scratch) {
+  constexpr const char* where = "mok::forward_rows";
+  ws.throw_if_failed();
+  if (ws.config().precision != Precision::bf16 || !ws.rows_in_slots())
+    throw_argument_error(where, "workspace", "must be a one-GPU bf16 workspace");
+  int device = 0;
+  detail::cuda_check(cudaGetDevice(&device), where, "cudaGetDevice");
+  const std::int64_t T = validate_rows_args(where, ws.shape(), x, topk_ids, Device::cuda(device));
+  ws.begin_call(T, where);
+  for (auto [name, view] : {std::pair{"x", &x}, {"topk_ids", &topk_ids}})
+    if (view->numel() > 0) check_pointer_location(where, name, *view);
+  void* base = detail::call_scratch(ws, scratch, ws.forward_scratch_bytes(T), kScratchFrom, where, stream);
+  if (T > 0) {
+    detail::LaunchKey key;
+    key.add(std::uint64_t{3}).add(static_cast<std::uint64_t>(T)).add(base).add(x).add(topk_ids);
+    ws.launch_cache().run(key, stream, where, [&](cudaStream_t s) {
+      plan_device(topk_ids, 0, ws.plan(), s, {}, detail::counters(ws));  // (zeroes the counters too)
+      detail::dispatch_rows(x.data, detail::forward_buffers(ws, base).x_rows, ws, s);
+    });
+  }
+  ws.enqueued_rows_ = Workspace::EnqueuedRows{T, x.data, topk_ids.data, base, stream};
 }
 
 }  // namespace mok

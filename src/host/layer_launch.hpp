@@ -155,9 +155,9 @@ inline kernels::BackwardParams backward_params(const ForwardArgs& a, const Backw
 void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                         std::uint16_t* saved_gu, std::string_view where);
 
-// After plan_device() into ws.plan() with the counters zeroed (also_zero = counters(ws)):
-// copies x's rows and launches the forward kernel, the full layer into a.y, or only GEMM1
-// (gemm1_only, the backward's recompute).
+// After plan_device() into ws.plan() with the counters zeroed (also_zero = counters(ws)) and
+// x's rows copied into buffers.x_rows (dispatch_rows): launches the forward kernel, the full
+// layer into a.y, or only GEMM1 (gemm1_only, the backward's recompute).
 // saved_gu: null or the tensor of the gate/up pre-activations to fill.
 void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                            std::uint16_t* saved_gu, bool gemm1_only, std::string_view where);

@@ -74,18 +74,25 @@ void check_rows(std::string_view where, std::string_view arg, const TensorView& 
 
 }  // namespace
 
+std::int64_t validate_rows_args(std::string_view where, const MoeShape& shape, const TensorView& x,
+                                const TensorView& topk_ids, Device device) {
+  validate(shape);
+  if (x.ndim != 2) throw_argument_error(where, "x", "must be 2-D [T, H], got shape ", x.shape_string());
+  const std::int64_t T = x.shape[0];
+  const Checker c{where, device};
+  c.tensor("x", x, {DType::bf16}, {T, shape.hidden});
+  check_rows(where, "topk_ids", topk_ids, T, "x");
+  c.tensor("topk_ids", topk_ids, {DType::i32, DType::i64}, {T, shape.top_k});
+  return T;
+}
+
 std::int64_t validate_forward_args(std::string_view where, const MoeShape& shape,
                                    const ForwardArgs& a, Device device, bool require_output) {
-  validate(shape);
-  if (a.x.ndim != 2) throw_argument_error(where, "x", "must be 2-D [T, H], got shape ", a.x.shape_string());
-  const std::int64_t T = a.x.shape[0];
+  const std::int64_t T = validate_rows_args(where, shape, a.x, a.topk_ids, device);
   const std::int64_t H = shape.hidden, I = shape.intermediate, El = shape.num_local_experts;
   const std::int64_t k = shape.top_k, Is = shape.shared_intermediate;
   const Checker c{where, device};
 
-  c.tensor("x", a.x, {DType::bf16}, {T, H});
-  check_rows(where, "topk_ids", a.topk_ids, T, "x");
-  c.tensor("topk_ids", a.topk_ids, {DType::i32, DType::i64}, {T, k});
   check_rows(where, "topk_weights", a.topk_weights, T, "x");
   c.tensor("topk_weights", a.topk_weights, {DType::f32}, {T, k});
   c.tensor("w_gate", a.w_gate, {DType::bf16}, {El, I, H}, true);

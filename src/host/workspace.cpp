@@ -144,6 +144,7 @@ std::int64_t Workspace::counter_count() const {
 }
 
 void Workspace::begin_call(std::int64_t tokens, std::string_view where) {
+  enqueued_rows_.reset();
   if (!rows_in_slots()) {  // an EP rank: its group's T
     if (tokens != max_tokens_)
       throw_argument_error(where, "x", "has ", tokens, " tokens but the rank was made for ", max_tokens_);

@@ -150,6 +150,29 @@ def test_repeated_steps_are_replayed_from_graphs_bitwise():
     assert torch.equal(y.view(torch.int16), y_direct.view(torch.int16))
 
 
+def test_eager_forward_enqueues_its_rows_first_with_the_bits_of_one_call():
+    """The eager one-GPU forward is two enqueues (the plan and row copy, then the rest: host work
+    between them runs while the GPU copies rows); its y is the custom op's (one enqueue) bits, with
+    a shared expert and clamp, in evaluation and training. The extension refuses a forward that
+    says its rows were enqueued when they were not, naming the argument."""
+    from mok import _C, ops
+    from torch.utils.dlpack import to_dlpack
+
+    x, ids, w, gate, up, down, sh = _problem(T=333, shared=128, seed=31)
+    one_call = torch.ops.mok.moe_forward(x, ids, w, gate, up, down, *sh, 0.75, 8, ops.ONE_GPU)
+    with torch.no_grad():
+        evaluated = mok.moe(x, ids, w, gate, up, down, shared=sh, swiglu_limit=0.75)
+    trained = mok.moe(_leaf(x), ids, w, _leaf(gate), up, down, shared=sh, swiglu_limit=0.75)
+    for y in (evaluated, trained):
+        assert torch.equal(y.detach().view(torch.int16), one_call.view(torch.int16))
+    ws = ops._workspace(x, down, 2, 128, 0.75)
+    y = torch.empty_like(x)
+    scratch = torch.empty(ws.forward_scratch_bytes(333), dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="argument 'rows_enqueued': is set, but forward_rows"):
+        _C.forward(ws, *ops._capsules((x, ids, w, gate, up, down, *sh, y, None)), ops._stream(x),
+                   scratch=to_dlpack(scratch), rows_enqueued=True)
+
+
 def _on_gpu(value):
     """A meta or CPU tensor of test_checks' variants as a zero-filled CUDA tensor of the same
     shape, strides and dtype; anything else as it is."""
