@@ -252,8 +252,8 @@ def run_preset(p, routing, args, server, gpu, emit):
                   tflops=tb.layer_flops(p, ps) / (ms * 1e-3) / 1e12, peak_bytes=int(peak),
                   host_ms=statistics.median(host[(impl, ps)]) if host.get((impl, ps)) else None,
                   check={True: "passed", False: "failed", None: "n/a"}[c.get("passed")], check_detail=c,
-                  iters=args.iters, warmup=args.warmup, gpu=gpu, commit=args.commit, date=args.date,
-                  torch=torch.__version__))
+                  iters=args.iters, warmup=args.warmup, flush=args.flush, gpu=gpu, commit=args.commit,
+                  date=args.date, torch=torch.__version__))
     for obj in impls.values():  # (the PyTorch implementations give back their leaves and weights)
         if hasattr(obj, "release"):
             obj.release()
@@ -304,11 +304,15 @@ def main():
     ap.add_argument("--pass", dest="passes", default=",".join(tb.PASSES))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--flush", choices=("zero", "memset"), default=tb.FLUSH,
+                    help="how each iteration flushes the L2 in this process (torch_baseline.l2_flusher); "
+                         "mok_bench always uses memset")
     ap.add_argument("--mok-bench", default=os.environ.get("MOK_BENCH", ""),
                     help="the mok_bench executable (default: build-gpu/bench/mok_bench, else build/bench/mok_bench)")
     tb.add_run_args(ap, iters=10)
     args = ap.parse_args()
     tb.check_run_args("layer_bench", args, IMPLS + OPTIONAL_IMPLS)
+    tb.FLUSH = args.flush
     if not torch.cuda.is_available():
         sys.exit("layer_bench: no CUDA GPU")
     presets = tb.load_presets()

@@ -231,10 +231,48 @@ def compare(got, ref, chunk=1 << 26):
     return dict(rel=rel, cos=cos, passed=bool(finite and rel <= REL_TOL and cos >= COS_TOL))
 
 
-def time_ms(fn, warmup, iters, before=None, host=None):
-    """Each iteration's ms (sorted), CUDA events around fn, the L2 flushed before each. With
-    `host` (a list), each iteration's host time to enqueue fn (ms, unsorted) is appended."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # > 4x the 60 MB L2
+FLUSH = "zero"  # how time_ms flushes the L2: l2_flusher's kind (layer_bench --flush)
+
+
+def l2_flusher(kind):
+    """A function that overwrites 256 MB (> 4x the 60 MB L2) on the current stream: "zero" with
+    PyTorch's zero_() (a fill kernel), "memset" with cudaMemsetAsync of a byte that changes every
+    call (what mok_bench's time_iterations does; the CUDA runtime through ctypes)."""
+    buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    if kind == "zero":
+        return buf.zero_
+    if kind != "memset":
+        raise ValueError(f"l2_flusher: kind must be 'zero' or 'memset', got {kind!r}")
+    import ctypes
+    import ctypes.util
+
+    lib = None
+    for name in ("libcudart.so", "libcudart.so.13", ctypes.util.find_library("cudart"),
+                 "/usr/local/cuda/lib64/libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name) if name else None
+        except OSError:
+            continue
+        if lib is not None:
+            break
+    if lib is None:
+        raise RuntimeError("l2_flusher('memset'): no CUDA runtime library (libcudart.so) found")
+    lib.cudaMemsetAsync.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p]
+    count = [0]
+
+    def memset():
+        count[0] += 1
+        err = lib.cudaMemsetAsync(buf.data_ptr(), count[0] & 0xff, buf.numel(), torch.cuda.current_stream().cuda_stream)
+        if err:
+            raise RuntimeError(f"cudaMemsetAsync failed with error {err}")
+    return memset
+
+
+def time_ms(fn, warmup, iters, before=None, host=None, flush=None):
+    """Each iteration's ms (sorted), CUDA events around fn, the L2 flushed before each (flush:
+    an l2_flusher, else one of kind FLUSH). With `host` (a list), each iteration's host time to
+    enqueue fn (ms, unsorted) is appended."""
+    flush = flush or l2_flusher(FLUSH)
     for _ in range(warmup):
         if before:
             before()
@@ -250,7 +288,7 @@ def time_ms(fn, warmup, iters, before=None, host=None):
     for _ in range(iters):
         if before:
             before()
-        flush.zero_()
+        flush()
         start.record()
         t0 = time.perf_counter()
         fn()
