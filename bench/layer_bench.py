@@ -38,9 +38,16 @@ Checks, per preset and routing, before anything is timed:
 A failed check marks the record (`check`: failed) and the failure is printed; a failure to
 run (a compile error, a graph break) leaves the implementation out of that preset.
 
-Timing: --repeats rounds; in each, every pass of every implementation in turn, the order
-reversed every other round (A B C, C B A, A B C, …: what ran just before does not favour
-one), warm-up then --iters iterations with the L2 flushed before each (CUDA events). A record
+Timing: --repeats rounds; in each, every pass of every implementation in turn, grouped by
+pass, the implementations of a pass in an order rotated every round (A B C, B C A, C A B, …;
+round_order). What ran just before moves a pass's time by a few % (the GPU's clock and
+temperature after a 30 ms forward+backward are not those after a 3 ms forward): so each
+implementation of a pass follows the other pass equally often and otherwise its own pass. (The
+order before 2026-12-02 reversed the whole list every other round, A B C D, D C B A: then
+mok-py's forward followed mok's forward+backward in every other round and mok's forward never
+followed a forward+backward, and mok-py's forward read 0.965–0.992 of mok's where, timed alone
+on the same machine, it read 0.975–1.013; bench/NOTES.md.) Each timing is a warm-up then
+--iters iterations with the L2 flushed before each (CUDA events). A record
 keeps each round's median, p10 and p90 (`ms_repeats`, `ms_p10_repeats`, `ms_p90_repeats`);
 `ms` is the median of the rounds' medians, `ms_min`/`ms_max` their range.
 
@@ -220,11 +227,9 @@ def run_preset(p, routing, args, server, gpu, emit):
     runnable = [(impl, ps) for ps in passes for impl in args.impls if impl in impls and "error" not in checks[impl].get(ps, {})]
     rounds = {key: [] for key in runnable}
     for r in range(args.repeats):
-        # Counterbalanced: odd rounds run the implementations and passes in reverse (A B C,
-        # C B A, ...), so that what runs just before one (the GPU's clock and temperature
-        # after it, measured to move these times by a few %: bench/NOTES.md) is not always
-        # the same implementation.
-        for key in (runnable if r % 2 == 0 else runnable[::-1]):
+        # Balanced: each implementation of a pass follows another pass equally often (the GPU's
+        # clock and temperature after a pass move the next one's time by a few %: round_order).
+        for key in round_order(runnable, r):
             try:
                 rounds[key].append(timer(*key)())
             except Exception as e:
@@ -252,11 +257,24 @@ def run_preset(p, routing, args, server, gpu, emit):
                   tflops=tb.layer_flops(p, ps) / (ms * 1e-3) / 1e12, peak_bytes=int(peak),
                   host_ms=statistics.median(host[(impl, ps)]) if host.get((impl, ps)) else None,
                   check={True: "passed", False: "failed", None: "n/a"}[c.get("passed")], check_detail=c,
-                  iters=args.iters, warmup=args.warmup, flush=args.flush, gpu=gpu, commit=args.commit,
+                  iters=args.iters, warmup=args.warmup, flush=tb.FLUSH, gpu=gpu, commit=args.commit,
                   date=args.date, torch=torch.__version__))
     for obj in impls.values():  # (the PyTorch implementations give back their leaves and weights)
         if hasattr(obj, "release"):
             obj.release()
+
+
+def round_order(runnable, r):
+    """The (impl, pass) keys of round r: grouped by pass (in the order of `runnable`), each pass's
+    implementations rotated by r, so that over len(impls) rounds each is first once (following
+    the previous pass, or the previous round's last) and otherwise follows its own pass."""
+    passes = list(dict.fromkeys(ps for _, ps in runnable))
+    order = []
+    for ps in passes:
+        keys = [k for k in runnable if k[1] == ps]
+        shift = r % len(keys)
+        order += keys[shift:] + keys[:shift]
+    return order
 
 
 def paired_ratio(a, b):

@@ -227,6 +227,25 @@ def test_pass_timeline_splits_host_and_gpu_idle_time():
     assert big[1] == "mok::plan" and big[2] == "mok::forward_kernel" and big[0] in (30, 50)
 
 
+@pytest.mark.parametrize("impls", [("mok", "mok-py"), ("torch-compiled", "torch", "mok", "mok-py", "dense")])
+def test_round_order_lets_every_implementation_follow_the_other_pass_equally_often(impls):
+    """Over len(impls) rounds (twice over), each (impl, pass) runs once a round, and within a pass
+    every implementation follows a key of another pass equally often: what ran just before
+    (a heavy forward+backward, or a forward) does not favour one implementation."""
+    runnable = [(impl, ps) for ps in ("fwd", "fwd+bwd") for impl in impls]
+    sequence = []
+    for r in range(2 * len(impls)):
+        order = layer_bench.round_order(runnable, r)
+        assert sorted(order) == sorted(runnable)
+        sequence += order
+    after_other_pass = {key: 0 for key in runnable}
+    for before, key in zip(sequence[-1:] + sequence[:-1], sequence):  # (the rounds repeat: cyclic)
+        after_other_pass[key] += before[1] != key[1]
+    for ps in ("fwd", "fwd+bwd"):
+        counts = {after_other_pass[(impl, ps)] for impl in impls}
+        assert len(counts) == 1, (ps, after_other_pass)
+
+
 def test_paired_ratio_pairs_rounds_and_summary_shows_it():
     """A clock that drifts between rounds moves both implementations alike: the per-round
     ratio stays at 0.98 where a ratio of the medians would not."""
