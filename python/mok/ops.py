@@ -58,12 +58,10 @@ def _scratch(nbytes, device):
 
 
 def _capsules(tensors):
-    """The tensors as DLPack capsules (None stays None) for the extension. torch's C entry
-    to_dlpack takes ~0.7 µs a tensor; handed the tensors themselves, the extension would call
-    Tensor.__dlpack__, Python code that queries and compares CUDA streams (~10 µs a tensor,
-    more for parameters, which it refuses before the fallback): with 12–21 tensors a pass,
-    that was most of the op's host time before the first launch, which the GPU waits for.
-    The streams need no handshake: everything runs on the stream the call passes."""
+    """The tensors as DLPack capsules (None stays None) for the extension: torch's C entry
+    to_dlpack takes ~0.4 µs a tensor; Tensor.__dlpack__, which the extension would call when
+    handed the tensors, queries and compares CUDA streams in Python (~10 µs a tensor). The
+    streams need no handshake: everything runs on the stream the call passes."""
     return [None if t is None else to_dlpack(t) for t in tensors]
 
 
@@ -99,11 +97,9 @@ def _ep_group(group_id):
 
 
 def _forward_rows(x, topk_ids, w_down, shared_gate, swiglu_limit):
-    """The first of the eager one-GPU forward's two enqueues (mok::forward_rows): the layer
-    shape's workspace, the call's scratch, and on the GPU the plan and x's routed rows, which
-    need nothing else. The GPU copies rows (0.05–0.4 ms) while the host allocates y and the
-    saved tensor and autograd records the call: host time it would otherwise wait for before
-    its first launch. (ws, scratch) for _run_forward's `rows`."""
+    """The first of the eager one-GPU forward's two enqueues (mok::forward_rows): the plan and
+    x's routed rows, which need only the workspace and the scratch, so that the GPU copies rows
+    while the host allocates y and the saved tensor. (ws, scratch) for _run_forward's `rows`."""
     ws = _workspace(x, w_down, topk_ids.shape[1], _shared_size(shared_gate), swiglu_limit)
     scratch = _scratch(ws.forward_scratch_bytes(x.shape[0]), x.device)
     _C.forward_rows(ws, to_dlpack(x), to_dlpack(topk_ids), _stream(x), to_dlpack(scratch))
