@@ -150,7 +150,7 @@ def test_repeated_steps_are_replayed_from_graphs_bitwise():
     assert torch.equal(y.view(torch.int16), y_direct.view(torch.int16))
 
 
-def test_eager_forward_enqueues_its_rows_first_with_the_bits_of_one_call():
+def test_eager_forward_enqueues_its_rows_first_with_the_bits_of_one_call(monkeypatch):
     """The eager one-GPU forward is two enqueues (the plan and row copy, then the rest: host work
     between them runs while the GPU copies rows); its y is the custom op's (one enqueue) bits, with
     a shared expert and clamp, in evaluation and training. The extension refuses a forward that
@@ -160,9 +160,22 @@ def test_eager_forward_enqueues_its_rows_first_with_the_bits_of_one_call():
 
     x, ids, w, gate, up, down, sh = _problem(T=333, shared=128, seed=31)
     one_call = torch.ops.mok.moe_forward(x, ids, w, gate, up, down, *sh, 0.75, 8, ops.ONE_GPU)
+    enqueued = []
+
+    class Counting:  # the extension, its forward_rows counted
+        def __getattr__(self, name):
+            return getattr(_C, name)
+
+        def forward_rows(self, *args, **kwargs):
+            enqueued.append(args[0])
+            return _C.forward_rows(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "_C", Counting())
     with torch.no_grad():
         evaluated = mok.moe(x, ids, w, gate, up, down, shared=sh, swiglu_limit=0.75)
     trained = mok.moe(_leaf(x), ids, w, _leaf(gate), up, down, shared=sh, swiglu_limit=0.75)
+    monkeypatch.undo()
+    assert len(enqueued) == 2  # (one each: the eager path, evaluation and training)
     for y in (evaluated, trained):
         assert torch.equal(y.detach().view(torch.int16), one_call.view(torch.int16))
     ws = ops._workspace(x, down, 2, 128, 0.75)
