@@ -13,7 +13,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -62,11 +61,7 @@ def main():
             d = tb.make_inputs(presets[name], "uniform", seed=1)
             py_fn, _ = MokPy(d).step("fwd")
             off_fn, _ = direct(d, False)
-            with tempfile.TemporaryDirectory() as tmp:
-                ids_path, w_path = os.path.join(tmp, "ids.i32"), os.path.join(tmp, "weights.f32")
-                d["ids"].cpu().numpy().tofile(ids_path)
-                d["weights"].detach().cpu().numpy().tofile(w_path)
-                server.call("load", name, 1, ids_path, w_path)
+            server.load(name, 1, d)
             variants = [(f"{impl} after {fl}", fn, flushes[fl]) for fl in flushes
                         for impl, fn in (("direct-off", off_fn), ("mok-py", py_fn))]
             rounds = {"mok": []} | {v[0]: [] for v in variants}

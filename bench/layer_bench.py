@@ -68,7 +68,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 
@@ -153,18 +152,14 @@ def run_preset(p, routing, args, server, gpu, emit):
     elif "mok-fp8-py" in args.impls or "mok-fp8" in args.impls:
         fp8_sums = check_mok_fp8(d, ref, passes, checks, impls, args, fail)
     if "mok" in args.impls or ("mok-fp8" in args.impls and fp8_shape):
-        with tempfile.TemporaryDirectory() as tmp:
-            ids_path, w_path = os.path.join(tmp, "ids.i32"), os.path.join(tmp, "weights.f32")
-            d["ids"].cpu().numpy().tofile(ids_path)
-            d["weights"].detach().cpu().numpy().tofile(w_path)
-            try:
-                server.call("load", name, args.seed, ids_path, w_path)
-                for impl in ("mok", "mok-fp8"):
-                    if impl in args.impls and (impl == "mok" or fp8_shape):
-                        impls[impl] = server
-            except Exception as e:
-                for ps in passes:
-                    fail("mok", ps, e)
+        try:
+            server.load(name, args.seed, d)
+            for impl in ("mok", "mok-fp8"):
+                if impl in args.impls and (impl == "mok" or fp8_shape):
+                    impls[impl] = server
+        except Exception as e:
+            for ps in passes:
+                fail("mok", ps, e)
         if "mok-fp8" in impls and "fwd" in passes:
             try:
                 got = {n: int(v) for n, v in server.call("check", "fwd", "mok-fp8")["checksums"].items()}

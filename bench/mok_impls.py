@@ -5,6 +5,7 @@ import json
 import math
 import os
 import subprocess
+import tempfile
 
 import torch
 
@@ -89,6 +90,15 @@ class MokBench:
         if "error" in reply:
             raise RuntimeError(reply["error"])
         return reply
+
+    def load(self, preset, seed, d):
+        """`load`: the preset with d's routing (ids and weights through two temporary files);
+        x, the weights and dy come from the same seeded fill as layer_bench's."""
+        with tempfile.TemporaryDirectory() as tmp:
+            ids_path, w_path = os.path.join(tmp, "ids.i32"), os.path.join(tmp, "weights.f32")
+            d["ids"].cpu().numpy().tofile(ids_path)
+            d["weights"].detach().cpu().numpy().tofile(w_path)
+            return self.call("load", preset, seed, ids_path, w_path)
 
     def close(self):
         if self.proc.poll() is None:

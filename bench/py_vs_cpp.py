@@ -24,7 +24,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -142,11 +141,7 @@ def main():
             torch.cuda.synchronize()
             same = torch.equal(y_py.view(torch.int16), y_train.view(torch.int16)) and \
                 torch.equal(y_py.view(torch.int16), y_off.view(torch.int16))
-            with tempfile.TemporaryDirectory() as tmp:
-                ids_path, w_path = os.path.join(tmp, "ids.i32"), os.path.join(tmp, "weights.f32")
-                d["ids"].cpu().numpy().tofile(ids_path)
-                d["weights"].detach().cpu().numpy().tofile(w_path)
-                server.call("load", name, 1, ids_path, w_path)
+            server.load(name, 1, d)
             from mok import ops
 
             def body_fn():  # mok.moe's body without moe() / call_layer / no_grad

@@ -17,6 +17,7 @@ import ab_compare  # noqa: E402
 import ab_serve  # noqa: E402
 import host_overhead  # noqa: E402
 import layer_bench  # noqa: E402
+from mok_impls import MokBench  # noqa: E402
 import report  # noqa: E402
 import torch_baseline as tb  # noqa: E402
 
@@ -351,6 +352,7 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch):
 
     class Server:
         calls = []
+        load = MokBench.load  # (writes the routing files, then calls "load")
 
         def call(self, *words):
             self.calls.append(words)
