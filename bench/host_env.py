@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Why mok.moe's forward waits longer for the host in layer_bench than in host_sections
+(issue 21): the forward timed as layer_bench times it (tb.time_ms: synchronise, flush the L2,
+start event, call), in variants that each change one thing, with the host time of the call
+and the offset of its first enqueue (ops._forward_rows' entry and return, from the call's
+start). Rounds alternate the variants; medians over all iterations.
+
+  host_env.py [--preset olmoe-1b-7b,gpt-oss-120b] [--rounds 20] [--iters 5]
+"""
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import torch_baseline as tb  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="olmoe-1b-7b,gpt-oss-120b")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=5)
+    args = ap.parse_args()
+    import mok
+    import mok.ops as ops
+
+    stamps = []  # per call: its start, _forward_rows' entry, the extension's entry and return, _forward_rows' return
+    inner = ops._forward_rows
+
+    def stamped(*a, **kw):
+        stamps.append(time.perf_counter())
+        r = inner(*a, **kw)
+        stamps.append(time.perf_counter())
+        return r
+    ops._forward_rows = stamped
+
+    class Extension:  # ops._C with forward_rows stamped
+        def __getattr__(self, name):
+            return getattr(mok._C, name)
+
+        @staticmethod
+        def forward_rows(*a, **kw):
+            stamps.append(time.perf_counter())
+            r = mok._C.forward_rows(*a, **kw)
+            stamps.append(time.perf_counter())
+            return r
+    ops._C = Extension()
+    zero = tb.l2_flusher("zero")
+    zero2 = tb.l2_flusher("zero")
+
+    def twice():
+        zero()
+        zero2()
+
+    for name in args.preset.split(","):
+        p = tb.load_presets()[name]
+        d = tb.make_inputs(p, "uniform", seed=1)
+        x, ids, w, wg, wu, wd, lim, sh = (d[k] for k in ("x", "ids", "weights", "w_gate", "w_up", "w_down", "limit",
+                                                         "shared"))
+
+        def fwd():
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                stamps.append(t0)
+                return mok.moe(x, ids, w, wg, wu, wd, sh, lim)
+
+        variants = {"layer_bench (flush 256 MB)": dict(flush=zero), "gc disabled": dict(flush=zero, gc=True),
+                    "flush 2 x 256 MB": dict(flush=twice), "no flush": dict(flush=lambda: None),
+                    "launch graphs off": dict(flush=zero, graphs_off=True)}
+        variants["leaves require grad"] = dict(flush=zero, grad=True)
+        with torch.no_grad():
+            mok.moe(x, ids, w, wg, wu, wd, sh, lim)
+        key = next(k for k in ops._workspaces if k[1:3] == (x.shape[1], wd.shape[2]))
+        ws_graphs = ops._workspaces[key]
+        ws_direct = mok._C.Workspace(*key[1:7], ws_graphs.max_tokens, key[0], training=True, replay_launches=False)
+        leaves = (x, w, wg, wu, wd)
+
+        def measure(title):
+            res = {v: dict(ms=[], host=[], entry=[], c_in=[], c_out=[], first=[]) for v in variants}
+            for r in range(args.rounds):
+                order = list(variants) if r % 2 == 0 else list(reversed(variants))
+                for v in order:
+                    cfg = variants[v]
+                    if cfg.get("gc"):
+                        gc.disable()
+                    for t in leaves:
+                        t.requires_grad_(bool(cfg.get("grad")))
+                    ops._workspaces[key] = ws_direct if cfg.get("graphs_off") else ws_graphs
+                    stamps.clear()
+                    host = []
+                    ms = tb.time_ms(fwd, 2, args.iters, host=host, flush=cfg["flush"])
+                    gc.enable()
+                    s = stamps[-5 * args.iters:]
+                    for i in range(args.iters):
+                        t0, *rest = s[5 * i:5 * i + 5]
+                        for k, t in zip(("entry", "c_in", "c_out", "first"), rest):
+                            res[v][k].append((t - t0) * 1e3)
+                    res[v]["ms"] += ms
+                    res[v]["host"] += host
+            print(f"== {name} forward, mok.moe, {args.rounds} rounds x {args.iters} (ms; medians), {title}")
+            print(f"  {'variant':<28} {'GPU ms':>8} {'p10':>7} {'p90':>7} {'host ms':>8} {'to rows':>8} {'to C':>8} "
+                  f"{'C back':>8} {'rows back':>9}")
+            for v, m in res.items():
+                med = {k: statistics.median(vals) for k, vals in m.items()}
+                q = statistics.quantiles(m["ms"], n=10)
+                print(f"  {v:<28} {med['ms']:8.3f} {q[0]:7.3f} {q[-1]:7.3f} {med['host']:8.3f} {med['entry']:8.3f} "
+                      f"{med['c_in']:8.3f} {med['c_out']:8.3f} {med['first']:9.3f}")
+
+        measure("a fresh process")
+        for t in leaves:  # one backward through autograd (its engine's threads start)
+            t.requires_grad_()
+        mok.moe(x, ids, w, wg, wu, wd, sh, lim).backward(d["dy"])
+        for t in leaves:
+            t.grad = None
+        measure("after one backward")
+        ops._workspaces[key] = ws_graphs
+        del d, x, wg, wu, wd, ws_direct
+        torch.cuda.empty_cache()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+
+
+if __name__ == "__main__":
+    main()
