@@ -223,7 +223,8 @@ def result_files(results_dir):
 
 LAYER_NOTE = [
     "Layer runs (`bench/layer_bench.py`, one GPU): every implementation on the same inputs in one",
-    "process, interleaved round by round (A B C …; runs after a1125b3 reverse the order every other round); a",
+    "process, interleaved round by round (A B C …; runs after a1125b3 reverse the order every other round; runs after 1d82427 "
+    "time each pass's implementations together and rotate them by one each round); a",
     "ratio is time(other) / time(mok) per round,",
     "quoted as the median over rounds with the min–max in brackets; TFLOP/s from the median of the",
     "rounds' medians. `mok`: the C++ layer (`mok_bench --serve`, no Python); `mok-py`: `mok.moe` from",
