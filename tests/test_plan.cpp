@@ -218,17 +218,29 @@ TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
                     base, base + f.bytes, what + " forward");
               EXPECT_EQ(at(f.x_rows), base + 2 * cap * H) << what << ": x rows not in the slots' upper half";
               EXPECT_EQ(f.bytes, 4 * (cap + Tpad) * H + 2 * (cap * I + Tpad * Is)) << what;
+              // Gradient buffers: none (f32), two apart, or one block (up right after gate).
+              enum class Grads { f32, apart, one_block };
               for (Training mode : {Training::save, Training::recompute})
-                for (bool bf16 : {true, false}) {
+                for (Grads grads : {Grads::apart, Grads::one_block, Grads::f32}) {
                   sh.training = mode;
+                  const bool bf16 = grads != Grads::f32, block = grads == Grads::one_block;
+                  const std::uintptr_t up_at = block ? gate + 2 * E * I * H : up;
                   void* g = bf16 ? reinterpret_cast<void*>(gate) : nullptr;
-                  void* u = bf16 ? reinterpret_cast<void*>(up) : nullptr;
+                  void* u = bf16 ? reinterpret_cast<void*>(up_at) : nullptr;
                   const detail::CallBuffers w = detail::backward_buffers(sh, b, g, u);
-                  const std::string wb = what + (mode == Training::save ? " save" : " recompute") + (bf16 ? " bf16" : " f32");
+                  const std::string wb = what + (mode == Training::save ? " save" : " recompute") +
+                                         (!bf16 ? " f32" : block ? " bf16 one block" : " bf16 apart");
                   const bool in_grads = mode == Training::save && bf16;
-                  const bool dy_in = in_grads && cap <= E * I, hw_in = in_grads && cap <= E * H;
+                  // Apart: dy rows in gate's E I H, w h in up's, each where it fits. One block of
+                  // 2 E I H: both (dy rows first) if they fit together, else the larger that fits.
+                  const std::int64_t room = 2 * E * I * H, dy = cap * H, hw = cap * I;
+                  const bool both = dy + hw <= room;
+                  const bool dy_in = in_grads && (block ? both || (dy <= room && (dy >= hw || hw > room)) : cap <= E * I);
+                  const bool hw_in = in_grads && (block ? both || (!dy_in && hw <= room) : cap <= E * H);
+                  const std::uintptr_t hw_expected = block ? gate + (dy_in ? 2 * dy : 0) : up;
+                  const std::uintptr_t grads_end = block ? gate + 4 * E * I * H : 0;
                   EXPECT_EQ(at(w.dy_rows) == gate, dy_in) << wb;
-                  EXPECT_EQ(at(w.hidden) == up, hw_in) << wb;
+                  EXPECT_EQ(at(w.hidden) == hw_expected, hw_in) << wb;
                   EXPECT_EQ(w.rows_in_grads, dy_in || hw_in) << wb;
                   EXPECT_EQ(w.dx_rows, w.x_rows) << wb;
                   std::vector<Region> in_scratch{{"x rows", at(w.x_rows), at(w.x_rows) + 2 * cap * H},
@@ -239,14 +251,27 @@ TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
                   if (mode == Training::recompute)
                     in_scratch.push_back({"recompute", at(w.recompute), at(w.recompute) + 2 * sh.saved_elements});
                   check(in_scratch, base, base + w.bytes, wb);
-                  if (dy_in) check({{"dy rows", gate, gate + 2 * cap * H}}, gate, gate + 2 * E * I * H, wb);
-                  if (hw_in) check({{"w h", up, up + 2 * cap * I}}, up, up + 2 * E * I * H, wb);
+                  if (block) {
+                    std::vector<Region> in_block;
+                    if (dy_in) in_block.push_back({"dy rows", gate, gate + 2 * cap * H});
+                    if (hw_in) in_block.push_back({"w h", hw_expected, hw_expected + 2 * cap * I});
+                    check(in_block, gate, grads_end, wb);
+                    // (TMA: every row buffer 16-byte aligned)
+                    EXPECT_EQ(at(w.hidden) % 16, 0u) << wb;
+                  } else {
+                    if (dy_in) check({{"dy rows", gate, gate + 2 * cap * H}}, gate, gate + 2 * E * I * H, wb);
+                    if (hw_in) check({{"w h", up, up + 2 * cap * I}}, up, up + 2 * E * I * H, wb);
+                  }
                   // The recompute runs the forward kernel's GEMM1 on this layout: x rows where the forward's are.
                   if (mode == Training::recompute) EXPECT_EQ(at(w.x_rows), base + 2 * cap * H) << wb;
                   std::int64_t expect = 2 * cap * H + 2 * Tpad * H + 2 * Tpad * Is + (dy_in ? 0 : 2 * cap * H) +
                                         (hw_in ? 0 : 2 * cap * I) + (mode == Training::recompute ? 2 * sh.saved_elements : 0);
                   EXPECT_EQ(w.bytes, expect) << wb;
                   if (mode == Training::save) EXPECT_LE(w.bytes, f.bytes) << wb << ": backward scratch above the forward's";
+                  if (block && mode == Training::save) {  // never more than with the gradients apart
+                    const detail::CallBuffers apart = detail::backward_buffers(sh, b, g, reinterpret_cast<void*>(up));
+                    EXPECT_LE(w.bytes, apart.bytes) << wb;
+                  }
                 }
             }
 }

@@ -224,16 +224,20 @@ class FusedLayer {
     const std::int64_t T = pr_.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
                        Is = s.shared_intermediate;
     // One training step's tensors: saved (forward to backward), then dx, d_topk_weights and
-    // the bf16 weight gradients, allocated when the backward runs (as autograd does).
+    // the bf16 weight gradients, allocated when the backward runs (as autograd does); the
+    // W_gate and W_up gradients as one block, as mok.moe allocates them (the backward's rows
+    // may then span both: the smaller scratch).
     auto* saved = pool_.alloc<std::uint16_t>(ws_.saved_elements());
     forward(saved_view(saved));
-    Outputs g{pool_.alloc<std::uint16_t>(T * H), pool_.alloc<float>(T * k), pool_.alloc<std::uint16_t>(E * I * H),
-              pool_.alloc<std::uint16_t>(E * I * H), pool_.alloc<std::uint16_t>(E * H * I)};
+    auto* gate_up = pool_.alloc<std::uint16_t>(2 * E * I * H);
+    Outputs g{pool_.alloc<std::uint16_t>(T * H), pool_.alloc<float>(T * k), gate_up, gate_up + E * I * H,
+              pool_.alloc<std::uint16_t>(E * H * I)};
+    g.up_in_gate_block = true;
     if (s.has_shared())
       g.d_shared_gate = pool_.alloc<std::uint16_t>(Is * H), g.d_shared_up = pool_.alloc<std::uint16_t>(Is * H),
       g.d_shared_down = pool_.alloc<std::uint16_t>(H * Is);
     if (keep) poison(g);
-    const std::int64_t bytes = ws_.backward_scratch_bytes(mok::DType::bf16);
+    const std::int64_t bytes = ws_.backward_scratch_bytes(mok::DType::bf16, T, /*gate_up_adjacent=*/true);
     auto* scratch = pool_.alloc<std::uint8_t>(bytes);
     mok::backward(a_, grads(g), ws_, stream_, saved_view(saved), u8(scratch, bytes));
     pool_.free(scratch);
@@ -286,8 +290,11 @@ class FusedLayer {
     float* d_topk_weights = nullptr;
     std::uint16_t *d_w_gate = nullptr, *d_w_up = nullptr, *d_w_down = nullptr;
     std::uint16_t *d_shared_gate = nullptr, *d_shared_up = nullptr, *d_shared_down = nullptr;
+    bool up_in_gate_block = false;  // d_w_up lies in d_w_gate's allocation (freed with it)
+    // The allocations (to free).
     std::vector<void*> all() const {
-      std::vector<void*> v{dx, d_topk_weights, d_w_gate, d_w_up, d_w_down};
+      std::vector<void*> v{dx, d_topk_weights, d_w_gate, d_w_down};
+      if (!up_in_gate_block) v.push_back(d_w_up);
       for (void* q : {d_shared_gate, d_shared_up, d_shared_down})
         if (q) v.push_back(q);
       return v;

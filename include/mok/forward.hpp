@@ -50,7 +50,7 @@ void* call_scratch(Workspace& ws, const std::optional<TensorView>& given, std::i
 // that serves every call on its first call that needs it (not while a CUDA graph is being
 // captured). With bf16 weight gradients a Training::save backward keeps its routed dy rows
 // and w*h in the W_gate / W_up gradient buffers (which it writes last) where they fit, so
-// its scratch is smaller than the forward's.
+// its scratch is smaller than the forward's (smallest when the two gradients are one block).
 class Workspace {
  public:
   Workspace(const MoeShape& shape, std::int64_t max_tokens, const Config& config = {},
@@ -83,11 +83,15 @@ class Workspace {
   void throw_if_failed() const;
 
   // Bytes of the scratch a forward / a backward with weight gradients of `grad_dtype`
-  // (bf16 or f32) of T tokens takes (one GPU); no T: max_tokens(). (The bf16 figure holds for
-  // W_gate / W_up gradients that are contiguous or the two halves of one [E, 2I, H] tensor;
-  // other strided views of them take the f32 figure.)
+  // (bf16 or f32) of T tokens takes (one GPU); no T: max_tokens(). The bf16 figure holds for
+  // W_gate / W_up gradients that are contiguous or the two halves of one [E, 2I, H] tensor
+  // (other strided views of them take the f32 figure); gate_up_adjacent (bf16): for W_up's
+  // gradient directly after W_gate's in one block of 2 E I H elements (a contiguous [E, 2I, H]
+  // gradient, or two contiguous [E, I, H] allocated together), where the routed dy rows and
+  // w*h may span both, so the scratch is smaller still. backward() checks the scratch it is
+  // given against the figure of the gradients it is given.
   std::int64_t forward_scratch_bytes(std::int64_t tokens) const;
-  std::int64_t backward_scratch_bytes(DType grad_dtype, std::int64_t tokens) const;
+  std::int64_t backward_scratch_bytes(DType grad_dtype, std::int64_t tokens, bool gate_up_adjacent = false) const;
   std::int64_t forward_scratch_bytes() const { return forward_scratch_bytes(max_tokens_); }
   std::int64_t backward_scratch_bytes(DType grad_dtype) const { return backward_scratch_bytes(grad_dtype, max_tokens_); }
   // Before a call of T tokens: checks T <= max_tokens() (an EP rank: T == max_tokens()) and

@@ -8,6 +8,10 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from mok import _C
+from mok._buffers import capsules as _capsules
+from mok._buffers import empty_grads as _empty_grads
+from mok._buffers import gate_up_adjacent as _gate_up_adjacent
+from mok._buffers import scratch as _scratch
 from mok._checks import check_moe_args
 from mok._state import ep_groups
 from mok._state import workspaces as _workspaces
@@ -49,20 +53,6 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
                           precision=precision)
         _workspaces[key] = ws
     return ws
-
-
-def _scratch(nbytes, device):
-    """One call's scratch from PyTorch's caching allocator: freed when the call returns
-    (stream-ordered), so the forward's bytes serve the backward and the next layer."""
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _capsules(tensors):
-    """The tensors as DLPack capsules (None stays None) for the extension: torch's C entry
-    to_dlpack takes ~0.4 µs a tensor; Tensor.__dlpack__, which the extension would call when
-    handed the tensors, queries and compares CUDA streams in Python (~10 µs a tensor). The
-    streams need no handshake: everything runs on the stream the call passes."""
-    return [None if t is None else to_dlpack(t) for t in tensors]
 
 
 ONE_GPU = 0  # the group id of the one-GPU layer (an EP group's is its mok.ep.ExpertParallel.id)
@@ -141,21 +131,12 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
     return y, saved
 
 
-def _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down):
-    """dx, d_topk_weights, d_w_gate, d_w_up, d_w_down[, the shared expert's], each like its
-    input (d_w_up: empty when w_up is None, d_w_gate then [E, 2I, H])."""
-    grads = [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate),
-             w_gate.new_empty(0) if w_up is None else torch.empty_like(w_up), torch.empty_like(w_down)]
-    if shared_gate is not None:
-        grads += [torch.empty_like(shared_gate), torch.empty_like(shared_up), torch.empty_like(shared_down)]
-    return grads
-
-
 def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
-                  swiglu_limit, num_experts, group_id):
-    """The fused backward on the current stream (the body of the custom op and of the eager path)."""
+                  swiglu_limit, num_experts, group_id, paired=False):
+    """The fused backward on the current stream (the body of the custom op and of the eager
+    path; paired: _empty_grads')."""
     dy = dy.contiguous()
-    grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
+    grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, paired)
     shared_grads = grads[5:] if shared_gate is not None else (None, None, None)
     tensors = (*_capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
                            dy, grads[0], grads[1], grads[2], None if w_up is None else grads[3], grads[4],
@@ -163,7 +144,8 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
     k = topk_ids.shape[1]
     if group_id == ONE_GPU:
         ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit)
-        _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(ws.backward_scratch_bytes(False, x.shape[0]), x.device)))
+        nbytes = ws.backward_scratch_bytes(False, x.shape[0], _gate_up_adjacent(grads[2], grads[3]))
+        _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(nbytes, x.device)))
     else:
         rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit, True)
         _C.ep_backward(rank, *tensors)
@@ -304,7 +286,7 @@ class _EagerTrainStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         args = _backward_inputs(ctx, grad_y)
-        return (None, *_input_grads(_run_backward(*args), args))
+        return (None, *_input_grads(_run_backward(*args, paired=True), args))
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -16,7 +16,8 @@ namespace mok {
 namespace {
 
 constexpr const char* kWhere = "mok::backward";
-constexpr const char* kScratchFrom = "Workspace::backward_scratch_bytes(d_w_gate's dtype, T)";
+constexpr const char* kScratchFrom =
+    "Workspace::backward_scratch_bytes(d_w_gate's dtype, T, whether d_w_up directly follows d_w_gate)";
 using U = std::uint64_t;
 
 // The nine tensor maps of one expert set: rows = the set's row count (capacity or padded
@@ -175,9 +176,11 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     return;
   }
 
-  void* base =
-      detail::call_scratch(ws, scratch, ws.backward_scratch_bytes(b.d_w_gate.dtype, T), kScratchFrom, kWhere, stream);
+  // (the scratch this call's gradients leave it to need: none of the rows in them, some, or
+  // the most when the two are one block)
   const auto [row_space_a, row_space_b] = gradient_row_spaces(b, ws.shape());
+  const std::int64_t needed = detail::backward_buffers(ws, nullptr, row_space_a, row_space_b).bytes;
+  void* base = detail::call_scratch(ws, scratch, needed, kScratchFrom, kWhere, stream);
   const detail::CallBuffers buffers = detail::backward_buffers(ws, base, row_space_a, row_space_b);
   std::uint16_t* gu = saved ? static_cast<std::uint16_t*>(saved->data) : buffers.recompute;
   detail::LaunchKey key;

@@ -96,7 +96,8 @@ inline ScratchShape scratch_shape(const Workspace& ws) { return scratch_shape(ws
 CallBuffers forward_buffers(const ScratchShape& s, void* scratch);
 // One GPU: a backward's buffers in `scratch`; with bf16 weight gradients of a Training::save
 // workspace the routed dy rows / w h go to row_space_a / row_space_b (non-null: E_l I H
-// elements each that the W_gate / W_up gradients cover) where they fit.
+// elements each that the W_gate / W_up gradients cover) where they fit — into both as one
+// block when b == a + E_l I H.
 CallBuffers backward_buffers(const ScratchShape& s, void* scratch, void* row_space_a, void* row_space_b);
 inline CallBuffers forward_buffers(const Workspace& ws, void* scratch) {
   return forward_buffers(scratch_shape(ws), scratch);

@@ -46,34 +46,53 @@ CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
   return b;
 }
 
-// [dy rows capacity x H, unless in row space a][x rows, then dx rows, capacity x H][shared dx
-// rows T_pad x H][w h capacity x I, unless in row space b][shared w h T_pad x I_s][recomputed
-// pre-activations]. The recompute's GEMM1 runs the forward kernel on this layout: its x rows
-// then sit where the forward's do (the dy rows are never in the gradients), its slots unused.
+// [dy rows capacity x H, unless in the gradients][x rows, then dx rows, capacity x H][shared dx
+// rows T_pad x H][w h capacity x I, unless in the gradients][shared w h T_pad x I_s][recomputed
+// pre-activations]. In the gradients: row space a (E_l I H elements) takes the dy rows and b the
+// w h where each fits; when b directly follows a (one block of 2 E_l I H: a concatenated
+// [E, 2I, H] gradient, or two halves the caller allocated together) the dy rows take its start
+// and the w h follow them; if both do not fit, the larger that fits takes the start. The recompute's GEMM1 runs the forward kernel on this
+// layout: its x rows then sit where the forward's do (the dy rows are never in the gradients),
+// its slots unused.
 CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row_space_a, void* row_space_b) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
   const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate, El = s.num_local_experts;
   const bool in_grads = shape.training == Training::save && row_space_a != nullptr && row_space_b != nullptr;
-  const bool dy_in_grads = in_grads && cap * H <= El * I * H, hw_in_grads = in_grads && cap * I <= El * I * H;
+  auto* a = static_cast<std::uint16_t*>(row_space_a);
+  const std::int64_t half = El * I * H;
+  std::uint16_t *dy_at = nullptr, *hw_at = nullptr;  // in the gradients, or null
+  if (in_grads && static_cast<std::uint16_t*>(row_space_b) == a + half) {  // one block of 2 half
+    const std::int64_t dy = cap * H, hw = cap * I, room = 2 * half;
+    if (dy + hw <= room) {
+      dy_at = a, hw_at = a + dy;
+    } else if (dy <= room && (dy >= hw || hw > room)) {  // (the larger of the two that fit)
+      dy_at = a;
+    } else if (hw <= room) {
+      hw_at = a;
+    }
+  } else if (in_grads) {
+    if (cap * H <= half) dy_at = a;
+    if (cap * I <= half) hw_at = static_cast<std::uint16_t*>(row_space_b);
+  }
   CallBuffers b;
   std::int64_t used = 0;
   b.slots = reinterpret_cast<float*>(scratch);
-  b.dy_rows = dy_in_grads ? static_cast<std::uint16_t*>(row_space_a) : at(scratch, used);
-  if (!dy_in_grads) used += 2 * cap * H;
+  b.dy_rows = dy_at ? dy_at : at(scratch, used);
+  if (!dy_at) used += 2 * cap * H;
   b.x_rows = b.dx_rows = at(scratch, used);
   used += 2 * cap * H;
   b.shared_dx_rows = at(scratch, used);
   used += 2 * Tpad * H;
-  b.hidden = hw_in_grads ? static_cast<std::uint16_t*>(row_space_b) : at(scratch, used);
-  if (!hw_in_grads) used += 2 * cap * I;
+  b.hidden = hw_at ? hw_at : at(scratch, used);
+  if (!hw_at) used += 2 * cap * I;
   b.shared_hidden = at(scratch, used);
   used += 2 * Tpad * Is;
   if (shape.training == Training::recompute) {
     b.recompute = at(scratch, used);
     used += 2 * shape.saved_elements;
   }
-  b.rows_in_grads = dy_in_grads || hw_in_grads;
+  b.rows_in_grads = dy_at || hw_at;
   b.bytes = used;
   return b;
 }

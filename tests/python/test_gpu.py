@@ -267,6 +267,55 @@ def test_concatenated_gate_up_is_read_in_place_bitwise():
     assert peak_growth(gate_up, None) == peak_growth(gate, up)  # y and the scratch: no copy of the weights
 
 
+def test_backward_rows_across_both_gate_up_gradients_give_the_bits_of_apart():
+    """mok.moe's eager backward allocates d_w_gate and d_w_up as one block (a concatenated
+    [E, 2I, H] gradient is one): the routed dy rows and w*h may then span both gradients. At this
+    shape the dy rows fit only across both, so the block's scratch is smaller; the gradients are
+    bitwise those of a backward with the two gradients apart, and a backward whose gradients are
+    apart refuses the block's smaller scratch, naming it."""
+    from mok import _C, ops
+    from torch.utils.dlpack import to_dlpack
+
+    T, H, I, E, k = 384, 512, 256, 4, 2
+    x, ids, w, gate, up, down, _ = _problem(T=T, H=H, I=I, E=E, k=k, seed=41)
+    dy = torch.randn_like(x)
+    ws = ops._workspace(x, down, k, 0, None)
+    apart, block = ws.backward_scratch_bytes(False, T, False), ws.backward_scratch_bytes(False, T, True)
+    assert block < apart
+
+    # The reference: the extension's backward with the two gradients apart, in a scratch of the apart figure.
+    _, saved = ops._run_forward(x, ids, w, gate, up, down, None, None, None, None, E, ops.ONE_GPU, training=True)
+    grads = ops._empty_grads(x, w, gate, up, down, None, None, None)
+    spacer = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # (keeps the next block from abutting)
+    grads[3] = torch.empty_like(up)
+    assert not ops._gate_up_adjacent(grads[2], grads[3])
+    tensors = ops._capsules((x, ids, w, gate, up, down, None, None, None, saved, dy, *grads))
+    scratch = torch.empty(apart, dtype=torch.uint8, device="cuda")
+    _C.backward(ws, *tensors, ops._stream(x), scratch=to_dlpack(scratch))
+    dx, dw, d_gate, d_up, d_down = grads[0], grads[1], grads[2], grads[3], grads[4]
+    del spacer
+
+    def run(*weights):
+        leaves = [_leaf(t) for t in (x, w) + weights + (down,)]
+        y = mok.moe(leaves[0], ids, leaves[1], *leaves[2:-1], leaves[-1]) if len(weights) == 2 else \
+            mok.moe(leaves[0], ids, leaves[1], leaves[2], None, leaves[3])
+        y.backward(dy)
+        return [t.grad for t in leaves]
+
+    dx2, dw2, d_gate2, d_up2, d_down2 = run(gate, up)
+    assert d_up2.data_ptr() == d_gate2.data_ptr() + d_gate2.nbytes  # (one block)
+    dx3, dw3, d_gate_up, d_down3 = run(torch.cat([gate, up], dim=1))
+    for got in ((dx2, dw2, d_gate2, d_up2, d_down2), (dx3, dw3, d_gate_up[:, :I], d_gate_up[:, I:], d_down3)):
+        for a, b in zip(got, (dx, dw, d_gate, d_up, d_down)):
+            assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+
+    _, saved = ops._run_forward(x, ids, w, gate, up, down, None, None, None, None, E, ops.ONE_GPU, training=True)
+    tensors = ops._capsules((x, ids, w, gate, up, down, None, None, None, saved, dy, *grads))
+    with pytest.raises(ValueError, match="argument 'scratch'"):
+        _C.backward(ws, *tensors, ops._stream(x), scratch=to_dlpack(scratch[:block]))
+
+
 def test_second_backward_through_one_forward_is_refused():
     x, ids, w, gate, up, down, _ = _problem(seed=9)
     leaves = [_leaf(t) for t in (x, w, gate, up, down)]
