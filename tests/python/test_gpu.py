@@ -289,7 +289,7 @@ def test_backward_rows_across_both_gate_up_gradients_give_the_bits_of_apart():
     spacer = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # (keeps the next block from abutting)
     grads[3] = torch.empty_like(up)
     assert not ops._gate_up_adjacent(grads[2], grads[3])
-    tensors = ops._capsules((x, ids, w, gate, up, down, None, None, None, saved, dy, *grads))
+    tensors = ops._capsules((x, ids, w, gate, up, down, None, None, None, saved, dy, *grads, None, None, None))
     scratch = torch.empty(apart, dtype=torch.uint8, device="cuda")
     _C.backward(ws, *tensors, ops._stream(x), scratch=to_dlpack(scratch))
     dx, dw, d_gate, d_up, d_down = grads[0], grads[1], grads[2], grads[3], grads[4]
@@ -311,7 +311,7 @@ def test_backward_rows_across_both_gate_up_gradients_give_the_bits_of_apart():
                                b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
 
     _, saved = ops._run_forward(x, ids, w, gate, up, down, None, None, None, None, E, ops.ONE_GPU, training=True)
-    tensors = ops._capsules((x, ids, w, gate, up, down, None, None, None, saved, dy, *grads))
+    tensors = ops._capsules((x, ids, w, gate, up, down, None, None, None, saved, dy, *grads, None, None, None))
     with pytest.raises(ValueError, match="argument 'scratch'"):
         _C.backward(ws, *tensors, ops._stream(x), scratch=to_dlpack(scratch[:block]))
 
