@@ -105,7 +105,7 @@ def main():
         ops._C.forward(ws, *tensors, scratch=to_dlpack(scratch))
     row("  capsules + the extension's forward (C++ checks, maps, launches)", median_us(extension, args.calls))
     row("  backward's gradient allocations (ops._empty_grads)",
-        median_us(lambda: ops._empty_grads(x, w, wg, wu, wd, sg, su, sd), args.calls))
+        median_us(lambda: ops._empty_grads(x, w, wg, wu, wd, sg, su, sd, paired=True), args.calls))
     nothing_args = (x, ids, w, wg, wu, wd, sg, su, sd, lim, E, 0)
     row("  autograd.Function.apply, 12 arguments, empty forward", median_us(lambda: _Nothing.apply(*nothing_args), args.calls))
     c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Nothing)

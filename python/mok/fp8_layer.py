@@ -208,7 +208,7 @@ class _EagerTrainStep(torch.autograd.Function):
         from mok import ops
 
         args = ops._backward_inputs(ctx, grad_y)
-        return ops._input_grads(ops._run_backward(*args, paired=True), args, _TRAILING)
+        return ops._input_grads(ops._run_backward(*args), args, _TRAILING)
 
 
 def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, fp8_experts):

@@ -11,6 +11,7 @@ from mok import _C
 from mok._buffers import capsules as _capsules
 from mok._buffers import empty_grads as _empty_grads
 from mok._buffers import gate_up_adjacent as _gate_up_adjacent
+from mok._buffers import gate_up_grads as _gate_up_grads
 from mok._buffers import scratch as _scratch
 from mok._checks import check_moe_args
 from mok._state import ep_groups
@@ -132,19 +133,20 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
 
 
 def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
-                  swiglu_limit, num_experts, group_id, paired=False):
+                  swiglu_limit, num_experts, group_id):
     """The fused backward on the current stream (the body of the custom op and of the eager
-    path; paired: _empty_grads')."""
+    path): _empty_grads' list, W_gate's and W_up's gradients as one block where they pair
+    (_input_grads splits it)."""
     dy = dy.contiguous()
-    grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, paired)
+    grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, paired=True)
+    d_gate, d_up = _gate_up_grads(grads, w_up)
     shared_grads = grads[5:] if shared_gate is not None else (None, None, None)
     tensors = (*_capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
-                           dy, grads[0], grads[1], grads[2], None if w_up is None else grads[3], grads[4],
-                           *shared_grads)), _stream(x))
+                           dy, grads[0], grads[1], d_gate, d_up, grads[4], *shared_grads)), _stream(x))
     k = topk_ids.shape[1]
     if group_id == ONE_GPU:
         ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit)
-        nbytes = ws.backward_scratch_bytes(False, x.shape[0], _gate_up_adjacent(grads[2], grads[3]))
+        nbytes = ws.backward_scratch_bytes(False, x.shape[0], _gate_up_adjacent(d_gate, d_up))
         _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(nbytes, x.device)))
     else:
         rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit, True)
@@ -202,7 +204,9 @@ def moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk
                  shared_gate: Optional[torch.Tensor], shared_up: Optional[torch.Tensor],
                  shared_down: Optional[torch.Tensor], saved: torch.Tensor, swiglu_limit: Optional[float],
                  num_experts: int, group_id: int) -> List[torch.Tensor]:
-    """dx, d_topk_weights, d_w_gate, d_w_up, d_w_down[, d_shared_gate, d_shared_up, d_shared_down]."""
+    """dx, d_topk_weights, d_w_gate, d_w_up, d_w_down[, d_shared_gate, d_shared_up, d_shared_down];
+    d_w_gate and d_w_up as one [2, E, I, H] block in d_w_gate's place (d_w_up empty) when both
+    weights are contiguous and alike (_input_grads takes its halves)."""
     return _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
                          saved, swiglu_limit, num_experts, group_id)
 
@@ -210,7 +214,7 @@ def moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk
 @moe_backward.register_fake
 def _moe_backward_fake(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
                        saved, swiglu_limit, num_experts, group_id):
-    return _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down)
+    return _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, paired=True)
 
 
 _TENSOR_INPUTS = 9  # x .. shared_down; then swiglu_limit, num_experts, group_id
@@ -248,8 +252,7 @@ def _input_grads(grads, args, trailing=3):
     num_experts, group_id; mok.fp8_layer's: swiglu_limit and the six quantized weights)."""
     w_up, shared_gate = args[5], args[7]
     shared = grads[5:] if shared_gate is not None else [None, None, None]
-    d_up = None if w_up is None else grads[3]
-    return (grads[0], None, grads[1], grads[2], d_up, grads[4], *shared) + (None,) * trailing
+    return (grads[0], None, grads[1], *_gate_up_grads(grads, w_up), grads[4], *shared) + (None,) * trailing
 
 
 def _train_backward(ctx, grad_y, grad_saved):
@@ -286,7 +289,7 @@ class _EagerTrainStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         args = _backward_inputs(ctx, grad_y)
-        return (None, *_input_grads(_run_backward(*args, paired=True), args))
+        return (None, *_input_grads(_run_backward(*args), args))
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

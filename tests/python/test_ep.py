@@ -96,7 +96,8 @@ def test_fake_implementations_give_output_metadata():
     y, saved = torch.ops.mok.moe_train_forward(x, ids, w, gate, gate, down, None, None, None, None, E, 1)
     assert saved.shape == (_C.ep_saved_elements(H, I, E, El, k, 0, None, T),) and saved.dtype == torch.bfloat16
     grads = torch.ops.mok.moe_backward(x, x, ids, w, gate, gate, down, None, None, None, saved, None, E, 1)
-    assert [tuple(g.shape) for g in grads] == [(T, H), (T, k), (El, I, H), (El, I, H), (El, H, I)]
+    # (gate and up alike and contiguous: their gradients as one [2, E_l, I, H] block, d_w_up empty)
+    assert [tuple(g.shape) for g in grads] == [(T, H), (T, k), (2, El, I, H), (0,), (El, H, I)]
 
 
 def test_compiled_ep_training_step_traces_through_the_fake_implementations():

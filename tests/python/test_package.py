@@ -182,29 +182,35 @@ def test_compiled_forward_and_backward_trace_through_the_fake_implementations():
     assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves.values())
 
 
-def test_eager_backward_allocates_gate_and_up_gradients_as_one_block():
-    """ops._empty_grads(paired=True): d_w_gate and d_w_up as the halves of one block (the backward's
-    rows may span both, ops._gate_up_adjacent says so), each shaped and laid out like its weight,
-    so autograd takes them as .grad without a copy; not for unlike or strided weights, not for
-    the custom op (paired=False), and a concatenated [E, 2I, H] gradient is one block by itself."""
+def test_backward_allocates_gate_and_up_gradients_as_one_block():
+    """The backward (eager and custom op) allocates d_w_gate and d_w_up as one [2, E, I, H] block
+    (ops._empty_grads(paired=True)): its halves lie one after the other (the backward's rows may
+    span both: ops._gate_up_adjacent) and are shaped and laid out like the weights, so autograd
+    takes them as .grad without a copy. Not for unlike or strided weights; a concatenated
+    [E, 2I, H] gradient is one block by itself."""
     from mok import ops
 
     E, I, H = 3, 8, 16
     x, w = torch.empty(5, H, dtype=torch.bfloat16), torch.empty(5, 2)
     gate, up, down = (torch.empty(E, I, H, dtype=torch.bfloat16) for _ in range(3))
     grads = ops._empty_grads(x, w, gate, up, down, None, None, None, paired=True)
-    d_gate, d_up = grads[2], grads[3]
+    assert grads[2].shape == (2, E, I, H) and grads[3].numel() == 0
+    d_gate, d_up = ops._gate_up_grads(grads, up)
     assert d_gate.shape == gate.shape and d_up.shape == up.shape
     assert d_gate.stride() == gate.stride() and d_up.stride() == up.stride()
-    assert d_up.data_ptr() == d_gate.data_ptr() + d_gate.nbytes
-    assert ops._gate_up_adjacent(d_gate, d_up)
+    assert d_up.data_ptr() == d_gate.data_ptr() + d_gate.nbytes and ops._gate_up_adjacent(d_gate, d_up)
+    args = (None, x, None, w, gate, up, down, None, None, None)  # (_input_grads reads w_up and shared_gate)
+    got = ops._input_grads(grads, args)[3:5]  # (the gradients of w_gate and w_up)
+    assert [(g.data_ptr(), g.shape) for g in got] == [(d_gate.data_ptr(), gate.shape), (d_up.data_ptr(), up.shape)]
     apart = ops._empty_grads(x, w, gate, up, down, None, None, None)
+    assert apart[2].shape == gate.shape and apart[3].shape == up.shape
     assert apart[2].untyped_storage().data_ptr() != apart[3].untyped_storage().data_ptr()
     strided_up = torch.empty(E, I, 2 * H, dtype=torch.bfloat16)[:, :, :H]
     unpaired = ops._empty_grads(x, w, gate, strided_up, down, None, None, None, paired=True)
-    assert unpaired[2].untyped_storage().data_ptr() != unpaired[3].untyped_storage().data_ptr()
-    assert not ops._gate_up_adjacent(unpaired[2], unpaired[3])
+    assert unpaired[2].shape == gate.shape and unpaired[3].shape == up.shape
+    assert not ops._gate_up_adjacent(*ops._gate_up_grads(unpaired, strided_up))
     gate_up = torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
     one = ops._empty_grads(x, w, gate_up, None, down, None, None, None, paired=True)
-    assert one[2].shape == gate_up.shape and one[3].numel() == 0 and ops._gate_up_adjacent(one[2], one[3])
-    assert not ops._gate_up_adjacent(torch.empty(E, 2 * I, H), torch.empty(0))  # (f32: no rows in them)
+    assert one[2].shape == gate_up.shape and ops._gate_up_grads(one, None) == (one[2], None)
+    assert ops._gate_up_adjacent(one[2], None)
+    assert not ops._gate_up_adjacent(torch.empty(E, 2 * I, H), None)  # (f32: no rows in them)
