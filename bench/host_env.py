@@ -58,7 +58,7 @@ def main():
         zero()
         zero2()
 
-    for name in args.preset.split(","):
+    def run_preset(name):  # (its tensors go when it returns)
         p = tb.load_presets()[name]
         d = tb.make_inputs(p, "uniform", seed=1)
         x, ids, w, wg, wu, wd, lim, sh = (d[k] for k in ("x", "ids", "weights", "w_gate", "w_up", "w_down", "limit",
@@ -120,7 +120,9 @@ def main():
             t.grad = None
         measure("after one backward")
         ops._workspaces[key] = ws_graphs
-        del d, x, wg, wu, wd, ws_direct
+
+    for name in args.preset.split(","):
+        run_preset(name)
         torch.cuda.empty_cache()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
 

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Where an eager mok.moe forward waits (issue 21): mok.moe's forward timed as layer_bench
+times it (synchronise, flush the L2, start event, call), with CUDA events recorded on the
+stream right after each of its two enqueues — the plan and row copy (forward_rows) and the
+fused kernel (forward) — and the host time of each. Per iteration the GPU time splits into
+
+  to rows    start -> the row copy's end (the flush is before the start: the GPU waits here
+             only if the host enqueues the plan after the flush has finished)
+  to kernel  the row copy's end -> the fused kernel's end (the kernel, plus any wait for the
+             second enqueue after the rows are copied)
+
+and the iterations are ranked by their total: if the slow ones spend their extra time in
+`to rows`, the first enqueue is late; in `to kernel`, the second enqueue (or the kernel).
+
+  forward_stages.py [--preset olmoe-1b-7b,gpt-oss-120b,glm-4.5] [--rounds 20] [--iters 5]
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import torch_baseline as tb  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="olmoe-1b-7b,gpt-oss-120b,glm-4.5")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=5)
+    args = ap.parse_args()
+    import mok
+    import mok.ops as ops
+
+    ev = {n: torch.cuda.Event(enable_timing=True) for n in ("start", "rows", "kernel", "end")}
+    host = {}
+
+    class Extension:  # ops._C with an event after each enqueue
+        def __getattr__(self, name):
+            return getattr(mok._C, name)
+
+        @staticmethod
+        def forward_rows(*a, **kw):
+            r = mok._C.forward_rows(*a, **kw)
+            ev["rows"].record()
+            host["rows"] = time.perf_counter()
+            return r
+
+        @staticmethod
+        def forward(*a, **kw):
+            r = mok._C.forward(*a, **kw)
+            ev["kernel"].record()
+            host["kernel"] = time.perf_counter()
+            return r
+    ops._C = Extension()
+    flush = tb.l2_flusher(tb.FLUSH)
+    for e in ev.values():  # (created on the device at their first record)
+        e.record()
+
+    def run_preset(name):  # (its tensors go when it returns)
+        p = tb.load_presets()[name]
+        d = tb.make_inputs(p, "uniform", seed=1)
+        x, ids, w, wg, wu, wd, lim, sh = (d[k] for k in ("x", "ids", "weights", "w_gate", "w_up", "w_down", "limit",
+                                                         "shared"))
+
+        def fwd():
+            with torch.no_grad():
+                return mok.moe(x, ids, w, wg, wu, wd, sh, lim)
+        for _ in range(3):
+            fwd()
+        rows = []
+        for _ in range(args.rounds * args.iters):
+            torch.cuda.synchronize()
+            flush()
+            ev["start"].record()
+            t0 = time.perf_counter()
+            fwd()
+            t1 = time.perf_counter()
+            ev["end"].record()
+            ev["end"].synchronize()
+            rows.append(dict(total=ev["start"].elapsed_time(ev["end"]), to_rows=ev["start"].elapsed_time(ev["rows"]),
+                             to_kernel=ev["rows"].elapsed_time(ev["kernel"]),
+                             host_rows=(host["rows"] - t0) * 1e3, host_kernel=(host["kernel"] - t0) * 1e3,
+                             host=(t1 - t0) * 1e3))
+        rows.sort(key=lambda r: r["total"])
+        n = len(rows)
+        fifth = max(1, n // 5)
+        groups = {"fastest fifth": rows[:fifth], "middle": rows[fifth:n - fifth], "slowest fifth": rows[n - fifth:]}
+        print(f"== {name} forward, mok.moe, {n} iterations (ms; means of each group)")
+        print(f"  {'iterations':<15} {'total':>8} {'to rows':>8} {'to kernel':>9} {'host: rows':>11} {'kernel':>8} "
+              f"{'call':>7}")
+        for g, rs in groups.items():
+            m = {k: statistics.fmean(r[k] for r in rs) for k in rows[0]}
+            print(f"  {g:<15} {m['total']:8.3f} {m['to_rows']:8.3f} {m['to_kernel']:9.3f} {m['host_rows']:11.3f} "
+                  f"{m['host_kernel']:8.3f} {m['host']:7.3f}")
+
+    for name in args.preset.split(","):
+        run_preset(name)
+        torch.cuda.empty_cache()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+
+
+if __name__ == "__main__":
+    main()
