@@ -29,7 +29,8 @@
 # <date>-<commit>-phases.txt (--impl/--pass: mok_bench's, default mok and fwd,fwd+bwd; e.g.
 # --impl mok,mok-fp8 --pass fwd for the FP8 forward beside BF16). `host` (issue 21: the Python op's cost) runs bench/host_sections.py (the
 # host time of mok.moe's pieces) on the short passes qwen3-30b-a3b, olmoe-1b-7b, qwen3.5-397b, glm-4.5 and
-# gpt-oss-120b (or --presets) into <date>-<commit>-host-sections-<preset>.txt, then layer_bench --impl
+# gpt-oss-120b (or --presets) into <date>-<commit>-host-sections-<preset>.txt, bench/forward_stages.py (after which
+# of the eager forward's two enqueues the slow iterations wait) into <date>-<commit>-forward-stages.txt, then layer_bench --impl
 # mok,mok-py on --presets (all: every preset) with --repeats rounds of --iters iterations (many short
 # rounds, e.g. --repeats 25 --iters 5: the ratio paired by round is what decides a 2 % difference) into
 # the bench JSON; bench/host_overhead.py (what the GPU waits for, under torch.profiler) is run by hand. `fp8` (issue 19's
@@ -236,6 +237,9 @@ if [ "$part" = host ]; then
     env PYTHONPATH="$PWD/$build/pkg" timeout 120 python3 bench/host_sections.py --preset "$preset" 2>&1 |
       tee "$OUT/${date:0:10}-$commit-host-sections-$preset.txt" || { echo "host_sections $preset failed"; test_rc=1; }
   done
+  # where the slow forwards wait: after which of the eager forward's two enqueues (issue 21)
+  env PYTHONPATH="$PWD/$build/pkg" timeout 180 python3 bench/forward_stages.py --preset olmoe-1b-7b,gpt-oss-120b,glm-4.5 2>&1 |
+    tee "$OUT/${date:0:10}-$commit-forward-stages.txt" || { echo "forward_stages failed"; test_rc=1; }
   env PYTHONPATH="$PWD/$build/pkg" python3 bench/layer_bench.py --mok-bench $build/bench/mok_bench --impl mok,mok-py \
     --preset "$presets" --routing uniform --repeats $repeats --iters $iters --out "$OUT/bench_layer.json" \
     --commit "$commit" --date "$date" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
