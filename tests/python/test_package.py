@@ -214,3 +214,63 @@ def test_backward_allocates_gate_and_up_gradients_as_one_block():
     assert one[2].shape == gate_up.shape and ops._gate_up_grads(one, None) == (one[2], None)
     assert ops._gate_up_adjacent(one[2], None)
     assert not ops._gate_up_adjacent(torch.empty(E, 2 * I, H), None)  # (f32: no rows in them)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_training_step_hands_autograd_the_halves_of_the_gate_up_block(monkeypatch, backend):
+    """Under torch.compile the backward op returns W_gate's and W_up's gradients as one block
+    (outputs of a torch.library op may not alias); the compiled backward must hand autograd its
+    two halves as they are (no copy, each its own values) and size the scratch for a block. Run
+    on CPU tensors, with the extension replaced by one that fills each gradient with a constant
+    of its own and the checks, workspace and stream faked."""
+    from torch.utils.dlpack import from_dlpack
+
+    from mok import ops
+
+    asked, pointers = [], []
+
+    class Workspace:
+        def forward_scratch_bytes(self, tokens):
+            return 16
+
+        def backward_scratch_bytes(self, f32_grads, tokens, gate_up_adjacent):
+            asked.append(gate_up_adjacent)
+            return 16
+
+    class Extension:
+        ep_saved_elements = staticmethod(mok._C.ep_saved_elements)
+
+        @staticmethod
+        def forward(ws, *t, scratch=None, rows_enqueued=False):  # (x .. shared_down, y, saved, stream)
+            from_dlpack(t[9]).fill_(0.5)
+
+        @staticmethod
+        def backward(ws, *t, scratch=None):  # (x .. shared_down, saved, dy, dx, d_topk_weights, d_w_gate, d_w_up, d_w_down, ...)
+            grads = [from_dlpack(t[i]) for i in range(11, 16)]  # (a capsule is consumed once)
+            for grad, value in zip(grads, (1.0, 2.0, 3.0, 4.0, 5.0)):
+                grad.fill_(value)
+            pointers.append((grads[2].data_ptr(), grads[3].data_ptr()))
+
+    monkeypatch.setattr(ops, "_C", Extension())
+    monkeypatch.setattr(ops, "_check", lambda *args: None)
+    monkeypatch.setattr(ops, "_workspace", lambda *args, **kwargs: Workspace())
+    monkeypatch.setattr(ops, "_stream", lambda x: 0)
+    T, H, I, E, k = 8, 128, 64, 4, 2
+    g = torch.Generator().manual_seed(3)
+    ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices.to(torch.int32)
+    leaves = [torch.randn(T, H, generator=g).bfloat16(), torch.rand(T, k, generator=g),
+              *(torch.randn(E, I, H, generator=g).bfloat16() for _ in range(2)), torch.randn(E, H, I, generator=g).bfloat16()]
+    for t in leaves:
+        t.requires_grad_()
+
+    def step(x, topk_weights, w_gate, w_up, w_down):
+        return mok.moe(x, ids, topk_weights, w_gate, w_up, w_down).float().sum()
+
+    torch._dynamo.reset()
+    torch.compile(step, backend=backend, fullgraph=True)(*leaves).backward()
+    x, w, gate, up, down = leaves
+    assert asked == [True] and len(pointers) == 1
+    for t, value in ((x, 1.0), (w, 2.0), (gate, 3.0), (up, 4.0), (down, 5.0)):
+        assert t.grad.shape == t.shape and torch.all(t.grad == value), (t.shape, t.grad.flatten()[:4])
+    assert (gate.grad.data_ptr(), up.grad.data_ptr()) == pointers[0]  # the block's halves themselves
+    assert up.grad.data_ptr() == gate.grad.data_ptr() + gate.grad.nbytes
