@@ -22,8 +22,6 @@
 
 #include "mok/mok.hpp"
 #include "mok/testing.hpp"
-
-#include "mok/mok.hpp"
 #include "mok_bench/support.cuh"
 
 namespace mok_bench {
