@@ -25,6 +25,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_baseline as tb  # noqa: E402
+from mok_impls import HookedExtension  # noqa: E402
 
 
 def main():
@@ -39,24 +40,12 @@ def main():
     ev = {n: torch.cuda.Event(enable_timing=True) for n in ("start", "rows", "kernel", "end")}
     host = {}
 
-    class Extension:  # ops._C with an event after each enqueue
-        def __getattr__(self, name):
-            return getattr(mok._C, name)
-
-        @staticmethod
-        def forward_rows(*a, **kw):
-            r = mok._C.forward_rows(*a, **kw)
-            ev["rows"].record()
-            host["rows"] = time.perf_counter()
-            return r
-
-        @staticmethod
-        def forward(*a, **kw):
-            r = mok._C.forward(*a, **kw)
-            ev["kernel"].record()
-            host["kernel"] = time.perf_counter()
-            return r
-    ops._C = Extension()
+    def after(stage):  # an event on the stream and the host time, once the enqueue returns
+        def mark():
+            ev[stage].record()
+            host[stage] = time.perf_counter()
+        return mark
+    ops._C = HookedExtension(mok._C, {"forward_rows": (None, after("rows")), "forward": (None, after("kernel"))})
     flush = tb.l2_flusher(tb.FLUSH)
     for e in ev.values():  # (created on the device at their first record)
         e.record()

@@ -19,6 +19,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_baseline as tb  # noqa: E402
+from mok_impls import HookedExtension, around  # noqa: E402
 
 
 def main():
@@ -31,26 +32,9 @@ def main():
     import mok.ops as ops
 
     stamps = []  # per call: its start, _forward_rows' entry, the extension's entry and return, _forward_rows' return
-    inner = ops._forward_rows
-
-    def stamped(*a, **kw):
-        stamps.append(time.perf_counter())
-        r = inner(*a, **kw)
-        stamps.append(time.perf_counter())
-        return r
-    ops._forward_rows = stamped
-
-    class Extension:  # ops._C with forward_rows stamped
-        def __getattr__(self, name):
-            return getattr(mok._C, name)
-
-        @staticmethod
-        def forward_rows(*a, **kw):
-            stamps.append(time.perf_counter())
-            r = mok._C.forward_rows(*a, **kw)
-            stamps.append(time.perf_counter())
-            return r
-    ops._C = Extension()
+    stamp = lambda: stamps.append(time.perf_counter())  # noqa: E731
+    ops._forward_rows = around(ops._forward_rows, stamp, stamp)
+    ops._C = HookedExtension(mok._C, {"forward_rows": (stamp, stamp)})
     zero = tb.l2_flusher("zero")
     zero2 = tb.l2_flusher("zero")
 

@@ -1,6 +1,7 @@
 """The fused layer's implementations in bench/layer_bench.py: mok.moe from Python (bf16 and
 FP8), `mok_bench --serve` (the C++ layer in a second process), the checksum that compares
-their outputs bitwise, and the FP8 forward's full-size check."""
+their outputs bitwise, the FP8 forward's full-size check, and HookedExtension (the diagnostics'
+stand-in for mok.ops' extension)."""
 import json
 import math
 import os
@@ -22,6 +23,32 @@ def checksum(t, chunk=1 << 26):
         i = torch.arange(s, s + a.numel(), device=a.device, dtype=torch.int64)
         total += int((a * (2 * i + 1)).sum())
     return total % (1 << 64)
+
+
+def around(fn, before, after):
+    """fn with before() and after() (either None) called around each call."""
+    def call(*args, **kwargs):
+        if before is not None:
+            before()
+        result = fn(*args, **kwargs)
+        if after is not None:
+            after()
+        return result
+    return call
+
+
+class HookedExtension:
+    """mok.ops' extension (mok._C) with calls around some of its functions, for the host-time
+    diagnostics (host_env.py, forward_stages.py): hooks = {name: (before, after)}, either None;
+    every other name is the extension's own. Install with `ops._C = HookedExtension(...)`."""
+
+    def __init__(self, ext, hooks):
+        self._ext = ext
+        for name, (before, after) in hooks.items():
+            setattr(self, name, around(getattr(ext, name), before, after))
+
+    def __getattr__(self, name):
+        return getattr(self._ext, name)
 
 
 class MokPy(tb.TorchImpl):

@@ -230,7 +230,6 @@ class FusedLayer {
     auto* gate_up = pool_.alloc<std::uint16_t>(2 * E * I * H);
     Outputs g{pool_.alloc<std::uint16_t>(T * H), pool_.alloc<float>(T * k), gate_up, gate_up + E * I * H,
               pool_.alloc<std::uint16_t>(E * H * I)};
-    g.up_in_gate_block = true;
     if (s.has_shared())
       g.d_shared_gate = pool_.alloc<std::uint16_t>(Is * H), g.d_shared_up = pool_.alloc<std::uint16_t>(Is * H),
       g.d_shared_down = pool_.alloc<std::uint16_t>(H * Is);
@@ -288,11 +287,10 @@ class FusedLayer {
     float* d_topk_weights = nullptr;
     std::uint16_t *d_w_gate = nullptr, *d_w_up = nullptr, *d_w_down = nullptr;
     std::uint16_t *d_shared_gate = nullptr, *d_shared_up = nullptr, *d_shared_down = nullptr;
-    bool up_in_gate_block = false;  // d_w_up lies in d_w_gate's allocation (freed with it)
-    // The allocations (to free).
+    // The pool allocations of step() (to free): d_w_up lies in d_w_gate's block. (The EP
+    // group's outputs come from the arena and are never freed one by one.)
     std::vector<void*> all() const {
       std::vector<void*> v{dx, d_topk_weights, d_w_gate, d_w_down};
-      if (!up_in_gate_block) v.push_back(d_w_up);
       for (void* q : {d_shared_gate, d_shared_up, d_shared_down})
         if (q) v.push_back(q);
       return v;

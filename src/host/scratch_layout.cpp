@@ -51,9 +51,9 @@ CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
 // pre-activations]. In the gradients: row space a (E_l I H elements) takes the dy rows and b the
 // w h where each fits; when b directly follows a (one block of 2 E_l I H: a concatenated
 // [E, 2I, H] gradient, or two halves the caller allocated together) the dy rows take its start
-// and the w h follow them; if both do not fit, the larger that fits takes the start. The recompute's GEMM1 runs the forward kernel on this
-// layout: its x rows then sit where the forward's do (the dy rows are never in the gradients),
-// its slots unused.
+// and the w h follow them; if both do not fit, the larger that fits takes the start. The
+// recompute's GEMM1 runs the forward kernel on this layout: its x rows then sit where the
+// forward's do (the dy rows are never in the gradients), its slots unused.
 CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row_space_a, void* row_space_b) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;

@@ -407,3 +407,19 @@ def test_fp8_backward_accuracy_study_is_exact_where_nothing_is_quantized(limit):
     assert min(cos["bf16"]) > (0.9999 if limit is None else 0.99)
     assert cos["fwd8"][0] < 0.999 and cos["fwd8"][1] > cos["fwd8+dgrad8"][1]  # (y FP8; dx costs more with FP8 dgrad)
     assert cos["all8"][3] < cos["fwd8+dgrad8"][3] and min(cos["all8"][3:]) > 0.99  # (FP8 weight gradients)
+
+
+def test_hooked_extension_calls_around_the_named_functions_and_passes_the_rest_through():
+    """mok_impls.HookedExtension (the host-time diagnostics' stand-in for mok.ops' extension):
+    before, the function, after, in that order, with its arguments and result; other names are
+    the extension's own."""
+    from types import SimpleNamespace
+
+    from mok_impls import HookedExtension
+
+    calls = []
+    ext = SimpleNamespace(forward=lambda *a, **kw: calls.append(("forward", a, kw)) or "y", other=42)
+    hooked = HookedExtension(ext, {"forward": (lambda: calls.append("before"), lambda: calls.append("after"))})
+    assert hooked.forward(1, scratch=2) == "y"
+    assert calls == ["before", ("forward", (1,), {"scratch": 2}), "after"]
+    assert hooked.other == 42
