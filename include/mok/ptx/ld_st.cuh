@@ -41,10 +41,31 @@ __device__ __forceinline__ std::uint32_t ld_global_ordered(const void* p) {
 __device__ __forceinline__ void st_global_ordered(void* p, std::uint32_t v) {
   asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v));
 }
+// A 16-byte shared-memory load kept in program order with the above (p 16-byte aligned):
+// copying rows from shared to global memory, one load and its store at a time.
+__device__ __forceinline__ uint4 ld_shared_v4_ordered(const void* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(static_cast<std::uint32_t>(__cvta_generic_to_shared(p))));
+  return v;
+}
 // The same store, 16 bytes (p 16-byte aligned).
 __device__ __forceinline__ void st_global_v4_ordered(void* p, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
+
+// cp.async (LDGSTS): 16 bytes from global to shared memory with no registers in between,
+// cached in L2 only; zero_fill writes 16 zero bytes instead (nothing is read). Completion:
+// cp_async_commit() closes a group, cp_async_wait<N>() waits until at most N groups of
+// this thread are pending (then a barrier makes every thread's copies visible).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool zero_fill) {
+  const auto s = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(zero_fill ? 0 : 16) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory"); }
 
 __device__ __forceinline__ std::uint64_t globaltimer_ns() {
   std::uint64_t t;

@@ -93,7 +93,7 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
       if (t.kind == kDh) {
         mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
         timer.lap<Phase::mainloop_dh>();
-        epilogue_dh(p, acc, t, row0, wg, sched.n_dh(t.shared));
+        epilogue_dh(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
         if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);  // (after the epilogue: acc's registers are free)
         fence_proxy_async_global();  // TMA loads of other CTAs read these rows next
         publish_count(p.counters.dgu_ready + dgu_counter(p, t, t.m), 1, wg);

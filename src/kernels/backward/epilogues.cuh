@@ -25,62 +25,125 @@ using namespace mok::ptx;
 
 // ---------------------------------------------------------------------------------- consumers
 
+// Byte offset of byte `byte` (< 64) of row `row` in a 64-row tile of 64-byte rows, with
+// the 16-byte chunks of a row permuted by (row / 2) % 4: the accumulators' 4-byte accesses
+// (8 rows x 4 consecutive words a warp) and 16-byte row copies are both free of bank
+// conflicts.
+__device__ __forceinline__ int dh_staging_offset(int row, int byte) {
+  return row * 64 + (((byte / 16) ^ ((row / 2) % 4)) * 16) + byte % 16;
+}
+
 // dh tile epilogue (see the header comment). Writes every row of the tile, zeros on rows
-// that are padding (routed) or past T (shared).
-__device__ void epilogue_dh(const BackwardParams& p, const float (&acc)[128], const Task& t, int row0, int wg,
-                            int n_tiles) {
+// that are padding (routed) or past T (shared). The warpgroup's 64 x 256 tile goes in
+// rounds of 32 columns through its 16 KB staging, two rounds' g and u in flight at once
+// (4 KB each, 64-byte rows): g, u come in by cp.async, 4 threads to a row's 64 bytes;
+// each thread reads its accumulators' g, u there and writes dg, du back in their place;
+// dg, du leave with 16-byte stores, then w h through the g buffer, and the buffer takes
+// the round after next. (Loaded and stored by each thread at its accumulators' columns,
+// 4 bytes a row at a time, this epilogue took 15-23 % of the backward's consumer cycles
+// on the presets with I <= 2048: phase timing at a078db1.)
+__device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t, int row0,
+                            int wg, int n_tiles) {
+  constexpr int kRoundColumns = 32, kRounds = kBlockN / kRoundColumns, kBufferBytes = 64 * kRoundColumns * 2;
+  static_assert(2 * 2 * kBufferBytes == sizeof(s.staging[0]), "two rounds of g and u fill the staging");
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const ExpertSetData& d = t.shared ? p.shared : p.routed;
   const int inter = d.inter, n0 = t.n * kBlockN;
-  std::int64_t row[2];
+  const int tile_row = row0 + wg * 64;
+  // The accumulators' rows: tile rows acc_row(warp, lane, i) = warp * 16 + lane / 4 + 8 h.
+  auto acc_tile_row = [=](int h) { return tile_row + warp * 16 + lane / 4 + 8 * h; };
   float weight[2];
   bool valid[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    row[h] = row0 + wg * 64 + warp * 16 + lane / 4 + 8 * h;
     if (t.shared) {
-      valid[h] = row[h] < p.tokens;
+      valid[h] = acc_tile_row(h) < p.tokens;
       weight[h] = 1.0f;
     } else {
-      const int pair = p.plan.row_pair[row[h]];
+      const int pair = p.plan.row_pair[acc_tile_row(h)];
       valid[h] = pair >= 0;
       weight[h] = valid[h] ? p.topk_weights[pair] : 0.0f;
     }
   }
-  float partial[2] = {0.0f, 0.0f};
-  constexpr int kGroup = 16;  // accumulators whose g, u loads are in flight together
+  // The copies: tile rows tid / 4 + 32 pass, 16 bytes at byte 16 (tid % 4) of a round's row.
+  const int chunk = tid % 4;
+  char* staging = reinterpret_cast<char*>(s.staging[wg]);
+  auto buffer = [=](int round, int which) { return staging + (round % 2) * 2 * kBufferBytes + which * kBufferBytes; };
+  auto rounds_in = [=](int round) { return round < kRounds && n0 + kRoundColumns * round < inter; };  // (inter % 64 == 0)
+  auto load = [&](int round) {  // g, u of `round` into its buffers (a group, possibly empty)
+    if (rounds_in(round)) {
 #pragma unroll
-  for (int i0 = 0; i0 < 128; i0 += kGroup) {
-    std::uint32_t g[kGroup / 2], u[kGroup / 2];
-#pragma unroll
-    for (int i = i0; i < i0 + kGroup; i += 2) {
-      const int h = (i >> 1) & 1, col = n0 + acc_col(lane, i);
-      const std::int64_t at = row[h] * 2 * inter + col;
-      const bool load = valid[h] && col < inter;
-      g[(i - i0) / 2] = load ? ld_global_ordered(d.gu + at) : 0u;
-      u[(i - i0) / 2] = load ? ld_global_ordered(d.gu + at + inter) : 0u;
+      for (int pass = 0; pass < 2; ++pass) {
+        const int r = tid / 4 + 32 * pass;
+        const bool row_valid = t.shared ? tile_row + r < p.tokens : p.plan.row_pair[tile_row + r] >= 0;
+        const std::uint16_t* src = d.gu + static_cast<std::int64_t>(tile_row + r) * 2 * inter + n0 + kRoundColumns * round + 8 * chunk;
+        cp_async_16(buffer(round, 0) + dh_staging_offset(r, 16 * chunk), src, !row_valid);
+        cp_async_16(buffer(round, 1) + dh_staging_offset(r, 16 * chunk), src + inter, !row_valid);
+      }
     }
+    cp_async_commit();
+  };
+  if (tid == 0) tma_store_wait_read();  // earlier TMA stores (dx rows, weight gradients) have read the staging
+  sync_warpgroup(wg);
+  load(0);
+  load(1);
+  float partial[2] = {0.0f, 0.0f};
+#pragma unroll  // (constant accumulator indices: acc stays in registers)
+  for (int round = 0; round < kRounds; ++round) {
+    if (!rounds_in(round)) break;
+    cp_async_wait<1>();  // this round's group has landed (the next one may be pending)
+    sync_warpgroup(wg);
+    char* g_buffer = buffer(round, 0);
+    char* u_buffer = buffer(round, 1);
+    std::uint32_t hw[kRoundColumns / 4];
 #pragma unroll
-    for (int i = i0; i < i0 + kGroup; i += 2) {
-      const int h = (i >> 1) & 1, col = n0 + acc_col(lane, i);
-      if (col >= inter) continue;
-      const std::int64_t at = row[h] * 2 * inter + col;
-      std::uint32_t dg = 0, du = 0, hw = 0;
+    for (int j = 0; j < kRoundColumns / 2; j += 2) {
+      const int i = kRoundColumns / 2 * round + j;  // (acc_col(lane, i) = 32 round + c)
+      const int h = (i >> 1) & 1, r = acc_row(warp, lane, i), c = acc_col(lane, i) - kRoundColumns * round;
+      auto* g_at = reinterpret_cast<std::uint32_t*>(g_buffer + dh_staging_offset(r, 2 * c));
+      auto* u_at = reinterpret_cast<std::uint32_t*>(u_buffer + dh_staging_offset(r, 2 * c));
+      std::uint32_t dg = 0, du = 0, hwv = 0;
       if (valid[h]) {
-        const float2 gv = unpack_bf16x2(g[(i - i0) / 2]), uv = unpack_bf16x2(u[(i - i0) / 2]);
+        const float2 gv = unpack_bf16x2(*g_at), uv = unpack_bf16x2(*u_at);
         const SwigluGrad r0 = swiglu_backward(gv.x, uv.x, __fmul_rn(weight[h], acc[i]), p.swiglu_limit);
         const SwigluGrad r1 = swiglu_backward(gv.y, uv.y, __fmul_rn(weight[h], acc[i + 1]), p.swiglu_limit);
         partial[h] = __fmaf_rn(r0.hidden, acc[i], partial[h]);
         partial[h] = __fmaf_rn(r1.hidden, acc[i + 1], partial[h]);
         dg = pack_bf16x2(r0.d_gate, r1.d_gate);
         du = pack_bf16x2(r0.d_up, r1.d_up);
-        hw = pack_bf16x2(__fmul_rn(weight[h], r0.hidden), __fmul_rn(weight[h], r1.hidden));
+        hwv = pack_bf16x2(__fmul_rn(weight[h], r0.hidden), __fmul_rn(weight[h], r1.hidden));
       }
-      st_global_ordered(d.gu + at, dg);  // in place: this thread just read these two values
-      st_global_ordered(d.gu + at + inter, du);
-      st_global_ordered(d.hw + row[h] * inter + col, hw);
+      *g_at = dg;  // in place: this thread just read these two values
+      *u_at = du;
+      hw[j / 2] = hwv;
     }
+    sync_warpgroup(wg);
+    const int col0 = n0 + kRoundColumns * round;
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {  // dg, du over g, u in the saved tensor
+      const int r = tid / 4 + 32 * pass, at = dh_staging_offset(r, 16 * chunk);
+      std::uint16_t* dst = d.gu + static_cast<std::int64_t>(tile_row + r) * 2 * inter + col0 + 8 * chunk;
+      st_global_v4_ordered(dst, ld_shared_v4_ordered(g_buffer + at));
+      st_global_v4_ordered(dst + inter, ld_shared_v4_ordered(u_buffer + at));
+    }
+    sync_warpgroup(wg);
+#pragma unroll
+    for (int j = 0; j < kRoundColumns / 2; j += 2) {
+      const int i = kRoundColumns / 2 * round + j;
+      const int r = acc_row(warp, lane, i), c = acc_col(lane, i) - kRoundColumns * round;
+      *reinterpret_cast<std::uint32_t*>(g_buffer + dh_staging_offset(r, 2 * c)) = hw[j / 2];
+    }
+    sync_warpgroup(wg);
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {  // w h
+      const int r = tid / 4 + 32 * pass;
+      st_global_v4_ordered(d.hw + static_cast<std::int64_t>(tile_row + r) * inter + col0 + 8 * chunk,
+                           ld_shared_v4_ordered(g_buffer + dh_staging_offset(r, 16 * chunk)));
+    }
+    sync_warpgroup(wg);  // the buffers are free
+    load(round + 2);
   }
+  cp_async_wait<0>();  // (only empty groups can be pending here)
   if (!t.shared) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the four lanes of a quad hold one row: a fixed tree
@@ -89,12 +152,12 @@ __device__ void epilogue_dh(const BackwardParams& p, const float (&acc)[128], co
       v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
       if (lane % 4 != 0 || !valid[h]) continue;
       if (p.ep.push) {  // into the owner's partials, at its pair t * k + j
-        const int pair = p.plan.row_pair[row[h]], pairs_per_rank = p.tokens * p.top_k;
+        const int pair = p.plan.row_pair[acc_tile_row(h)], pairs_per_rank = p.tokens * p.top_k;
         float* partials = reinterpret_cast<float*>(reinterpret_cast<std::uint16_t*>(p.ep.slots[pair / pairs_per_rank]) +
                                                    static_cast<std::int64_t>(pairs_per_rank) * p.hidden);
         partials[static_cast<std::int64_t>(pair % pairs_per_rank) * n_tiles + t.n] = v;
       } else {
-        p.dw_partial[row[h] * n_tiles + t.n] = v;
+        p.dw_partial[static_cast<std::int64_t>(acc_tile_row(h)) * n_tiles + t.n] = v;
       }
     }
   }
