@@ -67,14 +67,27 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const
   p.maps.h_store = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, kernels::kBoxMN, "h");
   p.maps.h_load = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, kernels::kBoxK, "h");
   set_shared_expert_params(p, a, ws, buffers);
-  p.saved_gu = saved_gu;
-  p.shared_saved_gu = saved_gu && s.has_shared() ? saved_gu + 2 * capacity * I : nullptr;
-  p.saved_marker = saved_gu ? saved_marker(saved_gu, ws) : nullptr;
+  set_saved_params(p, ws, saved_gu);
   p.gemm1_only = gemm1_only;
   p.interleave_tiles = gemm1_only ? 0 : static_cast<int>(ws.config().interleave_rows / kTileRows);
   // One GPU: x rows in the upper half of the slots (forward_buffers()).
   p.x_rows_in_slots = ws.rows_in_slots() ? capacity : 0;
   return p;
+}
+
+void set_saved_params(kernels::ForwardParams& p, Workspace& ws, std::uint16_t* saved_gu) {
+  if (!saved_gu) return;
+  const MoeShape& s = ws.shape();
+  const std::int64_t I = s.intermediate, Is = s.shared_intermediate, capacity = ws.plan().capacity_rows();
+  using U = std::uint64_t;
+  p.saved_gu = saved_gu;
+  p.maps.saved_gu = make_bf16_tensor_map(saved_gu, {U(2 * I), U(capacity)}, kernels::kBoxMN, "saved gate|up");
+  if (s.has_shared()) {
+    p.shared_saved_gu = saved_gu + 2 * capacity * I;
+    p.maps.shared_saved_gu = make_bf16_tensor_map(p.shared_saved_gu, {U(2 * Is), U(shared_tiles(s, ws.tokens()) * kTileRows)},
+                                                  kernels::kBoxMN, "shared saved gate|up");
+  }
+  p.saved_marker = saved_marker(saved_gu, ws);
 }
 
 void set_shared_expert_params(kernels::ForwardParams& p, const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers) {

@@ -34,9 +34,7 @@ void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& 
   using U = std::uint64_t;
   kernels::Fp8ForwardParams p{};
   set_shared_expert_params(p.base, a, ws, buffers);  // (base's routed maps stay unused)
-  p.base.saved_gu = saved_gu;  // (the same layout as the BF16 forward's)
-  p.base.shared_saved_gu = saved_gu && s.has_shared() ? saved_gu + 2 * capacity * I : nullptr;
-  p.base.saved_marker = saved_gu ? saved_marker(saved_gu, ws) : nullptr;
+  set_saved_params(p.base, ws, saved_gu);  // (the same layout as the BF16 forward's)
   const Fp8Weights& w = *a.fp8;
   p.maps.x = make_u8_tensor_map(buffers.x_fp8, {U(H), U(capacity)}, kernels::kBoxFp8, "x rows (fp8)");
   p.maps.gate = make_u8_tensor_map(w.gate.data, {U(H), U(I), U(El)}, kernels::kBoxFp8, "fp8.gate");

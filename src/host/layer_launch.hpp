@@ -132,6 +132,9 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const
 // The fields of the forward kernel's params that are not the routed experts' (shared expert,
 // slots, y, plan, counters, sizes): forward_params() and the FP8 forward's.
 void set_shared_expert_params(kernels::ForwardParams& p, const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers);
+// Training: where the forward saves the pre-activations (saved_gu, the routed rows' [capacity, 2I]
+// then the shared expert's [T_pad, 2I_s]; null: inference), their store maps and the marker.
+void set_saved_params(kernels::ForwardParams& p, Workspace& ws, std::uint16_t* saved_gu);
 inline kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, std::uint16_t* saved_gu,
                                              bool gemm1_only) {
   return forward_params(a, ws, rank_buffers(ws), saved_gu, gemm1_only);

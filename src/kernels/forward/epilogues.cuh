@@ -40,11 +40,11 @@ __device__ __forceinline__ void publish_hidden(const ForwardParams& p, int& pend
   pending_index = -1;
 }
 
-// Training: the gate and up pre-activations of this warpgroup's tile, bf16, into rows of
-// [gate (I) | up (I)] for the backward. A value the clamp cut is saved as +-inf: rounding
-// to bf16 must not move a value across the limit (the gradient there is zero).
-__device__ inline void save_pre_activations(const ForwardParams& p, const float (&acc)[128], const Task& t, int row0, int wg,
-                                     std::uint16_t* gu) {
+// save_pre_activations() with each thread storing its accumulators' values, 4 bytes of 8 rows
+// a warp at a time (no staging, no sync): the FP8 kernel's saves, where the staged ones cost
+// its consumers 24 bytes of spill.
+__device__ inline void save_pre_activations_direct(const ForwardParams& p, const float (&acc)[128], const Task& t,
+                                                   int row0, int wg, std::uint16_t* gu) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int inter = t.shared ? p.shared_inter : p.inter, n0 = t.n * kGemm1Columns;
   std::uint16_t* rows = gu + static_cast<std::int64_t>(row0 + wg * 64) * 2 * inter;
@@ -60,12 +60,53 @@ __device__ inline void save_pre_activations(const ForwardParams& p, const float 
   }
 }
 
+// Training: the gate and up pre-activations of this warpgroup's tile, bf16, into rows of
+// [gate (I) | up (I)] for the backward. A value the clamp cut is saved as +-inf: rounding
+// to bf16 must not move a value across the limit (the gradient there is zero). Each half
+// (64 x 128: gate, then up) goes through the warpgroup's 16 KB h staging to two TMA stores
+// (stored from the accumulators, 4 bytes of 8 rows a warp at a time, the saves took about a
+// third of GEMM1's epilogue in a training forward). The caller has completed the previous
+// GEMM1 store (publish_hidden), which read the staging; returns once the stores have read it.
+template <typename S>
+__device__ inline void save_pre_activations(const ForwardParams& p, S& s, const float (&acc)[128], const Task& t,
+                                            int row0, int wg) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // gate columns are elements [0, 64), up columns [64, 128)
+    if (tid == 0) tma_store_wait_read();  // (half 1: the gate half has left the staging)
+    sync_warpgroup(wg);
+#pragma unroll
+    for (int i = 64 * half; i < 64 * half + 64; i += 2) {
+      const int row = acc_row(warp, lane, i), col = acc_col(lane, i) - 128 * half;
+      const std::uint32_t v = half == 0 ? pack_bf16x2(saved_gate(acc[i], p.swiglu_limit), saved_gate(acc[i + 1], p.swiglu_limit))
+                                        : pack_bf16x2(saved_up(acc[i], p.swiglu_limit), saved_up(acc[i + 1], p.swiglu_limit));
+      *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(row, col)) = v;
+    }
+    fence_proxy_async_shared_cta();
+    sync_warpgroup(wg);
+    if (tid == 0) {  // (inter % 64 == 0: a 64-column box is wholly gate or wholly up)
+      const int inter = t.shared ? p.shared_inter : p.inter, n0 = t.n * kGemm1Columns;
+      const CUtensorMap* map = t.shared ? &p.maps.shared_saved_gu : &p.maps.saved_gu;
+      tma_store_2d(map, s.h_staging[wg][0], half * inter + n0, row0 + wg * 64);
+      if (n0 + 64 < inter) tma_store_2d(map, s.h_staging[wg][1], half * inter + n0 + 64, row0 + wg * 64);
+      tma_store_commit_group();
+    }
+  }
+  if (tid == 0) tma_store_wait_read();  // (the caller's next writer of the staging syncs the warpgroup first)
+}
+
 // h = swiglu(gate, up) of this warpgroup's 64 x 128 tile -> staging (swizzled) -> TMA store,
-// published later by publish_hidden().
+// published later by publish_hidden(). kStagedSaves: training saves through the staging
+// (save_pre_activations), else from the accumulators (save_pre_activations_direct).
+template <bool kStagedSaves = true>
 __device__ inline void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                int row0, int wg, int& pending_index) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   publish_hidden(p, pending_index);  // its store has also finished reading the staging
+  std::uint16_t* gu = t.shared ? p.shared_saved_gu : p.saved_gu;
+  if (kStagedSaves && gu) save_pre_activations(p, s, acc, t, row0, wg);
+  if (!kStagedSaves && gu) save_pre_activations_direct(p, acc, t, row0, wg, gu);
   sync_warpgroup(wg);
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
 #pragma unroll
@@ -75,7 +116,6 @@ __device__ inline void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, 
     const float h1 = swiglu(acc[i + 1], acc[i + 65], p.swiglu_limit);
     *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(row, col)) = pack_bf16x2(h0, h1);
   }
-  if (std::uint16_t* gu = t.shared ? p.shared_saved_gu : p.saved_gu) save_pre_activations(p, acc, t, row0, wg, gu);
   fence_proxy_async_shared_cta();
   sync_warpgroup(wg);
   if (tid == 0) {

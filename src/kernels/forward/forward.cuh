@@ -39,6 +39,7 @@ struct ForwardMaps {
   CUtensorMap shared_down;                     // [1, H, I_s]
   CUtensorMap shared_h_store, shared_h_load;   // [T_pad, I_s]
   CUtensorMap slots, shared_slots;             // fp32 [capacity, H], [T_pad, H], box 32 x 64 (stores)
+  CUtensorMap saved_gu, shared_saved_gu;       // training: [capacity, 2I], [T_pad, 2I_s], box 64 x 64 (stores)
 };
 
 // The forward's ring token buffer (RingGeometry) of x rows: freed[m] counts the GEMM1

@@ -177,7 +177,7 @@ __device__ void epilogue_gemm1_fp8(const Fp8ForwardParams& q, SharedStorage& s, 
                                    int row0, int wg, int& pending_index) {
   const ForwardParams& p = q.base;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  if (p.saved_gu) save_pre_activations(p, acc, t, row0, wg, p.saved_gu);
+  if (p.saved_gu) save_pre_activations_direct(p, acc, t, row0, wg, p.saved_gu);
   float amax[2] = {0.0f, 0.0f};  // rows r (accumulators with ((i >> 1) & 1) == 0) and r + 8
 #pragma unroll
   for (int i = 0; i < 64; ++i) {
@@ -242,7 +242,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       mainloop<KMajor, KMajor>(p, s, pipe, acc, k_steps, wg, task);
       if (t.kind == kGemm1) {
         timer.lap<Phase::mainloop_gemm1>();
-        epilogue_gemm1(p, s, acc, t, row0, wg, pending_hidden);
+        epilogue_gemm1</*kStagedSaves=*/false>(p, s, acc, t, row0, wg, pending_hidden);
         timer.lap<Phase::epilogue_gemm1>();
       } else {
         timer.lap<Phase::mainloop_gemm2>();
