@@ -71,8 +71,8 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
         publish_dx_rows(p, wg, pending_dx);
         if (p.ep.push) publish_pushes(p, s, sched, wg, task);
         if (threadIdx.x == kProducerThreads) {
-          wait_counter(p, p.counters.dx_done, sched.dx_tiles_total(), task, WaitSite::all_dx);
-          for (int m = 0; m < sched.m_routed; ++m)  // the d_topk_weights partials (already complete)
+          wait_counter(p, p.counters.dx_done, sched.dx_tiles_total(p), task, WaitSite::all_dx);
+          for (int m = 0, tiles = Sched::routed_tiles(p); m < tiles; ++m)  // the d_topk_weights partials (complete)
             wait_counter(p, p.counters.dgu_ready + m, kConsumerWarpgroups * sched.n_dh_r, task, WaitSite::dh_ready);
           if (p.ep.push)  // every pushed dx row and partial of this rank's tokens
             for (int q = 0; q < p.ep.size; ++q)

@@ -173,7 +173,12 @@ struct Schedule {
   }
 
   __device__ int n_dh(bool shared) const { return shared ? n_dh_s : n_dh_r; }
-  __device__ int dx_tiles_total() const { return kConsumerWarpgroups * (m_routed + m_shared) * n_dx; }
+  // The plan's routed M-tiles, loaded again where only the combine's one wait needs them
+  // (m_routed kept for it across every task was the one value backward_kernel spilled).
+  __device__ static int routed_tiles(const BackwardParams& p) { return *p.plan.num_tiles; }
+  __device__ int dx_tiles_total(const BackwardParams& p) const {
+    return kConsumerWarpgroups * (routed_tiles(p) + m_shared) * n_dx;
+  }
 };
 
 // First row of an M-tile task's rows (routed: the plan's tile row; shared: token order).
