@@ -11,24 +11,13 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+from bench_support import MOK_BENCH, ROOT, small_preset  # noqa: E402  (puts bench/ on sys.path)
 import ab_compare  # noqa: E402
 import ab_serve  # noqa: E402
 import host_overhead  # noqa: E402
 import layer_bench  # noqa: E402
-from mok_impls import MokBench  # noqa: E402
 import report  # noqa: E402
 import torch_baseline as tb  # noqa: E402
-
-MOK_BENCH = next((p for p in (os.path.join(ROOT, d, "bench", "mok_bench")
-                              for d in (os.environ.get("MOK_BUILD_DIR", "build"), "build-gpu")) if os.path.exists(p)),
-                 os.path.join(ROOT, "build", "bench", "mok_bench"))
-
-
-def small_preset(shared=0, limit=0.0, tokens=96, experts=8, top_k=2):
-    return dict(name="test", tokens=tokens, hidden=128, intermediate=64, experts=experts, top_k=top_k,
-                shared_intermediate=shared, swiglu_limit=limit)
 
 
 @pytest.mark.skipif(not os.path.exists(MOK_BENCH), reason=f"{MOK_BENCH} not built (scripts/test.sh builds it)")
@@ -256,157 +245,6 @@ def test_paired_ratio_pairs_rounds_and_summary_shows_it():
     med, lo, hi = layer_bench.paired_ratio(mok, py)
     assert abs(med - 0.98) < 1e-12 and abs(lo - 0.98) < 1e-12 and abs(hi - 0.98) < 1e-12
     assert "0.980 [0.980, 0.980]" in layer_bench.summary([mok, py])
-
-
-@pytest.mark.parametrize("shared,limit", [(0, 0.0), (64, 7.0)])
-def test_torch_fp8_baseline_is_the_layer_within_fp8_error(shared, limit):
-    """torch_fp8.moe_fp8 (the `torch-fp8` baseline, off the GPU through its dequantized
-    product) against the bf16 layer: FP8's ~4 % per-operand error leaves the cosine above
-    0.99; the quantization itself within one E4M3 step per value."""
-    import torch_fp8
-
-    t = torch.randn(8, 256) * torch.logspace(-3, 3, 8).unsqueeze(1)
-    values, scales = torch_fp8.quantize_rows(t)
-    back = values.float() * scales.unsqueeze(1)
-    assert values.dtype == torch.float8_e4m3fn and scales.shape == (8,)
-    assert ((back - t).abs() <= t.abs() * 2.0 ** -4 + scales.unsqueeze(1) * 2.0 ** -9).all()
-    assert torch.equal(values.float().abs().amax(1), torch.full((8,), 448.0))  # each row's amax lands on 448
-
-    p = small_preset(shared=shared, limit=limit, tokens=64)
-    d = tb.make_inputs(p, "uniform", seed=6, device="cpu")
-    fp8 = torch_fp8.TorchFp8(d, compile=False)
-    y = fp8.outputs("fwd")["y"]
-    with torch.no_grad():
-        ref = tb.moe_compilable(d["x"], d["ids"], d["weights"], d["w_gate_up"], d["w_down"], d["limit"],
-                                d["shared_gate_up"], d["shared_down"])
-    c = tb.compare(y, ref)
-    assert y.shape == ref.shape and y.dtype == torch.bfloat16
-    assert c["cos"] >= 0.99 and c["rel"] <= 0.1, c
-    assert c["rel"] > 1e-3  # (it is FP8: not the bf16 layer itself)
-    with pytest.raises(ValueError, match="no fwd\\+bwd"):
-        fp8.step("fwd+bwd")
-
-
-def test_layer_bench_times_torch_fp8_forward_only(monkeypatch):
-    """layer_bench.run_preset with torch-fp8 asked for, on the CPU (inputs on the CPU, the GPU
-    timers and peak-memory probe stubbed, the layer uncompiled): its forward is checked with
-    FP8's tolerance and recorded; its fwd+bwd is neither recorded nor reported as a failure."""
-    import argparse
-
-    import torch_fp8
-
-    make = tb.make_inputs
-    monkeypatch.setattr(tb, "make_inputs", lambda p, routing, seed, device="cuda": make(p, routing, seed, device="cpu"))
-
-    def time_ms(fn, warmup, iters, before=None, host=None):
-        for _ in range(iters):
-            if before:
-                before()
-            fn()
-            if host is not None:
-                host.append(0.0)
-        return [1.0] * iters
-    monkeypatch.setattr(tb, "time_ms", time_ms)
-    monkeypatch.setattr(tb, "peak_bytes", lambda fn, before=None: 0)
-    fp8_impl = torch_fp8.TorchFp8
-    monkeypatch.setattr(torch_fp8, "TorchFp8", lambda d: fp8_impl(d, compile=False))
-    args = argparse.Namespace(impls=["torch", "torch-fp8"], passes=["fwd", "fwd+bwd"], seed=1, repeats=1, iters=2,
-                              warmup=0, compiled=None, commit="c", date="d")
-    records = []
-    layer_bench.run_preset(dict(small_preset(tokens=64), name="test"), "uniform", args, None, "cpu", records.append)
-    got = {(r["impl"], r["pass"]): r for r in records}
-    assert set(got) == {("torch", "fwd"), ("torch", "fwd+bwd"), ("torch-fp8", "fwd")}
-    fp8 = got[("torch-fp8", "fwd")]
-    assert fp8["check"] == "passed" and fp8["check_detail"]["tensors"]["y"]["cos"] >= 0.99
-
-
-def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch):
-    """layer_bench.run_preset with mok-fp8-py and mok-fp8 asked for, on the CPU: the FP8 layer
-    stubbed by its PyTorch oracle (mok.fp8.moe_reference rounded to bf16), the C++ server by an
-    object that answers with the same y's checksum, the GPU timers and peak probe stubbed. Both
-    are checked (mok-fp8-py against the oracle, mok-fp8 bitwise against mok-fp8-py) and
-    recorded for fwd only; fwd+bwd is neither recorded nor reported as a failure; a preset whose
-    H or I is not a multiple of 128 records no FP8 implementation and fails nothing."""
-    import argparse
-
-    import mok
-    import mok.fp8
-
-    make = tb.make_inputs
-    monkeypatch.setattr(tb, "make_inputs", lambda p, routing, seed, device="cuda": make(p, routing, seed, device="cpu"))
-    monkeypatch.setattr(tb, "time_ms", lambda fn, warmup, iters, before=None, host=None: [1.0] * iters)
-    monkeypatch.setattr(tb, "peak_bytes", lambda fn, before=None: 0)
-    monkeypatch.setattr(mok.fp8, "quantize_experts", lambda g, u, d: ("quantized", g, u, d))
-    seen = {}
-    real_moe = mok.moe
-
-    def fake_moe(x, ids, weights, w_gate, w_up, w_down, shared=None, swiglu_limit=None, *, precision="bf16",
-                 fp8_experts=None):
-        if precision != "fp8":
-            return real_moe(x, ids, weights, w_gate, w_up, w_down, shared, swiglu_limit)
-        assert fp8_experts == ("quantized", w_gate, w_up, w_down)  # quantized once, passed every call
-        y = mok.fp8.moe_reference(x, ids, weights, w_gate, w_up, w_down, shared, swiglu_limit).to(torch.bfloat16)
-        seen["checksum"] = layer_bench.checksum(y)
-        return y
-    monkeypatch.setattr(mok, "moe", fake_moe)
-
-    class Server:
-        calls = []
-        load = MokBench.load  # (writes the routing files, then calls "load")
-
-        def call(self, *words):
-            self.calls.append(words)
-            if words[0] == "check":
-                return {"checksums": {"y": str(seen["checksum"])}}
-            if words[0] == "time":
-                return {"ms": [1.0] * words[3], "host_ms": [0.0] * words[3]}
-            if words[0] == "peak":
-                return {"peak_bytes": 0}
-            return {"ok": True}
-
-    server = Server()
-    args = argparse.Namespace(impls=["torch", "mok-fp8-py", "mok-fp8"], passes=["fwd", "fwd+bwd"], seed=1, repeats=1,
-                              iters=2, warmup=0, compiled=None, commit="c", date="d")
-    records = []
-    preset = dict(name="test", tokens=64, hidden=256, intermediate=128, experts=8, top_k=2, shared_intermediate=0,
-                  swiglu_limit=0.0)
-    layer_bench.run_preset(preset, "uniform", args, server, "cpu", records.append)
-    got = {(r["impl"], r["pass"]): r for r in records}
-    assert set(got) == {("torch", "fwd"), ("torch", "fwd+bwd"), ("mok-fp8-py", "fwd"), ("mok-fp8", "fwd")}
-    assert got[("mok-fp8-py", "fwd")]["check"] == "passed"
-    assert got[("mok-fp8", "fwd")]["check"] == "passed"
-    assert got[("mok-fp8", "fwd")]["check_detail"]["bitwise_equal_to_mok_fp8_py"]
-    assert ("check", "fwd", "mok-fp8") in server.calls and ("peak", "fwd", "mok-fp8") in server.calls
-
-    records.clear()
-    layer_bench.run_preset(small_preset(tokens=64), "uniform", args, server, "cpu", records.append)  # I = 64
-    assert {r["impl"] for r in records} == {"torch"} and all(r["check"] != "failed" for r in records)
-
-
-@pytest.mark.parametrize("limit", [None, 2.0])
-def test_fp8_backward_accuracy_study_is_exact_where_nothing_is_quantized(limit):
-    """bench/fp8_backward_accuracy.py writes the layer's backward by hand: its exact step must be
-    autograd's through the fp64 reference (y and every gradient, the clamp included), and each
-    recipe must cost accuracy in the order it quantizes more."""
-    import fp8_backward_accuracy as fa
-    from torch_reference import moe_reference, random_problem
-
-    T, H, I, E, k = 80, 256, 128, 3, 2
-    x, ids, w, gate, up, down, _ = random_problem(T, H, I, E, k, seed=5)
-    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    leaves = [t.clone().requires_grad_() for t in (x, w.double(), gate, up, down)]
-    y = moe_reference(leaves[0], ids, leaves[1], *leaves[2:], swiglu_limit=limit)
-    grads = torch.autograd.grad(y, leaves, dy)
-    got = fa.step(x, ids, w, gate, up, down, dy, limit, None)
-    for a, b in zip(got, (y, grads[0], grads[1], grads[2], grads[3], grads[4])):
-        assert torch.allclose(a, b, rtol=1e-10, atol=1e-10)
-    cos = {r: [fa.compare(a, b)[0] for a, b in zip(fa.step(x, ids, w, gate, up, down, dy, limit, r), got)]
-           for r in fa.RECIPES}
-    # (bf16 stores; with a clamp, bf16 pre-activations flip some decisions at the limit: dW_gate
-    # reads ~0.9985 at limit 2)
-    assert min(cos["bf16"]) > (0.9999 if limit is None else 0.99)
-    assert cos["fwd8"][0] < 0.999 and cos["fwd8"][1] > cos["fwd8+dgrad8"][1]  # (y FP8; dx costs more with FP8 dgrad)
-    assert cos["all8"][3] < cos["fwd8+dgrad8"][3] and min(cos["all8"][3:]) > 0.99  # (FP8 weight gradients)
 
 
 def test_hooked_extension_calls_around_the_named_functions_and_passes_the_rest_through():
