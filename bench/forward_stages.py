@@ -16,7 +16,6 @@ the iterations grouped by the addresses of y and the scratch the caching allocat
 
   forward_stages.py [--preset olmoe-1b-7b,gpt-oss-120b,glm-4.5] [--rounds 20] [--iters 5]
 """
-import argparse
 import os
 import statistics
 import sys
@@ -27,15 +26,11 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_baseline as tb  # noqa: E402
-from mok_impls import HookedExtension  # noqa: E402
+from mok_impls import HookedExtension, diagnostic_args, preset_problem  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="olmoe-1b-7b,gpt-oss-120b,glm-4.5")
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--iters", type=int, default=5)
-    args = ap.parse_args()
+    args = diagnostic_args(__doc__, "olmoe-1b-7b,gpt-oss-120b,glm-4.5")
     import mok
     import mok.ops as ops
 
@@ -61,14 +56,11 @@ def main():
         e.record()
 
     def run_preset(name):  # (its tensors go when it returns)
-        p = tb.load_presets()[name]
-        d = tb.make_inputs(p, "uniform", seed=1)
-        x, ids, w, wg, wu, wd, lim, sh = (d[k] for k in ("x", "ids", "weights", "w_gate", "w_up", "w_down", "limit",
-                                                         "shared"))
+        _, moe_args = preset_problem(name)
 
         def fwd():
             with torch.no_grad():
-                return mok.moe(x, ids, w, wg, wu, wd, sh, lim)
+                return mok.moe(*moe_args)
         for _ in range(3):
             fwd()
         rows = []

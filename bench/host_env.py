@@ -7,7 +7,6 @@ start). Rounds alternate the variants; medians over all iterations.
 
   host_env.py [--preset olmoe-1b-7b,gpt-oss-120b] [--rounds 20] [--iters 5]
 """
-import argparse
 import gc
 import os
 import statistics
@@ -19,15 +18,11 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_baseline as tb  # noqa: E402
-from mok_impls import HookedExtension, around  # noqa: E402
+from mok_impls import HookedExtension, around, diagnostic_args, preset_problem  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="olmoe-1b-7b,gpt-oss-120b")
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--iters", type=int, default=5)
-    args = ap.parse_args()
+    args = diagnostic_args(__doc__, "olmoe-1b-7b,gpt-oss-120b")
     import mok
     import mok.ops as ops
 
@@ -43,23 +38,21 @@ def main():
         zero2()
 
     def run_preset(name):  # (its tensors go when it returns)
-        p = tb.load_presets()[name]
-        d = tb.make_inputs(p, "uniform", seed=1)
-        x, ids, w, wg, wu, wd, lim, sh = (d[k] for k in ("x", "ids", "weights", "w_gate", "w_up", "w_down", "limit",
-                                                         "shared"))
+        d, moe_args = preset_problem(name)
+        x, _, w, wg, wu, wd, _, _ = moe_args
 
         def fwd():
             with torch.no_grad():
                 t0 = time.perf_counter()
                 stamps.append(t0)
-                return mok.moe(x, ids, w, wg, wu, wd, sh, lim)
+                return mok.moe(*moe_args)
 
         variants = {"layer_bench (flush 256 MB)": dict(flush=zero), "gc disabled": dict(flush=zero, gc=True),
                     "flush 2 x 256 MB": dict(flush=twice), "no flush": dict(flush=lambda: None),
                     "launch graphs off": dict(flush=zero, graphs_off=True)}
         variants["leaves require grad"] = dict(flush=zero, grad=True)
         with torch.no_grad():
-            mok.moe(x, ids, w, wg, wu, wd, sh, lim)
+            mok.moe(*moe_args)
         key = next(k for k in ops._workspaces if k[1:3] == (x.shape[1], wd.shape[2]))
         ws_graphs = ops._workspaces[key]
         ws_direct = mok._C.Workspace(*key[1:7], ws_graphs.max_tokens, key[0], training=True, replay_launches=False)
@@ -99,7 +92,7 @@ def main():
         measure("a fresh process")
         for t in leaves:  # one backward through autograd (its engine's threads start)
             t.requires_grad_()
-        mok.moe(x, ids, w, wg, wu, wd, sh, lim).backward(d["dy"])
+        mok.moe(*moe_args).backward(d["dy"])
         for t in leaves:
             t.grad = None
         measure("after one backward")

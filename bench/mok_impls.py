@@ -1,7 +1,8 @@
 """The fused layer's implementations in bench/layer_bench.py: mok.moe from Python (bf16 and
 FP8), `mok_bench --serve` (the C++ layer in a second process), the checksum that compares
-their outputs bitwise, the FP8 forward's full-size check, and HookedExtension (the diagnostics'
-stand-in for mok.ops' extension)."""
+their outputs bitwise, the FP8 forward's full-size check, and what the host-time diagnostics
+share: HookedExtension (their stand-in for mok.ops' extension), their command line and problems."""
+import argparse
 import json
 import math
 import os
@@ -35,6 +36,23 @@ def around(fn, before, after):
             after()
         return result
     return call
+
+
+def diagnostic_args(doc, presets):
+    """The host-time diagnostics' command line (host_env.py, forward_stages.py): --preset (a
+    comma-separated list; default `presets`), --rounds and --iters."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default=presets)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=5)
+    return ap.parse_args()
+
+
+def preset_problem(name, device="cuda"):
+    """tb.make_inputs' problem of preset `name` (uniform routing, seed 1) and mok.moe's positional
+    arguments for it: (d, (x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit))."""
+    d = tb.make_inputs(tb.load_presets()[name], "uniform", seed=1, device=device)
+    return d, tuple(d[k] for k in ("x", "ids", "weights", "w_gate", "w_up", "w_down", "shared", "limit"))
 
 
 class HookedExtension:

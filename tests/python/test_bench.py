@@ -261,3 +261,17 @@ def test_hooked_extension_calls_around_the_named_functions_and_passes_the_rest_t
     assert hooked.forward(1, scratch=2) == "y"
     assert calls == ["before", ("forward", (1,), {"scratch": 2}), "after"]
     assert hooked.other == 42
+
+
+def test_diagnostics_problem_is_mok_moe_arguments_in_order(monkeypatch):
+    """mok_impls.preset_problem (host_env.py's and forward_stages.py's problem): the preset's
+    tb.make_inputs tensors in mok.moe's positional order; diagnostic_args: their command line."""
+    from mok_impls import diagnostic_args, preset_problem
+
+    d, args = preset_problem("tiny", device="cpu")
+    assert args[0] is d["x"] and args[1] is d["ids"] and args[2] is d["weights"]
+    assert args[3] is d["w_gate"] and args[4] is d["w_up"] and args[5] is d["w_down"]
+    assert args[6] is d["shared"] and args[7] is d["limit"]
+    monkeypatch.setattr(sys, "argv", ["diag", "--rounds", "3"])
+    a = diagnostic_args("doc", "tiny,olmoe-1b-7b")
+    assert (a.preset, a.rounds, a.iters) == ("tiny,olmoe-1b-7b", 3, 5)
