@@ -26,7 +26,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_baseline as tb  # noqa: E402
-from mok_impls import HookedExtension, diagnostic_args, preset_problem  # noqa: E402
+from mok_impls import HookedExtension, diagnostic_args, for_each_preset, preset_problem  # noqa: E402
 
 
 def main():
@@ -97,10 +97,7 @@ def main():
         print(f"  (y, scratch) addresses: {len(by_at)} distinct pair(s); per pair: " +
               ", ".join(f"{len(v)} at {statistics.fmean(v):.3f}" for v in sorted(by_at.values(), key=len, reverse=True)))
 
-    for name in args.preset.split(","):
-        run_preset(name)
-        torch.cuda.empty_cache()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    for_each_preset(args.preset, run_preset)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_baseline as tb  # noqa: E402
-from mok_impls import HookedExtension, around, diagnostic_args, preset_problem  # noqa: E402
+from mok_impls import HookedExtension, around, diagnostic_args, for_each_preset, preset_problem  # noqa: E402
 
 
 def main():
@@ -98,10 +98,7 @@ def main():
         measure("after one backward")
         ops._workspaces[key] = ws_graphs
 
-    for name in args.preset.split(","):
-        run_preset(name)
-        torch.cuda.empty_cache()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    for_each_preset(args.preset, run_preset)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,15 @@ def preset_problem(name, device="cuda"):
     return d, tuple(d[k] for k in ("x", "ids", "weights", "w_gate", "w_up", "w_down", "shared", "limit"))
 
 
+def for_each_preset(presets, run):
+    """The diagnostics' outer loop: run(name) for each of the comma-separated presets (its
+    tensors go when it returns; the allocator's cache is emptied after it), then the versions."""
+    for name in presets.split(","):
+        run(name)
+        torch.cuda.empty_cache()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+
+
 class HookedExtension:
     """mok.ops' extension (mok._C) with calls around some of its functions, for the host-time
     diagnostics (host_env.py, forward_stages.py): hooks = {name: (before, after)}, either None;
