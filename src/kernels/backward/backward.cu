@@ -59,14 +59,12 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
   Pipeline<kStages> pipe;
   float acc[128];
   bool rows_ready = false;
-  int pending_dx = 0;    // dx tiles not yet counted in dx_done
-  int pending_dgu = -1;  // the dgu_ready index of a dh tile not yet published (see publish_dgu)
+  int pending_dx = 0;  // dx tiles not yet counted in dx_done
   PhaseTimer timer(backward_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     const bool counts_reads = read_counter(p, t) != nullptr;
     switch_read(s.reads[wg], read_counter(p, t));
-    if (t.kind != kDh) publish_dgu(p, wg, pending_dgu);  // (this CTA's own loads of this task may need it)
     timer.lap<Phase::other>();
     if (t.kind == kCombine) {
       if (!rows_ready) {
@@ -95,13 +93,10 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
       if (t.kind == kDh) {
         mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
         timer.lap<Phase::mainloop_dh>();
-        publish_dgu(p, wg, pending_dgu);  // the previous dh tile's stores have drained behind this mainloop
         epilogue_dh(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
         if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);  // (after the epilogue: acc's registers are free)
-        pending_dgu = dgu_counter(p, t, t.m);
-        // The ring kernel publishes at once: a later dh task's rows may wait for ring space
-        // that this expert's weight-gradient tiles free only after they have seen this tile.
-        if constexpr (Sched::kRing) publish_dgu(p, wg, pending_dgu);
+        fence_proxy_async_global();  // TMA loads of other CTAs read these rows next
+        publish_count(p.counters.dgu_ready + dgu_counter(p, t, t.m), 1, wg);
         timer.lap<Phase::epilogue_dh>();
       } else {
         mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
@@ -126,7 +121,6 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
     }
   }
   switch_read(s.reads[wg], nullptr);
-  publish_dgu(p, wg, pending_dgu);
   publish_dx_rows(p, wg, pending_dx);
   if (p.ep.push && !rows_ready) publish_pushes(p, s, sched, wg, sched.total);
   if (threadIdx.x % 128 == 0) tma_store_wait_all();  // weight-gradient stores complete before exit

@@ -163,19 +163,6 @@ __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, const flo
   }
 }
 
-// Publishes this warpgroup's last dh tile (dgu_ready[index] += 1, then index = -1): its dg,
-// du and w h stores, generic ones that other CTAs' TMA loads read. One GPU without the ring
-// defers it to the next dh tile's epilogue (or to the next task of another kind, which may
-// itself wait for it), so that the fence waits for stores that drained behind a mainloop
-// instead of for the ones just issued. dh tiles there wait for nothing, so a deferred count
-// never holds up the tile that would publish it.
-__device__ __forceinline__ void publish_dgu(const BackwardParams& p, int wg, int& index) {
-  if (index < 0) return;
-  fence_proxy_async_global();
-  publish_count(p.counters.dgu_ready + index, 1, wg);
-  index = -1;
-}
-
 // f32 weight gradient: the warpgroup's 64 x 256 tile added into rows of [rows, cols] where
 // a row pointer is given (one owner per element: a plain read-modify-write). empty: the
 // expert has no rows (nothing to add; acc was never written).
