@@ -226,19 +226,11 @@ __device__ void push_dx_rows(const BackwardParams& p, SharedStorage& s, const fl
 // writes drain while the next tile's mainloop runs. zero: store zeros instead of acc.
 __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg, const CUtensorMap* map, int col0,
                                int row, int layer, int rows, int cols, bool zero) {
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  char* staging = reinterpret_cast<char*>(s.staging[wg]);
+  const int tid = threadIdx.x % 128;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    if (tid == 0) tma_store_wait_read();  // the previous stores have read the staging
-    sync_warpgroup(wg);
-#pragma unroll
-    for (int i = 64 * half; i < 64 * half + 64; i += 2) {
-      const int r = acc_row(warp, lane, i), c = acc_col(lane, i) - 128 * half;
-      *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(r, c)) = zero ? 0u : pack_bf16x2(acc[i], acc[i + 1]);
-    }
-    fence_proxy_async_shared_cta();
-    sync_warpgroup(wg);
+    stage_bf16_half(reinterpret_cast<char*>(s.staging[wg]), acc, half, wg,
+                    [zero](float a, float b) { return zero ? 0u : pack_bf16x2(a, b); });
     if (tid == 0 && row < rows) {
       for (int panel = 0; panel < 2; ++panel) {
         const int col = col0 + 128 * half + 64 * panel;

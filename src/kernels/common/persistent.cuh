@@ -113,6 +113,25 @@ __device__ __forceinline__ int swizzled_offset_bytes(int row, int byte) {
 // The same for bf16 element (row, col): 64 columns a panel.
 __device__ __forceinline__ int swizzled_offset(int row, int col) { return swizzled_offset_bytes(row, col * 2); }
 
+// Columns [128 half, 128 half + 128) of this warpgroup's 64 x 256 accumulators, as the bf16
+// pairs pack(acc[i], acc[i + 1]), into its 16 KB staging (two swizzled 64-column panels) for
+// TMA stores: first waits until the previous stores have read the staging, and syncs the
+// warpgroup before and after the writes (fenced for the async proxy). half: a constant
+// after unrolling (the accumulators' indices must be).
+template <typename Pack>
+__device__ __forceinline__ void stage_bf16_half(char* staging, const float (&acc)[128], int half, int wg, Pack pack) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  if (tid == 0) ptx::tma_store_wait_read();
+  sync_warpgroup(wg);
+#pragma unroll
+  for (int i = 64 * half; i < 64 * half + 64; i += 2) {
+    const int r = acc_row(warp, lane, i), c = acc_col(lane, i) - 128 * half;
+    *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(r, c)) = pack(acc[i], acc[i + 1]);
+  }
+  ptx::fence_proxy_async_shared_cta();
+  sync_warpgroup(wg);
+}
+
 // The plan's expert whose task range [offset(e) / 128 * n_tiles, ...) holds `local`, for
 // tasks numbered N-tile-major inside each expert: the largest e with start(e) <= local.
 __device__ __forceinline__ int expert_of_task(const std::int32_t* expert_offset, int num_experts, int local,

@@ -70,21 +70,13 @@ __device__ inline void save_pre_activations_direct(const ForwardParams& p, const
 template <typename S>
 __device__ inline void save_pre_activations(const ForwardParams& p, S& s, const float (&acc)[128], const Task& t,
                                             int row0, int wg) {
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
+  const int tid = threadIdx.x % 128;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {  // gate columns are elements [0, 64), up columns [64, 128)
-    if (tid == 0) tma_store_wait_read();  // (half 1: the gate half has left the staging)
-    sync_warpgroup(wg);
-#pragma unroll
-    for (int i = 64 * half; i < 64 * half + 64; i += 2) {
-      const int row = acc_row(warp, lane, i), col = acc_col(lane, i) - 128 * half;
-      const std::uint32_t v = half == 0 ? pack_bf16x2(saved_gate(acc[i], p.swiglu_limit), saved_gate(acc[i + 1], p.swiglu_limit))
-                                        : pack_bf16x2(saved_up(acc[i], p.swiglu_limit), saved_up(acc[i + 1], p.swiglu_limit));
-      *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(row, col)) = v;
-    }
-    fence_proxy_async_shared_cta();
-    sync_warpgroup(wg);
+    stage_bf16_half(reinterpret_cast<char*>(s.h_staging[wg]), acc, half, wg, [half, &p](float a, float b) {
+      return half == 0 ? pack_bf16x2(saved_gate(a, p.swiglu_limit), saved_gate(b, p.swiglu_limit))
+                       : pack_bf16x2(saved_up(a, p.swiglu_limit), saved_up(b, p.swiglu_limit));
+    });
     if (tid == 0) {  // (inter % 64 == 0: a 64-column box is wholly gate or wholly up)
       const int inter = t.shared ? p.shared_inter : p.inter, n0 = t.n * kGemm1Columns;
       const CUtensorMap* map = t.shared ? &p.maps.shared_saved_gu : &p.maps.saved_gu;
