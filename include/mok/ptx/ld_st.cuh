@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "mok/ptx/common.cuh"
+
 namespace mok::ptx {
 
 __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
@@ -47,7 +49,7 @@ __device__ __forceinline__ uint4 ld_shared_v4_ordered(const void* p) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(static_cast<std::uint32_t>(__cvta_generic_to_shared(p))));
+               : "r"(smem_address(p)));
   return v;
 }
 // The same store, 16 bytes (p 16-byte aligned).
@@ -60,8 +62,8 @@ __device__ __forceinline__ void st_global_v4_ordered(void* p, uint4 v) {
 // cp_async_commit() closes a group, cp_async_wait<N>() waits until at most N groups of
 // this thread are pending (then a barrier makes every thread's copies visible).
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool zero_fill) {
-  const auto s = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(zero_fill ? 0 : 16) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_address(smem)), "l"(gmem),
+               "r"(zero_fill ? 0 : 16) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int kPending>
