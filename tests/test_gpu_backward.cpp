@@ -250,11 +250,69 @@ TEST(Backward, RejectsBadScratch) {
   const TensorView as_bf16 = TensorView::contiguous(small.get(), DType::bf16, Device::cuda(0), {4});
   expect_error([&] { forward(gpu.args(), ws, nullptr, saved_view(saved), as_bf16); }, "u8");
   forward(gpu.args(), ws, nullptr, saved_view(saved));
-  // (the figure of these gradients: two allocations that happen to abut are one block)
+  // (the figure of these gradients and dx: two allocations that happen to abut are one block)
   const bool adjacent = grads.d_up.get() == grads.d_gate.get() + grads.d_gate.size();
-  DeviceBuffer<std::uint8_t> bwd_small(ws.backward_scratch_bytes(DType::bf16, host.tokens, adjacent) - 1);
+  DeviceBuffer<std::uint8_t> bwd_small(ws.backward_scratch_bytes(DType::bf16, host.tokens, adjacent, true) - 1);
   expect_error([&] { backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved), scratch_view(bwd_small)); },
                "backward_scratch_bytes");
+}
+
+// Where the routed dy rows miss the W_gate / W_up gradient block they continue in dx, which
+// only the combine writes, last. The figure with dx apart is smaller; the gradients match the
+// reference and are bitwise equal with dx below the block, above it, and in a backward whose dx
+// is dy's own storage (dx then holds no rows: they stay in the scratch; no shared expert reads dy).
+TEST(Backward, DyRowsContinuedInDxGiveTheBitsOfDyRowsInScratch) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 256, 256, 8, 2, 0, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 2048, RoutingKind::skewed, 71);
+  GpuProblem gpu(host);
+  const auto dy = random_bf16(host.x.size(), 72);
+  GpuGrads grads(gpu, dy, false);
+  Workspace ws(s, host.tokens, {}, Training::save);
+  const std::int64_t T = host.tokens, H = s.hidden, I = s.intermediate, E = s.num_local_experts;
+  const std::int64_t kept = ws.backward_scratch_bytes(DType::bf16, T, true);
+  const std::int64_t in_dx = ws.backward_scratch_bytes(DType::bf16, T, true, true);
+  ASSERT_LT(in_dx, kept) << "this shape's dy rows were meant to continue in dx";
+  DeviceBuffer<bf16> saved(ws.saved_elements());
+  // The gradient block and dx in one allocation, either order, 64 rows apart (not abutting).
+  const std::int64_t block_elems = 2 * E * I * H, gap = 64 * H;
+  DeviceBuffer<bf16> both(block_elems + gap + T * H);
+  DeviceBuffer<std::uint8_t> scratch(kept);
+  const Device d = Device::cuda(0);
+  auto run = [&](bf16* block, bf16* dx, bf16* dy_at, std::int64_t scratch_bytes) {
+    forward(gpu.args(), ws, nullptr, saved_view(saved));
+    grads.poison();
+    cudaMemset(both.get(), 0xff, both.size() * 2);
+    if (dy_at != grads.dy.get()) cudaMemcpy(dy_at, grads.dy.get(), T * H * 2, cudaMemcpyDeviceToDevice);
+    cudaMemset(scratch.get(), 0xff, scratch.size());
+    BackwardArgs b = grads.args();
+    b.d_w_gate = TensorView::contiguous(block, DType::bf16, d, {E, I, H});
+    b.d_w_up = TensorView::contiguous(block + E * I * H, DType::bf16, d, {E, I, H});
+    b.dx = TensorView::contiguous(dx, DType::bf16, d, {T, H});
+    b.dy = TensorView::contiguous(dy_at, DType::bf16, d, {T, H});
+    backward(gpu.args(), b, ws, nullptr, saved_view(saved),
+             TensorView::contiguous(scratch.get(), DType::u8, d, {scratch_bytes}));
+    ws.check(nullptr);
+    // (into grads' own buffers, for the reference check and the snapshot)
+    cudaMemcpy(grads.dx.get(), dx, T * H * 2, cudaMemcpyDeviceToDevice);
+    cudaMemcpy(grads.d_gate.get(), block, grads.d_gate.size(), cudaMemcpyDeviceToDevice);
+    cudaMemcpy(grads.d_up.get(), block + E * I * H, grads.d_up.size(), cudaMemcpyDeviceToDevice);
+    return grads.snapshot();
+  };
+  bf16* lo = both.get();
+  const auto dx_above = run(lo, lo + block_elems + gap, grads.dy.get(), in_dx);
+  check_gradients(host, grads, dy, "dy rows continued in dx");
+  const auto dx_below = run(lo + T * H + gap, lo, grads.dy.get(), in_dx);
+  EXPECT_TRUE(dx_below == dx_above) << "dx below the gradient block changed the gradients";
+  const auto aliased = run(lo, lo + block_elems + gap, lo + block_elems + gap, kept);  // dx = dy's storage
+  EXPECT_TRUE(aliased == dx_above) << "dy rows in dx changed the gradients";
+  // (with dx apart the call needs only the smaller figure; with dx over dy it refuses it)
+  try {
+    run(lo, lo + block_elems + gap, lo + block_elems + gap, in_dx);
+    ADD_FAILURE() << "a backward whose dx holds dy took the smaller scratch";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("scratch"), std::string::npos) << e.what();
+  }
 }
 
 // Forward + backward captured once, replayed with new routing, activations and dy.

@@ -276,5 +276,89 @@ TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
             }
 }
 
+// The routed dy rows that miss the W_gate / W_up gradients continue in dx when it is given
+// (below or above the gradients): each part inside its buffer, split at a 128-row tile, the
+// lower address holding the first rows, never more scratch than without dx, and the layout
+// unchanged where the rows fitted the gradients already.
+TEST(ScratchLayout, DyRowsContinueInDx) {
+  using U = std::uintptr_t;
+  const U base = U{1} << 39, gate = U{2} << 39, up = U{3} << 39;
+  auto at = [](const void* p) { return reinterpret_cast<U>(p); };
+  auto inside = [](U begin, U end, U lo, U hi) { return begin >= lo && end <= hi && begin <= end; };
+  int splits[2] = {0, 0}, in_dx_only = 0;
+  for (std::int64_t H : {256, 2048, 7168})
+    for (std::int64_t I : {128, 512, 2048})
+      for (std::int64_t E : {8, 48, 128})
+        for (std::int64_t k : {1, 2, 8})
+          for (std::int64_t T : {300, 4096, 16384})
+            for (bool block : {false, true})
+              for (bool dx_below : {false, true}) {
+                detail::ScratchShape sh;
+                sh.shape.hidden = H, sh.shape.intermediate = I, sh.shape.num_experts = sh.shape.num_local_experts = E;
+                sh.shape.top_k = k;
+                sh.tokens = T, sh.training = Training::save;
+                sh.capacity = plan_capacity_rows(sh.shape, {}, T, detail::kTileRows);
+                const std::int64_t cap = sh.capacity, half = E * I * H;
+                const U up_at = block ? gate + 2 * half : up, grads_end = block ? gate + 4 * half : gate + 2 * half;
+                const U dx = dx_below ? gate - (U{1} << 36) : up + (U{1} << 36), dx_end = dx + 2 * T * H;
+                const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + " E " + std::to_string(E) +
+                                         " k " + std::to_string(k) + " T " + std::to_string(T) +
+                                         (block ? " one block" : " apart") + (dx_below ? " dx below" : " dx above");
+                void* b = reinterpret_cast<void*>(base);
+                void *g = reinterpret_cast<void*>(gate), *u = reinterpret_cast<void*>(up_at);
+                const detail::CallBuffers w0 = detail::backward_buffers(sh, b, g, u);
+                const detail::CallBuffers w = detail::backward_buffers(sh, b, g, u, reinterpret_cast<void*>(dx));
+                EXPECT_LE(w.bytes, w0.bytes) << what;
+                const U other_dx = dx_below ? up + (U{1} << 36) : gate - (U{1} << 36);  // (Workspace's figure
+                EXPECT_EQ(w.bytes, detail::backward_buffers(sh, b, g, u, reinterpret_cast<void*>(other_dx)).bytes)
+                    << what << ": the scratch depends on where dx lies";  //  does not know where dx lies)
+                const U scratch_end = base + w.bytes;
+                const bool dy_in_scratch = inside(at(w.dy_rows), at(w.dy_rows), base, scratch_end);
+                const bool hw_in_scratch = inside(at(w.hidden), at(w.hidden), base, scratch_end);
+                EXPECT_EQ(w.rows_in_grads, !dy_in_scratch || !hw_in_scratch) << what;
+                EXPECT_EQ(w.bytes, 2 * cap * H + (dy_in_scratch ? 2 * cap * H : 0) + (hw_in_scratch ? 2 * cap * I : 0))
+                    << what;
+                const bool w0_all_in = w0.rows_in_grads && at(w0.dy_rows) >= gate && at(w0.hidden) >= gate;
+                if (w0_all_in) {  // (the rows fitted the gradients: nothing moves)
+                  EXPECT_EQ(w.dy_rows, w0.dy_rows) << what;
+                  EXPECT_EQ(w.hidden, w0.hidden) << what;
+                  EXPECT_EQ(w.dy_rows_hi, nullptr) << what;
+                }
+                // The dy rows' parts: [0, split) at dy_rows, the rest at dy_rows_hi (or all at dy_rows).
+                const std::int64_t first = w.dy_rows_hi ? w.dy_split : cap;
+                struct Part {
+                  U begin, end;
+                };
+                std::vector<Part> parts{{at(w.dy_rows), at(w.dy_rows) + 2 * first * H}};
+                if (w.dy_rows_hi) {
+                  EXPECT_EQ(w.dy_split % detail::kTileRows, 0) << what;
+                  EXPECT_TRUE(w.dy_split > 0 && w.dy_split < cap) << what;
+                  EXPECT_LT(at(w.dy_rows), at(w.dy_rows_hi)) << what;
+                  parts.push_back({at(w.dy_rows_hi), at(w.dy_rows_hi) + 2 * (cap - first) * H});
+                  ++splits[dx_below];
+                } else if (at(w.dy_rows) == dx) {
+                  ++in_dx_only;
+                }
+                if (!hw_in_scratch) parts.push_back({at(w.hidden), at(w.hidden) + 2 * cap * I});
+                for (std::size_t i = 0; i < parts.size(); ++i) {
+                  const Part& r = parts[i];
+                  const bool in_dx = inside(r.begin, r.end, dx, dx_end);
+                  const bool in_grads = block ? inside(r.begin, r.end, gate, grads_end)
+                                              : inside(r.begin, r.end, gate, gate + 2 * half) ||
+                                                    inside(r.begin, r.end, up_at, up_at + 2 * half);
+                  const bool in_scratch = inside(r.begin, r.end, base, scratch_end);
+                  EXPECT_TRUE(in_dx || in_grads || in_scratch) << what << ": part " << i << " outside every buffer";
+                  if (!block && i + 1 == parts.size() && !hw_in_scratch)  // (apart: w h only in d_w_up's)
+                    EXPECT_TRUE(inside(r.begin, r.end, up_at, up_at + 2 * half)) << what;
+                  for (std::size_t j = 0; j < i; ++j)
+                    EXPECT_TRUE(r.end <= parts[j].begin || parts[j].end <= r.begin) << what << ": parts overlap";
+                }
+              }
+  EXPECT_GT(splits[0], 0) << "no shape split its dy rows with dx above the gradients";
+  EXPECT_GT(splits[1], 0) << "no shape split its dy rows with dx below the gradients";
+  std::printf("dy rows split into dx: %d shapes (dx above), %d (dx below); all in dx: %d\n", splits[0], splits[1],
+              in_dx_only);
+}
+
 }  // namespace
 }  // namespace mok

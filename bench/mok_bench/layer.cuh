@@ -223,8 +223,8 @@ class FusedLayer {
                        Is = s.shared_intermediate;
     // One training step's tensors: saved (forward to backward), then dx, d_topk_weights and
     // the bf16 weight gradients, allocated when the backward runs (as autograd does); the
-    // W_gate and W_up gradients as one block, as mok.moe allocates them (the backward's rows
-    // may then span both: the smaller scratch).
+    // W_gate and W_up gradients as one block and dx a buffer of its own, as mok.moe allocates
+    // them (the backward's rows may then span both and continue in dx: the smaller scratch).
     auto* saved = pool_.alloc<std::uint16_t>(ws_.saved_elements());
     forward(saved_view(saved));
     auto* gate_up = pool_.alloc<std::uint16_t>(2 * E * I * H);
@@ -234,7 +234,8 @@ class FusedLayer {
       g.d_shared_gate = pool_.alloc<std::uint16_t>(Is * H), g.d_shared_up = pool_.alloc<std::uint16_t>(Is * H),
       g.d_shared_down = pool_.alloc<std::uint16_t>(H * Is);
     if (keep) poison(g);
-    const std::int64_t bytes = ws_.backward_scratch_bytes(mok::DType::bf16, T, /*gate_up_adjacent=*/true);
+    const std::int64_t bytes = ws_.backward_scratch_bytes(mok::DType::bf16, T, /*gate_up_adjacent=*/true,
+                                                          /*dx_apart=*/true);
     auto* scratch = pool_.alloc<std::uint8_t>(bytes);
     mok::backward(a_, grads(g), ws_, stream_, saved_view(saved), u8(scratch, bytes));
     pool_.free(scratch);

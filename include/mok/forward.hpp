@@ -88,10 +88,14 @@ class Workspace {
   // (other strided views of them take the f32 figure); gate_up_adjacent (bf16): for W_up's
   // gradient directly after W_gate's in one block of 2 E I H elements (a contiguous [E, 2I, H]
   // gradient, or two contiguous [E, I, H] allocated together), where the routed dy rows and
-  // w*h may span both, so the scratch is smaller still. backward() checks the scratch it is
-  // given against the figure of the gradients it is given.
+  // w*h may span both, so the scratch is smaller still; dx_apart (bf16): for a dx that is
+  // contiguous, 16-byte aligned and shares no byte with any other argument (scratch included),
+  // where the dy rows that miss the gradients continue until the kernel writes dx, so the scratch
+  // may be smaller again. backward() checks the scratch it is given against the figure of the
+  // gradients and dx it is given.
   std::int64_t forward_scratch_bytes(std::int64_t tokens) const;
-  std::int64_t backward_scratch_bytes(DType grad_dtype, std::int64_t tokens, bool gate_up_adjacent = false) const;
+  std::int64_t backward_scratch_bytes(DType grad_dtype, std::int64_t tokens, bool gate_up_adjacent = false,
+                                      bool dx_apart = false) const;
   std::int64_t forward_scratch_bytes() const { return forward_scratch_bytes(max_tokens_); }
   std::int64_t backward_scratch_bytes(DType grad_dtype) const { return backward_scratch_bytes(grad_dtype, max_tokens_); }
   // Before a call of T tokens: checks T <= max_tokens() (an EP rank: T == max_tokens()) and

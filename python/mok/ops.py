@@ -146,7 +146,8 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
     k = topk_ids.shape[1]
     if group_id == ONE_GPU:
         ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit)
-        nbytes = ws.backward_scratch_bytes(False, x.shape[0], _gate_up_adjacent(d_gate, d_up))
+        # (dx, grads[0], is a tensor of its own: the dy rows that miss the gradients may continue in it)
+        nbytes = ws.backward_scratch_bytes(False, x.shape[0], _gate_up_adjacent(d_gate, d_up), True)
         _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(nbytes, x.device)))
     else:
         rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit, True)

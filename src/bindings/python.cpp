@@ -124,11 +124,13 @@ NB_MODULE(_C, m) {
           nb::arg("tokens") = nb::none())
       .def(
           "backward_scratch_bytes",
-          [](const mok::Workspace& ws, bool f32_grads, std::optional<std::int64_t> tokens, bool gate_up_adjacent) {
+          [](const mok::Workspace& ws, bool f32_grads, std::optional<std::int64_t> tokens, bool gate_up_adjacent,
+             bool dx_apart) {
             return ws.backward_scratch_bytes(f32_grads ? mok::DType::f32 : mok::DType::bf16,
-                                             tokens.value_or(ws.max_tokens()), gate_up_adjacent);
+                                             tokens.value_or(ws.max_tokens()), gate_up_adjacent, dx_apart);
           },
-          nb::arg("f32_grads") = false, nb::arg("tokens") = nb::none(), nb::arg("gate_up_adjacent") = false)
+          nb::arg("f32_grads") = false, nb::arg("tokens") = nb::none(), nb::arg("gate_up_adjacent") = false,
+          nb::arg("dx_apart") = false)
       .def("check", [](mok::Workspace& ws, std::uintptr_t stream) { ws.check(reinterpret_cast<cudaStream_t>(stream)); })
       .def_prop_ro("bytes", &mok::Workspace::bytes);
 

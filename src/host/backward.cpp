@@ -23,18 +23,21 @@ using U = std::uint64_t;
 // The nine tensor maps of one expert set: rows = the set's row count (capacity or padded
 // tokens), dy/x = its A-side row sources, weights = its [E, I, H] / [E, H, I] matrices (strided
 // views too).
-kernels::ExpertSetMaps set_maps(const void* dy, const void* x, std::int64_t dy_rows, const void* dgu, const void* hw,
-                                std::int64_t rows, const TensorView& gate, const TensorView& up,
-                                const TensorView& down, std::int64_t H, std::int64_t I) {
+// dy_hi, split: the dy rows from `split` on (null: none; detail::CallBuffers).
+kernels::ExpertSetMaps set_maps(const void* dy, const void* dy_hi, std::int64_t split, const void* x,
+                                std::int64_t dy_rows, const void* dgu, const void* hw, std::int64_t rows,
+                                const TensorView& gate, const TensorView& up, const TensorView& down, std::int64_t H,
+                                std::int64_t I) {
+  using detail::make_bf16_row_regions_map;
   using detail::make_bf16_tensor_map;
   using detail::make_bf16_weight_map;
   kernels::ExpertSetMaps m{};
-  m.dy_k = make_bf16_tensor_map(dy, {U(H), U(dy_rows)}, kernels::kBoxK, "dy rows");
+  m.dy_k = make_bf16_row_regions_map(dy, dy_hi, U(H), U(dy_rows), U(split), kernels::kBoxK, "dy rows");
   m.down_mn = make_bf16_weight_map(down, kernels::kBoxMN, "w_down");
   m.dgu_k = make_bf16_tensor_map(dgu, {U(2 * I), U(rows)}, kernels::kBoxK, "d pre-activations");
   m.gate_mn = make_bf16_weight_map(gate, kernels::kBoxMN, "w_gate");
   m.up_mn = make_bf16_weight_map(up, kernels::kBoxMN, "w_up");
-  m.dy_mn = make_bf16_tensor_map(dy, {U(H), U(dy_rows)}, kernels::kBoxMN, "dy rows");
+  m.dy_mn = make_bf16_row_regions_map(dy, dy_hi, U(H), U(dy_rows), U(split), kernels::kBoxMN, "dy rows");
   m.hw_mn = make_bf16_tensor_map(hw, {U(I), U(rows)}, kernels::kBoxMN, "w h");
   m.dgu_mn = make_bf16_tensor_map(dgu, {U(2 * I), U(rows)}, kernels::kBoxMN, "d pre-activations");
   m.x_mn = make_bf16_tensor_map(x, {U(H), U(dy_rows)}, kernels::kBoxMN, "x rows");
@@ -63,6 +66,33 @@ std::pair<void*, void*> gradient_row_spaces(const BackwardArgs& b, const MoeShap
   if (b.d_w_up.data == gate + I * H && halves_layout(b.d_w_gate) && halves_layout(b.d_w_up))
     return {gate, gate + s.num_local_experts * I * H};
   return {nullptr, nullptr};
+}
+
+// dx as space for the routed dy rows that miss the gradient buffers (the combine writes it
+// last, after every reader of those rows: BackwardParams::dy_split): when it is contiguous,
+// 16-byte aligned and shares no byte with any other argument; else none.
+void* dx_row_space(const ForwardArgs& a, const BackwardArgs& b, const std::optional<TensorView>& saved,
+                   const std::optional<TensorView>& scratch) {
+  const TensorView& dx = b.dx;
+  if (dx.numel() == 0 || !dx.is_contiguous() || reinterpret_cast<std::uintptr_t>(dx.data) % 16 != 0) return nullptr;
+  const char* lo = static_cast<const char*>(dx.data);
+  const char* hi = lo + dx.numel() * dtype_size(dx.dtype);
+  auto apart = [&](const TensorView* v) {
+    if (v == nullptr || v->numel() == 0) return true;
+    std::int64_t first = 0, last = 0;  // element offsets of its lowest and highest element
+    for (int d = 0; d < v->ndim; ++d) (v->stride[d] < 0 ? first : last) += (v->shape[d] - 1) * v->stride[d];
+    const auto bytes = static_cast<std::int64_t>(dtype_size(v->dtype));
+    const char* begin = static_cast<const char*>(v->data) + first * bytes;
+    const char* end = static_cast<const char*>(v->data) + (last + 1) * bytes;
+    return end <= lo || begin >= hi;
+  };
+  auto opt = [](const std::optional<TensorView>& v) { return v ? &*v : nullptr; };
+  for (const TensorView* v : {&a.x, &a.topk_ids, &a.topk_weights, &a.w_gate, &a.w_up, &a.w_down, opt(a.shared_gate),
+                              opt(a.shared_up), opt(a.shared_down), &b.dy, &b.d_topk_weights, &b.d_w_gate, &b.d_w_up,
+                              &b.d_w_down, opt(b.d_shared_gate), opt(b.d_shared_up), opt(b.d_shared_down), opt(saved),
+                              opt(scratch)})
+    if (!apart(v)) return nullptr;
+  return dx.data;
 }
 
 // The shared expert's 2-D matrix as one expert's [1, rows, cols].
@@ -126,15 +156,15 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   std::uint16_t* dx_rows = buffers.dx_rows;
 
   kernels::BackwardParams p{};
-  p.routed_maps = set_maps(buffers.dy_rows, buffers.x_rows, capacity, dgu, hw, capacity, a.w_gate, a.w_up, a.w_down,
-                           H, I);
+  p.routed_maps = set_maps(buffers.dy_rows, buffers.dy_rows_hi, buffers.dy_split, buffers.x_rows, capacity, dgu, hw,
+                           capacity, a.w_gate, a.w_up, a.w_down, H, I);
   p.routed_maps.dx_rows = detail::make_bf16_tensor_map(dx_rows, {U(H), U(capacity), 1}, kernels::kBoxMN, "dx rows");
   p.routed = {gu, hw, dx_rows, b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, static_cast<int>(I)};
   if (!grad_fp32) set_gradient_maps(p.routed_maps, b.d_w_gate, b.d_w_up, b.d_w_down);
   if (s.has_shared()) {
     std::uint16_t* s_dgu = dgu + 2 * capacity * I;
     std::uint16_t* s_hw = buffers.shared_hidden;
-    p.shared_maps = set_maps(b.dy.data, a.x.data, T, s_dgu, s_hw, padded_tokens, one_expert(*a.shared_gate),
+    p.shared_maps = set_maps(b.dy.data, nullptr, 0, a.x.data, T, s_dgu, s_hw, padded_tokens, one_expert(*a.shared_gate),
                              one_expert(*a.shared_up), one_expert(*a.shared_down), H, Is);
     std::uint16_t* s_dx_rows = buffers.shared_dx_rows;
     p.shared_maps.dx_rows =
@@ -154,6 +184,7 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   p.saved_marker = detail::saved_marker(gu, ws);
   p.dx_over_x = ws.rows_in_slots();
   p.rows_in_grads = buffers.rows_in_grads;
+  p.dy_split = buffers.dy_rows_hi ? static_cast<int>(buffers.dy_split) : kernels::kNoSplit;
   return p;
 }
 
@@ -179,9 +210,10 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   // (the scratch this call's gradients leave it to need: none of the rows in them, some, or
   // the most when the two are one block)
   const auto [row_space_a, row_space_b] = gradient_row_spaces(b, ws.shape());
-  const std::int64_t needed = detail::backward_buffers(ws, nullptr, row_space_a, row_space_b).bytes;
+  void* dx_space = dx_row_space(a, b, saved, scratch);
+  const std::int64_t needed = detail::backward_buffers(ws, nullptr, row_space_a, row_space_b, dx_space).bytes;
   void* base = detail::call_scratch(ws, scratch, needed, kScratchFrom, kWhere, stream);
-  const detail::CallBuffers buffers = detail::backward_buffers(ws, base, row_space_a, row_space_b);
+  const detail::CallBuffers buffers = detail::backward_buffers(ws, base, row_space_a, row_space_b, dx_space);
   std::uint16_t* gu = saved ? static_cast<std::uint16_t*>(saved->data) : buffers.recompute;
   detail::LaunchKey key;
   key.add(std::uint64_t{2}).add(static_cast<std::uint64_t>(T)).add(base).add(gu).add(a).add(b);
@@ -189,7 +221,7 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     plan_device(a.topk_ids, 0, ws.plan(), s, {}, detail::counters(ws));  // (zeroes the counters too)
     detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
     if (!saved) detail::launch_forward_kernel(a, ws, buffers, s, gu, true, kWhere);
-    detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, s);
+    detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, s, buffers.dy_rows_hi, buffers.dy_split);
     if (!saved) detail::zero_counters(ws, s, kWhere);  // (the recompute used them)
     const kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
     unsigned long long* marker = detail::saved_marker(gu, ws);

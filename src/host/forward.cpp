@@ -31,12 +31,15 @@ int persistent_ctas(const Workspace& ws, std::string_view where) {
   return ws.config().compute_sms > 0 ? std::min(ws.config().compute_sms, sms) : sms;
 }
 
-void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& ws, cudaStream_t stream) {
+void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& ws, cudaStream_t stream,
+                   void* routed_hi, std::int64_t split) {
   const MoeShape& s = ws.shape();
   const DevicePlanView& v = ws.plan().view();
   kernels::DispatchParams d{};
   for (std::size_t q = 0; q < rows.size(); ++q) d.x[q] = static_cast<const std::uint16_t*>(rows[q]);
   d.x_routed = static_cast<std::uint16_t*>(routed);
+  d.x_routed_hi = static_cast<std::uint16_t*>(routed_hi);
+  d.split = routed_hi ? split : std::numeric_limits<std::int64_t>::max();
   d.row_pair = v.row_pair;
   d.expert_offset = v.expert_offset;
   d.plan_status = v.status;
@@ -48,9 +51,10 @@ void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& w
   kernels::launch_dispatch(d, 4 * persistent_ctas(ws, "mok::dispatch"), stream);
 }
 
-void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t stream) {
+void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t stream, void* routed_hi,
+                   std::int64_t split) {
   const void* const sources[1] = {rows};
-  dispatch_rows(std::span<const void* const>(sources), routed, ws, stream);
+  dispatch_rows(std::span<const void* const>(sources), routed, ws, stream, routed_hi, split);
 }
 
 kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,

@@ -67,7 +67,9 @@ struct CallBuffers {
   std::uint16_t* x_rows = nullptr;          // [capacity, H]: x's routed rows (one GPU: backward's dx rows over them)
   std::uint16_t* hidden = nullptr;          // [capacity, I]: h (forward), w h (backward)
   std::uint16_t* shared_hidden = nullptr;   // [T_pad, I_s]
-  std::uint16_t* dy_rows = nullptr;         // backward: [capacity, H]
+  std::uint16_t* dy_rows = nullptr;         // backward: [capacity, H], or its rows [0, dy_split)
+  std::uint16_t* dy_rows_hi = nullptr;      //   and here the rows [dy_split, capacity) (one GPU: in dx)
+  std::int64_t dy_split = kernels::kNoSplit;  //   (a multiple of 128; dy_rows_hi > dy_rows)
   std::uint16_t* dx_rows = nullptr;         // backward: [capacity, H]
   std::uint16_t* shared_dx_rows = nullptr;  // backward: [T_pad, H]
   std::uint16_t* recompute = nullptr;       // backward of a Training::recompute workspace: the pre-activations
@@ -77,7 +79,7 @@ struct CallBuffers {
   std::uint8_t* h_fp8 = nullptr;
   float* x_scales = nullptr;
   float* h_scales = nullptr;
-  bool rows_in_grads = false;               // dy_rows or hidden lie in the W_gate / W_up gradient buffers
+  bool rows_in_grads = false;               // dy_rows or hidden lie in the W_gate / W_up gradient buffers (or dx)
   std::int64_t bytes = 0;                   // of the scratch
 };
 
@@ -97,13 +99,16 @@ CallBuffers forward_buffers(const ScratchShape& s, void* scratch);
 // One GPU: a backward's buffers in `scratch`; with bf16 weight gradients of a Training::save
 // workspace the routed dy rows / w h go to row_space_a / row_space_b (non-null: E_l I H
 // elements each that the W_gate / W_up gradients cover) where they fit — into both as one
-// block when b == a + E_l I H.
-CallBuffers backward_buffers(const ScratchShape& s, void* scratch, void* row_space_a, void* row_space_b);
+// block when b == a + E_l I H — and dy rows that miss them may continue in dx_space (non-null:
+// dx's T x H elements, apart from every other argument), split at a 128-row tile.
+CallBuffers backward_buffers(const ScratchShape& s, void* scratch, void* row_space_a, void* row_space_b,
+                             void* dx_space = nullptr);
 inline CallBuffers forward_buffers(const Workspace& ws, void* scratch) {
   return forward_buffers(scratch_shape(ws), scratch);
 }
-inline CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* row_space_a, void* row_space_b) {
-  return backward_buffers(scratch_shape(ws), scratch, row_space_a, row_space_b);
+inline CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* row_space_a, void* row_space_b,
+                                   void* dx_space = nullptr) {
+  return backward_buffers(scratch_shape(ws), scratch, row_space_a, row_space_b, dx_space);
 }
 // An EP rank: the workspace's own buffers.
 CallBuffers rank_buffers(const Workspace& ws);
@@ -122,9 +127,12 @@ inline std::span<int> counters(Workspace& ws) {
 
 // Copies the rows of `rows` ([T, H] bf16) into `routed` in the order of ws.plan()
 // (padding rows become zero).
-void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t stream);
+// (padding rows become zero); plan rows from `split` on go to `routed_hi`, from its start.
+void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t stream, void* routed_hi = nullptr,
+                   std::int64_t split = std::numeric_limits<std::int64_t>::max());
 // The same for expert parallelism: rank q's rows are rows[q] (pull through the peer table).
-void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& ws, cudaStream_t stream);
+void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& ws, cudaStream_t stream,
+                   void* routed_hi = nullptr, std::int64_t split = std::numeric_limits<std::int64_t>::max());
 
 // The forward kernel's params for one rank (no EP fields), after plan_device().
 kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,

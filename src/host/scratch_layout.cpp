@@ -2,6 +2,9 @@
 // and w h in the W_gate / W_up gradient buffers where they fit) or in an EP rank's own buffers.
 #include "layer_launch.hpp"
 
+#include <algorithm>
+#include <optional>
+
 namespace mok::detail {
 
 namespace {
@@ -46,40 +49,80 @@ CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
   return b;
 }
 
+namespace {
+
+// A tensor map's strides are below 2^40 bytes.
+constexpr std::int64_t kMaxRegionStride = std::int64_t{1} << 40;
+
+// Where the routed dy rows go outside the scratch: into `room` elements at `at` (of the
+// gradient buffers), or there and, from a 128-row tile on, into dx (T rows). The lower address
+// holds the first rows (one tensor map of two regions: BackwardParams::dy_split). None: they do
+// not fit.
+struct DyPlace {
+  std::uint16_t *lo = nullptr, *hi = nullptr;
+  std::int64_t split = kernels::kNoSplit;
+};
+std::optional<DyPlace> place_dy(std::uint16_t* at, std::int64_t room, std::uint16_t* dx, std::int64_t tokens,
+                                std::int64_t cap, std::int64_t H) {
+  if (cap * H <= room) return DyPlace{at, nullptr, kernels::kNoSplit};
+  if (dx == nullptr) return std::nullopt;
+  // (rows past dx's split rounded up to a tile whichever comes first: the same figure either way)
+  const std::int64_t in_grads = room / H / kTileRows * kTileRows;
+  const std::int64_t in_dx = (cap - in_grads + kTileRows - 1) / kTileRows * kTileRows;
+  if (in_dx > tokens) return std::nullopt;
+  if (in_grads == 0) return DyPlace{dx, nullptr, kernels::kNoSplit};
+  const DyPlace d = at < dx ? DyPlace{at, dx, in_grads} : DyPlace{dx, at, in_dx};
+  if (d.hi == d.lo + d.split * H) return DyPlace{d.lo, nullptr, kernels::kNoSplit};  // (the two abut)
+  if ((d.hi - d.lo) * 2 >= kMaxRegionStride) return std::nullopt;
+  return d;
+}
+
+}  // namespace
+
 // [dy rows capacity x H, unless in the gradients][x rows, then dx rows, capacity x H][shared dx
 // rows T_pad x H][w h capacity x I, unless in the gradients][shared w h T_pad x I_s][recomputed
 // pre-activations]. In the gradients: row space a (E_l I H elements) takes the dy rows and b the
 // w h where each fits; when b directly follows a (one block of 2 E_l I H: a concatenated
 // [E, 2I, H] gradient, or two halves the caller allocated together) the dy rows take its start
-// and the w h follow them; if both do not fit, the larger that fits takes the start. The
-// recompute's GEMM1 runs the forward kernel on this layout: its x rows then sit where the
+// and the w h follow them. Where the dy rows miss the gradients and dx_space is given, they
+// continue in dx (split at a 128-row tile). Of the arrangements, the one leaving the least in the
+// scratch, and of equal ones the first: dy then w h in the block; the larger that fits there; w h
+// first in the block, the dy rows after it and on in dx; the dy rows in the block and on in dx.
+// The recompute's GEMM1 runs the forward kernel on this layout: its x rows then sit where the
 // forward's do (the dy rows are never in the gradients), its slots unused.
-CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row_space_a, void* row_space_b) {
+CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row_space_a, void* row_space_b,
+                             void* dx_space) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
   const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate, El = s.num_local_experts;
   const bool in_grads = shape.training == Training::save && row_space_a != nullptr && row_space_b != nullptr;
   auto* a = static_cast<std::uint16_t*>(row_space_a);
-  const std::int64_t half = El * I * H;
-  std::uint16_t *dy_at = nullptr, *hw_at = nullptr;  // in the gradients, or null
+  auto* dx = static_cast<std::uint16_t*>(dx_space);
+  const std::int64_t half = El * I * H, dy = cap * H, hw = cap * I;
+  DyPlace dy_at;                // dy_at.lo null: in the scratch
+  std::uint16_t* hw_at = nullptr;  // null: in the scratch
   if (in_grads && static_cast<std::uint16_t*>(row_space_b) == a + half) {  // one block of 2 half
-    const std::int64_t dy = cap * H, hw = cap * I, room = 2 * half;
-    if (dy + hw <= room) {
-      dy_at = a, hw_at = a + dy;
-    } else if (dy <= room && (dy >= hw || hw > room)) {  // (the larger of the two that fit)
-      dy_at = a;
-    } else if (hw <= room) {
-      hw_at = a;
-    }
+    const std::int64_t room = 2 * half;
+    std::int64_t left = dy + hw;  // elements in the scratch of the arrangement chosen
+    auto consider = [&](std::optional<DyPlace> d, std::uint16_t* h) {
+      const std::int64_t l = (d ? 0 : dy) + (h ? 0 : hw);
+      if (l < left) left = l, dy_at = d.value_or(DyPlace{}), hw_at = h;
+    };
+    if (dy + hw <= room) consider(DyPlace{a, nullptr, kernels::kNoSplit}, a + dy);
+    if (dy <= room) consider(DyPlace{a, nullptr, kernels::kNoSplit}, nullptr);
+    if (hw <= room) consider(std::nullopt, a);
+    if (hw <= room) consider(place_dy(a + hw, room - hw, dx, shape.tokens, cap, H), a);
+    consider(place_dy(a, room, dx, shape.tokens, cap, H), nullptr);
   } else if (in_grads) {
-    if (cap * H <= half) dy_at = a;
-    if (cap * I <= half) hw_at = static_cast<std::uint16_t*>(row_space_b);
+    dy_at = place_dy(a, half, dx, shape.tokens, cap, H).value_or(DyPlace{});
+    if (hw <= half) hw_at = static_cast<std::uint16_t*>(row_space_b);
   }
   CallBuffers b;
   std::int64_t used = 0;
   b.slots = reinterpret_cast<float*>(scratch);
-  b.dy_rows = dy_at ? dy_at : at(scratch, used);
-  if (!dy_at) used += 2 * cap * H;
+  b.dy_rows = dy_at.lo ? dy_at.lo : at(scratch, used);
+  b.dy_rows_hi = dy_at.hi, b.dy_split = dy_at.split;
+  if (!dy_at.lo) used += 2 * cap * H;
   b.x_rows = b.dx_rows = at(scratch, used);
   used += 2 * cap * H;
   b.shared_dx_rows = at(scratch, used);
@@ -92,7 +135,7 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
     b.recompute = at(scratch, used);
     used += 2 * shape.saved_elements;
   }
-  b.rows_in_grads = dy_at || hw_at;
+  b.rows_in_grads = dy_at.lo || hw_at;
   b.bytes = used;
   return b;
 }

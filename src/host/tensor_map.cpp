@@ -107,6 +107,14 @@ CUtensorMap make_u8_tensor_map(const void* base, std::initializer_list<std::uint
   return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, dims, box, what);
 }
 
+CUtensorMap make_bf16_row_regions_map(const void* lo, const void* hi, std::uint64_t cols, std::uint64_t rows,
+                                      std::uint64_t split, kernels::Box box, const char* what) {
+  if (hi == nullptr)
+    return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, lo, {cols, rows, 1}, box, what, {2 * cols, 2 * cols * rows});
+  const std::uint64_t stride = static_cast<const char*>(hi) - static_cast<const char*>(lo) - 2 * cols * split;
+  return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, lo, {cols, rows, 2}, box, what, {2 * cols, stride});
+}
+
 CUtensorMap make_bf16_weight_map(const TensorView& w, kernels::Box box, const char* what) {
   using U = std::uint64_t;
   return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w.data, {U(w.shape[2]), U(w.shape[1]), U(w.shape[0])},

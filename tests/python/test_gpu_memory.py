@@ -133,3 +133,35 @@ def test_scratch_comes_from_pytorch_and_backward_needs_less_than_forward():
     assert ws.backward_scratch_bytes(False) < ws.backward_scratch_bytes(True) <= ws.forward_scratch_bytes()
     assert ws.forward_scratch_bytes(100) < ws.forward_scratch_bytes()  # a call's scratch follows its T
     assert all(torch.isfinite(p.grad).all() for p in params)
+
+
+def test_backward_dy_rows_continued_in_dx_give_the_bits_of_dy_rows_in_scratch():
+    """mok.moe's backward lets the routed dy rows that miss the gate/up gradient block continue
+    in dx (a tensor of its own, written last): its scratch is smaller than with dx over dy, and
+    its gradients are bitwise those of the extension's backward whose dx is dy's storage (dx
+    then takes no rows: they stay in the scratch of the larger figure)."""
+    from mok import _C, ops
+    from torch.utils.dlpack import to_dlpack
+
+    T, H, I, E, k = 2048, 256, 256, 8, 2
+    x, ids, w, gate, up, down, _ = _problem(T=T, H=H, I=I, E=E, k=k, seed=43)
+    dy = torch.randn_like(x)
+    ws = ops._workspace(x, down, k, 0, None)
+    kept, apart = ws.backward_scratch_bytes(False, T, True, False), ws.backward_scratch_bytes(False, T, True, True)
+    assert apart < kept
+
+    _, saved = ops._run_forward(x, ids, w, gate, up, down, None, None, None, None, E, ops.ONE_GPU, training=True)
+    grads = ops._empty_grads(x, w, gate, up, down, None, None, None, paired=True)
+    d_gate, d_up = ops._gate_up_grads(grads, up)
+    dx_over_dy = dy.clone()  # dx and dy one tensor: no dx space
+    tensors = ops._capsules((x, ids, w, gate, up, down, None, None, None, saved, dx_over_dy, dx_over_dy, grads[1],
+                             d_gate, d_up, grads[4], None, None, None))
+    scratch = torch.full((kept,), 0xff, dtype=torch.uint8, device="cuda")
+    _C.backward(ws, *tensors, ops._stream(x), scratch=to_dlpack(scratch))
+    expected = (dx_over_dy, grads[1], d_gate, d_up, grads[4])
+
+    leaves = [_leaf(t) for t in (x, w, gate, up, down)]
+    mok.moe(leaves[0], ids, *leaves[1:]).backward(dy)
+    for got, want in zip([t.grad for t in leaves], expected):
+        assert torch.equal(got.view(torch.int16) if got.dtype == torch.bfloat16 else got,
+                           want.view(torch.int16) if want.dtype == torch.bfloat16 else want)

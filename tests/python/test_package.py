@@ -233,7 +233,8 @@ def test_compiled_training_step_hands_autograd_the_halves_of_the_gate_up_block(m
         def forward_scratch_bytes(self, tokens):
             return 16
 
-        def backward_scratch_bytes(self, f32_grads, tokens, gate_up_adjacent):
+        def backward_scratch_bytes(self, f32_grads, tokens, gate_up_adjacent, dx_apart):
+            assert dx_apart  # (dx is a tensor of its own)
             asked.append(gate_up_adjacent)
             return 16
 

@@ -169,7 +169,10 @@ __device__ void bwd_run_comm(const BackwardParams& p, const RingSources& sources
 template <bool kRing>
 struct BackwardKernel {
   using Storage = SharedStorage;
-  static constexpr int kProducerRegs = kProducerRegisters, kConsumerRegs = kConsumerRegisters;
+  // The plain kernel's producer picks each dy load's region (BackwardParams::dy_split): at 40
+  // registers that spilled, so it takes the FP8 forward's split; the ring kernel keeps the default.
+  static constexpr int kProducerRegs = kRing ? kProducerRegisters : 56;
+  static constexpr int kConsumerRegs = kRing ? kConsumerRegisters : 224;
   using P = BackwardParams;
 
   __device__ static bool stalled(const P& p) { return p.ep.stalled; }

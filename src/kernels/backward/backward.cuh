@@ -14,6 +14,9 @@ namespace mok::kernels {
 // Tensor maps of one expert set (the routed experts, or the shared expert with rows =
 // tokens). "_k": K-major A tiles (box 64 x 128); "_mn": MN-major boxes of 64 x 64.
 struct ExpertSetMaps {
+  // dy rows: [rows, H] as {H, rows, regions} (one GPU; the ring: 2-D), rows from
+  // BackwardParams::dy_split on in region 1 (whose stride is the regions' distance less the
+  // rows before the split: every row keeps its plan row as coordinate)
   CUtensorMap dy_k;     // [rows, H]: A of dh = dy . W_down           (rows: dy_routed, or dy)
   CUtensorMap down_mn;  // W_down [E, H, I] as {I, H, E}: B of dh
   CUtensorMap dgu_k;    // [rows, 2I]: A of dx_row = [dg du] . [W_gate; W_up]
@@ -28,6 +31,9 @@ struct ExpertSetMaps {
   CUtensorMap d_gate, d_up;  // [E, I, H] as {H, I, E}
   CUtensorMap d_down;        // [E, H, I] as {I, H, E}
 };
+
+// BackwardParams::dy_split of dy rows in one region.
+inline constexpr int kNoSplit = 0x7fffffff;
 
 // Per-set buffers.
 struct ExpertSetData {
@@ -90,6 +96,11 @@ struct BackwardParams {
   // d_up's (both dead until the dW_gate|up tiles write them): a routed dW_gate|up tile
   // first waits for every routed dW_down tile (phase-major order only).
   bool rows_in_grads;
+  // One GPU: the routed dy rows from this plan row on lie in the dy maps' second region (the
+  // rest of the rows past the gradient block, in dx: written only by the combine, which waits
+  // for every dx tile, each after its expert's dW_gate|up tiles, each after every dW_down
+  // tile, the last readers of dy rows; so rows_in_grads). A multiple of 128; kNoSplit: none.
+  int dy_split;
   BackwardCounters counters;
   KernelStatus* status;
   // The saved tensor's trailer: kSavedValid while it holds a forward's pre-activations

@@ -18,7 +18,8 @@ __global__ void __launch_bounds__(256) dispatch_kernel(const __grid_constant__ D
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
   for (std::int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
     const std::int32_t pair = p.row_pair[row];
-    uint4* dst = reinterpret_cast<uint4*>(p.x_routed + row * p.hidden);
+    uint4* dst = reinterpret_cast<uint4*>(row < p.split ? p.x_routed + row * p.hidden
+                                                        : p.x_routed_hi + (row - p.split) * p.hidden);
     if (pair < 0) {
       for (int v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
     } else {
