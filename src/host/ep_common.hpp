@@ -56,8 +56,8 @@ inline void set_backward_ring(kernels::BackwardParams& p, Workspace& ws, int com
   auto* dy = static_cast<std::uint16_t*>(ws.dy_routed());
   auto* x = static_cast<std::uint16_t*>(ws.x_routed());
   p.ring = {ring_geometry(ws, comm_ctas, counters), dy, x};
-  p.routed_maps.dy_k = make_bf16_tensor_map(dy, {H, std::uint64_t(rows)}, kernels::kBoxK, "dy ring");
-  p.routed_maps.dy_mn = make_bf16_tensor_map(dy, {H, std::uint64_t(rows)}, kernels::kBoxMN, "dy ring");
+  p.routed_maps.dy_k = make_bf16_row_regions_map(dy, nullptr, H, std::uint64_t(rows), 0, kernels::kBoxK, "dy ring");
+  p.routed_maps.dy_mn = make_bf16_row_regions_map(dy, nullptr, H, std::uint64_t(rows), 0, kernels::kBoxMN, "dy ring");
   p.routed_maps.x_mn = make_bf16_tensor_map(x, {H, std::uint64_t(rows)}, kernels::kBoxMN, "x ring");
 }
 

@@ -169,10 +169,9 @@ __device__ void bwd_run_comm(const BackwardParams& p, const RingSources& sources
 template <bool kRing>
 struct BackwardKernel {
   using Storage = SharedStorage;
-  // The plain kernel's producer picks each dy load's region (BackwardParams::dy_split): at 40
-  // registers that spilled, so it takes the FP8 forward's split; the ring kernel keeps the default.
-  static constexpr int kProducerRegs = kRing ? kProducerRegisters : 56;
-  static constexpr int kConsumerRegs = kRing ? kConsumerRegisters : 224;
+  // The producer's dy loads are 3-D (two regions: BackwardParams::dy_split): at 40 registers
+  // it spilled, so the backward takes the FP8 forward's split.
+  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
   using P = BackwardParams;
 
   __device__ static bool stalled(const P& p) { return p.ep.stalled; }

@@ -14,7 +14,7 @@ namespace mok::kernels {
 // Tensor maps of one expert set (the routed experts, or the shared expert with rows =
 // tokens). "_k": K-major A tiles (box 64 x 128); "_mn": MN-major boxes of 64 x 64.
 struct ExpertSetMaps {
-  // dy rows: [rows, H] as {H, rows, regions} (one GPU; the ring: 2-D), rows from
+  // dy rows: [rows, H] as {H, rows, regions} (the ring and the shared expert: one), rows from
   // BackwardParams::dy_split on in region 1 (whose stride is the regions' distance less the
   // rows before the split: every row keeps its plan row as coordinate)
   CUtensorMap dy_k;     // [rows, H]: A of dh = dy . W_down           (rows: dy_routed, or dy)

@@ -103,16 +103,15 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
     // gradients: advanced by each K step), mod ring_rows in a ring.
     int rows_at = ring_row(p, ring, row0);
     // The dy maps' region of a load (BackwardParams::dy_split; the shared expert reads dy itself,
-    // the ring kernel's maps are 2-D)
-    const int dy_split = t.shared ? kNoSplit : p.dy_split;
+    // the ring's rows are one region)
+    const int dy_split = Sched::kRing || t.shared ? kNoSplit : p.dy_split;
     for (int kb = 0; kb < k_steps; ++kb) {
       std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, bytes);
       SharedStorage::Stage& st = s.stages[pipe.stage()];
       const int k0 = kb * kBlockK;
       switch (t.kind) {
         case kDh:
-          if constexpr (Sched::kRing) tma_load_2d(st.a, &maps.dy_k, full, k0, rows_at);
-          else tma_load_3d(st.a, &maps.dy_k, full, k0, rows_at, rows_at >= dy_split);
+          tma_load_3d(st.a, &maps.dy_k, full, k0, rows_at, rows_at >= dy_split);
           for (int c = 0; c < b_boxes; ++c) tma_load_3d(st.b + c * 4096, &maps.down_mn, full, n0 + 64 * c, k0, t.e);
           break;
         case kDx: {
@@ -124,8 +123,7 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
         }
         case kWd:
           for (int w = 0; w < a_boxes; ++w)
-            if constexpr (Sched::kRing) tma_load_2d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, rows_at);
-            else tma_load_3d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, rows_at, rows_at >= dy_split);
+            tma_load_3d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, rows_at, rows_at >= dy_split);
           for (int c = 0; c < b_boxes; ++c) tma_load_2d(st.b + c * 4096, &maps.hw_mn, full, n0 + 64 * c, row0 + k0);
           break;
         default:  // kWgu
