@@ -163,9 +163,10 @@ else
   echo "main job failed"; tail -20 "$LOG/main_job.log"; test_rc=1
 fi
 
-# compute-sanitizer on small cases: shared expert, clamp, padding, ragged T, the EP ring.
+# compute-sanitizer on small cases: shared expert, clamp, padding, ragged T, dy rows in dx, the EP ring.
 for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
               test_gpu_backward:Backward/BackwardCases.MatchesReference/shared_padded_clamp \
+              test_gpu_backward:Backward.DyRowsContinuedInDxGiveTheBitsOfDyRowsInScratch \
               test_gpu_ep_forward:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp \
               test_gpu_ep_forward:Ep.SmallRingWrapsBitwiseLikeOneGpu \
               test_gpu_ep_backward:EpBackward.SmallRingWrapsBitwiseLikeNoRing; do
