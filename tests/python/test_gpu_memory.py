@@ -19,7 +19,7 @@ def test_backward_rows_across_both_gate_up_gradients_give_the_bits_of_apart():
     [E, 2I, H] gradient is one): the routed dy rows and w*h may then span both gradients. At this
     shape the dy rows fit only across both, so the block's scratch is smaller; the gradients are
     bitwise those of a backward with the two gradients apart, and a backward whose gradients are
-    apart refuses the block's smaller scratch, naming it."""
+    apart (and whose dx, over dy, takes no rows) refuses the block's smaller scratch, naming it."""
     from mok import _C, ops
     from torch.utils.dlpack import to_dlpack
 
@@ -57,8 +57,11 @@ def test_backward_rows_across_both_gate_up_gradients_give_the_bits_of_apart():
             assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
                                b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
 
+    # (dx over dy: no dx space, so the dy rows that miss d_w_gate stay in the scratch)
     _, saved = ops._run_forward(x, ids, w, gate, up, down, None, None, None, None, E, ops.ONE_GPU, training=True)
-    tensors = ops._capsules((x, ids, w, gate, up, down, None, None, None, saved, dy, *grads, None, None, None))
+    dx_over_dy = dy.clone()
+    tensors = ops._capsules((x, ids, w, gate, up, down, None, None, None, saved, dx_over_dy, dx_over_dy, *grads[1:],
+                             None, None, None))
     with pytest.raises(ValueError, match="argument 'scratch'"):
         _C.backward(ws, *tensors, ops._stream(x), scratch=to_dlpack(scratch[:block]))
 
