@@ -286,23 +286,25 @@ TEST(ScratchLayout, DyRowsContinueInDx) {
   auto at = [](const void* p) { return reinterpret_cast<U>(p); };
   auto inside = [](U begin, U end, U lo, U hi) { return begin >= lo && end <= hi && begin <= end; };
   int splits[2] = {0, 0}, in_dx_only = 0;
+  int shared_in_dx = 0;
   for (std::int64_t H : {256, 2048, 7168})
     for (std::int64_t I : {128, 512, 2048})
       for (std::int64_t E : {8, 48, 128})
         for (std::int64_t k : {1, 2, 8})
           for (std::int64_t T : {300, 4096, 16384})
+            for (std::int64_t Is : {0, 256})
             for (bool block : {false, true})
               for (bool dx_below : {false, true}) {
                 detail::ScratchShape sh;
                 sh.shape.hidden = H, sh.shape.intermediate = I, sh.shape.num_experts = sh.shape.num_local_experts = E;
-                sh.shape.top_k = k;
+                sh.shape.top_k = k, sh.shape.shared_intermediate = Is;
                 sh.tokens = T, sh.training = Training::save;
                 sh.capacity = plan_capacity_rows(sh.shape, {}, T, detail::kTileRows);
-                const std::int64_t cap = sh.capacity, half = E * I * H;
+                const std::int64_t cap = sh.capacity, half = E * I * H, Tpad = detail::shared_tiles(sh.shape, T) * 128;
                 const U up_at = block ? gate + 2 * half : up, grads_end = block ? gate + 4 * half : gate + 2 * half;
                 const U dx = dx_below ? gate - (U{1} << 36) : up + (U{1} << 36), dx_end = dx + 2 * T * H;
                 const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + " E " + std::to_string(E) +
-                                         " k " + std::to_string(k) + " T " + std::to_string(T) +
+                                         " k " + std::to_string(k) + " T " + std::to_string(T) + " Is " + std::to_string(Is) +
                                          (block ? " one block" : " apart") + (dx_below ? " dx below" : " dx above");
                 void* b = reinterpret_cast<void*>(base);
                 void *g = reinterpret_cast<void*>(gate), *u = reinterpret_cast<void*>(up_at);
@@ -316,7 +318,13 @@ TEST(ScratchLayout, DyRowsContinueInDx) {
                 const bool dy_in_scratch = inside(at(w.dy_rows), at(w.dy_rows), base, scratch_end);
                 const bool hw_in_scratch = inside(at(w.hidden), at(w.hidden), base, scratch_end);
                 EXPECT_EQ(w.rows_in_grads, !dy_in_scratch || !hw_in_scratch) << what;
-                EXPECT_EQ(w.bytes, 2 * cap * H + (dy_in_scratch ? 2 * cap * H : 0) + (hw_in_scratch ? 2 * cap * I : 0))
+                // The shared expert's dx rows in dx unless dy rows are there.
+                const bool dy_in_dx = at(w.dy_rows) == dx || at(w.dy_rows_hi) == dx;
+                EXPECT_EQ(w.shared_dx_in_dx, Is > 0 && !dy_in_dx) << what;
+                if (w.shared_dx_in_dx) EXPECT_EQ(at(w.shared_dx_rows), dx) << what;
+                shared_in_dx += w.shared_dx_in_dx;
+                EXPECT_EQ(w.bytes, 2 * cap * H + (dy_in_scratch ? 2 * cap * H : 0) + (hw_in_scratch ? 2 * cap * I : 0) +
+                                       (w.shared_dx_in_dx ? 0 : 2 * Tpad * H) + 2 * Tpad * Is)
                     << what;
                 const bool w0_all_in = w0.rows_in_grads && at(w0.dy_rows) >= gate && at(w0.hidden) >= gate;
                 if (w0_all_in) {  // (the rows fitted the gradients: nothing moves)
@@ -354,10 +362,11 @@ TEST(ScratchLayout, DyRowsContinueInDx) {
                     EXPECT_TRUE(r.end <= parts[j].begin || parts[j].end <= r.begin) << what << ": parts overlap";
                 }
               }
+  EXPECT_GT(shared_in_dx, 0) << "no shape put the shared expert's dx rows in dx";
   EXPECT_GT(splits[0], 0) << "no shape split its dy rows with dx above the gradients";
   EXPECT_GT(splits[1], 0) << "no shape split its dy rows with dx below the gradients";
-  std::printf("dy rows split into dx: %d shapes (dx above), %d (dx below); all in dx: %d\n", splits[0], splits[1],
-              in_dx_only);
+  std::printf("dy rows split into dx: %d shapes (dx above), %d (dx below); all in dx: %d; shared dx rows in dx: %d\n",
+              splits[0], splits[1], in_dx_only, shared_in_dx);
 }
 
 }  // namespace

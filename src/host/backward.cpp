@@ -167,8 +167,9 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
     p.shared_maps = set_maps(b.dy.data, nullptr, 0, a.x.data, T, s_dgu, s_hw, padded_tokens, one_expert(*a.shared_gate),
                              one_expert(*a.shared_up), one_expert(*a.shared_down), H, Is);
     std::uint16_t* s_dx_rows = buffers.shared_dx_rows;
+    const std::int64_t s_rows = buffers.shared_dx_in_dx ? T : padded_tokens;  // (in dx: the stores stop at T)
     p.shared_maps.dx_rows =
-        detail::make_bf16_tensor_map(s_dx_rows, {U(H), U(padded_tokens), 1}, kernels::kBoxMN, "shared dx rows");
+        detail::make_bf16_tensor_map(s_dx_rows, {U(H), U(s_rows), 1}, kernels::kBoxMN, "shared dx rows");
     p.shared = {s_dgu, s_hw, s_dx_rows, b.d_shared_gate->data, b.d_shared_up->data, b.d_shared_down->data,
                 static_cast<int>(Is)};
     if (!grad_fp32)

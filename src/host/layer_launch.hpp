@@ -71,7 +71,8 @@ struct CallBuffers {
   std::uint16_t* dy_rows_hi = nullptr;      //   and here the rows [dy_split, capacity) (one GPU: in dx)
   std::int64_t dy_split = kernels::kNoSplit;  //   (a multiple of 128; dy_rows_hi > dy_rows)
   std::uint16_t* dx_rows = nullptr;         // backward: [capacity, H]
-  std::uint16_t* shared_dx_rows = nullptr;  // backward: [T_pad, H]
+  std::uint16_t* shared_dx_rows = nullptr;  // backward: [T_pad, H], or dx itself ([T, H])
+  bool shared_dx_in_dx = false;
   std::uint16_t* recompute = nullptr;       // backward of a Training::recompute workspace: the pre-activations
   // A Precision::fp8 forward: the routed x rows and h in E4M3 ([capacity, H], [capacity, I]) and
   // their per-row scales of each 128 columns ([H / 128, capacity], [I / 128, capacity] f32).
@@ -100,7 +101,8 @@ CallBuffers forward_buffers(const ScratchShape& s, void* scratch);
 // workspace the routed dy rows / w h go to row_space_a / row_space_b (non-null: E_l I H
 // elements each that the W_gate / W_up gradients cover) where they fit — into both as one
 // block when b == a + E_l I H — and dy rows that miss them may continue in dx_space (non-null:
-// dx's T x H elements, apart from every other argument), split at a 128-row tile.
+// dx's T x H elements, apart from every other argument), split at a 128-row tile; else the
+// shared expert's dx rows go there (any mode).
 CallBuffers backward_buffers(const ScratchShape& s, void* scratch, void* row_space_a, void* row_space_b,
                              void* dx_space = nullptr);
 inline CallBuffers forward_buffers(const Workspace& ws, void* scratch) {

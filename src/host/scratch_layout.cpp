@@ -80,8 +80,8 @@ std::optional<DyPlace> place_dy(std::uint16_t* at, std::int64_t room, std::uint1
 }  // namespace
 
 // [dy rows capacity x H, unless in the gradients][x rows, then dx rows, capacity x H][shared dx
-// rows T_pad x H][w h capacity x I, unless in the gradients][shared w h T_pad x I_s][recomputed
-// pre-activations]. In the gradients: row space a (E_l I H elements) takes the dy rows and b the
+// rows T_pad x H, unless in dx][w h capacity x I, unless in the gradients][shared w h T_pad x
+// I_s][recomputed pre-activations]. In the gradients: row space a (E_l I H elements) takes the dy rows and b the
 // w h where each fits; when b directly follows a (one block of 2 E_l I H: a concatenated
 // [E, 2I, H] gradient, or two halves the caller allocated together) the dy rows take its start
 // and the w h follow them. Where the dy rows miss the gradients and dx_space is given, they
@@ -125,8 +125,11 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
   if (!dy_at.lo) used += 2 * cap * H;
   b.x_rows = b.dx_rows = at(scratch, used);
   used += 2 * cap * H;
-  b.shared_dx_rows = at(scratch, used);
-  used += 2 * Tpad * H;
+  // The shared expert's dx rows in dx itself (token order; the combine adds the routed rows to
+  // each in place) unless dy rows are there.
+  b.shared_dx_in_dx = dx != nullptr && Tpad > 0 && dy_at.lo != dx && dy_at.hi != dx;
+  b.shared_dx_rows = b.shared_dx_in_dx ? dx : at(scratch, used);
+  if (!b.shared_dx_in_dx) used += 2 * Tpad * H;
   b.hidden = hw_at ? hw_at : at(scratch, used);
   if (!hw_at) used += 2 * cap * I;
   b.shared_hidden = at(scratch, used);

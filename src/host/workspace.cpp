@@ -167,12 +167,12 @@ std::int64_t Workspace::forward_scratch_bytes(std::int64_t tokens) const {
 std::int64_t Workspace::backward_scratch_bytes(DType grad_dtype, std::int64_t tokens, bool gate_up_adjacent,
                                               bool dx_apart) const {
   if (!rows_in_slots() || training_ == Training::off) return 0;
-  if (grad_dtype != DType::bf16) return detail::backward_buffers(detail::scratch_shape(*this, tokens), nullptr, nullptr,
-                                                                 nullptr).bytes;
   // (stand-in addresses for the gradient buffers and dx: only the sizes and their adjacency are used)
+  auto* dx = dx_apart ? reinterpret_cast<std::uint16_t*>(std::uintptr_t{1} << 38) : nullptr;
+  if (grad_dtype != DType::bf16)
+    return detail::backward_buffers(detail::scratch_shape(*this, tokens), nullptr, nullptr, nullptr, dx).bytes;
   auto* a = reinterpret_cast<std::uint16_t*>(std::uintptr_t{256});
   std::uint16_t* b = gate_up_adjacent ? a + shape_.num_local_experts * shape_.intermediate * shape_.hidden : a;
-  auto* dx = dx_apart ? reinterpret_cast<std::uint16_t*>(std::uintptr_t{1} << 38) : nullptr;
   return detail::backward_buffers(detail::scratch_shape(*this, tokens), nullptr, a, b, dx).bytes;
 }
 
