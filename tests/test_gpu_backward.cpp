@@ -134,6 +134,26 @@ TEST(Backward, RejectsMisuse) {
   EXPECT_THROW(backward(gpu.args(), grads.args(), save, nullptr), Error);  // saved tensor missing
   DeviceBuffer<bf16> small(save.saved_elements() - 1);
   EXPECT_THROW(forward(gpu.args(), save, nullptr, saved_view(small)), Error);
+
+  // With a shared expert dx must not overlap x or dy: its tasks read them while dx is written.
+  const MoeShape ss = shape_of({"", 0, 256, 128, 8, 2, 128, 0, RoutingKind::uniform});
+  const HostProblem sh = make_problem(ss, 100, RoutingKind::uniform, 7);
+  GpuProblem sgpu(sh);
+  GpuGrads sgrads(sgpu, random_bf16(sh.x.size(), 8), false);
+  Workspace sws(ss, sh.tokens, {}, Training::save);
+  DeviceBuffer<bf16> saved(sws.saved_elements());
+  for (const char* over : {"x", "dy"}) {
+    forward(sgpu.args(), sws, nullptr, saved_view(saved));
+    BackwardArgs b = sgrads.args();
+    b.dx.data = over[0] == 'x' ? sgpu.args().x.data : b.dy.data;
+    try {
+      backward(sgpu.args(), b, sws, nullptr, saved_view(saved));
+      ADD_FAILURE() << "dx over " << over << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("argument 'dx': must not overlap '") + over + "'"), std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 // The backward overwrites the saved pre-activations with their gradients: a second

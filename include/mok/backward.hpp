@@ -22,9 +22,9 @@ namespace mok {
 // (see Workspace). With bf16 weight gradients the W_gate / W_up gradient buffers also serve
 // as scratch until the kernel writes them: they must not overlap any other argument. dx does
 // too (routed dy rows that miss the gradients, or the shared expert's dx rows) when it shares
-// no byte with any other argument; a dx that overlaps one (dy, say) is only written, by the
-// last step, and the call then needs the larger scratch figure (backward_scratch_bytes without
-// dx_apart).
+// no byte with any other argument; else the call needs the larger scratch figure
+// (backward_scratch_bytes without dx_apart). With a shared expert dx must not overlap x or dy
+// (an error): the shared expert's tasks read them while the combine may write dx.
 void backward(const ForwardArgs& fwd, const BackwardArgs& bwd, Workspace& workspace, cudaStream_t stream,
               const std::optional<TensorView>& saved = std::nullopt,
               const std::optional<TensorView>& scratch = std::nullopt);

@@ -71,21 +71,26 @@ std::pair<void*, void*> gradient_row_spaces(const BackwardArgs& b, const MoeShap
 // dx as space for the routed dy rows that miss the gradient buffers (the combine writes it
 // last, after every reader of those rows: BackwardParams::dy_split): when it is contiguous,
 // 16-byte aligned and shares no byte with any other argument; else none.
+// Whether two tensors share a byte (empty or absent ones share none).
+bool overlap(const TensorView* a, const TensorView* b) {
+  if (a == nullptr || b == nullptr || a->numel() == 0 || b->numel() == 0) return false;
+  auto span = [](const TensorView& v) {  // [lowest, past the highest) byte
+    std::int64_t first = 0, last = 0;
+    for (int d = 0; d < v.ndim; ++d) (v.stride[d] < 0 ? first : last) += (v.shape[d] - 1) * v.stride[d];
+    const auto bytes = static_cast<std::int64_t>(dtype_size(v.dtype));
+    const char* base = static_cast<const char*>(v.data);
+    return std::pair{base + first * bytes, base + (last + 1) * bytes};
+  };
+  const auto [a0, a1] = span(*a);
+  const auto [b0, b1] = span(*b);
+  return a0 < b1 && b0 < a1;
+}
+
 void* dx_row_space(const ForwardArgs& a, const BackwardArgs& b, const std::optional<TensorView>& saved,
                    const std::optional<TensorView>& scratch) {
   const TensorView& dx = b.dx;
   if (dx.numel() == 0 || !dx.is_contiguous() || reinterpret_cast<std::uintptr_t>(dx.data) % 16 != 0) return nullptr;
-  const char* lo = static_cast<const char*>(dx.data);
-  const char* hi = lo + dx.numel() * dtype_size(dx.dtype);
-  auto apart = [&](const TensorView* v) {
-    if (v == nullptr || v->numel() == 0) return true;
-    std::int64_t first = 0, last = 0;  // element offsets of its lowest and highest element
-    for (int d = 0; d < v->ndim; ++d) (v->stride[d] < 0 ? first : last) += (v->shape[d] - 1) * v->stride[d];
-    const auto bytes = static_cast<std::int64_t>(dtype_size(v->dtype));
-    const char* begin = static_cast<const char*>(v->data) + first * bytes;
-    const char* end = static_cast<const char*>(v->data) + (last + 1) * bytes;
-    return end <= lo || begin >= hi;
-  };
+  auto apart = [&](const TensorView* v) { return !overlap(&dx, v); };
   auto opt = [](const std::optional<TensorView>& v) { return v ? &*v : nullptr; };
   for (const TensorView* v : {&a.x, &a.topk_ids, &a.topk_weights, &a.w_gate, &a.w_up, &a.w_down, opt(a.shared_gate),
                               opt(a.shared_up), opt(a.shared_down), &b.dy, &b.d_topk_weights, &b.d_w_gate, &b.d_w_up,
@@ -136,10 +141,16 @@ void check_backward_call(std::string_view kWhere, const ForwardArgs& a, const Ba
   for (auto [name, view] : {std::pair{"dy", &b.dy}, {"dx", &b.dx}, {"d_topk_weights", &b.d_topk_weights},
                             {"d_w_gate", &b.d_w_gate}, {"d_w_up", &b.d_w_up}, {"d_w_down", &b.d_w_down}})
     if (view->numel() > 0) check_pointer_location(kWhere, name, *view);
-  if (s.has_shared())
+  if (s.has_shared()) {
     for (auto [name, view] : {std::pair{"d_shared_gate", &*b.d_shared_gate}, {"d_shared_up", &*b.d_shared_up},
                               {"d_shared_down", &*b.d_shared_down}})
       check_pointer_location(kWhere, name, *view);
+    // (the shared expert's tasks read x and dy themselves, while the combine may write dx)
+    for (auto [name, view] : {std::pair{"x", &a.x}, {"dy", &b.dy}})
+      if (overlap(&b.dx, view))
+        throw_argument_error(kWhere, "dx", "must not overlap '", name, "' when the layer has a shared expert (its "
+                             "tasks read ", name, " while dx is written)");
+  }
 }
 
 kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws,
