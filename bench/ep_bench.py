@@ -113,6 +113,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import layer_bench  # noqa: E402
 import torch_baseline as tb  # noqa: E402
 from ep_layers import (MokCompute, MokEp, TorchEp, all_agree, check_outputs, exchange_bytes, gather,  # noqa: E402
                        make_inputs, nccl_steps, outside_allocator, round_stats, sampled_reference, synced)
@@ -281,10 +282,8 @@ def run_preset(p, routing, args, ctx, emit):
 # ---------------------------------------------------------------------------------------
 
 def round_ratio(rs, a, b):
-    """time(a) / time(b) per interleaved round: the median over rounds, or None."""
-    if a not in rs or b not in rs:
-        return None
-    return statistics.median(x / y for x, y in zip(rs[a]["ms_repeats"], rs[b]["ms_repeats"]))
+    """time(a) / time(b) per interleaved round: the median over rounds (layer_bench.paired_ratio), or None."""
+    return layer_bench.paired_ratio(rs[a], rs[b])[0] if a in rs and b in rs else None
 
 
 def summary(records):
