@@ -68,9 +68,6 @@ std::pair<void*, void*> gradient_row_spaces(const BackwardArgs& b, const MoeShap
   return {nullptr, nullptr};
 }
 
-// dx as space for the routed dy rows that miss the gradient buffers (the combine writes it
-// last, after every reader of those rows: BackwardParams::dy_split): when it is contiguous,
-// 16-byte aligned and shares no byte with any other argument; else none.
 // Whether two tensors share a byte (empty or absent ones share none).
 bool overlap(const TensorView* a, const TensorView* b) {
   if (a == nullptr || b == nullptr || a->numel() == 0 || b->numel() == 0) return false;
@@ -86,6 +83,10 @@ bool overlap(const TensorView* a, const TensorView* b) {
   return a0 < b1 && b0 < a1;
 }
 
+// dx as space for the routed dy rows that miss the gradient buffers, or for the shared expert's
+// dx rows (the combine writes dx last, after every reader of those rows:
+// BackwardParams::dy_split): when it is contiguous, 16-byte aligned and shares no byte with any
+// other argument; else none.
 void* dx_row_space(const ForwardArgs& a, const BackwardArgs& b, const std::optional<TensorView>& saved,
                    const std::optional<TensorView>& scratch) {
   const TensorView& dx = b.dx;

@@ -1,5 +1,5 @@
 // Where one call's row buffers lie: in the caller's scratch (one GPU; the backward's dy rows
-// and w h in the W_gate / W_up gradient buffers where they fit) or in an EP rank's own buffers.
+// and w h in the W_gate / W_up gradient buffers where they fit, and on in dx) or in an EP rank's own buffers.
 #include "layer_launch.hpp"
 
 #include <algorithm>
@@ -81,8 +81,8 @@ std::optional<DyPlace> place_dy(std::uint16_t* at, std::int64_t room, std::uint1
 
 // [dy rows capacity x H, unless in the gradients][x rows, then dx rows, capacity x H][shared dx
 // rows T_pad x H, unless in dx][w h capacity x I, unless in the gradients][shared w h T_pad x
-// I_s][recomputed pre-activations]. In the gradients: row space a (E_l I H elements) takes the dy rows and b the
-// w h where each fits; when b directly follows a (one block of 2 E_l I H: a concatenated
+// I_s][recomputed pre-activations]. In the gradients: row space a (E_l I H elements) takes the
+// dy rows and b the w h where each fits; when b directly follows a (one block of 2 E_l I H: a concatenated
 // [E, 2I, H] gradient, or two halves the caller allocated together) the dy rows take its start
 // and the w h follow them. Where the dy rows miss the gradients and dx_space is given, they
 // continue in dx (split at a 128-row tile). Of the arrangements, the one leaving the least in the
@@ -99,7 +99,7 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
   auto* a = static_cast<std::uint16_t*>(row_space_a);
   auto* dx = static_cast<std::uint16_t*>(dx_space);
   const std::int64_t half = El * I * H, dy = cap * H, hw = cap * I;
-  DyPlace dy_at;                // dy_at.lo null: in the scratch
+  DyPlace dy_at;                   // lo null: in the scratch
   std::uint16_t* hw_at = nullptr;  // null: in the scratch
   if (in_grads && static_cast<std::uint16_t*>(row_space_b) == a + half) {  // one block of 2 half
     const std::int64_t room = 2 * half;
