@@ -1,5 +1,6 @@
 // Where one call's row buffers lie: in the caller's scratch (one GPU; the backward's dy rows
-// and w h in the W_gate / W_up gradient buffers where they fit, and on in dx) or in an EP rank's own buffers.
+// and w h in the W_gate / W_up gradient buffers where they fit, and on in dx) or in an EP
+// rank's own buffers.
 #include "layer_launch.hpp"
 
 #include <algorithm>
