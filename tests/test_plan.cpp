@@ -320,11 +320,11 @@ TEST(ScratchLayout, DyRowsContinueInDx) {
                 EXPECT_EQ(w.rows_in_grads, !dy_in_scratch || !hw_in_scratch) << what;
                 // The shared expert's dx rows in dx unless dy rows are there.
                 const bool dy_in_dx = at(w.dy_rows) == dx || at(w.dy_rows_hi) == dx;
-                EXPECT_EQ(w.shared_dx_in_dx, Is > 0 && !dy_in_dx) << what;
-                if (w.shared_dx_in_dx) EXPECT_EQ(at(w.shared_dx_rows), dx) << what;
-                shared_in_dx += w.shared_dx_in_dx;
+                const bool shared_dx_in_dx = at(w.shared_dx_rows) == dx;
+                EXPECT_EQ(shared_dx_in_dx, Is > 0 && !dy_in_dx) << what;
+                shared_in_dx += shared_dx_in_dx;
                 EXPECT_EQ(w.bytes, 2 * cap * H + (dy_in_scratch ? 2 * cap * H : 0) + (hw_in_scratch ? 2 * cap * I : 0) +
-                                       (w.shared_dx_in_dx ? 0 : 2 * Tpad * H) + 2 * Tpad * Is)
+                                       (shared_dx_in_dx ? 0 : 2 * Tpad * H) + 2 * Tpad * Is)
                     << what;
                 const bool w0_all_in = w0.rows_in_grads && at(w0.dy_rows) >= gate && at(w0.hidden) >= gate;
                 if (w0_all_in) {  // (the rows fitted the gradients: nothing moves)

@@ -91,8 +91,8 @@ class Workspace {
   // w*h may span both, so the scratch is smaller still; dx_apart: for a dx that is contiguous,
   // 16-byte aligned and shares no byte with any other argument (scratch included), where the dy
   // rows that miss bf16 gradients continue, or else the shared expert's dx rows go, until the
-  // kernel writes dx, so the scratch may be smaller again. backward() checks the scratch it is given against the figure of the
-  // gradients and dx it is given.
+  // kernel writes dx, so the scratch may be smaller again. backward() checks the scratch it is
+  // given against the figure of the gradients and dx it is given.
   std::int64_t forward_scratch_bytes(std::int64_t tokens) const;
   std::int64_t backward_scratch_bytes(DType grad_dtype, std::int64_t tokens, bool gate_up_adjacent = false,
                                       bool dx_apart = false) const;

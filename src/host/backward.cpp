@@ -91,13 +91,12 @@ void* dx_row_space(const ForwardArgs& a, const BackwardArgs& b, const std::optio
                    const std::optional<TensorView>& scratch) {
   const TensorView& dx = b.dx;
   if (dx.numel() == 0 || !dx.is_contiguous() || reinterpret_cast<std::uintptr_t>(dx.data) % 16 != 0) return nullptr;
-  auto apart = [&](const TensorView* v) { return !overlap(&dx, v); };
   auto opt = [](const std::optional<TensorView>& v) { return v ? &*v : nullptr; };
   for (const TensorView* v : {&a.x, &a.topk_ids, &a.topk_weights, &a.w_gate, &a.w_up, &a.w_down, opt(a.shared_gate),
                               opt(a.shared_up), opt(a.shared_down), &b.dy, &b.d_topk_weights, &b.d_w_gate, &b.d_w_up,
                               &b.d_w_down, opt(b.d_shared_gate), opt(b.d_shared_up), opt(b.d_shared_down), opt(saved),
                               opt(scratch)})
-    if (!apart(v)) return nullptr;
+    if (overlap(&dx, v)) return nullptr;
   return dx.data;
 }
 
@@ -179,7 +178,7 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
     p.shared_maps = set_maps(b.dy.data, nullptr, 0, a.x.data, T, s_dgu, s_hw, padded_tokens, one_expert(*a.shared_gate),
                              one_expert(*a.shared_up), one_expert(*a.shared_down), H, Is);
     std::uint16_t* s_dx_rows = buffers.shared_dx_rows;
-    const std::int64_t s_rows = buffers.shared_dx_in_dx ? T : padded_tokens;  // (in dx: the stores stop at T)
+    const std::int64_t s_rows = s_dx_rows == b.dx.data ? T : padded_tokens;  // (in dx: the stores stop at T)
     p.shared_maps.dx_rows =
         detail::make_bf16_tensor_map(s_dx_rows, {U(H), U(s_rows), 1}, kernels::kBoxMN, "shared dx rows");
     p.shared = {s_dgu, s_hw, s_dx_rows, b.d_shared_gate->data, b.d_shared_up->data, b.d_shared_down->data,
@@ -197,7 +196,7 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   p.saved_marker = detail::saved_marker(gu, ws);
   p.dx_over_x = ws.rows_in_slots();
   p.rows_in_grads = buffers.rows_in_grads;
-  p.dy_split = buffers.dy_rows_hi ? static_cast<int>(buffers.dy_split) : kernels::kNoSplit;
+  p.dy_split = static_cast<int>(buffers.dy_split);
   return p;
 }
 

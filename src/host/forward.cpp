@@ -39,7 +39,7 @@ void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& w
   for (std::size_t q = 0; q < rows.size(); ++q) d.x[q] = static_cast<const std::uint16_t*>(rows[q]);
   d.x_routed = static_cast<std::uint16_t*>(routed);
   d.x_routed_hi = static_cast<std::uint16_t*>(routed_hi);
-  d.split = routed_hi ? split : std::numeric_limits<std::int64_t>::max();
+  d.split = split;
   d.row_pair = v.row_pair;
   d.expert_offset = v.expert_offset;
   d.plan_status = v.status;

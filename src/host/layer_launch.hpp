@@ -72,7 +72,6 @@ struct CallBuffers {
   std::int64_t dy_split = kernels::kNoSplit;  //   (a multiple of 128; dy_rows_hi > dy_rows)
   std::uint16_t* dx_rows = nullptr;         // backward: [capacity, H]
   std::uint16_t* shared_dx_rows = nullptr;  // backward: [T_pad, H], or dx itself ([T, H])
-  bool shared_dx_in_dx = false;
   std::uint16_t* recompute = nullptr;       // backward of a Training::recompute workspace: the pre-activations
   // A Precision::fp8 forward: the routed x rows and h in E4M3 ([capacity, H], [capacity, I]) and
   // their per-row scales of each 128 columns ([H / 128, capacity], [I / 128, capacity] f32).
@@ -128,13 +127,12 @@ inline std::span<int> counters(Workspace& ws) {
 }
 
 // Copies the rows of `rows` ([T, H] bf16) into `routed` in the order of ws.plan()
-// (padding rows become zero).
 // (padding rows become zero); plan rows from `split` on go to `routed_hi`, from its start.
 void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t stream, void* routed_hi = nullptr,
-                   std::int64_t split = std::numeric_limits<std::int64_t>::max());
+                   std::int64_t split = kernels::kNoSplit);
 // The same for expert parallelism: rank q's rows are rows[q] (pull through the peer table).
 void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& ws, cudaStream_t stream,
-                   void* routed_hi = nullptr, std::int64_t split = std::numeric_limits<std::int64_t>::max());
+                   void* routed_hi = nullptr, std::int64_t split = kernels::kNoSplit);
 
 // The forward kernel's params for one rank (no EP fields), after plan_device().
 kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,

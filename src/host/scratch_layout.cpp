@@ -111,8 +111,10 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
     };
     if (dy + hw <= room) consider(DyPlace{a, nullptr, kernels::kNoSplit}, a + dy);
     if (dy <= room) consider(DyPlace{a, nullptr, kernels::kNoSplit}, nullptr);
-    if (hw <= room) consider(std::nullopt, a);
-    if (hw <= room) consider(place_dy(a + hw, room - hw, dx, shape.tokens, cap, H), a);
+    if (hw <= room) {
+      consider(std::nullopt, a);
+      consider(place_dy(a + hw, room - hw, dx, shape.tokens, cap, H), a);
+    }
     consider(place_dy(a, room, dx, shape.tokens, cap, H), nullptr);
   } else if (in_grads) {
     dy_at = place_dy(a, half, dx, shape.tokens, cap, H).value_or(DyPlace{});
@@ -128,9 +130,9 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
   used += 2 * cap * H;
   // The shared expert's dx rows in dx itself (token order; the combine adds the routed rows to
   // each in place) unless dy rows are there.
-  b.shared_dx_in_dx = dx != nullptr && Tpad > 0 && dy_at.lo != dx && dy_at.hi != dx;
-  b.shared_dx_rows = b.shared_dx_in_dx ? dx : at(scratch, used);
-  if (!b.shared_dx_in_dx) used += 2 * Tpad * H;
+  const bool shared_in_dx = dx != nullptr && Tpad > 0 && dy_at.lo != dx && dy_at.hi != dx;
+  b.shared_dx_rows = shared_in_dx ? dx : at(scratch, used);
+  if (!shared_in_dx) used += 2 * Tpad * H;
   b.hidden = hw_at ? hw_at : at(scratch, used);
   if (!hw_at) used += 2 * cap * I;
   b.shared_hidden = at(scratch, used);

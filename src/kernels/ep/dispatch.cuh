@@ -16,7 +16,7 @@ struct DispatchParams {
   const std::uint16_t* x[kMaxEpRanks];  // rank q's [T, H] bf16 bits
   std::uint16_t* x_routed;       // [capacity, H]; rows from `split` on: x_routed_hi
   std::uint16_t* x_routed_hi;    // [capacity - split, H] (one GPU's dy rows past the gradient block)
-  std::int64_t split;            // capacity: x_routed holds every row
+  std::int64_t split;            // kNoSplit (backward.cuh): x_routed holds every row
   const std::int32_t* row_pair;  // [capacity]
   const std::int32_t* expert_offset;  // [E_l + 1]: rows beyond expert_offset[E_l] are not copied
   const void* plan_status;       // PlanStatus*: nothing is copied from a bad plan
