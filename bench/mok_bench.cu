@@ -20,7 +20,7 @@
 //         time PASS WARMUP ITERS [IMPL]           each iteration's ms, L2 flushed before each,
 //                                                 and its host time to enqueue the pass
 //         peak PASS [IMPL]                        bytes one pass needs beyond inputs and weights
-//                                                 (IMPL: mok, the default, or mok-fp8: pass fwd)
+//                                                 (IMPL: mok, the default, or mok-fp8)
 //         quit
 //   mok_bench --fill-sample SEED N                 (no GPU) the first N values fill_bits gives,
 //                                                 for the CPU test of layer_bench's hash_fill
@@ -34,8 +34,10 @@
 //          checked first on sampled tokens against the fp64 CPU reference, the backward's
 //          outputs for finiteness (the full-size check is layer_bench.py's)
 //   mok-ep1 the same layer through the expert-parallel machinery as an EP group of one rank
-//   mok-fp8 the FP8 forward (Precision::fp8; pass fwd, fwd+bwd is skipped), weights quantized
-//          once beforehand; checked on sampled tokens against the FP8 recipe's fp64 reference
+//   mok-fp8 Precision::fp8: the FP8 forward, and in fwd+bwd the backward with the FP8 dgrad;
+//          weights quantized once beforehand; the forward checked on sampled tokens against the
+//          FP8 recipe's fp64 reference
+//   mok-fp8-bf16dgrad  the same forward, the backward's dgrad in bf16 (pass fwd+bwd)
 // peak_bytes (mok): the workspace + y + the high-water mark of what one pass allocates from
 // a caching stream-ordered pool (scratch; fwd+bwd: saved tensor, dx, d_topk_weights, bf16
 // weight gradients, allocated when the backward runs), as PyTorch's allocator would count it.
@@ -101,14 +103,14 @@ int serve() {
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::unique_ptr<Problem> problem;
-  std::unique_ptr<FusedLayer> layers[3];  // mok fwd, mok fwd+bwd, mok-fp8 fwd
+  std::unique_ptr<FusedLayer> layers[4];  // mok fwd, mok fwd+bwd, mok-fp8 fwd, mok-fp8 fwd+bwd
   auto layer = [&](const std::string& pass, std::istringstream& in) -> FusedLayer& {
     if (!problem) throw mok::Error("mok_bench: 'load' a preset first");
     if (pass != "fwd" && pass != "fwd+bwd") throw mok::Error("mok_bench: pass must be fwd or fwd+bwd, got '" + pass + "'");
     std::string impl = "mok";
     in >> impl;  // (optional)
     if (impl != "mok" && impl != "mok-fp8") throw mok::Error("mok_bench: impl must be mok or mok-fp8, got '" + impl + "'");
-    auto& l = layers[impl == "mok-fp8" ? 2 : pass == "fwd+bwd"];
+    auto& l = layers[(impl == "mok-fp8" ? 2 : 0) + (pass == "fwd+bwd")];
     if (!l) l = std::make_unique<FusedLayer>(*problem, impl, pass, mok::Config{}, stream);
     return *l;
   };
@@ -232,8 +234,10 @@ int main(int argc, char** argv) try {
   for (const std::string& name : o.presets)
     if (name != "all") mok::find_preset(name);  // unknown names are an error
   for (const std::string& impl : o.impls)
-    if (impl != "mok" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "cublas" && impl != "plan")
-      throw mok::Error("mok_bench: impl '" + impl + "' is not available (known: mok, mok-ep1, mok-fp8, cublas, plan)");
+    if (impl != "mok" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "mok-fp8-bf16dgrad" && impl != "cublas" &&
+        impl != "plan")
+      throw mok::Error("mok_bench: impl '" + impl +
+                       "' is not available (known: mok, mok-ep1, mok-fp8, mok-fp8-bf16dgrad, cublas, plan)");
 
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -252,8 +256,9 @@ int main(int argc, char** argv) try {
     for (const std::string& impl : o.impls) {
       std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
       for (const std::string& pass : passes) {
-        if (impl == "mok-fp8" && pass != "fwd") continue;  // (a forward for now)
-        if (impl == "mok-fp8" && (p->shape.hidden % 128 != 0 || p->shape.intermediate % 128 != 0)) {
+        const bool fp8 = impl.starts_with("mok-fp8");
+        if (impl == "mok-fp8-bf16dgrad" && pass != "fwd+bwd") continue;
+        if (fp8 && (p->shape.hidden % 128 != 0 || p->shape.intermediate % 128 != 0)) {
           std::printf("%-16s %-7s %-8s    (skipped: Precision::fp8 needs H and I multiples of 128)\n", p->name.c_str(),
                       impl.c_str(), pass.c_str());
           continue;
@@ -261,7 +266,7 @@ int main(int argc, char** argv) try {
 #ifdef MOK_PHASE_TIMING
         CUDA_OK(cudaMemset(phase_table, 0, sizeof(unsigned long long) * 2 * mok::kernels::kPhases));
 #endif
-        if (impl == "mok" || impl == "mok-ep1" || impl == "mok-fp8") records.push_back(bench_mok(o, *p, impl, pass, stream));
+        if (impl == "mok" || impl == "mok-ep1" || fp8) records.push_back(bench_mok(o, *p, impl, pass, stream));
         else if (impl == "cublas") records.push_back(bench_dense(o, *p, pass, stream, handle));
         else records.push_back(bench_plan(o, *p, stream));
         const Record& r = records.back();

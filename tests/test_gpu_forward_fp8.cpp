@@ -8,6 +8,7 @@
 #include <cmath>
 #include <string>
 
+#include "gpu_fp8.hpp"
 #include "gpu_grads.hpp"
 #include "gpu_problem.hpp"
 #include "mok/backward.hpp"
@@ -19,67 +20,15 @@ namespace mok {
 namespace {
 
 using testing::Case;
+using testing::cosine;
 using testing::DeviceBuffer;
+using testing::fp8_args;
+using testing::fp8_config;
+using testing::QuantizedWeights;
+using testing::run_fp8;
 using testing::GpuProblem;
 using testing::same_bits;
 using testing::shape_of;
-
-// The routed weights of a problem quantized on the GPU (mok::fp8::quantize_weights).
-struct QuantizedWeights {
-  DeviceBuffer<std::uint8_t> gate, up, down;
-  DeviceBuffer<std::int32_t> gate_exponents, up_exponents, down_exponents;
-  Fp8Weights views;
-
-  explicit QuantizedWeights(const GpuProblem& gpu)
-      : gate(gpu.w_gate.size()), up(gpu.w_up.size()), down(gpu.w_down.size()),
-        gate_exponents(blocks(gpu)), up_exponents(blocks(gpu)), down_exponents(blocks(gpu)) {
-    const MoeShape& s = gpu.host.shape;
-    const std::int64_t E = s.num_local_experts, H = s.hidden, I = s.intermediate, Hb = H / 128, Ib = I / 128;
-    const Device d = Device::cuda(0);
-    views.gate = TensorView::contiguous(gate.get(), DType::u8, d, {E, I, H});
-    views.up = TensorView::contiguous(up.get(), DType::u8, d, {E, I, H});
-    views.down = TensorView::contiguous(down.get(), DType::u8, d, {E, H, I});
-    views.gate_exponents = TensorView::contiguous(gate_exponents.get(), DType::i32, d, {E, Ib, Hb});
-    views.up_exponents = TensorView::contiguous(up_exponents.get(), DType::i32, d, {E, Ib, Hb});
-    views.down_exponents = TensorView::contiguous(down_exponents.get(), DType::i32, d, {E, Hb, Ib});
-    const ForwardArgs a = gpu.args();
-    fp8::quantize_weights(a.w_gate, views.gate, views.gate_exponents, nullptr);
-    fp8::quantize_weights(a.w_up, views.up, views.up_exponents, nullptr);
-    fp8::quantize_weights(a.w_down, views.down, views.down_exponents, nullptr);
-    cudaDeviceSynchronize();
-  }
-  static std::size_t blocks(const GpuProblem& gpu) {  // 128 x 128 blocks of one weight tensor
-    const MoeShape& s = gpu.host.shape;
-    return static_cast<std::size_t>(s.num_local_experts * (s.hidden / 128) * (s.intermediate / 128));
-  }
-};
-
-ForwardArgs fp8_args(const GpuProblem& gpu, const QuantizedWeights& q) {
-  ForwardArgs a = gpu.args();
-  a.fp8 = q.views;
-  return a;
-}
-
-// One FP8 forward on ws into gpu.y (poisoned first); y's bits.
-std::vector<bf16> run_fp8(const GpuProblem& gpu, const QuantizedWeights& q, Workspace& ws) {
-  gpu.poison_output();
-  forward(fp8_args(gpu, q), ws, nullptr);
-  ws.check(nullptr);
-  return gpu.y.download();
-}
-
-Config fp8_config(int sms = 0) {
-  Config c;
-  c.precision = Precision::fp8;
-  c.compute_sms = sms;
-  return c;
-}
-
-double cosine(const std::vector<double>& a, const std::vector<double>& b) {
-  double ab = 0, aa = 0, bb = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) ab += a[i] * b[i], aa += a[i] * a[i], bb += b[i] * b[i];
-  return ab / std::sqrt(aa * bb);
-}
 
 // y against reference::forward_fp8 (the recipe's operands exactly): what remains is the tensor
 // cores' sums inside a scale block (not fp64's), fp32 promotion, the bf16 output, and the
@@ -182,11 +131,11 @@ TEST(Fp8Forward, BitwiseEqualAcrossRunsAndSmCounts) {
 }
 
 // Issue 19's accuracy table: y and every gradient of one training step against the exact
-// fp64 layer, as cosines, for the FP8 forward (with the bf16 backward on its activations) and
-// for the BF16 path on the same problem (recorded as gtest properties; scripts/gpu_check.sh
-// keeps the XML). Asserted: the FP8 path is finite and near the exact layer (cosine >= 0.99;
-// the recipe's own error bounds it lower than the BF16 path's, docs/fp8.md), the BF16 path's
-// cosines at least the FP8 path's.
+// fp64 layer, as cosines, for the FP8 path with the bf16 dgrad (the FP8 forward's activations),
+// with the FP8 dgrad (BackwardArgs::fp8), and for the BF16 path on the same problem (recorded as
+// gtest properties; scripts/gpu_check.sh keeps the XML). Asserted: each FP8 path is finite and
+// near the exact layer (cosine >= 0.99; the recipe's own error bounds it lower than the BF16
+// path's, docs/fp8.md), the BF16 path's cosines at least each FP8 path's.
 TEST(Fp8Forward, AccuracyAgainstTheExactLayerBesideBf16) {
   MOK_REQUIRE_HOPPER();
   const Case c{"h1024_i512", 256, 1024, 512, 8, 4, 256, 0, RoutingKind::uniform};
@@ -204,18 +153,21 @@ TEST(Fp8Forward, AccuracyAgainstTheExactLayerBesideBf16) {
   const std::vector<const std::vector<double>*> want{&y_exact, &exact.x, &exact.topk_weights, &exact.w.gate, &exact.w.up,
                                                      &exact.w.down, &exact.w.shared_gate, &exact.w.shared_up,
                                                      &exact.w.shared_down};
-  std::vector<double> cos[2];  // [fp8, bf16][tensor]
-  for (int path = 0; path < 2; ++path) {
+  const char* paths[] = {"fp8_cosine_", "fp8_dgrad_cosine_", "bf16_cosine_"};
+  std::vector<double> cos[3];  // [fp8 with bf16 dgrad, fp8 with fp8 dgrad, bf16][tensor]
+  for (int path = 0; path < 3; ++path) {
     testing::GpuGrads grads(gpu, dy, false);
     Config config;
-    if (path == 0) config = fp8_config();
+    if (path < 2) config = fp8_config();
     Workspace ws(s, c.tokens, config, Training::save);
     DeviceBuffer<bf16> saved(ws.saved_elements());
-    const ForwardArgs args = path == 0 ? fp8_args(gpu, q) : gpu.args();
+    const ForwardArgs args = path < 2 ? fp8_args(gpu, q) : gpu.args();
+    BackwardArgs b = grads.args();
+    if (path == 1) b.fp8 = q.dgrad;
     gpu.poison_output();
     forward(args, ws, nullptr, testing::saved_view(saved));
     grads.poison();
-    backward(args, grads.args(), ws, nullptr, testing::saved_view(saved));
+    backward(args, b, ws, nullptr, testing::saved_view(saved));
     ws.check(nullptr);
     const std::vector<std::vector<double>> got{
         gpu.output(),
@@ -229,13 +181,14 @@ TEST(Fp8Forward, AccuracyAgainstTheExactLayerBesideBf16) {
         testing::GpuGrads::as_double(grads.d_sdown, grads.f32)};
     for (std::size_t i = 0; i < got.size(); ++i) {
       cos[path].push_back(cosine(got[i], *want[i]));
-      RecordProperty(std::string(path == 0 ? "fp8_cosine_" : "bf16_cosine_") + names[i], std::to_string(cos[path][i]));
+      RecordProperty(std::string(paths[path]) + names[i], std::to_string(cos[path][i]));
     }
   }
-  for (std::size_t i = 0; i < cos[0].size(); ++i) {
-    EXPECT_GE(cos[0][i], 0.99) << names[i] << ": the FP8 path against the exact layer";
-    EXPECT_GE(cos[1][i], cos[0][i]) << names[i] << ": the BF16 path less accurate than FP8's";
-  }
+  for (std::size_t i = 0; i < cos[0].size(); ++i)
+    for (int path = 0; path < 2; ++path) {
+      EXPECT_GE(cos[path][i], 0.99) << names[i] << ": " << paths[path] << " against the exact layer";
+      EXPECT_GE(cos[2][i], cos[path][i]) << names[i] << ": the BF16 path less accurate than " << paths[path];
+    }
 }
 
 TEST(Fp8Forward, OneWorkspaceServesEveryTokenCountBitwise) {

@@ -330,6 +330,24 @@ TEST(Validate, Fp8WeightsAndWorkspace) {
   f.args.fp8->down_exponents = TensorView::contiguous(Fixture::memory, DType::i32, cpu, {El, 2, 1});
   expect_error([&] { f.forward(); }, "argument 'fp8.down_exponents': shape must be [4, 1, 1], got [4, 2, 1]");
 
+  f.args.fp8 = w;
+  Fp8DgradWeights d;  // the backward's transposed weights
+  d.down_t = TensorView::contiguous(Fixture::memory, DType::u8, cpu, {El, I, H});
+  d.gate_up_t = TensorView::contiguous(Fixture::memory, DType::u8, cpu, {El, H, 2 * I});
+  d.down_t_exponents = TensorView::contiguous(Fixture::memory, DType::i32, cpu, {El, 1, 1});
+  d.gate_up_t_exponents = TensorView::contiguous(Fixture::memory, DType::i32, cpu, {El, 1, 2});
+  f.grads.fp8 = d;
+  EXPECT_NO_THROW(f.backward());
+  f.grads.fp8->gate_up_t = TensorView::contiguous(Fixture::memory, DType::u8, cpu, {El, H, I});
+  expect_error([&] { f.backward(); }, "argument 'fp8.gate_up_t': shape must be [4, 128, 128], got [4, 128, 64]");
+  f.grads.fp8 = d;
+  f.grads.fp8->down_t_exponents.dtype = DType::f32;
+  expect_error([&] { f.backward(); }, "argument 'fp8.down_t_exponents': dtype must be i32, got f32");
+  f.grads.fp8 = d;
+  f.grads.fp8->gate_up_t_exponents = d.down_t_exponents;
+  expect_error([&] { f.backward(); }, "argument 'fp8.gate_up_t_exponents': shape must be [4, 1, 2], got [4, 1, 1]");
+  f.grads.fp8.reset();
+
   Config fp8;
   fp8.precision = Precision::fp8;
   MoeShape s = f.shape;

@@ -51,8 +51,10 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
 // timed, measured for peak memory, or run once with its outputs kept for a checksum.
 // impl "mok": the one-GPU kernels; "mok-ep1": the same layer through the expert-parallel
 // machinery (routing exchange, peer pulls, push combine) as an EP group of one rank;
-// "mok-fp8": the one-GPU FP8 forward (Precision::fp8, pass "fwd" only), its routed weights
-// quantized once when the layer is made (mok::fp8::quantize_weights; not in the timed pass).
+// "mok-fp8": Precision::fp8 — the FP8 forward, and with "fwd+bwd" the backward with the FP8
+// dgrad (BackwardArgs::fp8); "mok-fp8-bf16dgrad": the same forward, the backward's dgrad in
+// bf16. The routed weights are quantized once when the layer is made
+// (mok::fp8::quantize_weights, quantize_dgrad_weights; not in the timed pass).
 class FusedLayer {
   static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8) {  // (--interleave-rows, replay_launches: all)
     mok::Config c;
@@ -62,9 +64,9 @@ class FusedLayer {
     return c;
   }
   static bool fp8_forward(const std::string& impl, const std::string& pass) {
-    if (impl != "mok-fp8") return false;
-    if (pass != "fwd") throw mok::Error("mok_bench: mok-fp8 is a forward (pass fwd), got pass '" + pass + "'");
-    return true;
+    if (impl == "mok-fp8-bf16dgrad" && pass != "fwd+bwd")
+      throw mok::Error("mok_bench: mok-fp8-bf16dgrad is a training step (pass fwd+bwd), got pass '" + pass + "'");
+    return impl == "mok-fp8" || impl == "mok-fp8-bf16dgrad";
   }
 
  public:
@@ -102,6 +104,15 @@ class FusedLayer {
       mok::fp8::quantize_weights(a_.w_up, w.up, w.up_exponents, stream_);
       mok::fp8::quantize_weights(a_.w_down, w.down, w.down_exponents, stream_);
       a_.fp8 = w;
+      if (bwd_ && impl == "mok-fp8") {
+        mok::Fp8DgradWeights d;
+        d.down_t = mok::TensorView::contiguous(u8(E * I * H), mok::DType::u8, dev, {E, I, H});
+        d.gate_up_t = mok::TensorView::contiguous(u8(2 * E * H * I), mok::DType::u8, dev, {E, H, 2 * I});
+        d.down_t_exponents = mok::TensorView::contiguous(i32(E * Ib * Hb), mok::DType::i32, dev, {E, Ib, Hb});
+        d.gate_up_t_exponents = mok::TensorView::contiguous(i32(2 * E * Hb * Ib), mok::DType::i32, dev, {E, Hb, 2 * Ib});
+        mok::fp8::quantize_dgrad_weights(a_.w_gate, a_.w_up, a_.w_down, d, stream_);
+        dgrad_ = d;
+      }
     }
     if (ep1_) {
       group_ = std::make_unique<mok::VirtualRanks>(s, T, ep_config, bwd_ ? mok::Training::save : mok::Training::off);
@@ -144,7 +155,9 @@ class FusedLayer {
     const std::int64_t bytes = ws_.backward_scratch_bytes(mok::DType::bf16, T, /*gate_up_adjacent=*/true,
                                                           /*dx_apart=*/true);
     auto* scratch = pool_.alloc<std::uint8_t>(bytes);
-    mok::backward(a_, grads(g), ws_, stream_, saved_view(saved), u8(scratch, bytes));
+    mok::BackwardArgs b = grads(g);
+    b.fp8 = dgrad_;
+    mok::backward(a_, b, ws_, stream_, saved_view(saved), u8(scratch, bytes));
     pool_.free(scratch);
     pool_.free(saved);
     if (keep) outputs_ = g, kept_ = true;
@@ -277,6 +290,7 @@ class FusedLayer {
   mok::Workspace ws_;
   std::unique_ptr<mok::VirtualRanks> group_;
   mok::ForwardArgs a_;
+  std::optional<mok::Fp8DgradWeights> dgrad_;  // mok-fp8, fwd+bwd
   std::uint16_t* y_ = nullptr;
   std::uint16_t* saved_fixed_ = nullptr;
   Outputs outputs_;
@@ -294,7 +308,7 @@ Record bench_mok(const Options& o, const mok::Preset& p, const std::string& impl
   FusedLayer layer(pr, impl, pass, o.ep_config, stream);
   layer.step(/*keep=*/true);
   layer.check_status();
-  const double err = o.check ? check_sampled_tokens(pr, layer.y(), impl == "mok-fp8") : 0.0;
+  const double err = o.check ? check_sampled_tokens(pr, layer.y(), impl.starts_with("mok-fp8")) : 0.0;
   if (!(err <= 1e-2))
     throw mok::Error("mok_bench: fused forward wrong on " + p.name + ": relative error " + std::to_string(err));
   if (pass == "fwd+bwd") {

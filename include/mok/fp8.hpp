@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mok/types.hpp"
+#include "mok/validate.hpp"
 
 namespace mok::fp8 {
 
@@ -58,7 +59,14 @@ std::vector<float> dequantize(const Mxfp8& m);
 // transpose: the quantization of w^T instead (values [E, cols, rows], exponents [E, ceil(cols /
 // 128), ceil(rows / 128)]): the transposed bytes of the untransposed one (the same 128 x 128
 // blocks), for GEMMs that multiply by w^T (E4M3 tensor cores read K-major operands only).
+// values and exponents may be views with contiguous rows of larger tensors (their own strides).
 void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
                       cudaStream_t stream, bool transpose = false);
+
+// The routed weights as the FP8 backward's dgrad GEMMs read them (Fp8DgradWeights, with its
+// shapes): W_down^T, and W_gate^T then W_up^T along K in one [E, H, 2I] (quantize_weights with
+// transpose: the same blocks as the forward's, so the same values). I a multiple of 128.
+void quantize_dgrad_weights(const TensorView& w_gate, const TensorView& w_up, const TensorView& w_down,
+                            const Fp8DgradWeights& out, cudaStream_t stream);
 
 }  // namespace mok::fp8

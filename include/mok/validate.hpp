@@ -19,6 +19,16 @@ struct Fp8Weights {
   TensorView gate_exponents, up_exponents, down_exponents;
 };
 
+// The routed weights transposed for Precision::fp8's dgrad GEMMs (mok::fp8::quantize_dgrad_weights
+// of w_gate, w_up and w_down; E4M3 tensor cores read K-major operands only): the values (u8,
+// contiguous) of W_down^T [E_l, I, H] and of W_gate^T then W_up^T along K, [E_l, H, 2I], and the
+// exponents (i32, contiguous) of their 128 x 128 blocks, [E_l, I / 128, H / 128] and
+// [E_l, H / 128, 2I / 128]: the forward's blocks transposed, so the same values.
+struct Fp8DgradWeights {
+  TensorView down_t, gate_up_t;
+  TensorView down_t_exponents, gate_up_t_exponents;
+};
+
 // The tensors of one forward call on one rank. Expert weights are this rank's E_l experts.
 struct ForwardArgs {
   TensorView x;             // [T, H] bf16
@@ -49,6 +59,11 @@ struct BackwardArgs {
   std::optional<TensorView> d_shared_gate;
   std::optional<TensorView> d_shared_up;
   std::optional<TensorView> d_shared_down;
+  // Precision::fp8 only: given, the dgrad GEMMs (dh = dy W_down, dx = [dgate dup] [W_gate; W_up])
+  // run in E4M3 (dy and dgate|dup quantized per 1 x 128 of a row where they are made; the
+  // weight gradients stay bf16 GEMMs: reference::backward_fp8); absent, in bf16 on the bf16
+  // weights (reference::backward_fp8 with fp8_dgrad = false).
+  std::optional<Fp8DgradWeights> fp8;
 };
 
 // Checks dtypes, shapes, contiguity, alignment, null pointers and the declared device of

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "cuda_check.hpp"
+#include "kernels/fp8/quantize.cuh"
 #include "kernels/backward/backward.cuh"
 #include "launch_cache.hpp"
 #include "layer_launch.hpp"
@@ -138,6 +139,15 @@ void check_backward_call(std::string_view kWhere, const ForwardArgs& a, const Ba
                                           "filled, or make the workspace with Training::recompute)");
   }
   detail::check_locations(kWhere, a, s, false);
+  if (b.fp8) {
+    if (ws.config().precision != Precision::fp8)
+      throw_argument_error(kWhere, "fp8", "was given, but the workspace's precision is bf16 (the FP8 dgrad runs on a "
+                                          "Config::precision = Precision::fp8 workspace)");
+    for (auto [name, view] : {std::pair{"fp8.down_t", &b.fp8->down_t}, {"fp8.gate_up_t", &b.fp8->gate_up_t},
+                              {"fp8.down_t_exponents", &b.fp8->down_t_exponents},
+                              {"fp8.gate_up_t_exponents", &b.fp8->gate_up_t_exponents}})
+      if (view->numel() > 0) check_pointer_location(kWhere, name, *view);
+  }
   for (auto [name, view] : {std::pair{"dy", &b.dy}, {"dx", &b.dx}, {"d_topk_weights", &b.d_topk_weights},
                             {"d_w_gate", &b.d_w_gate}, {"d_w_up", &b.d_w_up}, {"d_w_down", &b.d_w_down}})
     if (view->numel() > 0) check_pointer_location(kWhere, name, *view);
@@ -200,6 +210,46 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   return p;
 }
 
+// Precision::fp8 with BackwardArgs::fp8, after the row copies: quantizes the routed dy rows
+// into buffers.dy_fp8 / dy_scales (as they are gathered again, from dy) and launches the FP8
+// dgrad kernel on p (the BF16 kernel's params of the call).
+void launch_backward_fp8(const BackwardArgs& b, Workspace& ws, const CallBuffers& buffers,
+                         const kernels::BackwardParams& p, cudaStream_t stream, std::string_view where) {
+  const MoeShape& s = ws.shape();
+  const DevicePlanView& v = ws.plan().view();
+  const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts;
+  const std::int64_t capacity = ws.plan().capacity_rows();
+  const int ctas = persistent_ctas(ws, where);
+  kernels::QuantizeRowsParams rows{};
+  rows.x = static_cast<const std::uint16_t*>(b.dy.data);
+  rows.values = buffers.dy_fp8;
+  rows.scales = buffers.dy_scales;
+  rows.row_pair = v.row_pair;
+  rows.expert_offset = v.expert_offset;
+  rows.plan_status = v.status;
+  rows.capacity = capacity;
+  rows.hidden = static_cast<int>(H);
+  rows.top_k = static_cast<int>(s.top_k);
+  rows.num_local_experts = static_cast<int>(El);
+  kernels::launch_quantize_rows(rows, 4 * ctas, stream);
+  cuda_check(cudaGetLastError(), where, "launching the FP8 dy row gather");
+
+  const Fp8DgradWeights& w = *b.fp8;
+  kernels::Fp8BackwardParams q{};
+  q.base = p;
+  q.maps.dy = make_u8_tensor_map(buffers.dy_fp8, {U(H), U(capacity)}, kernels::kBoxFp8, "dy rows (fp8)");
+  q.maps.down_t = make_u8_tensor_map(w.down_t.data, {U(H), U(I), U(El)}, kernels::kBoxFp8, "fp8.down_t");
+  q.maps.dgu = make_u8_tensor_map(buffers.dgu_fp8, {U(2 * I), U(capacity)}, kernels::kBoxFp8, "d pre-activations (fp8)");
+  q.maps.gate_up_t = make_u8_tensor_map(w.gate_up_t.data, {U(2 * I), U(H), U(El)}, kernels::kBoxFp8, "fp8.gate_up_t");
+  q.capacity = capacity;
+  q.dy_scales = buffers.dy_scales;
+  q.dgu_values = buffers.dgu_fp8;
+  q.dgu_scales = buffers.dgu_scales;
+  q.down_t_exponents = static_cast<const std::int32_t*>(w.down_t_exponents.data);
+  q.gate_up_t_exponents = static_cast<const std::int32_t*>(w.gate_up_t_exponents.data);
+  kernels::launch_backward_fp8(q, ctas, stream);
+}
+
 }  // namespace detail
 
 void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaStream_t stream,
@@ -237,7 +287,8 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     if (!saved) detail::zero_counters(ws, s, kWhere);  // (the recompute used them)
     const kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
     unsigned long long* marker = detail::saved_marker(gu, ws);
-    kernels::launch_backward(p, detail::persistent_ctas(ws, kWhere), s);
+    if (b.fp8) detail::launch_backward_fp8(b, ws, buffers, p, s, kWhere);
+    else kernels::launch_backward(p, detail::persistent_ctas(ws, kWhere), s);
     detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
     // The pre-activations are gone (replaced by their gradients): mark the tensor consumed.
     detail::cuda_check(cudaMemsetAsync(marker, 0, sizeof(*marker), s), kWhere, "cudaMemsetAsync(saved marker)");

@@ -136,8 +136,10 @@ void quantize_weights(const TensorView& w, const TensorView& values, const Tenso
   if (exponents.ndim != 3 || exponents.shape[0] != E || exponents.shape[1] != XR || exponents.shape[2] != XC)
     throw_argument_error(where, "exponents", "shape must be [", E, ", ", XR, ", ", XC, "] (128 x 128 blocks of ",
                          transpose ? "w^T" : "w", "), got ", exponents.shape_string());
-  if (!values.is_contiguous()) throw_argument_error(where, "values", "must be contiguous");
-  if (!exponents.is_contiguous()) throw_argument_error(where, "exponents", "must be contiguous");
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"values", &values}, {"exponents", &exponents}})
+    if (t->stride[2] != 1 || t->stride[1] < t->shape[2] || t->stride[0] < t->shape[1] * t->stride[1])
+      throw_argument_error(where, name, "must have contiguous, non-overlapping rows, got strides (", t->stride[0], ", ",
+                           t->stride[1], ", ", t->stride[2], ") for shape ", t->shape_string());
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"w", &w}, {"values", &values},
                                 {"exponents", &exponents}}) {
     if (t->device.kind != DeviceKind::cuda)
@@ -154,10 +156,49 @@ void quantize_weights(const TensorView& w, const TensorView& values, const Tenso
   p.expert_stride = w.stride[0], p.row_stride = w.stride[1];
   p.values = static_cast<std::uint8_t*>(values.data);
   p.exponents = static_cast<std::int32_t*>(exponents.data);
+  p.values_expert_stride = values.stride[0], p.values_row_stride = values.stride[1];
+  p.exponents_expert_stride = exponents.stride[0], p.exponents_row_stride = exponents.stride[1];
   p.experts = static_cast<int>(E), p.rows = static_cast<int>(R), p.cols = static_cast<int>(C);
   p.transpose = transpose;
   kernels::launch_quantize_blocks(p, stream);
   detail::cuda_check(cudaGetLastError(), where, "launching the quantization");
+}
+
+}  // namespace mok::fp8
+
+namespace mok::fp8 {
+
+namespace {
+
+// Columns [col0, col0 + cols) of a 3-D view.
+TensorView columns(const TensorView& v, std::int64_t col0, std::int64_t cols) {
+  TensorView c = v;
+  c.data = static_cast<char*>(v.data) + col0 * v.stride[2] * static_cast<std::int64_t>(dtype_size(v.dtype));
+  c.shape[2] = cols;
+  return c;
+}
+
+}  // namespace
+
+void quantize_dgrad_weights(const TensorView& w_gate, const TensorView& w_up, const TensorView& w_down,
+                            const Fp8DgradWeights& out, cudaStream_t stream) {
+  constexpr const char* where = "mok::fp8::quantize_dgrad_weights";
+  if (w_gate.ndim != 3 || w_down.ndim != 3)
+    throw_argument_error(where, w_gate.ndim != 3 ? "w_gate" : "w_down", "must be 3-D [E, rows, cols], got shape ",
+                         (w_gate.ndim != 3 ? w_gate : w_down).shape_string());
+  const std::int64_t I = w_gate.shape[1], ib = (I + kernels::kFp8Block - 1) / kernels::kFp8Block;
+  if (I % kernels::kFp8Block != 0)
+    throw_argument_error(where, "w_gate", "rows (I) must be a multiple of ", kernels::kFp8Block, " (W_gate^T and W_up^T "
+                         "share [E, H, 2I] at a block boundary), got ", I);
+  if (out.gate_up_t.ndim != 3 || out.gate_up_t.shape[2] != 2 * I)
+    throw_argument_error(where, "gate_up_t", "shape must be [E, H, 2I] with 2I = ", 2 * I, ", got ",
+                         out.gate_up_t.shape_string());
+  if (out.gate_up_t_exponents.ndim != 3 || out.gate_up_t_exponents.shape[2] != 2 * ib)
+    throw_argument_error(where, "gate_up_t_exponents", "shape must be [E, H / 128, 2I / 128] with 2I / 128 = ", 2 * ib,
+                         ", got ", out.gate_up_t_exponents.shape_string());
+  quantize_weights(w_down, out.down_t, out.down_t_exponents, stream, true);
+  quantize_weights(w_gate, columns(out.gate_up_t, 0, I), columns(out.gate_up_t_exponents, 0, ib), stream, true);
+  quantize_weights(w_up, columns(out.gate_up_t, I, I), columns(out.gate_up_t_exponents, ib, ib), stream, true);
 }
 
 }  // namespace mok::fp8

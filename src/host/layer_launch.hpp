@@ -79,6 +79,13 @@ struct CallBuffers {
   std::uint8_t* h_fp8 = nullptr;
   float* x_scales = nullptr;
   float* h_scales = nullptr;
+  // A Precision::fp8 backward (its FP8 dgrad): the routed dy rows and dgate|dup in E4M3 ([capacity,
+  // H], [capacity, 2I]) and their per-row scales of each 128 columns ([H / 128, capacity],
+  // [2I / 128, capacity] f32).
+  std::uint8_t* dy_fp8 = nullptr;
+  std::uint8_t* dgu_fp8 = nullptr;
+  float* dy_scales = nullptr;
+  float* dgu_scales = nullptr;
   bool rows_in_grads = false;               // dy_rows or hidden lie in the W_gate / W_up gradient buffers (or dx)
   std::int64_t bytes = 0;                   // of the scratch
 };

@@ -147,6 +147,13 @@ void validate_backward_args(std::string_view where, const MoeShape& shape, const
     c.tensor("d_shared_up", *b.d_shared_up, {gdt}, {Is, H});
     c.tensor("d_shared_down", *b.d_shared_down, {gdt}, {H, Is});
   }
+  if (b.fp8) {  // (whether the call takes them is the workspace's precision: checked by the call)
+    const std::int64_t Hb = (H + 127) / 128, Ib = (I + 127) / 128;
+    c.tensor("fp8.down_t", b.fp8->down_t, {DType::u8}, {El, I, H});
+    c.tensor("fp8.gate_up_t", b.fp8->gate_up_t, {DType::u8}, {El, H, 2 * I});
+    c.tensor("fp8.down_t_exponents", b.fp8->down_t_exponents, {DType::i32}, {El, Ib, Hb});
+    c.tensor("fp8.gate_up_t_exponents", b.fp8->gate_up_t_exponents, {DType::i32}, {El, Hb, 2 * Ib});
+  }
 }
 
 void validate_routing_values(std::string_view where, const MoeShape& shape,

@@ -90,8 +90,8 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
                            "fp8 runs on one GPU for now; expert parallelism takes Precision::bf16");
     if (training == Training::recompute)
       throw_argument_error("mok::Workspace", "config.precision",
-                           "fp8 trains with Training::save (its backward runs in bf16 on the saved pre-activations of "
-                           "the FP8 forward; a recompute would redo GEMM1 in bf16)");
+                           "fp8 trains with Training::save (its backward reads the saved pre-activations of the FP8 "
+                           "forward; a recompute would redo GEMM1 in bf16)");
     if (config.interleave_rows > 0)
       throw_argument_error("mok::Workspace", "config.interleave_rows",
                            "must be 0 with Precision::fp8 (its kernel runs GEMM1 before GEMM2), got ",

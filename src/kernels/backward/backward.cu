@@ -40,6 +40,8 @@
 #include "kernels/common/pipeline.cuh"
 #include "kernels/ep/ring_copy.cuh"
 #include "kernels/common/skeleton.cuh"
+#include "kernels/fp8/fp8_math.cuh"
+#include "kernels/fp8/mainloop_fp8.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/mbarrier.cuh"
@@ -54,8 +56,75 @@ namespace {
 using namespace mok::ptx;
 using namespace bwd;
 
-template <typename Sched>
-__device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sched& sched, int wg) {
+static_assert(kFp8TileBytes == sizeof(SharedStorage::Stage::a) && 2 * kFp8TileBytes == sizeof(SharedStorage::Stage::b));
+static_assert(kBlockN == 2 * kBlockM, "each half of an FP8 stage's B is one 128 x 128 weight block");
+
+// The scales of a routed FP8 dgrad task (this warpgroup's rows): dh reads dy's row scales and
+// W_down^T's blocks (N-blocks 2n, 2n + 1 of I; past I the zero-filled rows take block 2n's),
+// dx dgate|dup's and [W_gate^T | W_up^T]'s (N-blocks of H).
+__device__ __forceinline__ Fp8TaskScales fp8_scales(const Fp8BackwardParams& q, const Task& t, int rows) {
+  const BackwardParams& p = q.base;
+  const int hb = p.hidden / kFp8BlockK, ib = p.routed.inter / kFp8BlockK;
+  const bool dh = t.kind == kDh;
+  const int n_blocks = dh ? ib : hb, k_blocks = dh ? hb : 2 * ib;
+  const int b0 = 2 * t.n, b1 = b0 + 1 < n_blocks ? b0 + 1 : b0;
+  const std::int32_t* w = (dh ? q.down_t_exponents : q.gate_up_t_exponents) + static_cast<std::int64_t>(t.e) * n_blocks * k_blocks;
+  return {(dh ? q.dy_scales : q.dgu_scales) + rows, q.capacity, {w + b0 * k_blocks, w + b1 * k_blocks}};
+}
+
+// FP8 dgrad: this warpgroup's 64 rows of dgate | dup that epilogue_dh has just written (bf16,
+// over the pre-activations) again as E4M3 for the dx tiles, with one power-of-two scale per row
+// and 128 columns (the tile's 256 columns of I are two such blocks of dgate and two of dup; one
+// past I when I = 128 mod 256). A half-warp takes a row's block (16 lanes x 8 values; its amax
+// is a max, the same in any order), eight in flight a lane. Quantized from the bf16 values the
+// weight gradients read.
+__device__ void quantize_dgu_rows(const Fp8BackwardParams& q, const Task& t, int row0, int wg) {
+  const BackwardParams& p = q.base;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int inter = p.routed.inter, n0 = t.n * kBlockN, blocks = inter - n0 > kBlockM ? 2 : 1;
+  const int units = 64 * 2 * blocks;  // (row, dgate or dup, block)
+  constexpr int kInFlight = 8;
+  sync_warpgroup(wg);  // the warpgroup's dgate|dup stores are done (and visible to it)
+  const std::int64_t row_base = row0 + wg * 64;
+#pragma unroll 1
+  for (int first = 2 * warp; first < units; first += 8 * kInFlight) {
+    uint4 bits[kInFlight];
+    int column[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const int unit = first + 8 * j + lane / 16, r = unit % 64, which = (unit / 64) % 2, b = unit / 128;
+      column[j] = which * inter + n0 + b * kBlockM;
+      bits[j] = unit < units ? __ldcg(reinterpret_cast<const uint4*>(p.routed.gu + (row_base + r) * 2 * inter + column[j]) +
+                                      lane % 16)
+                             : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const int unit = first + 8 * j + lane / 16, r = unit % 64;
+      const std::uint32_t w[4] = {bits[j].x, bits[j].y, bits[j].z, bits[j].w};
+      float v[8];
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack_bf16x2(w[i]);
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+      for (int offset = 1; offset < 16; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      if (unit >= units) continue;
+      const int e = fp8_scale_exponent(amax);
+      const std::int64_t row = row_base + r;
+      *reinterpret_cast<uint2*>(q.dgu_values + row * 2 * inter + column[j] + 8 * (lane % 16)) =
+          make_uint2(pack_e4m3x4(ldexpf(v[0], -e), ldexpf(v[1], -e), ldexpf(v[2], -e), ldexpf(v[3], -e)),
+                     pack_e4m3x4(ldexpf(v[4], -e), ldexpf(v[5], -e), ldexpf(v[6], -e), ldexpf(v[7], -e)));
+      if (lane % 16 == 0) q.dgu_scales[column[j] / kFp8BlockK * q.capacity + row] = ldexpf(1.0f, e);
+    }
+  }
+}
+
+template <typename Sched, typename Q>
+__device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, int wg) {
+  const BackwardParams& p = base_of(q);
   Pipeline<kStages> pipe;
   float acc[128];
   bool rows_ready = false;
@@ -63,7 +132,6 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
   PhaseTimer timer(backward_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
-    const bool counts_reads = read_counter(p, t) != nullptr;
     switch_read(s.reads[wg], read_counter(p, t));
     timer.lap<Phase::other>();
     if (t.kind == kCombine) {
@@ -90,16 +158,24 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
     const ExpertSetData& d = t.shared ? p.shared : p.routed;
     if (t.kind == kDh || t.kind == kDx) {
       const int row0 = tile_row0(p, t);
+      bool fp8 = false;
+      if constexpr (kFp8Dgrad<Q>) {
+        fp8 = fp8_task<Q>(t);
+        if (fp8) mainloop_fp8(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, wg, task,
+                              fp8_scales(q, t, row0 + wg * 64));
+      }
       if (t.kind == kDh) {
-        mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
+        if (!fp8) mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
         timer.lap<Phase::mainloop_dh>();
         epilogue_dh(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
+        if constexpr (kFp8Dgrad<Q>)
+          if (fp8) quantize_dgu_rows(q, t, row0, wg);
         if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);  // (after the epilogue: acc's registers are free)
         fence_proxy_async_global();  // TMA loads of other CTAs read these rows next
         publish_count(p.counters.dgu_ready + dgu_counter(p, t, t.m), 1, wg);
         timer.lap<Phase::epilogue_dh>();
       } else {
-        mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
+        if (!fp8) mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
         timer.lap<Phase::mainloop_dx>();
         const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
         const bool push = p.ep.push && !t.shared;
@@ -114,7 +190,7 @@ __device__ void run_consumer(const BackwardParams& p, SharedStorage& s, const Sc
       mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task);
       timer.lap<Phase::mainloop_wgrad>();
       epilogue_weight(p, s, acc, t, wg, count == 0);
-      if (threadIdx.x % 128 == 0 && counts_reads && (count > 0 || t.kind == kWd))  // (an expert without
+      if (threadIdx.x % 128 == 0 && read_counter(p, t) != nullptr && (count > 0 || t.kind == kWd))  // (an expert without
         ++s.reads[wg].count;                                                             //  rows has no dx tiles)
       if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);
       timer.lap<Phase::epilogue_wgrad>();
@@ -166,16 +242,26 @@ __device__ void bwd_run_comm(const BackwardParams& p, const RingSources& sources
 
 // The backward as a policy of the persistent skeleton (kernels/common/skeleton.cuh): one rank's
 // backward on CTAs cta = 0 .. ctas - 1 of those serving it.
-template <bool kRing>
+// The FP8 dgrad kernel's shared storage: the BF16 kernel's and the CTA's schedule, which its
+// roles read from here once a task (in registers beside the FP8 mainloop's accumulators, it
+// spilled in both roles).
+struct Fp8Storage : SharedStorage {
+  Schedule<false> schedule;
+};
+
+// Q: BackwardParams, or Fp8BackwardParams (the FP8 dgrad: one GPU, no ring).
+template <bool kRing, typename Q = BackwardParams>
 struct BackwardKernel {
-  using Storage = SharedStorage;
+  using Storage = std::conditional_t<kFp8Dgrad<Q>, Fp8Storage, SharedStorage>;
   // The producer's dy loads are 3-D (two regions: BackwardParams::dy_split): at 40 registers
   // it spilled, so the backward takes the FP8 forward's split.
   static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
-  using P = BackwardParams;
+  using P = Q;
+  static_assert(!kRing || !kFp8Dgrad<Q>, "the FP8 dgrad runs on one GPU");
 
-  __device__ static bool stalled(const P& p) { return p.ep.stalled; }
-  __device__ static bool inputs_valid(const P& p, int cta, int ctas) {
+  __device__ static bool stalled(const P& q) { return base_of(q).ep.stalled; }
+  __device__ static bool inputs_valid(const P& q, int cta, int ctas) {
+    const BackwardParams& p = base_of(q);
     if (!all_plans_ok(p, true)) {
       poison_output(p, KernelStatus::bad_plan, cta, ctas);
       return false;
@@ -191,25 +277,39 @@ struct BackwardKernel {
     }
     return true;
   }
-  __device__ static void init_shared(const P&, Storage& s, int) {
+  __device__ static void init_shared(const P& q, Storage& s, int cta) {
     if (threadIdx.x < kConsumerWarpgroups) s.reads[threadIdx.x] = {nullptr, 0};
+    if constexpr (kFp8Dgrad<Q>) {
+      if (threadIdx.x == 0) s.schedule = schedule(q, cta, static_cast<int>(gridDim.x));
+      if (threadIdx.x == 32)
+        for (const CUtensorMap* map : {&q.maps.dy, &q.maps.down_t, &q.maps.dgu, &q.maps.gate_up_t}) tma_prefetch_descriptor(map);
+    }
   }
-  __device__ static bool is_comm(const P& p, int cta) { return kRing && cta < p.ring.comm_ctas; }
-  __device__ static void run_comm(const P& p, const RingSources& sources, Storage& s, int cta) {
-    bwd_run_comm(p, sources, s, cta, p.ring.comm_ctas);
+  __device__ static bool is_comm(const P& q, int cta) { return kRing && cta < base_of(q).ring.comm_ctas; }
+  __device__ static void run_comm(const P& q, const RingSources& sources, Storage& s, int cta) {
+    if constexpr (!kFp8Dgrad<Q>) bwd_run_comm(q, sources, s, cta, q.ring.comm_ctas);
   }
-  __device__ static Schedule<kRing> schedule(const P& p, int cta, int ctas) {
+  __device__ static Schedule<kRing> schedule(const P& q, int cta, int ctas) {
+    const BackwardParams& p = base_of(q);
     return Schedule<kRing>(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
   }
-  __device__ static void produce(const P& p, Storage& s, const Schedule<kRing>& sched) { run_producer(p, s, sched); }
+  __device__ static void produce(const P& p, Storage& s, const Schedule<kRing>& sched) {
+    if constexpr (kFp8Dgrad<Q>) run_producer(p, s, s.schedule);
+    else run_producer(p, s, sched);
+  }
   __device__ static void consume(const P& p, Storage& s, const Schedule<kRing>& sched, int wg) {
-    run_consumer(p, s, sched, wg);
+    if constexpr (kFp8Dgrad<Q>) run_consumer(p, s, s.schedule, wg);
+    else run_consumer(p, s, sched, wg);
   }
 };
 
 template <bool kRing>
 __device__ __forceinline__ void run_backward(const BackwardParams& p, const RingSources& sources, int cta, int ctas) {
   run_persistent<BackwardKernel<kRing>>(p, cta, ctas, sources);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) backward_fp8_kernel(const __grid_constant__ Fp8BackwardParams q) {
+  run_persistent<BackwardKernel<false, Fp8BackwardParams>>(q, blockIdx.x, gridDim.x, RingSources{});
 }
 
 struct BackwardLaunch {  // the plain kernel's parameters
@@ -230,11 +330,16 @@ __global__ void __launch_bounds__(kThreads, 1) backward_group_kernel(const __gri
 }  // namespace
 
 std::size_t backward_shared_memory_bytes() { return shared_storage_bytes<SharedStorage>(); }
+static_assert(shared_storage_bytes<Fp8Storage>() <= kMaxSharedMemoryBytes, "shared memory over the sm_90 opt-in limit");
 
 void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream, const RingSources& sources) {
   const BackwardLaunch launch{params, sources};
   if (params.ring.comm_ctas > 0) launch_persistent<backward_kernel<true>>(backward_shared_memory_bytes(), kThreads, launch, num_ctas, stream);
   else launch_persistent<backward_kernel<false>>(backward_shared_memory_bytes(), kThreads, launch, num_ctas, stream);
+}
+
+void launch_backward_fp8(const Fp8BackwardParams& params, int num_ctas, cudaStream_t stream) {
+  launch_persistent<backward_fp8_kernel>(shared_storage_bytes<Fp8Storage>(), kThreads, params, num_ctas, stream);
 }
 
 void load_backward_kernels() {

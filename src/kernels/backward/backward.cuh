@@ -114,6 +114,29 @@ struct BackwardParams {
 
 void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream, const RingSources& sources = {});
 
+// Precision::fp8 with its dgrad (one GPU, no ring): the routed dh and dx tiles in E4M3 with
+// DeepSeek-V3's blockwise scaling (the FP8 forward's mainloop, kernels/fp8/mainloop_fp8.cuh);
+// the weight gradients, the shared expert and the combine as the BF16 kernel.
+struct Fp8DgradMaps {
+  CUtensorMap dy;         // E4M3 [capacity, H]: A of dh (the routed dy rows, per 1 x 128); box 128 x 128
+  CUtensorMap down_t;     // E4M3 [E_l, I, H]: B of dh (W_down^T); box 128 x 128 x 1
+  CUtensorMap dgu;        // E4M3 [capacity, 2I]: A of dx (dgate | dup, per 1 x 128); box 128 x 128
+  CUtensorMap gate_up_t;  // E4M3 [E_l, H, 2I]: B of dx (W_gate^T | W_up^T); box 128 x 128 x 1
+};
+
+struct Fp8BackwardParams {
+  BackwardParams base;  // (no EP, no ring)
+  Fp8DgradMaps maps;
+  std::int64_t capacity;               // plan rows: the stride of the row scales
+  const float* dy_scales;              // [H / 128, capacity]: row r's block b scale (a power of two)
+  std::uint8_t* dgu_values;            // [capacity, 2I] E4M3, written by the dh tiles
+  float* dgu_scales;                   // [2I / 128, capacity], written by the dh tiles
+  const std::int32_t* down_t_exponents;     // [E_l, I / 128, H / 128]: block (i, j) scale 2^e
+  const std::int32_t* gate_up_t_exponents;  // [E_l, H / 128, 2I / 128]
+};
+
+void launch_backward_fp8(const Fp8BackwardParams& params, int num_ctas, cudaStream_t stream);
+
 // Virtual ranks: one launch serving every rank (see ForwardGroupParams).
 struct BackwardGroupParams {
   BackwardParams rank[kMaxEpRanks];

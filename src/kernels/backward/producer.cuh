@@ -18,6 +18,7 @@
 #include "mok/ptx/mbarrier.cuh"
 #include "mok/ptx/tma.cuh"
 #include "kernels/backward/tasks.cuh"
+#include "kernels/fp8/mainloop_fp8.cuh"
 
 namespace mok::kernels::bwd {
 
@@ -27,8 +28,12 @@ using namespace mok::ptx;
 
 // One thread issues every load. Boxes entirely past the matrix edge are not loaded: their
 // accumulator rows/columns are never stored.
-template <typename Sched>
-__device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sched& sched) {
+// The FP8 dgrad (Fp8BackwardParams): a routed dh or dx task's stages hold 128 of K in E4M3 —
+// A = its 128 rows (dy, or dgate|dup), B = 256 rows of W_down^T or [W_gate^T | W_up^T] as two
+// halves of 128 (past I or H: zero-filled) — each K block one scale block of every operand.
+template <typename Sched, typename Q>
+__device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
+  const BackwardParams& p = base_of(q);
   Pipeline<kStages> pipe;
   int rows_seen = -2;  // the expert (-1: shared) whose dh tiles this CTA's weight tasks saw done
   bool dw_down_seen = false;  // rows_in_grads: every routed dW_down tile seen done
@@ -90,6 +95,25 @@ __device__ void run_producer(const BackwardParams& p, SharedStorage& s, const Sc
       dw_down_seen = dw_down_seen || site == WaitSite::grad_rows_read;  // (it stays done)
     }
     if (t.kind != kDh) fence_proxy_async_global();  // dgu, w h written by generic stores of other CTAs
+    if constexpr (kFp8Dgrad<Q>) {
+      if (fp8_task<Q>(t)) {
+        const bool dh = t.kind == kDh;
+        const CUtensorMap* a_map = dh ? &q.maps.dy : &q.maps.dgu;
+        const CUtensorMap* b_map = dh ? &q.maps.down_t : &q.maps.gate_up_t;
+        const int n0 = t.n * kBlockN, steps = (dh ? p.hidden : 2 * inter) / kFp8BlockK;
+        for (int kb = 0; kb < steps; ++kb) {
+          std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, 3 * kFp8TileBytes);
+          SharedStorage::Stage& st = s.stages[pipe.stage()];
+          char* b = reinterpret_cast<char*>(st.b);
+          const int k0 = kb * kFp8BlockK;
+          tma_load_2d(st.a, a_map, full, k0, row0);
+          tma_load_3d(b, b_map, full, k0, n0, t.e);
+          tma_load_3d(b + kFp8TileBytes, b_map, full, k0, n0 + kBlockM, t.e);
+          pipe.producer_commit();
+        }
+        continue;
+      }
+    }
     // Boxes of this task: A (K-major: one; MN-major: up to two), B (up to four MN-major).
     const int n0 = t.n * kBlockN, m0 = t.m * kBlockM;
     const int b_limit = t.kind == kDh ? inter : t.kind == kWd ? inter : p.hidden;

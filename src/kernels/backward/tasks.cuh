@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/backward/backward.cuh"
 #include "kernels/common/boxes.hpp"
@@ -180,6 +181,17 @@ struct Schedule {
     return kConsumerWarpgroups * (routed_tiles(p) + m_shared) * n_dx;
   }
 };
+
+// The BF16 kernel's params of either kernel's (Fp8BackwardParams: its base), and whether
+// a task is one of the FP8 dgrad's (the routed dh and dx tiles).
+__device__ __forceinline__ const BackwardParams& base_of(const BackwardParams& p) { return p; }
+__device__ __forceinline__ const BackwardParams& base_of(const Fp8BackwardParams& q) { return q.base; }
+template <typename Q>
+inline constexpr bool kFp8Dgrad = std::is_same_v<Q, Fp8BackwardParams>;
+template <typename Q>
+__device__ __forceinline__ bool fp8_task(const Task& t) {
+  return kFp8Dgrad<Q> && !t.shared && (t.kind == kDh || t.kind == kDx);
+}
 
 // First row of an M-tile task's rows (routed: the plan's tile row; shared: token order).
 __device__ __forceinline__ int tile_row0(const BackwardParams& p, const Task& t) {

@@ -24,10 +24,13 @@ inline constexpr Box kBoxMN{64, 64};
 // fp32 slot rows: 128 bytes (32 floats) by 64 rows.
 inline constexpr Box kBoxSlots{32, 64};
 
-// The FP8 forward's E4M3 tiles (1 byte an element, so one 128-byte swizzle atom is 128 of K):
+// The FP8 kernels' E4M3 tiles (1 byte an element, so one 128-byte swizzle atom is 128 of K):
 // 128 rows (x rows, h rows, w_down's 128-column N-tile) and the 64-row halves (w_gate's and
-// w_up's rows of one GEMM1 pass; a consumer warpgroup's h store).
+// w_up's rows of one GEMM1 pass; a consumer warpgroup's h store; the backward's dy rows, dgate|dup
+// rows and transposed weights).
 inline constexpr Box kBoxFp8{128, 128};
+// K of an FP8 stage: one 128-byte swizzle atom of E4M3, which is one scale block of every operand.
+inline constexpr int kFp8BlockK = 128;
 inline constexpr Box kBoxFp8Half{128, 64};
 
 }  // namespace mok::kernels

@@ -42,6 +42,7 @@
 #include "kernels/forward/producer.cuh"
 #include "kernels/forward/tasks.cuh"
 #include "kernels/fp8/fp8_math.cuh"
+#include "kernels/fp8/mainloop_fp8.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/tma.cuh"
 #include "mok/ptx/wgmma.cuh"
@@ -55,9 +56,8 @@ namespace {
 using namespace mok::ptx;
 using namespace fwd;
 
-constexpr std::uint32_t kFp8TileBytes = kBlockM * kFp8BlockK;  // 16 KB: A, or one half of B, of a stage
 static_assert(kFp8TileBytes == sizeof(SharedStorage::Stage::a) && 2 * kFp8TileBytes == sizeof(SharedStorage::Stage::b));
-static_assert(kBoxFp8.bytes(1) == kFp8TileBytes && kBoxFp8.cols == kFp8BlockK && kBoxFp8.rows == kBlockM);
+static_assert(kBoxFp8.rows == kBlockM);
 static_assert(kBlockN == 2 * kBlockM && kGemm1Columns == kBlockM, "each half of B is one 128 x 128 weight block");
 static_assert(kBoxFp8Half.bytes(1) <= sizeof(SharedStorage::h_staging[0]) && kBoxFp8Half.rows == 64 &&
               kBoxFp8Half.cols == kGemm1Columns, "a warpgroup's E4M3 h tile is one box of its staging");
@@ -100,72 +100,6 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
 }
 
 // --------------------------------------------------------------------------------- consumers
-
-// The scales of one routed task: A's per row and 128 K ([K / 128, capacity], this
-// warpgroup's rows from a_rows), B's per 128 x 128 block (exponents, one a K block: b[0] for
-// B's rows 0-127, b[1] for rows 128-255).
-struct TaskScales {
-  const float* a_rows;
-  std::int64_t a_stride;
-  const std::int32_t* b[2];
-};
-
-// One routed GEMM over k_steps stages: acc (the BF16 kernel's layout: B's rows 0-127 in
-// acc[0, 64), rows 128-255 in acc[64, 128)) = the sum over K blocks kb, in ascending order,
-// of (A_kb B_kb^T) * a_scale(row, kb) * b_scale(half, kb). Each half's four MMAs sum into
-// the block accumulator (the tensor cores' own precision inside one scale block), which is
-// then promoted in fp32.
-__device__ __forceinline__ void mainloop_fp8(const ForwardParams& p, SharedStorage& s, Pipeline<kStages>& pipe,
-                                             float (&acc)[128], int k_steps, int wg, int task, const TaskScales& sc) {
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const float* a_rows = sc.a_rows + warp * 16 + lane / 4;  // this thread's rows r and r + 8
-  // (Both zeroed, and apart from the BF16 branch's array: an accumulator that enters the
-  // loop undefined, or one array for both branches, made ptxas serialize the MMAs or spill.)
-  float block[64];
-#pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 64; ++i) block[i] = 0.0f;
-  // The scales of block kb, loaded one block ahead (an L2 load's latency is longer than the
-  // block's MMAs). A's are read only after the task's first stage has landed: GEMM2's h
-  // scales are published with the h rows its producer waited for before that stage's loads
-  // (all of the tile's K blocks at once).
-  float a_lo = 0.0f, a_hi = 0.0f;
-  int e0 = __ldg(sc.b[0]), e1 = __ldg(sc.b[1]);  // (weights: constant during the kernel)
-  for (int kb = 0; kb < k_steps; ++kb) {
-    const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    if (kb == 0) a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
-    float next_a_lo = 0.0f, next_a_hi = 0.0f;
-    int next_e0 = 0, next_e1 = 0;
-    if (kb + 1 < k_steps) {
-      next_a_lo = __ldcg(a_rows + (kb + 1) * sc.a_stride), next_a_hi = __ldcg(a_rows + (kb + 1) * sc.a_stride + 8);
-      next_e0 = __ldg(sc.b[0] + kb + 1), next_e1 = __ldg(sc.b[1] + kb + 1);
-    }
-    const auto& stage = s.stages[stage_index];
-    const std::uint64_t desc_a = KMajor::descriptor(reinterpret_cast<const char*>(stage.a) + wg * 64 * kFp8BlockK);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const std::uint64_t desc_b = KMajor::descriptor(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
-        wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
-      wgmma_commit_group();
-      wgmma_wait_group<0>();
-#pragma unroll
-      for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(block[i])::"memory");  // no read of the block before the wait
-      if (half == 1) {
-        if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
-        pipe.consumer_advance();
-      }
-      const float b_scale = ldexpf(1.0f, half == 0 ? e0 : e1);
-      const float scale[2] = {a_lo * b_scale, a_hi * b_scale};  // exact: powers of two
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
-    }
-    a_lo = next_a_lo, a_hi = next_a_hi, e0 = next_e0, e1 = next_e1;
-  }
-}
 
 // h = swiglu(gate, up) of this warpgroup's 64 rows x 128 columns as E4M3 with one
 // power-of-two scale a row (its 128 columns are one block): the row's largest |h| is a max
@@ -257,7 +191,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
     if (t.kind == kGemm1) {
       const int k_blocks = p.hidden / kFp8BlockK;
       const std::int64_t block_row = (static_cast<std::int64_t>(expert) * (p.inter / kGemm1Columns) + t.n) * k_blocks;
-      const TaskScales sc{q.x_scales + rows, q.capacity, {q.gate_exponents + block_row, q.up_exponents + block_row}};
+      const Fp8TaskScales sc{q.x_scales + rows, q.capacity, {q.gate_exponents + block_row, q.up_exponents + block_row}};
       mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm1>();
       epilogue_gemm1_fp8(q, s, acc, t, row0, wg, pending_hidden);
@@ -268,7 +202,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const int k_blocks = p.inter / kFp8BlockK, h_blocks = p.hidden / kBlockM;
       const std::int32_t* down = q.down_exponents + static_cast<std::int64_t>(expert) * h_blocks * k_blocks;
       const int b0 = 2 * t.n, b1 = b0 + 1 < h_blocks ? b0 + 1 : b0;
-      const TaskScales sc{q.h_scales + rows, q.capacity, {down + b0 * k_blocks, down + b1 * k_blocks}};
+      const Fp8TaskScales sc{q.h_scales + rows, q.capacity, {down + b0 * k_blocks, down + b1 * k_blocks}};
       mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm2>();
       epilogue_gemm2(p, s, acc, t, row0, wg);

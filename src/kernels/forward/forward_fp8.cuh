@@ -8,11 +8,10 @@
 
 #include <cstdint>
 
+#include "kernels/common/boxes.hpp"
 #include "kernels/forward/forward.cuh"
 
 namespace mok::kernels {
-
-inline constexpr int kFp8BlockK = 128;  // K of one stage: a 128-byte swizzle atom of E4M3, one scale block
 
 struct Fp8ForwardMaps {
   CUtensorMap x;         // E4M3 [capacity, H]: the routed rows, quantized per 1 x 128; box 128 x 128

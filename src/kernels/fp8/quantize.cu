@@ -32,32 +32,31 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParam
   amax = warp_max[0];
   for (int i = 1; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
   const int exponent = fp8_scale_exponent(amax);
-  const int row_blocks = (p.rows + kFp8Block - 1) / kFp8Block, col_blocks = (p.cols + kFp8Block - 1) / kFp8Block;
   auto value = [&](int r, int c) {
     const float x = ldexpf(bf16_value(w[static_cast<std::int64_t>(r) * p.row_stride + c]), -exponent);
     return static_cast<std::uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
   };
   if (!p.transpose) {
-    if (threadIdx.x == 0) p.exponents[(static_cast<std::int64_t>(e) * row_blocks + rb) * col_blocks + cb] = exponent;
-    std::uint8_t* out = p.values + (static_cast<std::int64_t>(e) * p.rows + r0) * p.cols + c0;
+    if (threadIdx.x == 0) p.exponents[e * p.exponents_expert_stride + rb * p.exponents_row_stride + cb] = exponent;
+    std::uint8_t* out = p.values + e * p.values_expert_stride + r0 * p.values_row_stride + c0;
     for (int i = threadIdx.x; i < rows * kFp8Block; i += kThreads) {
       const int r = i / kFp8Block, c = i % kFp8Block;
-      if (c < cols) out[static_cast<std::int64_t>(r) * p.cols + c] = value(r, c);
+      if (c < cols) out[r * p.values_row_stride + c] = value(r, c);
     }
     return;
   }
   // Transposed: the block's bytes through shared memory, then written as rows of W^T.
   __shared__ std::uint8_t tile[kFp8Block][kFp8Block + 4];
-  if (threadIdx.x == 0) p.exponents[(static_cast<std::int64_t>(e) * col_blocks + cb) * row_blocks + rb] = exponent;
+  if (threadIdx.x == 0) p.exponents[e * p.exponents_expert_stride + cb * p.exponents_row_stride + rb] = exponent;
   for (int i = threadIdx.x; i < rows * kFp8Block; i += kThreads) {
     const int r = i / kFp8Block, c = i % kFp8Block;
     if (c < cols) tile[c][r] = value(r, c);
   }
   __syncthreads();
-  std::uint8_t* out = p.values + (static_cast<std::int64_t>(e) * p.cols + c0) * p.rows + r0;
+  std::uint8_t* out = p.values + e * p.values_expert_stride + c0 * p.values_row_stride + r0;
   for (int i = threadIdx.x; i < cols * kFp8Block; i += kThreads) {
     const int c = i / kFp8Block, r = i % kFp8Block;
-    if (r < rows) out[static_cast<std::int64_t>(c) * p.rows + r] = tile[c][r];
+    if (r < rows) out[c * p.values_row_stride + r] = tile[c][r];
   }
 }
 

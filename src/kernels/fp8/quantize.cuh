@@ -14,11 +14,14 @@ inline constexpr int kFp8Block = 128;  // rows and columns of a weight block
 struct QuantizeParams {
   const std::uint16_t* w;   // bf16 [experts, rows, cols], contiguous rows
   std::int64_t expert_stride, row_stride;  // elements
-  std::uint8_t* values;     // E4M3 [experts, rows, cols], contiguous
+  std::uint8_t* values;     // E4M3 [experts, rows, cols], contiguous rows
   std::int32_t* exponents;  // [experts, ceil(rows / 128), ceil(cols / 128)]: the block's scale is 2^e
+  // Strides (elements) of values' and exponents' experts and rows (contiguous: rows * cols and
+  // cols, and the blocks'; a view of a larger tensor, e.g. one half of [W_gate^T | W_up^T]: its own)
+  std::int64_t values_expert_stride, values_row_stride, exponents_expert_stride, exponents_row_stride;
   int experts, rows, cols;
   // W^T instead: values [experts, cols, rows], exponents [experts, ceil(cols / 128), ceil(rows /
-  // 128)] (the same blocks, so the transposed values of the untransposed quantization): the
+  // 128)] (the strides are theirs) (the same blocks, so the transposed values of the untransposed quantization): the
   // K-major operand of a GEMM that multiplies by W^T (E4M3 wgmma reads K-major only).
   bool transpose = false;
 };

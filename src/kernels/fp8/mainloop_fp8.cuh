@@ -1,0 +1,86 @@
+// The FP8 mainloop of the persistent kernels (DeepSeek-V3's blockwise recipe, mok/fp8.hpp): a
+// stage holds 128 of K in E4M3 — A = 128 rows x 128 K, B = 256 rows x 128 K as two halves of
+// 128 rows — which is one scale block of every operand. Used by the FP8 forward's routed GEMMs
+// and the FP8 backward's dgrad GEMMs.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/common/boxes.hpp"
+#include "kernels/common/persistent.cuh"
+#include "kernels/common/pipeline.cuh"
+#include "mok/ptx/wgmma.cuh"
+
+namespace mok::kernels {
+
+inline constexpr std::uint32_t kFp8TileBytes = kBoxFp8.bytes(1);  // 16 KB: A, or one half of B, of a stage
+static_assert(kBoxFp8.cols == kFp8BlockK && kBoxFp8.rows == 128);
+
+// The scales of one FP8 task: A's per row and 128 K ([K / 128, capacity] fp32, this
+// warpgroup's rows from a_rows), B's per 128 x 128 block (exponents, one a K block: b[0] for
+// B's rows 0-127, b[1] for rows 128-255).
+struct Fp8TaskScales {
+  const float* a_rows;
+  int a_stride;  // (elements: the plan's capacity)
+  const std::int32_t* b[2];
+};
+
+// One FP8 GEMM over k_steps stages: acc (the BF16 mainloop's layout: B's rows 0-127 in
+// acc[0, 64), rows 128-255 in acc[64, 128)) = the sum over K blocks kb, in ascending order,
+// of (A_kb B_kb^T) * a_scale(row, kb) * b_scale(half, kb). Each half's four MMAs sum into
+// the block accumulator (the tensor cores' own precision inside one scale block), which is
+// then promoted in fp32. While one warpgroup promotes, the tensor cores run the other's MMAs.
+template <int kStages, typename P, typename S>
+__device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
+                                             int wg, int task, const Fp8TaskScales& sc) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const float* a_rows = sc.a_rows + warp * 16 + lane / 4;  // this thread's rows r and r + 8
+  // (Both zeroed, and apart from a BF16 branch's array: an accumulator that enters the loop
+  // undefined, or one array for both branches, made ptxas serialize the MMAs or spill.)
+  float block[64];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) block[i] = 0.0f;
+  // The scales of block kb, loaded one block ahead (an L2 load's latency is longer than the
+  // block's MMAs). A's are read only after the task's first stage has landed: scales written
+  // by other CTAs (h, dgate|dup) are published with the rows the producer waited for before
+  // that stage's loads (all of the tile's K blocks at once).
+  float a_lo = 0.0f, a_hi = 0.0f;
+  int e0 = __ldg(sc.b[0]), e1 = __ldg(sc.b[1]);  // (weights: constant during the kernel)
+  for (int kb = 0; kb < k_steps; ++kb) {
+    const int stage_index = pipe.consumer_wait(p, s.barriers, task);
+    if (kb == 0) a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
+    float next_a_lo = 0.0f, next_a_hi = 0.0f;
+    int next_e0 = 0, next_e1 = 0;
+    if (kb + 1 < k_steps) {
+      next_a_lo = __ldcg(a_rows + (kb + 1) * sc.a_stride), next_a_hi = __ldcg(a_rows + (kb + 1) * sc.a_stride + 8);
+      next_e0 = __ldg(sc.b[0] + kb + 1), next_e1 = __ldg(sc.b[1] + kb + 1);
+    }
+    const auto& stage = s.stages[stage_index];
+    const std::uint64_t desc_a = KMajor::descriptor(reinterpret_cast<const char*>(stage.a) + wg * 64 * kFp8BlockK);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::uint64_t desc_b = KMajor::descriptor(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
+        ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
+      ptx::wgmma_commit_group();
+      ptx::wgmma_wait_group<0>();
+#pragma unroll
+      for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(block[i])::"memory");  // no read of the block before the wait
+      if (half == 1) {
+        if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
+        pipe.consumer_advance();
+      }
+      const float b_scale = ldexpf(1.0f, half == 0 ? e0 : e1);
+      const float scale[2] = {a_lo * b_scale, a_hi * b_scale};  // exact: powers of two
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
+    }
+    a_lo = next_a_lo, a_hi = next_a_hi, e0 = next_e0, e1 = next_e1;
+  }
+}
+
+}  // namespace mok::kernels

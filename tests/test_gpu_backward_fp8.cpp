@@ -1,0 +1,153 @@
+// The FP8 dgrad (Precision::fp8 with BackwardArgs::fp8): the routed dh and dx GEMMs in E4M3.
+// Every gradient against the fp64 reference of its recipe (reference::backward_fp8: the same
+// quantized operands, exact sums) on fresh random inputs with the outputs poisoned first; the
+// transposed weights against the forward's quantization; bitwise determinism across runs and
+// SM counts. (Its accuracy against the exact layer: test_gpu_forward_fp8.cpp; its argument
+// errors: test_validate.cpp and Fp8Backward.RejectsMisuse.)
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "gpu_fp8.hpp"
+#include "gpu_grads.hpp"
+#include "gpu_problem.hpp"
+#include "mok/backward.hpp"
+#include "mok/error.hpp"
+#include "mok/forward.hpp"
+#include "mok/fp8.hpp"
+
+namespace mok {
+namespace {
+
+using testing::Case;
+using testing::DeviceBuffer;
+using testing::fp8_args;
+using testing::fp8_config;
+using testing::GpuProblem;
+using testing::QuantizedWeights;
+using testing::shape_of;
+
+// One FP8 training step (forward with Training::save, then the backward with the FP8 dgrad)
+// into grads (poisoned first).
+void train_step(const GpuProblem& gpu, const QuantizedWeights& q, const testing::GpuGrads& grads, Workspace& ws) {
+  DeviceBuffer<bf16> saved(ws.saved_elements());
+  gpu.poison_output();
+  forward(fp8_args(gpu, q), ws, nullptr, testing::saved_view(saved));
+  grads.poison();
+  BackwardArgs b = grads.args();
+  b.fp8 = q.dgrad;
+  backward(fp8_args(gpu, q), b, ws, nullptr, testing::saved_view(saved));
+  ws.check(nullptr);
+}
+
+// The recipe's fp64 gradients differ from the kernel's in the sums (the tensor cores' inside a
+// 128-K block, fp32 promotion), in dgate|dup's rounding to bf16 before E4M3 (the kernel
+// quantizes the bf16 values the weight gradients read) and in the E4M3 roundings those move
+// across a boundary: testing::expect_gradients' bars (relative error 1 %, cosine 0.9999).
+class Fp8BackwardCases : public ::testing::TestWithParam<std::pair<Case, bool>> {};
+
+TEST_P(Fp8BackwardCases, MatchesTheRecipeReference) {
+  MOK_REQUIRE_HOPPER();
+  const auto [c, f32] = GetParam();
+  const MoeShape s = shape_of(c);
+  const HostProblem host = make_problem(s, c.tokens, c.routing, 71 + c.tokens);
+  GpuProblem gpu(host);
+  const QuantizedWeights q(gpu);
+  const auto dy = testing::random_bf16(host.x.size(), 17 + c.tokens);
+  testing::GpuGrads grads(gpu, dy, f32);
+  Workspace ws(s, c.tokens, fp8_config(), Training::save);
+  std::vector<std::vector<double>> base;  // (f32 gradients are accumulated into: zero them)
+  if (f32)
+    for (auto* g : {&grads.d_gate, &grads.d_up, &grads.d_down, &grads.d_sgate, &grads.d_sup, &grads.d_sdown}) {
+      cudaMemset(g->get(), 0, g->size());
+      base.emplace_back(g->size() / 4, 0.0);
+    }
+  train_step(gpu, q, grads, ws);
+  const auto x = host.reference_x();
+  const auto ref = reference::backward_fp8(s, c.tokens, x, host.reference_routing(), host.reference_weights(),
+                                           reference::to_double(dy), /*fp8_dgrad=*/true);
+  testing::expect_gradients(ref, grads, c.name, base);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fp8Backward, Fp8BackwardCases,
+    ::testing::Values(std::pair{Case{"plain", 500, 256, 256, 8, 2, 0, 0, RoutingKind::uniform}, false},
+                      std::pair{Case{"shared_padded_clamp", 301, 256, 256, 8, 2, 128, 0.75f, RoutingKind::padded}, false},
+                      std::pair{Case{"i384_h384_skewed", 400, 384, 384, 8, 2, 0, 0, RoutingKind::skewed}, false},
+                      std::pair{Case{"h512_i128_f32", 333, 512, 128, 4, 2, 128, 0, RoutingKind::uniform}, true}),
+    [](const auto& info) { return std::string(info.param.first.name); });
+
+// W_down^T and [W_gate^T | W_up^T] from quantize_dgrad_weights are the forward's quantized
+// blocks transposed: the same bytes and exponents.
+TEST(Fp8Backward, DgradWeightsAreTheForwardBlocksTransposed) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 384, 256, 3, 2, 0, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 10, RoutingKind::uniform, 3);
+  GpuProblem gpu(host);
+  const QuantizedWeights q(gpu);
+  const std::int64_t E = s.num_local_experts, H = s.hidden, I = s.intermediate, Hb = H / 128, Ib = I / 128;
+  const auto down = q.down.download(), down_t = q.down_t.download(), gate = q.gate.download(), up = q.up.download();
+  const auto gate_up_t = q.gate_up_t.download();
+  const auto down_x = q.down_exponents.download(), down_t_x = q.down_t_exponents.download();
+  const auto gate_x = q.gate_exponents.download(), up_x = q.up_exponents.download();
+  const auto gate_up_t_x = q.gate_up_t_exponents.download();
+  std::int64_t bad = 0;
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t i = 0; i < I; ++i) {
+        bad += down_t[(e * I + i) * H + h] != down[(e * H + h) * I + i];
+        bad += gate_up_t[(e * H + h) * 2 * I + i] != gate[(e * I + i) * H + h];
+        bad += gate_up_t[(e * H + h) * 2 * I + I + i] != up[(e * I + i) * H + h];
+      }
+  EXPECT_EQ(bad, 0) << "values differing from the forward's quantization";
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t hb = 0; hb < Hb; ++hb)
+      for (std::int64_t ib = 0; ib < Ib; ++ib) {
+        EXPECT_EQ(down_t_x[(e * Ib + ib) * Hb + hb], down_x[(e * Hb + hb) * Ib + ib]);
+        EXPECT_EQ(gate_up_t_x[(e * Hb + hb) * 2 * Ib + ib], gate_x[(e * Ib + ib) * Hb + hb]);
+        EXPECT_EQ(gate_up_t_x[(e * Hb + hb) * 2 * Ib + Ib + ib], up_x[(e * Ib + ib) * Hb + hb]);
+      }
+}
+
+TEST(Fp8Backward, BitwiseEqualAcrossRunsAndSmCounts) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 512, 384, 8, 2, 256, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 1500, RoutingKind::skewed, 33);
+  GpuProblem gpu(host);
+  const QuantizedWeights q(gpu);
+  const auto dy = testing::random_bf16(host.x.size(), 34);
+  std::vector<std::vector<std::uint8_t>> runs;
+  for (int sms : {0, 0, 7, 61}) {
+    testing::GpuGrads grads(gpu, dy, false);
+    Workspace ws(s, host.tokens, fp8_config(sms), Training::save);
+    train_step(gpu, q, grads, ws);
+    train_step(gpu, q, grads, ws);  // (the second call of a workspace replays a graph of its launches)
+    runs.push_back(grads.snapshot());
+  }
+  for (std::size_t i = 1; i < runs.size(); ++i) EXPECT_TRUE(runs[0] == runs[i]) << "run " << i;
+}
+
+TEST(Fp8Backward, RejectsMisuse) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 256, 256, 4, 2, 0, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 64, RoutingKind::uniform, 9);
+  GpuProblem gpu(host);
+  const QuantizedWeights q(gpu);
+  testing::GpuGrads grads(gpu, testing::random_bf16(host.x.size(), 10), false);
+  Workspace ws(s, host.tokens, Config{}, Training::save);  // bf16
+  DeviceBuffer<bf16> saved(ws.saved_elements());
+  forward(gpu.args(), ws, nullptr, testing::saved_view(saved));
+  BackwardArgs b = grads.args();
+  b.fp8 = q.dgrad;
+  try {
+    backward(gpu.args(), b, ws, nullptr, testing::saved_view(saved));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'fp8'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("precision is bf16"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace mok
