@@ -242,17 +242,10 @@ __device__ void bwd_run_comm(const BackwardParams& p, const RingSources& sources
 
 // The backward as a policy of the persistent skeleton (kernels/common/skeleton.cuh): one rank's
 // backward on CTAs cta = 0 .. ctas - 1 of those serving it.
-// The FP8 dgrad kernel's shared storage: the BF16 kernel's and the CTA's schedule, which its
-// roles read from here once a task (in registers beside the FP8 mainloop's accumulators, it
-// spilled in both roles).
-struct Fp8Storage : SharedStorage {
-  Schedule<false> schedule;
-};
-
 // Q: BackwardParams, or Fp8BackwardParams (the FP8 dgrad: one GPU, no ring).
 template <bool kRing, typename Q = BackwardParams>
 struct BackwardKernel {
-  using Storage = std::conditional_t<kFp8Dgrad<Q>, Fp8Storage, SharedStorage>;
+  using Storage = SharedStorage;
   // The producer's dy loads are 3-D (two regions: BackwardParams::dy_split): at 40 registers
   // it spilled, so the backward takes the FP8 forward's split.
   static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
@@ -330,7 +323,6 @@ __global__ void __launch_bounds__(kThreads, 1) backward_group_kernel(const __gri
 }  // namespace
 
 std::size_t backward_shared_memory_bytes() { return shared_storage_bytes<SharedStorage>(); }
-static_assert(shared_storage_bytes<Fp8Storage>() <= kMaxSharedMemoryBytes, "shared memory over the sm_90 opt-in limit");
 
 void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream, const RingSources& sources) {
   const BackwardLaunch launch{params, sources};
@@ -339,7 +331,7 @@ void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t st
 }
 
 void launch_backward_fp8(const Fp8BackwardParams& params, int num_ctas, cudaStream_t stream) {
-  launch_persistent<backward_fp8_kernel>(shared_storage_bytes<Fp8Storage>(), kThreads, params, num_ctas, stream);
+  launch_persistent<backward_fp8_kernel>(backward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
 }
 
 void load_backward_kernels() {

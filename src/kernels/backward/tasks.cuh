@@ -34,22 +34,6 @@ struct ReadCount {
   int count;     // tiles not yet counted in it
 };
 
-struct alignas(1024) SharedStorage {
-  struct alignas(1024) Stage {
-    std::uint16_t a[kBlockM * kBlockK];  // 16 KB: K-major 128 x 64, or two MN-major boxes
-    std::uint16_t b[kBlockN * kBlockK];  // 32 KB: four MN-major boxes
-  } stages[kStages];
-  union {
-    std::uint16_t staging[kConsumerWarpgroups][2 * 64 * 64];  // per warpgroup: 64 x 128 bf16 of a weight gradient
-    CommShared comm;  // comm CTAs (which have no epilogues)
-  };
-  PipelineBarriers<kStages> barriers;
-  PushedRows pushed[kConsumerWarpgroups];  // EP: rows pushed (dx rows, partials), not yet published
-  ReadCount reads[kConsumerWarpgroups];    // see switch_read()
-};
-static_assert(shared_storage_bytes<SharedStorage>() <= kMaxSharedMemoryBytes, "shared memory over the sm_90 opt-in limit");
-static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");
-
 enum TaskKind : int { kDh, kDx, kWd, kWgu, kCombine };
 
 struct Task {
@@ -181,6 +165,26 @@ struct Schedule {
     return kConsumerWarpgroups * (routed_tiles(p) + m_shared) * n_dx;
   }
 };
+
+struct alignas(1024) SharedStorage {
+  struct alignas(1024) Stage {
+    std::uint16_t a[kBlockM * kBlockK];  // 16 KB: K-major 128 x 64, or two MN-major boxes
+    std::uint16_t b[kBlockN * kBlockK];  // 32 KB: four MN-major boxes
+  } stages[kStages];
+  union {
+    std::uint16_t staging[kConsumerWarpgroups][2 * 64 * 64];  // per warpgroup: 64 x 128 bf16 of a weight gradient
+    CommShared comm;  // comm CTAs (which have no epilogues)
+  };
+  PipelineBarriers<kStages> barriers;
+  PushedRows pushed[kConsumerWarpgroups];  // EP: rows pushed (dx rows, partials), not yet published
+  ReadCount reads[kConsumerWarpgroups];    // see switch_read()
+  // The FP8 dgrad kernel's schedule of this CTA, which its roles read from here once a task (in
+  // registers beside the FP8 mainloop's accumulators it spilled; here it takes the slack before
+  // the storage's 1024-byte alignment).
+  Schedule<false> schedule;
+};
+static_assert(shared_storage_bytes<SharedStorage>() <= kMaxSharedMemoryBytes, "shared memory over the sm_90 opt-in limit");
+static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");
 
 // The BF16 kernel's params of either kernel's (Fp8BackwardParams: its base), and whether
 // a task is one of the FP8 dgrad's (the routed dh and dx tiles).

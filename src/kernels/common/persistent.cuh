@@ -53,8 +53,10 @@ static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * 128 *
 // 128-byte swizzle's atom); the launch asks for shared_storage_bytes<S>().
 template <typename S>
 constexpr std::size_t shared_storage_bytes() { return sizeof(S) + 1024; }
-// The most dynamic shared memory one CTA of sm_90 may opt in to (227 KiB).
-inline constexpr std::size_t kMaxSharedMemoryBytes = 227 * 1024;
+// The most dynamic shared memory one CTA of sm_90 may opt in to: 227 KiB for static and
+// dynamic together, less a reserve for the kernels' static shared variables (16 bytes: the EP
+// push's verdict; a launch over the sum fails with 'invalid argument').
+inline constexpr std::size_t kMaxSharedMemoryBytes = 227 * 1024 - 128;
 
 template <typename S>
 __device__ __forceinline__ S& shared_storage() {
