@@ -109,14 +109,20 @@ inline double cosine(const std::vector<double>& a, const std::vector<double>& b)
   return ab / std::sqrt(aa * bb);
 }
 
-inline void expect_close(const char* what, const std::vector<double>& got, const std::vector<double>& ref, const char* name) {
+// Bars of expect_close: the relative error and the cosine to the reference.
+struct Bars {
+  double max_rel = 1e-2, min_cos = 0.9999;
+};
+
+inline void expect_close(const char* what, const std::vector<double>& got, const std::vector<double>& ref, const char* name,
+                         Bars bars = {}) {
   ASSERT_EQ(got.size(), ref.size()) << what;
   std::int64_t bad = 0;
   for (double v : got) bad += !std::isfinite(v);
   EXPECT_EQ(bad, 0) << name << ": " << what << " has unwritten or non-finite values";
   const double rel = reference::relative_error(got, ref), cos = cosine(got, ref);
-  EXPECT_LE(rel, 1e-2) << name << ": " << what;
-  EXPECT_GE(cos, 0.9999) << name << ": " << what;
+  EXPECT_LE(rel, bars.max_rel) << name << ": " << what;
+  EXPECT_GE(cos, bars.min_cos) << name << ": " << what;
   ::testing::Test::RecordProperty(std::string("rel_error_") + what, std::to_string(rel));
 }
 
@@ -124,9 +130,9 @@ inline void expect_close(const char* what, const std::vector<double>& got, const
 // before the call (accumulation) or is empty.
 // Every gradient of g against ref (base: what f32 gradients held before the call).
 inline void expect_gradients(const reference::Gradients& ref, const GpuGrads& g, const char* name,
-                             const std::vector<std::vector<double>>& base = {}) {
-  expect_close("dx", reference::to_double(g.dx.download()), ref.x, name);
-  expect_close("d_topk_weights", reference::to_double(g.d_weights.download()), ref.topk_weights, name);
+                             const std::vector<std::vector<double>>& base = {}, Bars dx_bars = {}, Bars bars = {}) {
+  expect_close("dx", reference::to_double(g.dx.download()), ref.x, name, dx_bars);
+  expect_close("d_topk_weights", reference::to_double(g.d_weights.download()), ref.topk_weights, name, bars);
   const std::vector<const DeviceBuffer<std::uint8_t>*> bufs{&g.d_gate, &g.d_up, &g.d_down, &g.d_sgate, &g.d_sup, &g.d_sdown};
   const std::vector<const std::vector<double>*> refs{&ref.w.gate, &ref.w.up, &ref.w.down, &ref.w.shared_gate,
                                                      &ref.w.shared_up, &ref.w.shared_down};
@@ -136,7 +142,7 @@ inline void expect_gradients(const reference::Gradients& ref, const GpuGrads& g,
     auto got = GpuGrads::as_double(*bufs[i], g.f32);
     if (!base.empty())
       for (std::size_t j = 0; j < got.size(); ++j) got[j] -= base[i][j];
-    expect_close(names[i], got, *refs[i], name);
+    expect_close(names[i], got, *refs[i], name, bars);
   }
 }
 

@@ -55,7 +55,8 @@ Gradients backward(const MoeShape& shape, std::int64_t tokens, std::span<const d
 // backward will implement), in fp64: the routed experts' pre-activations are FP8 GEMM1's (x
 // per 1 x 128, weights per 128 x 128); dh = weight * W_down^T dy with dy quantized per 1 x 128
 // of the token; d_topk_weight = <W_down^T dy, h> on the same operands; dx gets W_gate^T dgate +
-// W_up^T dup with dgate and dup quantized per 1 x 128 of the pair's row (the transposed
+// W_up^T dup with dgate and dup rounded to bf16 (the values the weight gradients read) and
+// quantized per 1 x 128 of the pair's row (the transposed
 // weights have the same 128 x 128 blocks, so the same values); the weight gradients are the
 // BF16 backward's products of the unquantized x, dy, h and dgate / dup (straight through the
 // forward's quantization of h). The shared expert is the BF16 backward's. fp8_dgrad = false:

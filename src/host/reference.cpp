@@ -252,8 +252,14 @@ Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
         du[i] = a.up_pass[i] ? dh[i] * gv * sg : 0.0;
       }
       double* dxt = g.x.data() + t * H;
-      const std::vector<double> dgq = dgrad ? through_fp8(dg, 1, n, 1, 128) : std::vector<double>(dg, dg + n);
-      const std::vector<double> duq = dgrad ? through_fp8(du, 1, n, 1, 128) : std::vector<double>(du, du + n);
+      // (quantized from their bf16 values, which the weight gradients read: E4M3 of bf16, as the kernel)
+      auto through_bf16 = [n](const double* v) {
+        std::vector<double> r(n);
+        for (std::int64_t i = 0; i < n; ++i) r[i] = bf16::from_float(static_cast<float>(v[i])).to_float();
+        return r;
+      };
+      const std::vector<double> dgq = dgrad ? through_fp8(through_bf16(dg).data(), 1, n, 1, 128) : std::vector<double>(dg, dg + n);
+      const std::vector<double> duq = dgrad ? through_fp8(through_bf16(du).data(), 1, n, 1, 128) : std::vector<double>(du, du + n);
       for (std::int64_t i = 0; i < n; ++i) {
         axpy(dgq[i], ex.gate + i * H, dxt, H);
         axpy(duq[i], ex.up + i * H, dxt, H);
