@@ -210,8 +210,9 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   return p;
 }
 
-// Precision::fp8 with BackwardArgs::fp8, after the row copies: quantizes the routed dy rows
-// into buffers.dy_fp8 / dy_scales (as they are gathered again, from dy) and launches the FP8
+// Precision::fp8 with BackwardArgs::fp8, after the plan and x's row copy: gathers the routed dy
+// rows in one read of dy, quantized into buffers.dy_fp8 / dy_scales and in bf16 where the BF16
+// backward's dispatch would put them (the weight gradients read those), and launches the FP8
 // dgrad kernel on p (the BF16 kernel's params of the call).
 void launch_backward_fp8(const BackwardArgs& b, Workspace& ws, const CallBuffers& buffers,
                          const kernels::BackwardParams& p, cudaStream_t stream, std::string_view where) {
@@ -231,6 +232,9 @@ void launch_backward_fp8(const BackwardArgs& b, Workspace& ws, const CallBuffers
   rows.hidden = static_cast<int>(H);
   rows.top_k = static_cast<int>(s.top_k);
   rows.num_local_experts = static_cast<int>(El);
+  rows.rows_bf16 = buffers.dy_rows;
+  rows.rows_bf16_hi = buffers.dy_rows_hi;
+  rows.split = buffers.dy_split;
   kernels::launch_quantize_rows(rows, 4 * ctas, stream);
   cuda_check(cudaGetLastError(), where, "launching the FP8 dy row gather");
 
@@ -283,7 +287,7 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     plan_device(a.topk_ids, 0, ws.plan(), s, {}, detail::counters(ws));  // (zeroes the counters too)
     detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
     if (!saved) detail::launch_forward_kernel(a, ws, buffers, s, gu, true, kWhere);
-    detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, s, buffers.dy_rows_hi, buffers.dy_split);
+    if (!b.fp8) detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, s, buffers.dy_rows_hi, buffers.dy_split);
     if (!saved) detail::zero_counters(ws, s, kWhere);  // (the recompute used them)
     const kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
     unsigned long long* marker = detail::saved_marker(gu, ws);

@@ -113,11 +113,12 @@ __device__ void quantize_dgu_rows(const Fp8BackwardParams& q, const Task& t, int
       for (int offset = 1; offset < 16; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
       if (unit >= units) continue;
       const int e = fp8_scale_exponent(amax);
+      const InverseScale inverse(e);
       const std::int64_t row = row_base + r;
       *reinterpret_cast<uint2*>(q.dgu_values + row * 2 * inter + column[j] + 8 * (lane % 16)) =
-          make_uint2(pack_e4m3x4(ldexpf(v[0], -e), ldexpf(v[1], -e), ldexpf(v[2], -e), ldexpf(v[3], -e)),
-                     pack_e4m3x4(ldexpf(v[4], -e), ldexpf(v[5], -e), ldexpf(v[6], -e), ldexpf(v[7], -e)));
-      if (lane % 16 == 0) q.dgu_scales[column[j] / kFp8BlockK * q.capacity + row] = ldexpf(1.0f, e);
+          make_uint2(pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3])),
+                     pack_e4m3x4(inverse(v[4]), inverse(v[5]), inverse(v[6]), inverse(v[7])));
+      if (lane % 16 == 0) q.dgu_scales[column[j] / kFp8BlockK * q.capacity + row] = exp2_int(e);
     }
   }
 }

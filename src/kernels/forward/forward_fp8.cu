@@ -123,19 +123,20 @@ __device__ void epilogue_gemm1_fp8(const Fp8ForwardParams& q, SharedStorage& s, 
     for (int offset = 1; offset < 4; offset *= 2)
       amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffffu, amax[half], offset));
   const int exponent[2] = {fp8_scale_exponent(amax[0]), fp8_scale_exponent(amax[1])};
+  const InverseScale inverse[2] = {InverseScale(exponent[0]), InverseScale(exponent[1])};
   publish_hidden(p, pending_index);  // its store has also finished reading the staging
   sync_warpgroup(wg);
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
 #pragma unroll
   for (int i = 0; i < 64; i += 2) {
-    const int row = acc_row(warp, lane, i), col = acc_col(lane, i), e = exponent[(i >> 1) & 1];
-    *reinterpret_cast<std::uint16_t*>(staging + swizzled_offset_bytes(row, col)) =
-        pack_e4m3x2(ldexpf(acc[i], -e), ldexpf(acc[i + 1], -e));
+    const int row = acc_row(warp, lane, i), col = acc_col(lane, i);
+    const InverseScale& inv = inverse[(i >> 1) & 1];
+    *reinterpret_cast<std::uint16_t*>(staging + swizzled_offset_bytes(row, col)) = pack_e4m3x2(inv(acc[i]), inv(acc[i + 1]));
   }
   if (lane % 4 == 0) {
     float* scales = q.h_scales + t.n * q.capacity + row0 + wg * 64 + warp * 16 + lane / 4;
-    scales[0] = ldexpf(1.0f, exponent[0]);
-    scales[8] = ldexpf(1.0f, exponent[1]);
+    scales[0] = exp2_int(exponent[0]);
+    scales[8] = exp2_int(exponent[1]);
   }
   fence_proxy_async_shared_cta();
   sync_warpgroup(wg);  // (also orders every thread's scale stores before the publishing release)

@@ -9,13 +9,35 @@
 
 namespace mok::kernels {
 
+// 2^e as a float: from its bits for e in [-126, 127] (two instructions), else ldexpf's
+// (subnormal, or infinity). Multiplying by it is exact, as ldexpf is, unless the product is
+// subnormal, where both round the same real number once.
+__device__ __forceinline__ float exp2_int(int e) {
+  return e >= -126 && e <= 127 ? __int_as_float((e + 127) << 23) : ldexpf(1.0f, e);
+}
+
+// Division of a block's values by its scale 2^e as multiplications by powers of two, exact as
+// ldexpf(v, -e) is: 2^-e, split into two normal factors when it is above 2^127 (a block whose
+// largest magnitude is below 2^-119; e >= -157 for any float).
+struct InverseScale {
+  float a, b;
+  __device__ __forceinline__ explicit InverseScale(int e) : a(exp2_int(min(-e, 127))), b(exp2_int(max(-e - 127, 0))) {}
+  __device__ __forceinline__ float operator()(float v) const { return v * a * b; }
+};
+
 // The smallest e with amax / 2^e <= 448 (the largest E4M3): with amax = m * 2^k, m in [1, 2),
-// e = k - 8, plus one when m > 1.75 (448 = 1.75 * 2^8). 0 for a block of zeros or one with
-// an infinity or NaN (as the host's fp8::scale_exponent).
+// e = k - 8, plus one when m > 1.75 (448 = 1.75 * 2^8; 0x600000: the mantissa bits of 1.75).
+// 0 for a block of zeros or one with an infinity or NaN (as the host's fp8::scale_exponent).
+// A normal amax from its bits; a subnormal one through ilogbf.
 __device__ __forceinline__ int fp8_scale_exponent(float amax) {
   if (!(amax > 0.0f) || isinf(amax)) return 0;
-  const int k = ilogbf(amax);
-  return k - 8 + (ldexpf(amax, -k) > 1.75f ? 1 : 0);
+  const unsigned bits = __float_as_uint(amax);
+  const int biased = static_cast<int>(bits >> 23);  // (amax > 0: no sign bit)
+  if (biased == 0) {
+    const int k = ilogbf(amax);
+    return k - 8 + (ldexpf(amax, -k) > 1.75f ? 1 : 0);
+  }
+  return biased - 127 - 8 + ((bits & 0x7fffffu) > 0x600000u ? 1 : 0);
 }
 
 // Four values (already divided by their scale) as four E4M3 bytes, the first in the lowest.

@@ -9,6 +9,7 @@
 #include "kernels/common/boxes.hpp"
 #include "kernels/common/persistent.cuh"
 #include "kernels/common/pipeline.cuh"
+#include "kernels/fp8/fp8_math.cuh"
 #include "mok/ptx/wgmma.cuh"
 
 namespace mok::kernels {

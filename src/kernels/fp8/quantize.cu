@@ -32,8 +32,9 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParam
   amax = warp_max[0];
   for (int i = 1; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
   const int exponent = fp8_scale_exponent(amax);
+  const InverseScale inverse(exponent);
   auto value = [&](int r, int c) {
-    const float x = ldexpf(bf16_value(w[static_cast<std::int64_t>(r) * p.row_stride + c]), -exponent);
+    const float x = inverse(bf16_value(w[static_cast<std::int64_t>(r) * p.row_stride + c]));
     return static_cast<std::uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
   };
   if (!p.transpose) {
@@ -62,7 +63,8 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParam
 
 // The routed rows in plan order, quantized per 1 x 128 block as they are gathered: one warp
 // a row, a lane 4 columns of each block (its amax is a warp max: the same in any order).
-// Padding rows become zeros of scale 1; rows past the plan's last are not written.
+// Padding rows become zeros of scale 1; rows past the plan's last are not written. With
+// rows_bf16, each lane also stores the bf16 values it read there.
 __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_constant__ QuantizeRowsParams p) {
   if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
   const std::int64_t rows = p.expert_offset[p.num_local_experts];
@@ -71,9 +73,13 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_co
   for (std::int64_t row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < rows; row += warps) {
     const std::int32_t pair = p.row_pair[row];
     std::uint32_t* values = reinterpret_cast<std::uint32_t*>(p.values + row * p.hidden) + lane;
+    uint2* copy = nullptr;  // the bf16 copy's row (optional)
+    if (p.rows_bf16 != nullptr)
+      copy = reinterpret_cast<uint2*>(row < p.split ? p.rows_bf16 + row * p.hidden : p.rows_bf16_hi + (row - p.split) * p.hidden) + lane;
     if (pair < 0) {
       for (int b = 0; b < blocks; ++b) {
         values[b * 32] = 0;
+        if (copy != nullptr) copy[b * 32] = make_uint2(0, 0);
         if (lane == 0) p.scales[b * p.capacity + row] = 1.0f;
       }
       continue;
@@ -86,13 +92,15 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_co
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (b0 + j >= blocks) break;
+        if (copy != nullptr) copy[(b0 + j) * 32] = bits[j];
         const float v[4] = {bf16_value(bits[j].x & 0xffff), bf16_value(bits[j].x >> 16), bf16_value(bits[j].y & 0xffff),
                             bf16_value(bits[j].y >> 16)};
         float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
         for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
         const int e = fp8_scale_exponent(amax);
-        values[(b0 + j) * 32] = pack_e4m3x4(ldexpf(v[0], -e), ldexpf(v[1], -e), ldexpf(v[2], -e), ldexpf(v[3], -e));
-        if (lane == 0) p.scales[(b0 + j) * p.capacity + row] = ldexpf(1.0f, e);
+        const InverseScale inverse(e);
+        values[(b0 + j) * 32] = pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3]));
+        if (lane == 0) p.scales[(b0 + j) * p.capacity + row] = exp2_int(e);
       }
     }
   }
