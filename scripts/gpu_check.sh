@@ -34,8 +34,10 @@
 # mok,mok-py on --presets (all: every preset) with --repeats rounds of --iters iterations (many short
 # rounds, e.g. --repeats 25 --iters 5: the ratio paired by round is what decides a 2 % difference) into
 # the bench JSON; bench/host_overhead.py (what the GPU waits for, under torch.profiler) is run by hand. `fp8` (issue 19's
-# FP8 forward): build, the FP8 and forward tests (C++ and Python), the accuracy numbers as gtest XML
-# (<date>-<commit>-fp8-accuracy.xml), compute-sanitizer on a small FP8 case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8 (forward, --repeats runs) on
+# FP8 path): build, the FP8 and forward tests (C++ and Python), the accuracy numbers as gtest XML
+# (<date>-<commit>-fp8-accuracy.xml, -fp8-dgrad-accuracy.xml), compute-sanitizer on a small FP8 forward and
+# FP8 dgrad case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8 and mok-fp8-bf16dgrad (forward and
+# forward+backward, --repeats runs) on
 # issue 19's presets into <date>-<commit>-fp8.txt, and the training example (500 steps, mok and
 # mok-fp8: the FP8 forward with the bf16 backward) into <date>-<commit>-train-fp8.json. --impl / --pass choose layer_bench's implementations and passes in the
 # bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd).
@@ -163,9 +165,11 @@ else
   echo "main job failed"; tail -20 "$LOG/main_job.log"; test_rc=1
 fi
 
-# compute-sanitizer on small cases: shared expert, clamp, padding, ragged T, dy rows in dx, the EP ring.
+# compute-sanitizer on small cases: shared expert, clamp, padding, ragged T, dy rows in dx, the EP ring,
+# the FP8 dgrad.
 for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
               test_gpu_backward:Backward/BackwardCases.MatchesReference/shared_padded_clamp \
+              test_gpu_backward_fp8:Fp8Backward/Fp8BackwardCases.MatchesTheRecipeReference/shared_padded_clamp \
               test_gpu_backward:Backward.DyRowsContinuedInDxGiveTheBitsOfDyRowsInScratch \
               test_gpu_ep_forward:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp \
               test_gpu_ep_forward:Ep.SmallRingWrapsBitwiseLikeOneGpu \
@@ -219,14 +223,17 @@ if [ "$part" = fp8 ]; then
   # exact layer; y and every gradient's cosine to the exact layer, FP8 beside BF16)
   $build/tests/test_gpu_forward_fp8 --gtest_filter='Fp8Forward.AccuracyAgainstTheExactLayerBesideBf16:Fp8Forward/*' \
     --gtest_output=xml:"$OUT/${date:0:10}-$commit-fp8-accuracy.xml" > "$LOG/fp8_accuracy.log" 2>&1 || test_rc=1
+  $build/tests/test_gpu_backward_fp8 --gtest_output=xml:"$OUT/${date:0:10}-$commit-fp8-dgrad-accuracy.xml" \
+    > "$LOG/fp8_dgrad_accuracy.log" 2>&1 || test_rc=1
   sanitize test_gpu_forward_fp8 Fp8Forward/Fp8ForwardCases.MatchesTheRecipeReference/shared_padded_clamp 300
+  sanitize test_gpu_backward_fp8 Fp8Backward/Fp8BackwardCases.MatchesTheRecipeReference/shared_padded_clamp 300
   junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
 if [ "$part" = fp8bench ]; then
   fp8_presets=$presets
   [ "$presets" = all ] && fp8_presets=deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b
   for r in $(seq "$repeats"); do
-    $build/bench/mok_bench --preset "$fp8_presets" --impl mok,mok-fp8 --pass fwd --iters "$iters" \
+    $build/bench/mok_bench --preset "$fp8_presets" --impl mok,mok-fp8,mok-fp8-bf16dgrad --pass fwd,fwd+bwd --iters "$iters" \
       --out "$OUT/fp8_run$r.json" --commit "$commit" --date "$date" 2>&1 | tee -a "$OUT/${date:0:10}-$commit-fp8.txt" || test_rc=1
   done
   train_example 500 mok,mok-fp8 train-fp8  # the FP8 forward (bf16 backward) beside bf16, same seed and data

@@ -79,7 +79,8 @@ void validate(const MoeShape& shape);
 // fp32. fp8 is, for now, one GPU's, with H and I multiples of 128; the routed weights come
 // quantized (ForwardArgs::fp8, mok::fp8::quantize_weights). Training (Training::save): the
 // backward is the BF16 one, on the FP8 forward's saved pre-activations and the bf16 weights
-// (no FP8 backward GEMMs yet; reference::backward_fp8 with fp8_dgrad = false).
+// (reference::backward_fp8 with fp8_dgrad = false), or with BackwardArgs::fp8 its dgrad GEMMs
+// in E4M3 too (fp8_dgrad = true; the weight gradients stay bf16 GEMMs).
 enum class Precision { bf16, fp8 };
 const char* precision_name(Precision precision);
 

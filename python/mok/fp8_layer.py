@@ -5,8 +5,9 @@ SwiGLU output h per 1 x 128 block of a row, quantized inside the layer; the weig
 128 x 128 block), fp32 accumulation promoted every 128 of K; the shared expert, y and the
 combine stay as in bf16. For now on one GPU, with H and I multiples of 128. Training: the
 forward saves its GEMM1's pre-activations and the backward is the bf16 one (every gradient,
-the bf16 weights' included; no FP8 backward GEMMs yet: C++ reference::backward_fp8 with
-fp8_dgrad = false). The routed weights come from
+the bf16 weights' included: C++ reference::backward_fp8 with fp8_dgrad = false; the C++ API's
+FP8 dgrad, BackwardArgs::fp8, is not used here: it is not faster yet, docs/fp8.md). The routed
+weights come from
 quantize_experts() (quantize once per weight update and pass them as fp8_experts), or, when
 none are given, are quantized by the call itself: three small kernels that read the bf16
 weights and write a quarter more bytes than E * 3 * I * H, every call.
