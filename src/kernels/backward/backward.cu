@@ -72,6 +72,57 @@ __device__ __forceinline__ Fp8TaskScales fp8_scales(const Fp8BackwardParams& q, 
   return {(dh ? q.dy_scales : q.dgu_scales) + rows, q.capacity, {w + b0 * k_blocks, w + b1 * k_blocks}};
 }
 
+// FP8 dgrad: this warpgroup's 64 rows of dgate | dup that epilogue_dh has just written (bf16,
+// over the pre-activations) again as E4M3 for the dx tiles, with one power-of-two scale per row
+// and 128 columns (the tile's 256 columns of I are two such blocks of dgate and two of dup; one
+// past I when I = 128 mod 256). A half-warp takes a row's block (16 lanes x 8 values; its amax
+// is a max, the same in any order), eight in flight a lane. Quantized from the bf16 values the
+// weight gradients read.
+__device__ void quantize_dgu_rows(const Fp8BackwardParams& q, const Task& t, int row0, int wg) {
+  const BackwardParams& p = q.base;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int inter = p.routed.inter, n0 = t.n * kBlockN, blocks = inter - n0 > kBlockM ? 2 : 1;
+  const int units = 64 * 2 * blocks;  // (row, dgate or dup, block)
+  constexpr int kInFlight = 8;
+  sync_warpgroup(wg);  // the warpgroup's dgate|dup stores are done (and visible to it)
+  const std::int64_t row_base = row0 + wg * 64;
+#pragma unroll 1
+  for (int first = 2 * warp; first < units; first += 8 * kInFlight) {
+    uint4 bits[kInFlight];
+    int column[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const int unit = first + 8 * j + lane / 16, r = unit % 64, which = (unit / 64) % 2, b = unit / 128;
+      column[j] = which * inter + n0 + b * kBlockM;
+      bits[j] = unit < units ? __ldcg(reinterpret_cast<const uint4*>(p.routed.gu + (row_base + r) * 2 * inter + column[j]) +
+                                      lane % 16)
+                             : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const int unit = first + 8 * j + lane / 16, r = unit % 64;
+      const std::uint32_t w[4] = {bits[j].x, bits[j].y, bits[j].z, bits[j].w};
+      float v[8];
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack_bf16x2(w[i]);
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+      for (int offset = 1; offset < 16; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      if (unit >= units) continue;
+      const int e = fp8_scale_exponent(amax);
+      const InverseScale inverse(e);
+      const std::int64_t row = row_base + r;
+      *reinterpret_cast<uint2*>(q.dgu_values + row * 2 * inter + column[j] + 8 * (lane % 16)) =
+          make_uint2(pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3])),
+                     pack_e4m3x4(inverse(v[4]), inverse(v[5]), inverse(v[6]), inverse(v[7])));
+      if (lane % 16 == 0) q.dgu_scales[column[j] / kFp8BlockK * q.capacity + row] = exp2_int(e);
+    }
+  }
+}
+
 template <typename Sched, typename Q>
 __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, int wg) {
   const BackwardParams& p = base_of(q);
@@ -106,13 +157,6 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
       continue;
     }
     const ExpertSetData& d = t.shared ? p.shared : p.routed;
-    if constexpr (kFp8Dgrad<Q>) {
-      // (The bf16 MMAs read their accumulators: without this, acc would be live from one task's
-      // epilogue to the next task's MMAs, and the dh epilogue's dgate|dup held for the FP8 rows
-      // would spill. Every task: zeroed only before the bf16 MMAs, it spilled more.)
-#pragma unroll
-      for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-    }
     if (t.kind == kDh || t.kind == kDx) {
       const int row0 = tile_row0(p, t);
       bool fp8 = false;
@@ -124,7 +168,9 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
       if (t.kind == kDh) {
         if (!fp8) mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
         timer.lap<Phase::mainloop_dh>();
-        epilogue_dh(q, s, acc, t, row0, wg, sched.n_dh(t.shared));  // (FP8 dgrad: dgate|dup in E4M3 too)
+        epilogue_dh(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
+        if constexpr (kFp8Dgrad<Q>)
+          if (fp8) quantize_dgu_rows(q, t, row0, wg);
         if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);  // (after the epilogue: acc's registers are free)
         fence_proxy_async_global();  // TMA loads of other CTAs read these rows next
         publish_count(p.counters.dgu_ready + dgu_counter(p, t, t.m), 1, wg);

@@ -18,7 +18,6 @@
 #include "mok/ptx/mbarrier.cuh"
 #include "mok/ptx/tma.cuh"
 #include "kernels/backward/tasks.cuh"
-#include "kernels/fp8/fp8_math.cuh"
 
 namespace mok::kernels::bwd {
 
@@ -34,44 +33,6 @@ __device__ __forceinline__ int dh_staging_offset(int row, int byte) {
   return row * 64 + (((byte / 16) ^ ((row / 2) % 4)) * 16) + byte % 16;
 }
 
-// FP8 dgrad: one 128-column block of dgate|dup (columns block0 .. + 127 of I) of this thread's
-// rows (tile_row + tid / 4, + 32) as E4M3 with their scales (see epilogue_dh).
-__device__ __forceinline__ void quantize_dgu_block(const Fp8BackwardParams& q, const uint4 (&held)[4][2][2], int tile_row,
-                                                   int block0, int tid) {
-  const int inter = q.base.routed.inter, chunk = tid % 4;
-#pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    const std::int64_t row = tile_row + tid / 4 + 32 * pass;
-#pragma unroll
-    for (int which = 0; which < 2; ++which) {  // dg, du
-      float amax = 0.0f;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint4 h = held[k][pass][which];
-        for (const std::uint32_t w : {h.x, h.y, h.z, h.w}) {
-          const float2 f = unpack_bf16x2(w);
-          amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-        }
-      }
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the quad: one row's 128 columns
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      const int e = fp8_scale_exponent(amax);
-      const InverseScale inverse(e);
-      const int column = which * inter + block0;  // in [0, 2I)
-      std::uint8_t* out = q.dgu_values + row * 2 * inter + column + 8 * chunk;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {  // round k's 8 values of this thread: columns 32 k + 8 chunk
-        const uint4 h = held[k][pass][which];
-        const float2 a = unpack_bf16x2(h.x), b = unpack_bf16x2(h.y), c = unpack_bf16x2(h.z), d = unpack_bf16x2(h.w);
-        *reinterpret_cast<uint2*>(out + 32 * k) =
-            make_uint2(pack_e4m3x4(inverse(a.x), inverse(a.y), inverse(b.x), inverse(b.y)),
-                       pack_e4m3x4(inverse(c.x), inverse(c.y), inverse(d.x), inverse(d.y)));
-      }
-      if (chunk == 0) q.dgu_scales[column / kFp8BlockK * q.capacity + row] = exp2_int(e);
-    }
-  }
-}
-
 // dh tile epilogue (see the header comment). Writes every row of the tile, zeros on rows
 // that are padding (routed) or past T (shared). The warpgroup's 64 x 256 tile goes in
 // rounds of 32 columns through its 16 KB staging, two rounds' g and u in flight at once
@@ -81,22 +42,9 @@ __device__ __forceinline__ void quantize_dgu_block(const Fp8BackwardParams& q, c
 // the round after next. (Loaded and stored by each thread at its accumulators' columns,
 // 4 bytes a row at a time, this epilogue took 15-23 % of the backward's consumer cycles
 // on the presets with I <= 2048: phase timing at a078db1.)
-//
-// FP8 dgrad (Q = Fp8BackwardParams, routed tiles): dgate|dup also leave as E4M3 for the dx
-// tiles, one power-of-two scale per row and 128 columns (four rounds). Each thread keeps the
-// 16-byte pieces of dg and du it stores (its rows tid / 4 and + 32, chunk tid % 4) for a
-// block's four rounds; then a row's amax is its quad's max (any order gives the same), and the
-// thread writes its 32 values of each row's dg and du block as E4M3 — quantized from the bf16
-// values the weight gradients read.
-template <typename Q>
-__device__ __forceinline__ void epilogue_dh(const Q& q, SharedStorage& s, const float (&acc)[128], const Task& t, int row0,
+__device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t, int row0,
                             int wg, int n_tiles) {
-  const BackwardParams& p = base_of(q);
-  constexpr bool kFp8 = kFp8Dgrad<Q>;
-  const bool quantize = kFp8 && !t.shared;
-  uint4 held[kFp8 ? 4 : 1][2][2];  // [round % 4][pass][dg, du] (FP8 dgrad)
   constexpr int kRoundColumns = 32, kRounds = kBlockN / kRoundColumns, kBufferBytes = 64 * kRoundColumns * 2;
-  static_assert(4 * kRoundColumns == kFp8BlockK, "four rounds make one scale block");
   static_assert(2 * 2 * kBufferBytes == sizeof(s.staging[0]), "two rounds of g and u fill the staging");
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const ExpertSetData& d = t.shared ? p.shared : p.routed;
@@ -175,13 +123,9 @@ __device__ __forceinline__ void epilogue_dh(const Q& q, SharedStorage& s, const 
     for (int pass = 0; pass < 2; ++pass) {  // dg, du over g, u in the saved tensor
       const int r = tid / 4 + 32 * pass, at = dh_staging_offset(r, 16 * chunk);
       std::uint16_t* dst = d.gu + static_cast<std::int64_t>(tile_row + r) * 2 * inter + col0 + 8 * chunk;
-      const uint4 dg = ld_shared_v4_ordered(g_buffer + at), du = ld_shared_v4_ordered(u_buffer + at);
-      st_global_v4_ordered(dst, dg);
-      st_global_v4_ordered(dst + inter, du);
-      if constexpr (kFp8) held[round % 4][pass][0] = dg, held[round % 4][pass][1] = du;
+      st_global_v4_ordered(dst, ld_shared_v4_ordered(g_buffer + at));
+      st_global_v4_ordered(dst + inter, ld_shared_v4_ordered(u_buffer + at));
     }
-    if constexpr (kFp8)
-      if (quantize && round % 4 == 3) quantize_dgu_block(q, held, tile_row, n0 + kRoundColumns * (round - 3), tid);
     sync_warpgroup(wg);
 #pragma unroll
     for (int j = 0; j < kRoundColumns / 2; j += 2) {
