@@ -6,7 +6,6 @@
 #include <utility>
 
 #include "cuda_check.hpp"
-#include "kernels/fp8/quantize.cuh"
 #include "kernels/backward/backward.cuh"
 #include "launch_cache.hpp"
 #include "layer_launch.hpp"
@@ -217,21 +216,10 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
 void launch_backward_fp8(const BackwardArgs& b, Workspace& ws, const CallBuffers& buffers,
                          const kernels::BackwardParams& p, cudaStream_t stream, std::string_view where) {
   const MoeShape& s = ws.shape();
-  const DevicePlanView& v = ws.plan().view();
   const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts;
   const std::int64_t capacity = ws.plan().capacity_rows();
   const int ctas = persistent_ctas(ws, where);
-  kernels::QuantizeRowsParams rows{};
-  rows.x = static_cast<const std::uint16_t*>(b.dy.data);
-  rows.values = buffers.dy_fp8;
-  rows.scales = buffers.dy_scales;
-  rows.row_pair = v.row_pair;
-  rows.expert_offset = v.expert_offset;
-  rows.plan_status = v.status;
-  rows.capacity = capacity;
-  rows.hidden = static_cast<int>(H);
-  rows.top_k = static_cast<int>(s.top_k);
-  rows.num_local_experts = static_cast<int>(El);
+  kernels::QuantizeRowsParams rows = quantize_rows_params(ws, b.dy.data, buffers.dy_fp8, buffers.dy_scales);
   rows.rows_bf16 = buffers.dy_rows;
   rows.rows_bf16_hi = buffers.dy_rows_hi;
   rows.split = buffers.dy_split;

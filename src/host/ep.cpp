@@ -152,6 +152,7 @@ VirtualRanks::Launch VirtualRanks::prepare(std::span<const ForwardArgs> args, co
     ranks_[r]->ws->throw_if_failed();
     const std::int64_t t = validate_forward_args(at, shape_, args[r], Device::cuda(launch.device), !weights);
     if (t != tokens_) throw_argument_error(at, "x", "has ", t, " tokens but the group was made for ", tokens_, " per rank");
+    if (args[r].fp8) throw_argument_error(at, "fp8", "was given, but Precision::fp8 runs on one GPU for now (mok::forward)");
     detail::check_locations(at, args[r], shape_, !weights);
   }
   return launch;

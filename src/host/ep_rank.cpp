@@ -214,6 +214,7 @@ void EpRank::forward(const ForwardArgs& a, cudaStream_t stream, const std::optio
   // and a rank that skipped this call would leave its peers waiting. check() reports them.
   const std::int64_t T = validate_forward_args(where, shape_, a, Device::cuda(device));
   if (T != tokens_) throw_argument_error(where, "x", "has ", T, " tokens but the rank was made for ", tokens_);
+  if (a.fp8) throw_argument_error(where, "fp8", "was given, but Precision::fp8 runs on one GPU for now (mok::forward)");
   detail::check_locations(where, a, shape_, true);
   if (saved) {
     if (training_ != Training::save) throw_argument_error(where, "saved", "needs a rank made with Training::save");

@@ -1,5 +1,6 @@
 // The FP8 forward's host steps (mok::forward on a Precision::fp8 workspace): the gather that
-// quantizes x's routed rows, then the FP8 kernel's params and launch.
+// quantizes x's routed rows, then the FP8 kernel's params and launch; the row gather's params
+// (the FP8 dgrad's dy rows too).
 #include <cuda_runtime_api.h>
 
 #include "cuda_check.hpp"
@@ -9,26 +10,31 @@
 
 namespace mok::detail {
 
+kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, const void* rows, std::uint8_t* values, float* scales) {
+  const MoeShape& s = ws.shape();
+  const DevicePlanView& v = ws.plan().view();
+  kernels::QuantizeRowsParams p{};
+  p.x = static_cast<const std::uint16_t*>(rows);
+  p.values = values;
+  p.scales = scales;
+  p.row_pair = v.row_pair;
+  p.expert_offset = v.expert_offset;
+  p.plan_status = v.status;
+  p.capacity = ws.plan().capacity_rows();
+  p.hidden = static_cast<int>(s.hidden);
+  p.top_k = static_cast<int>(s.top_k);
+  p.num_local_experts = static_cast<int>(s.num_local_experts);
+  return p;
+}
+
 void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                         std::uint16_t* saved_gu, std::string_view where) {
   const MoeShape& s = ws.shape();
-  const DevicePlanView& v = ws.plan().view();
   const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts;
   const std::int64_t capacity = ws.plan().capacity_rows();
   const int ctas = persistent_ctas(ws, where);
 
-  kernels::QuantizeRowsParams rows{};
-  rows.x = static_cast<const std::uint16_t*>(a.x.data);
-  rows.values = buffers.x_fp8;
-  rows.scales = buffers.x_scales;
-  rows.row_pair = v.row_pair;
-  rows.expert_offset = v.expert_offset;
-  rows.plan_status = v.status;
-  rows.capacity = capacity;
-  rows.hidden = static_cast<int>(H);
-  rows.top_k = static_cast<int>(s.top_k);
-  rows.num_local_experts = static_cast<int>(El);
-  kernels::launch_quantize_rows(rows, 4 * ctas, stream);
+  kernels::launch_quantize_rows(quantize_rows_params(ws, a.x.data, buffers.x_fp8, buffers.x_scales), 4 * ctas, stream);
   cuda_check(cudaGetLastError(), where, "launching the FP8 row gather");
 
   using U = std::uint64_t;

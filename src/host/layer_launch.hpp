@@ -13,6 +13,7 @@
 #include "kernels/backward/backward.cuh"
 #include "kernels/forward/forward.cuh"
 #include "kernels/forward/forward_fp8.cuh"
+#include "kernels/fp8/quantize.cuh"
 #include "mok/forward.hpp"
 
 namespace mok::detail {
@@ -167,6 +168,10 @@ inline kernels::BackwardParams backward_params(const ForwardArgs& a, const Backw
                                                std::uint16_t* gu) {
   return backward_params(a, b, ws, rank_buffers(ws), gu);
 }
+
+// The FP8 row gather's params (kernels/fp8/quantize.cuh): the plan's routed rows of `rows`
+// ([T, H] bf16) into values / scales, quantized per 1 x 128 (no bf16 copy).
+kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, const void* rows, std::uint8_t* values, float* scales);
 
 // Precision::fp8, after plan_device() with the counters zeroed: gathers and quantizes x's
 // routed rows into buffers.x_fp8 / x_scales and launches the FP8 forward kernel into a.y
