@@ -47,7 +47,9 @@ order before 2026-12-02 reversed the whole list every other round, A B C D, D C 
 mok-py's forward followed mok's forward+backward in every other round and mok's forward never
 followed a forward+backward, and mok-py's forward read 0.965–0.992 of mok's where, timed alone
 on the same machine, it read 0.975–1.013; bench/NOTES.md.) Each timing is a warm-up then
---iters iterations with the L2 flushed before each (CUDA events). A record
+--iters iterations with the L2 flushed before each (CUDA events); with --settle-ms, the pass
+first runs untimed for that long, so that every implementation is timed on the power limit's
+plateau, not on its ramp (settle()). A record
 keeps each round's median, p10 and p90 (`ms_repeats`, `ms_p10_repeats`, `ms_p90_repeats`);
 `ms` is the median of the rounds' medians, `ms_min`/`ms_max` their range.
 
@@ -68,6 +70,7 @@ import math
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -210,14 +213,20 @@ def run_preset(p, routing, args, server, gpu, emit):
         obj, h = impls[impl], host.setdefault((impl, ps), [])
         if impl in ("mok", "mok-fp8"):
             def run():
+                settle(lambda: obj.call("time", ps, 0, SETTLE_ITERS, impl), args.settle_ms)
                 reply = obj.call("time", ps, args.warmup, args.iters, impl)
                 h.extend(reply["host_ms"])
                 return sorted(reply["ms"])
             return run
         if impl == "dense":
-            return lambda: tb.time_ms(obj[ps], args.warmup, args.iters, host=h)
-        fn, before = obj.step(ps)
-        return lambda: tb.time_ms(fn, args.warmup, args.iters, before, host=h)
+            fn, before = obj[ps], None
+        else:
+            fn, before = obj.step(ps)
+
+        def run():
+            settle(lambda: tb.time_ms(fn, 0, SETTLE_ITERS, before), args.settle_ms)
+            return tb.time_ms(fn, args.warmup, args.iters, before, host=h)
+        return run
 
     runnable = [(impl, ps) for ps in passes for impl in args.impls if impl in impls and "error" not in checks[impl].get(ps, {})]
     rounds = {key: [] for key in runnable}
@@ -309,6 +318,22 @@ def summary(records):
     return "\n".join(lines)
 
 
+SETTLE_ITERS = 3  # iterations a settling call runs (untimed) before it looks at the clock again
+
+
+def settle(run_some, ms):
+    """Runs `run_some` (a few untimed iterations of the pass about to be timed) until `ms` of wall
+    time have passed, at least once when ms > 0: an H200 reaches its power limit within ~1 s of
+    sustained work and its SM clock falls and dips while the controller settles (bench/NOTES.md),
+    so a timing started cold runs at another clock than one on the plateau. Returns the calls."""
+    calls = 0
+    end = time.perf_counter() + ms / 1e3
+    while ms > 0 and (calls == 0 or time.perf_counter() < end):
+        run_some()
+        calls += 1
+    return calls
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="all")
@@ -316,6 +341,8 @@ def main():
     ap.add_argument("--impl", default=",".join(IMPLS))
     ap.add_argument("--pass", dest="passes", default=",".join(tb.PASSES))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--settle-ms", type=float, default=0.0,
+                    help="before each timing, run its pass untimed for this long (the power ramp: settle()); 0: not")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--flush", choices=("zero", "memset"), default=tb.FLUSH,
                     help="how each iteration flushes the L2 in this process (torch_baseline.l2_flusher); "

@@ -9,7 +9,7 @@
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
 #                                                   host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N]
-#                                                   [--impl LIST] [--pass LIST]
+#                                                   [--impl LIST] [--pass LIST] [--settle-ms MS]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON, and so do its two halves `ctest` (clean
 # build, ctest, sanitizers, the main job) and `pytest` (the package, pytest, the training example); `bench` (build if missing, then
@@ -40,7 +40,9 @@
 # forward+backward, --repeats runs) on
 # issue 19's presets into <date>-<commit>-fp8.txt, and the training example (500 steps, mok and
 # mok-fp8: the FP8 forward with the bf16 backward) into <date>-<commit>-train-fp8.json. --impl / --pass choose layer_bench's implementations and passes in the
-# bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd).
+# bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd);
+# --settle-ms MS runs each timed pass untimed for MS first (layer_bench's, in the bench, speed and
+# host parts: every implementation timed on the power limit's plateau, issue 21).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -53,6 +55,7 @@ repeats=3
 presets=all
 part=all
 impl_args=()
+settle_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) iters=3; repeats=1 ;;
@@ -62,7 +65,8 @@ while [ $# -gt 0 ]; do
     --iters) iters="$2"; shift ;;
     --impl) impl_args+=(--impl "$2"); impls="$2"; shift ;;
     --pass) impl_args+=(--pass "$2"); passes="$2"; shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST]"; exit 2 ;;
+    --settle-ms) settle_args=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS]"; exit 2 ;;
   esac
   shift
 done
@@ -250,7 +254,7 @@ if [ "$part" = host ]; then
     tee "$OUT/${date:0:10}-$commit-forward-stages.txt" || { echo "forward_stages failed"; test_rc=1; }
   env PYTHONPATH="$PWD/$build/pkg" python3 bench/layer_bench.py --mok-bench $build/bench/mok_bench --impl mok,mok-py \
     --preset "$presets" --routing uniform --repeats $repeats --iters $iters --out "$OUT/bench_layer.json" \
-    --commit "$commit" --date "$date" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
+    --commit "$commit" --date "$date" "${settle_args[@]}" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
   bench=("$OUT/bench_layer.json")
 fi
 

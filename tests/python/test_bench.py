@@ -275,3 +275,12 @@ def test_diagnostics_problem_is_mok_moe_arguments_in_order(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["diag", "--rounds", "3"])
     a = diagnostic_args("doc", "tiny,olmoe-1b-7b")
     assert (a.preset, a.rounds, a.iters) == ("tiny,olmoe-1b-7b", 3, 5)
+
+
+def test_settle_runs_the_pass_until_its_time_has_passed_and_not_at_all_when_off():
+    calls = []
+    assert layer_bench.settle(lambda: calls.append(1), 0) == 0 and not calls
+    assert layer_bench.settle(lambda: calls.append(1), 1e-6) == 1  # at least once when on
+    t0 = layer_bench.time.perf_counter()
+    n = layer_bench.settle(lambda: layer_bench.time.sleep(0.005), 30)
+    assert layer_bench.time.perf_counter() - t0 >= 0.03 and 2 <= n <= 7  # (sleeps may run long, never short)
