@@ -64,7 +64,7 @@ def test_layer_bench_times_torch_fp8_forward_only(monkeypatch):
     fp8_impl = torch_fp8.TorchFp8
     monkeypatch.setattr(torch_fp8, "TorchFp8", lambda d: fp8_impl(d, compile=False))
     args = argparse.Namespace(impls=["torch", "torch-fp8"], passes=["fwd", "fwd+bwd"], seed=1, repeats=1, iters=2,
-                              warmup=0, compiled=None, commit="c", date="d")
+                              warmup=0, compiled=None, commit="c", date="d", settle_ms=0)
     records = []
     layer_bench.run_preset(dict(small_preset(tokens=64), name="test"), "uniform", args, None, "cpu", records.append)
     got = {(r["impl"], r["pass"]): r for r in records}
@@ -119,7 +119,7 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch):
 
     server = Server()
     args = argparse.Namespace(impls=["torch", "mok-fp8-py", "mok-fp8"], passes=["fwd", "fwd+bwd"], seed=1, repeats=1,
-                              iters=2, warmup=0, compiled=None, commit="c", date="d")
+                              iters=2, warmup=0, compiled=None, commit="c", date="d", settle_ms=1)
     records = []
     preset = dict(name="test", tokens=64, hidden=256, intermediate=128, experts=8, top_k=2, shared_intermediate=0,
                   swiglu_limit=0.0)
