@@ -369,5 +369,32 @@ TEST(ScratchLayout, DyRowsContinueInDx) {
               splits[0], splits[1], in_dx_only, shared_in_dx);
 }
 
+// The FP8 dgrad's rows (E4M3 dy and dgate|dup, their scales) are in a backward's scratch only when the
+// call asks for them (BackwardArgs::fp8) on a Precision::fp8 workspace, after the rest, 512-byte aligned.
+TEST(ScratchLayout, Fp8DgradRowsOnlyWhenAsked) {
+  detail::ScratchShape sh;
+  sh.shape.hidden = 384, sh.shape.intermediate = 256, sh.shape.num_experts = sh.shape.num_local_experts = 8;
+  sh.shape.top_k = 2, sh.shape.shared_intermediate = 128;
+  sh.tokens = 300;
+  sh.capacity = plan_capacity_rows(sh.shape, {}, sh.tokens, detail::kTileRows) / 128 * 128;  // (whole tiles, as a plan's)
+  sh.training = Training::save;
+  const std::int64_t cap = sh.capacity, H = 384, I = 256;
+  void* base = reinterpret_cast<void*>(std::uintptr_t{1} << 20);
+  const detail::CallBuffers bf16 = detail::backward_buffers(sh, base, nullptr, nullptr, nullptr, /*fp8_dgrad=*/true);
+  EXPECT_EQ(bf16.dy_fp8, nullptr);  // (a bf16 workspace: no FP8 rows, whatever is asked)
+  sh.precision = Precision::fp8;
+  const detail::CallBuffers plain = detail::backward_buffers(sh, base, nullptr, nullptr);
+  EXPECT_TRUE(plain.bytes == bf16.bytes && plain.dy_fp8 == nullptr);
+  const detail::CallBuffers fp8 = detail::backward_buffers(sh, base, nullptr, nullptr, nullptr, true);
+  auto off = [&](const void* p) { return reinterpret_cast<std::uintptr_t>(p) - reinterpret_cast<std::uintptr_t>(base); };
+  EXPECT_EQ(off(fp8.dy_fp8), static_cast<std::uintptr_t>(plain.bytes));
+  EXPECT_EQ(off(fp8.dy_scales), off(fp8.dy_fp8) + cap * H);
+  EXPECT_EQ(off(fp8.dgu_fp8), off(fp8.dy_scales) + 4 * (H / 128) * cap);
+  EXPECT_EQ(off(fp8.dgu_scales), off(fp8.dgu_fp8) + cap * 2 * I);
+  EXPECT_EQ(fp8.bytes, static_cast<std::int64_t>(off(fp8.dgu_scales)) + 4 * (2 * I / 128) * cap);
+  EXPECT_TRUE(off(fp8.dy_fp8) % 512 == 0 && off(fp8.dy_scales) % 512 == 0 && off(fp8.dgu_fp8) % 512 == 0 &&
+              off(fp8.dgu_scales) % 512 == 0);
+}
+
 }  // namespace
 }  // namespace mok

@@ -153,7 +153,7 @@ class FusedLayer {
       g.d_shared_down = pool_.alloc<std::uint16_t>(H * Is);
     if (keep) poison(g);
     const std::int64_t bytes = ws_.backward_scratch_bytes(mok::DType::bf16, T, /*gate_up_adjacent=*/true,
-                                                          /*dx_apart=*/true);
+                                                          /*dx_apart=*/true, /*fp8_dgrad=*/dgrad_.has_value());
     auto* scratch = pool_.alloc<std::uint8_t>(bytes);
     mok::BackwardArgs b = grads(g);
     b.fp8 = dgrad_;

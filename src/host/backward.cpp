@@ -265,9 +265,10 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   // the most when the two are one block)
   const auto [row_space_a, row_space_b] = gradient_row_spaces(b, ws.shape());
   void* dx_space = dx_row_space(a, b, saved, scratch);
-  const std::int64_t needed = detail::backward_buffers(ws, nullptr, row_space_a, row_space_b, dx_space).bytes;
+  const bool fp8_dgrad = b.fp8.has_value();
+  const std::int64_t needed = detail::backward_buffers(ws, nullptr, row_space_a, row_space_b, dx_space, fp8_dgrad).bytes;
   void* base = detail::call_scratch(ws, scratch, needed, kScratchFrom, kWhere, stream);
-  const detail::CallBuffers buffers = detail::backward_buffers(ws, base, row_space_a, row_space_b, dx_space);
+  const detail::CallBuffers buffers = detail::backward_buffers(ws, base, row_space_a, row_space_b, dx_space, fp8_dgrad);
   std::uint16_t* gu = saved ? static_cast<std::uint16_t*>(saved->data) : buffers.recompute;
   detail::LaunchKey key;
   key.add(std::uint64_t{2}).add(static_cast<std::uint64_t>(T)).add(base).add(gu).add(a).add(b);

@@ -110,14 +110,16 @@ CallBuffers forward_buffers(const ScratchShape& s, void* scratch);
 // block when b == a + E_l I H — and dy rows that miss them may continue in dx_space (non-null:
 // dx's T x H elements, apart from every other argument), split at a 128-row tile; else the
 // shared expert's dx rows go there (any mode).
+// fp8_dgrad (a Precision::fp8 call with BackwardArgs::fp8): the E4M3 dy and dgate|dup rows and
+// their scales too.
 CallBuffers backward_buffers(const ScratchShape& s, void* scratch, void* row_space_a, void* row_space_b,
-                             void* dx_space = nullptr);
+                             void* dx_space = nullptr, bool fp8_dgrad = false);
 inline CallBuffers forward_buffers(const Workspace& ws, void* scratch) {
   return forward_buffers(scratch_shape(ws), scratch);
 }
 inline CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* row_space_a, void* row_space_b,
-                                   void* dx_space = nullptr) {
-  return backward_buffers(scratch_shape(ws), scratch, row_space_a, row_space_b, dx_space);
+                                   void* dx_space = nullptr, bool fp8_dgrad = false) {
+  return backward_buffers(scratch_shape(ws), scratch, row_space_a, row_space_b, dx_space, fp8_dgrad);
 }
 // An EP rank: the workspace's own buffers.
 CallBuffers rank_buffers(const Workspace& ws);

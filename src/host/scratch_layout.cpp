@@ -89,12 +89,12 @@ std::optional<DyPlace> place_dy(std::uint16_t* at, std::int64_t room, std::uint1
 // continue in dx (split at a 128-row tile). Of the arrangements, the one leaving the least in the
 // scratch, and of equal ones the first: dy then w h in the block; the larger that fits there; w h
 // first in the block, the dy rows after it and on in dx; the dy rows in the block and on in dx.
-// Precision::fp8 (its dgrad): then [E4M3 dy rows capacity x H][their scales H / 128 x capacity
+// The FP8 dgrad (fp8_dgrad, Precision::fp8): then [E4M3 dy rows capacity x H][their scales H / 128 x capacity
 // f32][E4M3 dgate|dup capacity x 2I][their scales 2I / 128 x capacity f32].
 // The recompute's GEMM1 runs the forward kernel on this layout: its x rows then sit where the
 // forward's do (the dy rows are never in the gradients), its slots unused.
 CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row_space_a, void* row_space_b,
-                             void* dx_space) {
+                             void* dx_space, bool fp8_dgrad) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
   const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate, El = s.num_local_experts;
@@ -143,7 +143,7 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
     b.recompute = at(scratch, used);
     used += 2 * shape.saved_elements;
   }
-  if (shape.precision == Precision::fp8) {  // (used by an FP8 dgrad; each a multiple of 512 bytes)
+  if (fp8_dgrad && shape.precision == Precision::fp8) {  // (each a multiple of 512 bytes)
     b.dy_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, used));
     used += cap * H;
     b.dy_scales = reinterpret_cast<float*>(at(scratch, used));
