@@ -8,50 +8,14 @@
 #include "mok/error.hpp"
 #include "mok/forward.hpp"
 #include "mok/validate.hpp"
+#include "validate_fixture.hpp"
 
 namespace mok {
 namespace {
 
-void expect_error(const std::function<void()>& call, const std::string& expected) {
-  try {
-    call();
-    ADD_FAILURE() << "no mok::Error; expected: " << expected;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos)
-        << "message: " << e.what() << "\nexpected to contain: " << expected;
-  }
-}
-
-MoeShape good_shape() {
-  MoeShape s;
-  s.hidden = 128, s.intermediate = 64, s.num_experts = 8, s.num_local_experts = 4, s.top_k = 2;
-  return s;
-}
-
-// Valid arguments over host memory, declared on cpu (validation never dereferences them).
-struct Fixture {
-  MoeShape shape = good_shape();
-  static constexpr std::int64_t T = 5;
-  alignas(16) static inline char memory[1 << 20];
-  ForwardArgs args;
-  BackwardArgs grads;
-
-  Fixture() {
-    const Device cpu = Device::cpu();
-    const std::int64_t H = shape.hidden, I = shape.intermediate, El = shape.num_local_experts, k = shape.top_k;
-    args.x = TensorView::contiguous(memory, DType::bf16, cpu, {T, H});
-    args.topk_ids = TensorView::contiguous(memory, DType::i32, cpu, {T, k});
-    args.topk_weights = TensorView::contiguous(memory, DType::f32, cpu, {T, k});
-    args.w_gate = TensorView::contiguous(memory, DType::bf16, cpu, {El, I, H});
-    args.w_up = TensorView::contiguous(memory, DType::bf16, cpu, {El, I, H});
-    args.w_down = TensorView::contiguous(memory, DType::bf16, cpu, {El, H, I});
-    args.y = TensorView::contiguous(memory, DType::bf16, cpu, {T, H});
-    grads.dy = args.x, grads.dx = args.x, grads.d_topk_weights = args.topk_weights;
-    grads.d_w_gate = args.w_gate, grads.d_w_up = args.w_up, grads.d_w_down = args.w_down;
-  }
-  void forward() const { validate_forward_args("mok::forward", shape, args, Device::cpu()); }
-  void backward() const { validate_backward_args("mok::backward", shape, args, grads, Device::cpu()); }
-};
+using testing::expect_error;
+using testing::Fixture;
+using testing::good_shape;
 
 // The error's type says what is wrong (the Python extension maps it: DTypeError ->
 // TypeError, ArgumentError -> ValueError, Error -> RuntimeError), and a prefix keeps it.
@@ -309,64 +273,6 @@ TEST(Validate, ConfigFields) {
   expect_error([&] { validate(c); },
                "argument 'pull_tokens_once': applies to rows pulled before the kernel; the ring (comm_sms = 8, "
                "ring_rows = 0) pulls its own");
-}
-
-// Precision::fp8: the quantized weights' tensors, and what a workspace of that precision
-// cannot do yet, are refused before anything touches a GPU.
-TEST(Validate, Fp8WeightsAndWorkspace) {
-  Fixture f;
-  const Device cpu = Device::cpu();
-  const std::int64_t El = f.shape.num_local_experts, I = f.shape.intermediate, H = f.shape.hidden;
-  Fp8Weights w;
-  w.gate = w.up = TensorView::contiguous(Fixture::memory, DType::u8, cpu, {El, I, H});
-  w.down = TensorView::contiguous(Fixture::memory, DType::u8, cpu, {El, H, I});
-  w.gate_exponents = w.up_exponents = TensorView::contiguous(Fixture::memory, DType::i32, cpu, {El, 1, 1});
-  w.down_exponents = w.gate_exponents;
-  f.args.fp8 = w;
-  EXPECT_NO_THROW(f.forward());
-  f.args.fp8->gate.dtype = DType::bf16;
-  expect_error([&] { f.forward(); }, "argument 'fp8.gate': dtype must be u8, got bf16");
-  f.args.fp8 = w;
-  f.args.fp8->down_exponents = TensorView::contiguous(Fixture::memory, DType::i32, cpu, {El, 2, 1});
-  expect_error([&] { f.forward(); }, "argument 'fp8.down_exponents': shape must be [4, 1, 1], got [4, 2, 1]");
-
-  f.args.fp8 = w;
-  Fp8DgradWeights d;  // the backward's transposed weights
-  d.down_t = TensorView::contiguous(Fixture::memory, DType::u8, cpu, {El, I, H});
-  d.gate_up_t = TensorView::contiguous(Fixture::memory, DType::u8, cpu, {El, H, 2 * I});
-  d.down_t_exponents = TensorView::contiguous(Fixture::memory, DType::i32, cpu, {El, 1, 1});
-  d.gate_up_t_exponents = TensorView::contiguous(Fixture::memory, DType::i32, cpu, {El, 1, 2});
-  f.grads.fp8 = d;
-  EXPECT_NO_THROW(f.backward());
-  f.grads.fp8->gate_up_t = TensorView::contiguous(Fixture::memory, DType::u8, cpu, {El, H, I});
-  expect_error([&] { f.backward(); }, "argument 'fp8.gate_up_t': shape must be [4, 128, 128], got [4, 128, 64]");
-  f.grads.fp8 = d;
-  f.grads.fp8->down_t_exponents.dtype = DType::f32;
-  expect_error([&] { f.backward(); }, "argument 'fp8.down_t_exponents': dtype must be i32, got f32");
-  f.grads.fp8 = d;
-  f.grads.fp8->gate_up_t_exponents = d.down_t_exponents;
-  expect_error([&] { f.backward(); }, "argument 'fp8.gate_up_t_exponents': shape must be [4, 1, 2], got [4, 1, 1]");
-  f.grads.fp8.reset();
-
-  Config fp8;
-  fp8.precision = Precision::fp8;
-  MoeShape s = f.shape;
-  s.num_local_experts = s.num_experts;  // one GPU
-  expect_error([&] { Workspace(s, 8, fp8); },
-               "argument 'shape': Precision::fp8 needs hidden and intermediate multiples of 128 (its scale blocks), "
-               "got hidden = 128, intermediate = 64");
-  s.intermediate = 256;
-  Config interleaved = fp8;
-  interleaved.interleave_rows = 1024;
-  expect_error([&] { Workspace(s, 8, interleaved); },
-               "argument 'config.interleave_rows': must be 0 with Precision::fp8 (its kernel runs GEMM1 before GEMM2), "
-               "got 1024");
-  expect_error([&] { Workspace(s, 8, fp8, Training::recompute); },
-               "argument 'config.precision': fp8 trains with Training::save");
-  Config bad;
-  bad.precision = static_cast<Precision>(7);
-  expect_error([&] { validate(bad); }, "argument 'precision': must be Precision::bf16 or Precision::fp8, got 7");
-  EXPECT_STREQ(precision_name(Precision::fp8), "fp8");
 }
 
 TEST(Validate, EmptyBatchIsAllowed) {
