@@ -17,7 +17,8 @@ namespace {
 
 constexpr const char* kWhere = "mok::backward";
 constexpr const char* kScratchFrom =
-    "Workspace::backward_scratch_bytes(d_w_gate's dtype, T, whether d_w_up directly follows d_w_gate)";
+    "Workspace::backward_scratch_bytes(d_w_gate's dtype, T, whether d_w_up directly follows d_w_gate, whether dx is "
+    "apart from every other argument, whether fp8 is given)";
 using U = std::uint64_t;
 
 // The nine tensor maps of one expert set: rows = the set's row count (capacity or padded

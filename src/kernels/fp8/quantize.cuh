@@ -6,7 +6,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <climits>
 
 namespace mok::kernels {
 
@@ -48,10 +47,11 @@ struct QuantizeRowsParams {
   int hidden, top_k, num_local_experts;
   // Optional (the FP8 dgrad's dy rows, which the bf16 weight gradients read too): the same rows
   // in bf16 as well, in one read of x — plan rows before `split` into rows_bf16, the rest into
-  // rows_bf16_hi from its start (split >= capacity: all in rows_bf16; see dispatch_rows).
+  // rows_bf16_hi from its start (as DispatchParams' x_routed, x_routed_hi and split; kNoSplit:
+  // all in rows_bf16). Read only with rows_bf16.
   std::uint16_t* rows_bf16 = nullptr;
   std::uint16_t* rows_bf16_hi = nullptr;
-  std::int64_t split = INT64_MAX;
+  std::int64_t split = 0;
 };
 
 void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream);
