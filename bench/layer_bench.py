@@ -42,14 +42,15 @@ Timing: --repeats rounds; in each, every pass of every implementation in turn, g
 pass, the implementations of a pass in an order rotated every round (A B C, B C A, C A B, …;
 round_order). What ran just before moves a pass's time by a few % (the GPU's clock and
 temperature after a 30 ms forward+backward are not those after a 3 ms forward): so each
-implementation of a pass follows the other pass equally often and otherwise its own pass. (The
-order before 2026-12-02 reversed the whole list every other round, A B C D, D C B A: then
-mok-py's forward followed mok's forward+backward in every other round and mok's forward never
-followed a forward+backward, and mok-py's forward read 0.965–0.992 of mok's where, timed alone
-on the same machine, it read 0.975–1.013; bench/NOTES.md.) Each timing is a warm-up then
+implementation of a pass follows the other pass equally often and otherwise its own pass (an
+unbalanced order moved mok-py's forward by ~2 %: bench/NOTES.md). Each timing is a warm-up then
 --iters iterations with the L2 flushed before each (CUDA events); with --settle-ms, the pass
 first runs untimed for that long, so that every implementation is timed on the power limit's
-plateau, not on its ramp (settle()). A record
+plateau, not on its ramp (settle()). With --queued, a timing enqueues all its iterations before
+it waits (torch_baseline.time_ms, mok_bench's time-queued): the host runs ahead of the GPU as in
+a training loop, so the host's time per call is hidden unless it exceeds the pass's, and the GPU
+does not idle between iterations (synced, the default, it idles while the host reaches the next
+call; the record's `timing` says which). A record
 keeps each round's median, p10 and p90 (`ms_repeats`, `ms_p10_repeats`, `ms_p90_repeats`);
 `ms` is the median of the rounds' medians, `ms_min`/`ms_max` their range.
 
@@ -212,9 +213,11 @@ def run_preset(p, routing, args, server, gpu, emit):
     def timer(impl, ps):
         obj, h = impls[impl], host.setdefault((impl, ps), [])
         if impl in ("mok", "mok-fp8"):
+            command = "time-queued" if args.queued else "time"
+
             def run():
-                settle(lambda: obj.call("time", ps, 0, SETTLE_ITERS, impl), args.settle_ms)
-                reply = obj.call("time", ps, args.warmup, args.iters, impl)
+                settle(lambda: obj.call(command, ps, 0, SETTLE_ITERS, impl), args.settle_ms)
+                reply = obj.call(command, ps, args.warmup, args.iters, impl)
                 h.extend(reply["host_ms"])
                 return sorted(reply["ms"])
             return run
@@ -224,8 +227,8 @@ def run_preset(p, routing, args, server, gpu, emit):
             fn, before = obj.step(ps)
 
         def run():
-            settle(lambda: tb.time_ms(fn, 0, SETTLE_ITERS, before), args.settle_ms)
-            return tb.time_ms(fn, args.warmup, args.iters, before, host=h)
+            settle(lambda: tb.time_ms(fn, 0, SETTLE_ITERS, before, queued=args.queued), args.settle_ms)
+            return tb.time_ms(fn, args.warmup, args.iters, before, host=h, queued=args.queued)
         return run
 
     runnable = [(impl, ps) for ps in passes for impl in args.impls if impl in impls and "error" not in checks[impl].get(ps, {})]
@@ -261,7 +264,8 @@ def run_preset(p, routing, args, server, gpu, emit):
                   tflops=tb.layer_flops(p, ps) / (ms * 1e-3) / 1e12, peak_bytes=int(peak),
                   host_ms=statistics.median(host[(impl, ps)]) if host.get((impl, ps)) else None,
                   check={True: "passed", False: "failed", None: "n/a"}[c.get("passed")], check_detail=c,
-                  iters=args.iters, warmup=args.warmup, flush=tb.FLUSH, gpu=gpu, commit=args.commit,
+                  iters=args.iters, warmup=args.warmup, flush=tb.FLUSH, timing="queued" if args.queued else "synced",
+                  settle_ms=args.settle_ms, gpu=gpu, commit=args.commit,
                   date=args.date, torch=torch.__version__))
     for obj in impls.values():  # (the PyTorch implementations give back their leaves and weights)
         if hasattr(obj, "release"):
@@ -343,6 +347,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--settle-ms", type=float, default=0.0,
                     help="before each timing, run its pass untimed for this long (the power ramp: settle()); 0: not")
+    ap.add_argument("--queued", action="store_true",
+                    help="enqueue a timing's iterations before waiting for them (the host ahead of the GPU, as in "
+                         "training); default: wait for each")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--flush", choices=("zero", "memset"), default=tb.FLUSH,
                     help="how each iteration flushes the L2 in this process (torch_baseline.l2_flusher); "

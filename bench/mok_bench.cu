@@ -19,6 +19,8 @@
 //                                                 the PyTorch path at full size
 //         time PASS WARMUP ITERS [IMPL]           each iteration's ms, L2 flushed before each,
 //                                                 and its host time to enqueue the pass
+//         time-queued PASS WARMUP ITERS [IMPL]    the same, every iteration enqueued before the
+//                                                 first is waited for (time_iterations' queued)
 //         peak PASS [IMPL]                        bytes one pass needs beyond inputs and weights
 //                                                 (IMPL: mok, the default, or mok-fp8)
 //         quit
@@ -142,12 +144,13 @@ int serve() {
                 << checksum(outs[i].second.first, outs[i].second.second, stream) << "\"";
         reply << "}}";
         l.release_kept();
-      } else if (cmd == "time") {
+      } else if (cmd == "time" || cmd == "time-queued") {  // (time_iterations' synced or queued loop)
         int warmup = 0, iters = 0;
-        if (!(in >> pass >> warmup >> iters) || iters < 1) throw mok::Error("mok_bench: time PASS WARMUP ITERS [IMPL]");
+        if (!(in >> pass >> warmup >> iters) || iters < 1)
+          throw mok::Error("mok_bench: " + cmd + " PASS WARMUP ITERS [IMPL]");
         FusedLayer& l = layer(pass, in);
         std::vector<double> host_ms;
-        const auto ms = time_iterations(warmup, iters, stream, [&] { l.step(); }, &host_ms);
+        const auto ms = time_iterations(warmup, iters, stream, [&] { l.step(); }, &host_ms, cmd == "time-queued");
         l.check_status();
         reply << "{\"ms\": [";
         for (std::size_t i = 0; i < ms.size(); ++i) reply << (i ? ", " : "") << ms[i];
@@ -158,7 +161,7 @@ int serve() {
         in >> pass;
         reply << "{\"peak_bytes\": " << layer(pass, in).peak_bytes() << "}";
       } else {
-        throw mok::Error("mok_bench: unknown command '" + cmd + "' (load, check, time, peak, quit)");
+        throw mok::Error("mok_bench: unknown command '" + cmd + "' (load, check, time, time-queued, peak, quit)");
       }
     } catch (const std::exception& e) {
       reply.str("");

@@ -268,24 +268,31 @@ def l2_flusher(kind):
     return memset
 
 
-def time_ms(fn, warmup, iters, before=None, host=None, flush=None):
+def time_ms(fn, warmup, iters, before=None, host=None, flush=None, queued=False):
     """Each iteration's ms (sorted), CUDA events around fn, the L2 flushed before each (flush:
     an l2_flusher, else one of kind FLUSH). With `host` (a list), each iteration's host time to
-    enqueue fn (ms, unsorted) is appended."""
+    enqueue fn (ms, unsorted) is appended. Synced (the default), each iteration waits for its
+    stop event, so the GPU idles while the host reaches the next; `queued` enqueues every
+    iteration before waiting once (mok_bench's time_iterations likewise): the host runs ahead of
+    the GPU as in a training loop, and the GPU goes from one iteration to the next's flush
+    without idling."""
     flush = flush or l2_flusher(FLUSH)
     for _ in range(warmup):
         if before:
             before()
         fn()
-    # One pair of events for every iteration, made (and created on the device, at their first
-    # record) before the loop, as mok_bench does: made between the flush and the start event,
-    # they would take host time from the flush's head start (the GPU is busy with the flush
-    # while the host reaches the pass's first launch). Each iteration waits for its stop.
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    stop.record()
+    # Events for every iteration, made (and created on the device, at their first record) before
+    # the loop, as mok_bench does: made between the flush and the start event, they would take
+    # host time from the flush's head start (the GPU is busy with the flush while the host
+    # reaches the pass's first launch).
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters if queued else 1)]
+    for start, stop in events:
+        start.record()
+        stop.record()
     times = []
-    for _ in range(iters):
+    for i in range(iters):
+        start, stop = events[i if queued else 0]
         if before:
             before()
         flush()
@@ -294,10 +301,14 @@ def time_ms(fn, warmup, iters, before=None, host=None, flush=None):
         fn()
         t1 = time.perf_counter()
         stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
+        if not queued:
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
         if host is not None:
             host.append((t1 - t0) * 1e3)
+    if queued:
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(stop) for start, stop in events]
     times.sort()
     return times
 

@@ -218,34 +218,52 @@ std::uint64_t checksum(const void* p, std::size_t bytes, cudaStream_t stream) {
 }
 
 // Times `body` with CUDA events: warm-up, then each iteration after an L2 flush. With
-// `host_ms`, each iteration's host time to enqueue `body` is appended (unsorted).
+// `host_ms`, each iteration's host time to enqueue `body` is appended (unsorted). Synced (the
+// default), the host waits for each iteration before it flushes for the next, so the GPU idles
+// between them while the host catches up; `queued` enqueues every iteration (flush, start event,
+// body, stop event) before it waits once, as a training loop runs ahead of its GPU: the GPU goes
+// from one iteration's flush to the next without idling, and an iteration's time is its events'.
 template <typename Body>
 std::vector<float> time_iterations(int warmup, int iters, cudaStream_t stream, Body body,
-                                   std::vector<double>* host_ms = nullptr) {
+                                   std::vector<double>* host_ms = nullptr, bool queued = false) {
   static void* flush = nullptr;
   constexpr std::size_t kFlushBytes = 256u << 20;  // > 4x the H200's 60 MB L2
   if (!flush) CUDA_OK(cudaMalloc(&flush, kFlushBytes));
-  cudaEvent_t start, stop;
-  CUDA_OK(cudaEventCreate(&start));
-  CUDA_OK(cudaEventCreate(&stop));
+  std::vector<cudaEvent_t> start(queued ? iters : 1), stop(start.size());
+  for (std::size_t i = 0; i < start.size(); ++i) {
+    CUDA_OK(cudaEventCreate(&start[i]));
+    CUDA_OK(cudaEventCreate(&stop[i]));
+  }
   for (int i = 0; i < warmup; ++i) body();
   std::vector<float> ms;
+  auto elapsed = [&](std::size_t e) {
+    float t = 0;
+    CUDA_OK(cudaEventElapsedTime(&t, start[e], stop[e]));
+    ms.push_back(t);
+  };
   for (int i = 0; i < iters; ++i) {
+    const std::size_t e = queued ? i : 0;
     CUDA_OK(cudaMemsetAsync(flush, i & 0xff, kFlushBytes, stream));
-    CUDA_OK(cudaEventRecord(start, stream));
+    CUDA_OK(cudaEventRecord(start[e], stream));
     const auto t0 = std::chrono::steady_clock::now();
     body();
     const auto t1 = std::chrono::steady_clock::now();
-    CUDA_OK(cudaEventRecord(stop, stream));
+    CUDA_OK(cudaEventRecord(stop[e], stream));
     if (host_ms) host_ms->push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-    CUDA_OK(cudaEventSynchronize(stop));
-    float t = 0;
-    CUDA_OK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
+    if (!queued) {
+      CUDA_OK(cudaEventSynchronize(stop[e]));
+      elapsed(e);
+    }
+  }
+  if (queued) {
+    CUDA_OK(cudaStreamSynchronize(stream));
+    for (int i = 0; i < iters; ++i) elapsed(i);
   }
   CUDA_OK(cudaGetLastError());
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+  for (std::size_t i = 0; i < start.size(); ++i) {
+    cudaEventDestroy(start[i]);
+    cudaEventDestroy(stop[i]);
+  }
   std::sort(ms.begin(), ms.end());
   return ms;
 }

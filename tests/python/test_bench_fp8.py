@@ -51,7 +51,7 @@ def test_layer_bench_times_torch_fp8_forward_only(monkeypatch):
     make = tb.make_inputs
     monkeypatch.setattr(tb, "make_inputs", lambda p, routing, seed, device="cuda": make(p, routing, seed, device="cpu"))
 
-    def time_ms(fn, warmup, iters, before=None, host=None):
+    def time_ms(fn, warmup, iters, before=None, host=None, queued=False):
         for _ in range(iters):
             if before:
                 before()
@@ -64,7 +64,7 @@ def test_layer_bench_times_torch_fp8_forward_only(monkeypatch):
     fp8_impl = torch_fp8.TorchFp8
     monkeypatch.setattr(torch_fp8, "TorchFp8", lambda d: fp8_impl(d, compile=False))
     args = argparse.Namespace(impls=["torch", "torch-fp8"], passes=["fwd", "fwd+bwd"], seed=1, repeats=1, iters=2,
-                              warmup=0, compiled=None, commit="c", date="d", settle_ms=0)
+                              warmup=0, compiled=None, commit="c", date="d", settle_ms=0, queued=False)
     records = []
     layer_bench.run_preset(dict(small_preset(tokens=64), name="test"), "uniform", args, None, "cpu", records.append)
     got = {(r["impl"], r["pass"]): r for r in records}
@@ -73,13 +73,16 @@ def test_layer_bench_times_torch_fp8_forward_only(monkeypatch):
     assert fp8["check"] == "passed" and fp8["check_detail"]["tensors"]["y"]["cos"] >= 0.99
 
 
-def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch):
+@pytest.mark.parametrize("queued", [False, True])
+def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch, queued):
     """layer_bench.run_preset with mok-fp8-py and mok-fp8 asked for, on the CPU: the FP8 layer
     stubbed by its PyTorch oracle (mok.fp8.moe_reference rounded to bf16), the C++ server by an
     object that answers with the same y's checksum, the GPU timers and peak probe stubbed. Both
     are checked (mok-fp8-py against the oracle, mok-fp8 bitwise against mok-fp8-py) and
     recorded for fwd only; fwd+bwd is neither recorded nor reported as a failure; a preset whose
-    H or I is not a multiple of 128 records no FP8 implementation and fails nothing."""
+    H or I is not a multiple of 128 records no FP8 implementation and fails nothing. With
+    --queued both timers are asked for queued timings (the server's time-queued) and the records
+    say so."""
     import argparse
 
     import mok
@@ -87,7 +90,12 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch):
 
     make = tb.make_inputs
     monkeypatch.setattr(tb, "make_inputs", lambda p, routing, seed, device="cuda": make(p, routing, seed, device="cpu"))
-    monkeypatch.setattr(tb, "time_ms", lambda fn, warmup, iters, before=None, host=None: [1.0] * iters)
+    timers = []
+
+    def time_ms(fn, warmup, iters, before=None, host=None, queued=False):
+        timers.append(queued)
+        return [1.0] * iters
+    monkeypatch.setattr(tb, "time_ms", time_ms)
     monkeypatch.setattr(tb, "peak_bytes", lambda fn, before=None: 0)
     monkeypatch.setattr(mok.fp8, "quantize_experts", lambda g, u, d: ("quantized", g, u, d))
     seen = {}
@@ -111,7 +119,7 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch):
             self.calls.append(words)
             if words[0] == "check":
                 return {"checksums": {"y": str(seen["checksum"])}}
-            if words[0] == "time":
+            if words[0] in ("time", "time-queued"):
                 return {"ms": [1.0] * words[3], "host_ms": [0.0] * words[3]}
             if words[0] == "peak":
                 return {"peak_bytes": 0}
@@ -119,7 +127,7 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch):
 
     server = Server()
     args = argparse.Namespace(impls=["torch", "mok-fp8-py", "mok-fp8"], passes=["fwd", "fwd+bwd"], seed=1, repeats=1,
-                              iters=2, warmup=0, compiled=None, commit="c", date="d", settle_ms=1)
+                              iters=2, warmup=0, compiled=None, commit="c", date="d", settle_ms=1, queued=queued)
     records = []
     preset = dict(name="test", tokens=64, hidden=256, intermediate=128, experts=8, top_k=2, shared_intermediate=0,
                   swiglu_limit=0.0)
@@ -130,6 +138,9 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch):
     assert got[("mok-fp8", "fwd")]["check"] == "passed"
     assert got[("mok-fp8", "fwd")]["check_detail"]["bitwise_equal_to_mok_fp8_py"]
     assert ("check", "fwd", "mok-fp8") in server.calls and ("peak", "fwd", "mok-fp8") in server.calls
+    timed = {w[0] for w in server.calls if w[0].startswith("time")}
+    assert timed == {"time-queued" if queued else "time"} and set(timers) == {queued}
+    assert all(r["timing"] == ("queued" if queued else "synced") for r in records)
 
     records.clear()
     layer_bench.run_preset(small_preset(tokens=64), "uniform", args, server, "cpu", records.append)  # I = 64
