@@ -27,23 +27,32 @@ import torch_baseline as tb  # noqa: E402
 from layer_bench import MokPy  # noqa: E402
 
 
-def events_and_kernels(fn, before, iters, warmup=3):
-    """Median event time of one pass (tb.time_ms: L2 flush, events around the call) and the
-    median over iterations of the summed durations of the layer's own kernels (names with
-    'mok', from torch.profiler) in the same run: their difference is GPU time spent on
-    nothing (waiting for the host); a change in the kernels' sum is the kernels' speed."""
+def events_and_kernels(fn, before, iters, warmup=3, queued=False, per_kernel=None):
+    """Median event time of one pass (tb.time_ms: L2 flush, events around the call; queued: its
+    iterations enqueued before the first is waited for) and the median over iterations of the
+    summed durations of the layer's own kernels (names with 'mok', from torch.profiler) in the
+    same run: their difference is GPU time spent on nothing (waiting for the host, or between
+    launches); a change in the kernels' sum is the kernels' speed. per_kernel (a dict): filled
+    with each such kernel's median duration (ms) per pass, by name."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        times = tb.time_ms(fn, warmup, iters, before=before)
+        times = tb.time_ms(fn, warmup, iters, before=before, queued=queued)
     cuda = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    sums = []  # a pass: the layer's kernels after a flush (or spin) kernel, the first work of an iteration
+    sums, names = [], []  # a pass: the layer's kernels after a flush (or spin) kernel, the first work of an iteration
     for start, end, name in cuda:
         if "mok" in name:
             if sums:
                 sums[-1] += (end - start) / 1e3
+                names[-1][name] = names[-1].get(name, 0.0) + (end - start) / 1e3
         elif end - start > 20:  # (µs) the 256 MB flush or the spin; not the layer's counter memsets
             if not sums or sums[-1] > 0:
                 sums.append(0.0)
+                names.append({})
+        elif names:  # (not summed: another kernel or memset inside the pass)
+            names[-1]["(other) " + name] = names[-1].get("(other) " + name, 0.0) + (end - start) / 1e3
+    if per_kernel is not None:
+        for n in dict.fromkeys(k for pass_ in names for k in pass_):
+            per_kernel[n] = statistics.median(pass_.get(n, 0.0) for pass_ in names if pass_)
     return statistics.median(times), statistics.median(sums)  # (the warm-up runs before the first flush)
 
 

@@ -18,7 +18,11 @@ events minus kernels is GPU time spent waiting. If the kernels' sums differ, the
 GPU (workspace, buffers); if only the events do, it is host time.
 
   py_vs_cpp.py --mok-bench build-gpu/bench/mok_bench [--preset qwen3-30b-a3b,gpt-oss-120b]
-               [--rounds 15] [--iters 5]
+               [--rounds 15] [--iters 5] [--queued]
+
+--queued times every way with its iterations enqueued before the first is waited for
+(layer_bench --queued): no host time can show, so what differs is on the GPU; each kernel's
+median duration is printed for mok-py, direct-train and direct-off.
 """
 import argparse
 import os
@@ -124,6 +128,7 @@ def main():
     ap.add_argument("--preset", default="qwen3-30b-a3b,gpt-oss-120b")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--queued", action="store_true")
     args = ap.parse_args()
     presets = tb.load_presets()
     server = MokBench(args.mok_bench)
@@ -163,24 +168,30 @@ def main():
             for r in range(args.rounds):
                 for impl in (impls if r % 2 == 0 else impls[::-1]):
                     if impl == "mok":
-                        reply = server.call("time", "fwd", 2, args.iters, "mok")
+                        reply = server.call("time-queued" if args.queued else "time", "fwd", 2, args.iters, "mok")
                         ms, h = sorted(reply["ms"]), reply["host_ms"]
                     else:
                         h = []
-                        ms = tb.time_ms(fns[impl], 2, args.iters, host=h)
+                        ms = tb.time_ms(fns[impl], 2, args.iters, host=h, queued=args.queued)
                     rounds[impl].append(statistics.median(ms))
                     host[impl].extend(h)
-            print(f"\n== {name} fwd (uniform), {args.rounds} rounds of {args.iters}; y bitwise equal across the "
+            print(f"\n== {name} fwd (uniform), {args.rounds} rounds of {args.iters}"
+                  f"{' (queued)' if args.queued else ''}; y bitwise equal across the "
                   f"in-process calls: {same}")
             print(f"{'impl':14s} {'median ms':>10s} {'paired mok/impl':>16s} {'host ms':>8s} {'events':>8s} "
                   f"{'kernels':>8s} {'waited':>8s}")
+            kernels = {}
             for impl in impls:
                 paired = statistics.median(a / b for a, b in zip(rounds["mok"], rounds[impl]))
                 ev = kern = float("nan")
                 if impl != "mok":
-                    ev, kern = events_and_kernels(fns[impl], None, 20)
+                    ev, kern = events_and_kernels(fns[impl], None, 20, queued=args.queued,
+                                                  per_kernel=kernels.setdefault(impl, {}))
                 print(f"{impl:14s} {statistics.median(rounds[impl]):10.3f} {paired:16.3f} "
                       f"{statistics.median(host[impl]):8.3f} {ev:8.3f} {kern:8.3f} {ev - kern:8.3f}", flush=True)
+            for impl in ("mok-py", "direct-train", "direct-off"):
+                print(f"  {impl} kernels (median ms a pass): " +
+                      ", ".join(f"{n[:60]} {v:.4f}" for n, v in kernels.get(impl, {}).items()))
             print("mok-py's host time in the loop: Python before the extension %.3f ms, the extension %.3f, "
                   "Python after it %.3f" % split_host(py_fn))
             print("its pieces in the loop (each wrapped and timed alone; medians, µs): " +
