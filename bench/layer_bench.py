@@ -50,7 +50,8 @@ plateau, not on its ramp (settle()). With --queued, a timing enqueues all its it
 it waits (torch_baseline.time_ms, mok_bench's time-queued): the host runs ahead of the GPU as in
 a training loop, so the host's time per call is hidden unless it exceeds the pass's, and the GPU
 does not idle between iterations (synced, the default, it idles while the host reaches the next
-call; the record's `timing` says which). A record
+call; the record's `timing` says which). --warmup-rounds N runs N whole rounds untimed before
+the timed ones. A record
 keeps each round's median, p10 and p90 (`ms_repeats`, `ms_p10_repeats`, `ms_p90_repeats`);
 `ms` is the median of the rounds' medians, `ms_min`/`ms_max` their range.
 
@@ -71,7 +72,6 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -79,6 +79,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_baseline as tb  # noqa: E402
 from mok_impls import MokBench, MokPy, check_mok_fp8, checksum  # noqa: E402,F401
+from rounds import SETTLE_ITERS, paired_ratio, round_order, settle  # noqa: E402
 
 IMPLS = ("torch-compiled", "torch", "mok", "mok-py", "dense")
 OPTIONAL_IMPLS = ("torch-fp8", "mok-fp8", "mok-fp8-py")  # valid in --impl, not run unless named
@@ -232,6 +233,14 @@ def run_preset(p, routing, args, server, gpu, emit):
         return run
 
     runnable = [(impl, ps) for ps in passes for impl in args.impls if impl in impls and "error" not in checks[impl].get(ps, {})]
+    for r in range(args.warmup_rounds):  # untimed: the first rounds after a preset's checks run slow (bench/NOTES.md)
+        for key in round_order(runnable, r):
+            try:
+                timer(*key)()
+            except Exception as e:
+                fail(*key, e)
+                runnable = [k for k in runnable if k != key]
+    host.clear()
     rounds = {key: [] for key in runnable}
     for r in range(args.repeats):
         # Balanced: each implementation of a pass follows another pass equally often (the GPU's
@@ -265,32 +274,11 @@ def run_preset(p, routing, args, server, gpu, emit):
                   host_ms=statistics.median(host[(impl, ps)]) if host.get((impl, ps)) else None,
                   check={True: "passed", False: "failed", None: "n/a"}[c.get("passed")], check_detail=c,
                   iters=args.iters, warmup=args.warmup, flush=tb.FLUSH, timing="queued" if args.queued else "synced",
-                  settle_ms=args.settle_ms, gpu=gpu, commit=args.commit,
+                  settle_ms=args.settle_ms, warmup_rounds=args.warmup_rounds, gpu=gpu, commit=args.commit,
                   date=args.date, torch=torch.__version__))
     for obj in impls.values():  # (the PyTorch implementations give back their leaves and weights)
         if hasattr(obj, "release"):
             obj.release()
-
-
-def round_order(runnable, r):
-    """The (impl, pass) keys of round r: grouped by pass (in the order of `runnable`), each pass's
-    implementations rotated by r, so that over len(impls) rounds each is first once (following
-    the previous pass, or the previous round's last) and otherwise follows its own pass."""
-    passes = list(dict.fromkeys(ps for _, ps in runnable))
-    order = []
-    for ps in passes:
-        keys = [k for k in runnable if k[1] == ps]
-        shift = r % len(keys)
-        order += keys[shift:] + keys[:shift]
-    return order
-
-
-def paired_ratio(a, b):
-    """(median, min, max) over rounds of a's time / b's time in the same round (ms_repeats is in
-    round order, and a round times both back to back): the clock's drift between rounds, which
-    moves both alike, cancels, where a ratio of the two medians keeps it."""
-    ratios = [x / y for x, y in zip(a["ms_repeats"], b["ms_repeats"])]
-    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def summary(records):
@@ -322,22 +310,6 @@ def summary(records):
     return "\n".join(lines)
 
 
-SETTLE_ITERS = 3  # iterations a settling call runs (untimed) before it looks at the clock again
-
-
-def settle(run_some, ms):
-    """Runs `run_some` (a few untimed iterations of the pass about to be timed) until `ms` of wall
-    time have passed, at least once when ms > 0: an H200 reaches its power limit within ~1 s of
-    sustained work and its SM clock falls and dips while the controller settles (bench/NOTES.md),
-    so a timing started cold runs at another clock than one on the plateau. Returns the calls."""
-    calls = 0
-    end = time.perf_counter() + ms / 1e3
-    while ms > 0 and (calls == 0 or time.perf_counter() < end):
-        run_some()
-        calls += 1
-    return calls
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="all")
@@ -350,6 +322,9 @@ def main():
     ap.add_argument("--queued", action="store_true",
                     help="enqueue a timing's iterations before waiting for them (the host ahead of the GPU, as in "
                          "training); default: wait for each")
+    ap.add_argument("--warmup-rounds", type=int, default=0,
+                    help="whole rounds run untimed first, in the timed rounds' order (the first rounds after a "
+                         "preset's checks run slow: bench/NOTES.md)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--flush", choices=("zero", "memset"), default=tb.FLUSH,
                     help="how each iteration flushes the L2 in this process (torch_baseline.l2_flusher); "
@@ -359,6 +334,8 @@ def main():
     tb.add_run_args(ap, iters=10)
     args = ap.parse_args()
     tb.check_run_args("layer_bench", args, IMPLS + OPTIONAL_IMPLS)
+    if args.warmup_rounds < 0 or args.settle_ms < 0:
+        sys.exit(f"layer_bench: --warmup-rounds and --settle-ms must be >= 0, got {args.warmup_rounds} and {args.settle_ms}")
     tb.FLUSH = args.flush
     if not torch.cuda.is_available():
         sys.exit("layer_bench: no CUDA GPU")

@@ -312,6 +312,12 @@ def cmd_table(a):
         if is_layer_run(records):
             reps = max(r.get("repeats", 1) for r in records)
             desc = f"{reps} interleaved rounds of {r0.get('iters', '?')} iterations, PyTorch {r0.get('torch', '?')}"
+            if r0.get("timing") == "queued":
+                desc += ", each timing's iterations queued (the host ahead of the GPU)"
+            if r0.get("settle_ms"):
+                desc += f", each timing after {r0['settle_ms']:g} ms of untimed passes"
+            if r0.get("warmup_rounds"):
+                desc += f", after {r0['warmup_rounds']} untimed rounds"
             if not has_baseline(records):
                 desc += (". No torch-compiled in this run: it compares mok.moe from Python with the C++ call "
                          "(the binding's cost), not the layer with PyTorch")

@@ -10,6 +10,7 @@
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
 #                                                   host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
+#                                                   [--warmup-rounds N]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON, and so do its two halves `ctest` (clean
 # build, ctest, sanitizers, the main job) and `pytest` (the package, pytest, the training example); `bench` (build if missing, then
@@ -44,7 +45,7 @@
 # --settle-ms MS runs each timed pass untimed for MS first (layer_bench's, in the bench, speed and
 # host parts: every implementation timed on the power limit's plateau, issue 21).
 # --queued: layer_bench's timings enqueue all their iterations before waiting (the host ahead of the
-# GPU, as in training; the default waits for each iteration).
+# GPU, as in training; the default waits for each iteration). --warmup-rounds N: N whole rounds untimed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -69,7 +70,8 @@ while [ $# -gt 0 ]; do
     --pass) impl_args+=(--pass "$2"); passes="$2"; shift ;;
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]"; exit 2 ;;
+    --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N]"; exit 2 ;;
   esac
   shift
 done

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import ab_serve  # noqa: E402
 import host_overhead  # noqa: E402
 import layer_bench  # noqa: E402
 import report  # noqa: E402
+import rounds  # noqa: E402
 import torch_baseline as tb  # noqa: E402
 
 
@@ -225,7 +227,7 @@ def test_round_order_lets_every_implementation_follow_the_other_pass_equally_oft
     runnable = [(impl, ps) for ps in ("fwd", "fwd+bwd") for impl in impls]
     sequence = []
     for r in range(2 * len(impls)):
-        order = layer_bench.round_order(runnable, r)
+        order = rounds.round_order(runnable, r)
         assert sorted(order) == sorted(runnable)
         sequence += order
     after_other_pass = {key: 0 for key in runnable}
@@ -242,7 +244,7 @@ def test_paired_ratio_pairs_rounds_and_summary_shows_it():
     mok = dict(preset="p", routing="uniform", impl="mok", tflops=1.0, check="passed",
                ms_repeats=[1.00, 1.20, 1.40], ms=1.20, **{"pass": "fwd"})
     py = dict(mok, impl="mok-py", ms_repeats=[1.00 / 0.98, 1.20 / 0.98, 1.40 / 0.98], ms=1.20 / 0.98)
-    med, lo, hi = layer_bench.paired_ratio(mok, py)
+    med, lo, hi = rounds.paired_ratio(mok, py)
     assert abs(med - 0.98) < 1e-12 and abs(lo - 0.98) < 1e-12 and abs(hi - 0.98) < 1e-12
     assert "0.980 [0.980, 0.980]" in layer_bench.summary([mok, py])
 
@@ -279,8 +281,8 @@ def test_diagnostics_problem_is_mok_moe_arguments_in_order(monkeypatch):
 
 def test_settle_runs_the_pass_until_its_time_has_passed_and_not_at_all_when_off():
     calls = []
-    assert layer_bench.settle(lambda: calls.append(1), 0) == 0 and not calls
-    assert layer_bench.settle(lambda: calls.append(1), 1e-6) == 1  # at least once when on
-    t0 = layer_bench.time.perf_counter()
-    n = layer_bench.settle(lambda: layer_bench.time.sleep(0.005), 30)
-    assert layer_bench.time.perf_counter() - t0 >= 0.03 and 2 <= n <= 7  # (sleeps may run long, never short)
+    assert rounds.settle(lambda: calls.append(1), 0) == 0 and not calls
+    assert rounds.settle(lambda: calls.append(1), 1e-6) == 1  # at least once when on
+    t0 = time.perf_counter()
+    n = rounds.settle(lambda: time.sleep(0.005), 30)
+    assert time.perf_counter() - t0 >= 0.03 and 2 <= n <= 7  # (sleeps may run long, never short)

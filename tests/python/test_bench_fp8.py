@@ -64,7 +64,7 @@ def test_layer_bench_times_torch_fp8_forward_only(monkeypatch):
     fp8_impl = torch_fp8.TorchFp8
     monkeypatch.setattr(torch_fp8, "TorchFp8", lambda d: fp8_impl(d, compile=False))
     args = argparse.Namespace(impls=["torch", "torch-fp8"], passes=["fwd", "fwd+bwd"], seed=1, repeats=1, iters=2,
-                              warmup=0, compiled=None, commit="c", date="d", settle_ms=0, queued=False)
+                              warmup=0, compiled=None, commit="c", date="d", settle_ms=0, queued=False, warmup_rounds=0)
     records = []
     layer_bench.run_preset(dict(small_preset(tokens=64), name="test"), "uniform", args, None, "cpu", records.append)
     got = {(r["impl"], r["pass"]): r for r in records}
@@ -82,7 +82,7 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch, queued):
     recorded for fwd only; fwd+bwd is neither recorded nor reported as a failure; a preset whose
     H or I is not a multiple of 128 records no FP8 implementation and fails nothing. With
     --queued both timers are asked for queued timings (the server's time-queued) and the records
-    say so."""
+    say so; a warm-up round (with --queued here) is timed but not recorded."""
     import argparse
 
     import mok
@@ -93,7 +93,7 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch, queued):
     timers = []
 
     def time_ms(fn, warmup, iters, before=None, host=None, queued=False):
-        timers.append(queued)
+        timers.append((queued, iters))
         return [1.0] * iters
     monkeypatch.setattr(tb, "time_ms", time_ms)
     monkeypatch.setattr(tb, "peak_bytes", lambda fn, before=None: 0)
@@ -127,7 +127,8 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch, queued):
 
     server = Server()
     args = argparse.Namespace(impls=["torch", "mok-fp8-py", "mok-fp8"], passes=["fwd", "fwd+bwd"], seed=1, repeats=1,
-                              iters=2, warmup=0, compiled=None, commit="c", date="d", settle_ms=1, queued=queued)
+                              iters=2, warmup=0, compiled=None, commit="c", date="d", settle_ms=1, queued=queued,
+                              warmup_rounds=int(queued))
     records = []
     preset = dict(name="test", tokens=64, hidden=256, intermediate=128, experts=8, top_k=2, shared_intermediate=0,
                   swiglu_limit=0.0)
@@ -139,8 +140,14 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch, queued):
     assert got[("mok-fp8", "fwd")]["check_detail"]["bitwise_equal_to_mok_fp8_py"]
     assert ("check", "fwd", "mok-fp8") in server.calls and ("peak", "fwd", "mok-fp8") in server.calls
     timed = {w[0] for w in server.calls if w[0].startswith("time")}
-    assert timed == {"time-queued" if queued else "time"} and set(timers) == {queued}
+    assert timed == {"time-queued" if queued else "time"} and {q for q, _ in timers} == {queued}
     assert all(r["timing"] == ("queued" if queued else "synced") for r in records)
+    # (a round times mok-fp8's forward once through the server and torch's fwd and fwd+bwd through
+    # time_ms, each after its settle's calls of SETTLE_ITERS iterations; warm-up and timed rounds)
+    rounds = 1 + int(queued)
+    assert sum(w[0].startswith("time") and w[3] == 2 for w in server.calls) == rounds
+    assert sum(iters == 2 for _, iters in timers) == 2 * rounds
+    assert all(r["repeats"] == 1 and r["warmup_rounds"] == int(queued) for r in records)
 
     records.clear()
     layer_bench.run_preset(small_preset(tokens=64), "uniform", args, server, "cpu", records.append)  # I = 64
