@@ -142,11 +142,11 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch, queued):
     timed = {w[0] for w in server.calls if w[0].startswith("time")}
     assert timed == {"time-queued" if queued else "time"} and {q for q, _ in timers} == {queued}
     assert all(r["timing"] == ("queued" if queued else "synced") for r in records)
-    # (a round times mok-fp8's forward once through the server and torch's fwd and fwd+bwd through
-    # time_ms, each after its settle's calls of SETTLE_ITERS iterations; warm-up and timed rounds)
+    # (a round times mok-fp8's forward once through the server, and torch's fwd and fwd+bwd and
+    # mok-fp8-py's fwd through time_ms, each after its settle's calls of SETTLE_ITERS iterations)
     rounds = 1 + int(queued)
     assert sum(w[0].startswith("time") and w[3] == 2 for w in server.calls) == rounds
-    assert sum(iters == 2 for _, iters in timers) == 2 * rounds
+    assert sum(iters == 2 for _, iters in timers) == 3 * rounds
     assert all(r["repeats"] == 1 and r["warmup_rounds"] == int(queued) for r in records)
 
     records.clear()
