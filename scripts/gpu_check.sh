@@ -10,7 +10,7 @@
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
 #                                                   host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
-#                                                   [--warmup-rounds N]
+#                                                   [--warmup-rounds N] [--bench-only]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON, and so do its two halves `ctest` (clean
 # build, ctest, sanitizers, the main job) and `pytest` (the package, pytest, the training example); `bench` (build if missing, then
@@ -46,6 +46,7 @@
 # host parts: every implementation timed on the power limit's plateau, issue 21).
 # --queued: layer_bench's timings enqueue all their iterations before waiting (the host ahead of the
 # GPU, as in training; the default waits for each iteration). --warmup-rounds N: N whole rounds untimed first.
+# --bench-only: the host part runs only layer_bench (not host_sections.py and forward_stages.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -59,9 +60,11 @@ presets=all
 part=all
 impl_args=()
 settle_args=()
+bench_only=false
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) iters=3; repeats=1 ;;
+    --bench-only) bench_only=true ;;
     --part) part="$2"; shift ;;
     --presets) presets="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
@@ -71,7 +74,7 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only]"; exit 2 ;;
   esac
   shift
 done
@@ -250,13 +253,15 @@ fi
 if [ "$part" = host ]; then
   host_presets=$presets
   [ "$presets" = all ] && host_presets=qwen3-30b-a3b,olmoe-1b-7b,qwen3.5-397b,glm-4.5,gpt-oss-120b
-  for preset in ${host_presets//,/ }; do  # the prelude's pieces (seconds a preset)
-    env PYTHONPATH="$PWD/$build/pkg" timeout 120 python3 bench/host_sections.py --preset "$preset" 2>&1 |
-      tee "$OUT/${date:0:10}-$commit-host-sections-$preset.txt" || { echo "host_sections $preset failed"; test_rc=1; }
-  done
-  # where the slow forwards wait: after which of the eager forward's two enqueues (issue 21)
-  env PYTHONPATH="$PWD/$build/pkg" timeout 180 python3 bench/forward_stages.py --preset olmoe-1b-7b,gpt-oss-120b,glm-4.5 2>&1 |
-    tee "$OUT/${date:0:10}-$commit-forward-stages.txt" || { echo "forward_stages failed"; test_rc=1; }
+  if ! $bench_only; then
+    for preset in ${host_presets//,/ }; do  # the prelude's pieces (seconds a preset)
+      env PYTHONPATH="$PWD/$build/pkg" timeout 120 python3 bench/host_sections.py --preset "$preset" 2>&1 |
+        tee "$OUT/${date:0:10}-$commit-host-sections-$preset.txt" || { echo "host_sections $preset failed"; test_rc=1; }
+    done
+    # where the slow forwards wait: after which of the eager forward's two enqueues (issue 21)
+    env PYTHONPATH="$PWD/$build/pkg" timeout 180 python3 bench/forward_stages.py --preset olmoe-1b-7b,gpt-oss-120b,glm-4.5 2>&1 |
+      tee "$OUT/${date:0:10}-$commit-forward-stages.txt" || { echo "forward_stages failed"; test_rc=1; }
+  fi
   env PYTHONPATH="$PWD/$build/pkg" python3 bench/layer_bench.py --mok-bench $build/bench/mok_bench --impl mok,mok-py \
     --preset "$presets" --routing uniform --repeats $repeats --iters $iters --out "$OUT/bench_layer.json" \
     --commit "$commit" --date "$date" "${settle_args[@]}" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
