@@ -10,7 +10,7 @@
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
 #                                                   host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
-#                                                   [--warmup-rounds N] [--bench-only]
+#                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON, and so do its two halves `ctest` (clean
 # build, ctest, sanitizers, the main job) and `pytest` (the package, pytest, the training example); `bench` (build if missing, then
@@ -47,6 +47,9 @@
 # --queued: layer_bench's timings enqueue all their iterations before waiting (the host ahead of the
 # GPU, as in training; the default waits for each iteration). --warmup-rounds N: N whole rounds untimed first.
 # --bench-only: the host part runs only layer_bench (not host_sections.py and forward_stages.py).
+# --diag DEFINES (phases part): a second phase build with MOK_DIAG_DEFINES (timing-only kernel variants,
+# e.g. MOK_DIAG_NO_DGU_QUANTIZE), both run alternately --repeats times without checks, into
+# <date>-<commit>-phases-diag.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -61,10 +64,12 @@ part=all
 impl_args=()
 settle_args=()
 bench_only=false
+diag=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) iters=3; repeats=1 ;;
     --bench-only) bench_only=true ;;
+    --diag) diag="$2"; shift ;;
     --part) part="$2"; shift ;;
     --presets) presets="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
@@ -74,7 +79,7 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES]"; exit 2 ;;
   esac
   shift
 done
@@ -91,12 +96,28 @@ echo "== $gpu, commit $commit, $date"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$LOG/nvidia-smi.txt" 2>&1
 
 if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else runs
-  { cmake -S . -B build-phase -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PHASE_TIMING=ON -DMOK_BUILD_TESTS=OFF \
-      -DMOK_BUILD_EXAMPLES=OFF && cmake --build build-phase --target mok_bench -j"$(nproc)"; } > "$LOG/build_phase.log" 2>&1 ||
-    { tail -30 "$LOG/build_phase.log"; exit 1; }
-  build-phase/bench/mok_bench --preset "$presets" --impl "${impls:-mok}" --pass "${passes:-fwd,fwd+bwd}" --iters "$iters" |
-    tee "$OUT/${date:0:10}-$commit-phases.txt"
-  rc=${PIPESTATUS[0]}
+  phase_build() {  # $1: build dir, $2: MOK_DIAG_DEFINES
+    { cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PHASE_TIMING=ON -DMOK_BUILD_TESTS=OFF \
+        -DMOK_BUILD_EXAMPLES=OFF -DMOK_DIAG_DEFINES="$2" && cmake --build "$1" --target mok_bench -j"$(nproc)"; } \
+      > "$LOG/build_$(basename "$1").log" 2>&1 || { tail -30 "$LOG/build_$(basename "$1").log"; exit 1; }
+  }
+  phase_build build-phase ""
+  phase_args=(--preset "$presets" --impl "${impls:-mok}" --pass "${passes:-fwd,fwd+bwd}" --iters "$iters")
+  if [ -z "$diag" ]; then
+    build-phase/bench/mok_bench "${phase_args[@]}" | tee "$OUT/${date:0:10}-$commit-phases.txt"
+    rc=${PIPESTATUS[0]}
+  else  # the same build with a timing-only variant (--diag), alternating --repeats times (no checks)
+    phase_build build-phase-diag "$diag"
+    rc=0
+    for r in $(seq "$repeats"); do
+      for variant in build-phase build-phase-diag; do
+        echo "== round $r: $variant (MOK_DIAG_DEFINES=$([ $variant = build-phase ] && echo none || echo "$diag"))" |
+          tee -a "$OUT/${date:0:10}-$commit-phases-diag.txt"
+        $variant/bench/mok_bench "${phase_args[@]}" --no-check 2>&1 | tee -a "$OUT/${date:0:10}-$commit-phases-diag.txt"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+      done
+    done
+  fi
   tar czf "$OUT/logs.tgz" -C "$LOG" .
   exit "$rc"
 fi

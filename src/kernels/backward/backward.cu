@@ -169,8 +169,10 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
         if (!fp8) mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
         timer.lap<Phase::mainloop_dh>();
         epilogue_dh(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
+#ifndef MOK_DIAG_NO_DGU_QUANTIZE  // (timing only: without it the dx tiles read stale E4M3 rows)
         if constexpr (kFp8Dgrad<Q>)
           if (fp8) quantize_dgu_rows(q, t, row0, wg);
+#endif
         if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);  // (after the epilogue: acc's registers are free)
         fence_proxy_async_global();  // TMA loads of other CTAs read these rows next
         publish_count(p.counters.dgu_ready + dgu_counter(p, t, t.m), 1, wg);
