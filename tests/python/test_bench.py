@@ -286,3 +286,26 @@ def test_settle_runs_the_pass_until_its_time_has_passed_and_not_at_all_when_off(
     t0 = time.perf_counter()
     n = rounds.settle(lambda: time.sleep(0.005), 30)
     assert time.perf_counter() - t0 >= 0.03 and 2 <= n <= 7  # (sleeps may run long, never short)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)),
+                    reason="needs a Hopper GPU")
+@pytest.mark.skipif(not os.path.exists(MOK_BENCH), reason=f"{MOK_BENCH} not built (scripts/test.sh builds it)")
+@pytest.mark.parametrize("queued", [False, True])
+def test_synced_and_queued_timings_give_every_iteration(queued):
+    """mok_bench's `time` / `time-queued` on the tiny preset and torch_baseline.time_ms(queued=...):
+    one positive time per iteration, sorted, and each iteration's host time."""
+    from mok_impls import MokBench
+
+    d = tb.make_inputs(tb.load_presets()["tiny"], "uniform", seed=1)
+    server = MokBench(MOK_BENCH)
+    try:
+        server.load("tiny", 1, d)
+        reply = server.call("time-queued" if queued else "time", "fwd", 1, 4, "mok")
+    finally:
+        server.close()
+    assert len(reply["ms"]) == 4 and reply["ms"] == sorted(reply["ms"]) and min(reply["ms"]) > 0
+    assert len(reply["host_ms"]) == 4
+    x, host = torch.randn(512, 512, device="cuda"), []
+    times = tb.time_ms(lambda: x @ x, 1, 4, host=host, queued=queued)
+    assert len(times) == 4 and times == sorted(times) and min(times) > 0 and len(host) == 4
