@@ -309,3 +309,16 @@ def test_synced_and_queued_timings_give_every_iteration(queued):
     x, host = torch.randn(512, 512, device="cuda"), []
     times = tb.time_ms(lambda: x @ x, 1, 4, host=host, queued=queued)
     assert len(times) == 4 and times == sorted(times) and min(times) > 0 and len(host) == 4
+
+
+def test_round_ratios_pair_each_run_and_pool_the_runs():
+    """rounds.round_ratios pairs mok with mok-py within a run (same commit and date) and appends
+    the runs' rounds; median_interval's median is the plain median and the interval holds it."""
+    def rec(impl, date, ms):
+        return {"preset": "p", "routing": "uniform", "pass": "fwd", "impl": impl, "commit": "c", "date": date,
+                "ms_repeats": ms}
+    records = [rec("mok", "d1", [1.0, 2.0]), rec("mok-py", "d1", [2.0, 2.0]),
+               rec("mok", "d2", [3.0]), rec("mok-py", "d2", [4.0]), rec("mok", "d3", [9.0])]  # (d3: no partner)
+    assert rounds.round_ratios(records) == {("p", "uniform", "fwd"): [0.5, 1.0, 0.75]}
+    med, lo, hi = rounds.median_interval([0.5, 1.0, 0.75])
+    assert med == 0.75 and lo <= med <= hi and rounds.median_interval([0.5, 1.0, 0.75]) == (med, lo, hi)
