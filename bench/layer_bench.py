@@ -233,21 +233,18 @@ def run_preset(p, routing, args, server, gpu, emit):
         return run
 
     runnable = [(impl, ps) for ps in passes for impl in args.impls if impl in impls and "error" not in checks[impl].get(ps, {})]
-    for r in range(args.warmup_rounds):  # untimed: the first rounds after a preset's checks run slow (bench/NOTES.md)
-        for key in round_order(runnable, r):
-            try:
-                timer(*key)()
-            except Exception as e:
-                fail(*key, e)
-                runnable = [k for k in runnable if k != key]
-    host.clear()
     rounds = {key: [] for key in runnable}
-    for r in range(args.repeats):
-        # Balanced: each implementation of a pass follows another pass equally often (the GPU's
-        # clock and temperature after a pass move the next one's time by a few %: round_order).
+    # Rounds r < 0 are --warmup-rounds, untimed (the first rounds after a preset's checks run slow:
+    # bench/NOTES.md). Balanced: each implementation of a pass follows another pass equally often
+    # (the GPU's clock and temperature after a pass move the next one's time by a few %: round_order).
+    for r in range(-args.warmup_rounds, args.repeats):
+        if r == 0:
+            host.clear()
         for key in round_order(runnable, r):
             try:
-                rounds[key].append(timer(*key)())
+                ms = timer(*key)()
+                if r >= 0:
+                    rounds[key].append(ms)
             except Exception as e:
                 fail(*key, e)
                 rounds[key] = None
