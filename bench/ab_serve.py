@@ -5,6 +5,10 @@ equal outputs, and are then timed in alternating rounds (base, head, base, head,
 
   python3 bench/ab_serve.py --base BASE/bench/mok_bench --head HEAD/bench/mok_bench
       [--preset all|NAME,...] [--routing uniform] [--rounds 5] [--iters 10] [--out FILE.json]
+      [--impls BASE_IMPL,HEAD_IMPL]
+
+--impls compares two of mok_bench's implementations (e.g. one build, --impls mok,mok-pp: the
+cooperative forward against the ping-pong one); --head defaults to --base.
 
 Per (preset, pass): each side's median over rounds of its round medians, head / base, the
 range of the per-round ratios, and whether the two builds' outputs (y, dx, d_topk_weights,
@@ -35,7 +39,8 @@ def rows_of(times, same):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True)
-    ap.add_argument("--head", required=True)
+    ap.add_argument("--head", default="")
+    ap.add_argument("--impls", default="mok,mok", help="mok_bench impls of base and head (mok, mok-pp)")
     ap.add_argument("--preset", default="all")
     ap.add_argument("--routing", default="uniform")
     ap.add_argument("--pass", dest="passes", default="fwd,fwd+bwd",
@@ -50,7 +55,10 @@ def main():
     presets = tb.load_presets()
     names = tb.benchmark_presets(presets) if args.preset == "all" else args.preset.split(",")
     passes = args.passes.split(",")
-    servers = {"base": MokBench(args.base), "head": MokBench(args.head)}
+    impl = dict(zip(("base", "head"), args.impls.split(",")))
+    if len(impl) != 2 or args.impls.count(",") != 1:
+        sys.exit(f"ab_serve: --impls takes two implementations, BASE,HEAD; got '{args.impls}'")
+    servers = {"base": MokBench(args.base), "head": MokBench(args.head or args.base)}
     times, same = {}, {}
     try:
         for name in names:
@@ -66,13 +74,14 @@ def main():
                 if ps == "fp8" and (p["hidden"] % 128 or p["intermediate"] % 128):
                     print(f"{name:<20}{ps:<9}skipped: Precision::fp8 needs H and I multiples of 128", flush=True)
                     continue
-                call = ("fwd", "mok-fp8") if ps == "fp8" else (ps,)
-                sums = {side: s.call("check", *call)["checksums"] for side, s in servers.items()}
+                calls = {side: ("fwd", "mok-fp8") if ps == "fp8" else (ps, impl[side]) for side in servers}
+                sums = {side: s.call("check", *calls[side])["checksums"] for side, s in servers.items()}
                 same[(name, ps)] = sums["base"] == sums["head"]
                 t = times[(name, ps)] = {"base": [], "head": []}
                 for _ in range(args.rounds):
                     for side, s in servers.items():
-                        t[side].append(statistics.median(s.call("time", call[0], args.warmup, args.iters, *call[1:])["ms"]))
+                        c = calls[side]
+                        t[side].append(statistics.median(s.call("time", c[0], args.warmup, args.iters, *c[1:])["ms"]))
                 print(f"{name:<20}{ps:<9}base {statistics.median(t['base']):8.3f}  head "
                       f"{statistics.median(t['head']):8.3f}  bitwise equal: {same[(name, ps)]}", flush=True)
     finally:

@@ -1,6 +1,6 @@
 // Benchmark harness of the C++ layer. Two ways to run it:
 //
-//   mok_bench [--preset all|NAME,...] [--impl mok,mok-ep1,mok-fp8,cublas,plan] ...   (standalone)
+//   mok_bench [--preset all|NAME,...] [--impl mok,mok-pp,mok-ep1,mok-fp8,cublas,plan] ...   (standalone)
 //       times implementations on named presets, with its own inputs (uniform routing), and
 //       writes records in the schema shared with bench/torch_baseline.py:
 //       preset, impl, pass, tokens, ep, ms (median), ms_p10, ms_p90, tflops, peak_bytes,
@@ -22,7 +22,7 @@
 //         time-queued PASS WARMUP ITERS [IMPL]    the same, every iteration enqueued before the
 //                                                 first is waited for (time_iterations' queued)
 //         peak PASS [IMPL]                        bytes one pass needs beyond inputs and weights
-//                                                 (IMPL: mok, the default, or mok-fp8)
+//                                                 (IMPL: mok, the default, mok-fp8 or mok-pp)
 //         quit
 //   mok_bench --fill-sample SEED N                 (no GPU) the first N values fill_bits gives,
 //                                                 for the CPU test of layer_bench's hash_fill
@@ -35,6 +35,7 @@
 //          pre-activations, then the fused backward into bf16 gradients); the forward is
 //          checked first on sampled tokens against the fp64 CPU reference, the backward's
 //          outputs for finiteness (the full-size check is layer_bench.py's)
+//   mok-pp the same with Config::pingpong (the forward's ping-pong consumer warpgroups)
 //   mok-ep1 the same layer through the expert-parallel machinery as an EP group of one rank
 //   mok-fp8 Precision::fp8: the FP8 forward, and in fwd+bwd the backward with the FP8 dgrad;
 //          weights quantized once beforehand; the forward checked on sampled tokens against the
@@ -105,14 +106,15 @@ int serve() {
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::unique_ptr<Problem> problem;
-  std::unique_ptr<FusedLayer> layers[4];  // mok fwd, mok fwd+bwd, mok-fp8 fwd, mok-fp8 fwd+bwd
+  std::unique_ptr<FusedLayer> layers[6];  // mok, mok-fp8, mok-pp: fwd, fwd+bwd
   auto layer = [&](const std::string& pass, std::istringstream& in) -> FusedLayer& {
     if (!problem) throw mok::Error("mok_bench: 'load' a preset first");
     if (pass != "fwd" && pass != "fwd+bwd") throw mok::Error("mok_bench: pass must be fwd or fwd+bwd, got '" + pass + "'");
     std::string impl = "mok";
     in >> impl;  // (optional)
-    if (impl != "mok" && impl != "mok-fp8") throw mok::Error("mok_bench: impl must be mok or mok-fp8, got '" + impl + "'");
-    auto& l = layers[(impl == "mok-fp8" ? 2 : 0) + (pass == "fwd+bwd")];
+    if (impl != "mok" && impl != "mok-fp8" && impl != "mok-pp")
+      throw mok::Error("mok_bench: impl must be mok, mok-fp8 or mok-pp, got '" + impl + "'");
+    auto& l = layers[(impl == "mok-fp8" ? 2 : impl == "mok-pp" ? 4 : 0) + (pass == "fwd+bwd")];
     if (!l) l = std::make_unique<FusedLayer>(*problem, impl, pass, mok::Config{}, stream);
     return *l;
   };
@@ -237,10 +239,10 @@ int main(int argc, char** argv) try {
   for (const std::string& name : o.presets)
     if (name != "all") mok::find_preset(name);  // unknown names are an error
   for (const std::string& impl : o.impls)
-    if (impl != "mok" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "mok-fp8-bf16dgrad" && impl != "cublas" &&
-        impl != "plan")
+    if (impl != "mok" && impl != "mok-pp" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "mok-fp8-bf16dgrad" &&
+        impl != "cublas" && impl != "plan")
       throw mok::Error("mok_bench: impl '" + impl +
-                       "' is not available (known: mok, mok-ep1, mok-fp8, mok-fp8-bf16dgrad, cublas, plan)");
+                       "' is not available (known: mok, mok-pp, mok-ep1, mok-fp8, mok-fp8-bf16dgrad, cublas, plan)");
 
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -269,7 +271,7 @@ int main(int argc, char** argv) try {
 #ifdef MOK_PHASE_TIMING
         CUDA_OK(cudaMemset(phase_table, 0, sizeof(unsigned long long) * 2 * mok::kernels::kPhases));
 #endif
-        if (impl == "mok" || impl == "mok-ep1" || fp8) records.push_back(bench_mok(o, *p, impl, pass, stream));
+        if (impl == "mok" || impl == "mok-pp" || impl == "mok-ep1" || fp8) records.push_back(bench_mok(o, *p, impl, pass, stream));
         else if (impl == "cublas") records.push_back(bench_dense(o, *p, pass, stream, handle));
         else records.push_back(bench_plan(o, *p, stream));
         const Record& r = records.back();

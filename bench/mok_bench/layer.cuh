@@ -54,10 +54,12 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
 // "mok-fp8": Precision::fp8 — the FP8 forward, and with "fwd+bwd" the backward with the FP8
 // dgrad (BackwardArgs::fp8); "mok-fp8-bf16dgrad": the same forward, the backward's dgrad in
 // bf16. The routed weights are quantized once when the layer is made
-// (mok::fp8::quantize_weights, quantize_dgrad_weights; not in the timed pass).
+// (mok::fp8::quantize_weights, quantize_dgrad_weights; not in the timed pass). "mok-pp": "mok"
+// with Config::pingpong (the forward's ping-pong consumers; the same bits).
 class FusedLayer {
-  static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8) {  // (--interleave-rows, replay_launches: all)
+  static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8, bool pingpong) {  // (--interleave-rows, replay_launches: all)
     mok::Config c;
+    c.pingpong = pingpong;
     c.interleave_rows = fp8 ? 0 : ep_config.interleave_rows;
     c.replay_launches = ep_config.replay_launches;
     c.precision = fp8 ? mok::Precision::fp8 : mok::Precision::bf16;
@@ -73,7 +75,7 @@ class FusedLayer {
   FusedLayer(const Problem& pr, const std::string& impl, const std::string& pass, const mok::Config& ep_config,
              cudaStream_t stream)
       : pr_(pr), ep1_(impl == "mok-ep1"), bwd_(pass == "fwd+bwd"), fp8_(fp8_forward(impl, pass)), stream_(stream),
-        pool_(stream), ws_(pr.s, pr.T, one_gpu_config(ep_config, fp8_), bwd_ ? mok::Training::save : mok::Training::off) {
+        pool_(stream), ws_(pr.s, pr.T, one_gpu_config(ep_config, fp8_, impl == "mok-pp"), bwd_ ? mok::Training::save : mok::Training::off) {
     const mok::MoeShape& s = pr.s;
     const std::int64_t T = pr.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
                        Is = s.shared_intermediate;

@@ -106,6 +106,10 @@ struct Config {
                                        // routed rows locally (else: pulled once per (token, expert) pair)
   double capacity_factor = 0.0;        // plan capacity in units of T*k rows; 0 = worst case (EP*T*k)
   double timeout_seconds = 10.0;       // bound of every device-side wait
+  bool pingpong = false;               // one GPU: the forward's consumer warpgroups take alternate
+                                       // 128 x 128 tasks (one's epilogue under the other's MMAs)
+                                       // instead of sharing 128 x 256 ones; the same bits. Not with
+                                       // the ring; EP ranks keep the cooperative kernel
   bool replay_launches = true;         // one GPU: a call whose pointers, shapes and T repeat (a training
                                        // loop's) is enqueued as one launch of a CUDA graph of its
                                        // launches, captured the second time it is seen (the same

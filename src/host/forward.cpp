@@ -58,19 +58,23 @@ void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t s
 }
 
 kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,
-                                      std::uint16_t* saved_gu, bool gemm1_only) {
+                                      std::uint16_t* saved_gu, bool gemm1_only, bool pingpong) {
   const MoeShape& s = ws.shape();
   const std::int64_t H = s.hidden, I = s.intermediate, capacity = ws.plan().capacity_rows();
   using U = std::uint64_t;
   kernels::ForwardParams p{};
   p.maps.x_routed = make_bf16_tensor_map(buffers.x_rows, {U(H), U(capacity)}, kernels::kBoxK, "x_routed");
   std::uint16_t* hidden = buffers.hidden;
-  p.maps.gate = make_bf16_weight_map(a.w_gate, kernels::kBoxK, "w_gate");
-  p.maps.up = make_bf16_weight_map(a.w_up, kernels::kBoxK, "w_up");
-  p.maps.down = make_bf16_weight_map(a.w_down, kernels::kBoxDown, "w_down");
+  // B tiles: the cooperative kernel's 128 gate + 128 up rows and 256 rows of w_down, the ping-pong
+  // kernel's 64 + 64 and 128.
+  const kernels::Box gate_box = pingpong ? kernels::kBoxMN : kernels::kBoxK;
+  const kernels::Box down_box = pingpong ? kernels::kBoxK : kernels::kBoxDown;
+  p.maps.gate = make_bf16_weight_map(a.w_gate, gate_box, "w_gate");
+  p.maps.up = make_bf16_weight_map(a.w_up, gate_box, "w_up");
+  p.maps.down = make_bf16_weight_map(a.w_down, down_box, "w_down");
   p.maps.h_store = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, kernels::kBoxMN, "h");
   p.maps.h_load = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, kernels::kBoxK, "h");
-  set_shared_expert_params(p, a, ws, buffers);
+  set_shared_expert_params(p, a, ws, buffers, pingpong);
   set_saved_params(p, ws, saved_gu);
   p.gemm1_only = gemm1_only;
   p.interleave_tiles = gemm1_only ? 0 : static_cast<int>(ws.config().interleave_rows / kTileRows);
@@ -94,7 +98,8 @@ void set_saved_params(kernels::ForwardParams& p, Workspace& ws, std::uint16_t* s
   p.saved_marker = saved_marker(saved_gu, ws);
 }
 
-void set_shared_expert_params(kernels::ForwardParams& p, const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers) {
+void set_shared_expert_params(kernels::ForwardParams& p, const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,
+                              bool pingpong) {
   const MoeShape& s = ws.shape();
   const std::int64_t T = ws.tokens(), H = s.hidden, Is = s.shared_intermediate;
   const std::int64_t capacity = ws.plan().capacity_rows(), padded_tokens = shared_tiles(s, T) * kTileRows;
@@ -102,9 +107,11 @@ void set_shared_expert_params(kernels::ForwardParams& p, const ForwardArgs& a, W
   p.maps.x = make_bf16_tensor_map(a.x.data, {U(H), U(T)}, kernels::kBoxK, "x");
   if (s.has_shared()) {
     std::uint16_t* shared_hidden = buffers.shared_hidden;
-    p.maps.shared_gate = make_bf16_tensor_map(a.shared_gate->data, {U(H), U(Is), 1}, kernels::kBoxK, "shared_gate");
-    p.maps.shared_up = make_bf16_tensor_map(a.shared_up->data, {U(H), U(Is), 1}, kernels::kBoxK, "shared_up");
-    p.maps.shared_down = make_bf16_tensor_map(a.shared_down->data, {U(Is), U(H), 1}, kernels::kBoxDown, "shared_down");
+    const kernels::Box gate_box = pingpong ? kernels::kBoxMN : kernels::kBoxK;  // (as forward_params' weights)
+    const kernels::Box down_box = pingpong ? kernels::kBoxK : kernels::kBoxDown;
+    p.maps.shared_gate = make_bf16_tensor_map(a.shared_gate->data, {U(H), U(Is), 1}, gate_box, "shared_gate");
+    p.maps.shared_up = make_bf16_tensor_map(a.shared_up->data, {U(H), U(Is), 1}, gate_box, "shared_up");
+    p.maps.shared_down = make_bf16_tensor_map(a.shared_down->data, {U(Is), U(H), 1}, down_box, "shared_down");
     p.maps.shared_h_store = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, kernels::kBoxMN, "shared h");
     p.maps.shared_h_load = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, kernels::kBoxK, "shared h");
     p.shared_slots = buffers.slots + capacity * H;
@@ -124,7 +131,10 @@ void zero_counters(Workspace& ws, cudaStream_t stream, std::string_view where) {
 
 void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                            std::uint16_t* saved_gu, bool gemm1_only, std::string_view where) {
-  kernels::launch_forward(forward_params(a, ws, buffers, saved_gu, gemm1_only), persistent_ctas(ws, where), stream);
+  const bool pingpong = ws.config().pingpong;  // (one GPU: this path; EP ranks launch the cooperative kernel)
+  const kernels::ForwardParams p = forward_params(a, ws, buffers, saved_gu, gemm1_only, pingpong);
+  if (pingpong) kernels::launch_forward_pingpong(p, persistent_ctas(ws, where), stream);
+  else kernels::launch_forward(p, persistent_ctas(ws, where), stream);
   cuda_check(cudaGetLastError(), where, "launching the forward kernel");
 }
 

@@ -144,12 +144,14 @@ void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t s
 void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& ws, cudaStream_t stream,
                    void* routed_hi = nullptr, std::int64_t split = kernels::kNoSplit);
 
-// The forward kernel's params for one rank (no EP fields), after plan_device().
+// The forward kernel's params for one rank (no EP fields), after plan_device(). pingpong: the
+// weight maps take the ping-pong kernel's boxes (kernels::launch_forward_pingpong).
 kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,
-                                      std::uint16_t* saved_gu, bool gemm1_only);
+                                      std::uint16_t* saved_gu, bool gemm1_only, bool pingpong = false);
 // The fields of the forward kernel's params that are not the routed experts' (shared expert,
 // slots, y, plan, counters, sizes): forward_params() and the FP8 forward's.
-void set_shared_expert_params(kernels::ForwardParams& p, const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers);
+void set_shared_expert_params(kernels::ForwardParams& p, const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,
+                              bool pingpong = false);
 // Training: where the forward saves the pre-activations (saved_gu, the routed rows' [capacity, 2I]
 // then the shared expert's [T_pad, 2I_s]; null: inference), their store maps and the marker.
 void set_saved_params(kernels::ForwardParams& p, Workspace& ws, std::uint16_t* saved_gu);

@@ -132,6 +132,9 @@ void validate(const Config& c) {
   if (c.interleave_rows > 0 && (c.comm_sms > 0 || c.ring_rows > 0))
     throw_argument_error(where, "interleave_rows", "cannot be combined with the ring (comm_sms = ", c.comm_sms,
                          ", ring_rows = ", c.ring_rows, "), which orders GEMM1 by its minibatches");
+  if (c.pingpong && (c.comm_sms > 0 || c.ring_rows > 0))
+    throw_argument_error(where, "pingpong", "is a one-GPU forward without the ring (comm_sms = ", c.comm_sms,
+                         ", ring_rows = ", c.ring_rows, ")");
   if (c.pull_tokens_once && (c.comm_sms > 0 || c.ring_rows > 0))
     throw_argument_error(where, "pull_tokens_once", "applies to rows pulled before the kernel; the ring (comm_sms = ",
                          c.comm_sms, ", ring_rows = ", c.ring_rows, ") pulls its own");

@@ -252,6 +252,7 @@ struct BackwardKernel {
   // The producer's dy loads are 3-D (two regions: BackwardParams::dy_split): at 40 registers
   // it spilled, so the backward takes the FP8 forward's split.
   static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+  static constexpr int kStageReaders = kConsumerWarpgroups;  // both warpgroups read every stage
   using P = Q;
   static_assert(!kRing || !kFp8Dgrad<Q>, "the FP8 dgrad runs on one GPU");
 

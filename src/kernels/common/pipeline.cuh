@@ -25,7 +25,7 @@ struct PipelineBarriers {
   std::uint64_t empty[kStages];
 
   // Thread 0, before the roles split: full[i] expects one arrival (the producer's, with the
-  // bytes), empty[i] one per consumer warpgroup.
+  // bytes), empty[i] one per consumer warpgroup that reads the stage.
   __device__ void init(int consumer_warpgroups) {
     if (threadIdx.x != 0) return;
     for (int i = 0; i < kStages; ++i) {
@@ -63,6 +63,13 @@ class Pipeline {
     return index_;
   }
   __device__ __forceinline__ void consumer_advance() { advance(); }
+  // Consumer: moves past `steps` stages that another warpgroup reads (the ping-pong forward,
+  // whose warpgroups take alternate tasks of one in-order stream of stages).
+  __device__ __forceinline__ void consumer_skip(int steps) {
+    const int passes = (index_ + steps) / kStages;
+    index_ = (index_ + steps) - passes * kStages;
+    phase_ ^= static_cast<std::uint32_t>(passes & 1);
+  }
   // Consumer (one thread of the warpgroup): stage `index` may be refilled.
   __device__ __forceinline__ void consumer_release(PipelineBarriers<kStages>& b, int index) {
     ptx::mbarrier_arrive(&b.empty[index]);

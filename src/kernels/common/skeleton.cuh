@@ -20,6 +20,7 @@
 //   void produce(p, Storage&, const Schedule&);          (thread 0 of warpgroup 0)
 //   void consume(p, Storage&, const Schedule&, int wg);  (consumer warpgroup wg)
 //   int kProducerRegs, kConsumerRegs;   the register split (setmaxnreg; kernels/common/persistent.cuh)
+//   int kStageReaders;                  consumer warpgroups that read (and release) each stage
 #pragma once
 
 #include "kernels/ep/ep.cuh"
@@ -32,7 +33,7 @@ __device__ __forceinline__ void run_persistent(const Params& p, int cta, int cta
   if (K::stalled(p)) return;
   if (!K::inputs_valid(p, cta, ctas)) return;
   typename K::Storage& s = shared_storage<typename K::Storage>();
-  s.barriers.init(kConsumerWarpgroups);
+  s.barriers.init(K::kStageReaders);
   if (threadIdx.x < kConsumerWarpgroups * 2 * kMaxEpRanks) (&s.pushed[0][0][0])[threadIdx.x] = 0;
   K::init_shared(p, s, cta);
   __syncthreads();

@@ -121,6 +121,7 @@ __device__ void fwd_run_comm(const ForwardParams& p, SharedStorage& s, int comm,
 struct ForwardKernel {
   using Storage = SharedStorage;
   static constexpr int kProducerRegs = kProducerRegisters, kConsumerRegs = kConsumerRegisters;
+  static constexpr int kStageReaders = kConsumerWarpgroups;  // both warpgroups read every stage
   using P = ForwardParams;
 
   __device__ static bool stalled(const P& p) { return p.ep.stalled; }

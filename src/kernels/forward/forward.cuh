@@ -85,6 +85,9 @@ struct ForwardParams {
 };
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream);
+// The same forward with ping-pong consumer warpgroups (kernels/forward/pingpong.cu; one GPU, no
+// ring): its params' weight maps use the boxes of 128 x 128 tasks (gate and up kBoxMN, down kBoxK).
+void launch_forward_pingpong(const ForwardParams& params, int num_ctas, cudaStream_t stream);
 
 // Virtual ranks: one launch runs `ranks` ranks' forwards on one GPU, CTA c serving rank
 // c / ctas_per_rank with the same device code, so that every rank's CTAs are resident

@@ -77,7 +77,7 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
     const int expert = p.plan.tile_expert[t.m], row0 = p.plan.tile_row[t.m];
     const bool gemm1 = t.kind == kGemm1;
     if (!gemm1) {
-      wait_counter(p, p.counters.h_ready + t.m, kConsumerWarpgroups * sched.n1_routed, task, WaitSite::hidden_ready);
+      wait_counter(p, p.counters.h_ready + t.m, sched.hidden_parts(false), task, WaitSite::hidden_ready);
       fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
     }
     const int k_steps = (gemm1 ? p.hidden : p.inter) / kFp8BlockK;
@@ -222,6 +222,7 @@ struct Fp8ForwardKernel {
   // The producer's FP8 and BF16 (shared expert) loads spill in the BF16 kernels' 40
   // registers; the FP8 consumer fits in 224.
   static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+  static constexpr int kStageReaders = kConsumerWarpgroups;  // both warpgroups read every stage
   using P = Fp8ForwardParams;
 
   __device__ static bool stalled(const P&) { return false; }  // (one GPU)

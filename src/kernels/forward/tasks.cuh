@@ -69,18 +69,24 @@ __device__ __forceinline__ int minibatch_rows(const ForwardParams& p, int mb) {
   return minibatch_rows(p.ring, p.plan.expert_offset[p.num_local_experts], mb);
 }
 
-// Task ranges of one launch; routed tile count comes from the device plan.
-struct Schedule {
+// Task ranges of one launch; routed tile count comes from the device plan. The tile shape is
+// the kernel's: kGemm1Cols h columns a GEMM1 task, kGemm2Cols columns of H a GEMM2 task, and
+// kParts warpgroups publishing a part of each task (h_ready and y_done count parts): the
+// cooperative kernels' tasks are 128 x 256 in two 64-row halves (Schedule), the ping-pong
+// forward's 128 x 128 in one (kernels/forward/pingpong.cu). (Template constants, not members:
+// one more register in the FP8 consumers cost them 20 bytes of spill.)
+template <int kGemm1Cols, int kGemm2Cols, int kParts>
+struct TaskSchedule {
   int cta, ctas;  // this CTA among the CTAs serving this rank: it takes tasks cta, cta + ctas, ...
   int m_routed, m_shared, n1_routed, n1_shared, n2, combine_tasks;
   int g1_routed_end, g1_shared_end, g2_routed_end, g2_shared_end, total;
 
-  __device__ Schedule(const ForwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
+  __device__ TaskSchedule(const ForwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
     m_routed = *p.plan.num_tiles;
     m_shared = p.shared_tiles;
-    n1_routed = (p.inter + kGemm1Columns - 1) / kGemm1Columns;
-    n1_shared = (p.shared_inter + kGemm1Columns - 1) / kGemm1Columns;
-    n2 = (p.hidden + kBlockN - 1) / kBlockN;
+    n1_routed = (p.inter + kGemm1Cols - 1) / kGemm1Cols;
+    n1_shared = (p.shared_inter + kGemm1Cols - 1) / kGemm1Cols;
+    n2 = (p.hidden + kGemm2Cols - 1) / kGemm2Cols;
     combine_tasks = (p.tokens + kCombineTokens - 1) / kCombineTokens;
     g1_routed_end = m_routed * n1_routed;
     g1_shared_end = g1_routed_end + m_shared * n1_shared;
@@ -153,7 +159,10 @@ struct Schedule {
     return t;
   }
   __device__ int n1(bool shared) const { return shared ? n1_shared : n1_routed; }
-  __device__ int slot_tiles_total() const { return kConsumerWarpgroups * (m_routed + m_shared) * n2; }
+  // h_ready[m] once every GEMM1 task of M-tile m is done.
+  __device__ int hidden_parts(bool shared) const { return kParts * n1(shared); }
+  __device__ int slot_tiles_total() const { return kParts * (m_routed + m_shared) * n2; }
 };
+using Schedule = TaskSchedule<kGemm1Columns, kBlockN, kConsumerWarpgroups>;
 
 }  // namespace mok::kernels::fwd
