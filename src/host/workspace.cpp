@@ -66,6 +66,8 @@ const char* wait_site_text(WaitSite site) {
       return "backward: comm CTA waiting for a bulk copy of rows into its staging (comm loaded barrier)";
     case WaitSite::x_rows_read:
       return "forward: waiting for GEMM1 to read the x rows that a GEMM2 tile's slot rows overwrite (h_ready)";
+    case WaitSite::mainloop_turn:
+      return "forward (ping-pong): a consumer warpgroup waiting for the other to finish its mainloop (turn barrier)";
     case WaitSite::grad_rows_read:
       return "backward: waiting for every dW_down tile to read the dy rows and w*h kept in the W_gate / W_up "
              "gradient buffers (wd_done)";

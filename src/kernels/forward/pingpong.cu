@@ -12,10 +12,12 @@
 //       {A 128 x 64, B 128 x 64} (32 KB); each stage is read by one warpgroup, so its empty
 //       barrier expects one arrival.
 //   consumer warpgroup w: the CTA's tasks j = w, w + 2, ... of its list; it skips the stages of
-//       the other's tasks (both decode the same list). The single in-order producer keeps the
-//       mainloops apart: task j + 1's stages land while task j's last ones are read, so the
-//       next mainloop starts as the previous one ends, and each epilogue runs beside the other
-//       warpgroup's mainloop.
+//       the other's tasks (both decode the same list). The mainloops take turns: a warpgroup
+//       starts task j's only after the other has finished task j - 1's (a turn barrier each,
+//       one arrival a mainloop). That also keeps the parity waits exact: skipping more than a
+//       lap of stages, a warpgroup would otherwise take a full barrier's phase of two laps ago
+//       for this one. Task j's first stages are loaded by then, so the next mainloop starts as
+//       the previous one ends, and each epilogue runs beside the other warpgroup's mainloop.
 //   publication: a GEMM1 task's h store is completed and published (h_ready) at the top of the
 //       warpgroup's next task, before it waits for anything: the CTA's producer may be waiting
 //       for those rows on behalf of the other warpgroup's GEMM2 task. GEMM2 tiles are counted in
@@ -60,6 +62,7 @@ struct alignas(1024) PingPongStorage {
   } stages[kPpStages];
   std::uint16_t staging[kConsumerWarpgroups][2][64 * 64];  // per warpgroup: two swizzled 64 x 128-byte panels
   PipelineBarriers<kPpStages> barriers;
+  std::uint64_t turn[kConsumerWarpgroups];  // turn[w]: the other warpgroup finished a mainloop
   PushedRows pushed[kConsumerWarpgroups];  // (zeroed by the skeleton; no pushes here)
 };
 static_assert(shared_storage_bytes<PingPongStorage>() <= kMaxSharedMemoryBytes, "shared memory over the sm_90 opt-in limit");
@@ -227,6 +230,8 @@ __device__ void pp_wait_for_slot_rows(const ForwardParams& p, const PingPongSche
 __device__ void pp_consume(const ForwardParams& p, PingPongStorage& s, const PingPongSchedule& sched, int wg) {
   Pipeline<kPpStages> pipe;
   float acc[2][64];
+  std::uint32_t turn_phase = 0;  // of s.turn[wg]
+  bool waits_turn = wg != 0;     // (warpgroup 0's first mainloop follows none)
   bool slots_ready = false;
   int pending_hidden = -1;  // h_ready index of a GEMM1 store not yet published
   int pending_slots = 0;    // GEMM2 tiles not yet counted in y_done
@@ -248,7 +253,13 @@ __device__ void pp_consume(const ForwardParams& p, PingPongStorage& s, const Pin
       continue;
     }
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
+    if (waits_turn) {  // task j - 1's mainloop (the other warpgroup's) is done
+      wait_barrier(p, &s.turn[wg], turn_phase, task, WaitSite::mainloop_turn);
+      turn_phase ^= 1u;
+    }
+    waits_turn = true;
     pp_mainloop(p, s, pipe, acc, k_steps_of(p, t), task);
+    if (threadIdx.x % 128 == 0) mbarrier_arrive(&s.turn[wg ^ 1]);  // the other's next mainloop may start
     if (t.kind == kGemm1) {
       pp_epilogue_gemm1(p, s, acc, t, row0, wg);
       pending_hidden = t.shared ? p.max_routed_tiles + t.m : t.m;
@@ -274,7 +285,11 @@ struct PingPongForwardKernel {
     poison_output(p, cta, ctas);
     return false;
   }
-  __device__ static void init_shared(const P& p, Storage&, int cta) {
+  __device__ static void init_shared(const P& p, Storage& s, int cta) {
+    if (threadIdx.x == 0) {  // (the skeleton's __syncthreads follows)
+      for (std::uint64_t& turn : s.turn) mbarrier_init(&turn, 1);
+      fence_proxy_async_shared_cta();
+    }
     if (threadIdx.x == 32) {
       const ForwardMaps& m = p.maps;
       for (const CUtensorMap* map : {&m.x_routed, &m.gate, &m.up, &m.down, &m.h_load, &m.h_store}) tma_prefetch_descriptor(map);
