@@ -13,10 +13,10 @@
 //       barrier expects one arrival.
 //   consumer warpgroup w: the CTA's tasks j = w, w + 2, ... of its list; it skips the stages of
 //       the other's tasks (both decode the same list). The mainloops take turns: a warpgroup
-//       starts task j's only after the other has finished task j - 1's (a turn barrier each,
-//       one arrival a mainloop). That also keeps the parity waits exact: skipping more than a
-//       lap of stages, a warpgroup would otherwise take a full barrier's phase of two laps ago
-//       for this one. Task j's first stages are loaded by then, so the next mainloop starts as
+//       starts task j's only once every stage of task j - 1 (the other's) has landed and been
+//       waited for (a turn barrier each, one arrival a mainloop). That also keeps the parity
+//       waits exact: skipping more than a lap of stages, a warpgroup would otherwise take a full
+//       barrier's phase of two laps ago for this one. Task j's first stages are loaded by then, so the next mainloop starts as
 //       the previous one ends, and each epilogue runs beside the other warpgroup's mainloop.
 //   publication: a GEMM1 task's h store is completed and published (h_ready) at the top of the
 //       warpgroup's next task, before it waits for anything: the CTA's producer may be waiting
@@ -108,13 +108,16 @@ __device__ void pp_produce(const ForwardParams& p, PingPongStorage& s, const Pin
 // --------------------------------------------------------------------------------- consumers
 
 // This warpgroup's 128 x 128 tile over k_steps stages: acc[r] holds rows 64 r .. 64 r + 63
-// (the m64n128 layout of acc_row / acc_col). Each stage goes back once its MMAs are done.
+// (the m64n128 layout of acc_row / acc_col). Each stage goes back once its MMAs are done. Once
+// its last stage has landed, the other warpgroup's turn begins (`next_turn`): its MMAs queue
+// behind this one's last ones instead of waiting for them to drain.
 __device__ __forceinline__ void pp_mainloop(const ForwardParams& p, PingPongStorage& s, Pipeline<kPpStages>& pipe,
-                                            float (&acc)[2][64], int k_steps, int task) {
+                                            float (&acc)[2][64], int k_steps, int task, std::uint64_t* next_turn) {
   const bool leader = threadIdx.x % 128 == 0;
   int previous = -1;
   for (int kb = 0; kb < k_steps; ++kb) {
     const int index = pipe.consumer_wait(p, s.barriers, task);
+    if (kb == k_steps - 1 && leader) mbarrier_arrive(next_turn);  // every fill of this task has landed
     const PingPongStorage::Stage& stage = s.stages[index];
     const std::uint64_t a0 = KMajor::descriptor(stage.a), a1 = KMajor::descriptor(stage.a + 64 * kBlockK);
     const std::uint64_t b = KMajor::descriptor(stage.b);
@@ -130,6 +133,7 @@ __device__ __forceinline__ void pp_mainloop(const ForwardParams& p, PingPongStor
     previous = index;
     pipe.consumer_advance();
   }
+  if (k_steps == 0 && leader) mbarrier_arrive(next_turn);
   wgmma_wait_group<0>();
   if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
 }
@@ -258,8 +262,7 @@ __device__ void pp_consume(const ForwardParams& p, PingPongStorage& s, const Pin
       turn_phase ^= 1u;
     }
     waits_turn = true;
-    pp_mainloop(p, s, pipe, acc, k_steps_of(p, t), task);
-    if (threadIdx.x % 128 == 0) mbarrier_arrive(&s.turn[wg ^ 1]);  // the other's next mainloop may start
+    pp_mainloop(p, s, pipe, acc, k_steps_of(p, t), task, &s.turn[wg ^ 1]);
     if (t.kind == kGemm1) {
       pp_epilogue_gemm1(p, s, acc, t, row0, wg);
       pending_hidden = t.shared ? p.max_routed_tiles + t.m : t.m;
