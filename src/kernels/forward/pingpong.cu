@@ -139,35 +139,23 @@ __device__ __forceinline__ void pp_mainloop(const ForwardParams& p, PingPongStor
 }
 
 // Training: the gate and up pre-activations (bf16, clamped values as +-inf: save_pre_activations'
-// contract) through the warpgroup's staging: gate, then up, each 128 rows x 64 columns as two
-// 64 x 64 TMA stores. (Stored from the accumulators, 4 bytes of 8 rows a warp at a time, they
-// made the training forward 1-3 % slower than the cooperative one.)
-__device__ inline void pp_save_pre_activations(const ForwardParams& p, PingPongStorage& s, const float (&acc)[2][64],
-                                               const Task& t, int row0, int wg) {
+// contract) stored from the accumulators, 4 bytes of 8 rows a warp at a time.
+__device__ inline void pp_save_pre_activations(const ForwardParams& p, const float (&acc)[2][64], const Task& t, int row0,
+                                               std::uint16_t* gu) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int inter = t.shared ? p.shared_inter : p.inter, n0 = t.n * kPpGemm1Columns;
-  const CUtensorMap* map = t.shared ? &p.maps.shared_saved_gu : &p.maps.saved_gu;
-  char* staging = reinterpret_cast<char*>(s.staging[wg]);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {  // gate column c is element i, up column c + 64 is element i + 32
-    if (tid == 0) tma_store_wait_read();  // the previous stores have read the staging
-    sync_warpgroup(wg);
+  for (int r = 0; r < 2; ++r) {
+    std::uint16_t* rows = gu + static_cast<std::int64_t>(row0 + 64 * r) * 2 * inter;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#pragma unroll
-      for (int i = 0; i < 32; i += 2) {
-        const float a = acc[r][i + 32 * half], b = acc[r][i + 1 + 32 * half];
-        const std::uint32_t bits = half == 0 ? pack_bf16x2(saved_gate(a, p.swiglu_limit), saved_gate(b, p.swiglu_limit))
-                                             : pack_bf16x2(saved_up(a, p.swiglu_limit), saved_up(b, p.swiglu_limit));
-        *reinterpret_cast<std::uint32_t*>(staging + r * 64 * 128 + swizzled_offset(acc_row(warp, lane, i), acc_col(lane, i))) = bits;
-      }
-    }
-    fence_proxy_async_shared_cta();
-    sync_warpgroup(wg);
-    if (tid == 0) {
-      tma_store_2d(map, s.staging[wg][0], half * inter + n0, row0);
-      tma_store_2d(map, s.staging[wg][1], half * inter + n0, row0 + 64);
-      tma_store_commit_group();
+    for (int i = 0; i < 32; i += 2) {  // gate column c is element i, up column c + 64 is element i + 32
+      const int col = n0 + acc_col(lane, i);
+      if (col >= inter) continue;
+      std::uint16_t* row = rows + static_cast<std::int64_t>(acc_row(warp, lane, i)) * 2 * inter;
+      *reinterpret_cast<std::uint32_t*>(row + col) =
+          pack_bf16x2(saved_gate(acc[r][i], p.swiglu_limit), saved_gate(acc[r][i + 1], p.swiglu_limit));
+      *reinterpret_cast<std::uint32_t*>(row + inter + col) =
+          pack_bf16x2(saved_up(acc[r][i + 32], p.swiglu_limit), saved_up(acc[r][i + 33], p.swiglu_limit));
     }
   }
 }
@@ -177,7 +165,8 @@ __device__ inline void pp_save_pre_activations(const ForwardParams& p, PingPongS
 __device__ void pp_epilogue_gemm1(const ForwardParams& p, PingPongStorage& s, const float (&acc)[2][64], const Task& t,
                                   int row0, int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  if (t.shared ? p.shared_saved_gu : p.saved_gu) pp_save_pre_activations(p, s, acc, t, row0, wg);
+  std::uint16_t* gu = t.shared ? p.shared_saved_gu : p.saved_gu;
+  if (gu) pp_save_pre_activations(p, acc, t, row0, gu);
   char* staging = reinterpret_cast<char*>(s.staging[wg]);
   if (tid == 0) tma_store_wait_read();  // the previous task's stores have read the staging
   sync_warpgroup(wg);
