@@ -199,10 +199,11 @@ else
 fi
 
 # compute-sanitizer on small cases: shared expert, clamp, padding, ragged T, dy rows in dx, the EP ring,
-# the FP8 dgrad.
+# the FP8 dgrad, the ping-pong forward (several tasks a CTA).
 for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
               test_gpu_backward:Backward/BackwardCases.MatchesReference/shared_padded_clamp \
               test_gpu_backward_fp8:Fp8Backward/Fp8BackwardCases.MatchesTheRecipeReference/shared_padded_clamp \
+              test_gpu_forward_pingpong:PingPong/PingPongCases.MatchesReferenceAndTheCooperativeBits/uniform_large \
               test_gpu_backward:Backward.DyRowsContinuedInDxGiveTheBitsOfDyRowsInScratch \
               test_gpu_ep_forward:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp \
               test_gpu_ep_forward:Ep.SmallRingWrapsBitwiseLikeOneGpu \

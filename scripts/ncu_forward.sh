@@ -2,7 +2,7 @@
 # Hardware counters of one fused forward kernel launch per implementation (Nsight Compute,
 # clocks left alone): where the consumers stall, how busy the tensor pipe is. On a Hopper
 # machine with ncu:
-#   OUT=<dir> scripts/ncu_forward.sh [--impl mok,mok-fp8] [--preset deepseek-v3] [--build DIR]
+#   OUT=<dir> scripts/ncu_forward.sh [--impl mok,mok-fp8,mok-pp] [--preset deepseek-v3] [--build DIR]
 # writes, per impl, $OUT/ncu-<preset>-<impl>.txt (ncu's details page: speed of light,
 # compute and memory workload, warp states, scheduler) and $OUT/ncu-<preset>-<impl>-sass.csv
 # (the source page: each SASS instruction's executions and warp-stall samples), and prints
@@ -36,13 +36,13 @@ fi
 rc=0
 for impl in ${impls//,/ }; do
   rep="$(mktemp -d)/ncu-$preset-$impl"
-  "$ncu_bin" --clock-control none -k 'regex:forward(_fp8)?_kernel' --launch-skip 1 --launch-count 1 --set full \
+  "$ncu_bin" --clock-control none -k 'regex:forward(_fp8|_pingpong)?_kernel' --launch-skip 1 --launch-count 1 --set full \
     --import-source no -f -o "$rep" \
     "$build/bench/mok_bench" --preset "$preset" --impl "$impl" --pass fwd --iters 1 --warmup 1 --no-check \
     > "$OUT/ncu-$preset-$impl.log" 2>&1 || { echo "ncu failed on $impl:"; tail -20 "$OUT/ncu-$preset-$impl.log"; rc=1; continue; }
   "$ncu_bin" --import "$rep.ncu-rep" --page details > "$OUT/ncu-$preset-$impl.txt" 2>&1
   "$ncu_bin" --import "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-$preset-$impl-sass.csv" 2>&1
   echo "== $preset $impl"
-  grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Issue Slots Busy|Executed Ipc Active|No Eligible|Warp Cycles Per Issued" "$OUT/ncu-$preset-$impl.txt" | head -20
+  grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L2 Hit Rate|Shared Memory|Issue Slots Busy|Executed Ipc Active|No Eligible|Warp Cycles Per Issued" "$OUT/ncu-$preset-$impl.txt" | head -24
 done
 exit "$rc"
