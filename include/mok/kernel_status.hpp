@@ -33,7 +33,7 @@ enum class WaitSite : std::int32_t {
   backward_copy = 17,     // backward comm CTA: a bulk copy into its staging
   x_rows_read = 18,       // forward: GEMM1 to read the x rows a GEMM2 tile's slot rows overwrite
   grad_rows_read = 19,    // backward: every dW_down tile to read the rows kept in the gradients
-  mainloop_turn = 20,     // ping-pong forward: the other consumer warpgroup to finish its mainloop
+  mainloop_turn = 20,     // ping-pong forward: the other consumer warpgroup's mainloop to reach its last stage
 };
 
 // Written by the planner kernels; read by later kernels (which stop when code != 0)

@@ -20,6 +20,15 @@ namespace {
 constexpr const char* kWhere = "mok::forward";
 constexpr const char* kScratchFrom = "Workspace::forward_scratch_bytes(T)";
 
+// The boxes of the weights' B tiles: the cooperative kernel's 128 gate + 128 up rows and 256 rows
+// of w_down, the ping-pong kernel's 64 + 64 and 128.
+struct WeightBoxes {
+  kernels::Box gate_up, down;
+};
+constexpr WeightBoxes weight_boxes(bool pingpong) {
+  return pingpong ? WeightBoxes{kernels::kBoxMN, kernels::kBoxK} : WeightBoxes{kernels::kBoxK, kernels::kBoxDown};
+}
+
 }  // namespace
 
 namespace detail {
@@ -65,13 +74,10 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const
   kernels::ForwardParams p{};
   p.maps.x_routed = make_bf16_tensor_map(buffers.x_rows, {U(H), U(capacity)}, kernels::kBoxK, "x_routed");
   std::uint16_t* hidden = buffers.hidden;
-  // B tiles: the cooperative kernel's 128 gate + 128 up rows and 256 rows of w_down, the ping-pong
-  // kernel's 64 + 64 and 128.
-  const kernels::Box gate_box = pingpong ? kernels::kBoxMN : kernels::kBoxK;
-  const kernels::Box down_box = pingpong ? kernels::kBoxK : kernels::kBoxDown;
-  p.maps.gate = make_bf16_weight_map(a.w_gate, gate_box, "w_gate");
-  p.maps.up = make_bf16_weight_map(a.w_up, gate_box, "w_up");
-  p.maps.down = make_bf16_weight_map(a.w_down, down_box, "w_down");
+  const WeightBoxes boxes = weight_boxes(pingpong);
+  p.maps.gate = make_bf16_weight_map(a.w_gate, boxes.gate_up, "w_gate");
+  p.maps.up = make_bf16_weight_map(a.w_up, boxes.gate_up, "w_up");
+  p.maps.down = make_bf16_weight_map(a.w_down, boxes.down, "w_down");
   p.maps.h_store = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, kernels::kBoxMN, "h");
   p.maps.h_load = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, kernels::kBoxK, "h");
   set_shared_expert_params(p, a, ws, buffers, pingpong);
@@ -107,11 +113,10 @@ void set_shared_expert_params(kernels::ForwardParams& p, const ForwardArgs& a, W
   p.maps.x = make_bf16_tensor_map(a.x.data, {U(H), U(T)}, kernels::kBoxK, "x");
   if (s.has_shared()) {
     std::uint16_t* shared_hidden = buffers.shared_hidden;
-    const kernels::Box gate_box = pingpong ? kernels::kBoxMN : kernels::kBoxK;  // (as forward_params' weights)
-    const kernels::Box down_box = pingpong ? kernels::kBoxK : kernels::kBoxDown;
-    p.maps.shared_gate = make_bf16_tensor_map(a.shared_gate->data, {U(H), U(Is), 1}, gate_box, "shared_gate");
-    p.maps.shared_up = make_bf16_tensor_map(a.shared_up->data, {U(H), U(Is), 1}, gate_box, "shared_up");
-    p.maps.shared_down = make_bf16_tensor_map(a.shared_down->data, {U(Is), U(H), 1}, down_box, "shared_down");
+    const WeightBoxes boxes = weight_boxes(pingpong);
+    p.maps.shared_gate = make_bf16_tensor_map(a.shared_gate->data, {U(H), U(Is), 1}, boxes.gate_up, "shared_gate");
+    p.maps.shared_up = make_bf16_tensor_map(a.shared_up->data, {U(H), U(Is), 1}, boxes.gate_up, "shared_up");
+    p.maps.shared_down = make_bf16_tensor_map(a.shared_down->data, {U(Is), U(H), 1}, boxes.down, "shared_down");
     p.maps.shared_h_store = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, kernels::kBoxMN, "shared h");
     p.maps.shared_h_load = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, kernels::kBoxK, "shared h");
     p.shared_slots = buffers.slots + capacity * H;

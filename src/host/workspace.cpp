@@ -67,7 +67,8 @@ const char* wait_site_text(WaitSite site) {
     case WaitSite::x_rows_read:
       return "forward: waiting for GEMM1 to read the x rows that a GEMM2 tile's slot rows overwrite (h_ready)";
     case WaitSite::mainloop_turn:
-      return "forward (ping-pong): a consumer warpgroup waiting for the other to finish its mainloop (turn barrier)";
+      return "forward (ping-pong): a consumer warpgroup waiting for the other's mainloop to reach its last stage (turn "
+             "barrier)";
     case WaitSite::grad_rows_read:
       return "backward: waiting for every dW_down tile to read the dy rows and w*h kept in the W_gate / W_up "
              "gradient buffers (wd_done)";
