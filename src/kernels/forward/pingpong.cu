@@ -87,8 +87,8 @@ __device__ void pp_produce(const ForwardParams& p, PingPongStorage& s, const Pin
     if (t.kind == kCombine) break;  // combine tasks come last and load nothing
     const int expert = t.shared ? 0 : p.plan.tile_expert[t.m];
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
-    const int a_row = wait_task_inputs(p, sched, t, row0, task);
     const bool gemm1 = t.kind == kGemm1;
+    if (!gemm1) wait_hidden_rows(p, sched, t, row0, task);  // (GEMM1's rows were copied before the launch: no ring)
     const ForwardMaps& m = p.maps;
     const CUtensorMap* a = gemm1 ? (t.shared ? &m.x : &m.x_routed) : (t.shared ? &m.shared_h_load : &m.h_load);
     const CUtensorMap* b = gemm1 ? (t.shared ? &m.shared_gate : &m.gate) : (t.shared ? &m.shared_down : &m.down);
@@ -97,7 +97,7 @@ __device__ void pp_produce(const ForwardParams& p, PingPongStorage& s, const Pin
     for (int kb = 0; kb < k_steps; ++kb) {
       std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, kPpStageBytes);
       PingPongStorage::Stage& stage = s.stages[pipe.stage()];
-      tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
+      tma_load_2d(stage.a, a, full, kb * kBlockK, row0);
       tma_load_3d(stage.b, b, full, kb * kBlockK, b_row, expert);
       if (gemm1) tma_load_3d(stage.b + kPpGemm1Columns * kBlockK, up, full, kb * kBlockK, b_row, expert);
       pipe.producer_commit();

@@ -37,22 +37,14 @@ __device__ inline void wait_x_rows_read(const ForwardParams& p, const Sched& sch
     wait_counter(p, p.counters.h_ready + m, sched.hidden_parts(false), task, WaitSite::x_rows_read);
 }
 
-// Waits until GEMM task t's operands may be loaded: a routed GEMM1 tile of the ring, until its
-// minibatch has landed; a GEMM2 tile, until its h rows are stored (and, on one GPU, the x rows
-// under its slot rows are read). Returns the row of A (the ring's rows sit at row mod ring_rows).
+// Before a GEMM2 task's loads: waits until its h rows are stored (and, on one GPU, the x rows
+// under its slot rows are read).
 template <typename Sched>
-__device__ inline int wait_task_inputs(const ForwardParams& p, const Sched& sched, const Task& t, int row0, int task) {
-  if (t.kind == kGemm1) {
-    if (t.mb < 0) return row0;
-    wait_counter(p, p.ring.landed + t.mb, minibatch_rows(p, t.mb), task, WaitSite::forward_landed);
-    fence_proxy_async_global();  // written by the comm CTAs' generic stores
-    return row0 % p.ring.ring_rows;
-  }
+__device__ __forceinline__ void wait_hidden_rows(const ForwardParams& p, const Sched& sched, const Task& t, int row0, int task) {
   wait_counter(p, p.counters.h_ready + (t.shared ? p.max_routed_tiles + t.m : t.m), sched.hidden_parts(t.shared), task,
                WaitSite::hidden_ready);
   if (p.x_rows_in_slots > 0 && !t.shared) wait_x_rows_read(p, sched, row0, task);
   fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
-  return row0;
 }
 
 // The loads of GEMM task t (bf16 operands), stage by stage, after waiting for its inputs.
@@ -62,19 +54,25 @@ __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipel
   const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
   const CUtensorMap *a, *b0, *b1 = nullptr;
   int k_steps, b_row;
+  int a_row = row0;
   if (t.kind == kGemm1) {
+    if (t.mb >= 0) {  // ring: the minibatch's rows have landed; they sit at row mod ring_rows
+      wait_counter(p, p.ring.landed + t.mb, minibatch_rows(p, t.mb), task, WaitSite::forward_landed);
+      fence_proxy_async_global();  // written by the comm CTAs' generic stores
+      a_row = row0 % p.ring.ring_rows;
+    }
     a = t.shared ? &p.maps.x : &p.maps.x_routed;
     b0 = t.shared ? &p.maps.shared_gate : &p.maps.gate;
     b1 = t.shared ? &p.maps.shared_up : &p.maps.up;
     k_steps = p.hidden / kBlockK;
     b_row = t.n * kGemm1Columns;
   } else {
+    wait_hidden_rows(p, sched, t, row0, task);
     a = t.shared ? &p.maps.shared_h_load : &p.maps.h_load;
     b0 = t.shared ? &p.maps.shared_down : &p.maps.down;
     k_steps = (t.shared ? p.shared_inter : p.inter) / kBlockK;
     b_row = t.n * kBlockN;
   }
-  const int a_row = wait_task_inputs(p, sched, t, row0, task);
   for (int kb = 0; kb < k_steps; ++kb) {
     std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, kStageBytesA + kStageBytesB);
     SharedStorage::Stage& stage = s.stages[pipe.stage()];
