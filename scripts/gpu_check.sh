@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N]
+#                                                   host|fp8|fp8bench|pingpong] [--presets all|NAME,...] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES]
 # --part splits the check for machines that limit one command's time: `tests` (clean
@@ -49,7 +49,9 @@
 # --bench-only: the host part runs only layer_bench (not host_sections.py and forward_stages.py).
 # --diag DEFINES (phases part): a second phase build with MOK_DIAG_DEFINES (timing-only kernel variants,
 # e.g. MOK_DIAG_NO_DGU_QUANTIZE), both run alternately --repeats times without checks, into
-# <date>-<commit>-phases-diag.txt.
+# <date>-<commit>-phases-diag.txt. `pingpong` (issue 18: Config::pingpong): build, its tests and sanitizers,
+# bench/ab_serve.py mok against mok-pp (one build, alternating --repeats rounds, bitwise checked) into
+# <date>-<commit>-ab-pingpong.json, then scripts/ncu_forward.sh on both for qwen3-30b-a3b and deepseek-v3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
@@ -79,11 +81,11 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|pingpong] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8 or fp8bench"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|pingpong) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench or pingpong"; exit 2 ;; esac
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
 case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
@@ -288,6 +290,18 @@ if [ "$part" = host ]; then
     --preset "$presets" --routing uniform --repeats $repeats --iters $iters --out "$OUT/bench_layer.json" \
     --commit "$commit" --date "$date" "${settle_args[@]}" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
   bench=("$OUT/bench_layer.json")
+fi
+
+if [ "$part" = pingpong ]; then  # the ping-pong forward against the cooperative one (same build, same bits)
+  $build/tests/test_gpu_forward_pingpong --gtest_output=xml:"$LOG/pingpong.xml" > "$LOG/pingpong.log" 2>&1 || test_rc=1
+  tail -3 "$LOG/pingpong.log"
+  junit+=("$LOG/pingpong.xml")
+  sanitize test_gpu_forward_pingpong 'PingPong/PingPongCases.MatchesReferenceAndTheCooperativeBits/uniform_large'
+  python3 bench/ab_serve.py --base $build/bench/mok_bench --impls mok,mok-pp --preset "$presets" --pass "${passes:-fwd,fwd+bwd}" \
+    --rounds "$repeats" --iters "$iters" --out "$OUT/${date:0:10}-$commit-ab-pingpong.json" \
+    --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\"}" > "$LOG/ab_pingpong.log" 2>&1 || test_rc=1
+  tail -24 "$LOG/ab_pingpong.log"
+  for preset in qwen3-30b-a3b deepseek-v3; do OUT="$OUT" scripts/ncu_forward.sh --impl mok,mok-pp --preset $preset --build $build || test_rc=1; done
 fi
 
 # Expert parallelism across every GPU of the machine: mok-ep against NCCL + PyTorch.
