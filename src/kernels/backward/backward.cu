@@ -123,6 +123,22 @@ __device__ void quantize_dgu_rows(const Fp8BackwardParams& q, const Task& t, int
   }
 }
 
+// MOK_DIAG_FP8_BWD_ZERO_BF16_ACC (a diagnostic build, issue 19; not yet run on a GPU): in the FP8
+// dgrad kernel the BF16 mainloops (shared expert, weight gradients) accumulate into `acc`, which
+// the FP8 mainloop defines with ordinary instructions; ptxas then serializes every wgmma of the
+// kernel (warning C7515, a WARPGROUP.DEPBAR after each of its 20 HGMMA / QGMMA). Zeroing acc
+// before each BF16 mainloop, with the 40 / 232 register split, compiles without C7515 (38 bytes
+// of spill, most in the producer, against 66 today). bench/NOTES.md has the measurement to make.
+template <typename Q>
+__device__ __forceinline__ void zero_before_bf16_mainloop([[maybe_unused]] float (&acc)[128]) {
+#ifdef MOK_DIAG_FP8_BWD_ZERO_BF16_ACC
+  if constexpr (kFp8Dgrad<Q>) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  }
+#endif
+}
+
 template <typename Sched, typename Q>
 __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, int wg) {
   const BackwardParams& p = base_of(q);
@@ -166,7 +182,10 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
                               fp8_scales(q, t, row0 + wg * 64));
       }
       if (t.kind == kDh) {
-        if (!fp8) mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
+        if (!fp8) {
+          zero_before_bf16_mainloop<Q>(acc);
+          mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
+        }
         timer.lap<Phase::mainloop_dh>();
         epilogue_dh(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
 #ifndef MOK_DIAG_NO_DGU_QUANTIZE  // (timing only: without it the dx tiles read stale E4M3 rows)
@@ -178,7 +197,10 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
         publish_count(p.counters.dgu_ready + dgu_counter(p, t, t.m), 1, wg);
         timer.lap<Phase::epilogue_dh>();
       } else {
-        if (!fp8) mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
+        if (!fp8) {
+          zero_before_bf16_mainloop<Q>(acc);
+          mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
+        }
         timer.lap<Phase::mainloop_dx>();
         const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
         const bool push = p.ep.push && !t.shared;
@@ -190,6 +212,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     } else {
       int first = 0, count = 0;
       expert_rows(p, t, first, count);
+      zero_before_bf16_mainloop<Q>(acc);
       mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task);
       timer.lap<Phase::mainloop_wgrad>();
       epilogue_weight(p, s, acc, t, wg, count == 0);
@@ -251,7 +274,11 @@ struct BackwardKernel {
   using Storage = SharedStorage;
   // The producer's dy loads are 3-D (two regions: BackwardParams::dy_split): at 40 registers
   // it spilled, so the backward takes the FP8 forward's split.
+#ifdef MOK_DIAG_FP8_BWD_ZERO_BF16_ACC  // (see zero_before_bf16_mainloop)
+  static constexpr int kProducerRegs = kFp8Dgrad<Q> ? 40 : 56, kConsumerRegs = kFp8Dgrad<Q> ? 232 : 224;
+#else
   static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+#endif
   static constexpr int kStageReaders = kConsumerWarpgroups;  // both warpgroups read every stage
   using P = Q;
   static_assert(!kRing || !kFp8Dgrad<Q>, "the FP8 dgrad runs on one GPU");
