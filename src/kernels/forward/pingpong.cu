@@ -16,8 +16,9 @@
 //       starts task j's only once every stage of task j - 1 (the other's) has landed and been
 //       waited for (a turn barrier each, one arrival a mainloop). That also keeps the parity
 //       waits exact: skipping more than a lap of stages, a warpgroup would otherwise take a full
-//       barrier's phase of two laps ago for this one. Task j's first stages are loaded by then, so the next mainloop starts as
-//       the previous one ends, and each epilogue runs beside the other warpgroup's mainloop.
+//       barrier's phase of two laps ago for this one. Task j's first stages are loaded by then,
+//       so its MMAs queue behind task j - 1's last ones, and each epilogue runs beside the other
+//       warpgroup's mainloop.
 //   publication: a GEMM1 task's h store is completed and published (h_ready) at the top of the
 //       warpgroup's next task, before it waits for anything: the CTA's producer may be waiting
 //       for those rows on behalf of the other warpgroup's GEMM2 task. GEMM2 tiles are counted in
