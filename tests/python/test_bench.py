@@ -322,3 +322,40 @@ def test_round_ratios_pair_each_run_and_pool_the_runs():
     assert rounds.round_ratios(records) == {("p", "uniform", "fwd"): [0.5, 1.0, 0.75]}
     med, lo, hi = rounds.median_interval([0.5, 1.0, 0.75])
     assert med == 0.75 and lo <= med <= hi and rounds.median_interval([0.5, 1.0, 0.75]) == (med, lo, hi)
+
+
+def test_ab_serve_impls_times_two_implementations_of_one_build(monkeypatch, tmp_path, capsys):
+    """--impls BASE,HEAD: both servers run the one --base binary; every check and time call of a
+    side names that side's implementation; the verdict compares the two sides' checksums."""
+    made, calls = [], []
+
+    class FakeServer:
+        def __init__(self, path):
+            made.append(path)
+            self.side = "base" if len(made) == 1 else "head"
+
+        def call(self, cmd, *args):
+            calls.append((self.side, cmd) + tuple(str(a) for a in args))
+            if cmd == "check":
+                return {"checksums": {"y": 7}}
+            if cmd == "time":
+                return {"ms": [2.0] if self.side == "base" else [1.0]}
+            return {"ok": True}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ab_serve, "MokBench", FakeServer)
+    out = tmp_path / "ab.json"
+    monkeypatch.setattr(sys, "argv", ["ab_serve.py", "--base", "B/mok_bench", "--impls", "mok,mok-pp", "--preset",
+                                      "olmoe-1b-7b", "--pass", "fwd,fwd+bwd", "--rounds", "2", "--out", str(out)])
+    ab_serve.main()
+    assert made == ["B/mok_bench", "B/mok_bench"]
+    for side, impl in (("base", "mok"), ("head", "mok-pp")):
+        timed = [c for c in calls if c[0] == side and c[1] in ("check", "time")]
+        assert len(timed) == 2 * (1 + 2) and all(c[-1] == impl for c in timed)
+    rows = json.load(open(out))["rows"]
+    assert [(r["pass"], r["ratio"], r["bitwise_equal"]) for r in rows] == [("fwd", 0.5, True), ("fwd+bwd", 0.5, True)]
+    with pytest.raises(SystemExit):
+        monkeypatch.setattr(sys, "argv", ["ab_serve.py", "--base", "B", "--impls", "mok"])
+        ab_serve.main()
