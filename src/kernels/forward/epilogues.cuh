@@ -217,9 +217,11 @@ __device__ inline void wait_for_slot_rows(const ForwardParams& p, SharedStorage&
   sync_consumers();
 }
 
-__device__ inline void combine(const ForwardParams& p, const Task& t) {
+// Combine task t on `threads` consumer threads (tid: this one's index among them): both
+// warpgroups by default, one in the ping-pong forward.
+__device__ inline void combine(const ForwardParams& p, const Task& t, int tid = threadIdx.x - kProducerThreads,
+                               int threads = 128 * kConsumerWarpgroups) {
   const int begin = t.m * kCombineTokens, end = min(p.tokens, (t.m + 1) * kCombineTokens);
-  const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
   if (p.ep.push)
     combine_tokens<true, true, float>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, p.topk_weights,
                                 p.ep.slots[p.ep.rank], p.shared_slots, p.y, tid, threads);

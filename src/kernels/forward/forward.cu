@@ -78,8 +78,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
       continue;
     }
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
-    const int k_steps = (t.kind == kGemm1 ? p.hidden : (t.shared ? p.shared_inter : p.inter)) / kBlockK;
-    mainloop<KMajor, KMajor>(p, s, pipe, acc, k_steps, wg, task);
+    mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task);
     if (t.kind == kGemm1) timer.lap<Phase::mainloop_gemm1>();
     else timer.lap<Phase::mainloop_gemm2>();
     if (t.mb >= 0) publish_count(p.ring.freed + t.mb, 1, wg);  // its ring rows are read: the slot may be reused

@@ -74,9 +74,8 @@ constexpr std::uint32_t kPpStageBytes = sizeof(PingPongStorage::Stage);
 static_assert(kBoxK.rows == kBlockM && kBoxK.rows == kPpBlockN && kBoxMN.rows == kPpGemm1Columns);
 static_assert(kPpStageBytes == 2 * kBoxK.bytes(2) && kBoxK.bytes(2) == 2 * kBoxMN.bytes(2));
 
-__device__ __forceinline__ int k_steps_of(const ForwardParams& p, const Task& t) {
-  if (t.kind == kCombine) return 0;
-  return (t.kind == kGemm1 ? p.hidden : (t.shared ? p.shared_inter : p.inter)) / kBlockK;
+__device__ __forceinline__ int k_steps_of(const ForwardParams& p, const Task& t) {  // (combine tasks load nothing)
+  return t.kind == kCombine ? 0 : gemm_k_steps(p, t);
 }
 
 // ---------------------------------------------------------------------------------- producer
@@ -252,9 +251,7 @@ __device__ void pp_consume(const ForwardParams& p, PingPongStorage& s, const Pin
         pp_wait_for_slot_rows(p, sched, wg, pending_slots, task);
         slots_ready = true;
       }
-      const int begin = t.m * kCombineTokens, end = min(p.tokens, (t.m + 1) * kCombineTokens);
-      combine_tokens<true, false, float>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, p.topk_weights, p.slots,
-                                         p.shared_slots, p.y, threadIdx.x % 128, 128);
+      combine(p, t, threadIdx.x % 128, 128);  // (this warpgroup alone)
       continue;
     }
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];

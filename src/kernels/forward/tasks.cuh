@@ -64,6 +64,11 @@ struct Task {
   int mb;       // ring: the minibatch of a routed GEMM1 tile (else -1)
 };
 
+// K steps (64 of K each) of a bf16 GEMM task: GEMM1 runs over H, GEMM2 over its expert set's I.
+__device__ __forceinline__ int gemm_k_steps(const ForwardParams& p, const Task& t) {
+  return (t.kind == kGemm1 ? p.hidden : (t.shared ? p.shared_inter : p.inter)) / kBlockK;
+}
+
 // Ring: plan rows of minibatch mb (the last one may be short).
 __device__ __forceinline__ int minibatch_rows(const ForwardParams& p, int mb) {
   return minibatch_rows(p.ring, p.plan.expert_offset[p.num_local_experts], mb);
