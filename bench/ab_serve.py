@@ -40,7 +40,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True)
     ap.add_argument("--head", default="")
-    ap.add_argument("--impls", default="mok,mok", help="mok_bench impls of base and head (mok, mok-pp)")
+    ap.add_argument("--impls", default="mok,mok", help="mok_bench impls of base and head (mok, mok-pp, mok-fp8, mok-fp8-bf16dgrad)")
     ap.add_argument("--preset", default="all")
     ap.add_argument("--routing", default="uniform")
     ap.add_argument("--pass", dest="passes", default="fwd,fwd+bwd",
@@ -71,7 +71,8 @@ def main():
                 for s in servers.values():
                     s.call("load", name, args.seed, ids_path, w_path)
             for ps in passes:
-                if ps == "fp8" and (p["hidden"] % 128 or p["intermediate"] % 128):
+                fp8 = ps == "fp8" or any("fp8" in i for i in impl.values())
+                if fp8 and (p["hidden"] % 128 or p["intermediate"] % 128):
                     print(f"{name:<20}{ps:<9}skipped: Precision::fp8 needs H and I multiples of 128", flush=True)
                     continue
                 calls = {side: ("fwd", "mok-fp8") if ps == "fp8" else (ps, impl[side]) for side in servers}

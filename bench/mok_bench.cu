@@ -54,6 +54,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -106,15 +107,17 @@ int serve() {
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::unique_ptr<Problem> problem;
-  std::unique_ptr<FusedLayer> layers[6];  // mok, mok-fp8, mok-pp: fwd, fwd+bwd
+  static const char* const impls[] = {"mok", "mok-fp8", "mok-pp", "mok-fp8-bf16dgrad"};
+  std::unique_ptr<FusedLayer> layers[2 * std::size(impls)];  // each impl's fwd, fwd+bwd
   auto layer = [&](const std::string& pass, std::istringstream& in) -> FusedLayer& {
     if (!problem) throw mok::Error("mok_bench: 'load' a preset first");
     if (pass != "fwd" && pass != "fwd+bwd") throw mok::Error("mok_bench: pass must be fwd or fwd+bwd, got '" + pass + "'");
     std::string impl = "mok";
     in >> impl;  // (optional)
-    if (impl != "mok" && impl != "mok-fp8" && impl != "mok-pp")
-      throw mok::Error("mok_bench: impl must be mok, mok-fp8 or mok-pp, got '" + impl + "'");
-    auto& l = layers[(impl == "mok-fp8" ? 2 : impl == "mok-pp" ? 4 : 0) + (pass == "fwd+bwd")];
+    const auto known = std::find(std::begin(impls), std::end(impls), impl);
+    if (known == std::end(impls))
+      throw mok::Error("mok_bench: impl must be mok, mok-fp8, mok-pp or mok-fp8-bf16dgrad, got '" + impl + "'");
+    auto& l = layers[2 * (known - std::begin(impls)) + (pass == "fwd+bwd")];
     if (!l) l = std::make_unique<FusedLayer>(*problem, impl, pass, mok::Config{}, stream);
     return *l;
   };
