@@ -255,7 +255,11 @@ TEST(Validate, ConfigFields) {
   expect_error([&] { validate(c); }, "argument 'ring_rows': must be 0 or a multiple of minibatch_rows = 4096, got 5000");
   c = Config{};
   c.timeout_seconds = 0;
-  expect_error([&] { validate(c); }, "argument 'timeout_seconds': must be a finite positive number, got 0");
+  expect_error([&] { validate(c); }, "argument 'timeout_seconds': must be a positive number of at most 3600 (one hour), got 0");
+  c.timeout_seconds = 7200;
+  expect_error([&] { validate(c); }, "argument 'timeout_seconds': must be a positive number of at most 3600 (one hour), got 7200");
+  c.timeout_seconds = 3600;
+  validate(c);
   c = Config{};
   c.comm_sms = -2;
   expect_error([&] { validate(c); }, "argument 'comm_sms': must be >= 0, got -2");

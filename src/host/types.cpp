@@ -141,8 +141,8 @@ void validate(const Config& c) {
   if (!(c.capacity_factor >= 0.0) || !std::isfinite(c.capacity_factor))
     throw_argument_error(where, "capacity_factor", "must be a finite number >= 0, got ",
                          c.capacity_factor);
-  if (!(c.timeout_seconds > 0.0) || !std::isfinite(c.timeout_seconds))
-    throw_argument_error(where, "timeout_seconds", "must be a finite positive number, got ",
+  if (!(c.timeout_seconds > 0.0) || !(c.timeout_seconds <= 3600.0))  // (the kernels' wait clock wraps after 73 min)
+    throw_argument_error(where, "timeout_seconds", "must be a positive number of at most 3600 (one hour), got ",
                          c.timeout_seconds);
 }
 

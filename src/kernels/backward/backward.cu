@@ -123,20 +123,17 @@ __device__ void quantize_dgu_rows(const Fp8BackwardParams& q, const Task& t, int
   }
 }
 
-// MOK_DIAG_FP8_BWD_ZERO_BF16_ACC (a diagnostic build, issue 19; not yet run on a GPU): in the FP8
-// dgrad kernel the BF16 mainloops (shared expert, weight gradients) accumulate into `acc`, which
-// the FP8 mainloop defines with ordinary instructions; ptxas then serializes every wgmma of the
-// kernel (warning C7515, a WARPGROUP.DEPBAR after each of its 20 HGMMA / QGMMA). Zeroing acc
-// before each BF16 mainloop, with the 40 / 232 register split, compiles without C7515 (38 bytes
-// of spill, most in the producer, against 66 today). bench/NOTES.md has the measurement to make.
+// In the FP8 dgrad kernel the BF16 mainloops (the shared expert's, the weight gradients')
+// accumulate into `acc`, which the FP8 mainloop defines with ordinary instructions; entering
+// such a mainloop with acc as it was, ptxas serialized every wgmma of the kernel (warning
+// C7515: a WARPGROUP.DEPBAR after each of its 20 HGMMA / QGMMA). Zeroed first, none are
+// (measured on an H200: forward+backward 2-4 % faster, the same bits; bench/NOTES.md).
 template <typename Q>
 __device__ __forceinline__ void zero_before_bf16_mainloop([[maybe_unused]] float (&acc)[128]) {
-#ifdef MOK_DIAG_FP8_BWD_ZERO_BF16_ACC
   if constexpr (kFp8Dgrad<Q>) {
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   }
-#endif
 }
 
 template <typename Sched, typename Q>
@@ -144,15 +141,16 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
   const BackwardParams& p = base_of(q);
   Pipeline<kStages> pipe;
   float acc[128];
-  bool rows_ready = false;
-  int pending_dx = 0;  // dx tiles not yet counted in dx_done
+  // dx tiles not yet counted in dx_done; -1 once the combine's inputs are ready (one register:
+  // a flag of its own was the FP8 dgrad kernel's one consumer spill)
+  int pending_dx = 0;
   PhaseTimer timer(backward_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     switch_read(s.reads[wg], read_counter(p, t));
     timer.lap<Phase::other>();
     if (t.kind == kCombine) {
-      if (!rows_ready) {
+      if (pending_dx >= 0) {
         publish_dx_rows(p, wg, pending_dx);
         if (p.ep.push) publish_pushes(p, s, sched, wg, task);
         if (threadIdx.x == kProducerThreads) {
@@ -165,7 +163,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
                                 task, WaitSite::backward_pushed, q);
         }
         sync_consumers();
-        rows_ready = true;
+        pending_dx = -1;
         timer.lap<Phase::combine_wait>();
       }
       combine(p, t, sched);
@@ -223,8 +221,10 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     }
   }
   switch_read(s.reads[wg], nullptr);
-  publish_dx_rows(p, wg, pending_dx);
-  if (p.ep.push && !rows_ready) publish_pushes(p, s, sched, wg, sched.total);
+  if (pending_dx >= 0) {  // (no combine task here)
+    publish_dx_rows(p, wg, pending_dx);
+    if (p.ep.push) publish_pushes(p, s, sched, wg, sched.total);
+  }
   if (threadIdx.x % 128 == 0) tma_store_wait_all();  // weight-gradient stores complete before exit
   timer.lap<Phase::other>();
 }
@@ -273,12 +273,10 @@ template <bool kRing, typename Q = BackwardParams>
 struct BackwardKernel {
   using Storage = SharedStorage;
   // The producer's dy loads are 3-D (two regions: BackwardParams::dy_split): at 40 registers
-  // it spilled, so the backward takes the FP8 forward's split.
-#ifdef MOK_DIAG_FP8_BWD_ZERO_BF16_ACC  // (see zero_before_bf16_mainloop)
+  // it spilled, so the BF16 backward takes the FP8 forward's split. The FP8 dgrad kernel's
+  // consumers need 232 (at 224 they spilled 146 bytes): its producer has the 40 left, spill-free
+  // since its state across tasks is in shared memory and the waits' clock is 32 bits.
   static constexpr int kProducerRegs = kFp8Dgrad<Q> ? 40 : 56, kConsumerRegs = kFp8Dgrad<Q> ? 232 : 224;
-#else
-  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
-#endif
   static constexpr int kStageReaders = kConsumerWarpgroups;  // both warpgroups read every stage
   using P = Q;
   static_assert(!kRing || !kFp8Dgrad<Q>, "the FP8 dgrad runs on one GPU");

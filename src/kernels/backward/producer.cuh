@@ -35,8 +35,7 @@ template <typename Sched, typename Q>
 __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
   const BackwardParams& p = base_of(q);
   Pipeline<kStages> pipe;
-  int rows_seen = -2;  // the expert (-1: shared) whose dh tiles this CTA's weight tasks saw done
-  bool dw_down_seen = false;  // rows_in_grads: every routed dW_down tile seen done
+  s.rows_seen = -2, s.dw_down_seen = 0;  // (SharedStorage: the producer thread's own)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) break;
@@ -77,12 +76,12 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
       // Its expert's dh tiles, once per run of tasks of one expert (a CTA takes ~tasks / CTAs
       // in a row): each wait is a round trip to L2 before the task's first load.
       const int expert = t.shared ? -1 : t.e;
-      if (Sched::kRing || expert != rows_seen)  // (the ring kernel: every time; skipping there spilled)
+      if (Sched::kRing || expert != s.rows_seen)  // (the ring kernel: every time; skipping there spilled)
         for (int m = row0 / kBlockM; m < (row0 + count) / kBlockM; ++m)
           wait_counter(p, p.counters.dgu_ready + dgu_counter(p, t, m), kConsumerWarpgroups * sched.n_dh(t.shared),
                        task, WaitSite::expert_dh_ready);
-      if constexpr (!Sched::kRing) rows_seen = expert;
-      if (!Sched::kRing && p.rows_in_grads && t.kind == kWgu && !t.shared && !dw_down_seen) {
+      if constexpr (!Sched::kRing) s.rows_seen = expert;
+      if (!Sched::kRing && p.rows_in_grads && t.kind == kWgu && !t.shared && !s.dw_down_seen) {
         counter = p.counters.wd_done;
         expected = kConsumerWarpgroups * sched.experts * sched.m_wd * sched.n_dh_r;
         site = WaitSite::grad_rows_read;
@@ -92,7 +91,7 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
     if (k_steps == 0) k_steps = 1;  // weight_k_steps() (dh and dx tasks have more)
     if (!Sched::kRing && counter != nullptr) {
       wait_counter(p, counter, expected, task, site);
-      dw_down_seen = dw_down_seen || site == WaitSite::grad_rows_read;  // (it stays done)
+      if (site == WaitSite::grad_rows_read) s.dw_down_seen = 1;  // (it stays done)
     }
     if (t.kind != kDh) fence_proxy_async_global();  // dgu, w h written by generic stores of other CTAs
     if constexpr (kFp8Dgrad<Q>) {
@@ -121,21 +120,23 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
     int b_boxes = 0, a_boxes = 1;
     while (b_boxes < 4 && n0 + 64 * b_boxes < b_limit) ++b_boxes;
     if (t.kind == kWd || t.kind == kWgu) a_boxes = m0 + 64 < a_limit ? 2 : 1;
-    const std::uint32_t a_bytes = (t.kind == kDh || t.kind == kDx) ? kKMajorABytes : a_boxes * kBoxBytes;
-    const std::uint32_t bytes = a_bytes + b_boxes * kBoxBytes;
     // Where the dy / x rows of the next load sit: plan row row0 (dh), row0 + k0 (weight
     // gradients: advanced by each K step), mod ring_rows in a ring.
     int rows_at = ring_row(p, ring, row0);
     // The dy maps' region of a load (BackwardParams::dy_split; the shared expert reads dy itself,
-    // the ring's rows are one region)
-    const int dy_split = Sched::kRing || t.shared ? kNoSplit : p.dy_split;
+    // the ring's rows are one region). It and the stage's bytes are worked out again each K
+    // step: kept across the loop, they spilled in the FP8 dgrad kernel (40 registers).
+    const auto second_region = [&](int rows) { return !Sched::kRing && !t.shared && rows >= p.dy_split; };
     for (int kb = 0; kb < k_steps; ++kb) {
-      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, bytes);
+      int boxes = b_boxes;
+      asm volatile("" : "+r"(boxes));  // (opaque: else the bytes are hoisted out of the loop, and spilled)
+      const std::uint32_t a_bytes = (t.kind == kDh || t.kind == kDx) ? kKMajorABytes : a_boxes * kBoxBytes;
+      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, a_bytes + boxes * kBoxBytes);
       SharedStorage::Stage& st = s.stages[pipe.stage()];
       const int k0 = kb * kBlockK;
       switch (t.kind) {
         case kDh:
-          tma_load_3d(st.a, &maps.dy_k, full, k0, rows_at, rows_at >= dy_split);
+          tma_load_3d(st.a, &maps.dy_k, full, k0, rows_at, second_region(rows_at));
           for (int c = 0; c < b_boxes; ++c) tma_load_3d(st.b + c * 4096, &maps.down_mn, full, n0 + 64 * c, k0, t.e);
           break;
         case kDx: {
@@ -147,7 +148,7 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
         }
         case kWd:
           for (int w = 0; w < a_boxes; ++w)
-            tma_load_3d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, rows_at, rows_at >= dy_split);
+            tma_load_3d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, rows_at, second_region(rows_at));
           for (int c = 0; c < b_boxes; ++c) tma_load_2d(st.b + c * 4096, &maps.hw_mn, full, n0 + 64 * c, row0 + k0);
           break;
         default:  // kWgu

@@ -182,6 +182,11 @@ struct alignas(1024) SharedStorage {
   // registers beside the FP8 mainloop's accumulators it spilled; here it takes the slack before
   // the storage's 1024-byte alignment).
   Schedule<false> schedule;
+  // The producer's memory across tasks (kept here: at the FP8 dgrad kernel's 40 registers a
+  // thread they spilled): the expert (-1: shared; -2: none yet) whose dh tiles this CTA's
+  // weight tasks saw done, and whether every routed dW_down tile was seen done (rows_in_grads).
+  int rows_seen;
+  int dw_down_seen;
 };
 static_assert(shared_storage_bytes<SharedStorage>() <= kMaxSharedMemoryBytes, "shared memory over the sm_90 opt-in limit");
 static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");

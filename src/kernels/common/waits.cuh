@@ -18,8 +18,7 @@ namespace mok::kernels {
 // Records the first failure in the host-mapped status and stops the kernel: a stalled
 // wait must never hang silently.
 template <typename P>
-__device__ __noinline__ void give_up(const P& p, int task, WaitSite site, long long observed, long long expected,
-                                    int peer = -1) {
+__device__ __noinline__ void give_up(const P& p, int task, WaitSite site, int observed, int expected, int peer = -1) {
   if (atomicCAS(p.counters.abort, 0, 1) == 0) {
     volatile KernelStatus* s = p.status;
     s->block = blockIdx.x;
@@ -35,14 +34,24 @@ __device__ __noinline__ void give_up(const P& p, int task, WaitSite site, long l
   __trap();
 }
 
+// The waits' clock: %globaltimer in units of 1024 ns, 32 bits. It wraps after 73 minutes;
+// Config::timeout_seconds is at most an hour (mok::validate). One register where 64-bit
+// nanoseconds took two, in slow paths inlined beside a producer that has 40.
+__device__ __forceinline__ std::uint32_t wait_clock() { return static_cast<std::uint32_t>(ptx::globaltimer_ns() >> 10); }
+template <typename P>
+__device__ __forceinline__ bool expired(const P& p, std::uint32_t start) {
+  return wait_clock() - start > static_cast<std::uint32_t>(p.timeout_ns >> 10);
+}
+
 template <typename P>
 __device__ __forceinline__ void wait_barrier(const P& p, std::uint64_t* bar, std::uint32_t parity, int task, WaitSite site) {
-  if (ptx::mbarrier_try_wait_parity(bar, parity)) return;
-  const std::uint64_t start = ptx::globaltimer_ns();
+  const std::uint32_t address = ptx::smem_address(bar);  // (32 bits across the loop)
+  if (ptx::mbarrier_try_wait_parity(address, parity)) return;
+  const std::uint32_t start = wait_clock();
   for (std::uint32_t spin = 1;; ++spin) {
-    if (ptx::mbarrier_try_wait_parity(bar, parity)) return;
-    if ((spin & 1023) == 0 && ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns))
-      give_up(p, task, site, parity ^ 1u, parity);
+    if (ptx::mbarrier_try_wait_parity(address, parity)) return;
+    if ((spin & 1023) == 0 && expired(p, start))
+      give_up(p, task, site, static_cast<int>(parity ^ 1u), static_cast<int>(parity));
   }
 }
 
@@ -50,10 +59,10 @@ template <typename P>
 __device__ __forceinline__ void wait_counter(const P& p, const int* counter, int expected, int task, WaitSite site) {
   int seen = ptx::ld_acquire_gpu(counter);
   if (seen >= expected) return;
-  const std::uint64_t start = ptx::globaltimer_ns();
+  const std::uint32_t start = wait_clock();
   while ((seen = ptx::ld_acquire_gpu(counter)) < expected) {
     __nanosleep(128);
-    if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, task, site, seen, expected);
+    if (expired(p, start)) give_up(p, task, site, seen, expected);
   }
 }
 
@@ -63,10 +72,10 @@ __device__ __forceinline__ void wait_peer_counter(const P& p, const int* counter
                                                   int peer) {
   int seen = ptx::ld_acquire_sys(counter);
   if (seen >= expected) return;
-  const std::uint64_t start = ptx::globaltimer_ns();
+  const std::uint32_t start = wait_clock();
   while ((seen = ptx::ld_acquire_sys(counter)) < expected) {
     __nanosleep(256);
-    if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns))
+    if (expired(p, start))
       give_up(p, task, site, seen, expected, peer);
   }
 }

@@ -68,10 +68,10 @@ __device__ __forceinline__ bool all_plans_ok(const P& p, bool check_saved) {
     for (int q = 0; q < ep.size; ++q) {
       const int* flag = reinterpret_cast<const int*>(&header->plan_flag[q]);
       unsigned seen = ptx::ld_acquire_sys(flag);
-      const std::uint64_t start = ptx::globaltimer_ns();
+      const std::uint32_t start = wait_clock();
       while (!reached(seen, epoch)) {
         __nanosleep(256);
-        if (ptx::globaltimer_ns() - start > static_cast<std::uint64_t>(p.timeout_ns)) give_up(p, -1, WaitSite::plan_flag, seen, epoch, q);
+        if (expired(p, start)) give_up(p, -1, WaitSite::plan_flag, static_cast<int>(seen), static_cast<int>(epoch), q);
         seen = ptx::ld_acquire_sys(flag);
       }
       bad |= *reinterpret_cast<const volatile int*>(&header->plan_code[q]) & (check_saved ? 15 : 7);
