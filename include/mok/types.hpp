@@ -105,7 +105,7 @@ struct Config {
                                        // local buffer ([EP, T, H] bf16 more memory), then gather the
                                        // routed rows locally (else: pulled once per (token, expert) pair)
   double capacity_factor = 0.0;        // plan capacity in units of T*k rows; 0 = worst case (EP*T*k)
-  double timeout_seconds = 10.0;       // bound of every device-side wait
+  double timeout_seconds = 10.0;       // bound of every device-side wait (at most 3600)
   bool pingpong = false;               // one GPU: the forward's consumer warpgroups take alternate
                                        // 128 x 128 tasks (one's epilogue under the other's MMAs)
                                        // instead of sharing 128 x 256 ones; the same bits. Not with
