@@ -4,13 +4,14 @@ The routed experts run in E4M3 with DeepSeek-V3's blockwise power-of-two scales 
 SwiGLU output h per 1 x 128 block of a row, quantized inside the layer; the weights per
 128 x 128 block), fp32 accumulation promoted every 128 of K; the shared expert, y and the
 combine stay as in bf16. For now on one GPU, with H and I multiples of 128. Training: the
-forward saves its GEMM1's pre-activations and the backward is the bf16 one (every gradient,
-the bf16 weights' included: C++ reference::backward_fp8 with fp8_dgrad = false; the C++ API's
-FP8 dgrad, BackwardArgs::fp8, is not used here: it is not faster yet, docs/fp8.md). The routed
-weights come from
-quantize_experts() (quantize once per weight update and pass them as fp8_experts), or, when
-none are given, are quantized by the call itself: three small kernels that read the bf16
-weights and write a quarter more bytes than E * 3 * I * H, every call.
+forward saves its GEMM1's pre-activations; the backward's dgrad GEMMs (dh = dy W_down, dx =
+[dgate dup] [W_gate; W_up]) run in E4M3 too when the experts were quantized with
+quantize_experts(..., dgrad=True) (dy and dgate|dup quantized per 1 x 128 of a row inside the
+kernel: C++ BackwardArgs::fp8, reference::backward_fp8), else in bf16 on the bf16 weights; the
+weight gradients are bf16 GEMMs either way. The routed weights come from quantize_experts()
+(quantize once per weight update and pass them as fp8_experts), or, when none are given, are
+quantized by the call itself: three small kernels that read the bf16 weights and write a
+quarter more bytes than E * 3 * I * H, every call (and the dgrad then stays bf16).
 """
 
 from typing import NamedTuple, Optional, Tuple
@@ -33,6 +34,28 @@ class Fp8Experts(NamedTuple):
     up_exponents: torch.Tensor    # [E, I / 128, H / 128]
     down: torch.Tensor            # [E, H, I]
     down_exponents: torch.Tensor  # [E, H / 128, I / 128]
+    # quantize_experts(..., dgrad=True): the backward's dgrad operands (K-major: the E4M3 tensor
+    # cores read no other), the same blocks transposed. None: the dgrad runs in bf16.
+    down_t: Optional[torch.Tensor] = None               # [E, I, H]: W_down^T
+    down_t_exponents: Optional[torch.Tensor] = None     # [E, I / 128, H / 128]
+    gate_up_t: Optional[torch.Tensor] = None            # [E, H, 2I]: W_gate^T then W_up^T along K
+    gate_up_t_exponents: Optional[torch.Tensor] = None  # [E, H / 128, 2I / 128]
+
+    def dgrad(self):
+        """The dgrad operands (down_t, down_t_exponents, gate_up_t, gate_up_t_exponents), or None."""
+        fields = (self.down_t, self.down_t_exponents, self.gate_up_t, self.gate_up_t_exponents)
+        return None if all(f is None for f in fields) else fields
+
+
+# Whether the FP8 dgrad is the faster backward for experts of this intermediate size (mok.MoE's
+# and the Hugging Face backend's default): measured on an H200 (bench/NOTES.md, 2026-12-02),
+# FP8 dgrad / bf16 dgrad forward+backward 0.94-0.95 at I = 2048-14336, 0.97 at I = 1536, but
+# 1.03-1.09 at I <= 1024 (quantizing dgate|dup costs more there than the E4M3 MMAs save).
+DGRAD_MIN_INTERMEDIATE = 1536
+
+
+def dgrad_pays(w_down: torch.Tensor) -> bool:
+    return w_down.shape[2] >= DGRAD_MIN_INTERMEDIATE
 
 
 def _halves(w_gate, w_up):
@@ -42,27 +65,57 @@ def _halves(w_gate, w_up):
     return w_gate[:, :inter], w_gate[:, inter:]  # views: quantize_weights reads them in place
 
 
-def quantize_experts(w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor) -> Fp8Experts:
+def _dgrad_operands(gate, up, w_down):
+    """W_down^T and [W_gate^T | W_up^T] quantized (mok::fp8::quantize_dgrad_weights' layout):
+    the transposed quantization of each matrix, the gate and up halves written in place into
+    one [E, H, 2I] (views with contiguous rows)."""
+    from mok.fp8 import quantize_weights
+
+    E, inter, hidden = gate.shape
+    down_t, down_t_exponents = quantize_weights(w_down, transpose=True)
+    gate_up_t = torch.empty(E, hidden, 2 * inter, dtype=torch.uint8, device=gate.device)
+    gate_up_t_exponents = torch.empty(E, -(-hidden // BLOCK), 2 * inter // BLOCK, dtype=torch.int32, device=gate.device)
+    stream = torch.cuda.current_stream(gate.device).cuda_stream
+    for half, w in enumerate((gate, up)):
+        _C.fp8_quantize_weights(to_dlpack(w.detach()), to_dlpack(gate_up_t[:, :, half * inter:(half + 1) * inter]),
+                                to_dlpack(gate_up_t_exponents[:, :, half * inter // BLOCK:(half + 1) * inter // BLOCK]),
+                                stream, True)
+    return down_t, down_t_exponents, gate_up_t.view(torch.float8_e4m3fn), gate_up_t_exponents
+
+
+def quantize_experts(w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
+                     dgrad: bool = False) -> Fp8Experts:
     """The routed weights quantized for mok.moe(..., precision="fp8", fp8_experts=...): one
     kernel per matrix on the current stream (mok.fp8.quantize_weights). w_up None: w_gate is
-    [E, 2I, H] (gate rows, then up rows); its halves are read in place."""
+    [E, 2I, H] (gate rows, then up rows); its halves are read in place. dgrad: also the
+    backward's dgrad operands (W_down^T, [W_gate^T | W_up^T]; three more kernels, as many bytes
+    again), with which a training step's dgrad GEMMs run in E4M3 (dgrad_pays: where that is
+    faster)."""
     from mok.fp8 import quantize_weights  # (mok.fp8 imports this module: not at the top)
 
     gate, up = _halves(w_gate, w_up)
-    return Fp8Experts(*quantize_weights(gate), *quantize_weights(up), *quantize_weights(w_down))
+    forward = (*quantize_weights(gate), *quantize_weights(up), *quantize_weights(w_down))
+    if not dgrad:
+        return Fp8Experts(*forward)
+    _check_fp8(w_down)
+    return Fp8Experts(*forward, *_dgrad_operands(gate, up, w_down))
 
 
-def cached_experts(owner, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor) -> Optional[Fp8Experts]:
-    """quantize_experts(w_gate, w_up, w_down), kept on `owner` (its `_fp8_cache`: a module
-    holding the weights) and made again only when a weight's storage or version counter
-    changes (an optimizer step, load_state_dict). Under torch.compile: None (the layer then
-    quantizes them itself, without a graph break)."""
+def cached_experts(owner, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
+                   dgrad: Optional[bool] = None) -> Optional[Fp8Experts]:
+    """quantize_experts(w_gate, w_up, w_down, dgrad), kept on `owner` (its `_fp8_cache`: a
+    module holding the weights) and made again only when a weight's storage or version counter
+    changes (an optimizer step, load_state_dict). dgrad None: dgrad_pays(w_down). Under
+    torch.compile: None (the layer then quantizes the forward's weights itself, without a
+    graph break, and the dgrad runs in bf16)."""
     if torch.compiler.is_compiling():
         return None
-    key = tuple((w.data_ptr(), w._version) for w in (w_gate, w_up, w_down) if w is not None)
+    dgrad = dgrad_pays(w_down) if dgrad is None else dgrad
+    key = tuple((w.data_ptr(), w._version) for w in (w_gate, w_up, w_down) if w is not None) + (dgrad,)
     cached = getattr(owner, "_fp8_cache", None)
     if cached is None or cached[0] != key:
-        cached = (key, quantize_experts(w_gate, w_up, w_down))
+        owner._fp8_cache = None  # (the old copy goes before the new one is made)
+        cached = (key, quantize_experts(w_gate, w_up, w_down, dgrad=dgrad))
         owner._fp8_cache = cached
     return cached[1]
 
@@ -75,7 +128,7 @@ def _bytes_of(name, t):
     return t.view(torch.uint8)
 
 
-def _check_fp8(x, w_down):
+def _check_fp8(w_down):
     hidden, inter = w_down.shape[1], w_down.shape[2]
     if hidden % BLOCK or inter % BLOCK:
         raise ValueError(f"mok.moe: precision='fp8' needs the hidden size and the experts' intermediate size to be "
@@ -90,7 +143,7 @@ def _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gat
     num_experts = w_gate.shape[0]
     ops._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
                num_experts, ops.ONE_GPU)
-    _check_fp8(x, w_down)
+    _check_fp8(w_down)
     y = torch.empty_like(x)
     saved = None
     if training:
@@ -101,7 +154,7 @@ def _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gat
         return y, saved
     if experts is None:
         experts = quantize_experts(w_gate, w_up, w_down)
-    names = Fp8Experts._fields
+    names = Fp8Experts._fields[:_FORWARD_ARGS]
     values = [_bytes_of(n, t) if i % 2 == 0 else t for i, (n, t) in enumerate(zip(names, experts))]
     ws = ops._workspace(x, w_down, topk_ids.shape[1], ops._shared_size(shared_gate), swiglu_limit, precision="fp8")
     tensors = ops._capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y,
@@ -111,12 +164,33 @@ def _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gat
     return y, saved
 
 
-_EXPERT_ARGS = 6  # the custom ops' trailing tensors: Fp8Experts' fields (None: quantized by the call)
+# The custom ops' trailing tensors: Fp8Experts' fields (None: quantized by the call), the first
+# _FORWARD_ARGS the forward's, then the dgrad's (None: the dgrad in bf16).
+_EXPERT_ARGS, _FORWARD_ARGS = len(Fp8Experts._fields), 6
 
 
 def _experts(args):
+    """The Fp8Experts of a custom op's trailing tensors (None: none given)."""
     gate = args[0]
     return None if gate is None else Fp8Experts(*args)
+
+
+def _check_experts(experts):
+    """A given Fp8Experts: tensors in every forward field, the dgrad fields all or none."""
+    if experts is None:
+        return
+    fields = Fp8Experts._fields
+    for name, t in zip(fields, experts):
+        if t is None and fields.index(name) < _FORWARD_ARGS:
+            raise TypeError(f"mok.moe: fp8_experts.{name} is None (make fp8_experts with mok.fp8.quantize_experts)")
+    dgrad = experts[_FORWARD_ARGS:]
+    if any(t is None for t in dgrad) and any(t is not None for t in dgrad):
+        missing = [n for n, t in zip(fields[_FORWARD_ARGS:], dgrad) if t is None]
+        raise TypeError(f"mok.moe: fp8_experts has some of the dgrad operands but not {', '.join(missing)} "
+                        "(all four or none: mok.fp8.quantize_experts(..., dgrad=True))")
+    if experts.dgrad() is not None:
+        for name, t in zip(fields[_FORWARD_ARGS::2], dgrad[::2]):
+            _bytes_of(name, t)
 
 
 @torch.library.custom_op("mok::moe_forward_fp8", mutates_args=())
@@ -125,21 +199,24 @@ def moe_forward_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
                     swiglu_limit: Optional[float], gate: Optional[torch.Tensor], gate_exponents: Optional[torch.Tensor],
                     up: Optional[torch.Tensor], up_exponents: Optional[torch.Tensor], down: Optional[torch.Tensor],
-                    down_exponents: Optional[torch.Tensor]) -> torch.Tensor:
+                    down_exponents: Optional[torch.Tensor], down_t: Optional[torch.Tensor],
+                    down_t_exponents: Optional[torch.Tensor], gate_up_t: Optional[torch.Tensor],
+                    gate_up_t_exponents: Optional[torch.Tensor]) -> torch.Tensor:
     """The FP8 forward under torch.compile (the quantized weights None: quantized by the call)."""
-    experts = _experts((gate, gate_exponents, up, up_exponents, down, down_exponents))
+    experts = _experts((gate, gate_exponents, up, up_exponents, down, down_exponents, down_t, down_t_exponents,
+                        gate_up_t, gate_up_t_exponents))
     return _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
                             swiglu_limit, experts)[0]
 
 
 @moe_forward_fp8.register_fake
 def _moe_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                          swiglu_limit, gate, gate_exponents, up, up_exponents, down, down_exponents):
+                          swiglu_limit, *experts):
     from mok import ops
 
     ops._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
                w_gate.shape[0], ops.ONE_GPU)
-    _check_fp8(x, w_down)
+    _check_fp8(w_down)
     return torch.empty_like(x)
 
 
@@ -150,20 +227,23 @@ def moe_train_forward_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
                           swiglu_limit: Optional[float], gate: Optional[torch.Tensor],
                           gate_exponents: Optional[torch.Tensor], up: Optional[torch.Tensor],
                           up_exponents: Optional[torch.Tensor], down: Optional[torch.Tensor],
-                          down_exponents: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+                          down_exponents: Optional[torch.Tensor], down_t: Optional[torch.Tensor],
+                          down_t_exponents: Optional[torch.Tensor], gate_up_t: Optional[torch.Tensor],
+                          gate_up_t_exponents: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The FP8 forward of a training step under torch.compile: y and the saved pre-activations."""
-    experts = _experts((gate, gate_exponents, up, up_exponents, down, down_exponents))
+    experts = _experts((gate, gate_exponents, up, up_exponents, down, down_exponents, down_t, down_t_exponents,
+                        gate_up_t, gate_up_t_exponents))
     return _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
                             swiglu_limit, experts, training=True)
 
 
 @moe_train_forward_fp8.register_fake
 def _moe_train_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                                swiglu_limit, gate, gate_exponents, up, up_exponents, down, down_exponents):
+                                swiglu_limit, *experts):
     from mok import ops
 
     y = _moe_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                              swiglu_limit, gate, gate_exponents, up, up_exponents, down, down_exponents)
+                              swiglu_limit, *experts)
     n = ops._saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, w_gate.shape[0])
     return y, x.new_empty((n,), dtype=torch.bfloat16)
 
@@ -174,10 +254,13 @@ _TRAILING = 1 + _EXPERT_ARGS
 
 
 def _save(ctx, inputs, saved):
-    """What the bf16 backward reads (mok.ops._save), from the FP8 train-forward's inputs."""
+    """What the backward reads (mok.ops._save), from the FP8 train-forward's inputs: the bf16
+    backward's, and the dgrad operands when given."""
     from mok import ops
 
-    ops._save(ctx, inputs, saved, inputs[ops._TENSOR_INPUTS], inputs[3].shape[0], ops.ONE_GPU)
+    dgrad = inputs[ops._TENSOR_INPUTS + 1 + _FORWARD_ARGS:]
+    extra = tuple(dgrad) if dgrad[0] is not None else ()
+    ops._save(ctx, inputs, saved, inputs[ops._TENSOR_INPUTS], inputs[3].shape[0], ops.ONE_GPU, extra=extra)
 
 
 def _train_setup_context(ctx, inputs, output):
@@ -189,7 +272,8 @@ def _train_backward(ctx, grad_y, grad_saved):
     from mok import ops
 
     args = ops._backward_inputs(ctx, grad_y)
-    return ops._input_grads(ops.moe_backward(*args), args, _TRAILING)
+    dgrad = ops._saved_extra(ctx) or (None,) * 4
+    return ops._input_grads(ops.moe_backward(*args, *dgrad), args, _TRAILING)
 
 
 moe_train_forward_fp8.register_autograd(_train_backward, setup_context=_train_setup_context)
@@ -209,7 +293,7 @@ class _EagerTrainStep(torch.autograd.Function):
         from mok import ops
 
         args = ops._backward_inputs(ctx, grad_y)
-        return ops._input_grads(ops._run_backward(*args), args, _TRAILING)
+        return ops._input_grads(ops._run_backward(*args, fp8_dgrad=ops._saved_extra(ctx)), args, _TRAILING)
 
 
 def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, fp8_experts):
@@ -222,6 +306,7 @@ def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limi
     if fp8_experts is not None and not isinstance(fp8_experts, Fp8Experts):
         raise TypeError("mok.moe: fp8_experts must be what mok.fp8.quantize_experts returns (an Fp8Experts), got "
                         f"{type(fp8_experts).__name__}")
+    _check_experts(fp8_experts)
     args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit,
             *(fp8_experts if fp8_experts is not None else (None,) * _EXPERT_ARGS))
     if ops._eager(tensors + (topk_ids,)):

@@ -8,8 +8,9 @@ Works with the experts modules that store `gate_up_proj` [E, 2I, H] (gate rows, 
 rows), `down_proj` [E, H, I], no biases and SiLU (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3);
 DeepSeek-V3's shared expert stays in the model's own code. "mok_torch" registers the same
 glue over mok.moe_torch (plain PyTorch, any device) for comparisons and CPU tests; "mok_fp8"
-runs the routed experts' forward in FP8 (mok.moe(..., precision="fp8"); the backward is the
-bf16 one), the quantized weights kept on the experts module until a weight changes.
+runs the routed experts' forward in FP8 (mok.moe(..., precision="fp8"); the backward's dgrad
+GEMMs too where mok.fp8.dgrad_pays), the quantized weights kept on the experts module until a
+weight changes.
 
 `gate_up_proj` goes to the kernel as it is (w_up None: the kernel reads its gate and up
 halves in place, and writes its gradient as one [E, 2I, H] tensor): no copy per call.

@@ -31,22 +31,27 @@ class MoE(nn.Module):
     exchange rows with the other ranks (backend "torch": mok.moe_torch_ep, all-to-all over
     the group's process group, any device, e.g. gloo on CPUs).
     precision: "bf16", or "fp8" (backend "mok", one GPU): the routed experts' forward in E4M3
-    with blockwise scales (mok.moe's precision="fp8"; the backward is the bf16 one); the
-    quantized routed weights are kept and made again only when a weight changes (its storage
-    or its version counter: every optimizer step).
+    with blockwise scales (mok.moe's precision="fp8"); the quantized routed weights are kept and
+    made again only when a weight changes (its storage or its version counter: every optimizer
+    step). fp8_dgrad (precision "fp8"): whether the backward's dgrad GEMMs run in E4M3 too
+    (keeping W_down^T and [W_gate^T | W_up^T] quantized as well: E * 3 * I * H bytes more);
+    None: where that was measured faster (mok.fp8.dgrad_pays: I >= 1536).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  shared_intermediate: int = 0, router: Optional[str] = "softmax", renormalize: bool = True,
                  swiglu_limit: Optional[float] = None, backend: str = "mok", load_balancing: bool = False,
-                 group=None, fused_gate_up: bool = False, precision: str = "bf16", device=None,
-                 dtype=torch.bfloat16):
+                 group=None, fused_gate_up: bool = False, precision: str = "bf16",
+                 fp8_dgrad: Optional[bool] = None, device=None, dtype=torch.bfloat16):
         super().__init__()
         if precision not in ("bf16", "fp8"):
             raise ValueError(f"mok.MoE: 'precision' must be 'bf16' or 'fp8', got {precision!r}")
         if precision == "fp8" and (backend != "mok" or group is not None):
             raise ValueError("mok.MoE: precision='fp8' runs on the fused kernel on one GPU (backend='mok', group=None)")
-        self.precision = precision
+        if fp8_dgrad is not None and (precision != "fp8" or not isinstance(fp8_dgrad, bool)):
+            raise ValueError(f"mok.MoE: 'fp8_dgrad' must be None, True or False with precision='fp8', got "
+                             f"fp8_dgrad={fp8_dgrad!r} with precision={precision!r}")
+        self.precision, self.fp8_dgrad = precision, fp8_dgrad
         self._fp8_cache = None  # precision "fp8": (the weights' identity and versions, their Fp8Experts)
         if router not in ("softmax", "sigmoid", None):
             raise ValueError(f"mok.MoE: 'router' must be 'softmax', 'sigmoid' or None, got {router!r}")
@@ -152,7 +157,7 @@ class MoE(nn.Module):
                                  swiglu_limit=self.swiglu_limit, group=self.group.group)
         elif self.precision == "fp8":
             y = moe(x2, ids, weights, gate, up, self.w_down, shared=shared, swiglu_limit=self.swiglu_limit,
-                    precision="fp8", fp8_experts=cached_experts(self, gate, up, self.w_down))
+                    precision="fp8", fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=self.fp8_dgrad))
         else:
             layer = moe if self.backend == "mok" else moe_torch
             y = layer(x2, ids, weights, gate, up, self.w_down, shared=shared,

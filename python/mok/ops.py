@@ -133,10 +133,12 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
 
 
 def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, saved,
-                  swiglu_limit, num_experts, group_id):
+                  swiglu_limit, num_experts, group_id, fp8_dgrad=None):
     """The fused backward on the current stream (the body of the custom op and of the eager
     path): _empty_grads' list, W_gate's and W_up's gradients as one block where they pair
-    (_input_grads splits it)."""
+    (_input_grads splits it). fp8_dgrad: (down_t, down_t_exponents, gate_up_t,
+    gate_up_t_exponents) of mok.fp8.quantize_experts(..., dgrad=True): the dgrad GEMMs in E4M3
+    (after mok.fp8_layer's FP8 forward; one GPU)."""
     dy = dy.contiguous()
     grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, paired=True)
     d_gate, d_up = _gate_up_grads(grads, w_up)
@@ -145,10 +147,14 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
                            dy, grads[0], grads[1], d_gate, d_up, grads[4], *shared_grads)), _stream(x))
     k = topk_ids.shape[1]
     if group_id == ONE_GPU:
-        ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit)
+        fp8 = fp8_dgrad is not None
+        ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit, precision="fp8" if fp8 else "bf16")
         # (dx, grads[0], is a tensor of its own: the dy rows that miss the gradients may continue in it)
-        nbytes = ws.backward_scratch_bytes(False, x.shape[0], _gate_up_adjacent(d_gate, d_up), True)
-        _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(nbytes, x.device)))
+        nbytes = ws.backward_scratch_bytes(False, x.shape[0], _gate_up_adjacent(d_gate, d_up), True, fp8)
+        dgrad = None
+        if fp8:  # (E4M3 values as uint8: DLPack has no FP8 type everywhere)
+            dgrad = tuple(to_dlpack(t.view(torch.uint8) if i % 2 == 0 else t) for i, t in enumerate(fp8_dgrad))
+        _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(nbytes, x.device)), fp8_dgrad=dgrad)
     else:
         rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit, True)
         _C.ep_backward(rank, *tensors)
@@ -204,29 +210,40 @@ def moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk
                  w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
                  shared_gate: Optional[torch.Tensor], shared_up: Optional[torch.Tensor],
                  shared_down: Optional[torch.Tensor], saved: torch.Tensor, swiglu_limit: Optional[float],
-                 num_experts: int, group_id: int) -> List[torch.Tensor]:
+                 num_experts: int, group_id: int, down_t: Optional[torch.Tensor] = None,
+                 down_t_exponents: Optional[torch.Tensor] = None, gate_up_t: Optional[torch.Tensor] = None,
+                 gate_up_t_exponents: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """dx, d_topk_weights, d_w_gate, d_w_up, d_w_down[, d_shared_gate, d_shared_up, d_shared_down];
     d_w_gate and d_w_up as one [2, E, I, H] block in d_w_gate's place (d_w_up empty) when both
-    weights are contiguous and alike (_input_grads takes its halves)."""
+    weights are contiguous and alike (_input_grads takes its halves). down_t ..
+    gate_up_t_exponents: the FP8 dgrad's operands (mok.fp8_layer), else None."""
+    dgrad = None if down_t is None else (down_t, down_t_exponents, gate_up_t, gate_up_t_exponents)
     return _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                         saved, swiglu_limit, num_experts, group_id)
+                         saved, swiglu_limit, num_experts, group_id, fp8_dgrad=dgrad)
 
 
 @moe_backward.register_fake
 def _moe_backward_fake(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                       saved, swiglu_limit, num_experts, group_id):
+                       saved, swiglu_limit, num_experts, group_id, *fp8_dgrad):
     return _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, paired=True)
 
 
 _TENSOR_INPUTS = 9  # x .. shared_down; then swiglu_limit, num_experts, group_id
 
 
-def _save(ctx, inputs, saved, swiglu_limit, num_experts, group_id):
+def _save(ctx, inputs, saved, swiglu_limit, num_experts, group_id, extra=()):
     """What the backward reads (its inputs: _backward_inputs): the train-forward's tensor
     inputs (the first _TENSOR_INPUTS of `inputs`), the saved pre-activations, and the layer's
-    swiglu_limit, num_experts and group id (mok.fp8_layer's train-forward saves the same)."""
-    ctx.save_for_backward(*inputs[:_TENSOR_INPUTS], saved)
+    swiglu_limit, num_experts and group id (mok.fp8_layer's train-forward saves the same, and
+    its dgrad operands as `extra`: _saved_extra)."""
+    ctx.save_for_backward(*inputs[:_TENSOR_INPUTS], saved, *extra)
     ctx.swiglu_limit, ctx.num_experts, ctx.group_id = swiglu_limit, num_experts, group_id
+
+
+def _saved_extra(ctx):
+    """The tensors _save kept after the saved pre-activations (a tuple; None if none)."""
+    extra = ctx.saved_tensors[_TENSOR_INPUTS + 1:]
+    return tuple(extra) if extra else None
 
 
 def _train_setup_context(ctx, inputs, output):
@@ -241,7 +258,7 @@ def _backward_inputs(ctx, grad_y):
         raise RuntimeError(f"{_where(ctx.group_id)}: a second backward through the same forward (retain_graph=True) "
                            "is not supported: the fused backward overwrites the pre-activations the forward saved")
     ctx.consumed = True
-    saved = ctx.saved_tensors
+    saved = ctx.saved_tensors[:_TENSOR_INPUTS + 1]
     dy = grad_y if grad_y is not None else torch.zeros_like(saved[0])
     return (dy, *saved, ctx.swiglu_limit, ctx.num_experts, ctx.group_id)
 
@@ -361,9 +378,11 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     mok::moe_train_forward + mok::moe_backward; in eager mode the same bodies are called
     directly (the custom ops' dispatch is host time the GPU would wait for).
     precision="fp8": the routed experts' forward in E4M3 with blockwise power-of-two scales
-    (mok.fp8_layer; H and I multiples of 128; the backward, if autograd records, is the bf16
-    one on the FP8 forward's activations); fp8_experts: the routed weights from
-    mok.fp8.quantize_experts(w_gate, w_up, w_down), else the call quantizes them itself.
+    (mok.fp8_layer; H and I multiples of 128; the backward, if autograd records, runs on the
+    FP8 forward's activations); fp8_experts: the routed weights from
+    mok.fp8.quantize_experts(w_gate, w_up, w_down), else the call quantizes them itself. Made
+    with quantize_experts(..., dgrad=True), the backward's dgrad GEMMs run in E4M3 too (else in
+    bf16; mok.fp8.dgrad_pays(w_down) says where that is faster).
     """
     if precision == "fp8":
         from mok.fp8_layer import moe_fp8

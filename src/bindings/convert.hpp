@@ -9,11 +9,13 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <memory>
 #include <optional>
 #include <span>
+#include <tuple>
 #include <tuple>
 #include <vector>
 
@@ -158,7 +160,9 @@ void def_forward(nb::module_& m, const char* name, const char* target, const cha
 }
 
 // The same for the backward: name(target, forward's inputs, saved, dy, dx, d_topk_weights,
-// d_w_gate, d_w_up, d_w_down, d_shared_*, stream, scratch=None) (w_up, d_w_up None: concatenated).
+// d_w_gate, d_w_up, d_w_down, d_shared_*, stream, scratch=None, fp8_dgrad=None) (w_up, d_w_up
+// None: concatenated; fp8_dgrad: BackwardArgs::fp8 as (down_t, down_t_exponents, gate_up_t,
+// gate_up_t_exponents), mok.fp8.quantize_dgrad_experts' tensors).
 template <typename Target, typename Run>
 void def_backward(nb::module_& m, const char* name, const char* target, const char* where, Run run) {
   m.def(
@@ -169,11 +173,17 @@ void def_backward(nb::module_& m, const char* name, const char* target, const ch
                    nb::ndarray<> dy, nb::ndarray<> dx, nb::ndarray<> d_weights, nb::ndarray<> d_gate,
                    std::optional<nb::ndarray<>> d_up, nb::ndarray<> d_down, std::optional<nb::ndarray<>> d_shared_gate,
                    std::optional<nb::ndarray<>> d_shared_up, std::optional<nb::ndarray<>> d_shared_down,
-                   std::uintptr_t stream, std::optional<nb::ndarray<>> scratch) {
+                   std::uintptr_t stream, std::optional<nb::ndarray<>> scratch,
+                   std::optional<std::tuple<nb::ndarray<>, nb::ndarray<>, nb::ndarray<>, nb::ndarray<>>> fp8_dgrad) {
         const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr, where);
         select_device(a.x, where);
-        const mok::BackwardArgs b = backward_args(dy, dx, d_weights, d_gate, d_up, d_down, d_shared_gate, d_shared_up,
-                                                  d_shared_down, where);
+        mok::BackwardArgs b = backward_args(dy, dx, d_weights, d_gate, d_up, d_down, d_shared_gate, d_shared_up,
+                                            d_shared_down, where);
+        if (fp8_dgrad) {
+          const auto& [down_t, down_t_exponents, gate_up_t, gate_up_t_exponents] = *fp8_dgrad;
+          b.fp8 = mok::Fp8DgradWeights{view_of(down_t), view_of(gate_up_t), view_of(down_t_exponents),
+                                       view_of(gate_up_t_exponents)};
+        }
         const mok::TensorView saved_view = view_of(saved);
         const std::optional<mok::TensorView> scratch_view = optional_view(scratch);
         nb::gil_scoped_release release;
@@ -183,7 +193,8 @@ void def_backward(nb::module_& m, const char* name, const char* target, const ch
       nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
       nb::arg("saved"), nb::arg("dy"), nb::arg("dx"), nb::arg("d_topk_weights"), nb::arg("d_w_gate"),
       nb::arg("d_w_up").none(), nb::arg("d_w_down"), nb::arg("d_shared_gate").none(), nb::arg("d_shared_up").none(),
-      nb::arg("d_shared_down").none(), nb::arg("stream"), nb::arg("scratch").none() = nb::none());
+      nb::arg("d_shared_down").none(), nb::arg("stream"), nb::arg("scratch").none() = nb::none(),
+      nb::arg("fp8_dgrad").none() = nb::none());
 }
 
 }  // namespace mok_python

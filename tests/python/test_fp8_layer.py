@@ -1,6 +1,7 @@
 """mok.moe(..., precision="fp8"): the FP8 forward against mok.fp8.moe_reference (the recipe's
 oracle in PyTorch) on a Hopper GPU, bitwise equal with and without pre-quantized weights,
-across calls, under torch.compile and in a CUDA graph; and its argument errors (no GPU)."""
+across calls, under torch.compile and in a CUDA graph; training steps with the bf16 and the
+FP8 dgrad; and the argument errors (no GPU)."""
 
 import pytest
 import torch
@@ -87,6 +88,68 @@ def test_fp8_training_step_uses_the_bf16_backward(concatenated):
 
 
 @pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("concatenated", [False, True])
+def test_fp8_training_step_with_the_fp8_dgrad(concatenated):
+    """quantize_experts(..., dgrad=True): the backward's dgrad GEMMs in E4M3. Against the same
+    FP8 forward with the bf16 dgrad: y and the shared expert's weight gradients (bf16 GEMMs of
+    dy and x) the same bits, every routed gradient close but not equal (dy and dgate|dup in
+    E4M3); the same bits again, under torch.compile, and through the eager path."""
+    x, ids, weights, w_gate, w_up, w_down, sh = _problem(600, 384, 384, 8, 2, 128, seed=11)
+    gate = torch.cat([w_gate, w_up], dim=1) if concatenated else w_gate
+    up = None if concatenated else w_up
+    dy = torch.randn_like(x)
+    with_dgrad = fp8.quantize_experts(gate, up, w_down, dgrad=True)
+    without = fp8.quantize_experts(gate, up, w_down)
+    assert without.dgrad() is None and len(with_dgrad.dgrad()) == 4
+    assert with_dgrad.down_t.shape == (8, 384, 384) and with_dgrad.gate_up_t.shape == (8, 384, 768)
+    assert with_dgrad.gate_up_t_exponents.shape == (8, 3, 6)
+    u8 = lambda t: t.view(torch.uint8)  # noqa: E731  (the same blocks, transposed: the same bytes)
+    t = lambda v: v.transpose(1, 2)  # noqa: E731
+    assert torch.equal(u8(with_dgrad.down_t), t(u8(with_dgrad.down)))
+    assert torch.equal(with_dgrad.down_t_exponents, t(with_dgrad.down_exponents))
+    assert torch.equal(u8(with_dgrad.gate_up_t), torch.cat([t(u8(with_dgrad.gate)), t(u8(with_dgrad.up))], dim=2))
+    assert torch.equal(with_dgrad.gate_up_t_exponents,
+                       torch.cat([t(with_dgrad.gate_exponents), t(with_dgrad.up_exponents)], dim=2))
+
+    def grads(experts, compiled=False):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weights, gate, w_down, *sh)]
+        up_leaf = None if up is None else up.detach().clone().requires_grad_()
+        fn = lambda *a: mok.moe(*a, precision="fp8", fp8_experts=experts)  # noqa: E731
+        fn = torch.compile(fn, fullgraph=True) if compiled else fn
+        y = fn(leaves[0], ids, leaves[1], leaves[2], up_leaf, leaves[3], tuple(leaves[4:]))
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in leaves] + ([] if up_leaf is None else [up_leaf.grad])
+
+    fp8_dgrad = grads(with_dgrad)
+    bf16_dgrad = grads(without)
+    mok.check()
+    for i, (a, b) in enumerate(zip(fp8_dgrad, bf16_dgrad)):
+        assert torch.isfinite(a.float()).all()
+        if i in (0, 5, 6, 7):  # y; the shared expert's weight gradients
+            assert torch.equal(a, b), i
+            continue
+        cos = float((a.float() * b.float()).sum() / (a.float().norm() * b.float().norm()))
+        assert cos > 0.995 and _rel(a, b) > 1e-5, (i, cos)  # E4M3 dgrad's error, not none
+    for other in (grads(with_dgrad), grads(with_dgrad, compiled=True)):
+        for a, b in zip(fp8_dgrad, other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_module_keeps_the_dgrad_operands_where_they_pay():
+    """mok.MoE(precision="fp8"): fp8_dgrad None quantizes the dgrad operands only where
+    mok.fp8.dgrad_pays (I >= 1536); True or False decides; a training step runs either way."""
+    torch.manual_seed(12)
+    x = torch.randn(200, 256, device="cuda").to(torch.bfloat16)
+    for inter, choice, want in ((128, None, False), (128, True, True), (1536, None, True), (1536, False, False)):
+        layer = mok.MoE(256, inter, 8, 2, precision="fp8", fp8_dgrad=choice, device="cuda")
+        layer(x).float().square().sum().backward()
+        assert (layer._fp8_cache[1].dgrad() is not None) == want, (inter, choice)
+        assert all(torch.isfinite(p.grad.float()).all() for p in (layer.w_gate, layer.w_up, layer.w_down))
+    mok.check()
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
 def test_fp8_forward_compiles_and_captures():
     x, ids, weights, w_gate, w_up, w_down, sh = _problem(300, 256, 256, 8, 2, 128, seed=6)
     experts = fp8.quantize_experts(w_gate, w_up, w_down)
@@ -119,6 +182,20 @@ def test_fp8_arguments_are_refused_before_the_gpu():
     with pytest.raises(TypeError, match="fp8_experts must be what mok.fp8.quantize_experts returns"):
         with torch.no_grad():
             mok.moe(x, ids, weights, w_gate, w_up, w_down, precision="fp8", fp8_experts=(1, 2))
+    meta = lambda *shape, dtype=torch.float8_e4m3fn: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    forward = (meta(4, 128, 128), meta(4, 1, 1, dtype=torch.int32), meta(4, 128, 128), meta(4, 1, 1, dtype=torch.int32),
+               meta(4, 128, 128), meta(4, 1, 1, dtype=torch.int32))
+    with pytest.raises(TypeError, match="some of the dgrad operands but not down_t_exponents, gate_up_t, "
+                                        "gate_up_t_exponents"):
+        with torch.no_grad():
+            mok.moe(x, ids, weights, w_gate, w_up, w_down, precision="fp8",
+                    fp8_experts=fp8.Fp8Experts(*forward, down_t=meta(4, 128, 128)))
+    with pytest.raises(TypeError, match="fp8_experts.down_t must be a torch.float8_e4m3fn"):
+        with torch.no_grad():
+            mok.moe(x, ids, weights, w_gate, w_up, w_down, precision="fp8",
+                    fp8_experts=fp8.Fp8Experts(*forward, meta(4, 128, 128, dtype=torch.bfloat16),
+                                               meta(4, 1, 1, dtype=torch.int32), meta(4, 128, 256),
+                                               meta(4, 1, 2, dtype=torch.int32)))
     x2, ids2, weights2, g2, u2, d2, _ = _problem(8, 192, 128, 4, 2, 0, seed=8, device="meta")
     with pytest.raises(ValueError, match="multiples of 128 .* got H = 192, I = 128"):
         with torch.no_grad():
@@ -152,6 +229,16 @@ def test_module_precision_arguments():
         mok.MoE(128, 128, 4, 2, precision="int8", device="meta")
     with pytest.raises(ValueError, match="precision='fp8' runs on the fused kernel on one GPU"):
         mok.MoE(128, 128, 4, 2, precision="fp8", backend="torch", device="meta")
+    with pytest.raises(ValueError, match="'fp8_dgrad' must be None, True or False with precision='fp8', got "
+                                         "fp8_dgrad=True with precision='bf16'"):
+        mok.MoE(128, 128, 4, 2, fp8_dgrad=True, device="meta")
+    with pytest.raises(ValueError, match="got fp8_dgrad=1 with precision='fp8'"):
+        mok.MoE(128, 128, 4, 2, precision="fp8", fp8_dgrad=1, device="meta")
+
+
+def test_dgrad_pays_where_it_was_measured_faster():
+    down = lambda inter: torch.empty(2, 256, inter, device="meta")  # noqa: E731
+    assert [fp8.dgrad_pays(down(i)) for i in (768, 1024, 1536, 2048, 14336)] == [False, False, True, True, True]
 
 
 @pytest.mark.parametrize("first", ["mok.fp8", "mok.fp8_layer"])
@@ -172,7 +259,8 @@ def test_cached_experts_are_made_again_only_when_a_weight_changes(monkeypatch):
     from mok import fp8_layer
 
     made = []
-    monkeypatch.setattr(fp8_layer, "quantize_experts", lambda g, u, d: made.append((g, u, d)) or len(made))
+    monkeypatch.setattr(fp8_layer, "quantize_experts",
+                        lambda g, u, d, dgrad=False: made.append((g, u, d, dgrad)) or len(made))
     owner = type("Owner", (), {})()
     gate, down = torch.zeros(2, 256, 128), torch.zeros(2, 128, 128)
     assert fp8_layer.cached_experts(owner, gate, None, down) == 1
@@ -182,3 +270,6 @@ def test_cached_experts_are_made_again_only_when_a_weight_changes(monkeypatch):
     gate = gate.clone()  # a new storage
     assert fp8_layer.cached_experts(owner, gate, None, down) == 3
     assert owner._fp8_cache[1] == 3
+    assert [m[3] for m in made] == [False] * 3  # I = 128: dgrad_pays says no
+    assert fp8_layer.cached_experts(owner, gate, None, down, dgrad=True) == 4 and made[-1][3] is True
+    assert fp8_layer.cached_experts(owner, gate, None, down, dgrad=True) == 4
