@@ -141,9 +141,10 @@ def test_module_keeps_the_dgrad_operands_where_they_pay():
     """mok.MoE(precision="fp8"): fp8_dgrad None quantizes the dgrad operands only where
     mok.fp8.dgrad_pays (I >= 1536); True or False decides; a training step runs either way."""
     torch.manual_seed(12)
-    x = torch.randn(200, 256, device="cuda").to(torch.bfloat16)
+    # (H = 384: a layer shape of its own; test_gpu_memory counts the workspaces of H = 256)
+    x = torch.randn(200, 384, device="cuda").to(torch.bfloat16)
     for inter, choice, want in ((128, None, False), (128, True, True), (1536, None, True), (1536, False, False)):
-        layer = mok.MoE(256, inter, 8, 2, precision="fp8", fp8_dgrad=choice, device="cuda")
+        layer = mok.MoE(384, inter, 8, 2, precision="fp8", fp8_dgrad=choice, device="cuda")
         layer(x).float().square().sum().backward()
         assert (layer._fp8_cache[1].dgrad() is not None) == want, (inter, choice)
         assert all(torch.isfinite(p.grad.float()).all() for p in (layer.w_gate, layer.w_up, layer.w_down))
