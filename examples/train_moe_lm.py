@@ -8,7 +8,8 @@ initialisation, same data), and compare the loss curves and tokens/s.
     python examples/train_moe_lm.py --backend torch --device cpu --size tiny --steps 60
 
 Backends: `mok` (the experts on the fused kernel), `mok-fp8` (the same with the routed
-experts' forward in FP8, `precision="fp8"`: the backward is the bf16 one), `torch`
+experts' forward in FP8, `precision="fp8"`; --fp8-dgrad: its backward's dgrad GEMMs in FP8 too,
+`auto` where mok.fp8.dgrad_pays), `torch`
 (mok.moe_torch, the same layer in plain PyTorch), and `-compiled` variants of each: the whole
 model under torch.compile (graph breaks, if any, are counted and reported). --out writes the losses of every step and the
 tokens/s of each backend as JSON (with the commit, GPU and PyTorch version).
@@ -39,7 +40,7 @@ SIZES = {  # vocab, hidden, layers, heads, expert intermediate, experts, top_k, 
 
 
 class Block(nn.Module):
-    def __init__(self, c, backend, device, dtype, precision="bf16"):
+    def __init__(self, c, backend, device, dtype, precision="bf16", fp8_dgrad=None):
         super().__init__()
         h = c["hidden"]
         self.heads = c["heads"]
@@ -48,7 +49,8 @@ class Block(nn.Module):
         self.proj = nn.Linear(h, h, bias=False, device=device, dtype=dtype)
         self.norm2 = nn.RMSNorm(h, device=device, dtype=dtype)
         self.moe = mok.MoE(h, c["inter"], c["experts"], c["top_k"], backend=backend, load_balancing=True,
-                           precision=precision, device=device, dtype=dtype)
+                           precision=precision, fp8_dgrad=fp8_dgrad if precision == "fp8" else None,
+                           device=device, dtype=dtype)
 
     def forward(self, x):
         b, s, h = x.shape
@@ -59,10 +61,10 @@ class Block(nn.Module):
 
 
 class MoeLM(nn.Module):
-    def __init__(self, c, backend, device, dtype, precision="bf16"):
+    def __init__(self, c, backend, device, dtype, precision="bf16", fp8_dgrad=None):
         super().__init__()
         self.embed = nn.Embedding(c["vocab"], c["hidden"], device=device, dtype=dtype)
-        self.blocks = nn.ModuleList(Block(c, backend, device, dtype, precision) for _ in range(c["layers"]))
+        self.blocks = nn.ModuleList(Block(c, backend, device, dtype, precision, fp8_dgrad) for _ in range(c["layers"]))
         self.norm = nn.RMSNorm(c["hidden"], device=device, dtype=dtype)
         self.head = nn.Linear(c["hidden"], c["vocab"], bias=False, device=device, dtype=dtype)
 
@@ -100,7 +102,7 @@ def train(backend, args, c, device, dtype):
     layer_backend, compiled = backend.removesuffix("-compiled"), backend.endswith("-compiled")
     precision = "fp8" if layer_backend == "mok-fp8" else "bf16"
     layer_backend = layer_backend.removesuffix("-fp8")
-    model = MoeLM(c, layer_backend, device, dtype, precision)
+    model = MoeLM(c, layer_backend, device, dtype, precision, {"auto": None, "on": True, "off": False}[args.fp8_dgrad])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     forward = torch.compile(model) if compiled else model
     data = MarkovData(c["vocab"], args.seed, device)
@@ -161,6 +163,9 @@ def main():
     ap.add_argument("--precision", choices=("bf16", "fp8", "both"), default="bf16",
                     help="the routed experts' forward on the mok backends: fp8 turns mok / mok-compiled into "
                          "mok-fp8 / mok-fp8-compiled, both runs each beside its fp8 twin (same seed and data)")
+    ap.add_argument("--fp8-dgrad", choices=("auto", "on", "off"), default="auto",
+                    help="the mok-fp8 backends' backward dgrad GEMMs in FP8: on, off, or auto (mok.MoE's default: "
+                         "where mok.fp8.dgrad_pays, intermediate >= 1536)")
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=200)
@@ -206,7 +211,7 @@ def main():
             a, b = (sum(results[k][0][-10:]) / len(results[k][0][-10:]) for k in (bf16, fp8))
             print(f"{fp8} final loss vs {bf16}: {(b - a) / a:+.2%}")
     if args.out:
-        record = dict(example="train_moe_lm", commit=args.commit, size=args.size, config=c, steps=args.steps,
+        record = dict(example="train_moe_lm", commit=args.commit, size=args.size, config=c, steps=args.steps, fp8_dgrad=args.fp8_dgrad,
                       warmup_steps=args.warmup, seed=args.seed, lr=args.lr, device=str(device),
                       gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       torch=torch.__version__,
