@@ -39,8 +39,10 @@
 # (<date>-<commit>-fp8-accuracy.xml, -fp8-dgrad-accuracy.xml), compute-sanitizer on a small FP8 forward and
 # FP8 dgrad case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8 and mok-fp8-bf16dgrad (forward and
 # forward+backward, --repeats runs) on
-# issue 19's presets into <date>-<commit>-fp8.txt, and the training example (500 steps, mok and
-# mok-fp8: the FP8 forward with the bf16 backward) into <date>-<commit>-train-fp8.json. --impl / --pass choose layer_bench's implementations and passes in the
+# issue 19's presets into <date>-<commit>-fp8.txt, the training example (500 steps, mok and
+# mok-fp8; at its size mok.MoE takes the bf16 dgrad) into <date>-<commit>-train-fp8.json and with
+# --fp8-dgrad on into -train-fp8-dgrad.json, and bench/fp8_dgrad_py.py (mok.moe's FP8 dgrad against
+# its bf16 dgrad) into <date>-<commit>-fp8-dgrad-py.json. --impl / --pass choose layer_bench's implementations and passes in the
 # bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd);
 # --settle-ms MS runs each timed pass untimed for MS first (layer_bench's, in the bench, speed and
 # host parts: every implementation timed on the power limit's plateau, issue 21).
@@ -158,11 +160,13 @@ layer_bench() {  # $1: routings
 # The training example (examples/train_moe_lm.py): mok, mok-compiled, torch and
 # torch-compiled from one initialisation on the same data; the record (loss of every step,
 # tokens/s) goes to $OUT/<date>-<commit>-train.json.
-# train_example [STEPS BACKENDS NAME]: the record goes to <date>-<commit>-NAME.json.
+# train_example [STEPS BACKENDS NAME [ARGS...]]: the record goes to <date>-<commit>-NAME.json (ARGS:
+# more of the example's options).
 train_example() {
   local steps=${1:-200} backends=${2:-mok,mok-compiled,torch,torch-compiled} name=${3:-train} py=python3
+  shift 3 2>/dev/null || shift $#
   python3 -c "import mok" 2>/dev/null || py=(env PYTHONPATH="$PWD/$build/pkg" python3)
-  if "${py[@]}" examples/train_moe_lm.py --steps "$steps" --backend "$backends" \
+  if "${py[@]}" examples/train_moe_lm.py --steps "$steps" --backend "$backends" "$@" \
        --commit "$commit" --out "$OUT/${date:0:10}-$commit-$name.json" > "$LOG/$name.log" 2> "$LOG/$name.err"; then
     tail -9 "$LOG/$name.log"
   else
@@ -272,7 +276,12 @@ if [ "$part" = fp8bench ]; then
     $build/bench/mok_bench --preset "$fp8_presets" --impl mok,mok-fp8,mok-fp8-bf16dgrad --pass fwd,fwd+bwd --iters "$iters" \
       --out "$OUT/fp8_run$r.json" --commit "$commit" --date "$date" 2>&1 | tee -a "$OUT/${date:0:10}-$commit-fp8.txt" || test_rc=1
   done
-  train_example 500 mok,mok-fp8 train-fp8  # the FP8 forward (bf16 backward) beside bf16, same seed and data
+  train_example 500 mok,mok-fp8 train-fp8  # the FP8 forward (its size: the bf16 dgrad) beside bf16, same seed and data
+  train_example 500 mok,mok-fp8 train-fp8-dgrad --fp8-dgrad on  # the same with the E4M3 dgrad
+  # Python's FP8 dgrad against its bf16 dgrad (mok.moe, forward+backward, alternating rounds)
+  env PYTHONPATH="$PWD/$build/pkg" python3 bench/fp8_dgrad_py.py --preset "$fp8_presets" --rounds "$repeats" \
+    --iters "$iters" --out "$OUT/${date:0:10}-$commit-fp8-dgrad-py.json" --meta "{\"commit\": \"$commit\", \"date\": \"$date\"}" \
+    2>&1 | tee "$LOG/fp8_dgrad_py.log" || test_rc=1
 fi
 if [ "$part" = host ]; then
   host_presets=$presets
