@@ -69,7 +69,7 @@ __device__ __forceinline__ Fp8TaskScales fp8_scales(const Fp8BackwardParams& q, 
   const int n_blocks = dh ? ib : hb, k_blocks = dh ? hb : 2 * ib;
   const int b0 = 2 * t.n, b1 = b0 + 1 < n_blocks ? b0 + 1 : b0;
   const std::int32_t* w = (dh ? q.down_t_exponents : q.gate_up_t_exponents) + static_cast<std::int64_t>(t.e) * n_blocks * k_blocks;
-  return {(dh ? q.dy_scales : q.dgu_scales) + rows, q.capacity, {w + b0 * k_blocks, w + b1 * k_blocks}};
+  return {(dh ? q.dy_scales : q.dgu_scales) + rows, static_cast<int>(q.capacity), {w + b0 * k_blocks, w + b1 * k_blocks}};
 }
 
 // FP8 dgrad: this warpgroup's 64 rows of dgate | dup that epilogue_dh has just written (bf16,

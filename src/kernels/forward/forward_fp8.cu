@@ -192,7 +192,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
     if (t.kind == kGemm1) {
       const int k_blocks = p.hidden / kFp8BlockK;
       const std::int64_t block_row = (static_cast<std::int64_t>(expert) * (p.inter / kGemm1Columns) + t.n) * k_blocks;
-      const Fp8TaskScales sc{q.x_scales + rows, q.capacity, {q.gate_exponents + block_row, q.up_exponents + block_row}};
+      const Fp8TaskScales sc{q.x_scales + rows, static_cast<int>(q.capacity), {q.gate_exponents + block_row, q.up_exponents + block_row}};
       mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm1>();
       epilogue_gemm1_fp8(q, s, acc, t, row0, wg, pending_hidden);
@@ -203,7 +203,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const int k_blocks = p.inter / kFp8BlockK, h_blocks = p.hidden / kBlockM;
       const std::int32_t* down = q.down_exponents + static_cast<std::int64_t>(expert) * h_blocks * k_blocks;
       const int b0 = 2 * t.n, b1 = b0 + 1 < h_blocks ? b0 + 1 : b0;
-      const Fp8TaskScales sc{q.h_scales + rows, q.capacity, {down + b0 * k_blocks, down + b1 * k_blocks}};
+      const Fp8TaskScales sc{q.h_scales + rows, static_cast<int>(q.capacity), {down + b0 * k_blocks, down + b1 * k_blocks}};
       mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm2>();
       epilogue_gemm2(p, s, acc, t, row0, wg);
