@@ -230,54 +230,6 @@ __device__ inline void combine(const ForwardParams& p, const Task& t, int tid = 
                                 p.shared_slots, p.y, tid, threads);
 }
 
-// ------------------------------------------------------------------ the combine through stages
-// (load_combine in producer.cuh fills the stages; tasks.cuh: staged_combine, the layout)
-
-// Consumers (both warpgroups, 256 threads): combine task t from the stages load_combine fills.
-template <int kStages, typename S>
-__device__ void combine_from_stages(const ForwardParams& p, S& s, Pipeline<kStages>& pipe, const Task& t, int task,
-                                    int wg) {
-  constexpr int kStageFloats = static_cast<int>(sizeof(s.stages[0]) / sizeof(float));
-  const int tid = threadIdx.x - kProducerThreads;
-  const int chunk = combine_chunk_columns(p, kStageFloats);
-  const bool has_shared = p.shared_slots != nullptr;
-  const int begin = t.m * kCombineTokens, end = min(p.tokens, (t.m + 1) * kCombineTokens);
-  for (int token = begin; token < end; ++token) {
-    float w[kMaxCombineSlots];
-    unsigned valid = 0;
-#pragma unroll
-    for (int j = 0; j < kMaxCombineSlots; ++j) {
-      w[j] = 0.0f;
-      if (j < p.top_k && p.plan.pair_row[token * p.top_k + j] >= 0) {
-        valid |= 1u << j;
-        w[j] = p.topk_weights[token * p.top_k + j];
-      }
-    }
-    for (int c0 = 0; c0 < p.hidden; c0 += chunk) {
-      const int cols4 = min(chunk, p.hidden - c0) / 4;
-      const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-      const float* stage = reinterpret_cast<const float*>(&s.stages[stage_index]);
-      for (int c = tid; c < cols4; c += 128 * kConsumerWarpgroups) {
-        float4 acc = has_shared ? reinterpret_cast<const float4*>(stage + p.top_k * chunk)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int j = 0; j < kMaxCombineSlots; ++j) {
-          if (!((valid >> j) & 1u)) continue;
-          const float4 v = reinterpret_cast<const float4*>(stage + j * chunk)[c];
-          acc.x = __fmaf_rn(w[j], v.x, acc.x);
-          acc.y = __fmaf_rn(w[j], v.y, acc.y);
-          acc.z = __fmaf_rn(w[j], v.z, acc.z);
-          acc.w = __fmaf_rn(w[j], v.w, acc.w);
-        }
-        const uint2 packed{pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w)};
-        *reinterpret_cast<uint2*>(p.y + static_cast<std::int64_t>(token) * p.hidden + c0 + 4 * c) = packed;
-      }
-      sync_warpgroup(wg);  // every thread of the warpgroup has read the stage
-      if (threadIdx.x % 128 == 0) pipe.consumer_release(s.barriers, stage_index);
-      pipe.consumer_advance();
-    }
-  }
-}
-
 // Bad routing (expert id out of range, capacity): no GEMM runs, y becomes NaN so the
 // failure cannot pass for a result, and the host reports it at the next check.
 __device__ inline void poison_output(const ForwardParams& p, int cta, int ctas) {

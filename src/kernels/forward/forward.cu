@@ -55,9 +55,6 @@ namespace {
 using namespace mok::ptx;
 using namespace fwd;
 
-// kStagedCombine: the combine may go through the stages (staged_combine; the group kernel of the
-// virtual ranks, whose combine is always pushed, leaves that code out).
-template <bool kStagedCombine>
 __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int wg) {
   Pipeline<kStages> pipe;
   float acc[128];
@@ -76,8 +73,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
         slots_ready = true;
         timer.lap<Phase::combine_wait>();
       }
-      if (kStagedCombine && staged_combine(p)) combine_from_stages(p, s, pipe, t, task, wg);
-      else combine(p, t);
+      combine(p, t);
       timer.lap<Phase::combine>();
       continue;
     }
@@ -121,7 +117,6 @@ __device__ void fwd_run_comm(const ForwardParams& p, SharedStorage& s, int comm,
 
 // The forward as a policy of the persistent skeleton (kernels/common/skeleton.cuh): one rank's
 // forward on CTAs cta = 0 .. ctas - 1 of those serving it.
-template <bool kStagedCombine>
 struct ForwardKernel {
   using Storage = SharedStorage;
   static constexpr int kProducerRegs = kProducerRegisters, kConsumerRegs = kConsumerRegisters;
@@ -146,21 +141,20 @@ struct ForwardKernel {
   __device__ static Schedule schedule(const P& p, int cta, int ctas) {
     return Schedule(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
   }
-  __device__ static void produce(const P& p, Storage& s, const Schedule& sched) { run_producer<kStagedCombine>(p, s, sched); }
-  __device__ static void consume(const P& p, Storage& s, const Schedule& sched, int wg) { run_consumer<kStagedCombine>(p, s, sched, wg); }
+  __device__ static void produce(const P& p, Storage& s, const Schedule& sched) { run_producer(p, s, sched); }
+  __device__ static void consume(const P& p, Storage& s, const Schedule& sched, int wg) { run_consumer(p, s, sched, wg); }
 };
 
-template <bool kStagedCombine>
 __device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int ctas) {
-  run_persistent<ForwardKernel<kStagedCombine>>(p, cta, ctas);
+  run_persistent<ForwardKernel>(p, cta, ctas);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_constant__ ForwardParams p) {
-  run_forward<true>(p, blockIdx.x, gridDim.x);
+  run_forward(p, blockIdx.x, gridDim.x);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) forward_group_kernel(const __grid_constant__ ForwardGroupParams g) {
-  run_forward<false>(g.rank[blockIdx.x / g.ctas_per_rank], blockIdx.x % g.ctas_per_rank, g.ctas_per_rank);
+  run_forward(g.rank[blockIdx.x / g.ctas_per_rank], blockIdx.x % g.ctas_per_rank, g.ctas_per_rank);
 }
 
 }  // namespace

@@ -67,10 +67,9 @@ static_assert(kBoxFp8Half.bytes(1) <= sizeof(SharedStorage::h_staging[0]) && kBo
 __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, const Schedule& sched) {
   const ForwardParams& p = q.base;
   Pipeline<kStages> pipe;
-  int task = sched.cta;
-  for (; task < sched.total; task += sched.ctas) {
+  for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
-    if (t.kind == kCombine) break;  // combine tasks come last
+    if (t.kind == kCombine) break;  // combine tasks come last and load nothing
     if (t.shared) {                 // BF16, as the BF16 kernel loads it
       load_task(p, s, pipe, sched, t, task);
       continue;
@@ -98,8 +97,6 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       pipe.producer_commit();
     }
   }
-  if (task < sched.total && staged_combine(p))  // (else the consumers load their rows)
-    load_combines(p, s, pipe, task, sched.ctas, sched.total, sched.g2_shared_end, sched.slot_tiles_total());
 }
 
 // --------------------------------------------------------------------------------- consumers
@@ -167,8 +164,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
         slots_ready = true;
         timer.lap<Phase::combine_wait>();
       }
-      if (staged_combine(p)) combine_from_stages(p, s, pipe, t, task, wg);
-      else combine(p, t);
+      combine(p, t);
       timer.lap<Phase::combine>();
       continue;
     }

@@ -87,51 +87,14 @@ __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipel
   }
 }
 
-// Producer: the stages of this CTA's combine tasks, task, task + ctas, ... < total (combine tasks
-// come last; the first is first_combine). Their slot rows were stored by other CTAs' GEMM2 tiles:
-// waits for all of them (slot_tiles) first. Not inlined: inlined into the producer's task loop it
-// spilled the producer's schedule at 40 registers.
-template <int kStages, typename S>
-__device__ __noinline__ void load_combines(const ForwardParams& p, S& s, Pipeline<kStages> pipe, int task, int ctas,
-                                           int total, int first_combine, int slot_tiles) {
-  wait_counter(p, p.counters.y_done, slot_tiles, task, WaitSite::all_gemm2);
-  fence_proxy_async_global();  // the slot rows were written by TMA stores
-  constexpr int kStageFloats = static_cast<int>(sizeof(s.stages[0]) / sizeof(float));
-  const int chunk = combine_chunk_columns(p, kStageFloats);
-  for (; task < total; task += ctas) {
-    const int m = task - first_combine;
-    const int begin = m * kCombineTokens, end = min(p.tokens, (m + 1) * kCombineTokens);
-    for (int token = begin; token < end; ++token) {
-      int rows = p.shared_slots != nullptr ? 1 : 0;
-      for (int j = 0; j < p.top_k; ++j) rows += p.plan.pair_row[token * p.top_k + j] >= 0 ? 1 : 0;
-      for (int c0 = 0; c0 < p.hidden; c0 += chunk) {
-        const std::uint32_t bytes = static_cast<std::uint32_t>(min(chunk, p.hidden - c0)) * sizeof(float);
-        std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, rows * bytes);
-        float* stage = reinterpret_cast<float*>(&s.stages[pipe.stage()]);
-        for (int j = 0; j < p.top_k; ++j) {
-          const int row = p.plan.pair_row[token * p.top_k + j];
-          if (row >= 0) bulk_load(stage + j * chunk, p.slots + static_cast<std::int64_t>(row) * p.hidden + c0, bytes, full);
-        }
-        if (p.shared_slots != nullptr)
-          bulk_load(stage + p.top_k * chunk, p.shared_slots + static_cast<std::int64_t>(token) * p.hidden + c0, bytes, full);
-        pipe.producer_commit();
-      }
-    }
-  }
-}
-
 // One thread issues every load; the rest of the warpgroup has nothing to do.
-template <bool kStagedCombine = true>
 __device__ inline void run_producer(const ForwardParams& p, SharedStorage& s, const Schedule& sched) {
   Pipeline<kStages> pipe;
-  int task = sched.cta;
-  for (; task < sched.total; task += sched.ctas) {
+  for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
-    if (t.kind == kCombine) break;  // combine tasks come last
+    if (t.kind == kCombine) break;  // combine tasks come last and load nothing
     load_task(p, s, pipe, sched, t, task);
   }
-  if (kStagedCombine && task < sched.total && staged_combine(p))  // (else the consumers load their rows)
-    load_combines(p, s, pipe, task, sched.ctas, sched.total, sched.g2_shared_end, sched.slot_tiles_total());
 }
 
 }  // namespace mok::kernels::fwd

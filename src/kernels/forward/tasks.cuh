@@ -170,23 +170,4 @@ struct TaskSchedule {
 };
 using Schedule = TaskSchedule<kGemm1Columns, kBlockN, kConsumerWarpgroups>;
 
-// One GPU (no push combine): the producer thread bulk-copies each token's slot rows (and its
-// shared-expert row), a chunk of columns at a time, into the pipeline's stages — free once the
-// CTA's GEMM tasks are done — and the consumers sum them from shared memory. Up to kStages
-// stages of rows are in flight a CTA (the register-fed combine_tokens had k 16-byte loads a
-// thread, ~32 KB a CTA, and ran at ~1.9 TB/s). The sum is combine_tokens' to the bit: the
-// shared row (or 0), then w_j * slot_j in ascending j, fp32 fma, rounded to bf16 once.
-// Stage layout: row j of the token's k slots at floats [j * chunk, j * chunk + cols), the
-// shared row at k * chunk; rows of padding slots (no expert) are neither loaded nor read.
-__device__ __forceinline__ bool staged_combine(const ForwardParams& p) {
-  return !p.ep.push && p.top_k <= kMaxCombineSlots;  // (else combine_tokens)
-}
-
-// Columns of one chunk: as many as fill a stage of `stage_floats` with the token's rows, a
-// multiple of 256 (four columns a consumer thread), at most H.
-__device__ __forceinline__ int combine_chunk_columns(const ForwardParams& p, int stage_floats) {
-  const int rows = p.top_k + (p.shared_slots != nullptr ? 1 : 0);
-  return min(p.hidden, stage_floats / rows / 256 * 256);
-}
-
 }  // namespace mok::kernels::fwd
