@@ -16,11 +16,13 @@ impls:
   mok-py          the package: mok.moe from Python (autograd for fwd+bwd)
   dense           the same FLOPs as dense GEMMs through torch.matmul: the ceiling
   torch-fp8       (only when asked for) the compiled PyTorch layer with rowwise-scaled FP8
-                  grouped GEMMs (torch._scaled_grouped_mm; bench/torch_fp8.py), forward only:
-                  issue 19's FP8 baseline
-  mok-fp8-py      (only when asked for) mok.moe(..., precision="fp8"), forward only, the
-                  routed weights quantized once beforehand (mok.fp8.quantize_experts)
-  mok-fp8         (only when asked for) the same in C++ (`mok_bench --serve`, impl mok-fp8)
+                  grouped GEMMs (torch._scaled_grouped_mm; bench/torch_fp8.py): issue 19's FP8
+                  baseline; fwd+bwd with the dgrad in FP8 too and bf16 weight gradients
+  mok-fp8-py      (only when asked for) mok.moe(..., precision="fp8"), the routed weights
+                  quantized once beforehand (mok.fp8.quantize_experts; with the dgrad's copies
+                  where mok.fp8.dgrad_pays, so fwd+bwd runs the FP8 dgrad there)
+  mok-fp8         (only when asked for) the same in C++ (`mok_bench --serve`, impl mok-fp8),
+                  forward only
 
 Checks, per preset and routing, before anything is timed:
   - torch and torch-compiled: y of 16 sampled tokens against an fp32 per-token computation
@@ -30,11 +32,12 @@ Checks, per preset and routing, before anything is timed:
     ‖got − ref‖/‖ref‖ <= 1e-2 and cosine >= 0.9999, nothing non-finite.
   - mok: every output bitwise equal to mok-py's (checksums of the raw bytes), so it passes
     the same full-size check.
-  - torch-fp8: y against the eager path's with FP8's tolerance (cosine >= 0.99, nothing
-    non-finite; its relative error is recorded).
-  - mok-fp8-py: y against mok.fp8.moe_reference (the FP8 recipe on the same quantized
-    operands, fp32, at full size): ‖got − ref‖/‖ref‖ <= 5e-3; its distance from the eager
-    bf16 path's y is recorded. mok-fp8: y bitwise equal to mok-fp8-py's.
+  - torch-fp8: y and, for fwd+bwd, every gradient against the eager path's with FP8's
+    tolerance (cosine >= 0.99, nothing non-finite; the relative errors are recorded).
+  - mok-fp8-py: fwd: y against mok.fp8.moe_reference (the FP8 recipe on the same quantized
+    operands, fp32, at full size): ‖got − ref‖/‖ref‖ <= 1e-2; its distance from the eager
+    bf16 path's y is recorded. fwd+bwd: y and every gradient as torch-fp8's. mok-fp8: y
+    bitwise equal to mok-fp8-py's.
 A failed check marks the record (`check`: failed) and the failure is printed; a failure to
 run (a compile error, a graph break) leaves the implementation out of that preset.
 
@@ -68,7 +71,6 @@ allocates (scratch, saved tensor, dx, gradients).
 """
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -78,7 +80,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_baseline as tb  # noqa: E402
-from mok_impls import MokBench, MokPy, check_mok_fp8, checksum  # noqa: E402,F401
+from mok_impls import MokBench, MokPy, check_mok_fp8, checksum, fp8_check  # noqa: E402,F401
 from rounds import SETTLE_ITERS, paired_ratio, round_order, settle  # noqa: E402
 
 IMPLS = ("torch-compiled", "torch", "mok", "mok-py", "dense")
@@ -190,14 +192,11 @@ def run_preset(p, routing, args, server, gpu, emit):
         try:
             f = torch_fp8.TorchFp8(d)
             for ps in passes:
-                if ps != "fwd":
-                    checks["torch-fp8"][ps] = dict(passed=None, error="forward only")  # (no record, no failure)
-                    continue
-                c = tb.compare(f.outputs(ps)["y"], ref[ps]["y"])
-                checks["torch-fp8"][ps] = dict(passed=bool(math.isfinite(c["rel"]) and c["cos"] >= 0.99), tensors={"y": c})
+                checks["torch-fp8"][ps] = fp8_check(f.outputs(ps), ref[ps])
             impls["torch-fp8"] = f
         except Exception as e:  # (an unsupported GPU or PyTorch, a compile error)
-            fail("torch-fp8", "fwd", e)
+            for ps in passes:
+                fail("torch-fp8", ps, e)
     if "dense" in args.impls:
         impls["dense"] = tb.dense_step(p)
         for ps in passes:

@@ -1,6 +1,10 @@
 """The FP8 baseline of issue 19 (`torch-fp8` in layer_bench): the compiled PyTorch layer with
 rowwise-scaled FP8 grouped GEMMs (torch._scaled_grouped_mm, the FP8 grouped GEMM PyTorch
-ships for sm_90), forward only: PyTorch has no autograd formula for it.
+ships for sm_90). PyTorch has no autograd formula for that op, so forward+backward goes
+through Fp8GroupedMM below: the dgrad GEMMs in FP8 too (the gradient rows and the transposed
+weights rowwise-scaled), the weight gradients in bf16 (torch._grouped_mm over each expert's
+rows, as autograd of the bf16 grouped GEMM computes them) — the split mok's FP8 training path
+makes (FP8 forward and dgrad, bf16 weight gradients).
 
 Recipe (PyTorch's rowwise one, not DeepSeek's blockwise one that mok's FP8 path will use):
 each routed x row and each h row quantized to E4M3 with one fp32 scale per row (amax / 448),
@@ -41,21 +45,73 @@ def scaled_grouped_mm(a, a_scale, b, b_scale, offs):
     return out
 
 
+def weight_grad(a, dout, offs):
+    """bf16 [E, N, K]: expert e's dout rows transposed times its a rows (rows [offs[e-1], offs[e])),
+    the gradient of the weight w [E, N, K] of out = a @ w[e]^T. On the GPU one torch._grouped_mm
+    over the rows (its K); elsewhere group by group."""
+    if a.is_cuda:
+        return torch._grouped_mm(a.t(), dout, offs=offs).transpose(-2, -1)
+    out = torch.zeros(offs.numel(), dout.shape[1], a.shape[1], dtype=torch.bfloat16)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[e] = (dout[start:end].float().t() @ a[start:end].float()).to(torch.bfloat16)
+        start = end
+    return out
+
+
+class Fp8GroupedMM(torch.autograd.Function):
+    """out = a @ w[e]^T per expert's rows, FP8 both ways: forward a rowwise (w_q, w_s: w per output
+    column, quantized once by the caller); backward da = dout @ w[e] with dout rowwise and w^T
+    per output column (wt_q, wt_s, likewise once), and dw in bf16 (weight_grad). w itself (the
+    bf16 master) only receives its gradient."""
+
+    @staticmethod
+    def forward(ctx, a, w, offs, w_q, w_s, wt_q, wt_s):
+        aq, a_s = quantize_rows(a)
+        ctx.save_for_backward(a, offs, wt_q, wt_s)
+        return scaled_grouped_mm(aq, a_s, w_q, w_s, offs)
+
+    @staticmethod
+    def backward(ctx, dout):
+        a, offs, wt_q, wt_s = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, d_s = quantize_rows(dout)
+        return scaled_grouped_mm(dq, d_s, wt_q, wt_s, offs), weight_grad(a, dout, offs), None, None, None, None, None
+
+
+def quantize_weights(w):
+    """(w_q, w_s, wt_q, wt_s) of a routed weight w [E, N, K]: w and its transpose [E, K, N], each
+    rowwise (a row: one output column of the GEMM that reads it), E4M3."""
+    with torch.no_grad():
+        return (*quantize_rows(w), *quantize_rows(w.transpose(-2, -1).contiguous()))
+
+
 def moe_fp8(x, ids, weights, w_gate_up_q, w_gate_up_s, w_down_q, w_down_s, limit, shared_gate_up=None,
-            shared_down=None):
+            shared_down=None, train=None):
     """y (bf16 [T, H]) of the layer with FP8 routed experts: w_gate_up_q [E, 2I, H] and w_down_q
     [E, H, I] E4M3 with their per-output-column scales (quantize_rows of the weights: a weight's
-    rows are its output columns). Every id in [0, E)."""
+    rows are its output columns). Every id in [0, E). train: None (no gradients through the
+    routed GEMMs) or (w_gate_up, w_gate_up_t_q, w_gate_up_t_s, w_down, w_down_t_q, w_down_t_s):
+    the bf16 masters, which receive the weight gradients, and the transposed weights' E4M3 copies
+    for the dgrad (quantize_weights)."""
     T, k = ids.shape
     E, two_i, H = w_gate_up_q.shape
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
     bounds = torch.arange(E, device=ids.device, dtype=sorted_ids.dtype)
     offs = torch.searchsorted(sorted_ids, bounds, right=True).to(torch.int32)  # end of each expert's rows
-    xq, xs = quantize_rows(x.index_select(0, order // k))  # (a token's k rows quantize alike)
-    gu = scaled_grouped_mm(xq, xs, w_gate_up_q, w_gate_up_s, offs)
+    xs = x.index_select(0, order // k)
+    if train is None:
+        xq, x_s = quantize_rows(xs)  # (a token's k rows quantize alike)
+        gu = scaled_grouped_mm(xq, x_s, w_gate_up_q, w_gate_up_s, offs)
+    else:
+        gu = Fp8GroupedMM.apply(xs, train[0], offs, w_gate_up_q, w_gate_up_s, train[1], train[2])
     g, u = gu.split(two_i // 2, dim=-1)
-    hq, hs = quantize_rows(tb.swiglu(g, u, limit))
-    out = scaled_grouped_mm(hq, hs, w_down_q, w_down_s, offs)
+    h = tb.swiglu(g, u, limit)
+    if train is None:
+        hq, hs = quantize_rows(h)
+        out = scaled_grouped_mm(hq, hs, w_down_q, w_down_s, offs)
+    else:
+        out = Fp8GroupedMM.apply(h, train[3], offs, w_down_q, w_down_s, train[4], train[5])
     per_slot = torch.index_copy(torch.empty_like(out), 0, order, out)  # row order[i] <- out[i]
     y = (per_slot.view(T, k, H).float() * weights.unsqueeze(-1)).sum(1)
     if shared_gate_up is not None:
@@ -63,33 +119,23 @@ def moe_fp8(x, ids, weights, w_gate_up_q, w_gate_up_s, w_down_q, w_down_s, limit
     return y.to(x.dtype)
 
 
-class TorchFp8:
-    """The `torch-fp8` implementation on one problem (layer_bench's inputs): the weights
-    quantized once, the layer under torch.compile (fullgraph) on the GPU; forward only."""
+class TorchFp8(tb.TorchImpl):
+    """The `torch-fp8` implementation on one problem (layer_bench's inputs): the weights (and their
+    transposes, for the dgrad) quantized once, as a training step would per weight version; the
+    layer under torch.compile (fullgraph) on the GPU. fwd: no gradients; fwd+bwd: the gradients
+    of x, the routing weights, the bf16 masters and the shared expert (TorchImpl's)."""
 
     def __init__(self, d, compile=True):
-        self.d = d
-        with torch.no_grad():
-            self.gate_up = quantize_rows(d["w_gate_up"])  # (rows: output columns)
-            self.down = quantize_rows(d["w_down"])
-        self.layer = torch.compile(moe_fp8, dynamic=False, fullgraph=True) if compile else moe_fp8
+        self.gate_up = quantize_weights(d["w_gate_up"].detach())
+        self.down = quantize_weights(d["w_down"].detach())
+        super().__init__(d, torch.compile(moe_fp8, dynamic=False, fullgraph=True) if compile else moe_fp8)
 
     def _call(self):
-        d = self.d
-        return self.layer(d["x"], d["ids"], d["weights"], *self.gate_up, *self.down, d["limit"], d["shared_gate_up"],
-                          d["shared_down"])
-
-    def step(self, pass_):
-        if pass_ != "fwd":
-            raise ValueError(f"torch-fp8 has no {pass_} (no autograd formula for torch._scaled_grouped_mm)")
-
-        def fwd():
-            with torch.no_grad():
-                return self._call()
-        return fwd, None
-
-    def outputs(self, pass_):
-        return {"y": self.step(pass_)[0]()}
+        d, (gq, gs, gtq, gts), (dq, ds, dtq, dts) = self.d, self.gate_up, self.down
+        train = None if not torch.is_grad_enabled() else (d["w_gate_up"], gtq, gts, d["w_down"], dtq, dts)
+        return self.layer(d["x"], d["ids"], d["weights"], gq, gs, dq, ds, d["limit"], d["shared_gate_up"],
+                          d["shared_down"], train)
 
     def release(self):
+        super().release()
         self.gate_up = self.down = None

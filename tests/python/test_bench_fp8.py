@@ -1,6 +1,7 @@
 """The benchmark's FP8 pieces, without a GPU: the torch FP8 baseline (torch._scaled_grouped_mm's
-layer) against the BF16 layer, layer_bench's FP8 records (torch-fp8, mok-fp8, mok-fp8-py:
-forward only), and the FP8 backward accuracy study's exact step."""
+layer, its FP8 dgrad and bf16 weight gradients) against the BF16 layer, layer_bench's FP8 records
+(torch-fp8 and mok-fp8-py: both passes; mok-fp8: forward only), and the FP8 backward accuracy
+study's exact step."""
 
 import pytest
 import torch
@@ -36,14 +37,45 @@ def test_torch_fp8_baseline_is_the_layer_within_fp8_error(shared, limit):
     assert y.shape == ref.shape and y.dtype == torch.bfloat16
     assert c["cos"] >= 0.99 and c["rel"] <= 0.1, c
     assert c["rel"] > 1e-3  # (it is FP8: not the bf16 layer itself)
-    with pytest.raises(ValueError, match="no fwd\\+bwd"):
-        fp8.step("fwd+bwd")
+
+    # forward+backward: every gradient against autograd through the bf16 layer
+    got = fp8.outputs("fwd+bwd")
+    bf16 = tb.TorchImpl(d, tb.moe_compilable).outputs("fwd+bwd")
+    assert set(got) == set(bf16) and torch.equal(got["y"], y)
+    for n in got:
+        c = tb.compare(got[n], bf16[n])
+        assert got[n].shape == bf16[n].shape and c["cos"] >= 0.99 and c["rel"] <= 0.1, (n, c)
+    # the dgrad is FP8 (not the bf16 dgrad), the weight gradients bf16 GEMMs of the same rows
+    assert tb.compare(got["dx"], bf16["dx"])["rel"] > 1e-3
 
 
-def test_layer_bench_times_torch_fp8_forward_only(monkeypatch):
+def test_torch_fp8_grouped_mm_backward_is_its_recipe():
+    """Fp8GroupedMM's backward, off the GPU: da is the product of the rowwise-quantized gradient
+    and the transposed weights quantized per output column; dw the bf16 product of each expert's
+    rows (weight_grad), group by group; offsets with an empty group."""
+    import torch_fp8 as tf
+
+    g = torch.Generator().manual_seed(3)
+    E, N, K, offs = 3, 32, 64, torch.tensor([5, 5, 19], dtype=torch.int32)
+    a = torch.randn(19, K, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(E, N, K, generator=g).bfloat16().requires_grad_()
+    wq, ws, wtq, wts = tf.quantize_weights(w.detach())
+    assert wtq.shape == (E, K, N) and wts.shape == (E, K)
+    out = tf.Fp8GroupedMM.apply(a, w, offs, wq, ws, wtq, wts)
+    dout = torch.randn(19, N, generator=g).bfloat16()
+    out.backward(dout)
+    dq, d_s = tf.quantize_rows(dout)
+    want_da = torch.cat([(dq[s:e].float() * d_s[s:e, None]) @ (wtq[i].float() * wts[i][:, None]).t()
+                         for i, (s, e) in enumerate(zip([0, 5, 5], [5, 5, 19]))]).bfloat16()
+    assert torch.equal(a.grad, want_da)
+    assert torch.equal(w.grad[1], torch.zeros(N, K, dtype=torch.bfloat16))  # (no rows)
+    assert torch.equal(w.grad[2], (dout[5:].float().t() @ a.detach()[5:].float()).bfloat16())
+
+
+def test_layer_bench_times_torch_fp8(monkeypatch):
     """layer_bench.run_preset with torch-fp8 asked for, on the CPU (inputs on the CPU, the GPU
-    timers and peak-memory probe stubbed, the layer uncompiled): its forward is checked with
-    FP8's tolerance and recorded; its fwd+bwd is neither recorded nor reported as a failure."""
+    timers and peak-memory probe stubbed, the layer uncompiled): both passes are checked with
+    FP8's tolerance (y and, for fwd+bwd, every gradient) and recorded."""
     import argparse
 
     import torch_fp8
@@ -68,18 +100,22 @@ def test_layer_bench_times_torch_fp8_forward_only(monkeypatch):
     records = []
     layer_bench.run_preset(dict(small_preset(tokens=64), name="test"), "uniform", args, None, "cpu", records.append)
     got = {(r["impl"], r["pass"]): r for r in records}
-    assert set(got) == {("torch", "fwd"), ("torch", "fwd+bwd"), ("torch-fp8", "fwd")}
+    assert set(got) == {("torch", "fwd"), ("torch", "fwd+bwd"), ("torch-fp8", "fwd"), ("torch-fp8", "fwd+bwd")}
     fp8 = got[("torch-fp8", "fwd")]
     assert fp8["check"] == "passed" and fp8["check_detail"]["tensors"]["y"]["cos"] >= 0.99
+    train = got[("torch-fp8", "fwd+bwd")]["check_detail"]["tensors"]
+    assert got[("torch-fp8", "fwd+bwd")]["check"] == "passed" and {"dx", "d_w_down", "d_topk_weights"} <= set(train)
 
 
 @pytest.mark.parametrize("queued", [False, True])
-def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch, queued):
+def test_layer_bench_checks_and_times_mok_fp8(monkeypatch, queued):
     """layer_bench.run_preset with mok-fp8-py and mok-fp8 asked for, on the CPU: the FP8 layer
-    stubbed by its PyTorch oracle (mok.fp8.moe_reference rounded to bf16), the C++ server by an
-    object that answers with the same y's checksum, the GPU timers and peak probe stubbed. Both
-    are checked (mok-fp8-py against the oracle, mok-fp8 bitwise against mok-fp8-py) and
-    recorded for fwd only; fwd+bwd is neither recorded nor reported as a failure; a preset whose
+    stubbed by its PyTorch oracle (mok.fp8.moe_reference rounded to bf16; with gradients, the
+    bf16 torch layer), the C++ server by an object that answers with the same y's checksum, the
+    GPU timers and peak probe stubbed. Both are checked (mok-fp8-py against the oracle, mok-fp8
+    bitwise against mok-fp8-py) and recorded for fwd; mok-fp8-py's fwd+bwd is checked against
+    the eager path's gradients and recorded, mok-fp8's fwd+bwd neither recorded nor reported as
+    a failure; a preset whose
     H or I is not a multiple of 128 records no FP8 implementation and fails nothing. With
     --queued both timers are asked for queued timings (the server's time-queued) and the records
     say so; a warm-up round (with --queued here) is timed but not recorded."""
@@ -97,7 +133,7 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch, queued):
         return [1.0] * iters
     monkeypatch.setattr(tb, "time_ms", time_ms)
     monkeypatch.setattr(tb, "peak_bytes", lambda fn, before=None: 0)
-    monkeypatch.setattr(mok.fp8, "quantize_experts", lambda g, u, d: ("quantized", g, u, d))
+    monkeypatch.setattr(mok.fp8, "quantize_experts", lambda g, u, d, dgrad=False: ("quantized", g, u, d))
     seen = {}
     real_moe = mok.moe
 
@@ -106,6 +142,9 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch, queued):
         if precision != "fp8":
             return real_moe(x, ids, weights, w_gate, w_up, w_down, shared, swiglu_limit)
         assert fp8_experts == ("quantized", w_gate, w_up, w_down)  # quantized once, passed every call
+        if torch.is_grad_enabled():  # (fwd+bwd: a differentiable stand-in, the bf16 torch layer)
+            assert shared is None
+            return tb.moe_compilable(x, ids, weights, torch.cat([w_gate, w_up], 1), w_down, swiglu_limit)
         y = mok.fp8.moe_reference(x, ids, weights, w_gate, w_up, w_down, shared, swiglu_limit).to(torch.bfloat16)
         seen["checksum"] = layer_bench.checksum(y)
         return y
@@ -134,8 +173,11 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch, queued):
                   swiglu_limit=0.0)
     layer_bench.run_preset(preset, "uniform", args, server, "cpu", records.append)
     got = {(r["impl"], r["pass"]): r for r in records}
-    assert set(got) == {("torch", "fwd"), ("torch", "fwd+bwd"), ("mok-fp8-py", "fwd"), ("mok-fp8", "fwd")}
+    assert set(got) == {("torch", "fwd"), ("torch", "fwd+bwd"), ("mok-fp8-py", "fwd"), ("mok-fp8-py", "fwd+bwd"),
+                        ("mok-fp8", "fwd")}
     assert got[("mok-fp8-py", "fwd")]["check"] == "passed"
+    assert got[("mok-fp8-py", "fwd+bwd")]["check"] == "passed"
+    assert got[("mok-fp8-py", "fwd+bwd")]["check_detail"]["fp8_dgrad"] is False  # (I = 128 < 1536)
     assert got[("mok-fp8", "fwd")]["check"] == "passed"
     assert got[("mok-fp8", "fwd")]["check_detail"]["bitwise_equal_to_mok_fp8_py"]
     assert ("check", "fwd", "mok-fp8") in server.calls and ("peak", "fwd", "mok-fp8") in server.calls
@@ -143,10 +185,10 @@ def test_layer_bench_checks_and_times_mok_fp8_forward_only(monkeypatch, queued):
     assert timed == {"time-queued" if queued else "time"} and {q for q, _ in timers} == {queued}
     assert all(r["timing"] == ("queued" if queued else "synced") for r in records)
     # (a round times mok-fp8's forward once through the server, and torch's fwd and fwd+bwd and
-    # mok-fp8-py's fwd through time_ms, each after its settle's calls of SETTLE_ITERS iterations)
+    # mok-fp8-py's fwd and fwd+bwd through time_ms, each after its settle's calls of SETTLE_ITERS iterations)
     rounds = 1 + int(queued)
     assert sum(w[0].startswith("time") and w[3] == 2 for w in server.calls) == rounds
-    assert sum(iters == 2 for _, iters in timers) == 3 * rounds
+    assert sum(iters == 2 for _, iters in timers) == 4 * rounds
     assert all(r["repeats"] == 1 and r["warmup_rounds"] == int(queued) for r in records)
 
     records.clear()
