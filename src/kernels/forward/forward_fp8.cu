@@ -83,6 +83,23 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
     const int k_steps = (gemm1 ? p.hidden : p.inter) / kFp8BlockK;
     for (int step = 0; step < k_steps; ++step) {
       const int k = step * kFp8BlockK;
+#if defined(MOK_DIAG_FP8_NO_LOADS) || defined(MOK_DIAG_FP8_A_ONLY)
+      // Timing only (wrong results): the task's first stage loads A and B; later stages load A
+      // only (A_ONLY: B's L2 traffic gone, the MMAs read the stage's stale B) or nothing
+      // (NO_LOADS: the MMAs' and shared memory's own rate). With MOK_DIAG_FP8_NO_PROMOTION they
+      // split the feed's cost: bench/NOTES.md, "What bounds the FP8 mainloop".
+#if defined(MOK_DIAG_FP8_NO_LOADS)
+      const bool load_a = step == 0;
+#else
+      const bool load_a = true;
+#endif
+      if (step > 0) {
+        std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, load_a ? kFp8TileBytes : 0);
+        if (load_a) tma_load_2d(s.stages[pipe.stage()].a, gemm1 ? &q.maps.x : &q.maps.h_load, full, k, row0);
+        pipe.producer_commit();
+        continue;
+      }
+#endif
       std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, 3 * kFp8TileBytes);
       SharedStorage::Stage& stage = s.stages[pipe.stage()];
       char* b = reinterpret_cast<char*>(stage.b);
