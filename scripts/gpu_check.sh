@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8bench|pingpong] [--presets all|NAME,...] [--repeats N] [--iters N]
+#                                                   host|fp8|fp8bench|fp8diag|pingpong] [--presets all|NAME,...] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES]
 # --part splits the check for machines that limit one command's time: `tests` (clean
@@ -51,7 +51,10 @@
 # --bench-only: the host part runs only layer_bench (not host_sections.py and forward_stages.py).
 # --diag DEFINES (phases part): a second phase build with MOK_DIAG_DEFINES (timing-only kernel variants,
 # e.g. MOK_DIAG_NO_DGU_QUANTIZE), both run alternately --repeats times without checks, into
-# <date>-<commit>-phases-diag.txt. `pingpong` (issue 18: Config::pingpong): build, its tests and sanitizers,
+# <date>-<commit>-phases-diag.txt. `fp8diag` (issue 19: what bounds the FP8 mainloop): three timing-only
+# mok_bench builds (MOK_DIAG_FP8_NO_PROMOTION, + _A_ONLY, + _NO_LOADS), ab_serve of the last two against the
+# first (--presets, default deepseek-v3,mixtral-8x7b; --repeats rounds) into <date>-<commit>-fp8diag*.
+# `pingpong` (issue 18: Config::pingpong): build, its tests and sanitizers,
 # bench/ab_serve.py mok against mok-pp (one build, alternating --repeats rounds, bitwise checked) into
 # <date>-<commit>-ab-pingpong.json, then scripts/ncu_forward.sh on both for qwen3-30b-a3b and deepseek-v3.
 set -uo pipefail
@@ -83,11 +86,11 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|pingpong] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|pingpong] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|pingpong) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench or pingpong"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|pingpong) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench, fp8diag or pingpong"; exit 2 ;; esac
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
 case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
@@ -122,6 +125,31 @@ if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else run
       done
     done
   fi
+  tar czf "$OUT/logs.tgz" -C "$LOG" .
+  exit "$rc"
+fi
+
+if [ "$part" = fp8diag ]; then  # timing-only FP8 forward builds of their own: nothing else runs
+  # What bounds the FP8 mainloop (bench/NOTES.md): no promotion, then also no B loads after a task's
+  # first stage, then no loads at all; each against the no-promotion build, ab_serve (no checks).
+  diag_build() {  # $1: build dir, $2: MOK_DIAG_DEFINES
+    { cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_PYTHON=OFF -DMOK_BUILD_TESTS=OFF \
+        -DMOK_BUILD_EXAMPLES=OFF -DMOK_DIAG_DEFINES="$2" && cmake --build "$1" --target mok_bench -j"$(( $(nproc) / 3 + 1 ))"; } \
+      > "$LOG/build_$(basename "$1").log" 2>&1 || { tail -30 "$LOG/build_$(basename "$1").log"; exit 1; }
+  }
+  diag_build build-diag-np "MOK_DIAG_FP8_NO_PROMOTION" &
+  diag_build build-diag-a "MOK_DIAG_FP8_NO_PROMOTION;MOK_DIAG_FP8_A_ONLY" &
+  diag_build build-diag-n "MOK_DIAG_FP8_NO_PROMOTION;MOK_DIAG_FP8_NO_LOADS" &
+  wait
+  fp8_presets=$presets
+  [ "$presets" = all ] && fp8_presets=deepseek-v3,mixtral-8x7b
+  rc=0
+  for head in build-diag-a build-diag-n; do
+    python3 bench/ab_serve.py --base build-diag-np/bench/mok_bench --head $head/bench/mok_bench --impls mok-fp8,mok-fp8 \
+      --preset "$fp8_presets" --pass fwd --rounds "$repeats" --iters "$iters" --out "$OUT/${date:0:10}-$commit-fp8diag-${head#build-diag-}.json" \
+      --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\", \"base\": \"NO_PROMOTION\", \"head\": \"$head\"}" 2>&1 |
+      tee -a "$OUT/${date:0:10}-$commit-fp8diag.txt" | tail -6  # (outputs differ by design: ab_serve says so)
+  done
   tar czf "$OUT/logs.tgz" -C "$LOG" .
   exit "$rc"
 fi
