@@ -99,19 +99,16 @@ def moe_fp8(x, ids, weights, w_gate_up_q, w_gate_up_s, w_down_q, w_down_s, limit
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
     bounds = torch.arange(E, device=ids.device, dtype=sorted_ids.dtype)
     offs = torch.searchsorted(sorted_ids, bounds, right=True).to(torch.int32)  # end of each expert's rows
-    xs = x.index_select(0, order // k)
-    if train is None:
-        xq, x_s = quantize_rows(xs)  # (a token's k rows quantize alike)
-        gu = scaled_grouped_mm(xq, x_s, w_gate_up_q, w_gate_up_s, offs)
-    else:
-        gu = Fp8GroupedMM.apply(xs, train[0], offs, w_gate_up_q, w_gate_up_s, train[1], train[2])
+
+    def gemm(a, w_q, w_s, master):  # master: (w, wt_q, wt_s) of train, or None
+        if master is None:
+            return scaled_grouped_mm(*quantize_rows(a), w_q, w_s, offs)
+        return Fp8GroupedMM.apply(a, master[0], offs, w_q, w_s, master[1], master[2])
+
+    # (a token's k rows quantize alike)
+    gu = gemm(x.index_select(0, order // k), w_gate_up_q, w_gate_up_s, None if train is None else train[:3])
     g, u = gu.split(two_i // 2, dim=-1)
-    h = tb.swiglu(g, u, limit)
-    if train is None:
-        hq, hs = quantize_rows(h)
-        out = scaled_grouped_mm(hq, hs, w_down_q, w_down_s, offs)
-    else:
-        out = Fp8GroupedMM.apply(h, train[3], offs, w_down_q, w_down_s, train[4], train[5])
+    out = gemm(tb.swiglu(g, u, limit), w_down_q, w_down_s, None if train is None else train[3:])
     per_slot = torch.index_copy(torch.empty_like(out), 0, order, out)  # row order[i] <- out[i]
     y = (per_slot.view(T, k, H).float() * weights.unsqueeze(-1)).sum(1)
     if shared_gate_up is not None:
@@ -126,8 +123,8 @@ class TorchFp8(tb.TorchImpl):
     of x, the routing weights, the bf16 masters and the shared expert (TorchImpl's)."""
 
     def __init__(self, d, compile=True):
-        self.gate_up = quantize_weights(d["w_gate_up"].detach())
-        self.down = quantize_weights(d["w_down"].detach())
+        self.gate_up = quantize_weights(d["w_gate_up"])
+        self.down = quantize_weights(d["w_down"])
         super().__init__(d, torch.compile(moe_fp8, dynamic=False, fullgraph=True) if compile else moe_fp8)
 
     def _call(self):

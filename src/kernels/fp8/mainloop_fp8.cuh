@@ -78,50 +78,6 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
     return;
   }
 #endif
-#if defined(MOK_DIAG_FP8_ONE_WAIT)
-  // Timing only (wrong results): the default's instructions but one wait a K block — both
-  // halves' MMAs summed into `block`, then both promotions (the same 128 FFMAs) from it.
-  {
-    float a_lo = 0.0f, a_hi = 0.0f;
-    int e0 = __ldg(sc.b[0]), e1 = __ldg(sc.b[1]);
-    for (int kb = 0; kb < k_steps; ++kb) {
-      const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-      if (kb == 0) a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
-      float next_a_lo = 0.0f, next_a_hi = 0.0f;
-      int next_e0 = 0, next_e1 = 0;
-      if (kb + 1 < k_steps) {
-        next_a_lo = __ldcg(a_rows + (kb + 1) * sc.a_stride), next_a_hi = __ldcg(a_rows + (kb + 1) * sc.a_stride + 8);
-        next_e0 = __ldg(sc.b[0] + kb + 1), next_e1 = __ldg(sc.b[1] + kb + 1);
-      }
-      const auto& stage = s.stages[stage_index];
-      const std::uint64_t desc_a = KMajor::descriptor(reinterpret_cast<const char*>(stage.a) + wg * 64 * kFp8BlockK);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const std::uint64_t desc_b = KMajor::descriptor(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
-#pragma unroll
-        for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
-          ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk,
-                                     (half | kk) != 0);
-      }
-      ptx::wgmma_commit_group();
-      ptx::wgmma_wait_group<0>();
-#pragma unroll
-      for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(block[i])::"memory");
-      if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
-      pipe.consumer_advance();
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float b_scale = ldexpf(1.0f, half == 0 ? e0 : e1);
-        const float scale[2] = {a_lo * b_scale, a_hi * b_scale};
-#pragma unroll
-        for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
-      }
-      a_lo = next_a_lo, a_hi = next_a_hi, e0 = next_e0, e1 = next_e1;
-    }
-    return;
-  }
-#endif
   float a_lo = 0.0f, a_hi = 0.0f;
   int e0 = __ldg(sc.b[0]), e1 = __ldg(sc.b[1]);  // (weights: constant during the kernel)
   for (int kb = 0; kb < k_steps; ++kb) {
