@@ -126,7 +126,8 @@ def layer_table(records):
         ratios = [(f"mok / {base}", "mok", base), (f"mok-py / {base}", "mok-py", base), ("mok / torch", "mok", eager),
                   ("mok / dense", "mok", "dense")]
         if any(r["impl"] in ("mok-fp8", "torch-fp8") for r in records):  # issue 19's ratios
-            ratios += [("mok-fp8 / mok", "mok-fp8", "mok"), ("mok-fp8 / torch-fp8", "mok-fp8", "torch-fp8")]
+            ratios += [("mok-fp8 / mok", "mok-fp8", "mok"), ("mok-fp8 / torch-fp8", "mok-fp8", "torch-fp8"),
+                       ("mok-fp8-py / mok-py", "mok-fp8-py", "mok-py"), ("mok-fp8-py / torch-fp8", "mok-fp8-py", "torch-fp8")]
         order = LAYER_IMPLS
     out = []
     for routing in dict.fromkeys(r.get("routing", "uniform") for r in records):
@@ -318,7 +319,9 @@ def cmd_table(a):
                 desc += f", each timing after {r0['settle_ms']:g} ms of untimed passes"
             if r0.get("warmup_rounds"):
                 desc += f", after {r0['warmup_rounds']} untimed rounds"
-            if not has_baseline(records):
+            if not has_baseline(records) and any(r["impl"] == "torch-fp8" for r in records):
+                desc += ". No torch-compiled in this run: FP8 against the compiled torch FP8 path (torch-fp8) and BF16"
+            elif not has_baseline(records):
                 desc += (". No torch-compiled in this run: it compares mok.moe from Python with the C++ call "
                          "(the binding's cost), not the layer with PyTorch")
             body = layer_table(records)
