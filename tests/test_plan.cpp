@@ -396,5 +396,68 @@ TEST(ScratchLayout, Fp8DgradRowsOnlyWhenAsked) {
               off(fp8.dgu_scales) % 512 == 0);
 }
 
+// The FP8 dgrad's E4M3 dy rows and their scales go into the room the bf16 rows leave in the W_gate /
+// W_up gradients when they fit there (512-byte aligned, overlapping none of the rows; rows_in_grads
+// then, so that the dW_gate|up tiles wait for every dh tile), else into the scratch as before; the
+// bf16 rows lie where they lie without the FP8 dgrad.
+TEST(ScratchLayout, Fp8DgradDyRowsInTheGradientsRoom) {
+  using U = std::uintptr_t;
+  const U base = U{1} << 39, gate = U{2} << 39, up = U{3} << 39;
+  auto at = [](const void* p) { return reinterpret_cast<U>(p); };
+  auto inside = [](U begin, U end, U lo, U hi) { return begin >= lo && end <= hi && begin <= end; };
+  int in_grads = 0, in_scratch = 0;
+  for (std::int64_t H : {256, 2048, 7168})
+    for (std::int64_t I : {128, 512, 2048, 14336})
+      for (std::int64_t E : {8, 48})
+        for (std::int64_t k : {2, 8})
+          for (std::int64_t T : {300, 4096, 8192})
+            for (bool block : {false, true})
+              for (bool with_dx : {false, true}) {
+                detail::ScratchShape sh;
+                sh.shape.hidden = H, sh.shape.intermediate = I, sh.shape.num_experts = sh.shape.num_local_experts = E;
+                sh.shape.top_k = k, sh.shape.shared_intermediate = 0;
+                sh.tokens = T, sh.training = Training::save, sh.precision = Precision::fp8;
+                sh.capacity = plan_capacity_rows(sh.shape, {}, T, detail::kTileRows) / 128 * 128;
+                const std::int64_t cap = sh.capacity, half = E * I * H;
+                const U up_at = block ? gate + 2 * half : up, dx = up + (U{1} << 36);
+                const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + " E " + std::to_string(E) +
+                                         " k " + std::to_string(k) + " T " + std::to_string(T) +
+                                         (block ? " one block" : " apart") + (with_dx ? " dx" : "");
+                void *b = reinterpret_cast<void*>(base), *g = reinterpret_cast<void*>(gate), *u = reinterpret_cast<void*>(up_at);
+                void* dxp = with_dx ? reinterpret_cast<void*>(dx) : nullptr;
+                const detail::CallBuffers plain = detail::backward_buffers(sh, b, g, u, dxp, false);
+                const detail::CallBuffers w = detail::backward_buffers(sh, b, g, u, dxp, true);
+                EXPECT_TRUE(w.dy_rows == plain.dy_rows && w.dy_rows_hi == plain.dy_rows_hi && w.dy_split == plain.dy_split &&
+                            w.hidden == plain.hidden && w.x_rows == plain.x_rows && w.shared_dx_rows == plain.shared_dx_rows)
+                    << what << ": the bf16 rows moved";
+                const std::int64_t dy8 = cap * H + 4 * (H / 128) * cap, dgu8 = cap * 2 * I + 4 * (2 * I / 128) * cap;
+                ASSERT_NE(w.dy_fp8, nullptr) << what;
+                EXPECT_EQ(at(w.dy_scales), at(w.dy_fp8) + cap * H) << what;
+                const U lo = at(w.dy_fp8), hi = lo + dy8;
+                const bool scratch = inside(lo, hi, base, base + w.bytes);
+                EXPECT_EQ(w.bytes, plain.bytes + (scratch ? dy8 : 0) + dgu8) << what;
+                EXPECT_TRUE(inside(at(w.dgu_fp8), at(w.dgu_fp8) + dgu8, base, base + w.bytes)) << what;
+                if (scratch) {
+                  ++in_scratch;
+                  EXPECT_EQ(w.rows_in_grads, plain.rows_in_grads) << what;
+                  EXPECT_TRUE(hi <= at(w.dgu_fp8)) << what;
+                  continue;
+                }
+                ++in_grads;
+                EXPECT_TRUE(w.rows_in_grads) << what;
+                const U region = block || lo < up_at ? gate : up_at;
+                EXPECT_TRUE(inside(lo, hi, region, region + (block ? 4 : 2) * half)) << what << ": outside the gradients";
+                EXPECT_EQ((lo - region) % 512, 0u) << what;
+                const std::int64_t first = plain.dy_rows_hi ? plain.dy_split : cap;
+                const U rows[][2] = {{at(plain.dy_rows), at(plain.dy_rows) + 2 * first * H},
+                                     {at(plain.dy_rows_hi), at(plain.dy_rows_hi) + 2 * (cap - first) * H},
+                                     {at(plain.hidden), at(plain.hidden) + 2 * cap * I}};
+                for (const auto& r : rows) EXPECT_TRUE(hi <= r[0] || r[1] <= lo) << what << ": overlaps the bf16 rows";
+              }
+  EXPECT_GT(in_grads, 0) << "no shape put the E4M3 dy rows in the gradients";
+  EXPECT_GT(in_scratch, 0) << "no shape left the E4M3 dy rows in the scratch";
+  std::printf("E4M3 dy rows in the gradients: %d shapes, in the scratch: %d\n", in_grads, in_scratch);
+}
+
 }  // namespace
 }  // namespace mok

@@ -90,7 +90,8 @@ std::optional<DyPlace> place_dy(std::uint16_t* at, std::int64_t room, std::uint1
 // scratch, and of equal ones the first: dy then w h in the block; the larger that fits there; w h
 // first in the block, the dy rows after it and on in dx; the dy rows in the block and on in dx.
 // The FP8 dgrad (fp8_dgrad, Precision::fp8): then [E4M3 dy rows capacity x H][their scales H / 128 x capacity
-// f32][E4M3 dgate|dup capacity x 2I][their scales 2I / 128 x capacity f32].
+// f32], unless in the room the bf16 rows leave in the gradients, [E4M3 dgate|dup capacity x 2I][their
+// scales 2I / 128 x capacity f32].
 // The recompute's GEMM1 runs the forward kernel on this layout: its x rows then sit where the
 // forward's do (the dy rows are never in the gradients), its slots unused.
 CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row_space_a, void* row_space_b,
@@ -122,6 +123,29 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
     dy_at = place_dy(a, half, dx, shape.tokens, cap, H).value_or(DyPlace{});
     if (hw <= half) hw_at = static_cast<std::uint16_t*>(row_space_b);
   }
+  // The FP8 dgrad's E4M3 dy rows and their scales in the room the bf16 rows leave in the gradient
+  // buffers where they fit (512-byte aligned), else in the scratch: only the dh tasks read them,
+  // and with rows in the gradients every routed dW_gate|up tile waits for every dW_down tile,
+  // each of which waited for its expert's dh tiles (rows_in_grads, as for the bf16 dy rows).
+  std::uint8_t* dy_fp8_at = nullptr;
+  if (fp8_dgrad && shape.precision == Precision::fp8 && in_grads) {
+    const std::int64_t need = cap * H + 4 * (H / kernels::kFp8BlockK) * cap;  // (bytes)
+    const std::int64_t dy_lo_rows = dy_at.split == kernels::kNoSplit ? cap : dy_at.split;
+    const auto room = [&](std::uint16_t* lo, std::int64_t n) {  // the first free aligned element of [lo, lo + n)
+      std::int64_t end = 0;
+      const auto take = [&](const std::uint16_t* p, std::int64_t len) {
+        if (p != nullptr && p >= lo && p < lo + n) end = std::max(end, static_cast<std::int64_t>(p - lo) + len);
+      };
+      take(dy_at.lo, dy_lo_rows * H);
+      take(dy_at.hi, (cap - dy_lo_rows) * H);
+      take(hw_at, hw);
+      end = (end + 255) / 256 * 256;
+      return 2 * (n - end) >= need ? reinterpret_cast<std::uint8_t*>(lo + end) : nullptr;
+    };
+    auto* b_space = static_cast<std::uint16_t*>(row_space_b);
+    if (b_space == a + half) dy_fp8_at = room(a, 2 * half);
+    else if (!(dy_fp8_at = room(a, half))) dy_fp8_at = room(b_space, half);
+  }
   CallBuffers b;
   std::int64_t used = 0;
   b.slots = reinterpret_cast<float*>(scratch);
@@ -144,16 +168,21 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
     used += 2 * shape.saved_elements;
   }
   if (fp8_dgrad && shape.precision == Precision::fp8) {  // (each a multiple of 512 bytes)
-    b.dy_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, used));
-    used += cap * H;
-    b.dy_scales = reinterpret_cast<float*>(at(scratch, used));
-    used += 4 * (H / kernels::kFp8BlockK) * cap;
+    if (dy_fp8_at) {
+      b.dy_fp8 = dy_fp8_at;
+      b.dy_scales = reinterpret_cast<float*>(dy_fp8_at + cap * H);
+    } else {
+      b.dy_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, used));
+      used += cap * H;
+      b.dy_scales = reinterpret_cast<float*>(at(scratch, used));
+      used += 4 * (H / kernels::kFp8BlockK) * cap;
+    }
     b.dgu_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, used));
     used += cap * 2 * I;
     b.dgu_scales = reinterpret_cast<float*>(at(scratch, used));
     used += 4 * (2 * I / kernels::kFp8BlockK) * cap;
   }
-  b.rows_in_grads = dy_at.lo || hw_at;
+  b.rows_in_grads = dy_at.lo || hw_at || dy_fp8_at;
   b.bytes = used;
   return b;
 }
