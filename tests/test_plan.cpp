@@ -125,25 +125,66 @@ TEST(HostPlan, RejectsBadIdsAndSizes) {
   EXPECT_THROW(plan_host(s, 2, good, 1), Error);  // rank out of range at EP=1
 }
 
-// On one GPU the x rows live in the upper half of the fp32 slot buffer: a GEMM2 tile must
-// wait for exactly the x rows its slot rows share bytes with (checked byte by byte, in
-// units of H), and those lie in M-tiles at or below its own (no wait on a later task).
+// On one GPU the x rows live in the last bytes of the fp32 slot buffer (bf16 rows its upper
+// half, E4M3 rows its last quarter): a GEMM2 tile must wait for exactly the x rows its slot
+// rows share bytes with (checked byte by byte, in units of H), and those lie in M-tiles at or
+// below its own (no wait on a later task).
 TEST(SlotRows, XRowsUnderSlotTilesAreTheOnesSharingBytes) {
   constexpr long long kTile = 128;
-  for (long long capacity : {128ll, 300ll, 1278ll, 4350ll, 8192ll}) {
-    for (long long used = kTile; used <= capacity; used += kTile) {
-      for (long long row0 = 0; row0 < used; row0 += kTile) {
-        const kernels::RowRange x = kernels::x_rows_under_slots(row0, kTile, capacity, used);
-        for (long long r = 0; r < used; ++r) {
-          // slot rows [row0, row0 + 128): bytes [4 row0, 4 (row0 + 128)); x row r: [2 (C + r), 2 (C + r + 1))
-          const bool shares = 2 * (capacity + r) < 4 * (row0 + kTile) && 2 * (capacity + r + 1) > 4 * row0;
-          const bool waited = r >= x.first && r < x.end;
-          ASSERT_EQ(shares, waited) << "capacity " << capacity << " used " << used << " tile row " << row0 << " x row " << r;
-          if (waited) ASSERT_LE(r / kTile, row0 / kTile) << "a wait on a later M-tile could deadlock";
+  for (int per_slot : {2, 4}) {
+    const long long xb = 4 / per_slot;  // bytes of an x value
+    for (long long capacity : {128ll, 300ll, 1278ll, 4350ll, 8192ll}) {
+      for (long long used = kTile; used <= capacity; used += kTile) {
+        for (long long row0 = 0; row0 < used; row0 += kTile) {
+          const kernels::RowRange x = kernels::x_rows_under_slots(row0, kTile, capacity, used, per_slot);
+          for (long long r = 0; r < used; ++r) {
+            // slot rows [row0, row0 + 128): bytes [4 row0, 4 (row0 + 128)); x row r: [(4 - xb) C + xb r, ... + xb)
+            const long long begin = (4 - xb) * capacity + xb * r;
+            const bool shares = begin < 4 * (row0 + kTile) && begin + xb > 4 * row0;
+            const bool waited = r >= x.first && r < x.end;
+            ASSERT_EQ(shares, waited) << "per slot " << per_slot << " capacity " << capacity << " used " << used
+                                      << " tile row " << row0 << " x row " << r;
+            if (waited) ASSERT_LE(r / kTile, row0 / kTile) << "a wait on a later M-tile could deadlock";
+          }
         }
       }
     }
   }
+}
+
+// The FP8 forward's buffers: its E4M3 x rows in the fp32 slots' last quarter (where
+// x_rows_under_slots(..., 4) finds them), the scales and h after the slots, nothing overlapping,
+// 512-byte aligned.
+TEST(ScratchLayout, Fp8ForwardXRowsInTheSlotsLastQuarter) {
+  using U = std::uintptr_t;
+  const U base = U{1} << 39;
+  auto at = [](const void* p) { return reinterpret_cast<U>(p); };
+  for (std::int64_t H : {256, 2048, 7168})
+    for (std::int64_t I : {128, 768, 2048})
+      for (std::int64_t Is : {0, 256}) {
+        detail::ScratchShape sh;
+        sh.shape.hidden = H, sh.shape.intermediate = I, sh.shape.num_experts = sh.shape.num_local_experts = 16;
+        sh.shape.top_k = 4, sh.shape.shared_intermediate = Is;
+        sh.tokens = 1000, sh.precision = Precision::fp8;
+        sh.capacity = plan_capacity_rows(sh.shape, {}, sh.tokens, detail::kTileRows) / 128 * 128;
+        const std::int64_t cap = sh.capacity, Tpad = detail::shared_tiles(sh.shape, sh.tokens) * detail::kTileRows;
+        const detail::CallBuffers f = detail::forward_buffers(sh, reinterpret_cast<void*>(base));
+        const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + " Is " + std::to_string(Is);
+        EXPECT_EQ(at(f.x_fp8), base + 3 * cap * H) << what;
+        const U slots_end = base + 4 * (cap + Tpad) * H;
+        const U regions[][2] = {{at(f.x_scales), at(f.x_scales) + 4 * (H / 128) * cap},
+                                {at(f.h_fp8), at(f.h_fp8) + cap * I},
+                                {at(f.h_scales), at(f.h_scales) + 4 * (I / 128) * cap},
+                                {at(f.shared_hidden), at(f.shared_hidden) + 2 * Tpad * Is}};
+        U previous = slots_end;
+        for (const auto& r : regions) {
+          EXPECT_TRUE(r[0] >= previous && (r[0] - base) % 512 == 0) << what;
+          previous = r[1];
+        }
+        EXPECT_EQ(base + f.bytes, previous) << what;
+        EXPECT_EQ(f.bytes, 4 * (cap + Tpad) * H + 4 * (H / 128) * cap + cap * I + 4 * (I / 128) * cap + 2 * Tpad * Is)
+            << what << ": nothing but the scales, h and the shared h beyond the slots";
+      }
 }
 
 // Where a call's buffers lie in its scratch (and, with bf16 weight gradients, in the

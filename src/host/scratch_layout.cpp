@@ -20,9 +20,9 @@ ScratchShape scratch_shape(const Workspace& ws, std::int64_t tokens) {
 
 // [f32 slots (capacity + T_pad) x H, x rows = the bf16 rows [capacity, 2 capacity) of its
 // view as bf16 [2 (capacity + T_pad), H]][h capacity x I][shared h T_pad x I_s]
-// Precision::fp8: [f32 slots (capacity + T_pad) x H][E4M3 x rows capacity x H][x scales
-// H / 128 x capacity f32][E4M3 h capacity x I][h scales I / 128 x capacity f32][shared h
-// T_pad x I_s] (each a multiple of 512 bytes: capacity is one of 128).
+// Precision::fp8: [f32 slots (capacity + T_pad) x H, E4M3 x rows = its bytes [3 capacity H,
+// 4 capacity H)][x scales H / 128 x capacity f32][E4M3 h capacity x I][h scales I / 128 x
+// capacity f32][shared h T_pad x I_s] (each a multiple of 512 bytes: capacity is one of 128).
 CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
@@ -30,9 +30,8 @@ CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
   CallBuffers b;
   b.slots = reinterpret_cast<float*>(scratch);
   if (shape.precision == Precision::fp8) {
+    b.x_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, 3 * cap * H));
     std::int64_t used = 4 * (cap + Tpad) * H;
-    b.x_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, used));
-    used += cap * H;
     b.x_scales = reinterpret_cast<float*>(at(scratch, used));
     used += 4 * (H / kernels::kFp8BlockK) * cap;
     b.h_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, used));

@@ -4,7 +4,9 @@
 // replaced.
 //
 //   before the kernel: the routed x rows are gathered and quantized per 1 x 128 block of a row
-//       (launch_quantize_rows: E4M3 rows in plan order, one fp32 power-of-two scale a block)
+//       (launch_quantize_rows: E4M3 rows in plan order, one fp32 power-of-two scale a block),
+//       into the last quarter of the fp32 slot buffer (a GEMM2 tile waits for the GEMM1 tiles
+//       of the rows its slot rows overwrite, as the BF16 kernel does for its bf16 rows)
 //   producer: a routed stage fills the BF16 kernel's 48 KB stage with twice its K: A = 128
 //       rows x 128 K and B = 256 rows x 128 K of E4M3 (GEMM1: 128 gate rows, then 128 up
 //       rows; GEMM2: 256 rows of w_down). The shared expert's tasks load BF16 stages.
@@ -78,6 +80,7 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
     const bool gemm1 = t.kind == kGemm1;
     if (!gemm1) {
       wait_counter(p, p.counters.h_ready + t.m, sched.hidden_parts(false), task, WaitSite::hidden_ready);
+      wait_x_rows_read<Schedule, 4>(p, sched, row0, task);  // (the E4M3 x rows under its slot rows)
       fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
     }
     const int k_steps = (gemm1 ? p.hidden : p.inter) / kFp8BlockK;
