@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8bench|fp8diag|pingpong] [--presets all|NAME,...] [--repeats N] [--iters N]
+#                                                   host|fp8|fp8bench|fp8diag|diagab|pingpong] [--presets all|NAME,...] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES]
 # --part splits the check for machines that limit one command's time: `tests` (clean
@@ -54,6 +54,10 @@
 # <date>-<commit>-phases-diag.txt. `fp8diag` (issue 19: what bounds the FP8 mainloop): three timing-only
 # mok_bench builds (MOK_DIAG_FP8_NO_PROMOTION, + _A_ONLY, + _NO_LOADS), ab_serve of the last two against the
 # first (--presets, default deepseek-v3,mixtral-8x7b; --repeats rounds) into <date>-<commit>-fp8diag*.
+# `diagab` (a same-bits diagnostic variant against the default): two mok_bench builds (the second with
+# MOK_DIAG_DEFINES=--diag), bench/ab_serve.py between them (--impl, default mok,mok; --pass, default
+# fwd+bwd; --presets, default mixtral-8x7b,qwen3-30b-a3b,deepseek-v3; --repeats rounds; outputs checked
+# bitwise equal) into <date>-<commit>-diagab.json; nothing else runs.
 # `pingpong` (issue 18: Config::pingpong): build, its tests and sanitizers,
 # bench/ab_serve.py mok against mok-pp (one build, alternating --repeats rounds, bitwise checked) into
 # <date>-<commit>-ab-pingpong.json, then scripts/ncu_forward.sh on both for qwen3-30b-a3b and deepseek-v3.
@@ -86,11 +90,11 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|pingpong] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|pingpong] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|pingpong) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench, fp8diag or pingpong"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|pingpong) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench, fp8diag, diagab or pingpong"; exit 2 ;; esac
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
 case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
@@ -153,6 +157,29 @@ if [ "$part" = fp8diag ]; then  # timing-only FP8 forward builds of their own: n
   done
   tar czf "$OUT/logs.tgz" -C "$LOG" .
   exit 0
+fi
+
+if [ "$part" = diagab ]; then  # a same-bits diagnostic build (--diag) against the default, ab_serve
+  [ -n "$diag" ] || { echo "gpu_check.sh --part diagab needs --diag DEFINES"; exit 2; }
+  ab_build() {  # $1: build dir, $2: MOK_DIAG_DEFINES
+    { cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_PYTHON=OFF -DMOK_BUILD_TESTS=OFF \
+        -DMOK_BUILD_EXAMPLES=OFF -DMOK_DIAG_DEFINES="$2" && cmake --build "$1" --target mok_bench -j"$(( $(nproc) / 2 ))"; } \
+      > "$LOG/build_$(basename "$1").log" 2>&1 || { tail -30 "$LOG/build_$(basename "$1").log"; exit 1; }
+  }
+  ab_build build-ab-base "" &
+  ab_build build-ab-diag "$diag" &
+  rc=0
+  for job in $(jobs -p); do wait "$job" || rc=1; done
+  [ "$rc" = 0 ] || { echo "diagab: a build failed (logs.tgz)"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
+  ab_presets=$presets
+  [ "$presets" = all ] && ab_presets=mixtral-8x7b,qwen3-30b-a3b,deepseek-v3
+  python3 bench/ab_serve.py --base build-ab-base/bench/mok_bench --head build-ab-diag/bench/mok_bench --impls "${impls:-mok,mok}" \
+    --preset "$ab_presets" --pass "${passes:-fwd+bwd}" --rounds "$repeats" --iters "$iters" --out "$OUT/${date:0:10}-$commit-diagab.json" \
+    --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\", \"diag\": \"$diag\"}" 2>&1 |
+    tee "$OUT/${date:0:10}-$commit-diagab.txt" | tail -12
+  rc=${PIPESTATUS[0]}
+  tar czf "$OUT/logs.tgz" -C "$LOG" .
+  exit "$rc"
 fi
 
 build=build-gpu

@@ -176,13 +176,26 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
       bool fp8 = false;
       if constexpr (kFp8Dgrad<Q>) {
         fp8 = fp8_task<Q>(t);
-        if (fp8) mainloop_fp8(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, wg, task,
-                              fp8_scales(q, t, row0 + wg * 64));
+#if defined(MOK_DIAG_DH_PREFETCH)
+        if (fp8 && t.kind == kDh)
+          mainloop_fp8(p, s, pipe, acc, p.hidden / kFp8BlockK, wg, task, fp8_scales(q, t, row0 + wg * 64),
+                       [&](int kb) { if (kb == p.hidden / kFp8BlockK - 2) prefetch_dh_rows(p, t, row0, wg); });
+        else if (fp8)
+#else
+        if (fp8)
+#endif
+          mainloop_fp8(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, wg, task,
+                       fp8_scales(q, t, row0 + wg * 64));
       }
       if (t.kind == kDh) {
         if (!fp8) {
           zero_before_bf16_mainloop<Q>(acc);
+#if defined(MOK_DIAG_DH_PREFETCH)
+          mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task,
+                                    [&](int kb) { if (kb == p.hidden / kBlockK - 4) prefetch_dh_rows(p, t, row0, wg); });
+#else
           mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
+#endif
         }
         timer.lap<Phase::mainloop_dh>();
         epilogue_dh(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
