@@ -359,3 +359,15 @@ def test_ab_serve_impls_times_two_implementations_of_one_build(monkeypatch, tmp_
     with pytest.raises(SystemExit):
         monkeypatch.setattr(sys, "argv", ["ab_serve.py", "--base", "B", "--impls", "mok"])
         ab_serve.main()
+
+
+def test_report_table_of_an_fp8_run_quotes_python_fp8_against_torch_fp8():
+    """An FP8 run without torch-compiled (mok-py, mok-fp8-py, torch-fp8): the Python FP8 layer's
+    ratios to its BF16 twin and to torch-fp8, per round."""
+    base = dict(preset="deepseek-v3", tokens=8192, ep=1, repeats=3, iters=10, gpu="NVIDIA H200", commit="abc1234",
+                date="2026-12-03T00:00:00Z", routing="uniform", max_load_ratio=1.05, check="passed", peak_bytes=0)
+    records = [dict(base, impl=impl, **{"pass": "fwd+bwd"}, ms=ms, ms_repeats=[ms, ms, ms], tflops=1000 / ms)
+               for impl, ms in (("mok-py", 12.0), ("mok-fp8-py", 10.0), ("torch-fp8", 13.0))]
+    text = report.layer_table(records)
+    assert "mok-fp8-py / mok-py" in text and "1.200" in text  # 12 / 10
+    assert "mok-fp8-py / torch-fp8" in text and "1.300" in text  # 13 / 10
