@@ -49,8 +49,9 @@
 # --queued: layer_bench's timings enqueue all their iterations before waiting (the host ahead of the
 # GPU, as in training; the default waits for each iteration). --warmup-rounds N: N whole rounds untimed first.
 # --bench-only: the host part runs only layer_bench (not host_sections.py and forward_stages.py).
-# --diag DEFINES (phases part): a second phase build with MOK_DIAG_DEFINES (timing-only kernel variants,
-# e.g. MOK_DIAG_NO_DGU_QUANTIZE), both run alternately --repeats times without checks, into
+# --diag DEFINES[,DEFINES...] (phases part): a phase build per variant with MOK_DIAG_DEFINES (timing-only kernel
+# variants, e.g. MOK_DIAG_NO_DGU_QUANTIZE,MOK_DIAG_DH_NO_LOADS; `;` joins defines within one variant; the
+# builds run in parallel), all run alternately with the default --repeats times without checks, into
 # <date>-<commit>-phases-diag.txt. `fp8diag` (issue 19: what bounds the FP8 mainloop): three timing-only
 # mok_bench builds (MOK_DIAG_FP8_NO_PROMOTION, + _A_ONLY, + _NO_LOADS), ab_serve of the last two against the
 # first (--presets, default deepseek-v3,mixtral-8x7b; --repeats rounds) into <date>-<commit>-fp8diag*.
@@ -109,22 +110,30 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else runs
   phase_build() {  # $1: build dir, $2: MOK_DIAG_DEFINES
     { cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PHASE_TIMING=ON -DMOK_BUILD_TESTS=OFF \
-        -DMOK_BUILD_EXAMPLES=OFF -DMOK_DIAG_DEFINES="$2" && cmake --build "$1" --target mok_bench -j"$(nproc)"; } \
+        -DMOK_BUILD_EXAMPLES=OFF -DMOK_DIAG_DEFINES="$2" && cmake --build "$1" --target mok_bench -j"$build_jobs"; } \
       > "$LOG/build_$(basename "$1").log" 2>&1 || { tail -30 "$LOG/build_$(basename "$1").log"; exit 1; }
   }
-  phase_build build-phase ""
+  build_jobs=$(nproc)
+  [ -n "$diag" ] && build_jobs=$(( $(nproc) / ($(tr -cd , <<< "$diag" | wc -c) + 2) + 1 ))  # (the builds run together)
   phase_args=(--preset "$presets" --impl "${impls:-mok}" --pass "${passes:-fwd,fwd+bwd}" --iters "$iters")
   if [ -z "$diag" ]; then
+    phase_build build-phase ""
     build-phase/bench/mok_bench "${phase_args[@]}" | tee "$OUT/${date:0:10}-$commit-phases.txt"
     rc=${PIPESTATUS[0]}
-  else  # the same build with a timing-only variant (--diag), alternating --repeats times (no checks)
-    phase_build build-phase-diag "$diag"
+  else  # the same build with timing-only variants (--diag A[,B...]: one build each), alternating --repeats times (no checks)
+    IFS=, read -r -a variants <<< "$diag"
+    builds=(build-phase)
+    phase_build build-phase "" &
+    for i in "${!variants[@]}"; do builds+=("build-phase-diag$i"); phase_build "build-phase-diag$i" "${variants[$i]}" & done
     rc=0
+    for job in $(jobs -p); do wait "$job" || rc=1; done
+    [ "$rc" = 0 ] || { echo "phases: a build failed (logs.tgz)"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
     for r in $(seq "$repeats"); do
-      for variant in build-phase build-phase-diag; do
-        echo "== round $r: $variant (MOK_DIAG_DEFINES=$([ $variant = build-phase ] && echo none || echo "$diag"))" |
-          tee -a "$OUT/${date:0:10}-$commit-phases-diag.txt"
-        $variant/bench/mok_bench "${phase_args[@]}" --no-check 2>&1 | tee -a "$OUT/${date:0:10}-$commit-phases-diag.txt"
+      for i in "${!builds[@]}"; do
+        defines=none
+        [ "$i" -gt 0 ] && defines="${variants[$((i - 1))]}"
+        echo "== round $r: ${builds[$i]} (MOK_DIAG_DEFINES=$defines)" | tee -a "$OUT/${date:0:10}-$commit-phases-diag.txt"
+        "${builds[$i]}"/bench/mok_bench "${phase_args[@]}" --no-check 2>&1 | tee -a "$OUT/${date:0:10}-$commit-phases-diag.txt"
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
       done
     done

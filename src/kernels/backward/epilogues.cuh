@@ -85,7 +85,11 @@ __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, const flo
   auto buffer = [=](int round, int which) { return staging + (round % 2) * 2 * kBufferBytes + which * kBufferBytes; };
   auto rounds_in = [=](int round) { return round < kRounds && n0 + kRoundColumns * round < inter; };  // (inter % 64 == 0)
   auto load = [&](int round) {  // g, u of `round` into its buffers (a group, possibly empty)
+#if defined(MOK_DIAG_DH_NO_LOADS)  // (timing only, wrong results: the rounds compute on stale staging)
+    if (false) {
+#else
     if (rounds_in(round)) {
+#endif
 #pragma unroll
       for (int pass = 0; pass < 2; ++pass) {
         const int r = tid / 4 + 32 * pass;
@@ -132,7 +136,8 @@ __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, const flo
       hw[j / 2] = hwv;
     }
     sync_warpgroup(wg);
-    const int col0 = n0 + kRoundColumns * round;
+    [[maybe_unused]] const int col0 = n0 + kRoundColumns * round;
+#if !defined(MOK_DIAG_DH_NO_STORES)  // (timing only, wrong results: no dg, du or w h leave the staging)
 #pragma unroll
     for (int pass = 0; pass < 2; ++pass) {  // dg, du over g, u in the saved tensor
       const int r = tid / 4 + 32 * pass, at = dh_staging_offset(r, 16 * chunk);
@@ -140,6 +145,7 @@ __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, const flo
       st_global_v4_ordered(dst, ld_shared_v4_ordered(g_buffer + at));
       st_global_v4_ordered(dst + inter, ld_shared_v4_ordered(u_buffer + at));
     }
+#endif
     sync_warpgroup(wg);
 #pragma unroll
     for (int j = 0; j < kRoundColumns / 2; j += 2) {
@@ -148,12 +154,14 @@ __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, const flo
       *reinterpret_cast<std::uint32_t*>(g_buffer + dh_staging_offset(r, 2 * c)) = hw[j / 2];
     }
     sync_warpgroup(wg);
+#if !defined(MOK_DIAG_DH_NO_STORES)
 #pragma unroll
     for (int pass = 0; pass < 2; ++pass) {  // w h
       const int r = tid / 4 + 32 * pass;
       st_global_v4_ordered(d.hw + static_cast<std::int64_t>(tile_row + r) * inter + col0 + 8 * chunk,
                            ld_shared_v4_ordered(g_buffer + dh_staging_offset(r, 16 * chunk)));
     }
+#endif
     sync_warpgroup(wg);  // the buffers are free
     load(round + 2);
   }
