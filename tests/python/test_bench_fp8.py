@@ -220,3 +220,22 @@ def test_fp8_backward_accuracy_study_is_exact_where_nothing_is_quantized(limit):
     assert min(cos["bf16"]) > (0.9999 if limit is None else 0.99)
     assert cos["fwd8"][0] < 0.999 and cos["fwd8"][1] > cos["fwd8+dgrad8"][1]  # (y FP8; dx costs more with FP8 dgrad)
     assert cos["all8"][3] < cos["fwd8+dgrad8"][3] and min(cos["all8"][3:]) > 0.99  # (FP8 weight gradients)
+
+
+def test_fp8_wgrad_bound_operands_are_the_rows_transposed_and_scaled():
+    """bench/fp8_wgrad_bound.py's operands: E4M3 [N, R] copies of bf16 rows [R, N] whose
+    dequantized values are the rows within E4M3's half step, scaled per 128 rows x 1 column
+    (quantize_t) or per group of rows x 1 column (rowwise_t, the layout _scaled_grouped_mm takes)."""
+    import fp8_wgrad_bound as wb
+
+    gen = torch.Generator().manual_seed(3)
+    rows = (torch.randn(512, 48, generator=gen) * torch.logspace(-2, 2, 48)).bfloat16()
+    q, scale = wb.quantize_t(rows)
+    assert q.shape == (48, 512) and q.dtype == wb.FP8 and scale.shape == (4, 48)
+    back = q.float().t().reshape(4, 128, 48) * scale[:, None, :]
+    err = (back - rows.float().reshape(4, 128, 48)).abs()
+    assert bool((err <= rows.float().reshape(4, 128, 48).abs() * 2 ** -4 + scale[:, None, :] * 2 ** -9).all())
+    q2, s2 = wb.rowwise_t(rows, 2)
+    assert q2.shape == (48, 512) and s2.shape == (2 * 48,)
+    back2 = q2.float().t().reshape(2, 256, 48) * s2.view(2, 1, 48)
+    assert torch.allclose(back2, rows.float().reshape(2, 256, 48), rtol=2 ** -3, atol=float(s2.max()) * 2 ** -9)
