@@ -107,12 +107,23 @@ gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 echo "== $gpu, commit $commit, $date"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$LOG/nvidia-smi.txt" 2>&1
 
+# The diagnostic parts' mok_bench builds (no tests, no Python): bench_build DIR DEFINES JOBS [CMAKE_ARG...]
+# (DEFINES: MOK_DIAG_DEFINES), several at once in the background, then wait_builds PART.
+bench_build() {
+  local dir=$1 defines=$2 jobs=$3
+  shift 3
+  { cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_PYTHON=OFF -DMOK_BUILD_TESTS=OFF \
+      -DMOK_BUILD_EXAMPLES=OFF -DMOK_DIAG_DEFINES="$defines" "$@" && cmake --build "$dir" --target mok_bench -j"$jobs"; } \
+    > "$LOG/build_$(basename "$dir").log" 2>&1 || { tail -30 "$LOG/build_$(basename "$dir").log"; exit 1; }
+}
+wait_builds() {  # every background build; stops the script (logs.tgz) when one failed
+  local failed=0 job
+  for job in $(jobs -p); do wait "$job" || failed=1; done
+  [ "$failed" = 0 ] || { echo "$1: a build failed (logs.tgz)"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
+}
+
 if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else runs
-  phase_build() {  # $1: build dir, $2: MOK_DIAG_DEFINES
-    { cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PHASE_TIMING=ON -DMOK_BUILD_TESTS=OFF \
-        -DMOK_BUILD_EXAMPLES=OFF -DMOK_DIAG_DEFINES="$2" && cmake --build "$1" --target mok_bench -j"$build_jobs"; } \
-      > "$LOG/build_$(basename "$1").log" 2>&1 || { tail -30 "$LOG/build_$(basename "$1").log"; exit 1; }
-  }
+  phase_build() { bench_build "$1" "$2" "$build_jobs" -DMOK_PHASE_TIMING=ON; }  # $1: build dir, $2: MOK_DIAG_DEFINES
   build_jobs=$(nproc)
   [ -n "$diag" ] && build_jobs=$(( $(nproc) / ($(tr -cd , <<< "$diag" | wc -c) + 2) + 1 ))  # (the builds run together)
   phase_args=(--preset "$presets" --impl "${impls:-mok}" --pass "${passes:-fwd,fwd+bwd}" --iters "$iters")
@@ -125,9 +136,8 @@ if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else run
     builds=(build-phase)
     phase_build build-phase "" &
     for i in "${!variants[@]}"; do builds+=("build-phase-diag$i"); phase_build "build-phase-diag$i" "${variants[$i]}" & done
+    wait_builds phases
     rc=0
-    for job in $(jobs -p); do wait "$job" || rc=1; done
-    [ "$rc" = 0 ] || { echo "phases: a build failed (logs.tgz)"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
     for r in $(seq "$repeats"); do
       for i in "${!builds[@]}"; do
         defines=none
@@ -145,17 +155,11 @@ fi
 if [ "$part" = fp8diag ]; then  # timing-only FP8 forward builds of their own: nothing else runs
   # What bounds the FP8 mainloop (bench/NOTES.md): no promotion, then also no B loads after a task's
   # first stage, then no loads at all; each against the no-promotion build, ab_serve (no checks).
-  diag_build() {  # $1: build dir, $2: MOK_DIAG_DEFINES
-    { cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_PYTHON=OFF -DMOK_BUILD_TESTS=OFF \
-        -DMOK_BUILD_EXAMPLES=OFF -DMOK_DIAG_DEFINES="$2" && cmake --build "$1" --target mok_bench -j"$(( $(nproc) / 3 + 1 ))"; } \
-      > "$LOG/build_$(basename "$1").log" 2>&1 || { tail -30 "$LOG/build_$(basename "$1").log"; exit 1; }
-  }
-  diag_build build-diag-np "MOK_DIAG_FP8_NO_PROMOTION" &
-  diag_build build-diag-a "MOK_DIAG_FP8_NO_PROMOTION;MOK_DIAG_FP8_A_ONLY" &
-  diag_build build-diag-n "MOK_DIAG_FP8_NO_PROMOTION;MOK_DIAG_FP8_NO_LOADS" &
-  rc=0
-  for job in $(jobs -p); do wait "$job" || rc=1; done
-  [ "$rc" = 0 ] || { echo "fp8diag: a diagnostic build failed (logs.tgz)"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
+  jobs_each=$(( $(nproc) / 3 + 1 ))
+  bench_build build-diag-np "MOK_DIAG_FP8_NO_PROMOTION" "$jobs_each" &
+  bench_build build-diag-a "MOK_DIAG_FP8_NO_PROMOTION;MOK_DIAG_FP8_A_ONLY" "$jobs_each" &
+  bench_build build-diag-n "MOK_DIAG_FP8_NO_PROMOTION;MOK_DIAG_FP8_NO_LOADS" "$jobs_each" &
+  wait_builds fp8diag
   fp8_presets=$presets
   [ "$presets" = all ] && fp8_presets=deepseek-v3,mixtral-8x7b
   for head in build-diag-a build-diag-n; do
@@ -170,16 +174,9 @@ fi
 
 if [ "$part" = diagab ]; then  # a same-bits diagnostic build (--diag) against the default, ab_serve
   [ -n "$diag" ] || { echo "gpu_check.sh --part diagab needs --diag DEFINES"; exit 2; }
-  ab_build() {  # $1: build dir, $2: MOK_DIAG_DEFINES
-    { cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_PYTHON=OFF -DMOK_BUILD_TESTS=OFF \
-        -DMOK_BUILD_EXAMPLES=OFF -DMOK_DIAG_DEFINES="$2" && cmake --build "$1" --target mok_bench -j"$(( $(nproc) / 2 ))"; } \
-      > "$LOG/build_$(basename "$1").log" 2>&1 || { tail -30 "$LOG/build_$(basename "$1").log"; exit 1; }
-  }
-  ab_build build-ab-base "" &
-  ab_build build-ab-diag "$diag" &
-  rc=0
-  for job in $(jobs -p); do wait "$job" || rc=1; done
-  [ "$rc" = 0 ] || { echo "diagab: a build failed (logs.tgz)"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
+  bench_build build-ab-base "" "$(( $(nproc) / 2 ))" &
+  bench_build build-ab-diag "$diag" "$(( $(nproc) / 2 ))" &
+  wait_builds diagab
   ab_presets=$presets
   [ "$presets" = all ] && ab_presets=mixtral-8x7b,qwen3-30b-a3b,deepseek-v3
   python3 bench/ab_serve.py --base build-ab-base/bench/mok_bench --head build-ab-diag/bench/mok_bench --impls "${impls:-mok,mok}" \
