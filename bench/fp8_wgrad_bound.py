@@ -18,7 +18,8 @@ A fused FP8 weight gradient can save at most bf16 - fp8-gemm and costs at least 
 
     python3 bench/fp8_wgrad_bound.py --preset deepseek-v3,mixtral-8x7b [--rounds 5] [--iters 10] [--out FILE.json]
 
-Each expert gets the same number of rows (T k / E rounded down to 128: uniform routing's mean).
+Each timing is the median of torch_baseline.time_ms's iterations (the L2 flushed before each, as
+layer_bench times). Each expert gets the same number of rows (T k / E rounded down to 128: uniform routing's mean).
 The FP8 product is checked against the bf16 one (cosine >= 0.99) before timing.
 """
 import argparse
@@ -60,22 +61,6 @@ def rowwise_t(rows, E):
     return q.t().contiguous(), scale.reshape(-1)
 
 
-def timed(fn, iters):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def cosine(a, b):
-    a, b = a.float().flatten(), b.float().flatten()
-    return float(a @ b / (a.norm() * b.norm()))
-
-
 def run_preset(name, p, args):
     T, H, I, E, k = p["tokens"], p["hidden"], p["intermediate"], p["experts"], p["top_k"]
     per = max(128, T * k // E // 128 * 128)
@@ -97,7 +82,7 @@ def run_preset(name, p, args):
 
     quantize = torch.compile(quantize_all, dynamic=False, fullgraph=True)
     ref, got = bf16(), fp8_gemm()
-    cos = [cosine(a, b) for a, b in zip(ref, got)]
+    cos = [tb.compare(b, a)["cos"] for a, b in zip(ref, got)]
     if min(cos) < 0.99:
         sys.exit(f"fp8_wgrad_bound: {name}: FP8 products off the bf16 ones (cosine {cos})")
     variants = {"bf16": bf16, "fp8-gemm": fp8_gemm, "quantize": lambda: quantize(dy, hw, dgu, x)}
@@ -105,7 +90,7 @@ def run_preset(name, p, args):
     for rnd in range(args.rounds):
         order = list(variants)[rnd % 3:] + list(variants)[:rnd % 3]
         for v in order:
-            times[v].append(timed(variants[v], args.iters))
+            times[v].append(statistics.median(tb.time_ms(variants[v], 1, args.iters)))
     flops = 2 * R * H * I * 3  # dW_down + dW_gate|up
     med = {v: statistics.median(t) for v, t in times.items()}
     row = {"preset": name, "rows_per_expert": per, "experts": E, "ms": med,
@@ -137,7 +122,8 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**json.loads(args.meta), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "rounds": args.rounds, "iters": args.iters, "rows": rows}, f, indent=1)
+                       "rounds": args.rounds, "iters": args.iters, "timing": "median of tb.time_ms (L2 flushed)",
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
