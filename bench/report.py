@@ -320,7 +320,8 @@ def cmd_table(a):
             if r0.get("warmup_rounds"):
                 desc += f", after {r0['warmup_rounds']} untimed rounds"
             if not has_baseline(records) and any(r["impl"] == "torch-fp8" for r in records):
-                desc += ". No torch-compiled in this run: FP8 against the compiled torch FP8 path (torch-fp8) and BF16"
+                desc += (". No torch-compiled in this run: mok's FP8 layer against PyTorch's (torch-fp8) and against mok's "
+                         "own BF16 layer; the BF16 layer is not compared with PyTorch here")
             elif not has_baseline(records):
                 desc += (". No torch-compiled in this run: it compares mok.moe from Python with the C++ call "
                          "(the binding's cost), not the layer with PyTorch")
