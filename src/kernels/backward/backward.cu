@@ -172,14 +172,16 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
   int pending_dx = 0;
   // The dgu_ready counter a dh tile has not yet published (-1: none). Its release waits until
   // the tile's stores (dgate|dup, w h, with the FP8 dgrad its E4M3 rows) are visible, which
-  // under the backward's memory traffic took longer than computing them; so a dh tile followed
-  // by another publishes after that one's mainloop, the stores drained behind it. Before any
-  // other kind of task it publishes first: every reader of the rows is such a task, and this
-  // CTA's producer may already wait for the count to load it (no dh task waits for one, and
-  // the producer loads all of the next dh task's stages before it waits for the task after).
+  // under the backward's memory traffic took longer than computing them; so without the ring
+  // a dh tile followed by another publishes after that one's mainloop, the stores drained
+  // behind it. Before any other kind of task it publishes first: every reader of the rows is
+  // such a task, and this CTA's producer may already wait for the count to load it (no dh task
+  // waits for one, and the producer loads all of the next dh task's stages before it waits for
+  // the task after). With the ring a dh task may wait for ring rows that an earlier expert's
+  // weight tiles free only after this count: it publishes at once.
   int pending_dgu = -1;
   const auto publish_dgu = [&] {
-    if (pending_dgu < 0) return;
+    if (Sched::kRing || pending_dgu < 0) return;
     fence_proxy_async_global();  // TMA loads of other CTAs read these rows next
     publish_count(p.counters.dgu_ready + pending_dgu, 1, wg);
     pending_dgu = -1;
@@ -234,10 +236,15 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
           if (fp8) quantize_dgu_rows(q, t, row0, wg);
 #endif
         if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);  // (after the epilogue: acc's registers are free)
-        pending_dgu = dgu_counter(p, t, t.m);
+        if constexpr (Sched::kRing) {
+          fence_proxy_async_global();  // TMA loads of other CTAs read these rows next
+          publish_count(p.counters.dgu_ready + dgu_counter(p, t, t.m), 1, wg);
+        } else {
+          pending_dgu = dgu_counter(p, t, t.m);
 #if defined(MOK_DIAG_PUBLISH_DGU_AT_ONCE)  // (the same bits: each dh tile published as it ends)
-        publish_dgu();
+          publish_dgu();
 #endif
+        }
         timer.lap<Phase::epilogue_dh>();
       } else {
         if (!fp8) {
