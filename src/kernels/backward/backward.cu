@@ -170,26 +170,9 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
   // dx tiles not yet counted in dx_done; -1 once the combine's inputs are ready (one register:
   // a flag of its own was the FP8 dgrad kernel's one consumer spill)
   int pending_dx = 0;
-  // The dgu_ready counter a dh tile has not yet published (-1: none). Its release waits until
-  // the tile's stores (dgate|dup, w h, with the FP8 dgrad its E4M3 rows) are visible, which
-  // under the backward's memory traffic took longer than computing them; so without the ring
-  // a dh tile followed by another publishes after that one's mainloop, the stores drained
-  // behind it. Before any other kind of task it publishes first: every reader of the rows is
-  // such a task, and this CTA's producer may already wait for the count to load it (no dh task
-  // waits for one, and the producer loads all of the next dh task's stages before it waits for
-  // the task after). With the ring a dh task may wait for ring rows that an earlier expert's
-  // weight tiles free only after this count: it publishes at once.
-  int pending_dgu = -1;
-  const auto publish_dgu = [&] {
-    if (Sched::kRing || pending_dgu < 0) return;
-    fence_proxy_async_global();  // TMA loads of other CTAs read these rows next
-    publish_count(p.counters.dgu_ready + pending_dgu, 1, wg);
-    pending_dgu = -1;
-  };
   PhaseTimer timer(backward_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
-    if (t.kind != kDh) publish_dgu();
     switch_read(s.reads[wg], read_counter(p, t));
     timer.lap<Phase::other>();
     if (t.kind == kCombine) {
@@ -229,22 +212,14 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
           mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task, dh_prefetch_hook<kBlockK>(p, t, row0, wg));
         }
         timer.lap<Phase::mainloop_dh>();
-        publish_dgu();  // the previous dh tile's (its stores drained behind this mainloop)
         epilogue_dh(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
 #ifndef MOK_DIAG_NO_DGU_QUANTIZE  // (timing only: without it the dx tiles read stale E4M3 rows)
         if constexpr (kFp8Dgrad<Q>)
           if (fp8) quantize_dgu_rows(q, t, row0, wg);
 #endif
         if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);  // (after the epilogue: acc's registers are free)
-        if constexpr (Sched::kRing) {
-          fence_proxy_async_global();  // TMA loads of other CTAs read these rows next
-          publish_count(p.counters.dgu_ready + dgu_counter(p, t, t.m), 1, wg);
-        } else {
-          pending_dgu = dgu_counter(p, t, t.m);
-#if defined(MOK_DIAG_PUBLISH_DGU_AT_ONCE)  // (the same bits: each dh tile published as it ends)
-          publish_dgu();
-#endif
-        }
+        fence_proxy_async_global();  // TMA loads of other CTAs read these rows next
+        publish_count(p.counters.dgu_ready + dgu_counter(p, t, t.m), 1, wg);
         timer.lap<Phase::epilogue_dh>();
       } else {
         if (!fp8) {
@@ -273,7 +248,6 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     }
   }
   switch_read(s.reads[wg], nullptr);
-  publish_dgu();
   if (pending_dx >= 0) {  // (no combine task here)
     publish_dx_rows(p, wg, pending_dx);
     if (p.ep.push) publish_pushes(p, s, sched, wg, sched.total);

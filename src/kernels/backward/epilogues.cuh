@@ -56,7 +56,7 @@ __device__ __forceinline__ void prefetch_dh_rows(const BackwardParams& p, const 
 // the round after next. (Loaded and stored by each thread at its accumulators' columns,
 // 4 bytes a row at a time, this epilogue took 15-23 % of the backward's consumer cycles
 // on the presets with I <= 2048: phase timing at a078db1.)
-__device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t, int row0,
+__device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, float (&acc)[128], const Task& t, int row0,
                             int wg, int n_tiles) {
   constexpr int kRoundColumns = 32, kRounds = kBlockN / kRoundColumns, kBufferBytes = 64 * kRoundColumns * 2;
   static_assert(2 * 2 * kBufferBytes == sizeof(s.staging[0]), "two rounds of g and u fill the staging");
@@ -111,7 +111,17 @@ __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, const flo
   load(0);
   load(1);
   float partial[2] = {0.0f, 0.0f};
-#pragma unroll  // (constant accumulator indices: acc stays in registers)
+  // One round's code, run kRounds times: each round takes acc[0, 16) and then moves the rest of
+  // acc down by 16 (registers only: every index a constant). Unrolled, the eight rounds were
+  // ~10 K instructions (~160 KB of code) run once a tile, and the epilogue took about as long
+  // as the dh mainloop (bench/NOTES.md); MOK_DIAG_DH_UNROLLED keeps that form for the A/B.
+#if defined(MOK_DIAG_DH_UNROLLED)
+  constexpr int kRoundStep = kRoundColumns / 2;  // (round r's accumulators: acc[16 r, 16 r + 16))
+#pragma unroll
+#else
+  constexpr int kRoundStep = 0;
+#pragma unroll 1
+#endif
   for (int round = 0; round < kRounds; ++round) {
     if (!rounds_in(round)) break;
     cp_async_wait<1>();  // this round's group has landed (the next one may be pending)
@@ -121,8 +131,9 @@ __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, const flo
     std::uint32_t hw[kRoundColumns / 4];
 #pragma unroll
     for (int j = 0; j < kRoundColumns / 2; j += 2) {
-      const int i = kRoundColumns / 2 * round + j;  // (acc_col(lane, i) = 32 round + c)
-      const int h = (i >> 1) & 1, r = acc_row(warp, lane, i), c = acc_col(lane, i) - kRoundColumns * round;
+      // accumulator i = 16 round + j holds column 32 round + acc_col(lane, j) of row acc_row(.., j)
+      const int i = kRoundStep * round + j;
+      const int h = (j >> 1) & 1, r = acc_row(warp, lane, j), c = acc_col(lane, j);
       auto* g_at = reinterpret_cast<std::uint32_t*>(g_buffer + dh_staging_offset(r, 2 * c));
       auto* u_at = reinterpret_cast<std::uint32_t*>(u_buffer + dh_staging_offset(r, 2 * c));
       std::uint32_t dg = 0, du = 0, hwv = 0;
@@ -140,6 +151,10 @@ __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, const flo
       *u_at = du;
       hw[j / 2] = hwv;
     }
+    if constexpr (kRoundStep == 0) {
+#pragma unroll
+      for (int k = 0; k + kRoundColumns / 2 < 128; ++k) acc[k] = acc[k + kRoundColumns / 2];
+    }
     sync_warpgroup(wg);
     [[maybe_unused]] const int col0 = n0 + kRoundColumns * round;
 #if !defined(MOK_DIAG_DH_NO_STORES)  // (timing only, wrong results: no dg, du or w h leave the staging)
@@ -154,8 +169,7 @@ __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, const flo
     sync_warpgroup(wg);
 #pragma unroll
     for (int j = 0; j < kRoundColumns / 2; j += 2) {
-      const int i = kRoundColumns / 2 * round + j;
-      const int r = acc_row(warp, lane, i), c = acc_col(lane, i) - kRoundColumns * round;
+      const int r = acc_row(warp, lane, j), c = acc_col(lane, j);
       *reinterpret_cast<std::uint32_t*>(g_buffer + dh_staging_offset(r, 2 * c)) = hw[j / 2];
     }
     sync_warpgroup(wg);
