@@ -212,7 +212,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
           mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task, dh_prefetch_hook<kBlockK>(p, t, row0, wg));
         }
         timer.lap<Phase::mainloop_dh>();
-        epilogue_dh(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
+        epilogue_dh<kFp8Dgrad<Q>>(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
 #ifndef MOK_DIAG_NO_DGU_QUANTIZE  // (timing only: without it the dx tiles read stale E4M3 rows)
         if constexpr (kFp8Dgrad<Q>)
           if (fp8) quantize_dgu_rows(q, t, row0, wg);

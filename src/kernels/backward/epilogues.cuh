@@ -56,6 +56,7 @@ __device__ __forceinline__ void prefetch_dh_rows(const BackwardParams& p, const 
 // the round after next. (Loaded and stored by each thread at its accumulators' columns,
 // 4 bytes a row at a time, this epilogue took 15-23 % of the backward's consumer cycles
 // on the presets with I <= 2048: phase timing at a078db1.)
+template <bool kRolled>
 __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, float (&acc)[128], const Task& t, int row0,
                             int wg, int n_tiles) {
   constexpr int kRoundColumns = 32, kRounds = kBlockN / kRoundColumns, kBufferBytes = 64 * kRoundColumns * 2;
@@ -111,17 +112,19 @@ __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, float (&a
   load(0);
   load(1);
   float partial[2] = {0.0f, 0.0f};
-  // One round's code, run kRounds times: each round takes acc[0, 16) and then moves the rest of
-  // acc down by 16 (registers only: every index a constant). Unrolled, the eight rounds were
-  // ~10 K instructions (~160 KB of code) run once a tile, and the epilogue took about as long
-  // as the dh mainloop (bench/NOTES.md); MOK_DIAG_DH_UNROLLED keeps that form for the A/B.
+  // kRolled (the FP8 dgrad kernel): one round's code, run kRounds times, each round taking
+  // acc[0, 16) and then moving the rest of acc down by 16 (registers only: every index a
+  // constant). Unrolled, the eight rounds are ~6 K instructions (~100 KB of code) a tile; rolled,
+  // the FP8 kernel's forward+backward measured 5.6 % faster on qwen3-30b-a3b (the BF16 kernels
+  // neutral, so they keep the unrolled form; bench/NOTES.md). MOK_DIAG_DH_UNROLLED: unrolled in all.
 #if defined(MOK_DIAG_DH_UNROLLED)
-  constexpr int kRoundStep = kRoundColumns / 2;  // (round r's accumulators: acc[16 r, 16 r + 16))
-#pragma unroll
+  constexpr bool kRoll = false;
 #else
-  constexpr int kRoundStep = 0;
-#pragma unroll 1
+  constexpr bool kRoll = kRolled;
 #endif
+  constexpr int kRoundStep = kRoll ? 0 : kRoundColumns / 2;  // (round r's accumulators: acc[16 r, 16 r + 16))
+  constexpr int kUnroll = kRoll ? 1 : kRounds;
+#pragma unroll kUnroll
   for (int round = 0; round < kRounds; ++round) {
     if (!rounds_in(round)) break;
     cp_async_wait<1>();  // this round's group has landed (the next one may be pending)
