@@ -55,7 +55,8 @@ __device__ __forceinline__ void prefetch_dh_rows(const BackwardParams& p, const 
 // dg, du leave with 16-byte stores, then w h through the g buffer, and the buffer takes
 // the round after next. (Loaded and stored by each thread at its accumulators' columns,
 // 4 bytes a row at a time, this epilogue took 15-23 % of the backward's consumer cycles
-// on the presets with I <= 2048: phase timing at a078db1.)
+// on the presets with I <= 2048: phase timing at a078db1.) acc is consumed: the rolled form
+// moves its values down as the rounds go.
 template <bool kRolled>
 __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, float (&acc)[128], const Task& t, int row0,
                             int wg, int n_tiles) {
@@ -114,9 +115,10 @@ __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, float (&a
   float partial[2] = {0.0f, 0.0f};
   // kRolled (the FP8 dgrad kernel): one round's code, run kRounds times, each round taking
   // acc[0, 16) and then moving the rest of acc down by 16 (registers only: every index a
-  // constant). Unrolled, the eight rounds are ~6 K instructions (~100 KB of code) a tile; rolled,
-  // the FP8 kernel's forward+backward measured 5.6 % faster on qwen3-30b-a3b (the BF16 kernels
-  // neutral, so they keep the unrolled form; bench/NOTES.md). MOK_DIAG_DH_UNROLLED: unrolled in all.
+  // constant). Unrolled, the eight rounds are ~6 K instructions (~100 KB of code) a tile;
+  // rolled, the FP8 kernel's forward+backward measured 5.6-7.3 % faster on qwen3-30b-a3b and
+  // olmoe (the BF16 kernels neutral, so they keep the unrolled form; bench/NOTES.md).
+  // MOK_DIAG_DH_UNROLLED: unrolled in every kernel.
 #if defined(MOK_DIAG_DH_UNROLLED)
   constexpr bool kRoll = false;
 #else
