@@ -139,8 +139,13 @@ def layer_table(records):
             if not by:
                 continue
             impls = [i for i in order if any(i in rs for rs in by.values())]
-            head = ("| preset | " + " | ".join(f"{i} TFLOP/s" for i in impls) + "".join(f" | {t}" for t, _, _ in ratios) +
-                    f" | peak GiB {me} | peak GiB {base} | peak {me} / {base} | busiest expert / mean")
+            # only ratios this run measured both sides of (an FP8 run without torch-compiled gets no
+            # mok / torch-compiled column: no ratio to a baseline that was not timed beside it)
+            shown = [(t, a, b) for t, a, b in ratios if any(a in rs and b in rs for rs in by.values())]
+            show_peak = any(i in rs for rs in by.values() for i in (me, base))
+            head = ("| preset | " + " | ".join(f"{i} TFLOP/s" for i in impls) + "".join(f" | {t}" for t, _, _ in shown) +
+                    (f" | peak GiB {me} | peak GiB {base} | peak {me} / {base}" if show_peak else "") +
+                    " | busiest expert / mean")
             if ep and ps == "fwd":
                 head += f" | {me} dispatch GB/s (lower bound) | NCCL dispatch alone GB/s"
             out += [f"### {ps}, routing {routing}" + (f", EP = {records[0].get('ep')}" if ep else ""), "",
@@ -148,10 +153,11 @@ def layer_table(records):
             out.append("|" + "---|" * (out[-1].count("|") - 1))
             for preset, rs in by.items():
                 row = f"| {preset} | " + " | ".join(f"{rs[i]['tflops']:.0f}" if i in rs else "–" for i in impls)
-                row += "".join(f" | {fmt_ratio(round_ratio(rs, a, b))}" for _, a, b in ratios)
-                peak = {i: rs[i]["peak_bytes"] for i in (me, base) if i in rs and rs[i].get("peak_bytes")}
-                row += "".join(f" | {peak[i] / 2**30:.2f}" if i in peak else " | –" for i in (me, base))
-                row += f" | {peak[me] / peak[base]:.3f}" if len(peak) == 2 else " | –"
+                row += "".join(f" | {fmt_ratio(round_ratio(rs, a, b))}" for _, a, b in shown)
+                if show_peak:
+                    peak = {i: rs[i]["peak_bytes"] for i in (me, base) if i in rs and rs[i].get("peak_bytes")}
+                    row += "".join(f" | {peak[i] / 2**30:.2f}" if i in peak else " | –" for i in (me, base))
+                    row += f" | {peak[me] / peak[base]:.3f}" if len(peak) == 2 else " | –"
                 load = next(iter(rs.values())).get("max_load_ratio")
                 row += f" | {load:.2f}" if load is not None else " | –"
                 if ep and ps == "fwd":

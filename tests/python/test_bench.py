@@ -371,3 +371,4 @@ def test_report_table_of_an_fp8_run_quotes_python_fp8_against_torch_fp8():
     text = report.layer_table(records)
     assert "mok-fp8-py / mok-py" in text and "1.200" in text  # 12 / 10
     assert "mok-fp8-py / torch-fp8" in text and "1.300" in text  # 13 / 10
+    assert "torch-compiled" not in text  # no ratio or peak column of a baseline this run did not time

@@ -148,20 +148,6 @@ __device__ __forceinline__ void zero_before_bf16_mainloop([[maybe_unused]] float
   }
 }
 
-// The dh mainloop's step hook: with MOK_DIAG_DH_PREFETCH (epilogues.cuh) the epilogue's g, u rows
-// are requested 256 of K (kBlock K a step) before the mainloop ends; else nothing.
-template <int kBlock>
-__device__ __forceinline__ auto dh_prefetch_hook([[maybe_unused]] const BackwardParams& p, [[maybe_unused]] const Task& t,
-                                                 [[maybe_unused]] int row0, [[maybe_unused]] int wg) {
-#if defined(MOK_DIAG_DH_PREFETCH)
-  return [&p, &t, row0, wg](int kb) {
-    if (t.kind == kDh && kb == p.hidden / kBlock - 256 / kBlock) prefetch_dh_rows(p, t, row0, wg);
-  };
-#else
-  return NoStepHook{};
-#endif
-}
-
 template <typename Sched, typename Q>
 __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, int wg) {
   const BackwardParams& p = base_of(q);
@@ -204,12 +190,12 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
         fp8 = fp8_task<Q>(t);
         if (fp8)
           mainloop_fp8(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, wg, task,
-                       fp8_scales(q, t, row0 + wg * 64), dh_prefetch_hook<kFp8BlockK>(p, t, row0, wg));
+                       fp8_scales(q, t, row0 + wg * 64));
       }
       if (t.kind == kDh) {
         if (!fp8) {
           zero_before_bf16_mainloop<Q>(acc);
-          mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task, dh_prefetch_hook<kBlockK>(p, t, row0, wg));
+          mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
         }
         timer.lap<Phase::mainloop_dh>();
         epilogue_dh<kFp8Dgrad<Q>>(p, s, acc, t, row0, wg, sched.n_dh(t.shared));

@@ -33,20 +33,6 @@ __device__ __forceinline__ int dh_staging_offset(int row, int byte) {
   return row * 64 + (((byte / 16) ^ ((row / 2) % 4)) * 16) + byte % 16;
 }
 
-// MOK_DIAG_DH_PREFETCH (a timing A/B, the same bits; not the default until measured): the g, u
-// pieces the dh epilogue reads (this warpgroup's 64 rows of the saved pre-activations, written
-// by the forward, so in HBM) requested into L2 a few K steps before the dh mainloop ends, one
-// bulk prefetch a thread (row tid % 64; g, then u). The epilogue's eight rounds of cp.async
-// then wait on L2 instead of HBM. (Phase timing at c6f7a6a: epilogue_dh 12-15 % of the BF16
-// backward's consumer cycles on mixtral-8x7b and qwen3-30b-a3b, about its mainloop's share.)
-__device__ __forceinline__ void prefetch_dh_rows(const BackwardParams& p, const Task& t, int row0, int wg) {
-  const int tid = threadIdx.x % 128;
-  const ExpertSetData& d = t.shared ? p.shared : p.routed;
-  const int inter = d.inter, n0 = t.n * kBlockN, columns = inter - n0 < kBlockN ? inter - n0 : kBlockN;
-  bulk_prefetch_l2(d.gu + static_cast<std::int64_t>(row0 + wg * 64 + tid % 64) * 2 * inter + n0 + (tid / 64) * inter,
-                   static_cast<std::uint32_t>(2 * columns));
-}
-
 // dh tile epilogue (see the header comment). Writes every row of the tile, zeros on rows
 // that are padding (routed) or past T (shared). The warpgroup's 64 x 256 tile goes in
 // rounds of 32 columns through its 16 KB staging, two rounds' g and u in flight at once

@@ -176,19 +176,13 @@ struct MnMajor {
 // over k_steps stages, handing each stage back once its MMAs are done. With k_steps = 0
 // the accumulator is left undefined (zeroing it here costs the forward spills): the
 // caller handles the empty sum.
-// before_step(kb), when given, runs before stage kb's wait (e.g. an L2 prefetch a few stages
-// before the end).
-struct NoStepHook {
-  __device__ __forceinline__ void operator()(int) const {}
-};
-template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S, typename Hook = NoStepHook>
+template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
-                                         int wg, int task, const Hook& before_step = {}) {
+                                         int wg, int task) {
   constexpr int kBlockK = 64;
   const bool leader = threadIdx.x % 128 == 0;  // releases the warpgroup's stages
   int previous = -1;
   for (int kb = 0; kb < k_steps; ++kb) {
-    before_step(kb);
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
     const auto& stage = s.stages[stage_index];
     const std::uint64_t desc_a = LayoutA::descriptor(stage.a + wg * 64 * kBlockK);

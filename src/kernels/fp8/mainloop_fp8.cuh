@@ -31,9 +31,9 @@ struct Fp8TaskScales {
 // of (A_kb B_kb^T) * a_scale(row, kb) * b_scale(half, kb). Each half's four MMAs sum into
 // the block accumulator (the tensor cores' own precision inside one scale block), which is
 // then promoted in fp32. While one warpgroup promotes, the tensor cores run the other's MMAs.
-template <int kStages, typename P, typename S, typename Hook = NoStepHook>
+template <int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
-                                             int wg, int task, const Fp8TaskScales& sc, const Hook& before_step = {}) {
+                                             int wg, int task, const Fp8TaskScales& sc) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const float* a_rows = sc.a_rows + warp * 16 + lane / 4;  // this thread's rows r and r + 8
   // (Both zeroed, and apart from a BF16 branch's array: an accumulator that enters the loop
@@ -81,7 +81,6 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
   float a_lo = 0.0f, a_hi = 0.0f;
   int e0 = __ldg(sc.b[0]), e1 = __ldg(sc.b[1]);  // (weights: constant during the kernel)
   for (int kb = 0; kb < k_steps; ++kb) {
-    before_step(kb);
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
     if (kb == 0) a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
     float next_a_lo = 0.0f, next_a_hi = 0.0f;
