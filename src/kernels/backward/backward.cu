@@ -121,7 +121,7 @@ __device__ void quantize_dgu_rows(const Fp8BackwardParams& q, const Task& t, int
       }
       for (int offset = 1; offset < 16; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
       if (unit >= units) continue;
-#if defined(MOK_DIAG_QZ_NO_STORES)  // (timing only, wrong results: nothing stored; a condition the compiler cannot fold)
+#if defined(MOK_DIAG_QZ_NO_STORES)  // (timing only, wrong results: no conversion, nothing stored; a condition the compiler cannot fold)
       if (p.tokens >= 0) continue;
 #endif
       const int e = fp8_scale_exponent(amax);
