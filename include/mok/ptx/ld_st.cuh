@@ -52,6 +52,11 @@ __device__ __forceinline__ uint4 ld_shared_v4_ordered(const void* p) {
                : "r"(smem_address(p)));
   return v;
 }
+// A 4-byte shared-memory store at a shared-window address (smem_address): a 32-bit address
+// register where a generic store takes 64 bits.
+__device__ __forceinline__ void st_shared_b32(std::uint32_t address, std::uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(v));
+}
 // The same store, 16 bytes (p 16-byte aligned).
 __device__ __forceinline__ void st_global_v4_ordered(void* p, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));

@@ -26,6 +26,13 @@ __device__ __forceinline__ std::uint64_t wgmma_descriptor_sw128(const void* tile
          | (std::uint64_t{1024 >> 4} << 32)   // stride byte offset: 8 rows x 128 bytes
          | (std::uint64_t{1} << 62);          // layout: 128-byte swizzle
 }
+// Its low 32 bits (start address, leading byte offset); the high 32 bits are
+// kSw128DescriptorHigh for every K-major 128-byte-swizzled tile.
+__device__ __forceinline__ std::uint32_t wgmma_descriptor_sw128_lo(const void* tile) {
+  return ((smem_address(tile) & 0x3FFFF) >> 4) | (1u << 16);
+}
+inline constexpr std::uint32_t kSw128DescriptorHigh = (1024 >> 4) | (1u << 30);
+static_assert((std::uint64_t{kSw128DescriptorHigh} << 32) == 0x4000004000000000ull, "the literal in the _sw128 MMAs");
 
 // Descriptor of an MN-major tile with the 128-byte swizzle, as TMA writes boxes of
 // {64 MN elements, K rows}: each K row is 128 bytes (64 elements of M or N), 8-row core
@@ -92,12 +99,18 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], std::uint6
 // accumulators (the m64nN layout: acc_row / acc_col of kernels/common/persistent.cuh). FP8
 // operands are K-major only: 32 K elements are 32 bytes, so advancing a K-major sw128
 // descriptor by one instruction adds 2, as for bf16's k16.
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint64_t desc_a, std::uint64_t desc_b,
+// The descriptors are given as their low 32 bits (wgmma_descriptor_sw128_lo): the high word is
+// a constant, so a K step adds to 32 bits (no carry: the address field cannot overflow inside
+// shared memory) and a descriptor takes one register, not two (the FP8 mainloop runs at the
+// register limit).
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint32_t desc_a_lo, std::uint32_t desc_b_lo,
                                                       int scale_d) {
   asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      "{\n .reg .pred p;\n .reg .b64 da, db;\n setp.ne.b32 p, %66, 0;\n"
+      " cvt.u64.u32 da, %64;\n or.b64 da, da, 0x4000004000000000;\n"
+      " cvt.u64.u32 db, %65;\n or.b64 db, db, 0x4000004000000000;\n"
       " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}"
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, da, db, p, 1, 1;\n}"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -106,7 +119,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint6
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+      : "r"(desc_a_lo), "r"(desc_b_lo), "r"(scale_d));
 }
 
 }  // namespace mok::ptx

@@ -216,7 +216,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
         const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
         const bool push = p.ep.push && !t.shared;
         if (push) push_dx_rows(p, s, acc, wg, t.n * kBlockN, row0 + wg * 64);
-        else store_tile_tma(s, acc, wg, &maps.dx_rows, t.n * kBlockN, row0 + wg * 64, 0, 1 << 30, p.hidden, false);
+        else store_tile_tma<kFp8Dgrad<Q>>(s, acc, wg, &maps.dx_rows, t.n * kBlockN, row0 + wg * 64, 0, 1 << 30, p.hidden, false);
         ++pending_dx;
         timer.lap<Phase::epilogue_dx>();
       }
@@ -226,7 +226,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
       zero_before_bf16_mainloop<Q>(acc);
       mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task);
       timer.lap<Phase::mainloop_wgrad>();
-      epilogue_weight(p, s, acc, t, wg, count == 0);
+      epilogue_weight<kFp8Dgrad<Q>>(p, s, acc, t, wg, count == 0);
       if (threadIdx.x % 128 == 0 && read_counter(p, t) != nullptr && (count > 0 || t.kind == kWd))  // (an expert without
         ++s.reads[wg].count;                                                             //  rows has no dx tiles)
       if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);

@@ -256,12 +256,14 @@ __device__ void push_dx_rows(const BackwardParams& p, SharedStorage& s, const fl
 // two 64 x 128 halves, each as two TMA stores to (col0 + 64 i, row, layer) of `map`
 // (clipped at the matrix edges, skipped when row >= rows or the column >= cols), so the
 // writes drain while the next tile's mainloop runs. zero: store zeros instead of acc.
+// kSharedWindow: stage_bf16_half's (the FP8 dgrad kernel).
+template <bool kSharedWindow>
 __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg, const CUtensorMap* map, int col0,
                                int row, int layer, int rows, int cols, bool zero) {
   const int tid = threadIdx.x % 128;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    stage_bf16_half(reinterpret_cast<char*>(s.staging[wg]), acc, half, wg,
+    stage_bf16_half<kSharedWindow>(reinterpret_cast<char*>(s.staging[wg]), acc, half, wg,
                     [zero](float a, float b) { return zero ? 0u : pack_bf16x2(a, b); });
     if (tid == 0 && row < rows) {
       for (int panel = 0; panel < 2; ++panel) {
@@ -274,24 +276,26 @@ __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg
 }
 
 // bf16 weight gradient tile (empty: the expert has no rows, the gradient is zero).
+template <bool kSharedWindow>
 __device__ void store_weight_grad_tma(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                       int wg, bool empty) {
   const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
   const int H = p.hidden, I = (t.shared ? p.shared : p.routed).inter;
   const int row0 = t.m * kBlockM + wg * 64;
   if (t.kind == kWd) {
-    store_tile_tma(s, acc, wg, &maps.d_down, t.n * kBlockN, row0, t.e, H, I, empty);
+    store_tile_tma<kSharedWindow>(s, acc, wg, &maps.d_down, t.n * kBlockN, row0, t.e, H, I, empty);
   } else {  // rows [0, I) of the tile space are W_gate's, [I, 2I) W_up's (I % 64 == 0)
     const bool gate = row0 < I;
-    store_tile_tma(s, acc, wg, gate ? &maps.d_gate : &maps.d_up, t.n * kBlockN, gate ? row0 : row0 - I, t.e,
+    store_tile_tma<kSharedWindow>(s, acc, wg, gate ? &maps.d_gate : &maps.d_up, t.n * kBlockN, gate ? row0 : row0 - I, t.e,
                    gate ? I : (row0 < 2 * I ? I : 0), H, empty);
   }
 }
 
+template <bool kSharedWindow>
 __device__ void epilogue_weight(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                 int wg, bool empty) {
   if (!p.grad_fp32) {
-    store_weight_grad_tma(p, s, acc, t, wg, empty);
+    store_weight_grad_tma<kSharedWindow>(p, s, acc, t, wg, empty);
     return;
   }
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;

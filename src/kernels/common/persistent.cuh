@@ -119,8 +119,11 @@ __device__ __forceinline__ int swizzled_offset(int row, int col) { return swizzl
 // pairs pack(acc[i], acc[i + 1]), into its 16 KB staging (two swizzled 64-column panels) for
 // TMA stores: first waits until the previous stores have read the staging, and syncs the
 // warpgroup before and after the writes (fenced for the async proxy). half: a constant
-// after unrolling (the accumulators' indices must be).
-template <typename Pack>
+// after unrolling (the accumulators' indices must be). kSharedWindow: the writes as st.shared
+// at 32-bit addresses rather than generic stores at 64-bit ones — for a kernel at its register
+// limit (the FP8 dgrad kernel), where the compiler hoists the 64-bit staging addresses out of
+// the task loop and spills them across the mainloops (188 bytes; 0 with this).
+template <bool kSharedWindow = false, typename Pack>
 __device__ __forceinline__ void stage_bf16_half(char* staging, const float (&acc)[128], int half, int wg, Pack pack) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   if (tid == 0) ptx::tma_store_wait_read();
@@ -128,7 +131,10 @@ __device__ __forceinline__ void stage_bf16_half(char* staging, const float (&acc
 #pragma unroll
   for (int i = 64 * half; i < 64 * half + 64; i += 2) {
     const int r = acc_row(warp, lane, i), c = acc_col(lane, i) - 128 * half;
-    *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(r, c)) = pack(acc[i], acc[i + 1]);
+    if constexpr (kSharedWindow)
+      ptx::st_shared_b32(ptx::smem_address(staging) + swizzled_offset(r, c), pack(acc[i], acc[i + 1]));
+    else
+      *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(r, c)) = pack(acc[i], acc[i + 1]);
   }
   ptx::fence_proxy_async_shared_cta();
   sync_warpgroup(wg);

@@ -56,11 +56,11 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
     for (int kb = 0; kb < k_steps; ++kb) {
       const int stage_index = pipe.consumer_wait(p, s.barriers, task);
       const auto& stage = s.stages[stage_index];
-      const std::uint64_t desc_a = KMajor::descriptor(reinterpret_cast<const char*>(stage.a) + wg * 64 * kFp8BlockK);
+      const std::uint32_t desc_a = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.a) + wg * 64 * kFp8BlockK);
       ptx::wgmma_fence();
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const std::uint64_t desc_b = KMajor::descriptor(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
+        const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
 #pragma unroll
         for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
           ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, true);
@@ -90,10 +90,10 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
       next_e0 = __ldg(sc.b[0] + kb + 1), next_e1 = __ldg(sc.b[1] + kb + 1);
     }
     const auto& stage = s.stages[stage_index];
-    const std::uint64_t desc_a = KMajor::descriptor(reinterpret_cast<const char*>(stage.a) + wg * 64 * kFp8BlockK);
+    const std::uint32_t desc_a = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.a) + wg * 64 * kFp8BlockK);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const std::uint64_t desc_b = KMajor::descriptor(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
+      const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
