@@ -67,13 +67,14 @@ __device__ inline void save_pre_activations_direct(const ForwardParams& p, const
 // (stored from the accumulators, 4 bytes of 8 rows a warp at a time, the saves took about a
 // third of GEMM1's epilogue in a training forward). The caller has completed the previous
 // GEMM1 store (publish_hidden), which read the staging; returns once the stores have read it.
-template <typename S>
+// kSharedWindow: stage_bf16_half's (the FP8 kernel, at its register limit).
+template <bool kSharedWindow = false, typename S>
 __device__ inline void save_pre_activations(const ForwardParams& p, S& s, const float (&acc)[128], const Task& t,
                                             int row0, int wg) {
   const int tid = threadIdx.x % 128;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {  // gate columns are elements [0, 64), up columns [64, 128)
-    stage_bf16_half(reinterpret_cast<char*>(s.h_staging[wg]), acc, half, wg, [half, &p](float a, float b) {
+    stage_bf16_half<kSharedWindow>(reinterpret_cast<char*>(s.h_staging[wg]), acc, half, wg, [half, &p](float a, float b) {
       return half == 0 ? pack_bf16x2(saved_gate(a, p.swiglu_limit), saved_gate(b, p.swiglu_limit))
                        : pack_bf16x2(saved_up(a, p.swiglu_limit), saved_up(b, p.swiglu_limit));
     });
@@ -90,14 +91,15 @@ __device__ inline void save_pre_activations(const ForwardParams& p, S& s, const 
 
 // h = swiglu(gate, up) of this warpgroup's 64 x 128 tile -> staging (swizzled) -> TMA store,
 // published later by publish_hidden(). kStagedSaves: training saves through the staging
-// (save_pre_activations), else from the accumulators (save_pre_activations_direct).
-template <bool kStagedSaves = true>
+// (save_pre_activations, kSharedWindow: its stores' form), else from the accumulators
+// (save_pre_activations_direct).
+template <bool kStagedSaves = true, bool kSharedWindow = false>
 __device__ inline void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                int row0, int wg, int& pending_index) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   publish_hidden(p, pending_index);  // its store has also finished reading the staging
   std::uint16_t* gu = t.shared ? p.shared_saved_gu : p.saved_gu;
-  if (kStagedSaves && gu) save_pre_activations(p, s, acc, t, row0, wg);
+  if (kStagedSaves && gu) save_pre_activations<kSharedWindow>(p, s, acc, t, row0, wg);
   if (!kStagedSaves && gu) save_pre_activations_direct(p, acc, t, row0, wg, gu);
   sync_warpgroup(wg);
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
