@@ -15,6 +15,13 @@ namespace mok::kernels {
 __device__ __forceinline__ float exp2_int(int e) {
   return e >= -126 && e <= 127 ? __int_as_float((e + 127) << 23) : ldexpf(1.0f, e);
 }
+// exp2_int() without a branch (any e, the same value): normal 2^e from the exponent field,
+// subnormal ones (e in [-149, -127]) from the mantissa bit, 0 below, infinity above 127.
+// For a loop at its register limit, where exp2_int's call of ldexpf costs registers.
+__device__ __forceinline__ float exp2_int_select(int e) {
+  const int normal = (max(min(e, 128), -127) + 127) << 23, subnormal = e >= -149 && e < -126 ? 1 << (e + 149) : 0;
+  return __int_as_float(e >= -126 ? normal : subnormal);
+}
 
 // Division of a block's values by its scale 2^e as multiplications by powers of two, exact as
 // ldexpf(v, -e) is: 2^-e, split into two normal factors when it is above 2^127 (a block whose
