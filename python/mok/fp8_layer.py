@@ -48,10 +48,12 @@ class Fp8Experts(NamedTuple):
 
 
 # Whether the FP8 dgrad is the faster backward for experts of this intermediate size (mok.MoE's
-# and the Hugging Face backend's default): measured on an H200 (bench/NOTES.md, 2026-12-02),
-# FP8 dgrad / bf16 dgrad forward+backward 0.94-0.95 at I = 2048-14336, 0.97 at I = 1536, but
-# 1.03-1.09 at I <= 1024 (quantizing dgate|dup costs more there than the E4M3 MMAs save).
-DGRAD_MIN_INTERMEDIATE = 1536
+# and the Hugging Face backend's default): measured on an H200 (bench/NOTES.md), FP8 dgrad / bf16
+# dgrad forward+backward 0.94-0.95 at I = 2048-14336, 0.94-0.97 at I = 1536; at I = 1024 it was
+# 1.03-1.09 until the dh epilogue was rolled (4d4136c) and is 0.96-0.99 since (79cf410, both A/B
+# orders: olmoe-1b-7b, qwen3.5-397b); at I = 768 a tie (0.995-0.999), where the bf16 dgrad, the
+# more accurate, stays.
+DGRAD_MIN_INTERMEDIATE = 1024
 
 
 def dgrad_pays(w_down: torch.Tensor) -> bool:

@@ -35,7 +35,7 @@ class MoE(nn.Module):
     made again only when a weight changes (its storage or its version counter: every optimizer
     step). fp8_dgrad (precision "fp8"): whether the backward's dgrad GEMMs run in E4M3 too
     (keeping W_down^T and [W_gate^T | W_up^T] quantized as well: E * 3 * I * H bytes more);
-    None: where that was measured faster (mok.fp8.dgrad_pays: I >= 1536).
+    None: where that was measured faster (mok.fp8.dgrad_pays: I >= 1024).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
