@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Before/after of the fused layer on one GPU, cheaply: two `mok_bench --serve` processes
 (a base build and a head build) load the same problem once per preset, must give bitwise
-equal outputs, and are then timed in alternating rounds (base, head, base, head, ...).
+equal outputs, and are then timed in rounds, each side once a round, the side that goes first
+alternating (base head, head base, ...): with the same binary on both sides the second side
+read up to ~3 % faster on the large presets when base always went first (bench/NOTES.md).
 
   python3 bench/ab_serve.py --base BASE/bench/mok_bench --head HEAD/bench/mok_bench
       [--preset all|NAME,...] [--routing uniform] [--rounds 5] [--iters 10] [--out FILE.json]
@@ -79,9 +81,9 @@ def main():
                 sums = {side: s.call("check", *calls[side])["checksums"] for side, s in servers.items()}
                 same[(name, ps)] = sums["base"] == sums["head"]
                 t = times[(name, ps)] = {"base": [], "head": []}
-                for _ in range(args.rounds):
-                    for side, s in servers.items():
-                        c = calls[side]
+                for r in range(args.rounds):
+                    for side in ("base", "head") if r % 2 == 0 else ("head", "base"):
+                        s, c = servers[side], calls[side]
                         t[side].append(statistics.median(s.call("time", c[0], args.warmup, args.iters, *c[1:])["ms"]))
                 print(f"{name:<20}{ps:<9}base {statistics.median(t['base']):8.3f}  head "
                       f"{statistics.median(t['head']):8.3f}  bitwise equal: {same[(name, ps)]}", flush=True)
@@ -92,7 +94,8 @@ def main():
         print(ab_compare.table(rows))
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(dict(json.loads(args.meta), routing=args.routing, iters=args.iters, rows=rows), f, indent=1)
+                json.dump(dict(json.loads(args.meta), routing=args.routing, iters=args.iters, order="alternating",
+                               rows=rows), f, indent=1)
     if not all(same.values()):
         sys.exit("ab_serve: the two builds' outputs differ on " + ", ".join(f"{n} {ps}" for (n, ps), v in same.items()
                                                                         if not v))

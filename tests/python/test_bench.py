@@ -356,6 +356,10 @@ def test_ab_serve_impls_times_two_implementations_of_one_build(monkeypatch, tmp_
         assert len(timed) == 2 * (1 + 2) and all(c[-1] == impl for c in timed)
     rows = json.load(open(out))["rows"]
     assert [(r["pass"], r["ratio"], r["bitwise_equal"]) for r in rows] == [("fwd", 0.5, True), ("fwd+bwd", 0.5, True)]
+    # the side that goes first alternates round by round (a fixed order biased the second side)
+    for ps in ("fwd", "fwd+bwd"):
+        order = [c[0] for c in calls if c[1] == "time" and c[2] == ps]
+        assert order == ["base", "head", "head", "base"], (ps, order)
     with pytest.raises(SystemExit):
         monkeypatch.setattr(sys, "argv", ["ab_serve.py", "--base", "B", "--impls", "mok"])
         ab_serve.main()
