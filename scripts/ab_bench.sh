@@ -2,7 +2,7 @@
 # Before/after timing of the fused layer on one Hopper GPU, in one run: builds mok_bench from
 # a base source tree and from this checkout, then bench/ab_serve.py loads each preset in both
 # (`mok_bench --serve`), checks that their outputs are bitwise equal and times them in
-# alternating rounds (base, head, base, head, ...): per preset and pass, the median of the
+# rounds, each side once a round, the side that goes first alternating: per preset and pass, the median of the
 # rounds' medians, head / base and its range over rounds.
 #
 #   OUT=<dir> scripts/ab_bench.sh BASE_SRC_DIR [--presets all|NAME,...] [--rounds 5] [--iters 10]
