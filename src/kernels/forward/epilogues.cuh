@@ -41,8 +41,9 @@ __device__ __forceinline__ void publish_hidden(const ForwardParams& p, int& pend
 }
 
 // save_pre_activations() with each thread storing its accumulators' values, 4 bytes of 8 rows
-// a warp at a time (no staging, no sync): the FP8 kernel's saves, where the staged ones cost
-// its consumers 24 bytes of spill.
+// a warp at a time (no staging, no sync): the FP8 kernel's saves until d85abb0 (staged with
+// generic stores they spilled 24 bytes there); kept for MOK_DIAG_FP8_DIRECT_SAVES, its A/B
+// (staged: 1.7 % of qwen3-30b-a3b's FP8 forward+backward, bench/NOTES.md).
 __device__ inline void save_pre_activations_direct(const ForwardParams& p, const float (&acc)[128], const Task& t,
                                                    int row0, int wg, std::uint16_t* gu) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
