@@ -1,8 +1,9 @@
 // Exactness of two shortcuts in the FP8 mainloop (kernels/fp8/mainloop_fp8.cuh), checked on
-// the device that runs them: exp2_int_select() gives ldexpf(1, e)'s bits for every int
+// the device that runs them: exp2_int() gives ldexpf(1, e)'s bits for every int
 // exponent a scale can have (and beyond), and a K-major sw128 descriptor rebuilt from its low
 // 32 bits and the constant high word (wgmma_m64n128k32_e4m3's operands) is the 64-bit
-// descriptor, for every 16-byte-aligned shared address and K step the kernels use.
+// descriptor (its fields written out here), for every 16-byte-aligned shared address and K
+// step the kernels use.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -18,25 +19,21 @@ namespace {
 
 constexpr int kLowest = -400, kHighest = 400;  // fp8_scale_exponent's range is [-157, 120]
 
-__global__ void exp2_kernel(std::uint32_t* select, std::uint32_t* exact, std::uint32_t* fast) {
+__global__ void exp2_kernel(std::uint32_t* exact, std::uint32_t* fast) {
   const int e = kLowest + static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (e > kHighest) return;
-  select[e - kLowest] = __float_as_uint(kernels::exp2_int_select(e));
   exact[e - kLowest] = __float_as_uint(ldexpf(1.0f, e));
   fast[e - kLowest] = __float_as_uint(kernels::exp2_int(e));
 }
 
-TEST(Fp8Math, Exp2IntSelectIsLdexpfForEveryExponent) {
+TEST(Fp8Math, Exp2IntIsLdexpfForEveryExponent) {
   MOK_REQUIRE_HOPPER();
   constexpr int n = kHighest - kLowest + 1;
-  testing::DeviceBuffer<std::uint32_t> select(n), exact(n), fast(n);
-  exp2_kernel<<<(n + 255) / 256, 256>>>(select.get(), exact.get(), fast.get());
+  testing::DeviceBuffer<std::uint32_t> exact(n), fast(n);
+  exp2_kernel<<<(n + 255) / 256, 256>>>(exact.get(), fast.get());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const auto s = select.download(), x = exact.download(), f = fast.download();
-  for (int i = 0; i < n; ++i) {
-    ASSERT_EQ(s[i], x[i]) << "exp2_int_select(" << kLowest + i << ")";
-    ASSERT_EQ(f[i], x[i]) << "exp2_int(" << kLowest + i << ")";
-  }
+  const auto x = exact.download(), f = fast.download();
+  for (int i = 0; i < n; ++i) ASSERT_EQ(f[i], x[i]) << "exp2_int(" << kLowest + i << ")";
   EXPECT_EQ(x[0 - kLowest], 0x3f800000u);                    // 2^0
   EXPECT_EQ(x[-149 - kLowest], 1u);                          // the smallest subnormal
   EXPECT_EQ(x[-150 - kLowest], 0u);
@@ -51,11 +48,15 @@ __global__ void descriptor_kernel(int* mismatches) {
   extern __shared__ __align__(1024) unsigned char smem[];
   for (int offset = 16 * static_cast<int>(threadIdx.x); offset + 128 <= kSharedBytes; offset += 16 * blockDim.x) {
     const void* tile = smem + offset;
+    // the descriptor's fields as the PTX ISA lays them out, written here independently
+    const std::uint64_t address = ptx::smem_address(tile);
+    const std::uint64_t want = ((address & 0x3FFFF) >> 4) | (std::uint64_t{1} << 16) | (std::uint64_t{1024 >> 4} << 32) |
+                               (std::uint64_t{1} << 62);
     const std::uint64_t full = ptx::wgmma_descriptor_sw128(tile);
     const std::uint32_t low = ptx::wgmma_descriptor_sw128_lo(tile);
     for (int kk = 0; kk < 4; ++kk) {
       const std::uint64_t rebuilt = (std::uint64_t{ptx::kSw128DescriptorHigh} << 32) | (low + 2u * kk);
-      if (rebuilt != full + 2u * kk) atomicAdd(mismatches, 1);
+      if (rebuilt != want + 2u * kk || full + 2u * kk != want + 2u * kk) atomicAdd(mismatches, 1);
     }
   }
 }

@@ -19,20 +19,17 @@ __device__ __forceinline__ void wgmma_wait_group() {
 // Shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: rows of
 // 128 bytes, 8-row core groups 1024 bytes apart. Advancing along K by 16 elements (32
 // bytes) inside the swizzle atom adds 2 to the address field.
-__device__ __forceinline__ std::uint64_t wgmma_descriptor_sw128(const void* tile) {
-  const std::uint64_t address = smem_address(tile);
-  return ((address & 0x3FFFF) >> 4)          // start address, 16-byte units
-         | (std::uint64_t{1} << 16)           // leading byte offset (unused with swizzle)
-         | (std::uint64_t{1024 >> 4} << 32)   // stride byte offset: 8 rows x 128 bytes
-         | (std::uint64_t{1} << 62);          // layout: 128-byte swizzle
-}
-// Its low 32 bits (start address, leading byte offset); the high 32 bits are
-// kSw128DescriptorHigh for every K-major 128-byte-swizzled tile.
+// The low 32 bits are the tile's own (start address, leading byte offset); the high 32 bits,
+// kSw128DescriptorHigh, are the same for every such tile.
+inline constexpr std::uint32_t kSw128DescriptorHigh = (1024 >> 4)  // stride byte offset: 8 rows x 128 bytes
+                                                      | (1u << 30);  // (bit 62) layout: 128-byte swizzle
 __device__ __forceinline__ std::uint32_t wgmma_descriptor_sw128_lo(const void* tile) {
-  return ((smem_address(tile) & 0x3FFFF) >> 4) | (1u << 16);
+  return ((smem_address(tile) & 0x3FFFF) >> 4)  // start address, 16-byte units
+         | (1u << 16);                          // leading byte offset (unused with swizzle)
 }
-inline constexpr std::uint32_t kSw128DescriptorHigh = (1024 >> 4) | (1u << 30);
-static_assert((std::uint64_t{kSw128DescriptorHigh} << 32) == 0x4000004000000000ull, "the literal in the _sw128 MMAs");
+__device__ __forceinline__ std::uint64_t wgmma_descriptor_sw128(const void* tile) {
+  return (std::uint64_t{kSw128DescriptorHigh} << 32) | wgmma_descriptor_sw128_lo(tile);
+}
 
 // Descriptor of an MN-major tile with the 128-byte swizzle, as TMA writes boxes of
 // {64 MN elements, K rows}: each K row is 128 bytes (64 elements of M or N), 8-row core
@@ -107,8 +104,8 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint3
                                                       int scale_d) {
   asm volatile(
       "{\n .reg .pred p;\n .reg .b64 da, db;\n setp.ne.b32 p, %66, 0;\n"
-      " cvt.u64.u32 da, %64;\n or.b64 da, da, 0x4000004000000000;\n"
-      " cvt.u64.u32 db, %65;\n or.b64 db, db, 0x4000004000000000;\n"
+      " cvt.u64.u32 da, %64;\n or.b64 da, da, %67;\n"
+      " cvt.u64.u32 db, %65;\n or.b64 db, db, %67;\n"
       " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, da, db, p, 1, 1;\n}"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
@@ -119,7 +116,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint3
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(desc_a_lo), "r"(desc_b_lo), "r"(scale_d));
+      : "r"(desc_a_lo), "r"(desc_b_lo), "r"(scale_d), "n"(std::uint64_t{kSw128DescriptorHigh} << 32));
 }
 
 }  // namespace mok::ptx

@@ -83,11 +83,7 @@ __device__ void quantize_dgu_rows(const Fp8BackwardParams& q, const Task& t, int
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int inter = p.routed.inter, n0 = t.n * kBlockN, blocks = inter - n0 > kBlockM ? 2 : 1;
   const int units = 64 * 2 * blocks;  // (row, dgate or dup, block)
-#if defined(MOK_DIAG_QZ_IN_FLIGHT)  // (timing only: more loads in flight, registers spill)
-  constexpr int kInFlight = MOK_DIAG_QZ_IN_FLIGHT;
-#else
   constexpr int kInFlight = 8;
-#endif
   sync_warpgroup(wg);  // the warpgroup's dgate|dup stores are done (and visible to it)
   const std::int64_t row_base = row0 + wg * 64;
 #pragma unroll 1
@@ -98,14 +94,9 @@ __device__ void quantize_dgu_rows(const Fp8BackwardParams& q, const Task& t, int
     for (int j = 0; j < kInFlight; ++j) {
       const int unit = first + 8 * j + lane / 16, r = unit % 64, which = (unit / 64) % 2, b = unit / 128;
       column[j] = which * inter + n0 + b * kBlockM;
-#if defined(MOK_DIAG_QZ_NO_LOADS)  // (timing only, wrong results: finite bf16 pairs made from lane and j, no loads)
-      const std::uint32_t x = 0x3f803f80u + lane * 0x10001u + j;
-      bits[j] = make_uint4(x, x ^ 0x10001u, x ^ 0x20002u, x ^ 0x30003u);
-#else
       bits[j] = unit < units ? __ldcg(reinterpret_cast<const uint4*>(p.routed.gu + (row_base + r) * 2 * inter + column[j]) +
                                       lane % 16)
                              : make_uint4(0, 0, 0, 0);
-#endif
     }
 #pragma unroll
     for (int j = 0; j < kInFlight; ++j) {
@@ -121,9 +112,6 @@ __device__ void quantize_dgu_rows(const Fp8BackwardParams& q, const Task& t, int
       }
       for (int offset = 1; offset < 16; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
       if (unit >= units) continue;
-#if defined(MOK_DIAG_QZ_NO_STORES)  // (timing only, wrong results: no conversion, nothing stored; a condition the compiler cannot fold)
-      if (p.tokens >= 0) continue;
-#endif
       const int e = fp8_scale_exponent(amax);
       const InverseScale inverse(e);
       const std::int64_t row = row_base + r;

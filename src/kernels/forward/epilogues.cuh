@@ -40,27 +40,6 @@ __device__ __forceinline__ void publish_hidden(const ForwardParams& p, int& pend
   pending_index = -1;
 }
 
-// save_pre_activations() with each thread storing its accumulators' values, 4 bytes of 8 rows
-// a warp at a time (no staging, no sync): the FP8 kernel's saves until d85abb0 (staged with
-// generic stores they spilled 24 bytes there); kept for MOK_DIAG_FP8_DIRECT_SAVES, its A/B
-// (staged: 1.7 % of qwen3-30b-a3b's FP8 forward+backward, bench/NOTES.md).
-__device__ inline void save_pre_activations_direct(const ForwardParams& p, const float (&acc)[128], const Task& t,
-                                                   int row0, int wg, std::uint16_t* gu) {
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const int inter = t.shared ? p.shared_inter : p.inter, n0 = t.n * kGemm1Columns;
-  std::uint16_t* rows = gu + static_cast<std::int64_t>(row0 + wg * 64) * 2 * inter;
-#pragma unroll
-  for (int i = 0; i < 64; i += 2) {
-    const int col = n0 + acc_col(lane, i);
-    if (col >= inter) continue;
-    std::uint16_t* row = rows + static_cast<std::int64_t>(acc_row(warp, lane, i)) * 2 * inter;
-    *reinterpret_cast<std::uint32_t*>(row + col) =
-        pack_bf16x2(saved_gate(acc[i], p.swiglu_limit), saved_gate(acc[i + 1], p.swiglu_limit));
-    *reinterpret_cast<std::uint32_t*>(row + inter + col) =
-        pack_bf16x2(saved_up(acc[i + 64], p.swiglu_limit), saved_up(acc[i + 65], p.swiglu_limit));
-  }
-}
-
 // Training: the gate and up pre-activations of this warpgroup's tile, bf16, into rows of
 // [gate (I) | up (I)] for the backward. A value the clamp cut is saved as +-inf: rounding
 // to bf16 must not move a value across the limit (the gradient there is zero). Each half
@@ -91,17 +70,15 @@ __device__ inline void save_pre_activations(const ForwardParams& p, S& s, const 
 }
 
 // h = swiglu(gate, up) of this warpgroup's 64 x 128 tile -> staging (swizzled) -> TMA store,
-// published later by publish_hidden(). kStagedSaves: training saves through the staging
-// (save_pre_activations, kSharedWindow: its stores' form), else from the accumulators
-// (save_pre_activations_direct).
-template <bool kStagedSaves = true, bool kSharedWindow = false>
+// published later by publish_hidden(); training saves through the staging first
+// (save_pre_activations; kSharedWindow: its stores' form).
+template <bool kSharedWindow = false>
 __device__ inline void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                int row0, int wg, int& pending_index) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   publish_hidden(p, pending_index);  // its store has also finished reading the staging
   std::uint16_t* gu = t.shared ? p.shared_saved_gu : p.saved_gu;
-  if (kStagedSaves && gu) save_pre_activations<kSharedWindow>(p, s, acc, t, row0, wg);
-  if (!kStagedSaves && gu) save_pre_activations_direct(p, acc, t, row0, wg, gu);
+  if (gu) save_pre_activations<kSharedWindow>(p, s, acc, t, row0, wg);
   sync_warpgroup(wg);
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
 #pragma unroll

@@ -131,14 +131,10 @@ __device__ void epilogue_gemm1_fp8(const Fp8ForwardParams& q, SharedStorage& s, 
                                    int row0, int wg, int& pending_index) {
   const ForwardParams& p = q.base;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-#if defined(MOK_DIAG_FP8_DIRECT_SAVES)  // (timing: the saves from the accumulators, as before the staged ones)
-  if (p.saved_gu) save_pre_activations_direct(p, acc, t, row0, wg, p.saved_gu);
-#else
   if (p.saved_gu) {  // through the staging as the BF16 kernel saves them (TMA stores)
     publish_hidden(p, pending_index);
     save_pre_activations</*kSharedWindow=*/true>(p, s, acc, t, row0, wg);
   }
-#endif
   float amax[2] = {0.0f, 0.0f};  // rows r (accumulators with ((i >> 1) & 1) == 0) and r + 8
 #pragma unroll
   for (int i = 0; i < 64; ++i) {
@@ -204,11 +200,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       mainloop<KMajor, KMajor>(p, s, pipe, acc, k_steps, wg, task);
       if (t.kind == kGemm1) {
         timer.lap<Phase::mainloop_gemm1>();
-#if defined(MOK_DIAG_FP8_DIRECT_SAVES)
-        epilogue_gemm1</*kStagedSaves=*/false>(p, s, acc, t, row0, wg, pending_hidden);
-#else
-        epilogue_gemm1</*kStagedSaves=*/true, /*kSharedWindow=*/true>(p, s, acc, t, row0, wg, pending_hidden);
-#endif
+        epilogue_gemm1</*kSharedWindow=*/true>(p, s, acc, t, row0, wg, pending_hidden);
         timer.lap<Phase::epilogue_gemm1>();
       } else {
         timer.lap<Phase::mainloop_gemm2>();

@@ -106,7 +106,7 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
         if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
         pipe.consumer_advance();
       }
-      const float b_scale = exp2_int_select(half == 0 ? e0 : e1);  // (ldexpf: ~13 more instructions a half)
+      const float b_scale = exp2_int(half == 0 ? e0 : e1);  // (ldexpf: ~13 more instructions a half)
       const float scale[2] = {a_lo * b_scale, a_hi * b_scale};  // exact: powers of two
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
