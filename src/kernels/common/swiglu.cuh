@@ -6,11 +6,28 @@
 
 namespace mok::kernels {
 
+// The sigmoid's reciprocal 1 / (1 + e^-g), whose argument is >= 1 or +inf (then 0): MUFU.RCP
+// alone (rcp.approx, at most 1 ulp from the rounded quotient; the argument is never subnormal,
+// so flushing changes nothing). __frcp_rn, the correctly rounded one, cost each element a
+// range check, a branch around a called slow path and its argument moves: ~20 of the ~35
+// instructions of swiglu() in the SASS, in every GEMM1 and dh epilogue. The __expf before it
+// is already an approximation (ex2.approx), so the sigmoid was never the rounded quotient.
+// MOK_DIAG_SWIGLU_RCP_RN (timing A/B only) restores __frcp_rn.
+__device__ __forceinline__ float sigmoid_denominator_rcp(float d) {
+#if defined(MOK_DIAG_SWIGLU_RCP_RN)
+  return __frcp_rn(d);
+#else
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return r;
+#endif
+}
+
 // limit = +inf means no clamp. fp32 throughout; the caller rounds the result to bf16 once.
 __device__ __forceinline__ float swiglu(float gate, float up, float limit) {
   gate = fminf(gate, limit);
   up = fminf(fmaxf(up, -limit), limit);
-  const float sig = __frcp_rn(__fadd_rn(1.0f, __expf(-gate)));
+  const float sig = sigmoid_denominator_rcp(__fadd_rn(1.0f, __expf(-gate)));
   return __fmul_rn(__fmul_rn(gate, sig), up);
 }
 
@@ -32,7 +49,7 @@ __device__ __forceinline__ SwigluGrad swiglu_backward(float gate, float up, floa
   const bool gate_pass = gate != __int_as_float(0x7f800000), up_pass = fabsf(up) != __int_as_float(0x7f800000);
   gate = fminf(gate, limit);
   up = fminf(fmaxf(up, -limit), limit);
-  const float sig = __frcp_rn(__fadd_rn(1.0f, __expf(-gate)));
+  const float sig = sigmoid_denominator_rcp(__fadd_rn(1.0f, __expf(-gate)));
   const float silu = __fmul_rn(gate, sig);
   SwigluGrad g;
   g.hidden = __fmul_rn(silu, up);
