@@ -179,9 +179,9 @@ struct MnMajor {
 };
 
 // The consumer warpgroup `wg` multiplies its 64 rows of A by the stage's 256 columns of B
-// over k_steps stages, handing each stage back once its MMAs are done. With k_steps = 0
-// the accumulator is left undefined (zeroing it here costs the forward spills): the
-// caller handles the empty sum.
+// over k_steps stages, handing each stage back once its MMAs are done. The first MMA
+// ignores acc; callers zero it before (acc undefined on entry keeps its registers live
+// through their whole task loop), which also makes an empty sum (k_steps = 0) zero.
 template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                          int wg, int task) {

@@ -71,7 +71,9 @@ __device__ inline void save_pre_activations(const ForwardParams& p, S& s, const 
 
 // h = swiglu(gate, up) of this warpgroup's 64 x 128 tile -> staging (swizzled) -> TMA store,
 // published later by publish_hidden(); training saves through the staging first
-// (save_pre_activations; kSharedWindow: its stores' form).
+// (save_pre_activations). kSharedWindow: every staging write as st.shared at a 32-bit
+// address (the FP8 kernel, at its register limit: 32 generic 64-bit store addresses, held
+// while the branch-free SwiGLU is scheduled above the warpgroup barrier, spilled it).
 template <bool kSharedWindow = false>
 __device__ inline void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                int row0, int wg, int& pending_index) {
@@ -86,7 +88,10 @@ __device__ inline void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, 
     const int row = acc_row(warp, lane, i), col = acc_col(lane, i);
     const float h0 = swiglu(acc[i], acc[i + 64], p.swiglu_limit);
     const float h1 = swiglu(acc[i + 1], acc[i + 65], p.swiglu_limit);
-    *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(row, col)) = pack_bf16x2(h0, h1);
+    if constexpr (kSharedWindow)
+      ptx::st_shared_b32(ptx::smem_address(staging) + swizzled_offset(row, col), pack_bf16x2(h0, h1));
+    else
+      *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(row, col)) = pack_bf16x2(h0, h1);
   }
   fence_proxy_async_shared_cta();
   sync_warpgroup(wg);

@@ -57,7 +57,6 @@ using namespace fwd;
 
 __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int wg) {
   Pipeline<kStages> pipe;
-  float acc[128];
   bool slots_ready = false;
   int pending_hidden = -1;  // h_ready index of a GEMM1 store not yet published
   int pending_slots = 0;    // GEMM2 tiles not yet counted in y_done
@@ -78,6 +77,12 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
       continue;
     }
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
+    // Zeroed, though the first MMA ignores it (its asm reads it): entering undefined, acc's
+    // 128 registers stayed live through the whole task loop, and the combine, with ~190
+    // registers live, issued its slot-row loads one at a time (2026-12-03, bench/NOTES.md).
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task);
     if (t.kind == kGemm1) timer.lap<Phase::mainloop_gemm1>();
     else timer.lap<Phase::mainloop_gemm2>();

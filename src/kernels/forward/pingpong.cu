@@ -260,6 +260,8 @@ __device__ void pp_consume(const ForwardParams& p, PingPongStorage& s, const Pin
       turn_phase ^= 1u;
     }
     waits_turn = true;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[0][i] = acc[1][i] = 0.0f;  // (see run_consumer in forward.cu)
     pp_mainloop(p, s, pipe, acc, k_steps_of(p, t), task, &s.turn[wg ^ 1]);
     if (t.kind == kGemm1) {
       pp_epilogue_gemm1(p, s, acc, t, row0, wg);
