@@ -243,12 +243,13 @@ __device__ __forceinline__ float4 load4_streaming(const std::uint16_t* row, int 
 }
 
 // out[t] = shared[t] + sum_j w[t,j] * slot[pair_row[t,j]] (kWeighted) or + slot (plain
-// sum) for tokens [begin, end), 4 columns a thread, in fp32, rounded to bf16 once. All k
-// slot loads are issued before the first add (the combine is bound by how many bytes are
-// in flight); the adds then run in ascending j. shared may be null; pair_row -1 = no slot.
+// sum) for tokens [begin, end), two sets of 4 columns a thread, in fp32, rounded to bf16 once.
+// A round issues kCombineSlots slots' loads for both column sets before its first add (the
+// combine is bound by how many bytes are in flight); the adds then run in ascending j, round
+// after round. shared may be null; pair_row -1 = no slot.
 // kPushed (push combine): slot (t, j) is row t * k + j instead, present where ids >= 0.
 // Row: float or std::uint16_t (bf16 bits).
-constexpr int kMaxCombineSlots = 16;
+constexpr int kCombineSlots = 8;
 
 // The slot row of (token, slot) pair `pair`, -1 for none: the plan's row, or (kPushed, the push
 // combine) the pair itself where its expert id is valid.
@@ -290,42 +291,53 @@ __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const 
   const int columns4 = hidden / 4;
   for (int token = begin; token < end; ++token) {
     prefetch_combine_rows<kPushed>(token, begin, end, hidden, top_k, pair_row, ids, slots, shared, tid);
-    for (int c = tid; c < columns4; c += threads) {
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (shared) acc = load4_streaming(shared + static_cast<std::int64_t>(token) * hidden, c);
-      for (int j0 = 0; j0 < top_k; j0 += kMaxCombineSlots) {
-        float4 v[kMaxCombineSlots];
-        float w[kMaxCombineSlots];
-        bool valid[kMaxCombineSlots];
+    // Two columns a thread a round (c and c + threads), each column's adds in the same order.
+    for (int c = tid; c < columns4; c += 2 * threads) {
+      const int c1 = c + threads;
+      const bool two = c1 < columns4;
+      float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
+      if (shared) {
+        acc[0] = load4_streaming(shared + static_cast<std::int64_t>(token) * hidden, c);
+        if (two) acc[1] = load4_streaming(shared + static_cast<std::int64_t>(token) * hidden, c1);
+      }
+      for (int j0 = 0; j0 < top_k; j0 += kCombineSlots) {
+        float4 v[2][kCombineSlots];
+        float w[kCombineSlots];
+        bool valid[kCombineSlots];
 #pragma unroll
-        for (int j = 0; j < kMaxCombineSlots; ++j) {
+        for (int j = 0; j < kCombineSlots; ++j) {
           const int slot = j0 + j;
           const int pair = token * top_k + slot;
           int row = -1;
           if (slot < top_k) row = combine_slot_row<kPushed>(pair, pair_row, ids);
           valid[j] = row >= 0;  // -1: a padding slot, or past k
           w[j] = (kWeighted && valid[j]) ? weights[token * top_k + slot] : 1.0f;
-          v[j] = valid[j] ? load4_streaming(slots + static_cast<std::int64_t>(row) * hidden, c)
-                          : make_float4(0.f, 0.f, 0.f, 0.f);
+          const Row* slot_row = slots + static_cast<std::int64_t>(row) * hidden;
+          v[0][j] = valid[j] ? load4_streaming(slot_row, c) : make_float4(0.f, 0.f, 0.f, 0.f);
+          v[1][j] = valid[j] && two ? load4_streaming(slot_row, c1) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
-        for (int j = 0; j < kMaxCombineSlots; ++j) {
-          if (!valid[j]) continue;
-          if constexpr (kWeighted) {
-            acc.x = __fmaf_rn(w[j], v[j].x, acc.x);
-            acc.y = __fmaf_rn(w[j], v[j].y, acc.y);
-            acc.z = __fmaf_rn(w[j], v[j].z, acc.z);
-            acc.w = __fmaf_rn(w[j], v[j].w, acc.w);
-          } else {
-            acc.x = __fadd_rn(acc.x, v[j].x);
-            acc.y = __fadd_rn(acc.y, v[j].y);
-            acc.z = __fadd_rn(acc.z, v[j].z);
-            acc.w = __fadd_rn(acc.w, v[j].w);
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int j = 0; j < kCombineSlots; ++j) {
+            if (!valid[j]) continue;
+            if constexpr (kWeighted) {
+              acc[h].x = __fmaf_rn(w[j], v[h][j].x, acc[h].x);
+              acc[h].y = __fmaf_rn(w[j], v[h][j].y, acc[h].y);
+              acc[h].z = __fmaf_rn(w[j], v[h][j].z, acc[h].z);
+              acc[h].w = __fmaf_rn(w[j], v[h][j].w, acc[h].w);
+            } else {
+              acc[h].x = __fadd_rn(acc[h].x, v[h][j].x);
+              acc[h].y = __fadd_rn(acc[h].y, v[h][j].y);
+              acc[h].z = __fadd_rn(acc[h].z, v[h][j].z);
+              acc[h].w = __fadd_rn(acc[h].w, v[h][j].w);
+            }
           }
         }
       }
-      const uint2 packed{pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w)};
-      *reinterpret_cast<uint2*>(out + static_cast<std::int64_t>(token) * hidden + 4 * c) = packed;
+      std::uint16_t* out_row = out + static_cast<std::int64_t>(token) * hidden;
+      *reinterpret_cast<uint2*>(out_row + 4 * c) = uint2{pack_bf16x2(acc[0].x, acc[0].y), pack_bf16x2(acc[0].z, acc[0].w)};
+      if (two) *reinterpret_cast<uint2*>(out_row + 4 * c1) = uint2{pack_bf16x2(acc[1].x, acc[1].y), pack_bf16x2(acc[1].z, acc[1].w)};
     }
   }
 }
