@@ -312,7 +312,7 @@ __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const 
           if (slot < top_k) row = combine_slot_row<kPushed>(pair, pair_row, ids);
           valid[j] = row >= 0;  // -1: a padding slot, or past k
           w[j] = (kWeighted && valid[j]) ? weights[token * top_k + slot] : 1.0f;
-          const Row* slot_row = slots + static_cast<std::int64_t>(row) * hidden;
+          const Row* slot_row = slots + static_cast<std::int64_t>(max(row, 0)) * hidden;  // (read only where valid)
           v[0][j] = valid[j] ? load4_streaming(slot_row, c) : make_float4(0.f, 0.f, 0.f, 0.f);
           v[1][j] = valid[j] && two ? load4_streaming(slot_row, c1) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
