@@ -34,8 +34,11 @@ __device__ __forceinline__ float swiglu(float gate, float up, float limit) {
 // The forward saves pre-activations for the backward with the clamp decision in them:
 // a clamped value becomes +-inf, so bf16 rounding cannot move it across the limit.
 __device__ __forceinline__ float saved_gate(float gate, float limit) { return gate > limit ? __int_as_float(0x7f800000) : gate; }
+// (Two selects, the upper one last: the nested conditional compiled to a branch a value.)
 __device__ __forceinline__ float saved_up(float up, float limit) {
-  return up > limit ? __int_as_float(0x7f800000) : up < -limit ? __int_as_float(0xff800000) : up;
+  float saved = up < -limit ? __int_as_float(0xff800000) : up;
+  saved = up > limit ? __int_as_float(0x7f800000) : saved;
+  return saved;
 }
 
 struct SwigluGrad {
