@@ -23,11 +23,21 @@ __device__ __forceinline__ float sigmoid_denominator_rcp(float d) {
 #endif
 }
 
+// e^-g for the sigmoid's denominator 1 + e^-g: __expf(-g)'s product and MUFU.EX2, with a
+// result below 2^-126 flushed to 0 (__expf keeps it subnormal: a compare and two predicated
+// multiplies a value). Only 1 + e^-g is used, and 1 + a subnormal rounds to 1 as 1 + 0 does,
+// so every result is __expf's.
+__device__ __forceinline__ float exp_neg(float g) {
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(__fmul_rn(g, -1.44269502162933349609375f)));
+  return e;
+}
+
 // limit = +inf means no clamp. fp32 throughout; the caller rounds the result to bf16 once.
 __device__ __forceinline__ float swiglu(float gate, float up, float limit) {
   gate = fminf(gate, limit);
   up = fminf(fmaxf(up, -limit), limit);
-  const float sig = sigmoid_denominator_rcp(__fadd_rn(1.0f, __expf(-gate)));
+  const float sig = sigmoid_denominator_rcp(__fadd_rn(1.0f, exp_neg(gate)));
   return __fmul_rn(__fmul_rn(gate, sig), up);
 }
 
@@ -52,7 +62,7 @@ __device__ __forceinline__ SwigluGrad swiglu_backward(float gate, float up, floa
   const bool gate_pass = gate != __int_as_float(0x7f800000), up_pass = fabsf(up) != __int_as_float(0x7f800000);
   gate = fminf(gate, limit);
   up = fminf(fmaxf(up, -limit), limit);
-  const float sig = sigmoid_denominator_rcp(__fadd_rn(1.0f, __expf(-gate)));
+  const float sig = sigmoid_denominator_rcp(__fadd_rn(1.0f, exp_neg(gate)));
   const float silu = __fmul_rn(gate, sig);
   SwigluGrad g;
   g.hidden = __fmul_rn(silu, up);
