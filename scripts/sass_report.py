@@ -65,7 +65,7 @@ def ptxas_by_kernel(report):
 
 
 def sections(text):
-    """{kernel: [(address, text)]} from nvdisasm output, one list per .text section."""
+    """{section name: its lines} from nvdisasm output, one list per .text section."""
     out, name = {}, None
     for line in text.splitlines():
         m = re.match(r"\s*\.section\s+\.text\.([^,\s]+)", line)

@@ -123,17 +123,6 @@ __device__ void quantize_dgu_rows(const Fp8BackwardParams& q, const Task& t, int
   }
 }
 
-// Every BF16 mainloop starts from a zeroed accumulator (its first MMA ignores acc, but its
-// asm reads it). Entering with acc undefined, ptxas kept acc's 128 registers live through
-// the whole task loop, the combine included (~190 live registers there: its loads then went
-// one at a time, 2026-12-03); and in the FP8 dgrad kernel, entering with acc as the FP8
-// mainloop left it (defined by ordinary instructions), ptxas serialized every wgmma of the
-// kernel (warning C7515: a WARPGROUP.DEPBAR after each of its 20 HGMMA / QGMMA).
-__device__ __forceinline__ void zero_before_bf16_mainloop(float (&acc)[128]) {
-#pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-}
-
 template <typename Sched, typename Q>
 __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, int wg) {
   const BackwardParams& p = base_of(q);
@@ -180,7 +169,6 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
       }
       if (t.kind == kDh) {
         if (!fp8) {
-          zero_before_bf16_mainloop(acc);
           mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
         }
         timer.lap<Phase::mainloop_dh>();
@@ -195,7 +183,6 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
         timer.lap<Phase::epilogue_dh>();
       } else {
         if (!fp8) {
-          zero_before_bf16_mainloop(acc);
           mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
         }
         timer.lap<Phase::mainloop_dx>();
@@ -209,7 +196,6 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     } else {
       int first = 0, count = 0;
       expert_rows(p, t, first, count);
-      zero_before_bf16_mainloop(acc);
       mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task);
       timer.lap<Phase::mainloop_wgrad>();
       epilogue_weight<kFp8Dgrad<Q>>(p, s, acc, t, wg, count == 0);

@@ -179,13 +179,18 @@ struct MnMajor {
 };
 
 // The consumer warpgroup `wg` multiplies its 64 rows of A by the stage's 256 columns of B
-// over k_steps stages, handing each stage back once its MMAs are done. The first MMA
-// ignores acc; callers zero it before (acc undefined on entry keeps its registers live
-// through their whole task loop), which also makes an empty sum (k_steps = 0) zero.
+// over k_steps stages, handing each stage back once its MMAs are done. acc is zeroed first,
+// though the first MMA ignores it (its asm reads it): entering undefined, acc's 128 registers
+// stayed live through the caller's whole task loop, the combine included (~190 live there:
+// its loads went one at a time, 2026-12-03); and in the FP8 dgrad kernel, entering as the FP8
+// mainloop left it (defined by ordinary instructions), ptxas serialized every wgmma of the
+// kernel (warning C7515). An empty sum (k_steps = 0) is zero.
 template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                          int wg, int task) {
   constexpr int kBlockK = 64;
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   const bool leader = threadIdx.x % 128 == 0;  // releases the warpgroup's stages
   int previous = -1;
   for (int kb = 0; kb < k_steps; ++kb) {
@@ -291,15 +296,15 @@ __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const 
   const int columns4 = hidden / 4;
   for (int token = begin; token < end; ++token) {
     prefetch_combine_rows<kPushed>(token, begin, end, hidden, top_k, pair_row, ids, slots, shared, tid);
-    // Two columns a thread a round (c and c + threads), each column's adds in the same order.
-    for (int c = tid; c < columns4; c += 2 * threads) {
-      const int c1 = c + threads;
-      const bool two = c1 < columns4;
-      float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
-      if (shared) {
-        acc[0] = load4_streaming(shared + static_cast<std::int64_t>(token) * hidden, c);
-        if (two) acc[1] = load4_streaming(shared + static_cast<std::int64_t>(token) * hidden, c1);
-      }
+    // Two column sets a thread a round (c and c + threads), each column's adds in the same order.
+    for (int c0 = tid; c0 < columns4; c0 += 2 * threads) {
+      const int c[2] = {c0, c0 + threads};
+      const bool in[2] = {true, c[1] < columns4};
+      float4 acc[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        acc[h] = shared && in[h] ? load4_streaming(shared + static_cast<std::int64_t>(token) * hidden, c[h])
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
       for (int j0 = 0; j0 < top_k; j0 += kCombineSlots) {
         float4 v[2][kCombineSlots];
         float w[kCombineSlots];
@@ -313,8 +318,9 @@ __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const 
           valid[j] = row >= 0;  // -1: a padding slot, or past k
           w[j] = (kWeighted && valid[j]) ? weights[token * top_k + slot] : 1.0f;
           const Row* slot_row = slots + static_cast<std::int64_t>(max(row, 0)) * hidden;  // (read only where valid)
-          v[0][j] = valid[j] ? load4_streaming(slot_row, c) : make_float4(0.f, 0.f, 0.f, 0.f);
-          v[1][j] = valid[j] && two ? load4_streaming(slot_row, c1) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            v[h][j] = valid[j] && in[h] ? load4_streaming(slot_row, c[h]) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -335,9 +341,11 @@ __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const 
           }
         }
       }
-      std::uint16_t* out_row = out + static_cast<std::int64_t>(token) * hidden;
-      *reinterpret_cast<uint2*>(out_row + 4 * c) = uint2{pack_bf16x2(acc[0].x, acc[0].y), pack_bf16x2(acc[0].z, acc[0].w)};
-      if (two) *reinterpret_cast<uint2*>(out_row + 4 * c1) = uint2{pack_bf16x2(acc[1].x, acc[1].y), pack_bf16x2(acc[1].z, acc[1].w)};
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (in[h])
+          *reinterpret_cast<uint2*>(out + static_cast<std::int64_t>(token) * hidden + 4 * c[h]) =
+              uint2{pack_bf16x2(acc[h].x, acc[h].y), pack_bf16x2(acc[h].z, acc[h].w)};
     }
   }
 }

@@ -12,15 +12,11 @@ namespace mok::kernels {
 // range check, a branch around a called slow path and its argument moves: ~20 of the ~35
 // instructions of swiglu() in the SASS, in every GEMM1 and dh epilogue. The __expf before it
 // is already an approximation (ex2.approx), so the sigmoid was never the rounded quotient.
-// MOK_DIAG_SWIGLU_RCP_RN (timing A/B only) restores __frcp_rn.
+// (Measured against __frcp_rn with a diagnostic build at 4ea25f9: bench/NOTES.md.)
 __device__ __forceinline__ float sigmoid_denominator_rcp(float d) {
-#if defined(MOK_DIAG_SWIGLU_RCP_RN)
-  return __frcp_rn(d);
-#else
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
   return r;
-#endif
 }
 
 // e^-g for the sigmoid's denominator 1 + e^-g: __expf(-g)'s product and MUFU.EX2, with a

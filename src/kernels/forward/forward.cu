@@ -77,12 +77,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
       continue;
     }
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
-    // Zeroed, though the first MMA ignores it (its asm reads it): entering undefined, acc's
-    // 128 registers stayed live through the whole task loop, and the combine, with ~190
-    // registers live, issued its slot-row loads one at a time (2026-12-03, bench/NOTES.md).
     float acc[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task);
     if (t.kind == kGemm1) timer.lap<Phase::mainloop_gemm1>();
     else timer.lap<Phase::mainloop_gemm2>();

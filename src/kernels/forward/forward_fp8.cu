@@ -193,9 +193,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
     }
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
     if (t.shared) {  // BF16, as the BF16 kernel computes it
-      float acc[128];  // (zeroed: see mainloop_fp8)
-#pragma unroll
-      for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+      float acc[128];  // (apart from the FP8 branch's: see mainloop_fp8)
       const int k_steps = (t.kind == kGemm1 ? p.hidden : p.shared_inter) / kBlockK;
       mainloop<KMajor, KMajor>(p, s, pipe, acc, k_steps, wg, task);
       if (t.kind == kGemm1) {

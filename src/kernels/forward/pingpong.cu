@@ -113,6 +113,8 @@ __device__ void pp_produce(const ForwardParams& p, PingPongStorage& s, const Pin
 // behind this one's last ones instead of waiting for them to drain.
 __device__ __forceinline__ void pp_mainloop(const ForwardParams& p, PingPongStorage& s, Pipeline<kPpStages>& pipe,
                                             float (&acc)[2][64], int k_steps, int task, std::uint64_t* next_turn) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[0][i] = acc[1][i] = 0.0f;  // (why: mainloop() in persistent.cuh)
   const bool leader = threadIdx.x % 128 == 0;
   int previous = -1;
   for (int kb = 0; kb < k_steps; ++kb) {
@@ -260,8 +262,6 @@ __device__ void pp_consume(const ForwardParams& p, PingPongStorage& s, const Pin
       turn_phase ^= 1u;
     }
     waits_turn = true;
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[0][i] = acc[1][i] = 0.0f;  // (see run_consumer in forward.cu)
     pp_mainloop(p, s, pipe, acc, k_steps_of(p, t), task, &s.turn[wg ^ 1]);
     if (t.kind == kGemm1) {
       pp_epilogue_gemm1(p, s, acc, t, row0, wg);
