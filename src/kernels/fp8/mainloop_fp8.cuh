@@ -26,11 +26,46 @@ struct Fp8TaskScales {
   const std::int32_t* b[2];
 };
 
+// The consumer warpgroups' FP8 MMA batches issued in turn — warpgroup 0's, then 1's, then 0's
+// — under MOK_DIAG_FP8_TURNS (a same-bits variant being measured). A warpgroup promotes a
+// batch only after it completes, with no MMA of its own in flight; batches issued together
+// complete together, so both warpgroups promoted at once and the tensor cores idled (the
+// promotion-free timing build ran the forward 14-16 % faster, bench/NOTES.md). If the tensor
+// cores take a sub-partition's MMAs in the order issued, with the issues alternating one
+// warpgroup's batch runs while the other promotes. Two named barriers: issued0 (warpgroup 0
+// has issued; warpgroup 1 waits for it before its batch) and issued1 (the reverse).
+// Warpgroup 1 arrives at issued1 once before its first task (start), so warpgroup 0 waits at
+// every batch, and warpgroup 0 takes warpgroup 1's last arrival after its last task (finish):
+// every arrival is waited for within the kernel. Both warpgroups run every FP8 mainloop of
+// their CTA with the same K (the cooperative tile), so the turns pair up; a timeout traps.
+struct Fp8Turns {
+#if defined(MOK_DIAG_FP8_TURNS)
+  static constexpr int kIssued0 = static_cast<int>(NamedBarrier::issued0), kIssued1 = kIssued0 + 1;
+  __device__ __forceinline__ static void start(int wg) {
+    if (wg != 0) ptx::named_barrier_arrive(kIssued1, 256);
+  }
+  // (No branch between a batch's issue and its wait: the barrier id is computed, from %tid
+  // rather than from wg, which would then stay live through the mainloop: 16 B spilled.)
+  __device__ __forceinline__ static int warpgroup() { return static_cast<int>(threadIdx.x / 128) - 1; }
+  __device__ __forceinline__ static void before_issue(int) { ptx::named_barrier_sync(kIssued1 - warpgroup(), 256); }
+  __device__ __forceinline__ static void after_issue(int) { ptx::named_barrier_arrive(kIssued0 + warpgroup(), 256); }
+  __device__ __forceinline__ static void finish(int wg) {
+    if (wg == 0) ptx::named_barrier_sync(kIssued1, 256);
+  }
+#else
+  __device__ __forceinline__ static void start(int) {}
+  __device__ __forceinline__ static void before_issue(int) {}
+  __device__ __forceinline__ static void after_issue(int) {}
+  __device__ __forceinline__ static void finish(int) {}
+#endif
+};
+static_assert(kConsumerWarpgroups == 2, "Fp8Turns alternates two warpgroups");
+
 // One FP8 GEMM over k_steps stages: acc (the BF16 mainloop's layout: B's rows 0-127 in
 // acc[0, 64), rows 128-255 in acc[64, 128)) = the sum over K blocks kb, in ascending order,
 // of (A_kb B_kb^T) * a_scale(row, kb) * b_scale(half, kb). Each half's four MMAs sum into
 // the block accumulator (the tensor cores' own precision inside one scale block), which is
-// then promoted in fp32. While one warpgroup promotes, the tensor cores run the other's MMAs.
+// then promoted in fp32 (the batches issued in turn with the other warpgroup's: Fp8Turns).
 template <int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                              int wg, int task, const Fp8TaskScales& sc) {
@@ -94,11 +129,13 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
+      Fp8Turns::before_issue(wg);
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
         ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
       ptx::wgmma_commit_group();
+      Fp8Turns::after_issue(wg);
       ptx::wgmma_wait_group<0>();
 #pragma unroll
       for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(block[i])::"memory");  // no read of the block before the wait
