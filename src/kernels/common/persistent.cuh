@@ -32,12 +32,12 @@ inline constexpr int kThreads = kProducerThreads + 128 * kConsumerWarpgroups;
 inline constexpr int kProducerRegisters = 40;
 inline constexpr int kConsumerRegisters = 232;
 // The named barriers (bar.sync ids; 0 is __syncthreads'): one per consumer warpgroup (its
-// 128 threads), one of every consumer thread, and the FP8 mainloop's two turns (warpgroup w
-// has issued an MMA batch: kernels/fp8/mainloop_fp8.cuh).
+// 128 threads), one of every consumer thread, and the FP8 mainloop's two turns (warpgroup w's
+// signal to the other: kernels/fp8/mainloop_fp8.cuh).
 enum class NamedBarrier : int {
   warpgroup0 = 1,
   consumers = 1 + kConsumerWarpgroups,
-  issued0 = 2 + kConsumerWarpgroups,
+  turn0 = 2 + kConsumerWarpgroups,
 };
 // Synchronises the 128 threads of consumer warpgroup `wg`.
 __device__ __forceinline__ void sync_warpgroup(int wg) {
