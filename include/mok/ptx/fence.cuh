@@ -20,10 +20,4 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Arrives at named barrier `id` (of `threads` threads) without waiting: the signalling side of
-// a producer/consumer pair of thread groups, whose other side bar.syncs.
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 }  // namespace mok::ptx

@@ -131,7 +131,6 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
   // dx tiles not yet counted in dx_done; -1 once the combine's inputs are ready (one register:
   // a flag of its own was the FP8 dgrad kernel's one consumer spill)
   int pending_dx = 0;
-  if constexpr (kFp8Dgrad<Q>) Fp8Turns::start(wg);  // (the FP8 dgrad's mainloops)
   PhaseTimer timer(backward_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
@@ -207,7 +206,6 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     }
   }
   switch_read(s.reads[wg], nullptr);
-  if constexpr (kFp8Dgrad<Q>) Fp8Turns::finish(wg);
   if (pending_dx >= 0) {  // (no combine task here)
     publish_dx_rows(p, wg, pending_dx);
     if (p.ep.push) publish_pushes(p, s, sched, wg, sched.total);

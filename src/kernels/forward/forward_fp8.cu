@@ -176,7 +176,6 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
   bool slots_ready = false;
   int pending_hidden = -1;  // h_ready index of a GEMM1 store not yet published
   int pending_slots = 0;    // GEMM2 tiles not yet counted in y_done
-  Fp8Turns::start(wg);
   PhaseTimer timer(forward_fp8_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
@@ -233,7 +232,6 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       ++pending_slots;
     }
   }
-  Fp8Turns::finish(wg);
   publish_hidden(p, pending_hidden);
   publish_slots(p, wg, pending_slots);
   timer.lap<Phase::other>();

@@ -26,70 +26,15 @@ struct Fp8TaskScales {
   const std::int32_t* b[2];
 };
 
-// The consumer warpgroups' FP8 MMA batches in turn — timing variants of the same bits, being
-// measured (bench/NOTES.md, "The FP8 warpgroups' MMA batches issued in turn"). A warpgroup
-// promotes a batch only after it completes, with no MMA of its own in flight; batches issued
-// together complete together, so both warpgroups promoted at once and the tensor cores idled
-// (the promotion-free timing build ran the forward 14-16 % faster).
-// - MOK_DIAG_FP8_TURNS: issued strictly in turn (0's batch, then 1's, then 0's): hides the
-//   promotions only if the tensor cores run a sub-partition's MMAs in issue order. Measured
-//   1-2 % slower (they do not).
-// - MOK_DIAG_FP8_TURNS_DONE: warpgroup 1 issues batch n only once warpgroup 0's batch n has
-//   completed; warpgroup 0 issues batch n + 1 once warpgroup 1 has issued batch n. Warpgroup 1's
-//   batch then starts while warpgroup 0 promotes, warpgroup 0's next one while warpgroup 1's
-//   runs, and the two complete a promotion apart, in either tensor-core order.
-// Two named barriers: turn0 (warpgroup 0's signal; warpgroup 1 waits there before each batch)
-// and turn1 (the reverse). Warpgroup 1 arrives at turn1 once before its first task (start), so
-// warpgroup 0 waits at every batch, and warpgroup 0 takes its last arrival after its last task
-// (finish): every arrival is waited for within the kernel, and neither warpgroup can arrive
-// twice before the other has waited. Both warpgroups run every FP8 mainloop of their CTA with
-// the same K (the cooperative tile), so the turns pair up; a timeout elsewhere traps the grid.
-struct Fp8Turns {
-#if defined(MOK_DIAG_FP8_TURNS) || defined(MOK_DIAG_FP8_TURNS_DONE)
-  static constexpr int kTurn0 = static_cast<int>(NamedBarrier::turn0), kTurn1 = kTurn0 + 1;
-  // (No branch between a batch's issue and its wait: barrier ids computed, from %tid rather than
-  // from wg, which would then stay live through the mainloop; arrivals predicated.)
-  __device__ __forceinline__ static int warpgroup() { return static_cast<int>(threadIdx.x / 128) - 1; }
-  __device__ __forceinline__ static void arrive_if(bool pred, int id) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.u32 p, %0, 0;\n @p bar.arrive %1, 256;\n}" ::"r"(static_cast<unsigned>(pred)),
-                 "r"(id) : "memory");
-  }
-  __device__ __forceinline__ static void start(int wg) {
-    if (wg != 0) ptx::named_barrier_arrive(kTurn1, 256);
-  }
-  __device__ __forceinline__ static void before_issue() { ptx::named_barrier_sync(kTurn1 - warpgroup(), 256); }
-#if defined(MOK_DIAG_FP8_TURNS)
-  __device__ __forceinline__ static void after_issue() { ptx::named_barrier_arrive(kTurn0 + warpgroup(), 256); }
-  __device__ __forceinline__ static void after_complete() {}
-#else
-  __device__ __forceinline__ static void after_issue() { arrive_if(warpgroup() != 0, kTurn1); }
-  __device__ __forceinline__ static void after_complete() { arrive_if(warpgroup() == 0, kTurn0); }
-#endif
-  // +0 or -0, read from %clock after the arrival: the promotion's scales take it (exact: the
-  // scales are nonzero), so ptxas cannot schedule the promotion above warpgroup 0's arrival.
-  __device__ __forceinline__ static float signed_zero_after_arrival() {
-    unsigned clock;
-    asm volatile("mov.u32 %0, %%clock;" : "=r"(clock)::"memory");
-    return __uint_as_float(clock & 0x80000000u);
-  }
-  __device__ __forceinline__ static void finish(int wg) {
-    if (wg == 0) ptx::named_barrier_sync(kTurn1, 256);
-  }
-#else
-  __device__ __forceinline__ static void start(int) {}
-  __device__ __forceinline__ static void before_issue() {}
-  __device__ __forceinline__ static void after_issue() {}
-  __device__ __forceinline__ static void after_complete() {}
-  __device__ __forceinline__ static void finish(int) {}
-#endif
-};
-static_assert(kConsumerWarpgroups == 2, "Fp8Turns alternates two warpgroups");
-
 // One FP8 GEMM over k_steps stages: acc (the BF16 mainloop's layout: B's rows 0-127 in
 // acc[0, 64), rows 128-255 in acc[64, 128)) = the sum over K blocks kb, in ascending order,
 // of (A_kb B_kb^T) * a_scale(row, kb) * b_scale(half, kb). Each half's four MMAs sum into
 // the block accumulator (the tensor cores' own precision inside one scale block), which is
-// then promoted in fp32 (the batches issued in turn with the other warpgroup's: Fp8Turns).
+// then promoted in fp32. The two warpgroups' batches run together and complete together, so
+// the tensor cores idle while both promote (a promotion-free timing build ran the forward
+// 14-16 % faster); issuing the batches in turn, or warpgroup 1's only after warpgroup 0's has
+// completed, measured 2 % and 6-9 % slower (bench/NOTES.md): one warpgroup's n128 MMAs alone do
+// not keep the FP8 tensor cores fed.
 template <int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                              int wg, int task, const Fp8TaskScales& sc) {
@@ -153,15 +98,12 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
-      Fp8Turns::before_issue();
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
         ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
       ptx::wgmma_commit_group();
-      Fp8Turns::after_issue();
       ptx::wgmma_wait_group<0>();
-      Fp8Turns::after_complete();
 #pragma unroll
       for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(block[i])::"memory");  // no read of the block before the wait
       if (half == 1) {
@@ -169,12 +111,7 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
         pipe.consumer_advance();
       }
       const float b_scale = exp2_int(half == 0 ? e0 : e1);  // (ldexpf: ~13 more instructions a half)
-#if defined(MOK_DIAG_FP8_TURNS_DONE)
-      const float zero = Fp8Turns::signed_zero_after_arrival();
-      const float scale[2] = {__fmaf_rn(a_lo, b_scale, zero), __fmaf_rn(a_hi, b_scale, zero)};  // (the same values)
-#else
       const float scale[2] = {a_lo * b_scale, a_hi * b_scale};  // exact: powers of two
-#endif
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
     }
