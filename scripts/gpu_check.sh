@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8bench|fp8diag|diagab|pingpong] [--presets all|NAME,...] [--repeats N] [--iters N]
+#                                                   host|fp8|fp8bench|fp8diag|diagab|pingpong|power] [--presets all|NAME,...] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES]
 # --part splits the check for machines that limit one command's time: `tests` (clean
@@ -55,6 +55,9 @@
 # <date>-<commit>-phases-diag.txt. `fp8diag` (issue 19: what bounds the FP8 mainloop): three timing-only
 # mok_bench builds (MOK_DIAG_FP8_NO_PROMOTION, + _A_ONLY, + _NO_LOADS), ab_serve of the last two against the
 # first (--presets, default deepseek-v3,mixtral-8x7b; --repeats rounds) into <date>-<commit>-fp8diag*.
+# `power` (build if missing): bench/clock_power.py — the SM clock, board power, throttle reasons and
+# J/TFLOP while each of --impl (default mok,torch-compiled) repeats each --pass, on --presets (default
+# mixtral-8x7b,deepseek-v3), --repeats windows each, into <date>-<commit>-power.json.
 # `diagab` (a same-bits diagnostic variant against the default): two mok_bench builds (the second with
 # MOK_DIAG_DEFINES=--diag), bench/ab_serve.py between them (--impl, default mok,mok; --pass, default
 # fwd+bwd; --presets, default mixtral-8x7b,qwen3-30b-a3b,deepseek-v3; --repeats rounds; outputs checked
@@ -91,11 +94,11 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|pingpong] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|pingpong|power] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|pingpong) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench, fp8diag, diagab or pingpong"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench, fp8diag, diagab, pingpong or power"; exit 2 ;; esac
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
 case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
@@ -194,6 +197,7 @@ if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
   # The benchmark needs the library, mok_bench and the extension mok._C, not the tests.
   with_tests=ON
   { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ] || [ "$part" = fp8bench ] ||
+    [ "$part" = power ] ||
     [ "$part" = pytest ]; } &&
     [ ! -f $build/tests/test_plan ] &&
     with_tests=OFF
@@ -330,6 +334,13 @@ if [ "$part" = fp8 ]; then
   sanitize test_gpu_forward_fp8 Fp8Forward/Fp8ForwardCases.MatchesTheRecipeReference/shared_padded_clamp 300
   sanitize test_gpu_backward_fp8 Fp8Backward/Fp8BackwardCases.MatchesTheRecipeReference/shared_padded_clamp 300
   junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
+fi
+if [ "$part" = power ]; then  # the SM clock and board power while each impl repeats a pass (bench/clock_power.py)
+  power_presets=$presets
+  [ "$presets" = all ] && power_presets=mixtral-8x7b,deepseek-v3
+  env PYTHONPATH="$PWD/$build/pkg" python3 bench/clock_power.py --mok-bench $build/bench/mok_bench --preset "$power_presets" \
+    --impl "${impls:-mok,torch-compiled}" --pass "${passes:-fwd,fwd+bwd}" --repeats "$repeats" --commit "$commit" \
+    --date "$date" --out "$OUT/${date:0:10}-$commit-power.json" 2>&1 | tee "$LOG/clock_power.log" || test_rc=1
 fi
 if [ "$part" = fp8bench ]; then
   fp8_presets=$presets

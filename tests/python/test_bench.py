@@ -376,3 +376,27 @@ def test_report_table_of_an_fp8_run_quotes_python_fp8_against_torch_fp8():
     assert "mok-fp8-py / mok-py" in text and "1.200" in text  # 12 / 10
     assert "mok-fp8-py / torch-fp8" in text and "1.300" in text  # 13 / 10
     assert "torch-compiled" not in text  # no ratio or peak column of a baseline this run did not time
+
+
+def test_clock_power_reads_nvidia_smi_samples_and_their_window():
+    import datetime
+
+    import clock_power
+
+    text = ("2026/12/03 15:32:01.412, 1575, 692.11, 0x0000000000000004\n"
+            "2026/12/03 15:32:01.462, 1440, 699.50, 0x0000000000000004\n"
+            "2026/12/03 15:32:01.512, [N/A], 650.00, 0x0000000000000000\n"  # unreadable: skipped
+            "2026/12/03 15:32:01.562, 1980, 82.00, 0x0000000000000000\n"
+            "2026/12/03 15:32:0")  # cut short by the sampler's kill: skipped
+    s = clock_power.parse_samples(text)
+    assert [x[1] for x in s] == [1575.0, 1440.0, 1980.0] and s[1][2] == 699.5
+    assert s[0][0] == datetime.datetime(2026, 12, 3, 15, 32, 1, 412000)
+    start = datetime.datetime(2026, 12, 3, 15, 32, 1, 0)
+    w = clock_power.window_stats(s, start, datetime.datetime(2026, 12, 3, 15, 32, 1, 500000), skip_s=0.44)
+    assert w["samples"] == 1 and w["sm_mhz"] == 1440.0 and w["power_w"] == 699.5  # 01.412 falls in the skipped ramp
+    w = clock_power.window_stats(s, start, datetime.datetime(2026, 12, 3, 15, 32, 2), skip_s=0.0)
+    assert (w["samples"], w["sm_mhz"], w["sm_mhz_min"], w["sm_mhz_max"]) == (3, 1575.0, 1440.0, 1980.0)
+    assert w["throttle_reasons"] == ["0x0000000000000000", "0x0000000000000004"]
+    assert clock_power.window_stats(s, start, start, skip_s=0.0) is None
+    # 700 W for a 10 ms pass of 7 TFLOP: 1 J / TFLOP
+    assert abs(clock_power.joules_per_tflop(700.0, 10.0, 7e12) - 1.0) < 1e-12

@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""The SM clock and board power while each implementation repeats one pass: whether a layer is
+power-bound (at the board's limit the clock, not the work, sets its time) and what energy it
+spends a TFLOP of the layer — the figure of merit there.
+
+  clock_power.py [--preset mixtral-8x7b] [--routing uniform] [--impl mok,torch-compiled]
+                 [--pass fwd,fwd+bwd] [--seconds 4] [--repeats 2] [--interval-ms 50]
+                 [--mok-bench PATH] [--out FILE.json]
+
+impls: layer_bench's `mok` (mok_bench --serve), `mok-py`, `torch-compiled`, `torch`.
+
+In each round, every implementation and pass in turn (rotated every round as layer_bench's are:
+rounds.round_order) runs back to back for --seconds, queued as in training (the GPU does not idle
+between iterations; the L2 flushed before each, as layer_bench times them), while `nvidia-smi`
+samples the SM clock, the board power and the active throttle reasons every --interval-ms. The
+first --skip-s of each window are dropped (the power controller's ramp). A record: the median
+time of the window's iterations, the median (and range) of the samples' clock and power, the
+throttle reasons seen, and the energy a TFLOP (median W x median s / the layer's TFLOP of one
+pass). Nothing is checked here: layer_bench checks these implementations on the same inputs.
+
+Found with it (bench/NOTES.md, 2026-12-03): mixtral-8x7b's fused forward+backward runs at the
+700 W cap with the SM clock ~8 % below its forward's.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+IMPLS = ("mok", "mok-py", "torch-compiled", "torch")
+QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
+
+
+def parse_samples(text):
+    """[(datetime, sm_mhz, watts, reasons)] of nvidia-smi's `--query-gpu=QUERY --format=csv,noheader,nounits`
+    lines (timestamps in the machine's local time, 'YYYY/MM/DD HH:MM:SS.mmm'); lines with a value
+    nvidia-smi could not read ('[N/A]', '[Unknown Error]') or cut short are skipped."""
+    out = []
+    for line in text.splitlines():
+        parts = [s.strip() for s in line.split(",")]
+        if len(parts) != 4:
+            continue
+        try:
+            when = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+            out.append((when, float(parts[1]), float(parts[2]), parts[3]))
+        except ValueError:
+            continue
+    return out
+
+
+def window_stats(samples, start, end, skip_s=0.5):
+    """The samples in [start + skip_s, end]: their count, the SM clock's and the power's median,
+    min and max, and the throttle reasons seen; None if no sample falls in it."""
+    lo = start + datetime.timedelta(seconds=skip_s)
+    sel = [s for s in samples if lo <= s[0] <= end]
+    if not sel:
+        return None
+    clock, power = [s[1] for s in sel], [s[2] for s in sel]
+    return dict(samples=len(sel), sm_mhz=statistics.median(clock), sm_mhz_min=min(clock), sm_mhz_max=max(clock),
+                power_w=statistics.median(power), power_w_min=min(power), power_w_max=max(power),
+                throttle_reasons=sorted({s[3] for s in sel}))
+
+
+def joules_per_tflop(power_w, ms, flops):
+    """Energy a TFLOP of the layer: the board's power over one pass's time, per TFLOP of the pass."""
+    return power_w * ms * 1e-3 / (flops / 1e12)
+
+
+class Sampler:
+    """nvidia-smi in the background, sampling GPU `index` every interval_ms into a file."""
+
+    def __init__(self, index, interval_ms):
+        self.file = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
+        self.proc = subprocess.Popen(["nvidia-smi", "-i", str(index), f"--query-gpu={QUERY}",
+                                      "--format=csv,noheader,nounits", "-lms", str(interval_ms)],
+                                     stdout=self.file, stderr=subprocess.STDOUT, text=True)
+
+    def samples(self):
+        self.file.flush()
+        with open(self.file.name) as f:
+            return parse_samples(f.read())
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.file.close()
+        os.unlink(self.file.name)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="mixtral-8x7b")
+    ap.add_argument("--routing", default="uniform")
+    ap.add_argument("--impl", default="mok,torch-compiled")
+    ap.add_argument("--pass", dest="passes", default="fwd,fwd+bwd")
+    ap.add_argument("--seconds", type=float, default=4.0, help="each window's length")
+    ap.add_argument("--skip-s", type=float, default=0.5, help="dropped from the start of each window (the ramp)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--interval-ms", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--mok-bench", default=os.environ.get("MOK_BENCH", ""))
+    import torch_baseline as tb
+
+    tb.add_run_args(ap, iters=10)
+    args = ap.parse_args()
+    args.repeats = max(args.repeats, 1)
+    tb.check_run_args("clock_power", args, IMPLS)
+    if len(args.routings) != 1:
+        sys.exit("clock_power: one --routing at a time")
+    if args.seconds <= args.skip_s or args.interval_ms < 10:
+        sys.exit(f"clock_power: --seconds ({args.seconds}) must exceed --skip-s ({args.skip_s}) and "
+                 f"--interval-ms ({args.interval_ms}) be >= 10")
+    import torch
+
+    from mok_impls import MokBench, MokPy
+    from rounds import round_order
+
+    if not torch.cuda.is_available():
+        sys.exit("clock_power: no CUDA GPU")
+    presets = tb.load_presets()
+    names = args.preset.split(",")
+    for n in names:
+        if n not in presets:
+            sys.exit(f"clock_power: unknown preset '{n}'; known: {', '.join(presets)}")
+    server = None
+    if "mok" in args.impls:
+        root = os.path.dirname(HERE)
+        path = args.mok_bench or next((c for c in (os.path.join(root, "build-gpu/bench/mok_bench"),
+                                                    os.path.join(root, "build/bench/mok_bench")) if os.path.exists(c)),
+                                      os.path.join(root, "build-gpu/bench/mok_bench"))
+        server = MokBench(path)
+    tb.configure_compile()
+    gpu = torch.cuda.get_device_name(0)
+    sampler = Sampler(torch.cuda.current_device(), args.interval_ms)
+    records = []
+
+    def emit(rec):
+        records.append(rec)
+        if args.out:  # (after every record: a run cut short keeps what it measured)
+            with open(args.out, "w") as f:
+                json.dump(records, f, indent=1)
+    try:
+        for name in names:
+            p = presets[name]
+            torch._dynamo.reset()
+            d = tb.make_inputs(p, args.routings[0], seed=args.seed)
+            impls = {}
+            if "torch-compiled" in args.impls:
+                impls["torch-compiled"] = tb.TorchImpl(d, tb.compiled_layer())
+            if "torch" in args.impls:
+                impls["torch"] = tb.TorchImpl(d, tb.moe_eager)
+            if "mok-py" in args.impls:
+                impls["mok-py"] = MokPy(d)
+            if server:
+                server.load(name, args.seed, d)
+                impls["mok"] = server
+
+            def run(impl, ps, iters):  # one queued timing of `iters` iterations: each one's ms
+                if impl == "mok":
+                    return server.call("time-queued", ps, 0, iters, "mok")["ms"]
+                fn, before = impls[impl].step(ps)
+                return tb.time_ms(fn, 0, iters, before, queued=True)
+
+            runnable = [(i, ps) for ps in args.passes for i in args.impls if i in impls]
+            windows = {key: [] for key in runnable}
+            for key in runnable:  # warm-up (compiles, workspaces) and each pass's time, for its iteration count
+                run(*key, args.warmup)
+            per_iter = {key: statistics.median(run(*key, 3)) for key in runnable}
+            for r in range(args.repeats):
+                for impl, ps in round_order(runnable, r):
+                    iters = max(3, int(args.seconds * 1e3 / per_iter[(impl, ps)]))
+                    start = datetime.datetime.now()
+                    ms = run(impl, ps, iters)
+                    end = datetime.datetime.now()
+                    time.sleep(2 * args.interval_ms / 1e3)  # (the last samples of the window reach the file)
+                    stats = window_stats(sampler.samples(), start, end, args.skip_s)
+                    windows[(impl, ps)].append((statistics.median(ms), stats))
+                    clock = f"{stats['sm_mhz']:.0f} MHz, {stats['power_w']:.0f} W" if stats else "no samples"
+                    print(f"{name:<16} {impl:<15} {ps:<8} round {r}: {statistics.median(ms):8.3f} ms  {clock}", flush=True)
+                    time.sleep(1.0)  # (a gap between windows, as between layer_bench's timings)
+            for (impl, ps), ws in windows.items():
+                flops = tb.layer_flops(p, ps)
+                rounds = [dict(ms=m, **s) for m, s in ws if s]
+                if not rounds:
+                    continue
+                ms = statistics.median(w["ms"] for w in rounds)
+                power = statistics.median(w["power_w"] for w in rounds)
+                emit(dict(preset=name, impl=impl, **{"pass": ps}, routing=args.routings[0], ms=ms,
+                          tflops=flops / (ms * 1e-3) / 1e12, sm_mhz=statistics.median(w["sm_mhz"] for w in rounds),
+                          power_w=power, joules_per_tflop=joules_per_tflop(power, ms, flops), rounds=rounds,
+                          seconds=args.seconds, skip_s=args.skip_s, interval_ms=args.interval_ms, gpu=gpu,
+                          commit=args.commit, date=args.date, torch=torch.__version__))
+            for obj in impls.values():
+                if hasattr(obj, "release"):
+                    obj.release()
+            impls.clear()
+            torch.cuda.empty_cache()
+    finally:
+        sampler.close()
+        if server:
+            server.close()
+    print()
+    print(f"{'preset':<16}{'impl':<16}{'pass':<9}{'ms':>9}{'TFLOP/s':>9}{'SM MHz':>8}{'W':>6}{'J/TFLOP':>9}  throttle reasons")
+    for r in records:
+        reasons = sorted({x for w in r["rounds"] for x in w["throttle_reasons"]})
+        print(f"{r['preset']:<16}{r['impl']:<16}{r['pass']:<9}{r['ms']:9.3f}{r['tflops']:9.1f}{r['sm_mhz']:8.0f}"
+              f"{r['power_w']:6.0f}{r['joules_per_tflop']:9.3f}  {' '.join(reasons)}")
+
+
+if __name__ == "__main__":
+    main()
