@@ -125,11 +125,29 @@ struct Schedule {
     const int l = local - first * n_tiles;
     t.e = e, t.n = l / tiles, t.m = first + l % tiles;
   }
-  // Weight-gradient tasks: expert-major, then N-tile, M-tile fastest.
-  __device__ static void split_weight(int local, int m_tiles, int n_tiles, Task& t) {
+  // Weight-gradient tasks: expert-major, then N-tile with M-tile fastest — or, n_fastest, the
+  // reverse. The index that runs fastest sweeps its operand's whole expert (K = the expert's
+  // rows) once for every tile of the other; that operand must stay in L2 between its sweeps.
+  __device__ static void split_weight(int local, int m_tiles, int n_tiles, Task& t, bool n_fastest = false) {
     t.e = local / (m_tiles * n_tiles);
     const int l = local % (m_tiles * n_tiles);
-    t.n = l / m_tiles, t.m = l % m_tiles;
+    if (n_fastest) t.m = l / n_tiles, t.n = l % n_tiles;
+    else t.n = l / m_tiles, t.m = l % m_tiles;
+  }
+  // dW_gate|up sweeps the smaller of its operands per expert: dgate|dup rows (2I columns, its M)
+  // where 2I <= H, else the x rows (H columns, its N). M fastest everywhere swept mixtral-8x7b's
+  // dgate|dup rows (117 MB an expert, 224 M-tiles: more than a wave of CTAs) once for each of
+  // its 16 N-tiles from DRAM (bench/NOTES.md); its x rows take 16 MB. (dW_down sweeps the dy
+  // rows, H columns, which fit in L2 on every preset; it keeps M fastest.) Same tiles, same
+  // bits: only the order of the tasks changes. MOK_DIAG_WGU_M_FASTEST: the old order (and the ring
+  // kernels', whose routed tasks go expert by expert, keep it).
+  __device__ static bool wgu_n_fastest(const BackwardParams& p, int inter) {
+#if defined(MOK_DIAG_WGU_M_FASTEST)
+    (void)p, (void)inter;
+    return false;
+#else
+    return 2 * inter > p.hidden;
+#endif
   }
 
   __device__ Task decode(const BackwardParams& p, int task) const {
@@ -144,9 +162,9 @@ struct Schedule {
     } else if (task < wd_s) {
       t.kind = kWd, t.shared = true, split_weight(task - wd_r, m_wd, n_dh_s, t);
     } else if (task < wgu_r) {
-      t.kind = kWgu, split_weight(task - wd_s, m_wgu_r, n_dx, t);
+      t.kind = kWgu, split_weight(task - wd_s, m_wgu_r, n_dx, t, !kRing && wgu_n_fastest(p, p.routed.inter));
     } else if (task < wgu_s) {
-      t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_dx, t);
+      t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_dx, t, !kRing && wgu_n_fastest(p, p.shared.inter));
     } else if (task < dx_r) {
       t.kind = kDx, split_routed(p, task - wgu_s, n_dx, t);
     } else if (task < dx_s) {
