@@ -73,14 +73,25 @@ def joules_per_tflop(power_w, ms, flops):
     return power_w * ms * 1e-3 / (flops / 1e12)
 
 
+def smi_index(device, visible=None):
+    """nvidia-smi's -i for CUDA device `device`: its entry of CUDA_VISIBLE_DEVICES (an index or a
+    UUID, both of which -i takes) when that is set, else the device number itself."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    entries = [v.strip() for v in visible.split(",") if v.strip()] if visible else []
+    return entries[device] if device < len(entries) else str(device)
+
+
 class Sampler:
     """nvidia-smi in the background, sampling GPU `index` every interval_ms into a file."""
 
     def __init__(self, index, interval_ms):
         self.file = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
-        self.proc = subprocess.Popen(["nvidia-smi", "-i", str(index), f"--query-gpu={QUERY}",
-                                      "--format=csv,noheader,nounits", "-lms", str(interval_ms)],
-                                     stdout=self.file, stderr=subprocess.STDOUT, text=True)
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "-i", str(index), f"--query-gpu={QUERY}",
+                                          "--format=csv,noheader,nounits", "-lms", str(interval_ms)],
+                                         stdout=self.file, stderr=subprocess.STDOUT, text=True)
+        except FileNotFoundError:
+            sys.exit("clock_power: nvidia-smi not found (it samples the clock and power)")
 
     def samples(self):
         self.file.flush()
@@ -138,7 +149,7 @@ def main():
         server = MokBench(path)
     tb.configure_compile()
     gpu = torch.cuda.get_device_name(0)
-    sampler = Sampler(torch.cuda.current_device(), args.interval_ms)
+    sampler = Sampler(smi_index(torch.cuda.current_device()), args.interval_ms)
     records = []
 
     def emit(rec):

@@ -400,3 +400,11 @@ def test_clock_power_reads_nvidia_smi_samples_and_their_window():
     assert clock_power.window_stats(s, start, start, skip_s=0.0) is None
     # 700 W for a 10 ms pass of 7 TFLOP: 1 J / TFLOP
     assert abs(clock_power.joules_per_tflop(700.0, 10.0, 7e12) - 1.0) < 1e-12
+
+
+def test_clock_power_samples_the_gpu_cuda_runs_on():
+    import clock_power
+
+    assert clock_power.smi_index(0, visible="") == "0" and clock_power.smi_index(1, visible="") == "1"
+    assert clock_power.smi_index(0, visible="3,5") == "3" and clock_power.smi_index(1, visible="3,5") == "5"
+    assert clock_power.smi_index(0, visible="GPU-1234abcd") == "GPU-1234abcd"
