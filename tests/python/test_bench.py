@@ -408,3 +408,20 @@ def test_clock_power_samples_the_gpu_cuda_runs_on():
     assert clock_power.smi_index(0, visible="") == "0" and clock_power.smi_index(1, visible="") == "1"
     assert clock_power.smi_index(0, visible="3,5") == "3" and clock_power.smi_index(1, visible="3,5") == "5"
     assert clock_power.smi_index(0, visible="GPU-1234abcd") == "GPU-1234abcd"
+
+
+def test_report_quotes_fp8_against_the_faster_pytorch_layer_of_each_round():
+    """With both PyTorch layers timed, the FP8 layer's ratio to the faster of them in each round
+    (torch-fp8 won the first two rounds here, torch-compiled the third)."""
+    base = dict(preset="mixtral-8x7b", tokens=8192, ep=1, repeats=3, iters=10, gpu="NVIDIA H200", commit="abc1234",
+                date="2026-12-03T00:00:00Z", routing="uniform", max_load_ratio=1.03, check="passed", peak_bytes=0)
+    times = {"mok-py": [12.0, 12.0, 12.0], "mok-fp8-py": [10.0, 10.0, 10.0], "torch-compiled": [13.0, 13.0, 10.5],
+             "torch-fp8": [11.0, 12.0, 14.0]}
+    records = [dict(base, impl=impl, **{"pass": "fwd"}, ms=sorted(ms)[1], ms_repeats=ms, tflops=1000 / sorted(ms)[1])
+               for impl, ms in times.items()]
+    assert report.round_ratio({r["impl"]: r for r in records}, "mok-fp8-py", report.BEST_TORCH) == (1.1, 1.05, 1.2)
+    text = report.layer_table(records)
+    assert "mok-fp8-py / faster PyTorch" in text and "1.100 (1.050–1.200)" in text
+    assert "mok-fp8 / faster PyTorch" not in text  # (mok-fp8 was not timed)
+    without = [r for r in records if r["impl"] != "torch-compiled"]
+    assert "faster PyTorch" not in report.layer_table(without)  # only one PyTorch layer: no such claim
