@@ -141,6 +141,17 @@ struct Schedule {
   // rows, H columns, which fit in L2 on every preset; it keeps M fastest.) Same tiles, same
   // bits: only the order of the tasks changes. MOK_DIAG_WGU_M_FASTEST: the old order (and the ring
   // kernels', whose routed tasks go expert by expert, keep it).
+  // dW_down: M fastest (sweeping the dy rows, H columns). MOK_DIAG_WD_N_FASTEST (a same-bits
+  // variant to measure): the smaller operand swept, as dW_gate|up — the w h rows (I columns)
+  // where H > I, which is every preset but mixtral-8x7b (deepseek-v3's dy rows: 29 MB an expert).
+  __device__ static bool wd_n_fastest(const BackwardParams& p, int inter) {
+#if defined(MOK_DIAG_WD_N_FASTEST)
+    return p.hidden > inter;
+#else
+    (void)p, (void)inter;
+    return false;
+#endif
+  }
   __device__ static bool wgu_n_fastest(const BackwardParams& p, int inter) {
 #if defined(MOK_DIAG_WGU_M_FASTEST)
     (void)p, (void)inter;
@@ -158,9 +169,9 @@ struct Schedule {
     } else if (task < dh_s) {
       t.kind = kDh, t.shared = true, t.n = (task - dh_r) / m_shared, t.m = (task - dh_r) % m_shared;
     } else if (task < wd_r) {
-      t.kind = kWd, split_weight(task - dh_s, m_wd, n_dh_r, t);
+      t.kind = kWd, split_weight(task - dh_s, m_wd, n_dh_r, t, !kRing && wd_n_fastest(p, p.routed.inter));
     } else if (task < wd_s) {
-      t.kind = kWd, t.shared = true, split_weight(task - wd_r, m_wd, n_dh_s, t);
+      t.kind = kWd, t.shared = true, split_weight(task - wd_r, m_wd, n_dh_s, t, !kRing && wd_n_fastest(p, p.shared.inter));
     } else if (task < wgu_r) {
       t.kind = kWgu, split_weight(task - wd_s, m_wgu_r, n_dx, t, !kRing && wgu_n_fastest(p, p.routed.inter));
     } else if (task < wgu_s) {
