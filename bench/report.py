@@ -148,6 +148,11 @@ def layer_table(records):
                        ("mok-fp8-py / faster PyTorch", "mok-fp8-py", BEST_TORCH)]
         order = LAYER_IMPLS
     out = []
+    impls_run = {r["impl"] for r in records}
+    if {"torch-fp8"} & impls_run and "torch-compiled" not in impls_run:
+        out += ["This run timed no torch-compiled: its ratios to torch-fp8 are not ratios to PyTorch's strongest "
+                "layer (the compiled BF16 one is faster in forward+backward, and on the fine-grained presets in the "
+                "forward too).", ""]
     for routing in dict.fromkeys(r.get("routing", "uniform") for r in records):
         for ps in ("fwd", "fwd+bwd"):
             by = {}

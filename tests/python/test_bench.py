@@ -375,7 +375,8 @@ def test_report_table_of_an_fp8_run_quotes_python_fp8_against_torch_fp8():
     text = report.layer_table(records)
     assert "mok-fp8-py / mok-py" in text and "1.200" in text  # 12 / 10
     assert "mok-fp8-py / torch-fp8" in text and "1.300" in text  # 13 / 10
-    assert "torch-compiled" not in text  # no ratio or peak column of a baseline this run did not time
+    assert "| peak GiB torch-compiled" not in text and "/ torch-compiled" not in text  # (a baseline it did not time)
+    assert "timed no torch-compiled" in text  # and it says its ratios are not to PyTorch's strongest layer
 
 
 def test_clock_power_reads_nvidia_smi_samples_and_their_window():
