@@ -134,32 +134,26 @@ struct Schedule {
     if (n_fastest) t.m = l / n_tiles, t.n = l % n_tiles;
     else t.n = l / m_tiles, t.m = l % m_tiles;
   }
-  // dW_gate|up sweeps the smaller of its operands per expert: dgate|dup rows (2I columns, its M)
-  // where 2I <= H, else the x rows (H columns, its N). M fastest everywhere swept mixtral-8x7b's
-  // dgate|dup rows (117 MB an expert, 224 M-tiles: more than a wave of CTAs) once for each of
-  // its 16 N-tiles from DRAM (bench/NOTES.md); its x rows take 16 MB. (dW_down sweeps the dy
-  // rows, H columns, which fit in L2 on every preset; it keeps M fastest.) Same tiles, same
-  // bits: only the order of the tasks changes. MOK_DIAG_WGU_M_FASTEST: the old order (and the ring
-  // kernels', whose routed tasks go expert by expert, keep it).
-  // dW_down: M fastest (sweeping the dy rows, H columns). MOK_DIAG_WD_N_FASTEST (a same-bits
-  // variant to measure): the smaller operand swept, as dW_gate|up — the w h rows (I columns)
-  // where H > I, which is every preset but mixtral-8x7b (deepseek-v3's dy rows: 29 MB an expert).
-  __device__ static bool wd_n_fastest(const BackwardParams& p, int inter) {
-#if defined(MOK_DIAG_WD_N_FASTEST)
-    return p.hidden > inter;
-#else
-    (void)p, (void)inter;
-    return false;
-#endif
-  }
-  __device__ static bool wgu_n_fastest(const BackwardParams& p, int inter) {
+  // Whether a weight-gradient phase runs N fastest: where its N operand's rows are narrower than
+  // its M operand's, so the one swept per tile of the other is the smaller per expert. The ring
+  // kernels, whose routed tasks go expert by expert, keep M fastest. dW_gate|up (M: dgate|dup
+  // rows, 2I columns; N: x rows, H) takes it: with M fastest everywhere, mixtral-8x7b's dgate|dup
+  // rows (117 MB an expert, 224 M-tiles: more than a wave of CTAs) were swept once for each of its
+  // 16 N-tiles (bench/NOTES.md); its x rows take 16 MB. dW_down (M: dy rows, H; N: w h rows, I)
+  // keeps M fastest: its dy rows fit in L2 on every preset. Same tiles, same bits: only the order
+  // of the tasks changes. Same-bits variants to measure: MOK_DIAG_WGU_M_FASTEST (dW_gate|up's old
+  // order), MOK_DIAG_WD_N_FASTEST (dW_down by the rule too).
 #if defined(MOK_DIAG_WGU_M_FASTEST)
-    (void)p, (void)inter;
-    return false;
+  static constexpr bool kWguByRule = false;
 #else
-    return 2 * inter > p.hidden;
+  static constexpr bool kWguByRule = true;
 #endif
-  }
+#if defined(MOK_DIAG_WD_N_FASTEST)
+  static constexpr bool kWdByRule = true;
+#else
+  static constexpr bool kWdByRule = false;
+#endif
+  __device__ static bool n_fastest(int m_columns, int n_columns) { return !kRing && n_columns < m_columns; }
 
   __device__ Task decode(const BackwardParams& p, int task) const {
     Task t{kCombine, false, 0, 0, 0};
@@ -169,13 +163,13 @@ struct Schedule {
     } else if (task < dh_s) {
       t.kind = kDh, t.shared = true, t.n = (task - dh_r) / m_shared, t.m = (task - dh_r) % m_shared;
     } else if (task < wd_r) {
-      t.kind = kWd, split_weight(task - dh_s, m_wd, n_dh_r, t, !kRing && wd_n_fastest(p, p.routed.inter));
+      t.kind = kWd, split_weight(task - dh_s, m_wd, n_dh_r, t, kWdByRule && n_fastest(p.hidden, p.routed.inter));
     } else if (task < wd_s) {
-      t.kind = kWd, t.shared = true, split_weight(task - wd_r, m_wd, n_dh_s, t, !kRing && wd_n_fastest(p, p.shared.inter));
+      t.kind = kWd, t.shared = true, split_weight(task - wd_r, m_wd, n_dh_s, t, kWdByRule && n_fastest(p.hidden, p.shared.inter));
     } else if (task < wgu_r) {
-      t.kind = kWgu, split_weight(task - wd_s, m_wgu_r, n_dx, t, !kRing && wgu_n_fastest(p, p.routed.inter));
+      t.kind = kWgu, split_weight(task - wd_s, m_wgu_r, n_dx, t, kWguByRule && n_fastest(2 * p.routed.inter, p.hidden));
     } else if (task < wgu_s) {
-      t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_dx, t, !kRing && wgu_n_fastest(p, p.shared.inter));
+      t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_dx, t, kWguByRule && n_fastest(2 * p.shared.inter, p.hidden));
     } else if (task < dx_r) {
       t.kind = kDx, split_routed(p, task - wgu_s, n_dx, t);
     } else if (task < dx_s) {
