@@ -130,7 +130,7 @@ def main():
                  f"--interval-ms ({args.interval_ms}) be >= 10")
     import torch
 
-    from mok_impls import MokBench, MokPy
+    from mok_impls import MokBench, MokPy, mok_bench_path
     from rounds import round_order
 
     if not torch.cuda.is_available():
@@ -142,11 +142,7 @@ def main():
             sys.exit(f"clock_power: unknown preset '{n}'; known: {', '.join(presets)}")
     server = None
     if "mok" in args.impls:
-        root = os.path.dirname(HERE)
-        path = args.mok_bench or next((c for c in (os.path.join(root, "build-gpu/bench/mok_bench"),
-                                                    os.path.join(root, "build/bench/mok_bench")) if os.path.exists(c)),
-                                      os.path.join(root, "build-gpu/bench/mok_bench"))
-        server = MokBench(path)
+        server = MokBench(mok_bench_path(args.mok_bench))
     tb.configure_compile()
     gpu = torch.cuda.get_device_name(0)
     sampler = Sampler(smi_index(torch.cuda.current_device()), args.interval_ms)

@@ -80,7 +80,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_baseline as tb  # noqa: E402
-from mok_impls import MokBench, MokPy, check_mok_fp8, checksum, fp8_check  # noqa: E402,F401
+from mok_impls import MokBench, MokPy, check_mok_fp8, checksum, fp8_check, mok_bench_path  # noqa: E402,F401
 from rounds import SETTLE_ITERS, paired_ratio, round_order, settle  # noqa: E402
 
 IMPLS = ("torch-compiled", "torch", "mok", "mok-py", "dense")
@@ -342,11 +342,7 @@ def main():
             sys.exit(f"layer_bench: unknown preset '{n}'; known: {', '.join(presets)}")
     server = None
     if "mok" in args.impls or "mok-fp8" in args.impls:
-        root = os.path.dirname(HERE)
-        path = args.mok_bench or next((c for c in (os.path.join(root, "build-gpu/bench/mok_bench"),
-                                                    os.path.join(root, "build/bench/mok_bench")) if os.path.exists(c)),
-                                      os.path.join(root, "build-gpu/bench/mok_bench"))
-        server = MokBench(path)
+        server = MokBench(mok_bench_path(args.mok_bench))
     tb.configure_compile()
     gpu = torch.cuda.get_device_name(0)
     records = []

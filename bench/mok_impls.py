@@ -125,6 +125,16 @@ class MokPy(tb.TorchImpl):
         return sum(ws.bytes for ws in ops._workspaces.values())
 
 
+def mok_bench_path(given=""):
+    """The mok_bench executable: `given` (--mok-bench) if set, else build-gpu's, else build's
+    (the first that exists; build-gpu's, for MokBench's message, if neither does)."""
+    if given:
+        return given
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    candidates = [os.path.join(root, d, "bench", "mok_bench") for d in ("build-gpu", "build")]
+    return next((c for c in candidates if os.path.exists(c)), candidates[0])
+
+
 class MokBench:
     """`mok_bench --serve`: the C++ layer in a second process, one command a line."""
 

@@ -426,3 +426,12 @@ def test_report_quotes_fp8_against_the_faster_pytorch_layer_of_each_round():
     assert "mok-fp8 / faster PyTorch" not in text  # (mok-fp8 was not timed)
     without = [r for r in records if r["impl"] != "torch-compiled"]
     assert "faster PyTorch" not in report.layer_table(without)  # only one PyTorch layer: no such claim
+
+
+def test_mok_bench_path_takes_the_given_one_else_a_build():
+    import mok_impls
+
+    assert mok_impls.mok_bench_path("/x/mok_bench") == "/x/mok_bench"
+    found = mok_impls.mok_bench_path("")
+    assert found.endswith(os.path.join("bench", "mok_bench"))
+    assert os.path.basename(os.path.dirname(os.path.dirname(found))) in ("build-gpu", "build")
