@@ -178,7 +178,7 @@ def main():
             runnable = [(i, ps) for ps in args.passes for i in args.impls if i in impls]
             windows = {key: [] for key in runnable}
             for key in runnable:  # warm-up (compiles, workspaces) and each pass's time, for its iteration count
-                run(*key, args.warmup)
+                run(*key, max(args.warmup, 1))
             per_iter = {key: statistics.median(run(*key, 3)) for key in runnable}
             for r in range(args.repeats):
                 for impl, ps in round_order(runnable, r):
