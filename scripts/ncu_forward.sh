@@ -7,6 +7,7 @@
 # writes, per impl, $OUT/ncu-<preset>-<impl>.txt (ncu's details page: speed of light,
 # compute and memory workload, warp states, scheduler), $OUT/ncu-<preset>-<impl>-stalls.txt
 # (the raw page's warp-stall metrics, one line each: instruction fetch is `no_instruction`)
+# $OUT/ncu-<preset>-<impl>-raw.txt (every metric: dram__bytes_read.sum is the launch's DRAM reads)
 # and $OUT/ncu-<preset>-<impl>-sass.csv (the source page: each SASS instruction's executions
 # and warp-stall samples), and prints the tensor-pipe and stall summary lines. The kernel is
 # the one mok_bench times (its second launch, after a warm-up), on the preset's own inputs,
@@ -50,8 +51,10 @@ for impl in ${impls//,/ }; do
     > "$OUT/ncu-$preset-$impl.log" 2>&1 || { echo "ncu failed on $impl:"; tail -20 "$OUT/ncu-$preset-$impl.log"; rc=1; continue; }
   "$ncu_bin" --import "$rep.ncu-rep" --page details > "$OUT/ncu-$preset-$impl.txt" 2>&1
   "$ncu_bin" --import "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-$preset-$impl-sass.csv" 2>&1
-  "$ncu_bin" --import "$rep.ncu-rep" --page raw 2>&1 | grep -E "issue_stalled|inst_executed " > "$OUT/ncu-$preset-$impl-stalls.txt"
+  "$ncu_bin" --import "$rep.ncu-rep" --page raw > "$OUT/ncu-$preset-$impl-raw.txt" 2>&1
+  grep -E "issue_stalled|inst_executed " "$OUT/ncu-$preset-$impl-raw.txt" > "$OUT/ncu-$preset-$impl-stalls.txt"
   echo "== $preset $impl"
+  grep -E " dram__bytes_(read|write)\.sum |lts__t_sector_hit_rate\.pct " "$OUT/ncu-$preset-$impl-raw.txt" | head -4
   grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L2 Hit Rate|Shared Memory|Issue Slots Busy|Executed Ipc Active|No Eligible|Warp Cycles Per Issued" "$OUT/ncu-$preset-$impl.txt" | head -24
 done
 exit "$rc"
