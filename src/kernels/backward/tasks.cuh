@@ -140,18 +140,14 @@ struct Schedule {
   // rows, 2I columns; N: x rows, H) takes it: with M fastest everywhere, mixtral-8x7b's dgate|dup
   // rows (117 MB an expert, 224 M-tiles: more than a wave of CTAs) were swept once for each of its
   // 16 N-tiles (bench/NOTES.md); its x rows take 16 MB. dW_down (M: dy rows, H; N: w h rows, I)
-  // keeps M fastest: its dy rows fit in L2 on every preset. Same tiles, same bits: only the order
-  // of the tasks changes. Same-bits variants to measure: MOK_DIAG_WGU_M_FASTEST (dW_gate|up's old
-  // order), MOK_DIAG_WD_N_FASTEST (dW_down by the rule too).
+  // keeps M fastest: its dy rows fit in L2 on every preset (by the rule too it measured within 1 %
+  // on deepseek-v3, kimi-k2 and glm-4.5, 53c96e6). Same tiles, same bits: only the order of the
+  // tasks changes. Measured on mixtral-8x7b (bench/NOTES.md): the backward kernel's DRAM bytes
+  // ~37 -> 22.7 GB, forward+backward 3.5 % faster. MOK_DIAG_WGU_M_FASTEST: the old order.
 #if defined(MOK_DIAG_WGU_M_FASTEST)
   static constexpr bool kWguByRule = false;
 #else
   static constexpr bool kWguByRule = true;
-#endif
-#if defined(MOK_DIAG_WD_N_FASTEST)
-  static constexpr bool kWdByRule = true;
-#else
-  static constexpr bool kWdByRule = false;
 #endif
   __device__ static bool n_fastest(int m_columns, int n_columns) { return !kRing && n_columns < m_columns; }
 
@@ -163,9 +159,9 @@ struct Schedule {
     } else if (task < dh_s) {
       t.kind = kDh, t.shared = true, t.n = (task - dh_r) / m_shared, t.m = (task - dh_r) % m_shared;
     } else if (task < wd_r) {
-      t.kind = kWd, split_weight(task - dh_s, m_wd, n_dh_r, t, kWdByRule && n_fastest(p.hidden, p.routed.inter));
+      t.kind = kWd, split_weight(task - dh_s, m_wd, n_dh_r, t);
     } else if (task < wd_s) {
-      t.kind = kWd, t.shared = true, split_weight(task - wd_r, m_wd, n_dh_s, t, kWdByRule && n_fastest(p.hidden, p.shared.inter));
+      t.kind = kWd, t.shared = true, split_weight(task - wd_r, m_wd, n_dh_s, t);
     } else if (task < wgu_r) {
       t.kind = kWgu, split_weight(task - wd_s, m_wgu_r, n_dx, t, kWguByRule && n_fastest(2 * p.routed.inter, p.hidden));
     } else if (task < wgu_s) {
