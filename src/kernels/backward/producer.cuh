@@ -22,6 +22,16 @@
 
 namespace mok::kernels::bwd {
 
+// MOK_DIAG_BWD_NO_LOADS=MASK (bytes and timing only, wrong results): the BF16 tasks of the kinds
+// in MASK (bit 1 << TaskKind: 1 dh, 2 dx, 4 dW_down, 8 dW_gate|up) load no operands — their stages
+// complete empty and the MMAs read whatever the stage held — so a launch's DRAM bytes (ncu) with
+// and without a phase's loads say what that phase's mainloop reads (bench/NOTES.md).
+#if defined(MOK_DIAG_BWD_NO_LOADS)
+constexpr int kDiagNoLoadKinds = MOK_DIAG_BWD_NO_LOADS;
+#else
+constexpr int kDiagNoLoadKinds = 0;
+#endif
+
 using namespace mok::ptx;
 
 // ---------------------------------------------------------------------------------- producer
@@ -131,10 +141,11 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
       int boxes = b_boxes;
       asm volatile("" : "+r"(boxes));  // (opaque: else the bytes are hoisted out of the loop, and spilled)
       const std::uint32_t a_bytes = (t.kind == kDh || t.kind == kDx) ? kKMajorABytes : a_boxes * kBoxBytes;
-      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, a_bytes + boxes * kBoxBytes);
+      const bool load = ((kDiagNoLoadKinds >> t.kind) & 1) == 0;
+      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, load ? a_bytes + boxes * kBoxBytes : 0);
       SharedStorage::Stage& st = s.stages[pipe.stage()];
       const int k0 = kb * kBlockK;
-      switch (t.kind) {
+      if (load) switch (t.kind) {
         case kDh:
           tma_load_3d(st.a, &maps.dy_k, full, k0, rows_at, second_region(rows_at));
           for (int c = 0; c < b_boxes; ++c) tma_load_3d(st.b + c * 4096, &maps.down_mn, full, n0 + 64 * c, k0, t.e);
