@@ -118,13 +118,22 @@ struct Schedule {
     t.kind = kWgu, t.n = l / m_wgu_r, t.m = l % m_wgu_r;
   }
 
-  // Routed M-tile tasks: N-tile-major inside each expert (the forward's order).
-  __device__ static void split_routed(const BackwardParams& p, int local, int n_tiles, Task& t) {
+  // Routed M-tile tasks: N-tile-major inside each expert (the forward's order) — or, n_fastest,
+  // M-tile-major (MOK_DIAG_DX_N_FASTEST: the dx tiles so, a same-bits variant to measure the
+  // long-K phase's DRAM bytes by).
+  __device__ static void split_routed(const BackwardParams& p, int local, int n_tiles, Task& t, bool n_fastest = false) {
     const int e = expert_of_task(p.plan.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
     const int first = p.plan.expert_offset[e] / kBlockM, tiles = p.plan.expert_offset[e + 1] / kBlockM - first;
     const int l = local - first * n_tiles;
-    t.e = e, t.n = l / tiles, t.m = first + l % tiles;
+    t.e = e;
+    if (n_fastest) t.m = first + l / n_tiles, t.n = l % n_tiles;
+    else t.n = l / tiles, t.m = first + l % tiles;
   }
+#if defined(MOK_DIAG_DX_N_FASTEST)
+  static constexpr bool kDxNFastest = true;
+#else
+  static constexpr bool kDxNFastest = false;
+#endif
   // Weight-gradient tasks: expert-major, then N-tile with M-tile fastest — or, n_fastest, the
   // reverse. The index that runs fastest sweeps its operand's whole expert (K = the expert's
   // rows) once for every tile of the other; that operand must stay in L2 between its sweeps.
@@ -167,7 +176,7 @@ struct Schedule {
     } else if (task < wgu_s) {
       t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_dx, t, kWguByRule && n_fastest(2 * p.shared.inter, p.hidden));
     } else if (task < dx_r) {
-      t.kind = kDx, split_routed(p, task - wgu_s, n_dx, t);
+      t.kind = kDx, split_routed(p, task - wgu_s, n_dx, t, kDxNFastest);
     } else if (task < dx_s) {
       t.kind = kDx, t.shared = true, t.n = (task - dx_r) / m_shared, t.m = (task - dx_r) % m_shared;
     } else {
