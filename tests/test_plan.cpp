@@ -11,6 +11,7 @@
 #include "mok/routing.hpp"
 #include "host/layer_launch.hpp"
 #include "kernels/common/slot_rows.cuh"
+#include "kernels/common/task_order.cuh"
 #include "kernels/forward/interleave.cuh"
 #include "plan_checks.hpp"
 
@@ -215,6 +216,32 @@ TEST(Schedule, InterleavedOrderCoversEveryTileAndWaitsOnlyBackwards) {
           g1_done = std::max(g1_done, g1_last[m]);
           EXPECT_LT(g1_done, g2_first[m]) << "M-tile " << m;
         }
+      }
+}
+
+// split_in_bands (the dx / GEMM2 tiles' order variants, MOK_DIAG_DX_BAND / MOK_DIAG_GEMM2_BAND):
+// every tile of the grid exactly once for any band, the plain N-tile-major order for a band of
+// at least the grid's M-tiles, N fastest for band 1, and inside a whole band the N-tile-major
+// order of its M-tiles.
+TEST(Schedule, BandedOrderCoversEveryTileOnce) {
+  for (int tiles = 1; tiles <= 19; ++tiles)
+    for (int n_tiles = 1; n_tiles <= 9; ++n_tiles)
+      for (int band = 1; band <= 24; ++band) {
+        SCOPED_TRACE(::testing::Message() << tiles << " x " << n_tiles << " tiles, bands of " << band);
+        std::vector<int> seen(tiles * n_tiles, 0);
+        for (int l = 0; l < tiles * n_tiles; ++l) {
+          int m = -1, n = -1;
+          kernels::split_in_bands(l, tiles, n_tiles, band, m, n);
+          ASSERT_TRUE(m >= 0 && m < tiles && n >= 0 && n < n_tiles) << "task " << l << ": " << m << ", " << n;
+          ++seen[m * n_tiles + n];
+          if (band >= tiles) EXPECT_TRUE(m == l % tiles && n == l / tiles) << "task " << l;
+          if (band == 1) EXPECT_TRUE(m == l / n_tiles && n == l % n_tiles) << "task " << l;
+          if (l < tiles / band * band * n_tiles) {
+            const int in_band = l % (band * n_tiles);
+            EXPECT_TRUE(m == l / (band * n_tiles) * band + in_band % band && n == in_band / band) << "task " << l;
+          }
+        }
+        EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), tiles * n_tiles);
       }
 }
 

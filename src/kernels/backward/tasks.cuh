@@ -12,6 +12,7 @@
 #include "kernels/ep/ep_push.cuh"
 #include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
+#include "kernels/common/task_order.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "kernels/ep/ring_copy.cuh"
 #include "kernels/common/swiglu.cuh"
@@ -118,21 +119,28 @@ struct Schedule {
     t.kind = kWgu, t.n = l / m_wgu_r, t.m = l % m_wgu_r;
   }
 
-  // Routed M-tile tasks: N-tile-major inside each expert (the forward's order) — or, n_fastest,
-  // M-tile-major (MOK_DIAG_DX_N_FASTEST: the dx tiles so, a same-bits variant to measure the
-  // long-K phase's DRAM bytes by).
-  __device__ static void split_routed(const BackwardParams& p, int local, int n_tiles, Task& t, bool n_fastest = false) {
+  // Routed M-tile tasks: N-tile-major inside each expert (the forward's order) — or, band > 0,
+  // in bands of `band` M-tiles (split_in_bands). Measured on the dx tiles (bench/NOTES.md):
+  // band 1 (N fastest) read mixtral-8x7b's backward 18.7 -> 35.7 GB of DRAM, 2.7 % slower (4.7 %
+  // on deepseek-v3): its W_gate|up N-tiles were then shared by CTAs 16 apart. Same bits in any
+  // order (a bijection; the dx tiles' waits count per M-tile and expert). MOK_DIAG_DX_BAND=K:
+  // the dx tiles in bands of K, to measure.
+  __device__ static void split_routed(const BackwardParams& p, int local, int n_tiles, Task& t, int band = 0) {
     const int e = expert_of_task(p.plan.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
     const int first = p.plan.expert_offset[e] / kBlockM, tiles = p.plan.expert_offset[e + 1] / kBlockM - first;
     const int l = local - first * n_tiles;
     t.e = e;
-    if (n_fastest) t.m = first + l / n_tiles, t.n = l % n_tiles;
-    else t.n = l / tiles, t.m = first + l % tiles;
+    if (band <= 0) {
+      t.n = l / tiles, t.m = first + l % tiles;
+    } else {
+      split_in_bands(l, tiles, n_tiles, band, t.m, t.n);
+      t.m += first;
+    }
   }
-#if defined(MOK_DIAG_DX_N_FASTEST)
-  static constexpr bool kDxNFastest = true;
+#if defined(MOK_DIAG_DX_BAND)
+  static constexpr int kDxBand = MOK_DIAG_DX_BAND;
 #else
-  static constexpr bool kDxNFastest = false;
+  static constexpr int kDxBand = 0;
 #endif
   // Weight-gradient tasks: expert-major, then N-tile with M-tile fastest — or, n_fastest, the
   // reverse. The index that runs fastest sweeps its operand's whole expert (K = the expert's
@@ -176,7 +184,7 @@ struct Schedule {
     } else if (task < wgu_s) {
       t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_dx, t, kWguByRule && n_fastest(2 * p.shared.inter, p.hidden));
     } else if (task < dx_r) {
-      t.kind = kDx, split_routed(p, task - wgu_s, n_dx, t, kDxNFastest);
+      t.kind = kDx, split_routed(p, task - wgu_s, n_dx, t, kDxBand);
     } else if (task < dx_s) {
       t.kind = kDx, t.shared = true, t.n = (task - dx_r) / m_shared, t.m = (task - dx_r) % m_shared;
     } else {

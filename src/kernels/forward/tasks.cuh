@@ -12,6 +12,7 @@
 #include "kernels/forward/interleave.cuh"
 #include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
+#include "kernels/common/task_order.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "kernels/ep/ring_copy.cuh"
 #include "kernels/common/slot_rows.cuh"
@@ -116,12 +117,24 @@ struct TaskSchedule {
     t.m = t.mb * per + l % tiles;
   }
 
-  // Routed tasks: find the expert whose task range holds `local`, then split inside it.
-  __device__ static void split_routed(const ForwardParams& p, int local, int n_tiles, Task& t) {
+  // Routed tasks: find the expert whose task range holds `local`, then split inside it —
+  // band > 0: in bands of `band` M-tiles (split_in_bands; same bits, GEMM2's tiles count per
+  // M-tile). MOK_DIAG_GEMM2_BAND=K: the routed GEMM2 tiles so, to measure (bench/NOTES.md).
+  __device__ static void split_routed(const ForwardParams& p, int local, int n_tiles, Task& t, int band = 0) {
     const int e = expert_of_task(p.plan.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
     const int first = p.plan.expert_offset[e] / kBlockM;
-    split(local - first * n_tiles, first, p.plan.expert_offset[e + 1] / kBlockM - first, t);
+    if (band <= 0) {
+      split(local - first * n_tiles, first, p.plan.expert_offset[e + 1] / kBlockM - first, t);
+    } else {
+      split_in_bands(local - first * n_tiles, p.plan.expert_offset[e + 1] / kBlockM - first, n_tiles, band, t.m, t.n);
+      t.m += first;
+    }
   }
+#if defined(MOK_DIAG_GEMM2_BAND)
+  static constexpr int kGemm2Band = MOK_DIAG_GEMM2_BAND;
+#else
+  static constexpr int kGemm2Band = 0;
+#endif
 
   __device__ void split_interleaved(const ForwardParams& p, int local, Task& t) const {
     const InterleavedTask it = interleaved_task(m_routed, n1_routed, n2, p.interleave_tiles, local);
@@ -154,7 +167,7 @@ struct TaskSchedule {
       split(task - g1_routed_end, 0, m_shared, t);
     } else if (task < g2_routed_end) {
       t.kind = kGemm2;
-      split_routed(p, task - g1_shared_end, n2, t);
+      split_routed(p, task - g1_shared_end, n2, t, kGemm2Band);
     } else if (task < g2_shared_end) {
       t.kind = kGemm2, t.shared = true;
       split(task - g2_routed_end, 0, m_shared, t);
