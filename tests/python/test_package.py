@@ -1,7 +1,6 @@
 """What needs no GPU: the extension's linkage, the fp64 reference, argument checks, the
 fake implementation (meta tensors)."""
 
-import os
 import shutil
 import subprocess
 
