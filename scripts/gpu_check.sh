@@ -8,9 +8,9 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8bench|fp8diag|diagab|pingpong|power] [--presets all|NAME,...] [--repeats N] [--iters N]
+#                                                   host|fp8|fp8bench|fp8diag|diagab|dram|pingpong|power] [--presets all|NAME,...] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
-#                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES]
+#                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON, and so do its two halves `ctest` (clean
 # build, ctest, sanitizers, the main job) and `pytest` (the package, pytest, the training example); `bench` (build if missing, then
@@ -62,6 +62,14 @@
 # MOK_DIAG_DEFINES=--diag), bench/ab_serve.py between them (--impl, default mok,mok; --pass, default
 # fwd+bwd; --presets, default mixtral-8x7b,qwen3-30b-a3b,deepseek-v3; --repeats rounds; outputs checked
 # bitwise equal) into <date>-<commit>-diagab.json; nothing else runs.
+# `dram` (same-bits order / cache variants, judged by DRAM bytes, then time): a mok_bench build per
+# --diag variant (`,` between variants, `;` joins defines within one) beside the default, all in
+# parallel; ncu's DRAM bytes (read, written), kernel time and L2 hit rate of one forward and one
+# backward launch per build on --ncu-preset (default mixtral-8x7b); bench/ab_serve.py of each
+# variant against the default (--presets, default mixtral-8x7b,deepseek-v3,kimi-k2; --pass, default
+# fwd,fwd+bwd; --repeats rounds; outputs checked bitwise equal). Writes <date>-<commit>-dram.txt (the
+# table), <date>-<commit>-dram-ab<i>.json per variant and <date>-<commit>-dram.tgz (the rest): few
+# files, as a device call returns only a handful.
 # `pingpong` (issue 18: Config::pingpong): build, its tests and sanitizers,
 # bench/ab_serve.py mok against mok-pp (one build, alternating --repeats rounds, bitwise checked) into
 # <date>-<commit>-ab-pingpong.json, then scripts/ncu_forward.sh on both for qwen3-30b-a3b and deepseek-v3.
@@ -80,11 +88,13 @@ impl_args=()
 settle_args=()
 bench_only=false
 diag=""
+ncu_preset=mixtral-8x7b
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) iters=3; repeats=1 ;;
     --bench-only) bench_only=true ;;
     --diag) diag="$2"; shift ;;
+    --ncu-preset) ncu_preset="$2"; shift ;;
     --part) part="$2"; shift ;;
     --presets) presets="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
@@ -94,11 +104,11 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|pingpong|power] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|dram|pingpong|power] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench, fp8diag, diagab, pingpong or power"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench, fp8diag, diagab, dram, pingpong or power"; exit 2 ;; esac
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
 case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
@@ -173,6 +183,44 @@ if [ "$part" = fp8diag ]; then  # timing-only FP8 forward builds of their own: n
   done
   tar czf "$OUT/logs.tgz" -C "$LOG" .
   exit 0
+fi
+
+if [ "$part" = dram ]; then  # same-bits variants: ncu DRAM bytes per build, then ab_serve each against the default
+  [ -n "$diag" ] || { echo "gpu_check.sh --part dram needs --diag VARIANT[,VARIANT...]"; exit 2; }
+  IFS=, read -r -a variants <<< "$diag"
+  jobs_each=$(( $(nproc) / (${#variants[@]} + 1) + 1 ))
+  builds=(build-dram0)
+  bench_build build-dram0 "" "$jobs_each" &
+  for i in "${!variants[@]}"; do builds+=("build-dram$((i + 1))"); bench_build "build-dram$((i + 1))" "${variants[$i]}" "$jobs_each" & done
+  wait_builds dram
+  table="$OUT/${date:0:10}-$commit-dram.txt"
+  echo "# ncu, one launch each on $ncu_preset ($gpu, $commit): build, defines, kernel, DRAM GB read, GB written, ms, L2 hit %" > "$table"
+  for i in "${!builds[@]}"; do
+    defines=default
+    [ "$i" -gt 0 ] && defines="${variants[$((i - 1))]}"
+    for kernel in forward backward; do
+      kpass=fwd; kregex='regex:forward_kernel'
+      [ $kernel = backward ] && { kpass=fwd+bwd; kregex='regex:backward_kernel'; }
+      nout="$LOG/ncu-${builds[$i]}-$kernel"
+      OUT="$nout" timeout 120 scripts/ncu_forward.sh --build "${builds[$i]}" --impl mok --preset "$ncu_preset" --pass $kpass \
+        --kernel "$kregex" > "$nout.log" 2>&1
+      raw="$nout/ncu-$ncu_preset-mok-raw.txt"
+      metric() { grep -E " $1 " "$raw" 2>/dev/null | awk '{print $NF}' | head -1; }
+      echo "${builds[$i]} $defines $kernel $(metric 'dram__bytes_read\.sum') $(metric 'dram__bytes_write\.sum') $(metric 'gpu__time_duration\.sum') $(metric 'lts__t_sector_hit_rate\.pct')" | tee -a "$table"
+      rm -f "$nout"/*-sass.csv
+    done
+  done
+  ab_presets=$presets
+  [ "$presets" = all ] && ab_presets=mixtral-8x7b,deepseek-v3,kimi-k2
+  rc=0
+  for i in "${!variants[@]}"; do
+    python3 bench/ab_serve.py --base build-dram0/bench/mok_bench --head "build-dram$((i + 1))/bench/mok_bench" --impls "${impls:-mok,mok}" \
+      --preset "$ab_presets" --pass "${passes:-fwd,fwd+bwd}" --rounds "$repeats" --iters "$iters" --out "$OUT/${date:0:10}-$commit-dram-ab$((i + 1)).json" \
+      --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\", \"base\": \"default\", \"head\": \"${variants[$i]}\"}" > "$LOG/dram-ab$((i + 1)).txt" 2>&1 || rc=1
+    { echo "== ${variants[$i]} / default"; sed -n '/head\/base/,$p' "$LOG/dram-ab$((i + 1)).txt"; } | tee -a "$table"
+  done
+  tar czf "$OUT/${date:0:10}-$commit-dram.tgz" -C "$LOG" .
+  exit "$rc"
 fi
 
 if [ "$part" = diagab ]; then  # a same-bits diagnostic build (--diag) against the default, ab_serve

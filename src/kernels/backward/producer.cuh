@@ -31,6 +31,19 @@ constexpr int kDiagNoLoadKinds = MOK_DIAG_BWD_NO_LOADS;
 #else
 constexpr int kDiagNoLoadKinds = 0;
 #endif
+// MOK_DIAG_DX_A_HINT / MOK_DIAG_DX_B_HINT = 1 (evict_last) or 2 (evict_first): the BF16 dx
+// tiles' dgate|dup rows / W_gate|up loads with that L2 policy (same bits; bench/NOTES.md: the dx
+// mainloop reads its operands ~2.7x from DRAM on mixtral-8x7b).
+#if defined(MOK_DIAG_DX_A_HINT)
+constexpr int kDxHintA = MOK_DIAG_DX_A_HINT;
+#else
+constexpr int kDxHintA = kL2Normal;
+#endif
+#if defined(MOK_DIAG_DX_B_HINT)
+constexpr int kDxHintB = MOK_DIAG_DX_B_HINT;
+#else
+constexpr int kDxHintB = kL2Normal;
+#endif
 
 using namespace mok::ptx;
 
@@ -151,10 +164,10 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
           for (int c = 0; c < b_boxes; ++c) tma_load_3d(st.b + c * 4096, &maps.down_mn, full, n0 + 64 * c, k0, t.e);
           break;
         case kDx: {
-          tma_load_2d(st.a, &maps.dgu_k, full, k0, row0);
+          tma_load_2d<kDxHintA>(st.a, &maps.dgu_k, full, k0, row0);
           const bool gate = k0 < inter;
           for (int c = 0; c < b_boxes; ++c)
-            tma_load_3d(st.b + c * 4096, gate ? &maps.gate_mn : &maps.up_mn, full, n0 + 64 * c, gate ? k0 : k0 - inter, t.e);
+            tma_load_3d<kDxHintB>(st.b + c * 4096, gate ? &maps.gate_mn : &maps.up_mn, full, n0 + 64 * c, gate ? k0 : k0 - inter, t.e);
           break;
         }
         case kWd:
