@@ -68,8 +68,9 @@
 # backward launch per build on --ncu-preset (default mixtral-8x7b); bench/ab_serve.py of each
 # variant against the default (--presets, default mixtral-8x7b,deepseek-v3,kimi-k2; --pass, default
 # fwd,fwd+bwd; --repeats rounds; outputs checked bitwise equal). Writes <date>-<commit>-dram.txt (the
-# table), <date>-<commit>-dram-ab<i>.json per variant and <date>-<commit>-dram.tgz (the rest): few
-# files, as a device call returns only a handful.
+# table), <date>-<commit>-dram-ab<i>.json per variant, <date>-<commit>-l2-sides.txt (bench/l2_sides.cu: the
+# persistent launch's blockIdx -> SM map and which SMs share L2 lines) and <date>-<commit>-dram.tgz (the
+# rest): few files, as a device call returns only a handful.
 # `pingpong` (issue 18: Config::pingpong): build, its tests and sanitizers,
 # bench/ab_serve.py mok against mok-pp (one build, alternating --repeats rounds, bitwise checked) into
 # <date>-<commit>-ab-pingpong.json, then scripts/ncu_forward.sh on both for qwen3-30b-a3b and deepseek-v3.
@@ -194,6 +195,10 @@ if [ "$part" = dram ]; then  # same-bits variants: ncu DRAM bytes per build, the
   for i in "${!variants[@]}"; do builds+=("build-dram$((i + 1))"); bench_build "build-dram$((i + 1))" "${variants[$i]}" "$jobs_each" & done
   wait_builds dram
   table="$OUT/${date:0:10}-$commit-dram.txt"
+  # Where the persistent launch's CTAs land and which SMs share L2 lines (bench/l2_sides.cu)
+  { cmake --build build-dram0 --target l2_sides -j"$(nproc)" > "$LOG/build_l2_sides.log" 2>&1 &&
+    timeout 120 build-dram0/bench/l2_sides; } > "$OUT/${date:0:10}-$commit-l2-sides.txt" 2>&1
+  tail -8 "$OUT/${date:0:10}-$commit-l2-sides.txt"
   echo "# ncu, one launch each on $ncu_preset ($gpu, $commit): build, defines, kernel, DRAM GB read, GB written, ms, L2 hit %" > "$table"
   for i in "${!builds[@]}"; do
     defines=default
