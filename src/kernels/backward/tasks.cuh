@@ -123,8 +123,8 @@ struct Schedule {
   // in bands of `band` M-tiles (split_in_bands). Measured on the dx tiles (bench/NOTES.md):
   // band 1 (N fastest) read mixtral-8x7b's backward 18.7 -> 35.7 GB of DRAM, 2.7 % slower (4.7 %
   // on deepseek-v3): its W_gate|up N-tiles were then shared by CTAs 16 apart. Same bits in any
-  // order (a bijection; the dx tiles' waits count per M-tile and expert). MOK_DIAG_DX_BAND=K:
-  // the dx tiles in bands of K, to measure.
+  // order (a bijection; the dx and dh tiles' waits count per M-tile and expert). MOK_DIAG_DX_BAND=K /
+  // MOK_DIAG_DH_BAND=K: the dx / dh tiles in bands of K, to measure.
   __device__ static void split_routed(const BackwardParams& p, int local, int n_tiles, Task& t, int band = 0) {
     const int e = expert_of_task(p.plan.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
     const int first = p.plan.expert_offset[e] / kBlockM, tiles = p.plan.expert_offset[e + 1] / kBlockM - first;
@@ -141,6 +141,11 @@ struct Schedule {
   static constexpr int kDxBand = MOK_DIAG_DX_BAND;
 #else
   static constexpr int kDxBand = 0;
+#endif
+#if defined(MOK_DIAG_DH_BAND)  // the dh tiles so (K = H: the long-K phase of the fine-grained presets)
+  static constexpr int kDhBand = MOK_DIAG_DH_BAND;
+#else
+  static constexpr int kDhBand = 0;
 #endif
   // Weight-gradient tasks: expert-major, then N-tile with M-tile fastest — or, n_fastest, the
   // reverse. The index that runs fastest sweeps its operand's whole expert (K = the expert's
@@ -172,7 +177,7 @@ struct Schedule {
     Task t{kCombine, false, 0, 0, 0};
     if (task < dh_r) {
       if constexpr (kRing) decode_expert_major(p, task, t);
-      else t.kind = kDh, split_routed(p, task, n_dh_r, t);
+      else t.kind = kDh, split_routed(p, task, n_dh_r, t, kDhBand);
     } else if (task < dh_s) {
       t.kind = kDh, t.shared = true, t.n = (task - dh_r) / m_shared, t.m = (task - dh_r) % m_shared;
     } else if (task < wd_r) {

@@ -118,8 +118,9 @@ struct TaskSchedule {
   }
 
   // Routed tasks: find the expert whose task range holds `local`, then split inside it —
-  // band > 0: in bands of `band` M-tiles (split_in_bands; same bits, GEMM2's tiles count per
-  // M-tile). MOK_DIAG_GEMM2_BAND=K: the routed GEMM2 tiles so, to measure (bench/NOTES.md).
+  // band > 0: in bands of `band` M-tiles (split_in_bands; same bits: GEMM1's tiles are counted
+  // per M-tile by h_ready, GEMM2's by y_done in all). MOK_DIAG_GEMM1_BAND=K / MOK_DIAG_GEMM2_BAND=K:
+  // the routed GEMM1 / GEMM2 tiles so, to measure (bench/NOTES.md).
   __device__ static void split_routed(const ForwardParams& p, int local, int n_tiles, Task& t, int band = 0) {
     const int e = expert_of_task(p.plan.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
     const int first = p.plan.expert_offset[e] / kBlockM;
@@ -134,6 +135,11 @@ struct TaskSchedule {
   static constexpr int kGemm2Band = MOK_DIAG_GEMM2_BAND;
 #else
   static constexpr int kGemm2Band = 0;
+#endif
+#if defined(MOK_DIAG_GEMM1_BAND)  // the routed GEMM1 tiles so (K = H: the long-K phase of the fine-grained presets)
+  static constexpr int kGemm1Band = MOK_DIAG_GEMM1_BAND;
+#else
+  static constexpr int kGemm1Band = 0;
 #endif
 
   __device__ void split_interleaved(const ForwardParams& p, int local, Task& t) const {
@@ -161,7 +167,7 @@ struct TaskSchedule {
     if (task < g1_routed_end) {
       t.kind = kGemm1;
       if (p.ring.comm_ctas > 0) split_minibatch(p, task, t);
-      else split_routed(p, task, n1_routed, t);
+      else split_routed(p, task, n1_routed, t, kGemm1Band);
     } else if (task < g1_shared_end) {
       t.kind = kGemm1, t.shared = true;
       split(task - g1_routed_end, 0, m_shared, t);
