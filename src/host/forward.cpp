@@ -123,6 +123,12 @@ void set_shared_expert_params(kernels::ForwardParams& p, const ForwardArgs& a, W
     p.maps.shared_slots = make_f32_tensor_map(p.shared_slots, {U(H), U(padded_tokens)}, kernels::kBoxSlots, "shared slots");
   }
   p.maps.slots = make_f32_tensor_map(buffers.slots, {U(H), U(capacity)}, kernels::kBoxSlots, "slots");
+#if defined(MOK_DIAG_SLOTS_BF16)  // (kernels/forward/epilogues.cuh's timing variant: bf16 slot rows from each region's start)
+  if (pingpong) throw_argument_error("mok::forward", "config.pingpong", "is not built with MOK_DIAG_SLOTS_BF16");
+  p.maps.slots = make_bf16_tensor_map(buffers.slots, {U(H), U(capacity)}, kernels::kBoxMN, "slots (bf16)");
+  if (s.has_shared())
+    p.maps.shared_slots = make_bf16_tensor_map(p.shared_slots, {U(H), U(padded_tokens)}, kernels::kBoxMN, "shared slots (bf16)");
+#endif
   fill_common_params(p, ws, a.topk_weights.data);
   p.slots = buffers.slots;
   p.y = static_cast<std::uint16_t*>(a.y.data);

@@ -134,6 +134,23 @@ __device__ inline void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, 
   const CUtensorMap* map = t.shared ? &p.maps.shared_slots : &p.maps.slots;
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
   const int n0 = t.n * kBlockN;
+#if defined(MOK_DIAG_SLOTS_BF16)
+  // Timing variant (one GPU; not the ping-pong forward, not EP): the slot rows as bf16, packed
+  // from the slot buffer's first byte (under none of the x rows, which fill its upper half), two
+  // halves of 128 columns through the staging as the saved pre-activations go; the combine reads
+  // them so. What bf16 slots would gain (bench/NOTES.md, "Design, not built: bf16 combine slots").
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    stage_bf16_half(staging, acc, half, wg, [](float a, float b) { return pack_bf16x2(a, b); });
+    if (tid == 0) {
+      const int col = n0 + 128 * half;
+      if (col < p.hidden) tma_store_2d(map, s.h_staging[wg][0], col, row0 + wg * 64);
+      if (col + 64 < p.hidden) tma_store_2d(map, s.h_staging[wg][1], col + 64, row0 + wg * 64);
+      tma_store_commit_group();
+    }
+  }
+  return;
+#endif
 #pragma unroll
   for (int round = 0; round < 4; ++round) {
     stage_fp32_columns(staging, acc, round, wg);
@@ -211,8 +228,14 @@ __device__ inline void combine(const ForwardParams& p, const Task& t, int tid = 
     combine_tokens<true, true, float>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, p.topk_weights,
                                 p.ep.slots[p.ep.rank], p.shared_slots, p.y, tid, threads);
   else
+#if defined(MOK_DIAG_SLOTS_BF16)  // (epilogue_gemm2's timing variant: bf16 slot rows)
+    combine_tokens<true, false, std::uint16_t>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, p.topk_weights,
+                                               reinterpret_cast<const std::uint16_t*>(p.slots),
+                                               reinterpret_cast<const std::uint16_t*>(p.shared_slots), p.y, tid, threads);
+#else
     combine_tokens<true, false, float>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, p.topk_weights, p.slots,
                                 p.shared_slots, p.y, tid, threads);
+#endif
 }
 
 // Bad routing (expert id out of range, capacity): no GEMM runs, y becomes NaN so the
