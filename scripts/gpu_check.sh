@@ -11,6 +11,7 @@
 #                                                   host|fp8|fp8bench|fp8diag|diagab|dram|pingpong|power] [--presets all|NAME,...] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME]
+#                                                   [--ncu-kernels forward,backward]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON, and so do its two halves `ctest` (clean
 # build, ctest, sanitizers, the main job) and `pytest` (the package, pytest, the training example); `bench` (build if missing, then
@@ -65,7 +66,8 @@
 # `dram` (same-bits order / cache variants, judged by DRAM bytes, then time): a mok_bench build per
 # --diag variant (`,` between variants, `;` joins defines within one) beside the default, all in
 # parallel; ncu's DRAM bytes (read, written), kernel time and L2 hit rate of one forward and one
-# backward launch per build on --ncu-preset (default mixtral-8x7b); bench/ab_serve.py of each
+# backward launch per build on --ncu-preset (default mixtral-8x7b; --ncu-kernels forward or backward: one
+# of them); bench/ab_serve.py of each
 # variant against the default (--presets, default mixtral-8x7b,deepseek-v3,kimi-k2; --pass, default
 # fwd,fwd+bwd; --repeats rounds; outputs checked bitwise equal). Writes <date>-<commit>-dram.txt (the
 # table), <date>-<commit>-dram-ab<i>.json per variant, <date>-<commit>-l2-sides.txt (bench/l2_sides.cu: the
@@ -90,12 +92,14 @@ settle_args=()
 bench_only=false
 diag=""
 ncu_preset=mixtral-8x7b
+ncu_kernels="forward backward"
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) iters=3; repeats=1 ;;
     --bench-only) bench_only=true ;;
     --diag) diag="$2"; shift ;;
     --ncu-preset) ncu_preset="$2"; shift ;;
+    --ncu-kernels) ncu_kernels="${2//,/ }"; shift ;;
     --part) part="$2"; shift ;;
     --presets) presets="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
@@ -105,7 +109,7 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|dram|pingpong|power] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|dram|pingpong|power] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
@@ -203,7 +207,7 @@ if [ "$part" = dram ]; then  # same-bits variants: ncu DRAM bytes per build, the
   for i in "${!builds[@]}"; do
     defines=default
     [ "$i" -gt 0 ] && defines="${variants[$((i - 1))]}"
-    for kernel in forward backward; do
+    for kernel in $ncu_kernels; do
       kpass=fwd; kregex='regex:forward_kernel'
       [ $kernel = backward ] && { kpass=fwd+bwd; kregex='regex:backward_kernel'; }
       nout="$LOG/ncu-${builds[$i]}-$kernel"
