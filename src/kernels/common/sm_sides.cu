@@ -32,6 +32,8 @@ __global__ void side_walk(const std::uint32_t* chain, int steps, int target, boo
 }
 
 std::vector<int> measure() {
+  // (Nothing else may run meanwhile: the walks need every SM to themselves, one CTA each.)
+  if (cudaDeviceSynchronize() != cudaSuccess) return {};
   int device = 0;
   cudaDeviceProp prop{};
   if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) return {};
