@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# DRAM bytes and kernel time of every kernel in one pass of a Python implementation of the layer
+# (bench/ncu_layer.py, inside its NVTX range `measure`), under Nsight Compute with clocks and caches
+# left alone (--cache-control none: one kernel's lines stay in L2 for the next, as in a real step),
+# summed over the pass. On a Hopper machine with ncu and the package built:
+#   OUT=<dir> PYTHONPATH=build-gpu/pkg scripts/ncu_layer.sh [--preset mixtral-8x7b]
+#                                                           [--impl torch-compiled,mok-py] [--pass fwd+bwd]
+# writes $OUT/ncu-layer-<preset>-<impl>-<pass>.csv (ncu's rows) and prints, per implementation, the
+# kernels, their summed DRAM GB read and written and summed kernel ms (the fused layer's figures
+# for the same pass come from scripts/ncu_forward.sh, one kernel at a time).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/ncu_out}"
+impls=torch-compiled,mok-py
+preset=mixtral-8x7b
+pass=fwd+bwd
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --impl) impls="$2"; shift ;;
+    --preset) preset="$2"; shift ;;
+    --pass) pass="$2"; shift ;;
+    *) echo "usage: ncu_layer.sh [--impl LIST] [--preset NAME] [--pass fwd|fwd+bwd]"; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$OUT"
+ncu_bin="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+[ -n "$ncu_bin" ] || { echo "ncu_layer.sh: no ncu (Nsight Compute) found"; exit 1; }
+rc=0
+for impl in ${impls//,/ }; do
+  csv="$OUT/ncu-layer-$preset-$impl-${pass/+/-}.csv"
+  "$ncu_bin" --clock-control none --cache-control none --nvtx --nvtx-include "measure/" \
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum --csv --print-units base \
+    --log-file "$csv" python3 bench/ncu_layer.py --preset "$preset" --impl "$impl" --pass "$pass" \
+    > "$OUT/ncu-layer-$preset-$impl-${pass/+/-}.log" 2>&1 || { echo "ncu failed on $impl:"; tail -5 "$OUT/ncu-layer-$preset-$impl-${pass/+/-}.log"; rc=1; continue; }
+  python3 - "$csv" "$preset" "$impl" "$pass" <<'PY'
+import csv, sys
+path, preset, impl, pass_ = sys.argv[1:5]
+rows = [r for r in csv.reader(open(path)) if len(r) > 3]
+head = next((i for i, r in enumerate(rows) if "Metric Name" in r), None)
+if head is None:
+    sys.exit(f"ncu_layer.sh: no metric rows in {path}")
+cols = rows[head]
+name, metric, value, ident = (cols.index(c) for c in ("Kernel Name", "Metric Name", "Metric Value", "ID"))
+kernels, total = set(), {"dram__bytes_read.sum": 0.0, "dram__bytes_write.sum": 0.0, "gpu__time_duration.sum": 0.0}
+for r in rows[head + 1:]:
+    if r[metric] in total:
+        kernels.add(r[ident])
+        total[r[metric]] += float(r[value].replace(",", ""))
+print(f"{preset} {impl} {pass_}: {len(kernels)} kernels, DRAM {total['dram__bytes_read.sum'] / 1e9:.2f} GB read, "
+      f"{total['dram__bytes_write.sum'] / 1e9:.2f} GB written, {total['gpu__time_duration.sum'] / 1e6:.3f} ms of kernels")
+PY
+done
+exit "$rc"
