@@ -33,22 +33,6 @@ for impl in ${impls//,/ }; do
     --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum --csv --print-units base \
     --log-file "$csv" python3 bench/ncu_layer.py --preset "$preset" --impl "$impl" --pass "$pass" \
     > "$OUT/ncu-layer-$preset-$impl-${pass/+/-}.log" 2>&1 || { echo "ncu failed on $impl:"; tail -5 "$OUT/ncu-layer-$preset-$impl-${pass/+/-}.log"; rc=1; continue; }
-  python3 - "$csv" "$preset" "$impl" "$pass" <<'PY'
-import csv, sys
-path, preset, impl, pass_ = sys.argv[1:5]
-rows = [r for r in csv.reader(open(path)) if len(r) > 3]
-head = next((i for i, r in enumerate(rows) if "Metric Name" in r), None)
-if head is None:
-    sys.exit(f"ncu_layer.sh: no metric rows in {path}")
-cols = rows[head]
-name, metric, value, ident = (cols.index(c) for c in ("Kernel Name", "Metric Name", "Metric Value", "ID"))
-kernels, total = set(), {"dram__bytes_read.sum": 0.0, "dram__bytes_write.sum": 0.0, "gpu__time_duration.sum": 0.0}
-for r in rows[head + 1:]:
-    if r[metric] in total:
-        kernels.add(r[ident])
-        total[r[metric]] += float(r[value].replace(",", ""))
-print(f"{preset} {impl} {pass_}: {len(kernels)} kernels, DRAM {total['dram__bytes_read.sum'] / 1e9:.2f} GB read, "
-      f"{total['dram__bytes_write.sum'] / 1e9:.2f} GB written, {total['gpu__time_duration.sum'] / 1e6:.3f} ms of kernels")
-PY
+  echo "$preset $impl $pass: $(python3 bench/ncu_layer.py --summarize "$csv")"
 done
 exit "$rc"

@@ -435,3 +435,25 @@ def test_mok_bench_path_takes_the_given_one_else_a_build():
     found = mok_impls.mok_bench_path("")
     assert found.endswith(os.path.join("bench", "mok_bench"))
     assert os.path.basename(os.path.dirname(os.path.dirname(found))) in ("build-gpu", "build")
+
+
+def test_ncu_layer_sums_every_kernels_metrics_of_an_ncu_csv_log():
+    import ncu_layer
+
+    head = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",' \
+           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'
+
+    def row(ident, kernel, metric, unit, value):
+        return f'"{ident}","1","python3","h","{kernel}","1","7","(128, 1, 1)","(132, 1, 1)","0","9.0","m","{metric}","{unit}","{value}"'
+    lines = ["==PROF== Connected to process 1", head,
+             row(0, "gemm", "dram__bytes_read.sum", "byte", "1,500,000,000"),
+             row(0, "gemm", "dram__bytes_write.sum", "byte", "250000000"),
+             row(0, "gemm", "gpu__time_duration.sum", "nsecond", "2,000,000"),
+             row(1, "swiglu", "dram__bytes_read.sum", "byte", "500000000"),
+             row(1, "swiglu", "gpu__time_duration.sum", "nsecond", "500000"),
+             row(1, "swiglu", "sm__cycles_elapsed.avg", "cycle", "99"),
+             "==PROF== Disconnected from process 1"]
+    t = ncu_layer.summarize(lines)
+    assert t == {"kernels": 2, "read_gb": 2.0, "written_gb": 0.25, "ms": 2.5}
+    with pytest.raises(ValueError):
+        ncu_layer.summarize(["==PROF== nothing profiled"])
