@@ -47,8 +47,9 @@ template <int kHint>
 __device__ __forceinline__ std::uint64_t l2_policy() {
   static_assert(kHint == kL2EvictLast || kHint == kL2EvictFirst);
   std::uint64_t policy;
-  if constexpr (kHint == kL2EvictLast) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  else asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  // (not volatile: a constant, which the compiler may compute once outside a task's K loop)
+  if constexpr (kHint == kL2EvictLast) asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  else asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   return policy;
 }
 

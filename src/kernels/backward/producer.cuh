@@ -22,29 +22,6 @@
 
 namespace mok::kernels::bwd {
 
-// MOK_DIAG_BWD_NO_LOADS=MASK (bytes and timing only, wrong results): the BF16 tasks of the kinds
-// in MASK (bit 1 << TaskKind: 1 dh, 2 dx, 4 dW_down, 8 dW_gate|up) load no operands — their stages
-// complete empty and the MMAs read whatever the stage held — so a launch's DRAM bytes (ncu) with
-// and without a phase's loads say what that phase's mainloop reads (bench/NOTES.md).
-#if defined(MOK_DIAG_BWD_NO_LOADS)
-constexpr int kDiagNoLoadKinds = MOK_DIAG_BWD_NO_LOADS;
-#else
-constexpr int kDiagNoLoadKinds = 0;
-#endif
-// MOK_DIAG_DX_A_HINT / MOK_DIAG_DX_B_HINT = 1 (evict_last) or 2 (evict_first): the BF16 dx
-// tiles' dgate|dup rows / W_gate|up loads with that L2 policy (same bits; bench/NOTES.md: the dx
-// mainloop reads its operands ~2.7x from DRAM on mixtral-8x7b).
-#if defined(MOK_DIAG_DX_A_HINT)
-constexpr int kDxHintA = MOK_DIAG_DX_A_HINT;
-#else
-constexpr int kDxHintA = kL2Normal;
-#endif
-#if defined(MOK_DIAG_DX_B_HINT)
-constexpr int kDxHintB = MOK_DIAG_DX_B_HINT;
-#else
-constexpr int kDxHintB = kL2Normal;
-#endif
-
 using namespace mok::ptx;
 
 // ---------------------------------------------------------------------------------- producer
@@ -154,7 +131,7 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
       int boxes = b_boxes;
       asm volatile("" : "+r"(boxes));  // (opaque: else the bytes are hoisted out of the loop, and spilled)
       const std::uint32_t a_bytes = (t.kind == kDh || t.kind == kDx) ? kKMajorABytes : a_boxes * kBoxBytes;
-      const bool load = ((kDiagNoLoadKinds >> t.kind) & 1) == 0;
+      const bool load = ((MOK_DIAG_BWD_NO_LOADS >> t.kind) & 1) == 0;  // (kernels/common/diag.cuh)
       std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, load ? a_bytes + boxes * kBoxBytes : 0);
       SharedStorage::Stage& st = s.stages[pipe.stage()];
       const int k0 = kb * kBlockK;
@@ -164,10 +141,10 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
           for (int c = 0; c < b_boxes; ++c) tma_load_3d(st.b + c * 4096, &maps.down_mn, full, n0 + 64 * c, k0, t.e);
           break;
         case kDx: {
-          tma_load_2d<kDxHintA>(st.a, &maps.dgu_k, full, k0, row0);
+          tma_load_2d<MOK_DIAG_DX_A_HINT>(st.a, &maps.dgu_k, full, k0, row0);
           const bool gate = k0 < inter;
           for (int c = 0; c < b_boxes; ++c)
-            tma_load_3d<kDxHintB>(st.b + c * 4096, gate ? &maps.gate_mn : &maps.up_mn, full, n0 + 64 * c, gate ? k0 : k0 - inter, t.e);
+            tma_load_3d<MOK_DIAG_DX_B_HINT>(st.b + c * 4096, gate ? &maps.gate_mn : &maps.up_mn, full, n0 + 64 * c, gate ? k0 : k0 - inter, t.e);
           break;
         }
         case kWd:

@@ -12,6 +12,7 @@
 #include "kernels/ep/ep_push.cuh"
 #include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
+#include "kernels/common/diag.cuh"
 #include "kernels/common/task_order.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "kernels/ep/ring_copy.cuh"
@@ -137,16 +138,7 @@ struct Schedule {
       t.m += first;
     }
   }
-#if defined(MOK_DIAG_DX_BAND)
-  static constexpr int kDxBand = MOK_DIAG_DX_BAND;
-#else
-  static constexpr int kDxBand = 0;
-#endif
-#if defined(MOK_DIAG_DH_BAND)  // the dh tiles so (K = H: the long-K phase of the fine-grained presets)
-  static constexpr int kDhBand = MOK_DIAG_DH_BAND;
-#else
-  static constexpr int kDhBand = 0;
-#endif
+
   // Weight-gradient tasks: expert-major, then N-tile with M-tile fastest — or, n_fastest, the
   // reverse. The index that runs fastest sweeps its operand's whole expert (K = the expert's
   // rows) once for every tile of the other; that operand must stay in L2 between its sweeps.
@@ -177,7 +169,7 @@ struct Schedule {
     Task t{kCombine, false, 0, 0, 0};
     if (task < dh_r) {
       if constexpr (kRing) decode_expert_major(p, task, t);
-      else t.kind = kDh, split_routed(p, task, n_dh_r, t, kDhBand);
+      else t.kind = kDh, split_routed(p, task, n_dh_r, t, MOK_DIAG_DH_BAND);
     } else if (task < dh_s) {
       t.kind = kDh, t.shared = true, t.n = (task - dh_r) / m_shared, t.m = (task - dh_r) % m_shared;
     } else if (task < wd_r) {
@@ -189,7 +181,7 @@ struct Schedule {
     } else if (task < wgu_s) {
       t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_dx, t, kWguByRule && n_fastest(2 * p.shared.inter, p.hidden));
     } else if (task < dx_r) {
-      t.kind = kDx, split_routed(p, task - wgu_s, n_dx, t, kDxBand);
+      t.kind = kDx, split_routed(p, task - wgu_s, n_dx, t, MOK_DIAG_DX_BAND);
     } else if (task < dx_s) {
       t.kind = kDx, t.shared = true, t.n = (task - dx_r) / m_shared, t.m = (task - dx_r) % m_shared;
     } else {

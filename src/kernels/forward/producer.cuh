@@ -49,20 +49,6 @@ __device__ __forceinline__ void wait_hidden_rows(const ForwardParams& p, const S
   fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
 }
 
-// MOK_DIAG_GEMM2_A_HINT / MOK_DIAG_GEMM2_B_HINT = 1 (evict_last) or 2 (evict_first): the BF16
-// GEMM2 tiles' h rows / W_down loads with that L2 policy (same bits; measured by DRAM bytes,
-// bench/NOTES.md).
-#if defined(MOK_DIAG_GEMM2_A_HINT)
-constexpr int kGemm2HintA = MOK_DIAG_GEMM2_A_HINT;
-#else
-constexpr int kGemm2HintA = kL2Normal;
-#endif
-#if defined(MOK_DIAG_GEMM2_B_HINT)
-constexpr int kGemm2HintB = MOK_DIAG_GEMM2_B_HINT;
-#else
-constexpr int kGemm2HintB = kL2Normal;
-#endif
-
 // The loads of GEMM task t (bf16 operands), stage by stage, after waiting for its inputs.
 __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipeline<kStages>& pipe, const Schedule& sched,
                           const Task& t, int task) {
@@ -92,13 +78,15 @@ __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipel
   for (int kb = 0; kb < k_steps; ++kb) {
     std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, kStageBytesA + kStageBytesB);
     SharedStorage::Stage& stage = s.stages[pipe.stage()];
-    if (b1 || kGemm2HintA == kL2Normal) tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
-    else tma_load_2d<kGemm2HintA>(stage.a, a, full, kb * kBlockK, a_row);
+    if (MOK_DIAG_GEMM2_A_HINT != kL2Normal && !b1)  // (GEMM2's A with an L2 policy: kernels/common/diag.cuh)
+      tma_load_2d<MOK_DIAG_GEMM2_A_HINT>(stage.a, a, full, kb * kBlockK, a_row);
+    else
+      tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
     if (b1) {
       tma_load_3d(stage.b, b0, full, kb * kBlockK, b_row, expert);
       tma_load_3d(stage.b + kGemm1Columns * kBlockK, b1, full, kb * kBlockK, b_row, expert);
     } else {
-      tma_load_3d<kGemm2HintB>(stage.b, b0, full, kb * kBlockK, b_row, expert);
+      tma_load_3d<MOK_DIAG_GEMM2_B_HINT>(stage.b, b0, full, kb * kBlockK, b_row, expert);
     }
     pipe.producer_commit();
   }

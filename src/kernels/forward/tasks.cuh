@@ -12,6 +12,7 @@
 #include "kernels/forward/interleave.cuh"
 #include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
+#include "kernels/common/diag.cuh"
 #include "kernels/common/task_order.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "kernels/ep/ring_copy.cuh"
@@ -131,16 +132,6 @@ struct TaskSchedule {
       t.m += first;
     }
   }
-#if defined(MOK_DIAG_GEMM2_BAND)
-  static constexpr int kGemm2Band = MOK_DIAG_GEMM2_BAND;
-#else
-  static constexpr int kGemm2Band = 0;
-#endif
-#if defined(MOK_DIAG_GEMM1_BAND)  // the routed GEMM1 tiles so (K = H: the long-K phase of the fine-grained presets)
-  static constexpr int kGemm1Band = MOK_DIAG_GEMM1_BAND;
-#else
-  static constexpr int kGemm1Band = 0;
-#endif
 
   __device__ void split_interleaved(const ForwardParams& p, int local, Task& t) const {
     const InterleavedTask it = interleaved_task(m_routed, n1_routed, n2, p.interleave_tiles, local);
@@ -167,13 +158,13 @@ struct TaskSchedule {
     if (task < g1_routed_end) {
       t.kind = kGemm1;
       if (p.ring.comm_ctas > 0) split_minibatch(p, task, t);
-      else split_routed(p, task, n1_routed, t, kGemm1Band);
+      else split_routed(p, task, n1_routed, t, MOK_DIAG_GEMM1_BAND);
     } else if (task < g1_shared_end) {
       t.kind = kGemm1, t.shared = true;
       split(task - g1_routed_end, 0, m_shared, t);
     } else if (task < g2_routed_end) {
       t.kind = kGemm2;
-      split_routed(p, task - g1_shared_end, n2, t, kGemm2Band);
+      split_routed(p, task - g1_shared_end, n2, t, MOK_DIAG_GEMM2_BAND);
     } else if (task < g2_shared_end) {
       t.kind = kGemm2, t.shared = true;
       split(task - g2_routed_end, 0, m_shared, t);
