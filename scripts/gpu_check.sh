@@ -204,6 +204,7 @@ if [ "$part" = dram ]; then  # same-bits variants: ncu DRAM bytes per build, the
     timeout 120 build-dram0/bench/l2_sides; } > "$OUT/${date:0:10}-$commit-l2-sides.txt" 2>&1
   tail -8 "$OUT/${date:0:10}-$commit-l2-sides.txt"
   echo "# ncu, one launch each on $ncu_preset ($gpu, $commit): build, defines, kernel, DRAM GB read, GB written, ms, L2 hit %" > "$table"
+  metric() { grep -E " $1 " "$raw" 2>/dev/null | awk '{print $NF}' | head -1; }  # (of the launch's raw page $raw)
   for i in "${!builds[@]}"; do
     defines=default
     [ "$i" -gt 0 ] && defines="${variants[$((i - 1))]}"
@@ -214,7 +215,6 @@ if [ "$part" = dram ]; then  # same-bits variants: ncu DRAM bytes per build, the
       OUT="$nout" timeout 120 scripts/ncu_forward.sh --build "${builds[$i]}" --impl mok --preset "$ncu_preset" --pass $kpass \
         --kernel "$kregex" > "$nout.log" 2>&1
       raw="$nout/ncu-$ncu_preset-mok-raw.txt"
-      metric() { grep -E " $1 " "$raw" 2>/dev/null | awk '{print $NF}' | head -1; }
       echo "${builds[$i]} $defines $kernel $(metric 'dram__bytes_read\.sum') $(metric 'dram__bytes_write\.sum') $(metric 'gpu__time_duration\.sum') $(metric 'lts__t_sector_hit_rate\.pct')" | tee -a "$table"
       rm -f "$nout"/*-sass.csv
     done
