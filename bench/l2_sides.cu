@@ -95,8 +95,9 @@ int main(int argc, char** argv) {
       lat[s] = probe.latency(ref, s, repeats);
       histogram[static_cast<int>(lat[s] / 20.0 + 0.5) * 20]++;
     }
-    const double own = probe.latency(ref, ref, repeats), cut = (own + dram) / 2;
-    std::printf("\nreference SM %d (its own re-read: %.0f cycles; cut between its side and the rest: %.0f)\n", ref, own, cut);
+    const double own = probe.latency(ref, ref, repeats), cut = mok::kernels::near_far_cut(lat);
+    std::printf("\nreference SM %d (its own re-read: %.0f cycles; cut between its side and the rest, the middle of "
+                "the widest gap: %.0f)\n", ref, own, cut);
     std::printf("cycles a load, by SM:\n");
     for (int s = 0; s < sms; ++s) std::printf("%4d:%4.0f%s", s, lat[s], (s + 1) % 11 == 0 ? "\n" : "  ");
     std::printf("\nhistogram (cycles ~ count):");

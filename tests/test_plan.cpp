@@ -11,6 +11,7 @@
 #include "mok/routing.hpp"
 #include "host/layer_launch.hpp"
 #include "kernels/common/slot_rows.cuh"
+#include "kernels/common/sm_sides.hpp"
 #include "kernels/common/task_order.cuh"
 #include "kernels/forward/interleave.cuh"
 #include "plan_checks.hpp"
@@ -243,6 +244,25 @@ TEST(Schedule, BandedOrderCoversEveryTileOnce) {
         }
         EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), tiles * n_tiles);
       }
+}
+
+// near_far_cut (MOK_DIAG_SIDE_RANKS, bench/l2_sides.cu): the cut falls in the widest gap of the
+// latencies — with an H200's measured two sides (near 278–302 cycles, far 364–388) between them,
+// not halfway to the DRAM's ~680, which put every SM on one side — and there is none without a
+// gap of 10 % (one side) or with fewer than two SMs that ran.
+TEST(L2Sides, CutFallsInTheWidestGap) {
+  std::vector<double> lat;
+  for (int s = 0; s < 132; ++s) lat.push_back((s / 2) % 3 == 0 ? 278.0 + s % 25 : 364.0 + s % 25);
+  lat[5] = -1.0;  // an SM that had no CTA
+  const double cut = kernels::near_far_cut(lat);
+  EXPECT_GT(cut, 302.0);
+  EXPECT_LT(cut, 364.0);
+  std::vector<double> one_side;
+  for (int s = 0; s < 132; ++s) one_side.push_back(280.0 + s % 20);
+  EXPECT_LT(kernels::near_far_cut(one_side), 0.0);
+  EXPECT_LT(kernels::near_far_cut({290.0}), 0.0);
+  EXPECT_LT(kernels::near_far_cut({290.0, -1.0, 0.0}), 0.0);
+  EXPECT_DOUBLE_EQ(kernels::near_far_cut({400.0, 300.0}), 350.0);
 }
 
 TEST(ScratchLayout, BuffersFitAndNeverOverlap) {

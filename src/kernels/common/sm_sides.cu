@@ -95,24 +95,24 @@ std::vector<int> measure() {
   std::vector<int> rank;
   {
     const L2LatencyProbe probe;
-    const double own = probe.latency(0, 0), dram = probe.latency(-1, 0), cut = (own + dram) / 2;
-    std::vector<int> near, far;
+    const double own = probe.latency(0, 0), dram = probe.latency(-1, 0);
+    std::vector<double> lat(probe.sms(), -1.0);
     bool ok = probe.ok() && own > 0 && dram > own;
-    for (int s = 0; s < probe.sms() && ok; ++s) {
-      const double l = probe.latency(0, s);
-      ok = l > 0;
-      (l < cut ? near : far).push_back(s);
-    }
+    for (int s = 0; s < probe.sms() && ok; ++s) ok = (lat[s] = probe.latency(0, s)) > 0;
+    const double cut = ok ? near_far_cut(lat) : -1.0;
+    ok = ok && cut > 0;
+    std::vector<int> near, far;
+    for (int s = 0; s < probe.sms() && ok; ++s) (lat[s] < cut ? near : far).push_back(s);
     if (ok) {
       rank.assign(probe.sms(), 0);
       int next = 0;
       for (int s : near) rank[s] = next++;
       for (int s : far) rank[s] = next++;
-      std::fprintf(stderr, "MOK_DIAG_SIDE_RANKS: %zu SMs read SM 0's L2 lines near (own %.0f, DRAM %.0f cycles a load), "
-                   "%zu farther; CTAs numbered side by side\n", near.size(), own, dram, far.size());
+      std::fprintf(stderr, "MOK_DIAG_SIDE_RANKS: %zu SMs read SM 0's L2 lines near (own %.0f, cut %.0f, DRAM %.0f cycles a "
+                   "load), %zu farther; CTAs numbered side by side\n", near.size(), own, cut, dram, far.size());
     }
   }
-  if (rank.empty()) std::fprintf(stderr, "MOK_DIAG_SIDE_RANKS: the measurement failed; CTAs keep blockIdx\n");
+  if (rank.empty()) std::fprintf(stderr, "MOK_DIAG_SIDE_RANKS: the measurement failed or found one side; CTAs keep blockIdx\n");
   return rank;
 }
 
