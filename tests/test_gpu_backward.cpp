@@ -226,7 +226,6 @@ TEST(Backward, CallerScratchAndRowsInGradientsMatchOwnScratchBitwise) {
     ASSERT_EQ(f.hw_fits, cap <= E * H);
     const std::int64_t bf16_bytes = ws.backward_scratch_bytes(DType::bf16), f32_bytes = ws.backward_scratch_bytes(DType::f32);
     EXPECT_EQ(f32_bytes - bf16_bytes, (f.dy_fits ? 2 * cap * H : 0) + (f.hw_fits ? 2 * cap * I : 0));
-    EXPECT_LE(f32_bytes, ws.forward_scratch_bytes());
     DeviceBuffer<bf16> saved(ws.saved_elements());
     forward(gpu.args(), ws, nullptr, saved_view(saved));
     grads.poison();

@@ -79,12 +79,11 @@ TEST(Forward, BitwiseEqualAcrossRunsAndSmCounts) {
     for (int sms : {0, 9}) EXPECT_TRUE(same_bits(run_once(host, gpu, sms, rows), first)) << "interleave " << rows;
 }
 
-// On one GPU the routed x rows live in the upper half of the fp32 slot buffer
-// (Workspace::rows_in_slots): GEMM2 tile m's slot rows share bytes with x rows of M-tiles
-// 2m - C and 2m - C + 1 (C: the capacity in tiles). With two experts (little padding) the
-// last half of the GEMM2 tiles overwrite nearly every x row, while GEMM1 tiles of other
-// CTAs may still be reading: the kernel must order them (the result matches the reference
-// and does not depend on the SM count).
+// On one GPU the routed x rows lie under the bf16 slot rows, each under its own
+// (Workspace::rows_in_slots): GEMM2 tile (m, n) overwrites the x rows of M-tile m, while GEMM1
+// tiles of M-tile m on other CTAs may still be reading them: the kernel must order them (its
+// wait for M-tile m's h covers it; the result matches the reference and does not depend on
+// the SM count).
 TEST(Forward, SlotRowsOverwriteRoutedRowsOnlyAfterGemm1HasReadThem) {
   MOK_REQUIRE_HOPPER();
   const MoeShape s = shape_of({"", 0, 1024, 256, 2, 2, 0, 0, RoutingKind::uniform});

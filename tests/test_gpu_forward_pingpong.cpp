@@ -98,9 +98,9 @@ TEST(PingPong, BitwiseAcrossRunsSmCountsTaskOrdersAndTokenCounts) {
   }
 }
 
-// With two experts the slot rows of late GEMM2 tiles overwrite nearly every routed x row
-// (Workspace::rows_in_slots) while other CTAs' GEMM1 tiles may still read them: the ping-pong
-// kernel counts h_ready in whole tasks, and the wait must still cover them.
+// Every GEMM2 tile's slot rows overwrite its M-tile's routed x rows (Workspace::rows_in_slots)
+// while other CTAs' GEMM1 tiles of that M-tile may still read them: the ping-pong kernel counts
+// h_ready in whole tasks, and the wait must still cover them.
 TEST(PingPong, SlotRowsOverwriteRoutedRowsOnlyAfterGemm1HasReadThem) {
   MOK_REQUIRE_HOPPER();
   const MoeShape s = shape_of({"", 0, 1024, 256, 2, 2, 0, 0, RoutingKind::uniform});

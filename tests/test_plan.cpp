@@ -127,22 +127,22 @@ TEST(HostPlan, RejectsBadIdsAndSizes) {
   EXPECT_THROW(plan_host(s, 2, good, 1), Error);  // rank out of range at EP=1
 }
 
-// On one GPU the x rows live in the last bytes of the fp32 slot buffer (bf16 rows its upper
-// half, E4M3 rows its last quarter): a GEMM2 tile must wait for exactly the x rows its slot
-// rows share bytes with (checked byte by byte, in units of H), and those lie in M-tiles at or
-// below its own (no wait on a later task).
+// On one GPU the x rows live in the last bytes of the bf16 slot buffer (bf16 rows each under
+// its own slot row, E4M3 rows its upper half): a GEMM2 tile must wait for exactly the x rows
+// its slot rows share bytes with (checked byte by byte, in units of H), and those lie in
+// M-tiles at or below its own (no wait on a later task).
 TEST(SlotRows, XRowsUnderSlotTilesAreTheOnesSharingBytes) {
   constexpr long long kTile = 128;
-  for (int per_slot : {2, 4}) {
-    const long long xb = 4 / per_slot;  // bytes of an x value
+  for (int per_slot : {1, 2}) {
+    const long long xb = 2 / per_slot;  // bytes of an x value
     for (long long capacity : {128ll, 300ll, 1278ll, 4350ll, 8192ll}) {
       for (long long used = kTile; used <= capacity; used += kTile) {
         for (long long row0 = 0; row0 < used; row0 += kTile) {
           const kernels::RowRange x = kernels::x_rows_under_slots(row0, kTile, capacity, used, per_slot);
           for (long long r = 0; r < used; ++r) {
-            // slot rows [row0, row0 + 128): bytes [4 row0, 4 (row0 + 128)); x row r: [(4 - xb) C + xb r, ... + xb)
-            const long long begin = (4 - xb) * capacity + xb * r;
-            const bool shares = begin < 4 * (row0 + kTile) && begin + xb > 4 * row0;
+            // slot rows [row0, row0 + 128): bytes [2 row0, 2 (row0 + 128)); x row r: [(2 - xb) C + xb r, ... + xb)
+            const long long begin = (2 - xb) * capacity + xb * r;
+            const bool shares = begin < 2 * (row0 + kTile) && begin + xb > 2 * row0;
             const bool waited = r >= x.first && r < x.end;
             ASSERT_EQ(shares, waited) << "per slot " << per_slot << " capacity " << capacity << " used " << used
                                       << " tile row " << row0 << " x row " << r;
@@ -154,10 +154,10 @@ TEST(SlotRows, XRowsUnderSlotTilesAreTheOnesSharingBytes) {
   }
 }
 
-// The FP8 forward's buffers: its E4M3 x rows in the fp32 slots' last quarter (where
-// x_rows_under_slots(..., 4) finds them), the scales and h after the slots, nothing overlapping,
+// The FP8 forward's buffers: its E4M3 x rows in the bf16 slots' upper half (where
+// x_rows_under_slots(..., 2) finds them), the scales and h after the slots, nothing overlapping,
 // 512-byte aligned.
-TEST(ScratchLayout, Fp8ForwardXRowsInTheSlotsLastQuarter) {
+TEST(ScratchLayout, Fp8ForwardXRowsInTheSlotsUpperHalf) {
   using U = std::uintptr_t;
   const U base = U{1} << 39;
   auto at = [](const void* p) { return reinterpret_cast<U>(p); };
@@ -172,8 +172,8 @@ TEST(ScratchLayout, Fp8ForwardXRowsInTheSlotsLastQuarter) {
         const std::int64_t cap = sh.capacity, Tpad = detail::shared_tiles(sh.shape, sh.tokens) * detail::kTileRows;
         const detail::CallBuffers f = detail::forward_buffers(sh, reinterpret_cast<void*>(base));
         const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + " Is " + std::to_string(Is);
-        EXPECT_EQ(at(f.x_fp8), base + 3 * cap * H) << what;
-        const U slots_end = base + 4 * (cap + Tpad) * H;
+        EXPECT_EQ(at(f.x_fp8), base + cap * H) << what;
+        const U slots_end = base + 2 * (cap + Tpad) * H;
         const U regions[][2] = {{at(f.x_scales), at(f.x_scales) + 4 * (H / 128) * cap},
                                 {at(f.h_fp8), at(f.h_fp8) + cap * I},
                                 {at(f.h_scales), at(f.h_scales) + 4 * (I / 128) * cap},
@@ -184,14 +184,14 @@ TEST(ScratchLayout, Fp8ForwardXRowsInTheSlotsLastQuarter) {
           previous = r[1];
         }
         EXPECT_EQ(base + f.bytes, previous) << what;
-        EXPECT_EQ(f.bytes, 4 * (cap + Tpad) * H + 4 * (H / 128) * cap + cap * I + 4 * (I / 128) * cap + 2 * Tpad * Is)
+        EXPECT_EQ(f.bytes, 2 * (cap + Tpad) * H + 4 * (H / 128) * cap + cap * I + 4 * (I / 128) * cap + 2 * Tpad * Is)
             << what << ": nothing but the scales, h and the shared h beyond the slots";
       }
 }
 
 // Where a call's buffers lie in its scratch (and, with bf16 weight gradients, in the
 // W_gate / W_up gradient buffers): every buffer inside its block, no two overlapping,
-// the forward's x rows in the upper half of its fp32 slots, the backward's dy rows / w h in
+// the forward's x rows under its bf16 slot rows, the backward's dy rows / w h in
 // the gradient buffers exactly when they fit, and the sizes each mode asks for.
 // Config::interleave_rows: every routed GEMM tile exactly once, and every GEMM1 tile of
 // M-tiles at or below m before the first GEMM2 tile of m (what a GEMM2 tile waits for:
@@ -300,12 +300,12 @@ TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
                                        " T " + std::to_string(T);
               void* b = reinterpret_cast<void*>(base);
               const detail::CallBuffers f = detail::forward_buffers(sh, b);
-              check({{"slots", at(f.slots), at(f.slots) + 4 * (cap + Tpad) * H},
+              check({{"slots", at(f.slots), at(f.slots) + 2 * (cap + Tpad) * H},
                      {"h", at(f.hidden), at(f.hidden) + 2 * cap * I},
                      {"shared h", at(f.shared_hidden), at(f.shared_hidden) + 2 * Tpad * Is}},
                     base, base + f.bytes, what + " forward");
-              EXPECT_EQ(at(f.x_rows), base + 2 * cap * H) << what << ": x rows not in the slots' upper half";
-              EXPECT_EQ(f.bytes, 4 * (cap + Tpad) * H + 2 * (cap * I + Tpad * Is)) << what;
+              EXPECT_EQ(at(f.x_rows), at(f.slots)) << what << ": x rows not under their own slot rows";
+              EXPECT_EQ(f.bytes, 2 * (cap + Tpad) * H + 2 * (cap * I + Tpad * Is)) << what;
               // Gradient buffers: none (f32), two apart, or one block (up right after gate).
               enum class Grads { f32, apart, one_block };
               for (Training mode : {Training::save, Training::recompute})
@@ -350,12 +350,12 @@ TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
                     if (dy_in) check({{"dy rows", gate, gate + 2 * cap * H}}, gate, gate + 2 * E * I * H, wb);
                     if (hw_in) check({{"w h", up, up + 2 * cap * I}}, up, up + 2 * E * I * H, wb);
                   }
-                  // The recompute runs the forward kernel's GEMM1 on this layout: x rows where the forward's are.
+                  // The recompute runs the forward kernel's GEMM1 on this layout (x rows after the dy rows,
+                  // which are never in the gradients there; its slots unused).
                   if (mode == Training::recompute) EXPECT_EQ(at(w.x_rows), base + 2 * cap * H) << wb;
                   std::int64_t expect = 2 * cap * H + 2 * Tpad * H + 2 * Tpad * Is + (dy_in ? 0 : 2 * cap * H) +
                                         (hw_in ? 0 : 2 * cap * I) + (mode == Training::recompute ? 2 * sh.saved_elements : 0);
                   EXPECT_EQ(w.bytes, expect) << wb;
-                  if (mode == Training::save) EXPECT_LE(w.bytes, f.bytes) << wb << ": backward scratch above the forward's";
                   if (block && mode == Training::save) {  // never more than with the gradients apart
                     const detail::CallBuffers apart = detail::backward_buffers(sh, b, g, reinterpret_cast<void*>(up));
                     EXPECT_LE(w.bytes, apart.bytes) << wb;

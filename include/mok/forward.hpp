@@ -103,9 +103,9 @@ class Workspace {
   // sizes the plan for T. forward() and backward() call it.
   void begin_call(std::int64_t tokens, std::string_view where);
 
-  // One GPU (rows_in_slots()): the forward's x rows lie in the upper half of its fp32 slot
-  // buffer (bytes [2 capacity H, 4 capacity H) of the scratch); a GEMM2 tile's slot rows
-  // overwrite x rows only after GEMM1 has read them (the kernel waits for those M-tiles'
+  // One GPU (rows_in_slots()): the forward's x rows lie under its bf16 slot rows, each
+  // under its own (the scratch's first 2 capacity H bytes); a GEMM2 tile's slot rows
+  // overwrite x rows only after GEMM1 has read them (the kernel waits for its M-tile's
   // h_ready). The backward's dx row tiles overwrite their x rows once their expert's
   // dW_gate|up tiles have read them.
   // An expert-parallel rank owns its buffers (below; its x rows have a buffer of their own:
@@ -120,7 +120,7 @@ class Workspace {
   // An EP rank's own buffers (null on one GPU, whose calls take scratch).
   void* x_routed() const { return x_routed_; }  // [capacity, H] bf16: routed rows in plan order
   void* hidden() const { return hidden_; }      // [capacity, I] bf16
-  float* slots() const { return slots_; }       // [capacity, H] fp32, then [T_pad, H] of the shared expert
+  std::uint16_t* slots() const { return slots_; }  // [capacity, H] bf16 result rows, then [T_pad, H] of the shared expert
   // Backward buffers (training only), in the slot buffer (dead between the forward's
   // combine and the next forward).
   void* dy_routed() const { return slots_; }    // [capacity, H] bf16
@@ -174,7 +174,7 @@ class Workspace {
   void* x_routed_ = nullptr;
   void* hidden_ = nullptr;
   std::int64_t capacity_h() const;
-  float* slots_ = nullptr;
+  std::uint16_t* slots_ = nullptr;
   float* dw_partial_ = nullptr;
   void* recompute_ = nullptr;
   void* scratch_ = nullptr;  // one GPU, when a call is given no scratch

@@ -48,8 +48,8 @@ struct VirtualRanks::Rank {
   std::unique_ptr<Workspace> ws;
   std::int32_t* all_ids = nullptr;  // [ep, T, k]: every rank's routing (routing exchange)
   float* all_weights = nullptr;     // [ep, T, k]: every rank's routing weights (backward)
-  float* slots = nullptr;           // [T * k, H] fp32 combine slots (forward); in the backward the dx
-                                    // rows [T * k, H] bf16, then the partials [T * k, ceil(I / 256)] fp32
+  float* slots = nullptr;           // 4 T k H bytes: [T * k, H] bf16 combine slots (forward); in the backward
+                                    // the dx rows [T * k, H] bf16, then the partials [T * k, ceil(I / 256)] fp32
   int* slots_done = nullptr;        // [2 kMaxEpRanks]: rows x column tiles pushed by each rank, then
                                     // the rows this rank's routing sends to each rank
   std::uint16_t* ring = nullptr;    // [ring_rows, H]: the forward's received rows (ring token buffer)
@@ -107,7 +107,7 @@ void VirtualRanks::set_peers(kernels::EpPeers& e, int r) const {
   e.rank = r;
   e.size = ep;
   for (int q = 0; q < ep; ++q) {
-    e.slots[q] = ranks_[q]->slots;
+    e.slots[q] = reinterpret_cast<std::uint16_t*>(ranks_[q]->slots);
     e.slots_done[q] = ranks_[q]->slots_done;
     e.plan_status[q] = ranks_[q]->ws->plan().view().status;
   }

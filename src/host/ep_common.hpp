@@ -68,7 +68,7 @@ inline RingFit backward_ring_fit(const Workspace& ws, int comm_ctas) {
 }
 
 // The checks both EP front ends make of a group's shape: ranks, tokens per rank, and what
-// the EP backward needs (its dx rows and d_topk_weights partials share the fp32 slots).
+// the EP backward needs (its dx rows and d_topk_weights partials share the slot buffer of 4 T k H bytes).
 // Returns the number of ranks.
 inline std::int64_t check_ep_group(std::string_view where, const MoeShape& shape, const Config& config,
                                    std::int64_t tokens_per_rank, Training training) {

@@ -58,7 +58,7 @@ struct EpRank::Layout {
     l.dy = take(2 * T * H);                               // its dy rows (backward)
     l.ids = take(4 * ep * T * k);                         // every rank's routing
     l.weights = take(4 * ep * T * k);                     // every rank's routing weights (backward)
-    l.slots = take(4 * T * k * H);                        // combine slots: pushed result rows
+    l.slots = take(4 * T * k * H);                        // combine slots: pushed bf16 result rows (and the backward's)
     l.bytes = at;
     return l;
   }
@@ -159,7 +159,7 @@ void EpRank::set_peers(kernels::EpPeers& e) const {
   e.rank = rank_;
   e.size = size();
   for (int q = 0; q < size(); ++q) {
-    e.slots[q] = reinterpret_cast<float*>(bases_[q] + l.slots);
+    e.slots[q] = reinterpret_cast<std::uint16_t*>(bases_[q] + l.slots);
     e.slots_done[q] = reinterpret_cast<int*>(bases_[q] + l.slots_done);
   }
   e.own_ids = reinterpret_cast<const std::int32_t*>(bases_[rank_] + l.ids) + rank_ * tokens_ * shape_.top_k;

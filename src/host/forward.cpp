@@ -84,7 +84,7 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const
   set_saved_params(p, ws, saved_gu);
   p.gemm1_only = gemm1_only;
   p.interleave_tiles = gemm1_only ? 0 : static_cast<int>(ws.config().interleave_rows / kTileRows);
-  // One GPU: x rows in the upper half of the slots (forward_buffers()).
+  // One GPU: each x row under its own slot row (forward_buffers()).
   p.x_rows_in_slots = ws.rows_in_slots() ? capacity : 0;
   return p;
 }
@@ -120,15 +120,9 @@ void set_shared_expert_params(kernels::ForwardParams& p, const ForwardArgs& a, W
     p.maps.shared_h_store = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, kernels::kBoxMN, "shared h");
     p.maps.shared_h_load = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, kernels::kBoxK, "shared h");
     p.shared_slots = buffers.slots + capacity * H;
-    p.maps.shared_slots = make_f32_tensor_map(p.shared_slots, {U(H), U(padded_tokens)}, kernels::kBoxSlots, "shared slots");
+    p.maps.shared_slots = make_bf16_tensor_map(p.shared_slots, {U(H), U(padded_tokens)}, kernels::kBoxMN, "shared slots");
   }
-  p.maps.slots = make_f32_tensor_map(buffers.slots, {U(H), U(capacity)}, kernels::kBoxSlots, "slots");
-#if defined(MOK_DIAG_SLOTS_BF16)  // (kernels/forward/epilogues.cuh's timing variant: bf16 slot rows from each region's start)
-  if (pingpong) throw_argument_error("mok::forward", "config.pingpong", "is not built with MOK_DIAG_SLOTS_BF16");
-  p.maps.slots = make_bf16_tensor_map(buffers.slots, {U(H), U(capacity)}, kernels::kBoxMN, "slots (bf16)");
-  if (s.has_shared())
-    p.maps.shared_slots = make_bf16_tensor_map(p.shared_slots, {U(H), U(padded_tokens)}, kernels::kBoxMN, "shared slots (bf16)");
-#endif
+  p.maps.slots = make_bf16_tensor_map(buffers.slots, {U(H), U(capacity)}, kernels::kBoxMN, "slots");
   fill_common_params(p, ws, a.topk_weights.data);
   p.slots = buffers.slots;
   p.y = static_cast<std::uint16_t*>(a.y.data);

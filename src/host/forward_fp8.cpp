@@ -50,7 +50,7 @@ void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& 
   p.maps.h_load = make_u8_tensor_map(buffers.h_fp8, {U(I), U(capacity)}, kernels::kBoxFp8, "h (fp8)");
   p.capacity = capacity;
   p.x_scales = buffers.x_scales;
-  p.base.x_rows_in_slots = static_cast<int>(capacity);  // (E4M3 rows in the slots' last quarter: forward_buffers())
+  p.base.x_rows_in_slots = static_cast<int>(capacity);  // (E4M3 rows in the slots' upper half: forward_buffers())
   p.h_scales = buffers.h_scales;
   p.gate_exponents = static_cast<const std::int32_t*>(w.gate_exponents.data);
   p.up_exponents = static_cast<const std::int32_t*>(w.up_exponents.data);

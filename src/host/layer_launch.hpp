@@ -64,7 +64,7 @@ void fill_common_params(Params& p, const Workspace& ws, const void* topk_weights
 
 // Where one call's row buffers lie (kernels' view); null = none.
 struct CallBuffers {
-  float* slots = nullptr;                   // forward: [capacity + T_pad, H] f32
+  std::uint16_t* slots = nullptr;           // forward: [capacity + T_pad, H] bf16 result rows
   std::uint16_t* x_rows = nullptr;          // [capacity, H]: x's routed rows (one GPU: backward's dx rows over them)
   std::uint16_t* hidden = nullptr;          // [capacity, I]: h (forward), w h (backward)
   std::uint16_t* shared_hidden = nullptr;   // [T_pad, I_s]

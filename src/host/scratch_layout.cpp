@@ -18,20 +18,21 @@ ScratchShape scratch_shape(const Workspace& ws, std::int64_t tokens) {
   return {ws.shape(), tokens, ws.capacity_rows(tokens), ws.saved_elements(tokens), ws.training(), ws.config().precision};
 }
 
-// [f32 slots (capacity + T_pad) x H, x rows = the bf16 rows [capacity, 2 capacity) of its
-// view as bf16 [2 (capacity + T_pad), H]][h capacity x I][shared h T_pad x I_s]
-// Precision::fp8: [f32 slots (capacity + T_pad) x H, E4M3 x rows = its bytes [3 capacity H,
-// 4 capacity H)][x scales H / 128 x capacity f32][E4M3 h capacity x I][h scales I / 128 x
+// [bf16 slots (capacity + T_pad) x H, x rows = its first capacity rows (each x row under its
+// own slot row)][h capacity x I][shared h T_pad x I_s]
+// Precision::fp8: [bf16 slots (capacity + T_pad) x H, E4M3 x rows = its bytes [capacity H,
+// 2 capacity H)][x scales H / 128 x capacity f32][E4M3 h capacity x I][h scales I / 128 x
 // capacity f32][shared h T_pad x I_s] (each a multiple of 512 bytes: capacity is one of 128).
 CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
   const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate;
   CallBuffers b;
-  b.slots = reinterpret_cast<float*>(scratch);
+  b.slots = static_cast<std::uint16_t*>(scratch);
+  const std::int64_t slot_bytes = 2 * (cap + Tpad) * H;
   if (shape.precision == Precision::fp8) {
-    b.x_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, 3 * cap * H));
-    std::int64_t used = 4 * (cap + Tpad) * H;
+    b.x_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, cap * H));
+    std::int64_t used = slot_bytes;
     b.x_scales = reinterpret_cast<float*>(at(scratch, used));
     used += 4 * (H / kernels::kFp8BlockK) * cap;
     b.h_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, used));
@@ -42,10 +43,10 @@ CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
     b.bytes = used + 2 * Tpad * Is;
     return b;
   }
-  b.x_rows = at(scratch, 2 * cap * H);
-  b.hidden = at(scratch, 4 * (cap + Tpad) * H);
-  b.shared_hidden = at(scratch, 4 * (cap + Tpad) * H + 2 * cap * I);
-  b.bytes = 4 * (cap + Tpad) * H + 2 * (cap * I + Tpad * Is);
+  b.x_rows = at(scratch, 0);
+  b.hidden = at(scratch, slot_bytes);
+  b.shared_hidden = at(scratch, slot_bytes + 2 * cap * I);
+  b.bytes = slot_bytes + 2 * (cap * I + Tpad * Is);
   return b;
 }
 
@@ -91,8 +92,8 @@ std::optional<DyPlace> place_dy(std::uint16_t* at, std::int64_t room, std::uint1
 // The FP8 dgrad (fp8_dgrad, Precision::fp8): then [E4M3 dy rows capacity x H][their scales H / 128 x capacity
 // f32], unless in the room the bf16 rows leave in the gradients, [E4M3 dgate|dup capacity x 2I][their
 // scales 2I / 128 x capacity f32].
-// The recompute's GEMM1 runs the forward kernel on this layout: its x rows then sit where the
-// forward's do (the dy rows are never in the gradients), its slots unused.
+// The recompute's GEMM1 runs the forward kernel on this layout: its x rows are the backward's
+// (the dy rows are never in the gradients there), its slots unused.
 CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row_space_a, void* row_space_b,
                              void* dx_space, bool fp8_dgrad) {
   const MoeShape& s = shape.shape;
@@ -147,7 +148,7 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
   }
   CallBuffers b;
   std::int64_t used = 0;
-  b.slots = reinterpret_cast<float*>(scratch);
+  b.slots = static_cast<std::uint16_t*>(scratch);
   b.dy_rows = dy_at.lo ? dy_at.lo : at(scratch, used);
   b.dy_rows_hi = dy_at.hi, b.dy_split = dy_at.split;
   if (!dy_at.lo) used += 2 * cap * H;

@@ -97,11 +97,6 @@ CUtensorMap make_bf16_tensor_map(const void* base, std::initializer_list<std::ui
   return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, box, what);
 }
 
-CUtensorMap make_f32_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims, kernels::Box box,
-                                const char* what) {
-  return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, box, what);
-}
-
 CUtensorMap make_u8_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims, kernels::Box box,
                                const char* what) {
   return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, dims, box, what);

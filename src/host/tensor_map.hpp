@@ -17,9 +17,6 @@ namespace mok::detail {
 // swizzle, out-of-bounds elements read as zero.
 CUtensorMap make_bf16_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims, kernels::Box box,
                                  const char* what);
-// The same for fp32 (a 128-byte row is 32 elements).
-CUtensorMap make_f32_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims, kernels::Box box,
-                                const char* what);
 // The same for bytes (E4M3 values; a 128-byte row is 128 elements).
 CUtensorMap make_u8_tensor_map(const void* base, std::initializer_list<std::uint64_t> dims, kernels::Box box,
                                const char* what);

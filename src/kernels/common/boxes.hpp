@@ -19,10 +19,8 @@ struct Box {
 inline constexpr Box kBoxK{64, 128};
 // GEMM2's weight tile (w_down, the shared expert's down): 64 of K by a 256-column N-tile.
 inline constexpr Box kBoxDown{64, 256};
-// 64 x 64 bf16: the forward's h stores, the backward's MN-major loads and its row stores.
+// 64 x 64 bf16: the forward's h and slot-row stores, the backward's MN-major loads and its row stores.
 inline constexpr Box kBoxMN{64, 64};
-// fp32 slot rows: 128 bytes (32 floats) by 64 rows.
-inline constexpr Box kBoxSlots{32, 64};
 
 // The FP8 kernels' E4M3 tiles (1 byte an element, so one 128-byte swizzle atom is 128 of K):
 // 128 rows (x rows, h rows, w_down's 128-column N-tile) and the 64-row halves (w_gate's and

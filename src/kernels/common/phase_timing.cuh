@@ -15,7 +15,7 @@ enum class Phase : int {
   mainloop_gemm1,  // forward: GEMM1's K loop, including waits for the producer's stages
   epilogue_gemm1,  //          SwiGLU, h stored
   mainloop_gemm2,
-  epilogue_gemm2,  //          fp32 rows staged and stored (or pushed)
+  epilogue_gemm2,  //          bf16 rows staged and stored (or pushed)
   mainloop_dh,     // backward: dh = dy W_down^T's K loop
   epilogue_dh,     //           the SwiGLU backward, d pre-activations stored
   mainloop_dx,     //           dx rows = d pre-activations W_gu

@@ -25,7 +25,7 @@ struct RingGeometry {
 // Push combine. With push set, result rows go to the slots of the rank that owns the
 // token, at row t * k + j there, and each rank's combine waits until slots_done[q] (rows
 // pushed by rank q, times column tiles) reaches what its own routing expects from q.
-// Forward: slots are [T * k, H] fp32 (GEMM2 rows). Backward: the same memory holds the dx
+// Forward: slots are [T * k, H] bf16 (GEMM2 rows; the buffer has room for 4 T k H bytes). Backward: the same memory holds the dx
 // rows, [T * k, H] bf16, then the d_topk_weights partials, [T * k, ceil(I / 256)] fp32.
 // Without push (the one-GPU path), rows stay in plan order in the workspace and the
 // combine finds them through pair_row.
@@ -35,7 +35,7 @@ struct EpPeers {
   bool push;
   bool system_scope;             // peers are other GPUs (else: virtual ranks on this GPU)
   bool stalled;                  // tests: this rank does nothing, as a hung peer would
-  float* slots[kMaxEpRanks];       // rank q's combine slots
+  std::uint16_t* slots[kMaxEpRanks];  // rank q's combine slots
   int* slots_done[kMaxEpRanks];    // rank q's counters [kMaxEpRanks]: entry r counts rank r's pushes
   const int* expected_rows;      // [kMaxEpRanks]: rows this rank's routing sends to each rank
   const std::int32_t* own_ids;   // [T, k] this rank's routing (-1: no expert)

@@ -111,89 +111,60 @@ __device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, in
   publish_stored_tiles(p.counters.y_done, pending_tiles, wg);
 }
 
-// Columns [64 round, 64 round + 64) of this warpgroup's 64 x 256 fp32 tile into its 16 KB
-// staging buffer (swizzled, two panels of 64 rows x 32 columns), once earlier TMA stores
-// have read the staging and every thread of the warpgroup is past its previous use.
-__device__ __forceinline__ void stage_fp32_columns(char* staging, const float (&acc)[128], int round, int wg) {
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  if (tid == 0) tma_store_wait_read();
-  sync_warpgroup(wg);
-#pragma unroll
-  for (int i = 32 * round; i < 32 * round + 32; i += 2) {
-    const int row = acc_row(warp, lane, i), col = acc_col(lane, i) - 64 * round;  // 0..63
-    *reinterpret_cast<float2*>(staging + swizzled_offset_bytes(row, col * 4)) = make_float2(acc[i], acc[i + 1]);
-  }
-}
-
-// fp32 rows of this warpgroup's 64 x 256 tile into the slot buffer (published by
-// publish_slots()): four rounds of 64 columns through the warpgroup's 16 KB staging
-// buffer, each as two TMA stores of 64 rows x 32 columns (128-byte swizzle).
+// bf16 rows of this warpgroup's 64 x 256 tile into the slot buffer (published by
+// publish_slots()): two halves of 128 columns through the warpgroup's 16 KB staging
+// (stage_bf16_half: two swizzled 64-column panels), each as two TMA stores of 64 x 64. The
+// combine sums the rows in fp32 (README, "What the layer computes": each expert's row is
+// rounded to bf16 first, as PyTorch's grouped GEMMs round theirs).
 __device__ inline void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                int row0, int wg) {
   const int tid = threadIdx.x % 128;
   const CUtensorMap* map = t.shared ? &p.maps.shared_slots : &p.maps.slots;
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
   const int n0 = t.n * kBlockN;
-#if defined(MOK_DIAG_SLOTS_BF16)
-  // Timing variant (one GPU; not the ping-pong forward, not EP): the slot rows as bf16, packed
-  // from the slot buffer's first byte (under none of the x rows, which fill its upper half), two
-  // halves of 128 columns through the staging as the saved pre-activations go; the combine reads
-  // them so. What bf16 slots would gain (bench/NOTES.md, "Design, not built: bf16 combine slots").
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
+    if (n0 + 128 * half >= p.hidden) break;  // (hidden is a multiple of 64: a panel is wholly in or out)
     stage_bf16_half(staging, acc, half, wg, [](float a, float b) { return pack_bf16x2(a, b); });
     if (tid == 0) {
       const int col = n0 + 128 * half;
-      if (col < p.hidden) tma_store_2d(map, s.h_staging[wg][0], col, row0 + wg * 64);
+      tma_store_2d(map, s.h_staging[wg][0], col, row0 + wg * 64);
       if (col + 64 < p.hidden) tma_store_2d(map, s.h_staging[wg][1], col + 64, row0 + wg * 64);
-      tma_store_commit_group();
-    }
-  }
-  return;
-#endif
-#pragma unroll
-  for (int round = 0; round < 4; ++round) {
-    stage_fp32_columns(staging, acc, round, wg);
-    fence_proxy_async_shared_cta();
-    sync_warpgroup(wg);
-    if (tid == 0) {
-      for (int box = 0; box < 2; ++box) {
-        const int col = n0 + 64 * round + 32 * box;
-        if (col < p.hidden) tma_store_2d(map, staging + box * 64 * 128, col, row0 + wg * 64);
-      }
       tma_store_commit_group();
     }
   }
 }
 
-// Expert parallelism: fp32 rows of this warpgroup's 64 x 256 tile into the slots of the
-// rank that owns each token (row t * k + j there). Four rounds of 64 columns through the
-// warpgroup's 16 KB staging buffer: the accumulators land there (swizzled, as for
-// epilogue_gemm2), then every thread stores 16-byte pieces, 16 threads covering one row's
-// 256 bytes, so a peer GPU receives whole 256-byte row segments over NVLink instead of
-// 32-byte fragments straight from the accumulator layout. The rows per owner are counted
-// in shared memory and published by publish_pushes(), so that no epilogue waits for its
-// stores to land (a fence per tile cost 20% on qwen3-30b-a3b).
+// Expert parallelism: bf16 rows of this warpgroup's 64 x 256 tile into the slots of the
+// rank that owns each token (row t * k + j there). Two halves of 128 columns through the
+// warpgroup's 16 KB staging (swizzled, as for epilogue_gemm2), then every thread stores
+// 16-byte pieces (8 columns), 16 threads covering one row's 256 bytes of a half, so a peer
+// GPU receives whole 256-byte row segments over NVLink instead of 4-byte fragments straight
+// from the accumulator layout. The rows per owner are counted in shared memory and published
+// by publish_pushes(), so that no epilogue waits for its stores to land (a fence per tile cost
+// 20% on qwen3-30b-a3b).
 __device__ inline void epilogue_gemm2_push(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                     int row0, int wg) {
   const int tid = threadIdx.x % 128;
-  const int n0 = t.n * kBlockN, rows0 = row0 + wg * 64, piece = tid % 16;  // piece: 4 columns of a round
+  const int n0 = t.n * kBlockN, rows0 = row0 + wg * 64, piece = tid % 16;  // piece: 8 columns of a half
   const int pairs_per_rank = p.tokens * p.top_k;
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
   std::int32_t pair[8];  // of rows tid / 16 + 8 i
 #pragma unroll
   for (int i = 0; i < 8; ++i) pair[i] = p.plan.row_pair[rows0 + tid / 16 + 8 * i];
 #pragma unroll
-  for (int round = 0; round < 4; ++round) {
-    if (n0 + 64 * round >= p.hidden) break;  // (hidden is a multiple of 64: a round is wholly in or out)
-    stage_fp32_columns(staging, acc, round, wg);  // (its first sync: every thread has read the previous round)
-    sync_warpgroup(wg);
+  for (int half = 0; half < 2; ++half) {
+    if (n0 + 128 * half >= p.hidden) break;  // (hidden is a multiple of 64: a panel is wholly in or out)
+    // (its first sync: every thread has read the previous half)
+    stage_bf16_half(staging, acc, half, wg, [](float a, float b) { return pack_bf16x2(a, b); });
+    const int col = n0 + 128 * half + 8 * piece;
+    if (col >= p.hidden) continue;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if (pair[i] < 0) continue;  // padding row
-      const float4 v = *reinterpret_cast<const float4*>(staging + swizzled_offset_bytes(tid / 16 + 8 * i, piece * 16));
-      float* row = p.ep.slots[pair[i] / pairs_per_rank] + static_cast<std::int64_t>(pair[i] % pairs_per_rank) * p.hidden;
-      *reinterpret_cast<float4*>(row + n0 + 64 * round + 4 * piece) = v;
+      const uint4 v = *reinterpret_cast<const uint4*>(staging + swizzled_offset(tid / 16 + 8 * i, 8 * piece));
+      std::uint16_t* row = p.ep.slots[pair[i] / pairs_per_rank] + static_cast<std::int64_t>(pair[i] % pairs_per_rank) * p.hidden;
+      *reinterpret_cast<uint4*>(row + col) = v;
     }
   }
   count_pushed_rows(p.ep, p.plan.row_pair, rows0, pairs_per_rank, s.pushed[wg]);
@@ -225,17 +196,11 @@ __device__ inline void combine(const ForwardParams& p, const Task& t, int tid = 
                                int threads = 128 * kConsumerWarpgroups) {
   const int begin = t.m * kCombineTokens, end = min(p.tokens, (t.m + 1) * kCombineTokens);
   if (p.ep.push)
-    combine_tokens<true, true, float>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, p.topk_weights,
-                                p.ep.slots[p.ep.rank], p.shared_slots, p.y, tid, threads);
+    combine_tokens<true, true, std::uint16_t>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, p.topk_weights,
+                                              p.ep.slots[p.ep.rank], p.shared_slots, p.y, tid, threads);
   else
-#if defined(MOK_DIAG_SLOTS_BF16)  // (epilogue_gemm2's timing variant: bf16 slot rows)
     combine_tokens<true, false, std::uint16_t>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, p.topk_weights,
-                                               reinterpret_cast<const std::uint16_t*>(p.slots),
-                                               reinterpret_cast<const std::uint16_t*>(p.shared_slots), p.y, tid, threads);
-#else
-    combine_tokens<true, false, float>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, p.topk_weights, p.slots,
-                                p.shared_slots, p.y, tid, threads);
-#endif
+                                               p.slots, p.shared_slots, p.y, tid, threads);
 }
 
 // Bad routing (expert id out of range, capacity): no GEMM runs, y becomes NaN so the

@@ -10,11 +10,11 @@
 //   warpgroups 1, 2 (consumers, 232 regs)  64 rows each: wgmma m64n256k16 over K, then
 //       GEMM1 epilogue: h = swiglu(gate, up) -> bf16 -> swizzled staging -> TMA store;
 //                       h_ready[m] += 1 (release) once the store completed, one task later
-//       GEMM2 epilogue: fp32 rows -> staging -> TMA stores into the slot buffer; y_done +=
+//       GEMM2 epilogue: rows -> bf16 -> staging -> TMA stores into the slot buffer; y_done +=
 //                       tiles (release) when the warpgroup reaches the combine, so no wait
 //                       stalls a tile
 //       combine:        after y_done is complete, y[t] = shared[t] + sum_j w[t,j]*slot,
-//                       in ascending j, fp32 fma, rounded to bf16 once
+//                       in ascending j, fp32 fma over the bf16 rows, y rounded to bf16
 //
 // Tasks: [GEMM1 routed | GEMM1 shared | GEMM2 routed | GEMM2 shared | combine]; inside
 // one expert the GEMM tasks run N-tile-major with the M-tiles fastest, so the tasks in

@@ -38,7 +38,7 @@ struct ForwardMaps {
   CUtensorMap shared_gate, shared_up;          // [1, I_s, H]
   CUtensorMap shared_down;                     // [1, H, I_s]
   CUtensorMap shared_h_store, shared_h_load;   // [T_pad, I_s]
-  CUtensorMap slots, shared_slots;             // fp32 [capacity, H], [T_pad, H], box 32 x 64 (stores)
+  CUtensorMap slots, shared_slots;             // bf16 [capacity, H], [T_pad, H], box 64 x 64 (stores)
   CUtensorMap saved_gu, shared_saved_gu;       // training: [capacity, 2I], [T_pad, 2I_s], box 64 x 64 (stores)
 };
 
@@ -58,8 +58,8 @@ struct ForwardParams {
   PlanTables plan;
   // data
   const float* topk_weights;     // [T, k]
-  float* slots;                  // [capacity, H]
-  float* shared_slots;           // [T_pad, H]
+  std::uint16_t* slots;          // [capacity, H] bf16 result rows
+  std::uint16_t* shared_slots;   // [T_pad, H]
   std::uint16_t* y;              // [T, H] bf16 bits
   // Training: gate | up pre-activations, [capacity, 2I] and [T_pad, 2I_s] bf16, for the
   // backward (null: not saved). gemm1_only: stop after GEMM1 (the backward's recompute).
@@ -67,9 +67,10 @@ struct ForwardParams {
   std::uint16_t* shared_saved_gu;
   unsigned long long* saved_marker;  // set to kSavedValid when saved_gu is written
   bool gemm1_only;
-  // One GPU: x_routed lies in the upper half of the slot buffer (Workspace::rows_in_slots);
-  // this is its capacity in rows (0: a buffer of its own). A GEMM2 tile then waits for
-  // the GEMM1 tiles of the x rows its slot rows overwrite.
+  // One GPU: x_routed lies under the slot rows (Workspace::rows_in_slots; bf16 rows each
+  // under its own slot row, E4M3 rows in the slot buffer's upper half); this is its capacity
+  // in rows (0: a buffer of its own). A GEMM2 tile then waits for the GEMM1 tiles of the x
+  // rows its slot rows overwrite.
   int x_rows_in_slots;
   // Task order (Config::interleave_rows / 128; 0: phase-major): routed tiles in chunks of
   // this many M-tiles, chunk c's GEMM2 tiles right after chunk c + 1's GEMM1 tiles.

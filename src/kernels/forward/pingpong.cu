@@ -192,9 +192,9 @@ __device__ void pp_epilogue_gemm1(const ForwardParams& p, PingPongStorage& s, co
   }
 }
 
-// fp32 rows of this warpgroup's 128 x 128 tile into the slot buffer (published by
-// publish_slots()): four rounds (64 rows x 64 columns) through the 16 KB staging, each as two
-// TMA stores of 64 rows x 32 columns (128-byte swizzle).
+// bf16 rows of this warpgroup's 128 x 128 tile into the slot buffer (published by
+// publish_slots()): two rounds (64 rows x 128 columns) through the 16 KB staging (two
+// swizzled 64-column panels), each as two TMA stores of 64 x 64.
 __device__ void pp_epilogue_gemm2(const ForwardParams& p, PingPongStorage& s, const float (&acc)[2][64], const Task& t,
                                   int row0, int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -203,24 +203,19 @@ __device__ void pp_epilogue_gemm2(const ForwardParams& p, PingPongStorage& s, co
   const int n0 = t.n * kPpBlockN;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    if (tid == 0) tma_store_wait_read();
+    sync_warpgroup(wg);
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      if (tid == 0) tma_store_wait_read();
-      sync_warpgroup(wg);
-#pragma unroll
-      for (int i = 32 * c; i < 32 * c + 32; i += 2) {
-        const int row = acc_row(warp, lane, i), col = acc_col(lane, i) - 64 * c;  // 0..63
-        *reinterpret_cast<float2*>(staging + swizzled_offset_bytes(row, col * 4)) = make_float2(acc[r][i], acc[r][i + 1]);
-      }
-      fence_proxy_async_shared_cta();
-      sync_warpgroup(wg);
-      if (tid == 0) {
-        for (int box = 0; box < 2; ++box) {
-          const int col = n0 + 64 * c + 32 * box;
-          if (col < p.hidden) tma_store_2d(map, staging + box * 64 * 128, col, row0 + 64 * r);
-        }
-        tma_store_commit_group();
-      }
+    for (int i = 0; i < 64; i += 2) {
+      const int row = acc_row(warp, lane, i), col = acc_col(lane, i);  // 0..127: two panels
+      *reinterpret_cast<std::uint32_t*>(staging + swizzled_offset(row, col)) = pack_bf16x2(acc[r][i], acc[r][i + 1]);
+    }
+    fence_proxy_async_shared_cta();
+    sync_warpgroup(wg);
+    if (tid == 0) {
+      tma_store_2d(map, s.staging[wg][0], n0, row0 + 64 * r);
+      if (n0 + 64 < p.hidden) tma_store_2d(map, s.staging[wg][1], n0 + 64, row0 + 64 * r);
+      tma_store_commit_group();
     }
   }
 }

@@ -27,11 +27,11 @@ using namespace mok::ptx;
 
 // ---------------------------------------------------------------------------------- producer
 
-// One GPU, x rows in the slot buffer's last bytes (kernels/common/slot_rows.cuh; kPerSlot 2:
-// bf16 rows, 4: E4M3 rows): before the slot rows [row0, row0 + 128) are stored, every GEMM1
+// One GPU, x rows in the slot buffer's last bytes (kernels/common/slot_rows.cuh; kPerSlot 1:
+// bf16 rows, 2: E4M3 rows): before the slot rows [row0, row0 + 128) are stored, every GEMM1
 // tile of the x rows under them must have read them: M-tiles at or below this tile's, so
 // lower-numbered tasks.
-template <typename Sched, int kPerSlot = 2>
+template <typename Sched, int kPerSlot = 1>
 __device__ inline void wait_x_rows_read(const ForwardParams& p, const Sched& sched, int row0, int task) {
   const RowRange x = x_rows_under_slots(row0, kBlockM, p.x_rows_in_slots, static_cast<long long>(sched.m_routed) * kBlockM,
                                         kPerSlot);
