@@ -12,7 +12,6 @@
 #include "host/layer_launch.hpp"
 #include "kernels/common/slot_rows.cuh"
 #include "kernels/common/sm_sides.hpp"
-#include "kernels/common/task_order.cuh"
 #include "kernels/forward/interleave.cuh"
 #include "plan_checks.hpp"
 
@@ -220,33 +219,7 @@ TEST(Schedule, InterleavedOrderCoversEveryTileAndWaitsOnlyBackwards) {
       }
 }
 
-// split_in_bands (the dx / GEMM2 tiles' order variants, MOK_DIAG_DX_BAND / MOK_DIAG_GEMM2_BAND):
-// every tile of the grid exactly once for any band, the plain N-tile-major order for a band of
-// at least the grid's M-tiles, N fastest for band 1, and inside a whole band the N-tile-major
-// order of its M-tiles.
-TEST(Schedule, BandedOrderCoversEveryTileOnce) {
-  for (int tiles = 1; tiles <= 19; ++tiles)
-    for (int n_tiles = 1; n_tiles <= 9; ++n_tiles)
-      for (int band = 1; band <= 24; ++band) {
-        SCOPED_TRACE(::testing::Message() << tiles << " x " << n_tiles << " tiles, bands of " << band);
-        std::vector<int> seen(tiles * n_tiles, 0);
-        for (int l = 0; l < tiles * n_tiles; ++l) {
-          int m = -1, n = -1;
-          kernels::split_in_bands(l, tiles, n_tiles, band, m, n);
-          ASSERT_TRUE(m >= 0 && m < tiles && n >= 0 && n < n_tiles) << "task " << l << ": " << m << ", " << n;
-          ++seen[m * n_tiles + n];
-          if (band >= tiles) EXPECT_TRUE(m == l % tiles && n == l / tiles) << "task " << l;
-          if (band == 1) EXPECT_TRUE(m == l / n_tiles && n == l % n_tiles) << "task " << l;
-          if (l < tiles / band * band * n_tiles) {
-            const int in_band = l % (band * n_tiles);
-            EXPECT_TRUE(m == l / (band * n_tiles) * band + in_band % band && n == in_band / band) << "task " << l;
-          }
-        }
-        EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), tiles * n_tiles);
-      }
-}
-
-// near_far_cut (MOK_DIAG_SIDE_RANKS, bench/l2_sides.cu): the cut falls in the widest gap of the
+// near_far_cut (bench/l2_sides.cu): the cut falls in the widest gap of the
 // latencies — with an H200's measured two sides (near 278–302 cycles, far 364–388) between them,
 // not halfway to the DRAM's ~680, which put every SM on one side — and there is none without a
 // gap of 10 % (one side) or with fewer than two SMs that ran.

@@ -141,10 +141,10 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
           for (int c = 0; c < b_boxes; ++c) tma_load_3d(st.b + c * 4096, &maps.down_mn, full, n0 + 64 * c, k0, t.e);
           break;
         case kDx: {
-          tma_load_2d<MOK_DIAG_DX_A_HINT>(st.a, &maps.dgu_k, full, k0, row0);
+          tma_load_2d(st.a, &maps.dgu_k, full, k0, row0);
           const bool gate = k0 < inter;
           for (int c = 0; c < b_boxes; ++c)
-            tma_load_3d<MOK_DIAG_DX_B_HINT>(st.b + c * 4096, gate ? &maps.gate_mn : &maps.up_mn, full, n0 + 64 * c, gate ? k0 : k0 - inter, t.e);
+            tma_load_3d(st.b + c * 4096, gate ? &maps.gate_mn : &maps.up_mn, full, n0 + 64 * c, gate ? k0 : k0 - inter, t.e);
           break;
         }
         case kWd:

@@ -13,7 +13,6 @@
 #include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
 #include "kernels/common/diag.cuh"
-#include "kernels/common/task_order.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "kernels/ep/ring_copy.cuh"
 #include "kernels/common/swiglu.cuh"
@@ -120,23 +119,16 @@ struct Schedule {
     t.kind = kWgu, t.n = l / m_wgu_r, t.m = l % m_wgu_r;
   }
 
-  // Routed M-tile tasks: N-tile-major inside each expert (the forward's order) — or, band > 0,
-  // in bands of `band` M-tiles (split_in_bands). Measured on the dx tiles (bench/NOTES.md):
-  // band 1 (N fastest) read mixtral-8x7b's backward 18.7 -> 35.7 GB of DRAM, 2.7 % slower (4.7 %
-  // on deepseek-v3): its W_gate|up N-tiles were then shared by CTAs 16 apart. Same bits in any
-  // order (a bijection; the dx and dh tiles' waits count per M-tile and expert). MOK_DIAG_DX_BAND=K /
-  // MOK_DIAG_DH_BAND=K: the dx / dh tiles in bands of K, to measure.
-  __device__ static void split_routed(const BackwardParams& p, int local, int n_tiles, Task& t, int band = 0) {
+  // Routed M-tile tasks: N-tile-major inside each expert (the forward's order). Measured on the
+  // dx tiles (bench/NOTES.md): N fastest read mixtral-8x7b's backward 18.7 -> 35.7 GB of DRAM,
+  // 2.7 % slower (4.7 % on deepseek-v3): its W_gate|up N-tiles were then shared by CTAs 16 apart;
+  // bands of 4 or 8 M-tiles read ~3 GB less and ran no faster.
+  __device__ static void split_routed(const BackwardParams& p, int local, int n_tiles, Task& t) {
     const int e = expert_of_task(p.plan.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
     const int first = p.plan.expert_offset[e] / kBlockM, tiles = p.plan.expert_offset[e + 1] / kBlockM - first;
     const int l = local - first * n_tiles;
     t.e = e;
-    if (band <= 0) {
-      t.n = l / tiles, t.m = first + l % tiles;
-    } else {
-      split_in_bands(l, tiles, n_tiles, band, t.m, t.n);
-      t.m += first;
-    }
+    t.n = l / tiles, t.m = first + l % tiles;
   }
 
   // Weight-gradient tasks: expert-major, then N-tile with M-tile fastest — or, n_fastest, the
@@ -169,7 +161,7 @@ struct Schedule {
     Task t{kCombine, false, 0, 0, 0};
     if (task < dh_r) {
       if constexpr (kRing) decode_expert_major(p, task, t);
-      else t.kind = kDh, split_routed(p, task, n_dh_r, t, MOK_DIAG_DH_BAND);
+      else t.kind = kDh, split_routed(p, task, n_dh_r, t);
     } else if (task < dh_s) {
       t.kind = kDh, t.shared = true, t.n = (task - dh_r) / m_shared, t.m = (task - dh_r) % m_shared;
     } else if (task < wd_r) {
@@ -181,7 +173,7 @@ struct Schedule {
     } else if (task < wgu_s) {
       t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_dx, t, kWguByRule && n_fastest(2 * p.shared.inter, p.hidden));
     } else if (task < dx_r) {
-      t.kind = kDx, split_routed(p, task - wgu_s, n_dx, t, MOK_DIAG_DX_BAND);
+      t.kind = kDx, split_routed(p, task - wgu_s, n_dx, t);
     } else if (task < dx_s) {
       t.kind = kDx, t.shared = true, t.n = (task - dx_r) / m_shared, t.m = (task - dx_r) % m_shared;
     } else {

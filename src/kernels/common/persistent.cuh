@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "kernels/common/pipeline.cuh"
-#include "kernels/common/sm_sides.hpp"
 #include "mok/kernel_status.hpp"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
@@ -94,44 +93,13 @@ void configure_persistent(std::size_t smem) {
   }
 }
 
-#if defined(MOK_DIAG_SIDE_RANKS)
-// Timing variant (one GPU): the CTAs of a persistent launch over every SM numbered side by side
-// — those that read SM 0's L2 lines near first — instead of by blockIdx (kernels/common/sm_sides.cu),
-// so that tasks adjacent in the task order run on one side of the L2. Per translation unit: the
-// table is copied into this unit's symbols at its first launch outside a stream capture.
-namespace diag {
-static __device__ int side_rank_of_sm[1024];
-static __device__ int side_ranked_sms;  // 0: no table (blockIdx)
-}  // namespace diag
-__device__ __forceinline__ int persistent_cta() {
-  if (diag::side_ranked_sms != static_cast<int>(gridDim.x)) return static_cast<int>(blockIdx.x);
-  unsigned id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return diag::side_rank_of_sm[id];
-}
-static inline void set_side_ranks(cudaStream_t stream) {
-  static bool done = false;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (done || cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) return;
-  done = true;
-  const std::vector<int>& rank = l2_side_rank_of_sm();
-  const int n = static_cast<int>(rank.size());
-  if (n == 0 || n > 1024) return;
-  cudaMemcpyToSymbol(diag::side_rank_of_sm, rank.data(), n * sizeof(int));
-  cudaMemcpyToSymbol(diag::side_ranked_sms, &n, sizeof(int));
-}
-#else
-// This CTA's index in a persistent launch (MOK_DIAG_SIDE_RANKS: numbered by L2 side).
+// This CTA's index in a persistent launch.
 __device__ __forceinline__ int persistent_cta() { return static_cast<int>(blockIdx.x); }
-#endif
 
 // Launches a persistent kernel with `smem` bytes of dynamic shared memory.
 template <auto Kernel, typename Params>
 void launch_persistent(std::size_t smem, int threads, const Params& params, int ctas, cudaStream_t stream) {
   configure_persistent<Kernel>(smem);
-#if defined(MOK_DIAG_SIDE_RANKS)
-  set_side_ranks(stream);
-#endif
   Kernel<<<ctas, threads, smem, stream>>>(params);
 }
 

@@ -1,7 +1,6 @@
-// Which SMs read each other's L2 lines near, measured (sm_sides.hpp): for the timing variant
-// MOK_DIAG_SIDE_RANKS, which numbers the CTAs of a persistent launch side by side so that tasks
-// adjacent in the task order share L2 lines, and for bench/l2_sides.cu, which prints it all
-// (bench/NOTES.md, "the long-K dx tiles' sharing").
+// Which SMs read each other's L2 lines near, measured (sm_sides.hpp), for bench/l2_sides.cu,
+// which prints it all (bench/NOTES.md, "the long-K dx tiles' sharing" and the eighth session's
+// side-ranked CTAs, measured and dropped).
 #include "kernels/common/sm_sides.hpp"
 
 #include <cuda_runtime_api.h>
@@ -85,42 +84,6 @@ std::vector<int> L2LatencyProbe::block_sms() const {
   record_sm<<<sms_, 128, smem_>>>(map_);
   if (cudaMemcpy(map.data(), map_, sms_ * sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) return {};
   return map;
-}
-
-namespace {
-
-std::vector<int> measure() {
-  // (Nothing else may run meanwhile: the walks need every SM to themselves, one CTA each.)
-  if (cudaDeviceSynchronize() != cudaSuccess) return {};
-  std::vector<int> rank;
-  {
-    const L2LatencyProbe probe;
-    const double own = probe.latency(0, 0), dram = probe.latency(-1, 0);
-    std::vector<double> lat(probe.sms(), -1.0);
-    bool ok = probe.ok() && own > 0 && dram > own;
-    for (int s = 0; s < probe.sms() && ok; ++s) ok = (lat[s] = probe.latency(0, s)) > 0;
-    const double cut = ok ? near_far_cut(lat) : -1.0;
-    ok = ok && cut > 0;
-    std::vector<int> near, far;
-    for (int s = 0; s < probe.sms() && ok; ++s) (lat[s] < cut ? near : far).push_back(s);
-    if (ok) {
-      rank.assign(probe.sms(), 0);
-      int next = 0;
-      for (int s : near) rank[s] = next++;
-      for (int s : far) rank[s] = next++;
-      std::fprintf(stderr, "MOK_DIAG_SIDE_RANKS: %zu SMs read SM 0's L2 lines near (own %.0f, cut %.0f, DRAM %.0f cycles a "
-                   "load), %zu farther; CTAs numbered side by side\n", near.size(), own, cut, dram, far.size());
-    }
-  }
-  if (rank.empty()) std::fprintf(stderr, "MOK_DIAG_SIDE_RANKS: the measurement failed or found one side; CTAs keep blockIdx\n");
-  return rank;
-}
-
-}  // namespace
-
-const std::vector<int>& l2_side_rank_of_sm() {
-  static const std::vector<int> rank = measure();
-  return rank;
 }
 
 }  // namespace mok::kernels

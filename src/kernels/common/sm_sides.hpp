@@ -1,5 +1,5 @@
-// Which SMs read each other's L2 lines near: the probe (kernels/common/sm_sides.cu) behind the
-// timing variant MOK_DIAG_SIDE_RANKS and bench/l2_sides.cu.
+// Which SMs read each other's L2 lines near: the probe (kernels/common/sm_sides.cu) behind
+// bench/l2_sides.cu.
 #pragma once
 
 #include <algorithm>
@@ -48,10 +48,5 @@ inline double near_far_cut(std::vector<double> latencies) {
     if (latencies[i] - latencies[i - 1] > gap) gap = latencies[i] - latencies[i - 1], cut = (latencies[i] + latencies[i - 1]) / 2;
   return latencies.size() >= 2 && gap >= 0.1 * latencies.front() ? cut : -1.0;
 }
-
-// rank_of_sm[smid] for the current device's SMs: the SMs that read SM 0's L2 lines near first
-// (by smid), then the rest — measured once a process (~0.1 s); empty if the measurement failed.
-// Call only where no stream is capturing.
-const std::vector<int>& l2_side_rank_of_sm();
 
 }  // namespace mok::kernels

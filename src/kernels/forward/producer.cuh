@@ -78,15 +78,12 @@ __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipel
   for (int kb = 0; kb < k_steps; ++kb) {
     std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, kStageBytesA + kStageBytesB);
     SharedStorage::Stage& stage = s.stages[pipe.stage()];
-    if (MOK_DIAG_GEMM2_A_HINT != kL2Normal && !b1)  // (GEMM2's A with an L2 policy: kernels/common/diag.cuh)
-      tma_load_2d<MOK_DIAG_GEMM2_A_HINT>(stage.a, a, full, kb * kBlockK, a_row);
-    else
-      tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
+    tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
     if (b1) {
       tma_load_3d(stage.b, b0, full, kb * kBlockK, b_row, expert);
       tma_load_3d(stage.b + kGemm1Columns * kBlockK, b1, full, kb * kBlockK, b_row, expert);
     } else {
-      tma_load_3d<MOK_DIAG_GEMM2_B_HINT>(stage.b, b0, full, kb * kBlockK, b_row, expert);
+      tma_load_3d(stage.b, b0, full, kb * kBlockK, b_row, expert);
     }
     pipe.producer_commit();
   }

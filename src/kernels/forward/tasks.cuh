@@ -12,8 +12,6 @@
 #include "kernels/forward/interleave.cuh"
 #include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
-#include "kernels/common/diag.cuh"
-#include "kernels/common/task_order.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "kernels/ep/ring_copy.cuh"
 #include "kernels/common/slot_rows.cuh"
@@ -118,19 +116,13 @@ struct TaskSchedule {
     t.m = t.mb * per + l % tiles;
   }
 
-  // Routed tasks: find the expert whose task range holds `local`, then split inside it —
-  // band > 0: in bands of `band` M-tiles (split_in_bands; same bits: GEMM1's tiles are counted
-  // per M-tile by h_ready, GEMM2's by y_done in all). MOK_DIAG_GEMM1_BAND=K / MOK_DIAG_GEMM2_BAND=K:
-  // the routed GEMM1 / GEMM2 tiles so, to measure (bench/NOTES.md).
-  __device__ static void split_routed(const ForwardParams& p, int local, int n_tiles, Task& t, int band = 0) {
+  // Routed tasks: find the expert whose task range holds `local`, then split inside it. (Bands
+  // of M-tiles, N-tile-major inside each, were measured for GEMM1 and GEMM2 and gained nothing:
+  // bench/NOTES.md, the eighth session.)
+  __device__ static void split_routed(const ForwardParams& p, int local, int n_tiles, Task& t) {
     const int e = expert_of_task(p.plan.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
     const int first = p.plan.expert_offset[e] / kBlockM;
-    if (band <= 0) {
-      split(local - first * n_tiles, first, p.plan.expert_offset[e + 1] / kBlockM - first, t);
-    } else {
-      split_in_bands(local - first * n_tiles, p.plan.expert_offset[e + 1] / kBlockM - first, n_tiles, band, t.m, t.n);
-      t.m += first;
-    }
+    split(local - first * n_tiles, first, p.plan.expert_offset[e + 1] / kBlockM - first, t);
   }
 
   __device__ void split_interleaved(const ForwardParams& p, int local, Task& t) const {
@@ -158,13 +150,13 @@ struct TaskSchedule {
     if (task < g1_routed_end) {
       t.kind = kGemm1;
       if (p.ring.comm_ctas > 0) split_minibatch(p, task, t);
-      else split_routed(p, task, n1_routed, t, MOK_DIAG_GEMM1_BAND);
+      else split_routed(p, task, n1_routed, t);
     } else if (task < g1_shared_end) {
       t.kind = kGemm1, t.shared = true;
       split(task - g1_routed_end, 0, m_shared, t);
     } else if (task < g2_routed_end) {
       t.kind = kGemm2;
-      split_routed(p, task - g1_shared_end, n2, t, MOK_DIAG_GEMM2_BAND);
+      split_routed(p, task - g1_shared_end, n2, t);
     } else if (task < g2_shared_end) {
       t.kind = kGemm2, t.shared = true;
       split(task - g2_routed_end, 0, m_shared, t);
