@@ -38,48 +38,6 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, s
       : "memory");
 }
 
-// L2 eviction policies for the loads below that take one (`createpolicy`: every line the
-// load brings in gets the priority; fraction 1.0). kL2EvictLast keeps a line past the
-// normal ones, kL2EvictFirst lets it go first. 0: no hint (the plain loads above).
-enum L2Hint : int { kL2Normal = 0, kL2EvictLast = 1, kL2EvictFirst = 2 };
-
-template <int kHint>
-__device__ __forceinline__ std::uint64_t l2_policy() {
-  static_assert(kHint == kL2EvictLast || kHint == kL2EvictFirst);
-  std::uint64_t policy;
-  // (not volatile: a constant, which the compiler may compute once outside a task's K loop)
-  if constexpr (kHint == kL2EvictLast) asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  else asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
-// tma_load_2d / _3d with an L2 eviction policy (kHint: an L2Hint; kL2Normal is the plain load).
-template <int kHint>
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1) {
-  if constexpr (kHint == kL2Normal) {
-    tma_load_2d(dst, map, bar, c0, c1);
-  } else {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(
-            smem_address(dst)),
-        "l"(reinterpret_cast<std::uint64_t>(map)), "r"(smem_address(bar)), "r"(c0), "r"(c1), "l"(l2_policy<kHint>())
-        : "memory");
-  }
-}
-
-template <int kHint>
-__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1, int c2) {
-  if constexpr (kHint == kL2Normal) {
-    tma_load_3d(dst, map, bar, c0, c1, c2);
-  } else {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(
-            smem_address(dst)),
-        "l"(reinterpret_cast<std::uint64_t>(map)), "r"(smem_address(bar)), "r"(c0), "r"(c1), "r"(c2), "l"(l2_policy<kHint>())
-        : "memory");
-  }
-}
-
 // Shared -> global; completes through the bulk-group mechanism below.
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(

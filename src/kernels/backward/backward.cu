@@ -316,7 +316,7 @@ __device__ __forceinline__ void run_backward(const BackwardParams& p, const Ring
 }
 
 __global__ void __launch_bounds__(kThreads, 1) backward_fp8_kernel(const __grid_constant__ Fp8BackwardParams q) {
-  run_persistent<BackwardKernel<false, Fp8BackwardParams>>(q, persistent_cta(), gridDim.x, RingSources{});
+  run_persistent<BackwardKernel<false, Fp8BackwardParams>>(q, blockIdx.x, gridDim.x, RingSources{});
 }
 
 struct BackwardLaunch {  // the plain kernel's parameters
@@ -326,7 +326,7 @@ struct BackwardLaunch {  // the plain kernel's parameters
 
 template <bool kRing>
 __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_constant__ BackwardLaunch l) {
-  run_backward<kRing>(l.rank, l.sources, persistent_cta(), gridDim.x);
+  run_backward<kRing>(l.rank, l.sources, blockIdx.x, gridDim.x);
 }
 
 template <bool kRing>

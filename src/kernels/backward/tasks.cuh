@@ -127,8 +127,7 @@ struct Schedule {
     const int e = expert_of_task(p.plan.expert_offset, p.num_local_experts, local, n_tiles, kBlockM);
     const int first = p.plan.expert_offset[e] / kBlockM, tiles = p.plan.expert_offset[e + 1] / kBlockM - first;
     const int l = local - first * n_tiles;
-    t.e = e;
-    t.n = l / tiles, t.m = first + l % tiles;
+    t.e = e, t.n = l / tiles, t.m = first + l % tiles;
   }
 
   // Weight-gradient tasks: expert-major, then N-tile with M-tile fastest — or, n_fastest, the

@@ -9,7 +9,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <vector>
 
 #include "kernels/common/pipeline.cuh"
 #include "mok/kernel_status.hpp"
@@ -92,9 +91,6 @@ void configure_persistent(std::size_t smem) {
       configured[device] = true;
   }
 }
-
-// This CTA's index in a persistent launch.
-__device__ __forceinline__ int persistent_cta() { return static_cast<int>(blockIdx.x); }
 
 // Launches a persistent kernel with `smem` bytes of dynamic shared memory.
 template <auto Kernel, typename Params>

@@ -114,8 +114,8 @@ __device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, in
 // bf16 rows of this warpgroup's 64 x 256 tile into the slot buffer (published by
 // publish_slots()): two halves of 128 columns through the warpgroup's 16 KB staging
 // (stage_bf16_half: two swizzled 64-column panels), each as two TMA stores of 64 x 64. The
-// combine sums the rows in fp32 (README, "What the layer computes": each expert's row is
-// rounded to bf16 first, as PyTorch's grouped GEMMs round theirs).
+// combine sums the rows in fp32 (docs/design.md: each expert's row is rounded to bf16 first,
+// as PyTorch's grouped GEMMs round theirs).
 __device__ inline void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                int row0, int wg) {
   const int tid = threadIdx.x % 128;

@@ -150,7 +150,7 @@ __device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int
 }
 
 __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_constant__ ForwardParams p) {
-  run_forward(p, persistent_cta(), gridDim.x);
+  run_forward(p, blockIdx.x, gridDim.x);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) forward_group_kernel(const __grid_constant__ ForwardGroupParams g) {

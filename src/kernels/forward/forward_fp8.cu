@@ -267,7 +267,7 @@ struct Fp8ForwardKernel {
 };
 
 __global__ void __launch_bounds__(kThreads, 1) forward_fp8_kernel(const __grid_constant__ Fp8ForwardParams p) {
-  run_persistent<Fp8ForwardKernel>(p, persistent_cta(), gridDim.x);
+  run_persistent<Fp8ForwardKernel>(p, blockIdx.x, gridDim.x);
 }
 
 }  // namespace
