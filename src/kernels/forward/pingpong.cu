@@ -88,7 +88,7 @@ __device__ void pp_produce(const ForwardParams& p, PingPongStorage& s, const Pin
     const int expert = t.shared ? 0 : p.plan.tile_expert[t.m];
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
     const bool gemm1 = t.kind == kGemm1;
-    if (!gemm1) wait_hidden_rows(p, sched, t, row0, task);  // (GEMM1's rows were copied before the launch: no ring)
+    if (!gemm1) wait_hidden_rows(p, sched, t, task);  // (GEMM1's rows were copied before the launch: no ring)
     const ForwardMaps& m = p.maps;
     const CUtensorMap* a = gemm1 ? (t.shared ? &m.x : &m.x_routed) : (t.shared ? &m.shared_h_load : &m.h_load);
     const CUtensorMap* b = gemm1 ? (t.shared ? &m.shared_gate : &m.gate) : (t.shared ? &m.shared_down : &m.down);

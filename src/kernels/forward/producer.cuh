@@ -27,11 +27,12 @@ using namespace mok::ptx;
 
 // ---------------------------------------------------------------------------------- producer
 
-// One GPU, x rows in the slot buffer's last bytes (kernels/common/slot_rows.cuh; kPerSlot 1:
-// bf16 rows, 2: E4M3 rows): before the slot rows [row0, row0 + 128) are stored, every GEMM1
+// One GPU, x rows in the slot buffer's last bytes (kernels/common/slot_rows.cuh; kPerSlot 2:
+// the FP8 forward's E4M3 rows): before the slot rows [row0, row0 + 128) are stored, every GEMM1
 // tile of the x rows under them must have read them: M-tiles at or below this tile's, so
-// lower-numbered tasks.
-template <typename Sched, int kPerSlot = 1>
+// lower-numbered tasks. (The BF16 forward's bf16 x rows, kPerSlot 1, lie each under its own
+// slot row: its M-tile's h wait, wait_hidden_rows, already covers them.)
+template <typename Sched, int kPerSlot>
 __device__ inline void wait_x_rows_read(const ForwardParams& p, const Sched& sched, int row0, int task) {
   const RowRange x = x_rows_under_slots(row0, kBlockM, p.x_rows_in_slots, static_cast<long long>(sched.m_routed) * kBlockM,
                                         kPerSlot);
@@ -39,13 +40,12 @@ __device__ inline void wait_x_rows_read(const ForwardParams& p, const Sched& sch
     wait_counter(p, p.counters.h_ready + m, sched.hidden_parts(false), task, WaitSite::x_rows_read);
 }
 
-// Before a GEMM2 task's loads: waits until its h rows are stored (and, on one GPU, the x rows
-// under its slot rows are read).
+// Before a GEMM2 task's loads: waits until its h rows are stored — on one GPU also the sign that
+// the x rows under its slot rows (its own M-tile's: tile_row[m] = 128 m) have been read.
 template <typename Sched>
-__device__ __forceinline__ void wait_hidden_rows(const ForwardParams& p, const Sched& sched, const Task& t, int row0, int task) {
+__device__ __forceinline__ void wait_hidden_rows(const ForwardParams& p, const Sched& sched, const Task& t, int task) {
   wait_counter(p, p.counters.h_ready + (t.shared ? p.max_routed_tiles + t.m : t.m), sched.hidden_parts(t.shared), task,
                WaitSite::hidden_ready);
-  if (p.x_rows_in_slots > 0 && !t.shared) wait_x_rows_read(p, sched, row0, task);
   fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
 }
 
@@ -69,7 +69,7 @@ __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipel
     k_steps = p.hidden / kBlockK;
     b_row = t.n * kGemm1Columns;
   } else {
-    wait_hidden_rows(p, sched, t, row0, task);
+    wait_hidden_rows(p, sched, t, task);
     a = t.shared ? &p.maps.shared_h_load : &p.maps.h_load;
     b0 = t.shared ? &p.maps.shared_down : &p.maps.down;
     k_steps = (t.shared ? p.shared_inter : p.inter) / kBlockK;
