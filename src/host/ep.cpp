@@ -48,8 +48,8 @@ struct VirtualRanks::Rank {
   std::unique_ptr<Workspace> ws;
   std::int32_t* all_ids = nullptr;  // [ep, T, k]: every rank's routing (routing exchange)
   float* all_weights = nullptr;     // [ep, T, k]: every rank's routing weights (backward)
-  float* slots = nullptr;           // 4 T k H bytes: [T * k, H] bf16 combine slots (forward); in the backward
-                                    // the dx rows [T * k, H] bf16, then the partials [T * k, ceil(I / 256)] fp32
+  std::uint8_t* slots = nullptr;    // ep_slot_bytes(): [T * k, H] bf16 combine slots (forward), in the backward
+                                    // the dx rows; then the backward's partials [T * k, ceil(I / 256)] fp32
   int* slots_done = nullptr;        // [2 kMaxEpRanks]: rows x column tiles pushed by each rank, then
                                     // the rows this rank's routing sends to each rank
   std::uint16_t* ring = nullptr;    // [ring_rows, H]: the forward's received rows (ring token buffer)
@@ -72,7 +72,7 @@ struct VirtualRanks::Launch {
 
 VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, const Config& config, Training training)
     : shape_(shape), tokens_(tokens_per_rank), config_(config), training_(training) {
-  const std::int64_t ep = detail::check_ep_group(kWhere, shape, config, tokens_per_rank, training);
+  const std::int64_t ep = detail::check_ep_group(kWhere, shape, config, tokens_per_rank);
   if (config.pull_tokens_once)
     throw_argument_error(kWhere, "config.pull_tokens_once", "is for EpRank (ranks on other GPUs); virtual ranks share "
                          "one GPU's memory and pull nothing across a fabric");
@@ -82,7 +82,7 @@ VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, 
     rank->ws.reset(new Workspace(shape, T, config, training, Workspace::ForRank{r}));
     rank->all_ids = allocate<std::int32_t>(ep * T * k, "cudaMalloc(all_ids)");
     if (training != Training::off) rank->all_weights = allocate<float>(ep * T * k, "cudaMalloc(all_weights)");
-    rank->slots = allocate<float>(T * k * H, "cudaMalloc(combine slots)");
+    rank->slots = allocate<std::uint8_t>(detail::ep_slot_bytes(shape, T), "cudaMalloc(combine slots)");
     rank->slots_done = allocate<int>(2 * kMaxEpRanks, "cudaMalloc(slots_done)");
     if (detail::uses_ring(config))
       rank->ring = allocate<std::uint16_t>(detail::ring_rows(*rank->ws) * H, "cudaMalloc(ring)");

@@ -67,11 +67,19 @@ inline RingFit backward_ring_fit(const Workspace& ws, int comm_ctas) {
   return {ws.config().minibatch_rows, ring_rows(ws)};
 }
 
-// The checks both EP front ends make of a group's shape: ranks, tokens per rank, and what
-// the EP backward needs (its dx rows and d_topk_weights partials share the slot buffer of 4 T k H bytes).
+// Bytes of a rank's combine slot buffer: the forward's pushed bf16 result rows [T k, H], whose
+// memory the EP backward's pushed dx rows reuse, then the backward's d_topk_weights partials
+// [T k, ceil(I / 256)] fp32 (kernels/ep/ep.cuh). The same size with or without training, so
+// that EpRank::region_bytes() needs no Training.
+inline std::int64_t ep_slot_bytes(const MoeShape& s, std::int64_t tokens_per_rank) {
+  const std::int64_t pairs = tokens_per_rank * s.top_k;
+  return 2 * pairs * s.hidden + 4 * pairs * ((s.intermediate + 255) / 256);
+}
+
+// The checks both EP front ends make of a group's shape: ranks and tokens per rank.
 // Returns the number of ranks.
 inline std::int64_t check_ep_group(std::string_view where, const MoeShape& shape, const Config& config,
-                                   std::int64_t tokens_per_rank, Training training) {
+                                   std::int64_t tokens_per_rank) {
   validate(shape);
   validate(config);
   const std::int64_t ep = shape.ep_size();
@@ -82,9 +90,6 @@ inline std::int64_t check_ep_group(std::string_view where, const MoeShape& shape
   if (ep * tokens_per_rank * shape.top_k > std::numeric_limits<std::int32_t>::max())
     throw_argument_error(where, "tokens_per_rank", "ranks * T * k must fit in int32, got ",
                          ep * tokens_per_rank * shape.top_k);
-  if (training != Training::off && (shape.intermediate + 255) / 256 * 4 > 2 * shape.hidden)
-    throw_argument_error(where, "intermediate", "must be at most 128 * hidden for the EP backward, got ",
-                         shape.intermediate);
   return ep;
 }
 

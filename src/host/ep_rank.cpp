@@ -58,7 +58,7 @@ struct EpRank::Layout {
     l.dy = take(2 * T * H);                               // its dy rows (backward)
     l.ids = take(4 * ep * T * k);                         // every rank's routing
     l.weights = take(4 * ep * T * k);                     // every rank's routing weights (backward)
-    l.slots = take(4 * T * k * H);                        // combine slots: pushed bf16 result rows (and the backward's)
+    l.slots = take(detail::ep_slot_bytes(s, T));           // combine slots: pushed bf16 result rows (and the backward's)
     l.bytes = at;
     return l;
   }
@@ -73,7 +73,7 @@ EpRank::EpRank(const MoeShape& shape, std::int64_t tokens_per_rank, int rank, st
                const Config& config, Training training, bool peers_on_other_gpus)
     : shape_(shape), tokens_(tokens_per_rank), rank_(rank), config_(config), training_(training),
       system_scope_(peers_on_other_gpus) {
-  const std::int64_t ep = detail::check_ep_group(kWhere, shape, config, tokens_per_rank, training);
+  const std::int64_t ep = detail::check_ep_group(kWhere, shape, config, tokens_per_rank);
   if (static_cast<std::int64_t>(region_bases.size()) != ep)
     throw_argument_error(kWhere, "region_bases", "must hold one region per rank (", ep, "), got ", region_bases.size());
   if (rank < 0 || rank >= ep) throw_argument_error(kWhere, "rank", "must be in [0, ", ep, "), got ", rank);

@@ -25,8 +25,9 @@ struct RingGeometry {
 // Push combine. With push set, result rows go to the slots of the rank that owns the
 // token, at row t * k + j there, and each rank's combine waits until slots_done[q] (rows
 // pushed by rank q, times column tiles) reaches what its own routing expects from q.
-// Forward: slots are [T * k, H] bf16 (GEMM2 rows; the buffer has room for 4 T k H bytes). Backward: the same memory holds the dx
-// rows, [T * k, H] bf16, then the d_topk_weights partials, [T * k, ceil(I / 256)] fp32.
+// Forward: slots are [T * k, H] bf16 (GEMM2 rows). Backward: the same memory holds the dx rows,
+// [T * k, H] bf16, and the d_topk_weights partials follow them, [T * k, ceil(I / 256)] fp32
+// (detail::ep_slot_bytes).
 // Without push (the one-GPU path), rows stay in plan order in the workspace and the
 // combine finds them through pair_row.
 
