@@ -119,7 +119,10 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
   if (rank.rank >= 0) {  // an EP rank owns its row buffers; one GPU's calls take scratch
     allocate(x_routed_, 2 * capacity * H, "cudaMalloc(x_routed)", bytes_);
     allocate(hidden_, 2 * (capacity * I + padded_tokens * Is), "cudaMalloc(hidden)", bytes_);
-    allocate(slots_, 4 * (capacity * H + padded_tokens * H), "cudaMalloc(slots)", bytes_);
+    // bf16 rows: the forward's [capacity + T_pad, H] (routed rows unused: they are pushed), the
+    // backward's dy and dx rows [2 capacity, H] then the shared dx rows [T_pad, H]
+    const std::int64_t slot_rows = (training == Training::off ? 1 : 2) * capacity + padded_tokens;
+    allocate(slots_, 2 * slot_rows * H, "cudaMalloc(slots)", bytes_);
     if (training == Training::recompute) allocate(recompute_, 2 * saved_elements(), "cudaMalloc(recompute)", bytes_);
   }
   allocate(counters_, 4 * counter_count(), "cudaMalloc(counters)", bytes_);
