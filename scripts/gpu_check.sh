@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8bench|fp8diag|diagab|dram|pingpong|power] [--presets all|NAME,...] [--repeats N] [--iters N]
+#                                                   host|fp8|fp8bench|fp8diag|diagab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME]
 #                                                   [--ncu-kernels forward,backward]
@@ -16,7 +16,7 @@
 # build, every test, sanitizers) writes the gpucheck JSON, and so do its two halves `ctest` (clean
 # build, ctest, sanitizers, the main job) and `pytest` (the package, pytest, the training example); `bench` (build if missing, then
 # bench/layer_bench.py: mok, mok-py, torch-compiled, torch and dense on the same inputs,
-# interleaved, both routings, full-size checks) the bench JSON; `ep` (machines with 2 or
+# interleaved, both routings unless --routing says, full-size checks) the bench JSON; `ep` (machines with 2 or
 # more GPUs: the package, then bench/ep_bench.py on every GPU under torchrun: mok-ep,
 # mok-ep-once, mok-ep-interleave, torch-compiled-ep and mok-compute on issue 20's presets unless --presets says)
 # its own bench JSON (<date>-<commit>-ep<W>-bench.json). `all` runs the three. `speed` (a
@@ -86,6 +86,7 @@ date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 iters=10
 repeats=3
 presets=all
+routings=uniform,zipf1.2
 part=all
 impl_args=()
 settle_args=()
@@ -102,6 +103,7 @@ while [ $# -gt 0 ]; do
     --ncu-kernels) ncu_kernels="${2//,/ }"; shift ;;
     --part) part="$2"; shift ;;
     --presets) presets="$2"; shift ;;
+    --routing) routings="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
     --iters) iters="$2"; shift ;;
     --impl) impl_args+=(--impl "$2"); impls="$2"; shift ;;
@@ -109,7 +111,7 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|dram|pingpong|power] [--presets all|NAME,...] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
@@ -373,7 +375,7 @@ junit=("$LOG/ctest.xml")
 layer_bench uniform
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
-layer_bench uniform,zipf1.2
+layer_bench "$routings"
 fi
 if [ "$part" = fp8 ]; then
   ctest --test-dir $build --output-on-failure -j4 -R "Fp8|^Forward|Validate" --output-junit "$LOG/ctest.xml" \
