@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8bench|fp8diag|diagab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N]
+#                                                   host|fp8|fp8bench|fp8diag|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME]
 #                                                   [--ncu-kernels forward,backward]
@@ -49,6 +49,10 @@
 # host parts: every implementation timed on the power limit's plateau, issue 21).
 # --queued: layer_bench's timings enqueue all their iterations before waiting (the host ahead of the
 # GPU, as in training; the default waits for each iteration). --warmup-rounds N: N whole rounds untimed first.
+# `kernelab` (a kernel change in one call): a clean build with the tests and, beside it, mok_bench
+# built with --diag DEFINES (the variant to compare against, e.g. the old path); ab_serve default
+# (base) against the variant (head), outputs checked bitwise equal (--presets all: five; --pass
+# default fwd,fwd+bwd), then every ctest and compute-sanitizer on a forward and an EP case.
 # --bench-only: the host part runs only layer_bench (not host_sections.py and forward_stages.py).
 # --diag DEFINES[,DEFINES...] (phases part): a phase build per variant with MOK_DIAG_DEFINES (timing-only kernel
 # variants, e.g. MOK_DIAG_NO_DGU_QUANTIZE,MOK_DIAG_DH_NO_LOADS; `;` joins defines within one variant; the
@@ -111,11 +115,11 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench, fp8diag, diagab, dram, pingpong or power"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench, fp8diag, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
 case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
@@ -251,8 +255,12 @@ if [ "$part" = diagab ]; then  # a same-bits diagnostic build (--diag) against t
 fi
 
 build=build-gpu
+if [ "$part" = kernelab ]; then  # the variant's mok_bench, built beside the default build below
+  [ -n "$diag" ] || { echo "gpu_check.sh --part kernelab needs --diag DEFINES"; exit 2; }
+  bench_build build-ab-diag "$diag" 4 &
+fi
 if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
-  if $run_ctest; then rm -rf "$build"; fi  # a clean build: the ptxas report covers every kernel
+  if $run_ctest || [ "$part" = kernelab ]; then rm -rf "$build"; fi  # a clean build: the ptxas report covers every kernel
   # The benchmark needs the library, mok_bench and the extension mok._C, not the tests.
   with_tests=ON
   { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ] || [ "$part" = fp8bench ] ||
@@ -431,6 +439,23 @@ if [ "$part" = host ]; then
     --preset "$presets" --routing uniform --repeats $repeats --iters $iters --out "$OUT/bench_layer.json" \
     --commit "$commit" --date "$date" "${settle_args[@]}" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
   bench=("$OUT/bench_layer.json")
+fi
+
+if [ "$part" = kernelab ]; then  # a kernel change in one call: the A/B against --diag first, then every ctest, sanitizers
+  wait_builds kernelab
+  ab_presets=$presets
+  [ "$presets" = all ] && ab_presets=deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b
+  python3 bench/ab_serve.py --base $build/bench/mok_bench --head build-ab-diag/bench/mok_bench --impls "${impls:-mok,mok}" \
+    --preset "$ab_presets" --pass "${passes:-fwd,fwd+bwd}" --rounds "$repeats" --iters "$iters" \
+    --out "$OUT/${date:0:10}-$commit-kernelab.json" \
+    --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\", \"diag\": \"$diag\"}" 2>&1 |
+    tee "$OUT/${date:0:10}-$commit-kernelab.txt" | tail -16
+  [ "${PIPESTATUS[0]}" = 0 ] || test_rc=1
+  ctest --test-dir $build --output-on-failure -j4 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1 || test_rc=1
+  tail -3 "$LOG/ctest.log"
+  junit+=("$LOG/ctest.xml")
+  sanitize test_gpu_forward Forward/ForwardCases.MatchesReference/shared_padded_clamp
+  sanitize test_gpu_ep_forward Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp
 fi
 
 if [ "$part" = pingpong ]; then  # the ping-pong forward against the cooperative one (same build, same bits)
