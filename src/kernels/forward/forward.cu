@@ -150,6 +150,11 @@ struct ForwardKernel {
   __device__ static void consume(const P& p, Storage& s, const Schedule& sched, int wg) { run_consumer(p, s, sched, wg); }
 };
 
+// (the skeleton runs assist() only where this expression is valid: a typo would leave the rows uncopied)
+static_assert(requires(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int warp) {
+  ForwardKernel::assist(p, s, sched, warp);
+});
+
 __device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int ctas) {
   run_persistent<ForwardKernel>(p, cta, ctas);
 }
