@@ -193,18 +193,17 @@ class Workspace {
 // `saved` (Training::save only): 1-D bf16 [workspace.saved_elements()], written with the
 // gate/up pre-activations the backward reads; keep it until the backward has run.
 // `scratch`: 1-D u8 of at least workspace.forward_scratch_bytes() (see Workspace), or none.
-// rows_enqueued: forward_rows() has enqueued this call's plan (and, for the ping-pong kernel, the
-// row copy; the cooperative kernel copies x's routed rows itself, beside its GEMMs) (below).
+// rows_enqueued: forward_rows() has enqueued this call's plan and row copy (below).
 void forward(const ForwardArgs& args, Workspace& workspace, cudaStream_t stream,
              const std::optional<TensorView>& saved = std::nullopt,
              const std::optional<TensorView>& scratch = std::nullopt, bool rows_enqueued = false);
 
 // The forward in two enqueues, for a caller with host work of its own before the layer (the
 // PyTorch op: allocating y and the saved tensor, autograd's bookkeeping): forward_rows() plans
-// the routing (and with Config::pingpong copies x's routed rows into the scratch) — work that
-// needs only x, topk_ids and the scratch — and forward(..., rows_enqueued = true) then checks the
-// other arguments and launches the fused kernel. The GPU plans while the caller's host work runs,
-// instead of waiting for all of it. The forward must name the same x, topk_ids, scratch and stream, with no
+// the routing and copies x's routed rows into the scratch — work that needs only x, topk_ids
+// and the scratch — and forward(..., rows_enqueued = true) then checks the other arguments and
+// launches the fused kernel. The GPU copies rows while the caller's host work runs, instead of
+// waiting for all of it. The forward must name the same x, topk_ids, scratch and stream, with no
 // other call on the workspace in between (it throws otherwise); the bits are those of one
 // forward(). One GPU, bf16 workspaces.
 void forward_rows(const TensorView& x, const TensorView& topk_ids, Workspace& workspace, cudaStream_t stream,

@@ -135,16 +135,9 @@ void zero_counters(Workspace& ws, cudaStream_t stream, std::string_view where) {
 }
 
 void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
-                           std::uint16_t* saved_gu, bool gemm1_only, std::string_view where, bool copy_rows) {
+                           std::uint16_t* saved_gu, bool gemm1_only, std::string_view where) {
   const bool pingpong = ws.config().pingpong;  // (one GPU: this path; EP ranks launch the cooperative kernel)
-  kernels::ForwardParams p = forward_params(a, ws, buffers, saved_gu, gemm1_only, pingpong);
-  if (copy_rows) {
-    if (pingpong || gemm1_only || !ws.rows_in_slots())
-      throw Error(concat(where, ": internal error: rows copied in a forward kernel that does not copy them"));
-    p.x_rows_src = static_cast<const std::uint16_t*>(a.x.data);
-    p.x_rows_dst = buffers.x_rows;
-    p.counters.x_copied = x_copied_counters(ws);
-  }
+  const kernels::ForwardParams p = forward_params(a, ws, buffers, saved_gu, gemm1_only, pingpong);
   if (pingpong) kernels::launch_forward_pingpong(p, persistent_ctas(ws, where), stream);
   else kernels::launch_forward(p, persistent_ctas(ws, where), stream);
   cuda_check(cudaGetLastError(), where, "launching the forward kernel");
@@ -194,9 +187,8 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
       detail::launch_forward_fp8(a, ws, buffers, s, saved_gu, kWhere);
       return;
     }
-    const bool copy_rows = detail::copies_rows_in_kernel(ws);  // (else forward_rows() or this dispatch copied them)
-    if (!rows_enqueued && !copy_rows) detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
-    detail::launch_forward_kernel(a, ws, buffers, s, saved_gu, false, kWhere, copy_rows);
+    if (!rows_enqueued) detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
+    detail::launch_forward_kernel(a, ws, buffers, s, saved_gu, false, kWhere);
   });
 }
 
@@ -218,7 +210,7 @@ void forward_rows(const TensorView& x, const TensorView& topk_ids, Workspace& ws
     key.add(std::uint64_t{3}).add(static_cast<std::uint64_t>(T)).add(base).add(x).add(topk_ids);
     ws.launch_cache().run(key, stream, where, [&](cudaStream_t s) {
       plan_device(topk_ids, 0, ws.plan(), s, {}, detail::counters(ws));  // (zeroes the counters too)
-      if (!detail::copies_rows_in_kernel(ws)) detail::dispatch_rows(x.data, detail::forward_buffers(ws, base).x_rows, ws, s);
+      detail::dispatch_rows(x.data, detail::forward_buffers(ws, base).x_rows, ws, s);
     });
   }
   ws.enqueued_rows_ = Workspace::EnqueuedRows{T, x.data, topk_ids.data, base, stream};

@@ -184,27 +184,10 @@ void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& 
                         std::uint16_t* saved_gu, std::string_view where);
 
 // After plan_device() into ws.plan() with the counters zeroed (also_zero = counters(ws)) and
-// x's rows copied into buffers.x_rows (dispatch_rows) unless copy_rows: launches the forward
-// kernel, the full layer into a.y, or only GEMM1 (gemm1_only, the backward's recompute).
-// saved_gu: null or the tensor of the gate/up pre-activations to fill. copy_rows (one GPU, the
-// cooperative kernel): its producer warps copy x's rows into buffers.x_rows themselves.
+// x's rows copied into buffers.x_rows (dispatch_rows): launches the forward kernel, the full
+// layer into a.y, or only GEMM1 (gemm1_only, the backward's recompute).
+// saved_gu: null or the tensor of the gate/up pre-activations to fill.
 void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
-                           std::uint16_t* saved_gu, bool gemm1_only, std::string_view where, bool copy_rows = false);
-
-// Whether a one-GPU BF16 forward copies x's routed rows inside its kernel (the producer
-// warpgroup's idle warps, beside the GEMMs) instead of in the dispatch kernel before it: the
-// cooperative kernel does; the ping-pong one reads rows the dispatch copied.
-// (MOK_DIAG_ROWS_BY_DISPATCH: the dispatch kernel's copy everywhere, to measure against; the
-// same bits either way.)
-#if defined(MOK_DIAG_ROWS_BY_DISPATCH)
-inline constexpr bool kCopyRowsInKernel = false;
-#else
-inline constexpr bool kCopyRowsInKernel = true;
-#endif
-inline bool copies_rows_in_kernel(const Workspace& ws) { return kCopyRowsInKernel && !ws.config().pingpong; }
-
-// The forward's x_copied counters (one a routed M-tile): after the per-tile counters, done,
-// abort and the backward's wd_done.
-inline int* x_copied_counters(Workspace& ws) { return ws.counters() + counters_per_tile(ws) + 3; }
+                           std::uint16_t* saved_gu, bool gemm1_only, std::string_view where);
 
 }  // namespace mok::detail

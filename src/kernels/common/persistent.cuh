@@ -64,15 +64,13 @@ __device__ __forceinline__ S& shared_storage() {
   return *reinterpret_cast<S*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
 }
 
-// Warp specialisation: warpgroup 0 hands registers back and its thread 0 runs producer(),
-// its warps 1-3 helper(warp); the other warpgroups take the registers and run
-// consumer(warpgroup index from 0).
-template <int kProducerRegisters, int kConsumerRegisters, typename Producer, typename Consumer, typename Helper>
-__device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& consumer, Helper&& helper) {
+// Warp specialisation: warpgroup 0 hands registers back and its thread 0 runs producer();
+// the other warpgroups take the registers and run consumer(warpgroup index from 0).
+template <int kProducerRegisters, int kConsumerRegisters, typename Producer, typename Consumer>
+__device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& consumer) {
   if (threadIdx.x < 128) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
     if (threadIdx.x == 0) producer();
-    else if (threadIdx.x >= 32) helper(static_cast<int>(threadIdx.x / 32));
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
     consumer((threadIdx.x - 128) / 128);  // unsigned arithmetic, converted to int

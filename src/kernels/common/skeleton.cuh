@@ -18,8 +18,6 @@
 //   void run_comm(p, extra..., Storage&, cta);
 //   Schedule schedule(p, cta, ctas);    the CTA's share of the tasks
 //   void produce(p, Storage&, const Schedule&);          (thread 0 of warpgroup 0)
-//   void assist(p, Storage&, const Schedule&, int warp); optional: warps 1-3 of warpgroup 0
-//                                       (at the producer's register count; else they idle)
 //   void consume(p, Storage&, const Schedule&, int wg);  (consumer warpgroup wg)
 //   int kProducerRegs, kConsumerRegs;   the register split (setmaxnreg; kernels/common/persistent.cuh)
 //   int kStageReaders;                  consumer warpgroups that read (and release) each stage
@@ -46,11 +44,8 @@ __device__ __forceinline__ void run_persistent(const Params& p, int cta, int cta
   const auto sched = K::schedule(p, cta, ctas);
   static_assert(K::kProducerRegs * kProducerThreads + K::kConsumerRegs * 128 * kConsumerWarpgroups <=
                 kLaunchRegisters * kThreads, "the register split exceeds the launch's allocation");
-  split_roles<K::kProducerRegs, K::kConsumerRegs>(
-      [&] { K::produce(p, s, sched); }, [&](int wg) { K::consume(p, s, sched, wg); },
-      [&](int warp) {
-        if constexpr (requires { K::assist(p, s, sched, warp); }) K::assist(p, s, sched, warp);
-      });
+  split_roles<K::kProducerRegs, K::kConsumerRegs>([&] { K::produce(p, s, sched); },
+                                                      [&](int wg) { K::consume(p, s, sched, wg); });
 }
 
 }  // namespace mok::kernels

@@ -1,11 +1,9 @@
 // Fused MoE forward, one GPU: one persistent launch, 384 threads per CTA, 1 CTA per SM.
 //
 //   warpgroup 0 (producer, 40 regs)   fills a 4-stage ring of {A 128x64, B 256x64} tiles:
-//   (one thread of it issues every TMA load; on one GPU its warps 1-3 copy the routed rows of x
-//   into x_routed in plan order meanwhile, copy_x_rows, counted per M-tile in x_copied)
-//       GEMM1: A = 128 rows of x_routed (the routed rows in plan order: copied by the producer
-//              warps, or before the launch by the dispatch kernel for the ping-pong and EP
-//              paths; GEMM1 waits for its M-tile's x_copied) or of x (shared expert); B = gate tile (rows 0-127) and
+//   (one thread of it issues every TMA load)
+//       GEMM1: A = 128 rows of x_routed (the dispatch kernel's copy of the routed rows,
+//              in plan order) or of x (shared expert); B = gate tile (rows 0-127) and
 //              up tile (rows 128-255) of the expert. Gathering rows inside the A load
 //              (TMA per row or cp.async) measured 1.4-1.5x slower end to end on deepseek-v3.
 //       GEMM2: thread 0 waits h_ready[m], then loads h rows and the down tile
@@ -144,16 +142,8 @@ struct ForwardKernel {
     return Schedule(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
   }
   __device__ static void produce(const P& p, Storage& s, const Schedule& sched) { run_producer(p, s, sched); }
-  __device__ static void assist(const P& p, Storage&, const Schedule& sched, int warp) {
-    if (p.x_rows_src) copy_x_rows(p, sched, warp);
-  }
   __device__ static void consume(const P& p, Storage& s, const Schedule& sched, int wg) { run_consumer(p, s, sched, wg); }
 };
-
-// (the skeleton runs assist() only where this expression is valid: a typo would leave the rows uncopied)
-static_assert(requires(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int warp) {
-  ForwardKernel::assist(p, s, sched, warp);
-});
 
 __device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int ctas) {
   run_persistent<ForwardKernel>(p, cta, ctas);

@@ -27,8 +27,6 @@ struct ForwardCounters {
   int* h_ready;
   int* y_done;  // GEMM2 warpgroup-tiles done
   int* abort;   // set by the first CTA that gives up; every wait checks it
-  // One GPU with x_rows_src: rows of each routed M-tile the producer warps have copied (else null)
-  int* x_copied = nullptr;
 };
 
 struct ForwardMaps {
@@ -74,11 +72,6 @@ struct ForwardParams {
   // in rows (0: a buffer of its own). A GEMM2 tile then waits for the GEMM1 tiles of the x
   // rows its slot rows overwrite.
   int x_rows_in_slots;
-  // One GPU: the routed rows of x ([T, H]) that the producer warpgroup's idle warps copy into
-  // x_rows_dst (x_routed's memory) in plan order during the kernel, counted in counters.x_copied
-  // per M-tile (copy_x_rows); null: the dispatch kernel copied them before the launch.
-  const std::uint16_t* x_rows_src;
-  std::uint16_t* x_rows_dst;
   // Task order (Config::interleave_rows / 128; 0: phase-major): routed tiles in chunks of
   // this many M-tiles, chunk c's GEMM2 tiles right after chunk c + 1's GEMM1 tiles.
   int interleave_tiles;
