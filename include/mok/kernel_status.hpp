@@ -34,6 +34,7 @@ enum class WaitSite : std::int32_t {
   x_rows_read = 18,       // forward: GEMM1 to read the x rows a GEMM2 tile's slot rows overwrite
   grad_rows_read = 19,    // backward: every dW_down tile to read the rows kept in the gradients
   mainloop_turn = 20,     // ping-pong forward: the other consumer warpgroup's mainloop to reach its last stage
+  x_rows_copied = 21,     // forward (MOK_DIAG_COPY_WARPS builds): the producer warps to copy an M-tile's x rows
 };
 
 // Written by the planner kernels; read by later kernels (which stop when code != 0)

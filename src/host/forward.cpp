@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "cuda_check.hpp"
 #include "kernels/ep/dispatch.cuh"
@@ -143,6 +145,32 @@ void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffer
   cuda_check(cudaGetLastError(), where, "launching the forward kernel");
 }
 
+#if defined(MOK_DIAG_COPY_WARPS)
+// A buffer the shadow copy writes and nobody reads (MOK_DIAG_COPY_SHADOW): one per size, kept for
+// the process (a diagnostic build; the launch cache's graphs may hold its address).
+std::uint16_t* shadow_rows(Workspace& ws, std::string_view where) {
+  static std::vector<std::pair<std::int64_t, void*>> buffers;
+  const std::int64_t bytes = 2 * ws.plan().allocated_rows() * ws.shape().hidden;
+  for (auto& [size, ptr] : buffers)
+    if (size >= bytes) return static_cast<std::uint16_t*>(ptr);
+  void* ptr = nullptr;
+  cuda_check(cudaMalloc(&ptr, bytes), where, "cudaMalloc(shadow rows)");
+  buffers.emplace_back(bytes, ptr);
+  return static_cast<std::uint16_t*>(ptr);
+}
+
+// launch_forward_kernel() with the kernel's copy warps on (into shadow when given).
+void launch_forward_kernel_copying(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
+                                   std::uint16_t* saved_gu, std::uint16_t* shadow, std::string_view where) {
+  kernels::ForwardParams p = forward_params(a, ws, buffers, saved_gu, false, false);
+  p.x_rows_src = static_cast<const std::uint16_t*>(a.x.data);
+  p.x_rows_dst = shadow ? shadow : buffers.x_rows;
+  p.counters.x_copied = x_copied_counters(ws);
+  kernels::launch_forward(p, persistent_ctas(ws, where), stream);
+  cuda_check(cudaGetLastError(), where, "launching the forward kernel");
+}
+#endif
+
 }  // namespace detail
 
 void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std::optional<TensorView>& saved,
@@ -178,6 +206,9 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
                                 "or stream (each forward needs its own, with no other call in between)"
                               : "is set, but forward_rows() was not called on this workspace just before");
   auto* saved_gu = saved ? static_cast<std::uint16_t*>(saved->data) : nullptr;
+#if defined(MOK_DIAG_COPY_WARPS)
+  std::uint16_t* shadow = detail::kDispatchRows ? detail::shadow_rows(ws, kWhere) : nullptr;  // (before any capture)
+#endif
   detail::LaunchKey key;
   key.add(std::uint64_t{rows_enqueued ? 4u : 1u}).add(static_cast<std::uint64_t>(T)).add(base).add(saved_gu).add(a);
   ws.launch_cache().run(key, stream, kWhere, [&](cudaStream_t s) {
@@ -187,6 +218,13 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
       detail::launch_forward_fp8(a, ws, buffers, s, saved_gu, kWhere);
       return;
     }
+#if defined(MOK_DIAG_COPY_WARPS)
+    if (detail::copies_rows_in_kernel(ws)) {
+      if (!rows_enqueued && detail::kDispatchRows) detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
+      detail::launch_forward_kernel_copying(a, ws, buffers, s, saved_gu, shadow, kWhere);
+      return;
+    }
+#endif
     if (!rows_enqueued) detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
     detail::launch_forward_kernel(a, ws, buffers, s, saved_gu, false, kWhere);
   });
@@ -210,6 +248,9 @@ void forward_rows(const TensorView& x, const TensorView& topk_ids, Workspace& ws
     key.add(std::uint64_t{3}).add(static_cast<std::uint64_t>(T)).add(base).add(x).add(topk_ids);
     ws.launch_cache().run(key, stream, where, [&](cudaStream_t s) {
       plan_device(topk_ids, 0, ws.plan(), s, {}, detail::counters(ws));  // (zeroes the counters too)
+#if defined(MOK_DIAG_COPY_WARPS)
+      if (detail::copies_rows_in_kernel(ws) && !detail::kDispatchRows) return;  // (the kernel copies them)
+#endif
       detail::dispatch_rows(x.data, detail::forward_buffers(ws, base).x_rows, ws, s);
     });
   }

@@ -190,4 +190,20 @@ void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& 
 void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                            std::uint16_t* saved_gu, bool gemm1_only, std::string_view where);
 
+#if defined(MOK_DIAG_COPY_WARPS)
+// (diagnostic builds, kernels/forward/producer.cuh's copy_x_rows) Whether a one-GPU BF16 forward's
+// kernel copies x's routed rows itself (the cooperative kernel; the ping-pong one reads rows the
+// dispatch copied); with MOK_DIAG_COPY_SHADOW the dispatch copies them as by default and the
+// kernel's copy goes to a buffer nobody reads.
+inline bool copies_rows_in_kernel(const Workspace& ws) { return !ws.config().pingpong; }
+#if defined(MOK_DIAG_COPY_SHADOW)
+inline constexpr bool kDispatchRows = true;
+#else
+inline constexpr bool kDispatchRows = false;
+#endif
+// The forward's x_copied counters (one a routed M-tile): after the per-tile counters, done,
+// abort and the backward's wd_done.
+inline int* x_copied_counters(Workspace& ws) { return ws.counters() + counters_per_tile(ws) + 3; }
+#endif
+
 }  // namespace mok::detail

@@ -69,6 +69,8 @@ const char* wait_site_text(WaitSite site) {
     case WaitSite::mainloop_turn:
       return "forward (ping-pong): a consumer warpgroup waiting for the other's mainloop to reach its last stage (turn "
              "barrier)";
+    case WaitSite::x_rows_copied:
+      return "forward: waiting for the producer warps to copy an M-tile's routed x rows (x_copied)";
     case WaitSite::grad_rows_read:
       return "backward: waiting for every dW_down tile to read the dy rows and w*h kept in the W_gate / W_up "
              "gradient buffers (wd_done)";
@@ -146,7 +148,11 @@ std::int64_t Workspace::replayed_calls() const { return launch_cache_->replays()
 std::int64_t Workspace::captured_calls() const { return launch_cache_->captures(); }
 
 std::int64_t Workspace::counter_count() const {
+#if defined(MOK_DIAG_COPY_WARPS)  // (and the forward's x_copied: detail::x_copied_counters)
+  return detail::counters_per_tile(*this) + 3 + plan_->allocated_tiles();
+#else
   return detail::counters_per_tile(*this) + 3;  // per-tile counters, done, abort, wd_done
+#endif
 }
 
 void Workspace::begin_call(std::int64_t tokens, std::string_view where) {

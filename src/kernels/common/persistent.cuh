@@ -77,6 +77,21 @@ __device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& cons
   }
 }
 
+#if defined(MOK_DIAG_COPY_WARPS)
+// The same, warps 1-3 of warpgroup 0 running helper(warp) (a diagnostic build's copy warps).
+template <int kProducerRegisters, int kConsumerRegisters, typename Producer, typename Consumer, typename Helper>
+__device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& consumer, Helper&& helper) {
+  if (threadIdx.x < 128) {
+    ptx::setmaxnreg_dec<kProducerRegisters>();
+    if (threadIdx.x == 0) producer();
+    else if (threadIdx.x >= 32) helper(static_cast<int>(threadIdx.x / 32));
+  } else {
+    ptx::setmaxnreg_inc<kConsumerRegisters>();
+    consumer((threadIdx.x - 128) / 128);  // unsigned arithmetic, converted to int
+  }
+}
+#endif
+
 // Raises a persistent kernel's dynamic shared memory limit to `smem` bytes on the current
 // device, once per kernel and device (this also loads the kernel's module; see kernels/common/load.cuh).
 template <auto Kernel>

@@ -44,8 +44,16 @@ __device__ __forceinline__ void run_persistent(const Params& p, int cta, int cta
   const auto sched = K::schedule(p, cta, ctas);
   static_assert(K::kProducerRegs * kProducerThreads + K::kConsumerRegs * 128 * kConsumerWarpgroups <=
                 kLaunchRegisters * kThreads, "the register split exceeds the launch's allocation");
+#if defined(MOK_DIAG_COPY_WARPS)  // (optional hook: void assist(p, Storage&, const Schedule&, int warp), warps 1-3)
+  split_roles<K::kProducerRegs, K::kConsumerRegs>(
+      [&] { K::produce(p, s, sched); }, [&](int wg) { K::consume(p, s, sched, wg); },
+      [&](int warp) {
+        if constexpr (requires { K::assist(p, s, sched, warp); }) K::assist(p, s, sched, warp);
+      });
+#else
   split_roles<K::kProducerRegs, K::kConsumerRegs>([&] { K::produce(p, s, sched); },
                                                       [&](int wg) { K::consume(p, s, sched, wg); });
+#endif
 }
 
 }  // namespace mok::kernels

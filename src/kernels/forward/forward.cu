@@ -142,8 +142,19 @@ struct ForwardKernel {
     return Schedule(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
   }
   __device__ static void produce(const P& p, Storage& s, const Schedule& sched) { run_producer(p, s, sched); }
+#if defined(MOK_DIAG_COPY_WARPS)
+  __device__ static void assist(const P& p, Storage&, const Schedule& sched, int warp) {
+    if (p.x_rows_src) copy_x_rows(p, sched, warp);
+  }
+#endif
   __device__ static void consume(const P& p, Storage& s, const Schedule& sched, int wg) { run_consumer(p, s, sched, wg); }
 };
+
+#if defined(MOK_DIAG_COPY_WARPS)  // (the skeleton runs assist() only where this expression is valid)
+static_assert(requires(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int warp) {
+  ForwardKernel::assist(p, s, sched, warp);
+});
+#endif
 
 __device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int ctas) {
   run_persistent<ForwardKernel>(p, cta, ctas);

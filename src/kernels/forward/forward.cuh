@@ -27,6 +27,9 @@ struct ForwardCounters {
   int* h_ready;
   int* y_done;  // GEMM2 warpgroup-tiles done
   int* abort;   // set by the first CTA that gives up; every wait checks it
+#if defined(MOK_DIAG_COPY_WARPS)
+  int* x_copied = nullptr;  // rows of each routed M-tile the producer warps have copied (copy_x_rows)
+#endif
 };
 
 struct ForwardMaps {
@@ -72,6 +75,13 @@ struct ForwardParams {
   // in rows (0: a buffer of its own). A GEMM2 tile then waits for the GEMM1 tiles of the x
   // rows its slot rows overwrite.
   int x_rows_in_slots;
+#if defined(MOK_DIAG_COPY_WARPS)
+  // (a measured variant, not the default: bench/NOTES.md, ninth session) one GPU: the routed rows of
+  // x ([T, H]) that the producer warpgroup's warps 1-3 copy into x_rows_dst in plan order during the
+  // kernel, counted in counters.x_copied per M-tile (copy_x_rows); null: none.
+  const std::uint16_t* x_rows_src;
+  std::uint16_t* x_rows_dst;
+#endif
   // Task order (Config::interleave_rows / 128; 0: phase-major): routed tiles in chunks of
   // this many M-tiles, chunk c's GEMM2 tiles right after chunk c + 1's GEMM1 tiles.
   int interleave_tiles;

@@ -63,6 +63,12 @@ __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipel
       fence_proxy_async_global();  // written by the comm CTAs' generic stores
       a_row = row0 % p.ring.ring_rows;
     }
+#if defined(MOK_DIAG_COPY_WARPS) && !defined(MOK_DIAG_COPY_SHADOW)
+    if (!t.shared && p.x_rows_src) {  // the producer warps' copy of this M-tile's rows (copy_x_rows)
+      wait_counter(p, p.counters.x_copied + t.m, kBlockM, task, WaitSite::x_rows_copied);
+      fence_proxy_async_global();  // written by generic stores
+    }
+#endif
     a = t.shared ? &p.maps.x : &p.maps.x_routed;
     b0 = t.shared ? &p.maps.shared_gate : &p.maps.gate;
     b1 = t.shared ? &p.maps.shared_up : &p.maps.up;
@@ -88,6 +94,49 @@ __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipel
     pipe.producer_commit();
   }
 }
+
+#if defined(MOK_DIAG_COPY_WARPS)
+// A measured variant (bench/NOTES.md, ninth session: as the default it made the forward 5-7 %
+// slower on deepseek-v3 and qwen3-30b-a3b), kept as a diagnostic build to find out why. One GPU:
+// warps 1-3 of the producer warpgroup of every CTA copy the routed rows of x into plan order
+// (what the dispatch kernel does before the launch), beside the GEMMs. Plan row r goes to copy
+// warp r mod W (W: three a CTA), each warp's rows ascending, so rows land roughly in plan order,
+// the order GEMM1 reads them; padding rows become zeros. After each row the warp adds 1 to its
+// M-tile's x_copied (release); GEMM1's loads of an M-tile wait for all 128. The copy waits for
+// nothing, so it cannot deadlock. MOK_DIAG_COPY_SHADOW: the dispatch kernel copies the rows as
+// by default and this copy goes to a buffer nobody reads, GEMM1 waiting for nothing: the
+// copy's interference alone, the same bits as the default. MOK_DIAG_COPY_NO_PROXY_FENCE: no
+// writer-side proxy fence (the reader's, after its acquire, remains).
+__device__ inline void copy_x_rows(const ForwardParams& p, const Schedule& sched, int warp) {
+  constexpr int kCopyWarps = kProducerThreads / 32 - 1;
+  const int lane = threadIdx.x % 32, vectors = p.hidden / 8;
+  const int rows = p.plan.expert_offset[p.num_local_experts];
+  const int workers = sched.ctas * kCopyWarps, worker = (warp - 1) * sched.ctas + sched.cta;
+  int pair_of_lane = -1;
+  for (int i = 0, row = worker; row < rows; ++i, row += workers) {
+    if (i % 32 == 0) {  // the next 32 rows' pairs, one load a lane
+      const int mine = row + lane * workers;
+      pair_of_lane = mine < rows ? p.plan.row_pair[mine] : -1;
+    }
+    const int pair = __shfl_sync(0xffffffffu, pair_of_lane, i % 32);
+    uint4* dst = reinterpret_cast<uint4*>(p.x_rows_dst + static_cast<std::int64_t>(row) * p.hidden);
+    if (pair < 0) {
+      for (int v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+    } else {
+      warp_copy_row(dst, reinterpret_cast<const uint4*>(p.x_rows_src + static_cast<std::int64_t>(pair / p.top_k) * p.hidden),
+                    vectors, lane);
+    }
+#if !defined(MOK_DIAG_COPY_NO_PROXY_FENCE)
+    fence_proxy_async_global();  // TMA loads read these rows next
+#endif
+    __syncwarp();
+    if (lane == 0) {
+      fence_acq_rel_gpu();
+      red_release_gpu_add(p.counters.x_copied + row / kBlockM, 1);
+    }
+  }
+}
+#endif
 
 // One thread issues every load; the rest of the warpgroup has nothing to do.
 __device__ inline void run_producer(const ForwardParams& p, SharedStorage& s, const Schedule& sched) {
