@@ -140,6 +140,18 @@ bench_build() {
       -DMOK_BUILD_EXAMPLES=OFF -DMOK_DIAG_DEFINES="$defines" "$@" && cmake --build "$dir" --target mok_bench -j"$jobs"; } \
     > "$LOG/build_$(basename "$dir").log" 2>&1 || { tail -30 "$LOG/build_$(basename "$dir").log"; exit 1; }
 }
+# ab_serve of a default mok_bench (the build in $1) against the --diag build in build-ab-diag, outputs
+# compared bitwise, into $OUT/<date>-<commit>-$2.json and .txt; $3: the presets for --presets all,
+# $4: the passes unless --pass. Returns ab_serve's status.
+diag_ab() {
+  local ab_presets=$presets
+  [ "$presets" = all ] && ab_presets=$3
+  python3 bench/ab_serve.py --base "$1/bench/mok_bench" --head build-ab-diag/bench/mok_bench --impls "${impls:-mok,mok}" \
+    --preset "$ab_presets" --pass "${passes:-$4}" --rounds "$repeats" --iters "$iters" --out "$OUT/${date:0:10}-$commit-$2.json" \
+    --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\", \"diag\": \"$diag\"}" 2>&1 |
+    tee "$OUT/${date:0:10}-$commit-$2.txt" | tail -16
+  return "${PIPESTATUS[0]}"
+}
 wait_builds() {  # every background build; stops the script (logs.tgz) when one failed
   local failed=0 job
   for job in $(jobs -p); do wait "$job" || failed=1; done
@@ -243,13 +255,8 @@ if [ "$part" = diagab ]; then  # a same-bits diagnostic build (--diag) against t
   bench_build build-ab-base "" "$(( $(nproc) / 2 ))" &
   bench_build build-ab-diag "$diag" "$(( $(nproc) / 2 ))" &
   wait_builds diagab
-  ab_presets=$presets
-  [ "$presets" = all ] && ab_presets=mixtral-8x7b,qwen3-30b-a3b,deepseek-v3
-  python3 bench/ab_serve.py --base build-ab-base/bench/mok_bench --head build-ab-diag/bench/mok_bench --impls "${impls:-mok,mok}" \
-    --preset "$ab_presets" --pass "${passes:-fwd+bwd}" --rounds "$repeats" --iters "$iters" --out "$OUT/${date:0:10}-$commit-diagab.json" \
-    --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\", \"diag\": \"$diag\"}" 2>&1 |
-    tee "$OUT/${date:0:10}-$commit-diagab.txt" | tail -12
-  rc=${PIPESTATUS[0]}
+  diag_ab build-ab-base diagab mixtral-8x7b,qwen3-30b-a3b,deepseek-v3 fwd+bwd
+  rc=$?
   tar czf "$OUT/logs.tgz" -C "$LOG" .
   exit "$rc"
 fi
@@ -443,14 +450,7 @@ fi
 
 if [ "$part" = kernelab ]; then  # a kernel change in one call: the A/B against --diag first, then every ctest, sanitizers
   wait_builds kernelab
-  ab_presets=$presets
-  [ "$presets" = all ] && ab_presets=deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b
-  python3 bench/ab_serve.py --base $build/bench/mok_bench --head build-ab-diag/bench/mok_bench --impls "${impls:-mok,mok}" \
-    --preset "$ab_presets" --pass "${passes:-fwd,fwd+bwd}" --rounds "$repeats" --iters "$iters" \
-    --out "$OUT/${date:0:10}-$commit-kernelab.json" \
-    --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\", \"diag\": \"$diag\"}" 2>&1 |
-    tee "$OUT/${date:0:10}-$commit-kernelab.txt" | tail -16
-  [ "${PIPESTATUS[0]}" = 0 ] || test_rc=1
+  diag_ab "$build" kernelab deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b fwd,fwd+bwd || test_rc=1
   ctest --test-dir $build --output-on-failure -j4 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1 || test_rc=1
   tail -3 "$LOG/ctest.log"
   junit+=("$LOG/ctest.xml")

@@ -185,7 +185,7 @@ __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, float (&a
       if (lane % 4 != 0 || !valid[h]) continue;
       if (p.ep.push) {  // into the owner's partials, at its pair t * k + j
         const int pair = p.plan.row_pair[acc_tile_row(h)], pairs_per_rank = p.tokens * p.top_k;
-        float* partials = reinterpret_cast<float*>(reinterpret_cast<std::uint16_t*>(p.ep.slots[pair / pairs_per_rank]) +
+        float* partials = reinterpret_cast<float*>(p.ep.slots[pair / pairs_per_rank] +
                                                    static_cast<std::int64_t>(pairs_per_rank) * p.hidden);
         partials[static_cast<std::int64_t>(pair % pairs_per_rank) * n_tiles + t.n] = v;
       } else {
@@ -235,7 +235,7 @@ __device__ void push_dx_rows(const BackwardParams& p, SharedStorage& s, const fl
     if (half == 0 && lane < 16) {  // (not earlier: with all of acc live, registers spilled)
       const int pair = p.plan.row_pair[row0 + (lane / 2) * 8 + 2 * warp + lane % 2], pairs_per_rank = p.tokens * p.top_k;
       if (pair >= 0)  // (padding: pair -1)
-        dst = reinterpret_cast<std::uint16_t*>(p.ep.slots[pair / pairs_per_rank]) +
+        dst = p.ep.slots[pair / pairs_per_rank] +
               static_cast<std::int64_t>(pair % pairs_per_rank) * p.hidden + n0;
     }
     const int c = (tid % 16) * 8;                     // this thread's 8 columns of the half, rows it * 8 + tid / 16
@@ -327,10 +327,10 @@ __device__ void combine_pushed(const BackwardParams& p, const Task& t, const Sch
   const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
   const int begin = t.m * kCombineTokens, end = min(p.tokens, begin + kCombineTokens);
   const int pairs_per_rank = p.tokens * p.top_k;
-  const auto* rows = reinterpret_cast<const std::uint16_t*>(p.ep.slots[p.ep.rank]);
+  const std::uint16_t* rows = p.ep.slots[p.ep.rank];
   const auto* partials = reinterpret_cast<const float*>(rows + static_cast<std::int64_t>(pairs_per_rank) * p.hidden);
-  combine_tokens<false, true, std::uint16_t>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, nullptr, rows,
-                                             p.shared.dx_rows, p.dx, tid, threads);
+  combine_tokens<false, true>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, nullptr, rows, p.shared.dx_rows, p.dx,
+                              tid, threads);
   for (int i = begin * p.top_k + tid; i < end * p.top_k; i += threads) {
     float v = 0.0f;
     if (p.ep.own_ids[i] >= 0)
@@ -347,8 +347,8 @@ __device__ void combine(const BackwardParams& p, const Task& t, const Sched& sch
   }
   const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
   const int begin = t.m * kCombineTokens, end = min(p.tokens, begin + kCombineTokens);
-  combine_tokens<false, false, std::uint16_t>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, nullptr, p.routed.dx_rows,
-                                       p.shared.dx_rows, p.dx, tid, threads);
+  combine_tokens<false, false>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, nullptr, p.routed.dx_rows,
+                               p.shared.dx_rows, p.dx, tid, threads);
   for (int i = begin * p.top_k + tid; i < end * p.top_k; i += threads) {
     const int row = p.plan.pair_row[i];
     float v = 0.0f;

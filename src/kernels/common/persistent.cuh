@@ -252,10 +252,7 @@ __device__ __forceinline__ void publish_stored_tiles(int* counter, int& pending,
   pending = 0;
 }
 
-// Four consecutive values of a slot row as fp32 (rows of fp32, or of bf16 bits).
-__device__ __forceinline__ float4 load4_streaming(const float* row, int c) {
-  return __ldcs(reinterpret_cast<const float4*>(row) + c);
-}
+// Four consecutive values of a bf16 slot row as fp32.
 __device__ __forceinline__ float4 load4_streaming(const std::uint16_t* row, int c) {
   const uint2 bits = __ldcs(reinterpret_cast<const uint2*>(row) + c);
   const float2 lo = unpack_bf16x2(bits.x), hi = unpack_bf16x2(bits.y);
@@ -268,7 +265,7 @@ __device__ __forceinline__ float4 load4_streaming(const std::uint16_t* row, int 
 // combine is bound by how many bytes are in flight); the adds then run in ascending j, round
 // after round. shared may be null; pair_row -1 = no slot.
 // kPushed (push combine): slot (t, j) is row t * k + j instead, present where ids >= 0.
-// Row: float or std::uint16_t (bf16 bits).
+// Rows of bf16 bits.
 constexpr int kCombineSlots = 8;
 
 // The slot row of (token, slot) pair `pair`, -1 for none: the plan's row, or (kPushed, the push
@@ -285,15 +282,15 @@ __device__ __forceinline__ int combine_slot_row(int pair, const std::int32_t* pa
 // qwen3-30b-a3b and olmoe-1b-7b (k H 4 = 64 KB a token) and added 2 % to deepseek-v3's FP8
 // forward (229 KB a token: ~90 MB ahead, more than the L2 holds). Not inlined: inlined, it
 // cost the FP8 kernel's consumers 48 bytes of spill.
-template <bool kPushed, typename Row>
+template <bool kPushed>
 __device__ __noinline__ void prefetch_combine_rows(int token, int begin, int end, int hidden, int top_k,
                                                    const std::int32_t* pair_row, const std::int32_t* ids,
-                                                   const Row* slots, const Row* shared, int tid) {
+                                                   const std::uint16_t* slots, const std::uint16_t* shared, int tid) {
   if (tid > top_k) return;
-  const long long token_bytes = static_cast<long long>(top_k) * hidden * sizeof(Row);
+  const long long token_bytes = static_cast<long long>(top_k) * hidden * 2;
   const int ahead = static_cast<int>(min(2LL, (192LL << 10) / token_bytes));
   if (ahead == 0) return;
-  const std::uint32_t bytes = static_cast<std::uint32_t>(hidden) * sizeof(Row);
+  const std::uint32_t bytes = static_cast<std::uint32_t>(hidden) * 2;
   for (int t = token == begin ? token : token + ahead; t <= token + ahead && t < end; ++t) {
     if (tid == top_k) {
       if (shared) ptx::bulk_prefetch_l2(shared + static_cast<std::int64_t>(t) * hidden, bytes);
@@ -304,9 +301,10 @@ __device__ __noinline__ void prefetch_combine_rows(int token, int begin, int end
   }
 }
 
-template <bool kWeighted, bool kPushed, typename Row>
+template <bool kWeighted, bool kPushed>
 __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const std::int32_t* pair_row,
-                               const std::int32_t* ids, const float* weights, const Row* slots, const Row* shared, std::uint16_t* out, int tid,
+                               const std::int32_t* ids, const float* weights, const std::uint16_t* slots,
+                               const std::uint16_t* shared, std::uint16_t* out, int tid,
                                int threads) {
   const int columns4 = hidden / 4;
   for (int token = begin; token < end; ++token) {
@@ -332,7 +330,7 @@ __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const 
           if (slot < top_k) row = combine_slot_row<kPushed>(pair, pair_row, ids);
           valid[j] = row >= 0;  // -1: a padding slot, or past k
           w[j] = (kWeighted && valid[j]) ? weights[token * top_k + slot] : 1.0f;
-          const Row* slot_row = slots + static_cast<std::int64_t>(max(row, 0)) * hidden;  // (read only where valid)
+          const std::uint16_t* slot_row = slots + static_cast<std::int64_t>(max(row, 0)) * hidden;  // (read only where valid)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
             v[h][j] = valid[j] && in[h] ? load4_streaming(slot_row, c[h]) : make_float4(0.f, 0.f, 0.f, 0.f);

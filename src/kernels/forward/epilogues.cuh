@@ -196,11 +196,11 @@ __device__ inline void combine(const ForwardParams& p, const Task& t, int tid = 
                                int threads = 128 * kConsumerWarpgroups) {
   const int begin = t.m * kCombineTokens, end = min(p.tokens, (t.m + 1) * kCombineTokens);
   if (p.ep.push)
-    combine_tokens<true, true, std::uint16_t>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, p.topk_weights,
-                                              p.ep.slots[p.ep.rank], p.shared_slots, p.y, tid, threads);
+    combine_tokens<true, true>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, p.topk_weights, p.ep.slots[p.ep.rank],
+                               p.shared_slots, p.y, tid, threads);
   else
-    combine_tokens<true, false, std::uint16_t>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, p.topk_weights,
-                                               p.slots, p.shared_slots, p.y, tid, threads);
+    combine_tokens<true, false>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, p.topk_weights, p.slots,
+                                p.shared_slots, p.y, tid, threads);
 }
 
 // Bad routing (expert id out of range, capacity): no GEMM runs, y becomes NaN so the

@@ -80,7 +80,7 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
     const bool gemm1 = t.kind == kGemm1;
     if (!gemm1) {
       wait_counter(p, p.counters.h_ready + t.m, sched.hidden_parts(false), task, WaitSite::hidden_ready);
-      wait_x_rows_read<Schedule, 2>(p, sched, row0, task);  // (the E4M3 x rows under its slot rows)
+      wait_e4m3_x_rows_read(p, sched, row0, task);  // (the E4M3 x rows under its slot rows)
       fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
     }
     const int k_steps = (gemm1 ? p.hidden : p.inter) / kFp8BlockK;

@@ -27,15 +27,15 @@ using namespace mok::ptx;
 
 // ---------------------------------------------------------------------------------- producer
 
-// One GPU, x rows in the slot buffer's last bytes (kernels/common/slot_rows.cuh; kPerSlot 2:
-// the FP8 forward's E4M3 rows): before the slot rows [row0, row0 + 128) are stored, every GEMM1
-// tile of the x rows under them must have read them: M-tiles at or below this tile's, so
-// lower-numbered tasks. (The BF16 forward's bf16 x rows, kPerSlot 1, lie each under its own
-// slot row: its M-tile's h wait, wait_hidden_rows, already covers them.)
-template <typename Sched, int kPerSlot>
-__device__ inline void wait_x_rows_read(const ForwardParams& p, const Sched& sched, int row0, int task) {
+// One GPU, the FP8 forward's E4M3 x rows in the slot buffer's upper half (kernels/common/slot_rows.cuh,
+// per_slot 2): before the slot rows [row0, row0 + 128) are stored, every GEMM1 tile of the x rows
+// under them must have read them: M-tiles at or below this tile's, so lower-numbered tasks. (The
+// BF16 forward's bf16 x rows, per_slot 1, lie each under its own slot row: its M-tile's h wait,
+// wait_hidden_rows, already covers them.)
+template <typename Sched>
+__device__ inline void wait_e4m3_x_rows_read(const ForwardParams& p, const Sched& sched, int row0, int task) {
   const RowRange x = x_rows_under_slots(row0, kBlockM, p.x_rows_in_slots, static_cast<long long>(sched.m_routed) * kBlockM,
-                                        kPerSlot);
+                                        2);
   for (long long m = x.first / kBlockM; m * kBlockM < x.end; ++m)
     wait_counter(p, p.counters.h_ready + m, sched.hidden_parts(false), task, WaitSite::x_rows_read);
 }
