@@ -52,7 +52,8 @@
 # `kernelab` (a kernel change in one call): a clean build with the tests and, beside it, mok_bench
 # built with --diag DEFINES (the variant to compare against, e.g. the old path); ab_serve default
 # (base) against the variant (head), outputs checked bitwise equal (--presets all: five; --pass
-# default fwd,fwd+bwd), then every ctest and compute-sanitizer on a forward and an EP case.
+# default fwd,fwd+bwd; --impl "mok,mok;mok-fp8,mok-fp8": one A/B per pair of mok_bench impls), then
+# every ctest and compute-sanitizer on a forward and an EP case.
 # --bench-only: the host part runs only layer_bench (not host_sections.py and forward_stages.py).
 # --diag DEFINES[,DEFINES...] (phases part): a phase build per variant with MOK_DIAG_DEFINES (timing-only kernel
 # variants, e.g. MOK_DIAG_NO_DGU_QUANTIZE,MOK_DIAG_DH_NO_LOADS; `;` joins defines within one variant; the
@@ -450,7 +451,13 @@ fi
 
 if [ "$part" = kernelab ]; then  # a kernel change in one call: the A/B against --diag first, then every ctest, sanitizers
   wait_builds kernelab
-  diag_ab "$build" kernelab deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b fwd,fwd+bwd || test_rc=1
+  IFS=';' read -r -a ab_pairs <<< "${impls:-mok,mok}"  # (--impl "mok,mok;mok-fp8,mok-fp8": one A/B per pair)
+  for i in "${!ab_pairs[@]}"; do
+    name=kernelab
+    [ "$i" -gt 0 ] && name="kernelab-${ab_pairs[$i]%%,*}"
+    impls=${ab_pairs[$i]} diag_ab "$build" "$name" deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b fwd,fwd+bwd ||
+      test_rc=1
+  done
   ctest --test-dir $build --output-on-failure -j4 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1 || test_rc=1
   tail -3 "$LOG/ctest.log"
   junit+=("$LOG/ctest.xml")

@@ -52,6 +52,10 @@ void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& w
   d.x_routed_hi = static_cast<std::uint16_t*>(routed_hi);
   d.split = split;
   d.row_pair = v.row_pair;
+#if !defined(MOK_DIAG_DISPATCH_GATHER)  // (a diagnostic build: the gather on one GPU too, as before)
+  // One GPU (one source, a plan of every pair): the scatter, x read once (dispatch.cu).
+  if (rows.size() == 1 && s.num_local_experts == s.num_experts) d.pair_row = v.pair_row;
+#endif
   d.expert_offset = v.expert_offset;
   d.plan_status = v.status;
   d.capacity = ws.plan().capacity_rows();

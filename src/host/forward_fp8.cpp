@@ -24,6 +24,9 @@ kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, const void* rows
   p.hidden = static_cast<int>(s.hidden);
   p.top_k = static_cast<int>(s.top_k);
   p.num_local_experts = static_cast<int>(s.num_local_experts);
+#if !defined(MOK_DIAG_DISPATCH_GATHER)  // (a diagnostic build: the gather, as before)
+  if (s.num_local_experts == s.num_experts) p.pair_row = v.pair_row, p.pairs = ws.tokens() * s.top_k;  // (one GPU)
+#endif
   return p;
 }
 

@@ -1,5 +1,7 @@
-// One warp per row, 16-byte vectors, four loads in flight per lane before the stores
-// (one at a time left the copy latency-bound); rows in plan order, so writes are contiguous.
+// Two copies of the routed rows into plan order. The gather (any number of sources: expert
+// parallelism) takes one warp per plan row, 16-byte vectors, four loads in flight per lane before
+// the stores (one at a time left the copy latency-bound). The scatter (one GPU) takes one warp per
+// token: it reads the token's row once and writes it to each of its k plan rows.
 #include <cstdint>
 
 #include "kernels/ep/dispatch.cuh"
@@ -31,6 +33,53 @@ __global__ void __launch_bounds__(256) dispatch_kernel(const __grid_constant__ D
   }
 }
 
+// One GPU: x crosses DRAM once. The gather reads a token's row once per pair, at k times far
+// apart (the rows of expert 0, then of expert 1, ...), and x (T * H * 2 bytes, 117 MB on
+// deepseek-v3) does not stay in the L2 between them under the copy's own writes: k reads of x
+// from DRAM beside one write of the rows. Here each warp reads 2 KB of a token's row and stores
+// it to the token's k rows, pairs in order; then the padding rows of its share of the plan
+// become zeros. The same bytes land in the same rows as the gather's.
+__global__ void __launch_bounds__(256) scatter_kernel(const __grid_constant__ DispatchParams p) {
+  constexpr int kInFlight = 4;
+  if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
+  const int vectors = p.hidden / 8, lane = threadIdx.x % 32, k = p.top_k;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
+  const std::int64_t warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  auto row_at = [&](std::int64_t row) {
+    return reinterpret_cast<uint4*>(row < p.split ? p.x_routed + row * p.hidden : p.x_routed_hi + (row - p.split) * p.hidden);
+  };
+  const std::int64_t tokens = p.pairs_per_rank / k;
+  for (std::int64_t token = warp; token < tokens; token += warps) {
+    const uint4* src = reinterpret_cast<const uint4*>(p.x[0] + token * p.hidden);
+    const std::int32_t* rows_of_token = p.pair_row + token * k;
+    for (int v0 = lane; v0 < vectors; v0 += 32 * kInFlight) {
+      uint4 chunk[kInFlight] = {};
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i)
+        if (v0 + 32 * i < vectors) chunk[i] = __ldg(src + v0 + 32 * i);
+      for (int j0 = 0; j0 < k; j0 += 32) {  // (lane j holds pair j0 + j's row)
+        const std::int32_t mine = j0 + lane < k ? rows_of_token[j0 + lane] : -1;
+        for (int j = 0; j < min(32, k - j0); ++j) {
+          const std::int32_t row = __shfl_sync(0xffffffffu, mine, j);
+          if (row < 0) continue;  // (a pair routed nowhere: no row)
+          uint4* dst = row_at(row);
+#pragma unroll
+          for (int i = 0; i < kInFlight; ++i)
+            if (v0 + 32 * i < vectors) dst[v0 + 32 * i] = chunk[i];
+        }
+      }
+    }
+  }
+  const std::int64_t rows = p.expert_offset[p.num_local_experts];
+  for (std::int64_t base = warp * 32; base < rows; base += warps * 32) {
+    unsigned padding = __ballot_sync(0xffffffffu, base + lane < rows && p.row_pair[base + lane] < 0);
+    for (; padding; padding &= padding - 1) {
+      uint4* dst = row_at(base + __ffs(padding) - 1);
+      for (int v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 // One warp per peer token: its lanes read the token's k expert ids; if any is one of this
 // rank's experts, the warp copies the row.
 __global__ void __launch_bounds__(256) pull_tokens_kernel(const __grid_constant__ TokenPullParams p) {
@@ -56,6 +105,7 @@ __global__ void __launch_bounds__(256) pull_tokens_kernel(const __grid_constant_
 
 void load_dispatch_kernels() {
   load_kernel(dispatch_kernel);
+  load_kernel(scatter_kernel);
   load_kernel(pull_tokens_kernel);
 }
 
@@ -64,7 +114,10 @@ void launch_pull_tokens(const TokenPullParams& params, int num_ctas, cudaStream_
 }
 
 void launch_dispatch(const DispatchParams& params, int num_ctas, cudaStream_t stream) {
-  dispatch_kernel<<<num_ctas, 256, 0, stream>>>(params);
+  if (params.pair_row)
+    scatter_kernel<<<num_ctas, 256, 0, stream>>>(params);
+  else
+    dispatch_kernel<<<num_ctas, 256, 0, stream>>>(params);
 }
 
 }  // namespace mok::kernels

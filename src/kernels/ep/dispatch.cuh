@@ -1,7 +1,8 @@
 // Dispatch: copies (pulls) the routed rows of x into the plan's row order, so that the
 // GEMMs read contiguous 128-row tiles through TMA. Padding rows become zeros. Row r of
 // the plan holds global pair p = (rank * T + t) * k + j: token t of rank p / (T * k),
-// read through the peer table (one GPU: x[0] is the caller's x).
+// read through the peer table (one GPU: x[0] is the caller's x; there the scatter copies,
+// which reads each token's row once, through the plan's pair -> row table).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -18,6 +19,7 @@ struct DispatchParams {
   std::uint16_t* x_routed_hi;    // [capacity - split, H] (one GPU's dy rows past the gradient block)
   std::int64_t split;            // kNoSplit (backward.cuh): x_routed holds every row
   const std::int32_t* row_pair;  // [capacity]
+  const std::int32_t* pair_row;  // [T * k] (one GPU) or null: set, one source, the scatter copies
   const std::int32_t* expert_offset;  // [E_l + 1]: rows beyond expert_offset[E_l] are not copied
   const void* plan_status;       // PlanStatus*: nothing is copied from a bad plan
   std::int64_t capacity;

@@ -61,6 +61,21 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParam
   }
 }
 
+// A lane's 4 values of a 1 x 128 block (bits: 4 bf16), quantized with the block's scale (its
+// amax a warp max: the same in any order). Every lane of the warp takes part.
+struct QuantizedLane {
+  std::uint32_t values;  // 4 E4M3
+  float scale;           // the block's, a power of two
+};
+__device__ __forceinline__ QuantizedLane quantize_lane(uint2 bits) {
+  const float v[4] = {bf16_value(bits.x & 0xffff), bf16_value(bits.x >> 16), bf16_value(bits.y & 0xffff), bf16_value(bits.y >> 16)};
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  const int e = fp8_scale_exponent(amax);
+  const InverseScale inverse(e);
+  return {pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3])), exp2_int(e)};
+}
+
 // The routed rows in plan order, quantized per 1 x 128 block as they are gathered: one warp
 // a row, a lane 4 columns of each block (its amax is a warp max: the same in any order).
 // Padding rows become zeros of scale 1; rows past the plan's last are not written. With
@@ -93,14 +108,70 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_co
       for (int j = 0; j < 4; ++j) {
         if (b0 + j >= blocks) break;
         if (copy != nullptr) copy[(b0 + j) * 32] = bits[j];
-        const float v[4] = {bf16_value(bits[j].x & 0xffff), bf16_value(bits[j].x >> 16), bf16_value(bits[j].y & 0xffff),
-                            bf16_value(bits[j].y >> 16)};
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-        for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-        const int e = fp8_scale_exponent(amax);
-        const InverseScale inverse(e);
-        values[(b0 + j) * 32] = pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3]));
-        if (lane == 0) p.scales[(b0 + j) * p.capacity + row] = exp2_int(e);
+        const QuantizedLane q = quantize_lane(bits[j]);
+        values[(b0 + j) * 32] = q.values;
+        if (lane == 0) p.scales[(b0 + j) * p.capacity + row] = q.scale;
+      }
+    }
+  }
+}
+
+// One GPU (pair_row set): the same rows, x read once. One warp a token quantizes 4 blocks of its
+// row at a time (the values and scales any of its rows gets: they depend on the token's values
+// alone) and stores them to each of the token's k rows, pairs in order; then the padding rows of
+// the warp's share of the plan. The gather above reads a token's row once per pair, too far apart
+// for the L2 to keep x between them.
+__global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid_constant__ QuantizeRowsParams p) {
+  if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
+  const int lane = threadIdx.x % 32, blocks = p.hidden / kFp8Block, k = p.top_k;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
+  const std::int64_t warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
+  auto values_at = [&](std::int64_t row) { return reinterpret_cast<std::uint32_t*>(p.values + row * p.hidden) + lane; };
+  auto copy_at = [&](std::int64_t row) {  // the bf16 copy's row (optional)
+    return p.rows_bf16 == nullptr ? nullptr
+                                  : reinterpret_cast<uint2*>(row < p.split ? p.rows_bf16 + row * p.hidden
+                                                                           : p.rows_bf16_hi + (row - p.split) * p.hidden) + lane;
+  };
+  const std::int64_t tokens = p.pairs / k;
+  for (std::int64_t token = warp; token < tokens; token += warps) {
+    const uint2* x = reinterpret_cast<const uint2*>(p.x + token * p.hidden) + lane;
+    const std::int32_t* rows_of_token = p.pair_row + token * k;
+    for (int b0 = 0; b0 < blocks; b0 += 4) {
+      uint2 bits[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bits[j] = b0 + j < blocks ? x[(b0 + j) * 32] : make_uint2(0, 0);  // loads in flight
+      QuantizedLane q[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) q[j] = quantize_lane(bits[j]);  // (blocks past the row: never stored)
+      for (int i0 = 0; i0 < k; i0 += 32) {  // (lane i holds pair i0 + i's row)
+        const std::int32_t mine = i0 + lane < k ? rows_of_token[i0 + lane] : -1;
+        for (int i = 0; i < min(32, k - i0); ++i) {
+          const std::int32_t row = __shfl_sync(0xffffffffu, mine, i);
+          if (row < 0) continue;  // (a pair routed nowhere: no row)
+          std::uint32_t* values = values_at(row);
+          uint2* copy = copy_at(row);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if (b0 + j >= blocks) break;
+            values[(b0 + j) * 32] = q[j].values;
+            if (copy != nullptr) copy[(b0 + j) * 32] = bits[j];
+            if (lane == 0) p.scales[(b0 + j) * p.capacity + row] = q[j].scale;
+          }
+        }
+      }
+    }
+  }
+  const std::int64_t rows = p.expert_offset[p.num_local_experts];
+  for (std::int64_t base = warp * 32; base < rows; base += warps * 32) {
+    unsigned padding = __ballot_sync(0xffffffffu, base + lane < rows && p.row_pair[base + lane] < 0);
+    for (; padding; padding &= padding - 1) {
+      const std::int64_t row = base + __ffs(padding) - 1;
+      std::uint32_t* values = values_at(row);
+      uint2* copy = copy_at(row);
+      for (int b = 0; b < blocks; ++b) {
+        values[b * 32] = 0;
+        if (copy != nullptr) copy[b * 32] = make_uint2(0, 0);
+        if (lane == 0) p.scales[b * p.capacity + row] = 1.0f;
       }
     }
   }
@@ -109,7 +180,10 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_co
 }  // namespace
 
 void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream) {
-  quantize_rows_kernel<<<num_ctas, kThreads, 0, stream>>>(p);
+  if (p.pair_row)
+    quantize_scatter_kernel<<<num_ctas, kThreads, 0, stream>>>(p);
+  else
+    quantize_rows_kernel<<<num_ctas, kThreads, 0, stream>>>(p);
 }
 
 void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream) {

@@ -45,6 +45,10 @@ struct QuantizeRowsParams {
   const void* plan_status;       // PlanStatus*: nothing is written from a bad plan
   std::int64_t capacity;
   int hidden, top_k, num_local_experts;
+  // One GPU: the plan's pair -> row table and T * k; set, the rows are scattered from each token
+  // (x read once); null, gathered per row (the same bytes).
+  const std::int32_t* pair_row = nullptr;
+  std::int64_t pairs = 0;
   // Optional (the FP8 dgrad's dy rows, which the bf16 weight gradients read too): the same rows
   // in bf16 as well, in one read of x — plan rows before `split` into rows_bf16, the rest into
   // rows_bf16_hi from its start (as DispatchParams' x_routed, x_routed_hi and split; kNoSplit:
