@@ -322,7 +322,7 @@ junit=()
 # compute-sanitizer memcheck, racecheck and synccheck on one small test case: sanitize BINARY
 # CASE [SECONDS] (BINARY under $build/tests; a failure marks the run failed).
 sanitize() {
-  local binary=$1 small_case=$2 limit=${3:-600} tool outcome
+  local binary=$1 small_case=$2 limit=${3:-150} tool outcome
   for tool in memcheck racecheck synccheck; do
     if timeout "$limit" compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/$binary \
          --gtest_filter="$small_case" > "$LOG/sanitizer_${binary}_$tool.log" 2>&1; then outcome=passed; else outcome=failed; test_rc=1; fi
@@ -331,7 +331,7 @@ sanitize() {
   done
 }
 if $run_ctest; then
-ctest --test-dir $build --output-on-failure -j4 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1
+ctest --test-dir $build --output-on-failure -j4 --timeout 240 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1
 test_rc=$?
 tail -5 "$LOG/ctest.log"
 junit+=("$LOG/ctest.xml")
@@ -458,7 +458,7 @@ if [ "$part" = kernelab ]; then  # a kernel change in one call: the A/B against 
     impls=${ab_pairs[$i]} diag_ab "$build" "$name" deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b fwd,fwd+bwd ||
       test_rc=1
   done
-  ctest --test-dir $build --output-on-failure -j4 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1 || test_rc=1
+  ctest --test-dir $build --output-on-failure -j4 --timeout 240 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1 || test_rc=1
   tail -3 "$LOG/ctest.log"
   junit+=("$LOG/ctest.xml")
   sanitize test_gpu_forward Forward/ForwardCases.MatchesReference/shared_padded_clamp

@@ -52,11 +52,12 @@ __global__ void __launch_bounds__(256) scatter_kernel(const __grid_constant__ Di
   for (std::int64_t token = warp; token < tokens; token += warps) {
     const uint4* src = reinterpret_cast<const uint4*>(p.x[0] + token * p.hidden);
     const std::int32_t* rows_of_token = p.pair_row + token * k;
-    for (int v0 = lane; v0 < vectors; v0 += 32 * kInFlight) {
+    // (v0 the same in every lane: the shuffles below need the whole warp, whatever H)
+    for (int v0 = 0; v0 < vectors; v0 += 32 * kInFlight) {
       uint4 chunk[kInFlight] = {};
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i)
-        if (v0 + 32 * i < vectors) chunk[i] = __ldg(src + v0 + 32 * i);
+        if (v0 + lane + 32 * i < vectors) chunk[i] = __ldg(src + v0 + lane + 32 * i);
       for (int j0 = 0; j0 < k; j0 += 32) {  // (lane j holds pair j0 + j's row)
         const std::int32_t mine = j0 + lane < k ? rows_of_token[j0 + lane] : -1;
         for (int j = 0; j < min(32, k - j0); ++j) {
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(256) scatter_kernel(const __grid_constant__ Di
           uint4* dst = row_at(row);
 #pragma unroll
           for (int i = 0; i < kInFlight; ++i)
-            if (v0 + 32 * i < vectors) dst[v0 + 32 * i] = chunk[i];
+            if (v0 + lane + 32 * i < vectors) dst[v0 + lane + 32 * i] = chunk[i];
         }
       }
     }
