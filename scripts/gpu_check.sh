@@ -316,17 +316,20 @@ train_example() {
 }
 
 test_rc=0
+sanitized=0
 extra=()
 junit=()
 
 # compute-sanitizer memcheck, racecheck and synccheck on one small test case: sanitize BINARY
 # CASE [SECONDS] (BINARY under $build/tests; a failure marks the run failed).
 sanitize() {
-  local binary=$1 small_case=$2 limit=${3:-150} tool outcome
+  local binary=$1 small_case=$2 limit=${3:-150} tool outcome log
+  sanitized=$((sanitized + 1))
   for tool in memcheck racecheck synccheck; do
+    log="$LOG/sanitizer_${sanitized}_${binary}_$tool.log"  # (numbered: a binary may have several cases)
     if timeout "$limit" compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/$binary \
-         --gtest_filter="$small_case" > "$LOG/sanitizer_${binary}_$tool.log" 2>&1; then outcome=passed; else outcome=failed; test_rc=1; fi
-    echo "compute-sanitizer $tool $small_case: $outcome ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_${binary}_$tool.log" | tail -1))"
+         --gtest_filter="$small_case" > "$log" 2>&1; then outcome=passed; else outcome=failed; test_rc=1; fi
+    echo "compute-sanitizer $tool $small_case: $outcome ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1))"
     extra+=("compute-sanitizer $tool: $small_case=$outcome")
   done
 }
