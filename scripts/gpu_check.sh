@@ -53,7 +53,7 @@
 # built with --diag DEFINES (the variant to compare against, e.g. the old path); ab_serve default
 # (base) against the variant (head), outputs checked bitwise equal (--presets all: five; --pass
 # default fwd,fwd+bwd; --impl "mok,mok;mok-fp8,mok-fp8": one A/B per pair of mok_bench impls), then
-# every ctest and compute-sanitizer on a forward and an EP case.
+# every ctest and compute-sanitizer on a forward, a backward and an EP case.
 # --bench-only: the host part runs only layer_bench (not host_sections.py and forward_stages.py).
 # --diag DEFINES[,DEFINES...] (phases part): a phase build per variant with MOK_DIAG_DEFINES (timing-only kernel
 # variants, e.g. MOK_DIAG_NO_DGU_QUANTIZE,MOK_DIAG_DH_NO_LOADS; `;` joins defines within one variant; the
@@ -465,6 +465,7 @@ if [ "$part" = kernelab ]; then  # a kernel change in one call: the A/B against 
   tail -3 "$LOG/ctest.log"
   junit+=("$LOG/ctest.xml")
   sanitize test_gpu_forward Forward/ForwardCases.MatchesReference/shared_padded_clamp
+  sanitize test_gpu_backward Backward/BackwardCases.MatchesReference/shared_padded_clamp
   sanitize test_gpu_ep_forward Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp
 fi
 

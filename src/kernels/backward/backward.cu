@@ -160,16 +160,17 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     const ExpertSetData& d = t.shared ? p.shared : p.routed;
     if (t.kind == kDh || t.kind == kDx) {
       const int row0 = tile_row0(p, t);
+      const bool no_rows = !t.shared && padding_half(p.plan.row_pair, row0, wg);
       bool fp8 = false;
       if constexpr (kFp8Dgrad<Q>) {
         fp8 = fp8_task<Q>(t);
         if (fp8)
           mainloop_fp8(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, wg, task,
-                       fp8_scales(q, t, row0 + wg * 64));
+                       fp8_scales(q, t, row0 + wg * 64), no_rows);
       }
       if (t.kind == kDh) {
         if (!fp8) {
-          mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
+          mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task, no_rows);
         }
         timer.lap<Phase::mainloop_dh>();
         epilogue_dh<kFp8Dgrad<Q>>(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
@@ -183,7 +184,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
         timer.lap<Phase::epilogue_dh>();
       } else {
         if (!fp8) {
-          mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
+          mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task, no_rows);
         }
         timer.lap<Phase::mainloop_dx>();
         const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
@@ -196,7 +197,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     } else {
       int first = 0, count = 0;
       expert_rows(p, t, first, count);
-      mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task);
+      mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(weight_rows(p, t, first, count)), wg, task);
       timer.lap<Phase::mainloop_wgrad>();
       epilogue_weight<kFp8Dgrad<Q>>(p, s, acc, t, wg, count == 0);
       if (threadIdx.x % 128 == 0 && read_counter(p, t) != nullptr && (count > 0 || t.kind == kWd))  // (an expert without

@@ -240,7 +240,17 @@ __device__ __forceinline__ void expert_rows(const BackwardParams& p, const Task&
   }
 }
 
-// K steps of a weight-gradient task over `count` rows (a multiple of 128): at least one,
+// The rows a weight-gradient task multiplies of its expert's [first, first + count): all but a
+// last 64 that are all padding (their products are zeros: padding_half's case, along K). The
+// producer loads and the consumer multiplies this many.
+__device__ __forceinline__ int weight_rows(const BackwardParams& p, const Task& t, int first, int count) {
+#if !defined(MOK_DIAG_NO_PADDING_SKIP)
+  if (!t.shared && count >= kBlockM && p.plan.row_pair[first + count - 64] < 0) return count - 64;
+#endif
+  return count;
+}
+
+// K steps of a weight-gradient task over `count` rows (a multiple of 64): at least one,
 // even for an expert without rows (its loads land, its product is not stored: zeros are),
 // so that the consumer's stores always wait for a stage of the producer, which waited for
 // what the task's stores overwrite (rows_in_grads: every dW_down tile). (The producer

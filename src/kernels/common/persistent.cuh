@@ -193,19 +193,48 @@ struct MnMajor {
   __device__ static std::uint64_t descriptor(const void* tile) { return ptx::wgmma_descriptor_sw128_mn(tile, 8192); }
 };
 
+// Whether consumer warpgroup `wg`'s 64 rows of the routed M-tile at plan row row0 are all
+// padding: each expert's rows end in padding rows (row_pair -1) up to a multiple of 128, so where
+// an expert's last tile has at most 64 rows the second warpgroup's half is empty. Its product is
+// zero (the zero rows' MMAs gave zeros too, up to the sign of zero in rows nothing reads), so it
+// multiplies nothing: an expert's last tile then costs one warpgroup's MMAs instead of two.
+__device__ __forceinline__ bool padding_half(const std::int32_t* row_pair, int row0, int wg) {
+#if defined(MOK_DIAG_NO_PADDING_SKIP)  // (the A/B's base: every half multiplied)
+  return false;
+#else
+  return wg == 1 && row_pair[row0 + 64] < 0;
+#endif
+}
+
+// A consumer warpgroup with no rows in the task: waits for each of its k_steps stages and hands
+// it back unread (the other warpgroup's MMAs still read it: the stage's empty barrier counts both).
+template <int kStages, typename P, typename S>
+__device__ __forceinline__ void pass_stages(const P& p, S& s, Pipeline<kStages>& pipe, int k_steps, int task) {
+  for (int kb = 0; kb < k_steps; ++kb) {
+    const int stage_index = pipe.consumer_wait(p, s.barriers, task);
+    if (threadIdx.x % 128 == 0) pipe.consumer_release(s.barriers, stage_index);
+    pipe.consumer_advance();
+  }
+}
+
 // The consumer warpgroup `wg` multiplies its 64 rows of A by the stage's 256 columns of B
 // over k_steps stages, handing each stage back once its MMAs are done. acc is zeroed first,
 // though the first MMA ignores it (its asm reads it): entering undefined, acc's 128 registers
 // stayed live through the caller's whole task loop, the combine included (~190 live there:
 // its loads went one at a time, 2026-12-03); and in the FP8 dgrad kernel, entering as the FP8
 // mainloop left it (defined by ordinary instructions), ptxas serialized every wgmma of the
-// kernel (warning C7515). An empty sum (k_steps = 0) is zero.
+// kernel (warning C7515). An empty sum (k_steps = 0) is zero. no_rows (padding_half): the
+// warpgroup's rows are all padding, so it passes the stages on unread and acc stays zero.
 template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
-                                         int wg, int task) {
+                                         int wg, int task, bool no_rows = false) {
   constexpr int kBlockK = 64;
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  if (no_rows) {
+    pass_stages(p, s, pipe, k_steps, task);
+    return;
+  }
   const bool leader = threadIdx.x % 128 == 0;  // releases the warpgroup's stages
   int previous = -1;
   for (int kb = 0; kb < k_steps; ++kb) {
