@@ -160,18 +160,29 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     const ExpertSetData& d = t.shared ? p.shared : p.routed;
     if (t.kind == kDh || t.kind == kDx) {
       const int row0 = tile_row0(p, t);
-      const bool no_rows = !t.shared && padding_half(p.plan.row_pair, row0, wg);
+      const bool half = !t.shared && padding_tile(p.plan.row_pair, row0);  // (false unless MOK_DIAG_PADDING_SKIP)
+      const bool no_rows = half && wg == 1;
       bool fp8 = false;
       if constexpr (kFp8Dgrad<Q>) {
         fp8 = fp8_task<Q>(t);
+#if defined(MOK_DIAG_PADDING_SKIP)
+        if (fp8 && no_rows) {  // (padding_tile: this warpgroup's rows are all padding; acc zero)
+#pragma unroll
+          for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+          pass_stages(p, s, pipe, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, task);
+        } else
+#endif
         if (fp8)
           mainloop_fp8(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, wg, task,
-                       fp8_scales(q, t, row0 + wg * 64), no_rows);
+                       fp8_scales(q, t, row0 + wg * 64));
       }
       if (t.kind == kDh) {
         if (!fp8) {
           mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task, no_rows);
         }
+#if defined(MOK_DIAG_PADDING_SKIP)
+        if (half) sync_consumers();  // (in step again: see padding_tile)
+#endif
         timer.lap<Phase::mainloop_dh>();
         epilogue_dh<kFp8Dgrad<Q>>(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
 #ifndef MOK_DIAG_NO_DGU_QUANTIZE  // (timing only: without it the dx tiles read stale E4M3 rows)
@@ -186,6 +197,9 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
         if (!fp8) {
           mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task, no_rows);
         }
+#if defined(MOK_DIAG_PADDING_SKIP)
+        if (half) sync_consumers();
+#endif
         timer.lap<Phase::mainloop_dx>();
         const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
         const bool push = p.ep.push && !t.shared;
@@ -197,7 +211,11 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     } else {
       int first = 0, count = 0;
       expert_rows(p, t, first, count);
+#if defined(MOK_DIAG_PADDING_SKIP)
       mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(weight_rows(p, t, first, count)), wg, task);
+#else
+      mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task);
+#endif
       timer.lap<Phase::mainloop_wgrad>();
       epilogue_weight<kFp8Dgrad<Q>>(p, s, acc, t, wg, count == 0);
       if (threadIdx.x % 128 == 0 && read_counter(p, t) != nullptr && (count > 0 || t.kind == kWd))  // (an expert without

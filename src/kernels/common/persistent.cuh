@@ -193,16 +193,21 @@ struct MnMajor {
   __device__ static std::uint64_t descriptor(const void* tile) { return ptx::wgmma_descriptor_sw128_mn(tile, 8192); }
 };
 
-// Whether consumer warpgroup `wg`'s 64 rows of the routed M-tile at plan row row0 are all
-// padding: each expert's rows end in padding rows (row_pair -1) up to a multiple of 128, so where
-// an expert's last tile has at most 64 rows the second warpgroup's half is empty. Its product is
-// zero (the zero rows' MMAs gave zeros too, up to the sign of zero in rows nothing reads), so it
-// multiplies nothing: an expert's last tile then costs one warpgroup's MMAs instead of two.
-__device__ __forceinline__ bool padding_half(const std::int32_t* row_pair, int row0, int wg) {
-#if defined(MOK_DIAG_NO_PADDING_SKIP)  // (the A/B's base: every half multiplied)
-  return false;
+// Timing variant MOK_DIAG_PADDING_SKIP (same bits; off by default: bench/NOTES.md, "Padding halves
+// not multiplied"): whether the second half (rows 64-127) of the routed M-tile at plan row row0 is
+// all padding. Each expert's rows end in padding rows (row_pair -1) up to a multiple of 128, so
+// where an expert's last tile holds at most 64 rows the second warpgroup's half is empty: it may
+// pass the stages on unread (its product is zero, as the zero rows' MMAs gave), and then both
+// warpgroups meet after the mainloop (sync_consumers), since the one that skipped would otherwise
+// run up to the pipeline's depth ahead of the other for the rest of the kernel and meet every
+// later stage as soon as it lands, its prefetch gone (the variant without the meeting ran the
+// forward 4-18 % slower, c3c2007).
+__device__ __forceinline__ bool padding_tile(const std::int32_t* row_pair, int row0) {
+#if defined(MOK_DIAG_PADDING_SKIP)
+  return row_pair[row0 + 64] < 0;
 #else
-  return wg == 1 && row_pair[row0 + 64] < 0;
+  (void)row_pair, (void)row0;
+  return false;
 #endif
 }
 
@@ -223,7 +228,7 @@ __device__ __forceinline__ void pass_stages(const P& p, S& s, Pipeline<kStages>&
 // stayed live through the caller's whole task loop, the combine included (~190 live there:
 // its loads went one at a time, 2026-12-03); and in the FP8 dgrad kernel, entering as the FP8
 // mainloop left it (defined by ordinary instructions), ptxas serialized every wgmma of the
-// kernel (warning C7515). An empty sum (k_steps = 0) is zero. no_rows (padding_half): the
+// kernel (warning C7515). An empty sum (k_steps = 0) is zero. no_rows (padding_tile): the
 // warpgroup's rows are all padding, so it passes the stages on unread and acc stays zero.
 template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
@@ -231,10 +236,14 @@ __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pi
   constexpr int kBlockK = 64;
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+#if defined(MOK_DIAG_PADDING_SKIP)  // (out of the default build's code altogether: its SASS stays as it was)
   if (no_rows) {
     pass_stages(p, s, pipe, k_steps, task);
     return;
   }
+#else
+  (void)no_rows;
+#endif
   const bool leader = threadIdx.x % 128 == 0;  // releases the warpgroup's stages
   int previous = -1;
   for (int kb = 0; kb < k_steps; ++kb) {

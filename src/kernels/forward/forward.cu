@@ -78,7 +78,11 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     }
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
     float acc[128];
-    mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task, !t.shared && padding_half(p.plan.row_pair, row0, wg));
+    const bool half = !t.shared && padding_tile(p.plan.row_pair, row0);  // (false unless MOK_DIAG_PADDING_SKIP)
+    mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task, half && wg == 1);
+#if defined(MOK_DIAG_PADDING_SKIP)
+    if (half) sync_consumers();  // (in step again: see padding_tile)
+#endif
     if (t.kind == kGemm1) timer.lap<Phase::mainloop_gemm1>();
     else timer.lap<Phase::mainloop_gemm2>();
     if (t.mb >= 0) publish_count(p.ring.freed + t.mb, 1, wg);  // its ring rows are read: the slot may be reused

@@ -37,18 +37,14 @@ struct Fp8TaskScales {
 // not keep the FP8 tensor cores fed.
 template <int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
-                                             int wg, int task, const Fp8TaskScales& sc, bool no_rows = false) {
+                                             int wg, int task, const Fp8TaskScales& sc) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const float* a_rows = sc.a_rows + warp * 16 + lane / 4;  // this thread's rows r and r + 8
   // (Both zeroed, and apart from a BF16 branch's array: an accumulator that enters the loop
   // undefined, or one array for both branches, made ptxas serialize the MMAs or spill.)
+  float block[64];
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-  if (no_rows) {  // (padding_half: the warpgroup's rows are all padding; acc stays zero)
-    pass_stages(p, s, pipe, k_steps, task);
-    return;
-  }
-  float block[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) block[i] = 0.0f;
   // The scales of block kb, loaded one block ahead (an L2 load's latency is longer than the
