@@ -198,10 +198,9 @@ struct MnMajor {
 // all padding. Each expert's rows end in padding rows (row_pair -1) up to a multiple of 128, so
 // where an expert's last tile holds at most 64 rows the second warpgroup's half is empty: it may
 // pass the stages on unread (its product is zero, as the zero rows' MMAs gave), and then both
-// warpgroups meet after the mainloop (sync_consumers), since the one that skipped would otherwise
-// run up to the pipeline's depth ahead of the other for the rest of the kernel and meet every
-// later stage as soon as it lands, its prefetch gone (the variant without the meeting ran the
-// forward 4-18 % slower, c3c2007).
+// warpgroups meet after the mainloop (sync_consumers): without the meeting (c3c2007) the forward
+// ran 4-18 % slower, far more than the skipped tiles' share, and the guess is that the warpgroup
+// that skipped stayed up to the pipeline's depth ahead of the other for the rest of the kernel.
 __device__ __forceinline__ bool padding_tile(const std::int32_t* row_pair, int row0) {
 #if defined(MOK_DIAG_PADDING_SKIP)
   return row_pair[row0 + 64] < 0;
