@@ -210,13 +210,15 @@ __device__ __forceinline__ bool padding_tile(const std::int32_t* row_pair, int r
 #endif
 }
 
-// A consumer warpgroup with no rows in the task: waits for each of its k_steps stages and hands
-// it back unread (the other warpgroup's MMAs still read it: the stage's empty barrier counts both).
+// A consumer warpgroup with no rows in the task: its leader waits for each of its k_steps stages
+// and hands it back unread (the other warpgroup's MMAs still read it: the stage's empty barrier
+// counts both); the other threads only move their pipeline state on. (Were every thread to wait
+// while the leader released, a thread still polling could see the stage refilled once more and
+// wait on the wrong phase; and 128 threads polling take issue slots from the other warpgroup.)
 template <int kStages, typename P, typename S>
 __device__ __forceinline__ void pass_stages(const P& p, S& s, Pipeline<kStages>& pipe, int k_steps, int task) {
   for (int kb = 0; kb < k_steps; ++kb) {
-    const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    if (threadIdx.x % 128 == 0) pipe.consumer_release(s.barriers, stage_index);
+    if (threadIdx.x % 128 == 0) pipe.consumer_release(s.barriers, pipe.consumer_wait(p, s.barriers, task));
     pipe.consumer_advance();
   }
 }
