@@ -365,7 +365,8 @@ fi
 if $run_pytest; then
 # The Python package against the PyTorch installed on this machine (no network: no build isolation).
 if python3 -m pip install -q --no-build-isolation --no-deps . > "$LOG/pip.log" 2>&1; then
-  python3 -m pytest -q tests/python --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
+  python3 -m pytest -q --durations=15 tests/python --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
+  sed -n '/slowest 15 durations/,/^$/p' "$LOG/pytest.log"  # (what makes pytest take half a call)
   tail -1 "$LOG/pytest.log"
 else
   echo "pip install . failed (see pip.log)"; tail -20 "$LOG/pip.log"; test_rc=1
