@@ -8,6 +8,7 @@
 #                                          the copy in PyTorch's triton wheel, or $CUOBJDUMP)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/setup.sh  # (CMake >= 3.28: the system's may be older)
 base="${1:-HEAD}"
 cuobjdump="${CUOBJDUMP:-$(command -v cuobjdump || true)}"
 if [ -z "$cuobjdump" ]; then
