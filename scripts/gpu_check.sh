@@ -333,11 +333,20 @@ sanitize() {
     extra+=("compute-sanitizer $tool: $small_case=$outcome")
   done
 }
+# ctest_run LINES [CTEST ARGS...]: the tests (a test is stopped after 240 s: a hang fails by
+# name), the log's last LINES lines printed, the JUnit XML kept for the record.
+ctest_run() {
+  local lines=$1
+  shift
+  ctest --test-dir $build --output-on-failure --timeout 240 --output-junit "$LOG/ctest.xml" "$@" > "$LOG/ctest.log" 2>&1
+  local rc=$?
+  tail -"$lines" "$LOG/ctest.log"
+  junit+=("$LOG/ctest.xml")
+  return $rc
+}
 if $run_ctest; then
-ctest --test-dir $build --output-on-failure -j4 --timeout 240 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1
+ctest_run 5 -j4
 test_rc=$?
-tail -5 "$LOG/ctest.log"
-junit+=("$LOG/ctest.xml")
 
 # The README's main job on this GPU (its build dir is ours: nothing is built twice).
 if MOK_BUILD_DIR=$build scripts/run.sh > "$LOG/main_job.log" 2>&1 && grep -q "CHECK PASSED" "$LOG/main_job.log"; then
@@ -388,19 +397,15 @@ if [ "$part" = hf ] || [ "$part" = all ]; then
   fi
 fi
 if [ "$part" = speed ]; then
-ctest --test-dir $build --output-on-failure -j2 -R "^(Forward|Backward)" --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1
+ctest_run 3 -j2 -R "^(Forward|Backward)"
 test_rc=$?
-tail -3 "$LOG/ctest.log"
-junit=("$LOG/ctest.xml")
 layer_bench uniform
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
 layer_bench "$routings"
 fi
 if [ "$part" = fp8 ]; then
-  ctest --test-dir $build --output-on-failure -j4 -R "Fp8|^Forward|Validate" --output-junit "$LOG/ctest.xml" \
-    > "$LOG/ctest.log" 2>&1 || test_rc=1
-  tail -3 "$LOG/ctest.log"
+  ctest_run 3 -j4 -R "Fp8|^Forward|Validate" || test_rc=1
   env PYTHONPATH="$PWD/$build/pkg" python3 -m pytest -q tests/python/test_fp8_layer.py tests/python/test_fp8.py \
     --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
   tail -1 "$LOG/pytest.log"
@@ -462,9 +467,7 @@ if [ "$part" = kernelab ]; then  # a kernel change in one call: the A/B against 
     impls=${ab_pairs[$i]} diag_ab "$build" "$name" deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b fwd,fwd+bwd ||
       test_rc=1
   done
-  ctest --test-dir $build --output-on-failure -j4 --timeout 240 --output-junit "$LOG/ctest.xml" > "$LOG/ctest.log" 2>&1 || test_rc=1
-  tail -3 "$LOG/ctest.log"
-  junit+=("$LOG/ctest.xml")
+  ctest_run 3 -j4 || test_rc=1
   sanitize test_gpu_forward Forward/ForwardCases.MatchesReference/shared_padded_clamp
   sanitize test_gpu_backward Backward/BackwardCases.MatchesReference/shared_padded_clamp
   sanitize test_gpu_ep_forward Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp

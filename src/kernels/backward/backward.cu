@@ -165,14 +165,9 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
       bool fp8 = false;
       if constexpr (kFp8Dgrad<Q>) {
         fp8 = fp8_task<Q>(t);
-#if defined(MOK_DIAG_PADDING_SKIP)
-        if (fp8 && no_rows) {  // (padding_tile: this warpgroup's rows are all padding; acc zero)
-#pragma unroll
-          for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-          pass_stages(p, s, pipe, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, task);
-        } else
-#endif
-        if (fp8)
+        if (fp8 && no_rows)  // (padding_tile: this warpgroup's rows are all padding)
+          pass_stages(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, task);
+        else if (fp8)
           mainloop_fp8(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, wg, task,
                        fp8_scales(q, t, row0 + wg * 64));
       }
@@ -180,9 +175,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
         if (!fp8) {
           mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task, no_rows);
         }
-#if defined(MOK_DIAG_PADDING_SKIP)
         if (half) sync_consumers();  // (in step again: see padding_tile)
-#endif
         timer.lap<Phase::mainloop_dh>();
         epilogue_dh<kFp8Dgrad<Q>>(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
 #ifndef MOK_DIAG_NO_DGU_QUANTIZE  // (timing only: without it the dx tiles read stale E4M3 rows)
@@ -197,9 +190,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
         if (!fp8) {
           mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task, no_rows);
         }
-#if defined(MOK_DIAG_PADDING_SKIP)
         if (half) sync_consumers();
-#endif
         timer.lap<Phase::mainloop_dx>();
         const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
         const bool push = p.ep.push && !t.shared;

@@ -240,15 +240,13 @@ __device__ __forceinline__ void expert_rows(const BackwardParams& p, const Task&
   }
 }
 
-// The rows a weight-gradient task multiplies of its expert's [first, first + count): with
-// MOK_DIAG_PADDING_SKIP all but a last 64 that are all padding (their products are zeros:
-// padding_tile's case, along K; the sum then differs only where it is a zero, in its sign). The
-// producer loads and the consumer multiplies this many.
+// MOK_DIAG_PADDING_SKIP (its callers, producer and consumer, only there: called in the default
+// build, even returning count, it changed the f32-gradient kernels' SASS): the rows a weight-gradient
+// task multiplies of its expert's [first, first + count), all but a last 64 that are all padding
+// (their products are zeros: padding_tile's case, along K; the sum then differs only where it is a
+// zero, in its sign).
 __device__ __forceinline__ int weight_rows(const BackwardParams& p, const Task& t, int first, int count) {
-#if defined(MOK_DIAG_PADDING_SKIP)
-  if (!t.shared && count >= kBlockM && p.plan.row_pair[first + count - 64] < 0) return count - 64;
-#endif
-  return count;
+  return !t.shared && count >= kBlockM && p.plan.row_pair[first + count - 64] < 0 ? count - 64 : count;
 }
 
 // K steps of a weight-gradient task over `count` rows (a multiple of 64): at least one,

@@ -210,13 +210,17 @@ __device__ __forceinline__ bool padding_tile(const std::int32_t* row_pair, int r
 #endif
 }
 
-// A consumer warpgroup with no rows in the task: its leader waits for each of its k_steps stages
-// and hands it back unread (the other warpgroup's MMAs still read it: the stage's empty barrier
-// counts both); the other threads only move their pipeline state on. (Were every thread to wait
-// while the leader released, a thread still polling could see the stage refilled once more and
-// wait on the wrong phase; and 128 threads polling take issue slots from the other warpgroup.)
+// A consumer warpgroup with no rows in the task: acc is zero, and its leader waits for each of its
+// k_steps stages and hands it back unread (the other warpgroup's MMAs still read it: the stage's
+// empty barrier counts both); the other threads only move their pipeline state on. (Were every
+// thread to wait while the leader released, a thread still polling could see the stage refilled
+// once more and wait on the wrong phase; and 128 threads polling take issue slots from the other
+// warpgroup.)
 template <int kStages, typename P, typename S>
-__device__ __forceinline__ void pass_stages(const P& p, S& s, Pipeline<kStages>& pipe, int k_steps, int task) {
+__device__ __forceinline__ void pass_stages(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
+                                            int task) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   for (int kb = 0; kb < k_steps; ++kb) {
     if (threadIdx.x % 128 == 0) pipe.consumer_release(s.barriers, pipe.consumer_wait(p, s.barriers, task));
     pipe.consumer_advance();
@@ -235,16 +239,9 @@ template <typename LayoutA, typename LayoutB, int kStages, typename P, typename 
 __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                          int wg, int task, bool no_rows = false) {
   constexpr int kBlockK = 64;
+  if (no_rows) return pass_stages(p, s, pipe, acc, k_steps, task);
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-#if defined(MOK_DIAG_PADDING_SKIP)  // (out of the default build's code altogether: its SASS stays as it was)
-  if (no_rows) {
-    pass_stages(p, s, pipe, k_steps, task);
-    return;
-  }
-#else
-  (void)no_rows;
-#endif
   const bool leader = threadIdx.x % 128 == 0;  // releases the warpgroup's stages
   int previous = -1;
   for (int kb = 0; kb < k_steps; ++kb) {

@@ -80,9 +80,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     float acc[128];
     const bool half = !t.shared && padding_tile(p.plan.row_pair, row0);  // (false unless MOK_DIAG_PADDING_SKIP)
     mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task, half && wg == 1);
-#if defined(MOK_DIAG_PADDING_SKIP)
     if (half) sync_consumers();  // (in step again: see padding_tile)
-#endif
     if (t.kind == kGemm1) timer.lap<Phase::mainloop_gemm1>();
     else timer.lap<Phase::mainloop_gemm2>();
     if (t.mb >= 0) publish_count(p.ring.freed + t.mb, 1, wg);  // its ring rows are read: the slot may be reused
