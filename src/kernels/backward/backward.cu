@@ -160,22 +160,17 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     const ExpertSetData& d = t.shared ? p.shared : p.routed;
     if (t.kind == kDh || t.kind == kDx) {
       const int row0 = tile_row0(p, t);
-      const bool half = !t.shared && padding_tile(p.plan.row_pair, row0);  // (false unless MOK_DIAG_PADDING_SKIP)
-      const bool no_rows = half && wg == 1;
       bool fp8 = false;
       if constexpr (kFp8Dgrad<Q>) {
         fp8 = fp8_task<Q>(t);
-        if (fp8 && no_rows)  // (padding_tile: this warpgroup's rows are all padding)
-          pass_stages(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, task);
-        else if (fp8)
+        if (fp8)
           mainloop_fp8(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, wg, task,
                        fp8_scales(q, t, row0 + wg * 64));
       }
       if (t.kind == kDh) {
         if (!fp8) {
-          mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task, no_rows);
+          mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
         }
-        if (half) sync_consumers();  // (in step again: see padding_tile)
         timer.lap<Phase::mainloop_dh>();
         epilogue_dh<kFp8Dgrad<Q>>(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
 #ifndef MOK_DIAG_NO_DGU_QUANTIZE  // (timing only: without it the dx tiles read stale E4M3 rows)
@@ -188,9 +183,8 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
         timer.lap<Phase::epilogue_dh>();
       } else {
         if (!fp8) {
-          mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task, no_rows);
+          mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
         }
-        if (half) sync_consumers();
         timer.lap<Phase::mainloop_dx>();
         const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
         const bool push = p.ep.push && !t.shared;
@@ -202,11 +196,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     } else {
       int first = 0, count = 0;
       expert_rows(p, t, first, count);
-#if defined(MOK_DIAG_PADDING_SKIP)
-      mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(weight_rows(p, t, first, count)), wg, task);
-#else
       mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task);
-#endif
       timer.lap<Phase::mainloop_wgrad>();
       epilogue_weight<kFp8Dgrad<Q>>(p, s, acc, t, wg, count == 0);
       if (threadIdx.x % 128 == 0 && read_counter(p, t) != nullptr && (count > 0 || t.kind == kWd))  // (an expert without

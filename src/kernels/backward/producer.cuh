@@ -86,9 +86,6 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
         expected = kConsumerWarpgroups * sched.experts * sched.m_wd * sched.n_dh_r;
         site = WaitSite::grad_rows_read;
       }
-#if defined(MOK_DIAG_PADDING_SKIP)
-      count = weight_rows(p, t, row0, count);
-#endif
       k_steps = count / kBlockK;
     }
     if (k_steps == 0) k_steps = 1;  // weight_k_steps() (dh and dx tasks have more)

@@ -240,15 +240,6 @@ __device__ __forceinline__ void expert_rows(const BackwardParams& p, const Task&
   }
 }
 
-// MOK_DIAG_PADDING_SKIP (its callers, producer and consumer, only there: called in the default
-// build, even returning count, it changed the f32-gradient kernels' SASS): the rows a weight-gradient
-// task multiplies of its expert's [first, first + count), all but a last 64 that are all padding
-// (their products are zeros: padding_tile's case, along K; the sum then differs only where it is a
-// zero, in its sign).
-__device__ __forceinline__ int weight_rows(const BackwardParams& p, const Task& t, int first, int count) {
-  return !t.shared && count >= kBlockM && p.plan.row_pair[first + count - 64] < 0 ? count - 64 : count;
-}
-
 // K steps of a weight-gradient task over `count` rows (a multiple of 64): at least one,
 // even for an expert without rows (its loads land, its product is not stored: zeros are),
 // so that the consumer's stores always wait for a stage of the producer, which waited for

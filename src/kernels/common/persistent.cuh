@@ -77,8 +77,7 @@ __device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& cons
   }
 }
 
-#if defined(MOK_DIAG_COPY_WARPS)
-// The same, warps 1-3 of warpgroup 0 running helper(warp) (a diagnostic build's copy warps).
+// The same, warps 1-3 of warpgroup 0 running helper(warp) (the forward's gather warps).
 template <int kProducerRegisters, int kConsumerRegisters, typename Producer, typename Consumer, typename Helper>
 __device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& consumer, Helper&& helper) {
   if (threadIdx.x < 128) {
@@ -90,7 +89,6 @@ __device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& cons
     consumer((threadIdx.x - 128) / 128);  // unsigned arithmetic, converted to int
   }
 }
-#endif
 
 // Raises a persistent kernel's dynamic shared memory limit to `smem` bytes on the current
 // device, once per kernel and device (this also loads the kernel's module; see kernels/common/load.cuh).
@@ -193,53 +191,17 @@ struct MnMajor {
   __device__ static std::uint64_t descriptor(const void* tile) { return ptx::wgmma_descriptor_sw128_mn(tile, 8192); }
 };
 
-// Timing variant MOK_DIAG_PADDING_SKIP (same bits; off by default: bench/NOTES.md, "Padding halves
-// not multiplied"): whether the second half (rows 64-127) of the routed M-tile at plan row row0 is
-// all padding. Each expert's rows end in padding rows (row_pair -1) up to a multiple of 128, so
-// where an expert's last tile holds at most 64 rows the second warpgroup's half is empty: it may
-// pass the stages on unread (its product is zero, as the zero rows' MMAs gave), and then both
-// warpgroups meet after the mainloop (sync_consumers): without the meeting (c3c2007) the forward
-// ran 4-18 % slower, far more than the skipped tiles' share, and the guess is that the warpgroup
-// that skipped stayed up to the pipeline's depth ahead of the other for the rest of the kernel.
-__device__ __forceinline__ bool padding_tile(const std::int32_t* row_pair, int row0) {
-#if defined(MOK_DIAG_PADDING_SKIP)
-  return row_pair[row0 + 64] < 0;
-#else
-  (void)row_pair, (void)row0;
-  return false;
-#endif
-}
-
-// A consumer warpgroup with no rows in the task: acc is zero, and its leader waits for each of its
-// k_steps stages and hands it back unread (the other warpgroup's MMAs still read it: the stage's
-// empty barrier counts both); the other threads only move their pipeline state on. (Were every
-// thread to wait while the leader released, a thread still polling could see the stage refilled
-// once more and wait on the wrong phase; and 128 threads polling take issue slots from the other
-// warpgroup.)
-template <int kStages, typename P, typename S>
-__device__ __forceinline__ void pass_stages(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
-                                            int task) {
-#pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-  for (int kb = 0; kb < k_steps; ++kb) {
-    if (threadIdx.x % 128 == 0) pipe.consumer_release(s.barriers, pipe.consumer_wait(p, s.barriers, task));
-    pipe.consumer_advance();
-  }
-}
-
 // The consumer warpgroup `wg` multiplies its 64 rows of A by the stage's 256 columns of B
 // over k_steps stages, handing each stage back once its MMAs are done. acc is zeroed first,
 // though the first MMA ignores it (its asm reads it): entering undefined, acc's 128 registers
 // stayed live through the caller's whole task loop, the combine included (~190 live there:
 // its loads went one at a time, 2026-12-03); and in the FP8 dgrad kernel, entering as the FP8
 // mainloop left it (defined by ordinary instructions), ptxas serialized every wgmma of the
-// kernel (warning C7515). An empty sum (k_steps = 0) is zero. no_rows (padding_tile): the
-// warpgroup's rows are all padding, so it passes the stages on unread and acc stays zero.
+// kernel (warning C7515). An empty sum (k_steps = 0) is zero.
 template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
-                                         int wg, int task, bool no_rows = false) {
+                                         int wg, int task) {
   constexpr int kBlockK = 64;
-  if (no_rows) return pass_stages(p, s, pipe, acc, k_steps, task);
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   const bool leader = threadIdx.x % 128 == 0;  // releases the warpgroup's stages

@@ -49,6 +49,14 @@ __device__ __forceinline__ void wait_hidden_rows(const ForwardParams& p, const S
   fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
 }
 
+#if defined(MOK_X_GATHER)
+// Whether routed GEMM1 task t's A rows are gathered from x by the producer warps (gather_x_rows)
+// rather than loaded by TMA from the dispatched x rows.
+__device__ __forceinline__ bool gathers_rows(const ForwardParams& p, const Task& t) {
+  return p.x_gather != nullptr && t.kind == kGemm1 && !t.shared && t.mb < 0;
+}
+#endif
+
 // The loads of GEMM task t (bf16 operands), stage by stage, after waiting for its inputs.
 __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipeline<kStages>& pipe, const Schedule& sched,
                           const Task& t, int task) {
@@ -81,10 +89,15 @@ __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipel
     k_steps = (t.shared ? p.shared_inter : p.inter) / kBlockK;
     b_row = t.n * kBlockN;
   }
+#if defined(MOK_X_GATHER)
+  const bool gathered = gathers_rows(p, t);  // (A: gather_x_rows' cp.async)
+#else
+  constexpr bool gathered = false;
+#endif
   for (int kb = 0; kb < k_steps; ++kb) {
-    std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, kStageBytesA + kStageBytesB);
+    std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, (gathered ? 0 : kStageBytesA) + kStageBytesB);
     SharedStorage::Stage& stage = s.stages[pipe.stage()];
-    tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
+    if (!gathered) tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
     if (b1) {
       tma_load_3d(stage.b, b0, full, kb * kBlockK, b_row, expert);
       tma_load_3d(stage.b + kGemm1Columns * kBlockK, b1, full, kb * kBlockK, b_row, expert);
@@ -135,6 +148,75 @@ __device__ inline void copy_x_rows(const ForwardParams& p, const Schedule& sched
       red_release_gpu_add(p.counters.x_copied + row / kBlockM, 1);
     }
   }
+}
+#endif
+
+#if defined(MOK_X_GATHER)
+// The gather warps: warps 1-3 of the producer warpgroup (96 threads) go through every stage of
+// the CTA's tasks beside the producer thread, and each stage's full barrier waits for their 96
+// arrivals as well (ForwardKernel::kFullArrivals). In a routed GEMM1 task (one GPU, gathers_rows)
+// they fill its A: plan row row0 + r is row pair / k of x itself (token order; padding rows, pair
+// -1, zeros), gather thread g copying rows g and, for g < 32, g + 96 — the row's 64 columns of the
+// stage's K step as eight 16-byte cp.async into the 128-byte swizzled line the TMA box would have
+// written. So the routed rows need no dispatch copy before the launch (x is read in place: no
+// [capacity, H] write and read back). In every other stage they only arrive. A thread keeps
+// kGatherInFlight stages of copies in flight: after issuing a stage it waits until at most that
+// many of its groups are pending, fences them for the async proxy (the consumers' wgmma reads)
+// and arrives on the oldest stage's full barrier. (That arrival precedes the thread's wait for
+// the stage after next, which needs the consumers to have released a stage whose full barrier
+// the thread has already completed: no cycle.)
+inline constexpr int kGatherThreads = kProducerThreads - 32;
+inline constexpr int kGatherInFlight = kStages - 2;
+static_assert(kGatherThreads * 2 >= kBlockM && kBlockK * 2 == 128, "two rows at most a gather thread, one 128-byte line each");
+
+// Row r's 64 columns from src (kb-th K step; null: zeros) into the swizzled A stage at a.
+__device__ __forceinline__ void gather_row(char* a, int r, const std::uint16_t* src, int kb, const std::uint16_t* valid) {
+  char* line = a + r * 128;
+  const std::uint16_t* from = src ? src + kb * kBlockK : valid;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) cp_async_16(line + ((c ^ (r % 8)) * 16), src ? from + 8 * c : from, src == nullptr);
+}
+
+__device__ inline void gather_x_rows(const ForwardParams& p, SharedStorage& s, const Schedule& sched) {
+  const int g = static_cast<int>(threadIdx.x) - 32;
+  Pipeline<kStages> pipe;
+  int pending = 0;  // the last `pending` stages this thread issued and has not arrived on
+  const auto arrive_oldest = [&] {
+    const int oldest = (pipe.stage() - pending + kStages) % kStages;
+    mbarrier_arrive(&s.barriers.full[oldest]);
+    --pending;
+  };
+  for (int task = sched.cta; task < sched.total; task += sched.ctas) {
+    const Task t = sched.decode(p, task);
+    if (t.kind == kCombine) break;  // combine tasks come last and load nothing
+    const std::uint16_t *src0 = nullptr, *src1 = nullptr;
+    const bool gather = gathers_rows(p, t);
+    if (gather) {
+      const int row0 = p.plan.tile_row[t.m];
+      const int pair0 = p.plan.row_pair[row0 + g], pair1 = g < kBlockM - kGatherThreads ? p.plan.row_pair[row0 + g + kGatherThreads] : -1;
+      if (pair0 >= 0) src0 = p.x_gather + static_cast<std::int64_t>(pair0 / p.top_k) * p.hidden;
+      if (pair1 >= 0) src1 = p.x_gather + static_cast<std::int64_t>(pair1 / p.top_k) * p.hidden;
+    }
+    const int k_steps = gemm_k_steps(p, t);
+    for (int kb = 0; kb < k_steps; ++kb) {
+      pipe.producer_wait_free(p, s.barriers, task);
+      if (gather) {
+        char* a = reinterpret_cast<char*>(s.stages[pipe.stage()].a);
+        gather_row(a, g, src0, kb, p.x_gather);
+        if (g < kBlockM - kGatherThreads) gather_row(a, g + kGatherThreads, src1, kb, p.x_gather);
+      }
+      cp_async_commit();
+      pipe.producer_commit();
+      if (++pending > kGatherInFlight) {
+        cp_async_wait<kGatherInFlight>();
+        fence_proxy_async_shared_cta();  // (cp.async writes through the generic proxy; wgmma reads through the async one)
+        arrive_oldest();
+      }
+    }
+  }
+  cp_async_wait<0>();
+  fence_proxy_async_shared_cta();
+  while (pending > 0) arrive_oldest();
 }
 #endif
 
