@@ -64,10 +64,10 @@
 # `power` (build if missing): bench/clock_power.py — the SM clock, board power, throttle reasons and
 # J/TFLOP while each of --impl (default mok,torch-compiled) repeats each --pass, on --presets (default
 # mixtral-8x7b,deepseek-v3), --repeats windows each, into <date>-<commit>-power.json.
-# `diagab` (a same-bits diagnostic variant against the default): two mok_bench builds (the second with
-# MOK_DIAG_DEFINES=--diag), bench/ab_serve.py between them (--impl, default mok,mok; --pass, default
+# `diagab` (same-bits diagnostic variants against the default): a default mok_bench build and one per
+# variant (--diag A[,B...]; a variant of several defines separates them with ';'), bench/ab_serve.py of each against the default (--impl, default mok,mok; --pass, default
 # fwd+bwd; --presets, default mixtral-8x7b,qwen3-30b-a3b,deepseek-v3; --repeats rounds; outputs checked
-# bitwise equal) into <date>-<commit>-diagab.json; nothing else runs.
+# bitwise equal) into <date>-<commit>-diagab.json (-diagab-<i>.json with several); nothing else runs.
 # `dram` (same-bits order / cache variants, judged by DRAM bytes, then time): a mok_bench build per
 # --diag variant (`,` between variants, `;` joins defines within one) beside the default, all in
 # parallel; ncu's DRAM bytes (read, written), kernel time and L2 hit rate of one forward and one
@@ -145,9 +145,9 @@ bench_build() {
 # compared bitwise, into $OUT/<date>-<commit>-$2.json and .txt; $3: the presets for --presets all,
 # $4: the passes unless --pass. Returns ab_serve's status.
 diag_ab() {
-  local ab_presets=$presets
+  local ab_presets=$presets head=${diag_build:-build-ab-diag}
   [ "$presets" = all ] && ab_presets=$3
-  python3 bench/ab_serve.py --base "$1/bench/mok_bench" --head build-ab-diag/bench/mok_bench --impls "${impls:-mok,mok}" \
+  python3 bench/ab_serve.py --base "$1/bench/mok_bench" --head "$head/bench/mok_bench" --impls "${impls:-mok,mok}" \
     --preset "$ab_presets" --pass "${passes:-$4}" --rounds "$repeats" --iters "$iters" --out "$OUT/${date:0:10}-$commit-$2.json" \
     --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\", \"diag\": \"$diag\"}" 2>&1 |
     tee "$OUT/${date:0:10}-$commit-$2.txt" | tail -16
@@ -251,13 +251,20 @@ if [ "$part" = dram ]; then  # same-bits variants: ncu DRAM bytes per build, the
   exit "$rc"
 fi
 
-if [ "$part" = diagab ]; then  # a same-bits diagnostic build (--diag) against the default, ab_serve
+if [ "$part" = diagab ]; then  # same-bits diagnostic builds (--diag A[,B...], one each) against the default, ab_serve
   [ -n "$diag" ] || { echo "gpu_check.sh --part diagab needs --diag DEFINES"; exit 2; }
-  bench_build build-ab-base "" "$(( $(nproc) / 2 ))" &
-  bench_build build-ab-diag "$diag" "$(( $(nproc) / 2 ))" &
+  IFS=, read -r -a variants <<< "$diag"
+  jobs_each=$(( $(nproc) / (${#variants[@]} + 1) + 1 ))
+  bench_build build-ab-base "" "$jobs_each" &
+  for i in "${!variants[@]}"; do bench_build "build-ab-diag$i" "${variants[$i]}" "$jobs_each" & done
   wait_builds diagab
-  diag_ab build-ab-base diagab mixtral-8x7b,qwen3-30b-a3b,deepseek-v3 fwd+bwd
-  rc=$?
+  rc=0
+  for i in "${!variants[@]}"; do
+    name=diagab
+    [ "${#variants[@]}" -gt 1 ] && name="diagab-$i"
+    echo "== ${variants[$i]} (head) / default (base)"
+    diag=${variants[$i]} diag_build="build-ab-diag$i" diag_ab build-ab-base "$name" mixtral-8x7b,qwen3-30b-a3b,deepseek-v3 fwd+bwd || rc=1
+  done
   tar czf "$OUT/logs.tgz" -C "$LOG" .
   exit "$rc"
 fi

@@ -198,7 +198,9 @@ struct MnMajor {
 // its loads went one at a time, 2026-12-03); and in the FP8 dgrad kernel, entering as the FP8
 // mainloop left it (defined by ordinary instructions), ptxas serialized every wgmma of the
 // kernel (warning C7515). An empty sum (k_steps = 0) is zero.
-template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
+// kProxyFence: a proxy fence after each stage's wait (stages that cp.async filled, read by the
+// wgmma's async proxy; the MOK_DIAG_X_GATHER_NOINC variant of the forward's gather).
+template <typename LayoutA, typename LayoutB, bool kProxyFence = false, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                          int wg, int task) {
   constexpr int kBlockK = 64;
@@ -208,6 +210,7 @@ __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pi
   int previous = -1;
   for (int kb = 0; kb < k_steps; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
+    if constexpr (kProxyFence) ptx::fence_proxy_async_shared_cta();
     const auto& stage = s.stages[stage_index];
     const std::uint64_t desc_a = LayoutA::descriptor(stage.a + wg * 64 * kBlockK);
     const std::uint64_t desc_b = LayoutB::descriptor(stage.b);

@@ -156,29 +156,23 @@ __device__ inline void copy_x_rows(const ForwardParams& p, const Schedule& sched
 // the CTA's tasks beside the producer thread, and each stage's full barrier waits for their 96
 // arrivals as well (ForwardKernel::kFullArrivals). In a routed GEMM1 task (one GPU, gathers_rows)
 // they fill its A: plan row row0 + r is row pair / k of x itself (token order; padding rows, pair
-// -1, zeros), gather thread g copying rows g and, for g < 32, g + 96 — the row's 64 columns of the
-// stage's K step as eight 16-byte cp.async into the 128-byte swizzled line the TMA box would have
-// written. So the routed rows need no dispatch copy before the launch (x is read in place: no
-// [capacity, H] write and read back). In every other stage they only arrive. A thread keeps
-// kGatherInFlight stages of copies in flight: after issuing a stage it waits until at most that
-// many of its groups are pending, fences them for the async proxy (the consumers' wgmma reads)
-// and arrives on the oldest stage's full barrier. (That arrival precedes the thread's wait for
-// the stage after next, which needs the consumers to have released a stage whose full barrier
-// the thread has already completed: no cycle.)
+// -1, zeros). Eight consecutive threads take one row's 64 columns of the stage's K step, 16 bytes
+// each, into the 128-byte swizzled line the TMA box would have written (a warp's cp.async covers
+// four whole 128-byte row pieces), rows 12 apart: thread g copies chunk g % 8 of rows g / 8 + 12 i.
+// So the routed rows need no dispatch copy before the launch (x is read in place: no [capacity, H]
+// write and read back). In every other stage they only arrive. A thread keeps kGatherInFlight
+// stages of copies in flight: after issuing a stage it waits until at most that many of its
+// groups are pending, fences them for the async proxy (the consumers' wgmma reads) and arrives on
+// the oldest stage's full barrier. (That arrival precedes the thread's wait for the stage after
+// next, which needs the consumers to have released a stage whose full barrier the thread has
+// already completed: no cycle.)
 inline constexpr int kGatherThreads = kProducerThreads - 32;
 inline constexpr int kGatherInFlight = kStages - 2;
-static_assert(kGatherThreads * 2 >= kBlockM && kBlockK * 2 == 128, "two rows at most a gather thread, one 128-byte line each");
-
-// Row r's 64 columns from src (kb-th K step; null: zeros) into the swizzled A stage at a.
-__device__ __forceinline__ void gather_row(char* a, int r, const std::uint16_t* src, int kb, const std::uint16_t* valid) {
-  char* line = a + r * 128;
-  const std::uint16_t* from = src ? src + kb * kBlockK : valid;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) cp_async_16(line + ((c ^ (r % 8)) * 16), src ? from + 8 * c : from, src == nullptr);
-}
+inline constexpr int kGatherRowsApart = kGatherThreads / 8;
+static_assert(kBlockK * 2 == 128 && kGatherThreads % 8 == 0, "a row's K step is one 128-byte line, eight threads a row");
 
 __device__ inline void gather_x_rows(const ForwardParams& p, SharedStorage& s, const Schedule& sched) {
-  const int g = static_cast<int>(threadIdx.x) - 32;
+  const int g = static_cast<int>(threadIdx.x) - 32, chunk = g % 8, first_row = g / 8;
   Pipeline<kStages> pipe;
   int pending = 0;  // the last `pending` stages this thread issued and has not arrived on
   const auto arrive_oldest = [&] {
@@ -189,22 +183,27 @@ __device__ inline void gather_x_rows(const ForwardParams& p, SharedStorage& s, c
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) break;  // combine tasks come last and load nothing
-    const std::uint16_t *src0 = nullptr, *src1 = nullptr;
     const bool gather = gathers_rows(p, t);
-    if (gather) {
-      const int row0 = p.plan.tile_row[t.m];
-      const int pair0 = p.plan.row_pair[row0 + g], pair1 = g < kBlockM - kGatherThreads ? p.plan.row_pair[row0 + g + kGatherThreads] : -1;
-      if (pair0 >= 0) src0 = p.x_gather + static_cast<std::int64_t>(pair0 / p.top_k) * p.hidden;
-      if (pair1 >= 0) src1 = p.x_gather + static_cast<std::int64_t>(pair1 / p.top_k) * p.hidden;
-    }
+    // (the rows' pairs are read again each K step, from L1: kept in registers, eleven of them
+    // spilled the 40-register producer warps)
+    const std::int32_t* pairs = gather ? p.plan.row_pair + p.plan.tile_row[t.m] : nullptr;
     const int k_steps = gemm_k_steps(p, t);
     for (int kb = 0; kb < k_steps; ++kb) {
       pipe.producer_wait_free(p, s.barriers, task);
       if (gather) {
         char* a = reinterpret_cast<char*>(s.stages[pipe.stage()].a);
-        gather_row(a, g, src0, kb, p.x_gather);
-        if (g < kBlockM - kGatherThreads) gather_row(a, g + kGatherThreads, src1, kb, p.x_gather);
+        const std::uint16_t* column = p.x_gather + kb * kBlockK + 8 * chunk;
+#pragma unroll 1
+        for (int r = first_row; r < kBlockM; r += kGatherRowsApart) {
+          const int pair = __ldg(pairs + r);
+          cp_async_16(a + r * 128 + ((chunk ^ (r % 8)) * 16),
+                      pair < 0 ? p.x_gather : column + static_cast<std::int64_t>(pair / p.top_k) * p.hidden, pair < 0);
+        }
       }
+#if defined(MOK_DIAG_X_GATHER_NOINC)  // (a variant: the hardware arrives once they land; the consumers fence)
+      mbarrier_arrive_on_cp_async(&s.barriers.full[pipe.stage()]);
+      pipe.producer_commit();
+#else
       cp_async_commit();
       pipe.producer_commit();
       if (++pending > kGatherInFlight) {
@@ -212,6 +211,7 @@ __device__ inline void gather_x_rows(const ForwardParams& p, SharedStorage& s, c
         fence_proxy_async_shared_cta();  // (cp.async writes through the generic proxy; wgmma reads through the async one)
         arrive_oldest();
       }
+#endif
     }
   }
   cp_async_wait<0>();
