@@ -33,7 +33,7 @@ inline constexpr int kProducerRegisters = 40;
 inline constexpr int kConsumerRegisters = 232;
 // The named barriers (bar.sync ids; 0 is __syncthreads'): one per consumer warpgroup (its
 // 128 threads) and one of every consumer thread.
-enum class NamedBarrier : int { warpgroup0 = 1, consumers = 1 + kConsumerWarpgroups };
+enum class NamedBarrier : int { warpgroup0 = 1, consumers = 1 + kConsumerWarpgroups, helpers };  // helpers: warps 1-3 of warpgroup 0
 // Synchronises the 128 threads of consumer warpgroup `wg`.
 __device__ __forceinline__ void sync_warpgroup(int wg) {
   ptx::named_barrier_sync(static_cast<int>(NamedBarrier::warpgroup0) + wg, 128);

@@ -184,20 +184,28 @@ __device__ inline void gather_x_rows(const ForwardParams& p, SharedStorage& s, c
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) break;  // combine tasks come last and load nothing
     const bool gather = gathers_rows(p, t);
-    // (the rows' pairs are read again each K step, from L1: kept in registers, eleven of them
-    // spilled the 40-register producer warps)
-    const std::int32_t* pairs = gather ? p.plan.row_pair + p.plan.tile_row[t.m] : nullptr;
+    if (gather) {  // the tile's tokens into shared memory (eleven a thread in registers spilled the 40-register warps)
+      const int row0 = p.plan.tile_row[t.m];
+      named_barrier_sync(static_cast<int>(NamedBarrier::helpers), kGatherThreads);  // (the previous task's are read)
+      for (int r = g; r < kBlockM; r += kGatherThreads) {
+        const int pair = p.plan.row_pair[row0 + r];
+        s.gather_tokens[r] = pair < 0 ? -1 : pair / p.top_k;
+      }
+      named_barrier_sync(static_cast<int>(NamedBarrier::helpers), kGatherThreads);
+    }
     const int k_steps = gemm_k_steps(p, t);
     for (int kb = 0; kb < k_steps; ++kb) {
       pipe.producer_wait_free(p, s.barriers, task);
       if (gather) {
         char* a = reinterpret_cast<char*>(s.stages[pipe.stage()].a);
         const std::uint16_t* column = p.x_gather + kb * kBlockK + 8 * chunk;
-#pragma unroll 1
-        for (int r = first_row; r < kBlockM; r += kGatherRowsApart) {
-          const int pair = __ldg(pairs + r);
+#pragma unroll
+        for (int i = 0; i < (kBlockM + kGatherRowsApart - 1) / kGatherRowsApart; ++i) {
+          const int r = first_row + kGatherRowsApart * i;
+          if (r >= kBlockM) break;
+          const int token = s.gather_tokens[r];
           cp_async_16(a + r * 128 + ((chunk ^ (r % 8)) * 16),
-                      pair < 0 ? p.x_gather : column + static_cast<std::int64_t>(pair / p.top_k) * p.hidden, pair < 0);
+                      token < 0 ? p.x_gather : column + static_cast<std::int64_t>(token) * p.hidden, token < 0);
         }
       }
 #if defined(MOK_DIAG_X_GATHER_NOINC)  // (a variant: the hardware arrives once they land; the consumers fence)
