@@ -149,17 +149,6 @@ void launch_forward_kernel(const ForwardArgs& a, Workspace& ws, const CallBuffer
   cuda_check(cudaGetLastError(), where, "launching the forward kernel");
 }
 
-#if defined(MOK_X_GATHER)
-// launch_forward_kernel() with x's routed rows gathered by the kernel's producer warps (no dispatch).
-void launch_forward_kernel_gathering(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
-                                     std::uint16_t* saved_gu, std::string_view where) {
-  kernels::ForwardParams p = forward_params(a, ws, buffers, saved_gu, false, false);
-  p.x_gather = static_cast<const std::uint16_t*>(a.x.data);
-  kernels::launch_forward(p, persistent_ctas(ws, where), stream);
-  cuda_check(cudaGetLastError(), where, "launching the forward kernel");
-}
-#endif
-
 #if defined(MOK_DIAG_COPY_WARPS)
 // A buffer the shadow copy writes and nobody reads (MOK_DIAG_COPY_SHADOW): one per size, kept for
 // the process (a diagnostic build; the launch cache's graphs may hold its address).
@@ -240,12 +229,6 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
       return;
     }
 #endif
-#if defined(MOK_X_GATHER)
-    if (!ws.config().pingpong) {  // (the ping-pong kernel reads dispatched rows)
-      detail::launch_forward_kernel_gathering(a, ws, buffers, s, saved_gu, kWhere);
-      return;
-    }
-#endif
     if (!rows_enqueued) detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
     detail::launch_forward_kernel(a, ws, buffers, s, saved_gu, false, kWhere);
   });
@@ -271,9 +254,6 @@ void forward_rows(const TensorView& x, const TensorView& topk_ids, Workspace& ws
       plan_device(topk_ids, 0, ws.plan(), s, {}, detail::counters(ws));  // (zeroes the counters too)
 #if defined(MOK_DIAG_COPY_WARPS)
       if (detail::copies_rows_in_kernel(ws) && !detail::kDispatchRows) return;  // (the kernel copies them)
-#endif
-#if defined(MOK_X_GATHER)
-      if (!ws.config().pingpong) return;  // (the kernel gathers them)
 #endif
       detail::dispatch_rows(x.data, detail::forward_buffers(ws, base).x_rows, ws, s);
     });

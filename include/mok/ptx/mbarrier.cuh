@@ -15,12 +15,6 @@ __device__ __forceinline__ void mbarrier_arrive(std::uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
 }
 
-// An arrival that the hardware makes once every cp.async this thread issued before it has
-// completed; .noinc: it counts among the barrier's expected arrivals (mbarrier_init).
-__device__ __forceinline__ void mbarrier_arrive_on_cp_async(std::uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_address(bar)) : "memory");
-}
-
 // Arrives and raises the expected transaction bytes of the current phase.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(std::uint64_t* bar, std::uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes)

@@ -33,7 +33,7 @@ inline constexpr int kProducerRegisters = 40;
 inline constexpr int kConsumerRegisters = 232;
 // The named barriers (bar.sync ids; 0 is __syncthreads'): one per consumer warpgroup (its
 // 128 threads) and one of every consumer thread.
-enum class NamedBarrier : int { warpgroup0 = 1, consumers = 1 + kConsumerWarpgroups, helpers };  // helpers: warps 1-3 of warpgroup 0
+enum class NamedBarrier : int { warpgroup0 = 1, consumers = 1 + kConsumerWarpgroups };
 // Synchronises the 128 threads of consumer warpgroup `wg`.
 __device__ __forceinline__ void sync_warpgroup(int wg) {
   ptx::named_barrier_sync(static_cast<int>(NamedBarrier::warpgroup0) + wg, 128);
@@ -77,7 +77,8 @@ __device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& cons
   }
 }
 
-// The same, warps 1-3 of warpgroup 0 running helper(warp) (the forward's gather warps).
+#if defined(MOK_DIAG_COPY_WARPS)
+// The same, warps 1-3 of warpgroup 0 running helper(warp) (a diagnostic build's copy warps).
 template <int kProducerRegisters, int kConsumerRegisters, typename Producer, typename Consumer, typename Helper>
 __device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& consumer, Helper&& helper) {
   if (threadIdx.x < 128) {
@@ -89,6 +90,7 @@ __device__ __forceinline__ void split_roles(Producer&& producer, Consumer&& cons
     consumer((threadIdx.x - 128) / 128);  // unsigned arithmetic, converted to int
   }
 }
+#endif
 
 // Raises a persistent kernel's dynamic shared memory limit to `smem` bytes on the current
 // device, once per kernel and device (this also loads the kernel's module; see kernels/common/load.cuh).
@@ -198,9 +200,7 @@ struct MnMajor {
 // its loads went one at a time, 2026-12-03); and in the FP8 dgrad kernel, entering as the FP8
 // mainloop left it (defined by ordinary instructions), ptxas serialized every wgmma of the
 // kernel (warning C7515). An empty sum (k_steps = 0) is zero.
-// kProxyFence: a proxy fence after each stage's wait (stages that cp.async filled, read by the
-// wgmma's async proxy; the MOK_DIAG_X_GATHER_NOINC variant of the forward's gather).
-template <typename LayoutA, typename LayoutB, bool kProxyFence = false, int kStages, typename P, typename S>
+template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                          int wg, int task) {
   constexpr int kBlockK = 64;
@@ -210,7 +210,6 @@ __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pi
   int previous = -1;
   for (int kb = 0; kb < k_steps; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    if constexpr (kProxyFence) ptx::fence_proxy_async_shared_cta();
     const auto& stage = s.stages[stage_index];
     const std::uint64_t desc_a = LayoutA::descriptor(stage.a + wg * 64 * kBlockK);
     const std::uint64_t desc_b = LayoutB::descriptor(stage.b);

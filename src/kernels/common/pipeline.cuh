@@ -24,13 +24,12 @@ struct PipelineBarriers {
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
 
-  // Thread 0, before the roles split: full[i] expects `full_arrivals` arrivals (the producer's,
-  // with the bytes, and any helper threads' that fill part of each stage themselves), empty[i]
-  // one per consumer warpgroup that reads the stage.
-  __device__ void init(int consumer_warpgroups, int full_arrivals = 1) {
+  // Thread 0, before the roles split: full[i] expects one arrival (the producer's, with the
+  // bytes), empty[i] one per consumer warpgroup that reads the stage.
+  __device__ void init(int consumer_warpgroups) {
     if (threadIdx.x != 0) return;
     for (int i = 0; i < kStages; ++i) {
-      ptx::mbarrier_init(&full[i], full_arrivals);
+      ptx::mbarrier_init(&full[i], 1);
       ptx::mbarrier_init(&empty[i], consumer_warpgroups);
     }
     ptx::fence_proxy_async_shared_cta();
@@ -47,16 +46,10 @@ class Pipeline {
   template <typename P>
   __device__ __forceinline__ std::uint64_t* producer_acquire(const P& p, PipelineBarriers<kStages>& b, int task,
                                                              std::uint32_t bytes) {
-    producer_wait_free(p, b, task);
+    wait_barrier(p, &b.empty[index_], phase_ ^ 1u, task, WaitSite::stage_empty);  // free: the previous pass released it
     std::uint64_t* full = &b.full[index_];
     ptx::mbarrier_arrive_expect_tx(full, bytes);
     return full;
-  }
-  // A producer-side helper thread: waits (bounded) until the current stage is free, without
-  // arming it (it arrives on the stage's full barrier itself once its part has landed).
-  template <typename P>
-  __device__ __forceinline__ void producer_wait_free(const P& p, PipelineBarriers<kStages>& b, int task) {
-    wait_barrier(p, &b.empty[index_], phase_ ^ 1u, task, WaitSite::stage_empty);  // free: the previous pass released it
   }
   __device__ __forceinline__ int stage() const { return index_; }
   // Producer: the stage's loads are issued (they complete its full barrier by their bytes).

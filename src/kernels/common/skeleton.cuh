@@ -21,8 +21,6 @@
 //   void consume(p, Storage&, const Schedule&, int wg);  (consumer warpgroup wg)
 //   int kProducerRegs, kConsumerRegs;   the register split (setmaxnreg; kernels/common/persistent.cuh)
 //   int kStageReaders;                  consumer warpgroups that read (and release) each stage
-//   int kFullArrivals;                  (optional, else 1) arrivals on each stage's full barrier
-//   void assist(p, Storage&, const Schedule&, int warp);  (optional: warps 1-3 of the producer warpgroup)
 #pragma once
 
 #include "kernels/ep/ep.cuh"
@@ -30,19 +28,12 @@
 
 namespace mok::kernels {
 
-// K::kFullArrivals where the policy sets it, else 1 (the producer thread's, with the bytes).
-template <typename K>
-constexpr int full_arrivals() {
-  if constexpr (requires { K::kFullArrivals; }) return K::kFullArrivals;
-  else return 1;
-}
-
 template <typename K, typename Params, typename... Extra>
 __device__ __forceinline__ void run_persistent(const Params& p, int cta, int ctas, const Extra&... extra) {
   if (K::stalled(p)) return;
   if (!K::inputs_valid(p, cta, ctas)) return;
   typename K::Storage& s = shared_storage<typename K::Storage>();
-  s.barriers.init(K::kStageReaders, full_arrivals<K>());
+  s.barriers.init(K::kStageReaders);
   if (threadIdx.x < kConsumerWarpgroups * 2 * kMaxEpRanks) (&s.pushed[0][0][0])[threadIdx.x] = 0;
   K::init_shared(p, s, cta);
   __syncthreads();
@@ -53,13 +44,16 @@ __device__ __forceinline__ void run_persistent(const Params& p, int cta, int cta
   const auto sched = K::schedule(p, cta, ctas);
   static_assert(K::kProducerRegs * kProducerThreads + K::kConsumerRegs * 128 * kConsumerWarpgroups <=
                 kLaunchRegisters * kThreads, "the register split exceeds the launch's allocation");
-  if constexpr (requires { K::assist(p, s, sched, 1); })  // (optional hook: warps 1-3 of the producer warpgroup)
-    split_roles<K::kProducerRegs, K::kConsumerRegs>([&] { K::produce(p, s, sched); },
-                                                      [&](int wg) { K::consume(p, s, sched, wg); },
-                                                      [&](int warp) { K::assist(p, s, sched, warp); });
-  else
-    split_roles<K::kProducerRegs, K::kConsumerRegs>([&] { K::produce(p, s, sched); },
+#if defined(MOK_DIAG_COPY_WARPS)  // (optional hook: void assist(p, Storage&, const Schedule&, int warp), warps 1-3)
+  split_roles<K::kProducerRegs, K::kConsumerRegs>(
+      [&] { K::produce(p, s, sched); }, [&](int wg) { K::consume(p, s, sched, wg); },
+      [&](int warp) {
+        if constexpr (requires { K::assist(p, s, sched, warp); }) K::assist(p, s, sched, warp);
+      });
+#else
+  split_roles<K::kProducerRegs, K::kConsumerRegs>([&] { K::produce(p, s, sched); },
                                                       [&](int wg) { K::consume(p, s, sched, wg); });
+#endif
 }
 
 }  // namespace mok::kernels

@@ -78,11 +78,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     }
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
     float acc[128];
-#if defined(MOK_DIAG_X_GATHER_NOINC)
-    mainloop<KMajor, KMajor, true>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task);
-#else
     mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task);
-#endif
     if (t.kind == kGemm1) timer.lap<Phase::mainloop_gemm1>();
     else timer.lap<Phase::mainloop_gemm2>();
     if (t.mb >= 0) publish_count(p.ring.freed + t.mb, 1, wg);  // its ring rows are read: the slot may be reused
@@ -125,9 +121,6 @@ struct ForwardKernel {
   using Storage = SharedStorage;
   static constexpr int kProducerRegs = kProducerRegisters, kConsumerRegs = kConsumerRegisters;
   static constexpr int kStageReaders = kConsumerWarpgroups;  // both warpgroups read every stage
-#if defined(MOK_X_GATHER)
-  static constexpr int kFullArrivals = 1 + kGatherThreads;  // the producer thread and the gather warps
-#endif
   using P = ForwardParams;
 
   __device__ static bool stalled(const P& p) { return p.ep.stalled; }
@@ -154,13 +147,10 @@ struct ForwardKernel {
     if (p.x_rows_src) copy_x_rows(p, sched, warp);
   }
 #endif
-#if defined(MOK_X_GATHER)
-  __device__ static void assist(const P& p, Storage& s, const Schedule& sched, int) { gather_x_rows(p, s, sched); }
-#endif
   __device__ static void consume(const P& p, Storage& s, const Schedule& sched, int wg) { run_consumer(p, s, sched, wg); }
 };
 
-#if defined(MOK_DIAG_COPY_WARPS) || defined(MOK_X_GATHER)  // (the skeleton runs assist() only where this expression is valid)
+#if defined(MOK_DIAG_COPY_WARPS)  // (the skeleton runs assist() only where this expression is valid)
 static_assert(requires(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int warp) {
   ForwardKernel::assist(p, s, sched, warp);
 });

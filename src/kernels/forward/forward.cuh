@@ -18,14 +18,6 @@ inline constexpr int kGemm1Columns = 128; // h columns one GEMM1 tile produces
 inline constexpr int kBlockK = 64;        // one 128-byte swizzle atom of bf16
 inline constexpr int kStages = 4;
 inline constexpr int kCombineTokens = 32; // tokens of one combine task
-
-// One GPU: the routed rows of x go into GEMM1's stages straight from x, gathered by the producer
-// warpgroup (gather_x_rows), unless built with MOK_DIAG_NO_X_GATHER (a measured diagnostic: the
-// dispatch kernel copies them into plan order before the launch and GEMM1 reads them by TMA,
-// as before 2026-12-04) or with the diagnostic copy warps, which take the same warps.
-#if !defined(MOK_DIAG_NO_X_GATHER) && !defined(MOK_DIAG_COPY_WARPS)
-#define MOK_X_GATHER 1
-#endif
 // Trailer of a saved tensor that holds a forward's pre-activations (not yet consumed).
 inline constexpr unsigned long long kSavedValid = 0x4d6f4b5361766564ull;  // "MoKSaved"
 
@@ -89,12 +81,6 @@ struct ForwardParams {
   // kernel, counted in counters.x_copied per M-tile (copy_x_rows); null: none.
   const std::uint16_t* x_rows_src;
   std::uint16_t* x_rows_dst;
-#endif
-#if defined(MOK_X_GATHER)
-  // One GPU: x ([T, H]) itself, whose routed rows warps 1-3 of the producer warpgroup gather with
-  // cp.async straight into a routed GEMM1 task's A stages (gather_x_rows), no dispatch copy before
-  // the launch; null (EP ranks, the backward's recompute): A by TMA from x_routed.
-  const std::uint16_t* x_gather;
 #endif
   // Task order (Config::interleave_rows / 128; 0: phase-major): routed tiles in chunks of
   // this many M-tiles, chunk c's GEMM2 tiles right after chunk c + 1's GEMM1 tiles.

@@ -49,14 +49,6 @@ __device__ __forceinline__ void wait_hidden_rows(const ForwardParams& p, const S
   fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
 }
 
-#if defined(MOK_X_GATHER)
-// Whether routed GEMM1 task t's A rows are gathered from x by the producer warps (gather_x_rows)
-// rather than loaded by TMA from the dispatched x rows.
-__device__ __forceinline__ bool gathers_rows(const ForwardParams& p, const Task& t) {
-  return p.x_gather != nullptr && t.kind == kGemm1 && !t.shared && t.mb < 0;
-}
-#endif
-
 // The loads of GEMM task t (bf16 operands), stage by stage, after waiting for its inputs.
 __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipeline<kStages>& pipe, const Schedule& sched,
                           const Task& t, int task) {
@@ -89,15 +81,10 @@ __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipel
     k_steps = (t.shared ? p.shared_inter : p.inter) / kBlockK;
     b_row = t.n * kBlockN;
   }
-#if defined(MOK_X_GATHER)
-  const bool gathered = gathers_rows(p, t);  // (A: gather_x_rows' cp.async)
-#else
-  constexpr bool gathered = false;
-#endif
   for (int kb = 0; kb < k_steps; ++kb) {
-    std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, (gathered ? 0 : kStageBytesA) + kStageBytesB);
+    std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, kStageBytesA + kStageBytesB);
     SharedStorage::Stage& stage = s.stages[pipe.stage()];
-    if (!gathered) tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
+    tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
     if (b1) {
       tma_load_3d(stage.b, b0, full, kb * kBlockK, b_row, expert);
       tma_load_3d(stage.b + kGemm1Columns * kBlockK, b1, full, kb * kBlockK, b_row, expert);
@@ -148,83 +135,6 @@ __device__ inline void copy_x_rows(const ForwardParams& p, const Schedule& sched
       red_release_gpu_add(p.counters.x_copied + row / kBlockM, 1);
     }
   }
-}
-#endif
-
-#if defined(MOK_X_GATHER)
-// The gather warps: warps 1-3 of the producer warpgroup (96 threads) go through every stage of
-// the CTA's tasks beside the producer thread, and each stage's full barrier waits for their 96
-// arrivals as well (ForwardKernel::kFullArrivals). In a routed GEMM1 task (one GPU, gathers_rows)
-// they fill its A: plan row row0 + r is row pair / k of x itself (token order; padding rows, pair
-// -1, zeros). Eight consecutive threads take one row's 64 columns of the stage's K step, 16 bytes
-// each, into the 128-byte swizzled line the TMA box would have written (a warp's cp.async covers
-// four whole 128-byte row pieces), rows 12 apart: thread g copies chunk g % 8 of rows g / 8 + 12 i.
-// So the routed rows need no dispatch copy before the launch (x is read in place: no [capacity, H]
-// write and read back). In every other stage they only arrive. A thread keeps kGatherInFlight
-// stages of copies in flight: after issuing a stage it waits until at most that many of its
-// groups are pending, fences them for the async proxy (the consumers' wgmma reads) and arrives on
-// the oldest stage's full barrier. (That arrival precedes the thread's wait for the stage after
-// next, which needs the consumers to have released a stage whose full barrier the thread has
-// already completed: no cycle.)
-inline constexpr int kGatherThreads = kProducerThreads - 32;
-inline constexpr int kGatherInFlight = kStages - 2;
-inline constexpr int kGatherRowsApart = kGatherThreads / 8;
-static_assert(kBlockK * 2 == 128 && kGatherThreads % 8 == 0, "a row's K step is one 128-byte line, eight threads a row");
-
-__device__ inline void gather_x_rows(const ForwardParams& p, SharedStorage& s, const Schedule& sched) {
-  const int g = static_cast<int>(threadIdx.x) - 32, chunk = g % 8, first_row = g / 8;
-  Pipeline<kStages> pipe;
-  int pending = 0;  // the last `pending` stages this thread issued and has not arrived on
-  const auto arrive_oldest = [&] {
-    const int oldest = (pipe.stage() - pending + kStages) % kStages;
-    mbarrier_arrive(&s.barriers.full[oldest]);
-    --pending;
-  };
-  for (int task = sched.cta; task < sched.total; task += sched.ctas) {
-    const Task t = sched.decode(p, task);
-    if (t.kind == kCombine) break;  // combine tasks come last and load nothing
-    const bool gather = gathers_rows(p, t);
-    if (gather) {  // the tile's tokens into shared memory (eleven a thread in registers spilled the 40-register warps)
-      const int row0 = p.plan.tile_row[t.m];
-      named_barrier_sync(static_cast<int>(NamedBarrier::helpers), kGatherThreads);  // (the previous task's are read)
-      for (int r = g; r < kBlockM; r += kGatherThreads) {
-        const int pair = p.plan.row_pair[row0 + r];
-        s.gather_tokens[r] = pair < 0 ? -1 : pair / p.top_k;
-      }
-      named_barrier_sync(static_cast<int>(NamedBarrier::helpers), kGatherThreads);
-    }
-    const int k_steps = gemm_k_steps(p, t);
-    for (int kb = 0; kb < k_steps; ++kb) {
-      pipe.producer_wait_free(p, s.barriers, task);
-      if (gather) {
-        char* a = reinterpret_cast<char*>(s.stages[pipe.stage()].a);
-        const std::uint16_t* column = p.x_gather + kb * kBlockK + 8 * chunk;
-#pragma unroll
-        for (int i = 0; i < (kBlockM + kGatherRowsApart - 1) / kGatherRowsApart; ++i) {
-          const int r = first_row + kGatherRowsApart * i;
-          if (r >= kBlockM) break;
-          const int token = s.gather_tokens[r];
-          cp_async_16(a + r * 128 + ((chunk ^ (r % 8)) * 16),
-                      token < 0 ? p.x_gather : column + static_cast<std::int64_t>(token) * p.hidden, token < 0);
-        }
-      }
-#if defined(MOK_DIAG_X_GATHER_NOINC)  // (a variant: the hardware arrives once they land; the consumers fence)
-      mbarrier_arrive_on_cp_async(&s.barriers.full[pipe.stage()]);
-      pipe.producer_commit();
-#else
-      cp_async_commit();
-      pipe.producer_commit();
-      if (++pending > kGatherInFlight) {
-        cp_async_wait<kGatherInFlight>();
-        fence_proxy_async_shared_cta();  // (cp.async writes through the generic proxy; wgmma reads through the async one)
-        arrive_oldest();
-      }
-#endif
-    }
-  }
-  cp_async_wait<0>();
-  fence_proxy_async_shared_cta();
-  while (pending > 0) arrive_oldest();
 }
 #endif
 

@@ -39,9 +39,6 @@ struct alignas(1024) SharedStorage {
   };
   PipelineBarriers<kStages> barriers;
   PushedRows pushed[kConsumerWarpgroups];  // push combine: rows pushed, not yet published
-#if defined(MOK_X_GATHER)
-  std::int32_t gather_tokens[kBlockM];  // the gather warps' current task: each row's token (-1: padding)
-#endif
 };
 static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");
 static_assert(kCommWarps <= kThreads / 32);
