@@ -140,34 +140,44 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) mma_kernel(int iters, fl
 #pragma unroll
     for (int i = 0; i < 64; ++i) out += acc[i];
   } else if constexpr (K == Kind::e4m3_n128_overlapped) {
+    // Eight 128-K blocks a loop iteration, straight-line: block b's MMAs are issued into one
+    // accumulator, then the previous block's (now complete: wait_group 1) is promoted from the
+    // other; the iteration ends with wait_group 0 and the last promotion (a loop back-edge with
+    // MMAs in flight made ptxas serialize every wgmma, C7514).
     float acc[64], block0[64], block1[64];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = block0[i] = block1[i] = 0.0f;
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     const std::uint32_t la = static_cast<std::uint32_t>(da), lb = static_cast<std::uint32_t>(db);
     const float scale = 1.0f + 1e-7f * threadIdx.x;
-    for (int it = 0; it < iters; it += 2) {  // (iters: 128-K blocks)
+    const auto issue = [&](float (&block)[64]) {
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(block0, la + 2 * kk, lb + 2 * kk, kk != 0);
+      for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(block, la + 2 * kk, lb + 2 * kk, kk != 0);
       wgmma_commit_group();
-      wgmma_wait_group<1>();  // block1's MMAs (the previous block) are done: promote it while block0's run
-      fence_operands(block1);
+    };
+    const auto promote = [&](float (&block)[64]) {
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = fmaf(block1[i], scale, acc[i]);
-      fence_operands(block1);
-      wgmma_fence();
+      for (int i = 0; i < 64; ++i) acc[i] = fmaf(block[i], scale, acc[i]);
+    };
+    for (int it = 0; it < iters; it += 8) {  // (iters: 128-K blocks)
+      issue(block0);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(block1, la + 2 * kk, lb + 2 * kk, kk != 0);
-      wgmma_commit_group();
+      for (int j = 0; j < 3; ++j) {
+        issue(block1);
+        wgmma_wait_group<1>();
+        promote(block0);
+        issue(block0);
+        wgmma_wait_group<1>();
+        promote(block1);
+      }
+      issue(block1);
       wgmma_wait_group<1>();
-      fence_operands(block0);
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = fmaf(block0[i], scale, acc[i]);
-      fence_operands(block0);
+      promote(block0);
+      wgmma_wait_group<0>();
+      promote(block1);
     }
-    wgmma_wait_group<0>();
 #pragma unroll
-    for (int i = 0; i < 64; ++i) out += acc[i] + block1[i];
+    for (int i = 0; i < 64; ++i) out += acc[i];
   } else {  // promoted: per 128-K block and N half, four MMAs into block, then acc += block * scale
     float acc[128], block[64];
 #pragma unroll
