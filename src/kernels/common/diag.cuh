@@ -9,3 +9,10 @@
 #ifndef MOK_DIAG_BWD_NO_LOADS
 #define MOK_DIAG_BWD_NO_LOADS 0
 #endif
+
+// The BF16 forward's GEMM tasks load operands only in their first K step (1: later stages get A
+// alone, B stale; 2: nothing, A and B stale): timing only, wrong results — how much of the
+// forward's time the L2 feed holds (the FP8 forward's MOK_DIAG_FP8_A_ONLY / NO_LOADS likewise).
+#ifndef MOK_DIAG_FWD_FEED
+#define MOK_DIAG_FWD_FEED 0
+#endif

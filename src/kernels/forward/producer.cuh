@@ -8,6 +8,7 @@
 
 #include "kernels/ep/ep_push.cuh"
 #include "kernels/forward/forward.cuh"
+#include "kernels/common/diag.cuh"
 #include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
 #include "kernels/common/pipeline.cuh"
@@ -82,9 +83,20 @@ __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipel
     b_row = t.n * kBlockN;
   }
   for (int kb = 0; kb < k_steps; ++kb) {
+#if MOK_DIAG_FWD_FEED  // (kernels/common/diag.cuh: timing only)
+    const bool load_a = kb == 0 || MOK_DIAG_FWD_FEED == 1, load_b = kb == 0;
+    std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, (load_a ? kStageBytesA : 0) + (load_b ? kStageBytesB : 0));
+    SharedStorage::Stage& stage = s.stages[pipe.stage()];
+    if (load_a) tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
+    if (!load_b) {
+      pipe.producer_commit();
+      continue;
+    }
+#else
     std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, kStageBytesA + kStageBytesB);
     SharedStorage::Stage& stage = s.stages[pipe.stage()];
     tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
+#endif
     if (b1) {
       tma_load_3d(stage.b, b0, full, kb * kBlockK, b_row, expert);
       tma_load_3d(stage.b + kGemm1Columns * kBlockK, b1, full, kb * kBlockK, b_row, expert);
