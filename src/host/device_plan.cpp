@@ -7,7 +7,6 @@
 
 #include "kernels/plan/plan.cuh"
 #include "cuda_check.hpp"
-#include "plan_align.hpp"
 #include "mok/error.hpp"
 
 namespace mok {
@@ -161,7 +160,6 @@ void plan_device(const TensorView& ids, std::int64_t rank, DevicePlan& plan, cud
   p.num_experts = static_cast<std::int32_t>(s.num_experts);
   p.num_local_experts = static_cast<std::int32_t>(s.num_local_experts);
   p.block_m = static_cast<std::int32_t>(plan.block_m());
-  p.row_align = static_cast<std::int32_t>(plan.block_m() * detail::kPlanAlignTiles);
   p.capacity_rows = plan.capacity_rows();
   if (ring.ring_rows > 0 && (ring.minibatch_rows <= 0 || ring.minibatch_rows % plan.block_m() != 0 ||
                              ring.ring_rows % ring.minibatch_rows != 0))

@@ -84,9 +84,6 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws, const
   p.maps.gate = make_bf16_weight_map(a.w_gate, boxes.gate_up, "w_gate");
   p.maps.up = make_bf16_weight_map(a.w_up, boxes.gate_up, "w_up");
   p.maps.down = make_bf16_weight_map(a.w_down, boxes.down, "w_down");
-#if defined(MOK_DIAG_CLUSTER2)
-  p.maps.down_half = make_bf16_weight_map(a.w_down, kernels::kBoxK, "w_down");
-#endif
   p.maps.h_store = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, kernels::kBoxMN, "h");
   p.maps.h_load = make_bf16_tensor_map(hidden, {U(I), U(capacity)}, kernels::kBoxK, "h");
   set_shared_expert_params(p, a, ws, buffers, pingpong);
@@ -126,9 +123,6 @@ void set_shared_expert_params(kernels::ForwardParams& p, const ForwardArgs& a, W
     p.maps.shared_gate = make_bf16_tensor_map(a.shared_gate->data, {U(H), U(Is), 1}, boxes.gate_up, "shared_gate");
     p.maps.shared_up = make_bf16_tensor_map(a.shared_up->data, {U(H), U(Is), 1}, boxes.gate_up, "shared_up");
     p.maps.shared_down = make_bf16_tensor_map(a.shared_down->data, {U(Is), U(H), 1}, boxes.down, "shared_down");
-#if defined(MOK_DIAG_CLUSTER2)
-    p.maps.shared_down_half = make_bf16_tensor_map(a.shared_down->data, {U(Is), U(H), 1}, kernels::kBoxK, "shared_down");
-#endif
     p.maps.shared_h_store = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, kernels::kBoxMN, "shared h");
     p.maps.shared_h_load = make_bf16_tensor_map(shared_hidden, {U(Is), U(padded_tokens)}, kernels::kBoxK, "shared h");
     p.shared_slots = buffers.slots + capacity * H;

@@ -15,7 +15,6 @@
 #include "kernels/forward/forward_fp8.cuh"
 #include "kernels/fp8/quantize.cuh"
 #include "mok/forward.hpp"
-#include "plan_align.hpp"
 
 namespace mok::detail {
 
@@ -23,8 +22,7 @@ inline constexpr std::int64_t kTileRows = 128;  // the kernels' M-tile = the pla
 inline constexpr std::int64_t kSavedTrailer = 8;  // bf16 elements at a saved tensor's end: the 8-byte validity marker
 
 inline std::int64_t shared_tiles(const MoeShape& s, std::int64_t tokens) {
-  const std::int64_t align = kTileRows * kPlanAlignTiles;  // (MOK_DIAG_CLUSTER2: pairs of M-tiles)
-  return s.has_shared() ? (tokens + align - 1) / align * kPlanAlignTiles : 0;
+  return s.has_shared() ? (tokens + kTileRows - 1) / kTileRows : 0;
 }
 
 // Checks that every tensor lives where it says and `saved` (if given) fits the workspace.

@@ -5,7 +5,6 @@
 #include <sstream>
 
 #include "mok/error.hpp"
-#include "plan_align.hpp"
 
 namespace mok {
 
@@ -154,7 +153,7 @@ std::int64_t plan_capacity_rows(const MoeShape& shape, const Config& config, std
   std::int64_t rows = worst;
   if (config.capacity_factor > 0.0)
     rows = std::min<std::int64_t>(worst, static_cast<std::int64_t>(std::ceil(config.capacity_factor * pairs)));
-  return rows + shape.num_local_experts * (block_m * detail::kPlanAlignTiles - 1);
+  return rows + shape.num_local_experts * (block_m - 1);
 }
 
 double forward_flops(const MoeShape& shape, std::int64_t routed_pairs, std::int64_t tokens) {

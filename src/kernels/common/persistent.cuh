@@ -8,13 +8,10 @@
 
 #include <cuda_bf16.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <cstdio>
 
 #include "kernels/common/pipeline.cuh"
 #include "mok/kernel_status.hpp"
-#include "mok/ptx/cluster.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/mbarrier.cuh"
@@ -117,29 +114,6 @@ void launch_persistent(std::size_t smem, int threads, const Params& params, int 
   Kernel<<<ctas, threads, smem, stream>>>(params);
 }
 
-// The same in clusters of kCluster CTAs, as many as can be resident at once (a persistent
-// kernel whose CTAs wait for each other must have every CTA resident): at most `ctas`, a
-// multiple of kCluster.
-template <auto Kernel, int kCluster, typename Params>
-void launch_persistent_clusters(std::size_t smem, int threads, const Params& params, int ctas, cudaStream_t stream) {
-  configure_persistent<Kernel>(smem);
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = kCluster, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
-  config.blockDim = dim3(threads), config.dynamicSmemBytes = smem, config.stream = stream;
-  config.attrs = &attribute, config.numAttrs = 1;
-  config.gridDim = dim3(ctas / kCluster * kCluster);
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, Kernel, &config) == cudaSuccess && clusters > 0)
-    config.gridDim = dim3(std::min(ctas / kCluster, clusters) * kCluster);
-  static bool said = false;  // (a diagnostic build's launch: say once how many CTAs run)
-  if (!said) std::fprintf(stderr, "launch_persistent_clusters: %u CTAs in clusters of %d (%d resident clusters)\n",
-                          config.gridDim.x, kCluster, clusters);
-  said = true;
-  cudaLaunchKernelEx(&config, Kernel, params);  // (an error surfaces as the caller's cudaGetLastError)
-}
-
 
 // Row/column of accumulator element i of this thread (wgmma m64nN f32 layout) inside its
 // warpgroup's 64-row tile.
@@ -226,16 +200,7 @@ struct MnMajor {
 // its loads went one at a time, 2026-12-03); and in the FP8 dgrad kernel, entering as the FP8
 // mainloop left it (defined by ordinary instructions), ptxas serialized every wgmma of the
 // kernel (warning C7515). An empty sum (k_steps = 0) is zero.
-// Hands stage `index` back: to this CTA's producer, and with kPeers = 2 to the cluster peer's too.
-template <int kPeers, int kStages, typename S>
-__device__ __forceinline__ void release_stage(Pipeline<kStages>& pipe, S& s, int index) {
-  pipe.consumer_release(s.barriers, index);
-  if constexpr (kPeers == 2) ptx::mbarrier_arrive_remote(ptx::cluster_address(&s.barriers.empty[index], ptx::cluster_ctarank() ^ 1u));
-}
-
-// kPeers: the stages are also read by the same warpgroups of the cluster's other CTA, whose
-// producer multicasts into them (MOK_DIAG_CLUSTER2): each release is counted in both CTAs.
-template <typename LayoutA, typename LayoutB, int kPeers = 1, int kStages, typename P, typename S>
+template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                          int wg, int task) {
   constexpr int kBlockK = 64;
@@ -255,12 +220,12 @@ __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pi
                                                              desc_b + LayoutB::kDescStep * kk, (kb | kk) != 0);
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // the previous stage's MMAs are done: hand it back
-    if (previous >= 0 && leader) release_stage<kPeers>(pipe, s, previous);
+    if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
     previous = stage_index;
     pipe.consumer_advance();
   }
   ptx::wgmma_wait_group<0>();
-  if (previous >= 0 && leader) release_stage<kPeers>(pipe, s, previous);
+  if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
 }
 
 // counter += count (release, gpu scope) once every thread of warpgroup `wg` has issued the

@@ -21,20 +21,12 @@
 //   void consume(p, Storage&, const Schedule&, int wg);  (consumer warpgroup wg)
 //   int kProducerRegs, kConsumerRegs;   the register split (setmaxnreg; kernels/common/persistent.cuh)
 //   int kStageReaders;                  consumer warpgroups that read (and release) each stage
-//   int kClusterSize;                   (optional, else 1) CTAs a cluster: cluster barriers after the init and at the end
 #pragma once
 
 #include "kernels/ep/ep.cuh"
 #include "kernels/common/persistent.cuh"
 
 namespace mok::kernels {
-
-// K::kClusterSize where the policy sets it (CTAs a cluster), else 1.
-template <typename K>
-constexpr int cluster_size() {
-  if constexpr (requires { K::kClusterSize; }) return K::kClusterSize;
-  else return 1;
-}
 
 template <typename K, typename Params, typename... Extra>
 __device__ __forceinline__ void run_persistent(const Params& p, int cta, int ctas, const Extra&... extra) {
@@ -44,12 +36,7 @@ __device__ __forceinline__ void run_persistent(const Params& p, int cta, int cta
   s.barriers.init(K::kStageReaders);
   if (threadIdx.x < kConsumerWarpgroups * 2 * kMaxEpRanks) (&s.pushed[0][0][0])[threadIdx.x] = 0;
   K::init_shared(p, s, cta);
-  if constexpr (cluster_size<K>() > 1) {  // the peer's consumers arrive on these barriers, its TMA completes on them
-    if (threadIdx.x == 0) ptx::fence_mbarrier_init_cluster();
-    ptx::cluster_sync();
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
   if (K::is_comm(p, cta)) {  // comm CTAs copy rows and take no tasks
     K::run_comm(p, extra..., s, cta);
     return;
@@ -67,10 +54,6 @@ __device__ __forceinline__ void run_persistent(const Params& p, int cta, int cta
   split_roles<K::kProducerRegs, K::kConsumerRegs>([&] { K::produce(p, s, sched); },
                                                       [&](int wg) { K::consume(p, s, sched, wg); });
 #endif
-  if constexpr (cluster_size<K>() > 1) {  // no CTA leaves while its peer may still multicast into it or arrive on it
-    __syncwarp();
-    ptx::cluster_sync();
-  }
 }
 
 }  // namespace mok::kernels

@@ -78,7 +78,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     }
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
     float acc[128];
-    mainloop<KMajor, KMajor, kForwardCluster>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task);
+    mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task);
     if (t.kind == kGemm1) timer.lap<Phase::mainloop_gemm1>();
     else timer.lap<Phase::mainloop_gemm2>();
     if (t.mb >= 0) publish_count(p.ring.freed + t.mb, 1, wg);  // its ring rows are read: the slot may be reused
@@ -120,8 +120,7 @@ __device__ void fwd_run_comm(const ForwardParams& p, SharedStorage& s, int comm,
 struct ForwardKernel {
   using Storage = SharedStorage;
   static constexpr int kProducerRegs = kProducerRegisters, kConsumerRegs = kConsumerRegisters;
-  static constexpr int kStageReaders = kConsumerWarpgroups * kForwardCluster;  // both warpgroups (of both CTAs of a pair)
-  static constexpr int kClusterSize = kForwardCluster;
+  static constexpr int kStageReaders = kConsumerWarpgroups;  // both warpgroups read every stage
   using P = ForwardParams;
 
   __device__ static bool stalled(const P& p) { return p.ep.stalled; }
@@ -175,11 +174,7 @@ std::size_t forward_shared_memory_bytes() { return shared_storage_bytes<SharedSt
 
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream) {
-#if defined(MOK_DIAG_CLUSTER2)
-  launch_persistent_clusters<forward_kernel, kForwardCluster>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
-#else
   launch_persistent<forward_kernel>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
-#endif
 }
 
 void load_forward_kernels() {

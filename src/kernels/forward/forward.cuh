@@ -18,14 +18,6 @@ inline constexpr int kGemm1Columns = 128; // h columns one GEMM1 tile produces
 inline constexpr int kBlockK = 64;        // one 128-byte swizzle atom of bf16
 inline constexpr int kStages = 4;
 inline constexpr int kCombineTokens = 32; // tokens of one combine task
-// MOK_DIAG_CLUSTER2 (a diagnostic build, bench/NOTES.md: 2-CTA clusters multicasting B): the forward
-// runs in clusters of two CTAs that take the two M-tiles of a pair (the plan pads each expert to
-// two M-tiles) at the same N-tile together, each loading half of the stage's B into both.
-#if defined(MOK_DIAG_CLUSTER2)
-inline constexpr int kForwardCluster = 2;
-#else
-inline constexpr int kForwardCluster = 1;
-#endif
 // Trailer of a saved tensor that holds a forward's pre-activations (not yet consumed).
 inline constexpr unsigned long long kSavedValid = 0x4d6f4b5361766564ull;  // "MoKSaved"
 
@@ -51,9 +43,6 @@ struct ForwardMaps {
   CUtensorMap shared_h_store, shared_h_load;   // [T_pad, I_s]
   CUtensorMap slots, shared_slots;             // bf16 [capacity, H], [T_pad, H], box 64 x 64 (stores)
   CUtensorMap saved_gu, shared_saved_gu;       // training: [capacity, 2I], [T_pad, 2I_s], box 64 x 64 (stores)
-#if defined(MOK_DIAG_CLUSTER2)
-  CUtensorMap down_half, shared_down_half;     // as down, shared_down with boxes of 64 x 128: half a GEMM2 B each
-#endif
 };
 
 // The forward's ring token buffer (RingGeometry) of x rows: freed[m] counts the GEMM1

@@ -16,7 +16,6 @@
 #include "kernels/common/slot_rows.cuh"
 #include "kernels/common/swiglu.cuh"
 #include "mok/ptx/fence.cuh"
-#include "mok/ptx/cluster.cuh"
 #include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/mbarrier.cuh"
 #include "mok/ptx/tma.cuh"
@@ -98,24 +97,12 @@ __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipel
     SharedStorage::Stage& stage = s.stages[pipe.stage()];
     tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
 #endif
-#if defined(MOK_DIAG_CLUSTER2)
-    // This CTA's half of B (GEMM1: the gate box or the up box; GEMM2: 128 of the 256 rows) into
-    // both CTAs of the pair: the stage is free in both (its empty barrier counts both CTAs'
-    // consumers), and each CTA's full barrier expects all of B.
-    const std::uint32_t rank = cluster_ctarank();
-    if (b1)
-      tma_load_3d_multicast(stage.b + rank * kGemm1Columns * kBlockK, rank ? b1 : b0, full, kb * kBlockK, b_row, expert, 0b11);
-    else
-      tma_load_3d_multicast(stage.b + rank * (kBlockN / 2) * kBlockK, t.shared ? &p.maps.shared_down_half : &p.maps.down_half,
-                            full, kb * kBlockK, b_row + rank * (kBlockN / 2), expert, 0b11);
-#else
     if (b1) {
       tma_load_3d(stage.b, b0, full, kb * kBlockK, b_row, expert);
       tma_load_3d(stage.b + kGemm1Columns * kBlockK, b1, full, kb * kBlockK, b_row, expert);
     } else {
       tma_load_3d(stage.b, b0, full, kb * kBlockK, b_row, expert);
     }
-#endif
     pipe.producer_commit();
   }
 }

@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(PlanProblem p, Devic
     }
     if (range == groups - 1) {
       plan.expert_rows[e] = running;
-      padded[e] = (running + p.row_align - 1) / p.row_align * p.row_align;
+      padded[e] = (running + p.block_m - 1) / p.block_m * p.block_m;
     }
   }
   __syncthreads();

@@ -22,7 +22,6 @@ struct PlanProblem {
   std::int64_t tokens_times_k;
   std::int64_t rank;
   std::int32_t num_experts, num_local_experts, block_m;
-  std::int32_t row_align;  // each expert's rows are padded to a multiple of this (a multiple of block_m)
   std::int64_t capacity_rows;
   std::int64_t ring_minibatch_rows, ring_rows;  // RingFit (ring_rows 0: no check)
   int* zero_words;  // the caller's words reset_kernel also zeroes (zero_count of them)
