@@ -33,8 +33,10 @@ struct Fp8TaskScales {
 // then promoted in fp32. The two warpgroups' batches run together and complete together, so
 // the tensor cores idle while both promote (a promotion-free timing build ran the forward
 // 14-16 % faster); issuing the batches in turn, or warpgroup 1's only after warpgroup 0's has
-// completed, measured 2 % and 6-9 % slower (bench/NOTES.md): one warpgroup's n128 MMAs alone do
-// not keep the FP8 tensor cores fed.
+// completed, measured 2 % and 6-9 % slower (bench/NOTES.md). bench/mma_rate.cu (2026-12-04): this
+// pattern caps the tensor cores at ~1400 TFLOP/s with two warpgroups (1.45x bf16's), one
+// warpgroup's n128 MMAs alone do keep them fed (~1740), and the promotion overlapped with the next
+// block's MMAs (two block accumulators) reaches ~1750 — the restructure this loop needs.
 template <int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                              int wg, int task, const Fp8TaskScales& sc) {

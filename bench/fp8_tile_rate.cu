@@ -1,0 +1,282 @@
+// The FP8 mainloop fed by TMA, two tile shapes (bench/NOTES.md, eleventh session): what the
+// kernels do now and the restructure bench/mma_rate.cu points to, on one dense E4M3 GEMM
+// C[M x N] = A[M x K] B[N x K]^T with the blockwise recipe's promotion every 128 of K, every SM,
+// one CTA each, persistent over the output tiles; nothing is stored (the accumulators go to a
+// sink no run reaches), so the time is the mainloops' and the feed's alone.
+//
+//   current     128 x 256 CTA tiles, two warpgroups of 64 x 256: the kernels' own mainloop_fp8
+//               (per K block and N half of 128: four m64n128k32 into a block accumulator,
+//               wait_group 0, promote), stages of A 16 KB + B 32 KB
+//   overlapped  128 x 128 CTA tiles, two warpgroups of 64 x 128 with two block accumulators:
+//               block kb's MMAs issued into one while block kb - 1's is promoted from the
+//               other; straight-line groups of eight K blocks ending in wait_group 0 (a loop
+//               back edge with MMAs in flight made ptxas serialize every wgmma, C7514);
+//               stages of A 16 KB + B 16 KB (a third more bytes a FLOP)
+//
+//   fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R]
+//
+// Prints TFLOP/s (2 M N K a run; median of the repeats, min-max). The scales are real loads
+// (A's per row and K block, B's exponents per block) of ones, so the promotions do the kernels' work.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "kernels/common/boxes.hpp"
+#include "kernels/common/persistent.cuh"
+#include "kernels/common/pipeline.cuh"
+#include "kernels/fp8/fp8_math.cuh"
+#include "kernels/fp8/mainloop_fp8.cuh"
+#include "mok/kernel_status.hpp"
+#include "mok/ptx/mbarrier.cuh"
+#include "mok/ptx/tma.cuh"
+#include "mok/ptx/wgmma.cuh"
+#include "tensor_map.hpp"
+
+namespace {
+
+using namespace mok;
+using namespace mok::kernels;
+
+constexpr int kStages = 4;
+
+struct Counters {
+  int* abort;
+};
+
+struct Params {
+  CUtensorMap a, b;               // E4M3 [M, K], [N, K]: boxes of 128 rows x 128 K
+  Counters counters;              // (the bounded waits' abort flag)
+  KernelStatus* status;
+  long long timeout_ns;
+  int tiles_m, tiles_n, k_blocks, m;
+  const float* a_scales;          // [K / 128, M]: ones
+  const std::int32_t* b_exponents;  // [K / 128]: zeros
+  float* sink;
+};
+
+struct alignas(1024) SharedStorage {
+  struct alignas(1024) Stage {
+    std::uint8_t a[128 * 128];
+    std::uint8_t b[256 * 128];
+  } stages[kStages];
+  PipelineBarriers<kStages> barriers;
+};
+
+template <int kTileN>
+__device__ void produce(const Params& p, SharedStorage& s) {
+  Pipeline<kStages> pipe;
+  const int tiles = p.tiles_m * p.tiles_n;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int m = tile % p.tiles_m, n = tile / p.tiles_m;
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, tile, 128 * 128 + kTileN * 128);
+      auto& st = s.stages[pipe.stage()];
+      ptx::tma_load_2d(st.a, &p.a, full, kb * 128, m * 128);
+      ptx::tma_load_2d(st.b, &p.b, full, kb * 128, n * kTileN);
+      if constexpr (kTileN == 256) ptx::tma_load_2d(st.b + 128 * 128, &p.b, full, kb * 128, n * kTileN + 128);
+      pipe.producer_commit();
+    }
+  }
+}
+
+// An ordering point for the compiler: the registers are read and rewritten here (no instruction).
+__device__ __forceinline__ void fence_operands(float (&r)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// acc += block * a_scale(row) * b_scale (this thread's rows r and r + 8 alternate in pairs).
+__device__ __forceinline__ void promote(float (&acc)[64], float (&block)[64], float a_lo, float a_hi, int e) {
+  fence_operands(block);
+  const float b_scale = exp2_int(e);
+  const float scale[2] = {a_lo * b_scale, a_hi * b_scale};
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[i]);
+  fence_operands(block);
+}
+
+// Four m64n128k32 of the stage into block (its first overwriting it).
+__device__ __forceinline__ void issue(const SharedStorage::Stage& st, int wg, float (&block)[64]) {
+  const std::uint32_t desc_a = ptx::wgmma_descriptor_sw128_lo(st.a + wg * 64 * 128);
+  const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(st.b);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
+  ptx::wgmma_commit_group();
+}
+
+// The overlapped mainloop of one 64 x 128 warpgroup tile over k_blocks (a multiple of 8).
+__device__ void mainloop_overlapped(const Params& p, SharedStorage& s, Pipeline<kStages>& pipe, float (&acc)[64],
+                                    int wg, int task, const float* a_rows) {
+  const int tid = threadIdx.x % 128;
+  float block0[64], block1[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f, block0[i] = 0.0f, block1[i] = 0.0f;
+  for (int g = 0; g < p.k_blocks; g += 8) {
+    int stage_of[2] = {0, 0};
+    float a_lo[2] = {0.0f, 0.0f}, a_hi[2] = {0.0f, 0.0f};
+    int e[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int kb = g + j, cur = j % 2;
+      stage_of[cur] = pipe.consumer_wait(p, s.barriers, task);
+      a_lo[cur] = __ldcg(a_rows + kb * p.m), a_hi[cur] = __ldcg(a_rows + kb * p.m + 8);
+      e[cur] = __ldg(p.b_exponents + kb);
+      issue(s.stages[stage_of[cur]], wg, cur == 0 ? block0 : block1);
+      pipe.consumer_advance();
+      if (j > 0) {  // block kb - 1's MMAs are done: promote it while block kb's run, free its stage
+        ptx::wgmma_wait_group<1>();
+        const int prev = 1 - cur;
+        promote(acc, prev == 0 ? block0 : block1, a_lo[prev], a_hi[prev], e[prev]);
+        if (tid == 0) pipe.consumer_release(s.barriers, stage_of[prev]);
+      }
+    }
+    ptx::wgmma_wait_group<0>();
+    promote(acc, block1, a_lo[1], a_hi[1], e[1]);
+    if (tid == 0) pipe.consumer_release(s.barriers, stage_of[1]);
+  }
+}
+
+template <int kTileN>
+__device__ void consume(const Params& p, SharedStorage& s, int wg) {
+  Pipeline<kStages> pipe;
+  const int tiles = p.tiles_m * p.tiles_n;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  float total = 0.0f;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int m = tile % p.tiles_m;
+    const float* a_rows = p.a_scales + m * 128 + wg * 64 + warp * 16 + lane / 4;
+    if constexpr (kTileN == 256) {
+      float acc[128];
+      const Fp8TaskScales sc{p.a_scales + m * 128 + wg * 64, p.m, {p.b_exponents, p.b_exponents}};
+      mainloop_fp8(p, s, pipe, acc, p.k_blocks, wg, tile, sc);
+#pragma unroll
+      for (int i = 0; i < 128; ++i) total += acc[i];
+    } else {
+      float acc[64];
+      mainloop_overlapped(p, s, pipe, acc, wg, tile, a_rows);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) total += acc[i];
+    }
+  }
+  if (total == 1234.5f) p.sink[blockIdx.x] = total;  // (keeps the work; never true here)
+}
+
+template <int kTileN>
+__global__ void __launch_bounds__(kThreads, 1) tile_kernel(const __grid_constant__ Params p) {
+  SharedStorage& s = shared_storage<SharedStorage>();
+  s.barriers.init(kConsumerWarpgroups);
+  __syncthreads();
+  split_roles<kProducerRegisters, kConsumerRegisters>([&] { produce<kTileN>(p, s); },
+                                                      [&](int wg) { consume<kTileN>(p, s, wg); });
+}
+
+template <int kTileN>
+void run(Params p, int M, int N, int K, int iters, int repeats, int sms) {
+  p.tiles_m = M / 128, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
+  const std::size_t smem = shared_storage_bytes<SharedStorage>();
+  cudaFuncSetAttribute(tile_kernel<kTileN>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  tile_kernel<kTileN><<<sms, kThreads, smem>>>(p);  // warm-up
+  std::vector<double> tflops;
+  for (int r = 0; r < repeats; ++r) {
+    cudaEventRecord(start);
+    for (int i = 0; i < iters; ++i) tile_kernel<kTileN><<<sms, kThreads, smem>>>(p);
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, start, stop);
+    tflops.push_back(2.0 * M * N * K * iters / (ms * 1e-3) / 1e12);
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    std::fprintf(stderr, "fp8_tile_rate: %s\n", cudaGetErrorString(err));
+    std::exit(1);
+  }
+  std::sort(tflops.begin(), tflops.end());
+  std::printf("%-11s %3d x %3d CTA tiles  %7.1f TFLOP/s  [%.1f, %.1f]\n", kTileN == 256 ? "current" : "overlapped", 128,
+              kTileN, tflops[tflops.size() / 2], tflops.front(), tflops.back());
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int M = 8192, N = 4096, K = 7168, iters = 10, repeats = 5;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--m")) M = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--n")) N = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--k")) K = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--iters")) iters = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--repeats")) repeats = std::atoi(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "usage: fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R]\n");
+      return 2;
+    }
+  }
+  if (M % 128 || N % 256 || K % 1024) {
+    std::fprintf(stderr, "fp8_tile_rate: M must be a multiple of 128, N of 256, K of 1024 (eight K blocks)\n");
+    return 2;
+  }
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, device);
+  std::printf("# %s, %d SMs, E4M3 GEMM M %d N %d K %d, %d launches a repeat, median of %d\n", prop.name, sms, M, N, K,
+              iters, repeats);
+  // Operands: pseudo-random E4M3 bytes (finite: exponent field below all-ones); scales of one.
+  std::vector<std::uint8_t> host(static_cast<std::size_t>(std::max(M, N)) * K);
+  for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<std::uint8_t>((i * 2654435761u >> 13) & 0x77);
+  std::uint8_t *a = nullptr, *b = nullptr;
+  float* a_scales = nullptr;
+  std::int32_t* b_exponents = nullptr;
+  int* abort = nullptr;
+  KernelStatus* status = nullptr;
+  float* sink = nullptr;
+  cudaMalloc(&a, static_cast<std::size_t>(M) * K);
+  cudaMalloc(&b, static_cast<std::size_t>(N) * K);
+  cudaMemcpy(a, host.data(), static_cast<std::size_t>(M) * K, cudaMemcpyHostToDevice);
+  cudaMemcpy(b, host.data(), static_cast<std::size_t>(N) * K, cudaMemcpyHostToDevice);
+  const std::vector<float> ones(static_cast<std::size_t>(K / 128) * M, 1.0f);
+  cudaMalloc(&a_scales, sizeof(float) * ones.size());
+  cudaMemcpy(a_scales, ones.data(), sizeof(float) * ones.size(), cudaMemcpyHostToDevice);
+  cudaMalloc(&b_exponents, sizeof(std::int32_t) * (K / 128));
+  cudaMemset(b_exponents, 0, sizeof(std::int32_t) * (K / 128));
+  cudaMalloc(&abort, sizeof(int));
+  cudaMemset(abort, 0, sizeof(int));
+  cudaMalloc(&status, sizeof(KernelStatus));
+  cudaMemset(status, 0, sizeof(KernelStatus));
+  cudaMalloc(&sink, sizeof(float) * sms);
+  using U = std::uint64_t;
+  Params p{};
+  p.a = detail::make_u8_tensor_map(a, {U(K), U(M)}, kBoxFp8, "a");
+  p.b = detail::make_u8_tensor_map(b, {U(K), U(N)}, kBoxFp8, "b");
+  p.counters.abort = abort;
+  p.status = status;
+  p.timeout_ns = 20'000'000'000LL;
+  p.m = M;
+  p.a_scales = a_scales;
+  p.b_exponents = b_exponents;
+  p.sink = sink;
+  run<256>(p, M, N, K, iters, repeats, sms);
+  run<128>(p, M, N, K, iters, repeats, sms);
+  run<256>(p, M, N, K, iters, repeats, sms);
+  run<128>(p, M, N, K, iters, repeats, sms);
+  KernelStatus seen{};
+  cudaMemcpy(&seen, status, sizeof seen, cudaMemcpyDeviceToHost);
+  if (seen.code != KernelStatus::ok) {
+    std::fprintf(stderr, "fp8_tile_rate: a wait timed out (CTA %d)\n", seen.block);
+    return 1;
+  }
+  return 0;
+}
