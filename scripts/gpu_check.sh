@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8bench|fp8diag|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N]
+#                                                   host|fp8|fp8bench|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME]
 #                                                   [--ncu-kernels forward,backward]
@@ -61,6 +61,8 @@
 # <date>-<commit>-phases-diag.txt. `fp8diag` (issue 19: what bounds the FP8 mainloop): three timing-only
 # mok_bench builds (MOK_DIAG_FP8_NO_PROMOTION, + _A_ONLY, + _NO_LOADS), ab_serve of the last two against the
 # first (--presets, default deepseek-v3,mixtral-8x7b; --repeats rounds) into <date>-<commit>-fp8diag*.
+# `rates` (what the tensor cores and the FP8 mainloop reach by themselves, bench/NOTES.md): builds and runs
+# bench/mma_rate and bench/fp8_tile_rate (--repeats repeats) into <date>-<commit>-rates.txt; nothing else runs.
 # `power` (build if missing): bench/clock_power.py — the SM clock, board power, throttle reasons and
 # J/TFLOP while each of --impl (default mok,torch-compiled) repeats each --pass, on --presets (default
 # mixtral-8x7b,deepseek-v3), --repeats windows each, into <date>-<commit>-power.json.
@@ -116,11 +118,11 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench, fp8diag, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
 case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
@@ -185,6 +187,22 @@ if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else run
       done
     done
   fi
+  tar czf "$OUT/logs.tgz" -C "$LOG" .
+  exit "$rc"
+fi
+
+if [ "$part" = rates ]; then  # two microbenchmarks of their own build: nothing else runs
+  { cmake -S . -B build-rates -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_PYTHON=OFF -DMOK_BUILD_TESTS=OFF \
+      -DMOK_BUILD_EXAMPLES=OFF && cmake --build build-rates --target mma_rate fp8_tile_rate -j"$(nproc)"; } \
+    > "$LOG/build_rates.log" 2>&1 || { tail -30 "$LOG/build_rates.log"; exit 1; }
+  rates="$OUT/${date:0:10}-$commit-rates.txt"
+  echo "# $gpu, commit $commit, $date" > "$rates"
+  rc=0
+  for bench in mma_rate fp8_tile_rate; do
+    timeout 240 build-rates/bench/$bench --repeats "$repeats" >> "$rates" 2>&1 || { echo "$bench failed" >> "$rates"; rc=1; }
+  done
+  nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit --format=csv >> "$rates"
+  cat "$rates"
   tar czf "$OUT/logs.tgz" -C "$LOG" .
   exit "$rc"
 fi
