@@ -15,7 +15,7 @@
 //
 //   fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R]
 //
-// Prints TFLOP/s (2 M N K a run; median of the repeats, min-max). The scales are real loads
+// Prints TFLOP/s (2 M N K a launch; median of the repeats, min-max; an L2 flush before each repeat). The scales are real loads
 // (A's per row and K block, B's exponents per block) of ones, so the promotions do the kernels' work.
 #include <cuda_runtime.h>
 
@@ -35,6 +35,7 @@
 #include "mok/ptx/mbarrier.cuh"
 #include "mok/ptx/tma.cuh"
 #include "mok/ptx/wgmma.cuh"
+#include "mok_bench/support.cuh"  // (time_iterations)
 #include "tensor_map.hpp"
 
 namespace {
@@ -84,20 +85,14 @@ __device__ void produce(const Params& p, SharedStorage& s) {
   }
 }
 
-// An ordering point for the compiler: the registers are read and rewritten here (no instruction).
-__device__ __forceinline__ void fence_operands(float (&r)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
 // acc += block * a_scale(row) * b_scale (this thread's rows r and r + 8 alternate in pairs).
 __device__ __forceinline__ void promote(float (&acc)[64], float (&block)[64], float a_lo, float a_hi, int e) {
-  fence_operands(block);
+  ptx::wgmma_fence_operands(block);
   const float b_scale = exp2_int(e);
   const float scale[2] = {a_lo * b_scale, a_hi * b_scale};
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[i]);
-  fence_operands(block);
+  ptx::wgmma_fence_operands(block);
 }
 
 // Four m64n128k32 of the stage into block (its first overwriting it).
@@ -182,30 +177,12 @@ void run(Params p, int M, int N, int K, int iters, int repeats, int sms) {
   p.tiles_m = M / 128, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
   const std::size_t smem = shared_storage_bytes<SharedStorage>();
   cudaFuncSetAttribute(tile_kernel<kTileN>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  tile_kernel<kTileN><<<sms, kThreads, smem>>>(p);  // warm-up
-  std::vector<double> tflops;
-  for (int r = 0; r < repeats; ++r) {
-    cudaEventRecord(start);
+  const std::vector<float> ms = mok_bench::time_iterations(1, repeats, nullptr, [&] {
     for (int i = 0; i < iters; ++i) tile_kernel<kTileN><<<sms, kThreads, smem>>>(p);
-    cudaEventRecord(stop);
-    cudaEventSynchronize(stop);
-    float ms = 0.0f;
-    cudaEventElapsedTime(&ms, start, stop);
-    tflops.push_back(2.0 * M * N * K * iters / (ms * 1e-3) / 1e12);
-  }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    std::fprintf(stderr, "fp8_tile_rate: %s\n", cudaGetErrorString(err));
-    std::exit(1);
-  }
-  std::sort(tflops.begin(), tflops.end());
+  });
+  const double tflop = 2.0 * M * N * K * iters / 1e12;  // (ms: ascending)
   std::printf("%-11s %3d x %3d CTA tiles  %7.1f TFLOP/s  [%.1f, %.1f]\n", kTileN == 256 ? "current" : "overlapped", 128,
-              kTileN, tflops[tflops.size() / 2], tflops.front(), tflops.back());
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+              kTileN, tflop / (ms[ms.size() / 2] * 1e-3), tflop / (ms.back() * 1e-3), tflop / (ms.front() * 1e-3));
 }
 
 }  // namespace
@@ -268,10 +245,15 @@ int main(int argc, char** argv) {
   p.a_scales = a_scales;
   p.b_exponents = b_exponents;
   p.sink = sink;
-  run<256>(p, M, N, K, iters, repeats, sms);
-  run<128>(p, M, N, K, iters, repeats, sms);
-  run<256>(p, M, N, K, iters, repeats, sms);
-  run<128>(p, M, N, K, iters, repeats, sms);
+  try {  // (time_iterations throws mok::Error on a CUDA error)
+    for (int round = 0; round < 2; ++round) {
+      run<256>(p, M, N, K, iters, repeats, sms);
+      run<128>(p, M, N, K, iters, repeats, sms);
+    }
+  } catch (const mok::Error& e) {
+    std::fprintf(stderr, "fp8_tile_rate: %s\n", e.what());
+    return 1;
+  }
   KernelStatus seen{};
   cudaMemcpy(&seen, status, sizeof seen, cudaMemcpyDeviceToHost);
   if (seen.code != KernelStatus::ok) {

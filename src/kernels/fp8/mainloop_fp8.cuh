@@ -106,8 +106,7 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
         ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
       ptx::wgmma_commit_group();
       ptx::wgmma_wait_group<0>();
-#pragma unroll
-      for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(block[i])::"memory");  // no read of the block before the wait
+      ptx::wgmma_fence_operands(block);  // no read of the block before the wait
       if (half == 1) {
         if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
         pipe.consumer_advance();
