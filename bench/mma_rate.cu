@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "mok/ptx/common.cuh"
+#include "mok/ptx/fence.cuh"
 #include "mok/ptx/wgmma.cuh"
 #include "mok_bench/support.cuh"  // (time_iterations)
 
@@ -34,7 +35,7 @@ namespace {
 
 using namespace mok::ptx;
 
-enum class Kind : int { bf16_n256, bf16_n128, e4m3_n128, e4m3_n256, e4m3_n128_promoted, e4m3_n128_overlapped };
+enum class Kind : int { bf16_n256, bf16_n128, e4m3_n128, e4m3_n256, e4m3_n128_promoted, e4m3_n128_skewed, e4m3_n128_overlapped };
 
 const char* name(Kind k) {
   switch (k) {
@@ -43,6 +44,7 @@ const char* name(Kind k) {
     case Kind::e4m3_n128: return "e4m3 m64n128k32";
     case Kind::e4m3_n256: return "e4m3 m64n256k32";
     case Kind::e4m3_n128_promoted: return "e4m3 m64n128k32 promoted";
+    case Kind::e4m3_n128_skewed: return "e4m3 m64n128k32 skewed";
     default: return "e4m3 m64n128k32 overlapped";
   }
 }
@@ -72,7 +74,7 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) mma_kernel(int iters, fl
   const std::uint8_t* b = base + kMaxWarpgroups * kA;
   const std::uint64_t da = wgmma_descriptor_sw128(a), db = wgmma_descriptor_sw128(b);
   float out = 0.0f;
-  if constexpr (K != Kind::e4m3_n128_promoted && K != Kind::e4m3_n128_overlapped) {
+  if constexpr (K != Kind::e4m3_n128_promoted && K != Kind::e4m3_n128_skewed && K != Kind::e4m3_n128_overlapped) {
     constexpr int kAcc = K == Kind::bf16_n256 || K == Kind::e4m3_n256 ? 128 : 64;
     float acc[kAcc];
 #pragma unroll
@@ -133,11 +135,15 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) mma_kernel(int iters, fl
 #pragma unroll
     for (int i = 0; i < 64; ++i) out += acc[i];
   } else {  // promoted: per 128-K block and N half, four MMAs into block, then acc += block * scale
+    // (skewed: warpgroup 1 starts once warpgroup 0's first half is complete, so that, if the
+    // tensor cores take the two warpgroups' MMAs in issue order, each promotes while the
+    // other's MMAs run; nothing keeps them apart after that)
     float acc[128], block[64];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     const std::uint32_t la = static_cast<std::uint32_t>(da), lb = static_cast<std::uint32_t>(db);
     const float scale = 1.0f + 1e-7f * threadIdx.x;
+    if (K == Kind::e4m3_n128_skewed && wg == 1) mok::ptx::named_barrier_sync(1, 256);
     for (int it = 0; it < iters; it += 2) {  // (two halves: iters counts K steps of one N half's four MMAs)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -146,6 +152,7 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) mma_kernel(int iters, fl
         for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(block, la + 2 * kk, lb + half * 128 * 128 / 16 + 2 * kk, kk != 0);
         wgmma_commit_group();
         wgmma_wait_group<0>();
+        if (K == Kind::e4m3_n128_skewed && wg == 0 && it == 0 && half == 0) mok::ptx::named_barrier_arrive(1, 256);
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[64 * half + i] = fmaf(block[i], scale, acc[64 * half + i]);
       }
@@ -211,6 +218,7 @@ int main(int argc, char** argv) {
     run<Kind::e4m3_n256, 2>(iters, repeats, sms, sink);
     run<Kind::e4m3_n128_promoted, 1>(iters, repeats, sms, sink);
     run<Kind::e4m3_n128_promoted, 2>(iters, repeats, sms, sink);
+    run<Kind::e4m3_n128_skewed, 2>(iters, repeats, sms, sink);
     run<Kind::e4m3_n128_overlapped, 1>(iters, repeats, sms, sink);
     run<Kind::e4m3_n128_overlapped, 2>(iters, repeats, sms, sink);
   } catch (const mok::Error& e) {

@@ -10,6 +10,7 @@
 #include "kernels/common/persistent.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "kernels/fp8/fp8_math.cuh"
+#include "mok/ptx/fence.cuh"
 #include "mok/ptx/wgmma.cuh"
 
 namespace mok::kernels {
@@ -37,7 +38,15 @@ struct Fp8TaskScales {
 // pattern caps the tensor cores at ~1400 TFLOP/s with two warpgroups (1.45x bf16's), one
 // warpgroup's n128 MMAs alone do keep them fed (~1740), and the promotion overlapped with the next
 // block's MMAs (two block accumulators) reaches ~1750 — the restructure this loop needs.
-template <int kStages, typename P, typename S>
+//
+// kSkew (bench/fp8_tile_rate's `skewed`, MOK_DIAG_FP8_SKEW in the kernels; timing experiment): in
+// each task warpgroup 1 issues its first half only once warpgroup 0's first half is complete
+// (named barrier kSkewBarrier), so the warpgroups' batches start half a block apart.
+inline constexpr int kSkewBarrier = 4;  // (after NamedBarrier's ids)
+#ifndef MOK_DIAG_FP8_SKEW
+#define MOK_DIAG_FP8_SKEW 0
+#endif
+template <bool kSkew = false, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                              int wg, int task, const Fp8TaskScales& sc) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -97,6 +106,7 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
     }
     const auto& stage = s.stages[stage_index];
     const std::uint32_t desc_a = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.a) + wg * 64 * kFp8BlockK);
+    if ((kSkew || MOK_DIAG_FP8_SKEW) && kb == 0 && wg == 1) ptx::named_barrier_sync(kSkewBarrier, 256);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
@@ -107,6 +117,7 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
       ptx::wgmma_commit_group();
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(block);  // no read of the block before the wait
+      if ((kSkew || MOK_DIAG_FP8_SKEW) && kb == 0 && half == 0 && wg == 0) ptx::named_barrier_arrive(kSkewBarrier, 256);
       if (half == 1) {
         if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
         pipe.consumer_advance();
