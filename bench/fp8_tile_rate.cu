@@ -13,7 +13,9 @@
 //               back edge with MMAs in flight made ptxas serialize every wgmma, C7514);
 //               stages of A 16 KB + B 16 KB (a third more bytes a FLOP)
 //   skewed      current, with warpgroup 1's first half of each tile issued only after warpgroup
-//               0's has completed (mainloop_fp8<true>): the batches half a block apart
+//               0's has completed (mainloop_fp8<Fp8Order::skewed>): the batches half a block apart
+//   crossed     current, with warpgroup 1 issuing each half's MMAs in descending K: in step, but
+//               the two warpgroups read different slices of B at a time
 //
 //   fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R]
 //
@@ -140,7 +142,7 @@ __device__ void mainloop_overlapped(const Params& p, SharedStorage& s, Pipeline<
   }
 }
 
-template <int kTileN, bool kSkew>
+template <int kTileN, Fp8Order kOrder>
 __device__ void consume(const Params& p, SharedStorage& s, int wg) {
   Pipeline<kStages> pipe;
   const int tiles = p.tiles_m * p.tiles_n;
@@ -152,7 +154,7 @@ __device__ void consume(const Params& p, SharedStorage& s, int wg) {
     if constexpr (kTileN == 256) {
       float acc[128];
       const Fp8TaskScales sc{p.a_scales + m * 128 + wg * 64, p.m, {p.b_exponents, p.b_exponents}};
-      mainloop_fp8<kSkew>(p, s, pipe, acc, p.k_blocks, wg, tile, sc);
+      mainloop_fp8<kOrder>(p, s, pipe, acc, p.k_blocks, wg, tile, sc);
 #pragma unroll
       for (int i = 0; i < 128; ++i) total += acc[i];
     } else {
@@ -165,26 +167,26 @@ __device__ void consume(const Params& p, SharedStorage& s, int wg) {
   if (total == 1234.5f) p.sink[blockIdx.x] = total;  // (keeps the work; never true here)
 }
 
-template <int kTileN, bool kSkew>
+template <int kTileN, Fp8Order kOrder>
 __global__ void __launch_bounds__(kThreads, 1) tile_kernel(const __grid_constant__ Params p) {
   SharedStorage& s = shared_storage<SharedStorage>();
   s.barriers.init(kConsumerWarpgroups);
   __syncthreads();
   split_roles<kProducerRegisters, kConsumerRegisters>([&] { produce<kTileN>(p, s); },
-                                                      [&](int wg) { consume<kTileN, kSkew>(p, s, wg); });
+                                                      [&](int wg) { consume<kTileN, kOrder>(p, s, wg); });
 }
 
-template <int kTileN, bool kSkew = false>
+template <int kTileN, Fp8Order kOrder = Fp8Order::plain>
 void run(Params p, int M, int N, int K, int iters, int repeats, int sms) {
   p.tiles_m = M / 128, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
   const std::size_t smem = shared_storage_bytes<SharedStorage>();
-  auto kernel = tile_kernel<kTileN, kSkew>;
+  auto kernel = tile_kernel<kTileN, kOrder>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   const std::vector<float> ms = mok_bench::time_iterations(1, repeats, nullptr, [&] {
     for (int i = 0; i < iters; ++i) kernel<<<sms, kThreads, smem>>>(p);
   });
   const double tflop = 2.0 * M * N * K * iters / 1e12;  // (ms: ascending)
-  std::printf("%-11s %3d x %3d CTA tiles  %7.1f TFLOP/s  [%.1f, %.1f]\n", kTileN == 256 ? (kSkew ? "skewed" : "current") : "overlapped", 128,
+  std::printf("%-11s %3d x %3d CTA tiles  %7.1f TFLOP/s  [%.1f, %.1f]\n", kTileN == 128 ? "overlapped" : kOrder == Fp8Order::skewed ? "skewed" : kOrder == Fp8Order::crossed ? "crossed" : "current", 128,
               kTileN, tflop / (ms[ms.size() / 2] * 1e-3), tflop / (ms.back() * 1e-3), tflop / (ms.front() * 1e-3));
 }
 
@@ -251,7 +253,8 @@ int main(int argc, char** argv) {
   try {  // (time_iterations throws mok::Error on a CUDA error)
     for (int round = 0; round < 2; ++round) {
       run<256>(p, M, N, K, iters, repeats, sms);
-      run<256, true>(p, M, N, K, iters, repeats, sms);
+      run<256, Fp8Order::skewed>(p, M, N, K, iters, repeats, sms);
+      run<256, Fp8Order::crossed>(p, M, N, K, iters, repeats, sms);
       run<128>(p, M, N, K, iters, repeats, sms);
     }
   } catch (const mok::Error& e) {

@@ -16,3 +16,10 @@
 #ifndef MOK_DIAG_FWD_FEED
 #define MOK_DIAG_FWD_FEED 0
 #endif
+
+// The BF16 mainloop's warpgroup 1 issues each stage's four MMAs in descending K (1): the two
+// warpgroups in step but reading different 16-K slices of B at a time — timing only (the sum's
+// order changes the bits): do warpgroups in step share B's shared-memory reads?
+#ifndef MOK_DIAG_WG1_K_REVERSED
+#define MOK_DIAG_WG1_K_REVERSED 0
+#endif

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/diag.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "mok/kernel_status.hpp"
 #include "mok/ptx/fence.cuh"
@@ -215,9 +216,11 @@ __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pi
     const std::uint64_t desc_b = LayoutB::descriptor(stage.b);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockK / 16; ++kk)
-      ptx::wgmma_m64n256k16_bf16<LayoutA::kMn, LayoutB::kMn>(acc, desc_a + LayoutA::kDescStep * kk,
-                                                             desc_b + LayoutB::kDescStep * kk, (kb | kk) != 0);
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      const int k = MOK_DIAG_WG1_K_REVERSED && wg == 1 ? kBlockK / 16 - 1 - kk : kk;
+      ptx::wgmma_m64n256k16_bf16<LayoutA::kMn, LayoutB::kMn>(acc, desc_a + LayoutA::kDescStep * k,
+                                                             desc_b + LayoutB::kDescStep * k, (kb | kk) != 0);
+    }
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // the previous stage's MMAs are done: hand it back
     if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);

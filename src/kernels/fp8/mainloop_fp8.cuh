@@ -39,14 +39,14 @@ struct Fp8TaskScales {
 // warpgroup's n128 MMAs alone do keep them fed (~1740), and the promotion overlapped with the next
 // block's MMAs (two block accumulators) reaches ~1750 — the restructure this loop needs.
 //
-// kSkew (bench/fp8_tile_rate's `skewed`, MOK_DIAG_FP8_SKEW in the kernels; timing experiment): in
-// each task warpgroup 1 issues its first half only once warpgroup 0's first half is complete
-// (named barrier kSkewBarrier), so the warpgroups' batches start half a block apart.
+// kOrder, for bench/fp8_tile_rate (timing experiments; the kernels take the default): kSkewed —
+// in each task warpgroup 1 issues its first half only once warpgroup 0's first half is complete
+// (named barrier kSkewBarrier), so the warpgroups' batches run half a block apart; kCrossed —
+// warpgroup 1 issues each half's four MMAs in descending K (the two warpgroups in step, reading
+// different 32-K slices of B at a time).
+enum class Fp8Order : int { plain, skewed, crossed };
 inline constexpr int kSkewBarrier = 4;  // (after NamedBarrier's ids)
-#ifndef MOK_DIAG_FP8_SKEW
-#define MOK_DIAG_FP8_SKEW 0
-#endif
-template <bool kSkew = false, int kStages, typename P, typename S>
+template <Fp8Order kOrder = Fp8Order::plain, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                              int wg, int task, const Fp8TaskScales& sc) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -106,18 +106,20 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
     }
     const auto& stage = s.stages[stage_index];
     const std::uint32_t desc_a = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.a) + wg * 64 * kFp8BlockK);
-    if ((kSkew || MOK_DIAG_FP8_SKEW) && kb == 0 && wg == 1) ptx::named_barrier_sync(kSkewBarrier, 256);
+    if (kOrder == Fp8Order::skewed && kb == 0 && wg == 1) ptx::named_barrier_sync(kSkewBarrier, 256);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
       ptx::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
-        ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
+      for (int kk = 0; kk < kFp8BlockK / 32; ++kk) {
+        const int k = kOrder == Fp8Order::crossed && wg == 1 ? kFp8BlockK / 32 - 1 - kk : kk;
+        ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * k, desc_b + KMajor::kDescStep * k, kk != 0);
+      }
       ptx::wgmma_commit_group();
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(block);  // no read of the block before the wait
-      if ((kSkew || MOK_DIAG_FP8_SKEW) && kb == 0 && half == 0 && wg == 0) ptx::named_barrier_arrive(kSkewBarrier, 256);
+      if (kOrder == Fp8Order::skewed && kb == 0 && half == 0 && wg == 0) ptx::named_barrier_arrive(kSkewBarrier, 256);
       if (half == 1) {
         if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
         pipe.consumer_advance();
