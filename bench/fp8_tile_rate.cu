@@ -47,7 +47,6 @@ namespace {
 using namespace mok;
 using namespace mok::kernels;
 
-constexpr int kStages = 4;
 
 struct Counters {
   int* abort;
@@ -64,17 +63,22 @@ struct Params {
   float* sink;
 };
 
-struct alignas(1024) SharedStorage {
+// A stage: A 128 rows x 128 K, B kTileN rows x 128 K (E4M3).
+template <int kTileN, int kStageCount>
+struct alignas(1024) Storage {
+  static constexpr int kStages = kStageCount;
+  static constexpr int kN = kTileN;
   struct alignas(1024) Stage {
     std::uint8_t a[128 * 128];
-    std::uint8_t b[256 * 128];
+    std::uint8_t b[kTileN * 128];
   } stages[kStages];
   PipelineBarriers<kStages> barriers;
 };
 
-template <int kTileN>
-__device__ void produce(const Params& p, SharedStorage& s) {
-  Pipeline<kStages> pipe;
+template <typename St>
+__device__ void produce(const Params& p, St& s) {
+  constexpr int kTileN = St::kN;
+  Pipeline<St::kStages> pipe;
   const int tiles = p.tiles_m * p.tiles_n;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int m = tile % p.tiles_m, n = tile / p.tiles_m;
@@ -100,7 +104,8 @@ __device__ __forceinline__ void promote(float (&acc)[64], float (&block)[64], fl
 }
 
 // Four m64n128k32 of the stage into block (its first overwriting it).
-__device__ __forceinline__ void issue(const SharedStorage::Stage& st, int wg, float (&block)[64]) {
+template <typename Stage>
+__device__ __forceinline__ void issue(const Stage& st, int wg, float (&block)[64]) {
   const std::uint32_t desc_a = ptx::wgmma_descriptor_sw128_lo(st.a + wg * 64 * 128);
   const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(st.b);
   ptx::wgmma_fence();
@@ -111,7 +116,8 @@ __device__ __forceinline__ void issue(const SharedStorage::Stage& st, int wg, fl
 }
 
 // The overlapped mainloop of one 64 x 128 warpgroup tile over k_blocks (a multiple of 8).
-__device__ void mainloop_overlapped(const Params& p, SharedStorage& s, Pipeline<kStages>& pipe, float (&acc)[64],
+template <typename St>
+__device__ void mainloop_overlapped(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[64],
                                     int wg, int task, const float* a_rows) {
   const int tid = threadIdx.x % 128;
   float block0[64], block1[64];
@@ -142,9 +148,10 @@ __device__ void mainloop_overlapped(const Params& p, SharedStorage& s, Pipeline<
   }
 }
 
-template <int kTileN, Fp8Order kOrder>
-__device__ void consume(const Params& p, SharedStorage& s, int wg) {
-  Pipeline<kStages> pipe;
+template <typename St, Fp8Order kOrder>
+__device__ void consume(const Params& p, St& s, int wg) {
+  constexpr int kTileN = St::kN;
+  Pipeline<St::kStages> pipe;
   const int tiles = p.tiles_m * p.tiles_n;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   float total = 0.0f;
@@ -167,27 +174,30 @@ __device__ void consume(const Params& p, SharedStorage& s, int wg) {
   if (total == 1234.5f) p.sink[blockIdx.x] = total;  // (keeps the work; never true here)
 }
 
-template <int kTileN, Fp8Order kOrder>
+template <typename St, Fp8Order kOrder>
 __global__ void __launch_bounds__(kThreads, 1) tile_kernel(const __grid_constant__ Params p) {
-  SharedStorage& s = shared_storage<SharedStorage>();
+  St& s = shared_storage<St>();
   s.barriers.init(kConsumerWarpgroups);
   __syncthreads();
-  split_roles<kProducerRegisters, kConsumerRegisters>([&] { produce<kTileN>(p, s); },
-                                                      [&](int wg) { consume<kTileN, kOrder>(p, s, wg); });
+  split_roles<kProducerRegisters, kConsumerRegisters>([&] { produce<St>(p, s); },
+                                                      [&](int wg) { consume<St, kOrder>(p, s, wg); });
 }
 
-template <int kTileN, Fp8Order kOrder = Fp8Order::plain>
+template <int kTileN, int kStages, Fp8Order kOrder = Fp8Order::plain>
 void run(Params p, int M, int N, int K, int iters, int repeats, int sms) {
+  using St = Storage<kTileN, kStages>;
   p.tiles_m = M / 128, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
-  const std::size_t smem = shared_storage_bytes<SharedStorage>();
-  auto kernel = tile_kernel<kTileN, kOrder>;
+  const std::size_t smem = shared_storage_bytes<St>();
+  static_assert(shared_storage_bytes<St>() <= kMaxSharedMemoryBytes);
+  auto kernel = tile_kernel<St, kOrder>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   const std::vector<float> ms = mok_bench::time_iterations(1, repeats, nullptr, [&] {
     for (int i = 0; i < iters; ++i) kernel<<<sms, kThreads, smem>>>(p);
   });
   const double tflop = 2.0 * M * N * K * iters / 1e12;  // (ms: ascending)
-  std::printf("%-11s %3d x %3d CTA tiles  %7.1f TFLOP/s  [%.1f, %.1f]\n", kTileN == 128 ? "overlapped" : kOrder == Fp8Order::skewed ? "skewed" : kOrder == Fp8Order::crossed ? "crossed" : "current", 128,
-              kTileN, tflop / (ms[ms.size() / 2] * 1e-3), tflop / (ms.back() * 1e-3), tflop / (ms.front() * 1e-3));
+  std::printf("%-11s %3d x %3d CTA tiles, %d stages of %2d KB  %7.1f TFLOP/s  [%.1f, %.1f]\n",
+              kTileN == 128 ? "overlapped" : kOrder == Fp8Order::skewed ? "skewed" : kOrder == Fp8Order::crossed ? "crossed" : "current", 128,
+              kTileN, kStages, static_cast<int>(sizeof(typename St::Stage) / 1024), tflop / (ms[ms.size() / 2] * 1e-3), tflop / (ms.back() * 1e-3), tflop / (ms.front() * 1e-3));
 }
 
 }  // namespace
@@ -252,10 +262,12 @@ int main(int argc, char** argv) {
   p.sink = sink;
   try {  // (time_iterations throws mok::Error on a CUDA error)
     for (int round = 0; round < 2; ++round) {
-      run<256>(p, M, N, K, iters, repeats, sms);
-      run<256, Fp8Order::skewed>(p, M, N, K, iters, repeats, sms);
-      run<256, Fp8Order::crossed>(p, M, N, K, iters, repeats, sms);
-      run<128>(p, M, N, K, iters, repeats, sms);
+      run<256, 4>(p, M, N, K, iters, repeats, sms);
+      run<256, 4, Fp8Order::skewed>(p, M, N, K, iters, repeats, sms);
+      run<256, 4, Fp8Order::crossed>(p, M, N, K, iters, repeats, sms);
+      run<128, 4>(p, M, N, K, iters, repeats, sms);
+      run<128, 6>(p, M, N, K, iters, repeats, sms);
+      run<128, 7>(p, M, N, K, iters, repeats, sms);
     }
   } catch (const mok::Error& e) {
     std::fprintf(stderr, "fp8_tile_rate: %s\n", e.what());
