@@ -16,6 +16,8 @@
 //               0's has completed (mainloop_fp8<Fp8Order::skewed>): the batches half a block apart
 //   crossed     current, with warpgroup 1 issuing each half's MMAs in descending K: in step, but
 //               the two warpgroups read different slices of B at a time
+//   A in regs   current, with each warpgroup's A of a stage loaded once (ldmatrix) and both halves'
+//               MMAs taking it from registers (RS form): A's shared-memory reads halved
 //
 //   fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R]
 //
@@ -115,6 +117,84 @@ __device__ __forceinline__ void issue(const Stage& st, int wg, float (&block)[64
   ptx::wgmma_commit_group();
 }
 
+// D[64 x 128] (+)= A[64 x 32] (this thread's fragment: 4 registers of 4 E4M3) * B[128 x 32]^T
+// (K-major sw128 descriptor, low word): the RS form, A from registers.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const std::uint32_t (&a)[4], std::uint32_t desc_b_lo,
+                                                         int scale_d) {
+  asm volatile(
+      "{\n .reg .pred p;\n .reg .b64 db;\n setp.ne.b32 p, %68, 0;\n"
+      " cvt.u64.u32 db, %69;\n or.b64 db, db, %70;\n"
+      " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, db, p, 1, 1;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "r"(desc_b_lo),
+        "n"(std::uint64_t{ptx::kSw128DescriptorHigh} << 32));
+}
+
+// This thread's A fragments of a 64-row x 128-K E4M3 warpgroup tile (K-major, 128-byte rows,
+// the 128-byte swizzle: chunk c of row r at chunk c ^ (r % 8)), one ldmatrix.x4 a 32-K slice:
+// matrices (rows 0-7 | 8-15) x (K bytes 0-15 | 16-31) of the warp's 16 rows.
+__device__ __forceinline__ void load_a_fragments(const std::uint8_t* tile, std::uint32_t (&a)[4][4]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32;
+  const int row = warp * 16 + lane % 8 + 8 * (lane / 8 % 2);
+  const std::uint32_t base = ptx::smem_address(tile) + row * 128;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const int chunk = (2 * kk + lane / 16) ^ (row % 8);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a[kk][0]), "=r"(a[kk][1]), "=r"(a[kk][2]), "=r"(a[kk][3])
+                 : "r"(base + chunk * 16)
+                 : "memory");
+  }
+}
+
+// mainloop_fp8's pattern (halves of 128 columns, four MMAs into block, wait, promote) with this
+// warpgroup's A of a stage loaded once into registers and read by both halves' MMAs (RS form):
+// A's shared-memory reads halved. Timing only (the fragment layout is not checked here).
+template <typename St>
+__device__ void mainloop_rs(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[128], int wg, int task,
+                            const float* a_rows) {
+  const int tid = threadIdx.x % 128;
+  float block[64];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) block[i] = 0.0f;
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    const int stage_index = pipe.consumer_wait(p, s.barriers, task);
+    const float a_lo = __ldcg(a_rows + kb * p.m), a_hi = __ldcg(a_rows + kb * p.m + 8);
+    const int e = __ldg(p.b_exponents + kb);
+    const auto& st = s.stages[stage_index];
+    std::uint32_t a[4][4];
+    load_a_fragments(st.a + wg * 64 * 128, a);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(st.b + half * 128 * 128);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3_rs(block, a[kk], desc_b + KMajor::kDescStep * kk, kk != 0);
+      ptx::wgmma_commit_group();
+      ptx::wgmma_wait_group<0>();
+      ptx::wgmma_fence_operands(block);
+      if (half == 1) {
+        if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
+        pipe.consumer_advance();
+      }
+      const float b_scale = exp2_int(e);
+      const float scale[2] = {a_lo * b_scale, a_hi * b_scale};
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
+    }
+  }
+}
+
 // The overlapped mainloop of one 64 x 128 warpgroup tile over k_blocks (a multiple of 8).
 template <typename St>
 __device__ void mainloop_overlapped(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[64],
@@ -148,7 +228,7 @@ __device__ void mainloop_overlapped(const Params& p, St& s, Pipeline<St::kStages
   }
 }
 
-template <typename St, Fp8Order kOrder>
+template <typename St, Fp8Order kOrder, bool kRs>
 __device__ void consume(const Params& p, St& s, int wg) {
   constexpr int kTileN = St::kN;
   Pipeline<St::kStages> pipe;
@@ -161,7 +241,8 @@ __device__ void consume(const Params& p, St& s, int wg) {
     if constexpr (kTileN == 256) {
       float acc[128];
       const Fp8TaskScales sc{p.a_scales + m * 128 + wg * 64, p.m, {p.b_exponents, p.b_exponents}};
-      mainloop_fp8<kOrder>(p, s, pipe, acc, p.k_blocks, wg, tile, sc);
+      if constexpr (kRs) mainloop_rs(p, s, pipe, acc, wg, tile, a_rows);
+      else mainloop_fp8<kOrder>(p, s, pipe, acc, p.k_blocks, wg, tile, sc);
 #pragma unroll
       for (int i = 0; i < 128; ++i) total += acc[i];
     } else {
@@ -174,29 +255,29 @@ __device__ void consume(const Params& p, St& s, int wg) {
   if (total == 1234.5f) p.sink[blockIdx.x] = total;  // (keeps the work; never true here)
 }
 
-template <typename St, Fp8Order kOrder>
+template <typename St, Fp8Order kOrder, bool kRs>
 __global__ void __launch_bounds__(kThreads, 1) tile_kernel(const __grid_constant__ Params p) {
   St& s = shared_storage<St>();
   s.barriers.init(kConsumerWarpgroups);
   __syncthreads();
   split_roles<kProducerRegisters, kConsumerRegisters>([&] { produce<St>(p, s); },
-                                                      [&](int wg) { consume<St, kOrder>(p, s, wg); });
+                                                      [&](int wg) { consume<St, kOrder, kRs>(p, s, wg); });
 }
 
-template <int kTileN, int kStages, Fp8Order kOrder = Fp8Order::plain>
+template <int kTileN, int kStages, Fp8Order kOrder = Fp8Order::plain, bool kRs = false>
 void run(Params p, int M, int N, int K, int iters, int repeats, int sms) {
   using St = Storage<kTileN, kStages>;
   p.tiles_m = M / 128, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
   const std::size_t smem = shared_storage_bytes<St>();
   static_assert(shared_storage_bytes<St>() <= kMaxSharedMemoryBytes);
-  auto kernel = tile_kernel<St, kOrder>;
+  auto kernel = tile_kernel<St, kOrder, kRs>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   const std::vector<float> ms = mok_bench::time_iterations(1, repeats, nullptr, [&] {
     for (int i = 0; i < iters; ++i) kernel<<<sms, kThreads, smem>>>(p);
   });
   const double tflop = 2.0 * M * N * K * iters / 1e12;  // (ms: ascending)
   std::printf("%-11s %3d x %3d CTA tiles, %d stages of %2d KB  %7.1f TFLOP/s  [%.1f, %.1f]\n",
-              kTileN == 128 ? "overlapped" : kOrder == Fp8Order::skewed ? "skewed" : kOrder == Fp8Order::crossed ? "crossed" : "current", 128,
+              kTileN == 128 ? "overlapped" : kRs ? "A in regs" : kOrder == Fp8Order::skewed ? "skewed" : kOrder == Fp8Order::crossed ? "crossed" : "current", 128,
               kTileN, kStages, static_cast<int>(sizeof(typename St::Stage) / 1024), tflop / (ms[ms.size() / 2] * 1e-3), tflop / (ms.back() * 1e-3), tflop / (ms.front() * 1e-3));
 }
 
@@ -265,6 +346,7 @@ int main(int argc, char** argv) {
       run<256, 4>(p, M, N, K, iters, repeats, sms);
       run<256, 4, Fp8Order::skewed>(p, M, N, K, iters, repeats, sms);
       run<256, 4, Fp8Order::crossed>(p, M, N, K, iters, repeats, sms);
+      run<256, 4, Fp8Order::plain, true>(p, M, N, K, iters, repeats, sms);
       run<128, 4>(p, M, N, K, iters, repeats, sms);
       run<128, 6>(p, M, N, K, iters, repeats, sms);
       run<128, 7>(p, M, N, K, iters, repeats, sms);
