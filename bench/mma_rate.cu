@@ -35,7 +35,7 @@ namespace {
 
 using namespace mok::ptx;
 
-enum class Kind : int { bf16_n256, bf16_n128, e4m3_n128, e4m3_n256, e4m3_n128_promoted, e4m3_n128_skewed, e4m3_n128_overlapped };
+enum class Kind : int { bf16_n256, bf16_n256_skewed, bf16_n256_ordered, bf16_n128, e4m3_n128, e4m3_n256, e4m3_n128_promoted, e4m3_n128_skewed, e4m3_n128_overlapped };
 
 const char* name(Kind k) {
   switch (k) {
@@ -43,6 +43,8 @@ const char* name(Kind k) {
     case Kind::bf16_n128: return "bf16 m64n128k16";
     case Kind::e4m3_n128: return "e4m3 m64n128k32";
     case Kind::e4m3_n256: return "e4m3 m64n256k32";
+    case Kind::bf16_n256_skewed: return "bf16 m64n256k16 skewed";
+    case Kind::bf16_n256_ordered: return "bf16 m64n256k16 ordered";
     case Kind::e4m3_n128_promoted: return "e4m3 m64n128k32 promoted";
     case Kind::e4m3_n128_skewed: return "e4m3 m64n128k32 skewed";
     default: return "e4m3 m64n128k32 overlapped";
@@ -75,21 +77,29 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) mma_kernel(int iters, fl
   const std::uint64_t da = wgmma_descriptor_sw128(a), db = wgmma_descriptor_sw128(b);
   float out = 0.0f;
   if constexpr (K != Kind::e4m3_n128_promoted && K != Kind::e4m3_n128_skewed && K != Kind::e4m3_n128_overlapped) {
-    constexpr int kAcc = K == Kind::bf16_n256 || K == Kind::e4m3_n256 ? 128 : 64;
+    // (skewed: warpgroup 1 starts once warpgroup 0 has issued its first batch; ordered: every
+    // batch of warpgroup 1 waits until warpgroup 0 has issued its batch of that iteration — so the
+    // tensor cores take each warpgroup's four MMAs back to back, not the two interleaved)
+    constexpr bool kN256 = K == Kind::bf16_n256 || K == Kind::bf16_n256_skewed || K == Kind::bf16_n256_ordered;
+    constexpr int kAcc = kN256 || K == Kind::e4m3_n256 ? 128 : 64;
     float acc[kAcc];
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;  // (indexed: range-for loops here made ptxas serialize the n256 MMAs)
     const std::uint32_t la = static_cast<std::uint32_t>(da), lb = static_cast<std::uint32_t>(db);
+    if (K == Kind::bf16_n256_skewed && wg == 1) mok::ptx::named_barrier_sync(1, 256);
     for (int it = 0; it < iters; ++it) {
+      if (K == Kind::bf16_n256_ordered && wg == 1) mok::ptx::named_barrier_sync(1 + it % 2, 256);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        if constexpr (K == Kind::bf16_n256) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, 1);
+        if constexpr (kN256) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, 1);
         else if constexpr (K == Kind::e4m3_n256) wgmma_m64n256k32_e4m3(acc, da + 2 * kk, db + 2 * kk, 1);
         else if constexpr (K == Kind::bf16_n128) wgmma_m64n128k16_bf16(acc, da + 2 * kk, db + 2 * kk, 1);
         else wgmma_m64n128k32_e4m3(acc, la + 2 * kk, lb + 2 * kk, 1);
       }
       wgmma_commit_group();
+      if (K == Kind::bf16_n256_skewed && wg == 0 && it == 0) mok::ptx::named_barrier_arrive(1, 256);
+      if (K == Kind::bf16_n256_ordered && wg == 0) mok::ptx::named_barrier_arrive(1 + it % 2, 256);
       wgmma_wait_group<1>();
     }
     wgmma_wait_group<0>();
@@ -166,7 +176,9 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) mma_kernel(int iters, fl
 template <Kind K>
 double flops_per_iter() {
   switch (K) {
-    case Kind::bf16_n256: return 2.0 * 64 * 256 * 64;
+    case Kind::bf16_n256:
+    case Kind::bf16_n256_skewed:
+    case Kind::bf16_n256_ordered: return 2.0 * 64 * 256 * 64;
     case Kind::bf16_n128: return 2.0 * 64 * 128 * 64;
     case Kind::e4m3_n128: return 2.0 * 64 * 128 * 128;
     case Kind::e4m3_n256: return 2.0 * 64 * 256 * 128;
@@ -210,6 +222,8 @@ int main(int argc, char** argv) {
     run<Kind::bf16_n256, 1>(iters, repeats, sms, sink);
     run<Kind::bf16_n256, 2>(iters, repeats, sms, sink);
     run<Kind::bf16_n256, 3>(iters, repeats, sms, sink);
+    run<Kind::bf16_n256_skewed, 2>(iters, repeats, sms, sink);
+    run<Kind::bf16_n256_ordered, 2>(iters, repeats, sms, sink);
     run<Kind::bf16_n128, 1>(iters, repeats, sms, sink);
     run<Kind::bf16_n128, 2>(iters, repeats, sms, sink);
     run<Kind::e4m3_n128, 1>(iters, repeats, sms, sink);

@@ -23,3 +23,11 @@
 #ifndef MOK_DIAG_WG1_K_REVERSED
 #define MOK_DIAG_WG1_K_REVERSED 0
 #endif
+
+// The BF16 mainloop's warpgroup 1 issues each stage's MMAs only after warpgroup 0 has issued its
+// own (1): the tensor cores take each warpgroup's four MMAs back to back rather than the two
+// warpgroups' interleaved (bench/mma_rate: one warpgroup's n256 MMAs run ~8 % faster than two's).
+// Same bits.
+#ifndef MOK_DIAG_BF16_ORDERED
+#define MOK_DIAG_BF16_ORDERED 0
+#endif
