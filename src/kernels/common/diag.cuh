@@ -16,18 +16,3 @@
 #ifndef MOK_DIAG_FWD_FEED
 #define MOK_DIAG_FWD_FEED 0
 #endif
-
-// The BF16 mainloop's warpgroup 1 issues each stage's four MMAs in descending K (1): the two
-// warpgroups in step but reading different 16-K slices of B at a time — timing only (the sum's
-// order changes the bits): do warpgroups in step share B's shared-memory reads?
-#ifndef MOK_DIAG_WG1_K_REVERSED
-#define MOK_DIAG_WG1_K_REVERSED 0
-#endif
-
-// The BF16 mainloop's warpgroup 1 issues each stage's MMAs only after warpgroup 0 has issued its
-// own (1): the tensor cores take each warpgroup's four MMAs back to back rather than the two
-// warpgroups' interleaved (bench/mma_rate: one warpgroup's n256 MMAs run ~8 % faster than two's).
-// Same bits.
-#ifndef MOK_DIAG_BF16_ORDERED
-#define MOK_DIAG_BF16_ORDERED 0
-#endif

@@ -10,7 +10,6 @@
 
 #include <cstdint>
 
-#include "kernels/common/diag.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "mok/kernel_status.hpp"
 #include "mok/ptx/fence.cuh"
@@ -201,14 +200,10 @@ struct MnMajor {
 // its loads went one at a time, 2026-12-03); and in the FP8 dgrad kernel, entering as the FP8
 // mainloop left it (defined by ordinary instructions), ptxas serialized every wgmma of the
 // kernel (warning C7515). An empty sum (k_steps = 0) is zero.
-// (MOK_DIAG_BF16_ORDERED: warpgroup 1 issues a stage's MMAs only after warpgroup 0 has issued
-// its own, one named barrier a stage index: warpgroup 0 can be at most kStages - 1 stages ahead.)
-inline constexpr int kOrderedBarrier0 = 4;
 template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                          int wg, int task) {
   constexpr int kBlockK = 64;
-  static_assert(!MOK_DIAG_BF16_ORDERED || kOrderedBarrier0 + kStages <= 16);
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   const bool leader = threadIdx.x % 128 == 0;  // releases the warpgroup's stages
@@ -218,16 +213,12 @@ __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pi
     const auto& stage = s.stages[stage_index];
     const std::uint64_t desc_a = LayoutA::descriptor(stage.a + wg * 64 * kBlockK);
     const std::uint64_t desc_b = LayoutB::descriptor(stage.b);
-    if (MOK_DIAG_BF16_ORDERED && wg == 1) ptx::named_barrier_sync(kOrderedBarrier0 + stage_index, 256);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      const int k = MOK_DIAG_WG1_K_REVERSED && wg == 1 ? kBlockK / 16 - 1 - kk : kk;
-      ptx::wgmma_m64n256k16_bf16<LayoutA::kMn, LayoutB::kMn>(acc, desc_a + LayoutA::kDescStep * k,
-                                                             desc_b + LayoutB::kDescStep * k, (kb | kk) != 0);
-    }
+    for (int kk = 0; kk < kBlockK / 16; ++kk)
+      ptx::wgmma_m64n256k16_bf16<LayoutA::kMn, LayoutB::kMn>(acc, desc_a + LayoutA::kDescStep * kk,
+                                                             desc_b + LayoutB::kDescStep * kk, (kb | kk) != 0);
     ptx::wgmma_commit_group();
-    if (MOK_DIAG_BF16_ORDERED && wg == 0) ptx::named_barrier_arrive(kOrderedBarrier0 + stage_index, 256);
     ptx::wgmma_wait_group<1>();  // the previous stage's MMAs are done: hand it back
     if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
     previous = stage_index;

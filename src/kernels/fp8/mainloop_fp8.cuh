@@ -34,16 +34,19 @@ struct Fp8TaskScales {
 // then promoted in fp32. The two warpgroups' batches run together and complete together, so
 // the tensor cores idle while both promote (a promotion-free timing build ran the forward
 // 14-16 % faster); issuing the batches in turn, or warpgroup 1's only after warpgroup 0's has
-// completed, measured 2 % and 6-9 % slower (bench/NOTES.md). bench/mma_rate.cu (2026-12-04): this
-// pattern caps the tensor cores at ~1400 TFLOP/s with two warpgroups (1.45x bf16's), one
-// warpgroup's n128 MMAs alone do keep them fed (~1740), and the promotion overlapped with the next
-// block's MMAs (two block accumulators) reaches ~1750 — the restructure this loop needs.
+// completed, measured 2 % and 6-9 % slower (bench/NOTES.md). Without loads (bench/mma_rate.cu)
+// this pattern caps two warpgroups at ~1440 TFLOP/s, and both ways of hiding the promotion run
+// faster: two block accumulators (~1700) or the warpgroups half a block apart (~1870). Fed by TMA
+// (bench/fp8_tile_rate.cu, one dense GEMM, 2026-12-04) neither does: this loop ~1060-1210 TFLOP/s,
+// the half-block skew ~850-940, 128 x 128 tiles with two block accumulators ~960-1000 (6 or 7
+// stages no better), A from registers (RS form, A's shared-memory reads halved) ~930-950 — so
+// this loop stays, and the FP8 forward's mainloops run at about that dense rate in the layer.
 //
-// kOrder, for bench/fp8_tile_rate (timing experiments; the kernels take the default): kSkewed —
+// kOrder, for bench/fp8_tile_rate (timing experiments; the kernels take the default): skewed —
 // in each task warpgroup 1 issues its first half only once warpgroup 0's first half is complete
-// (named barrier kSkewBarrier), so the warpgroups' batches run half a block apart; kCrossed —
+// (named barrier kSkewBarrier), so the warpgroups' batches run half a block apart; crossed —
 // warpgroup 1 issues each half's four MMAs in descending K (the two warpgroups in step, reading
-// different 32-K slices of B at a time).
+// different 32-K slices of B at a time: ~0.95-1.05x this loop).
 enum class Fp8Order : int { plain, skewed, crossed };
 inline constexpr int kSkewBarrier = 4;  // (after NamedBarrier's ids)
 template <Fp8Order kOrder = Fp8Order::plain, int kStages, typename P, typename S>
