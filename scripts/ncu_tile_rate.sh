@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Hardware counters of bench/fp8_tile_rate's FP8 mainloop variants (Nsight Compute, clocks left
+# alone; one launch of each, after a warm-up launch): what each waits on, how busy the tensor pipe,
+# shared memory and L2 are. On a Hopper machine with ncu:
+#   OUT=<dir> scripts/ncu_tile_rate.sh [--build DIR]
+# builds fp8_tile_rate if DIR lacks it, and writes per variant $OUT/ncu-tile-<variant>.txt (the
+# details page), -raw.txt (every metric) and -stalls.txt (the warp-stall metrics), then prints a
+# summary per variant.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/ncu_out}"
+build=build-rates
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --build) build="$2"; shift ;;
+    *) echo "usage: ncu_tile_rate.sh [--build DIR]"; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$OUT"
+source scripts/setup.sh || exit 1
+set +e
+ncu_bin="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+[ -n "$ncu_bin" ] || { echo "ncu_tile_rate.sh: no ncu (Nsight Compute) found"; exit 1; }
+if [ ! -x "$build/bench/fp8_tile_rate" ]; then
+  { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_PYTHON=OFF -DMOK_BUILD_TESTS=OFF \
+      -DMOK_BUILD_EXAMPLES=OFF && cmake --build "$build" --target fp8_tile_rate -j"$(nproc)"; } > "$OUT/ncu-build.log" 2>&1 ||
+    { tail -30 "$OUT/ncu-build.log"; exit 1; }
+fi
+# The variants by their mangled kernel names (tile_kernel<Storage<N, stages>, Fp8Order, A in registers>).
+declare -A variants=(
+  [current]='regex:tile_kernel.*StorageILi256ELi4EEE.*Fp8OrderE0ELb0E'
+  [skewed]='regex:tile_kernel.*StorageILi256ELi4EEE.*Fp8OrderE1ELb0E'
+  [crossed]='regex:tile_kernel.*StorageILi256ELi4EEE.*Fp8OrderE2ELb0E'
+  [a_in_regs]='regex:tile_kernel.*StorageILi256ELi4EEE.*Fp8OrderE0ELb1E'
+  [overlapped]='regex:tile_kernel.*StorageILi128ELi4EEE'
+)
+rc=0
+for v in current skewed crossed a_in_regs overlapped; do
+  rep="$(mktemp -d)/ncu-tile-$v"
+  "$ncu_bin" --clock-control none --kernel-name-base mangled -k "${variants[$v]}" --launch-skip 1 --launch-count 1 \
+    --set full -f -o "$rep" "$build/bench/fp8_tile_rate" --iters 2 --repeats 1 \
+    > "$OUT/ncu-tile-$v.log" 2>&1 || { echo "ncu failed on $v:"; tail -20 "$OUT/ncu-tile-$v.log"; rc=1; continue; }
+  "$ncu_bin" --import "$rep.ncu-rep" --page details > "$OUT/ncu-tile-$v.txt" 2>&1
+  "$ncu_bin" --import "$rep.ncu-rep" --page raw > "$OUT/ncu-tile-$v-raw.txt" 2>&1
+  grep -E "issue_stalled.*per_warp_active|inst_executed " "$OUT/ncu-tile-$v-raw.txt" > "$OUT/ncu-tile-$v-stalls.txt"
+  echo "== $v"
+  grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" "$OUT/ncu-tile-$v.txt" | head -12
+  grep -E "pipe_tensor.*pct_of_peak_sustained_active |l1tex__data_pipe_lsu_wavefronts_mem_shared.sum |lts__t_sectors_srcunit_tex.sum |smsp__average_warps_issue_stalled_(long_scoreboard|barrier|wait|math_pipe_throttle|mio_throttle|short_scoreboard|membar|sleeping|dispatch_stall|no_instruction|lg_throttle|tex_throttle|selected|not_selected)_per_issue_active.ratio " \
+    "$OUT/ncu-tile-$v-raw.txt" | awk '{print "  " $1, $(NF-1), $NF}' | head -30
+done
+exit "$rc"
