@@ -2,18 +2,20 @@
 # Hardware counters of bench/fp8_tile_rate's FP8 mainloop variants (Nsight Compute, clocks left
 # alone; one launch of each, after a warm-up launch): what each waits on, how busy the tensor pipe,
 # shared memory and L2 are. On a Hopper machine with ncu:
-#   OUT=<dir> scripts/ncu_tile_rate.sh [--build DIR]
+#   OUT=<dir> scripts/ncu_tile_rate.sh [--build DIR] [--variants current,skewed,crossed,a_in_regs,overlapped]
 # builds fp8_tile_rate if DIR lacks it, and writes per variant $OUT/ncu-tile-<variant>.txt (the
 # details page), -raw.txt (every metric) and -stalls.txt (the warp-stall metrics), then prints a
-# summary per variant.
+# summary per variant; $OUT/ncu-tile.tgz holds the files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/ncu_out}"
 build=build-rates
+list=current,skewed,crossed,a_in_regs,overlapped
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build="$2"; shift ;;
-    *) echo "usage: ncu_tile_rate.sh [--build DIR]"; exit 2 ;;
+    --variants) list="$2"; shift ;;
+    *) echo "usage: ncu_tile_rate.sh [--build DIR] [--variants LIST]"; exit 2 ;;
   esac
   shift
 done
@@ -36,7 +38,7 @@ declare -A variants=(
   [overlapped]='regex:tile_kernel.*StorageILi128ELi4EEE'
 )
 rc=0
-for v in current skewed crossed a_in_regs overlapped; do
+for v in ${list//,/ }; do
   rep="$(mktemp -d)/ncu-tile-$v"
   "$ncu_bin" --clock-control none --kernel-name-base mangled -k "${variants[$v]}" --launch-skip 1 --launch-count 1 \
     --set full -f -o "$rep" "$build/bench/fp8_tile_rate" --iters 2 --repeats 1 \
@@ -46,7 +48,8 @@ for v in current skewed crossed a_in_regs overlapped; do
   grep -E "issue_stalled.*per_warp_active|inst_executed " "$OUT/ncu-tile-$v-raw.txt" > "$OUT/ncu-tile-$v-stalls.txt"
   echo "== $v"
   grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" "$OUT/ncu-tile-$v.txt" | head -12
-  grep -E "pipe_tensor.*pct_of_peak_sustained_active |l1tex__data_pipe_lsu_wavefronts_mem_shared.sum |lts__t_sectors_srcunit_tex.sum |smsp__average_warps_issue_stalled_(long_scoreboard|barrier|wait|math_pipe_throttle|mio_throttle|short_scoreboard|membar|sleeping|dispatch_stall|no_instruction|lg_throttle|tex_throttle|selected|not_selected)_per_issue_active.ratio " \
+  grep -E "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active |sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active |l1tex__data_pipe_lsu_wavefronts_mem_shared.sum |lts__t_sectors_srcunit_tex.sum |smsp__average_warps_issue_stalled_(long_scoreboard|barrier|wait|math_pipe_throttle|mio_throttle|short_scoreboard|membar|sleeping|dispatch_stall|no_instruction|lg_throttle|tex_throttle|selected|not_selected)_per_issue_active.ratio " \
     "$OUT/ncu-tile-$v-raw.txt" | awk '{print "  " $1, $(NF-1), $NF}' | head -30
 done
+tar czf "$OUT/ncu-tile.tgz" -C "$OUT" $(cd "$OUT" && ls ncu-tile-* 2>/dev/null) && (cd "$OUT" && rm -f ncu-tile-*)
 exit "$rc"
