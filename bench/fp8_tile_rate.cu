@@ -167,10 +167,17 @@ __device__ void mainloop_rs(const Params& p, St& s, Pipeline<St::kStages>& pipe,
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
 #pragma unroll
   for (int i = 0; i < 64; ++i) block[i] = 0.0f;
+  // (the scales loaded one block ahead, as mainloop_fp8 loads them)
+  float a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
+  int e = __ldg(p.b_exponents);
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    const float a_lo = __ldcg(a_rows + kb * p.m), a_hi = __ldcg(a_rows + kb * p.m + 8);
-    const int e = __ldg(p.b_exponents + kb);
+    float next_a_lo = 0.0f, next_a_hi = 0.0f;
+    int next_e = 0;
+    if (kb + 1 < p.k_blocks) {
+      next_a_lo = __ldcg(a_rows + (kb + 1) * p.m), next_a_hi = __ldcg(a_rows + (kb + 1) * p.m + 8);
+      next_e = __ldg(p.b_exponents + kb + 1);
+    }
     const auto& st = s.stages[stage_index];
     std::uint32_t a[4][4];
     load_a_fragments(st.a + wg * 64 * 128, a);
@@ -192,6 +199,7 @@ __device__ void mainloop_rs(const Params& p, St& s, Pipeline<St::kStages>& pipe,
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
     }
+    a_lo = next_a_lo, a_hi = next_a_hi, e = next_e;
   }
 }
 
