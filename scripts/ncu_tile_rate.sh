@@ -4,7 +4,8 @@
 # shared memory and L2 are. On a Hopper machine with ncu:
 #   OUT=<dir> scripts/ncu_tile_rate.sh [--build DIR] [--variants current,skewed,crossed,a_in_regs,overlapped]
 # builds fp8_tile_rate if DIR lacks it, and writes per variant $OUT/ncu-tile-<variant>.txt (the
-# details page), -raw.txt (every metric) and -stalls.txt (the warp-stall metrics), then prints a
+# details page), -raw.txt (every metric), -stalls.txt (the warp-stall metrics) and -sass.csv (the
+# source page: each SASS instruction's executions and stall samples), then prints a
 # summary per variant; $OUT/ncu-tile.tgz holds the files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +46,7 @@ for v in ${list//,/ }; do
     > "$OUT/ncu-tile-$v.log" 2>&1 || { echo "ncu failed on $v:"; tail -20 "$OUT/ncu-tile-$v.log"; rc=1; continue; }
   "$ncu_bin" --import "$rep.ncu-rep" --page details > "$OUT/ncu-tile-$v.txt" 2>&1
   "$ncu_bin" --import "$rep.ncu-rep" --page raw > "$OUT/ncu-tile-$v-raw.txt" 2>&1
+  "$ncu_bin" --import "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-tile-$v-sass.csv" 2>&1
   grep -E "issue_stalled.*per_warp_active|inst_executed " "$OUT/ncu-tile-$v-raw.txt" > "$OUT/ncu-tile-$v-stalls.txt"
   echo "== $v"
   grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" "$OUT/ncu-tile-$v.txt" | head -12
