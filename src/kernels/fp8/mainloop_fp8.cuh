@@ -49,6 +49,11 @@ struct Fp8TaskScales {
 // different 32-K slices of B at a time: ~0.95-1.05x this loop).
 enum class Fp8Order : int { plain, skewed, crossed };
 inline constexpr int kSkewBarrier = 4;  // (after NamedBarrier's ids)
+// The kernels' order: plain, or skewed in a MOK_DIAG_FP8_SKEW=1 build (timing experiment, the same bits).
+#ifndef MOK_DIAG_FP8_SKEW
+#define MOK_DIAG_FP8_SKEW 0
+#endif
+inline constexpr Fp8Order kKernelFp8Order = MOK_DIAG_FP8_SKEW ? Fp8Order::skewed : Fp8Order::plain;
 template <Fp8Order kOrder = Fp8Order::plain, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                              int wg, int task, const Fp8TaskScales& sc) {
@@ -128,7 +133,13 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
         pipe.consumer_advance();
       }
       const float b_scale = exp2_int(half == 0 ? e0 : e1);  // (ldexpf: ~13 more instructions a half)
-      const float scale[2] = {a_lo * b_scale, a_hi * b_scale};  // exact: powers of two
+      float scale[2] = {a_lo * b_scale, a_hi * b_scale};  // exact: powers of two
+      if constexpr (kOrder == Fp8Order::skewed) {
+        // (timing experiment: ptxas placed the scales' product between the half's MMAs, whose issue
+        // then waited on the scale loads; a dependence on the block's first value keeps it after
+        // the wait — exact for finite blocks, a NaN a row's scale for a non-finite one)
+        scale[0] = __fmaf_rn(block[0], 0.0f, a_lo) * b_scale, scale[1] = __fmaf_rn(block[0], 0.0f, a_hi) * b_scale;
+      }
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
     }
