@@ -18,6 +18,9 @@
 //               the two warpgroups read different slices of B at a time
 //   A in regs   current, with each warpgroup's A of a stage loaded once (ldmatrix) and both halves'
 //               MMAs taking it from registers (RS form): A's shared-memory reads halved
+//   overlap+mc  overlapped (6 stages) in 2-CTA clusters taking tiles (m, 2j) and (m, 2j + 1): each
+//               CTA loads one 64-row half of A multicast into both (A's L2 reads halved: the
+//               overlapped loop ran with L2 85 % busy, ncu)
 //
 //   fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R]
 //
@@ -38,6 +41,7 @@
 #include "kernels/fp8/fp8_math.cuh"
 #include "kernels/fp8/mainloop_fp8.cuh"
 #include "mok/kernel_status.hpp"
+#include "mok/ptx/cluster.cuh"
 #include "mok/ptx/mbarrier.cuh"
 #include "mok/ptx/tma.cuh"
 #include "mok/ptx/wgmma.cuh"
@@ -56,6 +60,7 @@ struct Counters {
 
 struct Params {
   CUtensorMap a, b;               // E4M3 [M, K], [N, K]: boxes of 128 rows x 128 K
+  CUtensorMap a_half;             // A again, boxes of 64 rows (a cluster's CTAs multicast a half each)
   Counters counters;              // (the bounded waits' abort flag)
   KernelStatus* status;
   long long timeout_ns;
@@ -65,11 +70,14 @@ struct Params {
   float* sink;
 };
 
-// A stage: A 128 rows x 128 K, B kTileN rows x 128 K (E4M3).
-template <int kTileN, int kStageCount>
+// A stage: A 128 rows x 128 K, B kTileN rows x 128 K (E4M3). kClusterSize 2: the CTAs of a
+// cluster take the tiles (m, 2j) and (m, 2j + 1) together, each loading one 64-row half of A
+// multicast into both CTAs' stages (A's L2 reads halved) and its own B.
+template <int kTileN, int kStageCount, int kClusterSize = 1>
 struct alignas(1024) Storage {
   static constexpr int kStages = kStageCount;
   static constexpr int kN = kTileN;
+  static constexpr int kCluster = kClusterSize;
   struct alignas(1024) Stage {
     std::uint8_t a[128 * 128];
     std::uint8_t b[kTileN * 128];
@@ -77,22 +85,52 @@ struct alignas(1024) Storage {
   PipelineBarriers<kStages> barriers;
 };
 
+// This CTA's rank in its cluster (0 without clusters).
+template <typename St>
+__device__ __forceinline__ int cluster_rank() {
+  if constexpr (St::kCluster == 2) return static_cast<int>(ptx::cluster_ctarank());
+  else return 0;
+}
+
+// Calls f(tile, m, n) for this CTA's tiles in order: CTA c takes tiles c, c + CTAs, ...; a
+// cluster q of two takes the pairs q, q + clusters, ... of tiles (m, 2j), (m, 2j + 1).
+template <typename St, typename F>
+__device__ __forceinline__ void for_each_tile(const Params& p, F&& f) {
+  const int rank = cluster_rank<St>();
+  const int units = St::kCluster == 1 ? p.tiles_m * p.tiles_n : p.tiles_m * (p.tiles_n / 2);
+  for (int u = blockIdx.x / St::kCluster; u < units; u += gridDim.x / St::kCluster) {
+    const int m = u % p.tiles_m, n = St::kCluster == 1 ? u / p.tiles_m : u / p.tiles_m * 2 + rank;
+    f(m + n * p.tiles_m, m, n);
+  }
+}
+
+// Stage `index` may be refilled: this CTA's producer, and with clusters the peer's, whose
+// multicast writes into this CTA's stages too, count the release.
+template <typename St>
+__device__ __forceinline__ void release(St& s, Pipeline<St::kStages>& pipe, int index) {
+  pipe.consumer_release(s.barriers, index);
+  if constexpr (St::kCluster == 2)
+    ptx::mbarrier_arrive_remote(ptx::cluster_address(&s.barriers.empty[index], ptx::cluster_ctarank() ^ 1u));
+}
+
 template <typename St>
 __device__ void produce(const Params& p, St& s) {
   constexpr int kTileN = St::kN;
   Pipeline<St::kStages> pipe;
-  const int tiles = p.tiles_m * p.tiles_n;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int m = tile % p.tiles_m, n = tile / p.tiles_m;
+  const int rank = cluster_rank<St>();
+  for_each_tile<St>(p, [&](int tile, int m, int n) {
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       std::uint64_t* full = pipe.producer_acquire(p, s.barriers, tile, 128 * 128 + kTileN * 128);
       auto& st = s.stages[pipe.stage()];
-      ptx::tma_load_2d(st.a, &p.a, full, kb * 128, m * 128);
+      if constexpr (St::kCluster == 2)  // (the peer's half lands here too, counted by this barrier)
+        ptx::tma_load_2d_multicast(st.a + rank * 64 * 128, &p.a_half, full, kb * 128, m * 128 + rank * 64, 0x3);
+      else
+        ptx::tma_load_2d(st.a, &p.a, full, kb * 128, m * 128);
       ptx::tma_load_2d(st.b, &p.b, full, kb * 128, n * kTileN);
       if constexpr (kTileN == 256) ptx::tma_load_2d(st.b + 128 * 128, &p.b, full, kb * 128, n * kTileN + 128);
       pipe.producer_commit();
     }
-  }
+  });
 }
 
 // acc += block * a_scale(row) * b_scale (this thread's rows r and r + 8 alternate in pairs).
@@ -227,12 +265,12 @@ __device__ void mainloop_overlapped(const Params& p, St& s, Pipeline<St::kStages
         ptx::wgmma_wait_group<1>();
         const int prev = 1 - cur;
         promote(acc, prev == 0 ? block0 : block1, a_lo[prev], a_hi[prev], e[prev]);
-        if (tid == 0) pipe.consumer_release(s.barriers, stage_of[prev]);
+        if (tid == 0) release(s, pipe, stage_of[prev]);
       }
     }
     ptx::wgmma_wait_group<0>();
     promote(acc, block1, a_lo[1], a_hi[1], e[1]);
-    if (tid == 0) pipe.consumer_release(s.barriers, stage_of[1]);
+    if (tid == 0) release(s, pipe, stage_of[1]);
   }
 }
 
@@ -240,11 +278,9 @@ template <typename St, Fp8Order kOrder, bool kRs>
 __device__ void consume(const Params& p, St& s, int wg) {
   constexpr int kTileN = St::kN;
   Pipeline<St::kStages> pipe;
-  const int tiles = p.tiles_m * p.tiles_n;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   float total = 0.0f;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int m = tile % p.tiles_m;
+  for_each_tile<St>(p, [&](int tile, int m, int) {
     const float* a_rows = p.a_scales + m * 128 + wg * 64 + warp * 16 + lane / 4;
     if constexpr (kTileN == 256) {
       float acc[128];
@@ -259,33 +295,45 @@ __device__ void consume(const Params& p, St& s, int wg) {
 #pragma unroll
       for (int i = 0; i < 64; ++i) total += acc[i];
     }
-  }
+  });
   if (total == 1234.5f) p.sink[blockIdx.x] = total;  // (keeps the work; never true here)
 }
 
 template <typename St, Fp8Order kOrder, bool kRs>
 __global__ void __launch_bounds__(kThreads, 1) tile_kernel(const __grid_constant__ Params p) {
   St& s = shared_storage<St>();
-  s.barriers.init(kConsumerWarpgroups);
-  __syncthreads();
+  s.barriers.init(kConsumerWarpgroups * St::kCluster);  // (with clusters the peer's warpgroups release too)
+  if constexpr (St::kCluster == 2) {
+    if (threadIdx.x == 0) ptx::fence_mbarrier_init_cluster();
+    ptx::cluster_sync();  // (the peer's barriers are initialised before any multicast or remote arrival)
+  } else {
+    __syncthreads();
+  }
   split_roles<kProducerRegisters, kConsumerRegisters>([&] { produce<St>(p, s); },
                                                       [&](int wg) { consume<St, kOrder, kRs>(p, s, wg); });
+  if constexpr (St::kCluster == 2) ptx::cluster_sync();  // (no CTA leaves while its peer may still write into it)
 }
 
-template <int kTileN, int kStages, Fp8Order kOrder = Fp8Order::plain, bool kRs = false>
+template <int kTileN, int kStages, Fp8Order kOrder = Fp8Order::plain, bool kRs = false, int kCluster = 1>
 void run(Params p, int M, int N, int K, int iters, int repeats, int sms) {
-  using St = Storage<kTileN, kStages>;
+  using St = Storage<kTileN, kStages, kCluster>;
   p.tiles_m = M / 128, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
   const std::size_t smem = shared_storage_bytes<St>();
   static_assert(shared_storage_bytes<St>() <= kMaxSharedMemoryBytes);
   auto kernel = tile_kernel<St, kOrder, kRs>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCluster, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+  config.gridDim = dim3(sms / kCluster * kCluster), config.blockDim = dim3(kThreads), config.dynamicSmemBytes = smem;
+  config.attrs = &cluster, config.numAttrs = 1;
   const std::vector<float> ms = mok_bench::time_iterations(1, repeats, nullptr, [&] {
-    for (int i = 0; i < iters; ++i) kernel<<<sms, kThreads, smem>>>(p);
+    for (int i = 0; i < iters; ++i) cudaLaunchKernelEx(&config, kernel, p);
   });
   const double tflop = 2.0 * M * N * K * iters / 1e12;  // (ms: ascending)
   std::printf("%-11s %3d x %3d CTA tiles, %d stages of %2d KB  %7.1f TFLOP/s  [%.1f, %.1f]\n",
-              kTileN == 128 ? "overlapped" : kRs ? "A in regs" : kOrder == Fp8Order::skewed ? "skewed" : kOrder == Fp8Order::crossed ? "crossed" : "current", 128,
+              kTileN == 128 ? (kCluster == 2 ? "overlap+mc" : "overlapped") : kRs ? "A in regs" : kOrder == Fp8Order::skewed ? "skewed" : kOrder == Fp8Order::crossed ? "crossed" : "current", 128,
               kTileN, kStages, static_cast<int>(sizeof(typename St::Stage) / 1024), tflop / (ms[ms.size() / 2] * 1e-3), tflop / (ms.back() * 1e-3), tflop / (ms.front() * 1e-3));
 }
 
@@ -342,6 +390,7 @@ int main(int argc, char** argv) {
   Params p{};
   p.a = detail::make_u8_tensor_map(a, {U(K), U(M)}, kBoxFp8, "a");
   p.b = detail::make_u8_tensor_map(b, {U(K), U(N)}, kBoxFp8, "b");
+  p.a_half = detail::make_u8_tensor_map(a, {U(K), U(M)}, kBoxFp8Half, "a_half");
   p.counters.abort = abort;
   p.status = status;
   p.timeout_ns = 20'000'000'000LL;
@@ -358,6 +407,7 @@ int main(int argc, char** argv) {
       run<128, 4>(p, M, N, K, iters, repeats, sms);
       run<128, 6>(p, M, N, K, iters, repeats, sms);
       run<128, 7>(p, M, N, K, iters, repeats, sms);
+      run<128, 6, Fp8Order::plain, false, 2>(p, M, N, K, iters, repeats, sms);
     }
   } catch (const mok::Error& e) {
     std::fprintf(stderr, "fp8_tile_rate: %s\n", e.what());
