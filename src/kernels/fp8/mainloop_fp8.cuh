@@ -38,9 +38,10 @@ struct Fp8TaskScales {
 // this pattern caps two warpgroups at ~1440 TFLOP/s, and both ways of hiding the promotion run
 // faster: two block accumulators (~1700) or the warpgroups half a block apart (~1870). Fed by TMA
 // (bench/fp8_tile_rate.cu, one dense GEMM, 2026-12-04) neither does: this loop ~1060-1210 TFLOP/s,
-// the half-block skew ~850-940, 128 x 128 tiles with two block accumulators ~960-1000 (6 or 7
-// stages no better), A from registers (RS form, A's shared-memory reads halved) ~930-950 — so
-// this loop stays, and the FP8 forward's mainloops run at about that dense rate in the layer.
+// the half-block skew ~850-1025, 128 x 128 tiles with two block accumulators ~920-1000 (with 6 or
+// 7 stages, or A multicast in 2-CTA clusters, no better); A from registers (RS form) is within
+// 0-5 % of this loop and needs 16 registers the kernels lack. So this loop stays, and the FP8
+// forward's mainloops run at about that dense rate in the layer.
 //
 // kOrder, for bench/fp8_tile_rate (timing experiments; the kernels take the default): skewed —
 // in each task warpgroup 1 issues its first half only once warpgroup 0's first half is complete
