@@ -14,8 +14,6 @@
 //               stages of A 16 KB + B 16 KB (a third more bytes a FLOP)
 //   skewed      current, with warpgroup 1's first half of each tile issued only after warpgroup
 //               0's has completed (mainloop_fp8<Fp8Order::skewed>): the batches half a block apart
-//   crossed     current, with warpgroup 1 issuing each half's MMAs in descending K: in step, but
-//               the two warpgroups read different slices of B at a time
 //   A in regs   current, with each warpgroup's A of a stage loaded once (ldmatrix) and both halves'
 //               MMAs taking it from registers (RS form): A's shared-memory reads halved
 //   overlap+mc  overlapped (6 stages) in 2-CTA clusters taking tiles (m, 2j) and (m, 2j + 1): each
@@ -105,12 +103,17 @@ __device__ __forceinline__ void for_each_tile(const Params& p, F&& f) {
 }
 
 // Stage `index` may be refilled: this CTA's producer, and with clusters the peer's, whose
-// multicast writes into this CTA's stages too, count the release.
+// multicast writes into this CTA's stages too, count the release (peer_empty: the shared::cluster
+// address of the peer's empty[0], from peer_empty_barriers).
 template <typename St>
-__device__ __forceinline__ void release(St& s, Pipeline<St::kStages>& pipe, int index) {
+__device__ __forceinline__ void release(St& s, Pipeline<St::kStages>& pipe, int index, std::uint32_t peer_empty) {
   pipe.consumer_release(s.barriers, index);
-  if constexpr (St::kCluster == 2)
-    ptx::mbarrier_arrive_remote(ptx::cluster_address(&s.barriers.empty[index], ptx::cluster_ctarank() ^ 1u));
+  if constexpr (St::kCluster == 2) ptx::mbarrier_arrive_remote(peer_empty + index * sizeof(std::uint64_t));
+}
+template <typename St>
+__device__ __forceinline__ std::uint32_t peer_empty_barriers(St& s) {
+  if constexpr (St::kCluster == 2) return ptx::cluster_address(&s.barriers.empty[0], ptx::cluster_ctarank() ^ 1u);
+  else return 0;
 }
 
 template <typename St>
@@ -153,27 +156,6 @@ __device__ __forceinline__ void issue(const Stage& st, int wg, float (&block)[64
   for (int kk = 0; kk < 4; ++kk)
     ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
   ptx::wgmma_commit_group();
-}
-
-// D[64 x 128] (+)= A[64 x 32] (this thread's fragment: 4 registers of 4 E4M3) * B[128 x 32]^T
-// (K-major sw128 descriptor, low word): the RS form, A from registers.
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const std::uint32_t (&a)[4], std::uint32_t desc_b_lo,
-                                                         int scale_d) {
-  asm volatile(
-      "{\n .reg .pred p;\n .reg .b64 db;\n setp.ne.b32 p, %68, 0;\n"
-      " cvt.u64.u32 db, %69;\n or.b64 db, db, %70;\n"
-      " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, db, p, 1, 1;\n}"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "r"(desc_b_lo),
-        "n"(std::uint64_t{ptx::kSw128DescriptorHigh} << 32));
 }
 
 // This thread's A fragments of a 64-row x 128-K E4M3 warpgroup tile (K-major, 128-byte rows,
@@ -224,7 +206,7 @@ __device__ void mainloop_rs(const Params& p, St& s, Pipeline<St::kStages>& pipe,
       const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(st.b + half * 128 * 128);
       ptx::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3_rs(block, a[kk], desc_b + KMajor::kDescStep * kk, kk != 0);
+      for (int kk = 0; kk < 4; ++kk) ptx::wgmma_m64n128k32_e4m3_rs(block, a[kk], desc_b + KMajor::kDescStep * kk, kk != 0);
       ptx::wgmma_commit_group();
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(block);
@@ -246,6 +228,7 @@ template <typename St>
 __device__ void mainloop_overlapped(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[64],
                                     int wg, int task, const float* a_rows) {
   const int tid = threadIdx.x % 128;
+  const std::uint32_t peer_empty = peer_empty_barriers(s);
   float block0[64], block1[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f, block0[i] = 0.0f, block1[i] = 0.0f;
@@ -265,12 +248,12 @@ __device__ void mainloop_overlapped(const Params& p, St& s, Pipeline<St::kStages
         ptx::wgmma_wait_group<1>();
         const int prev = 1 - cur;
         promote(acc, prev == 0 ? block0 : block1, a_lo[prev], a_hi[prev], e[prev]);
-        if (tid == 0) release(s, pipe, stage_of[prev]);
+        if (tid == 0) release(s, pipe, stage_of[prev], peer_empty);
       }
     }
     ptx::wgmma_wait_group<0>();
     promote(acc, block1, a_lo[1], a_hi[1], e[1]);
-    if (tid == 0) release(s, pipe, stage_of[1]);
+    if (tid == 0) release(s, pipe, stage_of[1], peer_empty);
   }
 }
 
@@ -333,7 +316,7 @@ void run(Params p, int M, int N, int K, int iters, int repeats, int sms) {
   });
   const double tflop = 2.0 * M * N * K * iters / 1e12;  // (ms: ascending)
   std::printf("%-11s %3d x %3d CTA tiles, %d stages of %2d KB  %7.1f TFLOP/s  [%.1f, %.1f]\n",
-              kTileN == 128 ? (kCluster == 2 ? "overlap+mc" : "overlapped") : kRs ? "A in regs" : kOrder == Fp8Order::skewed ? "skewed" : kOrder == Fp8Order::crossed ? "crossed" : "current", 128,
+              kTileN == 128 ? (kCluster == 2 ? "overlap+mc" : "overlapped") : kRs ? "A in regs" : kOrder == Fp8Order::skewed ? "skewed" : "current", 128,
               kTileN, kStages, static_cast<int>(sizeof(typename St::Stage) / 1024), tflop / (ms[ms.size() / 2] * 1e-3), tflop / (ms.back() * 1e-3), tflop / (ms.front() * 1e-3));
 }
 
@@ -402,7 +385,6 @@ int main(int argc, char** argv) {
     for (int round = 0; round < 2; ++round) {
       run<256, 4>(p, M, N, K, iters, repeats, sms);
       run<256, 4, Fp8Order::skewed>(p, M, N, K, iters, repeats, sms);
-      run<256, 4, Fp8Order::crossed>(p, M, N, K, iters, repeats, sms);
       run<256, 4, Fp8Order::plain, true>(p, M, N, K, iters, repeats, sms);
       run<128, 4>(p, M, N, K, iters, repeats, sms);
       run<128, 6>(p, M, N, K, iters, repeats, sms);

@@ -35,7 +35,7 @@ done
 mkdir -p "$OUT"
 source scripts/setup.sh || exit 1
 set +e
-ncu_bin="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+ncu_bin="$(ncu_path)"
 [ -n "$ncu_bin" ] || { echo "ncu_forward.sh: no ncu (Nsight Compute) found"; exit 1; }
 if [ ! -x "$build/bench/mok_bench" ]; then
   { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_TESTS=OFF -DMOK_BUILD_EXAMPLES=OFF &&

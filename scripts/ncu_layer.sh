@@ -24,7 +24,9 @@ while [ $# -gt 0 ]; do
   shift
 done
 mkdir -p "$OUT"
-ncu_bin="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+source scripts/setup.sh || exit 1
+set +e
+ncu_bin="$(ncu_path)"
 [ -n "$ncu_bin" ] || { echo "ncu_layer.sh: no ncu (Nsight Compute) found"; exit 1; }
 rc=0
 for impl in ${impls//,/ }; do

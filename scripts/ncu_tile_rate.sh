@@ -2,7 +2,7 @@
 # Hardware counters of bench/fp8_tile_rate's FP8 mainloop variants (Nsight Compute, clocks left
 # alone; one launch of each, after a warm-up launch): what each waits on, how busy the tensor pipe,
 # shared memory and L2 are. On a Hopper machine with ncu:
-#   OUT=<dir> scripts/ncu_tile_rate.sh [--build DIR] [--variants current,skewed,crossed,a_in_regs,overlapped,overlap_mc]
+#   OUT=<dir> scripts/ncu_tile_rate.sh [--build DIR] [--variants current,skewed,a_in_regs,overlapped,overlap_mc]
 # builds fp8_tile_rate if DIR lacks it, and writes per variant $OUT/ncu-tile-<variant>.txt (the
 # details page), -raw.txt (every metric), -stalls.txt (the warp-stall metrics) and -sass.csv (the
 # source page: each SASS instruction's executions and stall samples), then prints a
@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/ncu_out}"
 build=build-rates
-list=current,skewed,crossed,a_in_regs,overlapped,overlap_mc
+list=current,skewed,a_in_regs,overlapped,overlap_mc
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build="$2"; shift ;;
@@ -23,7 +23,7 @@ done
 mkdir -p "$OUT"
 source scripts/setup.sh || exit 1
 set +e
-ncu_bin="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+ncu_bin="$(ncu_path)"
 [ -n "$ncu_bin" ] || { echo "ncu_tile_rate.sh: no ncu (Nsight Compute) found"; exit 1; }
 if [ ! -x "$build/bench/fp8_tile_rate" ]; then
   { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_PYTHON=OFF -DMOK_BUILD_TESTS=OFF \
@@ -34,7 +34,6 @@ fi
 declare -A variants=(
   [current]='regex:tile_kernel.*StorageILi256ELi4ELi1EEE.*Fp8OrderE0ELb0E'
   [skewed]='regex:tile_kernel.*StorageILi256ELi4ELi1EEE.*Fp8OrderE1ELb0E'
-  [crossed]='regex:tile_kernel.*StorageILi256ELi4ELi1EEE.*Fp8OrderE2ELb0E'
   [a_in_regs]='regex:tile_kernel.*StorageILi256ELi4ELi1EEE.*Fp8OrderE0ELb1E'
   [overlapped]='regex:tile_kernel.*StorageILi128ELi4ELi1EEE'
   [overlap_mc]='regex:tile_kernel.*StorageILi128ELi6ELi2EEE'

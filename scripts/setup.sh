@@ -44,4 +44,9 @@ if ! cmake_ok; then
   fi
   export PATH="$mok_root/.venv-tools/bin:$PATH"
 fi
+# Nsight Compute's ncu (on PATH, or where the CUDA toolkit or Nsight Compute installs it); empty if
+# none (the ncu_*.sh scripts).
+ncu_path() {
+  { command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; } || true
+}
 echo "setup: $(cmake --version | head -1), nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), $(g++ --version | head -1)"

@@ -43,17 +43,7 @@ __device__ __forceinline__ void mbarrier_arrive_remote(std::uint32_t cluster_bar
 }
 
 // Global -> the shared memory of every CTA in `cta_mask` at dst's offset, each CTA's mbarrier
-// at bar's offset counting the bytes it receives.
-__device__ __forceinline__ void tma_load_3d_multicast(void* dst, const CUtensorMap* map, std::uint64_t* bar, int c0,
-                                                      int c1, int c2, std::uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(smem_address(dst)),
-      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(smem_address(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
-      : "memory");
-}
-
-// The same for a 2D tensor map.
+// at bar's offset counting the bytes it receives (a 2D tensor map).
 __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, std::uint64_t* bar, int c0,
                                                       int c1, std::uint16_t cta_mask) {
   asm volatile(

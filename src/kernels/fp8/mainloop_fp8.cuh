@@ -45,10 +45,9 @@ struct Fp8TaskScales {
 //
 // kOrder, for bench/fp8_tile_rate (timing experiments; the kernels take the default): skewed —
 // in each task warpgroup 1 issues its first half only once warpgroup 0's first half is complete
-// (named barrier kSkewBarrier), so the warpgroups' batches run half a block apart; crossed —
-// warpgroup 1 issues each half's four MMAs in descending K (the two warpgroups in step, reading
-// different 32-K slices of B at a time: ~0.95-1.05x this loop).
-enum class Fp8Order : int { plain, skewed, crossed };
+// (named barrier kSkewBarrier), so the warpgroups' batches run half a block apart. (A third
+// order, warpgroup 1's MMAs in descending K, measured ~this loop's rate and was removed.)
+enum class Fp8Order : int { plain, skewed };
 inline constexpr int kSkewBarrier = 4;  // (after NamedBarrier's ids)
 // The kernels' order: plain, or skewed in a MOK_DIAG_FP8_SKEW=1 build (timing experiment, the same bits).
 #ifndef MOK_DIAG_FP8_SKEW
@@ -121,10 +120,8 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
       const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
       ptx::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kFp8BlockK / 32; ++kk) {
-        const int k = kOrder == Fp8Order::crossed && wg == 1 ? kFp8BlockK / 32 - 1 - kk : kk;
-        ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * k, desc_b + KMajor::kDescStep * k, kk != 0);
-      }
+      for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
+        ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
       ptx::wgmma_commit_group();
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(block);  // no read of the block before the wait
