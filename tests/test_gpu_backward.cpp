@@ -334,6 +334,53 @@ TEST(Backward, DyRowsContinuedInDxGiveTheBitsOfDyRowsInScratch) {
   }
 }
 
+// The backward in column blocks (Config::backward_column_blocks: x's rows one block of H's
+// columns at a time, a launch each, the counters carried on from launch to launch) gives the
+// bits of whole rows, and its scratch is smaller by exactly the x rows' other columns. H = 320:
+// a last block of 64 columns, with a shared expert (its dx rows in dx); H = 768: three tiles in
+// blocks of two and one, or one each, with the dy rows in the gradients.
+TEST(Backward, ColumnBlocksGiveTheBitsOfWholeRows) {
+  MOK_REQUIRE_HOPPER();
+  for (const Case& c : {Case{"h320_shared", 500, 320, 256, 8, 2, 128, 0, RoutingKind::skewed},
+                        Case{"h768", 700, 768, 128, 8, 2, 0, 0, RoutingKind::padded}}) {
+    SCOPED_TRACE(c.name);
+    const MoeShape s = shape_of(c);
+    const HostProblem host = make_problem(s, c.tokens, c.routing, 91);
+    GpuProblem gpu(host);
+    const auto dy = random_bf16(host.x.size(), 92);
+    GpuGrads grads(gpu, dy, false);
+    const std::int64_t H = s.hidden;
+    auto run = [&](int blocks, std::int64_t& scratch_bytes, std::int64_t& capacity) {
+      Config config;
+      config.backward_column_blocks = blocks;
+      Workspace ws(s, host.tokens, config, Training::save);
+      DeviceBuffer<bf16> saved(ws.saved_elements());
+      forward(gpu.args(), ws, nullptr, saved_view(saved));
+      grads.poison();
+      backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));
+      ws.check(nullptr);
+      scratch_bytes = ws.backward_scratch_bytes(DType::bf16, host.tokens, true, true);
+      capacity = ws.plan().capacity_rows();
+      return grads.snapshot();
+    };
+    const auto width = [&](std::int64_t blocks) {  // (whole 256-column tiles, the first blocks the widest)
+      const std::int64_t tiles = (H + 255) / 256;
+      return std::min(H, (tiles + blocks - 1) / blocks * 256);
+    };
+    std::int64_t whole_bytes = 0, cap = 0, bytes = 0;
+    const auto whole = run(1, whole_bytes, cap);
+    check_gradients(host, grads, dy, "whole rows");
+    const auto by_default = run(0, bytes, cap);
+    check_gradients(host, grads, dy, "column blocks");
+    EXPECT_TRUE(by_default == whole) << "the default's two column blocks changed the gradients";
+    EXPECT_EQ(whole_bytes - bytes, 2 * cap * (H - width(2))) << "the default (two blocks)";
+    for (int blocks : {2, 3, 8}) {
+      EXPECT_TRUE(run(blocks, bytes, cap) == whole) << blocks << " column blocks changed the gradients";
+      EXPECT_EQ(whole_bytes - bytes, 2 * cap * (H - width(blocks))) << blocks << " blocks";
+    }
+  }
+}
+
 // Forward + backward captured once, replayed with new routing, activations and dy.
 TEST(Backward, GraphReplayOfForwardAndBackward) {
   MOK_REQUIRE_HOPPER();

@@ -122,9 +122,13 @@ TEST(Fp8Backward, BitwiseEqualAcrossRunsAndSmCounts) {
   const QuantizedWeights q(gpu);
   const auto dy = testing::random_bf16(host.x.size(), 34);
   std::vector<std::vector<std::uint8_t>> runs;
-  for (int sms : {0, 0, 7, 61}) {
+  // (and the backward in one launch of whole x rows, or asked for three column blocks — two of 256,
+  // as the default's: the same bits; Config::backward_column_blocks)
+  for (auto [sms, blocks] : {std::pair{0, 0}, {0, 0}, {7, 0}, {61, 0}, {0, 1}, {7, 3}}) {
     testing::GpuGrads grads(gpu, dy, false);
-    Workspace ws(s, host.tokens, fp8_config(sms), Training::save);
+    Config config = fp8_config(sms);
+    config.backward_column_blocks = blocks;
+    Workspace ws(s, host.tokens, config, Training::save);
     train_step(gpu, q, grads, ws);
     train_step(gpu, q, grads, ws);  // (the second call of a workspace replays a graph of its launches)
     runs.push_back(grads.snapshot());

@@ -273,6 +273,13 @@ TEST(Validate, ConfigFields) {
   expect_error([&] { validate(c); }, "argument 'interleave_rows': cannot be combined with the ring (comm_sms = 0, "
                                      "ring_rows = 8192), which orders GEMM1 by its minibatches");
   c = Config{};
+  c.backward_column_blocks = -1;
+  expect_error([&] { validate(c); }, "argument 'backward_column_blocks': must be 0 (the default, 2) or 1 .. 1024, got -1");
+  c.backward_column_blocks = 1025;
+  expect_error([&] { validate(c); }, "argument 'backward_column_blocks': must be 0 (the default, 2) or 1 .. 1024, got 1025");
+  c.backward_column_blocks = 1024;
+  validate(c);
+  c = Config{};
   c.pull_tokens_once = true, c.comm_sms = 8;
   expect_error([&] { validate(c); },
                "argument 'pull_tokens_once': applies to rows pulled before the kernel; the ring (comm_sms = 8, "

@@ -110,6 +110,13 @@ struct Config {
                                        // 128 x 128 tasks (one's epilogue under the other's MMAs)
                                        // instead of sharing 128 x 256 ones; the same bits. Not with
                                        // the ring; EP ranks keep the cooperative kernel
+  int backward_column_blocks = 0;      // one GPU, Training::save: the backward's gathered x rows (and
+                                       // the dx rows over them) one block of H's columns at a time, a
+                                       // launch of the backward kernel each for the dW_gate|up, dx and
+                                       // combine work of its columns (the first also doing the dh, dW_down
+                                       // and shared-expert work): that buffer, the backward scratch's
+                                       // largest, at 1 / blocks of its bytes. 0 = 2; 1 = whole rows in one
+                                       // launch. Blocks are whole 256-column tiles. The same bits either way
   bool replay_launches = true;         // one GPU: a call whose pointers, shapes and T repeat (a training
                                        // loop's) is enqueued as one launch of a CUDA graph of its
                                        // launches, captured the second time it is seen (the same

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 
@@ -25,10 +26,11 @@ using U = std::uint64_t;
 // tokens), dy/x = its A-side row sources, weights = its [E, I, H] / [E, H, I] matrices (strided
 // views too).
 // dy_hi, split: the dy rows from `split` on (null: none; detail::CallBuffers).
+// x_columns: the x rows' columns (a column block's; H for the shared expert's x).
 kernels::ExpertSetMaps set_maps(const void* dy, const void* dy_hi, std::int64_t split, const void* x,
                                 std::int64_t dy_rows, const void* dgu, const void* hw, std::int64_t rows,
                                 const TensorView& gate, const TensorView& up, const TensorView& down, std::int64_t H,
-                                std::int64_t I) {
+                                std::int64_t I, std::int64_t x_columns) {
   using detail::make_bf16_row_regions_map;
   using detail::make_bf16_tensor_map;
   using detail::make_bf16_weight_map;
@@ -41,7 +43,7 @@ kernels::ExpertSetMaps set_maps(const void* dy, const void* dy_hi, std::int64_t 
   m.dy_mn = make_bf16_row_regions_map(dy, dy_hi, U(H), U(dy_rows), U(split), kernels::kBoxMN, "dy rows");
   m.hw_mn = make_bf16_tensor_map(hw, {U(I), U(rows)}, kernels::kBoxMN, "w h");
   m.dgu_mn = make_bf16_tensor_map(dgu, {U(2 * I), U(rows)}, kernels::kBoxMN, "d pre-activations");
-  m.x_mn = make_bf16_tensor_map(x, {U(H), U(dy_rows)}, kernels::kBoxMN, "x rows");
+  m.x_mn = make_bf16_tensor_map(x, {U(x_columns), U(dy_rows)}, kernels::kBoxMN, "x rows");
   return m;
 }
 
@@ -175,18 +177,21 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   std::uint16_t* dgu = gu;  // the kernel replaces the pre-activations by their gradients
   std::uint16_t* hw = buffers.hidden;
   std::uint16_t* dx_rows = buffers.dx_rows;
+  const std::int64_t W = buffers.row_columns > 0 ? buffers.row_columns : H;  // (the first column block's)
 
   kernels::BackwardParams p{};
   p.routed_maps = set_maps(buffers.dy_rows, buffers.dy_rows_hi, buffers.dy_split, buffers.x_rows, capacity, dgu, hw,
-                           capacity, a.w_gate, a.w_up, a.w_down, H, I);
-  p.routed_maps.dx_rows = detail::make_bf16_tensor_map(dx_rows, {U(H), U(capacity), 1}, kernels::kBoxMN, "dx rows");
+                           capacity, a.w_gate, a.w_up, a.w_down, H, I, W);
+  p.routed_maps.dx_rows = detail::make_bf16_tensor_map(dx_rows, {U(W), U(capacity), 1}, kernels::kBoxMN, "dx rows");
+  p.block_first_tile = 0;  // (the first column block; W = H: the one)
+  p.block_tiles = static_cast<std::uint16_t>(W == H ? 0 : W / kernels::kBlockN);
   p.routed = {gu, hw, dx_rows, b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, static_cast<int>(I)};
   if (!grad_fp32) set_gradient_maps(p.routed_maps, b.d_w_gate, b.d_w_up, b.d_w_down);
   if (s.has_shared()) {
     std::uint16_t* s_dgu = dgu + 2 * capacity * I;
     std::uint16_t* s_hw = buffers.shared_hidden;
     p.shared_maps = set_maps(b.dy.data, nullptr, 0, a.x.data, T, s_dgu, s_hw, padded_tokens, one_expert(*a.shared_gate),
-                             one_expert(*a.shared_up), one_expert(*a.shared_down), H, Is);
+                             one_expert(*a.shared_up), one_expert(*a.shared_down), H, Is, H);
     std::uint16_t* s_dx_rows = buffers.shared_dx_rows;
     const std::int64_t s_rows = s_dx_rows == b.dx.data ? T : padded_tokens;  // (in dx: the stores stop at T)
     p.shared_maps.dx_rows =
@@ -210,23 +215,25 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   return p;
 }
 
-// Precision::fp8 with BackwardArgs::fp8, after the plan and x's row copy: gathers the routed dy
-// rows in one read of dy, quantized into buffers.dy_fp8 / dy_scales and in bf16 where the BF16
-// backward's dispatch would put them (the weight gradients read those), and launches the FP8
-// dgrad kernel on p (the BF16 kernel's params of the call).
-void launch_backward_fp8(const BackwardArgs& b, Workspace& ws, const CallBuffers& buffers,
-                         const kernels::BackwardParams& p, cudaStream_t stream, std::string_view where) {
-  const MoeShape& s = ws.shape();
-  const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts;
-  const std::int64_t capacity = ws.plan().capacity_rows();
-  const int ctas = persistent_ctas(ws, where);
+// Precision::fp8 with BackwardArgs::fp8, after the plan: gathers the routed dy rows in one read
+// of dy, quantized into buffers.dy_fp8 / dy_scales and in bf16 where the BF16 backward's dispatch
+// would put them (the weight gradients read those).
+void gather_dy_fp8(const BackwardArgs& b, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
+                   std::string_view where) {
   kernels::QuantizeRowsParams rows = quantize_rows_params(ws, b.dy.data, buffers.dy_fp8, buffers.dy_scales);
   rows.rows_bf16 = buffers.dy_rows;
   rows.rows_bf16_hi = buffers.dy_rows_hi;
   rows.split = buffers.dy_split;
-  kernels::launch_quantize_rows(rows, 4 * ctas, stream);
+  kernels::launch_quantize_rows(rows, 4 * persistent_ctas(ws, where), stream);
   cuda_check(cudaGetLastError(), where, "launching the FP8 dy row gather");
+}
 
+// The FP8 dgrad kernel's params on p (the BF16 kernel's params of the call).
+kernels::Fp8BackwardParams backward_fp8_params(const BackwardArgs& b, Workspace& ws, const CallBuffers& buffers,
+                                               const kernels::BackwardParams& p) {
+  const MoeShape& s = ws.shape();
+  const std::int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts;
+  const std::int64_t capacity = ws.plan().capacity_rows();
   const Fp8DgradWeights& w = *b.fp8;
   kernels::Fp8BackwardParams q{};
   q.base = p;
@@ -240,7 +247,7 @@ void launch_backward_fp8(const BackwardArgs& b, Workspace& ws, const CallBuffers
   q.dgu_scales = buffers.dgu_scales;
   q.down_t_exponents = static_cast<const std::int32_t*>(w.down_t_exponents.data);
   q.gate_up_t_exponents = static_cast<const std::int32_t*>(w.gate_up_t_exponents.data);
-  kernels::launch_backward_fp8(q, ctas, stream);
+  return q;
 }
 
 }  // namespace detail
@@ -275,15 +282,28 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   key.add(std::uint64_t{2}).add(static_cast<std::uint64_t>(T)).add(base).add(gu).add(a).add(b);
   ws.launch_cache().run(key, stream, kWhere, [&](cudaStream_t s) {
     plan_device(a.topk_ids, 0, ws.plan(), s, {}, detail::counters(ws));  // (zeroes the counters too)
-    detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
+    // The x rows one column block at a time (Config::backward_column_blocks; W = H: one): the
+    // first block's launch does the dh, dW_down and shared-expert work too; the counters carry on.
+    const std::int64_t H = ws.shape().hidden, W = buffers.row_columns;
+    const auto copy_x_rows = [&](std::int64_t c0) {
+      if (W == H) detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
+      else detail::dispatch_row_columns(a.x.data, buffers.x_rows, ws, s, c0, std::min(W, H - c0), W);
+    };
+    copy_x_rows(0);
     if (!saved) detail::launch_forward_kernel(a, ws, buffers, s, gu, true, kWhere);
-    if (!b.fp8) detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, s, buffers.dy_rows_hi, buffers.dy_split);
+    if (b.fp8) detail::gather_dy_fp8(b, ws, buffers, s, kWhere);
+    else detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, s, buffers.dy_rows_hi, buffers.dy_split);
     if (!saved) detail::zero_counters(ws, s, kWhere);  // (the recompute used them)
-    const kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
+    kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
     unsigned long long* marker = detail::saved_marker(gu, ws);
-    if (b.fp8) detail::launch_backward_fp8(b, ws, buffers, p, s, kWhere);
-    else kernels::launch_backward(p, detail::persistent_ctas(ws, kWhere), s);
-    detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
+    const int ctas = detail::persistent_ctas(ws, kWhere);
+    for (std::int64_t c0 = 0; c0 < H; c0 += W) {
+      if (c0 > 0) copy_x_rows(c0);  // (stream order: after the previous block's combine has read its dx rows)
+      p.block_first_tile = static_cast<std::uint16_t>(c0 / kernels::kBlockN);
+      if (b.fp8) kernels::launch_backward_fp8(detail::backward_fp8_params(b, ws, buffers, p), ctas, s);
+      else kernels::launch_backward(p, ctas, s);
+      detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
+    }
     // The pre-activations are gone (replaced by their gradients): mark the tensor consumed.
     detail::cuda_check(cudaMemsetAsync(marker, 0, sizeof(*marker), s), kWhere, "cudaMemsetAsync(saved marker)");
   });

@@ -42,8 +42,10 @@ int persistent_ctas(const Workspace& ws, std::string_view where) {
   return ws.config().compute_sms > 0 ? std::min(ws.config().compute_sms, sms) : sms;
 }
 
-void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& ws, cudaStream_t stream,
-                   void* routed_hi, std::int64_t split) {
+namespace {
+
+void dispatch(std::span<const void* const> rows, void* routed, Workspace& ws, cudaStream_t stream, void* routed_hi,
+              std::int64_t split, std::int64_t column0 = 0, std::int64_t columns = 0, std::int64_t stride = 0) {
   const MoeShape& s = ws.shape();
   const DevicePlanView& v = ws.plan().view();
   kernels::DispatchParams d{};
@@ -63,7 +65,24 @@ void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& w
   d.hidden = static_cast<int>(s.hidden);
   d.top_k = static_cast<int>(s.top_k);
   d.num_local_experts = static_cast<int>(s.num_local_experts);
+  d.column0 = static_cast<int>(column0);
+  d.columns = static_cast<int>(columns);
+  d.routed_stride = static_cast<int>(stride);
   kernels::launch_dispatch(d, 4 * persistent_ctas(ws, "mok::dispatch"), stream);
+}
+
+}  // namespace
+
+void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& ws, cudaStream_t stream,
+                   void* routed_hi, std::int64_t split) {
+  dispatch(rows, routed, ws, stream, routed_hi, split);
+}
+
+void dispatch_row_columns(const void* rows, void* routed, Workspace& ws, cudaStream_t stream, std::int64_t column0,
+                          std::int64_t columns, std::int64_t stride) {
+  const void* const sources[1] = {rows};
+  dispatch(std::span<const void* const>(sources), routed, ws, stream, nullptr, kernels::kNoSplit, column0, columns,
+           stride);
 }
 
 void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t stream, void* routed_hi,

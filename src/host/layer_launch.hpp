@@ -19,7 +19,15 @@
 namespace mok::detail {
 
 inline constexpr std::int64_t kTileRows = 128;  // the kernels' M-tile = the plan's block_m
-inline constexpr std::int64_t kSavedTrailer = 8;  // bf16 elements at a saved tensor's end: the 8-byte validity marker
+inline constexpr std::int64_t kSavedTrailer = 8;
+// Config::backward_column_blocks 0: this many (the x / dx rows, the backward scratch's largest
+// buffer, at half their bytes; bench/NOTES.md, thirteenth session). MOK_DIAG_WHOLE_ROWS (a
+// diagnostic build, for same-run A/Bs): one, as before.
+#if defined(MOK_DIAG_WHOLE_ROWS)
+inline constexpr std::int64_t kBackwardColumnBlocks = 1;
+#else
+inline constexpr std::int64_t kBackwardColumnBlocks = 2;
+#endif  // bf16 elements at a saved tensor's end: the 8-byte validity marker
 
 inline std::int64_t shared_tiles(const MoeShape& s, std::int64_t tokens) {
   return s.has_shared() ? (tokens + kTileRows - 1) / kTileRows : 0;
@@ -88,6 +96,8 @@ struct CallBuffers {
   float* dy_scales = nullptr;
   float* dgu_scales = nullptr;
   bool rows_in_grads = false;               // dy_rows or hidden lie in the W_gate / W_up gradient buffers (or dx)
+  // backward: the columns of x_rows / dx_rows, one column block's (backward_block_columns; 0: H)
+  std::int64_t row_columns = 0;
   std::int64_t bytes = 0;                   // of the scratch
 };
 
@@ -97,7 +107,12 @@ struct ScratchShape {
   std::int64_t tokens = 0, capacity = 0, saved_elements = 0;
   Training training = Training::off;
   Precision precision = Precision::bf16;
+  std::int64_t block_columns = 0;  // the backward's column blocks' width (backward_block_columns; 0: H)
 };
+// The width of the one-GPU backward's column blocks (Config::backward_column_blocks): H split
+// into that many blocks of whole 256-column tiles, the first ones the widest; H when one (not
+// Training::save: the recompute's GEMM1 reads whole x rows; the ring).
+std::int64_t backward_block_columns(const MoeShape& shape, const Config& config, Training training);
 // Of a call of `tokens` tokens (no argument: the call being enqueued).
 ScratchShape scratch_shape(const Workspace& ws, std::int64_t tokens);
 inline ScratchShape scratch_shape(const Workspace& ws) { return scratch_shape(ws, ws.tokens()); }
@@ -143,6 +158,10 @@ void dispatch_rows(const void* rows, void* routed, Workspace& ws, cudaStream_t s
 // The same for expert parallelism: rank q's rows are rows[q] (pull through the peer table).
 void dispatch_rows(std::span<const void* const> rows, void* routed, Workspace& ws, cudaStream_t stream,
                    void* routed_hi = nullptr, std::int64_t split = kernels::kNoSplit);
+// One GPU, a column block: columns [column0, column0 + columns) of each of rows' routed rows into
+// `routed` rows of `stride` elements (the backward's x rows in column blocks).
+void dispatch_row_columns(const void* rows, void* routed, Workspace& ws, cudaStream_t stream, std::int64_t column0,
+                          std::int64_t columns, std::int64_t stride);
 
 // The forward kernel's params for one rank (no EP fields), after plan_device(). pingpong: the
 // weight maps take the ping-pong kernel's boxes (kernels::launch_forward_pingpong).

@@ -189,7 +189,11 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
         const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
         const bool push = p.ep.push && !t.shared;
         if (push) push_dx_rows(p, s, acc, wg, t.n * kBlockN, row0 + wg * 64);
-        else store_tile_tma<kFp8Dgrad<Q>>(s, acc, wg, &maps.dx_rows, t.n * kBlockN, row0 + wg * 64, 0, 1 << 30, p.hidden, false);
+        else {  // (the routed dx rows: the column block's columns from col_begin on)
+          const int c0 = t.shared ? 0 : col_begin(p);
+          store_tile_tma<kFp8Dgrad<Q>>(s, acc, wg, &maps.dx_rows, t.n * kBlockN - c0, row0 + wg * 64, 0, 1 << 30,
+                                       p.hidden - c0, false);
+        }
         ++pending_dx;
         timer.lap<Phase::epilogue_dx>();
       }

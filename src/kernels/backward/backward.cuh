@@ -109,8 +109,27 @@ struct BackwardParams {
   int tokens, hidden, top_k, num_local_experts;
   int shared_tiles, max_routed_tiles;
   float swiglu_limit;
+  // One GPU (no ring), the backward in column blocks (Config::backward_column_blocks), one launch
+  // each: this launch's routed dW_gate|up, dx and combine work covers the block_tiles kBlockN-column
+  // tiles of H from tile block_first_tile on (col_begin(), col_end()), and the routed x / dx rows
+  // hold block_tiles x kBlockN columns from col_begin() on (rows_width(): not H, so the scratch's
+  // largest buffer shrinks). Only the first block's launch runs the dh, dW_down and shared-expert
+  // tasks and writes d_topk_weights; the counters carry on across the launches (each launch's
+  // waits count the earlier blocks' tiles). block_tiles 0: one block, all of H. (16-bit fields
+  // in the padding before timeout_ns: the EP group's params are at the kernel parameter limit.)
+  std::uint16_t block_first_tile, block_tiles;
   long long timeout_ns;
 };
+
+// The column block of a backward launch (BackwardParams::block_tiles).
+__host__ __device__ inline int col_begin(const BackwardParams& p) { return p.block_first_tile * kBlockN; }
+__host__ __device__ inline int rows_width(const BackwardParams& p) {
+  return p.block_tiles > 0 ? p.block_tiles * kBlockN : p.hidden;
+}
+__host__ __device__ inline int col_end(const BackwardParams& p) {
+  const int end = (p.block_first_tile + p.block_tiles) * kBlockN;
+  return p.block_tiles > 0 && end < p.hidden ? end : p.hidden;
+}
 
 void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream, const RingSources& sources = {});
 

@@ -347,8 +347,12 @@ __device__ void combine(const BackwardParams& p, const Task& t, const Sched& sch
   }
   const int tid = threadIdx.x - kProducerThreads, threads = 128 * kConsumerWarpgroups;
   const int begin = t.m * kCombineTokens, end = min(p.tokens, begin + kCombineTokens);
-  combine_tokens<false, false>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, nullptr, p.routed.dx_rows,
-                               p.shared.dx_rows, p.dx, tid, threads);
+  // (this launch's column block: the routed dx rows hold its columns, dx and the shared rows all of H)
+  const int c0 = col_begin(p);
+  combine_tokens<false, false, true>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, nullptr, p.routed.dx_rows,
+                                     p.shared.dx_rows ? p.shared.dx_rows + c0 : nullptr, p.dx + c0, tid, threads,
+                                     CombineBlock{col_end(p) - c0, rows_width(p), p.hidden});
+  if (c0 > 0) return;  // (d_topk_weights: the first block's launch)
   for (int i = begin * p.top_k + tid; i < end * p.top_k; i += threads) {
     const int row = p.plan.pair_row[i];
     float v = 0.0f;

@@ -66,7 +66,8 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
         // counter says both.
         const bool over_x = !Sched::kRing && p.dx_over_x && !t.shared;
         counter = p.counters.dgu_ready + (over_x ? p.plan.expert_offset[t.e] / kBlockM : dgu_counter(p, t, t.m));
-        expected = kConsumerWarpgroups * (sched.n_dh(t.shared) + (over_x ? sched.m_wgu_r * sched.n_dx : 0));
+        // (its expert's dW_gate|up tiles of this column block and the earlier ones: n_hi N-tiles)
+        expected = kConsumerWarpgroups * (sched.n_dh(t.shared) + (over_x ? sched.m_wgu_r * sched.n_hi : 0));
         if constexpr (Sched::kRing) wait_counter(p, counter, expected, task, site);  // (here: fewer registers)
       }
       k_steps = (t.kind == kDh ? p.hidden : 2 * inter) / kBlockK;
@@ -152,11 +153,13 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
             tma_load_3d(st.a + w * 4096, &maps.dy_mn, full, m0 + 64 * w, rows_at, second_region(rows_at));
           for (int c = 0; c < b_boxes; ++c) tma_load_2d(st.b + c * 4096, &maps.hw_mn, full, n0 + 64 * c, row0 + k0);
           break;
-        default:  // kWgu
+        default: {  // kWgu (the routed x rows hold the column block's columns from col_begin on)
           for (int w = 0; w < a_boxes; ++w) tma_load_2d(st.a + w * 4096, &maps.dgu_mn, full, m0 + 64 * w, row0 + k0);
+          const int x0 = t.shared ? n0 : n0 - col_begin(p);
           for (int c = 0; c < b_boxes; ++c)
-            tma_load_2d(st.b + c * 4096, &maps.x_mn, full, n0 + 64 * c, rows_at);
+            tma_load_2d(st.b + c * 4096, &maps.x_mn, full, x0 + 64 * c, rows_at);
           break;
+        }
       }
       if (t.kind == kWd || t.kind == kWgu) {  // the next 64 rows (ring_rows is a multiple of 64)
         rows_at += kBlockK;

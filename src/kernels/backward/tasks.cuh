@@ -60,6 +60,10 @@ struct Schedule {
   int cta, ctas;  // this CTA among those serving this rank: it takes tasks cta, cta + ctas, ...
   // dW_down tiles cover [H, I] (N-tiles as dh's), dW_gate|up tiles [2I, H] (N-tiles as dx's)
   int m_routed, m_shared, n_dh_r, n_dh_s, n_dx, m_wd, m_wgu_r, m_wgu_s, experts;
+  // The routed dW_gate|up and dx N-tiles of this launch, [n_lo, n_hi) of n_dx (BackwardParams::
+  // col_begin, col_end; the ring: all). n_lo > 0: a later column block's launch, which runs only
+  // those and the combine.
+  int n_lo, n_hi;
   int dh_r, dh_s, wd_r, wd_s, wgu_r, wgu_s, dx_r, dx_s, total;  // end of each task range (phase-major)
 
   __device__ Schedule(const BackwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
@@ -73,16 +77,19 @@ struct Schedule {
     m_wd = ceil_div(p.hidden, kBlockM);
     m_wgu_r = ceil_div(2 * I, kBlockM);
     m_wgu_s = ceil_div(2 * Is, kBlockM);
-    const bool has_shared = m_shared > 0, expert_major = kRing;
+    n_lo = kRing ? 0 : col_begin(p) / kBlockN;
+    n_hi = kRing ? n_dx : ceil_div(col_end(p), kBlockN);
+    const bool first = n_lo == 0, has_shared = first && m_shared > 0, expert_major = kRing;
+    const int n_block = n_hi - n_lo;
     // Expert-major: every routed task in the first range, the other routed ranges empty.
-    dh_r = expert_major ? m_routed * (n_dh_r + n_dx) + experts * weight_tasks() : m_routed * n_dh_r;
-    dh_s = dh_r + m_shared * n_dh_s;
-    wd_r = dh_s + (expert_major ? 0 : experts * m_wd * n_dh_r);
+    dh_r = expert_major ? m_routed * (n_dh_r + n_dx) + experts * weight_tasks() : first ? m_routed * n_dh_r : 0;
+    dh_s = dh_r + (has_shared ? m_shared * n_dh_s : 0);
+    wd_r = dh_s + (expert_major || !first ? 0 : experts * m_wd * n_dh_r);
     wd_s = wd_r + (has_shared ? m_wd * n_dh_s : 0);
-    wgu_r = wd_s + (expert_major ? 0 : experts * m_wgu_r * n_dx);
+    wgu_r = wd_s + (expert_major ? 0 : experts * m_wgu_r * n_block);
     wgu_s = wgu_r + (has_shared ? m_wgu_s * n_dx : 0);
-    dx_r = wgu_s + (expert_major ? 0 : m_routed * n_dx);
-    dx_s = dx_r + m_shared * n_dx;
+    dx_r = wgu_s + (expert_major ? 0 : m_routed * n_block);
+    dx_s = dx_r + (has_shared ? m_shared * n_dx : 0);
     total = dx_s + ceil_div(p.tokens, kCombineTokens);
   }
 
@@ -168,11 +175,13 @@ struct Schedule {
     } else if (task < wd_s) {
       t.kind = kWd, t.shared = true, split_weight(task - wd_r, m_wd, n_dh_s, t);
     } else if (task < wgu_r) {
-      t.kind = kWgu, split_weight(task - wd_s, m_wgu_r, n_dx, t, kWguByRule && n_fastest(2 * p.routed.inter, p.hidden));
+      t.kind = kWgu, split_weight(task - wd_s, m_wgu_r, n_hi - n_lo, t, kWguByRule && n_fastest(2 * p.routed.inter, p.hidden));
+      t.n += n_lo;
     } else if (task < wgu_s) {
       t.kind = kWgu, t.shared = true, split_weight(task - wgu_r, m_wgu_s, n_dx, t, kWguByRule && n_fastest(2 * p.shared.inter, p.hidden));
     } else if (task < dx_r) {
-      t.kind = kDx, split_routed(p, task - wgu_s, n_dx, t);
+      t.kind = kDx, split_routed(p, task - wgu_s, n_hi - n_lo, t);
+      t.n += n_lo;
     } else if (task < dx_s) {
       t.kind = kDx, t.shared = true, t.n = (task - dx_r) / m_shared, t.m = (task - dx_r) % m_shared;
     } else {
@@ -185,8 +194,10 @@ struct Schedule {
   // The plan's routed M-tiles, loaded again where only the combine's one wait needs them
   // (m_routed kept for it across every task was the one value backward_kernel spilled).
   __device__ static int routed_tiles(const BackwardParams& p) { return *p.plan.num_tiles; }
+  // The dx tiles done once this launch's are (counted on from the earlier column blocks' launches;
+  // the shared expert's, all in the first).
   __device__ int dx_tiles_total(const BackwardParams& p) const {
-    return kConsumerWarpgroups * (routed_tiles(p) + m_shared) * n_dx;
+    return kConsumerWarpgroups * (routed_tiles(p) * n_hi + m_shared * n_dx);
   }
 };
 

@@ -301,14 +301,47 @@ __device__ __noinline__ void prefetch_combine_rows(int token, int begin, int end
   }
 }
 
-template <bool kWeighted, bool kPushed>
+// A column block of the combine (kBlock; the backward in column blocks, BackwardParams::col_begin):
+// `columns` columns of each row, the slot rows `slot_stride` elements apart, the shared and out
+// rows `out_stride` apart (the callers offset the pointers to the block's first column).
+struct CombineBlock {
+  int columns, slot_stride, out_stride;
+};
+
+// prefetch_combine_rows for a column block (a function of its own: the forward's calls and
+// code stay as they were).
+template <bool kPushed>
+__device__ __noinline__ void prefetch_combine_block_rows(int token, int begin, int end, CombineBlock block, int top_k,
+                                                         const std::int32_t* pair_row, const std::int32_t* ids,
+                                                         const std::uint16_t* slots, const std::uint16_t* shared, int tid) {
+  if (tid > top_k) return;
+  const long long token_bytes = static_cast<long long>(top_k) * block.columns * 2;
+  const int ahead = static_cast<int>(min(2LL, (192LL << 10) / token_bytes));
+  if (ahead == 0) return;
+  const std::uint32_t bytes = static_cast<std::uint32_t>(block.columns) * 2;
+  for (int t = token == begin ? token : token + ahead; t <= token + ahead && t < end; ++t) {
+    if (tid == top_k) {
+      if (shared) ptx::bulk_prefetch_l2(shared + static_cast<std::int64_t>(t) * block.out_stride, bytes);
+      continue;
+    }
+    const int row = combine_slot_row<kPushed>(t * top_k + tid, pair_row, ids);
+    if (row >= 0) ptx::bulk_prefetch_l2(slots + static_cast<std::int64_t>(row) * block.slot_stride, bytes);
+  }
+}
+
+// kBlock: `block`'s columns and strides instead of hidden's.
+template <bool kWeighted, bool kPushed, bool kBlock = false>
 __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const std::int32_t* pair_row,
                                const std::int32_t* ids, const float* weights, const std::uint16_t* slots,
                                const std::uint16_t* shared, std::uint16_t* out, int tid,
-                               int threads) {
-  const int columns4 = hidden / 4;
+                               int threads, CombineBlock block = {}) {
+  const int columns4 = (kBlock ? block.columns : hidden) / 4;
+  const int slot_stride = kBlock ? block.slot_stride : hidden, out_stride = kBlock ? block.out_stride : hidden;
   for (int token = begin; token < end; ++token) {
-    prefetch_combine_rows<kPushed>(token, begin, end, hidden, top_k, pair_row, ids, slots, shared, tid);
+    if constexpr (kBlock)
+      prefetch_combine_block_rows<kPushed>(token, begin, end, block, top_k, pair_row, ids, slots, shared, tid);
+    else
+      prefetch_combine_rows<kPushed>(token, begin, end, hidden, top_k, pair_row, ids, slots, shared, tid);
     // Two column sets a thread a round (c and c + threads), each column's adds in the same order.
     for (int c0 = tid; c0 < columns4; c0 += 2 * threads) {
       const int c[2] = {c0, c0 + threads};
@@ -316,7 +349,7 @@ __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const 
       float4 acc[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        acc[h] = shared && in[h] ? load4_streaming(shared + static_cast<std::int64_t>(token) * hidden, c[h])
+        acc[h] = shared && in[h] ? load4_streaming(shared + static_cast<std::int64_t>(token) * out_stride, c[h])
                                  : make_float4(0.f, 0.f, 0.f, 0.f);
       for (int j0 = 0; j0 < top_k; j0 += kCombineSlots) {
         float4 v[2][kCombineSlots];
@@ -330,7 +363,7 @@ __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const 
           if (slot < top_k) row = combine_slot_row<kPushed>(pair, pair_row, ids);
           valid[j] = row >= 0;  // -1: a padding slot, or past k
           w[j] = (kWeighted && valid[j]) ? weights[token * top_k + slot] : 1.0f;
-          const std::uint16_t* slot_row = slots + static_cast<std::int64_t>(max(row, 0)) * hidden;  // (read only where valid)
+          const std::uint16_t* slot_row = slots + static_cast<std::int64_t>(max(row, 0)) * slot_stride;  // (read only where valid)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
             v[h][j] = valid[j] && in[h] ? load4_streaming(slot_row, c[h]) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -357,7 +390,7 @@ __device__ void combine_tokens(int begin, int end, int hidden, int top_k, const 
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         if (in[h])
-          *reinterpret_cast<uint2*>(out + static_cast<std::int64_t>(token) * hidden + 4 * c[h]) =
+          *reinterpret_cast<uint2*>(out + static_cast<std::int64_t>(token) * out_stride + 4 * c[h]) =
               uint2{pack_bf16x2(acc[h].x, acc[h].y), pack_bf16x2(acc[h].z, acc[h].w)};
     }
   }

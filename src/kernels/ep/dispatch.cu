@@ -12,22 +12,30 @@
 namespace mok::kernels {
 namespace {
 
+// The columns a copy moves (DispatchParams::column0: a column block, or the whole row).
+struct Columns {
+  int first, count, stride;  // first source column, columns, routed rows' stride
+  __device__ explicit Columns(const DispatchParams& p)
+      : first(p.column0), count(p.columns ? p.columns : p.hidden), stride(p.routed_stride ? p.routed_stride : p.hidden) {}
+};
+
 __global__ void __launch_bounds__(256) dispatch_kernel(const __grid_constant__ DispatchParams p) {
   if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
   const std::int64_t rows = p.expert_offset[p.num_local_experts];
-  const int vectors = p.hidden / 8;  // uint4 of bf16 per row
+  const Columns cols(p);
+  const int vectors = cols.count / 8;  // uint4 of bf16 per row
   const int lane = threadIdx.x % 32;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
   for (std::int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
     const std::int32_t pair = p.row_pair[row];
-    uint4* dst = reinterpret_cast<uint4*>(row < p.split ? p.x_routed + row * p.hidden
-                                                        : p.x_routed_hi + (row - p.split) * p.hidden);
+    uint4* dst = reinterpret_cast<uint4*>(row < p.split ? p.x_routed + row * cols.stride
+                                                        : p.x_routed_hi + (row - p.split) * cols.stride);
     if (pair < 0) {
       for (int v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
     } else {
       const int token = (pair % p.pairs_per_rank) / p.top_k;
-      const uint4* src =
-          reinterpret_cast<const uint4*>(p.x[pair / p.pairs_per_rank] + static_cast<std::int64_t>(token) * p.hidden);
+      const uint4* src = reinterpret_cast<const uint4*>(p.x[pair / p.pairs_per_rank] +
+                                                        static_cast<std::int64_t>(token) * p.hidden + cols.first);
       warp_copy_row(dst, src, vectors, lane);
     }
   }
@@ -42,15 +50,16 @@ __global__ void __launch_bounds__(256) dispatch_kernel(const __grid_constant__ D
 __global__ void __launch_bounds__(256) scatter_kernel(const __grid_constant__ DispatchParams p) {
   constexpr int kInFlight = 4;
   if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
-  const int vectors = p.hidden / 8, lane = threadIdx.x % 32, k = p.top_k;
+  const Columns cols(p);
+  const int vectors = cols.count / 8, lane = threadIdx.x % 32, k = p.top_k;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
   const std::int64_t warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   auto row_at = [&](std::int64_t row) {
-    return reinterpret_cast<uint4*>(row < p.split ? p.x_routed + row * p.hidden : p.x_routed_hi + (row - p.split) * p.hidden);
+    return reinterpret_cast<uint4*>(row < p.split ? p.x_routed + row * cols.stride : p.x_routed_hi + (row - p.split) * cols.stride);
   };
   const std::int64_t tokens = p.pairs_per_rank / k;
   for (std::int64_t token = warp; token < tokens; token += warps) {
-    const uint4* src = reinterpret_cast<const uint4*>(p.x[0] + token * p.hidden);
+    const uint4* src = reinterpret_cast<const uint4*>(p.x[0] + token * p.hidden + cols.first);
     const std::int32_t* rows_of_token = p.pair_row + token * k;
     // (v0 the same in every lane: the shuffles below need the whole warp, whatever H)
     for (int v0 = 0; v0 < vectors; v0 += 32 * kInFlight) {

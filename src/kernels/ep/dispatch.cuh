@@ -25,6 +25,10 @@ struct DispatchParams {
   std::int64_t capacity;
   std::int32_t pairs_per_rank;   // T * k
   int hidden, top_k, num_local_experts;
+  // A column block (the backward in column blocks, BackwardParams::col_begin): columns
+  // [column0, column0 + columns) of each row into routed rows `routed_stride` elements apart.
+  // 0, 0, 0: the whole row, routed rows of H.
+  int column0, columns, routed_stride;
 };
 
 void launch_dispatch(const DispatchParams& params, int num_ctas, cudaStream_t stream);
