@@ -77,32 +77,6 @@ __device__ __forceinline__ std::uint64_t wgmma_descriptor_sw128_mn(const void* t
     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
     "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
-// The first 32 accumulator operands of an m64n64 MMA (d: float[128], the m64n256 layout's prefix:
-// columns 0 .. 63), likewise (%0 .. %31).
-#define MOK_WGMMA_ACC32_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define MOK_WGMMA_ACC32(d) \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-
-// The first 96 accumulator operands of an m64n192 MMA (d: float[128], the m64n256 layout's prefix:
-// columns 0 .. 191), likewise (%0 .. %95).
-#define MOK_WGMMA_ACC96_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
-#define MOK_WGMMA_ACC96(d) \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
-    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-
 // D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T; d holds this thread's 128 accumulators.
 // scale_d = 0 overwrites D (first K step), 1 accumulates. kMnMajorA / kMnMajorB select the
 // transposed (MN-major) shared-memory layout of each operand.
@@ -114,37 +88,6 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], std::uint
       " wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " MOK_WGMMA_ACC128_REGS ", %128, %129, p, 1, 1, %131, %132;\n}"
       : MOK_WGMMA_ACC128(d)
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kMnMajorA), "n"(kMnMajorB));
-}
-
-// The same MMA over B's first kN rows (kN = 64, 128, 192 or 256: a tile whose last columns lie past
-// the matrix), into the first kN / 2 of d's accumulators — the m64nN accumulator layout is a prefix
-// of m64n256's, so d's columns 0 .. kN - 1 get what the n256 MMA gives them and the rest are not
-// touched. kN = 256 is wgmma_m64n256k16_bf16.
-template <int kN, int kMnMajorA = 0, int kMnMajorB = 0>
-__device__ __forceinline__ void wgmma_m64nNk16_bf16(float (&d)[128], std::uint64_t desc_a, std::uint64_t desc_b,
-                                                    int scale_d) {
-  static_assert(kN == 64 || kN == 128 || kN == 192 || kN == 256);
-  if constexpr (kN == 256) {
-    wgmma_m64n256k16_bf16<kMnMajorA, kMnMajorB>(d, desc_a, desc_b, scale_d);
-  } else if constexpr (kN == 192) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %98, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 " MOK_WGMMA_ACC96_REGS ", %96, %97, p, 1, 1, %99, %100;\n}"
-        : MOK_WGMMA_ACC96(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kMnMajorA), "n"(kMnMajorB));
-  } else if constexpr (kN == 128) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MOK_WGMMA_ACC64_REGS ", %64, %65, p, 1, 1, %67, %68;\n}"
-        : MOK_WGMMA_ACC64(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kMnMajorA), "n"(kMnMajorB));
-  } else {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MOK_WGMMA_ACC32_REGS ", %32, %33, p, 1, 1, %35, %36;\n}"
-        : MOK_WGMMA_ACC32(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kMnMajorA), "n"(kMnMajorB));
-  }
 }
 
 // D[64 x 256] (+)= A[64 x 32] * B[256 x 32]^T, E4M3 x E4M3 -> fp32, both K-major (full 64-bit

@@ -169,7 +169,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
       }
       if (t.kind == kDh) {
         if (!fp8) {
-          mainloop_columns<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task, d.inter - t.n * kBlockN);
+          mainloop<KMajor, MnMajor>(p, s, pipe, acc, p.hidden / kBlockK, wg, task);
         }
         timer.lap<Phase::mainloop_dh>();
         epilogue_dh<kFp8Dgrad<Q>>(p, s, acc, t, row0, wg, sched.n_dh(t.shared));
@@ -183,7 +183,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
         timer.lap<Phase::epilogue_dh>();
       } else {
         if (!fp8) {
-          mainloop_columns<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task, p.hidden - t.n * kBlockN);
+          mainloop<KMajor, MnMajor>(p, s, pipe, acc, 2 * d.inter / kBlockK, wg, task);
         }
         timer.lap<Phase::mainloop_dx>();
         const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
@@ -200,9 +200,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     } else {
       int first = 0, count = 0;
       expert_rows(p, t, first, count);
-      // (dW_down's tile: columns of I; dW_gate|up's: of H)
-      mainloop_columns<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task,
-                                         (t.kind == kWd ? d.inter : p.hidden) - t.n * kBlockN);
+      mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task);
       timer.lap<Phase::mainloop_wgrad>();
       epilogue_weight<kFp8Dgrad<Q>>(p, s, acc, t, wg, count == 0);
       if (threadIdx.x % 128 == 0 && read_counter(p, t) != nullptr && (count > 0 || t.kind == kWd))  // (an expert without

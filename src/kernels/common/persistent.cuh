@@ -200,9 +200,7 @@ struct MnMajor {
 // its loads went one at a time, 2026-12-03); and in the FP8 dgrad kernel, entering as the FP8
 // mainloop left it (defined by ordinary instructions), ptxas serialized every wgmma of the
 // kernel (warning C7515). An empty sum (k_steps = 0) is zero.
-// kN: B's rows (the tile's columns) multiplied, 256 or, for a tile whose last columns lie past the
-// matrix, 64, 128 or 192 (mainloop_columns): the accumulators of the columns past kN stay zero.
-template <typename LayoutA, typename LayoutB, int kN = 256, int kStages, typename P, typename S>
+template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                          int wg, int task) {
   constexpr int kBlockK = 64;
@@ -218,8 +216,8 @@ __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pi
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk)
-      ptx::wgmma_m64nNk16_bf16<kN, LayoutA::kMn, LayoutB::kMn>(acc, desc_a + LayoutA::kDescStep * kk,
-                                                               desc_b + LayoutB::kDescStep * kk, (kb | kk) != 0);
+      ptx::wgmma_m64n256k16_bf16<LayoutA::kMn, LayoutB::kMn>(acc, desc_a + LayoutA::kDescStep * kk,
+                                                             desc_b + LayoutB::kDescStep * kk, (kb | kk) != 0);
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // the previous stage's MMAs are done: hand it back
     if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
@@ -228,21 +226,6 @@ __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pi
   }
   ptx::wgmma_wait_group<0>();
   if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
-}
-
-// mainloop over a tile of which only `columns` (> 0) lie inside the matrix: a tile of at most 64
-// (H or I = 64 mod 256, as gpt-oss-120b's 2880: one tile in twelve) multiplies its first 64 columns
-// alone, a quarter of the MMAs (the producer loads no box past the edge). Only that one narrower
-// shape: with 128 and 192 too the backward kernels spilled (76 bytes; the mainloop is inlined at
-// three sites there).
-template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
-__device__ __forceinline__ void mainloop_columns(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128],
-                                                 int k_steps, int wg, int task, int columns) {
-#if defined(MOK_DIAG_FULL_EDGE_TILES)  // (a diagnostic build, for same-run A/Bs: every tile multiplies 256 columns)
-  columns = 256;
-#endif
-  if (columns > 64) mainloop<LayoutA, LayoutB, 256>(p, s, pipe, acc, k_steps, wg, task);
-  else mainloop<LayoutA, LayoutB, 64>(p, s, pipe, acc, k_steps, wg, task);
 }
 
 // counter += count (release, gpu scope) once every thread of warpgroup `wg` has issued the

@@ -78,10 +78,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     }
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
     float acc[128];
-    // (GEMM2's tile: columns of H, the last one narrower where H is not a multiple of 256; GEMM1's
-    // interleaves 128 gate and 128 up columns and always multiplies all 256)
-    if (t.kind == kGemm1) mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task);
-    else mainloop_columns<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task, p.hidden - t.n * kBlockN);
+    mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task);
     if (t.kind == kGemm1) timer.lap<Phase::mainloop_gemm1>();
     else timer.lap<Phase::mainloop_gemm2>();
     if (t.mb >= 0) publish_count(p.ring.freed + t.mb, 1, wg);  // its ring rows are read: the slot may be reused
