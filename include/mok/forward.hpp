@@ -50,7 +50,8 @@ void* call_scratch(Workspace& ws, const std::optional<TensorView>& given, std::i
 // that serves every call on its first call that needs it (not while a CUDA graph is being
 // captured). With bf16 weight gradients a Training::save backward keeps its routed dy rows
 // and w*h in the W_gate / W_up gradient buffers (which it writes last) where they fit, so
-// its scratch is smaller than the forward's (smallest when the two gradients are one block).
+// its scratch is smaller than the forward's (smallest when the two gradients are one block);
+// and it holds x's routed rows one column block at a time (Config::backward_column_blocks).
 class Workspace {
  public:
   Workspace(const MoeShape& shape, std::int64_t max_tokens, const Config& config = {},
