@@ -19,7 +19,7 @@
 namespace mok::detail {
 
 inline constexpr std::int64_t kTileRows = 128;  // the kernels' M-tile = the plan's block_m
-inline constexpr std::int64_t kSavedTrailer = 8;
+inline constexpr std::int64_t kSavedTrailer = 8;  // bf16 elements at a saved tensor's end: the 8-byte validity marker
 // Config::backward_column_blocks 0: this many (the x / dx rows, the backward scratch's largest
 // buffer, at half their bytes; bench/NOTES.md, thirteenth session). MOK_DIAG_WHOLE_ROWS (a
 // diagnostic build, for same-run A/Bs): one, as before.
@@ -27,7 +27,7 @@ inline constexpr std::int64_t kSavedTrailer = 8;
 inline constexpr std::int64_t kBackwardColumnBlocks = 1;
 #else
 inline constexpr std::int64_t kBackwardColumnBlocks = 2;
-#endif  // bf16 elements at a saved tensor's end: the 8-byte validity marker
+#endif
 
 inline std::int64_t shared_tiles(const MoeShape& s, std::int64_t tokens) {
   return s.has_shared() ? (tokens + kTileRows - 1) / kTileRows : 0;
