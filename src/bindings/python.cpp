@@ -88,7 +88,7 @@ NB_MODULE(_C, m) {
           [](mok::Workspace* self, std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts,
              std::int64_t top_k, std::int64_t shared_intermediate, std::optional<float> limit, std::int64_t tokens,
              int device, int compute_sms, double timeout_seconds, bool training, const std::string& precision,
-             bool replay_launches) {
+             bool replay_launches, int backward_column_blocks) {
             if (precision != "bf16" && precision != "fp8")
               throw nb::value_error(("mok.Workspace: precision must be 'bf16' or 'fp8', got '" + precision + "'").c_str());
             if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
@@ -99,6 +99,7 @@ NB_MODULE(_C, m) {
             config.timeout_seconds = timeout_seconds;
             config.precision = precision == "fp8" ? mok::Precision::fp8 : mok::Precision::bf16;
             config.replay_launches = replay_launches;
+            config.backward_column_blocks = backward_column_blocks;
             new (self) mok::Workspace(make_shape(hidden, intermediate, num_experts, num_experts, top_k,
                                                  shared_intermediate, limit),
                                       tokens, config, training ? mok::Training::save : mok::Training::off);
@@ -106,7 +107,7 @@ NB_MODULE(_C, m) {
           nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("top_k"),
           nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("max_tokens"), nb::arg("device"),
           nb::arg("compute_sms") = 0, nb::arg("timeout_seconds") = 10.0, nb::arg("training") = false,
-          nb::arg("precision") = "bf16", nb::arg("replay_launches") = true)
+          nb::arg("precision") = "bf16", nb::arg("replay_launches") = true, nb::arg("backward_column_blocks") = 0)
       .def_prop_ro("max_tokens", &mok::Workspace::max_tokens)
       .def_prop_ro("replayed_calls", &mok::Workspace::replayed_calls)  // (Config::replay_launches)
       .def_prop_ro("captured_calls", &mok::Workspace::captured_calls)

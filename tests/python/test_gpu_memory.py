@@ -66,6 +66,37 @@ def test_backward_rows_across_both_gate_up_gradients_give_the_bits_of_apart():
         _C.backward(ws, *tensors, ops._stream(x), scratch=to_dlpack(scratch[:block]))
 
 
+def test_backward_column_blocks_setting_gives_the_bits_of_the_default():
+    """mok.set_backward_column_blocks(1): the layer's next workspace keeps x's routed rows whole
+    in one backward launch (the default takes them in two column blocks): the same gradients bit
+    for bit, and a backward scratch larger by exactly the x rows' other half."""
+    from mok import ops
+
+    T, H, I, E, k = 300, 512, 256, 4, 2
+    x, ids, w, gate, up, down, _ = _problem(T=T, H=H, I=I, E=E, k=k, seed=57)
+    dy = torch.randn_like(x)
+
+    def step():
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, gate, up, down)]
+        y = mok.moe(leaves[0], ids, *leaves[1:])
+        y.backward(dy)
+        ws = ops._workspace(x, down, k, 0, None)
+        return [t.grad for t in leaves], ws
+
+    blocked, ws_blocked = step()
+    try:
+        mok.set_backward_column_blocks(1)
+        whole, ws_whole = step()
+    finally:
+        mok.set_backward_column_blocks(0)
+    assert ws_whole is not ws_blocked
+    for a, b in zip(blocked, whole):
+        assert torch.equal(a, b)
+    # (the other 256 columns of every plan row: 2 bytes x capacity rows, capacity >= T k)
+    grow = ws_whole.backward_scratch_bytes(False, T, True) - ws_blocked.backward_scratch_bytes(False, T, True)
+    assert grow % (2 * (H - 256)) == 0 and grow // (2 * (H - 256)) >= T * k
+
+
 def test_evaluation_and_training_share_one_workspace():
     """An evaluation call under no_grad and a training step of the same shape use one
     workspace (a training workspace also serves inference): no second copy of the buffers."""
