@@ -294,6 +294,11 @@ __device__ void store_weight_grad_tma(const BackwardParams& p, SharedStorage& s,
 template <bool kSharedWindow>
 __device__ void epilogue_weight(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
                                 int wg, bool empty) {
+#if defined(MOK_DIAG_NO_WGRAD_EPILOGUE)
+  // (a timing build, wrong weight gradients: the weight-gradient tiles store nothing, so a same-run
+  // A/B says what their epilogues cost in wall time — the bound of overlapping them; bench/NOTES.md)
+  return;
+#endif
   if (!p.grad_fp32) {
     store_weight_grad_tma<kSharedWindow>(p, s, acc, t, wg, empty);
     return;
