@@ -194,6 +194,9 @@ __device__ inline void wait_for_slot_rows(const ForwardParams& p, SharedStorage&
 // warpgroups by default, one in the ping-pong forward.
 __device__ inline void combine(const ForwardParams& p, const Task& t, int tid = threadIdx.x - kProducerThreads,
                                int threads = 128 * kConsumerWarpgroups) {
+#if defined(MOK_DIAG_NO_COMBINE)  // (a timing build, wrong y: what the combine costs in wall time; bench/NOTES.md)
+  return;
+#endif
   const int begin = t.m * kCombineTokens, end = min(p.tokens, (t.m + 1) * kCombineTokens);
   if (p.ep.push)
     combine_tokens<true, true>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, p.topk_weights, p.ep.slots[p.ep.rank],
