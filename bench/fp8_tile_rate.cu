@@ -12,8 +12,6 @@
 //               other; straight-line groups of eight K blocks ending in wait_group 0 (a loop
 //               back edge with MMAs in flight made ptxas serialize every wgmma, C7514);
 //               stages of A 16 KB + B 16 KB (a third more bytes a FLOP)
-//   skewed      current, with warpgroup 1's first half of each tile issued only after warpgroup
-//               0's has completed (mainloop_fp8<Fp8Order::skewed>): the batches half a block apart
 //   A in regs   current, with each warpgroup's A of a stage loaded once (ldmatrix) and both halves'
 //               MMAs taking it from registers (RS form): A's shared-memory reads halved
 //   overlap+mc  overlapped (6 stages) in 2-CTA clusters taking tiles (m, 2j) and (m, 2j + 1): each
@@ -257,7 +255,7 @@ __device__ void mainloop_overlapped(const Params& p, St& s, Pipeline<St::kStages
   }
 }
 
-template <typename St, Fp8Order kOrder, bool kRs>
+template <typename St, bool kRs>
 __device__ void consume(const Params& p, St& s, int wg) {
   constexpr int kTileN = St::kN;
   Pipeline<St::kStages> pipe;
@@ -269,7 +267,7 @@ __device__ void consume(const Params& p, St& s, int wg) {
       float acc[128];
       const Fp8TaskScales sc{p.a_scales + m * 128 + wg * 64, p.m, {p.b_exponents, p.b_exponents}};
       if constexpr (kRs) mainloop_rs(p, s, pipe, acc, wg, tile, a_rows);
-      else mainloop_fp8<kOrder>(p, s, pipe, acc, p.k_blocks, wg, tile, sc);
+      else mainloop_fp8(p, s, pipe, acc, p.k_blocks, wg, tile, sc);
 #pragma unroll
       for (int i = 0; i < 128; ++i) total += acc[i];
     } else {
@@ -282,7 +280,7 @@ __device__ void consume(const Params& p, St& s, int wg) {
   if (total == 1234.5f) p.sink[blockIdx.x] = total;  // (keeps the work; never true here)
 }
 
-template <typename St, Fp8Order kOrder, bool kRs>
+template <typename St, bool kRs>
 __global__ void __launch_bounds__(kThreads, 1) tile_kernel(const __grid_constant__ Params p) {
   St& s = shared_storage<St>();
   s.barriers.init(kConsumerWarpgroups * St::kCluster);  // (with clusters the peer's warpgroups release too)
@@ -293,17 +291,17 @@ __global__ void __launch_bounds__(kThreads, 1) tile_kernel(const __grid_constant
     __syncthreads();
   }
   split_roles<kProducerRegisters, kConsumerRegisters>([&] { produce<St>(p, s); },
-                                                      [&](int wg) { consume<St, kOrder, kRs>(p, s, wg); });
+                                                      [&](int wg) { consume<St, kRs>(p, s, wg); });
   if constexpr (St::kCluster == 2) ptx::cluster_sync();  // (no CTA leaves while its peer may still write into it)
 }
 
-template <int kTileN, int kStages, Fp8Order kOrder = Fp8Order::plain, bool kRs = false, int kCluster = 1>
+template <int kTileN, int kStages, bool kRs = false, int kCluster = 1>
 void run(Params p, int M, int N, int K, int iters, int repeats, int sms) {
   using St = Storage<kTileN, kStages, kCluster>;
   p.tiles_m = M / 128, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
   const std::size_t smem = shared_storage_bytes<St>();
   static_assert(shared_storage_bytes<St>() <= kMaxSharedMemoryBytes);
-  auto kernel = tile_kernel<St, kOrder, kRs>;
+  auto kernel = tile_kernel<St, kRs>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
@@ -316,7 +314,7 @@ void run(Params p, int M, int N, int K, int iters, int repeats, int sms) {
   });
   const double tflop = 2.0 * M * N * K * iters / 1e12;  // (ms: ascending)
   std::printf("%-11s %3d x %3d CTA tiles, %d stages of %2d KB  %7.1f TFLOP/s  [%.1f, %.1f]\n",
-              kTileN == 128 ? (kCluster == 2 ? "overlap+mc" : "overlapped") : kRs ? "A in regs" : kOrder == Fp8Order::skewed ? "skewed" : "current", 128,
+              kTileN == 128 ? (kCluster == 2 ? "overlap+mc" : "overlapped") : kRs ? "A in regs" : "current", 128,
               kTileN, kStages, static_cast<int>(sizeof(typename St::Stage) / 1024), tflop / (ms[ms.size() / 2] * 1e-3), tflop / (ms.back() * 1e-3), tflop / (ms.front() * 1e-3));
 }
 
@@ -384,12 +382,11 @@ int main(int argc, char** argv) {
   try {  // (time_iterations throws mok::Error on a CUDA error)
     for (int round = 0; round < 2; ++round) {
       run<256, 4>(p, M, N, K, iters, repeats, sms);
-      run<256, 4, Fp8Order::skewed>(p, M, N, K, iters, repeats, sms);
-      run<256, 4, Fp8Order::plain, true>(p, M, N, K, iters, repeats, sms);
+      run<256, 4, true>(p, M, N, K, iters, repeats, sms);
       run<128, 4>(p, M, N, K, iters, repeats, sms);
       run<128, 6>(p, M, N, K, iters, repeats, sms);
       run<128, 7>(p, M, N, K, iters, repeats, sms);
-      run<128, 6, Fp8Order::plain, false, 2>(p, M, N, K, iters, repeats, sms);
+      run<128, 6, false, 2>(p, M, N, K, iters, repeats, sms);
     }
   } catch (const mok::Error& e) {
     std::fprintf(stderr, "fp8_tile_rate: %s\n", e.what());

@@ -2,7 +2,7 @@
 # Hardware counters of bench/fp8_tile_rate's FP8 mainloop variants (Nsight Compute, clocks left
 # alone; one launch of each, after a warm-up launch): what each waits on, how busy the tensor pipe,
 # shared memory and L2 are. On a Hopper machine with ncu:
-#   OUT=<dir> scripts/ncu_tile_rate.sh [--build DIR] [--variants current,skewed,a_in_regs,overlapped,overlap_mc]
+#   OUT=<dir> scripts/ncu_tile_rate.sh [--build DIR] [--variants current,a_in_regs,overlapped,overlap_mc]
 # builds fp8_tile_rate if DIR lacks it, and writes per variant $OUT/ncu-tile-<variant>.txt (the
 # details page), -raw.txt (every metric), -stalls.txt (the warp-stall metrics) and -sass.csv (the
 # source page: each SASS instruction's executions and stall samples), then prints a
@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/ncu_out}"
 build=build-rates
-list=current,skewed,a_in_regs,overlapped,overlap_mc
+list=current,a_in_regs,overlapped,overlap_mc
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build="$2"; shift ;;
@@ -30,11 +30,10 @@ if [ ! -x "$build/bench/fp8_tile_rate" ]; then
       -DMOK_BUILD_EXAMPLES=OFF && cmake --build "$build" --target fp8_tile_rate -j"$(nproc)"; } > "$OUT/ncu-build.log" 2>&1 ||
     { tail -30 "$OUT/ncu-build.log"; exit 1; }
 fi
-# The variants by their mangled kernel names (tile_kernel<Storage<N, stages, cluster>, Fp8Order, A in registers>).
+# The variants by their mangled kernel names (tile_kernel<Storage<N, stages, cluster>, A in registers>).
 declare -A variants=(
-  [current]='regex:tile_kernel.*StorageILi256ELi4ELi1EEE.*Fp8OrderE0ELb0E'
-  [skewed]='regex:tile_kernel.*StorageILi256ELi4ELi1EEE.*Fp8OrderE1ELb0E'
-  [a_in_regs]='regex:tile_kernel.*StorageILi256ELi4ELi1EEE.*Fp8OrderE0ELb1E'
+  [current]='regex:tile_kernel.*StorageILi256ELi4ELi1EEELb0E'
+  [a_in_regs]='regex:tile_kernel.*StorageILi256ELi4ELi1EEELb1E'
   [overlapped]='regex:tile_kernel.*StorageILi128ELi4ELi1EEE'
   [overlap_mc]='regex:tile_kernel.*StorageILi128ELi6ELi2EEE'
 )

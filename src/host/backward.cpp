@@ -297,11 +297,19 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
     unsigned long long* marker = detail::saved_marker(gu, ws);
     const int ctas = detail::persistent_ctas(ws, kWhere);
+    // (the FP8 dgrad kernel's params once: a block changes only the block's first tile)
+    kernels::Fp8BackwardParams q{};
+    if (b.fp8) q = detail::backward_fp8_params(b, ws, buffers, p);
     for (std::int64_t c0 = 0; c0 < H; c0 += W) {
       if (c0 > 0) copy_x_rows(c0);  // (stream order: after the previous block's combine has read its dx rows)
-      p.block_first_tile = static_cast<std::uint16_t>(c0 / kernels::kBlockN);
-      if (b.fp8) kernels::launch_backward_fp8(detail::backward_fp8_params(b, ws, buffers, p), ctas, s);
-      else kernels::launch_backward(p, ctas, s);
+      const auto first_tile = static_cast<std::uint16_t>(c0 / kernels::kBlockN);
+      if (b.fp8) {
+        q.base.block_first_tile = first_tile;
+        kernels::launch_backward_fp8(q, ctas, s);
+      } else {
+        p.block_first_tile = first_tile;
+        kernels::launch_backward(p, ctas, s);
+      }
       detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
     }
     // The pre-activations are gone (replaced by their gradients): mark the tensor consumed.

@@ -38,23 +38,12 @@ struct Fp8TaskScales {
 // this pattern caps two warpgroups at ~1440 TFLOP/s, and both ways of hiding the promotion run
 // faster: two block accumulators (~1700) or the warpgroups half a block apart (~1870). Fed by TMA
 // (bench/fp8_tile_rate.cu, one dense GEMM, 2026-12-04) neither does: this loop ~1060-1210 TFLOP/s,
-// the half-block skew ~850-1025, 128 x 128 tiles with two block accumulators ~920-1000 (with 6 or
-// 7 stages, or A multicast in 2-CTA clusters, no better); A from registers (RS form) is within
-// 0-5 % of this loop and needs 16 registers the kernels lack. So this loop stays, and the FP8
-// forward's mainloops run at about that dense rate in the layer.
-//
-// kOrder, for bench/fp8_tile_rate (timing experiments; the kernels take the default): skewed —
-// in each task warpgroup 1 issues its first half only once warpgroup 0's first half is complete
-// (named barrier kSkewBarrier), so the warpgroups' batches run half a block apart. (A third
-// order, warpgroup 1's MMAs in descending K, measured ~this loop's rate and was removed.)
-enum class Fp8Order : int { plain, skewed };
-inline constexpr int kSkewBarrier = 4;  // (after NamedBarrier's ids)
-// The kernels' order: plain, or skewed in a MOK_DIAG_FP8_SKEW=1 build (timing experiment, the same bits).
-#ifndef MOK_DIAG_FP8_SKEW
-#define MOK_DIAG_FP8_SKEW 0
-#endif
-inline constexpr Fp8Order kKernelFp8Order = MOK_DIAG_FP8_SKEW ? Fp8Order::skewed : Fp8Order::plain;
-template <Fp8Order kOrder = Fp8Order::plain, int kStages, typename P, typename S>
+// the half-block skew ~850-1025 (its loss a promotion waiting on its row-scale load, Nsight Compute
+// says; without it about this loop's rate: removed, bench/NOTES.md), 128 x 128 tiles with two block
+// accumulators ~920-1080 (with 6 or 7 stages, or A multicast in 2-CTA clusters, no better); A from
+// registers (RS form) is within 0-5 % of this loop and needs 16 registers the kernels lack. So this
+// loop stays, and the FP8 forward's mainloops run at about that dense rate in the layer.
+template <int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                              int wg, int task, const Fp8TaskScales& sc) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -114,7 +103,6 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
     }
     const auto& stage = s.stages[stage_index];
     const std::uint32_t desc_a = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.a) + wg * 64 * kFp8BlockK);
-    if (kOrder == Fp8Order::skewed && kb == 0 && wg == 1) ptx::named_barrier_sync(kSkewBarrier, 256);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
@@ -125,19 +113,12 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
       ptx::wgmma_commit_group();
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(block);  // no read of the block before the wait
-      if (kOrder == Fp8Order::skewed && kb == 0 && half == 0 && wg == 0) ptx::named_barrier_arrive(kSkewBarrier, 256);
       if (half == 1) {
         if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
         pipe.consumer_advance();
       }
       const float b_scale = exp2_int(half == 0 ? e0 : e1);  // (ldexpf: ~13 more instructions a half)
       float scale[2] = {a_lo * b_scale, a_hi * b_scale};  // exact: powers of two
-      if constexpr (kOrder == Fp8Order::skewed) {
-        // (timing experiment: ptxas placed the scales' product between the half's MMAs, whose issue
-        // then waited on the scale loads; a dependence on the block's first value keeps it after
-        // the wait — exact for finite blocks, a NaN a row's scale for a non-finite one)
-        scale[0] = __fmaf_rn(block[0], 0.0f, a_lo) * b_scale, scale[1] = __fmaf_rn(block[0], 0.0f, a_hi) * b_scale;
-      }
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
     }
