@@ -53,6 +53,22 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
                : "memory");
 }
 
+// tma_store_3d with an L2 cache policy (a createpolicy value, e.g. l2_policy_evict_first()).
+__device__ __forceinline__ void tma_store_3d_hint(const CUtensorMap* map, const void* src, int c0, int c1, int c2,
+                                                  std::uint64_t policy) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3, %4}], [%1], %5;" ::"l"(
+                   reinterpret_cast<std::uint64_t>(map)),
+               "r"(smem_address(src)), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
+               : "memory");
+}
+
+// An L2 policy that evicts the lines it touches first (for outputs no kernel reads again soon).
+__device__ __forceinline__ std::uint64_t l2_policy_evict_first() {
+  std::uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
 // Bulk copies of contiguous bytes (16-byte aligned, a multiple of 16 bytes).
 // Global -> shared, completion counted in bytes on `bar`.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, std::uint32_t bytes, std::uint64_t* bar) {

@@ -257,7 +257,8 @@ __device__ void push_dx_rows(const BackwardParams& p, SharedStorage& s, const fl
 // (clipped at the matrix edges, skipped when row >= rows or the column >= cols), so the
 // writes drain while the next tile's mainloop runs. zero: store zeros instead of acc.
 // kSharedWindow: stage_bf16_half's (the FP8 dgrad kernel).
-template <bool kSharedWindow>
+// kWeightGrad: a weight-gradient tile (the timing variants below touch only those).
+template <bool kSharedWindow, bool kWeightGrad = false>
 __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg, const CUtensorMap* map, int col0,
                                int row, int layer, int rows, int cols, bool zero) {
   const int tid = threadIdx.x % 128;
@@ -265,10 +266,20 @@ __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg
   for (int half = 0; half < 2; ++half) {
     stage_bf16_half<kSharedWindow>(reinterpret_cast<char*>(s.staging[wg]), acc, half, wg,
                     [zero](float a, float b) { return zero ? 0u : pack_bf16x2(a, b); });
+#if defined(MOK_DIAG_WGRAD_NO_TMA)  // (timing build, wrong weight gradients: staged, never stored)
+    if constexpr (kWeightGrad) continue;
+#endif
     if (tid == 0 && row < rows) {
       for (int panel = 0; panel < 2; ++panel) {
         const int col = col0 + 128 * half + 64 * panel;
-        if (col < cols) tma_store_3d(map, s.staging[wg] + panel * 64 * 64, col, row, layer);
+        if (col >= cols) continue;
+#if defined(MOK_DIAG_WGRAD_EVICT_FIRST)  // (same bits: the weight gradients' lines first out of L2)
+        if constexpr (kWeightGrad) {
+          tma_store_3d_hint(map, s.staging[wg] + panel * 64 * 64, col, row, layer, l2_policy_evict_first());
+          continue;
+        }
+#endif
+        tma_store_3d(map, s.staging[wg] + panel * 64 * 64, col, row, layer);
       }
       tma_store_commit_group();
     }
@@ -283,10 +294,10 @@ __device__ void store_weight_grad_tma(const BackwardParams& p, SharedStorage& s,
   const int H = p.hidden, I = (t.shared ? p.shared : p.routed).inter;
   const int row0 = t.m * kBlockM + wg * 64;
   if (t.kind == kWd) {
-    store_tile_tma<kSharedWindow>(s, acc, wg, &maps.d_down, t.n * kBlockN, row0, t.e, H, I, empty);
+    store_tile_tma<kSharedWindow, true>(s, acc, wg, &maps.d_down, t.n * kBlockN, row0, t.e, H, I, empty);
   } else {  // rows [0, I) of the tile space are W_gate's, [I, 2I) W_up's (I % 64 == 0)
     const bool gate = row0 < I;
-    store_tile_tma<kSharedWindow>(s, acc, wg, gate ? &maps.d_gate : &maps.d_up, t.n * kBlockN, gate ? row0 : row0 - I, t.e,
+    store_tile_tma<kSharedWindow, true>(s, acc, wg, gate ? &maps.d_gate : &maps.d_up, t.n * kBlockN, gate ? row0 : row0 - I, t.e,
                    gate ? I : (row0 < 2 * I ? I : 0), H, empty);
   }
 }
