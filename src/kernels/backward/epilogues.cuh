@@ -307,7 +307,16 @@ __device__ void epilogue_weight(const BackwardParams& p, SharedStorage& s, const
                                 int wg, bool empty) {
 #if defined(MOK_DIAG_NO_WGRAD_EPILOGUE)
   // (a timing build, wrong weight gradients: the weight-gradient tiles store nothing, so a same-run
-  // A/B says what their epilogues cost in wall time — the bound of overlapping them; bench/NOTES.md)
+  // A/B says what their epilogues cost in wall time — the bound of overlapping them; bench/NOTES.md).
+  // The accumulators are kept live by a branch never taken (t.e >= 0): with a bare return ptxas
+  // removed the weight-gradient MMAs themselves (their results dead; 4c146b3's run of this
+  // variant timed that, not the epilogue).
+  if (t.e < 0) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) sum += acc[i];
+    p.d_topk_weights[threadIdx.x] = sum;
+  }
   return;
 #endif
   if (!p.grad_fp32) {
