@@ -256,16 +256,26 @@ __device__ void push_dx_rows(const BackwardParams& p, SharedStorage& s, const fl
 // two 64 x 128 halves, each as two TMA stores to (col0 + 64 i, row, layer) of `map`
 // (clipped at the matrix edges, skipped when row >= rows or the column >= cols), so the
 // writes drain while the next tile's mainloop runs. zero: store zeros instead of acc.
-// kSharedWindow: stage_bf16_half's (the FP8 dgrad kernel).
-// kWeightGrad: a weight-gradient tile (the timing variants below touch only those).
-template <bool kSharedWindow, bool kWeightGrad = false>
+// kSharedWindow: stage_bf16_half's (the FP8 dgrad kernel). held (kHeld): a pipeline stage the
+// mainloop kept (mainloop<..., true>), whose bytes [16 KB wg, 16 KB (wg + 1)) take the second
+// half, so it need not wait for the first half's stores to read the staging; both warpgroups
+// first pass a barrier (their MMAs read the whole stage).
+template <bool kSharedWindow, bool kWeightGrad = false, bool kHeld = false>
 __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg, const CUtensorMap* map, int col0,
-                               int row, int layer, int rows, int cols, bool zero) {
+                               int row, int layer, int rows, int cols, bool zero, char* held = nullptr) {
   const int tid = threadIdx.x % 128;
+  constexpr int kHalfBytes = sizeof(s.staging[0]);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    stage_bf16_half<kSharedWindow>(reinterpret_cast<char*>(s.staging[wg]), acc, half, wg,
-                    [zero](float a, float b) { return zero ? 0u : pack_bf16x2(a, b); });
+    const auto pack = [zero](float a, float b) { return zero ? 0u : pack_bf16x2(a, b); };
+    char* staging = reinterpret_cast<char*>(s.staging[wg]);
+    if (kHeld && half == 1) {
+      sync_consumers();
+      staging = held + wg * kHalfBytes;
+      stage_bf16_half<kSharedWindow, false>(staging, acc, half, wg, pack);
+    } else {
+      stage_bf16_half<kSharedWindow>(staging, acc, half, wg, pack);
+    }
 #if defined(MOK_DIAG_WGRAD_NO_TMA)  // (timing build, wrong weight gradients: staged, never stored)
     if constexpr (kWeightGrad) continue;
 #endif
@@ -275,36 +285,39 @@ __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg
         if (col >= cols) continue;
 #if defined(MOK_DIAG_WGRAD_EVICT_FIRST)  // (same bits: the weight gradients' lines first out of L2)
         if constexpr (kWeightGrad) {
-          tma_store_3d_hint(map, s.staging[wg] + panel * 64 * 64, col, row, layer, l2_policy_evict_first());
+          tma_store_3d_hint(map, staging + panel * kHalfBytes / 2, col, row, layer, l2_policy_evict_first());
           continue;
         }
 #endif
-        tma_store_3d(map, s.staging[wg] + panel * 64 * 64, col, row, layer);
+        tma_store_3d(map, staging + panel * kHalfBytes / 2, col, row, layer);
       }
       tma_store_commit_group();
     }
   }
 }
 
-// bf16 weight gradient tile (empty: the expert has no rows, the gradient is zero).
+// bf16 weight gradient tile (empty: the expert has no rows, the gradient is zero). held: as
+// store_tile_tma's (nullptr unless kWgradHeldStage).
 template <bool kSharedWindow>
 __device__ void store_weight_grad_tma(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
-                                      int wg, bool empty) {
+                                      int wg, bool empty, char* held) {
   const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
   const int H = p.hidden, I = (t.shared ? p.shared : p.routed).inter;
   const int row0 = t.m * kBlockM + wg * 64;
+  constexpr bool kHeld = kWgradHeldStage;
   if (t.kind == kWd) {
-    store_tile_tma<kSharedWindow, true>(s, acc, wg, &maps.d_down, t.n * kBlockN, row0, t.e, H, I, empty);
+    store_tile_tma<kSharedWindow, true, kHeld>(s, acc, wg, &maps.d_down, t.n * kBlockN, row0, t.e, H, I, empty, held);
   } else {  // rows [0, I) of the tile space are W_gate's, [I, 2I) W_up's (I % 64 == 0)
     const bool gate = row0 < I;
-    store_tile_tma<kSharedWindow, true>(s, acc, wg, gate ? &maps.d_gate : &maps.d_up, t.n * kBlockN, gate ? row0 : row0 - I, t.e,
-                   gate ? I : (row0 < 2 * I ? I : 0), H, empty);
+    store_tile_tma<kSharedWindow, true, kHeld>(s, acc, wg, gate ? &maps.d_gate : &maps.d_up, t.n * kBlockN,
+                                               gate ? row0 : row0 - I, t.e, gate ? I : (row0 < 2 * I ? I : 0), H, empty,
+                                               held);
   }
 }
 
 template <bool kSharedWindow>
 __device__ void epilogue_weight(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
-                                int wg, bool empty) {
+                                int wg, bool empty, char* held = nullptr) {
 #if defined(MOK_DIAG_NO_WGRAD_EPILOGUE)
   // (a timing build, wrong weight gradients: the weight-gradient tiles store nothing, so a same-run
   // A/B says what their epilogues cost in wall time — the bound of overlapping them; bench/NOTES.md).
@@ -320,7 +333,7 @@ __device__ void epilogue_weight(const BackwardParams& p, SharedStorage& s, const
   return;
 #endif
   if (!p.grad_fp32) {
-    store_weight_grad_tma<kSharedWindow>(p, s, acc, t, wg, empty);
+    store_weight_grad_tma<kSharedWindow>(p, s, acc, t, wg, empty, held);
     return;
   }
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;

@@ -138,10 +138,11 @@ __device__ __forceinline__ int swizzled_offset(int row, int col) { return swizzl
 // at 32-bit addresses rather than generic stores at 64-bit ones — for a kernel at its register
 // limit (the FP8 dgrad kernel), where the compiler hoists the 64-bit staging addresses out of
 // the task loop and spills them across the mainloops (188 bytes; 0 with this).
-template <bool kSharedWindow = false, typename Pack>
+// kWaitRead = false: the staging is known free (nothing stored from it since it was handed over).
+template <bool kSharedWindow = false, bool kWaitRead = true, typename Pack>
 __device__ __forceinline__ void stage_bf16_half(char* staging, const float (&acc)[128], int half, int wg, Pack pack) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  if (tid == 0) ptx::tma_store_wait_read();
+  if (kWaitRead && tid == 0) ptx::tma_store_wait_read();
   sync_warpgroup(wg);
 #pragma unroll
   for (int i = 64 * half; i < 64 * half + 64; i += 2) {
@@ -200,14 +201,18 @@ struct MnMajor {
 // its loads went one at a time, 2026-12-03); and in the FP8 dgrad kernel, entering as the FP8
 // mainloop left it (defined by ordinary instructions), ptxas serialized every wgmma of the
 // kernel (warning C7515). An empty sum (k_steps = 0) is zero.
-template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
-__device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
-                                         int wg, int task) {
+// kHold (the backward's weight-gradient tiles with MOK_DIAG_WGRAD_HELD_STAGE): the stage
+// `held` (-1: none), which the previous task's epilogue staged into, is handed back with this
+// loop's first hand-back, once the leader's TMA stores have read it; and this loop's last
+// stage is not handed back but returned, for the epilogue to stage into (release_held()).
+template <typename LayoutA, typename LayoutB, bool kHold = false, int kStages, typename P, typename S>
+__device__ __forceinline__ int mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
+                                        int wg, int task, int held = -1) {
   constexpr int kBlockK = 64;
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   const bool leader = threadIdx.x % 128 == 0;  // releases the warpgroup's stages
-  int previous = -1;
+  int previous = kHold ? held : -1;
   for (int kb = 0; kb < k_steps; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
     const auto& stage = s.stages[stage_index];
@@ -220,12 +225,29 @@ __device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pi
                                                              desc_b + LayoutB::kDescStep * kk, (kb | kk) != 0);
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // the previous stage's MMAs are done: hand it back
-    if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
+    if (previous >= 0 && leader) {
+      if (kHold && kb == 0) ptx::tma_store_wait_read();  // (the held stage: its stores have read it)
+      pipe.consumer_release(s.barriers, previous);
+    }
     previous = stage_index;
     pipe.consumer_advance();
   }
   ptx::wgmma_wait_group<0>();
+  if constexpr (kHold) return previous;
   if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
+  return -1;
+}
+
+// Hands back a stage that mainloop<..., true> kept (held >= 0), once the warpgroup leader's TMA
+// stores have read it; held becomes -1.
+template <int kStages, typename S>
+__device__ __forceinline__ void release_held(S& s, Pipeline<kStages>& pipe, int& held) {
+  if (held < 0) return;
+  if (threadIdx.x % 128 == 0) {
+    ptx::tma_store_wait_read();
+    pipe.consumer_release(s.barriers, held);
+  }
+  held = -1;
 }
 
 // counter += count (release, gpu scope) once every thread of warpgroup `wg` has issued the
