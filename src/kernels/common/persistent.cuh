@@ -201,18 +201,19 @@ struct MnMajor {
 // its loads went one at a time, 2026-12-03); and in the FP8 dgrad kernel, entering as the FP8
 // mainloop left it (defined by ordinary instructions), ptxas serialized every wgmma of the
 // kernel (warning C7515). An empty sum (k_steps = 0) is zero.
-// kHold (the backward's weight-gradient tiles with MOK_DIAG_WGRAD_HELD_STAGE): the stage
-// `held` (-1: none), which the previous task's epilogue staged into, is handed back with this
-// loop's first hand-back, once the leader's TMA stores have read it; and this loop's last
-// stage is not handed back but returned, for the epilogue to stage into (release_held()).
-template <typename LayoutA, typename LayoutB, bool kHold = false, int kStages, typename P, typename S>
+// Held stages (MOK_DIAG_WGRAD_HELD_STAGE, MOK_DIAG_GEMM2_HELD_STAGE): with kTakeHeld a stage
+// `held` (-1: none) that the previous task's epilogue staged into is handed back with this
+// loop's first hand-back, once the leader's TMA stores have read it; with kKeepLast this loop's
+// last stage is not handed back but returned, for the epilogue to stage into (release_held()).
+template <typename LayoutA, typename LayoutB, bool kKeepLast = false, bool kTakeHeld = kKeepLast, int kStages,
+          typename P, typename S>
 __device__ __forceinline__ int mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                         int wg, int task, int held = -1) {
   constexpr int kBlockK = 64;
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   const bool leader = threadIdx.x % 128 == 0;  // releases the warpgroup's stages
-  int previous = kHold ? held : -1;
+  int previous = kTakeHeld ? held : -1;
   for (int kb = 0; kb < k_steps; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
     const auto& stage = s.stages[stage_index];
@@ -226,14 +227,14 @@ __device__ __forceinline__ int mainloop(const P& p, S& s, Pipeline<kStages>& pip
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // the previous stage's MMAs are done: hand it back
     if (previous >= 0 && leader) {
-      if (kHold && kb == 0) ptx::tma_store_wait_read();  // (the held stage: its stores have read it)
+      if (kTakeHeld && kb == 0) ptx::tma_store_wait_read();  // (a held stage: its stores have read it)
       pipe.consumer_release(s.barriers, previous);
     }
     previous = stage_index;
     pipe.consumer_advance();
   }
   ptx::wgmma_wait_group<0>();
-  if constexpr (kHold) return previous;
+  if constexpr (kKeepLast) return previous;
   if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
   return -1;
 }

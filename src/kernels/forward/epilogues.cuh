@@ -115,9 +115,11 @@ __device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, in
 // publish_slots()): two halves of 128 columns through the warpgroup's 16 KB staging
 // (stage_bf16_half: two swizzled 64-column panels), each as two TMA stores of 64 x 64. The
 // combine sums the rows in fp32 (docs/design.md: each expert's row is rounded to bf16 first,
-// as PyTorch's grouped GEMMs round theirs).
+// as PyTorch's grouped GEMMs round theirs). held (kGemm2HeldStage): the mainloop's kept stage,
+// whose bytes [16 KB wg, 16 KB (wg + 1)) take the second half (after a barrier of both
+// warpgroups, whose MMAs read the whole stage), so it does not wait for the first half's reads.
 __device__ inline void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
-                               int row0, int wg) {
+                               int row0, int wg, char* held = nullptr) {
   const int tid = threadIdx.x % 128;
   const CUtensorMap* map = t.shared ? &p.maps.shared_slots : &p.maps.slots;
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
@@ -125,6 +127,21 @@ __device__ inline void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, 
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (n0 + 128 * half >= p.hidden) break;  // (hidden is a multiple of 64: a panel is wholly in or out)
+    if constexpr (kGemm2HeldStage) {
+      if (held != nullptr && half == 1) {  // (the FP8 forward holds none)
+        constexpr int kPanelBytes = sizeof(s.h_staging[0][0]);
+        char* second = held + wg * 2 * kPanelBytes;
+        sync_consumers();
+        stage_bf16_half<false, false>(second, acc, half, wg, [](float a, float b) { return pack_bf16x2(a, b); });
+        if (tid == 0) {
+          const int col = n0 + 128;
+          tma_store_2d(map, second, col, row0 + wg * 64);
+          if (col + 64 < p.hidden) tma_store_2d(map, second + kPanelBytes, col + 64, row0 + wg * 64);
+          tma_store_commit_group();
+        }
+        continue;
+      }
+    }
     stage_bf16_half(staging, acc, half, wg, [](float a, float b) { return pack_bf16x2(a, b); });
     if (tid == 0) {
       const int col = n0 + 128 * half;

@@ -28,6 +28,16 @@ using namespace mok::ptx;
 
 constexpr int kRowBytes = kBlockK * 2;
 
+// GEMM2's epilogue stages its second half in the mainloop's last stage, kept until the next
+// mainloop's first hand-back (mainloop<..., true>), instead of waiting for the first half's
+// stores to read the staging (MOK_DIAG_GEMM2_HELD_STAGE: a same-bits variant, bench/NOTES.md;
+// the backward's weight-gradient tiles likewise with MOK_DIAG_WGRAD_HELD_STAGE).
+#if defined(MOK_DIAG_GEMM2_HELD_STAGE)
+inline constexpr bool kGemm2HeldStage = true;
+#else
+inline constexpr bool kGemm2HeldStage = false;
+#endif
+
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
     std::uint16_t a[kBlockM * kBlockK];  // 16 KB
