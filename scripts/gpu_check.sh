@@ -155,6 +155,24 @@ diag_ab() {
     tee "$OUT/${date:0:10}-$commit-$2.txt" | tail -16
   return "${PIPESTATUS[0]}"
 }
+# mma_check BASE HEAD...: warns (and writes $OUT/<date>-<commit>-mma-sites.txt) when a variant's
+# mok_bench has fewer tensor-core MMA sites in a kernel than the base's: ptxas removed MMAs whose
+# results the variant left unused, so its timing is not what it was built to measure
+# (scripts/mma_sites.sh; bench/NOTES.md, fourteenth session). Never fails the run.
+mma_check() {
+  local base=$1 head report="$OUT/${date:0:10}-$commit-mma-sites.txt"
+  shift
+  for head in "$@"; do  # (in parallel: a cuobjdump of mok_bench takes seconds)
+    scripts/mma_sites.sh --compare "$base/bench/mok_bench" "$head/bench/mok_bench" > "$LOG/mma_$(basename "$head").txt" 2>&1 &
+    echo $! > "$LOG/mma_$(basename "$head").pid"
+  done
+  for head in "$@"; do
+    if ! wait "$(cat "$LOG/mma_$(basename "$head").pid")"; then
+      { echo "WARNING: $head has fewer MMA sites than $base (its timing does not include those MMAs):"
+        cat "$LOG/mma_$(basename "$head").txt"; } | tee -a "$report"
+    fi
+  done
+}
 wait_builds() {  # every background build; stops the script (logs.tgz) when one failed
   local failed=0 job
   for job in $(jobs -p); do wait "$job" || failed=1; done
@@ -176,6 +194,7 @@ if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else run
     phase_build build-phase "" &
     for i in "${!variants[@]}"; do builds+=("build-phase-diag$i"); phase_build "build-phase-diag$i" "${variants[$i]}" & done
     wait_builds phases
+    mma_check "${builds[@]}"
     rc=0
     for r in $(seq "$repeats"); do
       for i in "${!builds[@]}"; do
@@ -215,6 +234,7 @@ if [ "$part" = fp8diag ]; then  # timing-only FP8 forward builds of their own: n
   bench_build build-diag-a "MOK_DIAG_FP8_NO_PROMOTION;MOK_DIAG_FP8_A_ONLY" "$jobs_each" &
   bench_build build-diag-n "MOK_DIAG_FP8_NO_PROMOTION;MOK_DIAG_FP8_NO_LOADS" "$jobs_each" &
   wait_builds fp8diag
+  mma_check build-diag-np build-diag-a build-diag-n
   fp8_presets=$presets
   [ "$presets" = all ] && fp8_presets=deepseek-v3,mixtral-8x7b
   for head in build-diag-a build-diag-n; do
@@ -235,6 +255,7 @@ if [ "$part" = dram ]; then  # same-bits variants: ncu DRAM bytes per build, the
   bench_build build-dram0 "" "$jobs_each" &
   for i in "${!variants[@]}"; do builds+=("build-dram$((i + 1))"); bench_build "build-dram$((i + 1))" "${variants[$i]}" "$jobs_each" & done
   wait_builds dram
+  mma_check "${builds[@]}"
   table="$OUT/${date:0:10}-$commit-dram.txt"
   # Where the persistent launch's CTAs land and which SMs share L2 lines (bench/l2_sides.cu)
   { cmake --build build-dram0 --target l2_sides -j"$(nproc)" > "$LOG/build_l2_sides.log" 2>&1 &&
@@ -276,6 +297,7 @@ if [ "$part" = diagab ]; then  # same-bits diagnostic builds (--diag A[,B...], o
   bench_build build-ab-base "" "$jobs_each" &
   for i in "${!variants[@]}"; do bench_build "build-ab-diag$i" "${variants[$i]}" "$jobs_each" & done
   wait_builds diagab
+  mma_check build-ab-base $(for i in "${!variants[@]}"; do echo "build-ab-diag$i"; done)
   rc=0
   for i in "${!variants[@]}"; do
     name=diagab
@@ -485,6 +507,7 @@ fi
 
 if [ "$part" = kernelab ]; then  # a kernel change in one call: the A/B against --diag first, then every ctest, sanitizers
   wait_builds kernelab
+  mma_check "$build" build-ab-diag
   IFS=';' read -r -a ab_pairs <<< "${impls:-mok,mok}"  # (--impl "mok,mok;mok-fp8,mok-fp8": one A/B per pair)
   for i in "${!ab_pairs[@]}"; do
     name=kernelab

@@ -10,14 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh  # (CMake >= 3.28: the system's may be older)
 base="${1:-HEAD}"
-cuobjdump="${CUOBJDUMP:-$(command -v cuobjdump || true)}"
-if [ -z "$cuobjdump" ]; then
-  for py in .venv/bin/python python3; do
-    cuobjdump="$($py -c 'import os, triton; print(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))' 2>/dev/null || true)"
-    [ -x "$cuobjdump" ] && break
-  done
-fi
-[ -x "$cuobjdump" ] || { echo "sass_diff.sh: no cuobjdump (install the CUDA toolkit's, or set CUOBJDUMP)"; exit 2; }
+source scripts/find_cuobjdump.sh
+cuobjdump="$(find_cuobjdump)" || { echo "sass_diff.sh: no cuobjdump (install the CUDA toolkit's, or set CUOBJDUMP)"; exit 2; }
 work="$(mktemp -d)"
 trap 'git worktree remove --force "$work/base-src" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
 git worktree add -q --detach "$work/base-src" "$base"
