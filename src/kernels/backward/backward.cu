@@ -133,6 +133,7 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
   int pending_dx = 0;
   PhaseTimer timer(backward_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   int held = -1;  // kWgradHeldStage: the stage the last weight-gradient epilogue staged into (-1: none)
+  [[maybe_unused]] bool lagged = false;  // (MOK_DIAG_WG1_LAG)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if constexpr (kWgradHeldStage)
@@ -203,6 +204,14 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     } else {
       int first = 0, count = 0;
       expert_rows(p, t, first, count);
+      if constexpr (MOK_DIAG_WG1_LAG > 0) {  // (kernels/common/diag.cuh: the warpgroups out of step, once)
+        if (wg == 1 && !lagged) {
+          const long long start = clock64();
+          while (clock64() - start < MOK_DIAG_WG1_LAG) {
+          }
+        }
+        lagged = true;
+      }
       char* held_stage = nullptr;
       if constexpr (kWgradHeldStage) {
         held = mainloop<MnMajor, MnMajor, true>(p, s, pipe, acc, weight_k_steps(count), wg, task, held);
