@@ -37,6 +37,13 @@ inline constexpr bool kGemm2HeldStage = true;
 #else
 inline constexpr bool kGemm2HeldStage = false;
 #endif
+// GEMM1's training saves likewise: their second half (up) staged in the GEMM1 mainloop's kept
+// stage, and h waiting only for the first half's reads (MOK_DIAG_SAVES_HELD_STAGE, same bits).
+#if defined(MOK_DIAG_SAVES_HELD_STAGE)
+inline constexpr bool kSavesHeldStage = true;
+#else
+inline constexpr bool kSavesHeldStage = false;
+#endif
 
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
