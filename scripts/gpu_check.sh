@@ -168,7 +168,7 @@ mma_check() {
   done
   for head in "$@"; do
     if ! wait "$(cat "$LOG/mma_$(basename "$head").pid")"; then
-      { echo "WARNING: $head has fewer MMA sites than $base (its timing does not include those MMAs):"
+      { echo "WARNING: the MMA-site check of $head against $base did not pass (fewer sites: its timing lacks those MMAs):"
         cat "$LOG/mma_$(basename "$head").txt"; } | tee -a "$report"
     fi
   done

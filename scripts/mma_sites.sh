@@ -21,6 +21,9 @@ sites() {
 if [ "${1:-}" = --compare ]; then
   [ $# -eq 3 ] || { echo "usage: mma_sites.sh --compare BASE HEAD"; exit 2; }
   base="$(sites "$2")" head="$(sites "$3")"
+  # (none at all: cuobjdump's output is not what the count expects; say so rather than pass)
+  [ "$(echo "$base" | awk '{t += $1} END {print t + 0}')" -gt 0 ] ||
+    { echo "mma_sites.sh: no MMA sites found in $2 (not a CUDA binary, or cuobjdump's SASS format changed)"; exit 2; }
   join -1 2 -2 2 -a 1 -a 2 -e 0 -o 0,1.1,2.1 <(echo "$base") <(echo "$head") |
     awk '$2 != $3 {printf "%s: %d MMA sites in the base, %d in the head\n", $1, $2, $3; if ($3 < $2) fewer = 1}
          END {exit fewer}'
