@@ -160,14 +160,14 @@ diag_ab() {
 # results the variant left unused, so its timing is not what it was built to measure
 # (scripts/mma_sites.sh; bench/NOTES.md, fourteenth session). Never fails the run.
 mma_check() {
-  local base=$1 head report="$OUT/${date:0:10}-$commit-mma-sites.txt"
+  local base=$1 head report="$OUT/${date:0:10}-$commit-mma-sites.txt" pids=() i=0
   shift
   for head in "$@"; do  # (in parallel: a cuobjdump of mok_bench takes seconds)
     scripts/mma_sites.sh --compare "$base/bench/mok_bench" "$head/bench/mok_bench" > "$LOG/mma_$(basename "$head").txt" 2>&1 &
-    echo $! > "$LOG/mma_$(basename "$head").pid"
+    pids+=($!)
   done
   for head in "$@"; do
-    if ! wait "$(cat "$LOG/mma_$(basename "$head").pid")"; then
+    if ! wait "${pids[i++]}"; then
       { echo "WARNING: the MMA-site check of $head against $base did not pass (fewer sites: its timing lacks those MMAs):"
         cat "$LOG/mma_$(basename "$head").txt"; } | tee -a "$report"
     fi

@@ -256,26 +256,22 @@ __device__ void push_dx_rows(const BackwardParams& p, SharedStorage& s, const fl
 // two 64 x 128 halves, each as two TMA stores to (col0 + 64 i, row, layer) of `map`
 // (clipped at the matrix edges, skipped when row >= rows or the column >= cols), so the
 // writes drain while the next tile's mainloop runs. zero: store zeros instead of acc.
-// kSharedWindow: stage_bf16_half's (the FP8 dgrad kernel). held (kHeld): a pipeline stage the
-// mainloop kept (mainloop<..., true>), whose bytes [16 KB wg, 16 KB (wg + 1)) take the second
-// half, so it need not wait for the first half's stores to read the staging; both warpgroups
-// first pass a barrier (their MMAs read the whole stage).
-template <bool kSharedWindow, bool kWeightGrad = false, bool kHeld = false>
+// kSharedWindow: stage_bf16_half's (the FP8 dgrad kernel). kWeightGrad: a weight-gradient tile
+// (the timing variants below touch only those). held (kWgradHeldStage; nullptr: none): a stage
+// the mainloop kept, which takes the second half (held_staging), so it need not wait for the
+// first half's stores to read the staging.
+template <bool kSharedWindow, bool kWeightGrad = false>
 __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg, const CUtensorMap* map, int col0,
                                int row, int layer, int rows, int cols, bool zero, char* held = nullptr) {
   const int tid = threadIdx.x % 128;
   constexpr int kHalfBytes = sizeof(s.staging[0]);
+  static_assert(kHalfBytes == kHalfTileBytes);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const auto pack = [zero](float a, float b) { return zero ? 0u : pack_bf16x2(a, b); };
-    char* staging = reinterpret_cast<char*>(s.staging[wg]);
-    if (kHeld && half == 1) {
-      sync_consumers();
-      staging = held + wg * kHalfBytes;
-      stage_bf16_half<kSharedWindow, false>(staging, acc, half, wg, pack);
-    } else {
-      stage_bf16_half<kSharedWindow>(staging, acc, half, wg, pack);
-    }
+    const bool in_held = kWgradHeldStage && held != nullptr && half == 1;
+    char* staging = in_held ? held_staging(held, wg) : reinterpret_cast<char*>(s.staging[wg]);
+    stage_bf16_half<kSharedWindow>(staging, acc, half, wg,
+                                   [zero](float a, float b) { return zero ? 0u : pack_bf16x2(a, b); }, !in_held);
 #if defined(MOK_DIAG_WGRAD_NO_TMA)  // (timing build, wrong weight gradients: staged, never stored)
     if constexpr (kWeightGrad) continue;
 #endif
@@ -304,14 +300,12 @@ __device__ void store_weight_grad_tma(const BackwardParams& p, SharedStorage& s,
   const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
   const int H = p.hidden, I = (t.shared ? p.shared : p.routed).inter;
   const int row0 = t.m * kBlockM + wg * 64;
-  constexpr bool kHeld = kWgradHeldStage;
   if (t.kind == kWd) {
-    store_tile_tma<kSharedWindow, true, kHeld>(s, acc, wg, &maps.d_down, t.n * kBlockN, row0, t.e, H, I, empty, held);
+    store_tile_tma<kSharedWindow, true>(s, acc, wg, &maps.d_down, t.n * kBlockN, row0, t.e, H, I, empty, held);
   } else {  // rows [0, I) of the tile space are W_gate's, [I, 2I) W_up's (I % 64 == 0)
     const bool gate = row0 < I;
-    store_tile_tma<kSharedWindow, true, kHeld>(s, acc, wg, gate ? &maps.d_gate : &maps.d_up, t.n * kBlockN,
-                                               gate ? row0 : row0 - I, t.e, gate ? I : (row0 < 2 * I ? I : 0), H, empty,
-                                               held);
+    store_tile_tma<kSharedWindow, true>(s, acc, wg, gate ? &maps.d_gate : &maps.d_up, t.n * kBlockN,
+                                        gate ? row0 : row0 - I, t.e, gate ? I : (row0 < 2 * I ? I : 0), H, empty, held);
   }
 }
 

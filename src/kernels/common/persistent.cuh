@@ -138,11 +138,13 @@ __device__ __forceinline__ int swizzled_offset(int row, int col) { return swizzl
 // at 32-bit addresses rather than generic stores at 64-bit ones — for a kernel at its register
 // limit (the FP8 dgrad kernel), where the compiler hoists the 64-bit staging addresses out of
 // the task loop and spills them across the mainloops (188 bytes; 0 with this).
-// kWaitRead = false: the staging is known free (nothing stored from it since it was handed over).
-template <bool kSharedWindow = false, bool kWaitRead = true, typename Pack>
-__device__ __forceinline__ void stage_bf16_half(char* staging, const float (&acc)[128], int half, int wg, Pack pack) {
+// wait_read = false: the staging is known free (a held stage: nothing stored from it since the
+// mainloop kept it).
+template <bool kSharedWindow = false, typename Pack>
+__device__ __forceinline__ void stage_bf16_half(char* staging, const float (&acc)[128], int half, int wg, Pack pack,
+                                                bool wait_read = true) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  if (kWaitRead && tid == 0) ptx::tma_store_wait_read();
+  if (wait_read && tid == 0) ptx::tma_store_wait_read();
   sync_warpgroup(wg);
 #pragma unroll
   for (int i = 64 * half; i < 64 * half + 64; i += 2) {
@@ -237,6 +239,15 @@ __device__ __forceinline__ int mainloop(const P& p, S& s, Pipeline<kStages>& pip
   if constexpr (kKeepLast) return previous;
   if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
   return -1;
+}
+
+// Where warpgroup `wg` stages an epilogue's second 64 x 128 half in a stage the mainloop kept
+// (`held`): its bytes [16 KB wg, 16 KB (wg + 1)), once both warpgroups' MMAs, which read the
+// whole stage, are done (a barrier of every consumer thread).
+inline constexpr int kHalfTileBytes = 64 * 128 * 2;  // a warpgroup's 64 x 128 bf16 half tile (its staging)
+__device__ __forceinline__ char* held_staging(char* held, int wg) {
+  sync_consumers();
+  return held + wg * kHalfTileBytes;
 }
 
 // Hands back a stage that mainloop<..., true> kept (held >= 0), once the warpgroup leader's TMA

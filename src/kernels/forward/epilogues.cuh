@@ -70,9 +70,8 @@ __device__ inline void save_pre_activations(const ForwardParams& p, S& s, const 
         if (half == 0) {
           stage_bf16_half<kSharedWindow>(staging, acc, half, wg, pack);
         } else {
-          sync_consumers();
-          staging = held + wg * 2 * kPanelBytes;
-          stage_bf16_half<kSharedWindow, false>(staging, acc, half, wg, pack);
+          staging = held_staging(held, wg);
+          stage_bf16_half<kSharedWindow>(staging, acc, half, wg, pack, false);
         }
         if (tid == 0) {
           tma_store_2d(map, staging, half * inter + n0, row0 + wg * 64);
@@ -163,9 +162,8 @@ __device__ inline void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, 
     if constexpr (kGemm2HeldStage) {
       if (held != nullptr && half == 1) {  // (the FP8 forward holds none)
         constexpr int kPanelBytes = sizeof(s.h_staging[0][0]);
-        char* second = held + wg * 2 * kPanelBytes;
-        sync_consumers();
-        stage_bf16_half<false, false>(second, acc, half, wg, [](float a, float b) { return pack_bf16x2(a, b); });
+        char* second = held_staging(held, wg);
+        stage_bf16_half(second, acc, half, wg, [](float a, float b) { return pack_bf16x2(a, b); }, false);
         if (tid == 0) {
           const int col = n0 + 128;
           tma_store_2d(map, second, col, row0 + wg * 64);

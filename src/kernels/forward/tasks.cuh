@@ -58,6 +58,7 @@ struct alignas(1024) SharedStorage {
   PushedRows pushed[kConsumerWarpgroups];  // push combine: rows pushed, not yet published
 };
 static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");
+static_assert(sizeof(SharedStorage::h_staging[0]) == kHalfTileBytes, "a held stage's half (held_staging) is a staging's size");
 static_assert(kCommWarps <= kThreads / 32);
 static_assert(sizeof(SharedStorage::Stage) % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
 static_assert(shared_storage_bytes<SharedStorage>() <= kMaxSharedMemoryBytes, "shared memory over the sm_90 opt-in limit");
