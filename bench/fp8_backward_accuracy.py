@@ -14,6 +14,10 @@ Recipes (E4M3 values with power-of-two scales, mok.fp8.quantize; fp64 products a
   all8        also the weight gradients in FP8, both operands scaled along the token dimension
               (K): per 128 routed rows x 1 column (dy and w*h for dW_down, dg or du and x for
               dW_gate / dW_up), rows in plan order (the expert's tokens ascending)
+  all8-blk    as all8, but the activation operands (w*h, x) per 128 routed rows x 128 columns:
+              one scale per block of both operands' K block on one side, so the weight-gradient
+              GEMMs promote as the forward's (a row scale times a block scale), not by an outer
+              product of a row and a column scale
 
   fp8_backward_accuracy.py [--shape T,H,I,E,k] [--seed 0] [--limit none|7.0]
 """
@@ -27,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
 from torch_reference import random_problem  # noqa: E402
 
-RECIPES = ("bf16", "fwd8", "fwd8+dgrad8", "all8")
+RECIPES = ("bf16", "fwd8", "fwd8+dgrad8", "all8", "all8-blk")
 
 
 def fp8_through(t, block):
@@ -66,8 +70,9 @@ def step(x, ids, w, gate, up, down, dy, limit, recipe):
     exact = recipe is None
     r16 = (lambda t: t) if exact or recipe != "bf16" else bf  # the BF16 kernel's stores
     f8 = not exact and recipe != "bf16"
-    dgrad8 = recipe in ("fwd8+dgrad8", "all8")
-    wgrad8 = recipe == "all8"
+    dgrad8 = recipe in ("fwd8+dgrad8", "all8", "all8-blk")
+    wgrad8 = recipe in ("all8", "all8-blk")
+    act_block = (128, 128) if recipe == "all8-blk" else (128, 1)  # (w*h and x in the weight gradients)
     q = (lambda t, block: fp8_through(t, block)) if f8 else (lambda t, block: t)
     qd = (lambda t, block: fp8_through(t, block)) if dgrad8 else (lambda t, block: t)
     qw = (lambda t, block: fp8_through(t, block)) if wgrad8 else (lambda t, block: t)
@@ -107,10 +112,10 @@ def step(x, ids, w, gate, up, down, dy, limit, recipe):
         dx_rows = s16(r16(qd(dgu, (1, 128)) @ qd(wgu, (128, 128))))
         dx.index_add_(0, tokens, dx_rows)
         wh = s16(r16(we * h))
-        d_down[e] = qw(dyr, (128, 1)).T @ qw(wh, (128, 1))
+        d_down[e] = qw(dyr, (128, 1)).T @ qw(wh, act_block)
         xr = x[tokens]
-        d_gate[e] = qw(dg, (128, 1)).T @ qw(xr, (128, 1))
-        d_up[e] = qw(du, (128, 1)).T @ qw(xr, (128, 1))
+        d_gate[e] = qw(dg, (128, 1)).T @ qw(xr, act_block)
+        d_up[e] = qw(du, (128, 1)).T @ qw(xr, act_block)
     outs = (y, dx, dw, d_gate, d_up, d_down)
     if not exact:
         outs = tuple(bf(t) if t is not dw else t for t in outs)  # (bf16 outputs; d_topk_weights fp32)

@@ -38,11 +38,12 @@
 # the bench JSON; bench/host_overhead.py (what the GPU waits for, under torch.profiler) is run by hand. `fp8` (issue 19's
 # FP8 path): build, the FP8 and forward tests (C++ and Python), the accuracy numbers as gtest XML
 # (<date>-<commit>-fp8-accuracy.xml, -fp8-dgrad-accuracy.xml), compute-sanitizer on a small FP8 forward and
-# FP8 dgrad case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8 and mok-fp8-bf16dgrad (forward and
+# FP8 dgrad case and an FP8 weight-gradient case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8,
+# mok-fp8-bf16dgrad and mok-fp8-wgrad (forward and
 # forward+backward, --repeats runs) on
 # issue 19's presets into <date>-<commit>-fp8.txt, the training example (500 steps, mok and
 # mok-fp8; at its size mok.MoE takes the bf16 dgrad) into <date>-<commit>-train-fp8.json and with
-# --fp8-dgrad on into -train-fp8-dgrad.json, and bench/fp8_dgrad_py.py (mok.moe's FP8 dgrad against
+# --fp8-dgrad on into -train-fp8-dgrad.json, with --fp8-wgrad on too into -train-fp8-wgrad.json, and bench/fp8_dgrad_py.py (mok.moe's FP8 dgrad against
 # its bf16 dgrad) into <date>-<commit>-fp8-dgrad-py.json. --impl / --pass choose layer_bench's implementations and passes in the
 # bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd);
 # --settle-ms MS runs each timed pass untimed for MS first (layer_bench's, in the bench, speed and
@@ -464,6 +465,7 @@ if [ "$part" = fp8 ]; then
     > "$LOG/fp8_dgrad_accuracy.log" 2>&1 || test_rc=1
   sanitize test_gpu_forward_fp8 Fp8Forward/Fp8ForwardCases.MatchesTheRecipeReference/shared_padded_clamp 300
   sanitize test_gpu_backward_fp8 Fp8Backward/Fp8BackwardCases.MatchesTheRecipeReference/shared_padded_clamp 300
+  sanitize test_gpu_backward_fp8 Fp8Wgrad/Fp8WgradCases.MatchesTheRecipeReference/shared_padded_clamp 300
   junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
 if [ "$part" = power ]; then  # the SM clock and board power while each impl repeats a pass (bench/clock_power.py)
@@ -477,11 +479,12 @@ if [ "$part" = fp8bench ]; then
   fp8_presets=$presets
   [ "$presets" = all ] && fp8_presets=deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b
   for r in $(seq "$repeats"); do
-    $build/bench/mok_bench --preset "$fp8_presets" --impl mok,mok-fp8,mok-fp8-bf16dgrad --pass fwd,fwd+bwd --iters "$iters" \
+    $build/bench/mok_bench --preset "$fp8_presets" --impl mok,mok-fp8,mok-fp8-bf16dgrad,mok-fp8-wgrad --pass fwd,fwd+bwd --iters "$iters" \
       --out "$OUT/fp8_run$r.json" --commit "$commit" --date "$date" 2>&1 | tee -a "$OUT/${date:0:10}-$commit-fp8.txt" || test_rc=1
   done
   train_example 500 mok,mok-fp8 train-fp8  # the FP8 forward (its size: the bf16 dgrad) beside bf16, same seed and data
   train_example 500 mok,mok-fp8 train-fp8-dgrad --fp8-dgrad on  # the same with the E4M3 dgrad
+  train_example 500 mok,mok-fp8 train-fp8-wgrad --fp8-dgrad on --fp8-wgrad on  # and the E4M3 weight gradients
   # Python's FP8 dgrad against its bf16 dgrad (mok.moe, forward+backward, alternating rounds)
   env PYTHONPATH="$PWD/$build/pkg" python3 bench/fp8_dgrad_py.py --preset "$fp8_presets" --rounds "$repeats" \
     --iters "$iters" --out "$OUT/${date:0:10}-$commit-fp8-dgrad-py.json" --meta "{\"commit\": \"$commit\", \"date\": \"$date\"}" \

@@ -194,6 +194,50 @@ TEST(Fp8Recipe, BackwardStaysCloseToTheExactOne) {
     for (int j = 0; j < 3; ++j) ASSERT_EQ(q.exponents[i * 3 + j], qt.exponents[j * 2 + i]);
 }
 
+// The FP8 weight-gradient recipe (reference::backward_fp8(..., fp8_wgrad = true)): the routed
+// weight gradients change (E4M3 operands) and stay near the exact ones; dx, d_topk_weights and
+// the shared expert's gradients are those of the FP8 dgrad alone (the weight gradients' operands
+// feed nothing else); an expert without rows gets zeros.
+TEST(Fp8Recipe, WeightGradientsInFp8StayCloseAndTouchNothingElse) {
+  MoeShape s;
+  s.hidden = 256, s.intermediate = 384, s.num_experts = s.num_local_experts = 8, s.top_k = 2;
+  s.shared_intermediate = 128;
+  HostProblem p = make_problem(s, 300, RoutingKind::skewed, 78);
+  for (std::size_t i = 0; i < p.topk_ids.size(); ++i)  // (expert 7 gets no rows)
+    if (p.topk_ids[i] == 7) p.topk_ids[i] = 6;
+  std::vector<double> dy = p.reference_x();
+  for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = std::sin(0.37 * static_cast<double>(i)) * 0.5;
+  const auto exact = reference::backward(s, p.tokens, p.reference_x(), p.reference_routing(), p.reference_weights(), dy);
+  const auto dgrad = reference::backward_fp8(s, p.tokens, p.reference_x(), p.reference_routing(), p.reference_weights(), dy);
+  const auto wgrad =
+      reference::backward_fp8(s, p.tokens, p.reference_x(), p.reference_routing(), p.reference_weights(), dy, true, true);
+  auto cosine = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double ab = 0, aa = 0, bb = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) ab += a[i] * b[i], aa += a[i] * a[i], bb += b[i] * b[i];
+    return ab / std::sqrt(aa * bb);
+  };
+  for (const auto& [name, got, dgrad_only, want] :
+       {std::tuple{"d_w_gate", &wgrad.w.gate, &dgrad.w.gate, &exact.w.gate},
+        {"d_w_up", &wgrad.w.up, &dgrad.w.up, &exact.w.up}, {"d_w_down", &wgrad.w.down, &dgrad.w.down, &exact.w.down}}) {
+    const double c = cosine(*got, *want), rel = reference::relative_error(*got, *want);
+    std::printf("FP8 weight-gradient recipe: %-9s cosine %.6f, relative error %.4f (FP8 dgrad alone: cosine %.6f)\n", name,
+                c, rel, cosine(*dgrad_only, *want));
+    EXPECT_GE(c, 0.995) << name;
+    EXPECT_GT(reference::relative_error(*got, *dgrad_only), 0.0) << name << ": the quantization changed nothing";
+  }
+  EXPECT_EQ(wgrad.x, dgrad.x);
+  EXPECT_EQ(wgrad.topk_weights, dgrad.topk_weights);
+  EXPECT_EQ(wgrad.w.shared_gate, dgrad.w.shared_gate);
+  EXPECT_EQ(wgrad.w.shared_up, dgrad.w.shared_up);
+  EXPECT_EQ(wgrad.w.shared_down, dgrad.w.shared_down);
+  const std::int64_t H = s.hidden, I = s.intermediate;
+  for (std::int64_t i = 7 * I * H; i < 8 * I * H; ++i) {
+    ASSERT_EQ(wgrad.w.gate[i], 0.0);
+    ASSERT_EQ(wgrad.w.up[i], 0.0);
+    ASSERT_EQ(wgrad.w.down[i], 0.0);
+  }
+}
+
 // The GPU quantization's argument checks (they run before anything touches the device, so
 // here on the CPU): each bad argument is named with its value.
 TEST(Fp8Weights, BadArgumentsAreNamed) {

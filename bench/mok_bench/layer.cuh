@@ -53,7 +53,8 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
 // machinery (routing exchange, peer pulls, push combine) as an EP group of one rank;
 // "mok-fp8": Precision::fp8 — the FP8 forward, and with "fwd+bwd" the backward with the FP8
 // dgrad (BackwardArgs::fp8); "mok-fp8-bf16dgrad": the same forward, the backward's dgrad in
-// bf16. The routed weights are quantized once when the layer is made
+// bf16; "mok-fp8-wgrad": "mok-fp8" with the weight gradients in E4M3 too
+// (BackwardArgs::fp8_weight_gradients; pass fwd+bwd). The routed weights are quantized once when the layer is made
 // (mok::fp8::quantize_weights, quantize_dgrad_weights; not in the timed pass). "mok-pp": "mok"
 // with Config::pingpong (the forward's ping-pong consumers; the same bits).
 class FusedLayer {
@@ -66,9 +67,9 @@ class FusedLayer {
     return c;
   }
   static bool fp8_forward(const std::string& impl, const std::string& pass) {
-    if (impl == "mok-fp8-bf16dgrad" && pass != "fwd+bwd")
-      throw mok::Error("mok_bench: mok-fp8-bf16dgrad is a training step (pass fwd+bwd), got pass '" + pass + "'");
-    return impl == "mok-fp8" || impl == "mok-fp8-bf16dgrad";
+    if ((impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad") && pass != "fwd+bwd")
+      throw mok::Error("mok_bench: " + impl + " is a training step (pass fwd+bwd), got pass '" + pass + "'");
+    return impl == "mok-fp8" || impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad";
   }
 
  public:
@@ -106,7 +107,8 @@ class FusedLayer {
       mok::fp8::quantize_weights(a_.w_up, w.up, w.up_exponents, stream_);
       mok::fp8::quantize_weights(a_.w_down, w.down, w.down_exponents, stream_);
       a_.fp8 = w;
-      if (bwd_ && impl == "mok-fp8") {
+      wgrad_ = impl == "mok-fp8-wgrad";
+      if (bwd_ && (impl == "mok-fp8" || wgrad_)) {
         mok::Fp8DgradWeights d;
         d.down_t = mok::TensorView::contiguous(u8(E * I * H), mok::DType::u8, dev, {E, I, H});
         d.gate_up_t = mok::TensorView::contiguous(u8(2 * E * H * I), mok::DType::u8, dev, {E, H, 2 * I});
@@ -155,10 +157,12 @@ class FusedLayer {
       g.d_shared_down = pool_.alloc<std::uint16_t>(H * Is);
     if (keep) poison(g);
     const std::int64_t bytes = ws_.backward_scratch_bytes(mok::DType::bf16, T, /*gate_up_adjacent=*/true,
-                                                          /*dx_apart=*/true, /*fp8_dgrad=*/dgrad_.has_value());
+                                                          /*dx_apart=*/true, /*fp8_dgrad=*/dgrad_.has_value(),
+                                                          /*fp8_wgrad=*/wgrad_);
     auto* scratch = pool_.alloc<std::uint8_t>(bytes);
     mok::BackwardArgs b = grads(g);
     b.fp8 = dgrad_;
+    b.fp8_weight_gradients = wgrad_;
     mok::backward(a_, b, ws_, stream_, saved_view(saved), u8(scratch, bytes));
     pool_.free(scratch);
     pool_.free(saved);
@@ -293,6 +297,7 @@ class FusedLayer {
   std::unique_ptr<mok::VirtualRanks> group_;
   mok::ForwardArgs a_;
   std::optional<mok::Fp8DgradWeights> dgrad_;  // mok-fp8, fwd+bwd
+  bool wgrad_ = false;                          // mok-fp8-wgrad
   std::uint16_t* y_ = nullptr;
   std::uint16_t* saved_fixed_ = nullptr;
   Outputs outputs_;

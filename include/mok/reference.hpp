@@ -62,9 +62,13 @@ Gradients backward(const MoeShape& shape, std::int64_t tokens, std::span<const d
 // forward's quantization of h). The shared expert is the BF16 backward's. fp8_dgrad = false:
 // the BF16 backward on the FP8 forward's pre-activations (unquantized dy, weights, dgate, dup
 // in the dgrad products): what the layer computes today for Precision::fp8 with Training::save.
+// fp8_wgrad = true (BackwardArgs::fp8_weight_gradients): the routed weight gradients of E4M3
+// operands instead, over each expert's rows in plan order (the pairs by token) in blocks of 128
+// from its first: dy and dgate | dup (rounded to bf16) per column and block, x and w h (rounded
+// to bf16) per 128 x 128 block.
 Gradients backward_fp8(const MoeShape& shape, std::int64_t tokens, std::span<const double> x,
                        const Routing& routing, const Weights& weights, std::span<const double> dy,
-                       bool fp8_dgrad = true);
+                       bool fp8_dgrad = true, bool fp8_wgrad = false);
 
 // Helpers to feed bf16 / f32 host data to the reference.
 std::vector<double> to_double(std::span<const bf16> values);

@@ -64,6 +64,12 @@ struct BackwardArgs {
   // weight gradients stay bf16 GEMMs: reference::backward_fp8); absent, in bf16 on the bf16
   // weights (reference::backward_fp8 with fp8_dgrad = false).
   std::optional<Fp8DgradWeights> fp8;
+  // Precision::fp8 with fp8 given: the routed weight gradients' GEMMs in E4M3 too (dW_down =
+  // dy^T (w h), [dW_gate; dW_up] = [dg du]^T x, K = the expert's rows in plan order: the
+  // gradient operand (dy, dg | du) scaled per channel and 128 rows, the activation (w h, x) per
+  // 128 channels x 128 rows, each quantized transposed in one pass after it is made;
+  // reference::backward_fp8 with fp8_wgrad = true). false: bf16 GEMMs (the default).
+  bool fp8_weight_gradients = false;
 };
 
 // Checks dtypes, shapes, contiguity, alignment, null pointers and the declared device of

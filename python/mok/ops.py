@@ -49,6 +49,24 @@ def set_backward_column_blocks(blocks: int) -> None:
     _backward_column_blocks = blocks
 
 
+# BackwardArgs::fp8_weight_gradients of the FP8 backwards run from here on (set_fp8_weight_gradients).
+_fp8_weight_gradients = False
+
+
+def set_fp8_weight_gradients(on: bool) -> None:
+    """Whether a precision="fp8" training step whose backward runs the FP8 dgrad (its experts
+    from mok.fp8.quantize_experts(..., dgrad=True), as mok.MoE keeps them where the dgrad
+    pays) also runs the routed weight gradients' GEMMs in E4M3 (C++
+    BackwardArgs::fp8_weight_gradients: dy and dgate|dup scaled per channel and 128 routed rows,
+    x and w*h per 128 x 128, each quantized transposed in one pass after it is made). False, the
+    default: bf16 weight-gradient GEMMs. Read when each backward runs (a CUDA graph keeps the
+    setting it was captured with); with the bf16 dgrad it has no effect."""
+    global _fp8_weight_gradients
+    if not isinstance(on, bool):
+        raise ValueError(f"mok.set_fp8_weight_gradients: on must be True or False, got {on!r}")
+    _fp8_weight_gradients = on
+
+
 def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="bf16"):
     """The workspace of this layer shape, precision and device, made on first use and remade
     for a larger T when one comes (a workspace serves every T up to its max_tokens: variable
@@ -168,11 +186,12 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
         fp8 = fp8_dgrad is not None
         ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit, precision="fp8" if fp8 else "bf16")
         # (dx, grads[0], is a tensor of its own: the dy rows that miss the gradients may continue in it)
-        nbytes = ws.backward_scratch_bytes(False, x.shape[0], _gate_up_adjacent(d_gate, d_up), True, fp8)
+        wgrad = fp8 and _fp8_weight_gradients
+        nbytes = ws.backward_scratch_bytes(False, x.shape[0], _gate_up_adjacent(d_gate, d_up), True, fp8, wgrad)
         dgrad = None
         if fp8:  # (E4M3 values as uint8: DLPack has no FP8 type everywhere)
             dgrad = tuple(to_dlpack(t.view(torch.uint8) if i % 2 == 0 else t) for i, t in enumerate(fp8_dgrad))
-        _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(nbytes, x.device)), fp8_dgrad=dgrad)
+        _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(nbytes, x.device)), fp8_dgrad=dgrad, fp8_wgrad=wgrad)
     else:
         rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit, True)
         _C.ep_backward(rank, *tensors)

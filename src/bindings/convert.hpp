@@ -160,9 +160,10 @@ void def_forward(nb::module_& m, const char* name, const char* target, const cha
 }
 
 // The same for the backward: name(target, forward's inputs, saved, dy, dx, d_topk_weights,
-// d_w_gate, d_w_up, d_w_down, d_shared_*, stream, scratch=None, fp8_dgrad=None) (w_up, d_w_up
-// None: concatenated; fp8_dgrad: BackwardArgs::fp8 as (down_t, down_t_exponents, gate_up_t,
-// gate_up_t_exponents), mok.fp8.quantize_dgrad_experts' tensors).
+// d_w_gate, d_w_up, d_w_down, d_shared_*, stream, scratch=None, fp8_dgrad=None, fp8_wgrad=False)
+// (w_up, d_w_up None: concatenated; fp8_dgrad: BackwardArgs::fp8 as (down_t, down_t_exponents,
+// gate_up_t, gate_up_t_exponents), mok.fp8.quantize_dgrad_experts' tensors; fp8_wgrad:
+// BackwardArgs::fp8_weight_gradients).
 template <typename Target, typename Run>
 void def_backward(nb::module_& m, const char* name, const char* target, const char* where, Run run) {
   m.def(
@@ -174,7 +175,8 @@ void def_backward(nb::module_& m, const char* name, const char* target, const ch
                    std::optional<nb::ndarray<>> d_up, nb::ndarray<> d_down, std::optional<nb::ndarray<>> d_shared_gate,
                    std::optional<nb::ndarray<>> d_shared_up, std::optional<nb::ndarray<>> d_shared_down,
                    std::uintptr_t stream, std::optional<nb::ndarray<>> scratch,
-                   std::optional<std::tuple<nb::ndarray<>, nb::ndarray<>, nb::ndarray<>, nb::ndarray<>>> fp8_dgrad) {
+                   std::optional<std::tuple<nb::ndarray<>, nb::ndarray<>, nb::ndarray<>, nb::ndarray<>>> fp8_dgrad,
+                   bool fp8_wgrad) {
         const mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, nullptr, where);
         select_device(a.x, where);
         mok::BackwardArgs b = backward_args(dy, dx, d_weights, d_gate, d_up, d_down, d_shared_gate, d_shared_up,
@@ -184,6 +186,7 @@ void def_backward(nb::module_& m, const char* name, const char* target, const ch
           b.fp8 = mok::Fp8DgradWeights{view_of(down_t), view_of(gate_up_t), view_of(down_t_exponents),
                                        view_of(gate_up_t_exponents)};
         }
+        b.fp8_weight_gradients = fp8_wgrad;
         const mok::TensorView saved_view = view_of(saved);
         const std::optional<mok::TensorView> scratch_view = optional_view(scratch);
         nb::gil_scoped_release release;
@@ -194,7 +197,7 @@ void def_backward(nb::module_& m, const char* name, const char* target, const ch
       nb::arg("saved"), nb::arg("dy"), nb::arg("dx"), nb::arg("d_topk_weights"), nb::arg("d_w_gate"),
       nb::arg("d_w_up").none(), nb::arg("d_w_down"), nb::arg("d_shared_gate").none(), nb::arg("d_shared_up").none(),
       nb::arg("d_shared_down").none(), nb::arg("stream"), nb::arg("scratch").none() = nb::none(),
-      nb::arg("fp8_dgrad").none() = nb::none());
+      nb::arg("fp8_dgrad").none() = nb::none(), nb::arg("fp8_wgrad") = false);
 }
 
 }  // namespace mok_python

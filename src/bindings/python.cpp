@@ -126,12 +126,13 @@ NB_MODULE(_C, m) {
       .def(
           "backward_scratch_bytes",
           [](const mok::Workspace& ws, bool f32_grads, std::optional<std::int64_t> tokens, bool gate_up_adjacent,
-             bool dx_apart, bool fp8_dgrad) {
+             bool dx_apart, bool fp8_dgrad, bool fp8_wgrad) {
             return ws.backward_scratch_bytes(f32_grads ? mok::DType::f32 : mok::DType::bf16,
-                                             tokens.value_or(ws.max_tokens()), gate_up_adjacent, dx_apart, fp8_dgrad);
+                                             tokens.value_or(ws.max_tokens()), gate_up_adjacent, dx_apart, fp8_dgrad,
+                                             fp8_wgrad);
           },
           nb::arg("f32_grads") = false, nb::arg("tokens") = nb::none(), nb::arg("gate_up_adjacent") = false,
-          nb::arg("dx_apart") = false, nb::arg("fp8_dgrad") = false)
+          nb::arg("dx_apart") = false, nb::arg("fp8_dgrad") = false, nb::arg("fp8_wgrad") = false)
       .def("check", [](mok::Workspace& ws, std::uintptr_t stream) { ws.check(reinterpret_cast<cudaStream_t>(stream)); })
       .def_prop_ro("bytes", &mok::Workspace::bytes);
 

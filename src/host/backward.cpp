@@ -19,7 +19,7 @@ namespace {
 constexpr const char* kWhere = "mok::backward";
 constexpr const char* kScratchFrom =
     "Workspace::backward_scratch_bytes(d_w_gate's dtype, T, whether d_w_up directly follows d_w_gate, whether dx is "
-    "apart from every other argument, whether fp8 is given)";
+    "apart from every other argument, whether fp8 is given, fp8_weight_gradients)";
 using U = std::uint64_t;
 
 // The nine tensor maps of one expert set: rows = the set's row count (capacity or padded
@@ -141,6 +141,9 @@ void check_backward_call(std::string_view kWhere, const ForwardArgs& a, const Ba
                                           "filled, or make the workspace with Training::recompute)");
   }
   detail::check_locations(kWhere, a, s, false);
+  if (b.fp8_weight_gradients && !b.fp8)
+    throw_argument_error(kWhere, "fp8_weight_gradients", "is true but 'fp8' is not given: the FP8 weight gradients run "
+                                                         "with the FP8 dgrad (pass BackwardArgs::fp8 too)");
   if (b.fp8) {
     if (ws.config().precision != Precision::fp8)
       throw_argument_error(kWhere, "fp8", "was given, but the workspace's precision is bf16 (the FP8 dgrad runs on a "
@@ -216,12 +219,12 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
 }
 
 // Precision::fp8 with BackwardArgs::fp8, after the plan: gathers the routed dy rows in one read
-// of dy, quantized into buffers.dy_fp8 / dy_scales and in bf16 where the BF16 backward's dispatch
-// would put them (the weight gradients read those).
+// of dy, quantized into buffers.dy_fp8 / dy_scales and (bf16_rows: for bf16 weight gradients) in
+// bf16 where the BF16 backward's dispatch would put them.
 void gather_dy_fp8(const BackwardArgs& b, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
-                   std::string_view where) {
+                   std::string_view where, bool bf16_rows) {
   kernels::QuantizeRowsParams rows = quantize_rows_params(ws, b.dy.data, buffers.dy_fp8, buffers.dy_scales);
-  rows.rows_bf16 = buffers.dy_rows;
+  rows.rows_bf16 = bf16_rows ? buffers.dy_rows : nullptr;
   rows.rows_bf16_hi = buffers.dy_rows_hi;
   rows.split = buffers.dy_split;
   kernels::launch_quantize_rows(rows, 4 * persistent_ctas(ws, where), stream);
@@ -250,6 +253,46 @@ kernels::Fp8BackwardParams backward_fp8_params(const BackwardArgs& b, Workspace&
   return q;
 }
 
+// The FP8 weight gradients' transposing quantization of `columns` columns of the plan's rows into
+// values (E4M3 [columns, capacity]) with col_scales or block_exponents (kernels/fp8/quantize.cuh):
+// gathered from a [T, columns] tensor (gather) or the plan rows of a [capacity, columns] one.
+void quantize_transposed(Workspace& ws, const void* src, std::int64_t columns, bool gather, std::uint8_t* values,
+                         float* col_scales, std::int32_t* block_exponents, cudaStream_t stream, std::string_view where) {
+  const DevicePlanView& plan = ws.plan().view();
+  kernels::QuantizeColumnsParams q{};
+  q.src = static_cast<const std::uint16_t*>(src);
+  q.row_stride = columns;
+  q.row_pair = gather ? plan.row_pair : nullptr;
+  q.top_k = ws.shape().top_k;
+  q.values = values;
+  q.col_scales = col_scales;
+  q.block_exponents = block_exponents;
+  q.num_tiles = plan.num_tiles;
+  q.plan_status = plan.status;
+  q.capacity = ws.plan().capacity_rows();
+  q.columns = static_cast<int>(columns);
+  kernels::launch_quantize_columns(q, stream);
+  cuda_check(cudaGetLastError(), where, "launching the FP8 weight gradients' quantization");
+}
+
+// The FP8 weight-gradient kernel's params on p (the call's BF16 params).
+kernels::Fp8WgradParams wgrad_fp8_params(Workspace& ws, const CallBuffers& buffers, const kernels::BackwardParams& p) {
+  const MoeShape& s = ws.shape();
+  const std::int64_t H = s.hidden, I = s.intermediate, capacity = ws.plan().capacity_rows();
+  kernels::Fp8WgradParams w{};
+  w.base = p;
+  w.maps.dy_t = make_u8_tensor_map(buffers.dy_t, {U(capacity), U(H)}, kernels::kBoxFp8, "dy rows transposed (fp8)");
+  w.maps.hw_t = make_u8_tensor_map(buffers.hw_t, {U(capacity), U(I)}, kernels::kBoxFp8, "w h transposed (fp8)");
+  w.maps.dgu_t = make_u8_tensor_map(buffers.dgu_t, {U(capacity), U(2 * I)}, kernels::kBoxFp8, "d pre-activations transposed (fp8)");
+  w.maps.x_t = make_u8_tensor_map(buffers.x_t, {U(capacity), U(H)}, kernels::kBoxFp8, "x rows transposed (fp8)");
+  w.capacity = capacity;
+  w.dy_t_scales = buffers.dy_t_scales;
+  w.dgu_t_scales = buffers.dgu_t_scales;
+  w.hw_t_exponents = buffers.hw_t_exponents;
+  w.x_t_exponents = buffers.x_t_exponents;
+  return w;
+}
+
 }  // namespace detail
 
 void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaStream_t stream,
@@ -273,10 +316,12 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   // the most when the two are one block)
   const auto [row_space_a, row_space_b] = gradient_row_spaces(b, ws.shape());
   void* dx_space = dx_row_space(a, b, saved, scratch);
-  const bool fp8_dgrad = b.fp8.has_value();
-  const std::int64_t needed = detail::backward_buffers(ws, nullptr, row_space_a, row_space_b, dx_space, fp8_dgrad).bytes;
+  const bool fp8_dgrad = b.fp8.has_value(), fp8_wgrad = fp8_dgrad && b.fp8_weight_gradients;
+  const std::int64_t needed =
+      detail::backward_buffers(ws, nullptr, row_space_a, row_space_b, dx_space, fp8_dgrad, fp8_wgrad).bytes;
   void* base = detail::call_scratch(ws, scratch, needed, kScratchFrom, kWhere, stream);
-  const detail::CallBuffers buffers = detail::backward_buffers(ws, base, row_space_a, row_space_b, dx_space, fp8_dgrad);
+  const detail::CallBuffers buffers =
+      detail::backward_buffers(ws, base, row_space_a, row_space_b, dx_space, fp8_dgrad, fp8_wgrad);
   std::uint16_t* gu = saved ? static_cast<std::uint16_t*>(saved->data) : buffers.recompute;
   detail::LaunchKey key;
   key.add(std::uint64_t{2}).add(static_cast<std::uint64_t>(T)).add(base).add(gu).add(a).add(b);
@@ -289,10 +334,16 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
       if (W == H) detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
       else detail::dispatch_row_columns(a.x.data, buffers.x_rows, ws, s, c0, std::min(W, H - c0), W);
     };
-    copy_x_rows(0);
+    // (the FP8 weight gradients read x and dy transposed, quantized from x and dy themselves: the
+    // bf16 rows serve only a recompute's GEMM1, and the dx rows take the x rows' room)
+    if (!fp8_wgrad || !saved) copy_x_rows(0);
     if (!saved) detail::launch_forward_kernel(a, ws, buffers, s, gu, true, kWhere);
-    if (b.fp8) detail::gather_dy_fp8(b, ws, buffers, s, kWhere);
+    if (b.fp8) detail::gather_dy_fp8(b, ws, buffers, s, kWhere, !fp8_wgrad);
     else detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, s, buffers.dy_rows_hi, buffers.dy_split);
+    if (fp8_wgrad) {
+      detail::quantize_transposed(ws, b.dy.data, H, true, buffers.dy_t, buffers.dy_t_scales, nullptr, s, kWhere);
+      detail::quantize_transposed(ws, a.x.data, H, true, buffers.x_t, nullptr, buffers.x_t_exponents, s, kWhere);
+    }
     if (!saved) detail::zero_counters(ws, s, kWhere);  // (the recompute used them)
     kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
     unsigned long long* marker = detail::saved_marker(gu, ws);
@@ -300,8 +351,9 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     // (the FP8 dgrad kernel's params once: a block changes only the block's first tile)
     kernels::Fp8BackwardParams q{};
     if (b.fp8) q = detail::backward_fp8_params(b, ws, buffers, p);
+    if (fp8_wgrad) q.routed_weights = false, q.base.dx_over_x = false;  // (no task reads the x rows)
     for (std::int64_t c0 = 0; c0 < H; c0 += W) {
-      if (c0 > 0) copy_x_rows(c0);  // (stream order: after the previous block's combine has read its dx rows)
+      if (c0 > 0 && !fp8_wgrad) copy_x_rows(c0);  // (stream order: after the previous block's combine has read its dx rows)
       const auto first_tile = static_cast<std::uint16_t>(c0 / kernels::kBlockN);
       if (b.fp8) {
         q.base.block_first_tile = first_tile;
@@ -311,6 +363,13 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
         kernels::launch_backward(p, ctas, s);
       }
       detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
+    }
+    if (fp8_wgrad) {  // w h and dgate|dup, made by the launches above, then the routed weight gradients
+      const std::int64_t I = ws.shape().intermediate;
+      detail::quantize_transposed(ws, buffers.hidden, I, false, buffers.hw_t, nullptr, buffers.hw_t_exponents, s, kWhere);
+      detail::quantize_transposed(ws, gu, 2 * I, false, buffers.dgu_t, buffers.dgu_t_scales, nullptr, s, kWhere);
+      kernels::launch_wgrad_fp8(detail::wgrad_fp8_params(ws, buffers, q.base), ctas, s);
+      detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 weight-gradient kernel");
     }
     // The pre-activations are gone (replaced by their gradients): mark the tensor consumed.
     detail::cuda_check(cudaMemsetAsync(marker, 0, sizeof(*marker), s), kWhere, "cudaMemsetAsync(saved marker)");

@@ -33,7 +33,7 @@ LaunchKey& LaunchKey::add(const ForwardArgs& a) {
 LaunchKey& LaunchKey::add(const BackwardArgs& b) {
   for (const TensorView* t : {&b.dy, &b.dx, &b.d_topk_weights, &b.d_w_gate, &b.d_w_up, &b.d_w_down}) add(*t);
   add(b.d_shared_gate).add(b.d_shared_up).add(b.d_shared_down);
-  add(std::uint64_t{b.fp8.has_value()});
+  add(std::uint64_t{b.fp8.has_value()}).add(std::uint64_t{b.fp8_weight_gradients});
   if (b.fp8)
     for (const TensorView* t : {&b.fp8->down_t, &b.fp8->gate_up_t, &b.fp8->down_t_exponents, &b.fp8->gate_up_t_exponents})
       add(*t);

@@ -95,6 +95,18 @@ struct CallBuffers {
   std::uint8_t* dgu_fp8 = nullptr;
   float* dy_scales = nullptr;
   float* dgu_scales = nullptr;
+  // ... with its weight gradients in E4M3 (BackwardArgs::fp8_weight_gradients): the transposes of
+  // the routed dy rows, x rows, w h and dgate|dup ([H | H | I | 2I, capacity] E4M3), the gradients'
+  // scales per channel and 128 rows ([capacity / 128, H | 2I] f32) and the activations' exponents
+  // per 128 x 128 block ([H | I / 128, capacity / 128 + 1] i32; kernels/backward/backward.cuh).
+  std::uint8_t* dy_t = nullptr;
+  std::uint8_t* x_t = nullptr;
+  std::uint8_t* hw_t = nullptr;
+  std::uint8_t* dgu_t = nullptr;
+  float* dy_t_scales = nullptr;
+  float* dgu_t_scales = nullptr;
+  std::int32_t* hw_t_exponents = nullptr;
+  std::int32_t* x_t_exponents = nullptr;
   bool rows_in_grads = false;               // dy_rows or hidden lie in the W_gate / W_up gradient buffers (or dx)
   // backward: the columns of x_rows / dx_rows, one column block's (backward_block_columns; 0: H)
   std::int64_t row_columns = 0;
@@ -126,15 +138,16 @@ CallBuffers forward_buffers(const ScratchShape& s, void* scratch);
 // dx's T x H elements, apart from every other argument), split at a 128-row tile; else the
 // shared expert's dx rows go there (any mode).
 // fp8_dgrad (a Precision::fp8 call with BackwardArgs::fp8): the E4M3 dy and dgate|dup rows and
-// their scales too.
+// their scales too; fp8_wgrad (and BackwardArgs::fp8_weight_gradients): the transposed operands of
+// the FP8 weight gradients too.
 CallBuffers backward_buffers(const ScratchShape& s, void* scratch, void* row_space_a, void* row_space_b,
-                             void* dx_space = nullptr, bool fp8_dgrad = false);
+                             void* dx_space = nullptr, bool fp8_dgrad = false, bool fp8_wgrad = false);
 inline CallBuffers forward_buffers(const Workspace& ws, void* scratch) {
   return forward_buffers(scratch_shape(ws), scratch);
 }
 inline CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* row_space_a, void* row_space_b,
-                                   void* dx_space = nullptr, bool fp8_dgrad = false) {
-  return backward_buffers(scratch_shape(ws), scratch, row_space_a, row_space_b, dx_space, fp8_dgrad);
+                                   void* dx_space = nullptr, bool fp8_dgrad = false, bool fp8_wgrad = false) {
+  return backward_buffers(scratch_shape(ws), scratch, row_space_a, row_space_b, dx_space, fp8_dgrad, fp8_wgrad);
 }
 // An EP rank: the workspace's own buffers.
 CallBuffers rank_buffers(const Workspace& ws);

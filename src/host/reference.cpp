@@ -181,6 +181,7 @@ struct Fp8Operands {
   Weights w;
   std::vector<double> x, dy;
   bool dgrad = true;
+  bool wgrad = false;  // the routed weight gradients of E4M3 operands (routed_weight_grads_fp8)
 };
 
 Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x, const Routing& r, const Weights& w,
@@ -194,11 +195,11 @@ Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
 }
 
 Gradients backward_fp8(const MoeShape& s, std::int64_t T, std::span<const double> x, const Routing& r,
-                       const Weights& w, std::span<const double> dy, bool fp8_dgrad) {
+                       const Weights& w, std::span<const double> dy, bool fp8_dgrad, bool fp8_wgrad) {
   check_inputs(s, T, x, r, w);
   checked_size("dy", dy.size(), T * s.hidden);
   const Fp8Operands q{quantized_experts(s, w), through_fp8(x.data(), T, s.hidden, 1, 128),
-                      through_fp8(dy.data(), T, s.hidden, 1, 128), fp8_dgrad};
+                      through_fp8(dy.data(), T, s.hidden, 1, 128), fp8_dgrad, fp8_wgrad};
   return backward(s, T, x, r, w, dy, &q);
 }
 
@@ -294,7 +295,9 @@ Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
 
   // Rows: E*I rows of d_gate/d_up, E*H rows of d_down, then I_s and H rows for the shared expert.
   const std::int64_t rows_gu = E * I, rows_d = E * H, rows_sgu = Is, rows_sd = Is > 0 ? H : 0;
+  const bool wgrad8 = fp8 != nullptr && fp8->wgrad;
   detail::parallel_for(rows_gu + rows_d + rows_sgu + rows_sd, [&](std::int64_t row) {
+    if (wgrad8 && row < rows_gu + rows_d) return;  // (routed_weight_grads_fp8 below)
     if (row < rows_gu || (row >= rows_gu + rows_d && row < rows_gu + rows_d + rows_sgu)) {
       const bool shared = row >= rows_gu;
       const std::int64_t e = shared ? E : row / I, i = shared ? row - rows_gu - rows_d : row % I;
@@ -317,6 +320,41 @@ Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
       }
     }
   });
+  if (wgrad8) {
+    // The routed weight gradients of the FP8 recipe's operands: per expert, its rows in plan
+    // order (the pairs by token) in blocks of 128 from its first (padding rows: zeros), dy and
+    // dgate | dup (bf16, as the kernel stores them) per column and block, x and w h (bf16) per
+    // 128 x 128; exact sums of the quantized values.
+    detail::parallel_for(E, [&](std::int64_t e) {
+      const std::vector<std::int64_t>& pairs = pairs_of[e];
+      const std::int64_t n = static_cast<std::int64_t>(pairs.size()), rows = (n + 127) / 128 * 128;
+      if (n == 0) return;
+      auto to_bf16 = [](double v) { return static_cast<double>(bf16::from_float(static_cast<float>(v)).to_float()); };
+      std::vector<double> dy_rows(rows * H, 0.0), x_rows(rows * H, 0.0), hw(rows * I, 0.0), dgu(rows * 2 * I, 0.0);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::int64_t pair = pairs[i], t = pair / slots;
+        std::copy(dy.begin() + t * H, dy.begin() + (t + 1) * H, dy_rows.begin() + i * H);
+        std::copy(x.begin() + t * H, x.begin() + (t + 1) * H, x_rows.begin() + i * H);
+        for (std::int64_t c = 0; c < I; ++c) {
+          hw[i * I + c] = to_bf16(weight_of(pair) * pair_hidden[pair * stride + c]);
+          dgu[i * 2 * I + c] = to_bf16(pair_dgate[pair * stride + c]);
+          dgu[i * 2 * I + I + c] = to_bf16(pair_dup[pair * stride + c]);
+        }
+      }
+      const auto dy_q = through_fp8(dy_rows.data(), rows, H, 128, 1), x_q = through_fp8(x_rows.data(), rows, H, 128, 128);
+      const auto hw_q = through_fp8(hw.data(), rows, I, 128, 128), dgu_q = through_fp8(dgu.data(), rows, 2 * I, 128, 1);
+      double* down = g.w.down.data() + e * H * I;
+      double* gate = g.w.gate.data() + e * I * H;
+      double* up = g.w.up.data() + e * I * H;
+      for (std::int64_t i = 0; i < n; ++i) {
+        for (std::int64_t h = 0; h < H; ++h) axpy(dy_q[i * H + h], hw_q.data() + i * I, down + h * I, I);
+        for (std::int64_t c = 0; c < I; ++c) {
+          axpy(dgu_q[i * 2 * I + c], x_q.data() + i * H, gate + c * H, H);
+          axpy(dgu_q[i * 2 * I + I + c], x_q.data() + i * H, up + c * H, H);
+        }
+      }
+    });
+  }
   return g;
 }
 

@@ -105,7 +105,7 @@ std::optional<DyPlace> place_dy(std::uint16_t* at, std::int64_t room, std::uint1
 // The recompute's GEMM1 runs the forward kernel on this layout: its x rows are the backward's
 // (the dy rows are never in the gradients there), its slots unused.
 CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row_space_a, void* row_space_b,
-                             void* dx_space, bool fp8_dgrad) {
+                             void* dx_space, bool fp8_dgrad, bool fp8_wgrad) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
   const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate, El = s.num_local_experts;
@@ -194,6 +194,22 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
     used += cap * 2 * I;
     b.dgu_scales = reinterpret_cast<float*>(at(scratch, used));
     used += 4 * (2 * I / kernels::kFp8BlockK) * cap;
+    if (fp8_wgrad) {  // (the exponents' rows padded to 512 bytes)
+      const std::int64_t row_blocks = cap / kernels::kFp8BlockK, exponent_row = row_blocks + 1;
+      const auto take = [&](std::int64_t bytes) {
+        void* p = at(scratch, used);
+        used += (bytes + 511) / 512 * 512;
+        return p;
+      };
+      b.dy_t = static_cast<std::uint8_t*>(take(cap * H));
+      b.x_t = static_cast<std::uint8_t*>(take(cap * H));
+      b.hw_t = static_cast<std::uint8_t*>(take(cap * I));
+      b.dgu_t = static_cast<std::uint8_t*>(take(cap * 2 * I));
+      b.dy_t_scales = static_cast<float*>(take(4 * row_blocks * H));
+      b.dgu_t_scales = static_cast<float*>(take(4 * row_blocks * 2 * I));
+      b.hw_t_exponents = static_cast<std::int32_t*>(take(4 * (I / kernels::kFp8BlockK) * exponent_row));
+      b.x_t_exponents = static_cast<std::int32_t*>(take(4 * (H / kernels::kFp8BlockK) * exponent_row));
+    }
   }
   b.rows_in_grads = dy_at.lo || hw_at || dy_fp8_at;
   b.bytes = used;

@@ -177,33 +177,39 @@ std::int64_t Workspace::forward_scratch_bytes(std::int64_t tokens) const {
 }
 
 std::int64_t Workspace::backward_scratch_bytes(DType grad_dtype, std::int64_t tokens, bool gate_up_adjacent,
-                                              bool dx_apart, bool fp8_dgrad) const {
+                                              bool dx_apart, bool fp8_dgrad, bool fp8_wgrad) const {
   if (!rows_in_slots() || training_ == Training::off) return 0;
   // (stand-in addresses for the gradient buffers and dx: only the sizes and their adjacency are used)
   auto* dx = dx_apart ? reinterpret_cast<std::uint16_t*>(std::uintptr_t{1} << 38) : nullptr;
   if (grad_dtype != DType::bf16)
-    return detail::backward_buffers(detail::scratch_shape(*this, tokens), nullptr, nullptr, nullptr, dx, fp8_dgrad).bytes;
+    return detail::backward_buffers(detail::scratch_shape(*this, tokens), nullptr, nullptr, nullptr, dx, fp8_dgrad, fp8_wgrad)
+        .bytes;
   auto* a = reinterpret_cast<std::uint16_t*>(std::uintptr_t{256});
   std::uint16_t* b = gate_up_adjacent ? a + shape_.num_local_experts * shape_.intermediate * shape_.hidden : a;
-  return detail::backward_buffers(detail::scratch_shape(*this, tokens), nullptr, a, b, dx, fp8_dgrad).bytes;
+  return detail::backward_buffers(detail::scratch_shape(*this, tokens), nullptr, a, b, dx, fp8_dgrad, fp8_wgrad).bytes;
 }
 
 void* Workspace::own_scratch(std::int64_t bytes, std::string_view where, cudaStream_t stream) {
-  if (scratch_ == nullptr) {
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    detail::cuda_check(cudaStreamIsCapturing(stream, &capturing), where, "cudaStreamIsCapturing");
-    if (capturing != cudaStreamCaptureStatusNone)
-      throw_argument_error(where, "scratch", "is needed: this workspace allocates its own on its first call, which "
-                                             "cannot happen while a CUDA graph is being captured (run one call first, "
-                                             "or pass scratch)");
-    // One buffer for every call: the larger of the forward's and the backward's (f32 gradients;
-    // Precision::fp8: with the FP8 dgrad's rows).
-    const bool fp8 = config_.precision == Precision::fp8;
-    scratch_bytes_ = std::max({bytes, forward_scratch_bytes(), backward_scratch_bytes(DType::f32, max_tokens_, false, false, fp8)});
-    allocate(scratch_, scratch_bytes_, "cudaMalloc(scratch)", bytes_);
+  if (scratch_ != nullptr && bytes <= scratch_bytes_) return scratch_;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  detail::cuda_check(cudaStreamIsCapturing(stream, &capturing), where, "cudaStreamIsCapturing");
+  if (capturing != cudaStreamCaptureStatusNone)
+    throw_argument_error(where, "scratch", "is needed: this workspace allocates its own on its first call (and a larger "
+                                           "one on the first call that needs more: BackwardArgs::fp8_weight_gradients), "
+                                           "which cannot happen while a CUDA graph is being captured (run one such call "
+                                           "first, or pass scratch)");
+  if (scratch_ != nullptr) {  // grown: after the work that may still use the old one
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize(before growing the scratch)");
+    check_cuda(cudaFree(scratch_), "cudaFree(scratch)");
+    bytes_ -= scratch_bytes_;
+    scratch_ = nullptr;
   }
-  if (bytes > scratch_bytes_)
-    throw Error(detail::concat(where, ": internal error: scratch of ", bytes, " bytes > ", scratch_bytes_));
+  // One buffer for every call: the larger of the forward's and the backward's (f32 gradients;
+  // Precision::fp8: with the FP8 dgrad's rows), or of this call's when larger (the FP8 weight
+  // gradients' operands, which a workspace does not hold until a call asks for them).
+  const bool fp8 = config_.precision == Precision::fp8;
+  scratch_bytes_ = std::max({bytes, forward_scratch_bytes(), backward_scratch_bytes(DType::f32, max_tokens_, false, false, fp8)});
+  allocate(scratch_, scratch_bytes_, "cudaMalloc(scratch)", bytes_);
   return scratch_;
 }
 

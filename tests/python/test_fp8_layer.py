@@ -137,6 +137,44 @@ def test_fp8_training_step_with_the_fp8_dgrad(concatenated):
 
 
 @pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_fp8_weight_gradients_setting():
+    """mok.set_fp8_weight_gradients(True) with the FP8 dgrad: the routed weight gradients' GEMMs
+    in E4M3 too. Against the FP8 dgrad with bf16 weight gradients: y, dx, d_topk_weights and the
+    shared expert's weight gradients the same bits (the routed weight gradients feed nothing
+    else), the routed weight gradients close but not equal; the same bits again, and under
+    torch.compile."""
+    x, ids, weights, w_gate, w_up, w_down, sh = _problem(600, 384, 384, 8, 2, 128, seed=12)
+    dy = torch.randn_like(x)
+    experts = fp8.quantize_experts(w_gate, w_up, w_down, dgrad=True)
+
+    def grads(wgrad, compiled=False):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w_gate, w_up, w_down, *sh)]
+        fn = lambda *a: mok.moe(*a, precision="fp8", fp8_experts=experts)  # noqa: E731
+        fn = torch.compile(fn, fullgraph=True) if compiled else fn
+        mok.set_fp8_weight_gradients(wgrad)
+        try:
+            y = fn(leaves[0], ids, leaves[1], leaves[2], leaves[3], leaves[4], tuple(leaves[5:]))
+            y.backward(dy)
+        finally:
+            mok.set_fp8_weight_gradients(False)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    fp8_wgrad = grads(True)
+    bf16_wgrad = grads(False)
+    mok.check()
+    for i, (a, b) in enumerate(zip(fp8_wgrad, bf16_wgrad)):
+        assert torch.isfinite(a.float()).all()
+        if i not in (3, 4, 5):  # y, dx, d_topk_weights, the shared expert's weight gradients
+            assert torch.equal(a, b), i
+            continue
+        cos = float((a.float() * b.float()).sum() / (a.float().norm() * b.float().norm()))
+        assert cos > 0.995 and _rel(a, b) > 1e-5, (i, cos)  # E4M3 operands' error, not none
+    for other in (grads(True), grads(True, compiled=True)):
+        for a, b in zip(fp8_wgrad, other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
 def test_module_keeps_the_dgrad_operands_where_they_pay():
     """mok.MoE(precision="fp8"): fp8_dgrad None quantizes the dgrad operands only where
     mok.fp8.dgrad_pays (I >= 1024); True or False decides; a training step runs either way."""

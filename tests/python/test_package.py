@@ -171,6 +171,23 @@ def test_backward_column_blocks_setting_keys_new_workspaces():
     assert ops._backward_column_blocks == 0
 
 
+@pytest.mark.parametrize("bad", [0, 1, "yes", None])
+def test_fp8_weight_gradients_setting_is_checked(bad):
+    with pytest.raises(ValueError, match=r"mok.set_fp8_weight_gradients: on must be True or False"):
+        mok.set_fp8_weight_gradients(bad)
+
+
+def test_fp8_weight_gradients_setting_is_read_by_the_backward():
+    from mok import ops
+
+    try:
+        mok.set_fp8_weight_gradients(True)
+        assert ops._fp8_weight_gradients is True
+    finally:
+        mok.set_fp8_weight_gradients(False)
+    assert ops._fp8_weight_gradients is False
+
+
 @pytest.mark.skipif(mok.cuda_device_count() > 0, reason="checks the message on a machine without a GPU")
 def test_workspace_without_gpu_says_so():
     with pytest.raises(ValueError, match="cannot use CUDA device 0"):

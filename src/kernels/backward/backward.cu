@@ -276,8 +276,10 @@ __device__ void bwd_run_comm(const BackwardParams& p, const RingSources& sources
 
 // The backward as a policy of the persistent skeleton (kernels/common/skeleton.cuh): one rank's
 // backward on CTAs cta = 0 .. ctas - 1 of those serving it.
-// Q: BackwardParams, or Fp8BackwardParams (the FP8 dgrad: one GPU, no ring).
-template <bool kRing, typename Q = BackwardParams>
+// Q: BackwardParams, or Fp8BackwardParams (the FP8 dgrad: one GPU, no ring). kRoutedWeights
+// false (Fp8BackwardParams::routed_weights; a kernel of its own, so that the default one's code
+// is as it was): no routed weight-gradient task.
+template <bool kRing, typename Q = BackwardParams, bool kRoutedWeights = true>
 struct BackwardKernel {
   using Storage = SharedStorage;
   // The producer's dy loads are 3-D (two regions: BackwardParams::dy_split): at 40 registers
@@ -321,7 +323,7 @@ struct BackwardKernel {
   }
   __device__ static Schedule<kRing> schedule(const P& q, int cta, int ctas) {
     const BackwardParams& p = base_of(q);
-    return Schedule<kRing>(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
+    return Schedule<kRing>(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas, kRoutedWeights);
   }
   __device__ static void produce(const P& p, Storage& s, const Schedule<kRing>& sched) {
     if constexpr (kFp8Dgrad<Q>) run_producer(p, s, s.schedule);
@@ -338,8 +340,9 @@ __device__ __forceinline__ void run_backward(const BackwardParams& p, const Ring
   run_persistent<BackwardKernel<kRing>>(p, cta, ctas, sources);
 }
 
+template <bool kRoutedWeights>
 __global__ void __launch_bounds__(kThreads, 1) backward_fp8_kernel(const __grid_constant__ Fp8BackwardParams q) {
-  run_persistent<BackwardKernel<false, Fp8BackwardParams>>(q, blockIdx.x, gridDim.x, RingSources{});
+  run_persistent<BackwardKernel<false, Fp8BackwardParams, kRoutedWeights>>(q, blockIdx.x, gridDim.x, RingSources{});
 }
 
 struct BackwardLaunch {  // the plain kernel's parameters
@@ -368,7 +371,10 @@ void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t st
 }
 
 void launch_backward_fp8(const Fp8BackwardParams& params, int num_ctas, cudaStream_t stream) {
-  launch_persistent<backward_fp8_kernel>(backward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+  if (params.routed_weights)
+    launch_persistent<backward_fp8_kernel<true>>(backward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+  else
+    launch_persistent<backward_fp8_kernel<false>>(backward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
 }
 
 void load_backward_kernels() {

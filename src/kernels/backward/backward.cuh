@@ -152,9 +152,38 @@ struct Fp8BackwardParams {
   float* dgu_scales;                   // [2I / 128, capacity], written by the dh tiles
   const std::int32_t* down_t_exponents;     // [E_l, I / 128, H / 128]: block (i, j) scale 2^e
   const std::int32_t* gate_up_t_exponents;  // [E_l, H / 128, 2I / 128]
+  // false (BackwardArgs::fp8_weight_gradients): no routed weight-gradient tile here (launch_wgrad_fp8
+  // runs them after; a kernel instance of its own); dx_over_x is then off (no task reads the x rows).
+  bool routed_weights = true;
 };
 
 void launch_backward_fp8(const Fp8BackwardParams& params, int num_ctas, cudaStream_t stream);
+
+// Precision::fp8 with its weight gradients in E4M3 too (BackwardArgs::fp8_weight_gradients; one
+// GPU): a launch after the FP8 dgrad kernel (which then runs no routed weight-gradient tile,
+// Fp8BackwardParams::routed_weights) and the transposing quantizations of its w h and dgate|dup
+// (kernels/fp8/quantize.cuh, launch_quantize_columns): the routed dW_down = dy^T (w h) and
+// [dW_gate; dW_up] = [dg du]^T x tiles, each K block of 128 plan rows the FP8 mainloop's
+// (kernels/fp8/mainloop_fp8.cuh) — A, the gradient, scaled per channel and 128 rows; B, the
+// activation, per 128 channels x 128 rows — stored as the BF16 kernel stores them.
+struct Fp8WgradMaps {
+  CUtensorMap dy_t;   // E4M3 [H, capacity]: A of dW_down (dy's routed rows transposed); box 128 x 128
+  CUtensorMap hw_t;   // E4M3 [I, capacity]: B of dW_down (w h transposed)
+  CUtensorMap dgu_t;  // E4M3 [2I, capacity]: A of dW_gate|up (dgate | dup transposed)
+  CUtensorMap x_t;    // E4M3 [H, capacity]: B of dW_gate|up (x's routed rows transposed)
+};
+
+struct Fp8WgradParams {
+  BackwardParams base;  // the call's (no EP, no ring): its routed gradients, plan, status and waits
+  Fp8WgradMaps maps;
+  std::int64_t capacity;               // plan rows, a multiple of 128
+  const float* dy_t_scales;            // [capacity / 128, H]: channel h of row block b: 2^e
+  const float* dgu_t_scales;           // [capacity / 128, 2I]
+  const std::int32_t* hw_t_exponents;  // [I / 128, capacity / 128 + 1]: block (i, b): 2^e (the + 1: an
+  const std::int32_t* x_t_exponents;   // [H / 128, capacity / 128 + 1]   expert without rows reads one)
+};
+
+void launch_wgrad_fp8(const Fp8WgradParams& params, int num_ctas, cudaStream_t stream);
 
 // Virtual ranks: one launch serving every rank (see ForwardGroupParams).
 struct BackwardGroupParams {

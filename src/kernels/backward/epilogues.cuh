@@ -198,7 +198,7 @@ __device__ void epilogue_dh(const BackwardParams& p, SharedStorage& s, float (&a
 // f32 weight gradient: the warpgroup's 64 x 256 tile added into rows of [rows, cols] where
 // a row pointer is given (one owner per element: a plain read-modify-write). empty: the
 // expert has no rows (nothing to add; acc was never written).
-__device__ void accumulate_weight_grad(const float (&acc)[128], void* const (&row)[2], int n0, int cols, bool empty) {
+__device__ inline void accumulate_weight_grad(const float (&acc)[128], void* const (&row)[2], int n0, int cols, bool empty) {
   if (empty) return;
   const int lane = threadIdx.x % 32;
 #pragma unroll
@@ -217,7 +217,7 @@ __device__ void accumulate_weight_grad(const float (&acc)[128], void* const (&ro
 // and leaves in 16-byte stores, 16 threads to a row's 256 bytes: from the accumulators,
 // where a quad of lanes holds 16 contiguous bytes of a row, each write to a peer was a
 // 16-byte NVLink fragment. The stores are plain; publish_pushed_rows() orders them.
-__device__ void push_dx_rows(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], int wg, int n0,
+__device__ inline void push_dx_rows(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], int wg, int n0,
                              int row0) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   char* staging = reinterpret_cast<char*>(s.staging[wg]);
@@ -398,7 +398,7 @@ __device__ void combine(const BackwardParams& p, const Task& t, const Sched& sch
 }
 
 // Publishes this warpgroup's dx tiles (dx_done), deferred until the combine, their only reader.
-__device__ void publish_dx_rows(const BackwardParams& p, int wg, int& pending) {
+__device__ inline void publish_dx_rows(const BackwardParams& p, int wg, int& pending) {
   publish_stored_tiles(p.counters.dx_done, pending, wg);
 }
 
@@ -417,7 +417,7 @@ __device__ void publish_pushes(const BackwardParams& p, SharedStorage& s, const 
 
 // Ring: this warpgroup has read the task's dy / x rows (its mainloop is done): freed[mb] += 1
 // for every minibatch they lie in.
-__device__ void free_ring_rows(const BackwardParams& p, const Task& t, int wg) {
+__device__ inline void free_ring_rows(const BackwardParams& p, const Task& t, int wg) {
   int first = 0, count = 0;
   ring_rows_read(p, t, first, count);
   const int per = p.ring.minibatch_rows;

@@ -66,7 +66,9 @@ struct Schedule {
   int n_lo, n_hi;
   int dh_r, dh_s, wd_r, wd_s, wgu_r, wgu_s, dx_r, dx_s, total;  // end of each task range (phase-major)
 
-  __device__ Schedule(const BackwardParams& p, int cta_, int ctas_) : cta(cta_), ctas(ctas_) {
+  // routed_weights = false (the FP8 dgrad kernel before launch_wgrad_fp8): no routed dW_down or
+  // dW_gate|up task (phase-major order only).
+  __device__ Schedule(const BackwardParams& p, int cta_, int ctas_, bool routed_weights = true) : cta(cta_), ctas(ctas_) {
     const int I = p.routed.inter, Is = p.shared.inter;
     experts = p.num_local_experts;
     m_routed = *p.plan.num_tiles;
@@ -84,9 +86,9 @@ struct Schedule {
     // Expert-major: every routed task in the first range, the other routed ranges empty.
     dh_r = expert_major ? m_routed * (n_dh_r + n_dx) + experts * weight_tasks() : first ? m_routed * n_dh_r : 0;
     dh_s = dh_r + (has_shared ? m_shared * n_dh_s : 0);
-    wd_r = dh_s + (expert_major || !first ? 0 : experts * m_wd * n_dh_r);
+    wd_r = dh_s + (expert_major || !first || !routed_weights ? 0 : experts * m_wd * n_dh_r);
     wd_s = wd_r + (has_shared ? m_wd * n_dh_s : 0);
-    wgu_r = wd_s + (expert_major ? 0 : experts * m_wgu_r * n_block);
+    wgu_r = wd_s + (expert_major || !routed_weights ? 0 : experts * m_wgu_r * n_block);
     wgu_s = wgu_r + (has_shared ? m_wgu_s * n_dx : 0);
     dx_r = wgu_s + (expert_major ? 0 : m_routed * n_block);
     dx_s = dx_r + (has_shared ? m_shared * n_dx : 0);

@@ -177,6 +177,63 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
   }
 }
 
+// One plan tile of 128 rows x 128 columns (launch_quantize_columns): the bf16 rows into shared
+// memory (16-byte loads, a warp two rows' 256 bytes), each column's largest magnitude (thread c
+// of each half scans 64 rows; a warp reads 32 adjacent columns of a row: no bank conflicts), then
+// thread (c, half) writes its 64 rows of column c as 64 contiguous E4M3 bytes.
+__global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid_constant__ QuantizeColumnsParams p) {
+  if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
+  const int tile = blockIdx.y, c0 = blockIdx.x * kFp8Block;
+  if (tile >= *p.num_tiles) return;
+  constexpr int kStride = kFp8Block + 8;  // (bf16 elements a shared row: 16-byte aligned rows)
+  __shared__ alignas(16) std::uint16_t rows[kFp8Block][kStride];
+  __shared__ float half_max[2][kFp8Block];
+  __shared__ float warp_max[kThreads / 32];
+  const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
+  for (int i = threadIdx.x; i < kFp8Block * 16; i += kThreads) {
+    const int r = i / 16, chunk = i % 16;
+    const std::uint16_t* src = nullptr;
+    if (p.row_pair == nullptr) {
+      src = p.src + (row0 + r) * p.row_stride;
+    } else {
+      const std::int32_t pair = p.row_pair[row0 + r];
+      if (pair >= 0) src = p.src + static_cast<std::int64_t>(pair / p.top_k) * p.row_stride;
+    }
+    const uint4 v = src != nullptr ? __ldcg(reinterpret_cast<const uint4*>(src + c0) + chunk) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(&rows[r][chunk * 8]) = v;
+  }
+  __syncthreads();
+  const int c = threadIdx.x % kFp8Block, half = threadIdx.x / kFp8Block, r0 = 64 * half;
+  float amax = 0.0f;
+  for (int r = r0; r < r0 + 64; ++r) amax = fmaxf(amax, fabsf(bf16_value(rows[r][c])));
+  half_max[half][c] = amax;
+  __syncthreads();
+  amax = fmaxf(half_max[0][c], half_max[1][c]);
+  if (p.block_exponents != nullptr) {  // the block's: a max over the columns too
+    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+    __syncthreads();
+    for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
+  }
+  const int e = fp8_scale_exponent(amax);
+  const InverseScale inverse(e);
+  auto scaled = [&](int r) { return inverse(bf16_value(rows[r][c])); };
+  uint4* out = reinterpret_cast<uint4*>(p.values + static_cast<std::int64_t>(c0 + c) * p.capacity + row0 + r0);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    std::uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = r0 + 16 * j + 4 * q;
+      w[q] = pack_e4m3x4(scaled(r), scaled(r + 1), scaled(r + 2), scaled(r + 3));
+    }
+    out[j] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  if (p.col_scales != nullptr && half == 0) p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + c] = exp2_int(e);
+  if (p.block_exponents != nullptr && threadIdx.x == 0)
+    p.block_exponents[static_cast<std::int64_t>(blockIdx.x) * (p.capacity / kFp8Block) + tile] = e;
+}
+
 }  // namespace
 
 void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream) {
@@ -190,6 +247,12 @@ void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream) {
   if (p.experts == 0 || p.rows == 0 || p.cols == 0) return;
   const dim3 grid((p.cols + kFp8Block - 1) / kFp8Block, (p.rows + kFp8Block - 1) / kFp8Block, p.experts);
   quantize_blocks_kernel<<<grid, kThreads, 0, stream>>>(p);
+}
+
+void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream) {
+  if (p.capacity == 0 || p.columns == 0) return;
+  const dim3 grid(p.columns / kFp8Block, static_cast<unsigned>(p.capacity / kFp8Block));
+  quantize_columns_kernel<<<grid, kThreads, 0, stream>>>(p);
 }
 
 }  // namespace mok::kernels

@@ -61,3 +61,33 @@ struct QuantizeRowsParams {
 void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream);
 
 }  // namespace mok::kernels
+
+namespace mok::kernels {
+
+// The FP8 weight gradients' operands (BackwardArgs::fp8_weight_gradients): `columns` columns of
+// the plan's routed rows, E4M3, stored as rows of their transpose — values[c * capacity + row],
+// so K-major for the weight-gradient GEMMs, whose K is the rows — one CTA a plan tile of 128 rows
+// and 128 columns. Scales (powers of two) either per column and tile (col_scales[tile * columns
+// + c] = 2^e: the gradient operands, dy and dgate|dup) or per 128 x 128 block (block_exponents
+// [(c / 128) * (capacity / 128) + tile] = e: the activation operands, x and w h); the largest
+// magnitude is a max, the same in any order. The rows: src's plan rows ([capacity, columns] at
+// row_stride), or gathered from src [T, columns] by row_pair (padding rows: zeros). Tiles past
+// the plan's last are not written; nothing is written from a bad plan. The bytes equal the host's
+// fp8::quantize of the rows' transpose with blocks 1 x 128 or 128 x 128.
+struct QuantizeColumnsParams {
+  const std::uint16_t* src;      // bf16 bits
+  std::int64_t row_stride;       // elements
+  const std::int32_t* row_pair;  // [capacity]: t * k + j, or -1; null: src holds the plan rows
+  int top_k;
+  std::uint8_t* values;          // [columns, capacity] E4M3
+  float* col_scales;             // [capacity / 128, columns], or null
+  std::int32_t* block_exponents; // [columns / 128, capacity / 128], or null
+  const std::int32_t* num_tiles;  // the plan's
+  const void* plan_status;       // PlanStatus*
+  std::int64_t capacity;         // a multiple of 128
+  int columns;                   // a multiple of 128
+};
+
+void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream);
+
+}  // namespace mok::kernels
