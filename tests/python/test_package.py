@@ -266,7 +266,7 @@ def test_compiled_training_step_hands_autograd_the_halves_of_the_gate_up_block(m
         def forward_scratch_bytes(self, tokens):
             return 16
 
-        def backward_scratch_bytes(self, f32_grads, tokens, gate_up_adjacent, dx_apart, fp8_dgrad=False):
+        def backward_scratch_bytes(self, f32_grads, tokens, gate_up_adjacent, dx_apart, fp8_dgrad=False, fp8_wgrad=False):
             assert dx_apart  # (dx is a tensor of its own)
             asked.append(gate_up_adjacent)
             return 16
@@ -279,7 +279,7 @@ def test_compiled_training_step_hands_autograd_the_halves_of_the_gate_up_block(m
             from_dlpack(t[9]).fill_(0.5)
 
         @staticmethod
-        def backward(ws, *t, scratch=None, fp8_dgrad=None):  # (x .. shared_down, saved, dy, dx, d_topk_weights, d_w_gate, d_w_up, d_w_down, ...)
+        def backward(ws, *t, scratch=None, fp8_dgrad=None, fp8_wgrad=False):  # (x .. shared_down, saved, dy, dx, d_topk_weights, d_w_gate, d_w_up, d_w_down, ...)
             grads = [from_dlpack(t[i]) for i in range(11, 16)]  # (a capsule is consumed once)
             for grad, value in zip(grads, (1.0, 2.0, 3.0, 4.0, 5.0)):
                 grad.fill_(value)
