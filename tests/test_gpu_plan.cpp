@@ -1,6 +1,7 @@
 // The device planner must build exactly the host planner's plan, without host sync.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -9,6 +10,7 @@
 #include "kernels/fp8/quantize.cuh"
 #include "mok/device_plan.hpp"
 #include "mok/error.hpp"
+#include "mok/fp8.hpp"
 #include "mok/routing.hpp"
 #include "mok/validate.hpp"
 #include "plan_checks.hpp"
@@ -187,6 +189,97 @@ INSTANTIATE_TEST_SUITE_P(
                       RowCopyCase{"uniform_k8", RoutingKind::uniform, 777, 32, 8, 1152},
                       RowCopyCase{"skewed_k34", RoutingKind::skewed, 300, 48, 34, 128}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// The FP8 weight gradients' transposing quantization (kernels::launch_quantize_columns): the
+// plan's rows — gathered from a [T, C] tensor by the plan, or a [capacity, C] tensor's plan
+// rows — as E4M3 rows of their transpose, equal byte for byte to the host's fp8::quantize of
+// that transpose with 1 x 128 blocks (a scale per column and 128 rows) or 128 x 128 blocks,
+// the scales and exponents where Fp8WgradParams reads them; tiles past the plan's untouched.
+TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
+  MOK_REQUIRE_HOPPER();
+  const std::int64_t T = 700, E = 8, k = 3, C = 384;
+  MoeShape s = shape(E, E, k);
+  s.hidden = C;
+  const auto ids = make_routing(RoutingKind::padded, T, E, k, 23);
+  DeviceBuffer<std::int32_t> d_ids(ids);
+  DevicePlan plan(s, T, {.block_m = 128});
+  plan_device(TensorView::contiguous(d_ids.get(), DType::i32, Device::cuda(0), {T, k}), 0, plan, nullptr);
+  const Plan host = plan.to_host(nullptr, 0);
+  const std::int64_t cap = plan.capacity_rows(), rows = host.expert_offset.back(), stride = cap / 128 + 1;
+  ASSERT_EQ(rows % 128, 0);
+  ASSERT_LT(rows, cap);  // (a tile past the plan's stays untouched)
+  std::mt19937 gen(9);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto random_bf16 = [&](std::int64_t n) {
+    std::vector<std::uint16_t> v(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) {  // (a few channels much larger: the blocks' scales differ)
+      const float f = normal(gen) * (i % C % 97 == 3 ? 300.f : 1.f);
+      std::uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      v[static_cast<std::size_t>(i)] = static_cast<std::uint16_t>(bits >> 16);
+    }
+    return v;
+  };
+  auto value = [](std::uint16_t b) {
+    const std::uint32_t bits = static_cast<std::uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  };
+  const DevicePlanView& v = plan.view();
+  for (bool gather : {true, false}) {
+    const auto src = random_bf16(gather ? T * C : cap * C);
+    DeviceBuffer<std::uint16_t> d_src(src);
+    // The host's transpose of the plan's rows [0, rows): [C, rows].
+    std::vector<float> t(static_cast<std::size_t>(C * rows), 0.f);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int32_t pair = host.row_pair[r];
+      if (gather && pair < 0) continue;  // (padding: zeros)
+      const std::uint16_t* row = &src[static_cast<std::size_t>((gather ? pair / k : r) * C)];
+      for (std::int64_t c = 0; c < C; ++c) t[static_cast<std::size_t>(c * rows + r)] = value(row[c]);
+    }
+    for (bool blocks : {false, true}) {
+      DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(C * cap));
+      DeviceBuffer<float> scales(static_cast<std::size_t>(cap / 128 * C));
+      DeviceBuffer<std::int32_t> exponents(static_cast<std::size_t>(C / 128 * stride));
+      EXPECT_EQ(cudaSuccess, cudaMemset(values.get(), 0xab, C * cap));
+      EXPECT_EQ(cudaSuccess, cudaMemset(scales.get(), 0xab, cap / 128 * C * 4));
+      EXPECT_EQ(cudaSuccess, cudaMemset(exponents.get(), 0xab, C / 128 * stride * 4));
+      kernels::QuantizeColumnsParams q{};
+      q.src = d_src.get(), q.row_stride = C, q.row_pair = gather ? v.row_pair : nullptr, q.top_k = static_cast<int>(k);
+      q.values = values.get();
+      q.col_scales = blocks ? nullptr : scales.get();
+      q.block_exponents = blocks ? exponents.get() : nullptr;
+      q.exponent_stride = stride;
+      q.num_tiles = v.num_tiles, q.plan_status = v.status, q.capacity = cap, q.columns = static_cast<int>(C);
+      kernels::launch_quantize_columns(q, nullptr);
+      EXPECT_EQ(cudaSuccess, cudaGetLastError());
+      EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
+      const fp8::Blockwise want = fp8::quantize(t.data(), static_cast<int>(C), static_cast<int>(rows), blocks ? 128 : 1, 128);
+      const auto got = values.download();
+      const auto got_scales = scales.download();
+      const auto got_exponents = exponents.download();
+      std::int64_t bad = 0, untouched = 0, bad_scales = 0;
+      for (std::int64_t c = 0; c < C; ++c) {
+        for (std::int64_t r = 0; r < rows; ++r)
+          bad += got[static_cast<std::size_t>(c * cap + r)] != want.values[static_cast<std::size_t>(c * rows + r)];
+        for (std::int64_t r = rows; r < cap; ++r) untouched += got[static_cast<std::size_t>(c * cap + r)] == 0xab;
+      }
+      for (std::int64_t c = 0; c < C; ++c)
+        for (std::int64_t b = 0; b < rows / 128; ++b) {
+          const int e = want.exponent_of(static_cast<int>(c), static_cast<int>(b * 128));
+          if (blocks) {
+            if (c % 128 == 0) bad_scales += got_exponents[static_cast<std::size_t>(c / 128 * stride + b)] != e;
+          } else {
+            bad_scales += got_scales[static_cast<std::size_t>(b * C + c)] != std::ldexp(1.0f, e);
+          }
+        }
+      EXPECT_EQ(bad, 0) << "gather " << gather << ", blocks " << blocks;
+      EXPECT_EQ(untouched, C * (cap - rows)) << "gather " << gather << ", blocks " << blocks;
+      EXPECT_EQ(bad_scales, 0) << "gather " << gather << ", blocks " << blocks;
+    }
+  }
+}
 
 TEST(DevicePlan, BadExpertIdIsReportedWithPosition) {
   MOK_REQUIRE_HOPPER();

@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid
   }
   if (p.col_scales != nullptr && half == 0) p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + c] = exp2_int(e);
   if (p.block_exponents != nullptr && threadIdx.x == 0)
-    p.block_exponents[static_cast<std::int64_t>(blockIdx.x) * (p.capacity / kFp8Block) + tile] = e;
+    p.block_exponents[static_cast<std::int64_t>(blockIdx.x) * p.exponent_stride + tile] = e;
 }
 
 }  // namespace

@@ -69,7 +69,7 @@ namespace mok::kernels {
 // so K-major for the weight-gradient GEMMs, whose K is the rows — one CTA a plan tile of 128 rows
 // and 128 columns. Scales (powers of two) either per column and tile (col_scales[tile * columns
 // + c] = 2^e: the gradient operands, dy and dgate|dup) or per 128 x 128 block (block_exponents
-// [(c / 128) * (capacity / 128) + tile] = e: the activation operands, x and w h); the largest
+// [(c / 128) * exponent_stride + tile] = e: the activation operands, x and w h); the largest
 // magnitude is a max, the same in any order. The rows: src's plan rows ([capacity, columns] at
 // row_stride), or gathered from src [T, columns] by row_pair (padding rows: zeros). Tiles past
 // the plan's last are not written; nothing is written from a bad plan. The bytes equal the host's
@@ -81,7 +81,8 @@ struct QuantizeColumnsParams {
   int top_k;
   std::uint8_t* values;          // [columns, capacity] E4M3
   float* col_scales;             // [capacity / 128, columns], or null
-  std::int32_t* block_exponents; // [columns / 128, capacity / 128], or null
+  std::int32_t* block_exponents; // [columns / 128, exponent_stride], or null
+  std::int64_t exponent_stride;  // >= capacity / 128
   const std::int32_t* num_tiles;  // the plan's
   const void* plan_status;       // PlanStatus*
   std::int64_t capacity;         // a multiple of 128
