@@ -520,5 +520,96 @@ TEST(ScratchLayout, Fp8DgradDyRowsInTheGradientsRoom) {
   std::printf("E4M3 dy rows in the gradients: %d shapes, in the scratch: %d\n", in_grads, in_scratch);
 }
 
+// The FP8 weight gradients' operands (fp8_wgrad): every other buffer where the FP8 dgrad alone puts
+// it; dgate|dup^T and its scales in the E4M3 dgate|dup rows' room; dy^T and x^T in the bf16 dy
+// rows' room when that is all in the scratch, w h^T in the E4M3 dy rows' when those are in the
+// scratch and it fits, else each in new scratch; and nothing written while a buffer is still read:
+// dy^T, x^T and their scales (written before the dgrad launches, read after them) overlap no buffer
+// of those launches, w h^T and dgate|dup^T (written after them) neither those nor w h, and the
+// weight-gradient launch's operands none of each other nor the gradients it writes.
+TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
+  using U = std::uintptr_t;
+  const U base = U{1} << 39, gate = U{2} << 39, up = U{3} << 39;
+  auto at = [](const void* p) { return reinterpret_cast<U>(p); };
+  int reused[3] = {0, 0, 0}, shapes = 0;
+  for (std::int64_t H : {256, 2048, 7168})
+    for (std::int64_t I : {128, 512, 2048, 14336})
+      for (std::int64_t E : {8, 48})
+        for (std::int64_t k : {2, 8})
+          for (std::int64_t T : {300, 8192})
+            for (bool bf16_grads : {false, true})
+              for (bool with_dx : {false, true}) {
+                detail::ScratchShape sh;
+                sh.shape.hidden = H, sh.shape.intermediate = I, sh.shape.num_experts = sh.shape.num_local_experts = E;
+                sh.shape.top_k = k, sh.shape.shared_intermediate = 256;
+                sh.tokens = T, sh.training = Training::save, sh.precision = Precision::fp8;
+                sh.capacity = plan_capacity_rows(sh.shape, {}, T, detail::kTileRows) / 128 * 128;
+                const std::int64_t cap = sh.capacity, half = E * I * H, Tpad = (T + 127) / 128 * 128;
+                const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + " E " + std::to_string(E) +
+                                         " k " + std::to_string(k) + " T " + std::to_string(T) +
+                                         (bf16_grads ? " bf16 grads (one block)" : " f32 grads") + (with_dx ? " dx" : "");
+                void* b = reinterpret_cast<void*>(base);
+                void* g = bf16_grads ? reinterpret_cast<void*>(gate) : nullptr;
+                void* u = bf16_grads ? reinterpret_cast<void*>(gate + 2 * half) : nullptr;
+                void* dxp = with_dx ? reinterpret_cast<void*>(up) : nullptr;
+                const detail::CallBuffers d = detail::backward_buffers(sh, b, g, u, dxp, true, false);
+                const detail::CallBuffers w = detail::backward_buffers(sh, b, g, u, dxp, true, true);
+                ++shapes;
+                EXPECT_TRUE(w.dy_rows == d.dy_rows && w.dy_rows_hi == d.dy_rows_hi && w.hidden == d.hidden &&
+                            w.x_rows == d.x_rows && w.shared_dx_rows == d.shared_dx_rows &&
+                            w.shared_hidden == d.shared_hidden && w.dy_fp8 == d.dy_fp8 && w.dy_scales == d.dy_scales &&
+                            w.dgu_fp8 == d.dgu_fp8 && w.dgu_scales == d.dgu_scales)
+                    << what << ": a buffer of the FP8 dgrad moved";
+                EXPECT_EQ(d.dy_t, nullptr) << what;
+                EXPECT_TRUE(w.dgu_t == w.dgu_fp8 && static_cast<void*>(w.dgu_t_scales) == static_cast<void*>(w.dgu_scales)) << what;
+                const U scratch_end = base + w.bytes;
+                const bool dy_rows_in_scratch = at(d.dy_rows) >= base && at(d.dy_rows) < scratch_end && !d.dy_rows_hi;
+                EXPECT_EQ(at(w.dy_t) == at(d.dy_rows), dy_rows_in_scratch) << what;
+                reused[0] += dy_rows_in_scratch;
+                reused[1] += w.hw_t == w.dy_fp8;
+                reused[2] += 1;
+                if (w.hw_t == w.dy_fp8) EXPECT_TRUE(at(w.dy_fp8) >= base && at(w.dy_fp8) < scratch_end) << what;
+                const std::int64_t rb = cap / 128, xrow = rb + 1;
+                struct R {
+                  const char* name;
+                  U lo, hi;
+                };
+                auto r = [&](const char* name, const void* p, std::int64_t bytes) { return R{name, at(p), at(p) + bytes}; };
+                const std::int64_t W = w.row_columns > 0 ? w.row_columns : H;
+                // the dgrad launches' buffers (read or written there)
+                const std::vector<R> dgrad{r("dy rows (E4M3)", w.dy_fp8, cap * H), r("dy scales", w.dy_scales, 4 * rb * H),
+                                           r("dgu rows (E4M3)", w.dgu_fp8, cap * 2 * I),
+                                           r("dgu scales", w.dgu_scales, 4 * rb * 2 * I), r("x / dx rows", w.x_rows, 2 * cap * W),
+                                           r("shared dx rows", w.shared_dx_rows, 2 * Tpad * H), r("w h", w.hidden, 2 * cap * I),
+                                           r("shared w h", w.shared_hidden, 2 * Tpad * 256)};
+                const std::vector<R> early{r("dy^T", w.dy_t, cap * H), r("x^T", w.x_t, cap * H),
+                                           r("dy^T scales", w.dy_t_scales, 4 * rb * H),
+                                           r("x^T exponents", w.x_t_exponents, 4 * (H / 128) * xrow)};
+                const std::vector<R> late{r("w h^T", w.hw_t, cap * I), r("w h^T exponents", w.hw_t_exponents, 4 * (I / 128) * xrow),
+                                          r("dgu^T", w.dgu_t, cap * 2 * I), r("dgu^T scales", w.dgu_t_scales, 4 * rb * 2 * I)};
+                auto apart = [&](const std::vector<R>& a, const std::vector<R>& c, const char* when) {
+                  for (const R& x : a)
+                    for (const R& y : c)
+                      if (&x != &y) EXPECT_TRUE(x.hi <= y.lo || y.hi <= x.lo) << what << ": " << x.name << " overlaps " << y.name << " " << when;
+                };
+                apart(early, dgrad, "(the dgrad launches)");
+                apart(early, early, "(all live)");
+                apart(late, early, "(the weight-gradient launch)");
+                apart(late, late, "(the weight-gradient launch)");
+                apart(late, {r("w h", w.hidden, 2 * cap * I)}, "(w h^T is made from w h)");
+                if (bf16_grads) {
+                  const std::vector<R> grads{R{"the gradients", gate, gate + 4 * half}};
+                  apart(early, grads, "(the weight-gradient launch writes the gradients)");
+                  apart(late, grads, "(the weight-gradient launch writes the gradients)");
+                }
+                for (const auto& x : early) EXPECT_TRUE(x.hi <= scratch_end) << what << ": " << x.name << " past the scratch";
+                for (const auto& x : late) EXPECT_TRUE(x.hi <= scratch_end) << what << ": " << x.name << " past the scratch";
+              }
+  EXPECT_GT(reused[0], 0) << "no shape put dy^T and x^T in the bf16 dy rows' room";
+  EXPECT_GT(reused[1], 0) << "no shape put w h^T in the E4M3 dy rows' room";
+  EXPECT_LT(reused[1], reused[2]) << "every shape put w h^T in the E4M3 dy rows' room";
+  std::printf("%d shapes: dy^T and x^T in the bf16 dy rows' room %d, w h^T in the E4M3 dy rows' %d\n", shapes, reused[0], reused[1]);
+}
+
 }  // namespace
 }  // namespace mok

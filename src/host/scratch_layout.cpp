@@ -194,21 +194,39 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
     used += cap * 2 * I;
     b.dgu_scales = reinterpret_cast<float*>(at(scratch, used));
     used += 4 * (2 * I / kernels::kFp8BlockK) * cap;
-    if (fp8_wgrad) {  // (the exponents' rows padded to 512 bytes)
+    if (fp8_wgrad) {
+      // Where the room of something dead by then is free, the operands take it: dy^T and x^T
+      // (made before the dgrad launches, read by the weight-gradient launch) the bf16 dy rows'
+      // 2 cap H bytes in the scratch, which this path never fills; dgate|dup^T and its scales
+      // (made after the dgrad launches) the E4M3 dgate|dup rows' and theirs, the same sizes;
+      // w h^T and its exponents the E4M3 dy rows' and their scales' when those are in the
+      // scratch (in the gradients, the weight-gradient launch writes over them) and it fits.
       const std::int64_t row_blocks = cap / kernels::kFp8BlockK, exponent_row = row_blocks + 1;
-      const auto take = [&](std::int64_t bytes) {
+      const auto take = [&](std::int64_t bytes) {  // (padded to 512 bytes: the exponents' rows)
         void* p = at(scratch, used);
         used += (bytes + 511) / 512 * 512;
-        return p;
+        return static_cast<std::uint8_t*>(p);
       };
-      b.dy_t = static_cast<std::uint8_t*>(take(cap * H));
-      b.x_t = static_cast<std::uint8_t*>(take(cap * H));
-      b.hw_t = static_cast<std::uint8_t*>(take(cap * I));
-      b.dgu_t = static_cast<std::uint8_t*>(take(cap * 2 * I));
-      b.dy_t_scales = static_cast<float*>(take(4 * row_blocks * H));
-      b.dgu_t_scales = static_cast<float*>(take(4 * row_blocks * 2 * I));
-      b.hw_t_exponents = static_cast<std::int32_t*>(take(4 * (I / kernels::kFp8BlockK) * exponent_row));
-      b.x_t_exponents = static_cast<std::int32_t*>(take(4 * (H / kernels::kFp8BlockK) * exponent_row));
+      if (!dy_at.lo) {
+        b.dy_t = reinterpret_cast<std::uint8_t*>(b.dy_rows);
+        b.x_t = b.dy_t + cap * H;
+      } else {
+        b.dy_t = take(cap * H);
+        b.x_t = take(cap * H);
+      }
+      b.dy_t_scales = reinterpret_cast<float*>(take(4 * row_blocks * H));
+      b.x_t_exponents = reinterpret_cast<std::int32_t*>(take(4 * (H / kernels::kFp8BlockK) * exponent_row));
+      b.dgu_t = b.dgu_fp8;
+      b.dgu_t_scales = b.dgu_scales;  // (4 (2I / 128) cap bytes either way)
+      const std::int64_t hw_exponents_at = (cap * I + 511) / 512 * 512;
+      const std::int64_t hw_bytes = hw_exponents_at + 4 * (I / kernels::kFp8BlockK) * exponent_row;
+      if (!dy_fp8_at && hw_bytes <= cap * H + 4 * (H / kernels::kFp8BlockK) * cap) {
+        b.hw_t = b.dy_fp8;
+        b.hw_t_exponents = reinterpret_cast<std::int32_t*>(b.dy_fp8 + hw_exponents_at);
+      } else {
+        b.hw_t = take(cap * I);
+        b.hw_t_exponents = reinterpret_cast<std::int32_t*>(take(4 * (I / kernels::kFp8BlockK) * exponent_row));
+      }
     }
   }
   b.rows_in_grads = dy_at.lo || hw_at || dy_fp8_at;
