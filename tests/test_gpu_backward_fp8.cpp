@@ -187,6 +187,35 @@ TEST(Fp8Wgrad, LeavesEveryOtherGradientBitwise) {
   EXPECT_TRUE(others[0] == others[1]);
 }
 
+// A workspace's own scratch, made by an FP8-dgrad call, grows for the first call with the FP8
+// weight gradients (with f32 gradients their operands' scales need more than the largest figure
+// a workspace allocates up front) and serves both afterwards: the same bits as a fresh
+// workspace's, in either order.
+TEST(Fp8Wgrad, OwnScratchGrowsForIt) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 256, 256, 8, 2, 0, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 400, RoutingKind::uniform, 57);
+  GpuProblem gpu(host);
+  const QuantizedWeights q(gpu);
+  const auto dy = testing::random_bf16(host.x.size(), 58);
+  auto run = [&](Workspace& ws, bool wgrad) {
+    testing::GpuGrads grads(gpu, dy, /*fp32=*/true);
+    for (auto* g : {&grads.d_gate, &grads.d_up, &grads.d_down, &grads.d_sgate, &grads.d_sup, &grads.d_sdown})
+      cudaMemset(g->get(), 0, g->size());  // (f32 gradients are accumulated into)
+    train_step(gpu, q, grads, ws, wgrad);
+    return grads.snapshot();
+  };
+  Workspace fresh_dgrad(s, host.tokens, fp8_config(), Training::save), fresh_wgrad(s, host.tokens, fp8_config(), Training::save);
+  const auto want_dgrad = run(fresh_dgrad, false), want_wgrad = run(fresh_wgrad, true);
+  Workspace shared(s, host.tokens, fp8_config(), Training::save);
+  EXPECT_TRUE(run(shared, false) == want_dgrad);
+  const std::int64_t before = shared.bytes();
+  EXPECT_TRUE(run(shared, true) == want_wgrad);
+  EXPECT_GT(shared.bytes(), before) << "the scratch did not grow";
+  EXPECT_TRUE(run(shared, false) == want_dgrad);
+  EXPECT_TRUE(run(shared, true) == want_wgrad);
+}
+
 TEST(Fp8Backward, BitwiseEqualAcrossRunsAndSmCounts) {
   MOK_REQUIRE_HOPPER();
   const MoeShape s = shape_of({"", 0, 512, 384, 8, 2, 256, 0, RoutingKind::uniform});
