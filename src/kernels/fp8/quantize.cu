@@ -178,7 +178,8 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
 }
 
 // One plan tile of 128 rows x 128 columns (launch_quantize_columns): the bf16 rows into shared
-// memory (16-byte loads, a warp two rows' 256 bytes), each column's largest magnitude (thread c
+// memory (16-byte loads, a warp two rows' 256 bytes, a thread's eight in flight together), each
+// column's largest magnitude (thread c
 // of each half scans 64 rows; a warp reads 32 adjacent columns of a row: no bank conflicts), then
 // thread (c, half) writes its 64 rows of column c as 64 contiguous E4M3 bytes.
 __global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid_constant__ QuantizeColumnsParams p) {
@@ -190,18 +191,24 @@ __global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid
   __shared__ float half_max[2][kFp8Block];
   __shared__ float warp_max[kThreads / 32];
   const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
-  for (int i = threadIdx.x; i < kFp8Block * 16; i += kThreads) {
-    const int r = i / 16, chunk = i % 16;
-    const std::uint16_t* src = nullptr;
-    if (p.row_pair == nullptr) {
-      src = p.src + (row0 + r) * p.row_stride;
-    } else {
-      const std::int32_t pair = p.row_pair[row0 + r];
-      if (pair >= 0) src = p.src + static_cast<std::int64_t>(pair / p.top_k) * p.row_stride;
-    }
-    const uint4 v = src != nullptr ? __ldcg(reinterpret_cast<const uint4*>(src + c0) + chunk) : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(&rows[r][chunk * 8]) = v;
+  // Each thread's 8 chunks of 16 bytes (rows threadIdx.x / 16 + 16 j), all loads in flight at once.
+  constexpr int kChunks = kFp8Block * 16 / kThreads;
+  const int chunk = threadIdx.x % 16;
+  std::int32_t pair[kChunks];  // (the plan rows' pairs, loaded together before any is used)
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) pair[j] = p.row_pair != nullptr ? p.row_pair[row0 + threadIdx.x / 16 + 16 * j] : 0;
+  const std::uint16_t* src[kChunks];
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const std::int64_t row = p.row_pair != nullptr ? pair[j] / p.top_k : row0 + threadIdx.x / 16 + 16 * j;
+    src[j] = pair[j] >= 0 ? p.src + row * p.row_stride : nullptr;
   }
+  uint4 v[kChunks];
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j)
+    v[j] = src[j] != nullptr ? __ldcg(reinterpret_cast<const uint4*>(src[j] + c0) + chunk) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) *reinterpret_cast<uint4*>(&rows[threadIdx.x / 16 + 16 * j][chunk * 8]) = v[j];
   __syncthreads();
   const int c = threadIdx.x % kFp8Block, half = threadIdx.x / kFp8Block, r0 = 64 * half;
   float amax = 0.0f;
