@@ -195,9 +195,9 @@ TEST(Fp8Recipe, BackwardStaysCloseToTheExactOne) {
 }
 
 // The FP8 weight-gradient recipe (reference::backward_fp8(..., fp8_wgrad = true)): the routed
-// weight gradients change (E4M3 operands) and stay near the exact ones; dx, d_topk_weights and
-// the shared expert's gradients are those of the FP8 dgrad alone (the weight gradients' operands
-// feed nothing else); an expert without rows gets zeros.
+// weight gradients change (E4M3 operands) and stay near the exact ones; dx and d_topk_weights
+// within the pre-activations' bf16 rounding (which that recipe models) of the FP8 dgrad's alone,
+// the shared expert's gradients exactly its; an expert without rows gets zeros.
 TEST(Fp8Recipe, WeightGradientsInFp8StayCloseAndTouchNothingElse) {
   MoeShape s;
   s.hidden = 256, s.intermediate = 384, s.num_experts = s.num_local_experts = 8, s.top_k = 2;
@@ -225,8 +225,12 @@ TEST(Fp8Recipe, WeightGradientsInFp8StayCloseAndTouchNothingElse) {
     EXPECT_GE(c, 0.995) << name;
     EXPECT_GT(reference::relative_error(*got, *dgrad_only), 0.0) << name << ": the quantization changed nothing";
   }
-  EXPECT_EQ(wgrad.x, dgrad.x);
-  EXPECT_EQ(wgrad.topk_weights, dgrad.topk_weights);
+  for (const auto& [name, got, want] : {std::tuple{"dx", &wgrad.x, &dgrad.x}, {"d_topk_weights", &wgrad.topk_weights, &dgrad.topk_weights}}) {
+    const double rel = reference::relative_error(*got, *want);
+    std::printf("FP8 weight-gradient recipe: %-15s %.5f from the FP8 dgrad's (bf16 pre-activations)\n", name, rel);
+    EXPECT_LT(rel, 2e-2) << name;  // (dx: the E4M3 roundings of dgate|dup that the rounding moves)
+    EXPECT_GT(rel, 0.0) << name << ": the pre-activations' rounding changed nothing";
+  }
   EXPECT_EQ(wgrad.w.shared_gate, dgrad.w.shared_gate);
   EXPECT_EQ(wgrad.w.shared_up, dgrad.w.shared_up);
   EXPECT_EQ(wgrad.w.shared_down, dgrad.w.shared_down);

@@ -65,7 +65,8 @@ Gradients backward(const MoeShape& shape, std::int64_t tokens, std::span<const d
 // fp8_wgrad = true (BackwardArgs::fp8_weight_gradients): the routed weight gradients of E4M3
 // operands instead, over each expert's rows in plan order (the pairs by token) in blocks of 128
 // from its first: dy and dgate | dup (rounded to bf16) per column and block, x and w h (rounded
-// to bf16) per 128 x 128 block.
+// to bf16) per 128 x 128 block; and the backward then reads the routed pre-activations as the
+// FP8 forward saves them (bf16; a clamped value at the limit), as the kernel does.
 Gradients backward_fp8(const MoeShape& shape, std::int64_t tokens, std::span<const double> x,
                        const Routing& routing, const Weights& weights, std::span<const double> dy,
                        bool fp8_dgrad = true, bool fp8_wgrad = false);
