@@ -1,6 +1,7 @@
 // The device planner must build exactly the host planner's plan, without host sync.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -194,7 +195,9 @@ INSTANTIATE_TEST_SUITE_P(
 // plan's rows — gathered from a [T, C] tensor by the plan, or a [capacity, C] tensor's plan
 // rows — as E4M3 rows of their transpose, equal byte for byte to the host's fp8::quantize of
 // that transpose with 1 x 128 blocks (a scale per column and 128 rows) or 128 x 128 blocks,
-// the scales and exponents where Fp8WgradParams reads them; tiles past the plan's untouched.
+// the scales and exponents where Fp8WgradParams reads them; tiles past the plan's untouched. The
+// gathers visiting the tiles in the rank order (launch_tile_order, a permutation of the plan's
+// tiles) write the same bytes.
 TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
   MOK_REQUIRE_HOPPER();
   const std::int64_t T = 700, E = 8, k = 3, C = 384;
@@ -227,6 +230,18 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
     return f;
   };
   const DevicePlanView& v = plan.view();
+  DeviceBuffer<std::int32_t> order(static_cast<std::size_t>(cap / 128));
+  EXPECT_EQ(cudaSuccess, cudaMemset(order.get(), 0xff, cap / 128 * 4));
+  kernels::launch_tile_order(v.expert_offset, v.tile_expert, v.tile_row, v.num_tiles, v.status, static_cast<int>(E),
+                             cap / 128, order.get(), nullptr);
+  EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
+  {
+    const auto o = order.download();
+    std::vector<int> seen(static_cast<std::size_t>(rows / 128), 0);
+    for (std::int64_t p = 0; p < rows / 128; ++p)
+      if (o[p] >= 0 && o[p] < rows / 128) ++seen[static_cast<std::size_t>(o[p])];
+    EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; })) << "not a permutation of the tiles";
+  }
   for (bool gather : {true, false}) {
     const auto src = random_bf16(gather ? T * C : cap * C);
     DeviceBuffer<std::uint16_t> d_src(src);
@@ -238,7 +253,8 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       const std::uint16_t* row = &src[static_cast<std::size_t>((gather ? pair / k : r) * C)];
       for (std::int64_t c = 0; c < C; ++c) t[static_cast<std::size_t>(c * rows + r)] = value(row[c]);
     }
-    for (bool blocks : {false, true}) {
+    for (int variant = 0; variant < (gather ? 4 : 2); ++variant) {
+      const bool blocks = variant % 2 == 1, ordered = variant >= 2;
       DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(C * cap));
       DeviceBuffer<float> scales(static_cast<std::size_t>(cap / 128 * C));
       DeviceBuffer<std::int32_t> exponents(static_cast<std::size_t>(C / 128 * stride));
@@ -252,6 +268,7 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       q.block_exponents = blocks ? exponents.get() : nullptr;
       q.exponent_stride = stride;
       q.num_tiles = v.num_tiles, q.plan_status = v.status, q.capacity = cap, q.columns = static_cast<int>(C);
+      q.tile_order = ordered ? order.get() : nullptr;
       kernels::launch_quantize_columns(q, nullptr);
       EXPECT_EQ(cudaSuccess, cudaGetLastError());
       EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
@@ -274,9 +291,9 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
             bad_scales += got_scales[static_cast<std::size_t>(b * C + c)] != std::ldexp(1.0f, e);
           }
         }
-      EXPECT_EQ(bad, 0) << "gather " << gather << ", blocks " << blocks;
-      EXPECT_EQ(untouched, C * (cap - rows)) << "gather " << gather << ", blocks " << blocks;
-      EXPECT_EQ(bad_scales, 0) << "gather " << gather << ", blocks " << blocks;
+      EXPECT_EQ(bad, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
+      EXPECT_EQ(untouched, C * (cap - rows)) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
+      EXPECT_EQ(bad_scales, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
     }
   }
 }

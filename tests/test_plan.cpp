@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "mok/routing.hpp"
 #include "host/layer_launch.hpp"
 #include "kernels/common/slot_rows.cuh"
+#include "kernels/fp8/tile_order.cuh"
 #include "kernels/common/sm_sides.hpp"
 #include "kernels/forward/interleave.cuh"
 #include "plan_checks.hpp"
@@ -584,7 +586,8 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
                                            r("shared w h", w.shared_hidden, 2 * Tpad * 256)};
                 const std::vector<R> early{r("dy^T", w.dy_t, cap * H), r("x^T", w.x_t, cap * H),
                                            r("dy^T scales", w.dy_t_scales, 4 * rb * H),
-                                           r("x^T exponents", w.x_t_exponents, 4 * (H / 128) * xrow)};
+                                           r("x^T exponents", w.x_t_exponents, 4 * (H / 128) * xrow),
+                                           r("tile order", w.tile_order, 4 * rb)};
                 const std::vector<R> late{r("w h^T", w.hw_t, cap * I), r("w h^T exponents", w.hw_t_exponents, 4 * (I / 128) * xrow),
                                           r("dgu^T", w.dgu_t, cap * 2 * I), r("dgu^T scales", w.dgu_t_scales, 4 * rb * 2 * I)};
                 auto apart = [&](const std::vector<R>& a, const std::vector<R>& c, const char* when) {
@@ -609,6 +612,33 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
   EXPECT_GT(reused[1], 0) << "no shape put w h^T in the E4M3 dy rows' room";
   EXPECT_LT(reused[1], reused[2]) << "every shape put w h^T in the E4M3 dy rows' room";
   std::printf("%d shapes: dy^T and x^T in the bf16 dy rows' room %d, w h^T in the E4M3 dy rows' %d\n", shapes, reused[0], reused[1]);
+}
+
+// The FP8 weight gradients' gathers visit the plan's tiles rank by rank (kernels/fp8/tile_order.cuh):
+// the positions of every expert's tiles are a permutation of [0, total), each rank's tiles before
+// the next rank's, an expert's tiles in rank order and, within a rank, the experts in order.
+TEST(TileOrder, RankOrderIsAPermutationRankByRank) {
+  std::mt19937 gen(3);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int experts = 1 + static_cast<int>(gen() % 40);
+    std::vector<int> tiles(experts);
+    for (int& n : tiles) n = trial % 3 == 0 ? static_cast<int>(gen() % 3) : static_cast<int>(gen() % 20);  // (empty experts too)
+    int total = 0;
+    for (int n : tiles) total += n;
+    const auto count = [&](int e) { return tiles[e]; };
+    std::vector<int> seen(total, 0);
+    int last_rank_position = -1;
+    for (int r = 0; r < 20; ++r)
+      for (int e = 0; e < experts; ++e) {
+        if (r >= tiles[e]) continue;
+        const int p = kernels::rank_order_position(experts, e, r, count);
+        ASSERT_TRUE(p >= 0 && p < total) << "trial " << trial;
+        ++seen[p];
+        EXPECT_GT(p, last_rank_position) << "trial " << trial << ": rank " << r << ", expert " << e;
+        last_rank_position = p;  // (visited rank by rank, experts in order: positions must rise)
+      }
+    for (int p = 0; p < total; ++p) ASSERT_EQ(seen[p], 1) << "trial " << trial << ", position " << p;
+  }
 }
 
 }  // namespace

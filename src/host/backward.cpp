@@ -256,13 +256,16 @@ kernels::Fp8BackwardParams backward_fp8_params(const BackwardArgs& b, Workspace&
 // The FP8 weight gradients' transposing quantization of `columns` columns of the plan's rows into
 // values (E4M3 [columns, capacity]) with col_scales or block_exponents (kernels/fp8/quantize.cuh):
 // gathered from a [T, columns] tensor (gather) or the plan rows of a [capacity, columns] one.
+// tile_order (gathers): the order of the plan's tiles to visit (launch_tile_order's; null: plan order).
 void quantize_transposed(Workspace& ws, const void* src, std::int64_t columns, bool gather, std::uint8_t* values,
-                         float* col_scales, std::int32_t* block_exponents, cudaStream_t stream, std::string_view where) {
+                         float* col_scales, std::int32_t* block_exponents, cudaStream_t stream, std::string_view where,
+                         const std::int32_t* tile_order = nullptr) {
   const DevicePlanView& plan = ws.plan().view();
   kernels::QuantizeColumnsParams q{};
   q.src = static_cast<const std::uint16_t*>(src);
   q.row_stride = columns;
   q.row_pair = gather ? plan.row_pair : nullptr;
+  q.tile_order = tile_order;
   q.top_k = ws.shape().top_k;
   q.values = values;
   q.col_scales = col_scales;
@@ -341,9 +344,15 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     if (!saved) detail::launch_forward_kernel(a, ws, buffers, s, gu, true, kWhere);
     if (b.fp8) detail::gather_dy_fp8(b, ws, buffers, s, kWhere, !fp8_wgrad);
     else detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, s, buffers.dy_rows_hi, buffers.dy_split);
-    if (fp8_wgrad) {
-      detail::quantize_transposed(ws, b.dy.data, H, true, buffers.dy_t, buffers.dy_t_scales, nullptr, s, kWhere);
-      detail::quantize_transposed(ws, a.x.data, H, true, buffers.x_t, nullptr, buffers.x_t_exponents, s, kWhere);
+    if (fp8_wgrad) {  // (the gathers visit tiles rank by rank: kernels/fp8/tile_order.cuh)
+      const DevicePlanView& v = ws.plan().view();
+      kernels::launch_tile_order(v.expert_offset, v.tile_expert, v.tile_row, v.num_tiles, v.status,
+                                 static_cast<int>(ws.shape().num_local_experts), ws.plan().max_tiles(), buffers.tile_order, s);
+      detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 weight gradients' tile order");
+      detail::quantize_transposed(ws, b.dy.data, H, true, buffers.dy_t, buffers.dy_t_scales, nullptr, s, kWhere,
+                                  buffers.tile_order);
+      detail::quantize_transposed(ws, a.x.data, H, true, buffers.x_t, nullptr, buffers.x_t_exponents, s, kWhere,
+                                  buffers.tile_order);
     }
     if (!saved) detail::zero_counters(ws, s, kWhere);  // (the recompute used them)
     kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);

@@ -107,6 +107,7 @@ struct CallBuffers {
   float* dgu_t_scales = nullptr;
   std::int32_t* hw_t_exponents = nullptr;
   std::int32_t* x_t_exponents = nullptr;
+  std::int32_t* tile_order = nullptr;  // [capacity / 128]: the gathers' tile order (kernels/fp8/tile_order.cuh)
   bool rows_in_grads = false;               // dy_rows or hidden lie in the W_gate / W_up gradient buffers (or dx)
   // backward: the columns of x_rows / dx_rows, one column block's (backward_block_columns; 0: H)
   std::int64_t row_columns = 0;

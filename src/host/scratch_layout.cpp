@@ -215,6 +215,7 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
         b.x_t = take(cap * H);
       }
       b.dy_t_scales = reinterpret_cast<float*>(take(4 * row_blocks * H));
+      b.tile_order = reinterpret_cast<std::int32_t*>(take(4 * row_blocks));
       b.x_t_exponents = reinterpret_cast<std::int32_t*>(take(4 * (H / kernels::kFp8BlockK) * exponent_row));
       b.dgu_t = b.dgu_fp8;
       b.dgu_t_scales = b.dgu_scales;  // (4 (2I / 128) cap bytes either way)

@@ -2,6 +2,7 @@
 #include "kernels/fp8/quantize.cuh"
 
 #include "kernels/fp8/fp8_math.cuh"
+#include "kernels/fp8/tile_order.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -184,8 +185,9 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
 // thread (c, half) writes its 64 rows of column c as 64 contiguous E4M3 bytes.
 __global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid_constant__ QuantizeColumnsParams p) {
   if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
-  const int tile = blockIdx.y, c0 = blockIdx.x * kFp8Block;
-  if (tile >= *p.num_tiles) return;
+  if (static_cast<int>(blockIdx.y) >= *p.num_tiles) return;
+  const int tile = p.tile_order != nullptr ? p.tile_order[blockIdx.y] : static_cast<int>(blockIdx.y);
+  const int c0 = blockIdx.x * kFp8Block;
   constexpr int kStride = kFp8Block + 8;  // (bf16 elements a shared row: 16-byte aligned rows)
   __shared__ alignas(16) std::uint16_t rows[kFp8Block][kStride];
   __shared__ float half_max[2][kFp8Block];
@@ -241,6 +243,17 @@ __global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid
     p.block_exponents[static_cast<std::int64_t>(blockIdx.x) * p.exponent_stride + tile] = e;
 }
 
+__global__ void __launch_bounds__(kThreads) tile_order_kernel(const std::int32_t* expert_offset, const std::int32_t* tile_expert,
+                                                              const std::int32_t* tile_row, const std::int32_t* num_tiles,
+                                                              const void* plan_status, int experts, std::int32_t* order) {
+  if (static_cast<const PlanStatus*>(plan_status)->code != PlanStatus::ok) return;
+  const int t = blockIdx.x * kThreads + threadIdx.x;
+  if (t >= *num_tiles) return;
+  const int e = tile_expert[t], r = (tile_row[t] - expert_offset[e]) / kFp8Block;
+  const auto tiles = [expert_offset](int x) { return (expert_offset[x + 1] - expert_offset[x]) / kFp8Block; };
+  order[rank_order_position(experts, e, r, tiles)] = t;
+}
+
 }  // namespace
 
 void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream) {
@@ -254,6 +267,15 @@ void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream) {
   if (p.experts == 0 || p.rows == 0 || p.cols == 0) return;
   const dim3 grid((p.cols + kFp8Block - 1) / kFp8Block, (p.rows + kFp8Block - 1) / kFp8Block, p.experts);
   quantize_blocks_kernel<<<grid, kThreads, 0, stream>>>(p);
+}
+
+void launch_tile_order(const std::int32_t* expert_offset, const std::int32_t* tile_expert, const std::int32_t* tile_row,
+                       const std::int32_t* num_tiles, const void* plan_status, int experts, std::int64_t max_tiles,
+                       std::int32_t* order, cudaStream_t stream) {
+  if (max_tiles == 0) return;
+  const unsigned blocks = static_cast<unsigned>((max_tiles + kThreads - 1) / kThreads);
+  tile_order_kernel<<<blocks, kThreads, 0, stream>>>(expert_offset, tile_expert, tile_row, num_tiles, plan_status, experts,
+                                                     order);
 }
 
 void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream) {

@@ -84,11 +84,20 @@ struct QuantizeColumnsParams {
   std::int32_t* block_exponents; // [columns / 128, exponent_stride], or null
   std::int64_t exponent_stride;  // >= capacity / 128
   const std::int32_t* num_tiles;  // the plan's
+  // Optional (gathers): the plan tile CTA row y quantizes (launch_tile_order's; null: tile y).
+  const std::int32_t* tile_order;
   const void* plan_status;       // PlanStatus*
   std::int64_t capacity;         // a multiple of 128
   int columns;                   // a multiple of 128
 };
 
 void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream);
+
+// order[p] = the plan tile at position p of the rank order (kernels/fp8/tile_order.cuh), for
+// every tile of the plan (one thread a tile; tile t holds rows [tile_row[t], + 128) of expert
+// tile_expert[t]). Nothing is written from a bad plan.
+void launch_tile_order(const std::int32_t* expert_offset, const std::int32_t* tile_expert, const std::int32_t* tile_row,
+                       const std::int32_t* num_tiles, const void* plan_status, int experts, std::int64_t max_tiles,
+                       std::int32_t* order, cudaStream_t stream);
 
 }  // namespace mok::kernels
