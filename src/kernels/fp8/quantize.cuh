@@ -60,10 +60,6 @@ struct QuantizeRowsParams {
 
 void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream);
 
-}  // namespace mok::kernels
-
-namespace mok::kernels {
-
 // The FP8 weight gradients' operands (BackwardArgs::fp8_weight_gradients): `columns` columns of
 // the plan's routed rows, E4M3, stored as rows of their transpose — values[c * capacity + row],
 // so K-major for the weight-gradient GEMMs, whose K is the rows — one CTA a plan tile of 128 rows
