@@ -17,6 +17,19 @@ namespace mok {
 namespace {
 
 constexpr const char* kWhere = "mok::backward";
+// Diagnostic builds of the FP8 weight gradients (MOK_DIAG_DEFINES; bench/NOTES.md): the dy and
+// x gathers in plan order instead of the rank order (the same bits), or none of the four
+// transposing passes at all (timing only: the weight gradients read stale operands).
+#if defined(MOK_DIAG_WGRAD_PLAN_ORDER)
+constexpr bool kWgradRankOrder = false;
+#else
+constexpr bool kWgradRankOrder = true;
+#endif
+#if defined(MOK_DIAG_WGRAD_NO_PASSES)
+constexpr bool kWgradPasses = false;
+#else
+constexpr bool kWgradPasses = true;
+#endif
 constexpr const char* kScratchFrom =
     "Workspace::backward_scratch_bytes(d_w_gate's dtype, T, whether d_w_up directly follows d_w_gate, whether dx is "
     "apart from every other argument, whether fp8 is given, fp8_weight_gradients)";
@@ -344,15 +357,18 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     if (!saved) detail::launch_forward_kernel(a, ws, buffers, s, gu, true, kWhere);
     if (b.fp8) detail::gather_dy_fp8(b, ws, buffers, s, kWhere, !fp8_wgrad);
     else detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, s, buffers.dy_rows_hi, buffers.dy_split);
-    if (fp8_wgrad) {  // (the gathers visit tiles rank by rank: kernels/fp8/tile_order.cuh)
-      const DevicePlanView& v = ws.plan().view();
-      kernels::launch_tile_order(v.expert_offset, v.tile_expert, v.tile_row, v.num_tiles, v.status,
-                                 static_cast<int>(ws.shape().num_local_experts), ws.plan().max_tiles(), buffers.tile_order, s);
-      detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 weight gradients' tile order");
-      detail::quantize_transposed(ws, b.dy.data, H, true, buffers.dy_t, buffers.dy_t_scales, nullptr, s, kWhere,
-                                  buffers.tile_order);
-      detail::quantize_transposed(ws, a.x.data, H, true, buffers.x_t, nullptr, buffers.x_t_exponents, s, kWhere,
-                                  buffers.tile_order);
+    if (fp8_wgrad && kWgradPasses) {  // (the gathers visit tiles rank by rank: kernels/fp8/tile_order.cuh)
+      const std::int32_t* order = nullptr;
+      if (kWgradRankOrder) {
+        const DevicePlanView& v = ws.plan().view();
+        kernels::launch_tile_order(v.expert_offset, v.tile_expert, v.tile_row, v.num_tiles, v.status,
+                                   static_cast<int>(ws.shape().num_local_experts), ws.plan().max_tiles(), buffers.tile_order,
+                                   s);
+        detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 weight gradients' tile order");
+        order = buffers.tile_order;
+      }
+      detail::quantize_transposed(ws, b.dy.data, H, true, buffers.dy_t, buffers.dy_t_scales, nullptr, s, kWhere, order);
+      detail::quantize_transposed(ws, a.x.data, H, true, buffers.x_t, nullptr, buffers.x_t_exponents, s, kWhere, order);
     }
     if (!saved) detail::zero_counters(ws, s, kWhere);  // (the recompute used them)
     kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
@@ -376,8 +392,10 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     }
     if (fp8_wgrad) {  // w h and dgate|dup, made by the launches above, then the routed weight gradients
       const std::int64_t I = ws.shape().intermediate;
-      detail::quantize_transposed(ws, buffers.hidden, I, false, buffers.hw_t, nullptr, buffers.hw_t_exponents, s, kWhere);
-      detail::quantize_transposed(ws, gu, 2 * I, false, buffers.dgu_t, buffers.dgu_t_scales, nullptr, s, kWhere);
+      if (kWgradPasses) {
+        detail::quantize_transposed(ws, buffers.hidden, I, false, buffers.hw_t, nullptr, buffers.hw_t_exponents, s, kWhere);
+        detail::quantize_transposed(ws, gu, 2 * I, false, buffers.dgu_t, buffers.dgu_t_scales, nullptr, s, kWhere);
+      }
       kernels::launch_wgrad_fp8(detail::wgrad_fp8_params(ws, buffers, q.base), ctas, s);
       detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 weight-gradient kernel");
     }
