@@ -180,9 +180,9 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
 
 // One plan tile of 128 rows x 128 columns (launch_quantize_columns): the bf16 rows into shared
 // memory (16-byte loads, a warp two rows' 256 bytes, a thread's eight in flight together), each
-// column's largest magnitude (thread c
-// of each half scans 64 rows; a warp reads 32 adjacent columns of a row: no bank conflicts), then
-// thread (c, half) writes its 64 rows of column c as 64 contiguous E4M3 bytes.
+// column's largest magnitude (thread c of each half scans 64 rows; a warp reads 32 adjacent
+// columns of a row: no bank conflicts), then thread (c, half) writes its 64 rows of column c as
+// 64 contiguous E4M3 bytes.
 __global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid_constant__ QuantizeColumnsParams p) {
   if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
   if (static_cast<int>(blockIdx.y) >= *p.num_tiles) return;
