@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8bench|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N]
+#                                                   host|fp8|fp8wgrad|fp8bench|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME]
 #                                                   [--ncu-kernels forward,backward]
@@ -38,7 +38,12 @@
 # the bench JSON; bench/host_overhead.py (what the GPU waits for, under torch.profiler) is run by hand. `fp8` (issue 19's
 # FP8 path): build, the FP8 and forward tests (C++ and Python), the accuracy numbers as gtest XML
 # (<date>-<commit>-fp8-accuracy.xml, -fp8-dgrad-accuracy.xml), compute-sanitizer on a small FP8 forward and
-# FP8 dgrad case and an FP8 weight-gradient case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8,
+# FP8 dgrad case and an FP8 weight-gradient case; `fp8wgrad` (issue 19's FP8 weight gradients in one call, the
+# decisive parts first): build, their ctests (Fp8Wgrad, Fp8Quantize, Fp8Backward, the CPU layout tests) and Python
+# tests, the accuracy table's XML (<date>-<commit>-fp8-wgrad-accuracy.xml), bench/ab_serve.py of mok-fp8 against
+# mok-fp8-wgrad (forward+backward, alternating --repeats rounds, one build; its outputs differ by design) on --presets
+# (all: deepseek-v3, kimi-k2, deepseek-v4-pro, mixtral-8x7b, qwen3-30b-a3b, olmoe-1b-7b) into
+# <date>-<commit>-fp8-wgrad-ab.json, then compute-sanitizer on one FP8 weight-gradient case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8,
 # mok-fp8-bf16dgrad and mok-fp8-wgrad (forward and
 # forward+backward, --repeats runs) on
 # issue 19's presets into <date>-<commit>-fp8.txt, the training example (500 steps, mok and
@@ -119,11 +124,11 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8wgrad|fp8bench|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8bench|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8bench, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8wgrad|fp8bench|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8wgrad, fp8bench, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
 case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
@@ -466,6 +471,23 @@ if [ "$part" = fp8 ]; then
   sanitize test_gpu_forward_fp8 Fp8Forward/Fp8ForwardCases.MatchesTheRecipeReference/shared_padded_clamp 300
   sanitize test_gpu_backward_fp8 Fp8Backward/Fp8BackwardCases.MatchesTheRecipeReference/shared_padded_clamp 300
   sanitize test_gpu_backward_fp8 Fp8Wgrad/Fp8WgradCases.MatchesTheRecipeReference/shared_padded_clamp 300
+  junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
+fi
+if [ "$part" = fp8wgrad ]; then
+  ctest_run 3 -j4 -R "Fp8Wgrad|Fp8Quantize|Fp8Backward|Fp8Recipe|ScratchLayout|TileOrder" || test_rc=1
+  env PYTHONPATH="$PWD/$build/pkg" python3 -m pytest -q tests/python/test_fp8_layer.py -k "weight_gradients or fp8_dgrad" \
+    --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
+  tail -1 "$LOG/pytest.log"
+  $build/tests/test_gpu_forward_fp8 --gtest_filter='Fp8Forward.AccuracyAgainstTheExactLayerBesideBf16' \
+    --gtest_output=xml:"$OUT/${date:0:10}-$commit-fp8-wgrad-accuracy.xml" > "$LOG/fp8_accuracy.log" 2>&1 || test_rc=1
+  grep -E "OK|FAILED|Failure" "$LOG/fp8_accuracy.log" | tail -3
+  wgrad_presets=$presets
+  [ "$presets" = all ] && wgrad_presets=deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b
+  python3 bench/ab_serve.py --base $build/bench/mok_bench --impls mok-fp8,mok-fp8-wgrad --preset "$wgrad_presets" \
+    --pass fwd+bwd --rounds "$repeats" --iters "$iters" --out "$OUT/${date:0:10}-$commit-fp8-wgrad-ab.json" \
+    --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\"}" 2>&1 |
+    tee "$OUT/${date:0:10}-$commit-fp8-wgrad-ab.txt" | tail -10  # (exits non-zero: the weight gradients differ by design)
+  sanitize test_gpu_backward_fp8 Fp8Wgrad/Fp8WgradCases.MatchesTheRecipeReference/shared_padded_clamp 200
   junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
 if [ "$part" = power ]; then  # the SM clock and board power while each impl repeats a pass (bench/clock_power.py)
