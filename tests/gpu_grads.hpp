@@ -87,8 +87,9 @@ struct GpuGrads {
     return out;
   }
 
-  // Every gradient's bytes, for bitwise comparisons.
-  std::vector<std::uint8_t> snapshot() const {
+  // Every gradient's bytes, for bitwise comparisons (routed_weights false: all but the routed
+  // experts' weight gradients).
+  std::vector<std::uint8_t> snapshot(bool routed_weights = true) const {
     std::vector<std::uint8_t> all;
     auto add = [&](const void* p, std::size_t n) {
       std::vector<std::uint8_t> tmp(n);
@@ -97,7 +98,9 @@ struct GpuGrads {
     };
     add(dx.get(), dx.size() * 2);
     add(d_weights.get(), d_weights.size() * 4);
-    for (auto* b : {&d_gate, &d_up, &d_down, &d_sgate, &d_sup, &d_sdown}) add(b->get(), b->size());
+    if (routed_weights)
+      for (auto* b : {&d_gate, &d_up, &d_down}) add(b->get(), b->size());
+    for (auto* b : {&d_sgate, &d_sup, &d_sdown}) add(b->get(), b->size());
     return all;
   }
 };

@@ -52,16 +52,15 @@ void train_step(const GpuProblem& gpu, const QuantizedWeights& q, const testing:
 // d_w_up 1.1 % with the clamp, the rest <= 1 %. A wrong scale, row or block is far above.
 constexpr testing::Bars kDxVsRecipe{2.5e-2, 0.9997}, kVsRecipe{1.5e-2, 0.9999};
 
-class Fp8BackwardCases : public ::testing::TestWithParam<std::pair<Case, bool>> {};
-
-TEST_P(Fp8BackwardCases, MatchesTheRecipeReference) {
-  MOK_REQUIRE_HOPPER();
-  const auto [c, f32] = GetParam();
+// One FP8 training step of case c (gradients poisoned first; f32 ones zeroed, as they are accumulated
+// into) against the recipe's fp64 reference: with the FP8 dgrad, and wgrad: the FP8 weight
+// gradients too. seed: the problem's (dy's is seed - 54).
+void expect_recipe(const Case& c, bool f32, bool wgrad, std::uint64_t seed) {
   const MoeShape s = shape_of(c);
-  const HostProblem host = make_problem(s, c.tokens, c.routing, 71 + c.tokens);
+  const HostProblem host = make_problem(s, c.tokens, c.routing, seed);
   GpuProblem gpu(host);
   const QuantizedWeights q(gpu);
-  const auto dy = testing::random_bf16(host.x.size(), 17 + c.tokens);
+  const auto dy = testing::random_bf16(host.x.size(), seed - 54);
   testing::GpuGrads grads(gpu, dy, f32);
   Workspace ws(s, c.tokens, fp8_config(), Training::save);
   std::vector<std::vector<double>> base;  // (f32 gradients are accumulated into: zero them)
@@ -70,11 +69,19 @@ TEST_P(Fp8BackwardCases, MatchesTheRecipeReference) {
       cudaMemset(g->get(), 0, g->size());
       base.emplace_back(g->size() / 4, 0.0);
     }
-  train_step(gpu, q, grads, ws);
+  train_step(gpu, q, grads, ws, wgrad);
   const auto x = host.reference_x();
   const auto ref = reference::backward_fp8(s, c.tokens, x, host.reference_routing(), host.reference_weights(),
-                                           reference::to_double(dy), /*fp8_dgrad=*/true);
+                                           reference::to_double(dy), /*fp8_dgrad=*/true, wgrad);
   testing::expect_gradients(ref, grads, c.name, base, kDxVsRecipe, kVsRecipe);
+}
+
+class Fp8BackwardCases : public ::testing::TestWithParam<std::pair<Case, bool>> {};
+
+TEST_P(Fp8BackwardCases, MatchesTheRecipeReference) {
+  MOK_REQUIRE_HOPPER();
+  const auto [c, f32] = GetParam();
+  expect_recipe(c, f32, /*wgrad=*/false, 71 + c.tokens);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -128,24 +135,7 @@ class Fp8WgradCases : public ::testing::TestWithParam<std::pair<Case, bool>> {};
 TEST_P(Fp8WgradCases, MatchesTheRecipeReference) {
   MOK_REQUIRE_HOPPER();
   const auto [c, f32] = GetParam();
-  const MoeShape s = shape_of(c);
-  const HostProblem host = make_problem(s, c.tokens, c.routing, 81 + c.tokens);
-  GpuProblem gpu(host);
-  const QuantizedWeights q(gpu);
-  const auto dy = testing::random_bf16(host.x.size(), 27 + c.tokens);
-  testing::GpuGrads grads(gpu, dy, f32);
-  Workspace ws(s, c.tokens, fp8_config(), Training::save);
-  std::vector<std::vector<double>> base;  // (f32 gradients are accumulated into: zero them)
-  if (f32)
-    for (auto* g : {&grads.d_gate, &grads.d_up, &grads.d_down, &grads.d_sgate, &grads.d_sup, &grads.d_sdown}) {
-      cudaMemset(g->get(), 0, g->size());
-      base.emplace_back(g->size() / 4, 0.0);
-    }
-  train_step(gpu, q, grads, ws, /*wgrad=*/true);
-  const auto x = host.reference_x();
-  const auto ref = reference::backward_fp8(s, c.tokens, x, host.reference_routing(), host.reference_weights(),
-                                           reference::to_double(dy), /*fp8_dgrad=*/true, /*fp8_wgrad=*/true);
-  testing::expect_gradients(ref, grads, c.name, base, kDxVsRecipe, kVsRecipe);
+  expect_recipe(c, f32, /*wgrad=*/true, 81 + c.tokens);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -173,16 +163,7 @@ TEST(Fp8Wgrad, LeavesEveryOtherGradientBitwise) {
     testing::GpuGrads grads(gpu, dy, false);
     Workspace ws(s, c.tokens, fp8_config(), Training::save);
     train_step(gpu, q, grads, ws, wgrad);
-    std::vector<std::uint8_t> all;
-    const auto add = [&](const void* p, std::size_t n) {
-      std::vector<std::uint8_t> tmp(n);
-      if (n) cudaMemcpy(tmp.data(), p, n, cudaMemcpyDeviceToHost);
-      all.insert(all.end(), tmp.begin(), tmp.end());
-    };
-    add(grads.dx.get(), grads.dx.size() * 2);
-    add(grads.d_weights.get(), grads.d_weights.size() * 4);
-    for (auto* b : {&grads.d_sgate, &grads.d_sup, &grads.d_sdown}) add(b->get(), b->size());
-    others.push_back(all);
+    others.push_back(grads.snapshot(/*routed_weights=*/false));
   }
   EXPECT_TRUE(others[0] == others[1]);
 }

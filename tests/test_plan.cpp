@@ -459,6 +459,17 @@ TEST(ScratchLayout, Fp8DgradRowsOnlyWhenAsked) {
               off(fp8.dgu_scales) % 512 == 0);
 }
 
+// A Precision::fp8, Training::save backward's scratch shape (capacity in whole tiles, as a plan's).
+detail::ScratchShape fp8_training_shape(std::int64_t H, std::int64_t I, std::int64_t E, std::int64_t k, std::int64_t T,
+                                        std::int64_t Is) {
+  detail::ScratchShape sh;
+  sh.shape.hidden = H, sh.shape.intermediate = I, sh.shape.num_experts = sh.shape.num_local_experts = E;
+  sh.shape.top_k = k, sh.shape.shared_intermediate = Is;
+  sh.tokens = T, sh.training = Training::save, sh.precision = Precision::fp8;
+  sh.capacity = plan_capacity_rows(sh.shape, {}, T, detail::kTileRows) / 128 * 128;
+  return sh;
+}
+
 // The FP8 dgrad's E4M3 dy rows and their scales go into the room the bf16 rows leave in the W_gate /
 // W_up gradients when they fit there (512-byte aligned, overlapping none of the rows; rows_in_grads
 // then, so that the dW_gate|up tiles wait for every dh tile), else into the scratch as before; the
@@ -476,11 +487,7 @@ TEST(ScratchLayout, Fp8DgradDyRowsInTheGradientsRoom) {
           for (std::int64_t T : {300, 4096, 8192})
             for (bool block : {false, true})
               for (bool with_dx : {false, true}) {
-                detail::ScratchShape sh;
-                sh.shape.hidden = H, sh.shape.intermediate = I, sh.shape.num_experts = sh.shape.num_local_experts = E;
-                sh.shape.top_k = k, sh.shape.shared_intermediate = 0;
-                sh.tokens = T, sh.training = Training::save, sh.precision = Precision::fp8;
-                sh.capacity = plan_capacity_rows(sh.shape, {}, T, detail::kTileRows) / 128 * 128;
+                const detail::ScratchShape sh = fp8_training_shape(H, I, E, k, T, 0);
                 const std::int64_t cap = sh.capacity, half = E * I * H;
                 const U up_at = block ? gate + 2 * half : up, dx = up + (U{1} << 36);
                 const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + " E " + std::to_string(E) +
@@ -541,11 +548,7 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
           for (std::int64_t T : {300, 8192})
             for (bool bf16_grads : {false, true})
               for (bool with_dx : {false, true}) {
-                detail::ScratchShape sh;
-                sh.shape.hidden = H, sh.shape.intermediate = I, sh.shape.num_experts = sh.shape.num_local_experts = E;
-                sh.shape.top_k = k, sh.shape.shared_intermediate = 256;
-                sh.tokens = T, sh.training = Training::save, sh.precision = Precision::fp8;
-                sh.capacity = plan_capacity_rows(sh.shape, {}, T, detail::kTileRows) / 128 * 128;
+                const detail::ScratchShape sh = fp8_training_shape(H, I, E, k, T, 256);
                 const std::int64_t cap = sh.capacity, half = E * I * H, Tpad = (T + 127) / 128 * 128;
                 const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + " E " + std::to_string(E) +
                                          " k " + std::to_string(k) + " T " + std::to_string(T) +

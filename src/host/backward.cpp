@@ -283,7 +283,7 @@ void quantize_transposed(Workspace& ws, const void* src, std::int64_t columns, b
   q.values = values;
   q.col_scales = col_scales;
   q.block_exponents = block_exponents;
-  q.exponent_stride = ws.plan().capacity_rows() / kernels::kFp8BlockK + 1;  // (Fp8WgradParams' rows)
+  q.exponent_stride = kernels::wgrad_exponent_stride(ws.plan().capacity_rows());  // (Fp8WgradParams' rows)
   q.num_tiles = plan.num_tiles;
   q.plan_status = plan.status;
   q.capacity = ws.plan().capacity_rows();

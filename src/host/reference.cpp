@@ -24,6 +24,9 @@ void axpy(double alpha, const double* x, double* y, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
+// v rounded to bf16 (what the kernels store), back in fp64.
+double round_bf16(double v) { return bf16::from_float(static_cast<float>(v)).to_float(); }
+
 double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
 
 // One expert (routed or shared) as seen by one token: pointers into the weights.
@@ -244,10 +247,9 @@ Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
         // kernel's by ~0.15 % RMS, and the E4M3 roundings of ~2 % of them with it: ~1.2 % of
         // a weight gradient.)
         const double lim = s.swiglu_limit ? static_cast<double>(*s.swiglu_limit) : INFINITY;
-        auto to_bf16 = [](double v) { return static_cast<double>(bf16::from_float(static_cast<float>(v)).to_float()); };
         for (std::int64_t i = 0; i < ex.inter; ++i) {
-          if (a.gate_pass[i]) a.gate[i] = std::min(to_bf16(a.gate[i]), lim);
-          if (a.up_pass[i]) a.up[i] = std::clamp(to_bf16(a.up[i]), -lim, lim);
+          if (a.gate_pass[i]) a.gate[i] = std::min(round_bf16(a.gate[i]), lim);
+          if (a.up_pass[i]) a.up[i] = std::clamp(round_bf16(a.up[i]), -lim, lim);
           a.hidden[i] = a.gate[i] * sigmoid(a.gate[i]) * a.up[i];
         }
       }
@@ -270,7 +272,7 @@ Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
       // (quantized from their bf16 values, which the weight gradients read: E4M3 of bf16, as the kernel)
       auto through_bf16 = [n](const double* v) {
         std::vector<double> r(n);
-        for (std::int64_t i = 0; i < n; ++i) r[i] = bf16::from_float(static_cast<float>(v[i])).to_float();
+        for (std::int64_t i = 0; i < n; ++i) r[i] = round_bf16(v[i]);
         return r;
       };
       const std::vector<double> dgq = dgrad ? through_fp8(through_bf16(dg).data(), 1, n, 1, 128) : std::vector<double>(dg, dg + n);
@@ -343,16 +345,15 @@ Gradients backward(const MoeShape& s, std::int64_t T, std::span<const double> x,
       const std::vector<std::int64_t>& pairs = pairs_of[e];
       const std::int64_t n = static_cast<std::int64_t>(pairs.size()), rows = (n + 127) / 128 * 128;
       if (n == 0) return;
-      auto to_bf16 = [](double v) { return static_cast<double>(bf16::from_float(static_cast<float>(v)).to_float()); };
       std::vector<double> dy_rows(rows * H, 0.0), x_rows(rows * H, 0.0), hw(rows * I, 0.0), dgu(rows * 2 * I, 0.0);
       for (std::int64_t i = 0; i < n; ++i) {
         const std::int64_t pair = pairs[i], t = pair / slots;
         std::copy(dy.begin() + t * H, dy.begin() + (t + 1) * H, dy_rows.begin() + i * H);
         std::copy(x.begin() + t * H, x.begin() + (t + 1) * H, x_rows.begin() + i * H);
         for (std::int64_t c = 0; c < I; ++c) {
-          hw[i * I + c] = to_bf16(weight_of(pair) * pair_hidden[pair * stride + c]);
-          dgu[i * 2 * I + c] = to_bf16(pair_dgate[pair * stride + c]);
-          dgu[i * 2 * I + I + c] = to_bf16(pair_dup[pair * stride + c]);
+          hw[i * I + c] = round_bf16(weight_of(pair) * pair_hidden[pair * stride + c]);
+          dgu[i * 2 * I + c] = round_bf16(pair_dgate[pair * stride + c]);
+          dgu[i * 2 * I + I + c] = round_bf16(pair_dup[pair * stride + c]);
         }
       }
       const auto dy_q = through_fp8(dy_rows.data(), rows, H, 128, 1), x_q = through_fp8(x_rows.data(), rows, H, 128, 128);

@@ -201,7 +201,7 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
       // (made after the dgrad launches) the E4M3 dgate|dup rows' and theirs, the same sizes;
       // w h^T and its exponents the E4M3 dy rows' and their scales' when those are in the
       // scratch (in the gradients, the weight-gradient launch writes over them) and it fits.
-      const std::int64_t row_blocks = cap / kernels::kFp8BlockK, exponent_row = row_blocks + 1;
+      const std::int64_t row_blocks = cap / kernels::kFp8BlockK, exponent_row = kernels::wgrad_exponent_stride(cap);
       const auto take = [&](std::int64_t bytes) {  // (padded to 512 bytes: the exponents' rows)
         void* p = at(scratch, used);
         used += (bytes + 511) / 512 * 512;

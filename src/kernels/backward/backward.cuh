@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/boxes.hpp"
 #include "kernels/forward/forward.cuh"
 #include "mok/kernel_status.hpp"
 
@@ -173,14 +174,18 @@ struct Fp8WgradMaps {
   CUtensorMap x_t;    // E4M3 [H, capacity]: B of dW_gate|up (x's routed rows transposed)
 };
 
+// Elements between two channel blocks' rows of the activation operands' exponents: a row per
+// 128-row block of the plan and one more (an expert without rows reads one at its end).
+__host__ __device__ inline std::int64_t wgrad_exponent_stride(std::int64_t capacity) { return capacity / kFp8BlockK + 1; }
+
 struct Fp8WgradParams {
   BackwardParams base;  // the call's (no EP, no ring): its routed gradients, plan, status and waits
   Fp8WgradMaps maps;
   std::int64_t capacity;               // plan rows, a multiple of 128
   const float* dy_t_scales;            // [capacity / 128, H]: channel h of row block b: 2^e
   const float* dgu_t_scales;           // [capacity / 128, 2I]
-  const std::int32_t* hw_t_exponents;  // [I / 128, capacity / 128 + 1]: block (i, b): 2^e (the + 1: an
-  const std::int32_t* x_t_exponents;   // [H / 128, capacity / 128 + 1]   expert without rows reads one)
+  const std::int32_t* hw_t_exponents;  // [I / 128, wgrad_exponent_stride]: block (i, b): 2^e
+  const std::int32_t* x_t_exponents;   // [H / 128, wgrad_exponent_stride]
 };
 
 void launch_wgrad_fp8(const Fp8WgradParams& params, int num_ctas, cudaStream_t stream);

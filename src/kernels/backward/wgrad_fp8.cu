@@ -96,12 +96,12 @@ __device__ void wgrad_produce(const Fp8WgradParams& q, SharedStorage& s, const W
 
 // A task's scales: A's of this warpgroup's 64 channels from the expert's first row block on
 // ([row blocks, channels]), B's exponents of its two 128-channel blocks (past I or H: the first's)
-// from the same row block ([channel blocks, capacity / 128 + 1]).
+// from the same row block ([channel blocks, wgrad_exponent_stride]).
 __device__ __forceinline__ Fp8TaskScales wgrad_scales(const Fp8WgradParams& q, const Task& t, int first, int wg) {
   const BackwardParams& p = q.base;
   const bool wd = t.kind == kWd;
   const int a_channels = wd ? p.hidden : 2 * p.routed.inter, b_blocks = (wd ? p.routed.inter : p.hidden) / kFp8BlockK;
-  const int row_block = first / kFp8BlockK, stride = static_cast<int>(q.capacity / kFp8BlockK) + 1;
+  const int row_block = first / kFp8BlockK, stride = static_cast<int>(wgrad_exponent_stride(q.capacity));
   const float* a = (wd ? q.dy_t_scales : q.dgu_t_scales) + static_cast<std::int64_t>(row_block) * a_channels + t.m * kBlockM + wg * 64;
   const std::int32_t* b = (wd ? q.hw_t_exponents : q.x_t_exponents) + row_block;
   const int b0 = 2 * t.n, b1 = b0 + 1 < b_blocks ? b0 + 1 : b0;
