@@ -117,8 +117,12 @@ def test_fp8_training_step_with_the_fp8_dgrad(concatenated):
         up_leaf = None if up is None else up.detach().clone().requires_grad_()
         fn = lambda *a: mok.moe(*a, precision="fp8", fp8_experts=experts)  # noqa: E731
         fn = torch.compile(fn, fullgraph=True) if compiled else fn
-        y = fn(leaves[0], ids, leaves[1], leaves[2], up_leaf, leaves[3], tuple(leaves[4:]))
-        y.backward(dy)
+        mok.set_fp8_weight_gradients(False)  # (the dgrad alone: bf16 weight gradients on both sides)
+        try:
+            y = fn(leaves[0], ids, leaves[1], leaves[2], up_leaf, leaves[3], tuple(leaves[4:]))
+            y.backward(dy)
+        finally:
+            mok.set_fp8_weight_gradients(True)
         return [y.detach()] + [t.grad for t in leaves] + ([] if up_leaf is None else [up_leaf.grad])
 
     fp8_dgrad = grads(with_dgrad)
@@ -138,8 +142,8 @@ def test_fp8_training_step_with_the_fp8_dgrad(concatenated):
 
 @pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
 def test_fp8_weight_gradients_setting():
-    """mok.set_fp8_weight_gradients(True) with the FP8 dgrad: the routed weight gradients' GEMMs
-    in E4M3 too. Against the FP8 dgrad with bf16 weight gradients: y, dx, d_topk_weights and the
+    """mok.set_fp8_weight_gradients(True), the default, with the FP8 dgrad: the routed weight
+    gradients' GEMMs in E4M3 too. Against the FP8 dgrad with bf16 weight gradients: y, dx, d_topk_weights and the
     shared expert's weight gradients the same bits (the routed weight gradients feed nothing
     else), the routed weight gradients close but not equal; the same bits again, and under
     torch.compile."""
@@ -156,7 +160,7 @@ def test_fp8_weight_gradients_setting():
             y = fn(leaves[0], ids, leaves[1], leaves[2], leaves[3], leaves[4], tuple(leaves[5:]))
             y.backward(dy)
         finally:
-            mok.set_fp8_weight_gradients(False)
+            mok.set_fp8_weight_gradients(True)  # (the default)
         return [y.detach()] + [t.grad for t in leaves]
 
     fp8_wgrad = grads(True)
