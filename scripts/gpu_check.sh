@@ -43,13 +43,13 @@
 # tests, the accuracy table's XML (<date>-<commit>-fp8-wgrad-accuracy.xml), bench/ab_serve.py of mok-fp8 against
 # mok-fp8-wgrad (forward+backward, alternating --repeats rounds, one build; its outputs differ by design) on --presets
 # (all: deepseek-v3, kimi-k2, deepseek-v4-pro, mixtral-8x7b, qwen3-30b-a3b, olmoe-1b-7b) into
-# <date>-<commit>-fp8-wgrad-ab.json, then compute-sanitizer on one FP8 weight-gradient case; `fp8bench` (build if missing): mok_bench's mok against mok-fp8,
-# mok-fp8-bf16dgrad and mok-fp8-wgrad (forward and
-# forward+backward, --repeats runs) on
-# issue 19's presets into <date>-<commit>-fp8.txt, the training example (500 steps, mok and
+# <date>-<commit>-fp8-wgrad-ab.json, then compute-sanitizer on one FP8 weight-gradient case; `fp8bench` (build if missing): ab_serve's mok against mok-fp8
+# (forward; forward+backward: the FP8 dgrad, bf16 weight gradients) and against mok-fp8-wgrad (forward+backward),
+# --repeats alternating rounds each, on
+# issue 19's presets into <date>-<commit>-fp8-vs-bf16-*.json, the training example (500 steps, mok and
 # mok-fp8; at its size mok.MoE takes the bf16 dgrad) into <date>-<commit>-train-fp8.json and with
 # --fp8-dgrad on into -train-fp8-dgrad.json, with --fp8-wgrad on too into -train-fp8-wgrad.json, and bench/fp8_dgrad_py.py (mok.moe's FP8 dgrad against
-# its bf16 dgrad) into <date>-<commit>-fp8-dgrad-py.json. --impl / --pass choose layer_bench's implementations and passes in the
+# its bf16 dgrad, and with bf16 weight gradients; each step's peak) into <date>-<commit>-fp8-dgrad-py.json. --impl / --pass choose layer_bench's implementations and passes in the
 # bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd);
 # --settle-ms MS runs each timed pass untimed for MS first (layer_bench's, in the bench, speed and
 # host parts: every implementation timed on the power limit's plateau, issue 21).
@@ -500,9 +500,15 @@ fi
 if [ "$part" = fp8bench ]; then
   fp8_presets=$presets
   [ "$presets" = all ] && fp8_presets=deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b
-  for r in $(seq "$repeats"); do
-    $build/bench/mok_bench --preset "$fp8_presets" --impl mok,mok-fp8,mok-fp8-bf16dgrad,mok-fp8-wgrad --pass fwd,fwd+bwd --iters "$iters" \
-      --out "$OUT/fp8_run$r.json" --commit "$commit" --date "$date" 2>&1 | tee -a "$OUT/${date:0:10}-$commit-fp8.txt" || test_rc=1
+  # FP8 against bf16 in alternating rounds, each problem loaded once (whole mok_bench runs pay ~10-25 s
+  # a record for the fp64 check and the set-up): the forward, forward+backward with the FP8 dgrad and
+  # bf16 weight gradients, and with the FP8 weight gradients too (issue 19's 1.5x and 1.3x bars).
+  for ab in "mok,mok-fp8 fwd dgrad" "mok,mok-fp8 fwd+bwd dgrad" "mok,mok-fp8-wgrad fwd+bwd wgrad"; do
+    read -r ab_impls ab_pass ab_name <<< "$ab"
+    python3 bench/ab_serve.py --base $build/bench/mok_bench --impls "$ab_impls" --preset "$fp8_presets" --pass "$ab_pass" \
+      --rounds "$repeats" --iters "$iters" --out "$OUT/${date:0:10}-$commit-fp8-vs-bf16-${ab_pass/+/-}-$ab_name.json" \
+      --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\"}" > "$LOG/ab_fp8_${ab_name}_${ab_pass/+/-}.log" 2>&1
+    grep -A8 "^preset" "$LOG/ab_fp8_${ab_name}_${ab_pass/+/-}.log" | head -8  # (exits non-zero: the precisions differ)
   done
   train_example 500 mok,mok-fp8 train-fp8  # the FP8 forward (its size: the bf16 dgrad) beside bf16, same seed and data
   train_example 500 mok,mok-fp8 train-fp8-dgrad --fp8-dgrad on --fp8-wgrad off  # the same with the E4M3 dgrad
