@@ -94,8 +94,9 @@ def main():
         print(ab_compare.table(rows))
         if args.out:
             with open(args.out, "w") as f:
+                base_impl, head_impl = args.impls.split(",")
                 json.dump(dict(json.loads(args.meta), routing=args.routing, iters=args.iters, order="alternating",
-                               rows=rows), f, indent=1)
+                               base_impl=base_impl, head_impl=head_impl, rows=rows), f, indent=1)
     if not all(same.values()):
         sys.exit("ab_serve: the two builds' outputs differ on " + ", ".join(f"{n} {ps}" for (n, ps), v in same.items()
                                                                         if not v))

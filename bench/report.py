@@ -273,10 +273,31 @@ LAYER_NOTE = [
 ]
 
 
+# ab_serve files of one build comparing two implementations, written before ab_serve recorded them
+# (gpu_check --part fp8wgrad): the implementations, by the file name's ending.
+AB_IMPLS_BY_NAME = {"-fp8-wgrad-ab.json": ("mok-fp8", "mok-fp8-wgrad")}
+
+
+def ab_files(results_dir):
+    """Before/after files (scripts/ab_bench.sh, ab_serve with two builds) and ab_serve's one-build
+    comparisons of two implementations (gpu_check's fp8wgrad and fp8bench parts), newest first."""
+    paths = set()
+    for pattern in ("*-vs-*-ab*.json", "*-fp8-wgrad-ab.json", "*-fp8-vs-bf16-*.json"):
+        paths.update(glob.glob(os.path.join(results_dir, pattern)))
+    return sorted(paths, key=lambda p: (os.path.basename(p)[:10], os.path.basename(p)), reverse=True)
+
+
+def ab_impls(path, d):
+    """(base impl, head impl) of an ab_serve file that compared two implementations, else None."""
+    if "base_impl" in d and d["base_impl"] != d.get("head_impl"):
+        return d["base_impl"], d["head_impl"]
+    return next((v for k, v in AB_IMPLS_BY_NAME.items() if path.endswith(k)), None)
+
+
 def ab_tables(results_dir):
     """Lines of bench/results/README.md for the before/after files (scripts/ab_bench.sh), newest first."""
     out = []
-    for path in sorted(glob.glob(os.path.join(results_dir, "*-vs-*-ab*.json")), reverse=True):
+    for path in ab_files(results_dir):
         with open(path) as f:
             d = json.load(f)
         rows = d.get("rows", [])
@@ -284,11 +305,16 @@ def ab_tables(results_dir):
             continue
         if not out:
             out += ["## Before / after (scripts/ab_bench.sh, bench/ab_serve.py)", "",
-                    "One GPU, one run: mok_bench built from a base tree and from the head, the same problem loaded",
-                    "in both, outputs checked bitwise equal, then timed in alternating rounds (base, head, …).",
+                    "One GPU, one run: mok_bench built from a base tree and from the head (or one build's two",
+                    "implementations, e.g. mok against mok-fp8), the same problem loaded in both, outputs checked",
+                    "bitwise equal, then timed in alternating rounds (base, head, …).",
                     "head/base: median over rounds of the round medians; range: the per-round ratios.", ""]
+        impls = ab_impls(path, d)
+        sides = (f"commit {d.get('commit', '?')}, base {impls[0]}, head {impls[1]} (one build; their outputs differ by "
+                 f"design where the precisions do)" if impls else
+                 f"base {d.get('base_commit', '?')}, head {d.get('head_commit', '?')}")
         out += [f"### {os.path.basename(path)}", "",
-                f"GPU {d.get('gpu', '?')}, base {d.get('base_commit', '?')}, head {d.get('head_commit', '?')}, "
+                f"GPU {d.get('gpu', '?')}, {sides}, "
                 f"{d.get('date', '?')}, {rows[0].get('rounds', '?')} rounds of {d.get('iters', '?')} iterations, "
                 f"routing {d.get('routing', '?')}" + (f". {d['note']}" if d.get("note") else ""), "",
                 "| preset | pass | base ms | head ms | head/base | range | bitwise equal |", "|---|---|---|---|---|---|---|"]
