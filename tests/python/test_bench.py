@@ -199,6 +199,25 @@ def test_ab_serve_rows_carry_the_round_ratios_and_the_bitwise_verdict():
     assert "largest change: p fwd 1.000" in ab_compare.table([row])
 
 
+def test_report_lists_one_build_comparisons_of_two_implementations(tmp_path):
+    """report.py's before/after section takes ab_serve's one-build files too (fp8bench's FP8 against
+    bf16, the FP8 weight gradients' A/B, whose early files lack the impls) and names both sides."""
+    row = dict(preset="p", **{"pass": "fwd+bwd"}, base_ms=10.0, head_ms=8.0, ratio=0.8, ratio_min=0.7, ratio_max=0.9,
+               rounds=3, bitwise_equal=False)
+    files = {"2026-12-06-abc-fp8-vs-bf16-fwd-bwd-wgrad.json": dict(commit="abc", base_impl="mok",
+                                                                    head_impl="mok-fp8-wgrad", rows=[row]),
+             "2026-12-05-def-fp8-wgrad-ab.json": dict(commit="def", rows=[row]),
+             "2026-12-04-ghi-vs-jkl-ab.json": dict(base_commit="jkl", head_commit="ghi", rows=[row])}
+    for name, d in files.items():
+        (tmp_path / name).write_text(json.dumps(d))
+    text = "\n".join(report.ab_tables(str(tmp_path)))
+    assert text.index("fp8-vs-bf16") < text.index("fp8-wgrad-ab") < text.index("ghi-vs-jkl")  # newest first
+    assert "commit abc, base mok, head mok-fp8-wgrad" in text
+    assert "commit def, base mok-fp8, head mok-fp8-wgrad" in text
+    assert "base jkl, head ghi" in text
+    assert text.count("| p | fwd+bwd | 10.000 | 8.000 | 0.800 | 0.700–0.900 | False |") == 3
+
+
 def test_pass_timeline_splits_host_and_gpu_idle_time():
     """host_overhead.pass_timeline on a synthetic trace (µs): two calls, each after a 100 µs
     flush; the layer's kernels with a gap of 30 µs (first call) and 50 µs (second)."""
