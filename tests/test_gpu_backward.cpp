@@ -134,6 +134,16 @@ TEST(Backward, RejectsMisuse) {
   EXPECT_THROW(backward(gpu.args(), grads.args(), save, nullptr), Error);  // saved tensor missing
   DeviceBuffer<bf16> small(save.saved_elements() - 1);
   EXPECT_THROW(forward(gpu.args(), save, nullptr, saved_view(small)), Error);
+  DeviceBuffer<bf16> roomy(save.saved_elements() + 8);  // (its data from the second element on: 2 bytes off)
+  const TensorView misaligned =
+      TensorView::contiguous(roomy.get() + 1, DType::bf16, Device::cuda(0), {save.saved_elements()});
+  try {
+    backward(gpu.args(), grads.args(), save, nullptr, misaligned);
+    ADD_FAILURE() << "a misaligned saved tensor was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("argument 'saved': data pointer must be 16-byte aligned"), std::string::npos)
+        << e.what();
+  }
 
   // With a shared expert dx must not overlap x or dy: its tasks read them while dx is written.
   const MoeShape ss = shape_of({"", 0, 256, 128, 8, 2, 128, 0, RoutingKind::uniform});

@@ -530,17 +530,21 @@ TEST(ScratchLayout, Fp8DgradDyRowsInTheGradientsRoom) {
 }
 
 // The FP8 weight gradients' operands (fp8_wgrad): every other buffer where the FP8 dgrad alone puts
-// it; dgate|dup^T and its scales in the E4M3 dgate|dup rows' room; dy^T and x^T in the bf16 dy
-// rows' room when that is all in the scratch, w h^T in the E4M3 dy rows' when those are in the
-// scratch and it fits, else each in new scratch; and nothing written while a buffer is still read:
-// dy^T, x^T and their scales (written before the dgrad launches, read after them) overlap no buffer
-// of those launches, w h^T and dgate|dup^T (written after them) neither those nor w h, and the
-// weight-gradient launch's operands none of each other nor the gradients it writes.
+// it; dgate|dup^T and its scales in the E4M3 dgate|dup rows' room; dy^T, x^T and w h^T, made after
+// the dgrad launches and after dgate|dup^T, in rooms dead by then (the bf16 dy rows' and the E4M3
+// dy rows' in the scratch, the x / dx rows', the routed pre-activations' in the saved tensor) or in
+// new scratch; and nothing written while a buffer is still read: w h^T and its exponents overlap
+// neither w h nor dgate|dup^T, the weight-gradient launch's operands none of each other nor the
+// gradients it writes, and none lies outside the scratch and the saved tensor's routed rows. The
+// figure of a size query (no scratch, no saved tensor) is the call's, and with mok.moe's layout
+// (bf16 gradients in one block, dx apart, two column blocks) and H <= 4I (every FP8 preset) the
+// operands need at most capacity x I bytes of new scratch besides their scales, where they needed
+// capacity x (2H + I) before.
 TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
   using U = std::uintptr_t;
-  const U base = U{1} << 39, gate = U{2} << 39, up = U{3} << 39;
+  const U base = U{1} << 39, gate = U{2} << 39, up = U{3} << 39, saved_at = (U{4} << 39) + 16;  // (16-byte aligned: check_saved)
   auto at = [](const void* p) { return reinterpret_cast<U>(p); };
-  int reused[3] = {0, 0, 0}, shapes = 0;
+  int in_dy_rows = 0, in_x_rows = 0, in_saved = 0, in_dy_fp8 = 0, shapes = 0;
   for (std::int64_t H : {256, 2048, 7168})
     for (std::int64_t I : {128, 512, 2048, 14336})
       for (std::int64_t E : {8, 48})
@@ -548,7 +552,8 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
           for (std::int64_t T : {300, 8192})
             for (bool bf16_grads : {false, true})
               for (bool with_dx : {false, true}) {
-                const detail::ScratchShape sh = fp8_training_shape(H, I, E, k, T, 256);
+                detail::ScratchShape sh = fp8_training_shape(H, I, E, k, T, 256);
+                sh.block_columns = (H / 256 + 1) / 2 * 256;  // (two column blocks, as the default)
                 const std::int64_t cap = sh.capacity, half = E * I * H, Tpad = (T + 127) / 128 * 128;
                 const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + " E " + std::to_string(E) +
                                          " k " + std::to_string(k) + " T " + std::to_string(T) +
@@ -557,9 +562,11 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
                 void* g = bf16_grads ? reinterpret_cast<void*>(gate) : nullptr;
                 void* u = bf16_grads ? reinterpret_cast<void*>(gate + 2 * half) : nullptr;
                 void* dxp = with_dx ? reinterpret_cast<void*>(up) : nullptr;
-                const detail::CallBuffers d = detail::backward_buffers(sh, b, g, u, dxp, true, false);
-                const detail::CallBuffers w = detail::backward_buffers(sh, b, g, u, dxp, true, true);
+                void* sv = reinterpret_cast<void*>(saved_at);
+                const detail::CallBuffers d = detail::backward_buffers(sh, b, g, u, dxp, true, false, sv);
+                const detail::CallBuffers w = detail::backward_buffers(sh, b, g, u, dxp, true, true, sv);
                 ++shapes;
+                EXPECT_EQ(w.bytes, detail::backward_buffers(sh, nullptr, g, u, dxp, true, true).bytes) << what;
                 EXPECT_TRUE(w.dy_rows == d.dy_rows && w.dy_rows_hi == d.dy_rows_hi && w.hidden == d.hidden &&
                             w.x_rows == d.x_rows && w.shared_dx_rows == d.shared_dx_rows &&
                             w.shared_hidden == d.shared_hidden && w.dy_fp8 == d.dy_fp8 && w.dy_scales == d.dy_scales &&
@@ -567,54 +574,61 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
                     << what << ": a buffer of the FP8 dgrad moved";
                 EXPECT_EQ(d.dy_t, nullptr) << what;
                 EXPECT_TRUE(w.dgu_t == w.dgu_fp8 && static_cast<void*>(w.dgu_t_scales) == static_cast<void*>(w.dgu_scales)) << what;
-                const U scratch_end = base + w.bytes;
-                const bool dy_rows_in_scratch = at(d.dy_rows) >= base && at(d.dy_rows) < scratch_end && !d.dy_rows_hi;
-                EXPECT_EQ(at(w.dy_t) == at(d.dy_rows), dy_rows_in_scratch) << what;
-                reused[0] += dy_rows_in_scratch;
-                reused[1] += w.hw_t == w.dy_fp8;
-                reused[2] += 1;
-                if (w.hw_t == w.dy_fp8) EXPECT_TRUE(at(w.dy_fp8) >= base && at(w.dy_fp8) < scratch_end) << what;
+                const U scratch_end = base + w.bytes, saved_lo = saved_at, saved_hi = saved_at + 4 * cap * I;
                 const std::int64_t rb = cap / 128, xrow = rb + 1;
                 struct R {
                   const char* name;
                   U lo, hi;
                 };
                 auto r = [&](const char* name, const void* p, std::int64_t bytes) { return R{name, at(p), at(p) + bytes}; };
-                const std::int64_t W = w.row_columns > 0 ? w.row_columns : H;
-                // the dgrad launches' buffers (read or written there)
-                const std::vector<R> dgrad{r("dy rows (E4M3)", w.dy_fp8, cap * H), r("dy scales", w.dy_scales, 4 * rb * H),
-                                           r("dgu rows (E4M3)", w.dgu_fp8, cap * 2 * I),
-                                           r("dgu scales", w.dgu_scales, 4 * rb * 2 * I), r("x / dx rows", w.x_rows, 2 * cap * W),
-                                           r("shared dx rows", w.shared_dx_rows, 2 * Tpad * H), r("w h", w.hidden, 2 * cap * I),
-                                           r("shared w h", w.shared_hidden, 2 * Tpad * 256)};
-                const std::vector<R> early{r("dy^T", w.dy_t, cap * H), r("x^T", w.x_t, cap * H),
-                                           r("dy^T scales", w.dy_t_scales, 4 * rb * H),
-                                           r("x^T exponents", w.x_t_exponents, 4 * (H / 128) * xrow),
-                                           r("tile order", w.tile_order, 4 * rb)};
-                const std::vector<R> late{r("w h^T", w.hw_t, cap * I), r("w h^T exponents", w.hw_t_exponents, 4 * (I / 128) * xrow),
-                                          r("dgu^T", w.dgu_t, cap * 2 * I), r("dgu^T scales", w.dgu_t_scales, 4 * rb * 2 * I)};
+                const R dy_t = r("dy^T", w.dy_t, cap * H);
+                const bool dy_rows_in_scratch = at(d.dy_rows) >= base && at(d.dy_rows) < scratch_end && !d.dy_rows_hi;
+                in_dy_rows += dy_rows_in_scratch && dy_t.lo >= at(w.dy_rows) && dy_t.hi <= at(w.dy_rows) + 2 * cap * H;
+                in_x_rows += dy_t.lo >= at(w.x_rows) && dy_t.hi <= at(w.x_rows) + 2 * cap * w.row_columns;
+                in_saved += at(w.x_t) >= saved_lo && at(w.x_t) < saved_hi;
+                in_dy_fp8 += at(w.hw_t) >= at(w.dy_fp8) && at(w.hw_t) < at(w.dy_fp8) + cap * H;
+                const std::vector<R> operands{dy_t, r("x^T", w.x_t, cap * H), r("dy^T scales", w.dy_t_scales, 4 * rb * H),
+                                              r("x^T exponents", w.x_t_exponents, 4 * (H / 128) * xrow),
+                                              r("tile order", w.tile_order, 4 * rb), r("w h^T", w.hw_t, cap * I),
+                                              r("w h^T exponents", w.hw_t_exponents, 4 * (I / 128) * xrow),
+                                              r("dgu^T", w.dgu_t, cap * 2 * I), r("dgu^T scales", w.dgu_t_scales, 4 * rb * 2 * I)};
                 auto apart = [&](const std::vector<R>& a, const std::vector<R>& c, const char* when) {
                   for (const R& x : a)
                     for (const R& y : c)
                       if (&x != &y) EXPECT_TRUE(x.hi <= y.lo || y.hi <= x.lo) << what << ": " << x.name << " overlaps " << y.name << " " << when;
                 };
-                apart(early, dgrad, "(the dgrad launches)");
-                apart(early, early, "(all live)");
-                apart(late, early, "(the weight-gradient launch)");
-                apart(late, late, "(the weight-gradient launch)");
-                apart(late, {r("w h", w.hidden, 2 * cap * I)}, "(w h^T is made from w h)");
+                apart(operands, operands, "(the weight-gradient launch reads them all)");
+                apart({operands[5], operands[6]}, {r("w h", w.hidden, 2 * cap * I)}, "(w h^T is made from w h)");
+                apart({operands[7], operands[8]}, {R{"the pre-activations", saved_lo, saved_hi}},
+                      "(dgate|dup^T is made from them)");
                 if (bf16_grads) {
                   const std::vector<R> grads{R{"the gradients", gate, gate + 4 * half}};
-                  apart(early, grads, "(the weight-gradient launch writes the gradients)");
-                  apart(late, grads, "(the weight-gradient launch writes the gradients)");
+                  apart(operands, grads, "(the weight-gradient launch writes the gradients)");
                 }
-                for (const auto& x : early) EXPECT_TRUE(x.hi <= scratch_end) << what << ": " << x.name << " past the scratch";
-                for (const auto& x : late) EXPECT_TRUE(x.hi <= scratch_end) << what << ": " << x.name << " past the scratch";
+                for (const auto& x : operands) {
+                  EXPECT_TRUE((x.lo >= base && x.hi <= scratch_end) || (x.lo >= saved_lo && x.hi <= saved_hi))
+                      << what << ": " << x.name << " outside the scratch and the saved rows";
+                  EXPECT_EQ(x.lo % 16, 0u) << what << ": " << x.name << " unaligned";  // (TMA)
+                }
+                if (bf16_grads && with_dx && 2 * w.row_columns >= H && H <= 4 * I) {  // mok.moe's layout; x^T fits the saved rows
+                  const std::int64_t small = 4 * rb * H + 4 * (H / 128) * xrow + 4 * rb + 4 * (I / 128) * xrow + 4 * 512;
+                  EXPECT_LE(w.bytes - d.bytes, cap * I + small) << what;
+                }
               }
-  EXPECT_GT(reused[0], 0) << "no shape put dy^T and x^T in the bf16 dy rows' room";
-  EXPECT_GT(reused[1], 0) << "no shape put w h^T in the E4M3 dy rows' room";
-  EXPECT_LT(reused[1], reused[2]) << "every shape put w h^T in the E4M3 dy rows' room";
-  std::printf("%d shapes: dy^T and x^T in the bf16 dy rows' room %d, w h^T in the E4M3 dy rows' %d\n", shapes, reused[0], reused[1]);
+  EXPECT_GT(in_dy_rows, 0) << "no shape put dy^T in the bf16 dy rows' room";
+  EXPECT_GT(in_x_rows, 0) << "no shape put dy^T in the x / dx rows' room";
+  EXPECT_GT(in_saved, 0) << "no shape put x^T in the saved pre-activations' room";
+  std::printf("%d shapes: dy^T in the bf16 dy rows' room %d, in the x / dx rows' %d; x^T in the saved rows %d; "
+              "w h^T in the E4M3 dy rows' %d\n", shapes, in_dy_rows, in_x_rows, in_saved, in_dy_fp8);
+}
+
+// A save-mode layout with the FP8 weight gradients needs the saved tensor's address (but a size
+// query does not).
+TEST(ScratchLayout, Fp8WgradLayoutNeedsTheSavedTensor) {
+  const detail::ScratchShape sh = fp8_training_shape(256, 256, 8, 2, 300, 0);
+  void* b = reinterpret_cast<void*>(std::uintptr_t{1} << 39);
+  EXPECT_THROW(detail::backward_buffers(sh, b, nullptr, nullptr, nullptr, true, true), Error);
+  EXPECT_GT(detail::backward_buffers(sh, nullptr, nullptr, nullptr, nullptr, true, true).bytes, 0);
 }
 
 // The FP8 weight gradients' gathers visit the plan's tiles rank by rank (kernels/fp8/tile_order.cuh):

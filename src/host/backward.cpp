@@ -334,11 +334,12 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
   const auto [row_space_a, row_space_b] = gradient_row_spaces(b, ws.shape());
   void* dx_space = dx_row_space(a, b, saved, scratch);
   const bool fp8_dgrad = b.fp8.has_value(), fp8_wgrad = fp8_dgrad && b.fp8_weight_gradients;
+  void* saved_space = saved ? saved->data : nullptr;
   const std::int64_t needed =
-      detail::backward_buffers(ws, nullptr, row_space_a, row_space_b, dx_space, fp8_dgrad, fp8_wgrad).bytes;
+      detail::backward_buffers(ws, nullptr, row_space_a, row_space_b, dx_space, fp8_dgrad, fp8_wgrad, saved_space).bytes;
   void* base = detail::call_scratch(ws, scratch, needed, kScratchFrom, kWhere, stream);
   const detail::CallBuffers buffers =
-      detail::backward_buffers(ws, base, row_space_a, row_space_b, dx_space, fp8_dgrad, fp8_wgrad);
+      detail::backward_buffers(ws, base, row_space_a, row_space_b, dx_space, fp8_dgrad, fp8_wgrad, saved_space);
   std::uint16_t* gu = saved ? static_cast<std::uint16_t*>(saved->data) : buffers.recompute;
   detail::LaunchKey key;
   key.add(std::uint64_t{2}).add(static_cast<std::uint64_t>(T)).add(base).add(gu).add(a).add(b);
@@ -357,19 +358,6 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
     if (!saved) detail::launch_forward_kernel(a, ws, buffers, s, gu, true, kWhere);
     if (b.fp8) detail::gather_dy_fp8(b, ws, buffers, s, kWhere, !fp8_wgrad);
     else detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, s, buffers.dy_rows_hi, buffers.dy_split);
-    if (fp8_wgrad && kWgradPasses) {  // (the gathers visit tiles rank by rank: kernels/fp8/tile_order.cuh)
-      const std::int32_t* order = nullptr;
-      if (kWgradRankOrder) {
-        const DevicePlanView& v = ws.plan().view();
-        kernels::launch_tile_order(v.expert_offset, v.tile_expert, v.tile_row, v.num_tiles, v.status,
-                                   static_cast<int>(ws.shape().num_local_experts), ws.plan().max_tiles(), buffers.tile_order,
-                                   s);
-        detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 weight gradients' tile order");
-        order = buffers.tile_order;
-      }
-      detail::quantize_transposed(ws, b.dy.data, H, true, buffers.dy_t, buffers.dy_t_scales, nullptr, s, kWhere, order);
-      detail::quantize_transposed(ws, a.x.data, H, true, buffers.x_t, nullptr, buffers.x_t_exponents, s, kWhere, order);
-    }
     if (!saved) detail::zero_counters(ws, s, kWhere);  // (the recompute used them)
     kernels::BackwardParams p = detail::backward_params(a, b, ws, buffers, gu);
     unsigned long long* marker = detail::saved_marker(gu, ws);
@@ -390,11 +378,24 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
       }
       detail::cuda_check(cudaGetLastError(), kWhere, "launching the backward kernel");
     }
-    if (fp8_wgrad) {  // w h and dgate|dup, made by the launches above, then the routed weight gradients
+    if (fp8_wgrad) {  // the operands, transposed (w h and dgate|dup made by the launches above), then the
+      // routed weight gradients. dgate|dup^T first: the others may take its source's room (the routed
+      // pre-activations', detail::backward_buffers), as they may the x / dx rows' and the dy rows'.
       const std::int64_t I = ws.shape().intermediate;
       if (kWgradPasses) {
-        detail::quantize_transposed(ws, buffers.hidden, I, false, buffers.hw_t, nullptr, buffers.hw_t_exponents, s, kWhere);
         detail::quantize_transposed(ws, gu, 2 * I, false, buffers.dgu_t, buffers.dgu_t_scales, nullptr, s, kWhere);
+        detail::quantize_transposed(ws, buffers.hidden, I, false, buffers.hw_t, nullptr, buffers.hw_t_exponents, s, kWhere);
+        const std::int32_t* order = nullptr;  // (the gathers visit tiles rank by rank: kernels/fp8/tile_order.cuh)
+        if (kWgradRankOrder) {
+          const DevicePlanView& v = ws.plan().view();
+          kernels::launch_tile_order(v.expert_offset, v.tile_expert, v.tile_row, v.num_tiles, v.status,
+                                     static_cast<int>(ws.shape().num_local_experts), ws.plan().max_tiles(),
+                                     buffers.tile_order, s);
+          detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 weight gradients' tile order");
+          order = buffers.tile_order;
+        }
+        detail::quantize_transposed(ws, b.dy.data, H, true, buffers.dy_t, buffers.dy_t_scales, nullptr, s, kWhere, order);
+        detail::quantize_transposed(ws, a.x.data, H, true, buffers.x_t, nullptr, buffers.x_t_exponents, s, kWhere, order);
       }
       kernels::launch_wgrad_fp8(detail::wgrad_fp8_params(ws, buffers, q.base), ctas, s);
       detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 weight-gradient kernel");

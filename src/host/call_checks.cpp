@@ -45,6 +45,10 @@ void check_flat(std::string_view where, std::string_view arg, const TensorView& 
 void check_saved(std::string_view where, const TensorView& saved, const Workspace& ws, Device device) {
   check_flat(where, "saved", saved, DType::bf16, ws.saved_elements(ws.tokens()), false, "Workspace::saved_elements(T)",
              device);
+  // (the backward reads it through tensor maps, and may place the FP8 weight gradients' operands there)
+  if (reinterpret_cast<std::uintptr_t>(saved.data) % kPointerAlignment != 0)
+    throw_argument_error(where, "saved", "data pointer must be ", kPointerAlignment, "-byte aligned, got address 0x",
+                         std::hex, reinterpret_cast<std::uintptr_t>(saved.data));
 }
 
 void* call_scratch(Workspace& ws, const std::optional<TensorView>& given, std::int64_t bytes,

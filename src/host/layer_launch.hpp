@@ -140,15 +140,21 @@ CallBuffers forward_buffers(const ScratchShape& s, void* scratch);
 // shared expert's dx rows go there (any mode).
 // fp8_dgrad (a Precision::fp8 call with BackwardArgs::fp8): the E4M3 dy and dgate|dup rows and
 // their scales too; fp8_wgrad (and BackwardArgs::fp8_weight_gradients): the transposed operands of
-// the FP8 weight gradients too.
+// the FP8 weight gradients too, where they fit in rooms dead by the time they are made (the x / dx
+// rows', the bf16 and E4M3 dy rows' in the scratch, and the routed pre-activations': saved_space,
+// the saved tensor's data in Training::save — needed then unless scratch is null, a size query;
+// the figure does not depend on it).
 CallBuffers backward_buffers(const ScratchShape& s, void* scratch, void* row_space_a, void* row_space_b,
-                             void* dx_space = nullptr, bool fp8_dgrad = false, bool fp8_wgrad = false);
+                             void* dx_space = nullptr, bool fp8_dgrad = false, bool fp8_wgrad = false,
+                             void* saved_space = nullptr);
 inline CallBuffers forward_buffers(const Workspace& ws, void* scratch) {
   return forward_buffers(scratch_shape(ws), scratch);
 }
 inline CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* row_space_a, void* row_space_b,
-                                   void* dx_space = nullptr, bool fp8_dgrad = false, bool fp8_wgrad = false) {
-  return backward_buffers(scratch_shape(ws), scratch, row_space_a, row_space_b, dx_space, fp8_dgrad, fp8_wgrad);
+                                   void* dx_space = nullptr, bool fp8_dgrad = false, bool fp8_wgrad = false,
+                                   void* saved_space = nullptr) {
+  return backward_buffers(scratch_shape(ws), scratch, row_space_a, row_space_b, dx_space, fp8_dgrad, fp8_wgrad,
+                          saved_space);
 }
 // An EP rank: the workspace's own buffers.
 CallBuffers rank_buffers(const Workspace& ws);

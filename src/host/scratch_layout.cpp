@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <optional>
 
+#include "mok/error.hpp"
+
 namespace mok::detail {
 
 namespace {
@@ -101,11 +103,13 @@ std::optional<DyPlace> place_dy(std::uint16_t* at, std::int64_t room, std::uint1
 // first in the block, the dy rows after it and on in dx; the dy rows in the block and on in dx.
 // The FP8 dgrad (fp8_dgrad, Precision::fp8): then [E4M3 dy rows capacity x H][their scales H / 128 x capacity
 // f32], unless in the room the bf16 rows leave in the gradients, [E4M3 dgate|dup capacity x 2I][their
-// scales 2I / 128 x capacity f32].
+// scales 2I / 128 x capacity f32]. With the FP8 weight gradients (fp8_wgrad) their operands too,
+// in rooms dead by the time they are made where they fit (below; saved_space: the saved tensor's
+// data, Training::save).
 // The recompute's GEMM1 runs the forward kernel on this layout: its x rows are the backward's
 // (the dy rows are never in the gradients there), its slots unused.
 CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row_space_a, void* row_space_b,
-                             void* dx_space, bool fp8_dgrad, bool fp8_wgrad) {
+                             void* dx_space, bool fp8_dgrad, bool fp8_wgrad, void* saved_space) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
   const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate, El = s.num_local_experts;
@@ -195,39 +199,52 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
     b.dgu_scales = reinterpret_cast<float*>(at(scratch, used));
     used += 4 * (2 * I / kernels::kFp8BlockK) * cap;
     if (fp8_wgrad) {
-      // Where the room of something dead by then is free, the operands take it: dy^T and x^T
-      // (made before the dgrad launches, read by the weight-gradient launch) the bf16 dy rows'
-      // 2 cap H bytes in the scratch, which this path never fills; dgate|dup^T and its scales
-      // (made after the dgrad launches) the E4M3 dgate|dup rows' and theirs, the same sizes;
-      // w h^T and its exponents the E4M3 dy rows' and their scales' when those are in the
-      // scratch (in the gradients, the weight-gradient launch writes over them) and it fits.
+      // dgate|dup^T and its scales take the E4M3 dgate|dup rows' and theirs (the same sizes; made
+      // after the dgrad launches, when the dx tiles have read those). dy^T, x^T and w h^T (with
+      // its exponents), made after dgate|dup^T, first-fit into the rooms dead by then, in this
+      // order, else the scratch: the bf16 dy rows' 2 capacity H bytes where they are in the
+      // scratch (this path never fills them); the x rows' (the dx rows': 2 capacity W); the
+      // routed pre-activations' 4 capacity I (saved_space, or the recompute's rows), read only by
+      // the dgrad launches and by the dgate|dup^T pass; the E4M3 dy rows' and their scales' where
+      // those are in the scratch. (Not the gradients' rooms: the weight-gradient launch writes
+      // them while it reads the operands.) The figure does not depend on where saved_space lies.
       const std::int64_t row_blocks = cap / kernels::kFp8BlockK, exponent_row = kernels::wgrad_exponent_stride(cap);
       const auto take = [&](std::int64_t bytes) {  // (padded to 512 bytes: the exponents' rows)
         void* p = at(scratch, used);
         used += (bytes + 511) / 512 * 512;
         return static_cast<std::uint8_t*>(p);
       };
-      if (!dy_at.lo) {
-        b.dy_t = reinterpret_cast<std::uint8_t*>(b.dy_rows);
-        b.x_t = b.dy_t + cap * H;
-      } else {
-        b.dy_t = take(cap * H);
-        b.x_t = take(cap * H);
-      }
+      b.dgu_t = b.dgu_fp8;
+      b.dgu_t_scales = b.dgu_scales;  // (4 (2I / 128) cap bytes either way)
+      struct Room {
+        std::uint8_t* base;
+        std::int64_t bytes, used;
+      };
+      // (the saved tensor is 16-byte aligned, check_saved; the offsets in a room are multiples of 512)
+      if (shape.training == Training::save && scratch != nullptr && saved_space == nullptr)
+        throw Error("mok internal: backward_buffers needs the saved tensor's address for the FP8 weight gradients");
+      auto* preact = static_cast<std::uint8_t*>(shape.training == Training::save ? saved_space : b.recompute);
+      Room rooms[] = {{reinterpret_cast<std::uint8_t*>(b.dy_rows), dy_at.lo ? 0 : 2 * cap * H, 0},
+                      {reinterpret_cast<std::uint8_t*>(b.x_rows), 2 * cap * W, 0},
+                      {preact, 4 * cap * I, 0},
+                      {b.dy_fp8, dy_fp8_at ? 0 : cap * H + 4 * (H / kernels::kFp8BlockK) * cap, 0}};
+      const auto place = [&](std::int64_t bytes) {
+        for (Room& r : rooms)
+          if (r.bytes - r.used >= bytes) {
+            std::uint8_t* p = r.base + r.used;
+            r.used += (bytes + 511) / 512 * 512;
+            return p;
+          }
+        return take(bytes);
+      };
+      b.dy_t = place(cap * H);
+      b.x_t = place(cap * H);
+      const std::int64_t hw_exponents_at = (cap * I + 511) / 512 * 512;
+      b.hw_t = place(hw_exponents_at + 4 * (I / kernels::kFp8BlockK) * exponent_row);
+      b.hw_t_exponents = reinterpret_cast<std::int32_t*>(b.hw_t + hw_exponents_at);
       b.dy_t_scales = reinterpret_cast<float*>(take(4 * row_blocks * H));
       b.tile_order = reinterpret_cast<std::int32_t*>(take(4 * row_blocks));
       b.x_t_exponents = reinterpret_cast<std::int32_t*>(take(4 * (H / kernels::kFp8BlockK) * exponent_row));
-      b.dgu_t = b.dgu_fp8;
-      b.dgu_t_scales = b.dgu_scales;  // (4 (2I / 128) cap bytes either way)
-      const std::int64_t hw_exponents_at = (cap * I + 511) / 512 * 512;
-      const std::int64_t hw_bytes = hw_exponents_at + 4 * (I / kernels::kFp8BlockK) * exponent_row;
-      if (!dy_fp8_at && hw_bytes <= cap * H + 4 * (H / kernels::kFp8BlockK) * cap) {
-        b.hw_t = b.dy_fp8;
-        b.hw_t_exponents = reinterpret_cast<std::int32_t*>(b.dy_fp8 + hw_exponents_at);
-      } else {
-        b.hw_t = take(cap * I);
-        b.hw_t_exponents = reinterpret_cast<std::int32_t*>(take(4 * (I / kernels::kFp8BlockK) * exponent_row));
-      }
     }
   }
   b.rows_in_grads = dy_at.lo || hw_at || dy_fp8_at;
