@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8wgrad|fp8bench|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N]
+#                                                   host|fp8|fp8wgrad|fp8bench|fp8train|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME]
 #                                                   [--ncu-kernels forward,backward]
@@ -49,7 +49,10 @@
 # issue 19's presets into <date>-<commit>-fp8-vs-bf16-*.json, the training example (500 steps, mok and
 # mok-fp8; at its size mok.MoE takes the bf16 dgrad) into <date>-<commit>-train-fp8.json and with
 # --fp8-dgrad on into -train-fp8-dgrad.json, with --fp8-wgrad on too into -train-fp8-wgrad.json, and bench/fp8_dgrad_py.py (mok.moe's FP8 dgrad against
-# its bf16 dgrad, and with bf16 weight gradients; each step's peak) into <date>-<commit>-fp8-dgrad-py.json. --impl / --pass choose layer_bench's implementations and passes in the
+# its bf16 dgrad, and with bf16 weight gradients; each step's peak) into <date>-<commit>-fp8-dgrad-py.json.
+# `fp8train` (build if missing): the training example's FP8 runs beside bf16 over --repeats seeds (0, 1, ...):
+# the FP8 forward with mok.MoE's choice of backward at its size (the bf16 one) into -train-fp8-seedS.json, and
+# with --fp8-dgrad on (and the FP8 weight gradients) into -train-fp8-wgrad-seedS.json. --impl / --pass choose layer_bench's implementations and passes in the
 # bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd);
 # --settle-ms MS runs each timed pass untimed for MS first (layer_bench's, in the bench, speed and
 # host parts: every implementation timed on the power limit's plateau, issue 21).
@@ -124,11 +127,11 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8wgrad|fp8bench|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8wgrad|fp8bench|fp8train|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8wgrad|fp8bench|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8wgrad, fp8bench, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8wgrad|fp8bench|fp8train|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8wgrad, fp8bench, fp8train, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
 case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
@@ -324,7 +327,7 @@ if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
   if $run_ctest || [ "$part" = kernelab ]; then rm -rf "$build"; fi  # a clean build: the ptxas report covers every kernel
   # The benchmark needs the library, mok_bench and the extension mok._C, not the tests.
   with_tests=ON
-  { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ] || [ "$part" = fp8bench ] ||
+  { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ] || [ "$part" = fp8bench ] || [ "$part" = fp8train ] ||
     [ "$part" = power ] ||
     [ "$part" = pytest ]; } &&
     [ ! -f $build/tests/test_plan ] &&
@@ -522,6 +525,12 @@ if [ "$part" = fp8bench ]; then
   fp8_ab mok,mok-fp8 fwd+bwd dgrad
   train_example 500 mok,mok-fp8 train-fp8  # the FP8 forward (its size: the bf16 dgrad) beside bf16, same seed and data
   train_example 500 mok,mok-fp8 train-fp8-dgrad --fp8-dgrad on --fp8-wgrad off  # the same with the E4M3 dgrad
+fi
+if [ "$part" = fp8train ]; then  # issue 19's training evidence over seeds (one run's final loss moves ~1 % with the seed)
+  for seed in $(seq 0 $((repeats - 1))); do
+    train_example 500 mok,mok-fp8 "train-fp8-seed$seed" --seed "$seed"
+    train_example 500 mok,mok-fp8 "train-fp8-wgrad-seed$seed" --seed "$seed" --fp8-dgrad on --fp8-wgrad on
+  done
 fi
 if [ "$part" = host ]; then
   host_presets=$presets
