@@ -478,7 +478,7 @@ if [ "$part" = fp8 ]; then
 fi
 if [ "$part" = fp8wgrad ]; then
   ctest_run 3 -j4 -R "Fp8Wgrad|Fp8Quantize|Fp8Backward|Fp8Recipe|ScratchLayout|TileOrder|Backward.RejectsMisuse|ConsumedSaved" || test_rc=1
-  env PYTHONPATH="$PWD/$build/pkg" python3 -m pytest -q tests/python/test_fp8_layer.py -k "weight_gradients or fp8_dgrad" \
+  env PYTHONPATH="$PWD/$build/pkg" python3 -m pytest -q tests/python/test_fp8_layer.py -k "weight_gradients or fp8_dgrad or captured" \
     --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
   tail -1 "$LOG/pytest.log"
   $build/tests/test_gpu_forward_fp8 --gtest_filter='Fp8Forward.AccuracyAgainstTheExactLayerBesideBf16' \
