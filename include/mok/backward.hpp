@@ -16,8 +16,11 @@ namespace mok {
 // written (bf16) or accumulated into (f32, main_grad style). Deterministic: bitwise
 // identical across runs and SM counts; stream-ordered with no host synchronisation.
 //
-// `saved`: the tensor the forward filled (Training::save). Without it the workspace must
-// be Training::recompute and GEMM1 runs again first.
+// `saved`: the tensor the forward filled (Training::save; 16-byte aligned). The backward
+// consumes it: the pre-activations are replaced by their gradients (a second backward from it
+// is an error, reported by Workspace::check), and with BackwardArgs::fp8_weight_gradients its
+// routed rows then hold the weight gradients' E4M3 operands. Without it the workspace must be
+// Training::recompute and GEMM1 runs again first.
 // `scratch`: 1-D u8 of at least workspace.backward_scratch_bytes(d_w_gate's dtype), or none
 // (see Workspace). With bf16 weight gradients the W_gate / W_up gradient buffers also serve
 // as scratch until the kernel writes them: they must not overlap any other argument. dx does

@@ -94,9 +94,12 @@ class Workspace {
   // rows that miss bf16 gradients continue, or else the shared expert's dx rows go, until the
   // kernel writes dx, so the scratch may be smaller again; fp8_dgrad (Precision::fp8): for a call
   // with BackwardArgs::fp8, whose E4M3 dy and dgate|dup rows need more; fp8_wgrad: and with
-  // BackwardArgs::fp8_weight_gradients, whose transposed E4M3 operands need more again (capacity
-  // x (2H + 3I) bytes and their scales). backward() checks the scratch it is given against the
-  // figure of the gradients, dx, fp8 and fp8_weight_gradients it is given.
+  // BackwardArgs::fp8_weight_gradients, whose transposed E4M3 operands need more again: their
+  // scales, and what of them (capacity x (2H + I) bytes in all) fits in no room that is dead once
+  // the dgrad has run — the x / dx rows', the dy rows' in the scratch, and the saved tensor's
+  // routed pre-activations (4 capacity x I bytes), which the backward consumes. backward() checks
+  // the scratch it is given against the figure of the gradients, dx, fp8 and
+  // fp8_weight_gradients it is given.
   std::int64_t forward_scratch_bytes(std::int64_t tokens) const;
   std::int64_t backward_scratch_bytes(DType grad_dtype, std::int64_t tokens, bool gate_up_adjacent = false,
                                       bool dx_apart = false, bool fp8_dgrad = false, bool fp8_wgrad = false) const;
