@@ -59,10 +59,11 @@ def set_fp8_weight_gradients(on: bool) -> None:
     pays) also runs the routed weight gradients' GEMMs in E4M3 (C++
     BackwardArgs::fp8_weight_gradients: dy and dgate|dup scaled per channel and 128 routed rows,
     x and w*h per 128 x 128, each quantized transposed in one pass after it is made). True, the
-    default: measured faster on every preset (H200, 2026-12-05: forward+backward 0.90-0.93x the
-    time with bf16 weight gradients on deepseek-v3, kimi-k2, deepseek-v4-pro and mixtral-8x7b,
-    0.96-0.98x on olmoe-1b-7b and qwen3-30b-a3b), the weight gradients' cosine to the exact
-    layer's 0.9976-0.9979 against 0.9983-0.9986 with bf16 ones (docs/fp8.md). False: bf16
+    default: measured faster wherever the FP8 dgrad runs by default (H200, 2026-12-05, mok.moe:
+    forward+backward 0.87-0.90x the time with bf16 weight gradients on deepseek-v3, kimi-k2,
+    deepseek-v4-pro and mixtral-8x7b, 0.96x on olmoe-1b-7b; a tie at I = 768, where the bf16
+    dgrad runs by default), the weight gradients' cosine to the exact layer's 0.9976-0.9979
+    against 0.9983-0.9986 with bf16 ones, +0.01-0.15 GiB step peak (docs/fp8.md). False: bf16
     weight-gradient GEMMs, the more accurate. Read when each backward runs (a CUDA graph keeps
     the setting it was captured with); with the bf16 dgrad it has no effect."""
     global _fp8_weight_gradients
