@@ -10,7 +10,8 @@ initialisation, same data), and compare the loss curves and tokens/s.
 Backends: `mok` (the experts on the fused kernel), `mok-fp8` (the same with the routed
 experts' forward in FP8, `precision="fp8"`; --fp8-dgrad: its backward's dgrad GEMMs in FP8 too,
 `auto` where mok.fp8.dgrad_pays; with the FP8 dgrad, the weight gradients' GEMMs run in FP8 too
-unless --fp8-wgrad off, mok.set_fp8_weight_gradients), `torch`
+unless --fp8-wgrad off, mok.set_fp8_weight_gradients), `mok-fp8-dgrad` (the FP8 forward with the
+FP8 dgrad whatever --fp8-dgrad says: one run can hold both FP8 backwards beside bf16), `torch`
 (mok.moe_torch, the same layer in plain PyTorch), and `-compiled` variants of each: the whole
 model under torch.compile (graph breaks, if any, are counted and reported). --out writes the losses of every step and the
 tokens/s of each backend as JSON (with the commit, GPU and PyTorch version).
@@ -18,6 +19,13 @@ tokens/s of each backend as JSON (with the commit, GPU and PyTorch version).
 The data is a random Markov chain over the vocabulary (each token has four possible
 successors), so the loss falls from ln(vocab) towards the chain's entropy (< ln 4) as the
 model learns the table. The script exits non-zero if the loss does not fall.
+
+The recipe: AdamW at --lr after a linear warm-up (--lr-warmup steps), cosine decay to a tenth of
+it, the gradients' global norm clipped to --clip, and PyTorch's deterministic algorithms
+(--deterministic; the fused layer is deterministic by itself), so one seed gives the same losses
+run after run and two backends' curves differ only by what the backends compute. (Before
+2026-12-05 the example ran a constant rate without clipping or determinism: its bf16 runs moved by
+up to 5 % between two runs of one seed and spiked mid-run; bench/NOTES.md.)
 """
 
 import argparse
@@ -87,32 +95,46 @@ class MarkovData:
         self.entropy = float(-(self.probs * self.probs.log()).sum(-1).mean())
         self.vocab, self.gen, self.device = vocab, g, device
 
-    def batch(self, batch, seq):
-        tokens = torch.empty(batch, seq + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, self.vocab, (batch,), generator=self.gen)
+    def batches(self, steps, batch, seq):
+        """steps batches of (inputs, targets), made in one pass (each step's sequences in a row)."""
+        n = steps * batch
+        tokens = torch.empty(n, seq + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, self.vocab, (n,), generator=self.gen)
         for t in range(seq):
             prev = tokens[:, t]
             choice = torch.multinomial(self.probs[prev], 1, generator=self.gen).squeeze(1)
             tokens[:, t + 1] = self.successors[prev, choice]
-        tokens = tokens.to(self.device)
-        return tokens[:, :-1], tokens[:, 1:]
+        tokens = tokens.to(self.device).view(steps, batch, seq + 1)
+        return [(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(steps)]
 
 
-def train(backend, args, c, device, dtype):
+def learning_rate(step, args):
+    """Linear warm-up over --lr-warmup steps, then cosine decay to 10 % of --lr at the last step
+    (--schedule constant: --lr after the warm-up)."""
+    if step < args.lr_warmup:
+        return args.lr * (step + 1) / args.lr_warmup
+    if args.schedule == "constant":
+        return args.lr
+    span = max(1, args.steps - args.lr_warmup)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - args.lr_warmup) / span)))
+
+
+def train(backend, args, c, device, dtype, batches, entropy):
     torch.manual_seed(args.seed)
     layer_backend, compiled = backend.removesuffix("-compiled"), backend.endswith("-compiled")
-    precision = "fp8" if layer_backend == "mok-fp8" else "bf16"
-    layer_backend = layer_backend.removesuffix("-fp8")
-    model = MoeLM(c, layer_backend, device, dtype, precision, {"auto": None, "on": True, "off": False}[args.fp8_dgrad])
+    precision = "fp8" if layer_backend.startswith("mok-fp8") else "bf16"
+    fp8_dgrad = True if layer_backend == "mok-fp8-dgrad" else {"auto": None, "on": True, "off": False}[args.fp8_dgrad]
+    layer_backend = "mok" if layer_backend.startswith("mok") else layer_backend
+    model = MoeLM(c, layer_backend, device, dtype, precision, fp8_dgrad)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     forward = torch.compile(model) if compiled else model
-    data = MarkovData(c["vocab"], args.seed, device)
-    batches = [data.batch(c["batch"], c["seq"]) for _ in range(args.steps)]  # same data for both backends
     tokens_per_step = c["batch"] * c["seq"]
-    losses, timed_tokens, timed_seconds = [], 0, 0.0
+    losses, grad_norms, timed_tokens, timed_seconds = [], [], 0, 0.0
     bar = tqdm(range(args.steps), desc=f"{backend:14s}", unit="step")
     for step in bar:
         inputs, targets = batches[step]
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, args)
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -121,6 +143,7 @@ def train(backend, args, c, device, dtype):
         balance = sum(block.moe.aux_loss for block in model.blocks) / len(model.blocks)
         opt.zero_grad(set_to_none=True)
         (loss + args.balance * balance).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip if args.clip > 0 else float("inf"))
         opt.step()
         loss_value = loss.item()  # synchronises
         elapsed = time.perf_counter() - start
@@ -128,11 +151,12 @@ def train(backend, args, c, device, dtype):
             timed_tokens += tokens_per_step
             timed_seconds += elapsed
         losses.append(loss_value)
+        grad_norms.append(float(norm))
         rate = timed_tokens / timed_seconds if timed_seconds else float("nan")
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:,.0f}")
     if layer_backend == "mok":
         mok.check()  # raise now if a kernel flagged bad input
-    return losses, timed_tokens / timed_seconds if timed_seconds else float("nan"), data.entropy
+    return losses, timed_tokens / timed_seconds if timed_seconds else float("nan"), entropy, grad_norms
 
 
 def graph_breaks():
@@ -142,7 +166,7 @@ def graph_breaks():
     return sum(counters["graph_break"].values())
 
 
-BACKENDS = ("mok", "mok-compiled", "mok-fp8", "mok-fp8-compiled", "torch", "torch-compiled")
+BACKENDS = ("mok", "mok-compiled", "mok-fp8", "mok-fp8-compiled", "mok-fp8-dgrad", "torch", "torch-compiled")
 
 
 def with_precision(backends, precision):
@@ -174,12 +198,28 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    ap.add_argument("--lr-warmup", type=int, default=None,
+                    help="steps of linear learning-rate warm-up (default: a tenth of --steps, at most 50); then "
+                         "cosine decay to 0.1 x --lr at the last step")
+    ap.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
+                    help="after the warm-up: cosine decay to 0.1 x --lr, or --lr throughout")
+    ap.add_argument("--clip", type=float, default=1.0, help="clip the gradients' global norm to this (0: no clipping)")
+    ap.add_argument("--deterministic", choices=("on", "off"), default="on",
+                    help="torch.use_deterministic_algorithms (PyTorch's own kernels too, e.g. the attention's "
+                         "backward): the same seed gives the same losses, bitwise, run after run")
     ap.add_argument("--balance", type=float, default=0.01, help="weight of the router load-balancing loss")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="", help="write the losses and tokens/s of every backend as JSON")
     ap.add_argument("--commit", default=os.environ.get("MOK_COMMIT", "unknown"))
     args = ap.parse_args()
+    if args.lr_warmup is None:
+        args.lr_warmup = min(50, args.steps // 10)
+    if args.lr_warmup < 0 or args.lr_warmup >= args.steps:
+        ap.error(f"--lr-warmup must be in [0, --steps), got {args.lr_warmup} with --steps {args.steps}")
+    if args.deterministic == "on":  # (before cuBLAS starts: its workspace setting is read then)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     device = torch.device(args.device)
     backends = ["mok", "torch"] if args.backend == "both" else args.backend.split(",")
     for b in backends:
@@ -196,39 +236,43 @@ def main():
     c = SIZES[args.size]
     print(f"{args.size}: vocab {c['vocab']}, hidden {c['hidden']}, {c['layers']} layers, {c['experts']} experts "
           f"(top-{c['top_k']}, intermediate {c['inter']}), {c['batch']}x{c['seq']} tokens a step, on {device}")
+    data = MarkovData(c["vocab"], args.seed, device)
+    batches = data.batches(args.steps, c["batch"], c["seq"])  # the same data for every backend
     results, breaks = {}, {}
     for b in backends:
         before = graph_breaks()
-        results[b] = train(b, args, c, device, dtype)
+        results[b] = train(b, args, c, device, dtype, batches, data.entropy)
         breaks[b] = graph_breaks() - before
     print(f"\n{'backend':15s} {'first loss':>10s} {'final loss':>10s} {'tokens/s':>12s} {'graph breaks':>13s}")
     ok = True
-    for b, (losses, rate, entropy) in results.items():
+    for b, (losses, rate, entropy, _) in results.items():
         final = sum(losses[-10:]) / len(losses[-10:])
         print(f"{b:15s} {losses[0]:10.3f} {final:10.3f} {rate:12,.0f} {breaks[b] if b.endswith('compiled') else '':>13}")
         ok = ok and final < 0.8 * losses[0]
     print(f"(start ~ ln vocab = {math.log(c['vocab']):.2f}; the chain's entropy, the floor: {entropy:.2f})")
     for other in ("torch", "torch-compiled", "mok", "mok-compiled"):
-        for mine in ("mok", "mok-compiled", "mok-fp8", "mok-fp8-compiled"):
+        for mine in ("mok", "mok-compiled", "mok-fp8", "mok-fp8-compiled", "mok-fp8-dgrad"):
             if mine == other:
                 continue
             if mine in results and other in results:
                 print(f"{mine} / {other} tokens/s: {results[mine][1] / results[other][1]:.3f}x")
-    for bf16, fp8 in (("mok", "mok-fp8"), ("mok-compiled", "mok-fp8-compiled")):
+    for bf16, fp8 in (("mok", "mok-fp8"), ("mok", "mok-fp8-dgrad"), ("mok-compiled", "mok-fp8-compiled")):
         if bf16 in results and fp8 in results:  # issue 19's bar: within 2 % of bf16's final loss
             a, b = (sum(results[k][0][-10:]) / len(results[k][0][-10:]) for k in (bf16, fp8))
             print(f"{fp8} final loss vs {bf16}: {(b - a) / a:+.2%}")
     if args.out:
         record = dict(example="train_moe_lm", commit=args.commit, size=args.size, config=c, steps=args.steps, fp8_dgrad=args.fp8_dgrad,
                       fp8_wgrad=args.fp8_wgrad,
-                      warmup_steps=args.warmup, seed=args.seed, lr=args.lr, device=str(device),
+                      warmup_steps=args.warmup, seed=args.seed, lr=args.lr, lr_warmup=args.lr_warmup,
+                      schedule=args.schedule, clip=args.clip,
+                      deterministic=args.deterministic == "on", device=str(device),
                       gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       torch=torch.__version__,
                       date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                      backends={b: dict(losses=losses, tokens_per_s=rate,
+                      backends={b: dict(losses=losses, grad_norms=norms, tokens_per_s=rate,
                                         final_loss=sum(losses[-10:]) / len(losses[-10:]),
                                         graph_breaks=breaks[b] if b.endswith("compiled") else None)
-                                for b, (losses, rate, _) in results.items()},
+                                for b, (losses, rate, _, norms) in results.items()},
                       entropy_floor=entropy)
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

@@ -50,9 +50,11 @@
 # mok-fp8; at its size mok.MoE takes the bf16 dgrad) into <date>-<commit>-train-fp8.json and with
 # --fp8-dgrad on into -train-fp8-dgrad.json, with --fp8-wgrad on too into -train-fp8-wgrad.json, and bench/fp8_dgrad_py.py (mok.moe's FP8 dgrad against
 # its bf16 dgrad, and with bf16 weight gradients; each step's peak) into <date>-<commit>-fp8-dgrad-py.json.
-# `fp8train` (build if missing): the training example's FP8 runs beside bf16 over --repeats seeds (0, 1, ...):
-# the FP8 forward with mok.MoE's choice of backward at its size (the bf16 one) into -train-fp8-seedS.json, and
-# with --fp8-dgrad on (and the FP8 weight gradients) into -train-fp8-wgrad-seedS.json. --impl / --pass choose layer_bench's implementations and passes in the
+# `fp8train` (build if missing): the FP8 weight cache's Python tests, the training example twice on one seed
+# (losses and gradient norms must repeat bitwise), then its FP8 runs beside bf16 over --repeats seeds (0, 1, ...):
+# bf16, the FP8 forward with mok.MoE's choice of backward at its size (the bf16 one) and mok-fp8-dgrad (the FP8
+# dgrad and weight gradients) into -train-fp8-seedS.json, and the same with the recipe before 2026-12-05 (constant
+# rate, no clipping) into -train-fp8-constant-seedS.json. --impl / --pass choose layer_bench's implementations and passes in the
 # bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd);
 # --settle-ms MS runs each timed pass untimed for MS first (layer_bench's, in the bench, speed and
 # host parts: every implementation timed on the power limit's plateau, issue 21).
@@ -365,7 +367,7 @@ train_example() {
   python3 -c "import mok" 2>/dev/null || py=(env PYTHONPATH="$PWD/$build/pkg" python3)
   if "${py[@]}" examples/train_moe_lm.py --steps "$steps" --backend "$backends" "$@" \
        --commit "$commit" --out "$OUT/${date:0:10}-$commit-$name.json" > "$LOG/$name.log" 2> "$LOG/$name.err"; then
-    tail -9 "$LOG/$name.log"
+    tail -13 "$LOG/$name.log"
   else
     echo "training example ($name) failed"; tail -5 "$LOG/$name.log" "$LOG/$name.err"; test_rc=1
   fi
@@ -527,9 +529,30 @@ if [ "$part" = fp8bench ]; then
   train_example 500 mok,mok-fp8 train-fp8-dgrad --fp8-dgrad on --fp8-wgrad off  # the same with the E4M3 dgrad
 fi
 if [ "$part" = fp8train ]; then  # issue 19's training evidence over seeds (one run's final loss moves ~1 % with the seed)
+  # The Python tests of the FP8 weight cache first (fused AdamW steps), then the example's determinism:
+  # two runs of one seed must give the same losses bitwise (PyTorch's deterministic algorithms + ours).
+  env PYTHONPATH="$PWD/$build/pkg" python3 -m pytest -q tests/python/test_fp8_layer.py -k "cached or keeps_quantized" \
+    --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
+  tail -1 "$LOG/pytest.log"
+  junit=("$LOG/pytest.xml")
+  train_example 100 mok,mok-fp8-dgrad train-repeat-a
+  train_example 100 mok,mok-fp8-dgrad train-repeat-b
+  python3 - "$OUT/${date:0:10}-$commit-train-repeat-a.json" "$OUT/${date:0:10}-$commit-train-repeat-b.json" <<'PY' || test_rc=1
+import json, sys
+a, b = (json.load(open(f))["backends"] for f in sys.argv[1:])
+same = {k: a[k]["losses"] == b[k]["losses"] and a[k]["grad_norms"] == b[k]["grad_norms"] for k in a}
+print("training example, two runs of one seed, losses and gradient norms bitwise equal:", same)
+sys.exit(0 if all(same.values()) else 1)
+PY
+  # The recipe (warm-up, cosine decay, clipping) with bf16, the FP8 forward with mok.MoE's backward at
+  # this size (bf16) and with the FP8 dgrad and weight gradients, one run a seed; then the recipe of
+  # the runs before 2026-12-05 (a constant rate, no clipping), deterministic now.
   for seed in $(seq 0 $((repeats - 1))); do
-    train_example 500 mok,mok-fp8 "train-fp8-seed$seed" --seed "$seed"
-    train_example 500 mok,mok-fp8 "train-fp8-wgrad-seed$seed" --seed "$seed" --fp8-dgrad on --fp8-wgrad on
+    train_example 500 mok,mok-fp8,mok-fp8-dgrad "train-fp8-seed$seed" --seed "$seed"
+  done
+  for seed in $(seq 0 $((repeats - 1))); do
+    train_example 500 mok,mok-fp8,mok-fp8-dgrad "train-fp8-constant-seed$seed" --seed "$seed" --schedule constant \
+      --lr-warmup 0 --clip 0
   done
 fi
 if [ "$part" = host ]; then

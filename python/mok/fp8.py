@@ -151,4 +151,4 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 
 # The FP8 layer's weights (mok.moe(..., precision="fp8", fp8_experts=quantize_experts(...))).
-from mok.fp8_layer import Fp8Experts, dgrad_pays, quantize_experts  # noqa: E402,F401
+from mok.fp8_layer import Fp8Experts, dgrad_pays, quantize_experts, weights_changed  # noqa: E402,F401

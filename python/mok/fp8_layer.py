@@ -7,8 +7,9 @@ combine stay as in bf16. For now on one GPU, with H and I multiples of 128. Trai
 forward saves its GEMM1's pre-activations; the backward's dgrad GEMMs (dh = dy W_down, dx =
 [dgate dup] [W_gate; W_up]) run in E4M3 too when the experts were quantized with
 quantize_experts(..., dgrad=True) (dy and dgate|dup quantized per 1 x 128 of a row inside the
-kernel: C++ BackwardArgs::fp8, reference::backward_fp8), else in bf16 on the bf16 weights; the
-weight gradients are bf16 GEMMs either way. The routed weights come from quantize_experts()
+kernel: C++ BackwardArgs::fp8, reference::backward_fp8), else in bf16 on the bf16 weights; with
+the FP8 dgrad the routed weight gradients' GEMMs run in E4M3 too unless
+mok.set_fp8_weight_gradients(False) (bf16 otherwise). The routed weights come from quantize_experts()
 (quantize once per weight update and pass them as fp8_experts), or, when none are given, are
 quantized by the call itself: three small kernels that read the bf16 weights and write a
 quarter more bytes than E * 3 * I * H, every call (and the dgrad then stays bf16).
@@ -17,6 +18,7 @@ quarter more bytes than E * 3 * I * H, every call (and the dgrad then stays bf16
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.dlpack import to_dlpack
 
 from mok import _C
@@ -103,17 +105,40 @@ def quantize_experts(w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down:
     return Fp8Experts(*forward, *_dgrad_operands(gate, up, w_down))
 
 
+_weights_generation = 0  # moves on every optimizer step and weights_changed(): part of every cache key
+
+
+def weights_changed() -> None:
+    """Forget every quantized copy that mok.MoE and the Hugging Face backend keep (they are made
+    again at their next call). Needed only after expert weights change where neither their
+    version counters nor a torch.optim optimizer's step see it: writes through `.data`, or an
+    optimizer that is not a torch.optim.Optimizer. Every torch.optim step (fused and foreach
+    ones too, which do not all move the version counters) already does this."""
+    global _weights_generation
+    _weights_generation += 1
+
+
+def _after_optimizer_step(optimizer, args, kwargs):  # (torch.optim's global step post-hook)
+    weights_changed()
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
+
+
 def cached_experts(owner, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
                    dgrad: Optional[bool] = None) -> Optional[Fp8Experts]:
     """quantize_experts(w_gate, w_up, w_down, dgrad), kept on `owner` (its `_fp8_cache`: a
-    module holding the weights) and made again only when a weight's storage or version counter
-    changes (an optimizer step, load_state_dict). dgrad None: dgrad_pays(w_down). Under
-    torch.compile: None (the layer then quantizes the forward's weights itself, without a
-    graph break, and the dgrad runs in bf16)."""
+    module holding the weights) and made again when a weight's storage or version counter
+    changes (load_state_dict, in-place updates), after any torch.optim optimizer's step (a
+    fused AdamW updates the weights without moving their version counters), and after
+    weights_changed(). dgrad None: dgrad_pays(w_down). Under torch.compile: None (the layer
+    then quantizes the forward's weights itself, without a graph break, and the dgrad runs in
+    bf16)."""
     if torch.compiler.is_compiling():
         return None
     dgrad = dgrad_pays(w_down) if dgrad is None else dgrad
-    key = tuple((w.data_ptr(), w._version) for w in (w_gate, w_up, w_down) if w is not None) + (dgrad,)
+    key = tuple((w.data_ptr(), w._version) for w in (w_gate, w_up, w_down) if w is not None) + (
+        dgrad, _weights_generation)
     cached = getattr(owner, "_fp8_cache", None)
     if cached is None or cached[0] != key:
         owner._fp8_cache = None  # (the old copy goes before the new one is made)

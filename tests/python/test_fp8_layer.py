@@ -312,6 +312,19 @@ def test_module_keeps_quantized_weights_until_a_weight_changes():
                         precision="fp8")
         assert torch.equal(y2, want2) and not torch.equal(y2, y)
     mok.check()
+    # A fused AdamW step (its CUDA kernel does not move the weights' version counters): the
+    # next forward reads the updated weights, not the old quantized copy.
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
+    layer.train()
+    layer(x).float().square().mean().backward()
+    opt.step()
+    with torch.no_grad():
+        y3 = layer(x)
+        ids, weights, _ = layer.route(x)
+        want3 = mok.moe(x, ids, weights, layer.w_gate_up, None, layer.w_down, shared=tuple(layer.shared),
+                        precision="fp8")
+    assert torch.equal(y3, want3) and not torch.equal(y3, y2)
+    mok.check()
 
 
 def test_module_precision_arguments():
@@ -364,3 +377,33 @@ def test_cached_experts_are_made_again_only_when_a_weight_changes(monkeypatch):
     assert [m[3] for m in made] == [False] * 3  # I = 128: dgrad_pays says no
     assert fp8_layer.cached_experts(owner, gate, None, down, dgrad=True) == 4 and made[-1][3] is True
     assert fp8_layer.cached_experts(owner, gate, None, down, dgrad=True) == 4
+
+
+@pytest.mark.parametrize("optimizer", ["fused", "foreach", "for-loop", "sgd"])
+def test_cached_experts_are_made_again_after_every_optimizer_step(monkeypatch, optimizer):
+    """A fused AdamW updates the weights without moving their version counters (checked here,
+    so a PyTorch that starts moving them still runs the test's point): the cache must be made
+    again after any torch.optim step anyway, and after mok.fp8.weights_changed() (writes
+    through .data), and kept between steps (gradient accumulation)."""
+    from mok import fp8_layer
+
+    made = []
+    monkeypatch.setattr(fp8_layer, "quantize_experts", lambda g, u, d, dgrad=False: made.append(1) or len(made))
+    owner = type("Owner", (), {})()
+    gate, down = torch.nn.Parameter(torch.zeros(2, 256, 128)), torch.nn.Parameter(torch.zeros(2, 128, 128))
+    kind = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
+    opt = (torch.optim.SGD([gate, down], lr=0.1) if optimizer == "sgd"
+           else torch.optim.AdamW([gate, down], lr=0.1, **kind[optimizer]))
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 1
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 1  # kept: nothing changed
+    gate.grad, down.grad = torch.ones_like(gate), torch.ones_like(down)
+    versions = (gate._version, down._version)
+    opt.step()
+    assert not torch.equal(gate.detach(), torch.zeros_like(gate))  # the step changed the weights
+    if optimizer == "fused":
+        print("fused AdamW moved the version counters:", versions != (gate._version, down._version))
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 2
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 2
+    down.data.add_(1.0)  # (.data: no version counter moves)
+    mok.fp8.weights_changed()
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 3
