@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8wgrad|fp8bench|fp8train|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N]
+#                                                   host|fp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME]
 #                                                   [--ncu-kernels forward,backward]
@@ -50,6 +50,8 @@
 # mok-fp8; at its size mok.MoE takes the bf16 dgrad) into <date>-<commit>-train-fp8.json and with
 # --fp8-dgrad on into -train-fp8-dgrad.json, with --fp8-wgrad on too into -train-fp8-wgrad.json, and bench/fp8_dgrad_py.py (mok.moe's FP8 dgrad against
 # its bf16 dgrad, and with bf16 weight gradients; each step's peak) into <date>-<commit>-fp8-dgrad-py.json.
+# `fp8lr` (build if missing): the training example with mok, mok-fp8, mok-fp8-dgrad and torch over --repeats seeds at
+# peak learning rate --train-lr LR (default the example's) into -train-fp8-lrLR-seedS.json.
 # `fp8train` (build if missing): the FP8 weight cache's Python tests, the training example twice on one seed
 # (losses and gradient norms must repeat bitwise), then its FP8 runs beside bf16 over --repeats seeds (0, 1, ...):
 # bf16, the FP8 forward with mok.MoE's choice of backward at its size (the bf16 one) and mok-fp8-dgrad (the FP8
@@ -103,6 +105,7 @@ commit="${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 iters=10
 repeats=3
+train_lr=""
 presets=all
 routings=uniform,zipf1.2
 part=all
@@ -123,17 +126,18 @@ while [ $# -gt 0 ]; do
     --presets) presets="$2"; shift ;;
     --routing) routings="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
+    --train-lr) train_lr="$2"; shift ;;
     --iters) iters="$2"; shift ;;
     --impl) impl_args+=(--impl "$2"); impls="$2"; shift ;;
     --pass) impl_args+=(--pass "$2"); passes="$2"; shift ;;
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8wgrad|fp8bench|fp8train|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8wgrad|fp8bench|fp8train|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8wgrad, fp8bench, fp8train, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8wgrad, fp8bench, fp8train, fp8lr, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
 case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
@@ -329,7 +333,7 @@ if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
   if $run_ctest || [ "$part" = kernelab ]; then rm -rf "$build"; fi  # a clean build: the ptxas report covers every kernel
   # The benchmark needs the library, mok_bench and the extension mok._C, not the tests.
   with_tests=ON
-  { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ] || [ "$part" = fp8bench ] || [ "$part" = fp8train ] ||
+  { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ] || [ "$part" = fp8bench ] || [ "$part" = fp8train ] || [ "$part" = fp8lr ] ||
     [ "$part" = power ] ||
     [ "$part" = pytest ]; } &&
     [ ! -f $build/tests/test_plan ] &&
@@ -555,6 +559,14 @@ PY
   for seed in $(seq 0 $((repeats - 1))); do
     train_example 500 mok,mok-fp8,mok-fp8-dgrad "train-fp8-constant-seed$seed" --seed "$seed" --schedule constant \
       --lr-warmup 0 --clip 0 "${det[@]}"
+  done
+fi
+if [ "$part" = fp8lr ]; then  # the training example's FP8 runs at one peak learning rate over seeds, beside bf16 twice
+  # (mok and torch: two bf16 runs that differ only in rounding, the noise floor of a final loss)
+  lr_args=()
+  [ -n "$train_lr" ] && lr_args=(--lr "$train_lr")
+  for seed in $(seq 0 $((repeats - 1))); do
+    train_example 500 mok,mok-fp8,mok-fp8-dgrad,torch "train-fp8-lr${train_lr:-default}-seed$seed" --seed "$seed" "${lr_args[@]}"
   done
 fi
 if [ "$part" = host ]; then
