@@ -133,10 +133,16 @@ def cached_experts(owner, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_
     fused AdamW updates the weights without moving their version counters), and after
     weights_changed(). dgrad None: dgrad_pays(w_down). Under torch.compile: None (the layer
     then quantizes the forward's weights itself, without a graph break, and the dgrad runs in
-    bf16)."""
+    bf16). While a CUDA graph is being captured: made in the capture and not kept (each replay
+    quantizes the weights it finds)."""
     if torch.compiler.is_compiling():
         return None
     dgrad = dgrad_pays(w_down) if dgrad is None else dgrad
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # In a CUDA graph the quantization is captured too, so every replay reads the weights as
+        # they are then (a copy kept from before the capture would be replayed stale after the
+        # optimizer's steps); the captured copy lives in the graph's memory, not in the cache.
+        return quantize_experts(w_gate, w_up, w_down, dgrad=dgrad)
     key = tuple((w.data_ptr(), w._version) for w in (w_gate, w_up, w_down) if w is not None) + (
         dgrad, _weights_generation)
     cached = getattr(owner, "_fp8_cache", None)

@@ -327,6 +327,35 @@ def test_module_keeps_quantized_weights_until_a_weight_changes():
     mok.check()
 
 
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_module_in_a_cuda_graph_quantizes_the_weights_of_each_replay():
+    """mok.MoE(precision="fp8") captured in a CUDA graph while its cache holds the quantized
+    weights: the capture quantizes them again, so a replay after an in-place update (an
+    optimizer step) reads the new weights — the bits of an eager call after the same update."""
+    torch.manual_seed(12)
+    layer = mok.MoE(256, 128, 8, 2, shared_intermediate=128, fused_gate_up=True, precision="fp8", device="cuda")
+    x = torch.randn(300, 256, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        before = layer(x)  # eager: the cache now holds the weights' quantized copy
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+        graph.replay()
+        assert torch.equal(out, before)
+        layer.w_down.mul_(0.5)
+        layer.w_gate_up.mul_(1.5)
+        graph.replay()
+        replayed = out.clone()
+        eager = layer(x)
+    mok.check()
+    assert torch.equal(replayed, eager) and not torch.equal(replayed, before)
+
+
 def test_module_precision_arguments():
     with pytest.raises(ValueError, match="'precision' must be 'bf16' or 'fp8', got 'int8'"):
         mok.MoE(128, 128, 4, 2, precision="int8", device="meta")
@@ -407,3 +436,21 @@ def test_cached_experts_are_made_again_after_every_optimizer_step(monkeypatch, o
     down.data.add_(1.0)  # (.data: no version counter moves)
     mok.fp8.weights_changed()
     assert fp8_layer.cached_experts(owner, gate, None, down) == 3
+
+
+def test_cached_experts_are_made_inside_a_graph_capture_and_not_kept(monkeypatch):
+    """While a CUDA graph is captured the quantization is made in the capture (so each replay
+    reads the weights as they are) and not kept: a copy from before the capture would be
+    replayed stale after an optimizer step, and one made inside lives in the graph's memory."""
+    from mok import fp8_layer
+
+    made = []
+    monkeypatch.setattr(fp8_layer, "quantize_experts", lambda g, u, d, dgrad=False: made.append(1) or len(made))
+    owner = type("Owner", (), {})()
+    gate, down = torch.zeros(2, 256, 128), torch.zeros(2, 128, 128)
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 2  # made again although nothing changed
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 3
+    assert owner._fp8_cache[1] == 1  # the cache still holds the copy from before
