@@ -50,7 +50,7 @@
 # mok-fp8; at its size mok.MoE takes the bf16 dgrad) into <date>-<commit>-train-fp8.json and with
 # --fp8-dgrad on into -train-fp8-dgrad.json, with --fp8-wgrad on too into -train-fp8-wgrad.json, and bench/fp8_dgrad_py.py (mok.moe's FP8 dgrad against
 # its bf16 dgrad, and with bf16 weight gradients; each step's peak) into <date>-<commit>-fp8-dgrad-py.json.
-# `fp8lr` (build if missing): the training example with mok, mok-fp8, mok-fp8-dgrad and torch over --repeats seeds at
+# `fp8lr` (build if missing): the training example with mok, mok-fp8, mok-fp8-dgrad and torch (or --impl) over --repeats seeds at
 # peak learning rate --train-lr LR (default the example's) into -train-fp8-lrLR-seedS.json.
 # `fp8train` (build if missing): the FP8 weight cache's Python tests, the training example twice on one seed
 # (losses and gradient norms must repeat bitwise), then its FP8 runs beside bf16 over --repeats seeds (0, 1, ...):
@@ -566,7 +566,7 @@ if [ "$part" = fp8lr ]; then  # the training example's FP8 runs at one peak lear
   lr_args=()
   [ -n "$train_lr" ] && lr_args=(--lr "$train_lr")
   for seed in $(seq 0 $((repeats - 1))); do
-    train_example 500 mok,mok-fp8,mok-fp8-dgrad,torch "train-fp8-lr${train_lr:-default}-seed$seed" --seed "$seed" "${lr_args[@]}"
+    train_example 500 "${impls:-mok,mok-fp8,mok-fp8-dgrad,torch}" "train-fp8-lr${train_lr:-default}-seed$seed" --seed "$seed" "${lr_args[@]}"
   done
 fi
 if [ "$part" = host ]; then
