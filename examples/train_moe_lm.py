@@ -23,7 +23,8 @@ model learns the table. The script exits non-zero if the loss does not fall.
 The recipe: AdamW at --lr after a linear warm-up (--lr-warmup steps), cosine decay to a tenth of
 it, the gradients' global norm clipped to --clip, and PyTorch's deterministic algorithms
 (--deterministic; the fused layer is deterministic by itself), so one seed gives the same losses
-run after run and two backends' curves differ only by what the backends compute. (Before
+run after run and two backends' curves differ only by what the backends compute. "largest rise":
+the highest a loss rose above the lowest before it after the warm-up (a spike's height). (Before
 2026-12-05 the example ran a constant rate without clipping or determinism: its bf16 runs moved by
 up to 5 % between two runs of one seed and spiked mid-run; bench/NOTES.md.)
 """
@@ -159,6 +160,16 @@ def train(backend, args, c, device, dtype, batches, entropy):
     return losses, timed_tokens / timed_seconds if timed_seconds else float("nan"), entropy, grad_norms
 
 
+def largest_rise(losses, start):
+    """The largest loss above the lowest one before it, from step `start` on (a spike's height)."""
+    lowest, rise = float("inf"), 0.0
+    for step, loss in enumerate(losses):
+        if step >= start:
+            rise = max(rise, loss - lowest)
+        lowest = min(lowest, loss)
+    return rise
+
+
 def graph_breaks():
     """Graph breaks torch.compile has reported so far in this process."""
     from torch._dynamo.utils import counters
@@ -243,11 +254,13 @@ def main():
         before = graph_breaks()
         results[b] = train(b, args, c, device, dtype, batches, data.entropy)
         breaks[b] = graph_breaks() - before
-    print(f"\n{'backend':15s} {'first loss':>10s} {'final loss':>10s} {'tokens/s':>12s} {'graph breaks':>13s}")
+    print(f"\n{'backend':15s} {'first loss':>10s} {'final loss':>10s} {'largest rise':>12s} {'tokens/s':>12s} "
+          f"{'graph breaks':>13s}")
     ok = True
     for b, (losses, rate, entropy, _) in results.items():
         final = sum(losses[-10:]) / len(losses[-10:])
-        print(f"{b:15s} {losses[0]:10.3f} {final:10.3f} {rate:12,.0f} {breaks[b] if b.endswith('compiled') else '':>13}")
+        print(f"{b:15s} {losses[0]:10.3f} {final:10.3f} {largest_rise(losses, args.lr_warmup):12.3f} {rate:12,.0f} "
+              f"{breaks[b] if b.endswith('compiled') else '':>13}")
         ok = ok and final < 0.8 * losses[0]
     print(f"(start ~ ln vocab = {math.log(c['vocab']):.2f}; the chain's entropy, the floor: {entropy:.2f})")
     for other in ("torch", "torch-compiled", "mok", "mok-compiled"):
@@ -271,6 +284,7 @@ def main():
                       date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                       backends={b: dict(losses=losses, grad_norms=norms, tokens_per_s=rate,
                                         final_loss=sum(losses[-10:]) / len(losses[-10:]),
+                                        largest_rise=largest_rise(losses, args.lr_warmup),
                                         graph_breaks=breaks[b] if b.endswith("compiled") else None)
                                 for b, (losses, rate, _, norms) in results.items()},
                       entropy_floor=entropy)

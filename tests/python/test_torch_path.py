@@ -63,6 +63,23 @@ def test_training_example_precision_picks_the_fp8_twins():
     assert pick(["mok", "mok-fp8"], "both") == ["mok", "mok-fp8"]  # (no backend twice)
 
 
+def test_training_example_schedule_and_spike_measure():
+    import importlib.util
+    import types
+    spec = importlib.util.spec_from_file_location("train_moe_lm", os.path.join(ROOT, "examples", "train_moe_lm.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = types.SimpleNamespace(lr=1.0, lr_warmup=10, steps=110, schedule="cosine")
+    lrs = [example.learning_rate(step, args) for step in range(110)]
+    assert lrs[:10] == [pytest.approx((s + 1) / 10) for s in range(10)]  # linear warm-up to the peak
+    assert lrs[10] == pytest.approx(1.0) and lrs[60] == pytest.approx(0.55)  # cosine: half-way
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3) and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    args.schedule = "constant"
+    assert [example.learning_rate(s, args) for s in (5, 10, 109)] == [pytest.approx(0.6), 1.0, 1.0]
+    assert example.largest_rise([5.0, 3.0, 4.0, 2.0, 2.5], 0) == pytest.approx(1.0)
+    assert example.largest_rise([5.0, 3.0, 4.0, 2.0, 2.5], 3) == pytest.approx(0.5)  # (from step 3 on)
+
+
 def _ep_rank(rank, world, shared, limit):
     """One process of the two-rank check below: its part of one global problem through
     mok.moe_torch_ep, against mok.moe_torch on the whole problem."""
