@@ -183,7 +183,14 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
 // column's largest magnitude (thread c of each half scans 64 rows; a warp reads 32 adjacent
 // columns of a row: no bank conflicts), then thread (c, half) writes its 64 rows of column c as
 // 64 contiguous E4M3 bytes.
-__global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid_constant__ QuantizeColumnsParams p) {
+#if defined(MOK_DIAG_QCOLS_STAGED) && defined(MOK_DIAG_QCOLS_OCC5)
+// (the staged stores with at most 48 registers: 5 CTAs an SM, 36 bytes spilled; alone, the staged
+// variant takes 64 registers, 4 CTAs an SM; the default 40, 6 — its shared memory's limit)
+#define MOK_QCOLS_BOUNDS __launch_bounds__(kThreads, 5)
+#else
+#define MOK_QCOLS_BOUNDS __launch_bounds__(kThreads)
+#endif
+__global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__ QuantizeColumnsParams p) {
   if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
   if (static_cast<int>(blockIdx.y) >= *p.num_tiles) return;
   const int tile = p.tile_order != nullptr ? p.tile_order[blockIdx.y] : static_cast<int>(blockIdx.y);
@@ -227,6 +234,39 @@ __global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid
   const int e = fp8_scale_exponent(amax);
   const InverseScale inverse(e);
   auto scaled = [&](int r) { return inverse(bf16_value(rows[r][c])); };
+#if defined(MOK_DIAG_QCOLS_STAGED)
+  std::uint8_t* column = p.values + static_cast<std::int64_t>(c0) * p.capacity + row0;  // (column c0's rows of the tile)
+  // (diagnostic build, bench/NOTES.md: the same bytes, stored through shared memory) The thread's
+  // 64 bytes in registers, then, once every thread has read the bf16 rows, staged as the tile's
+  // transpose in their room (column c's 128 bytes at kStagedStride c: a quarter warp's 16-byte
+  // stores fall in distinct banks), and stored 16 bytes a thread, 8 threads a column: a warp
+  // writes 4 whole 128-byte column segments, where each thread otherwise stores 16 bytes a
+  // capacity apart from its neighbours'.
+  uint4 mine[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    std::uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = r0 + 16 * j + 4 * q;
+      w[q] = pack_e4m3x4(scaled(r), scaled(r + 1), scaled(r + 2), scaled(r + 3));
+    }
+    mine[j] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  constexpr int kStagedStride = kFp8Block + 16;  // bytes a staged column
+  static_assert(kFp8Block * kStagedStride <= sizeof(rows), "the staged tile fits in the rows' room");
+  std::uint8_t* staged = reinterpret_cast<std::uint8_t*>(&rows[0][0]);
+  __syncthreads();  // (every thread's reads of the rows are done)
+#pragma unroll
+  for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(staged + c * kStagedStride + r0 + 16 * j) = mine[j];
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kFp8Block * kFp8Block / 16 / kThreads; ++i) {
+    const int chunk16 = i * kThreads + threadIdx.x, col = chunk16 / 8, part = chunk16 % 8;
+    *reinterpret_cast<uint4*>(column + static_cast<std::int64_t>(col) * p.capacity + 16 * part) =
+        *reinterpret_cast<const uint4*>(staged + col * kStagedStride + 16 * part);
+  }
+#else
   uint4* out = reinterpret_cast<uint4*>(p.values + static_cast<std::int64_t>(c0 + c) * p.capacity + row0 + r0);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -238,6 +278,7 @@ __global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid
     }
     out[j] = make_uint4(w[0], w[1], w[2], w[3]);
   }
+#endif
   if (p.col_scales != nullptr && half == 0) p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + c] = exp2_int(e);
   if (p.block_exponents != nullptr && threadIdx.x == 0)
     p.block_exponents[static_cast<std::int64_t>(blockIdx.x) * p.exponent_stride + tile] = e;
