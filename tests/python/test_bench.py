@@ -218,6 +218,26 @@ def test_report_lists_one_build_comparisons_of_two_implementations(tmp_path):
     assert text.count("| p | fwd+bwd | 10.000 | 8.000 | 0.800 | 0.700–0.900 | False |") == 3
 
 
+def test_report_lists_training_runs_with_their_recipe_and_spikes(tmp_path):
+    """report.py's training section: newest first by date, each backend's final loss against the
+    run's bf16 mok, the recipe (old records have none) and the largest loss rise after the warm-up."""
+    new = dict(example="train_moe_lm", date="2026-12-06T00:00:00Z", steps=6, seed=2, lr=1e-3, schedule="cosine",
+               lr_warmup=2, clip=1.0, deterministic=True,
+               backends={"mok": dict(losses=[5.0, 4.0, 3.0, 2.0, 2.0, 2.0], final_loss=2.0, tokens_per_s=1000.0),
+                         "mok-fp8": dict(losses=[5.0, 4.0, 3.0, 4.5, 2.2, 2.1], final_loss=2.1, tokens_per_s=900.0)})
+    old = dict(example="train_moe_lm", date="2026-12-01T00:00:00Z", steps=6, lr=3e-3,
+               backends={"mok": dict(losses=[5.0] * 6, final_loss=5.0, tokens_per_s=1.0)})
+    (tmp_path / "2026-12-06-zzz-train-fp8-seed2.json").write_text(json.dumps(new))
+    (tmp_path / "2026-12-06-aaa-train.json").write_text(json.dumps(old))  # (named after, dated before)
+    (tmp_path / "2026-12-06-bbb-train-other.json").write_text(json.dumps(dict(example="something else")))
+    text = "\n".join(report.train_tables(str(tmp_path)))
+    assert text.index("zzz") < text.index("aaa") and "bbb" not in text
+    assert "| 6 | 2 | 0.001 | cosine, warm-up 2, clip 1, deterministic | mok-fp8 | 2.1000 | +5.00% | 1.500 | 900 |" in text
+    assert "| mok | 2.0000 |  | 0.000 | 1,000 |" in text
+    assert "| constant, no clipping (old) | mok | 5.0000 |  | 0.000 | 1 |" in text
+    assert report.train_tables(str(tmp_path / "nothing")) == []
+
+
 def test_pass_timeline_splits_host_and_gpu_idle_time():
     """host_overhead.pass_timeline on a synthetic trace (µs): two calls, each after a 100 µs
     flush; the layer's kernels with a gap of 30 µs (first call) and 50 µs (second)."""
