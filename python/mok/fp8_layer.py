@@ -9,8 +9,9 @@ forward saves its GEMM1's pre-activations; the backward's dgrad GEMMs (dh = dy W
 quantize_experts(..., dgrad=True) (dy and dgate|dup quantized per 1 x 128 of a row inside the
 kernel: C++ BackwardArgs::fp8, reference::backward_fp8), else in bf16 on the bf16 weights; with
 the FP8 dgrad the routed weight gradients' GEMMs run in E4M3 too unless
-mok.set_fp8_weight_gradients(False) (bf16 otherwise). The routed weights come from quantize_experts()
-(quantize once per weight update and pass them as fp8_experts), or, when none are given, are
+mok.set_fp8_weight_gradients(False) (bf16 otherwise). The routed weights come from
+quantize_experts() (quantize once per weight update and pass them as fp8_experts), or, when none
+are given, are
 quantized by the call itself: three small kernels that read the bf16 weights and write a
 quarter more bytes than E * 3 * I * H, every call (and the dgrad then stays bf16).
 """

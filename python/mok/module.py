@@ -34,8 +34,9 @@ class MoE(nn.Module):
     with blockwise scales (mok.moe's precision="fp8"); the quantized routed weights are kept and
     made again when a weight changes: its storage or version counter, any torch.optim
     optimizer's step (fused ones included), or mok.fp8.weights_changed() after writes that
-    neither sees (through `.data`, an optimizer outside torch.optim). fp8_dgrad (precision "fp8"): whether the backward's dgrad GEMMs run in E4M3 too
-    (keeping W_down^T and [W_gate^T | W_up^T] quantized as well: E * 3 * I * H bytes more);
+    neither sees (through `.data`, an optimizer outside torch.optim); a CUDA graph captures the
+    quantization itself. fp8_dgrad (precision "fp8"): whether the backward's dgrad GEMMs run in
+    E4M3 too (keeping W_down^T and [W_gate^T | W_up^T] quantized as well: E * 3 * I * H bytes more);
     None: where that was measured faster (mok.fp8.dgrad_pays: I >= 1024).
     """
 
