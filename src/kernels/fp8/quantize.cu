@@ -183,6 +183,21 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
 // column's largest magnitude (thread c of each half scans 64 rows; a warp reads 32 adjacent
 // columns of a row: no bank conflicts), then thread (c, half) writes its 64 rows of column c as
 // 64 contiguous E4M3 bytes.
+// (diagnostic builds, bench/NOTES.md) A tile's E4M3 transpose staged in shared memory, column c's
+// 128 bytes at kStagedStride c, stored 16 bytes a thread and 8 threads a column: a warp writes 4
+// whole 128-byte column segments. column: the tile's first column's rows in values.
+#if defined(MOK_DIAG_QCOLS_STAGED) || defined(MOK_DIAG_QCOLS_PAIRS)
+constexpr int kStagedStride = kFp8Block + 16;  // bytes a staged column (16-byte aligned)
+__device__ __forceinline__ void store_staged(const std::uint8_t* staged, std::uint8_t* column, std::int64_t capacity) {
+#pragma unroll
+  for (int i = 0; i < kFp8Block * kFp8Block / 16 / kThreads; ++i) {
+    const int chunk16 = i * kThreads + threadIdx.x, col = chunk16 / 8, part = chunk16 % 8;
+    *reinterpret_cast<uint4*>(column + static_cast<std::int64_t>(col) * capacity + 16 * part) =
+        *reinterpret_cast<const uint4*>(staged + col * kStagedStride + 16 * part);
+  }
+}
+#endif
+
 #if defined(MOK_DIAG_QCOLS_STAGED) && defined(MOK_DIAG_QCOLS_OCC5)
 // (the staged stores with at most 48 registers: 5 CTAs an SM, 36 bytes spilled; alone, the staged
 // variant takes 64 registers, 4 CTAs an SM; the default 40, 6 — its shared memory's limit)
@@ -197,7 +212,9 @@ __global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__
   const int c0 = blockIdx.x * kFp8Block;
   constexpr int kStride = kFp8Block + 8;  // (bf16 elements a shared row: 16-byte aligned rows)
   __shared__ alignas(16) std::uint16_t rows[kFp8Block][kStride];
+#if !defined(MOK_DIAG_QCOLS_PAIRS)
   __shared__ float half_max[2][kFp8Block];
+#endif
   __shared__ float warp_max[kThreads / 32];
   const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
   // Each thread's 8 chunks of 16 bytes (rows threadIdx.x / 16 + 16 j), all loads in flight at once.
@@ -219,6 +236,72 @@ __global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) *reinterpret_cast<uint4*>(&rows[threadIdx.x / 16 + 16 * j][chunk * 8]) = v[j];
   __syncthreads();
+#if defined(MOK_DIAG_QCOLS_PAIRS)
+  // (diagnostic build, bench/NOTES.md: the same bytes) Thread (cp, q) takes columns 2 cp, 2 cp + 1
+  // and rows [32 q, 32 q + 32), read as bf16 pairs: one 4-byte load for two columns (a warp's 32
+  // loads are one whole row: no bank conflicts), half the loads of the column scans above; then the
+  // transpose staged and stored as whole 128-byte column segments.
+  const int cp = threadIdx.x % (kFp8Block / 2), rq = 32 * (threadIdx.x / (kFp8Block / 2));
+  __shared__ float quarter_max[4][kFp8Block];
+  auto pair_at = [&](int r) { return *reinterpret_cast<const std::uint32_t*>(&rows[r][2 * cp]); };
+  float m0 = 0.0f, m1 = 0.0f;
+  for (int r = rq; r < rq + 32; ++r) {
+    const std::uint32_t two = pair_at(r);
+    m0 = fmaxf(m0, fabsf(bf16_value(two & 0xffff)));
+    m1 = fmaxf(m1, fabsf(bf16_value(two >> 16)));
+  }
+  quarter_max[rq / 32][2 * cp] = m0;
+  quarter_max[rq / 32][2 * cp + 1] = m1;
+  __syncthreads();
+  m0 = fmaxf(fmaxf(quarter_max[0][2 * cp], quarter_max[1][2 * cp]), fmaxf(quarter_max[2][2 * cp], quarter_max[3][2 * cp]));
+  m1 = fmaxf(fmaxf(quarter_max[0][2 * cp + 1], quarter_max[1][2 * cp + 1]),
+             fmaxf(quarter_max[2][2 * cp + 1], quarter_max[3][2 * cp + 1]));
+  if (p.block_exponents != nullptr) {  // the block's: a max over every column (warps 0 and 1 hold them all)
+    float m = fmaxf(m0, m1);
+    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+    __syncthreads();
+    for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
+    m0 = m1 = m;
+  }
+  const int e0 = fp8_scale_exponent(m0), e1 = fp8_scale_exponent(m1);
+  const InverseScale inverse0(e0), inverse1(e1);
+  uint4 out0[2], out1[2];  // (columns 2 cp and 2 cp + 1, rows rq + 16 j ...)
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    std::uint32_t w0[4], w1[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const std::uint32_t two = pair_at(rq + 16 * j + 4 * k + i);
+        a[i] = inverse0(bf16_value(two & 0xffff));
+        b[i] = inverse1(bf16_value(two >> 16));
+      }
+      w0[k] = pack_e4m3x4(a[0], a[1], a[2], a[3]);
+      w1[k] = pack_e4m3x4(b[0], b[1], b[2], b[3]);
+    }
+    out0[j] = make_uint4(w0[0], w0[1], w0[2], w0[3]);
+    out1[j] = make_uint4(w1[0], w1[1], w1[2], w1[3]);
+  }
+  static_assert(kFp8Block * kStagedStride <= sizeof(rows), "the staged tile fits in the rows' room");
+  std::uint8_t* staged = reinterpret_cast<std::uint8_t*>(&rows[0][0]);
+  __syncthreads();  // (every thread's reads of the rows are done)
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    *reinterpret_cast<uint4*>(staged + (2 * cp) * kStagedStride + rq + 16 * j) = out0[j];
+    *reinterpret_cast<uint4*>(staged + (2 * cp + 1) * kStagedStride + rq + 16 * j) = out1[j];
+  }
+  __syncthreads();
+  store_staged(staged, p.values + static_cast<std::int64_t>(c0) * p.capacity + row0, p.capacity);
+  if (p.col_scales != nullptr && rq == 0) {
+    p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + 2 * cp] = exp2_int(e0);
+    p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + 2 * cp + 1] = exp2_int(e1);
+  }
+  if (p.block_exponents != nullptr && threadIdx.x == 0)
+    p.block_exponents[static_cast<std::int64_t>(blockIdx.x) * p.exponent_stride + tile] = e0;
+#else
   const int c = threadIdx.x % kFp8Block, half = threadIdx.x / kFp8Block, r0 = 64 * half;
   float amax = 0.0f;
   for (int r = r0; r < r0 + 64; ++r) amax = fmaxf(amax, fabsf(bf16_value(rows[r][c])));
@@ -253,19 +336,13 @@ __global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__
     }
     mine[j] = make_uint4(w[0], w[1], w[2], w[3]);
   }
-  constexpr int kStagedStride = kFp8Block + 16;  // bytes a staged column
   static_assert(kFp8Block * kStagedStride <= sizeof(rows), "the staged tile fits in the rows' room");
   std::uint8_t* staged = reinterpret_cast<std::uint8_t*>(&rows[0][0]);
   __syncthreads();  // (every thread's reads of the rows are done)
 #pragma unroll
   for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(staged + c * kStagedStride + r0 + 16 * j) = mine[j];
   __syncthreads();
-#pragma unroll
-  for (int i = 0; i < kFp8Block * kFp8Block / 16 / kThreads; ++i) {
-    const int chunk16 = i * kThreads + threadIdx.x, col = chunk16 / 8, part = chunk16 % 8;
-    *reinterpret_cast<uint4*>(column + static_cast<std::int64_t>(col) * p.capacity + 16 * part) =
-        *reinterpret_cast<const uint4*>(staged + col * kStagedStride + 16 * part);
-  }
+  store_staged(staged, column, p.capacity);
 #else
   uint4* out = reinterpret_cast<uint4*>(p.values + static_cast<std::int64_t>(c0 + c) * p.capacity + row0 + r0);
 #pragma unroll
@@ -282,6 +359,7 @@ __global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__
   if (p.col_scales != nullptr && half == 0) p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + c] = exp2_int(e);
   if (p.block_exponents != nullptr && threadIdx.x == 0)
     p.block_exponents[static_cast<std::int64_t>(blockIdx.x) * p.exponent_stride + tile] = e;
+#endif
 }
 
 __global__ void __launch_bounds__(kThreads) tile_order_kernel(const std::int32_t* expert_offset, const std::int32_t* tile_expert,
