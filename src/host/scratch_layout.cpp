@@ -209,9 +209,10 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
       // those are in the scratch. (Not the gradients' rooms: the weight-gradient launch writes
       // them while it reads the operands.) The figure does not depend on where saved_space lies.
       const std::int64_t row_blocks = cap / kernels::kFp8BlockK, exponent_row = kernels::wgrad_exponent_stride(cap);
-      const auto take = [&](std::int64_t bytes) {  // (padded to 512 bytes: the exponents' rows)
+      const auto padded = [](std::int64_t bytes) { return (bytes + 511) / 512 * 512; };  // (the exponents' rows)
+      const auto take = [&](std::int64_t bytes) {
         void* p = at(scratch, used);
-        used += (bytes + 511) / 512 * 512;
+        used += padded(bytes);
         return static_cast<std::uint8_t*>(p);
       };
       b.dgu_t = b.dgu_fp8;
@@ -232,14 +233,14 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
         for (Room& r : rooms)
           if (r.bytes - r.used >= bytes) {
             std::uint8_t* p = r.base + r.used;
-            r.used += (bytes + 511) / 512 * 512;
+            r.used += padded(bytes);
             return p;
           }
         return take(bytes);
       };
       b.dy_t = place(cap * H);
       b.x_t = place(cap * H);
-      const std::int64_t hw_exponents_at = (cap * I + 511) / 512 * 512;
+      const std::int64_t hw_exponents_at = padded(cap * I);
       b.hw_t = place(hw_exponents_at + 4 * (I / kernels::kFp8BlockK) * exponent_row);
       b.hw_t_exponents = reinterpret_cast<std::int32_t*>(b.hw_t + hw_exponents_at);
       b.dy_t_scales = reinterpret_cast<float*>(take(4 * row_blocks * H));

@@ -178,11 +178,6 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
   }
 }
 
-// One plan tile of 128 rows x 128 columns (launch_quantize_columns): the bf16 rows into shared
-// memory (16-byte loads, a warp two rows' 256 bytes, a thread's eight in flight together), each
-// column's largest magnitude (thread c of each half scans 64 rows; a warp reads 32 adjacent
-// columns of a row: no bank conflicts), then thread (c, half) writes its 64 rows of column c as
-// 64 contiguous E4M3 bytes.
 // (diagnostic builds, bench/NOTES.md) A tile's E4M3 transpose staged in shared memory, column c's
 // 128 bytes at kStagedStride c, stored 16 bytes a thread and 8 threads a column: a warp writes 4
 // whole 128-byte column segments. column: the tile's first column's rows in values.
@@ -205,6 +200,11 @@ __device__ __forceinline__ void store_staged(const std::uint8_t* staged, std::ui
 #else
 #define MOK_QCOLS_BOUNDS __launch_bounds__(kThreads)
 #endif
+// One plan tile of 128 rows x 128 columns (launch_quantize_columns): the bf16 rows into shared
+// memory (16-byte loads, a warp two rows' 256 bytes, a thread's eight in flight together), each
+// column's largest magnitude (thread c of each half scans 64 rows; a warp reads 32 adjacent
+// columns of a row: no bank conflicts), then thread (c, half) writes its 64 rows of column c as
+// 64 contiguous E4M3 bytes.
 __global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__ QuantizeColumnsParams p) {
   if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
   if (static_cast<int>(blockIdx.y) >= *p.num_tiles) return;
@@ -317,6 +317,15 @@ __global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__
   const int e = fp8_scale_exponent(amax);
   const InverseScale inverse(e);
   auto scaled = [&](int r) { return inverse(bf16_value(rows[r][c])); };
+  auto packed = [&](int j) {  // (rows r0 + 16 j ... + 15 of column c: 16 E4M3 bytes)
+    std::uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = r0 + 16 * j + 4 * q;
+      w[q] = pack_e4m3x4(scaled(r), scaled(r + 1), scaled(r + 2), scaled(r + 3));
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  };
 #if defined(MOK_DIAG_QCOLS_STAGED)
   std::uint8_t* column = p.values + static_cast<std::int64_t>(c0) * p.capacity + row0;  // (column c0's rows of the tile)
   // (diagnostic build, bench/NOTES.md: the same bytes, stored through shared memory) The thread's
@@ -327,15 +336,7 @@ __global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__
   // capacity apart from its neighbours'.
   uint4 mine[4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    std::uint32_t w[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int r = r0 + 16 * j + 4 * q;
-      w[q] = pack_e4m3x4(scaled(r), scaled(r + 1), scaled(r + 2), scaled(r + 3));
-    }
-    mine[j] = make_uint4(w[0], w[1], w[2], w[3]);
-  }
+  for (int j = 0; j < 4; ++j) mine[j] = packed(j);
   static_assert(kFp8Block * kStagedStride <= sizeof(rows), "the staged tile fits in the rows' room");
   std::uint8_t* staged = reinterpret_cast<std::uint8_t*>(&rows[0][0]);
   __syncthreads();  // (every thread's reads of the rows are done)
@@ -346,15 +347,7 @@ __global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__
 #else
   uint4* out = reinterpret_cast<uint4*>(p.values + static_cast<std::int64_t>(c0 + c) * p.capacity + row0 + r0);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    std::uint32_t w[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int r = r0 + 16 * j + 4 * q;
-      w[q] = pack_e4m3x4(scaled(r), scaled(r + 1), scaled(r + 2), scaled(r + 3));
-    }
-    out[j] = make_uint4(w[0], w[1], w[2], w[3]);
-  }
+  for (int j = 0; j < 4; ++j) out[j] = packed(j);
 #endif
   if (p.col_scales != nullptr && half == 0) p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + c] = exp2_int(e);
   if (p.block_exponents != nullptr && threadIdx.x == 0)
