@@ -367,7 +367,7 @@ def train_tables(results_dir):
         base = d["backends"].get("mok", {}).get("final_loss")
         for b, r in d["backends"].items():
             vs = f"{(r['final_loss'] - base) / base:+.2%}" if base and b != "mok" else ""
-            rise = r.get("largest_rise", largest_rise(r["losses"], start))
+            rise = r["largest_rise"] if "largest_rise" in r else largest_rise(r["losses"], start)
             out.append(f"| {os.path.basename(path)} | {d['steps']} | {d.get('seed', 0)} | {d.get('lr', '?'):g} | {recipe} | "
                        f"{b} | {r['final_loss']:.4f} | {vs} | {rise:.3f} | {r['tokens_per_s']:,.0f} |")
     return out + [""]
