@@ -152,7 +152,7 @@ TEST_P(RowCopyCases, ScatterWritesTheGathersBytes) {
     dp.hidden = static_cast<int>(H), dp.top_k = static_cast<int>(k), dp.num_local_experts = static_cast<int>(c.E);
     kernels::launch_dispatch(dp, 8, nullptr);  // (few CTAs: each warp takes several tokens)
     kernels::QuantizeRowsParams qp{};
-    qp.x = d_x.get(), qp.values = fp8.get(), qp.scales = scales.get();
+    qp.x[0] = d_x.get(), qp.pairs_per_rank = T * k, qp.values = fp8.get(), qp.scales = scales.get();
     qp.row_pair = v.row_pair, qp.expert_offset = v.expert_offset, qp.plan_status = v.status, qp.capacity = cap;
     qp.hidden = static_cast<int>(H), qp.top_k = static_cast<int>(k), qp.num_local_experts = static_cast<int>(c.E);
     if (scatter) qp.pair_row = v.pair_row, qp.pairs = T * k;

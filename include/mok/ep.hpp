@@ -128,7 +128,7 @@ class EpRank {
   void begin(const ForwardArgs& args, const BackwardArgs* bwd, const unsigned long long* saved_marker,
              cudaStream_t stream, int backward_comm_ctas = 0);
   void set_peers(kernels::EpPeers& peers) const;
-  void pull_rows(std::span<const void* const> rows, void* routed, cudaStream_t stream);
+  std::span<const void* const> row_sources(std::span<const void* const> rows, const void** local, cudaStream_t stream);
   detail::RankPeers peers(std::span<const void* const> x, std::span<const void* const> dy);
   int ctas() const;
   MoeShape shape_;

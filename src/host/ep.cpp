@@ -16,6 +16,8 @@
 #include "kernels/backward/backward.cuh"
 #include "kernels/ep/exchange.cuh"
 #include "kernels/forward/forward.cuh"
+#include "kernels/forward/forward_fp8.cuh"
+#include "kernels/fp8/quantize.cuh"
 #include "layer_launch.hpp"
 #include "mok/error.hpp"
 #include "tensor_map.hpp"
@@ -121,9 +123,18 @@ void VirtualRanks::set_peers(kernels::EpPeers& e, int r) const {
 // rank r's ring, its EpPeers, and the row pull straight from the peers' tensors.
 detail::RankPeers VirtualRanks::peers(int r, std::span<const void* const> x, std::span<const void* const> dy) {
   Rank& rank = *ranks_[r];
-  return {x, dy, rank.ring, rank.ring_counters, [this, r](kernels::EpPeers& e) { set_peers(e, r); },
+  return {x,
+          dy,
+          rank.ring,
+          rank.ring_counters,
+          [this, r](kernels::EpPeers& e) { set_peers(e, r); },
           [&rank](std::span<const void* const> rows, void* routed, cudaStream_t s) {
             detail::dispatch_rows(rows, routed, *rank.ws, s);
+          },
+          [&rank](std::span<const void* const> rows, std::uint8_t* values, float* scales, cudaStream_t s) {
+            kernels::launch_quantize_rows(detail::quantize_rows_params(*rank.ws, rows, values, scales),
+                                          4 * detail::persistent_ctas(*rank.ws, kWhere), s);
+            detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 row gather");
           }};
 }
 
@@ -152,7 +163,7 @@ VirtualRanks::Launch VirtualRanks::prepare(std::span<const ForwardArgs> args, co
     ranks_[r]->ws->throw_if_failed();
     const std::int64_t t = validate_forward_args(at, shape_, args[r], Device::cuda(launch.device), !weights);
     if (t != tokens_) throw_argument_error(at, "x", "has ", t, " tokens but the group was made for ", tokens_, " per rank");
-    if (args[r].fp8) throw_argument_error(at, "fp8", "was given, but Precision::fp8 runs on one GPU for now (mok::forward)");
+    if (!weights) detail::check_forward_precision(at, *ranks_[r]->ws, args[r]);  // (a backward's ForwardArgs::fp8: unread)
     detail::check_locations(at, args[r], shape_, !weights);
   }
   return launch;
@@ -207,10 +218,24 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
     detail::check_saved(detail::concat(where, " (rank ", r, ")"), saved[r], *ranks_[r]->ws, Device::cuda(launch.device));
   ExchangeAndPlan::run(ranks_, args, shape_, T, launch.device, false, stream);
 
-  // Per rank: the kernel's params with the peer table; its comm CTAs pull the rows.
-  kernels::ForwardGroupParams group{};
   const void* x_peers[kMaxEpRanks] = {};
   for (int r = 0; r < ep; ++r) x_peers[r] = args[r].x.data;
+  if (config_.precision == Precision::fp8) {  // (no ring: Workspace refuses one with fp8)
+    kernels::Fp8ForwardGroupParams group{};
+    for (int r = 0; r < ep; ++r)
+      group.rank[r] = detail::forward_step_fp8(peers(r, {x_peers, std::size_t(ep)}, {}), args[r], *ranks_[r]->ws,
+                                               saved.empty() ? nullptr : static_cast<std::uint16_t*>(saved[r].data),
+                                               stream, kWhere);
+    group.ranks = ep;
+    group.ctas_per_rank = launch.ctas_per_rank;
+    if (ep == 1) kernels::launch_forward_fp8(group.rank[0], group.ctas_per_rank, stream);
+    else kernels::launch_forward_fp8_group(group, stream);
+    detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 forward kernel");
+    return;
+  }
+
+  // Per rank: the kernel's params with the peer table; its comm CTAs pull the rows.
+  kernels::ForwardGroupParams group{};
   for (int r = 0; r < ep; ++r)
     group.rank[r] = detail::forward_step(peers(r, {x_peers, std::size_t(ep)}, {}), args[r], *ranks_[r]->ws,
                                          saved.empty() ? nullptr : static_cast<std::uint16_t*>(saved[r].data),
@@ -234,9 +259,12 @@ void VirtualRanks::backward(std::span<const ForwardArgs> fwd, std::span<const Ba
     throw_argument_error(where, "bwd", "must hold one call per rank (", ep, "), got ", bwd.size());
   if (!saved.empty() && static_cast<int>(saved.size()) != ep)
     throw_argument_error(where, "saved", "must hold one tensor per rank (", ep, "), got ", saved.size());
-  for (int r = 0; r < ep; ++r)
-    detail::check_backward_call(detail::concat(where, " (rank ", r, ")"), fwd[r], bwd[r], *ranks_[r]->ws,
+  for (int r = 0; r < ep; ++r) {
+    const std::string at = detail::concat(where, " (rank ", r, ")");
+    detail::check_backward_call(at, fwd[r], bwd[r], *ranks_[r]->ws,
                                 saved.empty() ? std::nullopt : std::optional<TensorView>(saved[r]), launch.device);
+    detail::check_ep_backward_precision(at, bwd[r]);
+  }
   const bool grad_fp32 = bwd[0].d_w_gate.dtype == DType::f32;
   for (int r = 1; r < ep; ++r)
     if ((bwd[r].d_w_gate.dtype == DType::f32) != grad_fp32)

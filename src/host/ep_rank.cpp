@@ -17,6 +17,8 @@
 #include "kernels/ep/ep_sync.cuh"
 #include "kernels/ep/exchange.cuh"
 #include "kernels/forward/forward.cuh"
+#include "kernels/forward/forward_fp8.cuh"
+#include "kernels/fp8/quantize.cuh"
 #include "kernels/common/load.cuh"
 #include "layer_launch.hpp"
 #include "mok/ep.hpp"
@@ -175,15 +177,13 @@ int EpRank::ctas() const {
   return config_.compute_sms > 0 ? std::min(config_.compute_sms, sms) : sms;
 }
 
-// The plan's rows of `rows` (rank q's [T, H] at rows[q], in the symmetric regions) into
-// `routed`, before the kernel: once per (token, expert) pair straight from the peers, or,
-// with Config::pull_tokens_once, each needed peer token once into recv_, then every row
-// from local memory.
-void EpRank::pull_rows(std::span<const void* const> rows, void* routed, cudaStream_t stream) {
-  if (recv_ == nullptr) {
-    detail::dispatch_rows(rows, routed, *ws_, stream);
-    return;
-  }
+// Where the row copies before the kernel read rank q's [T, H] rows (rows[q], in the symmetric
+// regions): there, once per (token, expert) pair straight from the peers, or, with
+// Config::pull_tokens_once, each needed peer token pulled once into recv_ here and every row then
+// read from local memory. `local`: room for size() pointers.
+std::span<const void* const> EpRank::row_sources(std::span<const void* const> rows, const void** local,
+                                                 cudaStream_t stream) {
+  if (recv_ == nullptr) return rows;
   const Layout l = Layout::of(shape_, tokens_);
   kernels::TokenPullParams t{};
   for (int q = 0; q < size(); ++q) t.x[q] = static_cast<const std::uint16_t*>(rows[q]);
@@ -194,16 +194,28 @@ void EpRank::pull_rows(std::span<const void* const> rows, void* routed, cudaStre
   t.num_local_experts = static_cast<int>(shape_.num_local_experts);
   kernels::launch_pull_tokens(t, 4 * detail::persistent_ctas(*ws_, kWhere), stream);  // (the dispatch's grid)
   detail::cuda_check(cudaGetLastError(), kWhere, "launching the token pull");
-  const void* local[kMaxEpRanks] = {};
   for (int q = 0; q < size(); ++q) local[q] = q == rank_ ? rows[q] : recv_ + q * tokens_ * shape_.hidden;
-  detail::dispatch_rows(std::span<const void* const>(local, size()), routed, *ws_, stream);
+  return {local, static_cast<std::size_t>(size())};
 }
 
 // This rank's peer table for the shared rank step (ep_step.hpp): its symmetric regions' rows,
-// its ring, its EpPeers and its row pull (pull_rows).
+// its ring, its EpPeers and its row pulls (bf16, or quantized: Precision::fp8) from row_sources.
 detail::RankPeers EpRank::peers(std::span<const void* const> x, std::span<const void* const> dy) {
-  return {x, dy, ring_, ring_counters_, [this](kernels::EpPeers& e) { set_peers(e); },
-          [this](std::span<const void* const> rows, void* routed, cudaStream_t s) { pull_rows(rows, routed, s); }};
+  return {x,
+          dy,
+          ring_,
+          ring_counters_,
+          [this](kernels::EpPeers& e) { set_peers(e); },
+          [this](std::span<const void* const> rows, void* routed, cudaStream_t s) {
+            const void* local[kMaxEpRanks] = {};
+            detail::dispatch_rows(row_sources(rows, local, s), routed, *ws_, s);
+          },
+          [this](std::span<const void* const> rows, std::uint8_t* values, float* scales, cudaStream_t s) {
+            const void* local[kMaxEpRanks] = {};
+            kernels::launch_quantize_rows(detail::quantize_rows_params(*ws_, row_sources(rows, local, s), values, scales),
+                                          4 * ctas(), s);
+            detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 row gather");
+          }};
 }
 
 void EpRank::forward(const ForwardArgs& a, cudaStream_t stream, const std::optional<TensorView>& saved) {
@@ -214,7 +226,7 @@ void EpRank::forward(const ForwardArgs& a, cudaStream_t stream, const std::optio
   // and a rank that skipped this call would leave its peers waiting. check() reports them.
   const std::int64_t T = validate_forward_args(where, shape_, a, Device::cuda(device));
   if (T != tokens_) throw_argument_error(where, "x", "has ", T, " tokens but the rank was made for ", tokens_);
-  if (a.fp8) throw_argument_error(where, "fp8", "was given, but Precision::fp8 runs on one GPU for now (mok::forward)");
+  detail::check_forward_precision(where, *ws_, a);
   detail::check_locations(where, a, shape_, true);
   if (saved) {
     if (training_ != Training::save) throw_argument_error(where, "saved", "needs a rank made with Training::save");
@@ -229,6 +241,14 @@ void EpRank::forward(const ForwardArgs& a, cudaStream_t stream, const std::optio
   const Layout l = Layout::of(shape_, tokens_);
   const void* x_peers[kMaxEpRanks] = {};
   for (int q = 0; q < size(); ++q) x_peers[q] = bases_[q] + l.x;
+  if (config_.precision == Precision::fp8) {  // (no ring: Workspace refuses one with fp8)
+    const kernels::Fp8ForwardParams p =
+        detail::forward_step_fp8(peers({x_peers, std::size_t(size())}, {}), a, *ws_,
+                                 saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, stream, kWhere);
+    kernels::launch_forward_fp8(p, ctas, stream);
+    detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 forward kernel");
+    return;
+  }
   const kernels::ForwardParams p =
       detail::forward_step(peers({x_peers, std::size_t(size())}, {}), a, *ws_,
                            saved ? static_cast<std::uint16_t*>(saved->data) : nullptr, comm, stream, kWhere);
@@ -242,6 +262,7 @@ void EpRank::backward(const ForwardArgs& a, const BackwardArgs& b, cudaStream_t 
   int device = 0;
   detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
   detail::check_backward_call(where, a, b, *ws_, saved, device);
+  detail::check_ep_backward_precision(where, b);
   const int ctas = this->ctas();
   const int comm = detail::comm_ctas(where, config_, ctas);
   auto* gu = static_cast<std::uint16_t*>(saved ? saved->data : ws_->recompute_buffer());

@@ -27,6 +27,8 @@ struct RankPeers {
   int* ring_counters = nullptr;        // its counters ([2 ring_minibatches], zeroed per call)
   std::function<void(kernels::EpPeers&)> set_peers;                            // the kernel's peer table
   std::function<void(std::span<const void* const>, void*, cudaStream_t)> pull;  // peers' rows -> routed rows
+  // Precision::fp8: peers' rows -> routed rows quantized (E4M3 values, scales; launch_quantize_rows)
+  std::function<void(std::span<const void* const>, std::uint8_t*, float*, cudaStream_t)> pull_fp8;
 };
 
 inline void zero_ring_counters(const Workspace& ws, int* counters, cudaStream_t stream, std::string_view where) {
@@ -46,6 +48,18 @@ inline kernels::ForwardParams forward_step(const RankPeers& peers, const Forward
   kernels::ForwardParams p = forward_params(a, ws, saved, false);
   peers.set_peers(p.ep);
   if (comm > 0) set_ring(p, ws, comm, peers.ring, peers.ring_counters, peers.x);
+  return p;
+}
+
+// The FP8 forward's step (Precision::fp8; no ring): every routed row pulled from the rank that
+// owns its token and quantized per 1 x 128 before the launch, into the rank's x rows' buffer.
+inline kernels::Fp8ForwardParams forward_step_fp8(const RankPeers& peers, const ForwardArgs& a, Workspace& ws,
+                                                  std::uint16_t* saved, cudaStream_t stream, std::string_view where) {
+  const CallBuffers buffers = rank_buffers(ws);
+  peers.pull_fp8(peers.x, buffers.x_fp8, buffers.x_scales, stream);
+  zero_counters(ws, stream, where);
+  kernels::Fp8ForwardParams p = fp8_forward_params(a, ws, buffers, saved);
+  peers.set_peers(p.base.ep);
   return p;
 }
 

@@ -35,6 +35,15 @@ constexpr WeightBoxes weight_boxes(bool pingpong) {
 
 namespace detail {
 
+void check_forward_precision(std::string_view where, const Workspace& ws, const ForwardArgs& a) {
+  if (ws.config().precision == Precision::fp8 && !a.fp8)
+    throw_argument_error(where, "fp8", "is required: the workspace's precision is fp8 (quantize the routed weights "
+                                       "with mok::fp8::quantize_weights)");
+  if (ws.config().precision != Precision::fp8 && a.fp8)
+    throw_argument_error(where, "fp8", "was given, but the workspace's precision is bf16 (make it with "
+                                       "Config::precision = Precision::fp8)");
+}
+
 int persistent_ctas(const Workspace& ws, std::string_view where) {
   int device = 0, sms = 0;
   cuda_check(cudaGetDevice(&device), where, "cudaGetDevice");
@@ -207,12 +216,7 @@ void forward(const ForwardArgs& a, Workspace& ws, cudaStream_t stream, const std
   const std::optional<Workspace::EnqueuedRows> rows = ws.enqueued_rows();
   ws.begin_call(T, kWhere);
   detail::check_locations(kWhere, a, s, true);
-  if (ws.config().precision == Precision::fp8 && !a.fp8)
-    throw_argument_error(kWhere, "fp8", "is required: the workspace's precision is fp8 (quantize the routed weights "
-                                        "with mok::fp8::quantize_weights)");
-  if (ws.config().precision != Precision::fp8 && a.fp8)
-    throw_argument_error(kWhere, "fp8", "was given, but the workspace's precision is bf16 (make it with "
-                                        "Config::precision = Precision::fp8)");
+  detail::check_forward_precision(kWhere, ws, a);
   if (saved) {
     if (ws.training() != Training::save)
       throw_argument_error(kWhere, "saved", "needs a workspace made with Training::save");

@@ -14,7 +14,9 @@
 #include "kernels/forward/forward.cuh"
 #include "kernels/forward/forward_fp8.cuh"
 #include "kernels/fp8/quantize.cuh"
+#include "mok/error.hpp"
 #include "mok/forward.hpp"
+#include "mok/validate.hpp"
 
 namespace mok::detail {
 
@@ -159,6 +161,17 @@ inline CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* ro
 // An EP rank: the workspace's own buffers.
 CallBuffers rank_buffers(const Workspace& ws);
 
+// A forward's args against its workspace's precision: ForwardArgs::fp8 given exactly when it is fp8.
+void check_forward_precision(std::string_view where, const Workspace& ws, const ForwardArgs& a);
+// An EP group's backward runs in bf16 (on an FP8 forward's saved activations too): the FP8
+// dgrad (BackwardArgs::fp8) is one GPU's for now.
+inline void check_ep_backward_precision(std::string_view where, const BackwardArgs& b) {
+  if (b.fp8)
+    throw_argument_error(where, "fp8", "was given, but the FP8 dgrad runs on one GPU for now: an EP group's backward "
+                                       "runs in bf16, also on an FP8 forward's saved activations (leave "
+                                       "BackwardArgs::fp8 unset)");
+}
+
 // Number of CTAs of a persistent kernel: the configured compute SMs, or every SM.
 int persistent_ctas(const Workspace& ws, std::string_view where);
 
@@ -215,6 +228,13 @@ inline kernels::BackwardParams backward_params(const ForwardArgs& a, const Backw
 // The FP8 row gather's params (kernels/fp8/quantize.cuh): the plan's routed rows of `rows`
 // ([T, H] bf16) into values / scales, quantized per 1 x 128 (no bf16 copy).
 kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, const void* rows, std::uint8_t* values, float* scales);
+// The same for expert parallelism: rank q's rows are rows[q] (through the peer table).
+kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, std::span<const void* const> rows, std::uint8_t* values,
+                                                 float* scales);
+// The FP8 forward kernel's params for one rank (no EP fields), after plan_device(): x's routed
+// rows quantized in buffers.x_fp8 / x_scales, h's to go in buffers.h_fp8 / h_scales.
+kernels::Fp8ForwardParams fp8_forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,
+                                             std::uint16_t* saved_gu);
 
 // Precision::fp8, after plan_device() with the counters zeroed: gathers and quantizes x's
 // routed rows into buffers.x_fp8 / x_scales and launches the FP8 forward kernel into a.y

@@ -258,7 +258,17 @@ CallBuffers rank_buffers(const Workspace& ws) {
   b.slots = ws.slots();
   b.x_rows = static_cast<std::uint16_t*>(ws.x_routed());
   b.hidden = static_cast<std::uint16_t*>(ws.hidden());
-  b.shared_hidden = b.hidden ? b.hidden + ws.plan().allocated_rows() * ws.shape().intermediate : nullptr;
+  const std::int64_t rows = ws.plan().allocated_rows();
+  b.shared_hidden = b.hidden ? b.hidden + rows * ws.shape().intermediate : nullptr;
+  if (ws.config().precision == Precision::fp8 && b.x_rows && b.hidden) {
+    // The FP8 forward's E4M3 rows and their scales in the bf16 rows' buffers (capacity x (1 + 4 / 128)
+    // bytes a column of 2 capacity; the scales 512-byte aligned, as capacity is a multiple of 128).
+    const std::int64_t H = ws.shape().hidden, I = ws.shape().intermediate;
+    b.x_fp8 = reinterpret_cast<std::uint8_t*>(b.x_rows);
+    b.x_scales = reinterpret_cast<float*>(b.x_fp8 + rows * H);
+    b.h_fp8 = reinterpret_cast<std::uint8_t*>(b.hidden);
+    b.h_scales = reinterpret_cast<float*>(b.h_fp8 + rows * I);
+  }
   b.dy_rows = static_cast<std::uint16_t*>(ws.dy_routed());
   b.dx_rows = static_cast<std::uint16_t*>(ws.dx_rows());
   b.shared_dx_rows = static_cast<std::uint16_t*>(ws.shared_dx_rows());

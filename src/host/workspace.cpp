@@ -90,9 +90,11 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
                          "must equal num_experts = ", shape.num_experts, " on one GPU (got ", shape.num_local_experts,
                          "); an expert-parallel group's workspaces come from mok::VirtualRanks");
   if (config.precision == Precision::fp8) {
-    if (rank.rank >= 0)
-      throw_argument_error("mok::Workspace", "config.precision",
-                           "fp8 runs on one GPU for now; expert parallelism takes Precision::bf16");
+    if (rank.rank >= 0 && (config.comm_sms > 0 || config.ring_rows > 0))
+      throw_argument_error("mok::Workspace", config.comm_sms > 0 ? "config.comm_sms" : "config.ring_rows",
+                           "must be 0 with Precision::fp8 (an EP rank's FP8 forward pulls and quantizes its rows "
+                           "before the kernel; the ring token buffer carries bf16 rows only for now), got comm_sms = ",
+                           config.comm_sms, ", ring_rows = ", config.ring_rows);
     if (training == Training::recompute)
       throw_argument_error("mok::Workspace", "config.precision",
                            "fp8 trains with Training::save (its backward reads the saved pre-activations of the FP8 "

@@ -21,6 +21,8 @@ void load_ep_kernels();
 
 // Per translation unit.
 void load_forward_kernels();
+void load_forward_fp8_kernels();
+void load_quantize_kernels();
 void load_backward_kernels();
 void load_plan_kernels();
 void load_dispatch_kernels();

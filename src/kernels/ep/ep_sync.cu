@@ -53,6 +53,8 @@ __global__ void publish_plan_kernel(const EpHeader* header, const PlanStatus* pl
 
 void load_ep_kernels() {
   load_forward_kernels();
+  load_forward_fp8_kernels();
+  load_quantize_kernels();
   load_backward_kernels();
   load_plan_kernels();
   load_dispatch_kernels();

@@ -1,12 +1,14 @@
 // Fused MoE forward with the routed experts in FP8 (E4M3, DeepSeek-V3's recipe with
-// power-of-two scales), one GPU: the BF16 forward's CTA, pipeline, stages, schedule, tiles
-// and combine (src/kernels/forward/forward.cu), with the routed GEMMs' operands and sums
-// replaced.
+// power-of-two scales), one GPU or one rank of an EP group (rows pulled before the kernel, no
+// ring): the BF16 forward's CTA, pipeline, stages, schedule, tiles, combine and EP pushes
+// (src/kernels/forward/forward.cu), with the routed GEMMs' operands and sums replaced.
 //
-//   before the kernel: the routed x rows are gathered and quantized per 1 x 128 block of a row
-//       (launch_quantize_rows: E4M3 rows in plan order, one fp32 power-of-two scale a block),
-//       into the last quarter of the fp32 slot buffer (a GEMM2 tile waits for the GEMM1 tiles
-//       of the rows its slot rows overwrite, as the BF16 kernel does for its bf16 rows)
+//   before the kernel: the routed x rows are gathered (EP: from the ranks that own the tokens)
+//       and quantized per 1 x 128 block of a row (launch_quantize_rows: E4M3 rows in plan
+//       order, one fp32 power-of-two scale a block); on one GPU into the last quarter of the
+//       bf16 slot buffer (a GEMM2 tile waits for the GEMM1 tiles of the rows its slot rows
+//       overwrite, as the BF16 kernel does for its bf16 rows), on an EP rank into its x rows'
+//       buffer
 //   producer: a routed stage fills the BF16 kernel's 48 KB stage with twice its K: A = 128
 //       rows x 128 K and B = 256 rows x 128 K of E4M3 (GEMM1: 128 gate rows, then 128 up
 //       rows; GEMM2: 256 rows of w_down). The shared expert's tasks load BF16 stages.
@@ -22,7 +24,8 @@
 //       as E4M3 (TMA store) and the scale as fp32 into h_scales, published through h_ready.
 //   The two consumer warpgroups share each stage; while one promotes its block, the
 //   tensor cores run the other's MMAs.
-//   The shared expert's GEMMs, the combine and every wait are the BF16 kernel's. Training
+//   The shared expert's GEMMs, the combine, the EP pushes of GEMM2's rows to the ranks that
+//   own their tokens and every wait are the BF16 kernel's. Training
 //   (Training::save): GEMM1 saves its gate/up pre-activations as the BF16 kernel does, so
 //   the BF16 backward runs on the FP8 forward's activations.
 //
@@ -35,11 +38,13 @@
 #include <cstdint>
 
 #include "kernels/common/boxes.hpp"
+#include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
 #include "kernels/common/phase_timing.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "kernels/common/skeleton.cuh"
 #include "kernels/common/swiglu.cuh"
+#include "kernels/ep/ep_push.cuh"
 #include "kernels/forward/epilogues.cuh"
 #include "kernels/forward/producer.cuh"
 #include "kernels/forward/tasks.cuh"
@@ -170,6 +175,9 @@ __device__ void epilogue_gemm1_fp8(const Fp8ForwardParams& q, SharedStorage& s, 
   pending_index = t.m;
 }
 
+// kEp: a rank of an EP group (GEMM2's rows pushed to the ranks that own their tokens); the
+// one-GPU kernel is compiled without that path (its registers: the push spills there).
+template <bool kEp>
 __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, const Schedule& sched, int wg) {
   const ForwardParams& p = q.base;
   Pipeline<kStages> pipe;
@@ -183,7 +191,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
     timer.lap<Phase::other>();
     if (t.kind == kCombine) {
       if (!slots_ready) {
-        wait_for_slot_rows(p, s, sched, wg, pending_slots, task);  // (no pushes: one GPU)
+        wait_for_slot_rows(p, s, sched, wg, pending_slots, task);  // (and, EP, every rank's pushes)
         slots_ready = true;
         timer.lap<Phase::combine_wait>();
       }
@@ -227,28 +235,32 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const Fp8TaskScales sc{q.h_scales + rows, static_cast<int>(q.capacity), {down + b0 * k_blocks, down + b1 * k_blocks}};
       mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm2>();
-      epilogue_gemm2(p, s, acc, t, row0, wg);
+      if constexpr (kEp) epilogue_gemm2_push(p, s, acc, t, row0, wg);  // (the rows to their tokens' ranks)
+      else epilogue_gemm2(p, s, acc, t, row0, wg);
       timer.lap<Phase::epilogue_gemm2>();
       ++pending_slots;
     }
   }
   publish_hidden(p, pending_hidden);
   publish_slots(p, wg, pending_slots);
+  if constexpr (kEp) publish_pushes(p, s, wg);
   timer.lap<Phase::other>();
 }
 
-// The FP8 forward as a policy of the persistent skeleton (kernels/common/skeleton.cuh).
+// The FP8 forward as a policy of the persistent skeleton (kernels/common/skeleton.cuh): one GPU,
+// or (kEp) one rank of an EP group.
+template <bool kEp>
 struct Fp8ForwardKernel {
   using Storage = SharedStorage;
   // The producer's FP8 and BF16 (shared expert) loads spill in the BF16 kernels' 40
   // registers; the FP8 consumer fits in 224.
-  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+  static constexpr int kProducerRegs = kEp ? 40 : 56, kConsumerRegs = kEp ? 232 : 224;
   static constexpr int kStageReaders = kConsumerWarpgroups;  // both warpgroups read every stage
   using P = Fp8ForwardParams;
 
-  __device__ static bool stalled(const P&) { return false; }  // (one GPU)
+  __device__ static bool stalled(const P& q) { return kEp && q.base.ep.stalled; }
   __device__ static bool inputs_valid(const P& q, int cta, int ctas) {
-    if (q.base.plan.status->code == PlanStatus::ok) return true;
+    if (kEp ? all_plans_ok(q.base, false) : q.base.plan.status->code == PlanStatus::ok) return true;  // (EP: every rank's)
     poison_output(q.base, cta, ctas);
     return false;
   }
@@ -263,17 +275,44 @@ struct Fp8ForwardKernel {
   __device__ static void run_comm(const P&, Storage&, int) {}
   __device__ static Schedule schedule(const P& q, int cta, int ctas) { return Schedule(q.base, cta, ctas); }
   __device__ static void produce(const P& q, Storage& s, const Schedule& sched) { run_producer_fp8(q, s, sched); }
-  __device__ static void consume(const P& q, Storage& s, const Schedule& sched, int wg) { run_consumer_fp8(q, s, sched, wg); }
+  __device__ static void consume(const P& q, Storage& s, const Schedule& sched, int wg) {
+    run_consumer_fp8<kEp>(q, s, sched, wg);
+  }
 };
 
 __global__ void __launch_bounds__(kThreads, 1) forward_fp8_kernel(const __grid_constant__ Fp8ForwardParams p) {
-  run_persistent<Fp8ForwardKernel>(p, blockIdx.x, gridDim.x);
+  run_persistent<Fp8ForwardKernel<false>>(p, blockIdx.x, gridDim.x);
+}
+
+// One rank of an EP group that runs its own launch (EpRank, or a group of one).
+__global__ void __launch_bounds__(kThreads, 1) forward_fp8_rank_kernel(const __grid_constant__ Fp8ForwardParams p) {
+  run_persistent<Fp8ForwardKernel<true>>(p, blockIdx.x, gridDim.x);
+}
+
+// Virtual ranks: CTA c serves rank c / ctas_per_rank (as forward_group_kernel).
+__global__ void __launch_bounds__(kThreads, 1) forward_fp8_group_kernel(const __grid_constant__ Fp8ForwardGroupParams g) {
+  run_persistent<Fp8ForwardKernel<true>>(g.rank[blockIdx.x / g.ctas_per_rank], blockIdx.x % g.ctas_per_rank,
+                                         g.ctas_per_rank);
 }
 
 }  // namespace
 
 void launch_forward_fp8(const Fp8ForwardParams& params, int num_ctas, cudaStream_t stream) {
-  launch_persistent<forward_fp8_kernel>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+  if (params.base.ep.push)
+    launch_persistent<forward_fp8_rank_kernel>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+  else
+    launch_persistent<forward_fp8_kernel>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+}
+
+void launch_forward_fp8_group(const Fp8ForwardGroupParams& params, cudaStream_t stream) {
+  launch_persistent<forward_fp8_group_kernel>(forward_shared_memory_bytes(), kThreads, params,
+                                              params.ranks * params.ctas_per_rank, stream);
+}
+
+void load_forward_fp8_kernels() {
+  configure_persistent<forward_fp8_kernel>(forward_shared_memory_bytes());
+  configure_persistent<forward_fp8_rank_kernel>(forward_shared_memory_bytes());
+  configure_persistent<forward_fp8_group_kernel>(forward_shared_memory_bytes());
 }
 
 }  // namespace mok::kernels

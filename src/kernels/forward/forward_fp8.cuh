@@ -22,8 +22,8 @@ struct Fp8ForwardMaps {
 };
 
 struct Fp8ForwardParams {
-  // The BF16 forward's params: plan, counters, slots, y, sizes, the shared expert's maps
-  // (base.maps' routed maps are unused; no saved pre-activations, no EP, no ring).
+  // The BF16 forward's params: plan, counters, slots, y, sizes, the shared expert's maps, the
+  // saved pre-activations, the EP peer table (base.maps' routed maps are unused; no ring).
   ForwardParams base;
   Fp8ForwardMaps maps;
   std::int64_t capacity;           // plan rows: the stride of the row scales
@@ -34,6 +34,15 @@ struct Fp8ForwardParams {
   const std::int32_t* down_exponents;  // [E_l, H / 128, I / 128]
 };
 
+// One GPU, or one rank of an EP group (params.base.ep.push: the rank's own launch).
 void launch_forward_fp8(const Fp8ForwardParams& params, int num_ctas, cudaStream_t stream);
+
+// Virtual ranks (as ForwardGroupParams): one launch, CTA c serving rank c / ctas_per_rank.
+struct Fp8ForwardGroupParams {
+  Fp8ForwardParams rank[kMaxEpRanks];
+  int ranks, ctas_per_rank;
+};
+static_assert(sizeof(Fp8ForwardGroupParams) <= 32764, "kernel parameters are limited to 32764 bytes");
+void launch_forward_fp8_group(const Fp8ForwardGroupParams& params, cudaStream_t stream);
 
 }  // namespace mok::kernels

@@ -35,6 +35,7 @@ using namespace mok::ptx;
 // wait_hidden_rows, already covers them.)
 template <typename Sched>
 __device__ inline void wait_e4m3_x_rows_read(const ForwardParams& p, const Sched& sched, int row0, int task) {
+  if (p.x_rows_in_slots == 0) return;  // (an EP rank: its x rows have a buffer of their own)
   const RowRange x = x_rows_under_slots(row0, kBlockM, p.x_rows_in_slots, static_cast<long long>(sched.m_routed) * kBlockM,
                                         2);
   for (long long m = x.first / kBlockM; m * kBlockM < x.end; ++m)

@@ -1,6 +1,7 @@
 // Blockwise FP8 quantization (kernels/fp8/quantize.cuh).
 #include "kernels/fp8/quantize.cuh"
 
+#include "kernels/common/load.cuh"
 #include "kernels/fp8/fp8_math.cuh"
 #include "kernels/fp8/tile_order.cuh"
 
@@ -77,8 +78,8 @@ __device__ __forceinline__ QuantizedLane quantize_lane(uint2 bits) {
   return {pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3])), exp2_int(e)};
 }
 
-// The routed rows in plan order, quantized per 1 x 128 block as they are gathered: one warp
-// a row, a lane 4 columns of each block (its amax is a warp max: the same in any order).
+// The routed rows in plan order, quantized per 1 x 128 block as they are gathered (from any
+// rank's tokens: expert parallelism): one warp a row, a lane 4 columns of each block (its amax is a warp max: the same in any order).
 // Padding rows become zeros of scale 1; rows past the plan's last are not written. With
 // rows_bf16, each lane also stores the bf16 values it read there.
 __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_constant__ QuantizeRowsParams p) {
@@ -100,7 +101,8 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_co
       }
       continue;
     }
-    const uint2* x = reinterpret_cast<const uint2*>(p.x + static_cast<std::int64_t>(pair / p.top_k) * p.hidden) + lane;
+    const std::int64_t token = (pair % p.pairs_per_rank) / p.top_k;
+    const uint2* x = reinterpret_cast<const uint2*>(p.x[pair / p.pairs_per_rank] + token * p.hidden) + lane;
     for (int b0 = 0; b0 < blocks; b0 += 4) {
       uint2 bits[4];
 #pragma unroll
@@ -135,7 +137,7 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
   };
   const std::int64_t tokens = p.pairs / k;
   for (std::int64_t token = warp; token < tokens; token += warps) {
-    const uint2* x = reinterpret_cast<const uint2*>(p.x + token * p.hidden) + lane;
+    const uint2* x = reinterpret_cast<const uint2*>(p.x[0] + token * p.hidden) + lane;
     const std::int32_t* rows_of_token = p.pair_row + token * k;
     for (int b0 = 0; b0 < blocks; b0 += 4) {
       uint2 bits[4];
@@ -388,6 +390,11 @@ void launch_tile_order(const std::int32_t* expert_offset, const std::int32_t* ti
   const unsigned blocks = static_cast<unsigned>((max_tiles + kThreads - 1) / kThreads);
   tile_order_kernel<<<blocks, kThreads, 0, stream>>>(expert_offset, tile_expert, tile_row, num_tiles, plan_status, experts,
                                                      order);
+}
+
+void load_quantize_kernels() {
+  load_kernel(quantize_rows_kernel);
+  load_kernel(quantize_scatter_kernel);
 }
 
 void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream) {

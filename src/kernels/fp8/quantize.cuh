@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "mok/kernel_status.hpp"  // kMaxEpRanks
+
 namespace mok::kernels {
 
 inline constexpr int kFp8Block = 128;  // rows and columns of a weight block
@@ -35,9 +37,13 @@ void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream);
 // into values (E4M3 [capacity, H], plan order) with one power-of-two scale per 1 x 128 block
 // of a row, stored as the float 2^e in scales[block * capacity + row] (a block's scales of
 // consecutive rows are contiguous: the GEMM reads a tile's 128 of them together). The bytes
-// equal the host's fp8::quantize(row, 1, H, 1, 128). Padding rows: zeros, scale 1.
+// equal the host's fp8::quantize(row, 1, H, 1, 128): a function of the token's row alone, so
+// the same wherever (on whichever EP rank) it is quantized. Padding rows: zeros, scale 1.
 struct QuantizeRowsParams {
-  const std::uint16_t* x;        // [T, H] bf16 bits
+  // [T, H] bf16 bits of each rank's tokens (expert parallelism: pair p is rank
+  // p / pairs_per_rank's; one GPU: x[0] alone)
+  const std::uint16_t* x[kMaxEpRanks];
+  std::int64_t pairs_per_rank;   // T * k
   std::uint8_t* values;          // [capacity, H] E4M3
   float* scales;                 // [H / 128, capacity]
   const std::int32_t* row_pair;  // [capacity]: t * k + j, or -1 (padding)
