@@ -36,9 +36,9 @@
 # mok,mok-py on --presets (all: every preset) with --repeats rounds of --iters iterations (many short
 # rounds, e.g. --repeats 25 --iters 5: the ratio paired by round is what decides a 2 % difference) into
 # the bench JSON; bench/host_overhead.py (what the GPU waits for, under torch.profiler) is run by hand. `fp8` (issue 19's
-# FP8 path): build, the FP8 and forward tests (C++ and Python), the accuracy numbers as gtest XML
-# (<date>-<commit>-fp8-accuracy.xml, -fp8-dgrad-accuracy.xml), compute-sanitizer on a small FP8 forward and
-# FP8 dgrad case and an FP8 weight-gradient case; `fp8wgrad` (issue 19's FP8 weight gradients in one call, the
+# FP8 path): build, the FP8 and forward tests (C++ and Python; the EP group's FP8 forward too), the accuracy
+# numbers as gtest XML (<date>-<commit>-fp8-accuracy.xml, -fp8-dgrad-accuracy.xml), compute-sanitizer on a small
+# FP8 forward, FP8 dgrad, FP8 weight-gradient and EP FP8 forward case; `fp8wgrad` (issue 19's FP8 weight gradients in one call, the
 # decisive parts first): build, their ctests (Fp8Wgrad, Fp8Quantize, Fp8Backward, the CPU layout tests) and Python
 # tests, the accuracy table's XML (<date>-<commit>-fp8-wgrad-accuracy.xml), bench/ab_serve.py of mok-fp8 against
 # mok-fp8-wgrad (forward+backward, alternating --repeats rounds, one build; its outputs differ by design) on --presets
@@ -428,7 +428,8 @@ for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padd
               test_gpu_backward:Backward.DyRowsContinuedInDxGiveTheBitsOfDyRowsInScratch \
               test_gpu_ep_forward:Ep/EpCases.MatchesReferenceAndOneGpuBitwise/ep4_small_shared_padded_clamp \
               test_gpu_ep_forward:Ep.SmallRingWrapsBitwiseLikeOneGpu \
-              test_gpu_ep_backward:EpBackward.SmallRingWrapsBitwiseLikeNoRing; do
+              test_gpu_ep_backward:EpBackward.SmallRingWrapsBitwiseLikeNoRing \
+              test_gpu_ep_fp8:EpFp8/EpFp8Cases.ForwardBitwiseEqualsOneGpuFp8/ep4_small_shared_padded_clamp; do
   sanitize "${target%%:*}" "${target#*:}"
 done
 fi
@@ -480,6 +481,7 @@ if [ "$part" = fp8 ]; then
   sanitize test_gpu_forward_fp8 Fp8Forward/Fp8ForwardCases.MatchesTheRecipeReference/shared_padded_clamp 300
   sanitize test_gpu_backward_fp8 Fp8Backward/Fp8BackwardCases.MatchesTheRecipeReference/shared_padded_clamp 300
   sanitize test_gpu_backward_fp8 Fp8Wgrad/Fp8WgradCases.MatchesTheRecipeReference/shared_padded_clamp 300
+  sanitize test_gpu_ep_fp8 EpFp8/EpFp8Cases.ForwardBitwiseEqualsOneGpuFp8/ep4_small_shared_padded_clamp 300
   junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
 if [ "$part" = fp8wgrad ]; then

@@ -256,6 +256,39 @@ inline TrainRun train_group(const EpProblem& p, const EpGrads& g, Training mode,
 }
 
 
+// Every rank as its own EpRank on its own stream of this GPU (a share of the SMs each), as
+// ranks on separate GPUs run: the ranks meet only through their symmetric regions.
+struct SeparateRanks {
+  std::vector<std::unique_ptr<DeviceBuffer<std::uint8_t>>> regions;
+  std::vector<std::unique_ptr<EpRank>> ranks;
+  std::vector<cudaStream_t> streams;
+
+  SeparateRanks(const EpProblem& p, Training mode, Config config = {}) {
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    config.compute_sms = sms / p.ep - 1;  // every rank's kernel resident at once
+    std::vector<void*> bases;
+    for (int r = 0; r < p.ep; ++r) {
+      regions.push_back(std::make_unique<DeviceBuffer<std::uint8_t>>(EpRank::region_bytes(p.shape, p.T)));
+      cudaMemset(regions.back()->get(), 0, regions.back()->size());
+      bases.push_back(regions.back()->get());
+    }
+    cudaDeviceSynchronize();
+    for (int r = 0; r < p.ep; ++r) {
+      ranks.push_back(std::make_unique<EpRank>(p.shape, p.T, r, bases, config, mode, false));
+      cudaStream_t s;
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+      streams.push_back(s);
+    }
+  }
+  ~SeparateRanks() {
+    for (cudaStream_t s : streams) cudaStreamDestroy(s);
+  }
+  void check() {
+    for (int r = 0; r < static_cast<int>(ranks.size()); ++r) ranks[r]->check(streams[r]);
+  }
+};
+
 // Rows of the largest local expert (padded) and of the busiest rank, over every rank's plan.
 struct RingNeeds {
   std::int64_t expert_rows = 0, rank_rows = 0;

@@ -1,6 +1,7 @@
 // Precision::fp8's argument checks (the rest: test_validate.cpp).
 #include <gtest/gtest.h>
 
+#include "mok/ep.hpp"
 #include "mok/forward.hpp"
 #include "mok/validate.hpp"
 #include "validate_fixture.hpp"
@@ -11,8 +12,8 @@ namespace {
 using testing::expect_error;
 using testing::Fixture;
 
-// Precision::fp8: the quantized weights' tensors, and what a workspace of that precision
-// cannot do yet, are refused before anything touches a GPU.
+// Precision::fp8: the quantized weights' tensors, and what a workspace (or an EP group) of that
+// precision cannot do yet, are refused before anything touches a GPU.
 TEST(Validate, Fp8WeightsAndWorkspace) {
   Fixture f;
   const Device cpu = Device::cpu();
@@ -63,6 +64,17 @@ TEST(Validate, Fp8WeightsAndWorkspace) {
                "got 1024");
   expect_error([&] { Workspace(s, 8, fp8, Training::recompute); },
                "argument 'config.precision': fp8 trains with Training::save");
+  // Expert parallelism: FP8 forwards pull their rows before the kernel; the ring is bf16 only.
+  MoeShape ep = s;
+  ep.num_experts = 2 * s.num_local_experts;  // two ranks
+  Config ring = fp8;
+  ring.comm_sms = 2;
+  expect_error([&] { VirtualRanks(ep, 8, ring); },
+               "argument 'config.comm_sms': must be 0 with Precision::fp8 (an EP rank's FP8 forward pulls and "
+               "quantizes its rows before the kernel; the ring token buffer carries bf16 rows only for now), got "
+               "comm_sms = 2, ring_rows = 0");
+  ring.comm_sms = 0, ring.ring_rows = 4096;
+  expect_error([&] { VirtualRanks(ep, 8, ring); }, "argument 'config.ring_rows': must be 0 with Precision::fp8");
   Config bad;
   bad.precision = static_cast<Precision>(7);
   expect_error([&] { validate(bad); }, "argument 'precision': must be Precision::bf16 or Precision::fp8, got 7");

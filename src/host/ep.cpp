@@ -261,9 +261,9 @@ void VirtualRanks::backward(std::span<const ForwardArgs> fwd, std::span<const Ba
     throw_argument_error(where, "saved", "must hold one tensor per rank (", ep, "), got ", saved.size());
   for (int r = 0; r < ep; ++r) {
     const std::string at = detail::concat(where, " (rank ", r, ")");
+    detail::check_ep_backward_precision(at, bwd[r]);
     detail::check_backward_call(at, fwd[r], bwd[r], *ranks_[r]->ws,
                                 saved.empty() ? std::nullopt : std::optional<TensorView>(saved[r]), launch.device);
-    detail::check_ep_backward_precision(at, bwd[r]);
   }
   const bool grad_fp32 = bwd[0].d_w_gate.dtype == DType::f32;
   for (int r = 1; r < ep; ++r)

@@ -261,8 +261,8 @@ void EpRank::backward(const ForwardArgs& a, const BackwardArgs& b, cudaStream_t 
   const std::string where = detail::concat("mok::EpRank::backward (rank ", rank_, ")");
   int device = 0;
   detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
-  detail::check_backward_call(where, a, b, *ws_, saved, device);
   detail::check_ep_backward_precision(where, b);
+  detail::check_backward_call(where, a, b, *ws_, saved, device);
   const int ctas = this->ctas();
   const int comm = detail::comm_ctas(where, config_, ctas);
   auto* gu = static_cast<std::uint16_t*>(saved ? saved->data : ws_->recompute_buffer());
