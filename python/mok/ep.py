@@ -80,14 +80,20 @@ class ExpertParallel:
         self.id = id(self)
         _groups[self.id] = self
 
-    def rank_for(self, x, w_down, num_experts, top_k, shared_intermediate, swiglu_limit, training):
-        """The EpRank for this shape and token count (collective on first use); w_down [E_l, H, I]."""
+    def rank_for(self, x, w_down, num_experts, top_k, shared_intermediate, swiglu_limit, training, precision="bf16"):
+        """The EpRank for this shape, token count and precision (collective on first use);
+        w_down [E_l, H, I]. precision None (the backward, bf16 in either precision): the
+        rank a forward of this shape made, the fp8 one if there are both, else a bf16 one
+        (every rank of the group holds the same ranks: they make the same calls)."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
         T, H = x.shape
         E_l, _, I = w_down.shape
-        key = (x.device.index, T, H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, training)
+        shape = (x.device.index, T, H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, training)
+        if precision is None:
+            precision = "fp8" if shape + ("fp8",) in self._ranks else "bf16"
+        key = shape + (precision,)
         rank = self._ranks.get(key)
         if rank is not None:
             return rank
@@ -100,7 +106,8 @@ class ExpertParallel:
         dist.all_gather_object(keys, key[1:], group=self.group)
         if any(k != keys[0] for k in keys):
             raise ValueError(f"mok.ep: the ranks called the layer with different shapes or token counts "
-                             f"(T, H, I, E, E_l, k, I_s, limit, training per rank: {keys}); pad every rank to one T")
+                             f"(T, H, I, E, E_l, k, I_s, limit, training, precision per rank: {keys}); pad every "
+                             f"rank to one T")
         nbytes = _C.ep_region_bytes(H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, T)
         region = symm_mem.empty(nbytes, dtype=torch.uint8, device=x.device)
         region.zero_()
@@ -113,7 +120,8 @@ class ExpertParallel:
                          x.device.index, compute_sms=self.compute_sms, timeout_seconds=self.timeout_seconds,
                          training=training, peers_on_other_gpus=self.world > 1, comm_sms=self.comm_sms,
                          ring_rows=self.ring_rows, minibatch_rows=self.minibatch_rows,
-                         pull_tokens_once=self.pull_tokens_once, interleave_rows=self.interleave_rows)
+                         pull_tokens_once=self.pull_tokens_once, interleave_rows=self.interleave_rows,
+                         precision=precision)
         dist.barrier(group=self.group)  # every region zeroed and every rank built before any call
         self._regions.append(region)
         self._ranks[key] = rank
@@ -148,13 +156,32 @@ def _check_ring(comm_sms, ring_rows, minibatch_rows) -> None:
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
         w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
-        swiglu_limit: Optional[float] = None, *, group: ExpertParallel) -> torch.Tensor:
+        swiglu_limit: Optional[float] = None, *, group: ExpertParallel, precision: str = "bf16",
+        fp8_experts=None) -> torch.Tensor:
     """This rank's part of the expert-parallel layer: x [T, H] its tokens, topk_ids [T, k]
     global expert ids, w_gate/w_up/w_down its E_l = E / W experts (as for mok.moe: w_up None
     takes w_gate as [E_l, 2I, H]). The shared expert (if any) is applied to this rank's tokens;
     its gradient is this rank's share (all-reduce it with the data-parallel gradients). The
-    same custom ops as mok.moe (mok::moe_forward, ...), with this group's id."""
+    same custom ops as mok.moe (mok::moe_forward, ...), with this group's id.
+    precision="fp8": the routed experts' forward in E4M3 as mok.moe's (each routed row pulled
+    from the rank that owns its token and quantized per 1 x 128 before the kernel; results
+    bitwise equal to one GPU's FP8 forward over every rank's tokens); fp8_experts: this rank's
+    experts from mok.fp8.quantize_experts(w_gate, w_up, w_down) (without dgrad: in a group the
+    backward runs in bf16, on the FP8 forward's activations), else the call quantizes them. The
+    ring (comm_sms, ring_rows) is bf16 only for now."""
     if not isinstance(group, ExpertParallel):
         raise TypeError(f"mok.ep.moe: 'group' must be a mok.ep.ExpertParallel, got {type(group).__name__}")
     num_experts = w_gate.shape[0] * group.world if isinstance(w_gate, torch.Tensor) and w_gate.dim() > 0 else 0
+    if precision == "fp8":
+        from mok.fp8_layer import moe_fp8
+
+        if group.comm_sms or group.ring_rows:
+            raise ValueError(f"mok.ep.moe: precision='fp8' pulls its rows before the kernel; the ring (comm_sms = "
+                             f"{group.comm_sms}, ring_rows = {group.ring_rows}) carries bf16 rows only for now")
+        return moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, fp8_experts,
+                       num_experts=num_experts, group_id=group.id)
+    if precision != "bf16":
+        raise ValueError(f"mok.ep.moe: precision must be 'bf16' or 'fp8', got {precision!r}")
+    if fp8_experts is not None:
+        raise ValueError("mok.ep.moe: fp8_experts was given, but precision is 'bf16' (pass precision='fp8')")
     return call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, group.id)

@@ -3,7 +3,9 @@
 The routed experts run in E4M3 with DeepSeek-V3's blockwise power-of-two scales (x and the
 SwiGLU output h per 1 x 128 block of a row, quantized inside the layer; the weights per
 128 x 128 block), fp32 accumulation promoted every 128 of K; the shared expert, y and the
-combine stay as in bf16. For now on one GPU, with H and I multiples of 128. Training: the
+combine stay as in bf16. On one GPU, or as a rank of an EP group (mok.ep.moe(...,
+precision="fp8"): each routed row pulled from its token's rank and quantized before the kernel,
+the backward in bf16), with H and I multiples of 128. Training: the
 forward saves its GEMM1's pre-activations; the backward's dgrad GEMMs (dh = dy W_down, dx =
 [dgate dup] [W_gate; W_up]) run in E4M3 too when the experts were quantized with
 quantize_experts(..., dgrad=True) (dy and dgate|dup quantized per 1 x 128 of a row inside the
@@ -170,31 +172,37 @@ def _check_fp8(w_down):
 
 
 def _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                     swiglu_limit, experts, training=False):
-    """y, and (training) the pre-activations the bf16 backward reads (else None)."""
+                     swiglu_limit, num_experts, group_id, experts, training=False):
+    """y, and (training) the pre-activations the bf16 backward reads (else None); on one GPU
+    or as a rank of an EP group (mok.ep: group_id, num_experts the group's)."""
     from mok import ops
 
-    num_experts = w_gate.shape[0]
     ops._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
-               num_experts, ops.ONE_GPU)
+               num_experts, group_id)
     _check_fp8(w_down)
     y = torch.empty_like(x)
     saved = None
+    k, T = topk_ids.shape[1], x.shape[0]
     if training:
-        saved = torch.empty(ops._saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts),
+        saved = torch.empty(ops._saved_elements(x, w_down, k, shared_gate, swiglu_limit, num_experts),
                             dtype=torch.bfloat16, device=x.device)
-    T = x.shape[0]
-    if T == 0:
+    if group_id == ops.ONE_GPU and T == 0:
         return y, saved
     if experts is None:
         experts = quantize_experts(w_gate, w_up, w_down)
     names = Fp8Experts._fields[:_FORWARD_ARGS]
     values = [_bytes_of(n, t) if i % 2 == 0 else t for i, (n, t) in enumerate(zip(names, experts))]
-    ws = ops._workspace(x, w_down, topk_ids.shape[1], ops._shared_size(shared_gate), swiglu_limit, precision="fp8")
     tensors = ops._capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y,
                              *values))
-    _C.forward_fp8(ws, *tensors, ops._stream(x), scratch=to_dlpack(ops._scratch(ws.forward_scratch_bytes(T), x.device)),
-                   saved=None if saved is None else to_dlpack(saved))
+    saved_capsule = None if saved is None else to_dlpack(saved)
+    if group_id == ops.ONE_GPU:
+        ws = ops._workspace(x, w_down, k, ops._shared_size(shared_gate), swiglu_limit, precision="fp8")
+        _C.forward_fp8(ws, *tensors, ops._stream(x),
+                       scratch=to_dlpack(ops._scratch(ws.forward_scratch_bytes(T), x.device)), saved=saved_capsule)
+    else:
+        rank = ops._ep_group(group_id).rank_for(x, w_down, num_experts, k, ops._shared_size(shared_gate),
+                                                swiglu_limit, training, precision="fp8")
+        _C.ep_forward_fp8(rank, *tensors, ops._stream(x), saved=saved_capsule)
     return y, saved
 
 
@@ -209,8 +217,9 @@ def _experts(args):
     return None if gate is None else Fp8Experts(*args)
 
 
-def _check_experts(experts):
-    """A given Fp8Experts: tensors in every forward field, the dgrad fields all or none."""
+def _check_experts(experts, group_id=0):
+    """A given Fp8Experts: tensors in every forward field, the dgrad fields all or none (none in
+    an EP group: its backward runs in bf16)."""
     if experts is None:
         return
     fields = Fp8Experts._fields
@@ -223,6 +232,10 @@ def _check_experts(experts):
         raise TypeError(f"mok.moe: fp8_experts has some of the dgrad operands but not {', '.join(missing)} "
                         "(all four or none: mok.fp8.quantize_experts(..., dgrad=True))")
     if experts.dgrad() is not None:
+        if group_id != 0:
+            raise ValueError("mok.ep.moe: fp8_experts holds the FP8 dgrad's operands, but in an EP group the backward "
+                             "runs in bf16 (on the FP8 forward's activations) for now: quantize the experts with "
+                             "mok.fp8.quantize_experts(..., dgrad=False)")
         for name, t in zip(fields[_FORWARD_ARGS::2], dgrad[::2]):
             _bytes_of(name, t)
 
@@ -231,7 +244,8 @@ def _check_experts(experts):
 def moe_forward_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
                     w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
                     shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
-                    swiglu_limit: Optional[float], gate: Optional[torch.Tensor], gate_exponents: Optional[torch.Tensor],
+                    swiglu_limit: Optional[float], num_experts: int, group_id: int, gate: Optional[torch.Tensor],
+                    gate_exponents: Optional[torch.Tensor],
                     up: Optional[torch.Tensor], up_exponents: Optional[torch.Tensor], down: Optional[torch.Tensor],
                     down_exponents: Optional[torch.Tensor], down_t: Optional[torch.Tensor],
                     down_t_exponents: Optional[torch.Tensor], gate_up_t: Optional[torch.Tensor],
@@ -240,16 +254,16 @@ def moe_forward_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     experts = _experts((gate, gate_exponents, up, up_exponents, down, down_exponents, down_t, down_t_exponents,
                         gate_up_t, gate_up_t_exponents))
     return _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                            swiglu_limit, experts)[0]
+                            swiglu_limit, num_experts, group_id, experts)[0]
 
 
 @moe_forward_fp8.register_fake
 def _moe_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                          swiglu_limit, *experts):
+                          swiglu_limit, num_experts, group_id, *experts):
     from mok import ops
 
     ops._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
-               w_gate.shape[0], ops.ONE_GPU)
+               num_experts, group_id)
     _check_fp8(w_down)
     return torch.empty_like(x)
 
@@ -258,8 +272,9 @@ def _moe_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, share
 def moe_train_forward_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
                           w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
                           shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
-                          swiglu_limit: Optional[float], gate: Optional[torch.Tensor],
-                          gate_exponents: Optional[torch.Tensor], up: Optional[torch.Tensor],
+                          swiglu_limit: Optional[float], num_experts: int, group_id: int,
+                          gate: Optional[torch.Tensor], gate_exponents: Optional[torch.Tensor],
+                          up: Optional[torch.Tensor],
                           up_exponents: Optional[torch.Tensor], down: Optional[torch.Tensor],
                           down_exponents: Optional[torch.Tensor], down_t: Optional[torch.Tensor],
                           down_t_exponents: Optional[torch.Tensor], gate_up_t: Optional[torch.Tensor],
@@ -268,23 +283,25 @@ def moe_train_forward_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     experts = _experts((gate, gate_exponents, up, up_exponents, down, down_exponents, down_t, down_t_exponents,
                         gate_up_t, gate_up_t_exponents))
     return _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                            swiglu_limit, experts, training=True)
+                            swiglu_limit, num_experts, group_id, experts, training=True)
 
 
 @moe_train_forward_fp8.register_fake
 def _moe_train_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                                swiglu_limit, *experts):
+                                swiglu_limit, num_experts, group_id, *experts):
     from mok import ops
 
     y = _moe_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                              swiglu_limit, *experts)
-    n = ops._saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, w_gate.shape[0])
+                              swiglu_limit, num_experts, group_id, *experts)
+    n = ops._saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
     return y, x.new_empty((n,), dtype=torch.bfloat16)
 
 
-# The FP8 train-forward's inputs: mok.ops' tensors, swiglu_limit, then the quantized weights
-# (no gradient: it goes to the bf16 weights they were made from).
-_TRAILING = 1 + _EXPERT_ARGS
+# The FP8 train-forward's inputs: mok.ops' tensors, swiglu_limit, num_experts, group_id (as
+# mok.ops'), then the quantized weights (no gradient: it goes to the bf16 weights they were made from).
+_LAYER_ARGS = 3
+_TRAILING = _LAYER_ARGS + _EXPERT_ARGS
+_LEADING = 9 + _LAYER_ARGS  # (the inputs before the quantized weights: mok.ops._TENSOR_INPUTS + _LAYER_ARGS)
 
 
 def _save(ctx, inputs, saved):
@@ -292,9 +309,9 @@ def _save(ctx, inputs, saved):
     backward's, and the dgrad operands when given."""
     from mok import ops
 
-    dgrad = inputs[ops._TENSOR_INPUTS + 1 + _FORWARD_ARGS:]
+    dgrad = inputs[ops._TENSOR_INPUTS + _LAYER_ARGS + _FORWARD_ARGS:]
     extra = tuple(dgrad) if dgrad[0] is not None else ()
-    ops._save(ctx, inputs, saved, inputs[ops._TENSOR_INPUTS], inputs[3].shape[0], ops.ONE_GPU, extra=extra)
+    ops._save(ctx, inputs, saved, *inputs[ops._TENSOR_INPUTS:ops._TENSOR_INPUTS + _LAYER_ARGS], extra=extra)
 
 
 def _train_setup_context(ctx, inputs, output):
@@ -318,7 +335,7 @@ class _EagerTrainStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        y, saved = _run_forward_fp8(*inputs[:10], _experts(inputs[10:]), training=True)
+        y, saved = _run_forward_fp8(*inputs[:_LEADING], _experts(inputs[_LEADING:]), training=True)
         _save(ctx, inputs, saved)
         return y
 
@@ -330,23 +347,27 @@ class _EagerTrainStep(torch.autograd.Function):
         return ops._input_grads(ops._run_backward(*args, fp8_dgrad=ops._saved_extra(ctx)), args, _TRAILING)
 
 
-def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, fp8_experts):
-    """mok.moe(..., precision="fp8") (see mok.moe and this module's docstring)."""
+def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, fp8_experts, num_experts=None,
+            group_id=0):
+    """mok.moe(..., precision="fp8") (see mok.moe and this module's docstring); with group_id
+    and the group's num_experts, mok.ep.moe(..., precision="fp8")."""
     from mok import ops
 
+    if num_experts is None:
+        num_experts = w_gate.shape[0] if isinstance(w_gate, torch.Tensor) and w_gate.dim() > 0 else 0
     shared = tuple(shared) if shared is not None else (None, None, None)
     tensors = tuple(t for t in (x, topk_weights, w_gate, w_up, w_down, *shared) if t is not None)
     train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if fp8_experts is not None and not isinstance(fp8_experts, Fp8Experts):
         raise TypeError("mok.moe: fp8_experts must be what mok.fp8.quantize_experts returns (an Fp8Experts), got "
                         f"{type(fp8_experts).__name__}")
-    _check_experts(fp8_experts)
-    args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit,
+    _check_experts(fp8_experts, group_id)
+    args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, num_experts, group_id,
             *(fp8_experts if fp8_experts is not None else (None,) * _EXPERT_ARGS))
     if ops._eager(tensors + (topk_ids,)):
         if train:
             return _EagerTrainStep.apply(*args)
-        return _run_forward_fp8(*args[:10], fp8_experts)[0]
+        return _run_forward_fp8(*args[:_LEADING], fp8_experts)[0]
     if train:
         return moe_train_forward_fp8(*args)[0]
     return moe_forward_fp8(*args)

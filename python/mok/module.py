@@ -30,14 +30,15 @@ class MoE(nn.Module):
     [r E/W, (r + 1) E/W)), routes its tokens over all num_experts, and the fused kernels
     exchange rows with the other ranks (backend "torch": mok.moe_torch_ep, all-to-all over
     the group's process group, any device, e.g. gloo on CPUs).
-    precision: "bf16", or "fp8" (backend "mok", one GPU): the routed experts' forward in E4M3
-    with blockwise scales (mok.moe's precision="fp8"); the quantized routed weights are kept and
+    precision: "bf16", or "fp8" (backend "mok"): the routed experts' forward in E4M3 with
+    blockwise scales (mok.moe's precision="fp8"; with a group, mok.ep.moe's, whose backward runs
+    in bf16); the quantized routed weights are kept and
     made again when a weight changes: its storage or version counter, any torch.optim
     optimizer's step (fused ones included), or mok.fp8.weights_changed() after writes that
     neither sees (through `.data`, an optimizer outside torch.optim); a CUDA graph captures the
     quantization itself. fp8_dgrad (precision "fp8"): whether the backward's dgrad GEMMs run in
     E4M3 too (keeping W_down^T and [W_gate^T | W_up^T] quantized as well: E * 3 * I * H bytes more);
-    None: where that was measured faster (mok.fp8.dgrad_pays: I >= 1024).
+    None: where that was measured faster (mok.fp8.dgrad_pays: I >= 1024; with a group: bf16).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
@@ -48,11 +49,14 @@ class MoE(nn.Module):
         super().__init__()
         if precision not in ("bf16", "fp8"):
             raise ValueError(f"mok.MoE: 'precision' must be 'bf16' or 'fp8', got {precision!r}")
-        if precision == "fp8" and (backend != "mok" or group is not None):
-            raise ValueError("mok.MoE: precision='fp8' runs on the fused kernel on one GPU (backend='mok', group=None)")
+        if precision == "fp8" and backend != "mok":
+            raise ValueError("mok.MoE: precision='fp8' runs on the fused kernel (backend='mok')")
         if fp8_dgrad is not None and (precision != "fp8" or not isinstance(fp8_dgrad, bool)):
             raise ValueError(f"mok.MoE: 'fp8_dgrad' must be None, True or False with precision='fp8', got "
                              f"fp8_dgrad={fp8_dgrad!r} with precision={precision!r}")
+        if precision == "fp8" and group is not None and fp8_dgrad:
+            raise ValueError("mok.MoE: fp8_dgrad=True with a group: an EP group's backward runs in bf16 (on the FP8 "
+                             "forward's activations) for now; leave fp8_dgrad None or False")
         self.precision, self.fp8_dgrad = precision, fp8_dgrad
         self._fp8_cache = None  # precision "fp8": (the weights' identity and versions, their Fp8Experts)
         if router not in ("softmax", "sigmoid", None):
@@ -151,7 +155,11 @@ class MoE(nn.Module):
         if self.group is not None:
             from mok import ep
 
-            if self.backend == "mok":
+            if self.backend == "mok" and self.precision == "fp8":  # (its backward: bf16)
+                y = ep.moe(x2, ids, weights, gate, up, self.w_down, shared=shared, swiglu_limit=self.swiglu_limit,
+                           group=self.group, precision="fp8",
+                           fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=False))
+            elif self.backend == "mok":
                 y = ep.moe(x2, ids, weights, gate, up, self.w_down, shared=shared,
                            swiglu_limit=self.swiglu_limit, group=self.group)
             else:  # NCCL (or gloo) all-to-all around the PyTorch path: any device

@@ -198,7 +198,9 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
             dgrad = tuple(to_dlpack(t.view(torch.uint8) if i % 2 == 0 else t) for i, t in enumerate(fp8_dgrad))
         _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(nbytes, x.device)), fp8_dgrad=dgrad, fp8_wgrad=wgrad)
     else:
-        rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit, True)
+        # (bf16 after either precision's forward: the rank of this shape that a forward made)
+        rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit, True,
+                                            precision=None)
         _C.ep_backward(rank, *tensors)
     return grads
 

@@ -159,6 +159,35 @@ void def_forward(nb::module_& m, const char* name, const char* target, const cha
       nb::arg("rows_enqueued") = false);
 }
 
+// The FP8 forward (a target of precision "fp8"): name(target, the forward's inputs, y, then the
+// routed weights as mok.fp8.quantize_weights gives them — E4M3 values (u8) and block exponents
+// (i32) of gate, up and down — stream, scratch=None, saved=None); saved (training): the
+// pre-activations to fill, which the (bf16) backward reads.
+template <typename Target, typename Run>
+void def_forward_fp8(nb::module_& m, const char* name, const char* target, const char* where, Run run) {
+  m.def(
+      name,
+      [where, run](Target& t, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
+                   std::optional<nb::ndarray<>> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
+                   std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
+                   nb::ndarray<> gate_values, nb::ndarray<> gate_exponents, nb::ndarray<> up_values,
+                   nb::ndarray<> up_exponents, nb::ndarray<> down_values, nb::ndarray<> down_exponents,
+                   std::uintptr_t stream, std::optional<nb::ndarray<>> scratch, std::optional<nb::ndarray<>> saved) {
+        mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y, where);
+        a.fp8 = mok::Fp8Weights{view_of(gate_values), view_of(up_values), view_of(down_values),
+                                view_of(gate_exponents), view_of(up_exponents), view_of(down_exponents)};
+        select_device(a.x, where);
+        const std::optional<mok::TensorView> scratch_view = optional_view(scratch), saved_view = optional_view(saved);
+        nb::gil_scoped_release release;
+        run(t, a, reinterpret_cast<cudaStream_t>(stream), saved_view, scratch_view);
+      },
+      nb::arg(target), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"),
+      nb::arg("w_up").none(), nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(),
+      nb::arg("shared_down").none(), nb::arg("y"), nb::arg("gate_values"), nb::arg("gate_exponents"),
+      nb::arg("up_values"), nb::arg("up_exponents"), nb::arg("down_values"), nb::arg("down_exponents"),
+      nb::arg("stream"), nb::arg("scratch").none() = nb::none(), nb::arg("saved").none() = nb::none());
+}
+
 // The same for the backward: name(target, forward's inputs, saved, dy, dx, d_topk_weights,
 // d_w_gate, d_w_up, d_w_down, d_shared_*, stream, scratch=None, fp8_dgrad=None, fp8_wgrad=False)
 // (w_up, d_w_up None: concatenated; fp8_dgrad: BackwardArgs::fp8 as (down_t, down_t_exponents,

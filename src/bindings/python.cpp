@@ -163,28 +163,12 @@ NB_MODULE(_C, m) {
   // routed weights as mok.fp8.quantize_weights gives them: E4M3 values (u8) and block
   // exponents (i32) of gate, up and down; saved (training): the pre-activations to fill, which
   // the (bf16) mok._C.backward reads.
-  m.def(
-      "forward_fp8",
-      [](mok::Workspace& ws, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
-         std::optional<nb::ndarray<>> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
-         std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> y,
-         nb::ndarray<> gate_values, nb::ndarray<> gate_exponents, nb::ndarray<> up_values, nb::ndarray<> up_exponents,
-         nb::ndarray<> down_values, nb::ndarray<> down_exponents, std::uintptr_t stream,
-         std::optional<nb::ndarray<>> scratch, std::optional<nb::ndarray<>> saved) {
-        constexpr const char* where = "mok.forward_fp8";
-        mok::ForwardArgs a = forward_args(x, ids, weights, gate, up, down, shared_gate, shared_up, shared_down, &y, where);
-        a.fp8 = mok::Fp8Weights{view_of(gate_values), view_of(up_values), view_of(down_values),
-                                view_of(gate_exponents), view_of(up_exponents), view_of(down_exponents)};
-        select_device(a.x, where);
-        const std::optional<mok::TensorView> scratch_view = optional_view(scratch), saved_view = optional_view(saved);
-        nb::gil_scoped_release release;
-        mok::forward(a, ws, reinterpret_cast<cudaStream_t>(stream), saved_view, scratch_view);
-      },
-      nb::arg("workspace"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"),
-      nb::arg("w_up").none(), nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(),
-      nb::arg("shared_down").none(), nb::arg("y"), nb::arg("gate_values"), nb::arg("gate_exponents"),
-      nb::arg("up_values"), nb::arg("up_exponents"), nb::arg("down_values"), nb::arg("down_exponents"),
-      nb::arg("stream"), nb::arg("scratch").none() = nb::none(), nb::arg("saved").none() = nb::none());
+  def_forward_fp8<mok::Workspace>(m, "forward_fp8", "workspace", "mok.forward_fp8",
+                                  [](mok::Workspace& ws, const mok::ForwardArgs& a, cudaStream_t stream,
+                                     const std::optional<mok::TensorView>& saved,
+                                     const std::optional<mok::TensorView>& scratch) {
+                                    mok::forward(a, ws, stream, saved, scratch);
+                                  });
 
   def_backward<mok::Workspace>(m, "backward", "workspace", "mok.backward",
                                [](mok::Workspace& ws, const mok::ForwardArgs& a, const mok::BackwardArgs& b,
@@ -224,11 +208,14 @@ NB_MODULE(_C, m) {
              std::optional<float> limit, std::int64_t tokens, int rank, std::vector<std::uintptr_t> region_ptrs,
              int device, int compute_sms, double timeout_seconds, bool training, bool peers_on_other_gpus,
              int comm_sms, std::int64_t ring_rows, std::int64_t minibatch_rows, bool pull_tokens_once,
-             std::int64_t interleave_rows) {
+             std::int64_t interleave_rows, const std::string& precision) {
+            if (precision != "bf16" && precision != "fp8")
+              throw nb::value_error(("mok.EpRank: precision must be 'bf16' or 'fp8', got '" + precision + "'").c_str());
             if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
               throw nb::value_error(("mok.EpRank: cannot use CUDA device " + std::to_string(device) + ": " +
                                      cudaGetErrorString(err)).c_str());
             mok::Config config;
+            config.precision = precision == "fp8" ? mok::Precision::fp8 : mok::Precision::bf16;
             config.compute_sms = compute_sms;
             config.timeout_seconds = timeout_seconds;
             config.comm_sms = comm_sms;  // comm_sms or ring_rows > 0: the ring of received rows (mok/types.hpp)
@@ -247,7 +234,7 @@ NB_MODULE(_C, m) {
           nb::arg("rank"), nb::arg("region_ptrs"), nb::arg("device"), nb::arg("compute_sms") = 0,
           nb::arg("timeout_seconds") = 10.0, nb::arg("training") = false, nb::arg("peers_on_other_gpus") = true,
           nb::arg("comm_sms") = 0, nb::arg("ring_rows") = 0, nb::arg("minibatch_rows") = 4096,
-          nb::arg("pull_tokens_once") = false, nb::arg("interleave_rows") = 0)
+          nb::arg("pull_tokens_once") = false, nb::arg("interleave_rows") = 0, nb::arg("precision") = "bf16")
       .def_prop_ro("saved_elements", &mok::EpRank::saved_elements)
       .def("check", [](mok::EpRank& r, std::uintptr_t stream) { r.check(reinterpret_cast<cudaStream_t>(stream)); });
 
@@ -259,6 +246,15 @@ NB_MODULE(_C, m) {
                              if (rows_enqueued) throw mok::ArgumentError("mok.ep_forward: rows_enqueued: one GPU only");
                              rank.forward(a, stream, saved);
                            });
+
+  // The FP8 forward of an EP rank made with precision="fp8" (its backward: ep_backward, bf16).
+  def_forward_fp8<mok::EpRank>(m, "ep_forward_fp8", "rank", "mok.ep_forward_fp8",
+                               [](mok::EpRank& rank, const mok::ForwardArgs& a, cudaStream_t stream,
+                                  const std::optional<mok::TensorView>& saved,
+                                  const std::optional<mok::TensorView>& scratch) {
+                                 if (scratch) throw mok::ArgumentError("mok.ep_forward_fp8: scratch: an EP rank owns its buffers; pass None");
+                                 rank.forward(a, stream, saved);
+                               });
 
   def_backward<mok::EpRank>(m, "ep_backward", "rank", "mok.ep_backward",
                             [](mok::EpRank& rank, const mok::ForwardArgs& a, const mok::BackwardArgs& b,

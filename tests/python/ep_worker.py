@@ -1,7 +1,8 @@
 """One process of the expert-parallel test (run by test_ep.py under torchrun): every rank
 builds the same global problem, computes its part with mok.ep, and compares with one GPU
 computing every token with every expert (mok.moe): forward bitwise, gradients bitwise for
-x, topk_weights and its experts' weights, through mok.ep.moe and through mok.MoE(group=...).
+x, topk_weights and its experts' weights, through mok.ep.moe and through mok.MoE(group=...),
+in bf16 and with precision="fp8".
 Exits non-zero on any mismatch."""
 
 import os
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 import mok
 import mok.ep
+import mok.fp8
 
 sys.path.insert(0, os.path.dirname(__file__))
 from torch_reference import random_problem  # noqa: E402
@@ -79,6 +81,30 @@ def main():
                             ("d_w_down", layer.w_down.grad, da.grad[experts])):
         if got is None or not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
             failures.append(f"rank {rank}: mok.MoE(group=...) {name} differs from one GPU")
+
+    # FP8 (precision="fp8"): the routed experts' forward in E4M3, the group's backward in bf16 on
+    # its activations — bitwise equal to one GPU's FP8 forward with the bf16 backward (experts
+    # quantized without the dgrad's operands); this rank's experts quantized by the call itself.
+    x8, ids8, w8, gate8, up8, down8, _ = random_problem(T * world, H, 256, E, k, 0, seed=7, device=device,
+                                                        dtype=torch.bfloat16, padding=0.1)
+    xa, wa, ga, ua, da = leaves(x8, w8, gate8, up8, down8)
+    ya = mok.moe(xa, ids8, wa, ga, ua, da, precision="fp8", fp8_experts=mok.fp8.quantize_experts(gate8, up8, down8))
+    ya.backward(dy)
+    with torch.no_grad():
+        y8 = mok.ep.moe(x8[mine].contiguous(), ids8[mine].contiguous(), w8[mine].contiguous(),
+                        gate8[experts].contiguous(), up8[experts].contiguous(), down8[experts].contiguous(),
+                        group=group, precision="fp8")
+    xb, wb, gb, ub, db = leaves(x8[mine].contiguous(), w8[mine].contiguous(), gate8[experts].contiguous(),
+                                up8[experts].contiguous(), down8[experts].contiguous())
+    yb = mok.ep.moe(xb, ids8[mine].contiguous(), wb, gb, ub, db, group=group, precision="fp8")
+    yb.backward(dy[mine].contiguous())
+    group.check()
+    for name, got, want in (("forward", y8, ya.detach()[mine]), ("training forward", yb.detach(), ya.detach()[mine]),
+                            ("dx", xb.grad, xa.grad[mine]), ("d_topk_weights", wb.grad, wa.grad[mine]),
+                            ("d_w_gate", gb.grad, ga.grad[experts]), ("d_w_up", ub.grad, ua.grad[experts]),
+                            ("d_w_down", db.grad, da.grad[experts])):
+        if got is None or not torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)):
+            failures.append(f"rank {rank}: FP8 {name} differs from one GPU")
 
     dist.barrier()
     dist.destroy_process_group()

@@ -144,3 +144,78 @@ def test_moe_module_with_a_group_holds_its_share_of_the_experts(single_process_g
     assert layer.w_down.grad.shape == layer.w_down.shape and x.grad.shape == x.shape
     with pytest.raises(TypeError, match="must be a mok.ep.ExpertParallel"):
         mok.MoE(128, 64, 8, 2, group=object(), device="meta")
+
+
+def test_fp8_fake_implementations_give_the_ep_output_metadata():
+    # Rank of a group of 4: 2 local experts of E = 8, k = 4; H and I multiples of 128 (FP8's blocks).
+    m = dict(device="meta")
+    T, H, I, El, E, k = 16, 128, 128, 2, 8, 4
+    x = torch.empty(T, H, dtype=torch.bfloat16, **m)
+    ids = torch.empty(T, k, dtype=torch.int32, **m)
+    w = torch.empty(T, k, dtype=torch.float32, **m)
+    gate = torch.empty(El, I, H, dtype=torch.bfloat16, **m)
+    down = torch.empty(El, H, I, dtype=torch.bfloat16, **m)
+    none = (None,) * 10  # (the quantized weights: made by the call)
+    y = torch.ops.mok.moe_forward_fp8(x, ids, w, gate, gate, down, None, None, None, None, E, 1, *none)
+    assert y.shape == (T, H) and y.device.type == "meta"
+    y, saved = torch.ops.mok.moe_train_forward_fp8(x, ids, w, gate, gate, down, None, None, None, None, E, 1, *none)
+    assert saved.shape == (_C.ep_saved_elements(H, I, E, El, k, 0, None, T),) and saved.dtype == torch.bfloat16
+
+
+def test_compiled_ep_fp8_training_step_traces_through_the_fake_implementations():
+    m = dict(device="meta")
+    T, H, I, El, E, k = 16, 128, 128, 2, 8, 4
+    ids = torch.zeros(T, k, dtype=torch.int32, **m)
+    leaves = [torch.empty(T, H, dtype=torch.bfloat16, **m), torch.empty(T, k, dtype=torch.float32, **m),
+              torch.empty(El, I, H, dtype=torch.bfloat16, **m), torch.empty(El, I, H, dtype=torch.bfloat16, **m),
+              torch.empty(El, H, I, dtype=torch.bfloat16, **m)]
+    for t in leaves:
+        t.requires_grad_()
+    q = lambda *shape, dtype=torch.float8_e4m3fn: torch.empty(*shape, dtype=dtype, **m)  # noqa: E731
+    experts = (q(El, I, H), q(El, 1, 1, dtype=torch.int32), q(El, I, H), q(El, 1, 1, dtype=torch.int32),
+               q(El, H, I), q(El, 1, 1, dtype=torch.int32), None, None, None, None)
+
+    def step(x, w, gate, up, down):
+        y, _ = torch.ops.mok.moe_train_forward_fp8(x, ids, w, gate, up, down, None, None, None, None, E, 1, *experts)
+        return y.float().sum()
+
+    torch.compile(step, backend="aot_eager", fullgraph=True)(*leaves).backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
+
+
+def test_fp8_in_a_group_is_checked(single_process_group, monkeypatch):
+    m = dict(device="meta")
+    T, H, I, E, k = 8, 128, 128, 4, 2
+    x = torch.empty(T, H, dtype=torch.bfloat16, **m)
+    ids = torch.zeros(T, k, dtype=torch.int32, **m)
+    w = torch.empty(T, k, dtype=torch.float32, **m)
+    gate = torch.empty(E, I, H, dtype=torch.bfloat16, **m)
+    down = torch.empty(E, H, I, dtype=torch.bfloat16, **m)
+    group = mok.ep.ExpertParallel()
+    with torch.no_grad():
+        assert mok.ep.moe(x, ids, w, gate, gate, down, group=group, precision="fp8").shape == (T, H)
+        with pytest.raises(ValueError, match="precision must be 'bf16' or 'fp8', got 'fp16'"):
+            mok.ep.moe(x, ids, w, gate, gate, down, group=group, precision="fp16")
+        with pytest.raises(ValueError, match="fp8_experts was given, but precision is 'bf16'"):
+            mok.ep.moe(x, ids, w, gate, gate, down, group=group, fp8_experts=object())
+        ring = mok.ep.ExpertParallel(comm_sms=2)
+        with pytest.raises(ValueError, match=r"the ring \(comm_sms = 2, ring_rows = 0\) carries bf16 rows only"):
+            mok.ep.moe(x, ids, w, gate, gate, down, group=ring, precision="fp8")
+        q = lambda *shape, dtype=torch.float8_e4m3fn: torch.empty(*shape, dtype=dtype, **m)  # noqa: E731
+        forward = (q(E, I, H), q(E, 1, 1, dtype=torch.int32), q(E, I, H), q(E, 1, 1, dtype=torch.int32),
+                   q(E, H, I), q(E, 1, 1, dtype=torch.int32))
+        dgrad = (q(E, I, H), q(E, 1, 1, dtype=torch.int32), q(E, H, 2 * I), q(E, 1, 2, dtype=torch.int32))
+        with pytest.raises(ValueError, match="in an EP group the backward runs in bf16"):
+            mok.ep.moe(x, ids, w, gate, gate, down, group=group, precision="fp8",
+                       fp8_experts=mok.fp8.Fp8Experts(*forward, *dgrad))
+    with pytest.raises(ValueError, match="fp8_dgrad=True with a group"):
+        mok.MoE(H, I, E, k, group=group, precision="fp8", fp8_dgrad=True, device="meta")
+    layer = mok.MoE(H, I, E, k, group=group, precision="fp8", device="meta")
+    asked = []
+    monkeypatch.setattr(mok.module, "cached_experts",  # (meta weights: none kept; the op's fake stands in)
+                        lambda *args, **kwargs: asked.append(kwargs.get("dgrad")))
+    xg = torch.empty(T, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    y = layer(xg)  # router on meta, then the FP8 EP op's fake implementation
+    assert y.shape == (T, H) and asked == [False]  # (a group's backward: bf16)
+    y.float().sum().backward()
+    assert layer.w_down.grad.shape == layer.w_down.shape and xg.grad.shape == xg.shape
