@@ -37,6 +37,11 @@ impls:
   mok-ep-interleave  mok-ep with the forward's GEMM2 tiles of each 4096-row chunk right after
                      the next chunk's GEMM1 tiles (ExpertParallel(interleave_rows=4096)): the
                      result pushes spread over the kernel
+  mok-ep-fp8         (only when asked for) mok.ep.moe(..., precision="fp8"): the routed experts' forward in E4M3
+                     (this rank's experts quantized once beforehand, mok.fp8.quantize_experts;
+                     the rows quantized as they are pulled), the backward in bf16 on its
+                     activations (its own group, no ring; presets with H or I not a multiple of
+                     128 give no record)
   torch-compiled-ep  the strongest NCCL + PyTorch layer we can write: mok.moe_torch_ep's
                      split (NCCL all_to_all_single dispatch and combine, split sizes read on
                      the host), with this rank's device work in three torch.compile(
@@ -62,7 +67,9 @@ cosine >= 0.9999, nothing non-finite: torch_baseline.compare):
     d_w_gate, d_w_up, d_w_down against autograd through torch-ep (gate and up are the halves
     of its gate|up gradient); torch-compiled-ep's sampled y against fp32 as well;
   - mok-compute: the same outputs against autograd through torch_baseline.moe_eager on the
-    same rows.
+    same rows;
+  - mok-ep-fp8: the same outputs against torch-ep's with FP8's bar (mok_impls.fp8_check: every
+    tensor finite, cosine >= FP8_COSINE; the relative errors recorded).
 A record's `check` is "passed" only if it passed on every rank (all_reduce); a failure to run
 (a compile error, a graph break) leaves the implementation out on every rank. Either makes
 the exit status 1.
@@ -115,12 +122,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import layer_bench  # noqa: E402
 import torch_baseline as tb  # noqa: E402
+from mok_impls import fp8_check  # noqa: E402
 from ep_layers import (MokCompute, MokEp, TorchEp, all_agree, check_outputs, exchange_bytes, gather,  # noqa: E402
                        make_inputs, nccl_steps, outside_allocator, round_stats, sampled_reference, synced)
 
 IMPLS = ("mok-ep", "mok-ep-once", "mok-ep-interleave", "torch-compiled-ep", "torch-ep", "mok-compute")
 ONCE = "mok-ep-once"  # mok-ep with pull_tokens_once
 INTERLEAVE = "mok-ep-interleave"  # mok-ep with interleave_rows = 4096
+FP8 = "mok-ep-fp8"  # mok-ep with precision="fp8" (valid in --impl, not run unless named)
 RING = "mok-ep-ring"  # RING + str(N): mok-ep with comm_sms = N (--ring-sms)
 EXCHANGES = ("dispatch", "combine")
 DEFAULT_PRESETS = "deepseek-v3,qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b"
@@ -139,8 +148,8 @@ def ring_impls(spec):
 
 
 def impl_names(ring=()):
-    """Every implementation, in table order: IMPLS with the ring ones after mok-ep."""
-    return IMPLS[:1] + tuple(ring) + IMPLS[1:]
+    """Every implementation, in table order: IMPLS with the ring ones after mok-ep, then mok-ep-fp8."""
+    return IMPLS[:1] + tuple(ring) + IMPLS[1:] + (FP8,)
 
 
 def comm_sms(impl):
@@ -154,6 +163,8 @@ def group_options(impl):
         return dict(pull_tokens_once=True)
     if impl == INTERLEAVE:
         return dict(interleave_rows=4096)
+    if impl == FP8:
+        return dict()
     return dict(comm_sms=comm_sms(impl)) if impl == "mok-ep" or impl.startswith(RING) else None
 
 
@@ -197,7 +208,16 @@ def run_checks(d, p, args, ctx):
         return check_pass
 
     for impl, group in ctx.groups.items():  # mok-ep and its variants (make() runs at once)
+        if impl == FP8:
+            continue
         attempt(impl, lambda: MokEp(d, group), mok_ep_pass(impl))
+    if FP8 in ctx.groups:
+        def fp8_pass(obj, ps):
+            out, extra[FP8][ps] = outside_allocator(lambda: obj.outputs(ps), ctx.device)
+            return fp8_check(out, ref[ps])
+
+        if p["hidden"] % 128 == 0 and p["intermediate"] % 128 == 0:  # (else no record: FP8's scale blocks)
+            attempt(FP8, lambda: MokEp(d, ctx.groups[FP8], precision="fp8"), fp8_pass)
     ref.clear()  # (frees the reference outputs before timing)
     local = tb.TorchImpl(dict(d, ids=d["local_ids"]), tb.moe_eager)  # mok-compute's reference
 
@@ -295,7 +315,7 @@ def summary(records):
     ring = sorted({comm_sms(r["impl"]) for r in records if r["impl"].startswith(RING)})
     impls = [i for i in impl_names(f"{RING}{n}" for n in ring) if any(r["impl"] == i for r in records)]
     ratios = (("torch-ep", "mok-ep"), ("torch-compiled-ep", "mok-ep"), ("mok-ep", "mok-compute")) + tuple(
-        ("mok-ep", i) for i in impls if i.startswith(RING) or i in (ONCE, INTERLEAVE))
+        ("mok-ep", i) for i in impls if i.startswith(RING) or i in (ONCE, INTERLEAVE, FP8))
     lines = [f"{'preset':<16}{'routing':<9}{'pass':<8}" + "".join(f"{i + ' ms':>20}" for i in impls) +
              "".join(f"{a + '/' + b:>28}" for a, b in ratios) + f"{'NCCL disp GB/s':>16}{'comb GB/s':>11}{'checks':>8}"]
     for key, rs in by.items():

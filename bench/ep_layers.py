@@ -173,16 +173,23 @@ class TorchEp:
 
 class MokEp(layer_bench.MokPy):
     """mok.ep.moe on this rank's share (gate and up separate), through `group`: mok-ep's
-    mok.ep.ExpertParallel, or a mok-ep-ring{N}'s (comm_sms = N)."""
+    mok.ep.ExpertParallel, or a mok-ep-ring{N}'s (comm_sms = N); precision "fp8" (mok-ep-fp8):
+    this rank's experts quantized once here (without the dgrad's copies: a group's backward runs
+    in bf16)."""
 
-    def __init__(self, d, group):
+    def __init__(self, d, group, precision="bf16"):
         super().__init__(d)
-        self.group = group
+        self.group, self.precision = group, precision
+        if precision == "fp8":
+            import mok.fp8
+
+            self.experts = mok.fp8.quantize_experts(d["w_gate"], d["w_up"], d["w_down"])
 
     def _call(self):
         d = self.d
+        extra = {} if self.precision == "bf16" else dict(precision="fp8", fp8_experts=self.experts)
         return self.mok.ep.moe(d["x"], d["ids"], d["weights"], d["w_gate"], d["w_up"], d["w_down"],
-                               swiglu_limit=d["limit"], group=self.group)
+                               swiglu_limit=d["limit"], group=self.group, **extra)
 
     def outputs(self, pass_):
         out = super().outputs(pass_)
