@@ -38,7 +38,9 @@
 # the bench JSON; bench/host_overhead.py (what the GPU waits for, under torch.profiler) is run by hand. `fp8` (issue 19's
 # FP8 path): build, the FP8 and forward tests (C++ and Python; the EP group's FP8 forward too), the accuracy
 # numbers as gtest XML (<date>-<commit>-fp8-accuracy.xml, -fp8-dgrad-accuracy.xml), compute-sanitizer on a small
-# FP8 forward, FP8 dgrad, FP8 weight-gradient and EP FP8 forward case; `fp8wgrad` (issue 19's FP8 weight gradients in one call, the
+# FP8 forward, FP8 dgrad, FP8 weight-gradient and EP FP8 forward case; `epfp8` (FP8 under expert parallelism):
+# build, the EP tests (C++ EpFp8*, Ep*, EpRanks*, Validate; Python test_ep.py, whose torchrun worker checks FP8 bitwise
+# against one GPU), compute-sanitizer on two EP FP8 cases; `fp8wgrad` (issue 19's FP8 weight gradients in one call, the
 # decisive parts first): build, their ctests (Fp8Wgrad, Fp8Quantize, Fp8Backward, the CPU layout tests) and Python
 # tests, the accuracy table's XML (<date>-<commit>-fp8-wgrad-accuracy.xml), bench/ab_serve.py of mok-fp8 against
 # mok-fp8-wgrad (forward+backward, alternating --repeats rounds, one build; its outputs differ by design) on --presets
@@ -133,11 +135,11 @@ while [ $# -gt 0 ]; do
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, fp8wgrad, fp8bench, fp8train, fp8lr, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, epfp8, fp8wgrad, fp8bench, fp8train, fp8lr, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
 case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
@@ -484,6 +486,16 @@ if [ "$part" = fp8 ]; then
   sanitize test_gpu_ep_fp8 EpFp8/EpFp8Cases.ForwardBitwiseEqualsOneGpuFp8/ep4_small_shared_padded_clamp 300
   junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
+if [ "$part" = epfp8 ]; then  # FP8 under expert parallelism (issue 19, 2026-12-05): the group's tests, EP's and Python's
+  ctest_run 3 -j4 -R "EpFp8|^Ep|Validate" || test_rc=1
+  env PYTHONPATH="$PWD/$build/pkg" python3 -m pytest -q tests/python/test_ep.py tests/python/test_ep_bench.py \
+    --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
+  tail -1 "$LOG/pytest.log"
+  sanitize test_gpu_ep_fp8 EpFp8/EpFp8Cases.ForwardBitwiseEqualsOneGpuFp8/ep4_small_shared_padded_clamp 300
+  sanitize test_gpu_ep_fp8 EpFp8.SeparateLaunchesMatchOneGpuBitwise 300
+  junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
+fi
+
 if [ "$part" = fp8wgrad ]; then
   ctest_run 3 -j4 -R "Fp8Wgrad|Fp8Quantize|Fp8Backward|Fp8Recipe|ScratchLayout|TileOrder|Backward.RejectsMisuse|ConsumedSaved" || test_rc=1
   env PYTHONPATH="$PWD/$build/pkg" python3 -m pytest -q tests/python/test_fp8_layer.py -k "weight_gradients or fp8_dgrad or captured" \
