@@ -3,9 +3,10 @@
 // the launch, GEMM2's rows pushed back — must be bitwise equal to one GPU's FP8 forward over
 // all tokens and experts (a row's E4M3 values and scales are its token's alone; every sum has
 // one order), for any group size, SM count, run, and for virtual ranks and separate launches
-// alike. Training: the group's backward runs in bf16 on the FP8 forward's saved activations,
-// bitwise equal to one GPU's (the FP8 dgrad is one GPU's for now: refused in a group, as is
-// the ring with fp8).
+// alike. Training: the group's backward runs in bf16 on the FP8 forward's saved activations, or,
+// in separate launches (EpRank), with the FP8 dgrad and bf16 weight gradients — each bitwise
+// equal to one GPU's (the FP8 weight gradients, the FP8 dgrad in virtual ranks and the ring
+// with fp8 are refused).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -25,6 +26,7 @@ struct RankFp8Weights {
   std::vector<std::unique_ptr<DeviceBuffer<std::uint8_t>>> values;     // gate, up, down per rank
   std::vector<std::unique_ptr<DeviceBuffer<std::int32_t>>> exponents;  // (the same)
   std::vector<Fp8Weights> views;
+  std::vector<Fp8DgradWeights> dgrad;  // the FP8 dgrad's transposed weights
 
   explicit RankFp8Weights(const EpProblem& p) {
     const std::int64_t El = p.shape.num_local_experts, H = p.shape.hidden, I = p.shape.intermediate;
@@ -52,6 +54,11 @@ struct RankFp8Weights {
       fp8::quantize_weights(args[r].w_up, w.up, w.up_exponents, nullptr);
       fp8::quantize_weights(args[r].w_down, w.down, w.down_exponents, nullptr);
       views.push_back(w);
+      Fp8DgradWeights t;
+      t.down_t = u8({El, I, H}), t.down_t_exponents = i32({El, Ib, Hb});
+      t.gate_up_t = u8({El, H, 2 * I}), t.gate_up_t_exponents = i32({El, Hb, 2 * Ib});
+      fp8::quantize_dgrad_weights(args[r].w_gate, args[r].w_up, args[r].w_down, t, nullptr);
+      dgrad.push_back(t);
     }
     EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
   }
@@ -192,6 +199,68 @@ TEST(EpFp8, TrainsBitwiseLikeOneGpu) {
   }
 }
 
+// The FP8 dgrad in a group of separate launches (EpRank): the dy rows pulled once into E4M3 rows
+// (dh) and bf16 ones (dW_down), dgate|dup quantized in the dh epilogue, the dx rows pushed; every
+// gradient bitwise equal to one GPU's FP8 forward + FP8 dgrad with bf16 weight gradients.
+TEST(EpFp8, SeparateLaunchesTrainWithTheFp8DgradBitwiseLikeOneGpu) {
+  MOK_REQUIRE_HOPPER();
+  for (const EpCase& c : {EpCase{"", 4, 300, 256, 256, 16, 4, 128, 0.75f, RoutingKind::padded},
+                          EpCase{"", 2, 200, 512, 384, 8, 2, 0, 0, RoutingKind::skewed},
+                          EpCase{"", 1, 200, 256, 256, 8, 2, 0, 0, RoutingKind::uniform}}) {
+    SCOPED_TRACE("EP " + std::to_string(c.ep));
+    const EpProblem p(c, 71 + c.ep);
+    const RankFp8Weights w(p);
+    const auto dy = random_bf16(p.host.x.size(), 72 + c.ep);
+    const EpGrads g(p, dy);
+
+    GpuProblem one(p.host);
+    const QuantizedWeights q(one);
+    GpuGrads one_g(one, dy, false);
+    Workspace ws(p.host.shape, p.host.tokens, fp8_config(), Training::save);
+    DeviceBuffer<bf16> one_saved(ws.saved_elements());
+    one.poison_output();
+    one_g.poison();
+    forward(fp8_args(one, q), ws, nullptr, saved_view(one_saved));
+    BackwardArgs ob = one_g.args();
+    ob.fp8 = q.dgrad;
+    backward(fp8_args(one, q), ob, ws, nullptr, saved_view(one_saved));
+    ws.check(nullptr);
+    auto as_bf16 = [](const DeviceBuffer<std::uint8_t>& b) {
+      const auto bytes = b.download();
+      std::vector<bf16> out(bytes.size() / 2);
+      std::memcpy(out.data(), bytes.data(), bytes.size());
+      return out;
+    };
+
+    for (int call = 0; call < 2; ++call) {  // (the second: the rank's FP8 rows allocated already)
+      SCOPED_TRACE("call " + std::to_string(call));
+      SeparateRanks group(p, Training::save, fp8_config());
+      std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
+      for (int r = 0; r < p.ep; ++r)
+        saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.ranks[r]->saved_elements()));
+      const auto fa = w.args(p);
+      auto ba = g.args();
+      for (int r = 0; r < p.ep; ++r) ba[r].fp8 = w.dgrad[r];
+      for (int pass = 0; pass <= call; ++pass) {
+        p.poison_outputs();
+        g.poison();
+        for (int r = 0; r < p.ep; ++r) group.ranks[r]->forward(fa[r], group.streams[r], saved_view(*saved[r]));
+        for (int r = 0; r < p.ep; ++r) group.ranks[r]->backward(fa[r], ba[r], group.streams[r], saved_view(*saved[r]));
+        group.check();
+      }
+      EXPECT_TRUE(same_bits(p.outputs(), one.y.download())) << "y";
+      EXPECT_TRUE(same_bits(EpGrads::concat(g.dx), one_g.dx.download())) << "dx";
+      EXPECT_TRUE(same_bits(EpGrads::concat(g.dtw), one_g.d_weights.download())) << "d_topk_weights";
+      EXPECT_TRUE(same_bits(EpGrads::concat(g.d_gate), as_bf16(one_g.d_gate))) << "d_w_gate";
+      EXPECT_TRUE(same_bits(EpGrads::concat(g.d_up), as_bf16(one_g.d_up))) << "d_w_up";
+      EXPECT_TRUE(same_bits(EpGrads::concat(g.d_down), as_bf16(one_g.d_down))) << "d_w_down";
+      if (p.shape.has_shared())
+        testing::expect_close("d_shared_down (sum over ranks)", EpGrads::summed(g.d_sdown),
+                              GpuGrads::as_double(one_g.d_sdown, false), "shared");
+    }
+  }
+}
+
 // Separate launches (EpRank on streams of this GPU), with the rows pulled once per pair or each
 // peer token pulled once: the same bits as one GPU.
 TEST(EpFp8, SeparateLaunchesMatchOneGpuBitwise) {
@@ -238,7 +307,8 @@ TEST(EpFp8, RejectsMisuse) {
     VirtualRanks bf16_group(p.shape, p.T);
     expect_error([&] { bf16_group.forward(w.args(p), nullptr); }, "'fp8' was given");
   }
-  {  // the FP8 dgrad in a group
+  const EpGrads g(p, random_bf16(p.host.x.size(), 82));
+  {  // the FP8 dgrad in virtual ranks (EpRank runs it)
     VirtualRanks group(p.shape, p.T, fp8_config(), Training::save);
     std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
     std::vector<TensorView> views;
@@ -248,13 +318,23 @@ TEST(EpFp8, RejectsMisuse) {
     }
     const auto fa = w.args(p);
     group.forward(fa, nullptr, views);
-    const EpGrads g(p, random_bf16(p.host.x.size(), 82));
     auto ba = g.args();
-    GpuProblem one(p.host);  // (Fp8DgradWeights of the right shapes for rank 0's experts: the check comes first)
-    const QuantizedWeights q(one);
-    ba[0].fp8 = q.dgrad;
-    expect_error([&] { group.backward(fa, ba, nullptr, views); }, "FP8 dgrad runs on one GPU for now");
+    ba[0].fp8 = w.dgrad[0];
+    expect_error([&] { group.backward(fa, ba, nullptr, views); }, "the FP8 dgrad of an EP group runs in mok::EpRank");
     group.check(nullptr);
+  }
+  {  // FP8 weight gradients in a group of separate launches
+    SeparateRanks group(p, Training::save, fp8_config());
+    std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
+    for (int r = 0; r < p.ep; ++r) saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.ranks[r]->saved_elements()));
+    const auto fa = w.args(p);
+    for (int r = 0; r < p.ep; ++r) group.ranks[r]->forward(fa[r], group.streams[r], saved_view(*saved[r]));
+    group.check();
+    auto ba = g.args();
+    ba[0].fp8 = w.dgrad[0];
+    ba[0].fp8_weight_gradients = true;
+    expect_error([&] { group.ranks[0]->backward(fa[0], ba[0], group.streams[0], saved_view(*saved[0])); },
+                 "argument 'fp8_weight_gradients': is true, but the FP8 weight gradients run on one GPU for now");
   }
 }
 

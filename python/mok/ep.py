@@ -166,9 +166,10 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     precision="fp8": the routed experts' forward in E4M3 as mok.moe's (each routed row pulled
     from the rank that owns its token and quantized per 1 x 128 before the kernel; results
     bitwise equal to one GPU's FP8 forward over every rank's tokens); fp8_experts: this rank's
-    experts from mok.fp8.quantize_experts(w_gate, w_up, w_down) (without dgrad: in a group the
-    backward runs in bf16, on the FP8 forward's activations), else the call quantizes them. The
-    ring (comm_sms, ring_rows) is bf16 only for now."""
+    experts from mok.fp8.quantize_experts(w_gate, w_up, w_down[, dgrad=True]), else the call
+    quantizes them. Training: the backward on the FP8 forward's activations — its dgrad GEMMs in
+    E4M3 too with dgrad=True (the dy rows quantized as they are pulled), its weight gradients in
+    bf16 (the FP8 ones run on one GPU for now). The ring (comm_sms, ring_rows) is bf16 only."""
     if not isinstance(group, ExpertParallel):
         raise TypeError(f"mok.ep.moe: 'group' must be a mok.ep.ExpertParallel, got {type(group).__name__}")
     num_experts = w_gate.shape[0] * group.world if isinstance(w_gate, torch.Tensor) and w_gate.dim() > 0 else 0

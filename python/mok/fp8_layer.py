@@ -4,8 +4,8 @@ The routed experts run in E4M3 with DeepSeek-V3's blockwise power-of-two scales 
 SwiGLU output h per 1 x 128 block of a row, quantized inside the layer; the weights per
 128 x 128 block), fp32 accumulation promoted every 128 of K; the shared expert, y and the
 combine stay as in bf16. On one GPU, or as a rank of an EP group (mok.ep.moe(...,
-precision="fp8"): each routed row pulled from its token's rank and quantized before the kernel,
-the backward in bf16), with H and I multiples of 128. Training: the
+precision="fp8"): each routed row pulled from its token's rank and quantized before the kernel;
+its weight gradients in bf16), with H and I multiples of 128. Training: the
 forward saves its GEMM1's pre-activations; the backward's dgrad GEMMs (dh = dy W_down, dx =
 [dgate dup] [W_gate; W_up]) run in E4M3 too when the experts were quantized with
 quantize_experts(..., dgrad=True) (dy and dgate|dup quantized per 1 x 128 of a row inside the
@@ -217,9 +217,8 @@ def _experts(args):
     return None if gate is None else Fp8Experts(*args)
 
 
-def _check_experts(experts, group_id=0):
-    """A given Fp8Experts: tensors in every forward field, the dgrad fields all or none (none in
-    an EP group: its backward runs in bf16)."""
+def _check_experts(experts):
+    """A given Fp8Experts: tensors in every forward field, the dgrad fields all or none."""
     if experts is None:
         return
     fields = Fp8Experts._fields
@@ -232,10 +231,6 @@ def _check_experts(experts, group_id=0):
         raise TypeError(f"mok.moe: fp8_experts has some of the dgrad operands but not {', '.join(missing)} "
                         "(all four or none: mok.fp8.quantize_experts(..., dgrad=True))")
     if experts.dgrad() is not None:
-        if group_id != 0:
-            raise ValueError("mok.ep.moe: fp8_experts holds the FP8 dgrad's operands, but in an EP group the backward "
-                             "runs in bf16 (on the FP8 forward's activations) for now: quantize the experts with "
-                             "mok.fp8.quantize_experts(..., dgrad=False)")
         for name, t in zip(fields[_FORWARD_ARGS::2], dgrad[::2]):
             _bytes_of(name, t)
 
@@ -361,7 +356,7 @@ def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limi
     if fp8_experts is not None and not isinstance(fp8_experts, Fp8Experts):
         raise TypeError("mok.moe: fp8_experts must be what mok.fp8.quantize_experts returns (an Fp8Experts), got "
                         f"{type(fp8_experts).__name__}")
-    _check_experts(fp8_experts, group_id)
+    _check_experts(fp8_experts)
     args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, num_experts, group_id,
             *(fp8_experts if fp8_experts is not None else (None,) * _EXPERT_ARGS))
     if ops._eager(tensors + (topk_ids,)):

@@ -31,14 +31,14 @@ class MoE(nn.Module):
     exchange rows with the other ranks (backend "torch": mok.moe_torch_ep, all-to-all over
     the group's process group, any device, e.g. gloo on CPUs).
     precision: "bf16", or "fp8" (backend "mok"): the routed experts' forward in E4M3 with
-    blockwise scales (mok.moe's precision="fp8"; with a group, mok.ep.moe's, whose backward runs
-    in bf16); the quantized routed weights are kept and
+    blockwise scales (mok.moe's precision="fp8"; with a group, mok.ep.moe's, whose weight
+    gradients are bf16); the quantized routed weights are kept and
     made again when a weight changes: its storage or version counter, any torch.optim
     optimizer's step (fused ones included), or mok.fp8.weights_changed() after writes that
     neither sees (through `.data`, an optimizer outside torch.optim); a CUDA graph captures the
     quantization itself. fp8_dgrad (precision "fp8"): whether the backward's dgrad GEMMs run in
     E4M3 too (keeping W_down^T and [W_gate^T | W_up^T] quantized as well: E * 3 * I * H bytes more);
-    None: where that was measured faster (mok.fp8.dgrad_pays: I >= 1024; with a group: bf16).
+    None: where that was measured faster (mok.fp8.dgrad_pays: I >= 1024).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
@@ -54,9 +54,6 @@ class MoE(nn.Module):
         if fp8_dgrad is not None and (precision != "fp8" or not isinstance(fp8_dgrad, bool)):
             raise ValueError(f"mok.MoE: 'fp8_dgrad' must be None, True or False with precision='fp8', got "
                              f"fp8_dgrad={fp8_dgrad!r} with precision={precision!r}")
-        if precision == "fp8" and group is not None and fp8_dgrad:
-            raise ValueError("mok.MoE: fp8_dgrad=True with a group: an EP group's backward runs in bf16 (on the FP8 "
-                             "forward's activations) for now; leave fp8_dgrad None or False")
         self.precision, self.fp8_dgrad = precision, fp8_dgrad
         self._fp8_cache = None  # precision "fp8": (the weights' identity and versions, their Fp8Experts)
         if router not in ("softmax", "sigmoid", None):
@@ -155,10 +152,10 @@ class MoE(nn.Module):
         if self.group is not None:
             from mok import ep
 
-            if self.backend == "mok" and self.precision == "fp8":  # (its backward: bf16)
+            if self.backend == "mok" and self.precision == "fp8":
                 y = ep.moe(x2, ids, weights, gate, up, self.w_down, shared=shared, swiglu_limit=self.swiglu_limit,
                            group=self.group, precision="fp8",
-                           fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=False))
+                           fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=self.fp8_dgrad))
             elif self.backend == "mok":
                 y = ep.moe(x2, ids, weights, gate, up, self.w_down, shared=shared,
                            swiglu_limit=self.swiglu_limit, group=self.group)

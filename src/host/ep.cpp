@@ -131,9 +131,10 @@ detail::RankPeers VirtualRanks::peers(int r, std::span<const void* const> x, std
           [&rank](std::span<const void* const> rows, void* routed, cudaStream_t s) {
             detail::dispatch_rows(rows, routed, *rank.ws, s);
           },
-          [&rank](std::span<const void* const> rows, std::uint8_t* values, float* scales, cudaStream_t s) {
-            kernels::launch_quantize_rows(detail::quantize_rows_params(*rank.ws, rows, values, scales),
-                                          4 * detail::persistent_ctas(*rank.ws, kWhere), s);
+          [&rank](std::span<const void* const> rows, std::uint8_t* values, float* scales, void* bf16, cudaStream_t s) {
+            kernels::QuantizeRowsParams q = detail::quantize_rows_params(*rank.ws, rows, values, scales);
+            q.rows_bf16 = static_cast<std::uint16_t*>(bf16);
+            kernels::launch_quantize_rows(q, 4 * detail::persistent_ctas(*rank.ws, kWhere), s);
             detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 row gather");
           }};
 }
@@ -261,7 +262,7 @@ void VirtualRanks::backward(std::span<const ForwardArgs> fwd, std::span<const Ba
     throw_argument_error(where, "saved", "must hold one tensor per rank (", ep, "), got ", saved.size());
   for (int r = 0; r < ep; ++r) {
     const std::string at = detail::concat(where, " (rank ", r, ")");
-    detail::check_ep_backward_precision(at, bwd[r]);
+    detail::check_ep_backward_precision(at, bwd[r], true);
     detail::check_backward_call(at, fwd[r], bwd[r], *ranks_[r]->ws,
                                 saved.empty() ? std::nullopt : std::optional<TensorView>(saved[r]), launch.device);
   }

@@ -210,10 +210,11 @@ detail::RankPeers EpRank::peers(std::span<const void* const> x, std::span<const 
             const void* local[kMaxEpRanks] = {};
             detail::dispatch_rows(row_sources(rows, local, s), routed, *ws_, s);
           },
-          [this](std::span<const void* const> rows, std::uint8_t* values, float* scales, cudaStream_t s) {
+          [this](std::span<const void* const> rows, std::uint8_t* values, float* scales, void* bf16, cudaStream_t s) {
             const void* local[kMaxEpRanks] = {};
-            kernels::launch_quantize_rows(detail::quantize_rows_params(*ws_, row_sources(rows, local, s), values, scales),
-                                          4 * ctas(), s);
+            kernels::QuantizeRowsParams q = detail::quantize_rows_params(*ws_, row_sources(rows, local, s), values, scales);
+            q.rows_bf16 = static_cast<std::uint16_t*>(bf16);
+            kernels::launch_quantize_rows(q, 4 * ctas(), s);
             detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 row gather");
           }};
 }
@@ -261,12 +262,13 @@ void EpRank::backward(const ForwardArgs& a, const BackwardArgs& b, cudaStream_t 
   const std::string where = detail::concat("mok::EpRank::backward (rank ", rank_, ")");
   int device = 0;
   detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
-  detail::check_ep_backward_precision(where, b);
+  detail::check_ep_backward_precision(where, b, false);
   detail::check_backward_call(where, a, b, *ws_, saved, device);
   const int ctas = this->ctas();
   const int comm = detail::comm_ctas(where, config_, ctas);
   auto* gu = static_cast<std::uint16_t*>(saved ? saved->data : ws_->recompute_buffer());
   unsigned long long* marker = detail::saved_marker(gu, *ws_);
+  void* fp8_rows = b.fp8 ? ws_->rank_fp8_dgrad_rows(where, stream) : nullptr;  // (before any launch: it may allocate)
   begin(a, &b, saved ? marker : nullptr, stream, comm);
 
   const Layout l = Layout::of(shape_, tokens_);
@@ -277,6 +279,15 @@ void EpRank::backward(const ForwardArgs& a, const BackwardArgs& b, cudaStream_t 
     x_peers[q] = bases_[q] + l.x, dy_peers[q] = bases_[q] + l.dy;
     sources.x[q] = static_cast<const std::uint16_t*>(x_peers[q]);
     sources.dy[q] = static_cast<const std::uint16_t*>(dy_peers[q]);
+  }
+  if (b.fp8) {  // (Precision::fp8: Training::save, no ring)
+    const detail::Fp8BackwardStep step = detail::backward_step_fp8(
+        peers({x_peers, std::size_t(size())}, {dy_peers, std::size_t(size())}), a, b, *ws_, gu,
+        reinterpret_cast<const float*>(bases_[rank_] + l.weights), fp8_rows, stream, kWhere);
+    kernels::launch_backward_fp8(step.params, ctas, stream);
+    detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 dgrad backward kernel");
+    detail::cuda_check(cudaMemsetAsync(marker, 0, sizeof(*marker), stream), kWhere, "cudaMemsetAsync(saved marker)");
+    return;
   }
   const detail::BackwardStep step = detail::backward_step(
       peers({x_peers, std::size_t(size())}, {dy_peers, std::size_t(size())}), a, b, *ws_,

@@ -28,7 +28,8 @@ struct RankPeers {
   std::function<void(kernels::EpPeers&)> set_peers;                            // the kernel's peer table
   std::function<void(std::span<const void* const>, void*, cudaStream_t)> pull;  // peers' rows -> routed rows
   // Precision::fp8: peers' rows -> routed rows quantized (E4M3 values, scales; launch_quantize_rows)
-  std::function<void(std::span<const void* const>, std::uint8_t*, float*, cudaStream_t)> pull_fp8;
+  // and, when the fourth argument is not null, copied there in bf16 too (one read)
+  std::function<void(std::span<const void* const>, std::uint8_t*, float*, void*, cudaStream_t)> pull_fp8;
 };
 
 inline void zero_ring_counters(const Workspace& ws, int* counters, cudaStream_t stream, std::string_view where) {
@@ -56,7 +57,7 @@ inline kernels::ForwardParams forward_step(const RankPeers& peers, const Forward
 inline kernels::Fp8ForwardParams forward_step_fp8(const RankPeers& peers, const ForwardArgs& a, Workspace& ws,
                                                   std::uint16_t* saved, cudaStream_t stream, std::string_view where) {
   const CallBuffers buffers = rank_buffers(ws);
-  peers.pull_fp8(peers.x, buffers.x_fp8, buffers.x_scales, stream);
+  peers.pull_fp8(peers.x, buffers.x_fp8, buffers.x_scales, nullptr, stream);
   zero_counters(ws, stream, where);
   kernels::Fp8ForwardParams p = fp8_forward_params(a, ws, buffers, saved);
   peers.set_peers(p.base.ep);
@@ -96,6 +97,31 @@ inline BackwardStep backward_step(const RankPeers& peers, const ForwardArgs& a, 
     set_backward_ring(p, ws, comm, peers.ring_counters);
   }
   return step;
+}
+
+// The backward's step with the FP8 dgrad (Precision::fp8 with BackwardArgs::fp8; no ring, no
+// recompute, bf16 weight gradients): the x rows pulled (the dW_gate|up tiles read them), the dy
+// rows pulled once into E4M3 rows for the dh tiles and bf16 ones for the dW_down tiles, the
+// dgate|dup rows' room in fp8_rows (Workspace::rank_fp8_dgrad_rows). Returns the FP8 kernel's
+// params and the saved tensor's marker.
+struct Fp8BackwardStep {
+  kernels::Fp8BackwardParams params;
+  unsigned long long* marker;
+};
+
+inline Fp8BackwardStep backward_step_fp8(const RankPeers& peers, const ForwardArgs& a, const BackwardArgs& b,
+                                         Workspace& ws, std::uint16_t* saved, const float* all_weights, void* fp8_rows,
+                                         cudaStream_t stream, std::string_view where) {
+  CallBuffers buffers = rank_buffers(ws);
+  rank_fp8_dgrad_buffers(buffers, ws, fp8_rows);
+  peers.pull(peers.x, ws.x_routed(), stream);
+  peers.pull_fp8(peers.dy, buffers.dy_fp8, buffers.dy_scales, ws.dy_routed(), stream);
+  zero_counters(ws, stream, where);
+  kernels::BackwardParams p = backward_params(a, b, ws, buffers, saved);
+  p.topk_weights = all_weights;
+  peers.set_peers(p.ep);
+  p.ep.push = p.ep.size > 1;  // (as backward_step)
+  return {backward_fp8_params(b, ws, buffers, p), saved_marker(saved, ws)};
 }
 
 }  // namespace mok::detail

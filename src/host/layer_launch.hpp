@@ -160,16 +160,23 @@ inline CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* ro
 }
 // An EP rank: the workspace's own buffers.
 CallBuffers rank_buffers(const Workspace& ws);
+// An EP rank's FP8 dgrad (Precision::fp8 with BackwardArgs::fp8): its E4M3 dy and dgate|dup rows
+// and their scales in `base` (Workspace::rank_fp8_dgrad_rows, rank_fp8_dgrad_bytes of it).
+std::int64_t rank_fp8_dgrad_bytes(const Workspace& ws);
+void rank_fp8_dgrad_buffers(CallBuffers& buffers, const Workspace& ws, void* base);
 
 // A forward's args against its workspace's precision: ForwardArgs::fp8 given exactly when it is fp8.
 void check_forward_precision(std::string_view where, const Workspace& ws, const ForwardArgs& a);
 // An EP group's backward runs in bf16 (on an FP8 forward's saved activations too): the FP8
 // dgrad (BackwardArgs::fp8) is one GPU's for now.
-inline void check_ep_backward_precision(std::string_view where, const BackwardArgs& b) {
-  if (b.fp8)
-    throw_argument_error(where, "fp8", "was given, but the FP8 dgrad runs on one GPU for now: an EP group's backward "
-                                       "runs in bf16, also on an FP8 forward's saved activations (leave "
-                                       "BackwardArgs::fp8 unset)");
+inline void check_ep_backward_precision(std::string_view where, const BackwardArgs& b, bool virtual_ranks) {
+  if (b.fp8 && virtual_ranks)
+    throw_argument_error(where, "fp8", "was given, but the FP8 dgrad of an EP group runs in mok::EpRank (a launch "
+                                       "per rank): one launch for every virtual rank would not hold its parameters; "
+                                       "virtual ranks take the bf16 backward (leave BackwardArgs::fp8 unset)");
+  if (b.fp8_weight_gradients)
+    throw_argument_error(where, "fp8_weight_gradients", "is true, but the FP8 weight gradients run on one GPU for "
+                                                        "now: an EP group's weight gradients are bf16");
 }
 
 // Number of CTAs of a persistent kernel: the configured compute SMs, or every SM.
@@ -216,6 +223,10 @@ inline kernels::ForwardParams forward_params(const ForwardArgs& a, Workspace& ws
 // (Sizes the workspace's plan for the call: Workspace::begin_call.)
 void check_backward_call(std::string_view where, const ForwardArgs& a, const BackwardArgs& b, Workspace& ws,
                          const std::optional<TensorView>& saved, int device);
+// The FP8 dgrad kernel's params on p (the BF16 kernel's params of the call): buffers' E4M3 dy rows
+// (filled) and dgate|dup rows (to fill), b.fp8's transposed weights.
+kernels::Fp8BackwardParams backward_fp8_params(const BackwardArgs& b, Workspace& ws, const CallBuffers& buffers,
+                                               const kernels::BackwardParams& p);
 // The backward kernel's params for one rank (no EP fields), after plan_device() and the
 // row copies into ws; gu: the saved (or recomputed) pre-activations.
 kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws,

@@ -253,6 +253,23 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
   return b;
 }
 
+// [E4M3 dy rows capacity x H][their scales H / 128 x capacity f32][E4M3 dgate|dup rows capacity x
+// 2I][their scales 2I / 128 x capacity f32], capacity the workspace's allocated rows (a multiple
+// of 128: every part a multiple of 512 bytes).
+std::int64_t rank_fp8_dgrad_bytes(const Workspace& ws) {
+  const std::int64_t rows = ws.plan().allocated_rows(), H = ws.shape().hidden, I = ws.shape().intermediate;
+  return rows * (H + 2 * I) + 4 * rows * (H + 2 * I) / kernels::kFp8BlockK;
+}
+
+void rank_fp8_dgrad_buffers(CallBuffers& b, const Workspace& ws, void* base) {
+  const std::int64_t rows = ws.plan().allocated_rows(), H = ws.shape().hidden, I = ws.shape().intermediate;
+  auto* at = static_cast<std::uint8_t*>(base);
+  b.dy_fp8 = at;
+  b.dy_scales = reinterpret_cast<float*>(at += rows * H);
+  b.dgu_fp8 = (at += 4 * rows * H / kernels::kFp8BlockK);
+  b.dgu_scales = reinterpret_cast<float*>(at + rows * 2 * I);
+}
+
 CallBuffers rank_buffers(const Workspace& ws) {
   CallBuffers b;
   b.slots = ws.slots();

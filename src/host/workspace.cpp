@@ -140,7 +140,7 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
 
 Workspace::~Workspace() {
   for (void* p : {x_routed_, hidden_, static_cast<void*>(slots_), static_cast<void*>(counters_),
-                  static_cast<void*>(dw_partial_), recompute_, scratch_})
+                  static_cast<void*>(dw_partial_), recompute_, scratch_, fp8_dgrad_rows_})
     cudaFree(p);
   cudaFreeHost(status_host_);
 }
@@ -215,6 +215,18 @@ void* Workspace::own_scratch(std::int64_t bytes, std::string_view where, cudaStr
   return scratch_;
 }
 
+
+void* Workspace::rank_fp8_dgrad_rows(std::string_view where, cudaStream_t stream) {
+  if (fp8_dgrad_rows_ != nullptr) return fp8_dgrad_rows_;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  detail::cuda_check(cudaStreamIsCapturing(stream, &capturing), where, "cudaStreamIsCapturing");
+  if (capturing != cudaStreamCaptureStatusNone)
+    throw_argument_error(where, "fp8", "needs the rank's FP8 dgrad rows, which it allocates on its first such "
+                                       "backward: that cannot happen while a CUDA graph is being captured (run one "
+                                       "FP8-dgrad backward first)");
+  allocate(fp8_dgrad_rows_, detail::rank_fp8_dgrad_bytes(*this), "cudaMalloc(FP8 dgrad rows)", bytes_);
+  return fp8_dgrad_rows_;
+}
 
 std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Config& config) {
   validate(shape);

@@ -82,29 +82,35 @@ def main():
         if got is None or not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
             failures.append(f"rank {rank}: mok.MoE(group=...) {name} differs from one GPU")
 
-    # FP8 (precision="fp8"): the routed experts' forward in E4M3, the group's backward in bf16 on
-    # its activations — bitwise equal to one GPU's FP8 forward with the bf16 backward (experts
-    # quantized without the dgrad's operands); this rank's experts quantized by the call itself.
+    # FP8 (precision="fp8"): the routed experts' forward in E4M3; the group's backward on its
+    # activations in bf16, or with the FP8 dgrad (dgrad=True; bf16 weight gradients) — each
+    # bitwise equal to one GPU's FP8 forward with the same backward. Without dgrad this rank's
+    # experts are quantized by the call itself.
     x8, ids8, w8, gate8, up8, down8, _ = random_problem(T * world, H, 256, E, k, 0, seed=7, device=device,
                                                         dtype=torch.bfloat16, padding=0.1)
-    xa, wa, ga, ua, da = leaves(x8, w8, gate8, up8, down8)
-    ya = mok.moe(xa, ids8, wa, ga, ua, da, precision="fp8", fp8_experts=mok.fp8.quantize_experts(gate8, up8, down8))
-    ya.backward(dy)
-    with torch.no_grad():
-        y8 = mok.ep.moe(x8[mine].contiguous(), ids8[mine].contiguous(), w8[mine].contiguous(),
-                        gate8[experts].contiguous(), up8[experts].contiguous(), down8[experts].contiguous(),
-                        group=group, precision="fp8")
-    xb, wb, gb, ub, db = leaves(x8[mine].contiguous(), w8[mine].contiguous(), gate8[experts].contiguous(),
-                                up8[experts].contiguous(), down8[experts].contiguous())
-    yb = mok.ep.moe(xb, ids8[mine].contiguous(), wb, gb, ub, db, group=group, precision="fp8")
-    yb.backward(dy[mine].contiguous())
-    group.check()
-    for name, got, want in (("forward", y8, ya.detach()[mine]), ("training forward", yb.detach(), ya.detach()[mine]),
-                            ("dx", xb.grad, xa.grad[mine]), ("d_topk_weights", wb.grad, wa.grad[mine]),
-                            ("d_w_gate", gb.grad, ga.grad[experts]), ("d_w_up", ub.grad, ua.grad[experts]),
-                            ("d_w_down", db.grad, da.grad[experts])):
-        if got is None or not torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)):
-            failures.append(f"rank {rank}: FP8 {name} differs from one GPU")
+    mok.set_fp8_weight_gradients(False)  # (one GPU's FP8 dgrad as a group's: bf16 weight gradients)
+    for dgrad in (False, True):
+        how = " (FP8 dgrad)" if dgrad else ""
+        xa, wa, ga, ua, da = leaves(x8, w8, gate8, up8, down8)
+        ya = mok.moe(xa, ids8, wa, ga, ua, da, precision="fp8",
+                     fp8_experts=mok.fp8.quantize_experts(gate8, up8, down8, dgrad=dgrad))
+        ya.backward(dy)
+        mine_experts = [t[experts].contiguous() for t in (gate8, up8, down8)]
+        q8 = mok.fp8.quantize_experts(*mine_experts, dgrad=True) if dgrad else None
+        with torch.no_grad():
+            y8 = mok.ep.moe(x8[mine].contiguous(), ids8[mine].contiguous(), w8[mine].contiguous(), *mine_experts,
+                            group=group, precision="fp8", fp8_experts=q8)
+        xb, wb, gb, ub, db = leaves(x8[mine].contiguous(), w8[mine].contiguous(), *mine_experts)
+        yb = mok.ep.moe(xb, ids8[mine].contiguous(), wb, gb, ub, db, group=group, precision="fp8", fp8_experts=q8)
+        yb.backward(dy[mine].contiguous())
+        group.check()
+        for name, got, want in (("forward", y8, ya.detach()[mine]), ("training forward", yb.detach(), ya.detach()[mine]),
+                                ("dx", xb.grad, xa.grad[mine]), ("d_topk_weights", wb.grad, wa.grad[mine]),
+                                ("d_w_gate", gb.grad, ga.grad[experts]), ("d_w_up", ub.grad, ua.grad[experts]),
+                                ("d_w_down", db.grad, da.grad[experts])):
+            if got is None or not torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)):
+                failures.append(f"rank {rank}: FP8 {name}{how} differs from one GPU")
+    mok.set_fp8_weight_gradients(True)
 
     dist.barrier()
     dist.destroy_process_group()

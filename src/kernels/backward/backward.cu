@@ -382,6 +382,8 @@ void load_backward_kernels() {
   configure_persistent<backward_kernel<true>>(backward_shared_memory_bytes());
   configure_persistent<backward_group_kernel<false>>(backward_shared_memory_bytes());
   configure_persistent<backward_group_kernel<true>>(backward_shared_memory_bytes());
+  configure_persistent<backward_fp8_kernel<true>>(backward_shared_memory_bytes());
+  configure_persistent<backward_fp8_kernel<false>>(backward_shared_memory_bytes());
 }
 
 // (Every rank of a group has the same ring configuration.)
