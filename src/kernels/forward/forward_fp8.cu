@@ -252,8 +252,9 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
 template <bool kEp>
 struct Fp8ForwardKernel {
   using Storage = SharedStorage;
-  // The producer's FP8 and BF16 (shared expert) loads spill in the BF16 kernels' 40
-  // registers; the FP8 consumer fits in 224.
+  // One GPU: the producer's FP8 and BF16 (shared expert) loads spilled in the BF16 kernels' 40
+  // registers; the FP8 consumer fits in 224. EP: the push epilogue spilled 216 bytes at 224, so
+  // the BF16 kernels' split (ptxas: 16 bytes, four schedule values kept across setmaxnreg).
   static constexpr int kProducerRegs = kEp ? 40 : 56, kConsumerRegs = kEp ? 232 : 224;
   static constexpr int kStageReaders = kConsumerWarpgroups;  // both warpgroups read every stage
   using P = Fp8ForwardParams;
