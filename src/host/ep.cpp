@@ -133,7 +133,7 @@ detail::RankPeers VirtualRanks::peers(int r, std::span<const void* const> x, std
           },
           [&rank](std::span<const void* const> rows, std::uint8_t* values, float* scales, void* bf16, cudaStream_t s) {
             kernels::QuantizeRowsParams q = detail::quantize_rows_params(*rank.ws, rows, values, scales);
-            q.rows_bf16 = static_cast<std::uint16_t*>(bf16);
+            q.rows_bf16 = static_cast<std::uint16_t*>(bf16), q.split = kernels::kNoSplit;  // (every row there)
             kernels::launch_quantize_rows(q, 4 * detail::persistent_ctas(*rank.ws, kWhere), s);
             detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 row gather");
           }};
