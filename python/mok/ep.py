@@ -167,9 +167,10 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     from the rank that owns its token and quantized per 1 x 128 before the kernel; results
     bitwise equal to one GPU's FP8 forward over every rank's tokens); fp8_experts: this rank's
     experts from mok.fp8.quantize_experts(w_gate, w_up, w_down[, dgrad=True]), else the call
-    quantizes them. Training: the backward on the FP8 forward's activations — its dgrad GEMMs in
-    E4M3 too with dgrad=True (the dy rows quantized as they are pulled), its weight gradients in
-    bf16 (the FP8 ones run on one GPU for now). The ring (comm_sms, ring_rows) is bf16 only."""
+    quantizes them. Training: the backward on the FP8 forward's activations — with dgrad=True its
+    dgrad GEMMs in E4M3 too (the dy rows quantized as they are pulled) and its weight gradients
+    as mok.set_fp8_weight_gradients says, as on one GPU (bitwise equal to it either way). The
+    ring (comm_sms, ring_rows) is bf16 only."""
     if not isinstance(group, ExpertParallel):
         raise TypeError(f"mok.ep.moe: 'group' must be a mok.ep.ExpertParallel, got {type(group).__name__}")
     num_experts = w_gate.shape[0] * group.world if isinstance(w_gate, torch.Tensor) and w_gate.dim() > 0 else 0

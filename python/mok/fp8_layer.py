@@ -4,8 +4,8 @@ The routed experts run in E4M3 with DeepSeek-V3's blockwise power-of-two scales 
 SwiGLU output h per 1 x 128 block of a row, quantized inside the layer; the weights per
 128 x 128 block), fp32 accumulation promoted every 128 of K; the shared expert, y and the
 combine stay as in bf16. On one GPU, or as a rank of an EP group (mok.ep.moe(...,
-precision="fp8"): each routed row pulled from its token's rank and quantized before the kernel;
-its weight gradients in bf16), with H and I multiples of 128. Training: the
+precision="fp8"): each routed row pulled from its token's rank and quantized before the
+kernel), with H and I multiples of 128. Training: the
 forward saves its GEMM1's pre-activations; the backward's dgrad GEMMs (dh = dy W_down, dx =
 [dgate dup] [W_gate; W_up]) run in E4M3 too when the experts were quantized with
 quantize_experts(..., dgrad=True) (dy and dgate|dup quantized per 1 x 128 of a row inside the

@@ -31,8 +31,8 @@ class MoE(nn.Module):
     exchange rows with the other ranks (backend "torch": mok.moe_torch_ep, all-to-all over
     the group's process group, any device, e.g. gloo on CPUs).
     precision: "bf16", or "fp8" (backend "mok"): the routed experts' forward in E4M3 with
-    blockwise scales (mok.moe's precision="fp8"; with a group, mok.ep.moe's, whose weight
-    gradients are bf16); the quantized routed weights are kept and
+    blockwise scales (mok.moe's precision="fp8"; with a group, mok.ep.moe's); the quantized
+    routed weights are kept and
     made again when a weight changes: its storage or version counter, any torch.optim
     optimizer's step (fused ones included), or mok.fp8.weights_changed() after writes that
     neither sees (through `.data`, an optimizer outside torch.optim); a CUDA graph captures the

@@ -179,8 +179,8 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
     path): _empty_grads' list, W_gate's and W_up's gradients as one block where they pair
     (_input_grads splits it). fp8_dgrad: (down_t, down_t_exponents, gate_up_t,
     gate_up_t_exponents) of mok.fp8.quantize_experts(..., dgrad=True): the dgrad GEMMs in E4M3
-    (after mok.fp8_layer's FP8 forward; on one GPU with FP8 weight gradients unless
-    set_fp8_weight_gradients(False), in an EP group with bf16 ones)."""
+    (after mok.fp8_layer's FP8 forward; with FP8 weight gradients unless
+    set_fp8_weight_gradients(False))."""
     dy = dy.contiguous()
     grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, paired=True)
     d_gate, d_up = _gate_up_grads(grads, w_up)
@@ -199,14 +199,13 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
             dgrad = tuple(to_dlpack(t.view(torch.uint8) if i % 2 == 0 else t) for i, t in enumerate(fp8_dgrad))
         _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(nbytes, x.device)), fp8_dgrad=dgrad, fp8_wgrad=wgrad)
     else:
-        # (the rank of this shape that a forward made; with the FP8 dgrad its fp8 one. An EP
-        # group's weight gradients are bf16: the FP8 ones run on one GPU for now)
+        # (the rank of this shape that a forward made; with the FP8 dgrad its fp8 one)
         rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit, True,
                                             precision="fp8" if fp8_dgrad is not None else None)
         dgrad = None
         if fp8_dgrad is not None:
             dgrad = tuple(to_dlpack(t.view(torch.uint8) if i % 2 == 0 else t) for i, t in enumerate(fp8_dgrad))
-        _C.ep_backward(rank, *tensors, fp8_dgrad=dgrad, fp8_wgrad=False)
+        _C.ep_backward(rank, *tensors, fp8_dgrad=dgrad, fp8_wgrad=fp8_dgrad is not None and _fp8_weight_gradients)
     return grads
 
 

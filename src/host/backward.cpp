@@ -244,7 +244,6 @@ void gather_dy_fp8(const BackwardArgs& b, Workspace& ws, const CallBuffers& buff
   cuda_check(cudaGetLastError(), where, "launching the FP8 dy row gather");
 }
 
-// The FP8 dgrad kernel's params on p (the BF16 kernel's params of the call).
 kernels::Fp8BackwardParams backward_fp8_params(const BackwardArgs& b, Workspace& ws, const CallBuffers& buffers,
                                                const kernels::BackwardParams& p) {
   const MoeShape& s = ws.shape();
@@ -266,13 +265,9 @@ kernels::Fp8BackwardParams backward_fp8_params(const BackwardArgs& b, Workspace&
   return q;
 }
 
-// The FP8 weight gradients' transposing quantization of `columns` columns of the plan's rows into
-// values (E4M3 [columns, capacity]) with col_scales or block_exponents (kernels/fp8/quantize.cuh):
-// gathered from a [T, columns] tensor (gather) or the plan rows of a [capacity, columns] one.
-// tile_order (gathers): the order of the plan's tiles to visit (launch_tile_order's; null: plan order).
 void quantize_transposed(Workspace& ws, const void* src, std::int64_t columns, bool gather, std::uint8_t* values,
                          float* col_scales, std::int32_t* block_exponents, cudaStream_t stream, std::string_view where,
-                         const std::int32_t* tile_order = nullptr) {
+                         const std::int32_t* tile_order) {
   const DevicePlanView& plan = ws.plan().view();
   kernels::QuantizeColumnsParams q{};
   q.src = static_cast<const std::uint16_t*>(src);
@@ -292,7 +287,6 @@ void quantize_transposed(Workspace& ws, const void* src, std::int64_t columns, b
   cuda_check(cudaGetLastError(), where, "launching the FP8 weight gradients' quantization");
 }
 
-// The FP8 weight-gradient kernel's params on p (the call's BF16 params).
 kernels::Fp8WgradParams wgrad_fp8_params(Workspace& ws, const CallBuffers& buffers, const kernels::BackwardParams& p) {
   const MoeShape& s = ws.shape();
   const std::int64_t H = s.hidden, I = s.intermediate, capacity = ws.plan().capacity_rows();

@@ -262,7 +262,7 @@ void VirtualRanks::backward(std::span<const ForwardArgs> fwd, std::span<const Ba
     throw_argument_error(where, "saved", "must hold one tensor per rank (", ep, "), got ", saved.size());
   for (int r = 0; r < ep; ++r) {
     const std::string at = detail::concat(where, " (rank ", r, ")");
-    detail::check_ep_backward_precision(at, bwd[r], true);
+    detail::check_virtual_ranks_backward_precision(at, bwd[r]);
     detail::check_backward_call(at, fwd[r], bwd[r], *ranks_[r]->ws,
                                 saved.empty() ? std::nullopt : std::optional<TensorView>(saved[r]), launch.device);
   }

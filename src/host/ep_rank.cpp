@@ -262,7 +262,6 @@ void EpRank::backward(const ForwardArgs& a, const BackwardArgs& b, cudaStream_t 
   const std::string where = detail::concat("mok::EpRank::backward (rank ", rank_, ")");
   int device = 0;
   detail::cuda_check(cudaGetDevice(&device), kWhere, "cudaGetDevice");
-  detail::check_ep_backward_precision(where, b, false);
   detail::check_backward_call(where, a, b, *ws_, saved, device);
   const int ctas = this->ctas();
   const int comm = detail::comm_ctas(where, config_, ctas);
@@ -280,12 +279,13 @@ void EpRank::backward(const ForwardArgs& a, const BackwardArgs& b, cudaStream_t 
     sources.x[q] = static_cast<const std::uint16_t*>(x_peers[q]);
     sources.dy[q] = static_cast<const std::uint16_t*>(dy_peers[q]);
   }
-  if (b.fp8) {  // (Precision::fp8: Training::save, no ring)
+  if (b.fp8) {  // (Precision::fp8: Training::save, no ring; its weight gradients bf16 here, or after it in E4M3)
     const detail::Fp8BackwardStep step = detail::backward_step_fp8(
         peers({x_peers, std::size_t(size())}, {dy_peers, std::size_t(size())}), a, b, *ws_, gu,
         reinterpret_cast<const float*>(bases_[rank_] + l.weights), fp8_rows, stream, kWhere);
     kernels::launch_backward_fp8(step.params, ctas, stream);
     detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 dgrad backward kernel");
+    if (b.fp8_weight_gradients) detail::launch_rank_fp8_wgrad(*ws_, step.params.base, gu, fp8_rows, ctas, stream, kWhere);
     detail::cuda_check(cudaMemsetAsync(marker, 0, sizeof(*marker), stream), kWhere, "cudaMemsetAsync(saved marker)");
     return;
   }

@@ -100,10 +100,11 @@ inline BackwardStep backward_step(const RankPeers& peers, const ForwardArgs& a, 
 }
 
 // The backward's step with the FP8 dgrad (Precision::fp8 with BackwardArgs::fp8; no ring, no
-// recompute, bf16 weight gradients): the x rows pulled (the dW_gate|up tiles read them), the dy
-// rows pulled once into E4M3 rows for the dh tiles and bf16 ones for the dW_down tiles, the
-// dgate|dup rows' room in fp8_rows (Workspace::rank_fp8_dgrad_rows). Returns the FP8 kernel's
-// params and the saved tensor's marker.
+// recompute): the x rows pulled (the weight gradients read them), the dy rows pulled once into
+// E4M3 rows for the dh tiles and bf16 ones for the weight gradients, the dgate|dup rows' room in
+// fp8_rows (Workspace::rank_fp8_dgrad_rows). With BackwardArgs::fp8_weight_gradients the launch
+// runs no routed weight tile (launch_rank_fp8_wgrad then does). Returns the FP8 kernel's params
+// and the saved tensor's marker.
 struct Fp8BackwardStep {
   kernels::Fp8BackwardParams params;
   unsigned long long* marker;
@@ -121,7 +122,26 @@ inline Fp8BackwardStep backward_step_fp8(const RankPeers& peers, const ForwardAr
   p.topk_weights = all_weights;
   peers.set_peers(p.ep);
   p.ep.push = p.ep.size > 1;  // (as backward_step)
-  return {backward_fp8_params(b, ws, buffers, p), saved_marker(saved, ws)};
+  Fp8BackwardStep step{backward_fp8_params(b, ws, buffers, p), saved_marker(saved, ws)};
+  if (b.fp8_weight_gradients) step.params.routed_weights = false, step.params.base.dx_over_x = false;
+  return step;
+}
+
+// After the FP8 dgrad launch of a step with BackwardArgs::fp8_weight_gradients: the four operands
+// transposed and quantized from the rank's own rows (the pulled x and dy rows, w h, and dgate|dup in
+// the saved tensor: plan rows, no gather; the same bytes as one GPU's gathers), then the FP8
+// weight-gradient launch (the rank's experts' gradients: no peer involved).
+inline void launch_rank_fp8_wgrad(Workspace& ws, const kernels::BackwardParams& p, std::uint16_t* saved,
+                                  void* fp8_rows, int ctas, cudaStream_t stream, std::string_view where) {
+  const std::int64_t H = ws.shape().hidden, I = ws.shape().intermediate;
+  CallBuffers w = rank_buffers(ws);
+  rank_fp8_wgrad_buffers(w, ws, fp8_rows);
+  quantize_transposed(ws, saved, 2 * I, false, w.dgu_t, w.dgu_t_scales, nullptr, stream, where);
+  quantize_transposed(ws, w.hidden, I, false, w.hw_t, nullptr, w.hw_t_exponents, stream, where);
+  quantize_transposed(ws, ws.dy_routed(), H, false, w.dy_t, w.dy_t_scales, nullptr, stream, where);
+  quantize_transposed(ws, ws.x_routed(), H, false, w.x_t, nullptr, w.x_t_exponents, stream, where);
+  kernels::launch_wgrad_fp8(wgrad_fp8_params(ws, w, p), ctas, stream);
+  cuda_check(cudaGetLastError(), where, "launching the FP8 weight-gradient kernel");
 }
 
 }  // namespace mok::detail

@@ -161,22 +161,31 @@ inline CallBuffers backward_buffers(const Workspace& ws, void* scratch, void* ro
 // An EP rank: the workspace's own buffers.
 CallBuffers rank_buffers(const Workspace& ws);
 // An EP rank's FP8 dgrad (Precision::fp8 with BackwardArgs::fp8): its E4M3 dy and dgate|dup rows
-// and their scales in `base` (Workspace::rank_fp8_dgrad_rows, rank_fp8_dgrad_bytes of it).
+// and their scales in `base` (Workspace::rank_fp8_dgrad_rows, rank_fp8_dgrad_bytes of it); with
+// its FP8 weight gradients (after the dgrad launch), their transposed operands too, in rooms dead
+// by then where they fit (scratch_layout.cpp).
 std::int64_t rank_fp8_dgrad_bytes(const Workspace& ws);
 void rank_fp8_dgrad_buffers(CallBuffers& buffers, const Workspace& ws, void* base);
+void rank_fp8_wgrad_buffers(CallBuffers& buffers, const Workspace& ws, void* base);
+// The FP8 weight gradients' transposing quantization of `columns` columns of the plan's rows into
+// values (E4M3 [columns, capacity]) with col_scales or block_exponents (kernels/fp8/quantize.cuh):
+// gathered from a [T, columns] tensor (gather) or the plan rows of a [capacity, columns] one.
+// tile_order (gathers): the order of the plan's tiles to visit (launch_tile_order's; null: plan order).
+void quantize_transposed(Workspace& ws, const void* src, std::int64_t columns, bool gather, std::uint8_t* values,
+                         float* col_scales, std::int32_t* block_exponents, cudaStream_t stream, std::string_view where,
+                         const std::int32_t* tile_order = nullptr);
+// The FP8 weight-gradient kernel's params on p (the call's BF16 params): buffers' transposed operands.
+kernels::Fp8WgradParams wgrad_fp8_params(Workspace& ws, const CallBuffers& buffers, const kernels::BackwardParams& p);
 
 // A forward's args against its workspace's precision: ForwardArgs::fp8 given exactly when it is fp8.
 void check_forward_precision(std::string_view where, const Workspace& ws, const ForwardArgs& a);
-// An EP group's backward runs in bf16 (on an FP8 forward's saved activations too): the FP8
-// dgrad (BackwardArgs::fp8) is one GPU's for now.
-inline void check_ep_backward_precision(std::string_view where, const BackwardArgs& b, bool virtual_ranks) {
-  if (b.fp8 && virtual_ranks)
+// Virtual ranks' backward runs in bf16 (on an FP8 forward's saved activations too): eight ranks'
+// FP8 dgrad parameters would not fit one launch's (EpRank runs it).
+inline void check_virtual_ranks_backward_precision(std::string_view where, const BackwardArgs& b) {
+  if (b.fp8)
     throw_argument_error(where, "fp8", "was given, but the FP8 dgrad of an EP group runs in mok::EpRank (a launch "
                                        "per rank): one launch for every virtual rank would not hold its parameters; "
                                        "virtual ranks take the bf16 backward (leave BackwardArgs::fp8 unset)");
-  if (b.fp8_weight_gradients)
-    throw_argument_error(where, "fp8_weight_gradients", "is true, but the FP8 weight gradients run on one GPU for "
-                                                        "now: an EP group's weight gradients are bf16");
 }
 
 // Number of CTAs of a persistent kernel: the configured compute SMs, or every SM.

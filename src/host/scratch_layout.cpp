@@ -253,21 +253,61 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
   return b;
 }
 
-// [E4M3 dy rows capacity x H][their scales H / 128 x capacity f32][E4M3 dgate|dup rows capacity x
-// 2I][their scales 2I / 128 x capacity f32], capacity the workspace's allocated rows (a multiple
-// of 128: every part a multiple of 512 bytes).
+namespace {
+
+std::int64_t padded_512(std::int64_t bytes) { return (bytes + 511) / 512 * 512; }
+
+// An EP rank's FP8 rows (Workspace::rank_fp8_dgrad_rows), `rows` its allocated ones (a multiple of
+// 128: every part below a multiple of 512 bytes): [E4M3 dy rows rows x H][their scales H / 128 x
+// rows f32][E4M3 dgate|dup rows rows x 2I][their scales 2I / 128 x rows f32] for the FP8 dgrad,
+// then for the FP8 weight gradients [x^T's exponents H / 128 x stride i32][w h^T rows x I and its
+// exponents I / 128 x stride i32, unless they fit in the E4M3 dy rows' room, dead by then].
+struct RankFp8Parts {
+  std::int64_t rows, H, I, dgrad, x_exponents, hw_exponents_at, hw_t;
+  bool hw_t_in_dy_rows;
+};
+
+RankFp8Parts rank_fp8_parts(const Workspace& ws) {
+  RankFp8Parts p{};
+  p.rows = ws.plan().allocated_rows(), p.H = ws.shape().hidden, p.I = ws.shape().intermediate;
+  const std::int64_t stride = kernels::wgrad_exponent_stride(p.rows);  // (>= the plan's: capacity <= rows)
+  p.dgrad = p.rows * (p.H + 2 * p.I) + 4 * p.rows * (p.H + 2 * p.I) / kernels::kFp8BlockK;
+  p.x_exponents = padded_512(4 * (p.H / kernels::kFp8BlockK) * stride);
+  p.hw_exponents_at = padded_512(p.rows * p.I);
+  p.hw_t = padded_512(p.hw_exponents_at + 4 * (p.I / kernels::kFp8BlockK) * stride);
+  p.hw_t_in_dy_rows = p.hw_t <= p.rows * p.H;
+  return p;
+}
+
+}  // namespace
+
 std::int64_t rank_fp8_dgrad_bytes(const Workspace& ws) {
-  const std::int64_t rows = ws.plan().allocated_rows(), H = ws.shape().hidden, I = ws.shape().intermediate;
-  return rows * (H + 2 * I) + 4 * rows * (H + 2 * I) / kernels::kFp8BlockK;
+  const RankFp8Parts p = rank_fp8_parts(ws);
+  return p.dgrad + p.x_exponents + (p.hw_t_in_dy_rows ? 0 : p.hw_t);
 }
 
 void rank_fp8_dgrad_buffers(CallBuffers& b, const Workspace& ws, void* base) {
-  const std::int64_t rows = ws.plan().allocated_rows(), H = ws.shape().hidden, I = ws.shape().intermediate;
+  const RankFp8Parts p = rank_fp8_parts(ws);
   auto* at = static_cast<std::uint8_t*>(base);
   b.dy_fp8 = at;
-  b.dy_scales = reinterpret_cast<float*>(at += rows * H);
-  b.dgu_fp8 = (at += 4 * rows * H / kernels::kFp8BlockK);
-  b.dgu_scales = reinterpret_cast<float*>(at + rows * 2 * I);
+  b.dy_scales = reinterpret_cast<float*>(at += p.rows * p.H);
+  b.dgu_fp8 = (at += 4 * p.rows * p.H / kernels::kFp8BlockK);
+  b.dgu_scales = reinterpret_cast<float*>(at + p.rows * 2 * p.I);
+}
+
+// After the FP8 dgrad launch, whose E4M3 rows and scales are then dead, as are the dx rows' (the
+// rank's dx rows were pushed to their owners, or, a group of one, combined in the launch).
+void rank_fp8_wgrad_buffers(CallBuffers& b, const Workspace& ws, void* base) {
+  const RankFp8Parts p = rank_fp8_parts(ws);
+  rank_fp8_dgrad_buffers(b, ws, base);
+  b.dgu_t = b.dgu_fp8, b.dgu_t_scales = b.dgu_scales;  // (the same sizes)
+  b.dy_t_scales = b.dy_scales;                          // ([rows / 128, H] in [H / 128, rows]'s bytes)
+  auto* dx = static_cast<std::uint8_t*>(ws.dx_rows());  // (2 rows H bytes)
+  b.dy_t = dx, b.x_t = dx + p.rows * p.H;
+  std::uint8_t* extra = static_cast<std::uint8_t*>(base) + p.dgrad;
+  b.x_t_exponents = reinterpret_cast<std::int32_t*>(extra);
+  b.hw_t = p.hw_t_in_dy_rows ? b.dy_fp8 : extra + p.x_exponents;
+  b.hw_t_exponents = reinterpret_cast<std::int32_t*>(b.hw_t + p.hw_exponents_at);
 }
 
 CallBuffers rank_buffers(const Workspace& ws) {

@@ -83,14 +83,14 @@ def main():
             failures.append(f"rank {rank}: mok.MoE(group=...) {name} differs from one GPU")
 
     # FP8 (precision="fp8"): the routed experts' forward in E4M3; the group's backward on its
-    # activations in bf16, or with the FP8 dgrad (dgrad=True; bf16 weight gradients) — each
-    # bitwise equal to one GPU's FP8 forward with the same backward. Without dgrad this rank's
-    # experts are quantized by the call itself.
+    # activations in bf16, or with the FP8 dgrad (dgrad=True) and FP8 or bf16 weight gradients —
+    # each bitwise equal to one GPU's FP8 forward with the same backward. Without dgrad this
+    # rank's experts are quantized by the call itself.
     x8, ids8, w8, gate8, up8, down8, _ = random_problem(T * world, H, 256, E, k, 0, seed=7, device=device,
                                                         dtype=torch.bfloat16, padding=0.1)
-    mok.set_fp8_weight_gradients(False)  # (one GPU's FP8 dgrad as a group's: bf16 weight gradients)
-    for dgrad in (False, True):
-        how = " (FP8 dgrad)" if dgrad else ""
+    for dgrad, wgrad in ((False, False), (True, False), (True, True)):
+        mok.set_fp8_weight_gradients(wgrad)
+        how = f" (FP8 dgrad, {'FP8' if wgrad else 'bf16'} weight gradients)" if dgrad else ""
         xa, wa, ga, ua, da = leaves(x8, w8, gate8, up8, down8)
         ya = mok.moe(xa, ids8, wa, ga, ua, da, precision="fp8",
                      fp8_experts=mok.fp8.quantize_experts(gate8, up8, down8, dgrad=dgrad))
