@@ -38,10 +38,10 @@ impls:
                      the next chunk's GEMM1 tiles (ExpertParallel(interleave_rows=4096)): the
                      result pushes spread over the kernel
   mok-ep-fp8         (only when asked for) mok.ep.moe(..., precision="fp8"): the routed experts' forward in E4M3
-                     (this rank's experts quantized once beforehand, mok.fp8.quantize_experts;
-                     the rows quantized as they are pulled), the backward in bf16 on its
-                     activations (its own group, no ring; presets with H or I not a multiple of
-                     128 give no record)
+                     (this rank's experts quantized once beforehand, mok.fp8.quantize_experts,
+                     with the dgrad's copies where mok.fp8.dgrad_pays; the rows quantized as they
+                     are pulled), its backward as mok-fp8-py's (its own group, no ring; presets
+                     with H or I not a multiple of 128 give no record)
   torch-compiled-ep  the strongest NCCL + PyTorch layer we can write: mok.moe_torch_ep's
                      split (NCCL all_to_all_single dispatch and combine, split sizes read on
                      the host), with this rank's device work in three torch.compile(

@@ -174,8 +174,8 @@ class TorchEp:
 class MokEp(layer_bench.MokPy):
     """mok.ep.moe on this rank's share (gate and up separate), through `group`: mok-ep's
     mok.ep.ExpertParallel, or a mok-ep-ring{N}'s (comm_sms = N); precision "fp8" (mok-ep-fp8):
-    this rank's experts quantized once here (without the dgrad's copies: a group's backward runs
-    in bf16)."""
+    this rank's experts quantized once here, with the dgrad's copies where mok.fp8.dgrad_pays
+    (as mok-fp8-py: its backward then runs the FP8 dgrad and weight gradients)."""
 
     def __init__(self, d, group, precision="bf16"):
         super().__init__(d)
@@ -183,7 +183,8 @@ class MokEp(layer_bench.MokPy):
         if precision == "fp8":
             import mok.fp8
 
-            self.experts = mok.fp8.quantize_experts(d["w_gate"], d["w_up"], d["w_down"])
+            self.fp8_dgrad = bool(mok.fp8.dgrad_pays(d["w_down"]))
+            self.experts = mok.fp8.quantize_experts(d["w_gate"], d["w_up"], d["w_down"], dgrad=self.fp8_dgrad)
 
     def _call(self):
         d = self.d

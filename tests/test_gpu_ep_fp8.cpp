@@ -236,9 +236,11 @@ TEST(EpFp8, SeparateLaunchesTrainWithTheFp8DgradBitwiseLikeOneGpu) {
       return out;
     };
 
-    for (int call = 0; call < 2; ++call) {  // (the second: the rank's FP8 rows allocated already)
+    Config config = fp8_config();
+    config.fp8_dgrad = true;  // (the ranks hold the FP8 dgrad's rows)
+    for (int call = 0; call < 2; ++call) {  // (the second group runs two steps: its rows reused)
       SCOPED_TRACE("call " + std::to_string(call));
-      SeparateRanks group(p, Training::save, fp8_config());
+      SeparateRanks group(p, Training::save, config);
       std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
       for (int r = 0; r < p.ep; ++r)
         saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.ranks[r]->saved_elements()));
@@ -326,6 +328,18 @@ TEST(EpFp8, RejectsMisuse) {
     ba[0].fp8 = w.dgrad[0];
     expect_error([&] { group.backward(fa, ba, nullptr, views); }, "the FP8 dgrad of an EP group runs in mok::EpRank");
     group.check(nullptr);
+  }
+  {  // the FP8 dgrad in EpRanks made without its rows (Config::fp8_dgrad)
+    SeparateRanks group(p, Training::save, fp8_config());
+    std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
+    for (int r = 0; r < p.ep; ++r) saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.ranks[r]->saved_elements()));
+    const auto fa = w.args(p);
+    for (int r = 0; r < p.ep; ++r) group.ranks[r]->forward(fa[r], group.streams[r], saved_view(*saved[r]));
+    group.check();
+    auto ba = g.args();
+    ba[0].fp8 = w.dgrad[0];
+    expect_error([&] { group.ranks[0]->backward(fa[0], ba[0], group.streams[0], saved_view(*saved[0])); },
+                 "argument 'fp8': was given, but the rank holds no FP8 dgrad rows: make it with Config::fp8_dgrad");
   }
 
 }

@@ -75,6 +75,11 @@ TEST(Validate, Fp8WeightsAndWorkspace) {
                "comm_sms = 2, ring_rows = 0");
   ring.comm_sms = 0, ring.ring_rows = 4096;
   expect_error([&] { VirtualRanks(ep, 8, ring); }, "argument 'config.ring_rows': must be 0 with Precision::fp8");
+  Config rows_without_fp8;
+  rows_without_fp8.fp8_dgrad = true;
+  expect_error([&] { validate(rows_without_fp8); },
+               "argument 'fp8_dgrad': is true, but precision is bf16 (the FP8 dgrad's rows serve a Precision::fp8 "
+               "EP rank)");
   Config bad;
   bad.precision = static_cast<Precision>(7);
   expect_error([&] { validate(bad); }, "argument 'precision': must be Precision::bf16 or Precision::fp8, got 7");

@@ -164,9 +164,9 @@ class Workspace {
                            const std::optional<TensorView>&);
   // The workspace's own scratch for a call given none (allocated on its first such call).
   void* own_scratch(std::int64_t bytes, std::string_view where, cudaStream_t stream);
-  // An EP rank's FP8 dgrad rows (detail::rank_fp8_dgrad_bytes: E4M3 dy and dgate|dup rows and
-  // their scales), allocated on the first backward that asks for them.
-  void* rank_fp8_dgrad_rows(std::string_view where, cudaStream_t stream);
+  // An EP rank's FP8 dgrad rows (Config::fp8_dgrad; detail::rank_fp8_dgrad_bytes: E4M3 dy and
+  // dgate|dup rows, their scales, the FP8 weight gradients' exponents), or null.
+  void* rank_fp8_dgrad_rows() const { return fp8_dgrad_rows_; }
   struct ForRank {
     int rank;
   };
@@ -187,7 +187,7 @@ class Workspace {
   float* dw_partial_ = nullptr;
   void* recompute_ = nullptr;
   void* scratch_ = nullptr;  // one GPU, when a call is given no scratch
-  void* fp8_dgrad_rows_ = nullptr;  // an EP rank, once a backward runs the FP8 dgrad
+  void* fp8_dgrad_rows_ = nullptr;  // an EP rank with Config::fp8_dgrad
   std::int64_t scratch_bytes_ = 0;
   int* counters_ = nullptr;
   KernelStatus* status_host_ = nullptr;

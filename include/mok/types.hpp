@@ -117,6 +117,13 @@ struct Config {
                                        // and shared-expert work): that buffer, the backward scratch's
                                        // largest, at 1 / blocks of its bytes. 0 = 2; 1 = whole rows in one
                                        // launch. Blocks are whole 256-column tiles. The same bits either way
+  bool fp8_dgrad = false;              // EP ranks of Precision::fp8 with Training::save: hold the FP8
+                                       // dgrad's rows from construction (E4M3 dy and dgate|dup rows and
+                                       // their scales, capacity x (H + 2I) x 33 / 32 bytes, and the FP8
+                                       // weight gradients' exponents), so that their backward may take
+                                       // BackwardArgs::fp8 (EpRank; an allocation between the ranks'
+                                       // launches could wait for a kernel that waits for a peer). One
+                                       // GPU's calls take them from their scratch
   bool replay_launches = true;         // one GPU: a call whose pointers, shapes and T repeat (a training
                                        // loop's) is enqueued as one launch of a CUDA graph of its
                                        // launches, captured the second time it is seen (the same

@@ -80,11 +80,13 @@ class ExpertParallel:
         self.id = id(self)
         _groups[self.id] = self
 
-    def rank_for(self, x, w_down, num_experts, top_k, shared_intermediate, swiglu_limit, training, precision="bf16"):
+    def rank_for(self, x, w_down, num_experts, top_k, shared_intermediate, swiglu_limit, training, precision="bf16",
+                 fp8_dgrad=False):
         """The EpRank for this shape, token count and precision (collective on first use);
-        w_down [E_l, H, I]. precision None (the backward, bf16 in either precision): the
-        rank a forward of this shape made, the fp8 one if there are both, else a bf16 one
-        (every rank of the group holds the same ranks: they make the same calls)."""
+        w_down [E_l, H, I]; fp8_dgrad (precision "fp8", training): one that holds the FP8
+        dgrad's rows (mok::Config::fp8_dgrad). precision None (a bf16 backward, after either
+        precision's forward): the rank a forward of this shape made, an fp8 one if there is one,
+        else a bf16 one (every rank of the group holds the same ranks: they make the same calls)."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -92,8 +94,9 @@ class ExpertParallel:
         E_l, _, I = w_down.shape
         shape = (x.device.index, T, H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, training)
         if precision is None:
-            precision = "fp8" if shape + ("fp8",) in self._ranks else "bf16"
-        key = shape + (precision,)
+            fp8 = [v for v in (("fp8", False), ("fp8", True)) if shape + v in self._ranks]
+            precision, fp8_dgrad = fp8[0] if fp8 else ("bf16", False)
+        key = shape + (precision, fp8_dgrad)
         rank = self._ranks.get(key)
         if rank is not None:
             return rank
@@ -106,7 +109,7 @@ class ExpertParallel:
         dist.all_gather_object(keys, key[1:], group=self.group)
         if any(k != keys[0] for k in keys):
             raise ValueError(f"mok.ep: the ranks called the layer with different shapes or token counts "
-                             f"(T, H, I, E, E_l, k, I_s, limit, training, precision per rank: {keys}); pad every "
+                             f"(T, H, I, E, E_l, k, I_s, limit, training, precision, FP8 dgrad per rank: {keys}); pad every "
                              f"rank to one T")
         nbytes = _C.ep_region_bytes(H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, T)
         region = symm_mem.empty(nbytes, dtype=torch.uint8, device=x.device)
@@ -121,7 +124,7 @@ class ExpertParallel:
                          training=training, peers_on_other_gpus=self.world > 1, comm_sms=self.comm_sms,
                          ring_rows=self.ring_rows, minibatch_rows=self.minibatch_rows,
                          pull_tokens_once=self.pull_tokens_once, interleave_rows=self.interleave_rows,
-                         precision=precision)
+                         precision=precision, fp8_dgrad=fp8_dgrad)
         dist.barrier(group=self.group)  # every region zeroed and every rank built before any call
         self._regions.append(region)
         self._ranks[key] = rank

@@ -201,7 +201,8 @@ def _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gat
                        scratch=to_dlpack(ops._scratch(ws.forward_scratch_bytes(T), x.device)), saved=saved_capsule)
     else:
         rank = ops._ep_group(group_id).rank_for(x, w_down, num_experts, k, ops._shared_size(shared_gate),
-                                                swiglu_limit, training, precision="fp8")
+                                                swiglu_limit, training, precision="fp8",
+                                                fp8_dgrad=training and experts.dgrad() is not None)
         _C.ep_forward_fp8(rank, *tensors, ops._stream(x), saved=saved_capsule)
     return y, saved
 

@@ -200,8 +200,9 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
         _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(nbytes, x.device)), fp8_dgrad=dgrad, fp8_wgrad=wgrad)
     else:
         # (the rank of this shape that a forward made; with the FP8 dgrad its fp8 one)
+        dgrad_rank = dict(precision="fp8", fp8_dgrad=True) if fp8_dgrad is not None else dict(precision=None)
         rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit, True,
-                                            precision="fp8" if fp8_dgrad is not None else None)
+                                            **dgrad_rank)
         dgrad = None
         if fp8_dgrad is not None:
             dgrad = tuple(to_dlpack(t.view(torch.uint8) if i % 2 == 0 else t) for i, t in enumerate(fp8_dgrad))

@@ -267,7 +267,10 @@ void EpRank::backward(const ForwardArgs& a, const BackwardArgs& b, cudaStream_t 
   const int comm = detail::comm_ctas(where, config_, ctas);
   auto* gu = static_cast<std::uint16_t*>(saved ? saved->data : ws_->recompute_buffer());
   unsigned long long* marker = detail::saved_marker(gu, *ws_);
-  void* fp8_rows = b.fp8 ? ws_->rank_fp8_dgrad_rows(where, stream) : nullptr;  // (before any launch: it may allocate)
+  void* fp8_rows = ws_->rank_fp8_dgrad_rows();
+  if (b.fp8 && fp8_rows == nullptr)
+    throw_argument_error(where, "fp8", "was given, but the rank holds no FP8 dgrad rows: make it with "
+                                       "Config::fp8_dgrad = true (and Precision::fp8, Training::save)");
   begin(a, &b, saved ? marker : nullptr, stream, comm);
 
   const Layout l = Layout::of(shape_, tokens_);

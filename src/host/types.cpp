@@ -118,6 +118,9 @@ void validate(const Config& c) {
   constexpr const char* where = "mok::Config";
   if (c.precision != Precision::bf16 && c.precision != Precision::fp8)
     throw_argument_error(where, "precision", "must be Precision::bf16 or Precision::fp8, got ", static_cast<int>(c.precision));
+  if (c.fp8_dgrad && c.precision != Precision::fp8)
+    throw_argument_error(where, "fp8_dgrad", "is true, but precision is ", precision_name(c.precision),
+                         " (the FP8 dgrad's rows serve a Precision::fp8 EP rank)");
   if (c.comm_sms < 0) throw_argument_error(where, "comm_sms", "must be >= 0, got ", c.comm_sms);
   if (c.compute_sms < 0)
     throw_argument_error(where, "compute_sms", "must be >= 0, got ", c.compute_sms);

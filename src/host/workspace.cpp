@@ -128,6 +128,8 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
     const std::int64_t slot_rows = (training == Training::off ? 1 : 2) * capacity + padded_tokens;
     allocate(slots_, 2 * slot_rows * H, "cudaMalloc(slots)", bytes_);
     if (training == Training::recompute) allocate(recompute_, 2 * saved_elements(), "cudaMalloc(recompute)", bytes_);
+    if (config.fp8_dgrad && config.precision == Precision::fp8 && training == Training::save)
+      allocate(fp8_dgrad_rows_, detail::rank_fp8_dgrad_bytes(*this), "cudaMalloc(FP8 dgrad rows)", bytes_);
   }
   allocate(counters_, 4 * counter_count(), "cudaMalloc(counters)", bytes_);
   if (training != Training::off) allocate(dw_partial_, 4 * capacity * dh_tiles(shape), "cudaMalloc(dw_partial)", bytes_);
@@ -215,18 +217,6 @@ void* Workspace::own_scratch(std::int64_t bytes, std::string_view where, cudaStr
   return scratch_;
 }
 
-
-void* Workspace::rank_fp8_dgrad_rows(std::string_view where, cudaStream_t stream) {
-  if (fp8_dgrad_rows_ != nullptr) return fp8_dgrad_rows_;
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  detail::cuda_check(cudaStreamIsCapturing(stream, &capturing), where, "cudaStreamIsCapturing");
-  if (capturing != cudaStreamCaptureStatusNone)
-    throw_argument_error(where, "fp8", "needs the rank's FP8 dgrad rows, which it allocates on its first such "
-                                       "backward: that cannot happen while a CUDA graph is being captured (run one "
-                                       "FP8-dgrad backward first)");
-  allocate(fp8_dgrad_rows_, detail::rank_fp8_dgrad_bytes(*this), "cudaMalloc(FP8 dgrad rows)", bytes_);
-  return fp8_dgrad_rows_;
-}
 
 std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Config& config) {
   validate(shape);
