@@ -254,7 +254,8 @@ struct Fp8ForwardKernel {
   using Storage = SharedStorage;
   // One GPU: the producer's FP8 and BF16 (shared expert) loads spilled in the BF16 kernels' 40
   // registers; the FP8 consumer fits in 224. EP: the push epilogue spilled 216 bytes at 224, so
-  // the BF16 kernels' split (ptxas: 16 bytes, four schedule values kept across setmaxnreg).
+  // the BF16 kernels' split (ptxas: the rank kernel spill-free, the group kernel's runtime-indexed
+  // parameters 156 bytes, as the BF16 group kernels' 80-112).
   static constexpr int kProducerRegs = kEp ? 40 : 56, kConsumerRegs = kEp ? 232 : 224;
   static constexpr int kStageReaders = kConsumerWarpgroups;  // both warpgroups read every stage
   using P = Fp8ForwardParams;
@@ -275,9 +276,15 @@ struct Fp8ForwardKernel {
   __device__ static bool is_comm(const P&, int) { return false; }
   __device__ static void run_comm(const P&, Storage&, int) {}
   __device__ static Schedule schedule(const P& q, int cta, int ctas) { return Schedule(q.base, cta, ctas); }
-  __device__ static void produce(const P& q, Storage& s, const Schedule& sched) { run_producer_fp8(q, s, sched); }
+  // (EP: each role makes its schedule again from cta and ctas; held in registers across the
+  // register split, its fields spilled 16 bytes)
+  __device__ static void produce(const P& q, Storage& s, const Schedule& sched) {
+    if constexpr (kEp) run_producer_fp8(q, s, Schedule(q.base, sched.cta, sched.ctas));
+    else run_producer_fp8(q, s, sched);
+  }
   __device__ static void consume(const P& q, Storage& s, const Schedule& sched, int wg) {
-    run_consumer_fp8<kEp>(q, s, sched, wg);
+    if constexpr (kEp) run_consumer_fp8<kEp>(q, s, Schedule(q.base, sched.cta, sched.ctas), wg);
+    else run_consumer_fp8<kEp>(q, s, sched, wg);
   }
 };
 
