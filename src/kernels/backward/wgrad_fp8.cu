@@ -22,6 +22,7 @@
 #include "kernels/backward/backward.cuh"
 #include "kernels/backward/epilogues.cuh"
 #include "kernels/backward/tasks.cuh"
+#include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
 #include "kernels/common/pipeline.cuh"
 #include "kernels/common/skeleton.cuh"
@@ -156,5 +157,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_fp8_kernel(const __grid_con
 void launch_wgrad_fp8(const Fp8WgradParams& params, int num_ctas, cudaStream_t stream) {
   launch_persistent<wgrad_fp8_kernel>(shared_storage_bytes<bwd::SharedStorage>(), kThreads, params, num_ctas, stream);
 }
+
+void load_wgrad_fp8_kernels() { configure_persistent<wgrad_fp8_kernel>(shared_storage_bytes<bwd::SharedStorage>()); }
 
 }  // namespace mok::kernels

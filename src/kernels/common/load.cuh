@@ -24,6 +24,7 @@ void load_forward_kernels();
 void load_forward_fp8_kernels();
 void load_quantize_kernels();
 void load_backward_kernels();
+void load_wgrad_fp8_kernels();
 void load_plan_kernels();
 void load_dispatch_kernels();
 void load_exchange_kernels();

@@ -56,6 +56,7 @@ void load_ep_kernels() {
   load_forward_fp8_kernels();
   load_quantize_kernels();
   load_backward_kernels();
+  load_wgrad_fp8_kernels();
   load_plan_kernels();
   load_dispatch_kernels();
   load_exchange_kernels();

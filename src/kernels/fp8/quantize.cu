@@ -395,6 +395,9 @@ void launch_tile_order(const std::int32_t* expert_offset, const std::int32_t* ti
 void load_quantize_kernels() {
   load_kernel(quantize_rows_kernel);
   load_kernel(quantize_scatter_kernel);
+  load_kernel(quantize_columns_kernel);
+  load_kernel(tile_order_kernel);
+  load_kernel(quantize_blocks_kernel);
 }
 
 void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream) {
