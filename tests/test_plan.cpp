@@ -622,6 +622,82 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
               "w h^T in the E4M3 dy rows' %d\n", shapes, in_dy_rows, in_x_rows, in_saved, in_dy_fp8);
 }
 
+// An EP rank's FP8 rows (Config::fp8_dgrad): the FP8 dgrad's E4M3 dy and dgate|dup rows and their
+// scales inside the rank's buffer and apart; then, for its FP8 weight gradients, the four
+// transposed operands, their scales and exponents apart from each other, inside the rank buffer or
+// the dx rows' room, and apart from the rows they are made from (the bf16 x and dy rows, w h) —
+// for any plan capacity up to the allocated rows; the FP8 forward's E4M3 x rows and h with their
+// scales inside the bf16 rows' buffers. TMA-read operands 16-byte aligned.
+TEST(ScratchLayout, RankFp8RowsAndOperandsNeverOverlap) {
+  struct Region {
+    const char* name;
+    std::uintptr_t begin, end;
+  };
+  auto at = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  auto apart = [](const std::vector<Region>& rs, const std::string& what) {
+    for (std::size_t i = 0; i < rs.size(); ++i)
+      for (std::size_t j = 0; j < i; ++j)
+        EXPECT_TRUE(rs[i].end <= rs[j].begin || rs[j].end <= rs[i].begin)
+            << what << ": " << rs[i].name << " overlaps " << rs[j].name;
+  };
+  const std::uintptr_t base = std::uintptr_t{1} << 40, dx = std::uintptr_t{2} << 40, dy_rows = std::uintptr_t{3} << 40;
+  const std::uintptr_t x_rows = std::uintptr_t{4} << 40, hidden = std::uintptr_t{5} << 40;
+  for (std::int64_t rows : {128, 1024, 4224})
+    for (std::int64_t H : {128, 512, 7168})
+      for (std::int64_t I : {128, 384, 2048, 14336})
+        for (std::int64_t cap : {std::int64_t{128}, rows}) {
+          if (cap > rows) continue;
+          const std::string what = "rows " + std::to_string(rows) + " H " + std::to_string(H) + " I " +
+                                   std::to_string(I) + " capacity " + std::to_string(cap);
+          const std::int64_t bytes = detail::rank_fp8_dgrad_bytes(rows, H, I), rb = cap / 128;
+          const std::int64_t stride = kernels::wgrad_exponent_stride(cap);
+          auto inside = [&](const Region& r) {
+            return (r.begin >= base && r.end <= base + bytes) || (r.begin >= dx && r.end <= dx + 2 * rows * H);
+          };
+          detail::CallBuffers d;
+          detail::rank_fp8_dgrad_buffers(d, rows, H, I, reinterpret_cast<void*>(base));
+          const std::vector<Region> dgrad{{"dy E4M3", at(d.dy_fp8), at(d.dy_fp8) + cap * H},
+                                          {"dy scales", at(d.dy_scales), at(d.dy_scales) + 4 * (H / 128) * cap},
+                                          {"dgate|dup E4M3", at(d.dgu_fp8), at(d.dgu_fp8) + cap * 2 * I},
+                                          {"dgate|dup scales", at(d.dgu_scales), at(d.dgu_scales) + 4 * (2 * I / 128) * cap}};
+          apart(dgrad, what + " dgrad");
+          for (const Region& r : dgrad) EXPECT_TRUE(inside(r)) << what << ": " << r.name << " outside the rank buffer";
+          EXPECT_EQ(at(d.dy_fp8) % 16 + at(d.dgu_fp8) % 16, 0u) << what;
+
+          detail::CallBuffers w;
+          detail::rank_fp8_wgrad_buffers(w, rows, H, I, reinterpret_cast<void*>(base), reinterpret_cast<void*>(dx));
+          const std::vector<Region> operands{
+              {"dgate|dup^T", at(w.dgu_t), at(w.dgu_t) + 2 * I * cap},
+              {"dgate|dup^T scales", at(w.dgu_t_scales), at(w.dgu_t_scales) + 4 * rb * 2 * I},
+              {"w h^T", at(w.hw_t), at(w.hw_t) + I * cap},
+              {"w h^T exponents", at(w.hw_t_exponents), at(w.hw_t_exponents) + 4 * (I / 128) * stride},
+              {"dy^T", at(w.dy_t), at(w.dy_t) + H * cap},
+              {"dy^T scales", at(w.dy_t_scales), at(w.dy_t_scales) + 4 * rb * H},
+              {"x^T", at(w.x_t), at(w.x_t) + H * cap},
+              {"x^T exponents", at(w.x_t_exponents), at(w.x_t_exponents) + 4 * (H / 128) * stride}};
+          apart(operands, what + " wgrad");
+          for (const Region& r : operands) {
+            EXPECT_TRUE(inside(r)) << what << ": " << r.name << " outside the rank buffer and the dx rows' room";
+            for (const Region& source : {Region{"bf16 dy rows", dy_rows, dy_rows + 2 * rows * H},
+                                         Region{"bf16 x rows", x_rows, x_rows + 2 * rows * H},
+                                         Region{"w h", hidden, hidden + 2 * rows * I}})
+              EXPECT_TRUE(r.end <= source.begin || source.end <= r.begin) << what << ": " << r.name << " over " << source.name;
+          }
+          for (const std::uint8_t* t : {w.dgu_t, w.hw_t, w.dy_t, w.x_t}) EXPECT_EQ(at(t) % 16, 0u) << what;
+
+          detail::CallBuffers f;
+          f.x_rows = reinterpret_cast<std::uint16_t*>(x_rows), f.hidden = reinterpret_cast<std::uint16_t*>(hidden);
+          detail::rank_fp8_forward_buffers(f, rows, H, I);
+          const std::vector<Region> forward{{"x E4M3", at(f.x_fp8), at(f.x_fp8) + cap * H},
+                                            {"x scales", at(f.x_scales), at(f.x_scales) + 4 * (H / 128) * cap},
+                                            {"h E4M3", at(f.h_fp8), at(f.h_fp8) + cap * I},
+                                            {"h scales", at(f.h_scales), at(f.h_scales) + 4 * (I / 128) * cap}};
+          apart(forward, what + " forward");
+          EXPECT_LE(forward[1].end, x_rows + 2 * rows * H) << what;
+          EXPECT_LE(forward[3].end, hidden + 2 * rows * I) << what;
+        }
+}
+
 // A save-mode layout with the FP8 weight gradients needs the saved tensor's address (but a size
 // query does not).
 TEST(ScratchLayout, Fp8WgradLayoutNeedsTheSavedTensor) {

@@ -167,6 +167,14 @@ CallBuffers rank_buffers(const Workspace& ws);
 std::int64_t rank_fp8_dgrad_bytes(const Workspace& ws);
 void rank_fp8_dgrad_buffers(CallBuffers& buffers, const Workspace& ws, void* base);
 void rank_fp8_wgrad_buffers(CallBuffers& buffers, const Workspace& ws, void* base);
+// (The same arithmetic for a rank of `rows` allocated rows, for tests: dx_rows its dx rows' 2 rows H
+// bytes; rank_fp8_forward_buffers: the FP8 forward's E4M3 x rows and h in buffers.x_rows' 2 rows H
+// and buffers.hidden's 2 rows I bytes, each followed by its scales.)
+std::int64_t rank_fp8_dgrad_bytes(std::int64_t rows, std::int64_t H, std::int64_t I);
+void rank_fp8_dgrad_buffers(CallBuffers& buffers, std::int64_t rows, std::int64_t H, std::int64_t I, void* base);
+void rank_fp8_wgrad_buffers(CallBuffers& buffers, std::int64_t rows, std::int64_t H, std::int64_t I, void* base,
+                            void* dx_rows);
+void rank_fp8_forward_buffers(CallBuffers& buffers, std::int64_t rows, std::int64_t H, std::int64_t I);
 // The FP8 weight gradients' transposing quantization of `columns` columns of the plan's rows into
 // values (E4M3 [columns, capacity]) with col_scales or block_exponents (kernels/fp8/quantize.cuh):
 // gathered from a [T, columns] tensor (gather) or the plan rows of a [capacity, columns] one.

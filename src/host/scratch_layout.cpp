@@ -263,51 +263,65 @@ std::int64_t padded_512(std::int64_t bytes) { return (bytes + 511) / 512 * 512; 
 // then for the FP8 weight gradients [x^T's exponents H / 128 x stride i32][w h^T rows x I and its
 // exponents I / 128 x stride i32, unless they fit in the E4M3 dy rows' room, dead by then].
 struct RankFp8Parts {
-  std::int64_t rows, H, I, dgrad, x_exponents, hw_exponents_at, hw_t;
+  std::int64_t dgrad, x_exponents, hw_exponents_at, hw_t;
   bool hw_t_in_dy_rows;
 };
 
-RankFp8Parts rank_fp8_parts(const Workspace& ws) {
+RankFp8Parts rank_fp8_parts(std::int64_t rows, std::int64_t H, std::int64_t I) {
   RankFp8Parts p{};
-  p.rows = ws.plan().allocated_rows(), p.H = ws.shape().hidden, p.I = ws.shape().intermediate;
-  const std::int64_t stride = kernels::wgrad_exponent_stride(p.rows);  // (>= the plan's: capacity <= rows)
-  p.dgrad = p.rows * (p.H + 2 * p.I) + 4 * p.rows * (p.H + 2 * p.I) / kernels::kFp8BlockK;
-  p.x_exponents = padded_512(4 * (p.H / kernels::kFp8BlockK) * stride);
-  p.hw_exponents_at = padded_512(p.rows * p.I);
-  p.hw_t = padded_512(p.hw_exponents_at + 4 * (p.I / kernels::kFp8BlockK) * stride);
-  p.hw_t_in_dy_rows = p.hw_t <= p.rows * p.H;
+  const std::int64_t stride = kernels::wgrad_exponent_stride(rows);  // (>= the plan's: capacity <= rows)
+  p.dgrad = rows * (H + 2 * I) + 4 * rows * (H + 2 * I) / kernels::kFp8BlockK;
+  p.x_exponents = padded_512(4 * (H / kernels::kFp8BlockK) * stride);
+  p.hw_exponents_at = padded_512(rows * I);
+  p.hw_t = padded_512(p.hw_exponents_at + 4 * (I / kernels::kFp8BlockK) * stride);
+  p.hw_t_in_dy_rows = p.hw_t <= rows * H;
   return p;
 }
 
 }  // namespace
 
-std::int64_t rank_fp8_dgrad_bytes(const Workspace& ws) {
-  const RankFp8Parts p = rank_fp8_parts(ws);
+std::int64_t rank_fp8_dgrad_bytes(std::int64_t rows, std::int64_t H, std::int64_t I) {
+  const RankFp8Parts p = rank_fp8_parts(rows, H, I);
   return p.dgrad + p.x_exponents + (p.hw_t_in_dy_rows ? 0 : p.hw_t);
 }
 
-void rank_fp8_dgrad_buffers(CallBuffers& b, const Workspace& ws, void* base) {
-  const RankFp8Parts p = rank_fp8_parts(ws);
+void rank_fp8_dgrad_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, std::int64_t I, void* base) {
   auto* at = static_cast<std::uint8_t*>(base);
   b.dy_fp8 = at;
-  b.dy_scales = reinterpret_cast<float*>(at += p.rows * p.H);
-  b.dgu_fp8 = (at += 4 * p.rows * p.H / kernels::kFp8BlockK);
-  b.dgu_scales = reinterpret_cast<float*>(at + p.rows * 2 * p.I);
+  b.dy_scales = reinterpret_cast<float*>(at += rows * H);
+  b.dgu_fp8 = (at += 4 * rows * H / kernels::kFp8BlockK);
+  b.dgu_scales = reinterpret_cast<float*>(at + rows * 2 * I);
 }
 
-// After the FP8 dgrad launch, whose E4M3 rows and scales are then dead, as are the dx rows' (the
-// rank's dx rows were pushed to their owners, or, a group of one, combined in the launch).
-void rank_fp8_wgrad_buffers(CallBuffers& b, const Workspace& ws, void* base) {
-  const RankFp8Parts p = rank_fp8_parts(ws);
-  rank_fp8_dgrad_buffers(b, ws, base);
+void rank_fp8_wgrad_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, std::int64_t I, void* base,
+                            void* dx_rows) {
+  const RankFp8Parts p = rank_fp8_parts(rows, H, I);
+  rank_fp8_dgrad_buffers(b, rows, H, I, base);
   b.dgu_t = b.dgu_fp8, b.dgu_t_scales = b.dgu_scales;  // (the same sizes)
   b.dy_t_scales = b.dy_scales;                          // ([rows / 128, H] in [H / 128, rows]'s bytes)
-  auto* dx = static_cast<std::uint8_t*>(ws.dx_rows());  // (2 rows H bytes)
-  b.dy_t = dx, b.x_t = dx + p.rows * p.H;
+  auto* dx = static_cast<std::uint8_t*>(dx_rows);       // (2 rows H bytes)
+  b.dy_t = dx, b.x_t = dx + rows * H;
   std::uint8_t* extra = static_cast<std::uint8_t*>(base) + p.dgrad;
   b.x_t_exponents = reinterpret_cast<std::int32_t*>(extra);
   b.hw_t = p.hw_t_in_dy_rows ? b.dy_fp8 : extra + p.x_exponents;
   b.hw_t_exponents = reinterpret_cast<std::int32_t*>(b.hw_t + p.hw_exponents_at);
+}
+
+void rank_fp8_forward_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, std::int64_t I) {
+  b.x_fp8 = reinterpret_cast<std::uint8_t*>(b.x_rows);
+  b.x_scales = reinterpret_cast<float*>(b.x_fp8 + rows * H);
+  b.h_fp8 = reinterpret_cast<std::uint8_t*>(b.hidden);
+  b.h_scales = reinterpret_cast<float*>(b.h_fp8 + rows * I);
+}
+
+std::int64_t rank_fp8_dgrad_bytes(const Workspace& ws) {
+  return rank_fp8_dgrad_bytes(ws.plan().allocated_rows(), ws.shape().hidden, ws.shape().intermediate);
+}
+void rank_fp8_dgrad_buffers(CallBuffers& b, const Workspace& ws, void* base) {
+  rank_fp8_dgrad_buffers(b, ws.plan().allocated_rows(), ws.shape().hidden, ws.shape().intermediate, base);
+}
+void rank_fp8_wgrad_buffers(CallBuffers& b, const Workspace& ws, void* base) {
+  rank_fp8_wgrad_buffers(b, ws.plan().allocated_rows(), ws.shape().hidden, ws.shape().intermediate, base, ws.dx_rows());
 }
 
 CallBuffers rank_buffers(const Workspace& ws) {
@@ -317,15 +331,8 @@ CallBuffers rank_buffers(const Workspace& ws) {
   b.hidden = static_cast<std::uint16_t*>(ws.hidden());
   const std::int64_t rows = ws.plan().allocated_rows();
   b.shared_hidden = b.hidden ? b.hidden + rows * ws.shape().intermediate : nullptr;
-  if (ws.config().precision == Precision::fp8 && b.x_rows && b.hidden) {
-    // The FP8 forward's E4M3 rows and their scales in the bf16 rows' buffers (capacity x (1 + 4 / 128)
-    // bytes a column of 2 capacity; the scales 512-byte aligned, as capacity is a multiple of 128).
-    const std::int64_t H = ws.shape().hidden, I = ws.shape().intermediate;
-    b.x_fp8 = reinterpret_cast<std::uint8_t*>(b.x_rows);
-    b.x_scales = reinterpret_cast<float*>(b.x_fp8 + rows * H);
-    b.h_fp8 = reinterpret_cast<std::uint8_t*>(b.hidden);
-    b.h_scales = reinterpret_cast<float*>(b.h_fp8 + rows * I);
-  }
+  if (ws.config().precision == Precision::fp8 && b.x_rows && b.hidden)
+    rank_fp8_forward_buffers(b, rows, ws.shape().hidden, ws.shape().intermediate);
   b.dy_rows = static_cast<std::uint16_t*>(ws.dy_routed());
   b.dx_rows = static_cast<std::uint16_t*>(ws.dx_rows());
   b.shared_dx_rows = static_cast<std::uint16_t*>(ws.shared_dx_rows());
