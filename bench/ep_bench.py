@@ -37,6 +37,8 @@ impls:
   mok-ep-interleave  mok-ep with the forward's GEMM2 tiles of each 4096-row chunk right after
                      the next chunk's GEMM1 tiles (ExpertParallel(interleave_rows=4096)): the
                      result pushes spread over the kernel
+  mok-ep-fp8-e4m3    (only when asked for) mok-ep-fp8 with ExpertParallel(pull_fp8_rows=True): each
+                     rank quantizes its tokens once in the exchange and peers pull E4M3 rows
   mok-ep-fp8         (only when asked for) mok.ep.moe(..., precision="fp8"): the routed experts' forward in E4M3
                      (this rank's experts quantized once beforehand, mok.fp8.quantize_experts,
                      with the dgrad's copies where mok.fp8.dgrad_pays; the rows quantized as they
@@ -130,6 +132,7 @@ IMPLS = ("mok-ep", "mok-ep-once", "mok-ep-interleave", "torch-compiled-ep", "tor
 ONCE = "mok-ep-once"  # mok-ep with pull_tokens_once
 INTERLEAVE = "mok-ep-interleave"  # mok-ep with interleave_rows = 4096
 FP8 = "mok-ep-fp8"  # mok-ep with precision="fp8" (valid in --impl, not run unless named)
+FP8_E4M3 = "mok-ep-fp8-e4m3"  # mok-ep-fp8 pulling E4M3 rows (pull_fp8_rows; the same: only when named)
 RING = "mok-ep-ring"  # RING + str(N): mok-ep with comm_sms = N (--ring-sms)
 EXCHANGES = ("dispatch", "combine")
 DEFAULT_PRESETS = "deepseek-v3,qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b"
@@ -149,7 +152,7 @@ def ring_impls(spec):
 
 def impl_names(ring=()):
     """Every implementation, in table order: IMPLS with the ring ones after mok-ep, then mok-ep-fp8."""
-    return IMPLS[:1] + tuple(ring) + IMPLS[1:] + (FP8,)
+    return IMPLS[:1] + tuple(ring) + IMPLS[1:] + (FP8, FP8_E4M3)
 
 
 def comm_sms(impl):
@@ -165,6 +168,8 @@ def group_options(impl):
         return dict(interleave_rows=4096)
     if impl == FP8:
         return dict()
+    if impl == FP8_E4M3:
+        return dict(pull_fp8_rows=True)
     return dict(comm_sms=comm_sms(impl)) if impl == "mok-ep" or impl.startswith(RING) else None
 
 
@@ -208,16 +213,16 @@ def run_checks(d, p, args, ctx):
         return check_pass
 
     for impl, group in ctx.groups.items():  # mok-ep and its variants (make() runs at once)
-        if impl == FP8:
+        if impl in (FP8, FP8_E4M3):
             continue
         attempt(impl, lambda: MokEp(d, group), mok_ep_pass(impl))
-    if FP8 in ctx.groups:
-        def fp8_pass(obj, ps):
-            out, extra[FP8][ps] = outside_allocator(lambda: obj.outputs(ps), ctx.device)
+    for impl in (FP8, FP8_E4M3):
+        def fp8_pass(obj, ps, impl=impl):
+            out, extra[impl][ps] = outside_allocator(lambda: obj.outputs(ps), ctx.device)
             return fp8_check(out, ref[ps])
 
-        if p["hidden"] % 128 == 0 and p["intermediate"] % 128 == 0:  # (else no record: FP8's scale blocks)
-            attempt(FP8, lambda: MokEp(d, ctx.groups[FP8], precision="fp8"), fp8_pass)
+        if impl in ctx.groups and p["hidden"] % 128 == 0 and p["intermediate"] % 128 == 0:  # (else no record)
+            attempt(impl, lambda: MokEp(d, ctx.groups[impl], precision="fp8"), fp8_pass)
     ref.clear()  # (frees the reference outputs before timing)
     local = tb.TorchImpl(dict(d, ids=d["local_ids"]), tb.moe_eager)  # mok-compute's reference
 
@@ -315,7 +320,8 @@ def summary(records):
     ring = sorted({comm_sms(r["impl"]) for r in records if r["impl"].startswith(RING)})
     impls = [i for i in impl_names(f"{RING}{n}" for n in ring) if any(r["impl"] == i for r in records)]
     ratios = (("torch-ep", "mok-ep"), ("torch-compiled-ep", "mok-ep"), ("mok-ep", "mok-compute")) + tuple(
-        ("mok-ep", i) for i in impls if i.startswith(RING) or i in (ONCE, INTERLEAVE, FP8))
+        ("mok-ep", i) for i in impls if i.startswith(RING) or i in (ONCE, INTERLEAVE, FP8)) + (
+        ((FP8, FP8_E4M3),) if FP8 in impls and FP8_E4M3 in impls else ())
     lines = [f"{'preset':<16}{'routing':<9}{'pass':<8}" + "".join(f"{i + ' ms':>20}" for i in impls) +
              "".join(f"{a + '/' + b:>28}" for a, b in ratios) + f"{'NCCL disp GB/s':>16}{'comb GB/s':>11}{'checks':>8}"]
     for key, rs in by.items():

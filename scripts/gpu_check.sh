@@ -18,7 +18,7 @@
 # bench/layer_bench.py: mok, mok-py, torch-compiled, torch and dense on the same inputs,
 # interleaved, both routings unless --routing says, full-size checks) the bench JSON; `ep` (machines with 2 or
 # more GPUs: the package, then bench/ep_bench.py on every GPU under torchrun: mok-ep,
-# mok-ep-once, mok-ep-interleave, mok-ep-fp8, torch-compiled-ep and mok-compute on issue 20's presets unless --presets says)
+# mok-ep-once, mok-ep-interleave, mok-ep-fp8, mok-ep-fp8-e4m3, torch-compiled-ep and mok-compute on issue 20's presets unless --presets says)
 # its own bench JSON (<date>-<commit>-ep<W>-bench.json). `all` runs the three. `speed` (a
 # kernel change's check in one call): build, the one-GPU forward/backward tests, then the
 # layer benchmark with uniform routing. --presets/--repeats choose the benchmark's presets
@@ -638,7 +638,7 @@ if { [ "$part" = ep ] || [ "$part" = all ]; } && [ "$gpus" -ge 2 ]; then
   ep_presets=$presets  # all: issue 20's presets
   [ "$presets" = all ] && ep_presets=deepseek-v3,kimi-k2,qwen3.5-397b,qwen3-30b-a3b
   timeout 580 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" bench/ep_bench.py \
-    --preset "$ep_presets" --impl mok-ep,mok-ep-once,mok-ep-interleave,mok-ep-fp8,torch-compiled-ep,mok-compute \
+    --preset "$ep_presets" --impl mok-ep,mok-ep-once,mok-ep-interleave,mok-ep-fp8,mok-ep-fp8-e4m3,torch-compiled-ep,mok-compute \
     --iters $iters --repeats $repeats --out "$ep_json" --commit "$commit" --date "$date" 2>&1 | tee "$LOG/bench_ep.log" || test_rc=1
 elif [ "$part" = ep ]; then
   echo "gpu_check.sh --part ep: this machine has $gpus GPU(s); expert parallelism across GPUs needs 2 or more"

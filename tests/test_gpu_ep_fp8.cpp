@@ -95,16 +95,23 @@ bool all_finite(const std::vector<bf16>& v) {
 
 class EpFp8Cases : public ::testing::TestWithParam<EpCase> {};
 
+// (Both pulls: bf16 rows quantized by the puller, and E4M3 rows quantized once by their owner:
+// Config::pull_fp8_rows.)
 TEST_P(EpFp8Cases, ForwardBitwiseEqualsOneGpuFp8) {
   MOK_REQUIRE_HOPPER();
   const EpCase c = GetParam();
   for (std::uint64_t seed : {51u, 52u}) {
     const EpProblem p(c, seed * 1000 + c.ep);
     const RankFp8Weights w(p);
-    const auto got = run_group_fp8(p, w);
-    EXPECT_TRUE(all_finite(got)) << c.name << " seed " << seed << ": unwritten or non-finite outputs";
-    EXPECT_TRUE(same_bits(got, run_one_gpu_fp8(p.host))) << c.name << " seed " << seed << ": EP = " << c.ep
-                                                         << " differs from one GPU's FP8 forward";
+    const auto one = run_one_gpu_fp8(p.host);
+    for (const bool e4m3 : {false, true}) {
+      Config config = fp8_group_config();
+      config.pull_fp8_rows = e4m3;
+      const auto got = run_group_fp8(p, w, config);
+      const std::string how = std::string(c.name) + " seed " + std::to_string(seed) + (e4m3 ? ", E4M3 rows pulled" : "");
+      EXPECT_TRUE(all_finite(got)) << how << ": unwritten or non-finite outputs";
+      EXPECT_TRUE(same_bits(got, one)) << how << ": EP = " << c.ep << " differs from one GPU's FP8 forward";
+    }
   }
 }
 
@@ -138,7 +145,12 @@ TEST(EpFp8, BitwiseEqualAcrossRunsAndSmCounts) {
     group.check(nullptr);
     ASSERT_TRUE(same_bits(p.outputs(), first)) << "run " << run;
   }
-  for (int sms : {4, 12, 60}) EXPECT_TRUE(same_bits(run_group_fp8(p, w, fp8_group_config(sms)), first)) << sms << " SMs";
+  for (int sms : {4, 12, 60}) {
+    Config config = fp8_group_config(sms);
+    EXPECT_TRUE(same_bits(run_group_fp8(p, w, config), first)) << sms << " SMs";
+    config.pull_fp8_rows = true;
+    EXPECT_TRUE(same_bits(run_group_fp8(p, w, config), first)) << sms << " SMs, E4M3 rows pulled";
+  }
 }
 
 // Training: the group's FP8 forward saves the pre-activations, its backward (bf16, as
@@ -237,7 +249,8 @@ TEST(EpFp8, SeparateLaunchesTrainWithTheFp8DgradBitwiseLikeOneGpu) {
     };
 
     Config config = fp8_config();
-    config.fp8_dgrad = true;  // (the ranks hold the FP8 dgrad's rows)
+    config.fp8_dgrad = true;        // (the ranks hold the FP8 dgrad's rows)
+    config.pull_fp8_rows = wgrad;   // (and, with the FP8 weight gradients, the forward pulls E4M3 rows)
     for (int call = 0; call < 2; ++call) {  // (the second group runs two steps: its rows reused)
       SCOPED_TRACE("call " + std::to_string(call));
       SeparateRanks group(p, Training::save, config);
@@ -267,8 +280,9 @@ TEST(EpFp8, SeparateLaunchesTrainWithTheFp8DgradBitwiseLikeOneGpu) {
   }
 }
 
-// Separate launches (EpRank on streams of this GPU), with the rows pulled once per pair or each
-// peer token pulled once: the same bits as one GPU.
+// Separate launches (EpRank on streams of this GPU), with the rows pulled once per pair, each peer
+// token pulled once, or E4M3 rows pulled (quantized by their owner's exchange): the same bits as
+// one GPU.
 TEST(EpFp8, SeparateLaunchesMatchOneGpuBitwise) {
   MOK_REQUIRE_HOPPER();
   for (int ep : {2, 4}) {
@@ -277,8 +291,11 @@ TEST(EpFp8, SeparateLaunchesMatchOneGpuBitwise) {
     const auto expected = run_one_gpu_fp8(p.host);
     Config once = fp8_config();
     once.pull_tokens_once = true;
-    for (const Config& config : {fp8_config(), once}) {
-      SCOPED_TRACE(std::string("EP ") + std::to_string(ep) + (config.pull_tokens_once ? ", tokens pulled once" : ""));
+    Config e4m3 = fp8_config();  // (the exchange quantizes each rank's tokens; peers pull E4M3 rows)
+    e4m3.pull_fp8_rows = true;
+    for (const Config& config : {fp8_config(), once, e4m3}) {
+      SCOPED_TRACE(std::string("EP ") + std::to_string(ep) + (config.pull_tokens_once ? ", tokens pulled once" : "") +
+                   (config.pull_fp8_rows ? ", E4M3 rows pulled" : ""));
       SeparateRanks group(p, Training::off, config);
       p.poison_outputs();
       const auto args = w.args(p);

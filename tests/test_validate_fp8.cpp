@@ -80,6 +80,14 @@ TEST(Validate, Fp8WeightsAndWorkspace) {
   expect_error([&] { validate(rows_without_fp8); },
                "argument 'fp8_dgrad': is true, but precision is bf16 (the FP8 dgrad's rows serve a Precision::fp8 "
                "EP rank)");
+  Config e4m3_rows;
+  e4m3_rows.pull_fp8_rows = true;
+  expect_error([&] { validate(e4m3_rows); },
+               "argument 'pull_fp8_rows': is true, but precision is bf16 (E4M3 rows are pulled by Precision::fp8 EP "
+               "ranks)");
+  e4m3_rows.precision = Precision::fp8, e4m3_rows.pull_tokens_once = true;
+  expect_error([&] { validate(e4m3_rows); },
+               "argument 'pull_fp8_rows': cannot be combined with pull_tokens_once");
   Config bad;
   bad.precision = static_cast<Precision>(7);
   expect_error([&] { validate(bad); }, "argument 'precision': must be Precision::bf16 or Precision::fp8, got 7");

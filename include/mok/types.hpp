@@ -117,6 +117,13 @@ struct Config {
                                        // and shared-expert work): that buffer, the backward scratch's
                                        // largest, at 1 / blocks of its bytes. 0 = 2; 1 = whole rows in one
                                        // launch. Blocks are whole 256-column tiles. The same bits either way
+  bool pull_fp8_rows = false;          // EP ranks of Precision::fp8, rows pulled before the kernel (no
+                                       // ring, not pull_tokens_once): each rank quantizes its own tokens
+                                       // once (the exchange; virtual ranks: a kernel) and its peers pull
+                                       // E4M3 rows and scales, H x 33 / 32 bytes a row where bf16 rows
+                                       // take 2H; false: bf16 rows pulled, quantized by the puller. The
+                                       // same bits either way (a row's bytes are its token's alone); not
+                                       // yet measured, hence off
   bool fp8_dgrad = false;              // EP ranks of Precision::fp8 with Training::save: hold the FP8
                                        // dgrad's rows from construction (E4M3 dy and dgate|dup rows and
                                        // their scales, capacity x (H + 2I) x 33 / 32 bytes, and the FP8

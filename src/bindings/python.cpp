@@ -208,7 +208,7 @@ NB_MODULE(_C, m) {
              std::optional<float> limit, std::int64_t tokens, int rank, std::vector<std::uintptr_t> region_ptrs,
              int device, int compute_sms, double timeout_seconds, bool training, bool peers_on_other_gpus,
              int comm_sms, std::int64_t ring_rows, std::int64_t minibatch_rows, bool pull_tokens_once,
-             std::int64_t interleave_rows, const std::string& precision, bool fp8_dgrad) {
+             std::int64_t interleave_rows, const std::string& precision, bool fp8_dgrad, bool pull_fp8_rows) {
             if (precision != "bf16" && precision != "fp8")
               throw nb::value_error(("mok.EpRank: precision must be 'bf16' or 'fp8', got '" + precision + "'").c_str());
             if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
@@ -217,6 +217,7 @@ NB_MODULE(_C, m) {
             mok::Config config;
             config.precision = precision == "fp8" ? mok::Precision::fp8 : mok::Precision::bf16;
             config.fp8_dgrad = fp8_dgrad;  // (the FP8 dgrad's rows held from construction: Config::fp8_dgrad)
+            config.pull_fp8_rows = pull_fp8_rows;  // (peers pull E4M3 rows: Config::pull_fp8_rows)
             config.compute_sms = compute_sms;
             config.timeout_seconds = timeout_seconds;
             config.comm_sms = comm_sms;  // comm_sms or ring_rows > 0: the ring of received rows (mok/types.hpp)
@@ -236,7 +237,7 @@ NB_MODULE(_C, m) {
           nb::arg("timeout_seconds") = 10.0, nb::arg("training") = false, nb::arg("peers_on_other_gpus") = true,
           nb::arg("comm_sms") = 0, nb::arg("ring_rows") = 0, nb::arg("minibatch_rows") = 4096,
           nb::arg("pull_tokens_once") = false, nb::arg("interleave_rows") = 0, nb::arg("precision") = "bf16",
-          nb::arg("fp8_dgrad") = false)
+          nb::arg("fp8_dgrad") = false, nb::arg("pull_fp8_rows") = false)
       .def_prop_ro("saved_elements", &mok::EpRank::saved_elements)
       .def("check", [](mok::EpRank& r, std::uintptr_t stream) { r.check(reinterpret_cast<cudaStream_t>(stream)); });
 

@@ -55,9 +55,11 @@ struct VirtualRanks::Rank {
   int* slots_done = nullptr;        // [2 kMaxEpRanks]: rows x column tiles pushed by each rank, then
                                     // the rows this rank's routing sends to each rank
   std::uint16_t* ring = nullptr;    // [ring_rows, H]: the forward's received rows (ring token buffer)
+  std::uint8_t* fp8_tokens = nullptr;  // Config::pull_fp8_rows: its tokens quantized (fp8_token_bytes)
   int* ring_counters = nullptr;     // [2 minibatches]: landed, then freed
 
   ~Rank() {
+    cudaFree(fp8_tokens);
     cudaFree(ring);
     cudaFree(ring_counters);
     cudaFree(all_ids);
@@ -89,6 +91,8 @@ VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, 
     if (detail::uses_ring(config))
       rank->ring = allocate<std::uint16_t>(detail::ring_rows(*rank->ws) * H, "cudaMalloc(ring)");
     rank->ring_counters = allocate<int>(2 * detail::ring_minibatches(*rank->ws), "cudaMalloc(ring counters)");
+    if (config.pull_fp8_rows)
+      rank->fp8_tokens = allocate<std::uint8_t>(kernels::fp8_token_bytes(T, H), "cudaMalloc(E4M3 tokens)");
     ranks_.push_back(std::move(rank));
   }
 }
@@ -136,6 +140,10 @@ detail::RankPeers VirtualRanks::peers(int r, std::span<const void* const> x, std
             q.rows_bf16 = static_cast<std::uint16_t*>(bf16), q.split = kernels::kNoSplit;  // (every row there)
             kernels::launch_quantize_rows(q, 4 * detail::persistent_ctas(*rank.ws, kWhere), s);
             detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 row gather");
+          },
+          [&rank](std::span<const void* const> tokens, std::uint8_t* values, float* scales, cudaStream_t s) {
+            detail::gather_fp8_rows(*rank.ws, tokens, values, scales, 4 * detail::persistent_ctas(*rank.ws, kWhere), s,
+                                    kWhere);
           }};
 }
 
@@ -222,6 +230,13 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
   const void* x_peers[kMaxEpRanks] = {};
   for (int r = 0; r < ep; ++r) x_peers[r] = args[r].x.data;
   if (config_.precision == Precision::fp8) {  // (no ring: Workspace refuses one with fp8)
+    if (config_.pull_fp8_rows)  // every rank's tokens quantized once; the ranks pull E4M3 rows of them
+      for (int r = 0; r < ep; ++r) {
+        kernels::launch_quantize_tokens(static_cast<const std::uint16_t*>(args[r].x.data), ranks_[r]->fp8_tokens, T,
+                                        static_cast<int>(shape_.hidden), 4 * launch.ctas_per_rank, stream);
+        detail::cuda_check(cudaGetLastError(), kWhere, "launching the token quantization");
+        x_peers[r] = ranks_[r]->fp8_tokens;
+      }
     kernels::Fp8ForwardGroupParams group{};
     for (int r = 0; r < ep; ++r)
       group.rank[r] = detail::forward_step_fp8(peers(r, {x_peers, std::size_t(ep)}, {}), args[r], *ranks_[r]->ws,

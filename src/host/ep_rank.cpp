@@ -130,6 +130,8 @@ void EpRank::begin(const ForwardArgs& a, const BackwardArgs* bwd, const unsigned
   ex.ranks = 1, ex.first_rank = rank_, ex.ep = ep, ex.pairs_per_rank = T * k;
   ex.rows_src[0] = static_cast<const std::uint16_t*>(a.x.data);
   ex.rows_dst[0] = reinterpret_cast<std::uint16_t*>(own + l.x);
+  ex.rows_fp8 = !bwd && config_.pull_fp8_rows;  // (the FP8 forward's peers pull E4M3 rows: 2 T H bytes hold them)
+  ex.hidden = static_cast<int>(H);
   if (bwd) {
     ex.rows_src[1] = static_cast<const std::uint16_t*>(bwd->dy.data);
     ex.rows_dst[1] = reinterpret_cast<std::uint16_t*>(own + l.dy);
@@ -216,6 +218,9 @@ detail::RankPeers EpRank::peers(std::span<const void* const> x, std::span<const 
             q.rows_bf16 = static_cast<std::uint16_t*>(bf16), q.split = kernels::kNoSplit;  // (every row there)
             kernels::launch_quantize_rows(q, 4 * ctas(), s);
             detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 row gather");
+          },
+          [this](std::span<const void* const> tokens, std::uint8_t* values, float* scales, cudaStream_t s) {
+            detail::gather_fp8_rows(*ws_, tokens, values, scales, 4 * ctas(), s, kWhere);
           }};
 }
 

@@ -30,7 +30,27 @@ struct RankPeers {
   // Precision::fp8: peers' rows -> routed rows quantized (E4M3 values, scales; launch_quantize_rows)
   // and, when the fourth argument is not null, copied there in bf16 too (one read)
   std::function<void(std::span<const void* const>, std::uint8_t*, float*, void*, cudaStream_t)> pull_fp8;
+  // Config::pull_fp8_rows: peers' E4M3 tokens (kernels/fp8/quantize_rows.cuh's layout) -> routed rows
+  std::function<void(std::span<const void* const>, std::uint8_t*, float*, cudaStream_t)> gather_fp8;
 };
+
+// The routed rows of E4M3 tokens (sources[q]: rank q's, Config::pull_fp8_rows) into values / scales.
+inline void gather_fp8_rows(Workspace& ws, std::span<const void* const> sources, std::uint8_t* values, float* scales,
+                            int ctas, cudaStream_t stream, std::string_view where) {
+  const MoeShape& s = ws.shape();
+  const DevicePlanView& v = ws.plan().view();
+  kernels::GatherFp8RowsParams g{};
+  for (std::size_t q = 0; q < sources.size(); ++q) g.sources[q] = static_cast<const std::uint8_t*>(sources[q]);
+  g.pairs_per_rank = ws.tokens() * s.top_k;
+  g.tokens = ws.tokens();
+  g.values = values, g.scales = scales;
+  g.row_pair = v.row_pair, g.expert_offset = v.expert_offset, g.plan_status = v.status;
+  g.capacity = ws.plan().capacity_rows();
+  g.hidden = static_cast<int>(s.hidden), g.top_k = static_cast<int>(s.top_k);
+  g.num_local_experts = static_cast<int>(s.num_local_experts);
+  kernels::launch_gather_fp8_rows(g, ctas, stream);
+  cuda_check(cudaGetLastError(), where, "launching the E4M3 row gather");
+}
 
 inline void zero_ring_counters(const Workspace& ws, int* counters, cudaStream_t stream, std::string_view where) {
   cuda_check(cudaMemsetAsync(counters, 0, sizeof(int) * 2 * ring_minibatches(ws), stream), where,
@@ -53,11 +73,13 @@ inline kernels::ForwardParams forward_step(const RankPeers& peers, const Forward
 }
 
 // The FP8 forward's step (Precision::fp8; no ring): every routed row pulled from the rank that
-// owns its token and quantized per 1 x 128 before the launch, into the rank's x rows' buffer.
+// owns its token and quantized per 1 x 128 before the launch, into the rank's x rows' buffer —
+// or, with Config::pull_fp8_rows, pulled as E4M3 from peers.x, its owners' quantized tokens.
 inline kernels::Fp8ForwardParams forward_step_fp8(const RankPeers& peers, const ForwardArgs& a, Workspace& ws,
                                                   std::uint16_t* saved, cudaStream_t stream, std::string_view where) {
   const CallBuffers buffers = rank_buffers(ws);
-  peers.pull_fp8(peers.x, buffers.x_fp8, buffers.x_scales, nullptr, stream);
+  if (ws.config().pull_fp8_rows) peers.gather_fp8(peers.x, buffers.x_fp8, buffers.x_scales, stream);
+  else peers.pull_fp8(peers.x, buffers.x_fp8, buffers.x_scales, nullptr, stream);
   zero_counters(ws, stream, where);
   kernels::Fp8ForwardParams p = fp8_forward_params(a, ws, buffers, saved);
   peers.set_peers(p.base.ep);

@@ -118,6 +118,12 @@ void validate(const Config& c) {
   constexpr const char* where = "mok::Config";
   if (c.precision != Precision::bf16 && c.precision != Precision::fp8)
     throw_argument_error(where, "precision", "must be Precision::bf16 or Precision::fp8, got ", static_cast<int>(c.precision));
+  if (c.pull_fp8_rows && c.precision != Precision::fp8)
+    throw_argument_error(where, "pull_fp8_rows", "is true, but precision is ", precision_name(c.precision),
+                         " (E4M3 rows are pulled by Precision::fp8 EP ranks)");
+  if (c.pull_fp8_rows && c.pull_tokens_once)
+    throw_argument_error(where, "pull_fp8_rows", "cannot be combined with pull_tokens_once (which pulls each peer "
+                                                 "token once in bf16)");
   if (c.fp8_dgrad && c.precision != Precision::fp8)
     throw_argument_error(where, "fp8_dgrad", "is true, but precision is ", precision_name(c.precision),
                          " (the FP8 dgrad's rows serve a Precision::fp8 EP rank)");

@@ -88,9 +88,11 @@ def main():
     # rank's experts are quantized by the call itself.
     x8, ids8, w8, gate8, up8, down8, _ = random_problem(T * world, H, 256, E, k, 0, seed=7, device=device,
                                                         dtype=torch.bfloat16, padding=0.1)
-    for dgrad, wgrad in ((False, False), (True, False), (True, True)):
+    e4m3 = mok.ep.ExpertParallel(pull_fp8_rows=True)  # (peers pull E4M3 rows, quantized once by their owner)
+    for dgrad, wgrad, fp8_group in ((False, False, group), (True, False, group), (True, True, e4m3)):
         mok.set_fp8_weight_gradients(wgrad)
         how = f" (FP8 dgrad, {'FP8' if wgrad else 'bf16'} weight gradients)" if dgrad else ""
+        how += " (E4M3 rows pulled)" if fp8_group is e4m3 else ""
         xa, wa, ga, ua, da = leaves(x8, w8, gate8, up8, down8)
         ya = mok.moe(xa, ids8, wa, ga, ua, da, precision="fp8",
                      fp8_experts=mok.fp8.quantize_experts(gate8, up8, down8, dgrad=dgrad))
@@ -99,11 +101,11 @@ def main():
         q8 = mok.fp8.quantize_experts(*mine_experts, dgrad=True) if dgrad else None
         with torch.no_grad():
             y8 = mok.ep.moe(x8[mine].contiguous(), ids8[mine].contiguous(), w8[mine].contiguous(), *mine_experts,
-                            group=group, precision="fp8", fp8_experts=q8)
+                            group=fp8_group, precision="fp8", fp8_experts=q8)
         xb, wb, gb, ub, db = leaves(x8[mine].contiguous(), w8[mine].contiguous(), *mine_experts)
-        yb = mok.ep.moe(xb, ids8[mine].contiguous(), wb, gb, ub, db, group=group, precision="fp8", fp8_experts=q8)
+        yb = mok.ep.moe(xb, ids8[mine].contiguous(), wb, gb, ub, db, group=fp8_group, precision="fp8", fp8_experts=q8)
         yb.backward(dy[mine].contiguous())
-        group.check()
+        fp8_group.check()
         for name, got, want in (("forward", y8, ya.detach()[mine]), ("training forward", yb.detach(), ya.detach()[mine]),
                                 ("dx", xb.grad, xa.grad[mine]), ("d_topk_weights", wb.grad, wa.grad[mine]),
                                 ("d_w_gate", gb.grad, ga.grad[experts]), ("d_w_up", ub.grad, ua.grad[experts]),

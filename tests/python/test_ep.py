@@ -34,6 +34,8 @@ def test_needs_an_initialised_process_group():
     (dict(interleave_rows=4096, comm_sms=4), r"interleave_rows cannot be combined with the ring \(comm_sms = 4"),
     (dict(pull_tokens_once=True, comm_sms=8), r"pull_tokens_once applies to rows pulled before the kernel; the ring "
                                               r"\(comm_sms = 8, ring_rows = 0\) pulls its own"),
+    (dict(pull_fp8_rows=1), "pull_fp8_rows must be a bool, got 1"),
+    (dict(pull_fp8_rows=True, pull_tokens_once=True), "pull_fp8_rows cannot be combined with pull_tokens_once"),
 ])
 def test_ring_arguments_are_checked_before_the_process_group(kwargs, message):
     with pytest.raises(ValueError, match=message):

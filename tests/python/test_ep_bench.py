@@ -138,16 +138,16 @@ def test_summary_ratios_are_per_round():
 def test_ring_sms_adds_one_mok_ep_implementation_per_sm_count(monkeypatch):
     assert ep_bench.ring_impls("4,8") == ("mok-ep-ring4", "mok-ep-ring8")
     assert ep_bench.ring_impls("") == ()
-    assert [ep_bench.comm_sms(i) for i in ep_bench.impl_names(ep_bench.ring_impls("4,8"))] == [0, 4, 8, 0, 0, 0, 0, 0, 0]
+    assert [ep_bench.comm_sms(i) for i in ep_bench.impl_names(ep_bench.ring_impls("4,8"))] == [0] + [4, 8] + [0] * 7
     assert [ep_bench.group_options(i) for i in ep_bench.impl_names(ep_bench.ring_impls("4"))] == [
         dict(comm_sms=0), dict(comm_sms=4), dict(pull_tokens_once=True), dict(interleave_rows=4096), None, None, None,
-        dict()]  # (mok-ep-fp8: a group of its own, no ring)
+        dict(), dict(pull_fp8_rows=True)]  # (mok-ep-fp8 and its E4M3 pull: groups of their own, no ring)
     with pytest.raises(SystemExit, match="--ring-sms takes positive SM counts, got '0'"):
         ep_bench.ring_impls("4,0")
     monkeypatch.setattr(sys, "argv", ["ep_bench.py", "--ring-sms", "4,8"])
     args = ep_bench.parse_args()
     assert args.all_impls == ("mok-ep", "mok-ep-ring4", "mok-ep-ring8", "mok-ep-once", "mok-ep-interleave",
-                              "torch-compiled-ep", "torch-ep", "mok-compute", "mok-ep-fp8")
+                              "torch-compiled-ep", "torch-ep", "mok-compute", "mok-ep-fp8", "mok-ep-fp8-e4m3")
     assert args.impls == list(ep_bench.IMPLS) + ["mok-ep-ring4", "mok-ep-ring8"]  # whatever --impl says
     monkeypatch.setattr(sys, "argv", ["ep_bench.py", "--impl", "mok-ep,mok-ep-fp8"])  # (FP8: only when named)
     assert ep_bench.parse_args().impls == ["mok-ep", "mok-ep-fp8"]

@@ -1,5 +1,6 @@
 #include "kernels/ep/exchange.cuh"
 #include "kernels/common/load.cuh"
+#include "kernels/fp8/quantize_rows.cuh"
 
 #include <cstdint>
 
@@ -35,6 +36,12 @@ __global__ void __launch_bounds__(256) exchange_kernel(const ExchangeParams p) {
   }
   for (int c = 0; c < 2; ++c) {  // this rank's rows into its symmetric buffers (separate launches)
     if (p.rows_src[c] == nullptr) continue;
+    if (c == 0 && p.rows_fp8) {  // (E4M3 rows for the peers: the bytes the row gathers would make)
+      constexpr int kWarps = 256 / 32;
+      quantize_token_rows(p.rows_src[0], reinterpret_cast<std::uint8_t*>(p.rows_dst[0]), p.row_elements / p.hidden,
+                          p.hidden, cta * kWarps + threadIdx.x / 32, kCtasPerRank * kWarps);
+      continue;
+    }
     const uint4* src = reinterpret_cast<const uint4*>(p.rows_src[c]);
     uint4* dst = reinterpret_cast<uint4*>(p.rows_dst[c]);
     for (std::int64_t v = cta * blockDim.x + threadIdx.x; v < p.row_elements / 8; v += kCtasPerRank * blockDim.x)

@@ -31,6 +31,10 @@ struct ExchangeParams {
   const std::uint16_t* rows_src[2];
   std::uint16_t* rows_dst[2];
   std::int64_t row_elements;         // T * H
+  // Config::pull_fp8_rows (an FP8 forward): rows 0 (x) quantized per 1 x 128 instead of copied, into
+  // kernels/fp8/quantize_rows.cuh's token-major layout at rows_dst[0] (hidden: H)
+  bool rows_fp8 = false;
+  int hidden = 0;
   int* flags[kMaxEpRanks];             // rank q's exchange flag of this rank
   const unsigned* epoch;             // this rank's call number
   int* blocks_done;                  // this rank's counter of finished blocks (zeroed)

@@ -3,6 +3,7 @@
 
 #include "kernels/common/load.cuh"
 #include "kernels/fp8/fp8_math.cuh"
+#include "kernels/fp8/quantize_rows.cuh"
 #include "kernels/fp8/tile_order.cuh"
 
 #include <cuda_bf16.h>
@@ -61,21 +62,6 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParam
     const int c = i / kFp8Block, r = i % kFp8Block;
     if (r < rows) out[c * p.values_row_stride + r] = tile[c][r];
   }
-}
-
-// A lane's 4 values of a 1 x 128 block (bits: 4 bf16), quantized with the block's scale (its
-// amax a warp max: the same in any order). Every lane of the warp takes part.
-struct QuantizedLane {
-  std::uint32_t values;  // 4 E4M3
-  float scale;           // the block's, a power of two
-};
-__device__ __forceinline__ QuantizedLane quantize_lane(uint2 bits) {
-  const float v[4] = {bf16_value(bits.x & 0xffff), bf16_value(bits.x >> 16), bf16_value(bits.y & 0xffff), bf16_value(bits.y >> 16)};
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  const int e = fp8_scale_exponent(amax);
-  const InverseScale inverse(e);
-  return {pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3])), exp2_int(e)};
 }
 
 // The routed rows in plan order, quantized per 1 x 128 block as they are gathered (from any
@@ -177,6 +163,44 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
         if (lane == 0) p.scales[b * p.capacity + row] = 1.0f;
       }
     }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) quantize_tokens_kernel(const std::uint16_t* src, std::uint8_t* out,
+                                                                   std::int64_t tokens, int hidden) {
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
+  quantize_token_rows(src, out, tokens, hidden, blockIdx.x * (kThreads / 32) + threadIdx.x / 32, warps);
+}
+
+// One warp a plan row: its token's E4M3 row (16 bytes a lane at a time) and its scales.
+__global__ void __launch_bounds__(kThreads) gather_fp8_rows_kernel(const __grid_constant__ GatherFp8RowsParams p) {
+  if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
+  const std::int64_t rows = p.expert_offset[p.num_local_experts];
+  const int lane = threadIdx.x % 32, vectors = p.hidden / 16, blocks = p.hidden / kFp8Block;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
+  for (std::int64_t row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < rows; row += warps) {
+    const std::int32_t pair = p.row_pair[row];
+    uint4* dst = reinterpret_cast<uint4*>(p.values + row * p.hidden);
+    if (pair < 0) {
+      for (int v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+      for (int b = lane; b < blocks; b += 32) p.scales[b * p.capacity + row] = 1.0f;
+      continue;
+    }
+    const std::uint8_t* source = p.sources[pair / p.pairs_per_rank];
+    const std::int64_t token = (pair % p.pairs_per_rank) / p.top_k;
+    const uint4* src = reinterpret_cast<const uint4*>(source + token * p.hidden);
+    const float* src_scales = reinterpret_cast<const float*>(source + p.tokens * p.hidden) + token * blocks;
+    constexpr int kInFlight = 4;
+    for (int v0 = 0; v0 < vectors; v0 += 32 * kInFlight) {
+      uint4 chunk[kInFlight];
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i)
+        if (v0 + lane + 32 * i < vectors) chunk[i] = src[v0 + lane + 32 * i];
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i)
+        if (v0 + lane + 32 * i < vectors) dst[v0 + lane + 32 * i] = chunk[i];
+    }
+    for (int b = lane; b < blocks; b += 32) p.scales[b * p.capacity + row] = src_scales[b];
   }
 }
 
@@ -392,7 +416,19 @@ void launch_tile_order(const std::int32_t* expert_offset, const std::int32_t* ti
                                                      order);
 }
 
+void launch_quantize_tokens(const std::uint16_t* src, std::uint8_t* out, std::int64_t tokens, int hidden, int num_ctas,
+                            cudaStream_t stream) {
+  if (tokens == 0) return;
+  quantize_tokens_kernel<<<num_ctas, kThreads, 0, stream>>>(src, out, tokens, hidden);
+}
+
+void launch_gather_fp8_rows(const GatherFp8RowsParams& p, int num_ctas, cudaStream_t stream) {
+  gather_fp8_rows_kernel<<<num_ctas, kThreads, 0, stream>>>(p);
+}
+
 void load_quantize_kernels() {
+  load_kernel(quantize_tokens_kernel);
+  load_kernel(gather_fp8_rows_kernel);
   load_kernel(quantize_rows_kernel);
   load_kernel(quantize_scatter_kernel);
   load_kernel(quantize_columns_kernel);

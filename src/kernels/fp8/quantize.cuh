@@ -66,6 +66,37 @@ struct QuantizeRowsParams {
 
 void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream);
 
+// A rank's tokens quantized for peers that pull E4M3 rows (Config::pull_fp8_rows): the token-major
+// layout [tokens, H] E4M3, then [tokens, H / 128] f32 scales (a row's scales contiguous).
+__host__ __device__ inline std::int64_t fp8_token_bytes(std::int64_t tokens, std::int64_t hidden) {
+  return tokens * hidden + 4 * tokens * (hidden / 128);
+}
+
+// A rank's own tokens (src [tokens, hidden] bf16) quantized per 1 x 128 into `out`, the
+// token-major layout above (kernels/fp8/quantize_rows.cuh, quantize_token_rows): the rows its peers pull
+// as E4M3 (Config::pull_fp8_rows; virtual ranks: EpRank's exchange kernel does this itself).
+void launch_quantize_tokens(const std::uint16_t* src, std::uint8_t* out, std::int64_t tokens, int hidden, int num_ctas,
+                            cudaStream_t stream);
+
+// The plan's routed rows gathered as E4M3 rows already quantized by their owners (sources[q]:
+// rank q's tokens in fp8_token_bytes' layout) into values (E4M3 [capacity, H]) and scales ([H /
+// 128, capacity], QuantizeRowsParams' layouts): the bytes launch_quantize_rows makes from the
+// bf16 rows. Padding rows: zeros, scale 1; nothing is written from a bad plan.
+struct GatherFp8RowsParams {
+  const std::uint8_t* sources[kMaxEpRanks];
+  std::int64_t pairs_per_rank;   // T * k
+  std::int64_t tokens;           // T of every rank (where the sources' scales start)
+  std::uint8_t* values;
+  float* scales;
+  const std::int32_t* row_pair;  // [capacity]: global pair, or -1
+  const std::int32_t* expert_offset;
+  const void* plan_status;
+  std::int64_t capacity;
+  int hidden, top_k, num_local_experts;
+};
+
+void launch_gather_fp8_rows(const GatherFp8RowsParams& p, int num_ctas, cudaStream_t stream);
+
 // The FP8 weight gradients' operands (BackwardArgs::fp8_weight_gradients): `columns` columns of
 // the plan's routed rows, E4M3, stored as rows of their transpose — values[c * capacity + row],
 // so K-major for the weight-gradient GEMMs, whose K is the rows — one CTA a plan tile of 128 rows
