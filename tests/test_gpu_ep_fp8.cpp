@@ -69,9 +69,7 @@ struct RankFp8Weights {
   }
 };
 
-Config fp8_group_config(int sms = 0) { return fp8_config(sms); }
-
-std::vector<bf16> run_group_fp8(const EpProblem& p, const RankFp8Weights& w, const Config& config = fp8_group_config()) {
+std::vector<bf16> run_group_fp8(const EpProblem& p, const RankFp8Weights& w, const Config& config = fp8_config()) {
   VirtualRanks group(p.shape, p.T, config);
   p.poison_outputs();
   group.forward(w.args(p), nullptr);
@@ -93,6 +91,62 @@ bool all_finite(const std::vector<bf16>& v) {
   return true;
 }
 
+// One saved tensor per rank of `elements` bf16 values, and its view.
+struct RankSaved {
+  std::vector<std::unique_ptr<DeviceBuffer<bf16>>> buffers;
+  std::vector<TensorView> views;
+  RankSaved(int ranks, std::int64_t elements) {
+    for (int r = 0; r < ranks; ++r) {
+      buffers.push_back(std::make_unique<DeviceBuffer<bf16>>(elements));
+      views.push_back(saved_view(*buffers.back()));
+    }
+  }
+};
+
+// One GPU's FP8 training step over every token and expert (the forward, then the backward in bf16,
+// or with the FP8 dgrad and, wgrad, FP8 weight gradients): what every group's must equal.
+struct OneGpuFp8Step {
+  std::vector<bf16> y, dx, gate, up, down;
+  std::vector<float> dtw;
+  std::vector<double> sdown;
+};
+
+OneGpuFp8Step one_gpu_fp8_step(const HostProblem& host, const std::vector<bf16>& dy, bool dgrad, bool wgrad) {
+  GpuProblem one(host);
+  const QuantizedWeights q(one);
+  GpuGrads g(one, dy, false);
+  Workspace ws(host.shape, host.tokens, fp8_config(), Training::save);
+  DeviceBuffer<bf16> saved(ws.saved_elements());
+  one.poison_output();
+  g.poison();
+  forward(fp8_args(one, q), ws, nullptr, saved_view(saved));
+  BackwardArgs b = g.args();
+  if (dgrad) b.fp8 = q.dgrad, b.fp8_weight_gradients = wgrad;
+  backward(fp8_args(one, q), b, ws, nullptr, saved_view(saved));
+  ws.check(nullptr);
+  auto as_bf16 = [](const DeviceBuffer<std::uint8_t>& buffer) {
+    const auto bytes = buffer.download();
+    std::vector<bf16> out(bytes.size() / 2);
+    std::memcpy(out.data(), bytes.data(), bytes.size());
+    return out;
+  };
+  return {one.y.download(),      g.dx.download(),  as_bf16(g.d_gate), as_bf16(g.d_up), as_bf16(g.d_down),
+          g.d_weights.download(), GpuGrads::as_double(g.d_sdown, false)};
+}
+
+// The group's y and gradients against one GPU's: bitwise, but the shared expert's (each rank's
+// share is its tokens': their sum against one GPU's in fp64).
+void expect_same_as_one_gpu(const EpProblem& p, const EpGrads& g, const OneGpuFp8Step& one) {
+  EXPECT_TRUE(same_bits(p.outputs(), one.y)) << "y";
+  EXPECT_TRUE(same_bits(EpGrads::concat(g.dx), one.dx)) << "dx";
+  EXPECT_TRUE(same_bits(EpGrads::concat(g.dtw), one.dtw)) << "d_topk_weights";
+  EXPECT_TRUE(same_bits(EpGrads::concat(g.d_gate), one.gate)) << "d_w_gate";
+  EXPECT_TRUE(same_bits(EpGrads::concat(g.d_up), one.up)) << "d_w_up";
+  EXPECT_TRUE(same_bits(EpGrads::concat(g.d_down), one.down)) << "d_w_down";
+  if (p.shape.has_shared())
+    testing::expect_close("d_shared_down (sum over ranks)", EpGrads::summed(g.d_sdown), one.sdown, "shared");
+}
+
 class EpFp8Cases : public ::testing::TestWithParam<EpCase> {};
 
 // (Both pulls: bf16 rows quantized by the puller, and E4M3 rows quantized once by their owner:
@@ -105,7 +159,7 @@ TEST_P(EpFp8Cases, ForwardBitwiseEqualsOneGpuFp8) {
     const RankFp8Weights w(p);
     const auto one = run_one_gpu_fp8(p.host);
     for (const bool e4m3 : {false, true}) {
-      Config config = fp8_group_config();
+      Config config = fp8_config();
       config.pull_fp8_rows = e4m3;
       const auto got = run_group_fp8(p, w, config);
       const std::string how = std::string(c.name) + " seed " + std::to_string(seed) + (e4m3 ? ", E4M3 rows pulled" : "");
@@ -137,7 +191,7 @@ TEST(EpFp8, BitwiseEqualAcrossRunsAndSmCounts) {
   const RankFp8Weights w(p);
   const auto first = run_group_fp8(p, w);
   ASSERT_TRUE(same_bits(first, run_one_gpu_fp8(p.host)));
-  VirtualRanks group(p.shape, p.T, fp8_group_config());
+  VirtualRanks group(p.shape, p.T, fp8_config());
   const auto args = w.args(p);
   for (int run = 0; run < 5; ++run) {
     p.poison_outputs();
@@ -146,7 +200,7 @@ TEST(EpFp8, BitwiseEqualAcrossRunsAndSmCounts) {
     ASSERT_TRUE(same_bits(p.outputs(), first)) << "run " << run;
   }
   for (int sms : {4, 12, 60}) {
-    Config config = fp8_group_config(sms);
+    Config config = fp8_config(sms);
     EXPECT_TRUE(same_bits(run_group_fp8(p, w, config), first)) << sms << " SMs";
     config.pull_fp8_rows = true;
     EXPECT_TRUE(same_bits(run_group_fp8(p, w, config), first)) << sms << " SMs, E4M3 rows pulled";
@@ -166,47 +220,15 @@ TEST(EpFp8, TrainsBitwiseLikeOneGpu) {
     const auto dy = random_bf16(p.host.x.size(), 62 + c.ep);
     const EpGrads g(p, dy);
 
-    VirtualRanks group(p.shape, p.T, fp8_group_config(), Training::save);
-    std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
-    std::vector<TensorView> views;
-    for (int r = 0; r < p.ep; ++r) {
-      saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.saved_elements()));
-      views.push_back(TensorView::contiguous(saved.back()->get(), DType::bf16, Device::cuda(0), {group.saved_elements()}));
-    }
+    VirtualRanks group(p.shape, p.T, fp8_config(), Training::save);
+    const RankSaved saved(p.ep, group.saved_elements());
     p.poison_outputs();
     g.poison();
     const auto fa = w.args(p);
-    group.forward(fa, nullptr, views);
-    group.backward(fa, g.args(), nullptr, views);
+    group.forward(fa, nullptr, saved.views);
+    group.backward(fa, g.args(), nullptr, saved.views);
     group.check(nullptr);
-
-    GpuProblem one(p.host);
-    const QuantizedWeights q(one);
-    GpuGrads one_g(one, dy, false);
-    Workspace ws(p.host.shape, p.host.tokens, fp8_config(), Training::save);
-    DeviceBuffer<bf16> one_saved(ws.saved_elements());
-    one.poison_output();
-    one_g.poison();
-    forward(fp8_args(one, q), ws, nullptr, saved_view(one_saved));
-    backward(fp8_args(one, q), one_g.args(), ws, nullptr, saved_view(one_saved));
-    ws.check(nullptr);
-    auto as_bf16 = [](const DeviceBuffer<std::uint8_t>& b) {
-      const auto bytes = b.download();
-      std::vector<bf16> out(bytes.size() / 2);
-      std::memcpy(out.data(), bytes.data(), bytes.size());
-      return out;
-    };
-    EXPECT_TRUE(same_bits(p.outputs(), one.y.download())) << "y";
-    EXPECT_TRUE(same_bits(EpGrads::concat(g.dx), one_g.dx.download())) << "dx";
-    EXPECT_TRUE(same_bits(EpGrads::concat(g.dtw), one_g.d_weights.download())) << "d_topk_weights";
-    EXPECT_TRUE(same_bits(EpGrads::concat(g.d_gate), as_bf16(one_g.d_gate))) << "d_w_gate";
-    EXPECT_TRUE(same_bits(EpGrads::concat(g.d_up), as_bf16(one_g.d_up))) << "d_w_up";
-    EXPECT_TRUE(same_bits(EpGrads::concat(g.d_down), as_bf16(one_g.d_down))) << "d_w_down";
-    if (p.shape.has_shared()) {  // (each rank's share is its tokens': their sum, against one GPU's in fp64)
-      const auto one_sdown = GpuGrads::as_double(one_g.d_sdown, false);
-      const auto sdown = EpGrads::summed(g.d_sdown);
-      testing::expect_close("d_shared_down (sum over ranks)", sdown, one_sdown, "shared");
-    }
+    expect_same_as_one_gpu(p, g, one_gpu_fp8_step(p.host, dy, false, false));
   }
 }
 
@@ -228,25 +250,7 @@ TEST(EpFp8, SeparateLaunchesTrainWithTheFp8DgradBitwiseLikeOneGpu) {
     const auto dy = random_bf16(p.host.x.size(), 72 + c.ep);
     const EpGrads g(p, dy);
 
-    GpuProblem one(p.host);
-    const QuantizedWeights q(one);
-    GpuGrads one_g(one, dy, false);
-    Workspace ws(p.host.shape, p.host.tokens, fp8_config(), Training::save);
-    DeviceBuffer<bf16> one_saved(ws.saved_elements());
-    one.poison_output();
-    one_g.poison();
-    forward(fp8_args(one, q), ws, nullptr, saved_view(one_saved));
-    BackwardArgs ob = one_g.args();
-    ob.fp8 = q.dgrad;
-    ob.fp8_weight_gradients = wgrad;
-    backward(fp8_args(one, q), ob, ws, nullptr, saved_view(one_saved));
-    ws.check(nullptr);
-    auto as_bf16 = [](const DeviceBuffer<std::uint8_t>& b) {
-      const auto bytes = b.download();
-      std::vector<bf16> out(bytes.size() / 2);
-      std::memcpy(out.data(), bytes.data(), bytes.size());
-      return out;
-    };
+    const OneGpuFp8Step one = one_gpu_fp8_step(p.host, dy, true, wgrad);
 
     Config config = fp8_config();
     config.fp8_dgrad = true;        // (the ranks hold the FP8 dgrad's rows)
@@ -254,28 +258,18 @@ TEST(EpFp8, SeparateLaunchesTrainWithTheFp8DgradBitwiseLikeOneGpu) {
     for (int call = 0; call < 2; ++call) {  // (the second group runs two steps: its rows reused)
       SCOPED_TRACE("call " + std::to_string(call));
       SeparateRanks group(p, Training::save, config);
-      std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
-      for (int r = 0; r < p.ep; ++r)
-        saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.ranks[r]->saved_elements()));
+      const RankSaved saved(p.ep, group.ranks[0]->saved_elements());
       const auto fa = w.args(p);
       auto ba = g.args();
       for (int r = 0; r < p.ep; ++r) ba[r].fp8 = w.dgrad[r], ba[r].fp8_weight_gradients = wgrad;
       for (int pass = 0; pass <= call; ++pass) {
         p.poison_outputs();
         g.poison();
-        for (int r = 0; r < p.ep; ++r) group.ranks[r]->forward(fa[r], group.streams[r], saved_view(*saved[r]));
-        for (int r = 0; r < p.ep; ++r) group.ranks[r]->backward(fa[r], ba[r], group.streams[r], saved_view(*saved[r]));
+        for (int r = 0; r < p.ep; ++r) group.ranks[r]->forward(fa[r], group.streams[r], saved.views[r]);
+        for (int r = 0; r < p.ep; ++r) group.ranks[r]->backward(fa[r], ba[r], group.streams[r], saved.views[r]);
         group.check();
       }
-      EXPECT_TRUE(same_bits(p.outputs(), one.y.download())) << "y";
-      EXPECT_TRUE(same_bits(EpGrads::concat(g.dx), one_g.dx.download())) << "dx";
-      EXPECT_TRUE(same_bits(EpGrads::concat(g.dtw), one_g.d_weights.download())) << "d_topk_weights";
-      EXPECT_TRUE(same_bits(EpGrads::concat(g.d_gate), as_bf16(one_g.d_gate))) << "d_w_gate";
-      EXPECT_TRUE(same_bits(EpGrads::concat(g.d_up), as_bf16(one_g.d_up))) << "d_w_up";
-      EXPECT_TRUE(same_bits(EpGrads::concat(g.d_down), as_bf16(one_g.d_down))) << "d_w_down";
-      if (p.shape.has_shared())
-        testing::expect_close("d_shared_down (sum over ranks)", EpGrads::summed(g.d_sdown),
-                              GpuGrads::as_double(one_g.d_sdown, false), "shared");
+      expect_same_as_one_gpu(p, g, one);
     }
   }
 }
@@ -333,29 +327,24 @@ TEST(EpFp8, RejectsMisuse) {
   const EpGrads g(p, random_bf16(p.host.x.size(), 82));
   {  // the FP8 dgrad in virtual ranks (EpRank runs it)
     VirtualRanks group(p.shape, p.T, fp8_config(), Training::save);
-    std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
-    std::vector<TensorView> views;
-    for (int r = 0; r < p.ep; ++r) {
-      saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.saved_elements()));
-      views.push_back(TensorView::contiguous(saved.back()->get(), DType::bf16, Device::cuda(0), {group.saved_elements()}));
-    }
+    const RankSaved saved(p.ep, group.saved_elements());
     const auto fa = w.args(p);
-    group.forward(fa, nullptr, views);
+    group.forward(fa, nullptr, saved.views);
     auto ba = g.args();
     ba[0].fp8 = w.dgrad[0];
-    expect_error([&] { group.backward(fa, ba, nullptr, views); }, "the FP8 dgrad of an EP group runs in mok::EpRank");
+    expect_error([&] { group.backward(fa, ba, nullptr, saved.views); },
+                 "the FP8 dgrad of an EP group runs in mok::EpRank");
     group.check(nullptr);
   }
   {  // the FP8 dgrad in EpRanks made without its rows (Config::fp8_dgrad)
     SeparateRanks group(p, Training::save, fp8_config());
-    std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
-    for (int r = 0; r < p.ep; ++r) saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.ranks[r]->saved_elements()));
+    const RankSaved saved(p.ep, group.ranks[0]->saved_elements());
     const auto fa = w.args(p);
-    for (int r = 0; r < p.ep; ++r) group.ranks[r]->forward(fa[r], group.streams[r], saved_view(*saved[r]));
+    for (int r = 0; r < p.ep; ++r) group.ranks[r]->forward(fa[r], group.streams[r], saved.views[r]);
     group.check();
     auto ba = g.args();
     ba[0].fp8 = w.dgrad[0];
-    expect_error([&] { group.ranks[0]->backward(fa[0], ba[0], group.streams[0], saved_view(*saved[0])); },
+    expect_error([&] { group.ranks[0]->backward(fa[0], ba[0], group.streams[0], saved.views[0]); },
                  "argument 'fp8': was given, but the rank holds no FP8 dgrad rows: make it with Config::fp8_dgrad");
   }
 

@@ -136,10 +136,8 @@ detail::RankPeers VirtualRanks::peers(int r, std::span<const void* const> x, std
             detail::dispatch_rows(rows, routed, *rank.ws, s);
           },
           [&rank](std::span<const void* const> rows, std::uint8_t* values, float* scales, void* bf16, cudaStream_t s) {
-            kernels::QuantizeRowsParams q = detail::quantize_rows_params(*rank.ws, rows, values, scales);
-            q.rows_bf16 = static_cast<std::uint16_t*>(bf16), q.split = kernels::kNoSplit;  // (every row there)
-            kernels::launch_quantize_rows(q, 4 * detail::persistent_ctas(*rank.ws, kWhere), s);
-            detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 row gather");
+            detail::pull_rows_fp8(*rank.ws, rows, values, scales, bf16, 4 * detail::persistent_ctas(*rank.ws, kWhere), s,
+                                  kWhere);
           },
           [&rank](std::span<const void* const> tokens, std::uint8_t* values, float* scales, cudaStream_t s) {
             detail::gather_fp8_rows(*rank.ws, tokens, values, scales, 4 * detail::persistent_ctas(*rank.ws, kWhere), s,

@@ -214,10 +214,7 @@ detail::RankPeers EpRank::peers(std::span<const void* const> x, std::span<const 
           },
           [this](std::span<const void* const> rows, std::uint8_t* values, float* scales, void* bf16, cudaStream_t s) {
             const void* local[kMaxEpRanks] = {};
-            kernels::QuantizeRowsParams q = detail::quantize_rows_params(*ws_, row_sources(rows, local, s), values, scales);
-            q.rows_bf16 = static_cast<std::uint16_t*>(bf16), q.split = kernels::kNoSplit;  // (every row there)
-            kernels::launch_quantize_rows(q, 4 * ctas(), s);
-            detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 row gather");
+            detail::pull_rows_fp8(*ws_, row_sources(rows, local, s), values, scales, bf16, 4 * ctas(), s, kWhere);
           },
           [this](std::span<const void* const> tokens, std::uint8_t* values, float* scales, cudaStream_t s) {
             detail::gather_fp8_rows(*ws_, tokens, values, scales, 4 * ctas(), s, kWhere);

@@ -34,6 +34,16 @@ struct RankPeers {
   std::function<void(std::span<const void* const>, std::uint8_t*, float*, cudaStream_t)> gather_fp8;
 };
 
+// The routed rows of bf16 tokens (sources[q]: rank q's) quantized into values / scales, and, when
+// bf16 is not null, copied there too (every row: no split) — RankPeers::pull_fp8's body.
+inline void pull_rows_fp8(Workspace& ws, std::span<const void* const> sources, std::uint8_t* values, float* scales,
+                          void* bf16, int ctas, cudaStream_t stream, std::string_view where) {
+  kernels::QuantizeRowsParams q = quantize_rows_params(ws, sources, values, scales);
+  q.rows_bf16 = static_cast<std::uint16_t*>(bf16), q.split = kernels::kNoSplit;
+  kernels::launch_quantize_rows(q, ctas, stream);
+  cuda_check(cudaGetLastError(), where, "launching the FP8 row gather");
+}
+
 // The routed rows of E4M3 tokens (sources[q]: rank q's, Config::pull_fp8_rows) into values / scales.
 inline void gather_fp8_rows(Workspace& ws, std::span<const void* const> sources, std::uint8_t* values, float* scales,
                             int ctas, cudaStream_t stream, std::string_view where) {

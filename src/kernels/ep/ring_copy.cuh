@@ -7,25 +7,12 @@
 
 #include "kernels/ep/ep.cuh"
 #include "kernels/common/persistent.cuh"
+#include "kernels/common/warp_copy.cuh"
 #include "mok/ptx/fence.cuh"
 #include "mok/ptx/mbarrier.cuh"
 #include "mok/ptx/tma.cuh"
 
 namespace mok::kernels {
-
-// One warp copies `vectors` 16-byte vectors from src to dst, four per lane in flight.
-__device__ __forceinline__ void warp_copy_row(uint4* dst, const uint4* src, int vectors, int lane) {
-  constexpr int kInFlight = 4;
-  for (int v0 = lane; v0 < vectors; v0 += 32 * kInFlight) {
-    uint4 chunk[kInFlight] = {};
-#pragma unroll
-    for (int i = 0; i < kInFlight; ++i)
-      if (v0 + 32 * i < vectors) chunk[i] = __ldg(src + v0 + 32 * i);
-#pragma unroll
-    for (int i = 0; i < kInFlight; ++i)
-      if (v0 + 32 * i < vectors) dst[v0 + 32 * i] = chunk[i];
-  }
-}
 
 // One warp's pipeline (its lane 0 issues every copy): pieces of rows (at most kPiece bytes,
 // 16-byte aligned, a multiple of 16) go global -> staging slot (bulk load) -> destination

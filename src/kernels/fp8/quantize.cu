@@ -2,6 +2,7 @@
 #include "kernels/fp8/quantize.cuh"
 
 #include "kernels/common/load.cuh"
+#include "kernels/common/warp_copy.cuh"
 #include "kernels/fp8/fp8_math.cuh"
 #include "kernels/fp8/quantize_rows.cuh"
 #include "kernels/fp8/tile_order.cuh"
@@ -16,8 +17,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float bf16_value(std::uint16_t bits) { return __bfloat162float(__ushort_as_bfloat16(bits)); }
-
 __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParams p) {
   const int cb = blockIdx.x, rb = blockIdx.y, e = blockIdx.z;
   const int r0 = rb * kFp8Block, c0 = cb * kFp8Block;
@@ -26,7 +25,7 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParam
   float amax = 0.0f;
   for (int i = threadIdx.x; i < rows * kFp8Block; i += kThreads) {
     const int r = i / kFp8Block, c = i % kFp8Block;
-    if (c < cols) amax = fmaxf(amax, fabsf(bf16_value(w[static_cast<std::int64_t>(r) * p.row_stride + c])));
+    if (c < cols) amax = fmaxf(amax, fabsf(bf16_bits_value(w[static_cast<std::int64_t>(r) * p.row_stride + c])));
   }
   for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   __shared__ float warp_max[kThreads / 32];
@@ -37,7 +36,7 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParam
   const int exponent = fp8_scale_exponent(amax);
   const InverseScale inverse(exponent);
   auto value = [&](int r, int c) {
-    const float x = inverse(bf16_value(w[static_cast<std::int64_t>(r) * p.row_stride + c]));
+    const float x = inverse(bf16_bits_value(w[static_cast<std::int64_t>(r) * p.row_stride + c]));
     return static_cast<std::uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
   };
   if (!p.transpose) {
@@ -91,8 +90,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_co
     const uint2* x = reinterpret_cast<const uint2*>(p.x[pair / p.pairs_per_rank] + token * p.hidden) + lane;
     for (int b0 = 0; b0 < blocks; b0 += 4) {
       uint2 bits[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) bits[j] = b0 + j < blocks ? x[(b0 + j) * 32] : make_uint2(0, 0);  // loads in flight
+      load_four_blocks(x, b0, blocks, bits);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (b0 + j >= blocks) break;
@@ -127,8 +125,7 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
     const std::int32_t* rows_of_token = p.pair_row + token * k;
     for (int b0 = 0; b0 < blocks; b0 += 4) {
       uint2 bits[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) bits[j] = b0 + j < blocks ? x[(b0 + j) * 32] : make_uint2(0, 0);  // loads in flight
+      load_four_blocks(x, b0, blocks, bits);
       QuantizedLane q[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) q[j] = quantize_lane(bits[j]);  // (blocks past the row: never stored)
@@ -172,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tokens_kernel(const std::ui
   quantize_token_rows(src, out, tokens, hidden, blockIdx.x * (kThreads / 32) + threadIdx.x / 32, warps);
 }
 
-// One warp a plan row: its token's E4M3 row (16 bytes a lane at a time) and its scales.
+// One warp a plan row: its token's E4M3 row (warp_copy_row, as the bf16 dispatch) and its scales.
 __global__ void __launch_bounds__(kThreads) gather_fp8_rows_kernel(const __grid_constant__ GatherFp8RowsParams p) {
   if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
   const std::int64_t rows = p.expert_offset[p.num_local_experts];
@@ -188,18 +185,8 @@ __global__ void __launch_bounds__(kThreads) gather_fp8_rows_kernel(const __grid_
     }
     const std::uint8_t* source = p.sources[pair / p.pairs_per_rank];
     const std::int64_t token = (pair % p.pairs_per_rank) / p.top_k;
-    const uint4* src = reinterpret_cast<const uint4*>(source + token * p.hidden);
     const float* src_scales = reinterpret_cast<const float*>(source + p.tokens * p.hidden) + token * blocks;
-    constexpr int kInFlight = 4;
-    for (int v0 = 0; v0 < vectors; v0 += 32 * kInFlight) {
-      uint4 chunk[kInFlight];
-#pragma unroll
-      for (int i = 0; i < kInFlight; ++i)
-        if (v0 + lane + 32 * i < vectors) chunk[i] = src[v0 + lane + 32 * i];
-#pragma unroll
-      for (int i = 0; i < kInFlight; ++i)
-        if (v0 + lane + 32 * i < vectors) dst[v0 + lane + 32 * i] = chunk[i];
-    }
+    warp_copy_row(dst, reinterpret_cast<const uint4*>(source + token * p.hidden), vectors, lane);
     for (int b = lane; b < blocks; b += 32) p.scales[b * p.capacity + row] = src_scales[b];
   }
 }
@@ -273,8 +260,8 @@ __global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__
   float m0 = 0.0f, m1 = 0.0f;
   for (int r = rq; r < rq + 32; ++r) {
     const std::uint32_t two = pair_at(r);
-    m0 = fmaxf(m0, fabsf(bf16_value(two & 0xffff)));
-    m1 = fmaxf(m1, fabsf(bf16_value(two >> 16)));
+    m0 = fmaxf(m0, fabsf(bf16_bits_value(two & 0xffff)));
+    m1 = fmaxf(m1, fabsf(bf16_bits_value(two >> 16)));
   }
   quarter_max[rq / 32][2 * cp] = m0;
   quarter_max[rq / 32][2 * cp + 1] = m1;
@@ -302,8 +289,8 @@ __global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const std::uint32_t two = pair_at(rq + 16 * j + 4 * k + i);
-        a[i] = inverse0(bf16_value(two & 0xffff));
-        b[i] = inverse1(bf16_value(two >> 16));
+        a[i] = inverse0(bf16_bits_value(two & 0xffff));
+        b[i] = inverse1(bf16_bits_value(two >> 16));
       }
       w0[k] = pack_e4m3x4(a[0], a[1], a[2], a[3]);
       w1[k] = pack_e4m3x4(b[0], b[1], b[2], b[3]);
@@ -330,7 +317,7 @@ __global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__
 #else
   const int c = threadIdx.x % kFp8Block, half = threadIdx.x / kFp8Block, r0 = 64 * half;
   float amax = 0.0f;
-  for (int r = r0; r < r0 + 64; ++r) amax = fmaxf(amax, fabsf(bf16_value(rows[r][c])));
+  for (int r = r0; r < r0 + 64; ++r) amax = fmaxf(amax, fabsf(bf16_bits_value(rows[r][c])));
   half_max[half][c] = amax;
   __syncthreads();
   amax = fmaxf(half_max[0][c], half_max[1][c]);
@@ -342,7 +329,7 @@ __global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__
   }
   const int e = fp8_scale_exponent(amax);
   const InverseScale inverse(e);
-  auto scaled = [&](int r) { return inverse(bf16_value(rows[r][c])); };
+  auto scaled = [&](int r) { return inverse(bf16_bits_value(rows[r][c])); };
   auto packed = [&](int j) {  // (rows r0 + 16 j ... + 15 of column c: 16 E4M3 bytes)
     std::uint32_t w[4];
 #pragma unroll

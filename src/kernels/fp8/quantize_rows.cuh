@@ -31,6 +31,13 @@ __device__ __forceinline__ QuantizedLane quantize_lane(uint2 bits) {
   return {pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3])), exp2_int(e)};
 }
 
+// A lane's uint2 of blocks b0 .. b0 + 3 of a row (x: the row's first, offset by the lane), the
+// loads in flight together; past the row's `blocks`, zeros (quantized to zeros of scale 1).
+__device__ __forceinline__ void load_four_blocks(const uint2* x, int b0, int blocks, uint2 (&bits)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) bits[j] = b0 + j < blocks ? x[(b0 + j) * 32] : make_uint2(0, 0);
+}
+
 // Tokens warp, warp + warps, ... of src ([tokens, hidden] bf16, hidden a multiple of 128) into
 // `out` (kernels/fp8/quantize.cuh's fp8_token_bytes layout), on every lane of the calling warps.
 __device__ inline void quantize_token_rows(const std::uint16_t* src, std::uint8_t* out, std::int64_t tokens, int hidden,
@@ -42,8 +49,7 @@ __device__ inline void quantize_token_rows(const std::uint16_t* src, std::uint8_
     std::uint32_t* values = reinterpret_cast<std::uint32_t*>(out + token * hidden) + lane;
     for (int b0 = 0; b0 < blocks; b0 += 4) {
       uint2 bits[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) bits[j] = b0 + j < blocks ? x[(b0 + j) * 32] : make_uint2(0, 0);  // loads in flight
+      load_four_blocks(x, b0, blocks, bits);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const QuantizedLane q = quantize_lane(bits[j]);  // (every lane: the warp max)
