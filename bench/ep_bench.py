@@ -221,8 +221,13 @@ def run_checks(d, p, args, ctx):
             out, extra[impl][ps] = outside_allocator(lambda: obj.outputs(ps), ctx.device)
             return fp8_check(out, ref[ps])
 
-        if impl in ctx.groups and p["hidden"] % 128 == 0 and p["intermediate"] % 128 == 0:  # (else no record)
+        if impl not in ctx.groups:
+            continue
+        if p["hidden"] % 128 == 0 and p["intermediate"] % 128 == 0:
             attempt(impl, lambda: MokEp(d, ctx.groups[impl], precision="fp8"), fp8_pass)
+        elif ctx.rank == 0:  # (no record: FP8 needs H and I multiples of 128)
+            print(f"  {p['name']} {impl}: skipped (FP8 needs hidden and intermediate multiples of 128; "
+                  f"{p['hidden']}, {p['intermediate']})", flush=True)
     ref.clear()  # (frees the reference outputs before timing)
     local = tb.TorchImpl(dict(d, ids=d["local_ids"]), tb.moe_eager)  # mok-compute's reference
 

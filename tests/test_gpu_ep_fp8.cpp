@@ -91,6 +91,12 @@ bool all_finite(const std::vector<bf16>& v) {
   return true;
 }
 
+bool all_finite(const std::vector<float>& v) {
+  for (const float x : v)
+    if (!std::isfinite(x)) return false;
+  return true;
+}
+
 // One saved tensor per rank of `elements` bf16 values, and its view.
 struct RankSaved {
   std::vector<std::unique_ptr<DeviceBuffer<bf16>>> buffers;
@@ -108,7 +114,7 @@ struct RankSaved {
 struct OneGpuFp8Step {
   std::vector<bf16> y, dx, gate, up, down;
   std::vector<float> dtw;
-  std::vector<double> sdown;
+  std::vector<double> sgate, sup, sdown;
 };
 
 OneGpuFp8Step one_gpu_fp8_step(const HostProblem& host, const std::vector<bf16>& dy, bool dgrad, bool wgrad) {
@@ -130,21 +136,39 @@ OneGpuFp8Step one_gpu_fp8_step(const HostProblem& host, const std::vector<bf16>&
     std::memcpy(out.data(), bytes.data(), bytes.size());
     return out;
   };
-  return {one.y.download(),      g.dx.download(),  as_bf16(g.d_gate), as_bf16(g.d_up), as_bf16(g.d_down),
-          g.d_weights.download(), GpuGrads::as_double(g.d_sdown, false)};
+  return {one.y.download(),
+          g.dx.download(),
+          as_bf16(g.d_gate),
+          as_bf16(g.d_up),
+          as_bf16(g.d_down),
+          g.d_weights.download(),
+          GpuGrads::as_double(g.d_sgate, false),
+          GpuGrads::as_double(g.d_sup, false),
+          GpuGrads::as_double(g.d_sdown, false)};
 }
 
 // The group's y and gradients against one GPU's: bitwise, but the shared expert's (each rank's
-// share is its tokens': their sum against one GPU's in fp64).
+// share is its tokens': their sum against one GPU's in fp64). Both sides' outputs start poisoned
+// with the same NaN bytes, so each is also checked finite: a region neither side writes would
+// otherwise compare equal.
 void expect_same_as_one_gpu(const EpProblem& p, const EpGrads& g, const OneGpuFp8Step& one) {
-  EXPECT_TRUE(same_bits(p.outputs(), one.y)) << "y";
-  EXPECT_TRUE(same_bits(EpGrads::concat(g.dx), one.dx)) << "dx";
-  EXPECT_TRUE(same_bits(EpGrads::concat(g.dtw), one.dtw)) << "d_topk_weights";
-  EXPECT_TRUE(same_bits(EpGrads::concat(g.d_gate), one.gate)) << "d_w_gate";
-  EXPECT_TRUE(same_bits(EpGrads::concat(g.d_up), one.up)) << "d_w_up";
-  EXPECT_TRUE(same_bits(EpGrads::concat(g.d_down), one.down)) << "d_w_down";
-  if (p.shape.has_shared())
+  const auto y = p.outputs(), dx = EpGrads::concat(g.dx), gate = EpGrads::concat(g.d_gate), up = EpGrads::concat(g.d_up),
+             down = EpGrads::concat(g.d_down);
+  const auto dtw = EpGrads::concat(g.dtw);
+  EXPECT_TRUE(same_bits(y, one.y)) << "y";
+  EXPECT_TRUE(same_bits(dx, one.dx)) << "dx";
+  EXPECT_TRUE(same_bits(dtw, one.dtw)) << "d_topk_weights";
+  EXPECT_TRUE(same_bits(gate, one.gate)) << "d_w_gate";
+  EXPECT_TRUE(same_bits(up, one.up)) << "d_w_up";
+  EXPECT_TRUE(same_bits(down, one.down)) << "d_w_down";
+  for (const auto& [name, v] : {std::pair{"y", &y}, {"dx", &dx}, {"d_w_gate", &gate}, {"d_w_up", &up}, {"d_w_down", &down}})
+    EXPECT_TRUE(all_finite(*v)) << name << ": unwritten or non-finite values";
+  EXPECT_TRUE(all_finite(dtw)) << "d_topk_weights: unwritten or non-finite values";
+  if (p.shape.has_shared()) {
+    testing::expect_close("d_shared_gate (sum over ranks)", EpGrads::summed(g.d_sgate), one.sgate, "shared");
+    testing::expect_close("d_shared_up (sum over ranks)", EpGrads::summed(g.d_sup), one.sup, "shared");
     testing::expect_close("d_shared_down (sum over ranks)", EpGrads::summed(g.d_sdown), one.sdown, "shared");
+  }
 }
 
 class EpFp8Cases : public ::testing::TestWithParam<EpCase> {};
@@ -236,35 +260,48 @@ TEST(EpFp8, TrainsBitwiseLikeOneGpu) {
 // (dh) and bf16 ones (weight gradients), dgate|dup quantized in the dh epilogue, the dx rows
 // pushed; the weight gradients in bf16, or in E4M3 after the launch (the four operands transposed
 // from the rank's own rows); every gradient bitwise equal to one GPU's FP8 forward and backward
-// with the same choices. (The last case: I > H, where w h^T misses the E4M3 dy rows' room.)
+// with the same choices. The forward pulls bf16 rows in some cases and E4M3 rows in the others,
+// with either weight gradients. (The last case: I > H, where w h^T misses the E4M3 dy rows' room.)
 TEST(EpFp8, SeparateLaunchesTrainWithTheFp8DgradBitwiseLikeOneGpu) {
   MOK_REQUIRE_HOPPER();
-  for (const bool wgrad : {false, true})
-  for (const EpCase& c : {EpCase{"", 4, 300, 256, 256, 16, 4, 128, 0.75f, RoutingKind::padded},
+  const EpCase cases[] = {EpCase{"", 4, 300, 256, 256, 16, 4, 128, 0.75f, RoutingKind::padded},
                           EpCase{"", 2, 200, 512, 384, 8, 2, 0, 0, RoutingKind::skewed},
                           EpCase{"", 1, 200, 256, 256, 8, 2, 0, 0, RoutingKind::uniform},
-                          EpCase{"", 2, 150, 128, 384, 4, 2, 0, 0, RoutingKind::uniform}}) {
-    SCOPED_TRACE("EP " + std::to_string(c.ep) + (wgrad ? ", FP8 weight gradients" : ", bf16 weight gradients"));
-    const EpProblem p(c, 71 + c.ep);
+                          EpCase{"", 2, 150, 128, 384, 4, 2, 0, 0, RoutingKind::uniform}};
+  for (const bool wgrad : {false, true})
+  for (int i = 0; i < 4; ++i) {
+    const EpCase& c = cases[i];
+    const bool e4m3 = wgrad != (i % 2 == 1);  // (each weight-gradient choice with both pulls)
+    SCOPED_TRACE("EP " + std::to_string(c.ep) + (wgrad ? ", FP8 weight gradients" : ", bf16 weight gradients") +
+                 (e4m3 ? ", E4M3 rows pulled" : ", bf16 rows pulled"));
+    EpProblem p(c, 71 + c.ep);  // (not const: the first of two steps uploads other tokens)
     const RankFp8Weights w(p);
     const auto dy = random_bf16(p.host.x.size(), 72 + c.ep);
     const EpGrads g(p, dy);
+    // (a first step on other tokens, routing and dy: rows or scales it left stale in the ranks'
+    // buffers would show in the second step's results)
+    const HostProblem other_host = make_problem(global_shape(c), c.tokens_per_rank * c.ep, c.routing, 91 + c.ep);
+    const EpGrads other(p, random_bf16(p.host.x.size(), 92 + c.ep));
 
     const OneGpuFp8Step one = one_gpu_fp8_step(p.host, dy, true, wgrad);
 
     Config config = fp8_config();
-    config.fp8_dgrad = true;        // (the ranks hold the FP8 dgrad's rows)
-    config.pull_fp8_rows = wgrad;   // (and, with the FP8 weight gradients, the forward pulls E4M3 rows)
+    config.fp8_dgrad = true;  // (the ranks hold the FP8 dgrad's rows)
+    config.pull_fp8_rows = e4m3;
     for (int call = 0; call < 2; ++call) {  // (the second group runs two steps: its rows reused)
       SCOPED_TRACE("call " + std::to_string(call));
       SeparateRanks group(p, Training::save, config);
       const RankSaved saved(p.ep, group.ranks[0]->saved_elements());
       const auto fa = w.args(p);
-      auto ba = g.args();
-      for (int r = 0; r < p.ep; ++r) ba[r].fp8 = w.dgrad[r], ba[r].fp8_weight_gradients = wgrad;
       for (int pass = 0; pass <= call; ++pass) {
+        const bool first_of_two = pass < call;
+        p.upload_tokens(first_of_two ? other_host : p.host, nullptr);
+        ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+        const EpGrads& gp = first_of_two ? other : g;
+        auto ba = gp.args();
+        for (int r = 0; r < p.ep; ++r) ba[r].fp8 = w.dgrad[r], ba[r].fp8_weight_gradients = wgrad;
         p.poison_outputs();
-        g.poison();
+        gp.poison();
         for (int r = 0; r < p.ep; ++r) group.ranks[r]->forward(fa[r], group.streams[r], saved.views[r]);
         for (int r = 0; r < p.ep; ++r) group.ranks[r]->backward(fa[r], ba[r], group.streams[r], saved.views[r]);
         group.check();
@@ -272,6 +309,33 @@ TEST(EpFp8, SeparateLaunchesTrainWithTheFp8DgradBitwiseLikeOneGpu) {
       expect_same_as_one_gpu(p, g, one);
     }
   }
+}
+
+// One EpRank step small enough for compute-sanitizer (scripts/gpu_check.sh --part epfp8): the
+// rank path's own buffers — the FP8 dgrad rows held from construction, the weight gradients'
+// operands in the rank's dead rooms, E4M3 rows from the exchange — with one rank, so no kernel
+// waits for a peer's (the sanitizers may run kernels one at a time).
+TEST(EpFp8, OneRankFp8TrainingStepSmall) {
+  MOK_REQUIRE_HOPPER();
+  const EpCase c{"", 1, 64, 256, 128, 8, 2, 128, 0.75f, RoutingKind::padded};
+  const EpProblem p(c, 95);
+  const RankFp8Weights w(p);
+  const auto dy = random_bf16(p.host.x.size(), 96);
+  const EpGrads g(p, dy);
+  Config config = fp8_config();
+  config.fp8_dgrad = true;
+  config.pull_fp8_rows = true;
+  SeparateRanks group(p, Training::save, config);
+  const RankSaved saved(1, group.ranks[0]->saved_elements());
+  const auto fa = w.args(p);
+  auto ba = g.args();
+  ba[0].fp8 = w.dgrad[0], ba[0].fp8_weight_gradients = true;
+  p.poison_outputs();
+  g.poison();
+  group.ranks[0]->forward(fa[0], group.streams[0], saved.views[0]);
+  group.ranks[0]->backward(fa[0], ba[0], group.streams[0], saved.views[0]);
+  group.check();
+  expect_same_as_one_gpu(p, g, one_gpu_fp8_step(p.host, dy, true, true));
 }
 
 // Separate launches (EpRank on streams of this GPU), with the rows pulled once per pair, each peer

@@ -640,7 +640,9 @@ TEST(ScratchLayout, RankFp8RowsAndOperandsNeverOverlap) {
         EXPECT_TRUE(rs[i].end <= rs[j].begin || rs[j].end <= rs[i].begin)
             << what << ": " << rs[i].name << " overlaps " << rs[j].name;
   };
-  const std::uintptr_t base = std::uintptr_t{1} << 40, dx = std::uintptr_t{2} << 40, dy_rows = std::uintptr_t{3} << 40;
+  // (the sources where the workspace puts them: the bf16 dy rows right before the dx rows in its slot
+  // buffer — Workspace::dy_routed(), dx_rows() — and the x rows and w h in buffers of their own)
+  const std::uintptr_t base = std::uintptr_t{1} << 40, slots = std::uintptr_t{2} << 40;
   const std::uintptr_t x_rows = std::uintptr_t{4} << 40, hidden = std::uintptr_t{5} << 40;
   for (std::int64_t rows : {128, 1024, 4224})
     for (std::int64_t H : {128, 512, 7168})
@@ -649,6 +651,7 @@ TEST(ScratchLayout, RankFp8RowsAndOperandsNeverOverlap) {
           if (cap > rows) continue;
           const std::string what = "rows " + std::to_string(rows) + " H " + std::to_string(H) + " I " +
                                    std::to_string(I) + " capacity " + std::to_string(cap);
+          const std::uintptr_t dy_rows = slots, dx = slots + 2 * rows * H;
           const std::int64_t bytes = detail::rank_fp8_dgrad_bytes(rows, H, I), rb = cap / 128;
           const std::int64_t stride = kernels::wgrad_exponent_stride(cap);
           auto inside = [&](const Region& r) {

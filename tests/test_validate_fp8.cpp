@@ -75,6 +75,10 @@ TEST(Validate, Fp8WeightsAndWorkspace) {
                "comm_sms = 2, ring_rows = 0");
   ring.comm_sms = 0, ring.ring_rows = 4096;
   expect_error([&] { VirtualRanks(ep, 8, ring); }, "argument 'config.ring_rows': must be 0 with Precision::fp8");
+  Config virtual_dgrad = fp8;  // (rows every virtual rank would hold and no call could read)
+  virtual_dgrad.fp8_dgrad = true;
+  expect_error([&] { VirtualRanks(ep, 8, virtual_dgrad); },
+               "mok::VirtualRanks: argument 'config.fp8_dgrad': the FP8 dgrad of an EP group runs in mok::EpRank");
   Config rows_without_fp8;
   rows_without_fp8.fp8_dgrad = true;
   expect_error([&] { validate(rows_without_fp8); },

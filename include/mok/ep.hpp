@@ -97,7 +97,10 @@ class VirtualRanks {
 // call; afterwards the ranks synchronise on the device only (call numbers kept in the
 // region, flags between ranks, every wait bounded and naming its peer), so forward and
 // backward are stream-ordered and survive CUDA-graph capture. Results are bitwise equal to
-// VirtualRanks and to one GPU.
+// VirtualRanks and to one GPU. Every rank of a group must be made with the same shape, T, Config
+// and training: the region's layout follows them (Config::pull_fp8_rows, for one, decides how a
+// rank lays out its tokens for its peers and how it reads theirs), and nothing on the device can
+// tell a mismatch (mok.ep checks this across the ranks; a C++ caller must).
 class EpRank {
  public:
   static std::int64_t region_bytes(const MoeShape& shape, std::int64_t tokens_per_rank);

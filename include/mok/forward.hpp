@@ -124,6 +124,8 @@ class Workspace {
   float* dw_partial() const { return dw_partial_; }  // [capacity, ceil(I / 256)]
 
   // An EP rank's own buffers (null on one GPU, whose calls take scratch).
+  // (Precision::fp8: during the forward these hold the E4M3 rows and their scales instead —
+  // detail::rank_fp8_forward_buffers; the backward pulls bf16 x rows into x_routed again)
   void* x_routed() const { return x_routed_; }  // [capacity, H] bf16: routed rows in plan order
   void* hidden() const { return hidden_; }      // [capacity, I] bf16
   std::uint16_t* slots() const { return slots_; }  // [capacity, H] bf16 result rows, then [T_pad, H] of the shared expert

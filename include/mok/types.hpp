@@ -76,11 +76,13 @@ void validate(const MoeShape& shape);
 // The arithmetic of the routed experts' GEMMs. fp8: E4M3 operands with DeepSeek-V3's blockwise
 // power-of-two scales (x and h per 1 x 128 of a row, weights per 128 x 128; mok/fp8.hpp), fp32
 // accumulation promoted every 128 of K; the shared expert, outputs and gradients stay bf16 /
-// fp32. fp8 is, for now, one GPU's, with H and I multiples of 128; the routed weights come
-// quantized (ForwardArgs::fp8, mok::fp8::quantize_weights). Training (Training::save): the
-// backward is the BF16 one, on the FP8 forward's saved pre-activations and the bf16 weights
-// (reference::backward_fp8 with fp8_dgrad = false), or with BackwardArgs::fp8 its dgrad GEMMs
-// in E4M3 too (fp8_dgrad = true; the weight gradients stay bf16 GEMMs).
+// fp32. fp8 needs H and I multiples of 128; it runs on one GPU and in EP groups (VirtualRanks,
+// EpRank; not with the ring); the routed weights come quantized (ForwardArgs::fp8,
+// mok::fp8::quantize_weights). Training (Training::save): the backward is the BF16 one, on the
+// FP8 forward's saved pre-activations and the bf16 weights (reference::backward_fp8 with
+// fp8_dgrad = false), or with BackwardArgs::fp8 its dgrad GEMMs in E4M3 too (fp8_dgrad = true;
+// one GPU and EpRank), and with BackwardArgs::fp8_weight_gradients the weight-gradient GEMMs as
+// well (docs/fp8.md).
 enum class Precision { bf16, fp8 };
 const char* precision_name(Precision precision);
 
@@ -126,10 +128,12 @@ struct Config {
                                        // yet measured, hence off
   bool fp8_dgrad = false;              // EP ranks of Precision::fp8 with Training::save: hold the FP8
                                        // dgrad's rows from construction (E4M3 dy and dgate|dup rows and
-                                       // their scales, capacity x (H + 2I) x 33 / 32 bytes, and the FP8
-                                       // weight gradients' exponents), so that their backward may take
-                                       // BackwardArgs::fp8 (EpRank; an allocation between the ranks'
-                                       // launches could wait for a kernel that waits for a peer). One
+                                       // their scales, capacity x (H + 2I) x 33 / 32 bytes, the FP8
+                                       // weight gradients' exponents, and where w h^T misses the E4M3
+                                       // dy rows' room — I above about H — capacity x I bytes more for
+                                       // it), so that their backward may take BackwardArgs::fp8 (EpRank;
+                                       // an allocation between the ranks' launches could wait for a
+                                       // kernel that waits for a peer; VirtualRanks refuse it). One
                                        // GPU's calls take them from their scratch
   bool replay_launches = true;         // one GPU: a call whose pointers, shapes and T repeat (a training
                                        // loop's) is enqueued as one launch of a CUDA graph of its

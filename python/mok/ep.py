@@ -93,8 +93,10 @@ class ExpertParallel:
         """The EpRank for this shape, token count and precision (collective on first use);
         w_down [E_l, H, I]; fp8_dgrad (precision "fp8", training): one that holds the FP8
         dgrad's rows (mok::Config::fp8_dgrad). precision None (a bf16 backward, after either
-        precision's forward): the rank a forward of this shape made, an fp8 one if there is one,
-        else a bf16 one (every rank of the group holds the same ranks: they make the same calls)."""
+        precision's forward): any rank of this shape serves it — it re-plans from the routing and
+        reads only the saved tensor, whose layout is the same in both precisions — so an existing
+        one, an fp8 one first (a new rank would be a collective set-up and more memory), else a
+        bf16 one (every rank of the group holds the same ranks: they make the same calls)."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -113,12 +115,16 @@ class ExpertParallel:
                                "capturing a CUDA graph")
         if E_l * self.world != num_experts:
             raise ValueError(f"mok.ep: {self.world} ranks x {E_l} local experts != num_experts = {num_experts}")
-        keys = [None] * self.world  # every rank must set up the same shape and token count
-        dist.all_gather_object(keys, key[1:], group=self.group)
+        # Every rank must set up the same shape and token count, and lay out its tokens for its peers
+        # alike (E4M3 rows or bf16 ones: each rank reads its peers' regions as its own is written).
+        keys = [None] * self.world
+        e4m3 = precision == "fp8" and self.pull_fp8_rows
+        dist.all_gather_object(keys, key[1:] + (e4m3,), group=self.group)
         if any(k != keys[0] for k in keys):
-            raise ValueError(f"mok.ep: the ranks called the layer with different shapes or token counts "
-                             f"(T, H, I, E, E_l, k, I_s, limit, training, precision, FP8 dgrad per rank: {keys}); pad every "
-                             f"rank to one T")
+            raise ValueError(f"mok.ep: the ranks called the layer with different shapes, token counts or settings "
+                             f"(T, H, I, E, E_l, k, I_s, limit, training, precision, FP8 dgrad, E4M3 rows pulled per "
+                             f"rank: {keys}); pad every rank to one T, and make the group with the same arguments "
+                             f"everywhere")
         nbytes = _C.ep_region_bytes(H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, T)
         region = symm_mem.empty(nbytes, dtype=torch.uint8, device=x.device)
         region.zero_()

@@ -250,7 +250,8 @@ NB_MODULE(_C, m) {
                              rank.forward(a, stream, saved);
                            });
 
-  // The FP8 forward of an EP rank made with precision="fp8" (its backward: ep_backward, bf16).
+  // The FP8 forward of an EP rank made with precision="fp8" (its backward: ep_backward, in bf16 or,
+  // given fp8_dgrad, with the FP8 dgrad and optionally FP8 weight gradients).
   def_forward_fp8<mok::EpRank>(m, "ep_forward_fp8", "rank", "mok.ep_forward_fp8",
                                [](mok::EpRank& rank, const mok::ForwardArgs& a, cudaStream_t stream,
                                   const std::optional<mok::TensorView>& saved,

@@ -80,6 +80,9 @@ VirtualRanks::VirtualRanks(const MoeShape& shape, std::int64_t tokens_per_rank, 
   if (config.pull_tokens_once)
     throw_argument_error(kWhere, "config.pull_tokens_once", "is for EpRank (ranks on other GPUs); virtual ranks share "
                          "one GPU's memory and pull nothing across a fabric");
+  if (config.fp8_dgrad)  // (its rows would be held by every rank and never read)
+    throw_argument_error(kWhere, "config.fp8_dgrad", "the FP8 dgrad of an EP group runs in mok::EpRank (one launch "
+                         "cannot hold virtual ranks' FP8 parameters); virtual ranks run the bf16 backward");
   const std::int64_t T = tokens_per_rank, k = shape.top_k, H = shape.hidden;
   for (int r = 0; r < ep; ++r) {
     auto rank = std::make_unique<Rank>();

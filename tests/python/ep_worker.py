@@ -2,7 +2,7 @@
 builds the same global problem, computes its part with mok.ep, and compares with one GPU
 computing every token with every expert (mok.moe): forward bitwise, gradients bitwise for
 x, topk_weights and its experts' weights, through mok.ep.moe and through mok.MoE(group=...),
-in bf16 and with precision="fp8".
+in bf16 and with precision="fp8" (the FP8 gradients finite too).
 Exits non-zero on any mismatch."""
 
 import os
@@ -89,7 +89,13 @@ def main():
     x8, ids8, w8, gate8, up8, down8, _ = random_problem(T * world, H, 256, E, k, 0, seed=7, device=device,
                                                         dtype=torch.bfloat16, padding=0.1)
     e4m3 = mok.ep.ExpertParallel(pull_fp8_rows=True)  # (peers pull E4M3 rows, quantized once by their owner)
-    for dgrad, wgrad, fp8_group in ((False, False, group), (True, False, group), (True, True, e4m3)):
+    one_gpu = {}  # (dgrad, wgrad): one GPU's y and gradients, for the module below
+
+    def differs(got, want):  # (not bitwise equal, or not finite: unwritten memory would be either)
+        return (got is None or not torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+                or not torch.isfinite(got.float()).all())
+
+    for dgrad, wgrad, fp8_group in ((False, False, group), (True, False, e4m3), (True, True, group), (True, True, e4m3)):
         mok.set_fp8_weight_gradients(wgrad)
         how = f" (FP8 dgrad, {'FP8' if wgrad else 'bf16'} weight gradients)" if dgrad else ""
         how += " (E4M3 rows pulled)" if fp8_group is e4m3 else ""
@@ -97,6 +103,7 @@ def main():
         ya = mok.moe(xa, ids8, wa, ga, ua, da, precision="fp8",
                      fp8_experts=mok.fp8.quantize_experts(gate8, up8, down8, dgrad=dgrad))
         ya.backward(dy)
+        one_gpu[dgrad, wgrad] = (ya.detach(), xa.grad, wa.grad, ga.grad, ua.grad, da.grad)
         mine_experts = [t[experts].contiguous() for t in (gate8, up8, down8)]
         q8 = mok.fp8.quantize_experts(*mine_experts, dgrad=True) if dgrad else None
         with torch.no_grad():
@@ -110,8 +117,30 @@ def main():
                                 ("dx", xb.grad, xa.grad[mine]), ("d_topk_weights", wb.grad, wa.grad[mine]),
                                 ("d_w_gate", gb.grad, ga.grad[experts]), ("d_w_up", ub.grad, ua.grad[experts]),
                                 ("d_w_down", db.grad, da.grad[experts])):
-            if got is None or not torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)):
+            if differs(got, want):
                 failures.append(f"rank {rank}: FP8 {name}{how} differs from one GPU")
+
+    # The module in fp8: mok.MoE(group=..., precision="fp8") quantizes this rank's experts itself
+    # (cached), with the FP8 dgrad (and FP8 weight gradients) or without.
+    for fp8_dgrad, fp8_group in ((False, group), (True, e4m3)):
+        mok.set_fp8_weight_gradients(True)
+        layer8 = mok.MoE(H, 256, E, k, router=None, group=fp8_group, precision="fp8", fp8_dgrad=fp8_dgrad,
+                         device=device)
+        with torch.no_grad():
+            for param, full in ((layer8.w_gate, gate8), (layer8.w_up, up8), (layer8.w_down, down8)):
+                param.copy_(full[experts])
+        xc = x8[mine].detach().clone().requires_grad_()
+        yc = layer8(xc, ids8[mine].contiguous(), w8[mine].contiguous())
+        yc.backward(dy[mine].contiguous())
+        fp8_group.check()
+        y_want, dx_want, _, dg_want, du_want, dd_want = one_gpu[fp8_dgrad, fp8_dgrad]
+        for name, got, want in (("forward", yc.detach(), y_want[mine]), ("dx", xc.grad, dx_want[mine]),
+                                ("d_w_gate", layer8.w_gate.grad, dg_want[experts]),
+                                ("d_w_up", layer8.w_up.grad, du_want[experts]),
+                                ("d_w_down", layer8.w_down.grad, dd_want[experts])):
+            if differs(got, want):
+                failures.append(f"rank {rank}: mok.MoE(group=..., precision='fp8', fp8_dgrad={fp8_dgrad}) {name} "
+                                "differs from one GPU")
     mok.set_fp8_weight_gradients(True)
 
     dist.barrier()

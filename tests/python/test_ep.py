@@ -218,3 +218,24 @@ def test_fp8_in_a_group_is_checked(single_process_group, monkeypatch):
     assert y.shape == (T, H) and asked == [True]
     y.float().sum().backward()
     assert layer.w_down.grad.shape == layer.w_down.shape and xg.grad.shape == xg.shape
+
+
+def _ranks_with_different_e4m3_pulls(rank, world):
+    """One process of a gloo pair: rank 0's group pulls E4M3 rows, rank 1's bf16 ones. Each rank
+    lays out its tokens for its peers as its own setting says and reads theirs the same way, so
+    the first FP8 call must refuse before anything is set up (the exchange would read garbage)."""
+    torch.cuda.is_current_stream_capturing = lambda: False  # (a CPU build of PyTorch raises there)
+    group = mok.ep.ExpertParallel(pull_fp8_rows=rank == 0)
+    T, H, I, E_l = 8, 128, 128, 2
+    x, w_down = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(E_l, H, I, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="E4M3 rows pulled"):
+        group.rank_for(x, w_down, E_l * world, 2, 0, None, False, precision="fp8")
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_a_group_whose_ranks_pull_rows_differently_is_refused():
+    sys.path.insert(0, HERE)
+    from process_group import run_in_two_processes
+
+    run_in_two_processes(_ranks_with_different_e4m3_pulls)

@@ -206,3 +206,19 @@ def _ep_rank(rank, world):
 @gloo
 def test_torch_ep_and_torch_compiled_ep_match_moe_torch_ep_in_two_processes():
     run_in_two_processes(_ep_rank)
+
+
+def test_fp8_check_carries_the_worst_rel_and_cos_that_run_preset_gathers():
+    """run_preset reads checks[impl][pass]["rel"] and ["cos"] of every implementation that ran
+    (gathered over the ranks): mok-ep-fp8's fp8_check must carry them as check_outputs does."""
+    import mok_impls
+
+    gen = torch.Generator().manual_seed(3)
+    ref = {"y": torch.randn(64, H, generator=gen), "dx": torch.randn(64, H, generator=gen)}
+    out = {"y": ref["y"] * 1.001, "dx": ref["dx"] + 0.05 * torch.randn(64, H, generator=gen)}
+    fp8, bf16 = mok_impls.fp8_check(out, ref), ep_layers.check_outputs(out, ref)
+    for c in (fp8, bf16):
+        assert {"passed", "rel", "cos", "tensors"} <= set(c)
+    assert fp8["rel"] == max(t["rel"] for t in fp8["tensors"].values()) == fp8["tensors"]["dx"]["rel"]
+    assert fp8["cos"] == min(t["cos"] for t in fp8["tensors"].values()) == fp8["tensors"]["dx"]["cos"]
+    assert fp8["passed"] and fp8["cos"] < 1.0

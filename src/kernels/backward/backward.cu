@@ -276,7 +276,7 @@ __device__ void bwd_run_comm(const BackwardParams& p, const RingSources& sources
 
 // The backward as a policy of the persistent skeleton (kernels/common/skeleton.cuh): one rank's
 // backward on CTAs cta = 0 .. ctas - 1 of those serving it.
-// Q: BackwardParams, or Fp8BackwardParams (the FP8 dgrad: one GPU, no ring). kRoutedWeights
+// Q: BackwardParams, or Fp8BackwardParams (the FP8 dgrad: one GPU or an EpRank, no ring). kRoutedWeights
 // false (Fp8BackwardParams::routed_weights; a kernel of its own, so that the default one's code
 // is as it was): no routed weight-gradient task.
 template <bool kRing, typename Q = BackwardParams, bool kRoutedWeights = true>
@@ -289,7 +289,7 @@ struct BackwardKernel {
   static constexpr int kProducerRegs = kFp8Dgrad<Q> ? 40 : 56, kConsumerRegs = kFp8Dgrad<Q> ? 232 : 224;
   static constexpr int kStageReaders = kConsumerWarpgroups;  // both warpgroups read every stage
   using P = Q;
-  static_assert(!kRing || !kFp8Dgrad<Q>, "the FP8 dgrad runs on one GPU");
+  static_assert(!kRing || !kFp8Dgrad<Q>, "the FP8 dgrad runs without the ring");
 
   __device__ static bool stalled(const P& q) { return base_of(q).ep.stalled; }
   __device__ static bool inputs_valid(const P& q, int cta, int ctas) {

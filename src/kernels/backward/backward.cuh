@@ -134,7 +134,7 @@ __host__ __device__ inline int col_end(const BackwardParams& p) {
 
 void launch_backward(const BackwardParams& params, int num_ctas, cudaStream_t stream, const RingSources& sources = {});
 
-// Precision::fp8 with its dgrad (one GPU, no ring): the routed dh and dx tiles in E4M3 with
+// Precision::fp8 with its dgrad (one GPU or an EpRank; no ring): the routed dh and dx tiles in E4M3 with
 // DeepSeek-V3's blockwise scaling (the FP8 forward's mainloop, kernels/fp8/mainloop_fp8.cuh);
 // the weight gradients, the shared expert and the combine as the BF16 kernel.
 struct Fp8DgradMaps {
@@ -145,7 +145,7 @@ struct Fp8DgradMaps {
 };
 
 struct Fp8BackwardParams {
-  BackwardParams base;  // (no EP, no ring)
+  BackwardParams base;  // (no ring; base.ep set in an EpRank: pushes and peer waits as the BF16 kernel's)
   Fp8DgradMaps maps;
   std::int64_t capacity;               // plan rows: the stride of the row scales
   const float* dy_scales;              // [H / 128, capacity]: row r's block b scale (a power of two)
@@ -179,7 +179,8 @@ struct Fp8WgradMaps {
 __host__ __device__ inline std::int64_t wgrad_exponent_stride(std::int64_t capacity) { return capacity / kFp8BlockK + 1; }
 
 struct Fp8WgradParams {
-  BackwardParams base;  // the call's (no EP, no ring): its routed gradients, plan, status and waits
+  BackwardParams base;  // the call's (no ring): its routed gradients, plan, status and waits (in an
+                        // EpRank base.ep too: the kernel's waits read its peers' plan flags)
   Fp8WgradMaps maps;
   std::int64_t capacity;               // plan rows, a multiple of 128
   const float* dy_t_scales;            // [capacity / 128, H]: channel h of row block b: 2^e
