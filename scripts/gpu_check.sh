@@ -385,11 +385,12 @@ extra=()
 junit=()
 
 # compute-sanitizer memcheck, racecheck and synccheck on one small test case: sanitize BINARY
-# CASE [SECONDS] (BINARY under $build/tests; a failure marks the run failed).
+# CASE [SECONDS [TOOLS]] (BINARY under $build/tests; SECONDS a tool; TOOLS a space-separated
+# subset; a failure marks the run failed).
 sanitize() {
-  local binary=$1 small_case=$2 limit=${3:-150} tool outcome log
+  local binary=$1 small_case=$2 limit=${3:-150} tools=${4:-memcheck racecheck synccheck} tool outcome log
   sanitized=$((sanitized + 1))
-  for tool in memcheck racecheck synccheck; do
+  for tool in $tools; do
     log="$LOG/sanitizer_${sanitized}_${binary}_$tool.log"  # (numbered: a binary may have several cases)
     if timeout "$limit" compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/$binary \
          --gtest_filter="$small_case" > "$log" 2>&1; then outcome=passed; else outcome=failed; test_rc=1; fi
@@ -493,12 +494,13 @@ if [ "$part" = epfp8 ]; then  # FP8 under expert parallelism (issue 19, 2026-12-
   # and the one-GPU FP8 tests against the recipe (the EP tests compare with one GPU's FP8 path,
   # which shares the row quantization and the forward kernel's template with them)
   ctest_run 3 -j4 -R "EpFp8|^Ep|Validate|^Fp8Forward|^Fp8Backward|^Fp8Wgrad|^Fp8Quantize|ScratchLayout" || test_rc=1
-  env PYTHONPATH="$PWD/$build/pkg" python3 -m pytest -q tests/python/test_ep.py tests/python/test_ep_bench.py \
+  # (the sanitizers before pytest, each bounded: the part's worst case stays inside a 600-s call)
+  sanitize test_gpu_ep_fp8 EpFp8/EpFp8Cases.ForwardBitwiseEqualsOneGpuFp8/ep4_small_shared_padded_clamp 120
+  sanitize test_gpu_ep_fp8 EpFp8.OneRankFp8TrainingStepSmall 120 memcheck
+  env PYTHONPATH="$PWD/$build/pkg" timeout 200 python3 -m pytest -q tests/python/test_ep.py tests/python/test_ep_bench.py \
     tests/python/test_fp8_layer.py --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
   tail -1 "$LOG/pytest.log"
   [ "$(nvidia-smi -L | grep -c "^GPU")" -ge 2 ] || echo "(one GPU: the torchrun EP worker ran as a group of one process)"
-  sanitize test_gpu_ep_fp8 EpFp8/EpFp8Cases.ForwardBitwiseEqualsOneGpuFp8/ep4_small_shared_padded_clamp 150
-  sanitize test_gpu_ep_fp8 EpFp8.OneRankFp8TrainingStepSmall 120
   junit=("$LOG/ctest.xml" "$LOG/pytest.xml")
 fi
 
