@@ -194,6 +194,12 @@ __global__ void __launch_bounds__(kThreads) gather_fp8_rows_kernel(const __grid_
 // (diagnostic builds, bench/NOTES.md) A tile's E4M3 transpose staged in shared memory, column c's
 // 128 bytes at kStagedStride c, stored 16 bytes a thread and 8 threads a column: a warp writes 4
 // whole 128-byte column segments. column: the tile's first column's rows in values.
+#if defined(MOK_DIAG_QCOLS_STAGED) && defined(MOK_DIAG_QCOLS_PAIRS)
+#error "MOK_DIAG_QCOLS_STAGED and MOK_DIAG_QCOLS_PAIRS are separate variants (PAIRS stages its stores too)"
+#endif
+#if defined(MOK_DIAG_QCOLS_OCC5) && !defined(MOK_DIAG_QCOLS_STAGED)
+#error "MOK_DIAG_QCOLS_OCC5 bounds the staged variant's registers: define MOK_DIAG_QCOLS_STAGED with it"
+#endif
 #if defined(MOK_DIAG_QCOLS_STAGED) || defined(MOK_DIAG_QCOLS_PAIRS)
 constexpr int kStagedStride = kFp8Block + 16;  // bytes a staged column (16-byte aligned)
 __device__ __forceinline__ void store_staged(const std::uint8_t* staged, std::uint8_t* column, std::int64_t capacity) {
