@@ -236,6 +236,8 @@ __device__ __forceinline__ int mainloop(const P& p, S& s, Pipeline<kStages>& pip
     pipe.consumer_advance();
   }
   ptx::wgmma_wait_group<0>();
+  if constexpr (kTakeHeld)  // (no step: `previous` is still the held stage, whose stores may be reading it)
+    if (k_steps == 0 && previous >= 0 && leader) ptx::tma_store_wait_read();
   if constexpr (kKeepLast) return previous;
   if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
   return -1;

@@ -113,6 +113,9 @@ __device__ inline void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, 
   publish_hidden(p, pending_index);  // its store has also finished reading the staging
   std::uint16_t* gu = t.shared ? p.shared_saved_gu : p.saved_gu;
   if (gu) save_pre_activations<kSharedWindow>(p, s, acc, t, row0, wg, held);
+  // (without saves: a GEMM2 task just before this one — Config::interleave_rows — published no h,
+  // and its slot rows' TMA stores may still be reading the staging)
+  else if (tid == 0) tma_store_wait_read();
   sync_warpgroup(wg);
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
 #pragma unroll
