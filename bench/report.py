@@ -136,7 +136,13 @@ def layer_table(records):
         me, base, eager = "mok-ep", "torch-compiled-ep", "torch-ep"
         ratios = [(f"{me} / {base}", me, base), (f"{me} / {eager}", me, eager),
                   (f"mok-compute time / {me} time", me, "mok-compute")]
-        order = EP_IMPLS
+        # mok-ep's variants (ring SM counts, FP8 with bf16 or E4M3 pulls): a column each, after the
+        # four, and their ratios to the compiled baseline and to mok-ep
+        variants = sorted({r["impl"] for r in records if r["impl"].startswith("mok-ep") and r["impl"] not in EP_IMPLS})
+        ratios += [(f"{v} / {base}", v, base) for v in variants] + [(f"{v} / {me}", v, me) for v in variants]
+        if {"mok-ep-fp8", "mok-ep-fp8-e4m3"} <= set(variants):
+            ratios.append(("mok-ep-fp8-e4m3 / mok-ep-fp8", "mok-ep-fp8-e4m3", "mok-ep-fp8"))
+        order = EP_IMPLS + tuple(variants)
     else:
         me, base, eager = "mok", "torch-compiled", "torch"
         ratios = [(f"mok / {base}", "mok", base), (f"mok-py / {base}", "mok-py", base), ("mok / torch", "mok", eager),

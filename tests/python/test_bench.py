@@ -151,6 +151,14 @@ def test_report_table_of_an_ep_run_compares_mok_ep_with_the_compiled_ep_baseline
     text = report.layer_table(records)
     assert "mok-ep / torch-compiled-ep" in text and "1.300" in text and "1.600" in text and "0.900" in text
     assert "EP = 2" in text and "| 150 |" in text
+    # mok-ep's FP8 variants: a column each and their ratios (to the baseline, to mok-ep, E4M3 pulls to bf16 ones)
+    records += [dict(base, impl=impl, **{"pass": ps}, ms=ms, ms_repeats=[ms, ms, ms], tflops=1000 / ms)
+                for ps in ("fwd", "fwd+bwd") for impl, ms in (("mok-ep-fp8", 8.0), ("mok-ep-fp8-e4m3", 6.4))]
+    text = report.layer_table(records)
+    assert "mok-ep-fp8 TFLOP/s" in text and "mok-ep-fp8-e4m3 TFLOP/s" in text
+    assert "mok-ep-fp8 / torch-compiled-ep" in text and "1.625" in text  # 13 / 8
+    assert "mok-ep-fp8 / mok-ep" in text and "1.250" in text  # 10 / 8
+    assert "mok-ep-fp8-e4m3 / mok-ep-fp8" in text and "| 1.250 |" in text  # 8 / 6.4
 
 
 def test_hf_bench_runs_both_backends_from_one_initialisation_on_cpu(tmp_path):
