@@ -23,7 +23,7 @@ python_tests() {  # $1: virtual environment, $2: optional pip constraints file
     python3 -m venv "$venv"
   fi
   "$venv/bin/pip" install -q --upgrade pip
-  "$venv/bin/pip" install -q "${constraints[@]}" "torch>=2.6" numpy pytest tqdm "transformers>=5" "nanobind>=2.0" \
+  "$venv/bin/pip" install -q "${constraints[@]}" "torch>=2.6" numpy pytest tqdm "transformers>=5" accelerate "nanobind>=2.0" \
     "scikit-build-core>=0.10" "cmake>=3.28" ninja
   "$venv/bin/pip" install -q --no-build-isolation --no-deps .
   echo "test.sh: Python tests with PyTorch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')" \

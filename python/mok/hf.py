@@ -14,6 +14,14 @@ weight changes.
 
 `gate_up_proj` goes to the kernel as it is (w_up None: the kernel reads its gate and up
 halves in place, and writes its gradient as one [E, 2I, H] tensor): no copy per call.
+
+Under transformers' expert parallelism (its EP plans shard the experts; each rank's experts
+module holds num_experts = its local experts, and the router marks the slots routed to other
+ranks with a sentinel id >= num_experts, their weights zeroed) a sentinel slot goes to mok.moe
+as -1, "no expert": it adds nothing and its routing weight gets a zero gradient, as in
+transformers' own grouped_mm path; the rank's partial output is then summed across ranks by
+transformers. (transformers' all-to-all and all-reduce run around the experts: mok.ep's fused
+dispatch and combine are not used there.)
 """
 
 from typing import Callable
@@ -36,16 +44,33 @@ def _expert_weights(module: torch.nn.Module):
     act = getattr(getattr(module, "config", None), "hidden_act", None)
     if act not in ("silu", "swish"):
         raise ValueError(f"mok.hf: {name} uses hidden_act = {act!r}; the fused layer is SwiGLU (needs 'silu')")
-    if getattr(module, "_is_expert_parallel", False):
-        raise ValueError(f"mok.hf: {name} is expert-parallel in transformers; not supported by this backend yet")
-    return module.gate_up_proj, None, module.down_proj
+    return _local(module.gate_up_proj), None, _local(module.down_proj)
+
+
+def _local(w):
+    """A parameter as a plain tensor: a DTensor's local shard (transformers' EP plans shard the
+    experts' weights; inside the experts forward they are usually local already)."""
+    to_local = getattr(w, "to_local", None)
+    return to_local() if callable(to_local) else w
+
+
+def _routing(module: torch.nn.Module, top_k_index: torch.Tensor, experts: int) -> torch.Tensor:
+    """top_k_index as mok.moe takes it. Under transformers' expert parallelism the slots routed to
+    other ranks carry a sentinel id >= the module's local expert count `experts`: -1 here (no
+    expert). transformers >= 5.2x flags such modules (`_is_expert_parallel`); without the flag
+    (older versions) its own grouped_mm forward skips ids >= num_experts alike, and so does this.
+    A module flagged not expert-parallel keeps its ids, so an out-of-range id is still an error."""
+    if getattr(module, "_is_expert_parallel", None) is False:
+        return top_k_index
+    return top_k_index.masked_fill(top_k_index >= experts, -1)
 
 
 def _experts_forward(layer: Callable) -> Callable:
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         w_gate, w_up, w_down = _expert_weights(self)
-        y = layer(self, hidden_states, top_k_index, top_k_weights.float(), w_gate, w_up, w_down)
+        ids = _routing(self, top_k_index, w_down.shape[0])
+        y = layer(self, hidden_states, ids, top_k_weights.float(), w_gate, w_up, w_down)
         return y.to(hidden_states.dtype)
 
     forward.__name__ = f"{layer.__name__}_experts_forward"

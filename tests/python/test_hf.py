@@ -120,3 +120,97 @@ def test_fp8_experts_are_close_to_bf16_on_gpu():
     assert torch.isfinite(f).all() and cos(f, b) > 0.99 and _rel(f, b) > 0
     for n in gb:
         assert torch.isfinite(gf[n]).all() and cos(gf[n], gb[n]) > 0.98, n
+
+
+def _rank_experts(experts, rank, ranks, flagged):
+    """Rank `rank` of `ranks` under transformers' expert parallelism, as its EP plan leaves the
+    experts module: its share of the weights, num_experts the local count, and (flagged True, as
+    transformers >= 5.2x marks it; None: a transformers without the flag) _is_expert_parallel."""
+    import copy
+
+    local = copy.deepcopy(experts)
+    E_l = experts.num_experts // ranks
+    mine = slice(rank * E_l, (rank + 1) * E_l)
+    local.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach()[mine].clone())
+    local.down_proj = torch.nn.Parameter(experts.down_proj.detach()[mine].clone())
+    local.num_experts = E_l
+    if flagged:
+        local._is_expert_parallel = True
+    elif "_is_expert_parallel" in vars(local):
+        del local._is_expert_parallel
+    return local
+
+
+@pytest.mark.parametrize("flagged", [True, None])
+def test_expert_parallel_ranks_add_up_to_the_whole_layer_on_cpu(flagged):
+    """Each rank's experts module sees every token with local ids and a sentinel (= its expert count)
+    where a slot's expert is another rank's, that slot's weight zeroed (transformers' EP router);
+    the glue's partial outputs summed over the ranks are the whole layer's output, and its weight,
+    x and routing-weight gradients the whole layer's (on the CPU, over mok.moe_torch)."""
+    experts = _models("qwen3_moe", ["mok_torch"], torch.float32, "cpu")[0].model.layers[0].mlp.experts
+    E, k, T, ranks = experts.num_experts, 2, 24, 2
+    E_l = E // ranks
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(T, experts.gate_up_proj.shape[2], generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen)
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    whole = mok.hf.mok_torch_experts_forward(experts, xa, ids, wa)
+    dy = torch.randn(whole.shape, generator=gen)
+    whole.backward(dy)
+    total, dx, dw = torch.zeros_like(whole), torch.zeros_like(x), torch.zeros_like(w)
+    for r in range(ranks):
+        local = _rank_experts(experts, r, ranks, flagged)
+        mine = ids // E_l == r
+        lids = torch.where(mine, ids % E_l, torch.full_like(ids, E_l))
+        xb, wb = x.clone().requires_grad_(), w.masked_fill(~mine, 0.0).requires_grad_()
+        part = mok.hf.mok_torch_experts_forward(local, xb, lids, wb)
+        part.backward(dy)
+        total += part.detach()
+        dx += xb.grad
+        dw += wb.grad.masked_fill(~mine, 0.0)  # (transformers masks the other ranks' slots)
+        assert torch.all(wb.grad[~mine] == 0), "a sentinel slot's weight got a gradient"
+        for name in ("gate_up_proj", "down_proj"):
+            torch.testing.assert_close(getattr(local, name).grad, getattr(experts, name).grad[r * E_l:(r + 1) * E_l],
+                                       rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r} {name}: {m}")
+    torch.testing.assert_close(total, whole.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx, xa.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dw, wa.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_module_flagged_not_expert_parallel_keeps_its_ids():
+    module = types.SimpleNamespace(_is_expert_parallel=False)
+    ids = torch.tensor([[0, 8], [3, 9]])
+    assert torch.equal(mok.hf._routing(module, ids, 8), ids)  # (mok.moe then reports id 8 as out of range)
+    module._is_expert_parallel = True
+    assert torch.equal(mok.hf._routing(module, ids, 8), torch.tensor([[0, -1], [3, -1]]))
+
+
+def _has_expert_parallel_config():
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return False
+    return "ep_size" in getattr(DistributedConfig, "__dataclass_fields__", {})
+
+
+@pytest.mark.skipif(not _has_expert_parallel_config(), reason="needs a transformers with DistributedConfig(ep_size=...)")
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+@pytest.mark.parametrize("implementation", ["all_reduce", "all_to_all"])
+def test_transformers_expert_parallelism_over_two_cpu_processes(implementation, tmp_path):
+    """The glue under transformers' own expert parallelism (its EP plans, router sentinels and
+    sharded experts; two gloo processes on the CPU, over mok.moe_torch): logits and expert
+    gradients as the whole model's with transformers' eager experts."""
+    pytest.importorskip("accelerate")  # (transformers loads a distributed model through it)
+    import os
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_config("qwen3_moe"), dtype=torch.float32).save_pretrained(tmp_path)
+    worker = os.path.join(os.path.dirname(__file__), "hf_ep_worker.py")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker,
+                          str(tmp_path), implementation], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count("match the whole model") == 2, run.stdout[-2000:]
