@@ -214,3 +214,29 @@ def test_transformers_expert_parallelism_over_two_cpu_processes(implementation, 
                           str(tmp_path), implementation], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count("match the whole model") == 2, run.stdout[-2000:]
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_expert_parallel_ranks_add_up_to_the_whole_layer_on_gpu():
+    """The fused kernel ("mok") on a rank's experts with transformers' sentinel ids: the ranks'
+    partial outputs add up to the whole layer's (bf16: each partial is rounded, so within bf16's
+    error), and a sentinel slot's routing weight gets an exactly zero gradient."""
+    experts = _models("qwen3_moe", ["mok"], torch.bfloat16, "cuda")[0].model.layers[0].mlp.experts
+    E, k, T, ranks = experts.num_experts, 2, 64, 2
+    E_l = E // ranks
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(T, experts.gate_up_proj.shape[2], generator=gen).bfloat16().cuda()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).cuda()
+    w = torch.rand(T, k, generator=gen).cuda()
+    whole = mok.hf.mok_experts_forward(experts, x, ids, w).float()
+    total = torch.zeros_like(whole)
+    for r in range(ranks):
+        local = _rank_experts(experts, r, ranks, True)
+        mine = ids // E_l == r
+        wb = w.masked_fill(~mine, 0.0).requires_grad_()
+        part = mok.hf.mok_experts_forward(local, x, torch.where(mine, ids % E_l, torch.full_like(ids, E_l)), wb)
+        part.float().pow(2).sum().backward()
+        mok.check()
+        assert torch.all(wb.grad[~mine] == 0) and torch.isfinite(part).all()
+        total += part.detach().float()
+    assert _rel(total, whole) < 1e-2, _rel(total, whole)
