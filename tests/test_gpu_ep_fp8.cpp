@@ -256,6 +256,34 @@ TEST(EpFp8, TrainsBitwiseLikeOneGpu) {
   }
 }
 
+// Separate launches (EpRank), the FP8 forward's bf16 backward (no BackwardArgs::fp8: what a rank
+// runs for experts below mok.fp8.dgrad_pays), with either pull: every gradient bitwise equal to one
+// GPU's FP8 forward + bf16 backward.
+TEST(EpFp8, SeparateLaunchesTrainWithTheBf16BackwardBitwiseLikeOneGpu) {
+  MOK_REQUIRE_HOPPER();
+  for (const EpCase& c : {EpCase{"", 4, 300, 256, 256, 16, 4, 128, 0.75f, RoutingKind::padded},
+                          EpCase{"", 2, 200, 512, 256, 8, 2, 0, 0, RoutingKind::skewed}})
+  for (const bool e4m3 : {false, true}) {
+    SCOPED_TRACE("EP " + std::to_string(c.ep) + (e4m3 ? ", E4M3 rows pulled" : ", bf16 rows pulled"));
+    const EpProblem p(c, 65 + c.ep);
+    const RankFp8Weights w(p);
+    const auto dy = random_bf16(p.host.x.size(), 66 + c.ep);
+    const EpGrads g(p, dy);
+    Config config = fp8_config();
+    config.pull_fp8_rows = e4m3;
+    SeparateRanks group(p, Training::save, config);
+    const RankSaved saved(p.ep, group.ranks[0]->saved_elements());
+    const auto fa = w.args(p);
+    const auto ba = g.args();
+    p.poison_outputs();
+    g.poison();
+    for (int r = 0; r < p.ep; ++r) group.ranks[r]->forward(fa[r], group.streams[r], saved.views[r]);
+    for (int r = 0; r < p.ep; ++r) group.ranks[r]->backward(fa[r], ba[r], group.streams[r], saved.views[r]);
+    group.check();
+    expect_same_as_one_gpu(p, g, one_gpu_fp8_step(p.host, dy, false, false));
+  }
+}
+
 // The FP8 dgrad in a group of separate launches (EpRank): the dy rows pulled once into E4M3 rows
 // (dh) and bf16 ones (weight gradients), dgate|dup quantized in the dh epilogue, the dx rows
 // pushed; the weight gradients in bf16, or in E4M3 after the launch (the four operands transposed
