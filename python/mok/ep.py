@@ -27,7 +27,8 @@ from mok.ops import call_layer
 class ExpertParallel:
     """The EP state of one process group: its symmetric regions and EpRanks, one per layer
     shape and token count (created on first use, collectively: every rank of the group must
-    make the same calls in the same order, with the same token count — pad to a fixed T).
+    make the same calls in the same order, with the same token count — pad to a fixed T, or let
+    `tokens` below do it).
 
     timeout_seconds bounds every wait on a peer inside the kernels (the wait starts when the
     GPU reaches it, so it must cover a peer's host-side pauses: checkpoints, evaluation).
@@ -46,14 +47,23 @@ class ExpertParallel:
     pushes to other ranks spread over the kernel instead of crowding its last third; the same
     bits either way. pull_fp8_rows (precision="fp8" layers; not with pull_tokens_once): each
     rank quantizes its own tokens once and its peers pull E4M3 rows (about half the bytes over
-    NVLink) instead of bf16 rows they quantize themselves; the same bits; not yet measured."""
+    NVLink) instead of bf16 rows they quantize themselves; the same bits; not yet measured.
+
+    tokens (optional): every call's token count T is padded to this one (rows of zeros with no
+    expert, -1, and weight 0; their outputs dropped, their gradients zero), so that calls of
+    varying T — a last, shorter batch; packed sequences of varying length — run on one EpRank
+    per layer shape, with no new collective set-up or memory and no host synchronisation. A
+    call with more tokens is refused. Without it, each new T makes a new rank (collectively,
+    on every rank of the group)."""
 
     def __init__(self, group=None, *, compute_sms: int = 0, timeout_seconds: float = 600.0, comm_sms: int = 0,
                  ring_rows: int = 0, minibatch_rows: int = 4096, pull_tokens_once: bool = False,
-                 interleave_rows: int = 0, pull_fp8_rows: bool = False):
+                 interleave_rows: int = 0, pull_fp8_rows: bool = False, tokens: Optional[int] = None):
         import torch.distributed as dist
 
         _check_ring(comm_sms, ring_rows, minibatch_rows)
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
+            raise ValueError(f"mok.ep.ExpertParallel: tokens must be None or an int >= 1, got {tokens!r}")
         if not isinstance(pull_tokens_once, bool):
             raise ValueError(f"mok.ep.ExpertParallel: pull_tokens_once must be a bool, got {pull_tokens_once!r}")
         if not isinstance(interleave_rows, int) or isinstance(interleave_rows, bool) or interleave_rows < 0 \
@@ -83,6 +93,7 @@ class ExpertParallel:
         self.comm_sms, self.ring_rows, self.minibatch_rows = comm_sms, ring_rows, minibatch_rows
         self.pull_tokens_once, self.interleave_rows = pull_tokens_once, interleave_rows
         self.pull_fp8_rows = pull_fp8_rows
+        self.tokens = tokens
         self._ranks: Dict[tuple, object] = {}
         self._regions: List[torch.Tensor] = []
         self.id = id(self)
@@ -123,8 +134,8 @@ class ExpertParallel:
         if any(k != keys[0] for k in keys):
             raise ValueError(f"mok.ep: the ranks called the layer with different shapes, token counts or settings "
                              f"(T, H, I, E, E_l, k, I_s, limit, training, precision, FP8 dgrad, E4M3 rows pulled per "
-                             f"rank: {keys}); pad every rank to one T, and make the group with the same arguments "
-                             f"everywhere")
+                             f"rank: {keys}); pad every rank to one T (mok.ep.ExpertParallel(tokens=...) does), and "
+                             f"make the group with the same arguments everywhere")
         nbytes = _C.ep_region_bytes(H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, T)
         region = symm_mem.empty(nbytes, dtype=torch.uint8, device=x.device)
         region.zero_()
@@ -172,6 +183,21 @@ def _check_ring(comm_sms, ring_rows, minibatch_rows) -> None:
                          f"{minibatch_rows}, got {ring_rows}")
 
 
+def _padded_tokens(group: ExpertParallel, x, topk_ids, topk_weights):
+    """(x, topk_ids, topk_weights) padded to group.tokens rows (zeros, no expert, weight 0), or None
+    when the group has no fixed token count or the call has exactly it; ValueError when it has more."""
+    P = group.tokens
+    if P is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] == P:
+        return None  # (bad arguments: the layer's checks name them)
+    T = x.shape[0]
+    if T > P:
+        raise ValueError(f"mok.ep.moe: x has {T} tokens, more than the group's tokens = {P} "
+                         f"(mok.ep.ExpertParallel(tokens=...), which every call is padded to)")
+    pad = P - T
+    ids = torch.cat([topk_ids, topk_ids.new_full((pad, topk_ids.shape[1]), -1)])
+    return (torch.nn.functional.pad(x, (0, 0, 0, pad)), ids, torch.nn.functional.pad(topk_weights, (0, 0, 0, pad)))
+
+
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
         w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
         swiglu_limit: Optional[float] = None, *, group: ExpertParallel, precision: str = "bf16",
@@ -191,6 +217,12 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     ring (comm_sms, ring_rows) is bf16 only."""
     if not isinstance(group, ExpertParallel):
         raise TypeError(f"mok.ep.moe: 'group' must be a mok.ep.ExpertParallel, got {type(group).__name__}")
+    padded = _padded_tokens(group, x, topk_ids, topk_weights)
+    if padded is not None:  # (ExpertParallel(tokens=...): this call's T < the group's)
+        T = x.shape[0]
+        y = moe(*padded, w_gate, w_up, w_down, shared, swiglu_limit, group=group, precision=precision,
+                fp8_experts=fp8_experts)
+        return y[:T]
     num_experts = w_gate.shape[0] * group.world if isinstance(w_gate, torch.Tensor) and w_gate.dim() > 0 else 0
     if precision == "fp8":
         from mok.fp8_layer import moe_fp8

@@ -44,14 +44,16 @@ def main():
                 failures.append(f"rank {rank}: forward call {call} differs from one GPU")
 
     # Training step: gradients against one GPU's, with the rows pulled once per pair (the
-    # default) and with each peer token pulled once (pull_tokens_once).
+    # default), with each peer token pulled once (pull_tokens_once), and with every call padded
+    # to a fixed token count (ExpertParallel(tokens=...): rows of no expert after this rank's).
     def leaves(*ts):
         return [t.detach().clone().requires_grad_() for t in ts]
 
     xa, wa, ga, ua, da = leaves(x, w, gate, up, down)
     ya = mok.moe(xa, ids, wa, ga, ua, da)
     ya.backward(dy)
-    for how, g in (("", group), (" (tokens pulled once)", mok.ep.ExpertParallel(pull_tokens_once=True))):
+    for how, g in (("", group), (" (tokens pulled once)", mok.ep.ExpertParallel(pull_tokens_once=True)),
+                   (" (padded to a fixed T + 40)", mok.ep.ExpertParallel(tokens=T + 40))):
         xb, wb, gb, ub, db = leaves(x[mine].contiguous(), w[mine].contiguous(), gate[experts].contiguous(),
                                     up[experts].contiguous(), down[experts].contiguous())
         yb = mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=g)

@@ -36,6 +36,9 @@ def test_needs_an_initialised_process_group():
                                               r"\(comm_sms = 8, ring_rows = 0\) pulls its own"),
     (dict(pull_fp8_rows=1), "pull_fp8_rows must be a bool, got 1"),
     (dict(pull_fp8_rows=True, pull_tokens_once=True), "pull_fp8_rows cannot be combined with pull_tokens_once"),
+    (dict(tokens=0), "tokens must be None or an int >= 1, got 0"),
+    (dict(tokens=True), "tokens must be None or an int >= 1, got True"),
+    (dict(tokens=64.0), "tokens must be None or an int >= 1, got 64.0"),
 ])
 def test_ring_arguments_are_checked_before_the_process_group(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -239,3 +242,43 @@ def test_a_group_whose_ranks_pull_rows_differently_is_refused():
     from process_group import run_in_two_processes
 
     run_in_two_processes(_ranks_with_different_e4m3_pulls)
+
+
+def test_a_fixed_token_count_pads_every_call_to_it(single_process_group, monkeypatch):
+    """ExpertParallel(tokens=P): a call of T < P tokens reaches the layer as P rows (zeros, no
+    expert, weight 0) and returns T rows; gradients flow to the T rows; T > P is refused."""
+    seen = []
+    layer = mok.ep.call_layer
+    monkeypatch.setattr(mok.ep, "call_layer", lambda x, ids, w, *a: seen.append((x, ids, w)) or layer(x, ids, w, *a))
+    m = dict(device="meta")
+    T, P, H, I, E, k = 10, 16, 128, 64, 4, 2
+    x = torch.empty(T, H, dtype=torch.bfloat16, **m).requires_grad_()
+    ids = torch.zeros(T, k, dtype=torch.int32, **m)
+    w = torch.empty(T, k, dtype=torch.float32, **m).requires_grad_()
+    gate = torch.empty(E, I, H, dtype=torch.bfloat16, **m)
+    down = torch.empty(E, H, I, dtype=torch.bfloat16, **m)
+    group = mok.ep.ExpertParallel(tokens=P)
+    y = mok.ep.moe(x, ids, w, gate, gate, down, group=group)
+    assert y.shape == (T, H) and [tuple(t.shape) for t in seen[0]] == [(P, H), (P, k), (P, k)]
+    y.float().sum().backward()
+    assert x.grad.shape == (T, H) and w.grad.shape == (T, k)
+    seen.clear()
+    assert mok.ep.moe(torch.empty(P, H, dtype=torch.bfloat16, **m), torch.zeros(P, k, dtype=torch.int32, **m),
+                      torch.empty(P, k, **m), gate, gate, down, group=group).shape == (P, H)
+    assert tuple(seen[0][0].shape) == (P, H)  # (exactly P: nothing padded)
+    with pytest.raises(ValueError, match="x has 17 tokens, more than the group's tokens = 16"):
+        mok.ep.moe(torch.empty(17, H, dtype=torch.bfloat16, **m), torch.zeros(17, k, dtype=torch.int32, **m),
+                   torch.empty(17, k, **m), gate, gate, down, group=group)
+    # the padding itself: zero rows, no expert, weight 0, after the call's own rows
+    xs, ids_s, ws = torch.randn(3, 4), torch.tensor([[1, 2], [0, -1], [3, 1]]), torch.rand(3, 2)
+    px, pids, pw = mok.ep._padded_tokens(types_group(5), xs, ids_s, ws)
+    assert torch.equal(px[:3], xs) and torch.all(px[3:] == 0)
+    assert torch.equal(pids[:3], ids_s) and torch.all(pids[3:] == -1) and pids.dtype == ids_s.dtype
+    assert torch.equal(pw[:3], ws) and torch.all(pw[3:] == 0)
+
+
+def types_group(tokens):
+    """A stand-in with the one field _padded_tokens reads."""
+    import types
+
+    return types.SimpleNamespace(tokens=tokens)
