@@ -205,17 +205,28 @@ struct MnMajor {
 // kernel (warning C7515). An empty sum (k_steps = 0) is zero.
 // Held stages (MOK_DIAG_WGRAD_HELD_STAGE, MOK_DIAG_GEMM2_HELD_STAGE): with kTakeHeld a stage
 // `held` (-1: none) that the previous task's epilogue staged into is handed back with this
-// loop's first hand-back, once the leader's TMA stores have read it; with kKeepLast this loop's
-// last stage is not handed back but returned, for the epilogue to stage into (release_held()).
+// loop's first hand-back, once the leader's TMA stores have read it (MOK_DIAG_HELD_LATE: with
+// its second, one step later, so that the wait for those stores is less likely to stall the
+// leader's next MMAs; the producer then refills it two steps ahead of its use instead of three);
+// with kKeepLast this loop's last stage is not handed back but returned, for the epilogue to stage
+// into (release_held()).
+#if defined(MOK_DIAG_HELD_LATE)
+inline constexpr bool kHeldLate = true;
+#else
+inline constexpr bool kHeldLate = false;
+#endif
 template <typename LayoutA, typename LayoutB, bool kKeepLast = false, bool kTakeHeld = kKeepLast, int kStages,
           typename P, typename S>
 __device__ __forceinline__ int mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                         int wg, int task, int held = -1) {
   constexpr int kBlockK = 64;
+  constexpr bool kLate = kTakeHeld && kHeldLate;
+  static_assert(!kLate || kStages >= 4, "a held stage handed back after step 1 is refilled for step kStages - 1");
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   const bool leader = threadIdx.x % 128 == 0;  // releases the warpgroup's stages
-  int previous = kTakeHeld ? held : -1;
+  int previous = kTakeHeld && !kLate ? held : -1;
+  [[maybe_unused]] int late = kLate ? held : -1;  // (MOK_DIAG_HELD_LATE: the held stage, until step 1)
   for (int kb = 0; kb < k_steps; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
     const auto& stage = s.stages[stage_index];
@@ -229,15 +240,30 @@ __device__ __forceinline__ int mainloop(const P& p, S& s, Pipeline<kStages>& pip
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // the previous stage's MMAs are done: hand it back
     if (previous >= 0 && leader) {
-      if (kTakeHeld && kb == 0) ptx::tma_store_wait_read();  // (a held stage: its stores have read it)
+      if (kTakeHeld && !kLate && kb == 0) ptx::tma_store_wait_read();  // (a held stage: its stores have read it)
       pipe.consumer_release(s.barriers, previous);
+    }
+    if constexpr (kLate) {
+      if (kb == 1 && late >= 0) {
+        if (leader) {
+          ptx::tma_store_wait_read();
+          pipe.consumer_release(s.barriers, late);
+        }
+        late = -1;
+      }
     }
     previous = stage_index;
     pipe.consumer_advance();
   }
   ptx::wgmma_wait_group<0>();
-  if constexpr (kTakeHeld)  // (no step: `previous` is still the held stage, whose stores may be reading it)
+  if constexpr (kLate) {  // (fewer than two steps: the held stage is still this warpgroup's)
+    if (late >= 0 && leader) {
+      ptx::tma_store_wait_read();
+      pipe.consumer_release(s.barriers, late);
+    }
+  } else if constexpr (kTakeHeld) {  // (no step: `previous` is still the held stage, whose stores may be reading it)
     if (k_steps == 0 && previous >= 0 && leader) ptx::tma_store_wait_read();
+  }
   if constexpr (kKeepLast) return previous;
   if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
   return -1;
