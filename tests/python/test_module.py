@@ -77,3 +77,13 @@ def test_load_balancing_loss():
     torch.testing.assert_close(uniform, torch.tensor(1.0))
     with pytest.raises(ValueError, match="'load_balancing' needs a router"):
         mok.MoE(64, 64, 4, 2, router=None, load_balancing=True)
+
+
+def test_activation_checkpointing_traces_through_the_layer():
+    # (meta tensors: the custom ops' fake implementations; the bits are checked on a GPU, test_gpu.py)
+    from torch.utils.checkpoint import checkpoint
+
+    layer = mok.MoE(128, 64, 8, 2, shared_intermediate=64, device="meta")
+    x = torch.empty(16, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).float().sum().backward()
+    assert x.grad.shape == x.shape and all(p.grad is not None and p.grad.shape == p.shape for p in layer.parameters())
