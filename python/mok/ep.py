@@ -187,7 +187,8 @@ def _padded_tokens(group: ExpertParallel, x, topk_ids, topk_weights):
     """(x, topk_ids, topk_weights) padded to group.tokens rows (zeros, no expert, weight 0), or None
     when the group has no fixed token count or the call has exactly it; ValueError when it has more."""
     P = group.tokens
-    if P is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] == P:
+    tensors = all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (x, topk_ids, topk_weights))
+    if P is None or not tensors or x.shape[0] == P:
         return None  # (bad arguments: the layer's checks name them)
     T = x.shape[0]
     if T > P:
