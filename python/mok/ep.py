@@ -188,7 +188,7 @@ def _padded_tokens(group: ExpertParallel, x, topk_ids, topk_weights):
     when the group has no fixed token count or the call has exactly it; ValueError when it has more."""
     P = group.tokens
     tensors = all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (x, topk_ids, topk_weights))
-    if P is None or not tensors or x.shape[0] == P:
+    if P is None or not tensors or x.shape[0] == P or not x.shape[0] == topk_ids.shape[0] == topk_weights.shape[0]:
         return None  # (bad arguments: the layer's checks name them)
     T = x.shape[0]
     if T > P:
