@@ -50,7 +50,7 @@ SIZES = {  # vocab, hidden, layers, heads, expert intermediate, experts, top_k, 
 
 
 class Block(nn.Module):
-    def __init__(self, c, backend, device, dtype, precision="bf16", fp8_dgrad=None):
+    def __init__(self, c, backend, device, dtype, precision="bf16", fp8_dgrad=None, group=None):
         super().__init__()
         h = c["hidden"]
         self.heads = c["heads"]
@@ -58,9 +58,11 @@ class Block(nn.Module):
         self.qkv = nn.Linear(h, 3 * h, bias=False, device=device, dtype=dtype)
         self.proj = nn.Linear(h, h, bias=False, device=device, dtype=dtype)
         self.norm2 = nn.RMSNorm(h, device=device, dtype=dtype)
+        # (group: a mok.ep.ExpertParallel; the layer then holds its rank's share of the experts,
+        # examples/train_moe_ep.py)
         self.moe = mok.MoE(h, c["inter"], c["experts"], c["top_k"], backend=backend, load_balancing=True,
                            precision=precision, fp8_dgrad=fp8_dgrad if precision == "fp8" else None,
-                           device=device, dtype=dtype)
+                           group=group, device=device, dtype=dtype)
 
     def forward(self, x):
         b, s, h = x.shape
@@ -71,10 +73,11 @@ class Block(nn.Module):
 
 
 class MoeLM(nn.Module):
-    def __init__(self, c, backend, device, dtype, precision="bf16", fp8_dgrad=None):
+    def __init__(self, c, backend, device, dtype, precision="bf16", fp8_dgrad=None, group=None):
         super().__init__()
         self.embed = nn.Embedding(c["vocab"], c["hidden"], device=device, dtype=dtype)
-        self.blocks = nn.ModuleList(Block(c, backend, device, dtype, precision, fp8_dgrad) for _ in range(c["layers"]))
+        self.blocks = nn.ModuleList(Block(c, backend, device, dtype, precision, fp8_dgrad, group)
+                                    for _ in range(c["layers"]))
         self.norm = nn.RMSNorm(c["hidden"], device=device, dtype=dtype)
         self.head = nn.Linear(c["hidden"], c["vocab"], bias=False, device=device, dtype=dtype)
 

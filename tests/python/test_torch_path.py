@@ -51,6 +51,21 @@ def test_training_example_loss_falls_on_cpu():
     assert "final loss" in run.stdout
 
 
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_expert_parallel_training_example_matches_one_process_on_cpu():
+    """examples/train_moe_ep.py in two gloo processes over mok.moe_torch_ep: at step 0 the ranks'
+    mean loss and their synchronised gradients equal the whole model's in one process (the
+    experts split, the rest averaged: the example's update is the one-process update), and the
+    loss falls."""
+    pytest.importorskip("tqdm")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          os.path.join(ROOT, "examples", "train_moe_ep.py"), "--backend", "torch", "--device", "cpu",
+                          "--size", "tiny", "--steps", "30", "--check"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "agree" in run.stdout and "DIFFER" not in run.stdout and "final" in run.stdout, run.stdout[-2000:]
+
+
 def test_training_example_precision_picks_the_fp8_twins():
     import importlib.util
     spec = importlib.util.spec_from_file_location("train_moe_lm", os.path.join(ROOT, "examples", "train_moe_lm.py"))
