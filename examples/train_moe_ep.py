@@ -3,8 +3,11 @@
 under torchrun. Each of the W ranks holds E / W experts of every MoE layer (mok.MoE(group=...))
 and a batch of its own; the rest of the model is replicated and its gradients averaged over the
 ranks (data parallelism). Each rank's experts get, from the EP backward, the gradient of every
-rank's tokens routed to them; it is divided by W like the averaged ones, so that the update is
-the one-process update of the mean loss over all ranks' batches.
+rank's tokens routed to them; it is divided by W like the averaged ones, so that the language-model
+loss's update is the one-process update of its mean over all ranks' batches. (The router's
+load-balancing loss is each rank's over its own tokens, averaged over the ranks — per micro-batch,
+as Megatron's default — not the whole batch's: its gradient differs from one process's by ~5e-4
+relative on the tiny model.)
 
     torchrun --nproc-per-node 8 examples/train_moe_ep.py                 # Hopper GPUs: mok.ep's fused kernels
     torchrun --nproc-per-node 2 examples/train_moe_ep.py --backend torch --device cpu --size tiny --steps 40 --check
@@ -13,9 +16,10 @@ the one-process update of the mean loss over all ranks' batches.
 memory; every call padded to one token count, mok.ep.ExpertParallel(tokens=...)); torch:
 mok.moe_torch_ep, the same expert split in plain PyTorch (all-to-all), on any device (gloo on
 CPUs). The model starts as the whole model of one process would (the same seed), split: rank r
-keeps experts [r E / W, (r + 1) E / W). --check: the ranks' mean loss at step 0 must equal the
-whole model's loss over every rank's batch, computed in each process. Exits non-zero if that
-check fails or the loss does not fall.
+keeps experts [r E / W, (r + 1) E / W). --check: at step 0 (which then trains on the language-model
+loss alone) the ranks' mean loss and their synchronised gradients must equal the whole model's
+over every rank's batch, computed in each process. Exits non-zero if that check fails or the loss
+does not fall.
 """
 
 import argparse

@@ -15,13 +15,14 @@ weight changes.
 `gate_up_proj` goes to the kernel as it is (w_up None: the kernel reads its gate and up
 halves in place, and writes its gradient as one [E, 2I, H] tensor): no copy per call.
 
-Under transformers' expert parallelism (its EP plans shard the experts; each rank's experts
-module holds num_experts = its local experts, and the router marks the slots routed to other
-ranks with a sentinel id >= num_experts, their weights zeroed) a sentinel slot goes to mok.moe
-as -1, "no expert": it adds nothing and its routing weight gets a zero gradient, as in
-transformers' own grouped_mm path; the rank's partial output is then summed across ranks by
-transformers. (transformers' all-to-all and all-reduce run around the experts: mok.ep's fused
-dispatch and combine are not used there.)
+Under transformers' expert parallelism its EP plans shard the experts (each rank's experts
+module holds num_experts = its local experts) and bring each rank's experts their rows: with the
+whole batch on every rank (5.2x's all_reduce implementation, earlier 5.x's enable_expert_parallel)
+the router marks the slots routed to other ranks with a sentinel id >= num_experts, weight zero —
+such a slot goes to mok.moe as -1, "no expert": it adds nothing and its routing weight gets a zero
+gradient, as in transformers' own grouped_mm path — and the ranks' partial outputs are summed;
+with all_to_all the rows arrive already exchanged, with local ids. (transformers' collectives run
+around the experts: mok.ep's fused dispatch and combine are not used there.)
 """
 
 from typing import Callable

@@ -5,8 +5,12 @@ with a sentinel id) and the "mok_torch" experts implementation, against the same
 whole with transformers' eager experts: logits and every expert weight gradient (this rank's
 shard against the whole model's slice). Exits non-zero on a mismatch.
 
-    python -m torch.distributed.run --nproc-per-node 2 hf_ep_worker.py MODEL_DIR all_reduce|all_to_all"""
+    python -m torch.distributed.run --nproc-per-node 2 hf_ep_worker.py MODEL_DIR all_reduce|all_to_all|tp
 
+(all_reduce, all_to_all: DistributedConfig(ep_size=...) of transformers >= 5.2x; tp: the expert
+parallelism of earlier 5.x, DistributedConfig(tp_size=W, enable_expert_parallel=True).)"""
+
+import os
 import sys
 
 import torch
@@ -24,8 +28,10 @@ def main():
     mok.hf.register()
     if implementation == "all_reduce":  # (every rank holds the batch: the EP group is the TP group)
         config = DistributedConfig(tp_size=world, tp_plan={}, ep_size=world, ep_implementation="all_reduce")
-    else:
+    elif implementation == "all_to_all":
         config = DistributedConfig(ep_size=world, fsdp_size=world, ep_implementation="all_to_all")
+    else:
+        config = DistributedConfig(tp_size=world, enable_expert_parallel=True)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
     whole = transformers.AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager", dtype=torch.float32)
     want = whole(ids).logits
@@ -57,8 +63,13 @@ def main():
     dist.destroy_process_group()
     if failures:
         print("\n".join(failures), file=sys.stderr)
-        sys.exit(1)
-    print(f"rank {rank} of {world} ({implementation}): logits and {checked} expert gradients match the whole model")
+    else:
+        print(f"rank {rank} of {world} ({implementation}): logits and {checked} expert gradients match the whole model")
+    # (gloo: leave without the interpreter's teardown, where its worker threads can abort the
+    # process — pytorch/pytorch#179291, tests/python/process_group.py)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failures else 0)
 
 
 if __name__ == "__main__":

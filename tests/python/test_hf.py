@@ -186,18 +186,24 @@ def test_a_module_flagged_not_expert_parallel_keeps_its_ids():
     assert torch.equal(mok.hf._routing(module, ids, 8), torch.tensor([[0, -1], [3, -1]]))
 
 
-def _has_expert_parallel_config():
+def _expert_parallel_styles():
+    """The expert parallelism this transformers offers: DistributedConfig(ep_size=...) with its
+    all_reduce and all_to_all implementations (>= 5.2x), or enable_expert_parallel over the TP
+    group (earlier 5.x: "tp"); none without transformers.distributed."""
     try:
         from transformers.distributed import DistributedConfig
     except ImportError:
-        return False
-    return "ep_size" in getattr(DistributedConfig, "__dataclass_fields__", {})
+        return []
+    fields = getattr(DistributedConfig, "__dataclass_fields__", {})
+    if "ep_size" in fields:
+        return ["all_reduce", "all_to_all"]
+    return ["tp"] if "enable_expert_parallel" in fields else []
 
 
-@pytest.mark.skipif(not _has_expert_parallel_config(), reason="needs a transformers with DistributedConfig(ep_size=...)")
+@pytest.mark.skipif(not _expert_parallel_styles(), reason="needs a transformers with expert parallelism")
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="needs torch.distributed with gloo")
-@pytest.mark.parametrize("implementation", ["all_reduce", "all_to_all"])
+@pytest.mark.parametrize("implementation", _expert_parallel_styles() or ["none"])
 def test_transformers_expert_parallelism_over_two_cpu_processes(implementation, tmp_path):
     """The glue under transformers' own expert parallelism (its EP plans, router sentinels and
     sharded experts; two gloo processes on the CPU, over mok.moe_torch): logits and expert
@@ -240,3 +246,22 @@ def test_expert_parallel_ranks_add_up_to_the_whole_layer_on_gpu():
         assert torch.all(wb.grad[~mine] == 0) and torch.isfinite(part).all()
         total += part.detach().float()
     assert _rel(total, whole) < 1e-2, _rel(total, whole)
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_a_rank_no_token_picked_adds_nothing_on_gpu():
+    """Under transformers' EP a rank whose experts no token picked (a short batch over many ranks)
+    gets only sentinel ids: every slot -1 to the fused kernel. Its output is zero, and its routing
+    weights' and experts' gradients are zero and finite."""
+    experts = _models("qwen3_moe", ["mok"], torch.bfloat16, "cuda")[0].model.layers[0].mlp.experts
+    local = _rank_experts(experts, 3, 4, True)  # (experts 6 and 7 of 8)
+    T, k = 5, 2
+    x = torch.randn(T, experts.gate_up_proj.shape[2], device="cuda").bfloat16().requires_grad_()
+    ids = torch.full((T, k), local.num_experts, device="cuda")  # (all routed to other ranks)
+    w = torch.zeros(T, k, device="cuda", requires_grad=True)
+    y = mok.hf.mok_experts_forward(local, x, ids, w)
+    y.float().pow(2).sum().backward()
+    mok.check()
+    assert torch.all(y == 0)
+    for g in (x.grad, w.grad, local.gate_up_proj.grad, local.down_proj.grad):
+        assert g is not None and torch.isfinite(g.float()).all() and torch.all(g == 0)

@@ -55,9 +55,9 @@ def test_training_example_loss_falls_on_cpu():
                     reason="needs torch.distributed with gloo")
 def test_expert_parallel_training_example_matches_one_process_on_cpu():
     """examples/train_moe_ep.py in two gloo processes over mok.moe_torch_ep: at step 0 the ranks'
-    mean loss and their synchronised gradients equal the whole model's in one process (the
-    experts split, the rest averaged: the example's update is the one-process update), and the
-    loss falls."""
+    mean language-model loss and their synchronised gradients equal the whole model's in one
+    process (the experts split, the rest averaged: the LM loss's update is the one-process update),
+    and the loss falls."""
     pytest.importorskip("tqdm")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           os.path.join(ROOT, "examples", "train_moe_ep.py"), "--backend", "torch", "--device", "cpu",
