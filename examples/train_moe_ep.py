@@ -85,18 +85,14 @@ def sync_gradients(model, world):
 def clip_gradients(model, max_norm):
     """Clips the gradients' global norm (over every rank's experts and the replicated rest) to
     max_norm; returns the norm."""
-    replicated, experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    device = next(model.parameters()).device
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # (replicated, this rank's experts): one sync a step
     for n, p in model.named_parameters():
         if p.grad is not None:
-            sq = p.grad.double().pow(2).sum().cpu()
-            if is_expert(n):
-                experts += sq
-            else:
-                replicated += sq
-    device = next(model.parameters()).device
-    experts = experts.to(device)
+            sums[int(is_expert(n))] += p.grad.double().pow(2).sum()
+    experts = sums[1:].clone()
     dist.all_reduce(experts)
-    norm = math.sqrt(float(replicated) + float(experts))
+    norm = math.sqrt(float(sums[0] + experts[0]))
     if max_norm > 0 and norm > max_norm:
         for p in model.parameters():
             if p.grad is not None:
