@@ -10,6 +10,7 @@ as Megatron's default — not the whole batch's: its gradient differs from one p
 relative on the tiny model.)
 
     torchrun --nproc-per-node 8 examples/train_moe_ep.py                 # Hopper GPUs: mok.ep's fused kernels
+    torchrun --nproc-per-node 8 examples/train_moe_ep.py --precision fp8 # the routed experts in FP8
     torchrun --nproc-per-node 2 examples/train_moe_ep.py --backend torch --device cpu --size tiny --steps 40 --check
 
 --backend mok: the fused EP kernels (pull dispatch and push combine through PyTorch symmetric
@@ -50,14 +51,14 @@ def is_expert(name):
     return ".moe." in name and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
 
 
-def split_model(c, backend, device, dtype, group, seed):
+def split_model(c, backend, device, dtype, group, seed, precision="bf16"):
     """The whole model's initialisation (every expert; the same on every rank), and this rank's
     share of it: the replicated parameters as they are, experts [r E_l, (r + 1) E_l) of each
     MoE layer."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    whole = MoeLM(c, "torch" if backend == "torch" else "mok", device, dtype)
-    mine = MoeLM(c, backend, device, dtype, group=group)
+    whole = MoeLM(c, "torch" if backend == "torch" else "mok", device, dtype, precision)
+    mine = MoeLM(c, backend, device, dtype, precision, group=group)
     experts_here = c["experts"] // world
     whole_params = dict(whole.named_parameters())
     with torch.no_grad():
@@ -131,6 +132,9 @@ def check_step(model, whole, batch, c, mean, dtype, rank, world):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=("mok", "torch"), default="mok")
+    ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                    help="the routed experts on the mok backend: fp8 = E4M3 forward (and, where mok.fp8.dgrad_pays, "
+                         "the FP8 dgrad and weight gradients), bitwise equal to one GPU's FP8 layer")
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=200)
@@ -147,6 +151,8 @@ def main():
     device = torch.device(args.device)
     if args.backend == "mok" and device.type != "cuda":
         ap.error("--backend mok needs Hopper GPUs (--device cuda); use --backend torch on CPUs")
+    if args.precision == "fp8" and args.backend != "mok":
+        ap.error("--precision fp8 runs on the fused kernels (--backend mok)")
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda", torch.cuda.current_device())
@@ -159,7 +165,7 @@ def main():
     tokens = c["batch"] * c["seq"]
     # (the fused kernels: every call padded to this rank's batch of tokens, one EpRank per layer shape)
     group = mok.ep.ExpertParallel(tokens=tokens if args.backend == "mok" else None)
-    whole, model = split_model(c, args.backend, device, dtype, group, args.seed)
+    whole, model = split_model(c, args.backend, device, dtype, group, args.seed, args.precision)
     if not args.check:
         del whole
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -168,7 +174,8 @@ def main():
     mine = slice(rank * c["batch"], (rank + 1) * c["batch"])
     if rank == 0:
         print(f"{args.size}: {world} ranks x {c['experts'] // world} of {c['experts']} experts, "
-              f"{c['batch']}x{c['seq']} tokens a rank a step, backend {args.backend}, on {device.type}")
+              f"{c['batch']}x{c['seq']} tokens a rank a step, backend {args.backend} ({args.precision}), "
+              f"on {device.type}")
     losses, ok, seconds = [], True, 0.0
     for step in range(args.steps):
         inputs, targets = (t[mine] for t in batches[step])

@@ -462,12 +462,14 @@ train_example
   # the expert-parallel example on every GPU of the machine (a group of one on one GPU): step 0's loss
   # and gradients against the whole model's in one process, then the loss falling
   n_gpus=$(nvidia-smi -L | grep -c "^GPU")
-  if env PYTHONPATH="$PWD/$build/pkg" timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node "$n_gpus" \
-       examples/train_moe_ep.py --steps 100 --check > "$LOG/train_ep.log" 2>&1; then
-    grep -E "step 0:|first loss" "$LOG/train_ep.log"
-  else
-    echo "expert-parallel training example failed"; tail -8 "$LOG/train_ep.log"; test_rc=1
-  fi
+  for precision in bf16 fp8; do
+    if env PYTHONPATH="$PWD/$build/pkg" timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node "$n_gpus" \
+         examples/train_moe_ep.py --steps 100 --check --precision $precision > "$LOG/train_ep_$precision.log" 2>&1; then
+      grep -E "step 0:|first loss" "$LOG/train_ep_$precision.log"
+    else
+      echo "expert-parallel training example ($precision) failed"; tail -8 "$LOG/train_ep_$precision.log"; test_rc=1
+    fi
+  done
 fi
 if [ "$part" = hf ] || [ "$part" = all ]; then
   if env PYTHONPATH="$PWD/$build/pkg" python3 bench/hf_bench.py --commit "$commit" \
