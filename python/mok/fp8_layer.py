@@ -156,18 +156,18 @@ def cached_experts(owner, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_
     return cached[1]
 
 
-def _bytes_of(name, t):
+def _bytes_of(name, t, where="mok.moe"):
     """An E4M3 tensor as the extension takes it (uint8: DLPack has no FP8 type everywhere)."""
     if not isinstance(t, torch.Tensor) or t.dtype not in (torch.float8_e4m3fn, torch.uint8):
-        raise TypeError(f"mok.moe: fp8_experts.{name} must be a torch.float8_e4m3fn (or uint8) tensor, got "
+        raise TypeError(f"{where}: fp8_experts.{name} must be a torch.float8_e4m3fn (or uint8) tensor, got "
                         + (str(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__))
     return t.view(torch.uint8)
 
 
-def _check_fp8(w_down):
+def _check_fp8(w_down, where="mok.moe"):
     hidden, inter = w_down.shape[1], w_down.shape[2]
     if hidden % BLOCK or inter % BLOCK:
-        raise ValueError(f"mok.moe: precision='fp8' needs the hidden size and the experts' intermediate size to be "
+        raise ValueError(f"{where}: precision='fp8' needs the hidden size and the experts' intermediate size to be "
                          f"multiples of {BLOCK} (its scale blocks), got H = {hidden}, I = {inter}")
 
 
@@ -179,7 +179,7 @@ def _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gat
 
     ops._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
                num_experts, group_id)
-    _check_fp8(w_down)
+    _check_fp8(w_down, ops._where(group_id))
     y = torch.empty_like(x)
     saved = None
     k, T = topk_ids.shape[1], x.shape[0]
@@ -191,7 +191,7 @@ def _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gat
     if experts is None:
         experts = quantize_experts(w_gate, w_up, w_down)
     names = Fp8Experts._fields[:_FORWARD_ARGS]
-    values = [_bytes_of(n, t) if i % 2 == 0 else t for i, (n, t) in enumerate(zip(names, experts))]
+    values = [_bytes_of(n, t, ops._where(group_id)) if i % 2 == 0 else t for i, (n, t) in enumerate(zip(names, experts))]
     tensors = ops._capsules((x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, y,
                              *values))
     saved_capsule = None if saved is None else to_dlpack(saved)
@@ -218,22 +218,23 @@ def _experts(args):
     return None if gate is None else Fp8Experts(*args)
 
 
-def _check_experts(experts):
-    """A given Fp8Experts: tensors in every forward field, the dgrad fields all or none."""
+def _check_experts(experts, where="mok.moe"):
+    """A given Fp8Experts: tensors in every forward field, the dgrad fields all or none (errors
+    named for `where`, the caller: mok.moe or mok.ep.moe)."""
     if experts is None:
         return
     fields = Fp8Experts._fields
     for name, t in zip(fields, experts):
         if t is None and fields.index(name) < _FORWARD_ARGS:
-            raise TypeError(f"mok.moe: fp8_experts.{name} is None (make fp8_experts with mok.fp8.quantize_experts)")
+            raise TypeError(f"{where}: fp8_experts.{name} is None (make fp8_experts with mok.fp8.quantize_experts)")
     dgrad = experts[_FORWARD_ARGS:]
     if any(t is None for t in dgrad) and any(t is not None for t in dgrad):
         missing = [n for n, t in zip(fields[_FORWARD_ARGS:], dgrad) if t is None]
-        raise TypeError(f"mok.moe: fp8_experts has some of the dgrad operands but not {', '.join(missing)} "
+        raise TypeError(f"{where}: fp8_experts has some of the dgrad operands but not {', '.join(missing)} "
                         "(all four or none: mok.fp8.quantize_experts(..., dgrad=True))")
     if experts.dgrad() is not None:
         for name, t in zip(fields[_FORWARD_ARGS::2], dgrad[::2]):
-            _bytes_of(name, t)
+            _bytes_of(name, t, where)
 
 
 @torch.library.custom_op("mok::moe_forward_fp8", mutates_args=())
@@ -260,7 +261,7 @@ def _moe_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, share
 
     ops._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
                num_experts, group_id)
-    _check_fp8(w_down)
+    _check_fp8(w_down, ops._where(group_id))
     return torch.empty_like(x)
 
 
@@ -354,10 +355,11 @@ def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limi
     shared = tuple(shared) if shared is not None else (None, None, None)
     tensors = tuple(t for t in (x, topk_weights, w_gate, w_up, w_down, *shared) if t is not None)
     train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    where = ops._where(group_id)
     if fp8_experts is not None and not isinstance(fp8_experts, Fp8Experts):
-        raise TypeError("mok.moe: fp8_experts must be what mok.fp8.quantize_experts returns (an Fp8Experts), got "
+        raise TypeError(f"{where}: fp8_experts must be what mok.fp8.quantize_experts returns (an Fp8Experts), got "
                         f"{type(fp8_experts).__name__}")
-    _check_experts(fp8_experts)
+    _check_experts(fp8_experts, where)
     args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, num_experts, group_id,
             *(fp8_experts if fp8_experts is not None else (None,) * _EXPERT_ARGS))
     if ops._eager(tensors + (topk_ids,)):

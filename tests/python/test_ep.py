@@ -282,3 +282,19 @@ def types_group(tokens):
     import types
 
     return types.SimpleNamespace(tokens=tokens)
+
+
+def test_fp8_errors_in_a_group_name_mok_ep_moe(single_process_group):
+    m = dict(device="meta")
+    T, H, I, E, k = 8, 128, 64, 4, 2  # (I = 64: not a multiple of FP8's 128-blocks)
+    x = torch.empty(T, H, dtype=torch.bfloat16, **m)
+    ids = torch.zeros(T, k, dtype=torch.int32, **m)
+    w = torch.empty(T, k, dtype=torch.float32, **m)
+    gate = torch.empty(E, I, H, dtype=torch.bfloat16, **m)
+    down = torch.empty(E, H, I, dtype=torch.bfloat16, **m)
+    group = mok.ep.ExpertParallel()
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"^mok\.ep\.moe: precision='fp8' needs the hidden size"):
+            mok.ep.moe(x, ids, w, gate, gate, down, group=group, precision="fp8")
+        with pytest.raises(TypeError, match=r"^mok\.ep\.moe: fp8_experts must be what mok\.fp8\.quantize_experts"):
+            mok.ep.moe(x, ids, w, gate, gate, down, group=group, precision="fp8", fp8_experts=(1, 2))
