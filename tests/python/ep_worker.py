@@ -97,10 +97,12 @@ def main():
         return (got is None or not torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
                 or not torch.isfinite(got.float()).all())
 
-    for dgrad, wgrad, fp8_group in ((False, False, group), (True, False, e4m3), (True, True, group), (True, True, e4m3)):
+    padded = mok.ep.ExpertParallel(tokens=T + 24)  # (every call padded to a fixed token count)
+    for dgrad, wgrad, fp8_group in ((False, False, group), (True, False, e4m3), (True, True, group), (True, True, e4m3),
+                                    (True, True, padded)):
         mok.set_fp8_weight_gradients(wgrad)
         how = f" (FP8 dgrad, {'FP8' if wgrad else 'bf16'} weight gradients)" if dgrad else ""
-        how += " (E4M3 rows pulled)" if fp8_group is e4m3 else ""
+        how += " (E4M3 rows pulled)" if fp8_group is e4m3 else " (padded to T + 24 tokens)" if fp8_group is padded else ""
         xa, wa, ga, ua, da = leaves(x8, w8, gate8, up8, down8)
         ya = mok.moe(xa, ids8, wa, ga, ua, da, precision="fp8",
                      fp8_experts=mok.fp8.quantize_experts(gate8, up8, down8, dgrad=dgrad))
