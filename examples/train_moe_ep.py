@@ -36,10 +36,9 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_moe_lm import SIZES, MarkovData, MoeLM, learning_rate  # noqa: E402
+from train_moe_lm import SIZES, MarkovData, MoeLM, learning_rate, lm_loss  # noqa: E402
 
 import mok  # noqa: E402
 import mok.ep  # noqa: E402
@@ -104,8 +103,7 @@ def clip_gradients(model, max_norm):
 def check_step(model, whole, batch, c, mean, dtype, rank, world):
     """--check at step 0: the ranks' mean loss and the synchronised gradients against the whole
     model's loss over every rank's batch and its gradients (this rank's experts: their slice)."""
-    inputs, targets = batch
-    loss = F.cross_entropy(whole(inputs).float().view(-1, c["vocab"]), targets.reshape(-1))
+    loss, _ = lm_loss(whole, *batch)
     loss.backward()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     agrees = abs(mean - float(loss)) <= tolerance * abs(float(loss))
@@ -184,9 +182,7 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.float().view(-1, c["vocab"]), targets.reshape(-1))
-        balance = sum(block.moe.aux_loss for block in model.blocks) / len(model.blocks)
+        loss, balance = lm_loss(model, inputs, targets)
         opt.zero_grad(set_to_none=True)
         checking = step == 0 and args.check  # (step 0 of --check: the loss alone, comparable with the whole model's)
         (loss if checking else loss + args.balance * balance).backward()

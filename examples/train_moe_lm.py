@@ -112,6 +112,14 @@ class MarkovData:
         return [(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(steps)]
 
 
+def lm_loss(model, inputs, targets, forward=None):
+    """A batch's language-model loss (fp32 logits) through forward (default: the model itself,
+    else e.g. its compiled twin), and the model's MoE layers' mean load-balancing loss."""
+    logits = (forward or model)(inputs)
+    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+    return loss, sum(block.moe.aux_loss for block in model.blocks) / len(model.blocks)
+
+
 def learning_rate(step, args):
     """Linear warm-up over --lr-warmup steps, then cosine decay to 10 % of --lr at the last step
     (--schedule constant: --lr after the warm-up)."""
@@ -142,9 +150,7 @@ def train(backend, args, c, device, dtype, batches, entropy):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        logits = forward(inputs)
-        loss = F.cross_entropy(logits.float().view(-1, c["vocab"]), targets.reshape(-1))
-        balance = sum(block.moe.aux_loss for block in model.blocks) / len(model.blocks)
+        loss, balance = lm_loss(model, inputs, targets, forward)
         opt.zero_grad(set_to_none=True)
         (loss + args.balance * balance).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip if args.clip > 0 else float("inf"))

@@ -30,6 +30,27 @@ struct EpCase {
 };
 inline void PrintTo(const EpCase& c, std::ostream* os) { *os << c.name; }
 
+// The EP forward suites' cases (BF16: every one; FP8: those whose hidden and intermediate sizes
+// are multiples of 128, its scale blocks).
+inline std::vector<EpCase> ep_forward_cases(bool fp8 = false) {
+  const EpCase all[] = {
+      EpCase{"ep1_uniform", 1, 300, 256, 256, 8, 2, 0, 0, RoutingKind::uniform},
+      EpCase{"ep2_uniform", 2, 300, 256, 256, 8, 2, 0, 0, RoutingKind::uniform},
+      EpCase{"ep4_uniform", 4, 257, 512, 256, 16, 4, 0, 0, RoutingKind::uniform},
+      EpCase{"ep8_uniform", 8, 200, 256, 384, 16, 2, 0, 0, RoutingKind::uniform},
+      EpCase{"ep4_skewed", 4, 400, 256, 256, 8, 2, 0, 0, RoutingKind::skewed},
+      EpCase{"ep4_idle_ranks", 4, 300, 256, 256, 16, 2, 0, 0, RoutingKind::first_half},
+      EpCase{"ep8_padded_shared_clamp", 8, 150, 256, 256, 16, 4, 192, 0.75f, RoutingKind::padded},
+      EpCase{"ep8_one_expert_per_rank_k1", 8, 129, 320, 192, 8, 1, 0, 0, RoutingKind::uniform},
+      EpCase{"ep2_all_to_one_expert", 2, 200, 256, 256, 4, 1, 0, 0, RoutingKind::one_expert},
+      // small enough for compute-sanitizer (scripts/gpu_check.sh)
+      EpCase{"ep4_small_shared_padded_clamp", 4, 64, 256, 128, 8, 2, 128, 0.75f, RoutingKind::padded}};
+  std::vector<EpCase> out;
+  for (const EpCase& c : all)
+    if (!fp8 || (c.hidden % 128 == 0 && c.inter % 128 == 0)) out.push_back(c);
+  return out;
+}
+
 inline MoeShape global_shape(const EpCase& c) {
   return testing::shape_of({c.name, c.tokens_per_rank * c.ep, c.hidden, c.inter, c.experts, c.top_k, c.shared,
                             c.limit, c.routing});

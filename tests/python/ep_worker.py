@@ -68,10 +68,15 @@ def main():
                 failures.append(f"rank {rank}: {name}{how} differs from one GPU")
 
     # The same through the module: mok.MoE(..., group=...) holds only this rank's experts.
-    layer = mok.MoE(H, I, E, k, router=None, group=group, device=device)
-    with torch.no_grad():
-        for param, full in ((layer.w_gate, gate), (layer.w_up, up), (layer.w_down, down)):
-            param.copy_(full[experts])
+    def rank_module(I, weights, **kwargs):
+        """mok.MoE(..., group=...) holding this rank's share of the whole layer's experts."""
+        module = mok.MoE(H, I, E, k, router=None, device=device, **kwargs)
+        with torch.no_grad():
+            for param, full in zip((module.w_gate, module.w_up, module.w_down), weights):
+                param.copy_(full[experts])
+        return module
+
+    layer = rank_module(I, (gate, up, down), group=group)
     xc = x[mine].detach().clone().requires_grad_()
     yc = layer(xc, ids[mine].contiguous(), w[mine].contiguous())
     yc.backward(dy[mine].contiguous())
@@ -128,11 +133,7 @@ def main():
     # (cached), with the FP8 dgrad (and FP8 weight gradients) or without.
     for fp8_dgrad, fp8_group in ((False, group), (True, e4m3)):
         mok.set_fp8_weight_gradients(True)
-        layer8 = mok.MoE(H, 256, E, k, router=None, group=fp8_group, precision="fp8", fp8_dgrad=fp8_dgrad,
-                         device=device)
-        with torch.no_grad():
-            for param, full in ((layer8.w_gate, gate8), (layer8.w_up, up8), (layer8.w_down, down8)):
-                param.copy_(full[experts])
+        layer8 = rank_module(256, (gate8, up8, down8), group=fp8_group, precision="fp8", fp8_dgrad=fp8_dgrad)
         xc = x8[mine].detach().clone().requires_grad_()
         yc = layer8(xc, ids8[mine].contiguous(), w8[mine].contiguous())
         yc.backward(dy[mine].contiguous())

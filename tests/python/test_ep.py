@@ -17,6 +17,15 @@ HERE = os.path.dirname(__file__)
 hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 
 
+def _meta_rank(T, H, I, El, k):
+    """A rank's layer arguments on the meta device (the custom ops' fake implementations):
+    x [T, H], topk_ids and topk_weights [T, k], w_gate (also passed as w_up) [El, I, H], w_down."""
+    m = dict(device="meta")
+    return (torch.empty(T, H, dtype=torch.bfloat16, **m), torch.zeros(T, k, dtype=torch.int32, **m),
+            torch.empty(T, k, dtype=torch.float32, **m), torch.empty(El, I, H, dtype=torch.bfloat16, **m),
+            torch.empty(El, H, I, dtype=torch.bfloat16, **m))
+
+
 def test_needs_an_initialised_process_group():
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         mok.ep.ExpertParallel()
@@ -91,13 +100,8 @@ def test_ep_over_torchrun_matches_one_gpu_bitwise(nproc):
 
 def test_fake_implementations_give_output_metadata():
     # Rank of a group of 4: 2 local experts of E = 8, k = 4 (more than the local experts).
-    m = dict(device="meta")
     T, H, I, El, E, k = 16, 128, 64, 2, 8, 4
-    x = torch.empty(T, H, dtype=torch.bfloat16, **m)
-    ids = torch.empty(T, k, dtype=torch.int32, **m)
-    w = torch.empty(T, k, dtype=torch.float32, **m)
-    gate = torch.empty(El, I, H, dtype=torch.bfloat16, **m)
-    down = torch.empty(El, H, I, dtype=torch.bfloat16, **m)
+    x, ids, w, gate, down = _meta_rank(T, H, I, El, k)
     y = torch.ops.mok.moe_forward(x, ids, w, gate, gate, down, None, None, None, None, E, 1)
     assert y.shape == (T, H) and y.device.type == "meta"
     y, saved = torch.ops.mok.moe_train_forward(x, ids, w, gate, gate, down, None, None, None, None, E, 1)
@@ -153,13 +157,8 @@ def test_moe_module_with_a_group_holds_its_share_of_the_experts(single_process_g
 
 def test_fp8_fake_implementations_give_the_ep_output_metadata():
     # Rank of a group of 4: 2 local experts of E = 8, k = 4; H and I multiples of 128 (FP8's blocks).
-    m = dict(device="meta")
     T, H, I, El, E, k = 16, 128, 128, 2, 8, 4
-    x = torch.empty(T, H, dtype=torch.bfloat16, **m)
-    ids = torch.empty(T, k, dtype=torch.int32, **m)
-    w = torch.empty(T, k, dtype=torch.float32, **m)
-    gate = torch.empty(El, I, H, dtype=torch.bfloat16, **m)
-    down = torch.empty(El, H, I, dtype=torch.bfloat16, **m)
+    x, ids, w, gate, down = _meta_rank(T, H, I, El, k)
     none = (None,) * 10  # (the quantized weights: made by the call)
     y = torch.ops.mok.moe_forward_fp8(x, ids, w, gate, gate, down, None, None, None, None, E, 1, *none)
     assert y.shape == (T, H) and y.device.type == "meta"
@@ -189,13 +188,8 @@ def test_compiled_ep_fp8_training_step_traces_through_the_fake_implementations()
 
 
 def test_fp8_in_a_group_is_checked(single_process_group, monkeypatch):
-    m = dict(device="meta")
     T, H, I, E, k = 8, 128, 128, 4, 2
-    x = torch.empty(T, H, dtype=torch.bfloat16, **m)
-    ids = torch.zeros(T, k, dtype=torch.int32, **m)
-    w = torch.empty(T, k, dtype=torch.float32, **m)
-    gate = torch.empty(E, I, H, dtype=torch.bfloat16, **m)
-    down = torch.empty(E, H, I, dtype=torch.bfloat16, **m)
+    x, ids, w, gate, down = _meta_rank(T, H, I, E, k)
     group = mok.ep.ExpertParallel()
     with torch.no_grad():
         assert mok.ep.moe(x, ids, w, gate, gate, down, group=group, precision="fp8").shape == (T, H)
@@ -206,7 +200,7 @@ def test_fp8_in_a_group_is_checked(single_process_group, monkeypatch):
         ring = mok.ep.ExpertParallel(comm_sms=2)
         with pytest.raises(ValueError, match=r"the ring \(comm_sms = 2, ring_rows = 0\) carries bf16 rows only"):
             mok.ep.moe(x, ids, w, gate, gate, down, group=ring, precision="fp8")
-        q = lambda *shape, dtype=torch.float8_e4m3fn: torch.empty(*shape, dtype=dtype, **m)  # noqa: E731
+        q = lambda *shape, dtype=torch.float8_e4m3fn: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
         forward = (q(E, I, H), q(E, 1, 1, dtype=torch.int32), q(E, I, H), q(E, 1, 1, dtype=torch.int32),
                    q(E, H, I), q(E, 1, 1, dtype=torch.int32))
         with pytest.raises(TypeError, match="some of the dgrad operands but not down_t_exponents"):
@@ -252,11 +246,8 @@ def test_a_fixed_token_count_pads_every_call_to_it(single_process_group, monkeyp
     monkeypatch.setattr(mok.ep, "call_layer", lambda x, ids, w, *a: seen.append((x, ids, w)) or layer(x, ids, w, *a))
     m = dict(device="meta")
     T, P, H, I, E, k = 10, 16, 128, 64, 4, 2
-    x = torch.empty(T, H, dtype=torch.bfloat16, **m).requires_grad_()
-    ids = torch.zeros(T, k, dtype=torch.int32, **m)
-    w = torch.empty(T, k, dtype=torch.float32, **m).requires_grad_()
-    gate = torch.empty(E, I, H, dtype=torch.bfloat16, **m)
-    down = torch.empty(E, H, I, dtype=torch.bfloat16, **m)
+    x, ids, w, gate, down = _meta_rank(T, H, I, E, k)
+    x.requires_grad_(), w.requires_grad_()
     group = mok.ep.ExpertParallel(tokens=P)
     y = mok.ep.moe(x, ids, w, gate, gate, down, group=group)
     assert y.shape == (T, H) and [tuple(t.shape) for t in seen[0]] == [(P, H), (P, k), (P, k)]
@@ -285,13 +276,8 @@ def types_group(tokens):
 
 
 def test_fp8_errors_in_a_group_name_mok_ep_moe(single_process_group):
-    m = dict(device="meta")
     T, H, I, E, k = 8, 128, 64, 4, 2  # (I = 64: not a multiple of FP8's 128-blocks)
-    x = torch.empty(T, H, dtype=torch.bfloat16, **m)
-    ids = torch.zeros(T, k, dtype=torch.int32, **m)
-    w = torch.empty(T, k, dtype=torch.float32, **m)
-    gate = torch.empty(E, I, H, dtype=torch.bfloat16, **m)
-    down = torch.empty(E, H, I, dtype=torch.bfloat16, **m)
+    x, ids, w, gate, down = _meta_rank(T, H, I, E, k)
     group = mok.ep.ExpertParallel()
     with torch.no_grad():
         with pytest.raises(ValueError, match=r"^mok\.ep\.moe: precision='fp8' needs the hidden size"):
