@@ -115,7 +115,7 @@ class MarkovData:
 def lm_loss(model, inputs, targets, forward=None):
     """A batch's language-model loss (fp32 logits) through forward (default: the model itself,
     else e.g. its compiled twin), and the model's MoE layers' mean load-balancing loss."""
-    logits = (forward or model)(inputs)
+    logits = (model if forward is None else forward)(inputs)  # (a compiled module has no truth value)
     loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
     return loss, sum(block.moe.aux_loss for block in model.blocks) / len(model.blocks)
 

@@ -7,7 +7,7 @@
 # $OUT/bench_layer.json (written as measured), then prints a short table.
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
-#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|
+#   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|
 #                                                   host|fp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME]
@@ -76,6 +76,9 @@
 # <date>-<commit>-phases-diag.txt. `fp8diag` (issue 19: what bounds the FP8 mainloop): three timing-only
 # mok_bench builds (MOK_DIAG_FP8_NO_PROMOTION, + _A_ONLY, + _NO_LOADS), ab_serve of the last two against the
 # first (--presets, default deepseek-v3,mixtral-8x7b; --repeats rounds) into <date>-<commit>-fp8diag*.
+# `pyselect` (build if missing): pytest on --pytest ARGS (files, -k ...) against this build's package,
+# bounded by MOK_PYTEST_TIMEOUT (default 400 s): the Hopper tests a short call can still run (the
+# `pytest` part reinstalls the package through pip and runs every test: more than 320 s).
 # `rates` (what the tensor cores and the FP8 mainloop reach by themselves, bench/NOTES.md): builds and runs
 # bench/mma_rate and bench/fp8_tile_rate (--repeats repeats) into <date>-<commit>-rates.txt; nothing else runs.
 # `power` (build if missing): bench/clock_power.py — the SM clock, board power, throttle reasons and
@@ -103,11 +106,18 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
 mkdir -p "$OUT"
 LOG="$(mktemp -d)"
+# The logs so far, every 20 s, into $OUT/logs.tgz: a call cut at its time limit (SIGKILL: no trap
+# runs) still brings back what ran. At exit the packer stops before the last, full pack.
+( while sleep 20; do tar czf "$LOG.tgz" -C "$LOG" . 2>/dev/null && mv -f "$LOG.tgz" "$OUT/logs.tgz"; done ) \
+  > /dev/null 2>&1 &
+packer=$!
+trap 'kill $packer 2>/dev/null; wait $packer 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$LOG" .' EXIT
 commit="${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 iters=10
 repeats=3
 train_lr=""
+pytest_args=""
 presets=all
 routings=uniform,zipf1.2
 part=all
@@ -129,17 +139,19 @@ while [ $# -gt 0 ]; do
     --routing) routings="$2"; shift ;;
     --repeats) repeats="$2"; shift ;;
     --train-lr) train_lr="$2"; shift ;;
+    --pytest) pytest_args="$2"; shift ;;
     --iters) iters="$2"; shift ;;
     --impl) impl_args+=(--impl "$2"); impls="$2"; shift ;;
     --pass) impl_args+=(--pass "$2"); passes="$2"; shift ;;
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--pytest ARGS] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, bench, ep, speed, train, hf, phases, host, fp8, epfp8, fp8wgrad, fp8bench, fp8train, fp8lr, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, pyselect, bench, ep, speed, train, hf, phases, host, fp8, epfp8, fp8wgrad, fp8bench, fp8train, fp8lr, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
+[ "$part" != pyselect ] || [ -n "$pytest_args" ] || { echo "gpu_check.sh --part pyselect needs --pytest ARGS"; exit 2; }
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
 case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
@@ -336,7 +348,7 @@ if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
   # The benchmark needs the library, mok_bench and the extension mok._C, not the tests.
   with_tests=ON
   { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ] || [ "$part" = fp8bench ] || [ "$part" = fp8train ] || [ "$part" = fp8lr ] ||
-    [ "$part" = power ] ||
+    [ "$part" = power ] || [ "$part" = pyselect ] ||
     [ "$part" = pytest ]; } &&
     [ ! -f $build/tests/test_plan ] &&
     with_tests=OFF
@@ -375,7 +387,7 @@ train_example() {
        --commit "$commit" --out "$OUT/${date:0:10}-$commit-$name.json" > "$LOG/$name.log" 2> "$LOG/$name.err"; then
     tail -13 "$LOG/$name.log"
   else
-    echo "training example ($name) failed"; tail -5 "$LOG/$name.log" "$LOG/$name.err"; test_rc=1
+    echo "training example ($name) failed"; tail -n 5 "$LOG/$name.log" "$LOG/$name.err"; test_rc=1
   fi
 }
 
@@ -484,6 +496,15 @@ layer_bench uniform
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
 layer_bench "$routings"
+fi
+if [ "$part" = pyselect ]; then  # chosen Python tests on this build's package, bounded (e.g. --pytest
+  # "tests/python/test_hf.py -k hopper"): the part for a call with a few minutes to spare
+  # shellcheck disable=SC2086  # (ARGS: several words)
+  env PYTHONPATH="$PWD/$build/pkg" timeout "${MOK_PYTEST_TIMEOUT:-400}" python3 -m pytest -q -rs --durations=10 $pytest_args \
+    --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
+  grep -E "^(SKIPPED|FAILED|ERROR)" "$LOG/pytest.log" | head -20
+  tail -1 "$LOG/pytest.log"
+  junit=("$LOG/pytest.xml")
 fi
 if [ "$part" = fp8 ]; then
   ctest_run 3 -j4 -R "Fp8|^Forward|Validate" || test_rc=1

@@ -402,9 +402,9 @@ TEST(EpFp8, RejectsMisuse) {
   expect_error([&] { VirtualRanks(p.shape, p.T, ring_rows); }, "'config.ring_rows'");
   {  // an fp8 group without the quantized weights, a bf16 group given them
     VirtualRanks fp8_group(p.shape, p.T, fp8_config());
-    expect_error([&] { fp8_group.forward(p.args(), nullptr); }, "'fp8' is required");
+    expect_error([&] { fp8_group.forward(p.args(), nullptr); }, "argument 'fp8': is required");
     VirtualRanks bf16_group(p.shape, p.T);
-    expect_error([&] { bf16_group.forward(w.args(p), nullptr); }, "'fp8' was given");
+    expect_error([&] { bf16_group.forward(w.args(p), nullptr); }, "argument 'fp8': was given, but the workspace's precision is bf16");
   }
   const EpGrads g(p, random_bf16(p.host.x.size(), 82));
   {  // the FP8 dgrad in virtual ranks (EpRank runs it)

@@ -66,6 +66,23 @@ def test_expert_parallel_training_example_matches_one_process_on_cpu():
     assert "agree" in run.stdout and "DIFFER" not in run.stdout and "final" in run.stdout, run.stdout[-2000:]
 
 
+def test_training_example_loss_goes_through_a_compiled_twin():
+    """lm_loss takes the compiled module (an OptimizedModule, whose truth value raises) as the
+    forward: the regression that stopped the example's -compiled backends on the GPU (2026-12-05)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_moe_lm", os.path.join(ROOT, "examples", "train_moe_lm.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    model = example.MoeLM(example.SIZES["tiny"], "torch", torch.device("cpu"), torch.float32, "bf16", None)
+    compiled = torch.compile(model, backend="eager")
+    inputs = torch.randint(0, 256, (2, 16))
+    targets = torch.randint(0, 256, (2, 16))
+    eager_loss, eager_balance = example.lm_loss(model, inputs, targets)
+    loss, balance = example.lm_loss(model, inputs, targets, compiled)
+    assert torch.equal(loss, eager_loss) and torch.equal(balance, eager_balance)
+
+
 def test_training_example_precision_picks_the_fp8_twins():
     import importlib.util
     spec = importlib.util.spec_from_file_location("train_moe_lm", os.path.join(ROOT, "examples", "train_moe_lm.py"))
