@@ -499,8 +499,8 @@ layer_bench "$routings"
 fi
 if [ "$part" = pyselect ]; then  # chosen Python tests on this build's package, bounded (e.g. --pytest
   # "tests/python/test_hf.py -k hopper"): the part for a call with a few minutes to spare
-  # shellcheck disable=SC2086  # (ARGS: several words)
-  env PYTHONPATH="$PWD/$build/pkg" timeout "${MOK_PYTEST_TIMEOUT:-400}" python3 -m pytest -q -rs --durations=10 $pytest_args \
+  eval "pytest_argv=($pytest_args)"  # (ARGS as the shell splits them: -k 'a or b' stays one argument)
+  env PYTHONPATH="$PWD/$build/pkg" timeout "${MOK_PYTEST_TIMEOUT:-400}" python3 -m pytest -q -rs --durations=10 "${pytest_argv[@]}" \
     --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
   grep -E "^(SKIPPED|FAILED|ERROR)" "$LOG/pytest.log" | head -20
   tail -1 "$LOG/pytest.log"
