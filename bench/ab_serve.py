@@ -33,9 +33,14 @@ from layer_bench import MokBench  # noqa: E402
 
 
 def rows_of(times, same):
-    """ab_compare's rows from {(preset, pass): {"base": [ms per round], "head": [...]}}."""
-    return [ab_compare.row(preset, pass_, t["base"], t["head"], bitwise_equal=same[(preset, pass_)])
-            for (preset, pass_), t in times.items()]
+    """ab_compare's rows from {(preset, pass): {"base": [ms per round], "head": [...]}}, over the
+    rounds both sides completed (a run stopped mid-round still writes the rounds before)."""
+    rows = []
+    for (preset, pass_), t in times.items():
+        n = min(len(t["base"]), len(t["head"]))
+        if n:
+            rows.append(ab_compare.row(preset, pass_, t["base"][:n], t["head"][:n], bitwise_equal=same.get((preset, pass_))))
+    return rows
 
 
 def main():

@@ -319,8 +319,8 @@ def _train_setup_context(ctx, inputs, output):
 def _train_backward(ctx, grad_y, grad_saved):
     from mok import ops
 
-    args = ops._backward_inputs(ctx, grad_y)
-    dgrad = ops._saved_extra(ctx) or (None,) * 4
+    args, dgrad = ops._backward_inputs(ctx, grad_y)
+    dgrad = dgrad or (None,) * 4
     return ops._input_grads(ops.moe_backward(*args, *dgrad), args, _TRAILING)
 
 
@@ -340,8 +340,8 @@ class _EagerTrainStep(torch.autograd.Function):
     def backward(ctx, grad_y):
         from mok import ops
 
-        args = ops._backward_inputs(ctx, grad_y)
-        return ops._input_grads(ops._run_backward(*args, fp8_dgrad=ops._saved_extra(ctx)), args, _TRAILING)
+        args, dgrad = ops._backward_inputs(ctx, grad_y)
+        return ops._input_grads(ops._run_backward(*args, fp8_dgrad=dgrad), args, _TRAILING)
 
 
 def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, fp8_experts, num_experts=None,

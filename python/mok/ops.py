@@ -284,15 +284,9 @@ def _save(ctx, inputs, saved, swiglu_limit, num_experts, group_id, extra=()):
     """What the backward reads (its inputs: _backward_inputs): the train-forward's tensor
     inputs (the first _TENSOR_INPUTS of `inputs`), the saved pre-activations, and the layer's
     swiglu_limit, num_experts and group id (mok.fp8_layer's train-forward saves the same, and
-    its dgrad operands as `extra`: _saved_extra)."""
+    its dgrad operands as `extra`, which _backward_inputs returns beside the arguments)."""
     ctx.save_for_backward(*inputs[:_TENSOR_INPUTS], saved, *extra)
     ctx.swiglu_limit, ctx.num_experts, ctx.group_id = swiglu_limit, num_experts, group_id
-
-
-def _saved_extra(ctx):
-    """The tensors _save kept after the saved pre-activations (a tuple; None if none)."""
-    extra = ctx.saved_tensors[_TENSOR_INPUTS + 1:]
-    return tuple(extra) if extra else None
 
 
 def _train_setup_context(ctx, inputs, output):
@@ -302,14 +296,17 @@ def _train_setup_context(ctx, inputs, output):
 
 def _backward_inputs(ctx, grad_y):
     """The arguments of the backward of one train-forward, which may run only once: the fused
-    backward overwrites the pre-activations the forward saved."""
+    backward overwrites the pre-activations the forward saved; and the tensors _save kept after
+    the pre-activations (`extra`: a tuple, None if none). ctx.saved_tensors is read once: under
+    non-reentrant activation checkpointing a saved tensor may be unpacked only once."""
     if getattr(ctx, "consumed", False):
         raise RuntimeError(f"{_where(ctx.group_id)}: a second backward through the same forward (retain_graph=True) "
                            "is not supported: the fused backward overwrites the pre-activations the forward saved")
     ctx.consumed = True
-    saved = ctx.saved_tensors[:_TENSOR_INPUTS + 1]
+    tensors = ctx.saved_tensors
+    saved, extra = tensors[:_TENSOR_INPUTS + 1], tuple(tensors[_TENSOR_INPUTS + 1:])
     dy = grad_y if grad_y is not None else torch.zeros_like(saved[0])
-    return (dy, *saved, ctx.swiglu_limit, ctx.num_experts, ctx.group_id)
+    return (dy, *saved, ctx.swiglu_limit, ctx.num_experts, ctx.group_id), extra or None
 
 
 def _input_grads(grads, args, trailing=3):
@@ -323,7 +320,7 @@ def _input_grads(grads, args, trailing=3):
 
 
 def _train_backward(ctx, grad_y, grad_saved):
-    args = _backward_inputs(ctx, grad_y)
+    args, _ = _backward_inputs(ctx, grad_y)
     return _input_grads(moe_backward(*args), args)
 
 
@@ -355,7 +352,7 @@ class _EagerTrainStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        args = _backward_inputs(ctx, grad_y)
+        args, _ = _backward_inputs(ctx, grad_y)
         return (None, *_input_grads(_run_backward(*args), args))
 
 

@@ -207,6 +207,13 @@ def test_ab_serve_rows_carry_the_round_ratios_and_the_bitwise_verdict():
     assert "largest change: p fwd 1.000" in ab_compare.table([row])
 
 
+
+def test_ab_serve_rows_keep_the_rounds_both_sides_completed():
+    # (a mok_bench call that failed mid-round: the rounds before are still written)
+    times = {("p", "fwd"): {"base": [10.0, 12.0], "head": [9.0]}, ("q", "fwd"): {"base": [5.0], "head": []}}
+    (row,) = ab_serve.rows_of(times, {("p", "fwd"): True})
+    assert (row["preset"], row["rounds"], row["ratio"], row["base_ms"]) == ("p", 1, 0.9, 10.0)
+
 def test_report_lists_one_build_comparisons_of_two_implementations(tmp_path):
     """report.py's before/after section takes ab_serve's one-build files too (fp8bench's FP8 against
     bf16, the FP8 weight gradients' A/B, whose early files lack the impls) and names both sides."""

@@ -79,6 +79,62 @@ def test_load_balancing_loss():
         mok.MoE(64, 64, 4, 2, router=None, load_balancing=True)
 
 
+@pytest.mark.parametrize("step", ["bf16", "fp8", "fp8-dgrad"])
+def test_eager_training_steps_unpack_their_saved_tensors_once(monkeypatch, step):
+    """Non-reentrant activation checkpointing lets a backward unpack each saved tensor once: the
+    eager training steps (outside torch.compile; the fused kernels stood in for by CPU functions)
+    give the same gradients with and without it, and the FP8 step hands its saved dgrad operands
+    to the backward. (Found by review 2026-12-05: the FP8 step read ctx.saved_tensors twice.)"""
+    from torch.utils.checkpoint import checkpoint
+
+    from mok import fp8_layer, ops
+
+    T, H, I, E, k = 8, 128, 128, 4, 2
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=gen).bfloat16().requires_grad_(True)
+    ids = torch.randint(0, E, (T, k), generator=gen, dtype=torch.int32)
+    w = torch.rand(T, k, generator=gen).requires_grad_(True)
+    gate, up = (torch.randn(E, I, H, generator=gen).bfloat16().requires_grad_(True) for _ in range(2))
+    down = torch.randn(E, H, I, generator=gen).bfloat16().requires_grad_(True)
+    dgrad = tuple(torch.full((2,), float(i)) for i in range(4))
+    seen = []
+
+    def forward(x, ids, w, gate, up, down, *rest, **kwargs):  # (y: a differentiable-looking stand-in)
+        return (x.float() * 2).bfloat16(), torch.arange(16, dtype=torch.bfloat16)
+
+    def backward(dy, x, ids, w, gate, up, down, sg, su, sd, saved, *layer, fp8_dgrad=None):
+        seen.append(fp8_dgrad)
+        assert torch.equal(saved, torch.arange(16, dtype=torch.bfloat16))
+        return [(dy.float() * 2).bfloat16(), torch.ones_like(w), torch.ones_like(gate), torch.ones_like(up),
+                torch.ones_like(down)]
+
+    monkeypatch.setattr(ops, "_run_forward", forward)
+    monkeypatch.setattr(fp8_layer, "_run_forward_fp8", forward)
+    monkeypatch.setattr(ops, "_run_backward", backward)
+
+    def layer(x):
+        tensors = (x, ids, w, gate, up, down, None, None, None)
+        if step == "bf16":
+            return ops._EagerTrainStep.apply(None, *tensors, None, E, 0)
+        experts = (x,) * fp8_layer._FORWARD_ARGS + (dgrad if step == "fp8-dgrad" else (None,) * 4)
+        return fp8_layer._EagerTrainStep.apply(*tensors, None, E, 0, *experts)
+
+    grads = []
+    for wrapped in (layer, lambda x: checkpoint(layer, x, use_reentrant=False)):
+        for t in (x, w, gate, up, down):
+            t.grad = None
+        wrapped(x).float().sum().backward()
+        grads.append([t.grad.clone() for t in (x, w, gate, up, down)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert torch.equal(grads[0][0], torch.full_like(x, 2))  # (dy = 1: the stand-in backward doubles it)
+    assert len(seen) == 2  # (one backward each way)
+    for operands in seen:
+        if step == "fp8-dgrad":
+            assert len(operands) == 4 and all(map(torch.equal, operands, dgrad))
+        else:
+            assert operands is None
+
+
 def test_activation_checkpointing_traces_through_the_layer():
     # (meta tensors: the custom ops' fake implementations; the bits are checked on a GPU, test_gpu.py)
     from torch.utils.checkpoint import checkpoint
