@@ -87,11 +87,16 @@ def _rel(a, b):
 @pytest.mark.parametrize("name", MODELS)
 def test_fused_kernel_matches_eager_on_gpu(name):
     # The fused kernel in bf16 must be about as close to the fp32 eager model as the
-    # model's own bf16 eager path is (logits and every gradient).
-    ref, eager, ours = _models(name, ["eager", "eager", "mok"], torch.float32, "cuda")
+    # model's own bf16 eager path is (logits and every gradient). The registered function is
+    # probed, so a silent fall-back to the eager experts cannot pass for the kernel.
+    calls = []
+    probe = lambda self, *a: calls.append(1) or mok.hf.mok_experts_forward(self, *a)
+    moe_interface.ExpertsInterface.register("mok_probe", probe)
+    ref, eager, ours = _models(name, ["eager", "eager", "mok_probe"], torch.float32, "cuda")
     eager.to(torch.bfloat16), ours.to(torch.bfloat16)
     ids = torch.randint(0, 128, (4, 64), device="cuda")
     (r, gr), (e, ge), (m, gm) = (_logits_and_grads(x, ids) for x in (ref, eager, ours))
+    assert calls, "the fused experts function was not called"
     assert torch.isfinite(m).all()
     assert _rel(m, r) <= 2 * _rel(e, r) + 1e-3, (_rel(m, r), _rel(e, r))
     for n in gr:
@@ -252,15 +257,16 @@ def test_expert_parallel_ranks_add_up_to_the_whole_layer_on_gpu():
 def test_a_rank_no_token_picked_adds_nothing_on_gpu():
     """Under transformers' EP a rank whose experts no token picked (a short batch over many ranks)
     gets only sentinel ids: every slot -1 to the fused kernel. Its output is zero, and its routing
-    weights' and experts' gradients are zero and finite."""
+    weights' and experts' gradients are zero and finite. (Random routing weights and dy: with
+    zeros, a sentinel sent to a local expert would also give zeros.)"""
     experts = _models("qwen3_moe", ["mok"], torch.bfloat16, "cuda")[0].model.layers[0].mlp.experts
     local = _rank_experts(experts, 3, 4, True)  # (experts 6 and 7 of 8)
     T, k = 5, 2
     x = torch.randn(T, experts.gate_up_proj.shape[2], device="cuda").bfloat16().requires_grad_()
     ids = torch.full((T, k), local.num_experts, device="cuda")  # (all routed to other ranks)
-    w = torch.zeros(T, k, device="cuda", requires_grad=True)
+    w = torch.rand(T, k, device="cuda", requires_grad=True)
     y = mok.hf.mok_experts_forward(local, x, ids, w)
-    y.float().pow(2).sum().backward()
+    y.float().backward(torch.randn(y.shape, device="cuda"))
     mok.check()
     assert torch.all(y == 0)
     for g in (x.grad, w.grad, local.gate_up_proj.grad, local.down_proj.grad):
