@@ -23,6 +23,9 @@ impls:
                   where mok.fp8.dgrad_pays, so fwd+bwd runs the FP8 dgrad there)
   mok-fp8         (only when asked for) the same in C++ (`mok_bench --serve`, impl mok-fp8),
                   forward only
+  liger           (only when asked for) a peer: Liger-Kernel's Triton fused MoE
+                  (bench/liger_peer.py; scripts/peers.sh fetches it), the shared expert beside
+                  it in eager PyTorch; presets with a SwiGLU clamp are refused
 
 Checks, per preset and routing, before anything is timed:
   - torch and torch-compiled: y of 16 sampled tokens against an fp32 per-token computation
@@ -32,6 +35,8 @@ Checks, per preset and routing, before anything is timed:
     ‖got − ref‖/‖ref‖ <= 1e-2 and cosine >= 0.9999, nothing non-finite.
   - mok: every output bitwise equal to mok-py's (checksums of the raw bytes), so it passes
     the same full-size check.
+  - liger: y and, for fwd+bwd, every gradient against the eager path's as torch-compiled's
+    (‖got − ref‖/‖ref‖ <= 1e-2, cosine >= 0.9999).
   - torch-fp8: y and, for fwd+bwd, every gradient against the eager path's with FP8's
     tolerance (cosine >= 0.99, nothing non-finite; the relative errors are recorded).
   - mok-fp8-py: fwd: y against mok.fp8.moe_reference (the FP8 recipe on the same quantized
@@ -84,7 +89,7 @@ from mok_impls import MokBench, MokPy, check_mok_fp8, checksum, fp8_check, mok_b
 from rounds import SETTLE_ITERS, paired_ratio, round_order, settle  # noqa: E402
 
 IMPLS = ("torch-compiled", "torch", "mok", "mok-py", "dense")
-OPTIONAL_IMPLS = ("torch-fp8", "mok-fp8", "mok-fp8-py")  # valid in --impl, not run unless named
+OPTIONAL_IMPLS = ("torch-fp8", "mok-fp8", "mok-fp8-py", "liger")  # valid in --impl, not run unless named
 
 
 def full_check(got, ref, names):
@@ -197,6 +202,21 @@ def run_preset(p, routing, args, server, gpu, emit):
         except Exception as e:  # (an unsupported GPU or PyTorch, a compile error)
             for ps in passes:
                 fail("torch-fp8", ps, e)
+    if "liger" in args.impls:
+        import liger_peer
+
+        try:
+            lg = liger_peer.Liger(d)
+            impls["liger"] = lg
+            for ps in passes:  # (the first call of each pass autotunes Liger's kernels for this shape)
+                out = lg.outputs(ps)
+                res = full_check(out, ref[ps], out.keys())
+                checks["liger"][ps] = dict(passed=all(r["passed"] for r in res.values()), tensors=res)
+                del out
+        except Exception as e:  # (not installed, a clamp, a Triton error)
+            for ps in passes:
+                fail("liger", ps, e)
+            impls.pop("liger", None)
     if "dense" in args.impls:
         impls["dense"] = tb.dense_step(p)
         for ps in passes:
@@ -278,21 +298,24 @@ def run_preset(p, routing, args, server, gpu, emit):
 
 
 def summary(records):
-    """A short table: TFLOP/s per implementation, mok's ratios to torch-compiled and, with both
-    mok and mok-py, mok-py's speed relative to the C++ call (paired by round, paired_ratio)."""
+    """A short table: TFLOP/s per implementation, mok's ratios to torch-compiled (and to liger
+    where it ran) and, with both mok and mok-py, mok-py's speed relative to the C++ call (paired
+    by round, paired_ratio)."""
     by = {(r["preset"], r["routing"], r["pass"], r["impl"]): r for r in records}
     keys = list(dict.fromkeys((r["preset"], r["routing"], r["pass"]) for r in records))
     impls = [i for i in IMPLS + OPTIONAL_IMPLS if any(r["impl"] == i for r in records)]
+    peer = "liger" in impls  # (mok's ratio to the peer: a column of its own)
     lines = [f"{'preset':<18}{'routing':<9}{'pass':<8}" + "".join(f"{i:>15}" for i in impls) +
-             f"{'mok/compiled':>14}{'mok-py/compiled':>16}{'mok-py vs mok [range]':>24}{'checks':>8}"]
+             f"{'mok/compiled':>14}{'mok-py/compiled':>16}" + (f"{'mok/liger':>11}" if peer else "") +
+             f"{'mok-py vs mok [range]':>24}{'checks':>8}"]
     for key in keys:
         row = f"{key[0]:<18}{key[1]:<9}{key[2]:<8}"
         for i in impls:
             r = by.get(key + (i,))
             row += f"{r['tflops']:>15.1f}" if r else f"{'-':>15}"
-        base = by.get(key + ("torch-compiled",))
-        for i, w in (("mok", 14), ("mok-py", 16)):
-            r = by.get(key + (i,))
+        ratios = [("torch-compiled", "mok", 14), ("torch-compiled", "mok-py", 16)] + ([("liger", "mok", 11)] if peer else [])
+        for b, i, w in ratios:
+            base, r = by.get(key + (b,)), by.get(key + (i,))
             row += f"{base['ms'] / r['ms']:>{w}.3f}" if r and base else f"{'-':>{w}}"
         c, py = by.get(key + ("mok",)), by.get(key + ("mok-py",))
         if c and py:

@@ -16,7 +16,8 @@
 # build, every test, sanitizers) writes the gpucheck JSON, and so do its two halves `ctest` (clean
 # build, ctest, sanitizers, the main job) and `pytest` (the package, pytest, the training example); `bench` (build if missing, then
 # bench/layer_bench.py: mok, mok-py, torch-compiled, torch and dense on the same inputs,
-# interleaved, both routings unless --routing says, full-size checks) the bench JSON; `ep` (machines with 2 or
+# interleaved, both routings unless --routing says, full-size checks; --impl ...,liger adds the
+# Liger-Kernel peer: run scripts/peers.sh first and carry .peers) the bench JSON; `ep` (machines with 2 or
 # more GPUs: the package, then bench/ep_bench.py on every GPU under torchrun: mok-ep,
 # mok-ep-once, mok-ep-interleave, mok-ep-fp8, mok-ep-fp8-e4m3, torch-compiled-ep and mok-compute on issue 20's presets unless --presets says)
 # its own bench JSON (<date>-<commit>-ep<W>-bench.json). `all` runs the three. `speed` (a

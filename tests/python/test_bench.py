@@ -511,3 +511,45 @@ def test_ncu_layer_sums_every_kernels_metrics_of_an_ncu_csv_log():
     assert t == {"kernels": 2, "read_gb": 2.0, "written_gb": 0.25, "ms": 2.5}
     with pytest.raises(ValueError):
         ncu_layer.summarize(["==PROF== nothing profiled"])
+
+
+@pytest.mark.parametrize("shared", [0, 64])
+def test_liger_peer_passes_the_layer_in_liger_s_layout(shared):
+    """bench/liger_peer.py on the CPU over a stand-in for Liger's Function (its kernels are
+    Triton, GPU only): the arguments in Liger's order and layout (x, [E, 2I, H] gate rows first,
+    [E, H, I], int32 ids, the routing weights), the shared expert added beside it, every output
+    as layer_bench's reference path gives it; a SwiGLU clamp refused by name."""
+    import types
+
+    import liger_peer
+
+    calls = []
+
+    def apply(x, gate_up_proj, down_proj, top_k_index, top_k_weights):
+        assert top_k_index.dtype == torch.int32 and gate_up_proj.shape[1] == 2 * down_proj.shape[2]
+        calls.append(top_k_weights.shape)
+        return tb.moe_compilable(x, top_k_index.long(), top_k_weights, gate_up_proj, down_proj, None)
+
+    p = small_preset(shared=shared, tokens=64)
+    d = tb.make_inputs(p, "uniform", seed=9, device="cpu")
+    peer = liger_peer.Liger(d, fn=types.SimpleNamespace(apply=apply))
+    for ps in ("fwd", "fwd+bwd"):
+        got = peer.outputs(ps)
+        ref = tb.TorchImpl(d, tb.moe_eager).outputs(ps)
+        assert set(got) == set(ref)
+        for n in got:
+            c = tb.compare(got[n], ref[n])
+            assert c["passed"], (ps, n, c)
+    assert calls == [(64, 2)] * 2
+    with pytest.raises(ValueError, match="liger: its fused MoE has no SwiGLU clamp"):
+        liger_peer.Liger(tb.make_inputs(small_preset(limit=7.0, tokens=64), "uniform", seed=9, device="cpu"),
+                         fn=types.SimpleNamespace(apply=apply))
+
+
+def test_summary_gives_mok_s_ratio_to_the_peer_where_it_ran():
+    rec = lambda impl, ms: dict(preset="p", routing="uniform", impl=impl, tflops=1.0 / ms, check="passed",
+                                ms_repeats=[ms], ms=ms, **{"pass": "fwd"})
+    text = layer_bench.summary([rec("torch-compiled", 1.2), rec("mok", 1.0), rec("liger", 1.5)])
+    header, row = text.splitlines()[:2]
+    assert "mok/liger" in header and row.split()[-5:] == ["1.200", "-", "1.500", "-", "ok"]  # (compiled, py, liger)
+    assert "mok/liger" not in layer_bench.summary([rec("torch-compiled", 1.2), rec("mok", 1.0)])
