@@ -58,12 +58,20 @@ def _local(w):
 def _routing(module: torch.nn.Module, top_k_index: torch.Tensor, experts: int) -> torch.Tensor:
     """top_k_index as mok.moe takes it. Under transformers' expert parallelism the slots routed to
     other ranks carry a sentinel id >= the module's local expert count `experts`: -1 here (no
-    expert). transformers >= 5.2x flags such modules (`_is_expert_parallel`); without the flag
-    (older versions) its own grouped_mm forward skips ids >= num_experts alike, and so does this.
-    A module flagged not expert-parallel keeps its ids, so an out-of-range id is still an error."""
-    if getattr(module, "_is_expert_parallel", None) is False:
+    expert). transformers >= 5.2x flags such modules (`_is_expert_parallel`). Without the flag
+    (older versions) a module can be expert-parallel only in an initialized process group; there
+    ids >= num_experts are taken for sentinels (transformers' own grouped_mm forward skips them
+    alike). A module flagged not expert-parallel, or one outside any process group, keeps its ids,
+    so an out-of-range id is an error (mok.moe names it), not a slot silently dropped."""
+    flag = getattr(module, "_is_expert_parallel", None)
+    if flag is False or (flag is None and not _in_process_group()):
         return top_k_index
     return top_k_index.masked_fill(top_k_index >= experts, -1)
+
+
+def _in_process_group() -> bool:
+    """Whether torch.distributed has a process group (transformers' expert parallelism needs one)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _experts_forward(layer: Callable) -> Callable:

@@ -89,6 +89,9 @@ def moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         offsets, counts = torch.searchsorted(sorted_ids, bounds, right=True).to(torch.int32), None
     else:  # the loop needs the group sizes on the host
         offsets, counts = None, torch.bincount(sorted_ids.long(), minlength=E).tolist()
+        if len(counts) > E:  # (the sizes are on the host already: an id >= E is named, not an IndexError)
+            raise ValueError(f"mok.moe_torch: topk_ids has expert id {len(counts) - 1}, outside [-1, {E}) "
+                             f"(w_gate holds {E} experts)")
     g, u = _gate_up(xs, w_gate, w_up, offsets, counts)
     rows = _grouped(_swiglu(g, u, swiglu_limit), w_down, offsets, counts)
     per_slot = torch.index_copy(torch.empty_like(rows), 0, order, rows).view(T, k, -1)  # slot order[i] <- row i

@@ -147,11 +147,13 @@ def _rank_experts(experts, rank, ranks, flagged):
 
 
 @pytest.mark.parametrize("flagged", [True, None])
-def test_expert_parallel_ranks_add_up_to_the_whole_layer_on_cpu(flagged):
+def test_expert_parallel_ranks_add_up_to_the_whole_layer_on_cpu(flagged, monkeypatch):
     """Each rank's experts module sees every token with local ids and a sentinel (= its expert count)
     where a slot's expert is another rank's, that slot's weight zeroed (transformers' EP router);
     the glue's partial outputs summed over the ranks are the whole layer's output, and its weight,
-    x and routing-weight gradients the whole layer's (on the CPU, over mok.moe_torch)."""
+    x and routing-weight gradients the whole layer's (on the CPU, over mok.moe_torch). Unflagged
+    (older transformers), the ranks are taken to be in a process group, as expert parallelism needs."""
+    monkeypatch.setattr(mok.hf, "_in_process_group", lambda: True)
     experts = _models("qwen3_moe", ["mok_torch"], torch.float32, "cpu")[0].model.layers[0].mlp.experts
     E, k, T, ranks = experts.num_experts, 2, 24, 2
     E_l = E // ranks
@@ -183,12 +185,45 @@ def test_expert_parallel_ranks_add_up_to_the_whole_layer_on_cpu(flagged):
     torch.testing.assert_close(dw, wa.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_a_module_flagged_not_expert_parallel_keeps_its_ids():
+def test_a_module_flagged_not_expert_parallel_keeps_its_ids(monkeypatch):
     module = types.SimpleNamespace(_is_expert_parallel=False)
     ids = torch.tensor([[0, 8], [3, 9]])
     assert torch.equal(mok.hf._routing(module, ids, 8), ids)  # (mok.moe then reports id 8 as out of range)
     module._is_expert_parallel = True
     assert torch.equal(mok.hf._routing(module, ids, 8), torch.tensor([[0, -1], [3, -1]]))
+    # Unflagged (older transformers): sentinels only where expert parallelism is possible at all
+    unflagged = types.SimpleNamespace()
+    monkeypatch.setattr(mok.hf, "_in_process_group", lambda: True)
+    assert torch.equal(mok.hf._routing(unflagged, ids, 8), torch.tensor([[0, -1], [3, -1]]))
+    monkeypatch.setattr(mok.hf, "_in_process_group", lambda: False)
+    assert torch.equal(mok.hf._routing(unflagged, ids, 8), ids)
+
+
+def test_an_out_of_range_id_outside_a_process_group_is_an_error_not_a_dropped_slot():
+    """A single-process model whose router gives an id >= num_experts (a bug): the glue keeps the
+    id and the layer names it, where transformers' grouped_mm path would skip the slot."""
+    import torch.distributed as dist
+
+    assert not (dist.is_available() and dist.is_initialized())
+    experts = _models("qwen3_moe", ["mok_torch"], torch.float32, "cpu")[0].model.layers[0].mlp.experts
+    x = torch.randn(3, experts.gate_up_proj.shape[2])
+    ids = torch.tensor([[0, 1], [2, experts.num_experts], [4, 5]])
+    with pytest.raises(ValueError, match=f"expert id {experts.num_experts}, outside"):
+        mok.hf.mok_torch_experts_forward(experts, x, ids, torch.rand(3, 2))
+
+
+def test_a_process_group_makes_expert_parallelism_possible(tmp_path):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("needs torch.distributed with gloo")
+    assert not mok.hf._in_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        assert mok.hf._in_process_group()
+    finally:
+        dist.destroy_process_group()
+    assert not mok.hf._in_process_group()
 
 
 def _expert_parallel_styles():
