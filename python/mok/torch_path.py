@@ -80,6 +80,8 @@ def moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     T, k = topk_ids.shape
     E = w_gate.shape[0]
     flat = topk_ids.reshape(-1)
+    if flat.is_cuda:  # (an id >= E would land past the last group's rows: an error, not a wrong y; no host sync)
+        torch._assert_async((flat < E).all(), f"mok.moe_torch: topk_ids has an expert id outside [-1, {E})")
     valid = flat >= 0
     sorted_ids, order = torch.sort(torch.where(valid, flat, E - 1), stable=True)
     keep = valid.index_select(0, order).unsqueeze(-1)
