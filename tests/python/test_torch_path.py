@@ -180,3 +180,15 @@ def _ep_module_rank(rank, world):
                     reason="needs torch.distributed with gloo")
 def test_expert_parallel_module_with_the_torch_backend_matches_one_process():
     run_in_two_processes(_ep_module_rank)
+
+
+@pytest.mark.parametrize("bad", [8, -2])
+def test_moe_torch_refuses_an_expert_id_outside_the_range(bad):
+    """An id >= E (past the last group's rows) or < -1 (not "no expert") is an error
+    (torch._assert_async: no host sync, traceable by torch.compile; a device-side assert on a GPU)."""
+    x, ids, w, gate, up, down, _ = random_problem(6, 32, 16, 8, 2, False, seed=3, padding=0.0)
+    ids[2, 1] = bad
+    with pytest.raises(RuntimeError, match=r"expert id outside \[-1, 8\)"):
+        mok.moe_torch(x, ids, w, gate, up, down)
+    ids[2, 1] = -1  # ("no expert": fine)
+    assert torch.isfinite(mok.moe_torch(x, ids, w, gate, up, down)).all()
