@@ -107,12 +107,19 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpucheck_out}"
 mkdir -p "$OUT"
 LOG="$(mktemp -d)"
-# The logs so far, every 20 s, into $OUT/logs.tgz: a call cut at its time limit (SIGKILL: no trap
-# runs) still brings back what ran. At exit the packer stops before the last, full pack.
-( while sleep 20; do tar czf "$LOG.tgz" -C "$LOG" . 2>/dev/null && mv -f "$LOG.tgz" "$OUT/logs.tgz"; done ) \
-  > /dev/null 2>&1 &
+# pack_logs: the logs so far into $OUT/logs.tgz, written beside it and renamed (a reader never sees
+# half an archive); a log that grows while tar reads it is taken as far as it was (tar's exit 1).
+pack_logs() {
+  local tmp="$OUT/.logs.$BASHPID.tgz"
+  tar --warning=no-file-changed -czf "$tmp" -C "$LOG" . 2>/dev/null
+  if [ $? -le 1 ]; then mv -f "$tmp" "$OUT/logs.tgz"; else rm -f "$tmp"; fi
+}
+# A packer every 20 s: a call cut at its time limit (SIGKILL: no trap runs) still brings back what
+# ran. It stops between packs when told (TERM), and at exit before the last, full pack. (Not a
+# job that wait_builds waits for.)
+( trap 'exit 0' TERM; while :; do sleep 20 & wait $!; pack_logs; done ) > /dev/null 2>&1 &
 packer=$!
-trap 'kill $packer 2>/dev/null; wait $packer 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$LOG" .' EXIT
+trap 'kill $packer 2>/dev/null; wait $packer 2>/dev/null || true; rm -f "$OUT"/.logs.*.tgz; pack_logs' EXIT
 commit="${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 iters=10
@@ -205,8 +212,11 @@ mma_check() {
 }
 wait_builds() {  # every background build; stops the script (logs.tgz) when one failed
   local failed=0 job
-  for job in $(jobs -p); do wait "$job" || failed=1; done
-  [ "$failed" = 0 ] || { echo "$1: a build failed (logs.tgz)"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
+  for job in $(jobs -p); do
+    [ "$job" = "$packer" ] && continue  # (the log packer runs until the script exits)
+    wait "$job" || failed=1
+  done
+  [ "$failed" = 0 ] || { echo "$1: a build failed (logs.tgz)"; exit 1; }
 }
 
 if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else runs
@@ -236,7 +246,7 @@ if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else run
       done
     done
   fi
-  tar czf "$OUT/logs.tgz" -C "$LOG" .
+  pack_logs
   exit "$rc"
 fi
 
@@ -252,7 +262,7 @@ if [ "$part" = rates ]; then  # two microbenchmarks of their own build: nothing 
   done
   nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit --format=csv >> "$rates"
   cat "$rates"
-  tar czf "$OUT/logs.tgz" -C "$LOG" .
+  pack_logs
   exit "$rc"
 fi
 
@@ -273,7 +283,7 @@ if [ "$part" = fp8diag ]; then  # timing-only FP8 forward builds of their own: n
       --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\", \"base\": \"NO_PROMOTION\", \"head\": \"$head\"}" 2>&1 |
       tee -a "$OUT/${date:0:10}-$commit-fp8diag.txt" | tail -6  # (outputs differ by design: ab_serve's exit says so)
   done
-  tar czf "$OUT/logs.tgz" -C "$LOG" .
+  pack_logs
   exit 0
 fi
 
@@ -335,7 +345,7 @@ if [ "$part" = diagab ]; then  # same-bits diagnostic builds (--diag A[,B...], o
     echo "== ${variants[$i]} (head) / default (base)"
     diag=${variants[$i]} diag_build="build-ab-diag$i" diag_ab build-ab-base "$name" mixtral-8x7b,qwen3-30b-a3b,deepseek-v3 fwd+bwd || rc=1
   done
-  tar czf "$OUT/logs.tgz" -C "$LOG" .
+  pack_logs
   exit "$rc"
 fi
 
@@ -355,7 +365,7 @@ if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
     with_tests=OFF
   { cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON -DMOK_BUILD_PYTHON=ON \
       -DMOK_BUILD_TESTS=$with_tests -DMOK_TEST_TIMEOUT=240 &&
-    cmake --build $build -j"$(nproc)"; } > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; tar czf "$OUT/logs.tgz" -C "$LOG" .; exit 1; }
+    cmake --build $build -j"$(nproc)"; } > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; pack_logs; exit 1; }
   grep -E "spill|Used [0-9]+ registers|stack frame" "$LOG/build.log" | sort -u > "$LOG/ptxas.txt" || true
   # The package from this build (python/mok + the extension just built) for the benchmark,
   # so it runs without a second build through pip.
@@ -408,7 +418,7 @@ sanitize() {
     if timeout "$limit" compute-sanitizer --tool $tool --error-exitcode 99 $build/tests/$binary \
          --gtest_filter="$small_case" > "$log" 2>&1; then outcome=passed; else outcome=failed; test_rc=1; fi
     echo "compute-sanitizer $tool $small_case: $outcome ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1))"
-    tar czf "$OUT/logs.tgz" -C "$LOG" .  # (the logs so far: see ctest_run)
+    pack_logs  # (the logs so far: see ctest_run)
     extra+=("compute-sanitizer $tool: $small_case=$outcome")
   done
 }
@@ -423,7 +433,7 @@ ctest_run() {
   local rc=$?
   tail -"$lines" "$LOG/ctest.log"
   junit+=("$LOG/ctest.xml")
-  tar czf "$OUT/logs.tgz" -C "$LOG" .
+  pack_logs
   return $rc
 }
 if $run_ctest; then
@@ -501,8 +511,13 @@ fi
 if [ "$part" = pyselect ]; then  # chosen Python tests on this build's package, bounded (e.g. --pytest
   # "tests/python/test_hf.py -k hopper"): the part for a call with a few minutes to spare
   eval "pytest_argv=($pytest_args)"  # (ARGS as the shell splits them: -k 'a or b' stays one argument)
-  env PYTHONPATH="$PWD/$build/pkg" timeout "${MOK_PYTEST_TIMEOUT:-400}" python3 -m pytest -q -rs --durations=10 "${pytest_argv[@]}" \
-    --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
+  env PYTHONPATH="$PWD/$build/pkg" timeout "${MOK_PYTEST_TIMEOUT:-400}" python3 -m pytest -q -rfEs --durations=10 "${pytest_argv[@]}" \
+    --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1
+  pytest_rc=$?
+  if [ "$pytest_rc" = 124 ]; then  # (killed: no pytest.xml; the record must not read as 0 failed)
+    echo "pytest timed out after ${MOK_PYTEST_TIMEOUT:-400} s"; extra+=("pytest $pytest_args (timed out)=failed")
+  fi
+  [ "$pytest_rc" = 0 ] || test_rc=1
   grep -E "^(SKIPPED|FAILED|ERROR)" "$LOG/pytest.log" | head -20
   tail -1 "$LOG/pytest.log"
   junit=("$LOG/pytest.xml")
@@ -685,8 +700,8 @@ elif [ "$part" = ep ]; then
   echo "gpu_check.sh --part ep: this machine has $gpus GPU(s); expert parallelism across GPUs needs 2 or more"
 fi
 
-[ "$part" = ep ] && { tar czf "$OUT/logs.tgz" -C "$LOG" .; exit $test_rc; }
+[ "$part" = ep ] && { pack_logs; exit $test_rc; }
 python3 bench/report.py gpucheck --junit "${junit[@]}" --bench "${bench[@]}" \
   --gpu "$gpu" --commit "$commit" --date "$date" --out-dir "$OUT" --part "$part" --extra "${extra[@]}"
-tar czf "$OUT/logs.tgz" -C "$LOG" .
+pack_logs
 exit $test_rc
