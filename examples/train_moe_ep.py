@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_moe_lm import SIZES, MarkovData, MoeLM, learning_rate, lm_loss  # noqa: E402
+from train_moe_lm import SIZES, MarkovData, MoeLM, add_run_args, learning_rate, lm_loss, run_args  # noqa: E402
 
 import mok  # noqa: E402
 import mok.ep  # noqa: E402
@@ -133,19 +133,9 @@ def main():
     ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                     help="the routed experts on the mok backend: fp8 = E4M3 forward (and, where mok.fp8.dgrad_pays, "
                          "the FP8 dgrad and weight gradients), bitwise equal to one GPU's FP8 layer")
-    ap.add_argument("--size", choices=sorted(SIZES), default="small")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
-    ap.add_argument("--lr-warmup", type=int, default=None, help="warm-up steps (default: a tenth of --steps, <= 50)")
-    ap.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
-    ap.add_argument("--clip", type=float, default=1.0, help="clip the gradients' global norm (0: no clipping)")
-    ap.add_argument("--balance", type=float, default=0.01, help="weight of the router load-balancing loss")
-    ap.add_argument("--seed", type=int, default=0)
+    add_run_args(ap)
     ap.add_argument("--check", action="store_true", help="step 0's loss against the whole model's in one process")
-    args = ap.parse_args()
-    if args.lr_warmup is None:
-        args.lr_warmup = min(50, args.steps // 10)
+    args = run_args(ap)
     device = torch.device(args.device)
     if args.backend == "mok" and device.type != "cuda":
         ap.error("--backend mok needs Hopper GPUs (--device cuda); use --backend torch on CPUs")

@@ -120,6 +120,35 @@ def lm_loss(model, inputs, targets, forward=None):
     return loss, sum(block.moe.aux_loss for block in model.blocks) / len(model.blocks)
 
 
+def add_run_args(ap):
+    """The options both training examples take (size, device, steps, the optimizer's schedule,
+    the load-balancing weight, the seed); read them back with run_args."""
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--lr", type=float, default=1e-3,
+                    help="peak learning rate (AdamW; 3e-3 until 2026-12-05, where this model's loss spikes after the "
+                         "warm-up in bf16 too: bench/NOTES.md)")
+    ap.add_argument("--lr-warmup", type=int, default=None,
+                    help="steps of linear learning-rate warm-up (default: a tenth of --steps, at most 50); then "
+                         "cosine decay to 0.1 x --lr at the last step")
+    ap.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
+                    help="after the warm-up: cosine decay to 0.1 x --lr, or --lr throughout")
+    ap.add_argument("--clip", type=float, default=1.0, help="clip the gradients' global norm to this (0: no clipping)")
+    ap.add_argument("--balance", type=float, default=0.01, help="weight of the router load-balancing loss")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def run_args(ap):
+    """ap's parsed arguments, --lr-warmup's default filled in and checked."""
+    args = ap.parse_args()
+    if args.lr_warmup is None:
+        args.lr_warmup = min(50, args.steps // 10)
+    if args.lr_warmup < 0 or args.lr_warmup >= args.steps:
+        ap.error(f"--lr-warmup must be in [0, --steps), got {args.lr_warmup} with --steps {args.steps}")
+    return args
+
+
 def learning_rate(step, args):
     """Linear warm-up over --lr-warmup steps, then cosine decay to 10 % of --lr at the last step
     (--schedule constant: --lr after the warm-up)."""
@@ -214,31 +243,14 @@ def main():
     ap.add_argument("--fp8-wgrad", choices=("on", "off"), default="on",
                     help="with the FP8 dgrad, the mok-fp8 backends' weight-gradient GEMMs in FP8 too: on (mok's "
                          "default) or off (bf16; mok.set_fp8_weight_gradients)")
-    ap.add_argument("--size", choices=sorted(SIZES), default="small")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=200)
+    add_run_args(ap)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
-    ap.add_argument("--lr", type=float, default=1e-3,
-                    help="peak learning rate (AdamW; 3e-3 until 2026-12-05, where this model's loss spikes after the "
-                         "warm-up in bf16 too: bench/NOTES.md)")
-    ap.add_argument("--lr-warmup", type=int, default=None,
-                    help="steps of linear learning-rate warm-up (default: a tenth of --steps, at most 50); then "
-                         "cosine decay to 0.1 x --lr at the last step")
-    ap.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
-                    help="after the warm-up: cosine decay to 0.1 x --lr, or --lr throughout")
-    ap.add_argument("--clip", type=float, default=1.0, help="clip the gradients' global norm to this (0: no clipping)")
     ap.add_argument("--deterministic", choices=("on", "off"), default="on",
                     help="torch.use_deterministic_algorithms (PyTorch's own kernels too, e.g. the attention's "
                          "backward): the same seed gives the same losses, bitwise, run after run")
-    ap.add_argument("--balance", type=float, default=0.01, help="weight of the router load-balancing loss")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="", help="write the losses and tokens/s of every backend as JSON")
     ap.add_argument("--commit", default=os.environ.get("MOK_COMMIT", "unknown"))
-    args = ap.parse_args()
-    if args.lr_warmup is None:
-        args.lr_warmup = min(50, args.steps // 10)
-    if args.lr_warmup < 0 or args.lr_warmup >= args.steps:
-        ap.error(f"--lr-warmup must be in [0, --steps), got {args.lr_warmup} with --steps {args.steps}")
+    args = run_args(ap)
     if args.deterministic == "on":  # (before cuBLAS starts: its workspace setting is read then)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)

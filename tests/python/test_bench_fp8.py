@@ -72,13 +72,10 @@ def test_torch_fp8_grouped_mm_backward_is_its_recipe():
     assert torch.equal(w.grad[2], (dout[5:].float().t() @ a.detach()[5:].float()).bfloat16())
 
 
-def test_layer_bench_times_torch_fp8(monkeypatch):
-    """layer_bench.run_preset with torch-fp8 asked for, on the CPU (inputs on the CPU, the GPU
-    timers and peak-memory probe stubbed, the layer uncompiled): both passes are checked with
-    FP8's tolerance (y and, for fwd+bwd, every gradient) and recorded."""
+def _run_preset_on_the_cpu(monkeypatch, impls, compiled=None):
+    """layer_bench.run_preset's records for `impls` on a small preset on the CPU: inputs on the
+    CPU, the GPU timers and peak-memory probe stubbed, both passes, one round."""
     import argparse
-
-    import torch_fp8
 
     make = tb.make_inputs
     monkeypatch.setattr(tb, "make_inputs", lambda p, routing, seed, device="cuda": make(p, routing, seed, device="cpu"))
@@ -93,18 +90,50 @@ def test_layer_bench_times_torch_fp8(monkeypatch):
         return [1.0] * iters
     monkeypatch.setattr(tb, "time_ms", time_ms)
     monkeypatch.setattr(tb, "peak_bytes", lambda fn, before=None: 0)
-    fp8_impl = torch_fp8.TorchFp8
-    monkeypatch.setattr(torch_fp8, "TorchFp8", lambda d: fp8_impl(d, compile=False))
-    args = argparse.Namespace(impls=["torch", "torch-fp8"], passes=["fwd", "fwd+bwd"], seed=1, repeats=1, iters=2,
-                              warmup=0, compiled=None, commit="c", date="d", settle_ms=0, queued=False, warmup_rounds=0)
+    args = argparse.Namespace(impls=impls, passes=["fwd", "fwd+bwd"], seed=1, repeats=1, iters=2, warmup=0,
+                              compiled=compiled, commit="c", date="d", settle_ms=0, queued=False, warmup_rounds=0)
     records = []
     layer_bench.run_preset(dict(small_preset(tokens=64), name="test"), "uniform", args, None, "cpu", records.append)
-    got = {(r["impl"], r["pass"]): r for r in records}
+    return {(r["impl"], r["pass"]): r for r in records}
+
+
+def test_layer_bench_times_torch_fp8(monkeypatch):
+    """layer_bench.run_preset with torch-fp8 asked for, on the CPU (the layer uncompiled): both
+    passes are checked with FP8's tolerance (y and, for fwd+bwd, every gradient) and recorded."""
+    import torch_fp8
+
+    fp8_impl = torch_fp8.TorchFp8
+    monkeypatch.setattr(torch_fp8, "TorchFp8", lambda d: fp8_impl(d, compile=False))
+    got = _run_preset_on_the_cpu(monkeypatch, ["torch", "torch-fp8"])
     assert set(got) == {("torch", "fwd"), ("torch", "fwd+bwd"), ("torch-fp8", "fwd"), ("torch-fp8", "fwd+bwd")}
     fp8 = got[("torch-fp8", "fwd")]
     assert fp8["check"] == "passed" and fp8["check_detail"]["tensors"]["y"]["cos"] >= 0.99
     train = got[("torch-fp8", "fwd+bwd")]["check_detail"]["tensors"]
     assert got[("torch-fp8", "fwd+bwd")]["check"] == "passed" and {"dx", "d_w_down", "d_topk_weights"} <= set(train)
+
+
+def test_layer_bench_checks_the_pytorch_side_implementations_against_the_eager_path(monkeypatch):
+    """torch-compiled (here the uncompiled layer) and the liger peer (a stand-in for Liger's
+    Function) go through one check against the eager path: every output, and for torch-compiled
+    y against fp32 rows too; a peer that cannot run is left out with its error recorded."""
+    import types
+
+    import liger_peer
+
+    apply = lambda x, gu, down, ids, w: tb.moe_compilable(x, ids.long(), w, gu, down, None)  # noqa: E731
+    monkeypatch.setattr(liger_peer, "function", lambda: types.SimpleNamespace(apply=apply))
+    got = _run_preset_on_the_cpu(monkeypatch, ["torch-compiled", "liger"], compiled=tb.moe_compilable)
+    assert set(got) == {(i, ps) for i in ("torch-compiled", "liger") for ps in ("fwd", "fwd+bwd")}
+    for (impl, ps), r in got.items():
+        assert r["check"] == "passed" and r["check_detail"]["tensors"]["y"]["cos"] >= 0.9999, (impl, ps)
+    assert "sampled_rel" in got[("torch-compiled", "fwd")]["check_detail"]
+    assert "sampled_rel" not in got[("liger", "fwd")]["check_detail"]
+
+    def missing():
+        raise ImportError("liger: not importable")
+    monkeypatch.setattr(liger_peer, "function", missing)
+    got = _run_preset_on_the_cpu(monkeypatch, ["torch", "liger"])
+    assert set(got) == {("torch", "fwd"), ("torch", "fwd+bwd")}  # (no record for a peer that did not run)
 
 
 @pytest.mark.parametrize("queued", [False, True])
