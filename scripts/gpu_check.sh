@@ -115,8 +115,8 @@ pack_logs() {
   if [ $? -le 1 ]; then mv -f "$tmp" "$OUT/logs.tgz"; else rm -f "$tmp"; fi
 }
 # A packer every 20 s: a call cut at its time limit (SIGKILL: no trap runs) still brings back what
-# ran. It stops between packs when told (TERM), and at exit before the last, full pack. (Not a
-# job that wait_builds waits for.)
+# ran. It stops between packs when told (TERM), and at exit before the last, full pack (the EXIT
+# trap: every exit packs the logs). (Not a job that wait_builds waits for.)
 ( trap 'exit 0' TERM; while :; do sleep 20 & wait $!; pack_logs; done ) > /dev/null 2>&1 &
 packer=$!
 trap 'kill $packer 2>/dev/null; wait $packer 2>/dev/null || true; rm -f "$OUT"/.logs.*.tgz; pack_logs' EXIT
@@ -246,7 +246,6 @@ if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else run
       done
     done
   fi
-  pack_logs
   exit "$rc"
 fi
 
@@ -262,7 +261,6 @@ if [ "$part" = rates ]; then  # two microbenchmarks of their own build: nothing 
   done
   nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit --format=csv >> "$rates"
   cat "$rates"
-  pack_logs
   exit "$rc"
 fi
 
@@ -283,7 +281,6 @@ if [ "$part" = fp8diag ]; then  # timing-only FP8 forward builds of their own: n
       --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\", \"base\": \"NO_PROMOTION\", \"head\": \"$head\"}" 2>&1 |
       tee -a "$OUT/${date:0:10}-$commit-fp8diag.txt" | tail -6  # (outputs differ by design: ab_serve's exit says so)
   done
-  pack_logs
   exit 0
 fi
 
@@ -345,7 +342,6 @@ if [ "$part" = diagab ]; then  # same-bits diagnostic builds (--diag A[,B...], o
     echo "== ${variants[$i]} (head) / default (base)"
     diag=${variants[$i]} diag_build="build-ab-diag$i" diag_ab build-ab-base "$name" mixtral-8x7b,qwen3-30b-a3b,deepseek-v3 fwd+bwd || rc=1
   done
-  pack_logs
   exit "$rc"
 fi
 
@@ -365,7 +361,7 @@ if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
     with_tests=OFF
   { cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON -DMOK_BUILD_PYTHON=ON \
       -DMOK_BUILD_TESTS=$with_tests -DMOK_TEST_TIMEOUT=240 &&
-    cmake --build $build -j"$(nproc)"; } > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; pack_logs; exit 1; }
+    cmake --build $build -j"$(nproc)"; } > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; exit 1; }
   grep -E "spill|Used [0-9]+ registers|stack frame" "$LOG/build.log" | sort -u > "$LOG/ptxas.txt" || true
   # The package from this build (python/mok + the extension just built) for the benchmark,
   # so it runs without a second build through pip.
@@ -700,8 +696,7 @@ elif [ "$part" = ep ]; then
   echo "gpu_check.sh --part ep: this machine has $gpus GPU(s); expert parallelism across GPUs needs 2 or more"
 fi
 
-[ "$part" = ep ] && { pack_logs; exit $test_rc; }
+[ "$part" = ep ] && exit $test_rc
 python3 bench/report.py gpucheck --junit "${junit[@]}" --bench "${bench[@]}" \
   --gpu "$gpu" --commit "$commit" --date "$date" --out-dir "$OUT" --part "$part" --extra "${extra[@]}"
-pack_logs
 exit $test_rc
