@@ -17,6 +17,11 @@
 //   overlap+mc  overlapped (6 stages) in 2-CTA clusters taking tiles (m, 2j) and (m, 2j + 1): each
 //               CTA loads one 64-row half of A multicast into both (A's L2 reads halved: the
 //               overlapped loop ran with L2 85 % busy, ncu)
+//   three WGs   192 x 128 CTA tiles, three consumer warpgroups of 64 x 128, each promoted as today
+//               (four MMAs into one block accumulator, wait_group 0, promote: 128 registers, so
+//               three fit beside the producer at 160 each): while one warpgroup promotes, two
+//               can keep the tensor cores busy. Stages of A 24 KB + B 16 KB (11 % more bytes a
+//               FLOP than current); M rounded down to a multiple of 192.
 //
 //   fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R]
 //
@@ -69,13 +74,17 @@ struct Params {
 // A stage: A 128 rows x 128 K, B kTileN rows x 128 K (E4M3). kClusterSize 2: the CTAs of a
 // cluster take the tiles (m, 2j) and (m, 2j + 1) together, each loading one 64-row half of A
 // multicast into both CTAs' stages (A's L2 reads halved) and its own B.
-template <int kTileN, int kStageCount, int kClusterSize = 1>
+template <int kTileN, int kStageCount, int kClusterSize = 1, int kTileM = 128>
 struct alignas(1024) Storage {
   static constexpr int kStages = kStageCount;
   static constexpr int kN = kTileN;
+  static constexpr int kM = kTileM;
+  static constexpr int kWarpgroups = kTileM / 64;  // consumer warpgroups, 64 rows each
+  static constexpr int kCtaThreads = 128 * (1 + kWarpgroups);
   static constexpr int kCluster = kClusterSize;
+  static_assert(kClusterSize == 1 || kTileM == 128);
   struct alignas(1024) Stage {
-    std::uint8_t a[128 * 128];
+    std::uint8_t a[kTileM * 128];
     std::uint8_t b[kTileN * 128];
   } stages[kStages];
   PipelineBarriers<kStages> barriers;
@@ -121,12 +130,13 @@ __device__ void produce(const Params& p, St& s) {
   const int rank = cluster_rank<St>();
   for_each_tile<St>(p, [&](int tile, int m, int n) {
     for (int kb = 0; kb < p.k_blocks; ++kb) {
-      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, tile, 128 * 128 + kTileN * 128);
+      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, tile, St::kM * 128 + kTileN * 128);
       auto& st = s.stages[pipe.stage()];
       if constexpr (St::kCluster == 2)  // (the peer's half lands here too, counted by this barrier)
         ptx::tma_load_2d_multicast(st.a + rank * 64 * 128, &p.a_half, full, kb * 128, m * 128 + rank * 64, 0x3);
       else
-        ptx::tma_load_2d(st.a, &p.a, full, kb * 128, m * 128);
+        ptx::tma_load_2d(st.a, &p.a, full, kb * 128, m * St::kM);
+      if constexpr (St::kM == 192) ptx::tma_load_2d(st.a + 128 * 128, &p.a_half, full, kb * 128, m * 192 + 128);
       ptx::tma_load_2d(st.b, &p.b, full, kb * 128, n * kTileN);
       if constexpr (kTileN == 256) ptx::tma_load_2d(st.b + 128 * 128, &p.b, full, kb * 128, n * kTileN + 128);
       pipe.producer_commit();
@@ -221,6 +231,34 @@ __device__ void mainloop_rs(const Params& p, St& s, Pipeline<St::kStages>& pipe,
   }
 }
 
+// One 64 x 128 warpgroup tile promoted as the kernels promote (per 128-K block four MMAs into
+// block, wait_group 0, release the stage, acc += block * scales; the scales one block ahead).
+template <typename St>
+__device__ void mainloop_promoted64(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[64], int wg,
+                                    int task, const float* a_rows) {
+  const int tid = threadIdx.x % 128;
+  float block[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f, block[i] = 0.0f;
+  float a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
+  int e = __ldg(p.b_exponents);
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    const int stage_index = pipe.consumer_wait(p, s.barriers, task);
+    float next_a_lo = 0.0f, next_a_hi = 0.0f;
+    int next_e = 0;
+    if (kb + 1 < p.k_blocks) {
+      next_a_lo = __ldcg(a_rows + (kb + 1) * p.m), next_a_hi = __ldcg(a_rows + (kb + 1) * p.m + 8);
+      next_e = __ldg(p.b_exponents + kb + 1);
+    }
+    issue(s.stages[stage_index], wg, block);
+    ptx::wgmma_wait_group<0>();
+    if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
+    pipe.consumer_advance();
+    promote(acc, block, a_lo, a_hi, e);
+    a_lo = next_a_lo, a_hi = next_a_hi, e = next_e;
+  }
+}
+
 // The overlapped mainloop of one 64 x 128 warpgroup tile over k_blocks (a multiple of 8).
 template <typename St>
 __device__ void mainloop_overlapped(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[64],
@@ -262,8 +300,13 @@ __device__ void consume(const Params& p, St& s, int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   float total = 0.0f;
   for_each_tile<St>(p, [&](int tile, int m, int) {
-    const float* a_rows = p.a_scales + m * 128 + wg * 64 + warp * 16 + lane / 4;
-    if constexpr (kTileN == 256) {
+    const float* a_rows = p.a_scales + m * St::kM + wg * 64 + warp * 16 + lane / 4;
+    if constexpr (St::kM == 192) {
+      float acc[64];
+      mainloop_promoted64(p, s, pipe, acc, wg, tile, a_rows);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) total += acc[i];
+    } else if constexpr (kTileN == 256) {
       float acc[128];
       const Fp8TaskScales sc{p.a_scales + m * 128 + wg * 64, p.m, {p.b_exponents, p.b_exponents}};
       if constexpr (kRs) mainloop_rs(p, s, pipe, acc, wg, tile, a_rows);
@@ -280,25 +323,37 @@ __device__ void consume(const Params& p, St& s, int wg) {
   if (total == 1234.5f) p.sink[blockIdx.x] = total;  // (keeps the work; never true here)
 }
 
+// (three consumer warpgroups: 512 threads launch with 128 registers each; the producer gives
+// back to 24 so that the consumers may take 160)
+template <typename St>
+inline constexpr int kTileProducerRegisters = St::kWarpgroups == 3 ? 24 : kProducerRegisters;
+template <typename St>
+inline constexpr int kTileConsumerRegisters = St::kWarpgroups == 3 ? 160 : kConsumerRegisters;
+template <typename St>
+inline constexpr bool kRegistersFit =
+    kTileProducerRegisters<St> * 128 + kTileConsumerRegisters<St> * 128 * St::kWarpgroups <= 65536;
+
 template <typename St, bool kRs>
-__global__ void __launch_bounds__(kThreads, 1) tile_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(St::kCtaThreads, 1) tile_kernel(const __grid_constant__ Params p) {
+  static_assert(kRegistersFit<St>);
   St& s = shared_storage<St>();
-  s.barriers.init(kConsumerWarpgroups * St::kCluster);  // (with clusters the peer's warpgroups release too)
+  s.barriers.init(St::kWarpgroups * St::kCluster);  // (with clusters the peer's warpgroups release too)
   if constexpr (St::kCluster == 2) {
     if (threadIdx.x == 0) ptx::fence_mbarrier_init_cluster();
     ptx::cluster_sync();  // (the peer's barriers are initialised before any multicast or remote arrival)
   } else {
     __syncthreads();
   }
-  split_roles<kProducerRegisters, kConsumerRegisters>([&] { produce<St>(p, s); },
-                                                      [&](int wg) { consume<St, kRs>(p, s, wg); });
+  split_roles<kTileProducerRegisters<St>, kTileConsumerRegisters<St>>([&] { produce<St>(p, s); },
+                                                                      [&](int wg) { consume<St, kRs>(p, s, wg); });
   if constexpr (St::kCluster == 2) ptx::cluster_sync();  // (no CTA leaves while its peer may still write into it)
 }
 
-template <int kTileN, int kStages, bool kRs = false, int kCluster = 1>
+template <int kTileN, int kStages, bool kRs = false, int kCluster = 1, int kTileM = 128>
 void run(Params p, int M, int N, int K, int iters, int repeats, int sms) {
-  using St = Storage<kTileN, kStages, kCluster>;
-  p.tiles_m = M / 128, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
+  using St = Storage<kTileN, kStages, kCluster, kTileM>;
+  M = M / kTileM * kTileM;  // (192-row tiles: M rounded down; the FLOPs counted are this M's)
+  p.tiles_m = M / kTileM, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
   const std::size_t smem = shared_storage_bytes<St>();
   static_assert(shared_storage_bytes<St>() <= kMaxSharedMemoryBytes);
   auto kernel = tile_kernel<St, kRs>;
@@ -307,14 +362,14 @@ void run(Params p, int M, int N, int K, int iters, int repeats, int sms) {
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = kCluster, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
-  config.gridDim = dim3(sms / kCluster * kCluster), config.blockDim = dim3(kThreads), config.dynamicSmemBytes = smem;
+  config.gridDim = dim3(sms / kCluster * kCluster), config.blockDim = dim3(St::kCtaThreads), config.dynamicSmemBytes = smem;
   config.attrs = &cluster, config.numAttrs = 1;
   const std::vector<float> ms = mok_bench::time_iterations(1, repeats, nullptr, [&] {
     for (int i = 0; i < iters; ++i) cudaLaunchKernelEx(&config, kernel, p);
   });
   const double tflop = 2.0 * M * N * K * iters / 1e12;  // (ms: ascending)
   std::printf("%-11s %3d x %3d CTA tiles, %d stages of %2d KB  %7.1f TFLOP/s  [%.1f, %.1f]\n",
-              kTileN == 128 ? (kCluster == 2 ? "overlap+mc" : "overlapped") : kRs ? "A in regs" : "current", 128,
+              kTileM == 192 ? "three WGs" : kTileN == 128 ? (kCluster == 2 ? "overlap+mc" : "overlapped") : kRs ? "A in regs" : "current", kTileM,
               kTileN, kStages, static_cast<int>(sizeof(typename St::Stage) / 1024), tflop / (ms[ms.size() / 2] * 1e-3), tflop / (ms.back() * 1e-3), tflop / (ms.front() * 1e-3));
 }
 
@@ -387,6 +442,7 @@ int main(int argc, char** argv) {
       run<128, 6>(p, M, N, K, iters, repeats, sms);
       run<128, 7>(p, M, N, K, iters, repeats, sms);
       run<128, 6, false, 2>(p, M, N, K, iters, repeats, sms);
+      run<128, 5, false, 1, 192>(p, M, N, K, iters, repeats, sms);
     }
   } catch (const mok::Error& e) {
     std::fprintf(stderr, "fp8_tile_rate: %s\n", e.what());

@@ -35,7 +35,7 @@ namespace {
 
 using namespace mok::ptx;
 
-enum class Kind : int { bf16_n256, bf16_n256_skewed, bf16_n256_ordered, bf16_n128, e4m3_n128, e4m3_n256, e4m3_n128_promoted, e4m3_n128_skewed, e4m3_n128_overlapped };
+enum class Kind : int { bf16_n256, bf16_n256_skewed, bf16_n256_ordered, bf16_n128, e4m3_n128, e4m3_n256, e4m3_n128_promoted, e4m3_n128_skewed, e4m3_n128_overlapped, e4m3_n128_promoted64 };
 
 const char* name(Kind k) {
   switch (k) {
@@ -47,6 +47,7 @@ const char* name(Kind k) {
     case Kind::bf16_n256_ordered: return "bf16 m64n256k16 ordered";
     case Kind::e4m3_n128_promoted: return "e4m3 m64n128k32 promoted";
     case Kind::e4m3_n128_skewed: return "e4m3 m64n128k32 skewed";
+    case Kind::e4m3_n128_promoted64: return "e4m3 m64n128k32 promoted 64";
     default: return "e4m3 m64n128k32 overlapped";
   }
 }
@@ -76,7 +77,8 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) mma_kernel(int iters, fl
   const std::uint8_t* b = base + kMaxWarpgroups * kA;
   const std::uint64_t da = wgmma_descriptor_sw128(a), db = wgmma_descriptor_sw128(b);
   float out = 0.0f;
-  if constexpr (K != Kind::e4m3_n128_promoted && K != Kind::e4m3_n128_skewed && K != Kind::e4m3_n128_overlapped) {
+  if constexpr (K != Kind::e4m3_n128_promoted && K != Kind::e4m3_n128_skewed && K != Kind::e4m3_n128_overlapped &&
+                K != Kind::e4m3_n128_promoted64) {
     // (skewed: warpgroup 1 starts once warpgroup 0 has issued its first batch; ordered: every
     // batch of warpgroup 1 waits until warpgroup 0 has issued its batch of that iteration — so the
     // tensor cores take each warpgroup's four MMAs back to back, not the two interleaved)
@@ -141,6 +143,27 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) mma_kernel(int iters, fl
       promote(block0);
       wgmma_wait_group<0>();
       promote(block1);
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) out += acc[i];
+  } else if constexpr (K == Kind::e4m3_n128_promoted64) {
+    // promoted on a 64 x 128 warpgroup tile (one block accumulator beside acc: 128 registers, so
+    // three consumer warpgroups fit an SM): per 128-K block four MMAs into block, wait_group 0,
+    // acc += block * scale. With three warpgroups, two may keep the tensor cores busy while the
+    // third promotes.
+    float acc[64], block[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    const std::uint32_t la = static_cast<std::uint32_t>(da), lb = static_cast<std::uint32_t>(db);
+    const float scale = 1.0f + 1e-7f * threadIdx.x;
+    for (int it = 0; it < iters; ++it) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(block, la + 2 * kk, lb + 2 * kk, kk != 0);
+      wgmma_commit_group();
+      wgmma_wait_group<0>();
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = fmaf(block[i], scale, acc[i]);
     }
 #pragma unroll
     for (int i = 0; i < 64; ++i) out += acc[i];
@@ -233,6 +256,9 @@ int main(int argc, char** argv) {
     run<Kind::e4m3_n128_promoted, 1>(iters, repeats, sms, sink);
     run<Kind::e4m3_n128_promoted, 2>(iters, repeats, sms, sink);
     run<Kind::e4m3_n128_skewed, 2>(iters, repeats, sms, sink);
+    run<Kind::e4m3_n128_promoted64, 1>(iters, repeats, sms, sink);
+    run<Kind::e4m3_n128_promoted64, 2>(iters, repeats, sms, sink);
+    run<Kind::e4m3_n128_promoted64, 3>(iters, repeats, sms, sink);
     run<Kind::e4m3_n128_overlapped, 1>(iters, repeats, sms, sink);
     run<Kind::e4m3_n128_overlapped, 2>(iters, repeats, sms, sink);
   } catch (const mok::Error& e) {
