@@ -443,6 +443,7 @@ int main(int argc, char** argv) {
       run<128, 7>(p, M, N, K, iters, repeats, sms);
       run<128, 6, false, 2>(p, M, N, K, iters, repeats, sms);
       run<128, 5, false, 1, 192>(p, M, N, K, iters, repeats, sms);
+      run<128, 4, false, 1, 192>(p, M, N, K, iters, repeats, sms);  // (what the forward could keep beside h staging)
     }
   } catch (const mok::Error& e) {
     std::fprintf(stderr, "fp8_tile_rate: %s\n", e.what());
