@@ -324,9 +324,9 @@ __device__ void consume(const Params& p, St& s, int wg) {
 }
 
 // (three consumer warpgroups: 512 threads launch with 128 registers each; the producer gives
-// back to 24 so that the consumers may take 160)
+// back to 32 so that the consumers may take 160: 32 x 128 + 160 x 384 = 65536)
 template <typename St>
-inline constexpr int kTileProducerRegisters = St::kWarpgroups == 3 ? 24 : kProducerRegisters;
+inline constexpr int kTileProducerRegisters = St::kWarpgroups == 3 ? 32 : kProducerRegisters;
 template <typename St>
 inline constexpr int kTileConsumerRegisters = St::kWarpgroups == 3 ? 160 : kConsumerRegisters;
 template <typename St>
