@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <string>
 #include <random>
 #include <tuple>
@@ -67,7 +68,12 @@ TEST(Fp8, ScaleExponentIsTheSmallestThatFits) {
   EXPECT_EQ(scale_exponent(449.0f), 1);
   EXPECT_EQ(scale_exponent(1.0f), -8);   // 1 / 2^-8 = 256 <= 448, 1 / 2^-9 = 512 > 448
   EXPECT_EQ(scale_exponent(3.5f), -7);   // 3.5 * 128 = 448
-  for (float amax : {1e-30f, 1e-5f, 0.3f, 7.0f, 1000.0f, 3e30f}) {
+  EXPECT_EQ(scale_exponent(std::numeric_limits<float>::infinity()), 0);
+  EXPECT_EQ(scale_exponent(std::nanf("")), 0);
+  // (subnormal and tiny amax: a log2 of amax / 448 underflowed to -inf there and the old
+  // correcting loop never ended; the largest float: e = 120)
+  for (float amax : {std::numeric_limits<float>::denorm_min(), 1e-42f, 1e-40f, std::numeric_limits<float>::min(), 1e-37f,
+                     1e-30f, 1e-5f, 0.3f, 7.0f, 1000.0f, 3e30f, std::numeric_limits<float>::max()}) {
     const int e = scale_exponent(amax);
     EXPECT_LE(std::ldexp(amax, -e), kE4m3Max) << amax;
     EXPECT_GT(std::ldexp(amax, -(e - 1)), kE4m3Max) << amax;

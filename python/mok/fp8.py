@@ -31,27 +31,57 @@ def _blocks(t: torch.Tensor, block: Tuple[int, int]):
     return t.reshape(*t.shape[:-2], (rows + pr) // br, br, (cols + pc) // bc, bc), rows, cols
 
 
+def _ldexp(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """x * 2^e exactly for the exponents a scale takes (|e| up to ~160): torch.ldexp multiplies
+    by 2^e in x's dtype, which overflows to inf past 2^127 (an fp32 block of amax < 2^-119 has
+    e < -127) or flushes to 0 below 2^-149; two halves of e stay inside the range."""
+    e = e.to(torch.int32)
+    half = torch.div(e, 2, rounding_mode="floor")
+    return torch.ldexp(torch.ldexp(x, half.to(x.dtype)), (e - half).to(x.dtype))
+
+
 def scale_exponents(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest e with amax / 2^e <= 448 (0 where amax is 0), int32."""
+    """The smallest e with amax / 2^e <= 448 (0 where amax is 0, infinite or NaN, as the C++
+    host and the kernels), int32. With amax = m 2^x, m in [0.5, 1) (frexp: exact, subnormals
+    too): 448 = 0.875 2^9, so e = x - 9, plus one where m > 0.875."""
     amax = amax.float()
-    mantissa, e = torch.frexp(amax / E4M3_MAX)
-    e = torch.where(mantissa == 0.5, e - 1, e)  # amax / 448 a power of two exactly
-    # (the division rounds: settle on the exact condition)
-    e = torch.where(torch.ldexp(amax, -e.float()) > E4M3_MAX, e + 1, e)
-    e = torch.where(torch.ldexp(amax, -(e - 1).float()) <= E4M3_MAX, e - 1, e)
-    return torch.where(amax > 0, e, torch.zeros_like(e)).to(torch.int32)
+    mantissa, x = torch.frexp(amax)
+    e = x - 9 + (mantissa > 0.875).to(x.dtype)
+    return torch.where((amax > 0) & torch.isfinite(amax), e, torch.zeros_like(e)).to(torch.int32)
+
+
+def _check_exponents(where: str, values: torch.Tensor, exponents: torch.Tensor, block: Tuple[int, int]) -> None:
+    """exponents must be the [..., ceil(rows/br), ceil(cols/bc)] of values [..., rows, cols] and block."""
+    if not (isinstance(block, (tuple, list)) and len(block) == 2 and all(isinstance(b, int) and b >= 1 for b in block)):
+        raise ValueError(f"{where}: 'block' must be (rows, cols) of positive ints, got {block!r}")
+    if not isinstance(exponents, torch.Tensor) or exponents.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{where}: 'exponents' must be an int32 tensor, got "
+                        + (str(exponents.dtype) if isinstance(exponents, torch.Tensor) else type(exponents).__name__))
+    if values.dim() < 2:
+        raise ValueError(f"{where}: 'values' must be [..., rows, cols], got shape {tuple(values.shape)}")
+    br, bc = block
+    rows, cols = values.shape[-2], values.shape[-1]
+    expected = (*values.shape[:-2], -(-rows // br), -(-cols // bc))
+    if tuple(exponents.shape) != expected:
+        raise ValueError(f"{where}: 'exponents' shape must be {expected} for values {tuple(values.shape)} in blocks "
+                         f"{tuple(block)}, got {tuple(exponents.shape)} (quantized with another block?)")
 
 
 def quantize(t: torch.Tensor, block: Tuple[int, int] = (1, 128)) -> Tuple[torch.Tensor, torch.Tensor]:
     """(values float8_e4m3fn [..., rows, cols], exponents int32 [..., ceil(rows/br), ceil(cols/bc)])
     of t [..., rows, cols]: value = e4m3(t / 2^e) per block; leading dimensions (experts) are
     quantized independently."""
+    if not isinstance(block, (tuple, list)) or len(block) != 2:
+        raise ValueError(f"mok.fp8.quantize: 'block' must be (rows, cols), got {block!r}")
     if t.dim() < 2:
         raise ValueError(f"mok.fp8.quantize: needs [..., rows, cols], got shape {tuple(t.shape)}")
     b, rows, cols = _blocks(t.float(), block)
-    amax = b.abs().amax(dim=(-3, -1))
+    magnitude = b.abs()
+    # (NaN takes no part in a block's amax, as fmaxf in the kernels and std::max in the C++ host)
+    amax = torch.where(torch.isnan(magnitude), 0.0, magnitude).amax(dim=(-3, -1))
     e = scale_exponents(amax)
-    scaled = torch.ldexp(b, -e[..., :, None, :, None].float()).clamp(-E4M3_MAX, E4M3_MAX)
+    scaled = _ldexp(b, -e[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    scaled = torch.where(torch.isnan(scaled), float("nan"), scaled)  # (one NaN byte, 0x7f, as the host's)
     values = scaled.to(torch.float8_e4m3fn).reshape(*t.shape[:-2], b.shape[-4] * block[0], b.shape[-2] * block[1])
     return values[..., :rows, :cols].contiguous(), e
 
@@ -59,8 +89,9 @@ def quantize(t: torch.Tensor, block: Tuple[int, int] = (1, 128)) -> Tuple[torch.
 def dequantize(values: torch.Tensor, exponents: torch.Tensor, block: Tuple[int, int] = (1, 128),
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """values * 2^e per block, in `dtype`."""
+    _check_exponents("mok.fp8.dequantize", values, exponents, block)
     b, rows, cols = _blocks(values.float(), block)
-    out = torch.ldexp(b, exponents[..., :, None, :, None].float())
+    out = _ldexp(b, exponents[..., :, None, :, None])
     return out.reshape(*values.shape[:-2], b.shape[-4] * block[0], b.shape[-2] * block[1])[..., :rows, :cols].to(dtype)
 
 
@@ -69,6 +100,7 @@ def to_mxfp8(values: torch.Tensor, exponents: torch.Tensor,
     """MXFP8 of a blockwise-quantized tensor: the same E4M3 values and an E8M0 scale (uint8,
     exponent + 127) per 32 consecutive elements of a row, [..., rows, ceil(cols / 32)]. Exact:
     block columns must be a multiple of 32."""
+    _check_exponents("mok.fp8.to_mxfp8", values, exponents, block)
     br, bc = block
     if bc % 32:
         raise ValueError(f"mok.fp8.to_mxfp8: the block's columns must be a multiple of 32, got {bc}")
@@ -83,8 +115,13 @@ def to_mxfp8(values: torch.Tensor, exponents: torch.Tensor,
 def dequantize_mxfp8(values: torch.Tensor, e8m0: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """values * 2^(e8m0 - 127) per 32 elements of a row."""
     cols = values.shape[-1]
+    expected = (*values.shape[:-1], -(-cols // 32))
+    if not isinstance(e8m0, torch.Tensor) or tuple(e8m0.shape) != expected:
+        raise ValueError(f"mok.fp8.dequantize_mxfp8: 'e8m0' shape must be {expected} (one scale per 32 elements of a "
+                         f"row of values {tuple(values.shape)}), got "
+                         + (str(tuple(e8m0.shape)) if isinstance(e8m0, torch.Tensor) else type(e8m0).__name__))
     scale = e8m0.to(torch.int32).repeat_interleave(32, dim=-1)[..., :cols] - 127
-    return torch.ldexp(values.float(), scale.float()).to(dtype)
+    return _ldexp(values.float(), scale).to(dtype)
 
 
 def quantize_weights(w: torch.Tensor, transpose: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -36,12 +36,14 @@ float decode_e4m3(std::uint8_t bits) {
   return sign * std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
 }
 
+// amax = m 2^x with m in [0.5, 1) (frexp is exact, subnormals too) and 448 = 0.875 2^9: the
+// smallest e with amax / 2^e <= 448 is x - 9, or x - 8 where m > 0.875. (A log2 of amax / 448
+// underflowed to -inf for amax below ~2^-141 and its correcting loop never ended.)
 int scale_exponent(float amax) {
   if (!(amax > 0.0f) || !std::isfinite(amax)) return 0;
-  int e = static_cast<int>(std::ceil(std::log2(amax / kE4m3Max)));
-  while (std::ldexp(amax, -e) > kE4m3Max) ++e;  // (log2's rounding)
-  while (std::ldexp(amax, -(e - 1)) <= kE4m3Max) --e;
-  return e;
+  int x = 0;
+  const float m = std::frexp(amax, &x);
+  return x - 9 + (m > 0.875f ? 1 : 0);
 }
 
 int Blockwise::exponent_of(int row, int col) const {

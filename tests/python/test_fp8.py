@@ -27,6 +27,48 @@ def test_bytes_equal_the_cpp_implementation(block):
     assert exponents.flatten().tolist() == list(cpp_exponents)
 
 
+@pytest.mark.parametrize("scale", [1e-45, 1e-40, 1e-37, 1e-36, 1.0, 1e38])
+def test_bytes_equal_the_cpp_implementation_at_the_ends_of_the_range(scale):
+    """Blocks whose amax is tiny (torch.ldexp's 2^-e overflowed past e < -127: every value of a
+    1e-37 block came back as 448 2^e) or subnormal (the C++ host's log2 underflowed and its loop
+    never ended), and near the largest float."""
+    x = _data(4, 256, 5) * scale
+    for block in ((1, 128), (2, 128)):
+        values, exponents = fp8.quantize(x, block)
+        cpp_values, cpp_exponents = mok._C.fp8_quantize(x.numpy(), *block)
+        assert values.view(torch.uint8).flatten().tolist() == list(cpp_values)
+        assert exponents.flatten().tolist() == list(cpp_exponents)
+    tiny = torch.zeros(1, 128)
+    tiny[0, :3] = torch.tensor([1e-37, 5e-38, 3.3e-38])
+    again = fp8.dequantize(*fp8.quantize(tiny))
+    assert torch.allclose(again[0, :3], tiny[0, :3], rtol=0.07, atol=0)
+
+
+def test_non_finite_values_quantize_as_the_cpp_implementation():
+    """NaN takes no part in a block's amax and stays NaN (one byte, 0x7f); an infinity gives
+    the block the scale 2^0 (as the kernels) and saturates to 448."""
+    x = _data(2, 256, 6)
+    x[0, 0], x[0, 5], x[1, 3], x[1, 200] = float("inf"), float("nan"), float("-inf"), -float("nan")
+    values, exponents = fp8.quantize(x, (1, 128))
+    cpp_values, cpp_exponents = mok._C.fp8_quantize(x.numpy(), 1, 128)
+    assert values.view(torch.uint8).flatten().tolist() == list(cpp_values)
+    assert exponents.flatten().tolist() == list(cpp_exponents)
+    assert exponents[0, 0] == 0 and exponents[1, 0] == 0 and exponents[0, 1] != 0
+
+
+def test_exponents_of_another_block_are_refused():
+    x = _data(256, 256, 12)
+    values, e = fp8.quantize(x, (128, 128))
+    with pytest.raises(ValueError, match="'exponents' shape must be"):
+        fp8.to_mxfp8(values, e)  # (the default block is (1, 128))
+    with pytest.raises(ValueError, match="'exponents' shape must be"):
+        fp8.dequantize(values, e, (1, 128))
+    with pytest.raises(ValueError, match="'e8m0' shape must be"):
+        fp8.dequantize_mxfp8(values, torch.zeros(2, 8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="'block' must be"):
+        fp8.quantize(x, 128)
+
+
 def test_scale_fits_the_block_and_error_is_within_half_a_quantum():
     x = _data(130, 256, 5)
     for block in ((1, 128), (128, 128)):
