@@ -93,6 +93,7 @@ def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swig
     layout = "[E, 2I, H] (gate and up concatenated: w_up is None)" if fused else "[E, I, H]"
     _require(w_gate.dim() == 3, ValueError, lambda: f"{where}: 'w_gate' must be 3-D {layout}, got shape {tuple(w_gate.shape)}")
     E, I, _ = w_gate.shape
+    _require(E >= 1, ValueError, lambda: f"{where}: 'w_gate' holds no expert, shape {tuple(w_gate.shape)}")
     if fused:
         _require(I % 2 == 0, ValueError, lambda: f"{where}: 'w_gate' must be {layout}: an even number of rows, got shape "
                                          f"{tuple(w_gate.shape)}")
@@ -118,6 +119,10 @@ def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swig
     if shared is not None:
         _require(isinstance(shared, (tuple, list)) and len(shared) == 3, ValueError,
                  lambda: f"{where}: 'shared' must be (gate [I_s, H], up [I_s, H], down [H, I_s]), got {type(shared).__name__}")
+        for name, t in zip(("shared gate", "shared up", "shared down"), shared):
+            _require(isinstance(t, torch.Tensor), TypeError,
+                     lambda: f"{where}: {name} must be a torch.Tensor ('shared' is three tensors or None), got "
+                             f"{type(t).__name__}")
         sg, su, sd = shared
         _require(sg.dim() == 2, ValueError, lambda: f"{where}: shared gate must be [I_s, H], got shape {tuple(sg.shape)}")
         Is = sg.shape[0]
@@ -140,3 +145,58 @@ def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swig
                                                 f"dimension), got strides {tuple(t.stride())}")
     if device.type != "meta":
         _require(device.type == "cuda", ValueError, lambda: f"{where}: tensors must be on a CUDA device, got {device}")
+
+
+def check_torch_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts=None,
+                     where="mok.moe_torch"):
+    """The PyTorch paths' checks (mok.moe_torch, mok.moe_torch_ep: any device, any floating
+    dtype): the shapes, index dtype and arguments that mok.moe checks, on metadata only (fake
+    tensors under torch.compile). num_experts: the group's E (the weights hold E_l of them)."""
+    import torch
+
+    fused = w_up is None
+    named = (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_gate", w_gate),
+             ("w_down", w_down)) + (() if fused else (("w_up", w_up),))
+    for name, t in named:
+        _require(isinstance(t, torch.Tensor), TypeError, lambda: f"{where}: '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    _require(x.dim() == 2, ValueError, lambda: f"{where}: 'x' must be 2-D [T, H], got shape {tuple(x.shape)}")
+    T, H = x.shape
+    _require(topk_ids.dtype in (torch.int32, torch.int64), TypeError,
+             lambda: f"{where}: 'topk_ids' dtype must be torch.int32 or torch.int64, got {topk_ids.dtype}")
+    _require(topk_weights.is_floating_point(), TypeError,
+             lambda: f"{where}: 'topk_weights' must be a floating-point tensor, got {topk_weights.dtype}")
+    _require(topk_ids.dim() == 2 and topk_ids.shape[0] == T, ValueError,
+             lambda: f"{where}: 'topk_ids' must be [T, k] with T = {T}, got shape {tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    _require(tuple(topk_weights.shape) == (T, k), ValueError,
+             lambda: f"{where}: 'topk_weights' shape must be {(T, k)}, got {tuple(topk_weights.shape)}")
+    layout = "[E, 2I, H] (gate and up concatenated: w_up is None)" if fused else "[E, I, H]"
+    _require(w_gate.dim() == 3, ValueError, lambda: f"{where}: 'w_gate' must be 3-D {layout}, got shape {tuple(w_gate.shape)}")
+    E, rows, _ = w_gate.shape
+    _require(E >= 1, ValueError, lambda: f"{where}: 'w_gate' holds no expert, shape {tuple(w_gate.shape)}")
+    _require(not fused or rows % 2 == 0, ValueError,
+             lambda: f"{where}: 'w_gate' must be {layout}: an even number of rows, got shape {tuple(w_gate.shape)}")
+    I = rows // 2 if fused else rows
+    E_all = E if num_experts is None else num_experts
+    _require(1 <= k <= E_all, ValueError, lambda: f"{where}: top-k must be in [1, E = {E_all}], got {k}")
+    _require(tuple(w_gate.shape) == (E, rows, H), ValueError,
+             lambda: f"{where}: 'w_gate' shape must be {(E, rows, H)} (H from x), got {tuple(w_gate.shape)}")
+    _require(fused or tuple(w_up.shape) == (E, I, H), ValueError,
+             lambda: f"{where}: 'w_up' shape must be {(E, I, H)}, got {None if fused else tuple(w_up.shape)}")
+    _require(w_down.dim() == 3 and tuple(w_down.shape) == (E, H, I), ValueError,
+             lambda: f"{where}: 'w_down' shape must be {(E, H, I)}, got {tuple(w_down.shape)}")
+    if shared is not None:
+        _require(isinstance(shared, (tuple, list)) and len(shared) == 3, ValueError,
+                 lambda: f"{where}: 'shared' must be (gate [I_s, H], up [I_s, H], down [H, I_s]), got {type(shared).__name__}")
+        for name, t in zip(("shared gate", "shared up", "shared down"), shared):
+            _require(isinstance(t, torch.Tensor), TypeError,
+                     lambda: f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        sg, su, sd = shared
+        _require(sg.dim() == 2, ValueError, lambda: f"{where}: shared gate must be [I_s, H], got shape {tuple(sg.shape)}")
+        Is = sg.shape[0]
+        for name, t, shape in (("shared gate", sg, (Is, H)), ("shared up", su, (Is, H)), ("shared down", sd, (H, Is))):
+            _require(tuple(t.shape) == shape, ValueError, lambda: f"{where}: {name} shape must be {shape}, got {tuple(t.shape)}")
+    if swiglu_limit is not None:
+        _require(isinstance(swiglu_limit, (int, float)) and not isinstance(swiglu_limit, bool)
+                 and swiglu_limit > 0 and swiglu_limit != float("inf"), ValueError,
+                 lambda: f"{where}: 'swiglu_limit' must be a finite positive number, got {swiglu_limit!r}")

@@ -64,6 +64,12 @@ class ExpertParallel:
         _check_ring(comm_sms, ring_rows, minibatch_rows)
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
             raise ValueError(f"mok.ep.ExpertParallel: tokens must be None or an int >= 1, got {tokens!r}")
+        if not isinstance(compute_sms, int) or isinstance(compute_sms, bool) or compute_sms < 0:
+            raise ValueError(f"mok.ep.ExpertParallel: compute_sms must be 0 (every SM) or a positive int, got {compute_sms!r}")
+        if (not isinstance(timeout_seconds, (int, float)) or isinstance(timeout_seconds, bool)
+                or not 0 < timeout_seconds < float("inf")):
+            raise ValueError(f"mok.ep.ExpertParallel: timeout_seconds must be a finite positive number, got "
+                             f"{timeout_seconds!r}")
         if not isinstance(pull_tokens_once, bool):
             raise ValueError(f"mok.ep.ExpertParallel: pull_tokens_once must be a bool, got {pull_tokens_once!r}")
         if not isinstance(interleave_rows, int) or isinstance(interleave_rows, bool) or interleave_rows < 0 \
@@ -84,6 +90,9 @@ class ExpertParallel:
         if not dist.is_initialized():
             raise RuntimeError("mok.ep.ExpertParallel: torch.distributed is not initialised (launch with torchrun "
                                "and call torch.distributed.init_process_group first)")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"mok.ep.ExpertParallel: group must be a torch.distributed ProcessGroup or None (the "
+                            f"default group), got {type(group).__name__}")
         self.group = group if group is not None else dist.group.WORLD
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)

@@ -24,7 +24,8 @@ class MoE(nn.Module):
     topk_weights to forward(). backend: "mok" (the fused kernel, Hopper GPU, bf16) or
     "torch" (mok.moe_torch: the same layer in plain PyTorch, any device and dtype).
     load_balancing: after each routed forward, `aux_loss` holds the Switch-Transformer
-    load-balancing loss of that call (add coef * aux_loss to the training loss).
+    load-balancing loss of that call (add coef * aux_loss to the training loss); None after a
+    call that was given topk_ids (no router ran).
     group: a mok.ep.ExpertParallel (over a torch.distributed process group of W ranks): this
     module then holds only its rank's num_experts / W experts (rank r: experts
     [r E/W, (r + 1) E/W)), routes its tokens over all num_experts, and the fused kernels
@@ -56,6 +57,21 @@ class MoE(nn.Module):
                              f"fp8_dgrad={fp8_dgrad!r} with precision={precision!r}")
         self.precision, self.fp8_dgrad = precision, fp8_dgrad
         self._fp8_cache = None  # precision "fp8": (the weights' identity and versions, their Fp8Experts)
+        for name, n in (("hidden", hidden), ("intermediate", intermediate), ("num_experts", num_experts),
+                        ("top_k", top_k), ("shared_intermediate", shared_intermediate)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < (0 if name == "shared_intermediate" else 1):
+                kind = "an int >= 0 (0: no shared expert)" if name == "shared_intermediate" else "a positive int"
+                raise ValueError(f"mok.MoE: '{name}' must be {kind}, got {n!r}")
+        if backend == "mok":  # (what the fused kernels take; the torch backend takes any size)
+            unit = 128 if precision == "fp8" else 64
+            for name, n, need in (("hidden", hidden, unit), ("intermediate", intermediate, unit),
+                                  ("shared_intermediate", shared_intermediate, 64)):
+                if n % need:
+                    raise ValueError(f"mok.MoE: '{name}' must be a multiple of {need} for the fused kernel"
+                                     f"{' in FP8' if need == 128 else ''}, got {n}")
+        if swiglu_limit is not None and (not isinstance(swiglu_limit, (int, float)) or isinstance(swiglu_limit, bool)
+                                         or not 0 < swiglu_limit < float("inf")):
+            raise ValueError(f"mok.MoE: 'swiglu_limit' must be None or a finite positive number, got {swiglu_limit!r}")
         if router not in ("softmax", "sigmoid", None):
             raise ValueError(f"mok.MoE: 'router' must be 'softmax', 'sigmoid' or None, got {router!r}")
         if not 1 <= top_k <= num_experts:
@@ -136,6 +152,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: Optional[torch.Tensor] = None,
                 topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         shape = x.shape
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or shape[-1] != self.hidden:
+            raise ValueError(f"mok.MoE: x must be [..., hidden = {self.hidden}], got "
+                             + (f"shape {tuple(shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
         x2 = x.reshape(-1, self.hidden)
         if topk_ids is None:
             if topk_weights is not None:
@@ -145,6 +164,20 @@ class MoE(nn.Module):
                 self.aux_loss = self.load_balancing_loss(logits, topk_ids)
         elif topk_weights is None:
             raise ValueError("mok.MoE: 'topk_ids' was given without 'topk_weights'")
+        else:
+            # The routing of x [..., H]: [..., k] with x's leading dimensions, or [T, k] of the
+            # flattened tokens (a reshape would otherwise take e.g. [S, B, k] for x [B, S, H]).
+            self.aux_loss = None  # (no router ran: no loss of this call)
+            leading, tokens = tuple(shape[:-1]), x2.shape[0]
+            for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"mok.MoE: '{name}' must be a torch.Tensor, got {type(t).__name__}")
+                if tuple(t.shape) not in (leading + (self.top_k,), (tokens, self.top_k)):
+                    forms = list(leading + (self.top_k,))
+                    if len(leading) != 1:
+                        forms = f"{forms} or {[tokens, self.top_k]}"
+                    raise ValueError(f"mok.MoE: '{name}' must be {forms} for x of shape {tuple(shape)} and top_k = "
+                                     f"{self.top_k}, got shape {tuple(t.shape)}")
         shared = None if self.shared is None else tuple(self.shared)
         # (w_up None: w_gate is [E, 2I, H], taken as it is by every backend)
         gate, up = (self.w_gate_up, None) if self.fused_gate_up else (self.w_gate, self.w_up)

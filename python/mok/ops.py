@@ -106,7 +106,8 @@ def _where(group_id):
 
 def _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
            num_experts, group_id):
-    shared = None if shared_gate is None else (shared_gate, shared_up, shared_down)
+    parts = (shared_gate, shared_up, shared_down)
+    shared = None if all(t is None for t in parts) else parts  # (a partial triple: named by the checks)
     check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts,
                    _where(group_id))
 
@@ -379,7 +380,8 @@ def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_l
     enqueues the plan and the row copy first (_forward_rows), then the rest."""
     if shared is None:
         shared = (None, None, None)
-    elif not isinstance(shared, (tuple, list)) or len(shared) != 3:  # (names it)
+    elif (not isinstance(shared, (tuple, list)) or len(shared) != 3
+          or not all(isinstance(t, torch.Tensor) for t in shared)):  # (names it)
         check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts,
                        _where(group_id))
     args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, num_experts, group_id)

@@ -6,6 +6,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from mok._checks import check_torch_args
+
 
 def _swiglu(g: torch.Tensor, u: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
     if limit is not None:
@@ -77,6 +79,7 @@ def moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     row of zeros at the end of the last expert's group: zeros in, zeros out, no gradient.
     Accumulates in the inputs' dtype per GEMM (as PyTorch does), so it is not bitwise equal
     to the fused kernel."""
+    check_torch_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit)
     T, k = topk_ids.shape
     E = w_gate.shape[0]
     flat = topk_ids.reshape(-1)
@@ -94,9 +97,11 @@ def moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         offsets, counts = None, torch.bincount(sorted_ids.long(), minlength=E).tolist()
     g, u = _gate_up(xs, w_gate, w_up, offsets, counts)
     rows = _grouped(_swiglu(g, u, swiglu_limit), w_down, offsets, counts)
-    per_slot = torch.index_copy(torch.empty_like(rows), 0, order, rows).view(T, k, -1)  # slot order[i] <- row i
+    per_slot = torch.index_copy(torch.empty_like(rows), 0, order, rows).view(T, k, rows.shape[-1])  # slot order[i] <- row i
     acc = torch.promote_types(x.dtype, torch.float32)
-    y = (per_slot.to(acc) * topk_weights.to(acc).unsqueeze(-1)).sum(1)
+    # (a "no expert" slot adds nothing, whatever its weight: a NaN there made the row NaN)
+    weights = torch.where(topk_ids >= 0, topk_weights.to(acc), 0)
+    y = (per_slot.to(acc) * weights.unsqueeze(-1)).sum(1)
     if shared is not None:
         sg, su, sd = shared
         y = y + (_swiglu(x @ sg.T, x @ su.T, swiglu_limit) @ sd.T).to(acc)
@@ -141,7 +146,14 @@ def moe_torch_ep(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    k, E_l = topk_ids.shape[1], w_gate.shape[0]
+    E_l = w_gate.shape[0] if isinstance(w_gate, torch.Tensor) and w_gate.dim() == 3 else 1
+    check_torch_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts=E_l * world,
+                     where="mok.moe_torch_ep")
+    k = topk_ids.shape[1]
+    # (the exchanges read their sizes on the host anyway: the ids' range is checked there too)
+    if topk_ids.numel() and bool(((topk_ids < -1) | (topk_ids >= E_l * world)).any()):
+        raise ValueError(f"mok.moe_torch_ep: 'topk_ids' has an expert id outside [-1, {E_l * world}) "
+                         f"(-1 = no expert; {world} ranks of {E_l} experts)")
     pairs, experts = _pairs_by_expert(topk_ids)  # sorted by expert, so by destination rank
     sent = torch.zeros(world, dtype=torch.int64, device=experts.device).index_add(
         0, experts // E_l, torch.ones_like(experts))

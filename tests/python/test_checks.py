@@ -98,3 +98,19 @@ def test_fast_path_refuses_what_the_checks_refuse(name, args):
     assert not _valid(**args), name
     with pytest.raises((TypeError, ValueError)):
         check_moe_args(**args)
+
+
+def test_a_partial_shared_expert_and_no_experts_are_named():
+    """shared=(None, up, down) ran with no shared expert on fake tensors, (gate, None, down)
+    raised an AttributeError, and E = 0 a ZeroDivisionError; mok.moe names them now."""
+    import mok
+
+    a = base(shared=True)
+    sg, su, sd = a["shared"]
+    args = (a["x"], a["topk_ids"], a["topk_weights"], a["w_gate"], a["w_up"], a["w_down"])
+    for shared, name in (((None, su, sd), "shared gate"), ((sg, None, sd), "shared up"), ((sg, su, 1.0), "shared down")):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
+            mok.moe(*args, shared=shared)
+    empty = torch.empty(0, I, H, dtype=BF16, device="meta")
+    with pytest.raises(ValueError, match=r"'w_gate' holds no expert, shape \(0, 64, 128\)"):
+        mok.moe(a["x"], a["topk_ids"], a["topk_weights"], empty, empty, torch.empty(0, H, I, dtype=BF16, device="meta"))

@@ -48,6 +48,11 @@ def test_needs_an_initialised_process_group():
     (dict(tokens=0), "tokens must be None or an int >= 1, got 0"),
     (dict(tokens=True), "tokens must be None or an int >= 1, got True"),
     (dict(tokens=64.0), "tokens must be None or an int >= 1, got 64.0"),
+    (dict(compute_sms=-3), r"compute_sms must be 0 \(every SM\) or a positive int, got -3"),
+    (dict(compute_sms=2.5), r"compute_sms must be 0 \(every SM\) or a positive int, got 2.5"),
+    (dict(timeout_seconds=-5), "timeout_seconds must be a finite positive number, got -5"),
+    (dict(timeout_seconds=float("nan")), "timeout_seconds must be a finite positive number, got nan"),
+    (dict(timeout_seconds="x"), "timeout_seconds must be a finite positive number, got 'x'"),
 ])
 def test_ring_arguments_are_checked_before_the_process_group(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -136,6 +141,25 @@ def single_process_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def test_group_argument_and_expert_ids_of_the_torch_ep_path_are_checked(single_process_group):
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup or None"):
+        mok.ep.ExpertParallel("nope")
+    f64 = dict(dtype=torch.float64)
+    x = torch.randn(4, 64, **f64)
+    ids = torch.tensor([[0, 1], [2, -1], [3, 0], [1, 2]], dtype=torch.int32)
+    w = torch.rand(4, 2, **f64)
+    gate, up, down = torch.randn(4, 32, 64, **f64), torch.randn(4, 32, 64, **f64), torch.randn(4, 64, 32, **f64)
+    y = mok.moe_torch_ep(x, ids, w, gate, up, down)
+    torch.testing.assert_close(y, mok.moe_torch(x, ids, w, gate, up, down), rtol=1e-12, atol=1e-12)
+    for bad in (-2, 4):  # (-2 was taken for "no expert", 4 was an IndexError)
+        wrong = ids.clone()
+        wrong[1, 1] = bad
+        with pytest.raises(ValueError, match=r"'topk_ids' has an expert id outside \[-1, 4\)"):
+            mok.moe_torch_ep(x, wrong, w, gate, up, down)
+    with pytest.raises(ValueError, match=r"'topk_weights' shape must be \(4, 2\), got \(4, 1\)"):
+        mok.moe_torch_ep(x, ids, w[:, :1], gate, up, down)
 
 
 def test_moe_module_with_a_group_holds_its_share_of_the_experts(single_process_group):

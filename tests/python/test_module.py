@@ -143,3 +143,51 @@ def test_activation_checkpointing_traces_through_the_layer():
     x = torch.empty(16, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
     checkpoint(layer, x, use_reentrant=False).float().sum().backward()
     assert x.grad.shape == x.shape and all(p.grad is not None and p.grad.shape == p.shape for p in layer.parameters())
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(hidden=100), "'hidden' must be a multiple of 64 for the fused kernel, got 100"),
+    (dict(hidden=64, precision="fp8"), "'hidden' must be a multiple of 128 for the fused kernel in FP8, got 64"),
+    (dict(top_k=1.5), "'top_k' must be a positive int, got 1.5"),
+    (dict(num_experts=0), "'num_experts' must be a positive int, got 0"),
+    (dict(shared_intermediate=-64), r"'shared_intermediate' must be an int >= 0 \(0: no shared expert\), got -64"),
+    (dict(shared_intermediate=96), "'shared_intermediate' must be a multiple of 64 for the fused kernel, got 96"),
+    (dict(swiglu_limit=-1.0), "'swiglu_limit' must be None or a finite positive number, got -1.0"),
+    (dict(swiglu_limit=float("nan")), "'swiglu_limit' must be None or a finite positive number, got nan"),
+])
+def test_sizes_the_fused_kernel_cannot_take_are_refused_at_construction(kwargs, message):
+    args = dict(hidden=128, intermediate=128, num_experts=8, top_k=2, device="meta")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        mok.MoE(**args)
+    if "precision" not in kwargs and "hidden" in kwargs:  # (the torch backend takes any size)
+        mok.MoE(**dict(args, backend="torch", dtype=torch.float32))
+
+
+@pytest.mark.parametrize("backend", ["torch", "mok"])
+def test_forward_refuses_routing_that_does_not_fit_x(backend):
+    """forward reshapes x [..., H] to [T, H]: without these checks a routing of another layout
+    (e.g. [S, B, k] for x [B, S, H]) or an x of the wrong width was silently taken as tokens."""
+    device = "cpu" if backend == "torch" else "meta"
+    layer = mok.MoE(64, 64, 4, 2, router=None, backend=backend, device=device)
+    x = torch.zeros(2, 3, 64, dtype=torch.bfloat16, device=device)
+    ids = torch.zeros(2, 3, 2, dtype=torch.int32, device=device)
+    w = torch.full((2, 3, 2), 0.5, device=device)
+    assert layer(x, ids, w).shape == x.shape
+    assert layer(x, ids.reshape(6, 2), w.reshape(6, 2)).shape == x.shape  # (the flattened tokens' routing)
+    with pytest.raises(ValueError, match=r"'topk_ids' must be \[2, 3, 2\] or \[6, 2\] .* got shape \(3, 2, 2\)"):
+        layer(x, ids.transpose(0, 1), w.transpose(0, 1))
+    with pytest.raises(ValueError, match=r"'topk_weights' must be .* got shape \(2, 3, 1\)"):
+        layer(x, ids, w[..., :1])
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., hidden = 64\], got shape \(5, 128\)"):
+        layer(torch.zeros(5, 128, dtype=torch.bfloat16, device=device))
+
+
+def test_aux_loss_is_none_after_a_call_with_the_routing_given():
+    layer = mok.MoE(64, 64, 4, 2, backend="torch", load_balancing=True)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    layer(x)
+    assert layer.aux_loss is not None
+    ids, w, _ = layer.route(x)
+    layer(x, ids, w)
+    assert layer.aux_loss is None  # (it was the previous call's loss, whose graph may be freed)

@@ -192,3 +192,36 @@ def test_moe_torch_refuses_an_expert_id_outside_the_range(bad):
         mok.moe_torch(x, ids, w, gate, up, down)
     ids[2, 1] = -1  # ("no expert": fine)
     assert torch.isfinite(mok.moe_torch(x, ids, w, gate, up, down)).all()
+
+
+def test_moe_torch_checks_its_arguments():
+    """The PyTorch paths refuse what mok.moe refuses (bar dtype and device): without the checks a
+    topk_ids of fewer rows than x gave y of its rows, a [k] or [T, 1] topk_weights broadcast, a
+    negative or zero swiglu_limit gave wrong values, and T = 0 failed in a reshape."""
+    x, ids, w, gate, up, down, _ = random_problem(6, 32, 16, 8, 2, False, seed=4, padding=0.0)
+    cases = [
+        ((x, ids[:3], w[:3]), dict(), ValueError, r"'topk_ids' must be \[T, k\] with T = 6, got shape \(3, 2\)"),
+        ((x, ids, w[:, :1]), dict(), ValueError, r"'topk_weights' shape must be \(6, 2\), got \(6, 1\)"),
+        ((x, ids, w[0]), dict(), ValueError, r"'topk_weights' shape must be \(6, 2\), got \(2,\)"),
+        ((x, ids.float(), w), dict(), TypeError, "'topk_ids' dtype must be torch.int32 or torch.int64"),
+        ((x, ids, w), dict(swiglu_limit=-1.0), ValueError, "'swiglu_limit' must be a finite positive number, got -1.0"),
+        ((x, ids, w), dict(swiglu_limit=0), ValueError, "'swiglu_limit' must be a finite positive number, got 0"),
+    ]
+    for (xx, ii, ww), kw, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            mok.moe_torch(xx, ii, ww, gate, up, down, **kw)
+    with pytest.raises(ValueError, match=r"'w_down' shape must be \(8, 32, 16\), got \(8, 16, 32\)"):
+        mok.moe_torch(x, ids, w, gate, up, down.transpose(1, 2))
+    with pytest.raises(TypeError, match="shared up must be a torch.Tensor"):
+        mok.moe_torch(x, ids, w, gate, up, down, shared=(gate[0], None, down[0]))
+    y = mok.moe_torch(x[:0], ids[:0], w[:0], gate, up, down)  # no tokens
+    assert y.shape == (0, 32)
+
+
+def test_moe_torch_no_expert_slot_adds_nothing_whatever_its_weight():
+    x, ids, w, gate, up, down, _ = random_problem(6, 32, 16, 8, 2, False, seed=5, padding=0.0)
+    ids[1, 0], ids[4, 1] = -1, -1
+    y = mok.moe_torch(x, ids, w, gate, up, down)
+    w_bad = w.clone()
+    w_bad[1, 0], w_bad[4, 1] = float("nan"), float("inf")
+    assert torch.equal(mok.moe_torch(x, ids, w_bad, gate, up, down), y)
