@@ -12,7 +12,7 @@ conversion to MXFP8 (an E8M0 exponent per 32 elements of a row) exact.
 Bytes equal to the C++ host implementation (mok/fp8.hpp; tests/python/test_fp8.py).
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -135,9 +135,12 @@ def quantize_weights(w: torch.Tensor, transpose: bool = False) -> Tuple[torch.Te
 
     from mok import _C
 
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 3 or not w.is_cuda:
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16:
         raise TypeError("mok.fp8.quantize_weights: w must be a CUDA bfloat16 tensor [E, rows, cols], got "
                         + (f"{w.dtype} {tuple(w.shape)} on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__))
+    if w.dim() != 3 or not w.is_cuda:  # (a dtype is a TypeError, anything else a ValueError)
+        raise ValueError(f"mok.fp8.quantize_weights: w must be a CUDA bfloat16 tensor [E, rows, cols], got "
+                         f"{w.dtype} {tuple(w.shape)} on {w.device}")
     E, rows, cols = w.shape
     if transpose:
         rows, cols = cols, rows
@@ -154,15 +157,19 @@ def _through(t: torch.Tensor, block: Tuple[int, int]) -> torch.Tensor:
 
 
 def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
-                  w_up: torch.Tensor, w_down: torch.Tensor, shared=None, swiglu_limit=None) -> torch.Tensor:
+                  w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared=None, swiglu_limit=None) -> torch.Tensor:
     """y (fp32 [T, H]) of the layer on the FP8 recipe's quantized operands, in PyTorch on the
     tensors' device (the full-size accuracy oracle of an FP8 kernel): x per 1 x 128 block of
     each token, each routed expert's W_gate, W_up [E, I, H] and W_down [E, H, I] per 128 x 128
     block, the SwiGLU output h per 1 x 128 block of each routed row; the shared expert (gate,
     up, down) unquantized. fp32 products and sums: y = shared + sum over slots j, in
     ascending j, of w[t, j] * down(h). The same recipe as mok._C.reference_forward_fp8 (fp64,
-    CPU; tests/python/test_fp8.py compares them)."""
+    CPU; tests/python/test_fp8.py compares them). w_up None: w_gate is [E, 2I, H] (gate rows,
+    then up rows; I a multiple of 128, so its blocks are the halves' blocks)."""
     from mok.torch_path import _swiglu as swiglu  # (the layer's SwiGLU with its clamp)
+
+    if w_up is None:
+        w_gate, w_up = w_gate.chunk(2, dim=1)
 
     T, k = topk_ids.shape
     H = x.shape[1]

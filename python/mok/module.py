@@ -193,6 +193,9 @@ class MoE(nn.Module):
                 y = ep.moe(x2, ids, weights, gate, up, self.w_down, shared=shared,
                            swiglu_limit=self.swiglu_limit, group=self.group)
             else:  # NCCL (or gloo) all-to-all around the PyTorch path: any device
+                if self.group.tokens is not None and x2.shape[0] > self.group.tokens:  # (as the fused path)
+                    raise ValueError(f"mok.MoE: x has {x2.shape[0]} tokens, more than the group's tokens = "
+                                     f"{self.group.tokens} (mok.ep.ExpertParallel(tokens=...))")
                 y = moe_torch_ep(x2, ids, weights, gate, up, self.w_down, shared=shared,
                                  swiglu_limit=self.swiglu_limit, group=self.group.group)
         elif self.precision == "fp8":

@@ -160,6 +160,10 @@ def test_group_argument_and_expert_ids_of_the_torch_ep_path_are_checked(single_p
             mok.moe_torch_ep(x, wrong, w, gate, up, down)
     with pytest.raises(ValueError, match=r"'topk_weights' shape must be \(4, 2\), got \(4, 1\)"):
         mok.moe_torch_ep(x, ids, w[:, :1], gate, up, down)
+    layer = mok.MoE(64, 32, 4, 2, router=None, backend="torch", dtype=torch.float64,
+                    group=mok.ep.ExpertParallel(tokens=2))
+    with pytest.raises(ValueError, match="x has 4 tokens, more than the group's tokens = 2"):
+        layer(x, ids, w)  # (as the fused path refuses it)
 
 
 def test_moe_module_with_a_group_holds_its_share_of_the_experts(single_process_group):

@@ -138,6 +138,20 @@ def test_gpu_transposed_weight_quantization_is_the_transposes():
 def test_weight_quantization_refuses_bad_input():
     with pytest.raises(TypeError, match="w must be a CUDA bfloat16 tensor"):
         fp8.quantize_weights(torch.zeros(2, 128, 128))
+    with pytest.raises(ValueError, match=r"w must be a CUDA bfloat16 tensor \[E, rows, cols\], got torch.bfloat16 "
+                                         r"\(2, 128, 128\) on cpu"):
+        fp8.quantize_weights(torch.zeros(2, 128, 128, dtype=torch.bfloat16))
+
+
+def test_recipe_reference_takes_a_concatenated_gate_up():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 128, generator=g).bfloat16()
+    ids = torch.tensor([[0, 1], [1, -1], [2, 0], [1, 2], [0, 2], [2, 1]], dtype=torch.int32)
+    w = torch.rand(6, 2, generator=g)
+    gate, up = (torch.randn(3, 128, 128, generator=g).bfloat16() * 0.1 for _ in range(2))
+    down = torch.randn(3, 128, 128, generator=g).bfloat16() * 0.1
+    assert torch.equal(fp8.moe_reference(x, ids, w, torch.cat([gate, up], 1), None, down),
+                       fp8.moe_reference(x, ids, w, gate, up, down))
 
 
 @pytest.mark.parametrize("shared,limit", [(False, None), (True, 7.0)])
