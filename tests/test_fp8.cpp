@@ -4,6 +4,7 @@
 // conversion to MXFP8 changes no value.
 #include <gtest/gtest.h>
 
+#include <cfenv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -60,6 +61,37 @@ TEST(Fp8, RoundsToNearestTiesToEvenAndSaturates) {
   EXPECT_EQ(encode_e4m3(-1e6f), 0xfe);
   EXPECT_EQ(encode_e4m3(464.0f), 0x7e);                        // past the largest finite: saturates
   EXPECT_EQ(encode_e4m3(std::nanf("")), 0x7f);
+}
+
+// A review's findings at the ends of the host helpers' ranges: a block of INT_MAX rows (one scale
+// for the whole tensor) overflowed int, a hand-made Blockwise of block 0 or without its exponents
+// divided by zero or read past them, E8M0's 0xFF (NaN) dequantized to inf, and the encoder's
+// ties-to-even followed the rounding mode.
+TEST(Fp8, HostHelpersAtTheEndsOfTheirRange) {
+  const std::vector<float> x{1.0f, -2.0f, 0.5f, 300.0f, 0.0f, 7.0f};
+  const Blockwise whole = quantize(x.data(), 2, 3, std::numeric_limits<int>::max(), std::numeric_limits<int>::max());
+  ASSERT_EQ(whole.exponents.size(), 1u);
+  EXPECT_EQ(whole.exponents[0], scale_exponent(300.0f));
+  EXPECT_EQ(dequantize(whole), dequantize(quantize(x.data(), 2, 3, 2, 3)));
+  EXPECT_THROW(quantize(nullptr, 2, 3, 1, 3), Error);
+  Blockwise bad = quantize(x.data(), 2, 3, 1, 32);
+  bad.block_cols = 0;
+  EXPECT_THROW(to_mxfp8(bad), Error);
+  bad.block_cols = 32;
+  bad.exponents.clear();
+  EXPECT_THROW(dequantize(bad), Error);
+  Mxfp8 m = to_mxfp8(quantize(x.data(), 2, 3, 1, 32));
+  m.e8m0[0] = 0xFF;
+  EXPECT_TRUE(std::isnan(dequantize(m)[0]));
+  m.e8m0.pop_back();
+  EXPECT_THROW(dequantize(m), Error);
+  const int mode = std::fegetround();
+  for (int rounding : {FE_UPWARD, FE_DOWNWARD, FE_TOWARDZERO}) {
+    std::fesetround(rounding);
+    EXPECT_EQ(encode_e4m3(1.0625f), 0x38) << rounding;  // halfway between 1 and 1.125: to even (1)
+    EXPECT_EQ(encode_e4m3(1.1875f), 0x3a) << rounding;  // halfway between 1.125 and 1.25: to even (1.25)
+  }
+  std::fesetround(mode);
 }
 
 TEST(Fp8, ScaleExponentIsTheSmallestThatFits) {

@@ -20,6 +20,16 @@
 namespace mok {
 namespace {
 
+template <typename F>
+void expect_error_naming(F&& call, const std::string& needle) {
+  try {
+    call();
+    ADD_FAILURE() << "no error (expected one naming " << needle << ")";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
 MoeShape shape(std::int64_t E, std::int64_t El, std::int64_t k) {
   MoeShape s;
   s.hidden = 64, s.intermediate = 64, s.num_experts = E, s.num_local_experts = El, s.top_k = k;
@@ -126,6 +136,24 @@ TEST(HostPlan, RejectsBadIdsAndSizes) {
   EXPECT_THROW(plan_host(s, 3, ids, 0), Error);          // size mismatch
   const std::vector<std::int32_t> good{0, 1, 2, 3};
   EXPECT_THROW(plan_host(s, 2, good, 1), Error);  // rank out of range at EP=1
+}
+
+// Sizes at the ends of their range are named, not wrapped (a review found a block_m of 2^32 wrote
+// through a null row table, a top_k that does not divide the ids read past them, and a capacity
+// factor of 1e17 gave a negative capacity).
+TEST(HostPlan, RejectsSizesThatWouldWrap) {
+  const MoeShape s = shape(4, 4, 1);
+  const std::vector<std::int32_t> ids{0, 1, 2, 3};
+  for (std::int64_t block_m : {std::int64_t{1} << 31, std::int64_t{1} << 32, std::int64_t{1} << 17})
+    expect_error_naming([&] { plan_host(s, 4, ids, 0, {.block_m = block_m}); }, "argument 'block_m'");
+  expect_error_naming([&] { plan_host(s, 4, ids, 0, {.block_m = 128, .capacity_rows = std::int64_t{1} << 40}); },
+                      "argument 'capacity_rows'");
+  EXPECT_EQ(plan_host(s, 4, ids, 0, {.block_m = 1 << 16}).padded_rows(), 4 << 16);
+  expect_error_naming([&] { make_routing_weights({0, 1, 2}, 2, 1); }, "argument 'top_k'");
+  expect_error_naming([&] { make_routing_weights({0, 1}, 0, 1); }, "argument 'top_k'");
+  Config huge;
+  huge.capacity_factor = 1e17;
+  EXPECT_EQ(plan_capacity_rows(shape(8, 8, 2), huge, 1024, 128), 2 * 1024 + 8 * 127);  // the worst case
 }
 
 // On one GPU the x rows live in the last bytes of the bf16 slot buffer (bf16 rows each under

@@ -189,6 +189,33 @@ TEST(Validate, HiddenNotGranular) {
   expect_error([&] { validate(s); }, "argument 'shared_intermediate': must be a positive multiple of 64, got 32");
 }
 
+// Sizes, strides and gradients a review found passing: a negative T, expert strides whose product
+// wraps, shared-expert gradients for a layer without one (never written), an intermediate size
+// whose E * I * H wraps, the sizing functions at any T, and the host id check on another dtype.
+TEST(Validate, WrapsAndUnwrittenOutputsAreRefused) {
+  Fixture f;
+  f.args.x.shape[0] = -1;
+  f.args.topk_ids.shape[0] = f.args.topk_weights.shape[0] = -1;
+  expect_error([&] { validate_forward_args("t", f.shape, f.args, Device::cpu()); }, "argument 'x': must have T >= 0 rows");
+  Fixture g;
+  g.args.w_gate.stride[1] = std::int64_t{1} << 57;
+  g.args.w_gate.stride[0] = 8;
+  expect_error([&] { validate_forward_args("t", g.shape, g.args, Device::cpu()); }, "argument 'w_gate': must be contiguous or a view");
+  Fixture h;
+  TensorView extra = h.grads.d_w_down;
+  h.grads.d_shared_gate = extra;
+  expect_error([&] { validate_backward_args("t", h.shape, h.args, h.grads, Device::cpu()); },
+               "argument 'd_shared_gate': shared-expert gradients were given but shape.shared_intermediate = 0");
+  MoeShape huge = good_shape();
+  huge.intermediate = std::int64_t{1} << 57;
+  expect_error([&] { validate(huge); }, "argument 'intermediate': must be at most 1048576");
+  expect_error([&] { saved_elements(good_shape(), -1000); }, "argument 'tokens'");
+  expect_error([&] { saved_elements(good_shape(), std::int64_t{1} << 61); }, "argument 'tokens'");
+  float not_ids[2 * 5] = {};
+  const TensorView as_f32 = TensorView::contiguous(not_ids, DType::f32, Device::cpu(), {5, 2});
+  EXPECT_THROW(validate_routing_values("t", good_shape(), as_f32), DTypeError);
+}
+
 TEST(Validate, LocalExpertsMustDivide) {
   MoeShape s = good_shape();
   s.num_local_experts = 3;

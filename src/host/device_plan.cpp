@@ -20,6 +20,8 @@ std::size_t round_up(std::size_t n) { return (n + 255) / 256 * 256; }
 
 std::int64_t device_plan_capacity_rows(const MoeShape& shape, std::int64_t tokens, const PlanOptions& options) {
   const std::int64_t block_m = options.block_m;
+  if (block_m <= 0 || block_m % 64 != 0)
+    throw_argument_error("mok::device_plan_capacity_rows", "block_m", "must be a positive multiple of 64, got ", block_m);
   std::int64_t rows = options.capacity_rows > 0 ? options.capacity_rows : plan_capacity_rows(shape, Config{}, tokens, block_m);
   rows = rows / block_m * block_m;  // whole tiles
   if (options.capacity_rows <= 0) rows = std::max(rows, block_m);  // T = 0 still gets one tile

@@ -20,7 +20,11 @@ std::uint8_t encode_e4m3(float value) {
   // Quantum of |value|'s binade (subnormals share the smallest normal binade's 2^-9).
   const int e = a >= std::ldexp(1.0f, -6) ? std::ilogb(a) : -6;
   const float quantum = std::ldexp(1.0f, e - 3);
-  a = std::nearbyint(a / quantum) * quantum;  // ties to even (the default rounding mode)
+  // Ties to even, whatever the floating-point environment's rounding mode (nearbyint follows it):
+  // a / quantum is exact (a power of two), so are its floor and the fraction.
+  const float scaled = a / quantum, whole = std::floor(scaled), fraction = scaled - whole;
+  const bool up = fraction > 0.5f || (fraction == 0.5f && std::fmod(whole, 2.0f) != 0.0f);
+  a = (whole + (up ? 1.0f : 0.0f)) * quantum;
   if (a >= kE4m3Max) return sign | 0x7e;
   if (a < std::ldexp(1.0f, -6)) return sign | static_cast<std::uint8_t>(a / std::ldexp(1.0f, -9));  // subnormal
   const int e2 = std::ilogb(a);
@@ -47,9 +51,25 @@ int scale_exponent(float amax) {
 }
 
 int Blockwise::exponent_of(int row, int col) const {
-  const int blocks_per_row = (cols + block_cols - 1) / block_cols;
-  return exponents[static_cast<std::size_t>(row / block_rows) * blocks_per_row + col / block_cols];
+  const std::int64_t blocks_per_row = (std::int64_t{cols} + block_cols - 1) / block_cols;
+  return exponents[static_cast<std::size_t>(row / block_rows * blocks_per_row + col / block_cols)];
 }
+
+namespace {
+// A Blockwise made by hand must be one quantize() could have made: its blocks positive, one
+// exponent a block, one value an element (else exponent_of reads out of range).
+void check_blockwise(const char* where, const Blockwise& q) {
+  if (q.rows < 0 || q.cols < 0 || q.block_rows < 1 || q.block_cols < 1)
+    throw_argument_error(where, "q", "needs rows, cols >= 0 and blocks >= 1, got ", q.rows, " x ", q.cols, " in blocks ",
+                         q.block_rows, " x ", q.block_cols);
+  const std::int64_t br = (std::int64_t{q.rows} + q.block_rows - 1) / q.block_rows,
+                     bc = (std::int64_t{q.cols} + q.block_cols - 1) / q.block_cols;
+  if (static_cast<std::int64_t>(q.exponents.size()) != br * bc ||
+      static_cast<std::int64_t>(q.values.size()) != std::int64_t{q.rows} * q.cols)
+    throw_argument_error(where, "q", "must hold ", br * bc, " exponents and ", std::int64_t{q.rows} * q.cols,
+                         " values, got ", q.exponents.size(), " and ", q.values.size());
+}
+}  // namespace
 
 Blockwise quantize(const float* x, int rows, int cols, int block_rows, int block_cols) {
   if (rows < 0 || cols < 0) throw_argument_error("mok::fp8::quantize", "rows", "rows and cols must be >= 0");
@@ -58,19 +78,24 @@ Blockwise quantize(const float* x, int rows, int cols, int block_rows, int block
                          block_cols);
   Blockwise q;
   q.rows = rows, q.cols = cols, q.block_rows = block_rows, q.block_cols = block_cols;
-  const int br = (rows + block_rows - 1) / block_rows, bc = (cols + block_cols - 1) / block_cols;
+  if (rows > 0 && cols > 0 && x == nullptr) throw_argument_error("mok::fp8::quantize", "x", "is null");
+  // (in int64: a block of INT_MAX rows — one scale for the whole tensor — overflowed rows + block_rows - 1)
+  const std::int64_t br = (std::int64_t{rows} + block_rows - 1) / block_rows,
+                     bc = (std::int64_t{cols} + block_cols - 1) / block_cols;
   q.exponents.assign(static_cast<std::size_t>(br) * bc, 0);
   q.values.resize(static_cast<std::size_t>(rows) * cols);
-  for (int i = 0; i < br; ++i)
-    for (int j = 0; j < bc; ++j) {
-      const int r1 = std::min(rows, (i + 1) * block_rows), c1 = std::min(cols, (j + 1) * block_cols);
+  for (std::int64_t i = 0; i < br; ++i)
+    for (std::int64_t j = 0; j < bc; ++j) {
+      const int r1 = static_cast<int>(std::min<std::int64_t>(rows, (i + 1) * block_rows)),
+                c1 = static_cast<int>(std::min<std::int64_t>(cols, (j + 1) * block_cols));
       float amax = 0.0f;
-      for (int r = i * block_rows; r < r1; ++r)
-        for (int c = j * block_cols; c < c1; ++c) amax = std::max(amax, std::fabs(x[static_cast<std::size_t>(r) * cols + c]));
+      const int r0 = static_cast<int>(i * block_rows), c0 = static_cast<int>(j * block_cols);
+      for (int r = r0; r < r1; ++r)
+        for (int c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(x[static_cast<std::size_t>(r) * cols + c]));
       const int e = scale_exponent(amax);
       q.exponents[static_cast<std::size_t>(i) * bc + j] = e;
-      for (int r = i * block_rows; r < r1; ++r)
-        for (int c = j * block_cols; c < c1; ++c) {
+      for (int r = r0; r < r1; ++r)
+        for (int c = c0; c < c1; ++c) {
           const std::size_t at = static_cast<std::size_t>(r) * cols + c;
           q.values[at] = encode_e4m3(std::ldexp(x[at], -e));
         }
@@ -79,6 +104,7 @@ Blockwise quantize(const float* x, int rows, int cols, int block_rows, int block
 }
 
 std::vector<float> dequantize(const Blockwise& q) {
+  check_blockwise("mok::fp8::dequantize", q);
   std::vector<float> out(q.values.size());
   for (int r = 0; r < q.rows; ++r)
     for (int c = 0; c < q.cols; ++c) {
@@ -89,6 +115,7 @@ std::vector<float> dequantize(const Blockwise& q) {
 }
 
 Mxfp8 to_mxfp8(const Blockwise& q) {
+  check_blockwise("mok::fp8::to_mxfp8", q);
   if (q.block_cols % 32 != 0)
     throw_argument_error("mok::fp8::to_mxfp8", "block_cols", "must be a multiple of 32 (MXFP8 scales 32 elements), got ",
                          q.block_cols);
@@ -107,12 +134,18 @@ Mxfp8 to_mxfp8(const Blockwise& q) {
 }
 
 std::vector<float> dequantize(const Mxfp8& m) {
-  const int groups = (m.cols + 31) / 32;
+  const std::int64_t groups = (std::int64_t{m.cols} + 31) / 32;
+  if (m.rows < 0 || m.cols < 0 || static_cast<std::int64_t>(m.values.size()) != std::int64_t{m.rows} * m.cols ||
+      static_cast<std::int64_t>(m.e8m0.size()) != std::int64_t{m.rows} * groups)
+    throw_argument_error("mok::fp8::dequantize", "m", "must hold rows * cols values and rows * ceil(cols / 32) E8M0 "
+                         "scales, got ", m.rows, " x ", m.cols, " with ", m.values.size(), " and ", m.e8m0.size());
   std::vector<float> out(m.values.size());
   for (int r = 0; r < m.rows; ++r)
     for (int c = 0; c < m.cols; ++c) {
       const std::size_t at = static_cast<std::size_t>(r) * m.cols + c;
-      out[at] = std::ldexp(decode_e4m3(m.values[at]), static_cast<int>(m.e8m0[static_cast<std::size_t>(r) * groups + c / 32]) - 127);
+      const std::uint8_t scale = m.e8m0[static_cast<std::size_t>(r * groups + c / 32)];
+      // (E8M0's 0xFF is NaN in the OCP MX format, not 2^128)
+      out[at] = scale == 0xFF ? std::nanf("") : std::ldexp(decode_e4m3(m.values[at]), static_cast<int>(scale) - 127);
     }
   return out;
 }

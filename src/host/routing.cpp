@@ -63,6 +63,9 @@ std::vector<std::int32_t> make_routing(RoutingKind kind, std::int64_t T, std::in
 
 std::vector<float> make_routing_weights(const std::vector<std::int32_t>& ids, std::int64_t k,
                                         std::uint64_t seed) {
+  if (k < 1 || ids.size() % static_cast<std::size_t>(k) != 0)
+    throw_argument_error("mok::make_routing_weights", "top_k", "must be >= 1 and divide the ", ids.size(),
+                         " ids ([tokens, top_k]), got ", k);
   std::mt19937_64 rng(seed ^ 0x9e3779b97f4a7c15ull);
   std::uniform_real_distribution<float> u(0.05f, 1.0f);
   std::vector<float> w(ids.size(), 0.0f);

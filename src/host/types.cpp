@@ -84,15 +84,19 @@ std::string TensorView::shape_string() const {
 
 void validate(const MoeShape& s) {
   constexpr const char* where = "mok::MoeShape";
+  // (the upper bounds keep every size product of the layer — E * 2I * H elements, their bytes —
+  // inside int64: a larger I wrapped E * I * H to 0 and let empty weights pass the reference)
+  constexpr std::int64_t kMaxSize = std::int64_t{1} << 20, kMaxExperts = std::int64_t{1} << 16;
   auto check_granular = [&](const char* name, std::int64_t v) {
     if (v <= 0 || v % kHiddenGranularity != 0)
-      throw_argument_error(where, name, "must be a positive multiple of ", kHiddenGranularity,
-                           ", got ", v);
+      throw_argument_error(where, name, "must be a positive multiple of ", kHiddenGranularity, ", got ", v);
+    if (v > kMaxSize) throw_argument_error(where, name, "must be at most ", kMaxSize, ", got ", v);
   };
   check_granular("hidden", s.hidden);
   check_granular("intermediate", s.intermediate);
   if (s.shared_intermediate != 0) check_granular("shared_intermediate", s.shared_intermediate);
-  if (s.num_experts <= 0) throw_argument_error(where, "num_experts", "must be positive, got ", s.num_experts);
+  if (s.num_experts <= 0 || s.num_experts > kMaxExperts)
+    throw_argument_error(where, "num_experts", "must be in [1, ", kMaxExperts, "], got ", s.num_experts);
   if (s.num_local_experts <= 0 || s.num_local_experts > s.num_experts ||
       s.num_experts % s.num_local_experts != 0)
     throw_argument_error(where, "num_local_experts", "must divide num_experts = ", s.num_experts,
@@ -163,8 +167,8 @@ std::int64_t plan_capacity_rows(const MoeShape& shape, const Config& config, std
   const std::int64_t pairs = tokens * shape.top_k;
   const std::int64_t worst = shape.ep_size() * pairs;
   std::int64_t rows = worst;
-  if (config.capacity_factor > 0.0)
-    rows = std::min<std::int64_t>(worst, static_cast<std::int64_t>(std::ceil(config.capacity_factor * pairs)));
+  if (config.capacity_factor > 0.0)  // (min in double: a factor of 1e17 overflowed the int64 cast)
+    rows = static_cast<std::int64_t>(std::min(static_cast<double>(worst), std::ceil(config.capacity_factor * pairs)));
   return rows + shape.num_local_experts * (block_m - 1);
 }
 

@@ -42,8 +42,10 @@ struct Checker {
     if (v.numel() == 0) return;  // an empty tensor may have a null pointer
     if (v.data == nullptr) throw_argument_error(where, arg, "data pointer is null");
     if (strided && !v.is_contiguous()) {
+      // (no overlap: stride[0] >= shape[1] * stride[1], compared by division — the product wrapped
+      // for strides near 2^57 and let overlapping experts through)
       const bool ok = v.ndim == 3 && v.stride[2] == 1 && v.stride[1] % 8 == 0 && v.stride[0] % 8 == 0 &&
-                      v.stride[1] >= v.shape[2] && v.stride[0] >= v.shape[1] * v.stride[1];
+                      v.stride[1] >= v.shape[2] && v.stride[1] > 0 && v.stride[0] / v.stride[1] >= v.shape[1];
       if (!ok)
         throw_argument_error(where, arg, "must be contiguous or a view with contiguous rows, row and expert "
                              "strides multiples of 8 and no overlap (like one half of [E, 2I, H]), got strides ",
@@ -79,6 +81,7 @@ std::int64_t validate_rows_args(std::string_view where, const MoeShape& shape, c
   validate(shape);
   if (x.ndim != 2) throw_argument_error(where, "x", "must be 2-D [T, H], got shape ", x.shape_string());
   const std::int64_t T = x.shape[0];
+  if (T < 0) throw_argument_error(where, "x", "must have T >= 0 rows, got shape ", x.shape_string());
   const Checker c{where, device};
   c.tensor("x", x, {DType::bf16}, {T, shape.hidden});
   check_rows(where, "topk_ids", topk_ids, T, "x");
@@ -146,6 +149,8 @@ void validate_backward_args(std::string_view where, const MoeShape& shape, const
     c.tensor("d_shared_gate", *b.d_shared_gate, {gdt}, {Is, H});
     c.tensor("d_shared_up", *b.d_shared_up, {gdt}, {Is, H});
     c.tensor("d_shared_down", *b.d_shared_down, {gdt}, {H, Is});
+  } else if (b.d_shared_gate || b.d_shared_up || b.d_shared_down) {  // (never written: refused, as the forward's)
+    throw_argument_error(where, "d_shared_gate", "shared-expert gradients were given but shape.shared_intermediate = 0");
   }
   if (b.fp8) {  // (whether the call takes them is the workspace's precision: checked by the call)
     const std::int64_t Hb = (H + 127) / 128, Ib = (I + 127) / 128;
@@ -158,9 +163,17 @@ void validate_backward_args(std::string_view where, const MoeShape& shape, const
 
 void validate_routing_values(std::string_view where, const MoeShape& shape,
                              const TensorView& ids) {
+  validate(shape);
   if (ids.device.kind != DeviceKind::cpu)
     throw_argument_error(where, "topk_ids", "value check needs host memory, got ", device_name(ids.device));
+  if (ids.dtype != DType::i32 && ids.dtype != DType::i64)
+    throw_dtype_error(where, "topk_ids", "dtype must be i32 or i64, got ", dtype_name(ids.dtype));
+  if (ids.ndim != 2 || ids.shape[1] != shape.top_k || ids.shape[0] < 0)
+    throw_argument_error(where, "topk_ids", "must be [T, top_k = ", shape.top_k, "], got shape ", ids.shape_string());
+  if (!ids.is_contiguous())  // (the values are read as one flat array)
+    throw_argument_error(where, "topk_ids", "must be contiguous for the value check");
   const std::int64_t n = ids.numel();
+  if (n > 0 && ids.data == nullptr) throw_argument_error(where, "topk_ids", "data pointer is null");
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t id = ids.dtype == DType::i64 ? static_cast<const std::int64_t*>(ids.data)[i]
                                                     : static_cast<const std::int32_t*>(ids.data)[i];

@@ -220,6 +220,8 @@ void* Workspace::own_scratch(std::int64_t bytes, std::string_view where, cudaStr
 
 std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Config& config) {
   validate(shape);
+  if (tokens < 0 || tokens * shape.top_k > std::numeric_limits<std::int32_t>::max())  // (as the Workspace)
+    throw_argument_error("mok::saved_elements", "tokens", "must be >= 0 with T*k inside int32, got ", tokens);
   const std::int64_t capacity = call_capacity_rows(shape, tokens, config);
   const std::int64_t padded_tokens = detail::shared_tiles(shape, tokens) * detail::kTileRows;
   return 2 * (capacity * shape.intermediate + padded_tokens * shape.shared_intermediate) + detail::kSavedTrailer;
