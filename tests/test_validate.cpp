@@ -336,6 +336,12 @@ TEST(ValidateEp, EpRankArguments) {
   expect_error([&] { EpRank(s, 64, 0, unaligned); }, "argument 'region_bases': entry 0 must be 256-byte aligned");
   std::vector<void*> with_null{regions[0], nullptr, regions[2], regions[3]};
   expect_error([&] { EpRank(s, 64, 0, with_null); }, "argument 'region_bases': entry 1 is null");
+  std::vector<void*> repeated{regions[0], regions[1], regions[0], regions[3]};
+  expect_error([&] { EpRank(s, 64, 0, repeated); }, "argument 'region_bases': entries 0 and 2 are the same region");
+  expect_error([&] { EpRank::region_bytes(s, -1000); }, "argument 'tokens_per_rank'");
+  Config wide;
+  wide.minibatch_rows = std::int64_t{1} << 32;
+  expect_error([&] { validate(wide); }, "argument 'minibatch_rows': minibatch_rows and ring_rows must be below 2^31");
   MoeShape too_many = s;
   too_many.num_experts = 32, too_many.num_local_experts = 2;  // 16 ranks
   expect_error([&] { EpRank(too_many, 64, 0, bases); }, "makes 16 ranks (num_experts / num_local_experts); at most 8");

@@ -88,6 +88,9 @@ EpRank::EpRank(const MoeShape& shape, std::int64_t tokens_per_rank, int rank, st
       throw_argument_error(kWhere, "region_bases", "entry ", q, " is null");
     if (reinterpret_cast<std::uintptr_t>(region_bases[q]) % 256 != 0)
       throw_argument_error(kWhere, "region_bases", "entry ", q, " must be 256-byte aligned");
+    for (std::size_t p = 0; p < q; ++p)  // (two ranks on one region would write over each other)
+      if (region_bases[p] == region_bases[q])
+        throw_argument_error(kWhere, "region_bases", "entries ", p, " and ", q, " are the same region");
     bases_.push_back(static_cast<char*>(region_bases[q]));
   }
   kernels::load_ep_kernels();  // before any call: see kernels/common/load.cuh

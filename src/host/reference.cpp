@@ -386,7 +386,8 @@ std::vector<double> to_double(std::span<const float> values) {
 }
 
 double relative_error(std::span<const double> a, std::span<const double> b) {
-  if (a.size() != b.size()) throw ArgumentError("mok::reference::relative_error: sizes differ");
+  if (a.size() != b.size())
+    throw ArgumentError(detail::concat("mok::reference::relative_error: sizes differ, ", a.size(), " and ", b.size()));
   double num = 0.0, den = 0.0;
   for (std::size_t i = 0; i < a.size(); ++i) {
     const double d = a[i] - b[i];

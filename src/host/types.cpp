@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 #include "mok/error.hpp"
@@ -43,7 +44,8 @@ std::string device_name(Device device) {
 
 TensorView TensorView::contiguous(const void* data, DType dtype, Device device,
                                   std::initializer_list<std::int64_t> dims) {
-  if (dims.size() > kMaxDims) throw ArgumentError("TensorView::contiguous: more than 4 dimensions");
+  if (dims.size() > kMaxDims)
+    throw ArgumentError(detail::concat("TensorView::contiguous: at most ", kMaxDims, " dimensions, got ", dims.size()));
   TensorView v;
   v.data = const_cast<void*>(data);
   v.dtype = dtype;
@@ -137,6 +139,9 @@ void validate(const Config& c) {
   if (c.minibatch_rows <= 0 || c.minibatch_rows % 128 != 0)
     throw_argument_error(where, "minibatch_rows", "must be a positive multiple of 128, got ",
                          c.minibatch_rows);
+  if (c.minibatch_rows > std::numeric_limits<std::int32_t>::max() || c.ring_rows > std::numeric_limits<std::int32_t>::max())
+    throw_argument_error(where, "minibatch_rows", "minibatch_rows and ring_rows must be below 2^31 (the ring's int32 "
+                         "row indices), got ", c.minibatch_rows, " and ", c.ring_rows);
   if (c.ring_rows < 0 || (c.ring_rows > 0 && c.ring_rows % c.minibatch_rows != 0))
     throw_argument_error(where, "ring_rows", "must be 0 or a multiple of minibatch_rows = ",
                          c.minibatch_rows, ", got ", c.ring_rows);
