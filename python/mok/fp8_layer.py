@@ -218,9 +218,10 @@ def _experts(args):
     return None if gate is None else Fp8Experts(*args)
 
 
-def _check_experts(experts, where="mok.moe"):
-    """A given Fp8Experts: tensors in every forward field, the dgrad fields all or none (errors
-    named for `where`, the caller: mok.moe or mok.ep.moe)."""
+def _check_experts(experts, where="mok.moe", w_down=None):
+    """A given Fp8Experts: tensors in every forward field, the dgrad fields all or none, and (with
+    the layer's w_down [E, H, I]) every field's shape (errors named for `where`, the caller:
+    mok.moe or mok.ep.moe; metadata only, so the fake implementations check them too)."""
     if experts is None:
         return
     fields = Fp8Experts._fields
@@ -235,6 +236,20 @@ def _check_experts(experts, where="mok.moe"):
     if experts.dgrad() is not None:
         for name, t in zip(fields[_FORWARD_ARGS::2], dgrad[::2]):
             _bytes_of(name, t, where)
+    if isinstance(w_down, torch.Tensor) and w_down.dim() == 3:
+        E, H, I = w_down.shape
+        Hb, Ib = -(-H // 128), -(-I // 128)
+        expected = dict(gate=(E, I, H), gate_exponents=(E, Ib, Hb), up=(E, I, H), up_exponents=(E, Ib, Hb),
+                        down=(E, H, I), down_exponents=(E, Hb, Ib), down_t=(E, I, H), down_t_exponents=(E, Ib, Hb),
+                        gate_up_t=(E, H, 2 * I), gate_up_t_exponents=(E, Hb, 2 * Ib))
+        for name, t in zip(fields, experts):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where}: fp8_experts.{name} must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != expected[name]:
+                raise ValueError(f"{where}: fp8_experts.{name} shape must be {expected[name]} for w_down of shape "
+                                 f"{tuple(w_down.shape)}, got {tuple(t.shape)} (quantized from other weights?)")
 
 
 @torch.library.custom_op("mok::moe_forward_fp8", mutates_args=())
@@ -359,7 +374,7 @@ def moe_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limi
     if fp8_experts is not None and not isinstance(fp8_experts, Fp8Experts):
         raise TypeError(f"{where}: fp8_experts must be what mok.fp8.quantize_experts returns (an Fp8Experts), got "
                         f"{type(fp8_experts).__name__}")
-    _check_experts(fp8_experts, where)
+    _check_experts(fp8_experts, where, w_down)
     args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, num_experts, group_id,
             *(fp8_experts if fp8_experts is not None else (None,) * _EXPERT_ARGS))
     if ops._eager(tensors + (topk_ids,)):

@@ -286,6 +286,12 @@ def test_fp8_arguments_are_refused_before_the_gpu():
                     fp8_experts=fp8.Fp8Experts(*forward, meta(4, 128, 128, dtype=torch.bfloat16),
                                                meta(4, 1, 1, dtype=torch.int32), meta(4, 128, 256),
                                                meta(4, 1, 2, dtype=torch.int32)))
+    # (weights quantized from another layer: the fake implementations took them, the GPU refused)
+    other = (meta(4, 256, 128), meta(4, 2, 1, dtype=torch.int32)) + forward[2:]
+    with pytest.raises(ValueError, match=r"fp8_experts.gate shape must be \(4, 128, 128\) for w_down of shape "
+                                         r"\(4, 128, 128\), got \(4, 256, 128\)"):
+        with torch.no_grad():
+            mok.moe(x, ids, weights, w_gate, w_up, w_down, precision="fp8", fp8_experts=fp8.Fp8Experts(*other))
     x2, ids2, weights2, g2, u2, d2, _ = _problem(8, 192, 128, 4, 2, 0, seed=8, device="meta")
     with pytest.raises(ValueError, match="multiples of 128 .* got H = 192, I = 128"):
         with torch.no_grad():
