@@ -76,6 +76,7 @@ allocates (scratch, saved tensor, dx, gradients).
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -350,8 +351,9 @@ def main():
     tb.add_run_args(ap, iters=10)
     args = ap.parse_args()
     tb.check_run_args("layer_bench", args, IMPLS + OPTIONAL_IMPLS)
-    if args.warmup_rounds < 0 or args.settle_ms < 0:
-        sys.exit(f"layer_bench: --warmup-rounds and --settle-ms must be >= 0, got {args.warmup_rounds} and {args.settle_ms}")
+    if args.warmup_rounds < 0 or not 0 <= args.settle_ms < math.inf:  # (inf never settled; NaN turned it off)
+        sys.exit(f"layer_bench: --warmup-rounds and --settle-ms must be >= 0 (and finite), got {args.warmup_rounds} and "
+                 f"{args.settle_ms}")
     tb.FLUSH = args.flush
     if not torch.cuda.is_available():
         sys.exit("layer_bench: no CUDA GPU")

@@ -142,6 +142,19 @@ def add_run_args(ap):
 def run_args(ap):
     """ap's parsed arguments, --lr-warmup's default filled in and checked."""
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    if not 0 < args.lr < math.inf:
+        ap.error(f"--lr must be a finite positive number, got {args.lr}")
+    if not 0 <= args.clip < math.inf:
+        ap.error(f"--clip must be a finite number >= 0 (0: no clipping), got {args.clip}")
+    if getattr(args, "warmup", 0) < 0 or getattr(args, "warmup", 0) >= args.steps:
+        ap.error(f"--warmup (steps left out of tokens/s) must be in [0, --steps), got {args.warmup} with --steps {args.steps}")
+    out = getattr(args, "out", "")
+    if out:  # (checked before training: the results were lost after the whole run when the path was bad)
+        folder = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            ap.error(f"--out {out}: the folder {folder} does not exist or is not writable")
     if args.lr_warmup is None:
         args.lr_warmup = min(50, args.steps // 10)
     if args.lr_warmup < 0 or args.lr_warmup >= args.steps:

@@ -5,7 +5,9 @@
     model = AutoModelForCausalLM.from_config(cfg, experts_implementation="mok")
 
 Works with the experts modules that store `gate_up_proj` [E, 2I, H] (gate rows, then up
-rows), `down_proj` [E, H, I], no biases and SiLU (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3);
+rows), `down_proj` [E, H, I], no biases and transformers' default gating with SiLU,
+act_fn(gate) * up (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3; a class with its own `_apply_gate`
+— a clamp, softcap or other activation — is refused by name, as is any other act_fn);
 DeepSeek-V3's shared expert stays in the model's own code. "mok_torch" registers the same
 glue over mok.moe_torch (plain PyTorch, any device) for comparisons and CPU tests; "mok_fp8"
 runs the routed experts' forward in FP8 (mok.moe(..., precision="fp8"); the backward's dgrad
@@ -42,10 +44,40 @@ def _expert_weights(module: torch.nn.Module):
                          ("has_post_expert_norm", False)):
         if getattr(module, flag, wanted) != wanted:
             raise ValueError(f"mok.hf: {name}.{flag} = {getattr(module, flag)!r} is not supported (needs {wanted})")
+    if not module.__dict__.get("_mok_gate_checked", False):
+        _check_gate(module, name)
+        module.__dict__["_mok_gate_checked"] = True  # (once a module: the check calls its act_fn)
+    return _local(module.gate_up_proj), None, _local(module.down_proj)
+
+
+def _check_gate(module: torch.nn.Module, name: str) -> None:
+    """The module's gating must be transformers' default, act_fn(gate) * up with act_fn = SiLU:
+    experts classes that define their own `_apply_gate` (clamps, softcaps, alpha·sigmoid: e.g.
+    DeepSeek-V4, MiniMax-M3) ran plain SiLU·up here and gave wrong outputs without an error."""
+    try:
+        from transformers.integrations import moe as hf_moe
+        default_gate = getattr(hf_moe, "_default_apply_gate", None)
+    except ImportError:  # (register() needs transformers; a module without it has no custom gate)
+        default_gate = None
+    gate = getattr(type(module), "_apply_gate", None)
+    if default_gate is not None and gate is not None and gate is not default_gate:
+        raise ValueError(f"mok.hf: {name} defines its own gating ({name}._apply_gate: a clamp, softcap or other "
+                         "activation); the fused layer computes silu(gate) * up only")
+    act_fn = getattr(module, "act_fn", None)
+    if callable(act_fn):  # (what the default gate calls; the config's hidden_act may be absent or another key)
+        probe = torch.linspace(-12.0, 12.0, 97, dtype=torch.float32)
+        try:
+            with torch.no_grad():
+                same = torch.equal(act_fn(probe), torch.nn.functional.silu(probe))
+        except Exception:
+            same = False
+        if not same:
+            raise ValueError(f"mok.hf: {name}.act_fn = {act_fn!r} is not SiLU; the fused layer is SwiGLU "
+                             "(silu(gate) * up)")
+        return
     act = getattr(getattr(module, "config", None), "hidden_act", None)
     if act not in ("silu", "swish"):
         raise ValueError(f"mok.hf: {name} uses hidden_act = {act!r}; the fused layer is SwiGLU (needs 'silu')")
-    return _local(module.gate_up_proj), None, _local(module.down_proj)
 
 
 def _local(w):

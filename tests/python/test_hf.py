@@ -79,6 +79,39 @@ def test_unsupported_experts_module_is_named():
         mok.hf.mok_experts_forward(module, None, None, None)
 
 
+def test_gating_other_than_silu_times_up_is_refused():
+    """Experts classes with their own `_apply_gate` (transformers >= 5.2x: DeepSeek-V4's clamp,
+    MiniMax-M3's alpha·sigmoid, softcaps) ran silu(gate) * up here and gave wrong outputs (a
+    review measured logits 1.09 relative error on a DeepSeek-V4 model); the module's act_fn, not
+    the config's hidden_act, is what the default gate calls."""
+    class Experts(torch.nn.Module):
+        def __init__(self, act_fn, hidden_act=None):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(2, 8, 4))
+            self.down_proj = torch.nn.Parameter(torch.randn(2, 4, 4))
+            self.act_fn, self.config = act_fn, types.SimpleNamespace(hidden_act=hidden_act)
+
+    w = mok.hf._expert_weights(Experts(torch.nn.functional.silu))  # (Lfm2: act_fn silu, no hidden_act)
+    assert w[0].shape == (2, 8, 4) and w[1] is None
+    with pytest.raises(ValueError, match="act_fn = .* is not SiLU"):
+        mok.hf._expert_weights(Experts(torch.nn.GELU(), hidden_act="silu"))
+    default_gate = getattr(pytest.importorskip("transformers.integrations.moe"), "_default_apply_gate", None)
+    if default_gate is None:
+        pytest.skip("this transformers has no _apply_gate (no experts class defines its own)")
+
+    class Clamped(Experts):
+        def _apply_gate(self, gate_up_out):
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            return self.act_fn(gate.clamp(max=10.0)) * up.clamp(-10.0, 10.0)
+
+    class Default(Experts):
+        _apply_gate = default_gate
+
+    with pytest.raises(ValueError, match="Clamped defines its own gating"):
+        mok.hf._expert_weights(Clamped(torch.nn.functional.silu))
+    mok.hf._expert_weights(Default(torch.nn.SiLU()))
+
+
 def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 

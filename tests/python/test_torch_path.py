@@ -1,6 +1,7 @@
 """mok.moe_torch (the plain PyTorch path) and the training example, without a GPU."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -49,6 +50,21 @@ def test_training_example_loss_falls_on_cpu():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "final loss" in run.stdout
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--lr", "nan"], "--lr must be a finite positive number, got nan"),
+    (["--steps", "3"], r"--warmup \(steps left out of tokens/s\) must be in \[0, --steps\), got 5 with --steps 3"),
+    (["--out", "/nonexistent-folder/run.json"], "--out /nonexistent-folder/run.json: the folder /nonexistent-folder does not"),
+])
+def test_training_example_refuses_bad_options_before_training(bad, message):
+    """(--out into a missing folder failed after the whole run, losing it; --steps below --warmup
+    wrote a bare NaN into the JSON; --steps 0 blamed --lr-warmup)"""
+    pytest.importorskip("tqdm")
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_moe_lm.py"), "--backend", "torch",
+                          "--device", "cpu", "--size", "tiny", *bad], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and re.search(message, run.stderr), run.stderr[-2000:]
 
 
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
