@@ -44,25 +44,63 @@ def _expert_weights(module: torch.nn.Module):
                          ("has_post_expert_norm", False)):
         if getattr(module, flag, wanted) != wanted:
             raise ValueError(f"mok.hf: {name}.{flag} = {getattr(module, flag)!r} is not supported (needs {wanted})")
-    if not module.__dict__.get("_mok_gate_checked", False):
-        _check_gate(module, name)
-        module.__dict__["_mok_gate_checked"] = True  # (once a module: the check calls its act_fn)
+    if "_mok_swiglu_limit" not in module.__dict__:  # (once a module: the check calls its act_fn / gate)
+        module.__dict__["_mok_swiglu_limit"] = _check_gate(module, name)
     return _local(module.gate_up_proj), None, _local(module.down_proj)
 
 
-def _check_gate(module: torch.nn.Module, name: str) -> None:
-    """The module's gating must be transformers' default, act_fn(gate) * up with act_fn = SiLU:
-    experts classes that define their own `_apply_gate` (clamps, softcaps, alpha·sigmoid: e.g.
-    DeepSeek-V4, MiniMax-M3) ran plain SiLU·up here and gave wrong outputs without an error."""
+def _swiglu_limit(module) -> "float | None":
+    """The clamp the module's gating applies (mok's swiglu_limit), found by _check_gate."""
+    return module.__dict__.get("_mok_swiglu_limit")
+
+
+def _gate_limit(module, name: str) -> "float | None":
+    """For a class with its own `_apply_gate`: the limit L with which it computes mok's clamped
+    SwiGLU, silu(min(gate, L)) * clamp(up, -L, L) (DeepSeek-V4, HYV4 and GLM-5-Next clamp so),
+    found by running it on probe values past the candidates (the module's `limit` or
+    `swiglu_limit`, its config's `swiglu_limit`); ValueError naming the class if none fits."""
+    from mok.torch_path import _swiglu
+
+    candidates = []
+    for owner, attr in ((module, "limit"), (module, "swiglu_limit"), (getattr(module, "config", None), "swiglu_limit")):
+        v = getattr(owner, attr, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf") and v not in candidates:
+            candidates.append(float(v))
+    w = getattr(module, "gate_up_proj", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 3 and w.device.type != "meta" and candidates:
+        inter = w.shape[1] // 2
+        generator = torch.Generator().manual_seed(0)
+        for limit in candidates:
+            probe = (torch.rand(16, 2 * inter, generator=generator) * 2 - 1) * 3 * limit
+            probe = probe.to(device=_local(w).device)
+            try:
+                with torch.no_grad():
+                    out = module._apply_gate(probe)
+                    want = _swiglu(*probe.chunk(2, dim=-1), limit)
+                if out.shape == want.shape and torch.allclose(out.float(), want.float(), rtol=1e-5, atol=1e-6):
+                    return limit
+            except Exception:
+                pass
+    raise ValueError(f"mok.hf: {name} defines its own gating ({name}._apply_gate: a clamp, softcap or other "
+                     "activation) that is not mok's silu(min(gate, L)) * clamp(up, -L, L) for its limit "
+                     f"{candidates or '(none found)'}; the fused layer computes only that")
+
+
+def _check_gate(module: torch.nn.Module, name: str) -> "float | None":
+    """The module's gating must be transformers' default, act_fn(gate) * up with act_fn = SiLU,
+    or a class's own `_apply_gate` that computes mok's clamped SwiGLU (its limit is returned:
+    the layer's swiglu_limit; None without a clamp). Classes with other gating (softcaps,
+    alpha·sigmoid: e.g. MiniMax-M3, Inkling2) ran plain SiLU·up here and gave wrong outputs
+    without an error; they are refused by name."""
     try:
         from transformers.integrations import moe as hf_moe
         default_gate = getattr(hf_moe, "_default_apply_gate", None)
     except ImportError:  # (register() needs transformers; a module without it has no custom gate)
         default_gate = None
     gate = getattr(type(module), "_apply_gate", None)
+    limit = None
     if default_gate is not None and gate is not None and gate is not default_gate:
-        raise ValueError(f"mok.hf: {name} defines its own gating ({name}._apply_gate: a clamp, softcap or other "
-                         "activation); the fused layer computes silu(gate) * up only")
+        limit = _gate_limit(module, name)
     act_fn = getattr(module, "act_fn", None)
     if callable(act_fn):  # (what the default gate calls; the config's hidden_act may be absent or another key)
         probe = torch.linspace(-12.0, 12.0, 97, dtype=torch.float32)
@@ -75,10 +113,11 @@ def _check_gate(module: torch.nn.Module, name: str) -> None:
         if not same:
             raise ValueError(f"mok.hf: {name}.act_fn = {act_fn!r} is not SiLU; the fused layer is SwiGLU "
                              "(silu(gate) * up)")
-        return
+        return limit
     act = getattr(getattr(module, "config", None), "hidden_act", None)
     if act not in ("silu", "swish"):
         raise ValueError(f"mok.hf: {name} uses hidden_act = {act!r}; the fused layer is SwiGLU (needs 'silu')")
+    return limit
 
 
 def _local(w):
@@ -120,16 +159,16 @@ def _experts_forward(layer: Callable) -> Callable:
 
 
 def _mok(module, x, ids, weights, w_gate, w_up, w_down):
-    return moe(x, ids, weights, w_gate, w_up, w_down)
+    return moe(x, ids, weights, w_gate, w_up, w_down, swiglu_limit=_swiglu_limit(module))
 
 
 def _mok_fp8(module, x, ids, weights, w_gate, w_up, w_down):
-    return moe(x, ids, weights, w_gate, w_up, w_down, precision="fp8",
+    return moe(x, ids, weights, w_gate, w_up, w_down, swiglu_limit=_swiglu_limit(module), precision="fp8",
                fp8_experts=cached_experts(module, w_gate, w_up, w_down))
 
 
 def _mok_torch(module, x, ids, weights, w_gate, w_up, w_down):
-    return moe_torch(x, ids, weights, w_gate, w_up, w_down)
+    return moe_torch(x, ids, weights, w_gate, w_up, w_down, swiglu_limit=_swiglu_limit(module))
 
 
 mok_experts_forward = _experts_forward(_mok)

@@ -99,17 +99,48 @@ def test_gating_other_than_silu_times_up_is_refused():
     if default_gate is None:
         pytest.skip("this transformers has no _apply_gate (no experts class defines its own)")
 
-    class Clamped(Experts):
+    class Clamped(Experts):  # (DeepSeek-V4's gating: mok's swiglu_limit)
+        limit = 10.0
+
         def _apply_gate(self, gate_up_out):
             gate, up = gate_up_out.chunk(2, dim=-1)
-            return self.act_fn(gate.clamp(max=10.0)) * up.clamp(-10.0, 10.0)
+            return self.act_fn(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
+
+    class NoLimitFound(Clamped):
+        limit = None
+
+        def _apply_gate(self, gate_up_out):
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            return self.act_fn(gate.clamp(max=7.0)) * up.clamp(-7.0, 7.0)
+
+    class Softcapped(Clamped):
+        def _apply_gate(self, gate_up_out):
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            return self.act_fn(10.0 * torch.tanh(gate / 10.0)) * up
 
     class Default(Experts):
         _apply_gate = default_gate
 
-    with pytest.raises(ValueError, match="Clamped defines its own gating"):
-        mok.hf._expert_weights(Clamped(torch.nn.functional.silu))
+    clamped = Clamped(torch.nn.functional.silu)
+    mok.hf._expert_weights(clamped)
+    assert mok.hf._swiglu_limit(clamped) == 10.0
+    for wrong in (NoLimitFound, Softcapped):
+        with pytest.raises(ValueError, match=f"{wrong.__name__} defines its own gating .* not mok's"):
+            mok.hf._expert_weights(wrong(torch.nn.functional.silu))
     mok.hf._expert_weights(Default(torch.nn.SiLU()))
+    assert mok.hf._swiglu_limit(Default(torch.nn.SiLU())) is None
+    # the clamp reaches the layer: the glue over moe_torch against the module's own gating
+    x = torch.randn(6, 4) * 20
+    ids = torch.tensor([[0, 1], [1, 0], [0, 0], [1, 1], [0, 1], [1, 0]])
+    weights = torch.rand(6, 2)
+    y = mok.hf.mok_torch_experts_forward(clamped, x, ids, weights)
+    want = torch.zeros(6, 4)
+    for t in range(6):
+        for j in range(2):
+            e = ids[t, j]
+            h = clamped._apply_gate(x[t] @ clamped.gate_up_proj[e].T)
+            want[t] += weights[t, j] * (h @ clamped.down_proj[e].T)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
 
 
 def _rel(a, b):
