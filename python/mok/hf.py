@@ -146,12 +146,27 @@ def _in_process_group() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _experts_forward(layer: Callable) -> Callable:
+def _autocast_to_bf16(x: torch.Tensor, weights):
+    """Under bf16 autocast (HF Trainer's bf16=True keeps fp32 weights), x and fp32 expert weights
+    as bf16, as autocast casts a linear layer's operands (the casts are differentiable: the fp32
+    weights get their gradients); else as they are (a dtype mok refuses is named by mok.moe)."""
+    device = x.device.type
+    if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16):
+        return x, weights
+    cast = lambda t: t if t is None or t.dtype == torch.bfloat16 else t.to(torch.bfloat16)  # noqa: E731
+    return cast(x), tuple(cast(w) for w in weights)
+
+
+def _experts_forward(layer: Callable, autocast: bool = False) -> Callable:
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         w_gate, w_up, w_down = _expert_weights(self)
         ids = _routing(self, top_k_index, w_down.shape[0])
-        y = layer(self, hidden_states, ids, top_k_weights.float(), w_gate, w_up, w_down)
+        x = hidden_states
+        if autocast:  # (the bf16 fused kernel; mok_torch takes any dtype, and "mok_fp8" keeps its
+            # quantized weights keyed on the weights it is given, which a per-call cast would defeat)
+            x, (w_gate, w_up, w_down) = _autocast_to_bf16(x, (w_gate, w_up, w_down))
+        y = layer(self, x, ids, top_k_weights.float(), w_gate, w_up, w_down)
         return y.to(hidden_states.dtype)
 
     forward.__name__ = f"{layer.__name__}_experts_forward"
@@ -171,7 +186,7 @@ def _mok_torch(module, x, ids, weights, w_gate, w_up, w_down):
     return moe_torch(x, ids, weights, w_gate, w_up, w_down, swiglu_limit=_swiglu_limit(module))
 
 
-mok_experts_forward = _experts_forward(_mok)
+mok_experts_forward = _experts_forward(_mok, autocast=True)
 mok_fp8_experts_forward = _experts_forward(_mok_fp8)
 mok_torch_experts_forward = _experts_forward(_mok_torch)
 

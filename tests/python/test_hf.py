@@ -370,3 +370,35 @@ def test_a_rank_no_token_picked_adds_nothing_on_gpu():
     assert torch.all(y == 0)
     for g in (x.grad, w.grad, local.gate_up_proj.grad, local.down_proj.grad):
         assert g is not None and torch.isfinite(g.float()).all() and torch.all(g == 0)
+
+
+def test_fp32_weights_under_bf16_autocast_reach_the_kernel_as_bf16(monkeypatch):
+    """HF Trainer's bf16=True keeps fp32 weights under autocast: the "mok" glue casts x and the
+    expert weights to bf16 as autocast casts a linear layer's (the fused kernel takes bf16 only),
+    and the fp32 weights get their gradients through the casts. (A CPU stand-in for the kernel.)"""
+    seen = []
+
+    def stand_in(x, ids, weights, w_gate, w_up, w_down, swiglu_limit=None):
+        seen.append((x.dtype, w_gate.dtype, w_down.dtype))
+        return mok.moe_torch(x, ids, weights, w_gate, w_up, w_down, swiglu_limit=swiglu_limit)
+
+    monkeypatch.setattr(mok.hf, "moe", stand_in)
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(2, 128, 64) / 8)
+            self.down_proj = torch.nn.Parameter(torch.randn(2, 64, 64) / 8)
+            self.act_fn, self.config = torch.nn.functional.silu, types.SimpleNamespace(hidden_act="silu")
+
+    module = Experts()
+    x = torch.randn(5, 64)
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]])
+    weights = torch.rand(5, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mok.hf.mok_experts_forward(module, x, ids, weights)
+    assert seen[-1] == (torch.bfloat16, torch.bfloat16, torch.bfloat16) and y.dtype == torch.float32
+    y.sum().backward()
+    assert module.gate_up_proj.grad.dtype == torch.float32 and module.gate_up_proj.grad.abs().sum() > 0
+    mok.hf.mok_experts_forward(module, x, ids, weights)  # (no autocast: as given; the kernel names fp32)
+    assert seen[-1] == (torch.float32, torch.float32, torch.float32)
