@@ -56,7 +56,8 @@ def _swiglu_limit(module) -> "float | None":
 
 def _gate_limit(module, name: str) -> "float | None":
     """For a class with its own `_apply_gate`: the limit L with which it computes mok's clamped
-    SwiGLU, silu(min(gate, L)) * clamp(up, -L, L) (DeepSeek-V4, HYV4 and GLM-5-Next clamp so),
+    SwiGLU, silu(min(gate, L)) * clamp(up, -L, L) (DeepSeek-V4, HYV4 and GLM-5-Next clamp so), or
+    None where it computes silu(gate) * up without a clamp,
     found by running it on probe values past the candidates (the module's `limit` or
     `swiglu_limit`, its config's `swiglu_limit`); ValueError naming the class if none fits."""
     from mok.torch_path import _swiglu
@@ -67,11 +68,11 @@ def _gate_limit(module, name: str) -> "float | None":
         if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf") and v not in candidates:
             candidates.append(float(v))
     w = getattr(module, "gate_up_proj", None)
-    if isinstance(w, torch.Tensor) and w.dim() == 3 and w.device.type != "meta" and candidates:
+    if isinstance(w, torch.Tensor) and w.dim() == 3 and w.device.type != "meta":
         inter = w.shape[1] // 2
         generator = torch.Generator().manual_seed(0)
-        for limit in candidates:
-            probe = (torch.rand(16, 2 * inter, generator=generator) * 2 - 1) * 3 * limit
+        for limit in candidates + [None]:  # (None: a gate of its own that does not clamp)
+            probe = (torch.rand(16, 2 * inter, generator=generator) * 2 - 1) * 3 * (limit or 4.0)
             probe = probe.to(device=_local(w).device)
             try:
                 with torch.no_grad():

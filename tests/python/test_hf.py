@@ -129,6 +129,15 @@ def test_gating_other_than_silu_times_up_is_refused():
             mok.hf._expert_weights(wrong(torch.nn.functional.silu))
     mok.hf._expert_weights(Default(torch.nn.SiLU()))
     assert mok.hf._swiglu_limit(Default(torch.nn.SiLU())) is None
+
+    class OwnButPlain(Experts):  # (its own _apply_gate, no clamp: plain SwiGLU, no limit)
+        def _apply_gate(self, gate_up_out):
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            return self.act_fn(gate) * up
+
+    plain = OwnButPlain(torch.nn.functional.silu)
+    mok.hf._expert_weights(plain)
+    assert mok.hf._swiglu_limit(plain) is None
     # the clamp reaches the layer: the glue over moe_torch against the module's own gating
     x = torch.randn(6, 4) * 20
     ids = torch.tensor([[0, 1], [1, 0], [0, 0], [1, 1], [0, 1], [1, 0]])
