@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "mok/types.hpp"
@@ -18,6 +19,10 @@ struct PlanOptions {
   std::int64_t block_m = 128;         // each expert's segment is padded to a multiple of this
   std::int64_t capacity_rows = 0;     // rows of the plan table; 0 = plan_capacity_rows(worst case)
 };
+
+// Throws ArgumentError (named for `where`) unless block_m is a positive multiple of 64 up to 2^16
+// and capacity_rows in [0, 2^31): the plan's row indices are int32.
+void validate(const PlanOptions& options, std::string_view where);
 
 // A decoded global pair id.
 struct PairId {

@@ -19,9 +19,8 @@ std::size_t round_up(std::size_t n) { return (n + 255) / 256 * 256; }
 }  // namespace
 
 std::int64_t device_plan_capacity_rows(const MoeShape& shape, std::int64_t tokens, const PlanOptions& options) {
+  validate(options, "mok::device_plan_capacity_rows");
   const std::int64_t block_m = options.block_m;
-  if (block_m <= 0 || block_m % 64 != 0)
-    throw_argument_error("mok::device_plan_capacity_rows", "block_m", "must be a positive multiple of 64, got ", block_m);
   std::int64_t rows = options.capacity_rows > 0 ? options.capacity_rows : plan_capacity_rows(shape, Config{}, tokens, block_m);
   rows = rows / block_m * block_m;  // whole tiles
   if (options.capacity_rows <= 0) rows = std::max(rows, block_m);  // T = 0 still gets one tile
@@ -32,8 +31,7 @@ DevicePlan::DevicePlan(const MoeShape& shape, std::int64_t tokens, const PlanOpt
     : shape_(shape), max_tokens_(tokens), tokens_(tokens), block_m_(options.block_m) {
   validate(shape);
   if (tokens < 0) throw_argument_error("mok::DevicePlan", "tokens", "must be >= 0, got ", tokens);
-  if (block_m_ <= 0 || block_m_ % 64 != 0)
-    throw_argument_error("mok::DevicePlan", "block_m", "must be a positive multiple of 64, got ", block_m_);
+  validate(options, "mok::DevicePlan");
   if (shape.num_local_experts > 4096)
     throw_argument_error("mok::DevicePlan", "num_local_experts", "must be at most 4096, got ", shape.num_local_experts);
   capacity_rows_ = device_plan_capacity_rows(shape, tokens, options);

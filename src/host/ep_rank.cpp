@@ -7,7 +7,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <limits>
 #include <string>
 
 #include "cuda_check.hpp"
@@ -68,10 +67,7 @@ struct EpRank::Layout {
 };
 
 std::int64_t EpRank::region_bytes(const MoeShape& shape, std::int64_t tokens_per_rank) {
-  validate(shape);
-  if (tokens_per_rank < 1 || shape.ep_size() * tokens_per_rank * shape.top_k > std::numeric_limits<std::int32_t>::max())
-    throw_argument_error("mok::EpRank::region_bytes", "tokens_per_rank", "must be >= 1 with ranks*T*k inside int32, got ",
-                         tokens_per_rank);  // (as the EpRank it sizes)
+  detail::check_ep_group("mok::EpRank::region_bytes", shape, Config{}, tokens_per_rank);  // (as the EpRank it sizes)
   return Layout::of(shape, tokens_per_rank).bytes;
 }
 

@@ -6,11 +6,16 @@
 
 namespace mok {
 
-namespace {
-// A tile of more rows than this is no tile any kernel runs (they take 64 or 128); the bound keeps
-// each expert's padded rows, and their sum, inside the int32 row indices.
-constexpr std::int64_t kMaxBlockM = 1 << 16;
-}  // namespace
+void validate(const PlanOptions& options, std::string_view where) {
+  // (a tile of more rows than 2^16 is no tile any kernel runs: they take 64 or 128; larger ones
+  // wrapped the padded sizes in int32)
+  constexpr std::int64_t kMaxBlockM = 1 << 16;
+  if (options.block_m <= 0 || options.block_m % 64 != 0 || options.block_m > kMaxBlockM)
+    throw_argument_error(where, "block_m", "must be a positive multiple of 64 up to ", kMaxBlockM, ", got ",
+                         options.block_m);
+  if (options.capacity_rows < 0 || options.capacity_rows > std::numeric_limits<std::int32_t>::max())
+    throw_argument_error(where, "capacity_rows", "must be in [0, 2^31) (0: the worst case), got ", options.capacity_rows);
+}
 
 std::int64_t Plan::routed_rows() const {
   std::int64_t n = 0;
@@ -26,10 +31,7 @@ Plan plan_host(const MoeShape& shape, std::int64_t T, std::span<const std::int32
   if (T < 0) throw_argument_error(where, "tokens", "must be >= 0, got ", T);
   if (rank < 0 || rank >= ep)
     throw_argument_error(where, "rank", "must be in [0, ", ep, "), got ", rank);
-  if (opt.block_m <= 0 || opt.block_m % 64 != 0 || opt.block_m > kMaxBlockM)
-    throw_argument_error(where, "block_m", "must be a positive multiple of 64 up to ", kMaxBlockM, ", got ", opt.block_m);
-  if (opt.capacity_rows < 0 || opt.capacity_rows > std::numeric_limits<std::int32_t>::max())
-    throw_argument_error(where, "capacity_rows", "must be in [0, 2^31) (0: the worst case), got ", opt.capacity_rows);
+  validate(opt, where);
   if (static_cast<std::int64_t>(ids.size()) != ep * T * k)
     throw_argument_error(where, "all_topk_ids", "must hold ep_size*T*k = ", ep * T * k,
                          " ids, got ", ids.size());
@@ -54,22 +56,20 @@ Plan plan_host(const MoeShape& shape, std::int64_t T, std::span<const std::int32
     if (e >= first_expert && e < first_expert + El) ++p.expert_rows[e - first_expert];
   }
 
-  p.expert_offset.assign(El + 1, 0);
-  std::int64_t padded_total = 0;  // (in int64: the int32 offsets are written only once it fits)
-  for (std::int64_t e = 0; e < El; ++e)
-    padded_total += (p.expert_rows[e] + opt.block_m - 1) / opt.block_m * opt.block_m;
+  // The padded total in int64 first: the int32 offsets are written only once it fits the capacity.
+  const auto padded = [&](std::int64_t e) { return (p.expert_rows[e] + opt.block_m - 1) / opt.block_m * opt.block_m; };
+  std::int64_t padded_total = 0;
+  for (std::int64_t e = 0; e < El; ++e) padded_total += padded(e);
   if (padded_total > p.capacity_rows)
     throw ArgumentError(detail::concat(where, ": capacity exceeded on rank ", rank, ": ", p.routed_rows(),
                                " routed rows need ", padded_total, " padded rows, capacity is ",
                                p.capacity_rows, " (raise Config::capacity_factor)"));
-  for (std::int64_t e = 0; e < El; ++e) {
-    const std::int64_t padded = (p.expert_rows[e] + opt.block_m - 1) / opt.block_m * opt.block_m;
-    p.expert_offset[e + 1] = static_cast<std::int32_t>(p.expert_offset[e] + padded);
-  }
-  if (p.padded_rows() > p.capacity_rows)
-    throw ArgumentError(detail::concat(where, ": capacity exceeded on rank ", rank, ": ", p.routed_rows(),
-                               " routed rows need ", p.padded_rows(), " padded rows, capacity is ",
-                               p.capacity_rows, " (raise Config::capacity_factor)"));
+  if (padded_total > std::numeric_limits<std::int32_t>::max())  // (a default capacity may exceed them)
+    throw_argument_error(where, "block_m", "pads the plan to ", padded_total, " rows, more than its int32 row "
+                         "indices hold");
+  p.expert_offset.assign(El + 1, 0);
+  for (std::int64_t e = 0; e < El; ++e)
+    p.expert_offset[e + 1] = static_cast<std::int32_t>(p.expert_offset[e] + padded(e));
 
   // Scanning ids in increasing global pair id appends each expert's rows in that order.
   p.row_pair.assign(p.padded_rows(), -1);

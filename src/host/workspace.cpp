@@ -25,6 +25,13 @@ void allocate(T*& ptr, std::int64_t bytes, const char* what, std::int64_t& total
 
 std::int64_t dh_tiles(const MoeShape& s) { return (s.intermediate + 255) / 256; }
 
+// A layer's token count: T >= 0, and T * k inside the plan's int32 pair ids.
+void check_tokens(std::string_view where, const MoeShape& shape, std::int64_t tokens) {
+  if (tokens < 0) throw_argument_error(where, "tokens", "must be >= 0, got ", tokens);
+  if (tokens * shape.top_k > std::numeric_limits<std::int32_t>::max())
+    throw_argument_error(where, "tokens", "T*k must fit in int32, got ", tokens * shape.top_k);
+}
+
 // The plan rows a call of T tokens gets: every routed row plus padding (capacity_factor 0),
 // else capacity_factor * T * k rows plus padding, in whole tiles, at least one.
 std::int64_t call_capacity_rows(const MoeShape& shape, std::int64_t tokens, const Config& config) {
@@ -108,9 +115,7 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
                            kernels::kFp8BlockK, " (its scale blocks), got hidden = ", shape.hidden,
                            ", intermediate = ", shape.intermediate);
   }
-  if (tokens < 0) throw_argument_error("mok::Workspace", "tokens", "must be >= 0, got ", tokens);
-  if (tokens * shape.top_k > std::numeric_limits<std::int32_t>::max())
-    throw_argument_error("mok::Workspace", "tokens", "T*k must fit in int32, got ", tokens * shape.top_k);
+  check_tokens("mok::Workspace", shape, tokens);
   PlanOptions options;
   options.block_m = detail::kTileRows;
   options.capacity_rows = call_capacity_rows(shape, tokens, config);
@@ -220,8 +225,7 @@ void* Workspace::own_scratch(std::int64_t bytes, std::string_view where, cudaStr
 
 std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Config& config) {
   validate(shape);
-  if (tokens < 0 || tokens * shape.top_k > std::numeric_limits<std::int32_t>::max())  // (as the Workspace)
-    throw_argument_error("mok::saved_elements", "tokens", "must be >= 0 with T*k inside int32, got ", tokens);
+  check_tokens("mok::saved_elements", shape, tokens);  // (as the Workspace it sizes)
   const std::int64_t capacity = call_capacity_rows(shape, tokens, config);
   const std::int64_t padded_tokens = detail::shared_tiles(shape, tokens) * detail::kTileRows;
   return 2 * (capacity * shape.intermediate + padded_tokens * shape.shared_intermediate) + detail::kSavedTrailer;
