@@ -183,6 +183,17 @@ __device__ __forceinline__ void load_a_fragments(const std::uint8_t* tile, std::
   }
 }
 
+// The scales of K block kb — this thread's two A rows' and B's exponent — or zeros past the last
+// block: the mainloops below load them one block ahead, as mainloop_fp8 does.
+struct BlockScales {
+  float a_lo, a_hi;
+  int e;
+};
+__device__ __forceinline__ BlockScales block_scales(const Params& p, const float* a_rows, int kb) {
+  if (kb >= p.k_blocks) return {0.0f, 0.0f, 0};
+  return {__ldcg(a_rows + kb * p.m), __ldcg(a_rows + kb * p.m + 8), __ldg(p.b_exponents + kb)};
+}
+
 // mainloop_fp8's pattern (halves of 128 columns, four MMAs into block, wait, promote) with this
 // warpgroup's A of a stage loaded once into registers and read by both halves' MMAs (RS form):
 // A's shared-memory reads halved. Timing only (the fragment layout is not checked here).
@@ -195,17 +206,10 @@ __device__ void mainloop_rs(const Params& p, St& s, Pipeline<St::kStages>& pipe,
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
 #pragma unroll
   for (int i = 0; i < 64; ++i) block[i] = 0.0f;
-  // (the scales loaded one block ahead, as mainloop_fp8 loads them)
-  float a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
-  int e = __ldg(p.b_exponents);
+  BlockScales scales = block_scales(p, a_rows, 0);
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    float next_a_lo = 0.0f, next_a_hi = 0.0f;
-    int next_e = 0;
-    if (kb + 1 < p.k_blocks) {
-      next_a_lo = __ldcg(a_rows + (kb + 1) * p.m), next_a_hi = __ldcg(a_rows + (kb + 1) * p.m + 8);
-      next_e = __ldg(p.b_exponents + kb + 1);
-    }
+    const BlockScales next = block_scales(p, a_rows, kb + 1);
     const auto& st = s.stages[stage_index];
     std::uint32_t a[4][4];
     load_a_fragments(st.a + wg * 64 * 128, a);
@@ -222,12 +226,12 @@ __device__ void mainloop_rs(const Params& p, St& s, Pipeline<St::kStages>& pipe,
         if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
         pipe.consumer_advance();
       }
-      const float b_scale = exp2_int(e);
-      const float scale[2] = {a_lo * b_scale, a_hi * b_scale};
+      const float b_scale = exp2_int(scales.e);
+      const float scale[2] = {scales.a_lo * b_scale, scales.a_hi * b_scale};
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
     }
-    a_lo = next_a_lo, a_hi = next_a_hi, e = next_e;
+    scales = next;
   }
 }
 
@@ -240,22 +244,16 @@ __device__ void mainloop_promoted64(const Params& p, St& s, Pipeline<St::kStages
   float block[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f, block[i] = 0.0f;
-  float a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
-  int e = __ldg(p.b_exponents);
+  BlockScales scales = block_scales(p, a_rows, 0);
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    float next_a_lo = 0.0f, next_a_hi = 0.0f;
-    int next_e = 0;
-    if (kb + 1 < p.k_blocks) {
-      next_a_lo = __ldcg(a_rows + (kb + 1) * p.m), next_a_hi = __ldcg(a_rows + (kb + 1) * p.m + 8);
-      next_e = __ldg(p.b_exponents + kb + 1);
-    }
+    const BlockScales next = block_scales(p, a_rows, kb + 1);
     issue(s.stages[stage_index], wg, block);
     ptx::wgmma_wait_group<0>();
     if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
     pipe.consumer_advance();
-    promote(acc, block, a_lo, a_hi, e);
-    a_lo = next_a_lo, a_hi = next_a_hi, e = next_e;
+    promote(acc, block, scales.a_lo, scales.a_hi, scales.e);
+    scales = next;
   }
 }
 

@@ -54,7 +54,7 @@ def _valid(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit
                     and su.shape == (inter_s, hidden) and sd.shape == (hidden, inter_s) and inter_s % GRANULARITY == 0):
                 return False
             activations += [sg, su, sd]
-        if swiglu_limit is not None and not (swiglu_limit > 0 and swiglu_limit != float("inf")):
+        if swiglu_limit is not None and not finite_positive(swiglu_limit):
             return False
         weights = (w_gate, w_down) if w_up is None else (w_gate, w_up, w_down)
         for t in activations:
@@ -76,64 +76,21 @@ def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swig
         return
     import torch
 
+    H, I, Is = _check_layout(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, where)
     fused = w_up is None
-    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
-                    ("w_gate", w_gate), ("w_up", w_gate if fused else w_up), ("w_down", w_down)):
-        _require(isinstance(t, torch.Tensor), TypeError, lambda: f"{where}: '{name}' must be a torch.Tensor, got {type(t).__name__}")
     _require(x.dtype == torch.bfloat16, TypeError, lambda: f"{where}: 'x' dtype must be torch.bfloat16, got {x.dtype}")
-    _require(topk_ids.dtype in (torch.int32, torch.int64), TypeError,
-             lambda: f"{where}: 'topk_ids' dtype must be torch.int32 or torch.int64, got {topk_ids.dtype}")
     _require(topk_weights.dtype == torch.float32, TypeError,
              lambda: f"{where}: 'topk_weights' dtype must be torch.float32, got {topk_weights.dtype}")
     weights = (("w_gate", w_gate),) + (() if fused else (("w_up", w_up),)) + (("w_down", w_down),)
-    for name, w in weights:
-        _require(w.dtype == torch.bfloat16, TypeError, lambda: f"{where}: '{name}' dtype must be torch.bfloat16, got {w.dtype}")
-    _require(x.dim() == 2, ValueError, lambda: f"{where}: 'x' must be 2-D [T, H], got shape {tuple(x.shape)}")
-    T, H = x.shape
-    layout = "[E, 2I, H] (gate and up concatenated: w_up is None)" if fused else "[E, I, H]"
-    _require(w_gate.dim() == 3, ValueError, lambda: f"{where}: 'w_gate' must be 3-D {layout}, got shape {tuple(w_gate.shape)}")
-    E, I, _ = w_gate.shape
-    _require(E >= 1, ValueError, lambda: f"{where}: 'w_gate' holds no expert, shape {tuple(w_gate.shape)}")
-    if fused:
-        _require(I % 2 == 0, ValueError, lambda: f"{where}: 'w_gate' must be {layout}: an even number of rows, got shape "
-                                         f"{tuple(w_gate.shape)}")
-        I //= 2
-    _require(topk_ids.dim() == 2 and topk_ids.shape[0] == T, ValueError,
-             lambda: f"{where}: 'topk_ids' must be [T, k] with T = {T}, got shape {tuple(topk_ids.shape)}")
-    k = topk_ids.shape[1]
-    E_all = E if num_experts is None else num_experts
-    _require(E_all % E == 0, ValueError, lambda: f"{where}: the {E} local experts must divide num_experts = {E_all}")
-    _require(1 <= k <= E_all, ValueError, lambda: f"{where}: top-k must be in [1, E = {E_all}], got {k}")
-    _require(tuple(topk_weights.shape) == (T, k), ValueError,
-             lambda: f"{where}: 'topk_weights' shape must be {(T, k)}, got {tuple(topk_weights.shape)}")
-    gate_rows = 2 * I if fused else I
-    _require(tuple(w_gate.shape) == (E, gate_rows, H), ValueError,
-             lambda: f"{where}: 'w_gate' shape must be {(E, gate_rows, H)} (H from x), got {tuple(w_gate.shape)}")
-    _require(fused or tuple(w_up.shape) == (E, I, H), ValueError,
-             lambda: f"{where}: 'w_up' shape must be {(E, I, H)}, got {None if fused else tuple(w_up.shape)}")
-    _require(tuple(w_down.shape) == (E, H, I), ValueError,
-             lambda: f"{where}: 'w_down' shape must be {(E, H, I)}, got {tuple(w_down.shape)}")
-    for name, n in (("hidden size H", H), ("intermediate size I", I)):
-        _require(n % GRANULARITY == 0 and n > 0, ValueError, lambda: f"{where}: {name} must be a positive multiple of {GRANULARITY}, got {n}")
     tensors = [("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)]
     if shared is not None:
-        _require(isinstance(shared, (tuple, list)) and len(shared) == 3, ValueError,
-                 lambda: f"{where}: 'shared' must be (gate [I_s, H], up [I_s, H], down [H, I_s]), got {type(shared).__name__}")
-        for name, t in zip(("shared gate", "shared up", "shared down"), shared):
-            _require(isinstance(t, torch.Tensor), TypeError,
-                     lambda: f"{where}: {name} must be a torch.Tensor ('shared' is three tensors or None), got "
-                             f"{type(t).__name__}")
-        sg, su, sd = shared
-        _require(sg.dim() == 2, ValueError, lambda: f"{where}: shared gate must be [I_s, H], got shape {tuple(sg.shape)}")
-        Is = sg.shape[0]
-        for name, t, shape in (("shared gate", sg, (Is, H)), ("shared up", su, (Is, H)), ("shared down", sd, (H, Is))):
-            _require(t.dtype == torch.bfloat16, TypeError, lambda: f"{where}: {name} dtype must be torch.bfloat16, got {t.dtype}")
-            _require(tuple(t.shape) == shape, ValueError, lambda: f"{where}: {name} shape must be {shape}, got {tuple(t.shape)}")
-            tensors.append((name, t))
+        tensors += list(zip(("shared gate", "shared up", "shared down"), shared))
+    for label, t in [(f"'{name}'", w) for name, w in weights] + tensors[3:]:  # (the experts', then the shared expert's)
+        _require(t.dtype == torch.bfloat16, TypeError, lambda: f"{where}: {label} dtype must be torch.bfloat16, got {t.dtype}")
+    for name, n in (("hidden size H", H), ("intermediate size I", I)):
+        _require(n % GRANULARITY == 0 and n > 0, ValueError, lambda: f"{where}: {name} must be a positive multiple of {GRANULARITY}, got {n}")
+    if shared is not None:
         _require(Is % GRANULARITY == 0, ValueError, lambda: f"{where}: shared intermediate size must be a multiple of {GRANULARITY}, got {Is}")
-    if swiglu_limit is not None:
-        _require(swiglu_limit > 0 and swiglu_limit != float("inf"), ValueError,
-                 lambda: f"{where}: 'swiglu_limit' must be a finite positive number, got {swiglu_limit}")
     device = x.device
     for name, t in tensors + list(weights):
         _require(t.device == device, ValueError, lambda: f"{where}: '{name}' is on {t.device}, but x is on {device}")
@@ -147,29 +104,25 @@ def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swig
         _require(device.type == "cuda", ValueError, lambda: f"{where}: tensors must be on a CUDA device, got {device}")
 
 
-def check_torch_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts=None,
-                     where="mok.moe_torch"):
-    """The PyTorch paths' checks (mok.moe_torch, mok.moe_torch_ep: any device, any floating
-    dtype): the shapes, index dtype and arguments that mok.moe checks, on metadata only (fake
-    tensors under torch.compile). num_experts: the group's E (the weights hold E_l of them)."""
+def finite_positive(v) -> bool:
+    """Whether v is a finite positive int or float (not a bool): a limit, a timeout."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+
+
+def _check_layout(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, where):
+    """The checks every path of the layer makes (the fused one and the PyTorch ones): tensors,
+    the index dtype, every shape against x and topk_ids, the expert count, top-k and the SwiGLU
+    limit, on metadata only. Returns (H, I, I_s; I_s None without a shared expert)."""
     import torch
 
     fused = w_up is None
-    named = (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_gate", w_gate),
-             ("w_down", w_down)) + (() if fused else (("w_up", w_up),))
-    for name, t in named:
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                    ("w_gate", w_gate), ("w_up", w_gate if fused else w_up), ("w_down", w_down)):
         _require(isinstance(t, torch.Tensor), TypeError, lambda: f"{where}: '{name}' must be a torch.Tensor, got {type(t).__name__}")
-    _require(x.dim() == 2, ValueError, lambda: f"{where}: 'x' must be 2-D [T, H], got shape {tuple(x.shape)}")
-    T, H = x.shape
     _require(topk_ids.dtype in (torch.int32, torch.int64), TypeError,
              lambda: f"{where}: 'topk_ids' dtype must be torch.int32 or torch.int64, got {topk_ids.dtype}")
-    _require(topk_weights.is_floating_point(), TypeError,
-             lambda: f"{where}: 'topk_weights' must be a floating-point tensor, got {topk_weights.dtype}")
-    _require(topk_ids.dim() == 2 and topk_ids.shape[0] == T, ValueError,
-             lambda: f"{where}: 'topk_ids' must be [T, k] with T = {T}, got shape {tuple(topk_ids.shape)}")
-    k = topk_ids.shape[1]
-    _require(tuple(topk_weights.shape) == (T, k), ValueError,
-             lambda: f"{where}: 'topk_weights' shape must be {(T, k)}, got {tuple(topk_weights.shape)}")
+    _require(x.dim() == 2, ValueError, lambda: f"{where}: 'x' must be 2-D [T, H], got shape {tuple(x.shape)}")
+    T, H = x.shape
     layout = "[E, 2I, H] (gate and up concatenated: w_up is None)" if fused else "[E, I, H]"
     _require(w_gate.dim() == 3, ValueError, lambda: f"{where}: 'w_gate' must be 3-D {layout}, got shape {tuple(w_gate.shape)}")
     E, rows, _ = w_gate.shape
@@ -177,26 +130,44 @@ def check_torch_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, sw
     _require(not fused or rows % 2 == 0, ValueError,
              lambda: f"{where}: 'w_gate' must be {layout}: an even number of rows, got shape {tuple(w_gate.shape)}")
     I = rows // 2 if fused else rows
+    _require(topk_ids.dim() == 2 and topk_ids.shape[0] == T, ValueError,
+             lambda: f"{where}: 'topk_ids' must be [T, k] with T = {T}, got shape {tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
     E_all = E if num_experts is None else num_experts
+    _require(E_all % E == 0, ValueError, lambda: f"{where}: the {E} local experts must divide num_experts = {E_all}")
     _require(1 <= k <= E_all, ValueError, lambda: f"{where}: top-k must be in [1, E = {E_all}], got {k}")
+    _require(tuple(topk_weights.shape) == (T, k), ValueError,
+             lambda: f"{where}: 'topk_weights' shape must be {(T, k)}, got {tuple(topk_weights.shape)}")
     _require(tuple(w_gate.shape) == (E, rows, H), ValueError,
              lambda: f"{where}: 'w_gate' shape must be {(E, rows, H)} (H from x), got {tuple(w_gate.shape)}")
     _require(fused or tuple(w_up.shape) == (E, I, H), ValueError,
              lambda: f"{where}: 'w_up' shape must be {(E, I, H)}, got {None if fused else tuple(w_up.shape)}")
-    _require(w_down.dim() == 3 and tuple(w_down.shape) == (E, H, I), ValueError,
+    _require(tuple(w_down.shape) == (E, H, I), ValueError,
              lambda: f"{where}: 'w_down' shape must be {(E, H, I)}, got {tuple(w_down.shape)}")
+    Is = None
     if shared is not None:
         _require(isinstance(shared, (tuple, list)) and len(shared) == 3, ValueError,
                  lambda: f"{where}: 'shared' must be (gate [I_s, H], up [I_s, H], down [H, I_s]), got {type(shared).__name__}")
         for name, t in zip(("shared gate", "shared up", "shared down"), shared):
             _require(isinstance(t, torch.Tensor), TypeError,
-                     lambda: f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+                     lambda: f"{where}: {name} must be a torch.Tensor ('shared' is three tensors or None), got "
+                             f"{type(t).__name__}")
         sg, su, sd = shared
         _require(sg.dim() == 2, ValueError, lambda: f"{where}: shared gate must be [I_s, H], got shape {tuple(sg.shape)}")
         Is = sg.shape[0]
         for name, t, shape in (("shared gate", sg, (Is, H)), ("shared up", su, (Is, H)), ("shared down", sd, (H, Is))):
             _require(tuple(t.shape) == shape, ValueError, lambda: f"{where}: {name} shape must be {shape}, got {tuple(t.shape)}")
     if swiglu_limit is not None:
-        _require(isinstance(swiglu_limit, (int, float)) and not isinstance(swiglu_limit, bool)
-                 and swiglu_limit > 0 and swiglu_limit != float("inf"), ValueError,
+        _require(finite_positive(swiglu_limit), ValueError,
                  lambda: f"{where}: 'swiglu_limit' must be a finite positive number, got {swiglu_limit!r}")
+    return H, I, Is
+
+
+def check_torch_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts=None,
+                     where="mok.moe_torch"):
+    """The PyTorch paths' checks (mok.moe_torch, mok.moe_torch_ep: any device, any floating
+    dtype): the layout mok.moe checks (_check_layout) and floating routing weights, on metadata
+    only (fake tensors under torch.compile). num_experts: the group's E (the weights hold E_l)."""
+    _check_layout(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, where)
+    _require(topk_weights.is_floating_point(), TypeError,
+             lambda: f"{where}: 'topk_weights' must be a floating-point tensor, got {topk_weights.dtype}")

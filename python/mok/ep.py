@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from mok import _C
+from mok._checks import finite_positive
 from mok._state import ep_groups as _groups
 from mok.ops import call_layer
 
@@ -66,8 +67,7 @@ class ExpertParallel:
             raise ValueError(f"mok.ep.ExpertParallel: tokens must be None or an int >= 1, got {tokens!r}")
         if not isinstance(compute_sms, int) or isinstance(compute_sms, bool) or compute_sms < 0:
             raise ValueError(f"mok.ep.ExpertParallel: compute_sms must be 0 (every SM) or a positive int, got {compute_sms!r}")
-        if (not isinstance(timeout_seconds, (int, float)) or isinstance(timeout_seconds, bool)
-                or not 0 < timeout_seconds < float("inf")):
+        if not finite_positive(timeout_seconds):
             raise ValueError(f"mok.ep.ExpertParallel: timeout_seconds must be a finite positive number, got "
                              f"{timeout_seconds!r}")
         if not isinstance(pull_tokens_once, bool):

@@ -21,9 +21,7 @@ E4M3_MAX = 448.0
 
 def _blocks(t: torch.Tensor, block: Tuple[int, int]):
     """t [..., rows, cols] as [..., rows/br, br, cols/bc, bc] (padded with zeros to whole blocks)."""
-    br, bc = block
-    if br < 1 or bc < 1:
-        raise ValueError(f"mok.fp8: block sizes must be >= 1, got {block}")
+    br, bc = block  # (checked by the callers: _check_block)
     rows, cols = t.shape[-2], t.shape[-1]
     pr, pc = (-rows) % br, (-cols) % bc
     if pr or pc:
@@ -50,10 +48,15 @@ def scale_exponents(amax: torch.Tensor) -> torch.Tensor:
     return torch.where((amax > 0) & torch.isfinite(amax), e, torch.zeros_like(e)).to(torch.int32)
 
 
+def _check_block(where: str, block) -> None:
+    if not (isinstance(block, (tuple, list)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
+        raise ValueError(f"{where}: 'block' must be (rows, cols) of positive ints, got {block!r}")
+
+
 def _check_exponents(where: str, values: torch.Tensor, exponents: torch.Tensor, block: Tuple[int, int]) -> None:
     """exponents must be the [..., ceil(rows/br), ceil(cols/bc)] of values [..., rows, cols] and block."""
-    if not (isinstance(block, (tuple, list)) and len(block) == 2 and all(isinstance(b, int) and b >= 1 for b in block)):
-        raise ValueError(f"{where}: 'block' must be (rows, cols) of positive ints, got {block!r}")
+    _check_block(where, block)
     if not isinstance(exponents, torch.Tensor) or exponents.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{where}: 'exponents' must be an int32 tensor, got "
                         + (str(exponents.dtype) if isinstance(exponents, torch.Tensor) else type(exponents).__name__))
@@ -71,8 +74,7 @@ def quantize(t: torch.Tensor, block: Tuple[int, int] = (1, 128)) -> Tuple[torch.
     """(values float8_e4m3fn [..., rows, cols], exponents int32 [..., ceil(rows/br), ceil(cols/bc)])
     of t [..., rows, cols]: value = e4m3(t / 2^e) per block; leading dimensions (experts) are
     quantized independently."""
-    if not isinstance(block, (tuple, list)) or len(block) != 2:
-        raise ValueError(f"mok.fp8.quantize: 'block' must be (rows, cols), got {block!r}")
+    _check_block("mok.fp8.quantize", block)
     if t.dim() < 2:
         raise ValueError(f"mok.fp8.quantize: needs [..., rows, cols], got shape {tuple(t.shape)}")
     b, rows, cols = _blocks(t.float(), block)

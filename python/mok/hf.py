@@ -6,8 +6,9 @@
 
 Works with the experts modules that store `gate_up_proj` [E, 2I, H] (gate rows, then up
 rows), `down_proj` [E, H, I], no biases and transformers' default gating with SiLU,
-act_fn(gate) * up (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3; a class with its own `_apply_gate`
-— a clamp, softcap or other activation — is refused by name, as is any other act_fn);
+act_fn(gate) * up (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3), or a class's own `_apply_gate` that
+clamps as mok's swiglu_limit does (DeepSeek-V4: found by probing it; other gating and any other
+act_fn are refused by name);
 DeepSeek-V3's shared expert stays in the model's own code. "mok_torch" registers the same
 glue over mok.moe_torch (plain PyTorch, any device) for comparisons and CPU tests; "mok_fp8"
 runs the routed experts' forward in FP8 (mok.moe(..., precision="fp8"); the backward's dgrad
@@ -31,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from mok._checks import finite_positive
 from mok.fp8_layer import cached_experts
 from mok.ops import moe
 from mok.torch_path import moe_torch
@@ -65,7 +67,7 @@ def _gate_limit(module, name: str) -> "float | None":
     candidates = []
     for owner, attr in ((module, "limit"), (module, "swiglu_limit"), (getattr(module, "config", None), "swiglu_limit")):
         v = getattr(owner, attr, None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf") and v not in candidates:
+        if finite_positive(v) and v not in candidates:
             candidates.append(float(v))
     w = getattr(module, "gate_up_proj", None)
     if isinstance(w, torch.Tensor) and w.dim() == 3 and w.device.type != "meta":
@@ -99,9 +101,8 @@ def _check_gate(module: torch.nn.Module, name: str) -> "float | None":
     except ImportError:  # (register() needs transformers; a module without it has no custom gate)
         default_gate = None
     gate = getattr(type(module), "_apply_gate", None)
-    limit = None
     if default_gate is not None and gate is not None and gate is not default_gate:
-        limit = _gate_limit(module, name)
+        return _gate_limit(module, name)  # (the probe of the gate itself: act_fn included)
     act_fn = getattr(module, "act_fn", None)
     if callable(act_fn):  # (what the default gate calls; the config's hidden_act may be absent or another key)
         probe = torch.linspace(-12.0, 12.0, 97, dtype=torch.float32)
@@ -114,11 +115,11 @@ def _check_gate(module: torch.nn.Module, name: str) -> "float | None":
         if not same:
             raise ValueError(f"mok.hf: {name}.act_fn = {act_fn!r} is not SiLU; the fused layer is SwiGLU "
                              "(silu(gate) * up)")
-        return limit
+        return None
     act = getattr(getattr(module, "config", None), "hidden_act", None)
     if act not in ("silu", "swish"):
         raise ValueError(f"mok.hf: {name} uses hidden_act = {act!r}; the fused layer is SwiGLU (needs 'silu')")
-    return limit
+    return None
 
 
 def _local(w):

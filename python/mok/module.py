@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from mok._checks import finite_positive
 from mok.fp8_layer import cached_experts
 from mok.ops import moe
 from mok.torch_path import moe_torch, moe_torch_ep
@@ -69,8 +70,7 @@ class MoE(nn.Module):
                 if n % need:
                     raise ValueError(f"mok.MoE: '{name}' must be a multiple of {need} for the fused kernel"
                                      f"{' in FP8' if need == 128 else ''}, got {n}")
-        if swiglu_limit is not None and (not isinstance(swiglu_limit, (int, float)) or isinstance(swiglu_limit, bool)
-                                         or not 0 < swiglu_limit < float("inf")):
+        if swiglu_limit is not None and not finite_positive(swiglu_limit):
             raise ValueError(f"mok.MoE: 'swiglu_limit' must be None or a finite positive number, got {swiglu_limit!r}")
         if router not in ("softmax", "sigmoid", None):
             raise ValueError(f"mok.MoE: 'router' must be 'softmax', 'sigmoid' or None, got {router!r}")
