@@ -148,13 +148,6 @@ def run_args(ap):
         ap.error(f"--lr must be a finite positive number, got {args.lr}")
     if not 0 <= args.clip < math.inf:
         ap.error(f"--clip must be a finite number >= 0 (0: no clipping), got {args.clip}")
-    if getattr(args, "warmup", 0) < 0 or getattr(args, "warmup", 0) >= args.steps:
-        ap.error(f"--warmup (steps left out of tokens/s) must be in [0, --steps), got {args.warmup} with --steps {args.steps}")
-    out = getattr(args, "out", "")
-    if out:  # (checked before training: the results were lost after the whole run when the path was bad)
-        folder = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            ap.error(f"--out {out}: the folder {folder} does not exist or is not writable")
     if args.lr_warmup is None:
         args.lr_warmup = min(50, args.steps // 10)
     if args.lr_warmup < 0 or args.lr_warmup >= args.steps:
@@ -264,6 +257,12 @@ def main():
     ap.add_argument("--out", default="", help="write the losses and tokens/s of every backend as JSON")
     ap.add_argument("--commit", default=os.environ.get("MOK_COMMIT", "unknown"))
     args = run_args(ap)
+    if not 0 <= args.warmup < args.steps:
+        ap.error(f"--warmup (steps left out of tokens/s) must be in [0, --steps), got {args.warmup} with --steps {args.steps}")
+    if args.out:  # (checked before training: the results were lost after the whole run when the path was bad)
+        folder = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            ap.error(f"--out {args.out}: the folder {folder} does not exist or is not writable")
     if args.deterministic == "on":  # (before cuBLAS starts: its workspace setting is read then)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
