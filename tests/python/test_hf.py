@@ -329,8 +329,11 @@ def test_transformers_expert_parallelism_over_two_cpu_processes(implementation, 
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(_config("qwen3_moe"), dtype=torch.float32).save_pretrained(tmp_path)
     worker = os.path.join(os.path.dirname(__file__), "hf_ep_worker.py")
+    # CPU processes also on a GPU machine: transformers' distributed set-up otherwise binds each
+    # rank to cuda:LOCAL_RANK, which a one-GPU machine lacks for rank 1.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker,
-                          str(tmp_path), implementation], capture_output=True, text=True, timeout=600)
+                          str(tmp_path), implementation], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count("match the whole model") == 2, run.stdout[-2000:]
 
