@@ -197,10 +197,12 @@ INSTANTIATE_TEST_SUITE_P(
 // that transpose with 1 x 128 blocks (a scale per column and 128 rows) or 128 x 128 blocks,
 // the scales and exponents where Fp8WgradParams reads them; tiles past the plan's untouched. The
 // gathers visiting the tiles in the rank order (launch_tile_order, a permutation of the plan's
-// tiles) write the same bytes.
+// tiles) write the same bytes, and so does each of the kernels (QuantizeColumnsKernel; 5 column
+// tiles: strips of 3 and 2). Some columns hold NaN (ignored by the largest magnitude, as the
+// host's), infinities, negative zeros or only subnormal values.
 TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
   MOK_REQUIRE_HOPPER();
-  const std::int64_t T = 700, E = 8, k = 3, C = 384;
+  const std::int64_t T = 700, E = 8, k = 3, C = 640;
   MoeShape s = shape(E, E, k);
   s.hidden = C;
   const auto ids = make_routing(RoutingKind::padded, T, E, k, 23);
@@ -216,10 +218,15 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
   auto random_bf16 = [&](std::int64_t n) {
     std::vector<std::uint16_t> v(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i) {  // (a few channels much larger: the blocks' scales differ)
-      const float f = normal(gen) * (i % C % 97 == 3 ? 300.f : 1.f);
+      const std::int64_t c = i % C, r = i / C;
+      const float f = normal(gen) * (c % 97 == 3 ? 300.f : c % 97 == 5 ? 1e-39f : 1.f);  // (5: subnormal)
       std::uint32_t bits;
       std::memcpy(&bits, &f, 4);
-      v[static_cast<std::size_t>(i)] = static_cast<std::uint16_t>(bits >> 16);
+      std::uint16_t b = static_cast<std::uint16_t>(bits >> 16);
+      if (c == 10 && r % 50 == 3) b = 0x7fc0;  // NaN
+      if (c == 140 && r % 300 == 7) b = r % 600 == 7 ? 0x7f80 : 0xff80;  // +-infinity
+      if (c == 300) b = 0x8000;  // -0 everywhere
+      v[static_cast<std::size_t>(i)] = b;
     }
     return v;
   };
@@ -253,8 +260,9 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       const std::uint16_t* row = &src[static_cast<std::size_t>((gather ? pair / k : r) * C)];
       for (std::int64_t c = 0; c < C; ++c) t[static_cast<std::size_t>(c * rows + r)] = value(row[c]);
     }
-    for (int variant = 0; variant < (gather ? 4 : 2); ++variant) {
-      const bool blocks = variant % 2 == 1, ordered = variant >= 2;
+    for (int variant = 0; variant < (gather ? 12 : 6); ++variant) {
+      const bool blocks = variant % 2 == 1, ordered = variant % 4 >= 2;
+      const auto kernel = static_cast<kernels::QuantizeColumnsKernel>(variant / (gather ? 4 : 2));
       DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(C * cap));
       DeviceBuffer<float> scales(static_cast<std::size_t>(cap / 128 * C));
       DeviceBuffer<std::int32_t> exponents(static_cast<std::size_t>(C / 128 * stride));
@@ -269,7 +277,7 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       q.exponent_stride = stride;
       q.num_tiles = v.num_tiles, q.plan_status = v.status, q.capacity = cap, q.columns = static_cast<int>(C);
       q.tile_order = ordered ? order.get() : nullptr;
-      kernels::launch_quantize_columns(q, nullptr);
+      kernels::launch_quantize_columns(q, nullptr, kernel);
       EXPECT_EQ(cudaSuccess, cudaGetLastError());
       EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
       const fp8::Blockwise want = fp8::quantize(t.data(), static_cast<int>(C), static_cast<int>(rows), blocks ? 128 : 1, 128);
@@ -291,9 +299,9 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
             bad_scales += got_scales[static_cast<std::size_t>(b * C + c)] != std::ldexp(1.0f, e);
           }
         }
-      EXPECT_EQ(bad, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
-      EXPECT_EQ(untouched, C * (cap - rows)) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
-      EXPECT_EQ(bad_scales, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
+      EXPECT_EQ(bad, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", kernel " << static_cast<int>(kernel);
+      EXPECT_EQ(untouched, C * (cap - rows)) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", kernel " << static_cast<int>(kernel);
+      EXPECT_EQ(bad_scales, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", kernel " << static_cast<int>(kernel);
     }
   }
 }

@@ -191,151 +191,38 @@ __global__ void __launch_bounds__(kThreads) gather_fp8_rows_kernel(const __grid_
   }
 }
 
-// (diagnostic builds, bench/NOTES.md) A tile's E4M3 transpose staged in shared memory, column c's
-// 128 bytes at kStagedStride c, stored 16 bytes a thread and 8 threads a column: a warp writes 4
-// whole 128-byte column segments. column: the tile's first column's rows in values.
-#if defined(MOK_DIAG_QCOLS_STAGED) && defined(MOK_DIAG_QCOLS_PAIRS)
-#error "MOK_DIAG_QCOLS_STAGED and MOK_DIAG_QCOLS_PAIRS are separate variants (PAIRS stages its stores too)"
-#endif
-#if defined(MOK_DIAG_QCOLS_OCC5) && !defined(MOK_DIAG_QCOLS_STAGED)
-#error "MOK_DIAG_QCOLS_OCC5 bounds the staged variant's registers: define MOK_DIAG_QCOLS_STAGED with it"
-#endif
-#if defined(MOK_DIAG_QCOLS_STAGED) || defined(MOK_DIAG_QCOLS_PAIRS)
-constexpr int kStagedStride = kFp8Block + 16;  // bytes a staged column (16-byte aligned)
-__device__ __forceinline__ void store_staged(const std::uint8_t* staged, std::uint8_t* column, std::int64_t capacity) {
-#pragma unroll
-  for (int i = 0; i < kFp8Block * kFp8Block / 16 / kThreads; ++i) {
-    const int chunk16 = i * kThreads + threadIdx.x, col = chunk16 / 8, part = chunk16 % 8;
-    *reinterpret_cast<uint4*>(column + static_cast<std::int64_t>(col) * capacity + 16 * part) =
-        *reinterpret_cast<const uint4*>(staged + col * kStagedStride + 16 * part);
-  }
-}
-#endif
+// The column quantization's shared memory: one tile's bf16 rows (16-byte aligned rows) and the
+// scans' partial maxima.
+struct ColumnTileStorage {
+  static constexpr int kStride = kFp8Block + 8;  // (bf16 elements a row)
+  alignas(16) std::uint16_t rows[kFp8Block][kStride];
+  float half_max[2][kFp8Block];
+  float warp_max[kThreads / 32];
+};
 
-#if defined(MOK_DIAG_QCOLS_STAGED) && defined(MOK_DIAG_QCOLS_OCC5)
-// (the staged stores with at most 48 registers: 5 CTAs an SM, 36 bytes spilled; alone, the staged
-// variant takes 64 registers, 4 CTAs an SM; the default 40, 6 — its shared memory's limit)
-#define MOK_QCOLS_BOUNDS __launch_bounds__(kThreads, 5)
-#else
-#define MOK_QCOLS_BOUNDS __launch_bounds__(kThreads)
-#endif
-// One plan tile of 128 rows x 128 columns (launch_quantize_columns): the bf16 rows into shared
-// memory (16-byte loads, a warp two rows' 256 bytes, a thread's eight in flight together), each
-// column's largest magnitude (thread c of each half scans 64 rows; a warp reads 32 adjacent
-// columns of a row: no bank conflicts), then thread (c, half) writes its 64 rows of column c as
-// 64 contiguous E4M3 bytes.
-__global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__ QuantizeColumnsParams p) {
-  if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
-  if (static_cast<int>(blockIdx.y) >= *p.num_tiles) return;
-  const int tile = p.tile_order != nullptr ? p.tile_order[blockIdx.y] : static_cast<int>(blockIdx.y);
-  const int c0 = blockIdx.x * kFp8Block;
-  constexpr int kStride = kFp8Block + 8;  // (bf16 elements a shared row: 16-byte aligned rows)
-  __shared__ alignas(16) std::uint16_t rows[kFp8Block][kStride];
-#if !defined(MOK_DIAG_QCOLS_PAIRS)
-  __shared__ float half_max[2][kFp8Block];
-#endif
-  __shared__ float warp_max[kThreads / 32];
-  const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
-  // Each thread's 8 chunks of 16 bytes (rows threadIdx.x / 16 + 16 j), all loads in flight at once.
-  constexpr int kChunks = kFp8Block * 16 / kThreads;
-  const int chunk = threadIdx.x % 16;
-  std::int32_t pair[kChunks];  // (the plan rows' pairs, loaded together before any is used)
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j) pair[j] = p.row_pair != nullptr ? p.row_pair[row0 + threadIdx.x / 16 + 16 * j] : 0;
-  const std::uint16_t* src[kChunks];
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    const std::int64_t row = p.row_pair != nullptr ? pair[j] / p.top_k : row0 + threadIdx.x / 16 + 16 * j;
-    src[j] = pair[j] >= 0 ? p.src + row * p.row_stride : nullptr;
-  }
-  uint4 v[kChunks];
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j)
-    v[j] = src[j] != nullptr ? __ldcg(reinterpret_cast<const uint4*>(src[j] + c0) + chunk) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j) *reinterpret_cast<uint4*>(&rows[threadIdx.x / 16 + 16 * j][chunk * 8]) = v[j];
-  __syncthreads();
-#if defined(MOK_DIAG_QCOLS_PAIRS)
-  // (diagnostic build, bench/NOTES.md: the same bytes) Thread (cp, q) takes columns 2 cp, 2 cp + 1
-  // and rows [32 q, 32 q + 32), read as bf16 pairs: one 4-byte load for two columns (a warp's 32
-  // loads are one whole row: no bank conflicts), half the loads of the column scans above; then the
-  // transpose staged and stored as whole 128-byte column segments.
-  const int cp = threadIdx.x % (kFp8Block / 2), rq = 32 * (threadIdx.x / (kFp8Block / 2));
-  __shared__ float quarter_max[4][kFp8Block];
-  auto pair_at = [&](int r) { return *reinterpret_cast<const std::uint32_t*>(&rows[r][2 * cp]); };
-  float m0 = 0.0f, m1 = 0.0f;
-  for (int r = rq; r < rq + 32; ++r) {
-    const std::uint32_t two = pair_at(r);
-    m0 = fmaxf(m0, fabsf(bf16_bits_value(two & 0xffff)));
-    m1 = fmaxf(m1, fabsf(bf16_bits_value(two >> 16)));
-  }
-  quarter_max[rq / 32][2 * cp] = m0;
-  quarter_max[rq / 32][2 * cp + 1] = m1;
-  __syncthreads();
-  m0 = fmaxf(fmaxf(quarter_max[0][2 * cp], quarter_max[1][2 * cp]), fmaxf(quarter_max[2][2 * cp], quarter_max[3][2 * cp]));
-  m1 = fmaxf(fmaxf(quarter_max[0][2 * cp + 1], quarter_max[1][2 * cp + 1]),
-             fmaxf(quarter_max[2][2 * cp + 1], quarter_max[3][2 * cp + 1]));
-  if (p.block_exponents != nullptr) {  // the block's: a max over every column (warps 0 and 1 hold them all)
-    float m = fmaxf(m0, m1);
-    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-    __syncthreads();
-    for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
-    m0 = m1 = m;
-  }
-  const int e0 = fp8_scale_exponent(m0), e1 = fp8_scale_exponent(m1);
-  const InverseScale inverse0(e0), inverse1(e1);
-  uint4 out0[2], out1[2];  // (columns 2 cp and 2 cp + 1, rows rq + 16 j ...)
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    std::uint32_t w0[4], w1[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float a[4], b[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const std::uint32_t two = pair_at(rq + 16 * j + 4 * k + i);
-        a[i] = inverse0(bf16_bits_value(two & 0xffff));
-        b[i] = inverse1(bf16_bits_value(two >> 16));
-      }
-      w0[k] = pack_e4m3x4(a[0], a[1], a[2], a[3]);
-      w1[k] = pack_e4m3x4(b[0], b[1], b[2], b[3]);
-    }
-    out0[j] = make_uint4(w0[0], w0[1], w0[2], w0[3]);
-    out1[j] = make_uint4(w1[0], w1[1], w1[2], w1[3]);
-  }
-  static_assert(kFp8Block * kStagedStride <= sizeof(rows), "the staged tile fits in the rows' room");
-  std::uint8_t* staged = reinterpret_cast<std::uint8_t*>(&rows[0][0]);
-  __syncthreads();  // (every thread's reads of the rows are done)
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    *reinterpret_cast<uint4*>(staged + (2 * cp) * kStagedStride + rq + 16 * j) = out0[j];
-    *reinterpret_cast<uint4*>(staged + (2 * cp + 1) * kStagedStride + rq + 16 * j) = out1[j];
-  }
-  __syncthreads();
-  store_staged(staged, p.values + static_cast<std::int64_t>(c0) * p.capacity + row0, p.capacity);
-  if (p.col_scales != nullptr && rq == 0) {
-    p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + 2 * cp] = exp2_int(e0);
-    p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + 2 * cp + 1] = exp2_int(e1);
-  }
-  if (p.block_exponents != nullptr && threadIdx.x == 0)
-    p.block_exponents[static_cast<std::int64_t>(blockIdx.x) * p.exponent_stride + tile] = e0;
-#else
-  const int c = threadIdx.x % kFp8Block, half = threadIdx.x / kFp8Block, r0 = 64 * half;
+// Column tile ct (columns [128 ct, + 128)) of plan tile `tile` (rows [row0, + 128)), its bf16 rows
+// in s.rows (every thread's stores made visible by a barrier): each column's largest magnitude
+// (thread c of each half scans 64 rows; a warp reads 32 adjacent columns of a row: no bank
+// conflicts), then thread (c, half) writes its 64 rows of column c as 64 contiguous E4M3 bytes.
+// Reads s.rows until it returns; its barrier orders the maxima, so a caller that refills s.rows
+// must first wait at a barrier for every thread's return.
+__device__ __forceinline__ void quantize_column_tile(const QuantizeColumnsParams& p, ColumnTileStorage& s, int tile,
+                                                     std::int64_t row0, int ct) {
+  const int c = threadIdx.x % kFp8Block, half = threadIdx.x / kFp8Block, r0 = 64 * half, c0 = ct * kFp8Block;
   float amax = 0.0f;
-  for (int r = r0; r < r0 + 64; ++r) amax = fmaxf(amax, fabsf(bf16_bits_value(rows[r][c])));
-  half_max[half][c] = amax;
+  for (int r = r0; r < r0 + 64; ++r) amax = fmaxf(amax, fabsf(bf16_bits_value(s.rows[r][c])));
+  s.half_max[half][c] = amax;
   __syncthreads();
-  amax = fmaxf(half_max[0][c], half_max[1][c]);
+  amax = fmaxf(s.half_max[0][c], s.half_max[1][c]);
   if (p.block_exponents != nullptr) {  // the block's: a max over the columns too
     for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+    if (threadIdx.x % 32 == 0) s.warp_max[threadIdx.x / 32] = amax;
     __syncthreads();
-    for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
+    for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, s.warp_max[w]);
   }
   const int e = fp8_scale_exponent(amax);
   const InverseScale inverse(e);
-  auto scaled = [&](int r) { return inverse(bf16_bits_value(rows[r][c])); };
+  auto scaled = [&](int r) { return inverse(bf16_bits_value(s.rows[r][c])); };
   auto packed = [&](int j) {  // (rows r0 + 16 j ... + 15 of column c: 16 E4M3 bytes)
     std::uint32_t w[4];
 #pragma unroll
@@ -345,34 +232,216 @@ __global__ void MOK_QCOLS_BOUNDS quantize_columns_kernel(const __grid_constant__
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
   };
-#if defined(MOK_DIAG_QCOLS_STAGED)
-  std::uint8_t* column = p.values + static_cast<std::int64_t>(c0) * p.capacity + row0;  // (column c0's rows of the tile)
-  // (diagnostic build, bench/NOTES.md: the same bytes, stored through shared memory) The thread's
-  // 64 bytes in registers, then, once every thread has read the bf16 rows, staged as the tile's
-  // transpose in their room (column c's 128 bytes at kStagedStride c: a quarter warp's 16-byte
-  // stores fall in distinct banks), and stored 16 bytes a thread, 8 threads a column: a warp
-  // writes 4 whole 128-byte column segments, where each thread otherwise stores 16 bytes a
-  // capacity apart from its neighbours'.
-  uint4 mine[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) mine[j] = packed(j);
-  static_assert(kFp8Block * kStagedStride <= sizeof(rows), "the staged tile fits in the rows' room");
-  std::uint8_t* staged = reinterpret_cast<std::uint8_t*>(&rows[0][0]);
-  __syncthreads();  // (every thread's reads of the rows are done)
-#pragma unroll
-  for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(staged + c * kStagedStride + r0 + 16 * j) = mine[j];
-  __syncthreads();
-  store_staged(staged, column, p.capacity);
-#else
   uint4* out = reinterpret_cast<uint4*>(p.values + static_cast<std::int64_t>(c0 + c) * p.capacity + row0 + r0);
 #pragma unroll
   for (int j = 0; j < 4; ++j) out[j] = packed(j);
-#endif
   if (p.col_scales != nullptr && half == 0) p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + c] = exp2_int(e);
   if (p.block_exponents != nullptr && threadIdx.x == 0)
-    p.block_exponents[static_cast<std::int64_t>(blockIdx.x) * p.exponent_stride + tile] = e;
-#endif
+    p.block_exponents[static_cast<std::int64_t>(ct) * p.exponent_stride + tile] = e;
 }
+
+// The plan tile CTA row blockIdx.y quantizes (launch_tile_order's order where given), or -1 past
+// the plan's last tile or from a bad plan.
+__device__ __forceinline__ int column_tile_plan_tile(const QuantizeColumnsParams& p) {
+  if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return -1;
+  if (static_cast<int>(blockIdx.y) >= *p.num_tiles) return -1;
+  return p.tile_order != nullptr ? p.tile_order[blockIdx.y] : static_cast<int>(blockIdx.y);
+}
+
+// Each thread's share of a tile's loads: 8 chunks of 16 bytes, rows threadIdx.x / 16 + 16 j.
+constexpr int kColumnChunks = kFp8Block * 16 / kThreads;
+
+// One plan tile of 128 rows x 128 columns a CTA (launch_quantize_columns without
+// MOK_DIAG_QCOLS_STRIP): the bf16 rows into shared memory (16-byte loads, a warp two rows' 256
+// bytes, a thread's eight in flight together), then quantize_column_tile.
+__global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid_constant__ QuantizeColumnsParams p) {
+  const int tile = column_tile_plan_tile(p);
+  if (tile < 0) return;
+  __shared__ ColumnTileStorage s;
+  const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
+  const int c0 = blockIdx.x * kFp8Block, chunk = threadIdx.x % 16;
+  std::int32_t pair[kColumnChunks];  // (the plan rows' pairs, loaded together before any is used)
+#pragma unroll
+  for (int j = 0; j < kColumnChunks; ++j) pair[j] = p.row_pair != nullptr ? p.row_pair[row0 + threadIdx.x / 16 + 16 * j] : 0;
+  const std::uint16_t* src[kColumnChunks];
+#pragma unroll
+  for (int j = 0; j < kColumnChunks; ++j) {
+    const std::int64_t row = p.row_pair != nullptr ? pair[j] / p.top_k : row0 + threadIdx.x / 16 + 16 * j;
+    src[j] = pair[j] >= 0 ? p.src + row * p.row_stride : nullptr;
+  }
+  uint4 v[kColumnChunks];
+#pragma unroll
+  for (int j = 0; j < kColumnChunks; ++j)
+    v[j] = src[j] != nullptr ? __ldcg(reinterpret_cast<const uint4*>(src[j] + c0) + chunk) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int j = 0; j < kColumnChunks; ++j) *reinterpret_cast<uint4*>(&s.rows[threadIdx.x / 16 + 16 * j][chunk * 8]) = v[j];
+  __syncthreads();
+  quantize_column_tile(p, s, tile, row0, blockIdx.x);
+}
+
+// A strip of column tiles of one plan tile a CTA (launch_quantize_columns with
+// MOK_DIAG_QCOLS_STRIP; the same bytes): the plan rows' source offsets found once, then each
+// column tile's loads issued into registers before the tile before it is quantized, so a CTA's
+// loads are in flight while it scans and stores (Nsight Compute, 2026-12-05: one tile a CTA spends
+// ~40 % of its stall samples waiting for its loads and ~20 % on the chain of plan loads before
+// them). CTA (x, y): column tiles [x n, x n + n) of the plan tile of row y, n = the column tiles
+// / gridDim.x rounded up.
+__global__ void __launch_bounds__(kThreads, 4) quantize_column_strip_kernel(const __grid_constant__ QuantizeColumnsParams p) {
+  const int tile = column_tile_plan_tile(p);
+  if (tile < 0) return;
+  __shared__ ColumnTileStorage s;
+  __shared__ std::int64_t row_offset[kFp8Block];  // (elements into src; -1: a padding row, zeros)
+  const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
+  const int column_tiles = p.columns / kFp8Block, per_cta = (column_tiles + gridDim.x - 1) / gridDim.x;
+  const int first = blockIdx.x * per_cta, end = min(column_tiles, first + per_cta);
+  if (first >= end) return;
+  if (threadIdx.x < kFp8Block) {
+    const std::int64_t row = row0 + threadIdx.x;
+    if (p.row_pair == nullptr) {
+      row_offset[threadIdx.x] = row * p.row_stride;
+    } else {
+      const std::int32_t pair = p.row_pair[row];
+      row_offset[threadIdx.x] = pair >= 0 ? static_cast<std::int64_t>(pair / p.top_k) * p.row_stride : -1;
+    }
+  }
+  __syncthreads();
+  const int chunk = threadIdx.x % 16;
+  uint4 v[kColumnChunks];
+  auto load = [&](int ct) {  // (the offsets read from shared memory each time: 16 registers fewer)
+#pragma unroll
+    for (int j = 0; j < kColumnChunks; ++j) {
+      const std::int64_t offset = row_offset[threadIdx.x / 16 + 16 * j];
+      v[j] = offset >= 0 ? __ldcg(reinterpret_cast<const uint4*>(p.src + offset + ct * kFp8Block) + chunk)
+                         : make_uint4(0, 0, 0, 0);
+    }
+  };
+  load(first);
+  for (int ct = first; ct < end; ++ct) {
+    if (ct != first) __syncthreads();  // (every thread has read the tile before from s.rows)
+#pragma unroll
+    for (int j = 0; j < kColumnChunks; ++j) *reinterpret_cast<uint4*>(&s.rows[threadIdx.x / 16 + 16 * j][chunk * 8]) = v[j];
+    __syncthreads();
+    if (ct + 1 < end) load(ct + 1);
+    quantize_column_tile(p, s, tile, row0, ct);
+  }
+}
+
+// A strip of column tiles of one plan tile a CTA, transposed in registers (launch_quantize_columns
+// with MOK_DIAG_QCOLS_REGS; the same bytes): no staging of the rows in shared memory. Warp w takes
+// columns [16 w, 16 w + 16) of each column tile; lane (g, h) = (lane / 2, lane % 2) loads rows
+// [8 g, 8 g + 8) of columns [16 w + 8 h, + 8) (one 16-byte load a row: a warp's load reads 16
+// rows' 32 bytes), takes each column's largest magnitude over its rows and then over the 16 lanes
+// of its h (shuffles), and stores each column's 8 E4M3 bytes of its rows (a warp's store writes
+// two whole 128-byte column segments). The next tile's loads are issued before a tile is
+// quantized. Strips as quantize_column_strip_kernel's; block exponents take one barrier a tile
+// (their warp maxima alternate between two arrays).
+__global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const __grid_constant__ QuantizeColumnsParams p) {
+  const int tile = column_tile_plan_tile(p);
+  if (tile < 0) return;
+  __shared__ alignas(16) std::int64_t row_offset[kFp8Block];  // (elements into src; -1: a padding row, zeros)
+  __shared__ float warp_max[2][kThreads / 32];
+  const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
+  const int column_tiles = p.columns / kFp8Block, per_cta = (column_tiles + gridDim.x - 1) / gridDim.x;
+  const int first = blockIdx.x * per_cta, end = min(column_tiles, first + per_cta);
+  if (first >= end) return;
+  if (threadIdx.x < kFp8Block) {
+    const std::int64_t row = row0 + threadIdx.x;
+    if (p.row_pair == nullptr) {
+      row_offset[threadIdx.x] = row * p.row_stride;
+    } else {
+      const std::int32_t pair = p.row_pair[row];
+      row_offset[threadIdx.x] = pair >= 0 ? static_cast<std::int64_t>(pair / p.top_k) * p.row_stride : -1;
+    }
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 2, h = lane % 2;
+  const int column = 16 * warp + 8 * h;  // (the lane's first column in a column tile)
+  auto load = [&](int ct, uint4 (&v)[8]) {  // (rows 8 g + j; padding rows: zeros)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const std::int64_t offset = row_offset[8 * g + j];
+      v[j] = offset >= 0 ? __ldcg(reinterpret_cast<const uint4*>(p.src + offset + ct * kFp8Block + column))
+                         : make_uint4(0, 0, 0, 0);
+    }
+  };
+  // (bf16 k of a row's 16 bytes: column k of the lane's eight)
+  auto value = [](const uint4& row, int k) {
+    const std::uint32_t word = k / 2 == 0 ? row.x : k / 2 == 1 ? row.y : k / 2 == 2 ? row.z : row.w;
+    return bf16_bits_value(static_cast<std::uint16_t>(k % 2 == 0 ? word & 0xffff : word >> 16));
+  };
+  uint4 v[8];
+  load(first, v);
+  for (int ct = first; ct < end; ++ct) {
+    uint4 next[8];
+    if (ct + 1 < end) load(ct + 1, next);
+    // Each column's largest magnitude as bf16 pairs (word q: columns 2 q, 2 q + 1): max.bf16x2 of
+    // the magnitudes returns the other operand where one is NaN, as fmaxf does, and is exact, so
+    // these are the floats' maxima; no floats are made here (unpacked, the 64 values took ~60
+    // registers more).
+    __nv_bfloat162 pair_max[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      pair_max[q] = __float2bfloat162_rn(0.0f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const std::uint32_t word = q == 0 ? v[j].x : q == 1 ? v[j].y : q == 2 ? v[j].z : v[j].w;
+        pair_max[q] = __hmax2(pair_max[q], __habs2(*reinterpret_cast<const __nv_bfloat162*>(&word)));
+      }
+#pragma unroll
+      for (int offset = 2; offset < 32; offset *= 2) pair_max[q] = __hmax2(pair_max[q], __shfl_xor_sync(0xffffffffu, pair_max[q], offset));
+    }
+    float amax[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) amax[k] = k % 2 == 0 ? __low2float(pair_max[k / 2]) : __high2float(pair_max[k / 2]);
+    if (p.block_exponents != nullptr) {  // the block's: a max over the columns too
+      float m = amax[0];
+#pragma unroll
+      for (int k = 1; k < 8; ++k) m = fmaxf(m, amax[k]);
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      if (lane == 0) warp_max[ct % 2][warp] = m;
+      __syncthreads();  // (the array of tile ct - 2 was read before the barrier of tile ct - 1)
+#pragma unroll
+      for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[ct % 2][w]);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) amax[k] = m;
+    }
+    const int c0 = ct * kFp8Block;
+    std::uint8_t* out = p.values + static_cast<std::int64_t>(c0 + column) * p.capacity + row0 + 8 * g;
+    int mine = 0;  // (lane g < 8 writes column g's scale)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int e = fp8_scale_exponent(amax[k]);
+      if (k == g) mine = e;
+      const InverseScale inverse(e);
+      float s[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s[j] = inverse(value(v[j], k));
+      *reinterpret_cast<uint2*>(out + static_cast<std::int64_t>(k) * p.capacity) =
+          make_uint2(pack_e4m3x4(s[0], s[1], s[2], s[3]), pack_e4m3x4(s[4], s[5], s[6], s[7]));
+    }
+    if (p.col_scales != nullptr && g < 8) p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + column + g] = exp2_int(mine);
+    if (p.block_exponents != nullptr && threadIdx.x == 0)
+      p.block_exponents[static_cast<std::int64_t>(ct) * p.exponent_stride + tile] = mine;
+    if (ct + 1 < end) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = next[j];
+    }
+  }
+}
+
+// The column quantization the layer runs (the others: diagnostic builds until measured,
+// bench/NOTES.md, 2026-12-05).
+#if defined(MOK_DIAG_QCOLS_STRIP) && defined(MOK_DIAG_QCOLS_REGS)
+#error "MOK_DIAG_QCOLS_STRIP and MOK_DIAG_QCOLS_REGS are separate variants"
+#endif
+#if defined(MOK_DIAG_QCOLS_STRIP)
+constexpr QuantizeColumnsKernel kColumnKernel = QuantizeColumnsKernel::strip;
+#elif defined(MOK_DIAG_QCOLS_REGS)
+constexpr QuantizeColumnsKernel kColumnKernel = QuantizeColumnsKernel::regs;
+#else
+constexpr QuantizeColumnsKernel kColumnKernel = QuantizeColumnsKernel::one_tile;
+#endif
+constexpr int kColumnTilesPerStrip = 4;  // (a strip's column tiles, at most)
 
 __global__ void __launch_bounds__(kThreads) tile_order_kernel(const std::int32_t* expert_offset, const std::int32_t* tile_expert,
                                                               const std::int32_t* tile_row, const std::int32_t* num_tiles,
@@ -425,14 +494,26 @@ void load_quantize_kernels() {
   load_kernel(quantize_rows_kernel);
   load_kernel(quantize_scatter_kernel);
   load_kernel(quantize_columns_kernel);
+  load_kernel(quantize_column_strip_kernel);
+  load_kernel(quantize_column_regs_kernel);
   load_kernel(tile_order_kernel);
   load_kernel(quantize_blocks_kernel);
 }
 
-void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream) {
+void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream, QuantizeColumnsKernel kernel) {
   if (p.capacity == 0 || p.columns == 0) return;
-  const dim3 grid(p.columns / kFp8Block, static_cast<unsigned>(p.capacity / kFp8Block));
-  quantize_columns_kernel<<<grid, kThreads, 0, stream>>>(p);
+  const int column_tiles = p.columns / kFp8Block;
+  const unsigned tiles = static_cast<unsigned>(p.capacity / kFp8Block);
+  const int strips = (column_tiles + kColumnTilesPerStrip - 1) / kColumnTilesPerStrip;
+  switch (kernel) {
+    case QuantizeColumnsKernel::one_tile: quantize_columns_kernel<<<dim3(column_tiles, tiles), kThreads, 0, stream>>>(p); break;
+    case QuantizeColumnsKernel::strip: quantize_column_strip_kernel<<<dim3(strips, tiles), kThreads, 0, stream>>>(p); break;
+    case QuantizeColumnsKernel::regs: quantize_column_regs_kernel<<<dim3(strips, tiles), kThreads, 0, stream>>>(p); break;
+  }
+}
+
+void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream) {
+  launch_quantize_columns(p, stream, kColumnKernel);
 }
 
 }  // namespace mok::kernels

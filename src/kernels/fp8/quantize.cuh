@@ -126,6 +126,13 @@ struct QuantizeColumnsParams {
 
 void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream);
 
+// The kernels that write launch_quantize_columns' bytes (the same bytes; the layer runs one_tile
+// unless a diagnostic build chose another): one_tile, a CTA a 128 x 128 tile staged in shared
+// memory; strip, a CTA up to four column tiles of a plan tile, the next tile's loads in flight
+// while one is quantized; regs, strips transposed in registers, without the staging.
+enum class QuantizeColumnsKernel { one_tile, strip, regs };
+void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream, QuantizeColumnsKernel kernel);
+
 // order[p] = the plan tile at position p of the rank order (kernels/fp8/tile_order.cuh), for
 // every tile of the plan (one thread a tile; tile t holds rows [tile_row[t], + 128) of expert
 // tile_expert[t]). Nothing is written from a bad plan.
