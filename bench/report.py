@@ -86,7 +86,7 @@ def table(records):
     return "\n".join(lines)
 
 
-LAYER_IMPLS = ("mok", "mok-py", "torch-compiled", "torch", "dense", "mok-fp8", "mok-fp8-py", "torch-fp8")
+LAYER_IMPLS = ("mok", "mok-py", "torch-compiled", "torch", "dense", "mok-fp8", "mok-fp8-py", "torch-fp8", "liger")
 EP_IMPLS = ("mok-ep", "torch-compiled-ep", "torch-ep", "mok-compute")
 
 
@@ -146,7 +146,7 @@ def layer_table(records):
     else:
         me, base, eager = "mok", "torch-compiled", "torch"
         ratios = [(f"mok / {base}", "mok", base), (f"mok-py / {base}", "mok-py", base), ("mok / torch", "mok", eager),
-                  ("mok / dense", "mok", "dense")]
+                  ("mok / dense", "mok", "dense"), ("mok / liger", "mok", "liger")]  # (liger: a peer, layer_bench --impl)
         if any(r["impl"] in ("mok-fp8", "torch-fp8") for r in records):  # issue 19's ratios
             ratios += [("mok-fp8 / mok", "mok-fp8", "mok"), ("mok-fp8 / torch-fp8", "mok-fp8", "torch-fp8"),
                        ("mok-fp8-py / mok-py", "mok-fp8-py", "mok-py"), ("mok-fp8-py / torch-fp8", "mok-fp8-py", "torch-fp8"),

@@ -371,13 +371,35 @@ fi
 # The layer benchmark (bench/layer_bench.py): a smoke run on the small preset first (one
 # round: a broken build or check stops here, cheaply), then the chosen presets, written into
 # $OUT record by record (a call cut short by a machine's time limit keeps what it measured).
+# With the Liger peer, Triton's autotuning results are kept on disk (its kernels tune for minutes a
+# shape; deepseek-v3's took more than one 600 s call on an H100): .peers/liger-autotune-<GPU>.tgz,
+# where a device call carries it, is unpacked first, and $OUT/liger-autotune-<GPU>.tgz holds every
+# result after the run (copy it into .peers/ for the next call; the name keeps H100s and H200s apart).
+# A call cut short by `timeout` never gets there: follow it with
+#   (cd .peers/triton-cache && find . -name '*.autotune.json' | tar czf $OUT/liger-autotune-<GPU>.tgz -T -)
+liger_cache() {  # $1: before | after
+  [[ ",${impls:-}," == *",liger,"* ]] || return 0
+  local slug cache="$PWD/.peers/triton-cache"
+  slug="$(echo "$gpu" | tr -c 'A-Za-z0-9\n' '_')"
+  if [ "$1" = before ]; then
+    mkdir -p "$cache"
+    export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="$cache"
+    [ -f ".peers/liger-autotune-$slug.tgz" ] && tar xzf ".peers/liger-autotune-$slug.tgz" -C "$cache"
+  else
+    (cd "$cache" && find . -name '*.autotune.json' | tar czf "$OUT/liger-autotune-$slug.tgz" -T -)
+  fi
+  return 0
+}
+
 layer_bench() {  # $1: routings
   local py=(env PYTHONPATH="$PWD/$build/pkg" python3 bench/layer_bench.py --mok-bench $build/bench/mok_bench)
+  liger_cache before
   if ! "${py[@]}" --preset small --repeats 1 --iters 2 --warmup 1 > "$LOG/bench_smoke.log" 2>&1; then
     echo "layer_bench smoke run failed:"; tail -30 "$LOG/bench_smoke.log"; test_rc=1; return
   fi
   "${py[@]}" --preset "$presets" --routing "$1" --repeats $repeats --iters $iters --out "$OUT/bench_layer.json" \
     --commit "$commit" --date "$date" "${impl_args[@]}" 2>&1 | tee "$LOG/bench_layer.log" || test_rc=1
+  liger_cache after
   bench=("$OUT/bench_layer.json")
 }
 
