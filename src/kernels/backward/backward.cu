@@ -132,12 +132,8 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
   // a flag of its own was the FP8 dgrad kernel's one consumer spill)
   int pending_dx = 0;
   PhaseTimer timer(backward_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
-  int held = -1;  // kWgradHeldStage: the stage the last weight-gradient epilogue staged into (-1: none)
-  [[maybe_unused]] bool lagged = false;  // (MOK_DIAG_WG1_LAG)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
-    if constexpr (kWgradHeldStage)
-      if (t.kind != kWd && t.kind != kWgu) release_held(s, pipe, held);  // (only weight mainloops take it over)
     switch_read(s.reads[wg], read_counter(p, t));
     timer.lap<Phase::other>();
     if (t.kind == kCombine) {
@@ -204,30 +200,15 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
     } else {
       int first = 0, count = 0;
       expert_rows(p, t, first, count);
-      if constexpr (MOK_DIAG_WG1_LAG > 0) {  // (kernels/common/diag.cuh: the warpgroups out of step, once)
-        if (wg == 1 && !lagged) {
-          const long long start = clock64();
-          while (clock64() - start < MOK_DIAG_WG1_LAG) {
-          }
-        }
-        lagged = true;
-      }
-      char* held_stage = nullptr;
-      if constexpr (kWgradHeldStage) {
-        held = mainloop<MnMajor, MnMajor, true>(p, s, pipe, acc, weight_k_steps(count), wg, task, held);
-        held_stage = reinterpret_cast<char*>(&s.stages[held]);
-      } else {
-        mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task);
-      }
+      mainloop<MnMajor, MnMajor>(p, s, pipe, acc, weight_k_steps(count), wg, task);
       timer.lap<Phase::mainloop_wgrad>();
-      epilogue_weight<kFp8Dgrad<Q>>(p, s, acc, t, wg, count == 0, held_stage);
+      epilogue_weight<kFp8Dgrad<Q>>(p, s, acc, t, wg, count == 0);
       if (threadIdx.x % 128 == 0 && read_counter(p, t) != nullptr && (count > 0 || t.kind == kWd))  // (an expert without
         ++s.reads[wg].count;                                                             //  rows has no dx tiles)
       if (reads_ring<Sched>(t)) free_ring_rows(p, t, wg);
       timer.lap<Phase::epilogue_wgrad>();
     }
   }
-  if constexpr (kWgradHeldStage) release_held(s, pipe, held);
   switch_read(s.reads[wg], nullptr);
   if (pending_dx >= 0) {  // (no combine task here)
     publish_dx_rows(p, wg, pending_dx);

@@ -257,21 +257,19 @@ __device__ inline void push_dx_rows(const BackwardParams& p, SharedStorage& s, c
 // (clipped at the matrix edges, skipped when row >= rows or the column >= cols), so the
 // writes drain while the next tile's mainloop runs. zero: store zeros instead of acc.
 // kSharedWindow: stage_bf16_half's (the FP8 dgrad kernel). kWeightGrad: a weight-gradient tile
-// (the timing variants below touch only those). held (kWgradHeldStage; nullptr: none): a stage
-// the mainloop kept, which takes the second half (held_staging), so it need not wait for the
-// first half's stores to read the staging.
+// (the timing variants below touch only those). The second half waits for the first half's
+// stores to read the staging (staging it in the mainloop's last stage instead, kept until the
+// next weight mainloop, measured no faster: bench/NOTES.md; removed).
 template <bool kSharedWindow, bool kWeightGrad = false>
 __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg, const CUtensorMap* map, int col0,
-                               int row, int layer, int rows, int cols, bool zero, char* held = nullptr) {
+                               int row, int layer, int rows, int cols, bool zero) {
   const int tid = threadIdx.x % 128;
   constexpr int kHalfBytes = sizeof(s.staging[0]);
-  static_assert(kHalfBytes == kHalfTileBytes);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const bool in_held = kWgradHeldStage && held != nullptr && half == 1;
-    char* staging = in_held ? held_staging(held, wg) : reinterpret_cast<char*>(s.staging[wg]);
+    char* staging = reinterpret_cast<char*>(s.staging[wg]);
     stage_bf16_half<kSharedWindow>(staging, acc, half, wg,
-                                   [zero](float a, float b) { return zero ? 0u : pack_bf16x2(a, b); }, !in_held);
+                                   [zero](float a, float b) { return zero ? 0u : pack_bf16x2(a, b); });
 #if defined(MOK_DIAG_WGRAD_NO_TMA)  // (timing build, wrong weight gradients: staged, never stored)
     if constexpr (kWeightGrad) continue;
 #endif
@@ -292,26 +290,25 @@ __device__ void store_tile_tma(SharedStorage& s, const float (&acc)[128], int wg
   }
 }
 
-// bf16 weight gradient tile (empty: the expert has no rows, the gradient is zero). held: as
-// store_tile_tma's (nullptr unless kWgradHeldStage).
+// bf16 weight gradient tile (empty: the expert has no rows, the gradient is zero).
 template <bool kSharedWindow>
 __device__ void store_weight_grad_tma(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
-                                      int wg, bool empty, char* held) {
+                                      int wg, bool empty) {
   const ExpertSetMaps& maps = t.shared ? p.shared_maps : p.routed_maps;
   const int H = p.hidden, I = (t.shared ? p.shared : p.routed).inter;
   const int row0 = t.m * kBlockM + wg * 64;
   if (t.kind == kWd) {
-    store_tile_tma<kSharedWindow, true>(s, acc, wg, &maps.d_down, t.n * kBlockN, row0, t.e, H, I, empty, held);
+    store_tile_tma<kSharedWindow, true>(s, acc, wg, &maps.d_down, t.n * kBlockN, row0, t.e, H, I, empty);
   } else {  // rows [0, I) of the tile space are W_gate's, [I, 2I) W_up's (I % 64 == 0)
     const bool gate = row0 < I;
     store_tile_tma<kSharedWindow, true>(s, acc, wg, gate ? &maps.d_gate : &maps.d_up, t.n * kBlockN,
-                                        gate ? row0 : row0 - I, t.e, gate ? I : (row0 < 2 * I ? I : 0), H, empty, held);
+                                        gate ? row0 : row0 - I, t.e, gate ? I : (row0 < 2 * I ? I : 0), H, empty);
   }
 }
 
 template <bool kSharedWindow>
 __device__ void epilogue_weight(const BackwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
-                                int wg, bool empty, char* held = nullptr) {
+                                int wg, bool empty) {
 #if defined(MOK_DIAG_NO_WGRAD_EPILOGUE)
   // (a timing build, wrong weight gradients: the weight-gradient tiles store nothing, so a same-run
   // A/B says what their epilogues cost in wall time — the bound of overlapping them; bench/NOTES.md).
@@ -327,7 +324,7 @@ __device__ void epilogue_weight(const BackwardParams& p, SharedStorage& s, const
   return;
 #endif
   if (!p.grad_fp32) {
-    store_weight_grad_tma<kSharedWindow>(p, s, acc, t, wg, empty, held);
+    store_weight_grad_tma<kSharedWindow>(p, s, acc, t, wg, empty);
     return;
   }
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;

@@ -203,16 +203,6 @@ struct Schedule {
   }
 };
 
-// The weight-gradient epilogue stages its second half in the mainloop's last stage, kept until
-// the next mainloop's first hand-back (mainloop<..., true>, store_tile_tma's held), instead of
-// waiting for the first half's stores to read the staging (MOK_DIAG_WGRAD_HELD_STAGE: a same-bits
-// variant, bench/NOTES.md).
-#if defined(MOK_DIAG_WGRAD_HELD_STAGE)
-inline constexpr bool kWgradHeldStage = true;
-#else
-inline constexpr bool kWgradHeldStage = false;
-#endif
-
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
     std::uint16_t a[kBlockM * kBlockK];  // 16 KB: K-major 128 x 64, or two MN-major boxes

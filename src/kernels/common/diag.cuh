@@ -16,11 +16,3 @@
 #ifndef MOK_DIAG_FWD_FEED
 #define MOK_DIAG_FWD_FEED 0
 #endif
-
-// The backward's consumer warpgroup 1 waits this many SM cycles once, before its first
-// weight-gradient task, so the two warpgroups run their weight-gradient tiles out of step (one's
-// epilogue under the other's MMAs, as ping-pong would, with the 128 x 256 tiles kept): same bits,
-// timing only. 0: in step, as built.
-#ifndef MOK_DIAG_WG1_LAG
-#define MOK_DIAG_WG1_LAG 0
-#endif

@@ -138,13 +138,10 @@ __device__ __forceinline__ int swizzled_offset(int row, int col) { return swizzl
 // at 32-bit addresses rather than generic stores at 64-bit ones — for a kernel at its register
 // limit (the FP8 dgrad kernel), where the compiler hoists the 64-bit staging addresses out of
 // the task loop and spills them across the mainloops (188 bytes; 0 with this).
-// wait_read = false: the staging is known free (a held stage: nothing stored from it since the
-// mainloop kept it).
 template <bool kSharedWindow = false, typename Pack>
-__device__ __forceinline__ void stage_bf16_half(char* staging, const float (&acc)[128], int half, int wg, Pack pack,
-                                                bool wait_read = true) {
+__device__ __forceinline__ void stage_bf16_half(char* staging, const float (&acc)[128], int half, int wg, Pack pack) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  if (wait_read && tid == 0) ptx::tma_store_wait_read();
+  if (tid == 0) ptx::tma_store_wait_read();
   sync_warpgroup(wg);
 #pragma unroll
   for (int i = 64 * half; i < 64 * half + 64; i += 2) {
@@ -203,30 +200,14 @@ struct MnMajor {
 // its loads went one at a time, 2026-12-03); and in the FP8 dgrad kernel, entering as the FP8
 // mainloop left it (defined by ordinary instructions), ptxas serialized every wgmma of the
 // kernel (warning C7515). An empty sum (k_steps = 0) is zero.
-// Held stages (MOK_DIAG_WGRAD_HELD_STAGE, MOK_DIAG_GEMM2_HELD_STAGE): with kTakeHeld a stage
-// `held` (-1: none) that the previous task's epilogue staged into is handed back with this
-// loop's first hand-back, once the leader's TMA stores have read it (MOK_DIAG_HELD_LATE: with
-// its second, one step later, so that the wait for those stores is less likely to stall the
-// leader's next MMAs; the producer then refills it two steps ahead of its use instead of three);
-// with kKeepLast this loop's last stage is not handed back but returned, for the epilogue to stage
-// into (release_held()).
-#if defined(MOK_DIAG_HELD_LATE)
-inline constexpr bool kHeldLate = true;
-#else
-inline constexpr bool kHeldLate = false;
-#endif
-template <typename LayoutA, typename LayoutB, bool kKeepLast = false, bool kTakeHeld = kKeepLast, int kStages,
-          typename P, typename S>
-__device__ __forceinline__ int mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
-                                        int wg, int task, int held = -1) {
+template <typename LayoutA, typename LayoutB, int kStages, typename P, typename S>
+__device__ __forceinline__ void mainloop(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
+                                         int wg, int task) {
   constexpr int kBlockK = 64;
-  constexpr bool kLate = kTakeHeld && kHeldLate;
-  static_assert(!kLate || kStages >= 4, "a held stage handed back after step 1 is refilled for step kStages - 1");
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   const bool leader = threadIdx.x % 128 == 0;  // releases the warpgroup's stages
-  int previous = kTakeHeld && !kLate ? held : -1;
-  [[maybe_unused]] int late = kLate ? held : -1;  // (MOK_DIAG_HELD_LATE: the held stage, until step 1)
+  int previous = -1;
   for (int kb = 0; kb < k_steps; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
     const auto& stage = s.stages[stage_index];
@@ -239,55 +220,12 @@ __device__ __forceinline__ int mainloop(const P& p, S& s, Pipeline<kStages>& pip
                                                              desc_b + LayoutB::kDescStep * kk, (kb | kk) != 0);
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // the previous stage's MMAs are done: hand it back
-    if (previous >= 0 && leader) {
-      if (kTakeHeld && !kLate && kb == 0) ptx::tma_store_wait_read();  // (a held stage: its stores have read it)
-      pipe.consumer_release(s.barriers, previous);
-    }
-    if constexpr (kLate) {
-      if (kb == 1 && late >= 0) {
-        if (leader) {
-          ptx::tma_store_wait_read();
-          pipe.consumer_release(s.barriers, late);
-        }
-        late = -1;
-      }
-    }
+    if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
     previous = stage_index;
     pipe.consumer_advance();
   }
   ptx::wgmma_wait_group<0>();
-  if constexpr (kLate) {  // (fewer than two steps: the held stage is still this warpgroup's)
-    if (late >= 0 && leader) {
-      ptx::tma_store_wait_read();
-      pipe.consumer_release(s.barriers, late);
-    }
-  } else if constexpr (kTakeHeld) {  // (no step: `previous` is still the held stage, whose stores may be reading it)
-    if (k_steps == 0 && previous >= 0 && leader) ptx::tma_store_wait_read();
-  }
-  if constexpr (kKeepLast) return previous;
   if (previous >= 0 && leader) pipe.consumer_release(s.barriers, previous);
-  return -1;
-}
-
-// Where warpgroup `wg` stages an epilogue's second 64 x 128 half in a stage the mainloop kept
-// (`held`): its bytes [16 KB wg, 16 KB (wg + 1)), once both warpgroups' MMAs, which read the
-// whole stage, are done (a barrier of every consumer thread).
-inline constexpr int kHalfTileBytes = 64 * 128 * 2;  // a warpgroup's 64 x 128 bf16 half tile (its staging)
-__device__ __forceinline__ char* held_staging(char* held, int wg) {
-  sync_consumers();
-  return held + wg * kHalfTileBytes;
-}
-
-// Hands back a stage that mainloop<..., true> kept (held >= 0), once the warpgroup leader's TMA
-// stores have read it; held becomes -1.
-template <int kStages, typename S>
-__device__ __forceinline__ void release_held(S& s, Pipeline<kStages>& pipe, int& held) {
-  if (held < 0) return;
-  if (threadIdx.x % 128 == 0) {
-    ptx::tma_store_wait_read();
-    pipe.consumer_release(s.barriers, held);
-  }
-  held = -1;
 }
 
 // counter += count (release, gpu scope) once every thread of warpgroup `wg` has issued the

@@ -48,41 +48,10 @@ __device__ __forceinline__ void publish_hidden(const ForwardParams& p, int& pend
 // third of GEMM1's epilogue in a training forward). The caller has completed the previous
 // GEMM1 store (publish_hidden), which read the staging; returns once the stores have read it.
 // kSharedWindow: stage_bf16_half's (the FP8 kernel, at its register limit).
-// held (kSavesHeldStage): the GEMM1 mainloop's kept stage, whose bytes [16 KB wg, 16 KB (wg + 1))
-// take the up half (after a barrier of both warpgroups, whose MMAs read the whole stage); the
-// caller's h then waits only for the gate half's reads.
 template <bool kSharedWindow = false, typename S>
 __device__ inline void save_pre_activations(const ForwardParams& p, S& s, const float (&acc)[128], const Task& t,
-                                            int row0, int wg, char* held = nullptr) {
+                                            int row0, int wg) {
   const int tid = threadIdx.x % 128;
-  if constexpr (kSavesHeldStage) {
-    if (held != nullptr) {  // (the FP8 forward holds none)
-      constexpr int kPanelBytes = sizeof(s.h_staging[0][0]);
-      const int inter = t.shared ? p.shared_inter : p.inter, n0 = t.n * kGemm1Columns;
-      const CUtensorMap* map = t.shared ? &p.maps.shared_saved_gu : &p.maps.saved_gu;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
-        const auto pack = [half, &p](float a, float b) {
-          return half == 0 ? pack_bf16x2(saved_gate(a, p.swiglu_limit), saved_gate(b, p.swiglu_limit))
-                           : pack_bf16x2(saved_up(a, p.swiglu_limit), saved_up(b, p.swiglu_limit));
-        };
-        if (half == 0) {
-          stage_bf16_half<kSharedWindow>(staging, acc, half, wg, pack);
-        } else {
-          staging = held_staging(held, wg);
-          stage_bf16_half<kSharedWindow>(staging, acc, half, wg, pack, false);
-        }
-        if (tid == 0) {
-          tma_store_2d(map, staging, half * inter + n0, row0 + wg * 64);
-          if (n0 + 64 < inter) tma_store_2d(map, staging + kPanelBytes, half * inter + n0 + 64, row0 + wg * 64);
-          tma_store_commit_group();
-        }
-      }
-      if (tid == 0) bulk_wait_read<1>();  // (the gate half's, from the h staging; the up half's may be pending)
-      return;
-    }
-  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {  // gate columns are elements [0, 64), up columns [64, 128)
     stage_bf16_half<kSharedWindow>(reinterpret_cast<char*>(s.h_staging[wg]), acc, half, wg, [half, &p](float a, float b) {
@@ -105,14 +74,13 @@ __device__ inline void save_pre_activations(const ForwardParams& p, S& s, const 
 // (save_pre_activations). kSharedWindow: every staging write as st.shared at a 32-bit
 // address (the FP8 kernel, at its register limit: 32 generic 64-bit store addresses, held
 // while the branch-free SwiGLU is scheduled above the warpgroup barrier, spilled it).
-// held: save_pre_activations' (kSavesHeldStage; nullptr: none).
 template <bool kSharedWindow = false>
 __device__ inline void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
-                               int row0, int wg, int& pending_index, char* held = nullptr) {
+                               int row0, int wg, int& pending_index) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   publish_hidden(p, pending_index);  // its store has also finished reading the staging
   std::uint16_t* gu = t.shared ? p.shared_saved_gu : p.saved_gu;
-  if (gu) save_pre_activations<kSharedWindow>(p, s, acc, t, row0, wg, held);
+  if (gu) save_pre_activations<kSharedWindow>(p, s, acc, t, row0, wg);
   // (without saves: a GEMM2 task just before this one — Config::interleave_rows — published no h,
   // and its slot rows' TMA stores may still be reading the staging)
   else if (tid == 0) tma_store_wait_read();
@@ -150,11 +118,11 @@ __device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, in
 // publish_slots()): two halves of 128 columns through the warpgroup's 16 KB staging
 // (stage_bf16_half: two swizzled 64-column panels), each as two TMA stores of 64 x 64. The
 // combine sums the rows in fp32 (docs/design.md: each expert's row is rounded to bf16 first,
-// as PyTorch's grouped GEMMs round theirs). held (kGemm2HeldStage): the mainloop's kept stage,
-// whose bytes [16 KB wg, 16 KB (wg + 1)) take the second half (after a barrier of both
-// warpgroups, whose MMAs read the whole stage), so it does not wait for the first half's reads.
+// as PyTorch's grouped GEMMs round theirs). The second half waits for the first half's stores to
+// read the staging (staging it in the mainloop's last stage instead, kept until the next
+// mainloop, measured no faster: bench/NOTES.md; removed).
 __device__ inline void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, const float (&acc)[128], const Task& t,
-                               int row0, int wg, char* held = nullptr) {
+                               int row0, int wg) {
   const int tid = threadIdx.x % 128;
   const CUtensorMap* map = t.shared ? &p.maps.shared_slots : &p.maps.slots;
   char* staging = reinterpret_cast<char*>(s.h_staging[wg]);
@@ -162,20 +130,6 @@ __device__ inline void epilogue_gemm2(const ForwardParams& p, SharedStorage& s, 
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (n0 + 128 * half >= p.hidden) break;  // (hidden is a multiple of 64: a panel is wholly in or out)
-    if constexpr (kGemm2HeldStage) {
-      if (held != nullptr && half == 1) {  // (the FP8 forward holds none)
-        constexpr int kPanelBytes = sizeof(s.h_staging[0][0]);
-        char* second = held_staging(held, wg);
-        stage_bf16_half(second, acc, half, wg, [](float a, float b) { return pack_bf16x2(a, b); }, false);
-        if (tid == 0) {
-          const int col = n0 + 128;
-          tma_store_2d(map, second, col, row0 + wg * 64);
-          if (col + 64 < p.hidden) tma_store_2d(map, second + kPanelBytes, col + 64, row0 + wg * 64);
-          tma_store_commit_group();
-        }
-        continue;
-      }
-    }
     stage_bf16_half(staging, acc, half, wg, [](float a, float b) { return pack_bf16x2(a, b); });
     if (tid == 0) {
       const int col = n0 + 128 * half;

@@ -61,13 +61,10 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
   int pending_hidden = -1;  // h_ready index of a GEMM1 store not yet published
   int pending_slots = 0;    // GEMM2 tiles not yet counted in y_done
   PhaseTimer timer(forward_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
-  int held = -1;  // kGemm2HeldStage, kSavesHeldStage: the stage the last epilogue staged into (-1: none)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     // Publish before anything this CTA might wait for: its own GEMM2 loads can need it.
     if (t.kind != kGemm1) publish_hidden(p, pending_hidden);
-    if constexpr (kGemm2HeldStage || kSavesHeldStage)
-      if (t.kind == kCombine) release_held(s, pipe, held);
     timer.lap<Phase::other>();
     if (t.kind == kCombine) {
       if (!slots_ready) {
@@ -81,31 +78,20 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     }
     const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
     float acc[128];
-    if constexpr (kGemm2HeldStage || kSavesHeldStage) {
-      const bool saves = t.kind == kGemm1 && (t.shared ? p.shared_saved_gu : p.saved_gu) != nullptr;
-      if ((kGemm2HeldStage && t.kind == kGemm2) || (kSavesHeldStage && saves)) {
-        held = mainloop<KMajor, KMajor, true>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task, held);
-      } else {
-        mainloop<KMajor, KMajor, false, true>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task, held);
-        held = -1;
-      }
-    } else {
-      mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task);
-    }
+    mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task);
     if (t.kind == kGemm1) timer.lap<Phase::mainloop_gemm1>();
     else timer.lap<Phase::mainloop_gemm2>();
     if (t.mb >= 0) publish_count(p.ring.freed + t.mb, 1, wg);  // its ring rows are read: the slot may be reused
     if (t.kind == kGemm1) {
-      epilogue_gemm1(p, s, acc, t, row0, wg, pending_hidden, held >= 0 ? reinterpret_cast<char*>(&s.stages[held]) : nullptr);
+      epilogue_gemm1(p, s, acc, t, row0, wg, pending_hidden);
       timer.lap<Phase::epilogue_gemm1>();
     } else {
       if (p.ep.push && !t.shared) epilogue_gemm2_push(p, s, acc, t, row0, wg);
-      else epilogue_gemm2(p, s, acc, t, row0, wg, held >= 0 ? reinterpret_cast<char*>(&s.stages[held]) : nullptr);
+      else epilogue_gemm2(p, s, acc, t, row0, wg);
       ++pending_slots;
       timer.lap<Phase::epilogue_gemm2>();
     }
   }
-  if constexpr (kGemm2HeldStage || kSavesHeldStage) release_held(s, pipe, held);
   publish_hidden(p, pending_hidden);
   publish_slots(p, wg, pending_slots);
   publish_pushes(p, s, wg);

@@ -28,23 +28,6 @@ using namespace mok::ptx;
 
 constexpr int kRowBytes = kBlockK * 2;
 
-// GEMM2's epilogue stages its second half in the mainloop's last stage, kept until the next
-// mainloop's first hand-back (mainloop<..., true>), instead of waiting for the first half's
-// stores to read the staging (MOK_DIAG_GEMM2_HELD_STAGE: a same-bits variant, bench/NOTES.md;
-// the backward's weight-gradient tiles likewise with MOK_DIAG_WGRAD_HELD_STAGE).
-#if defined(MOK_DIAG_GEMM2_HELD_STAGE)
-inline constexpr bool kGemm2HeldStage = true;
-#else
-inline constexpr bool kGemm2HeldStage = false;
-#endif
-// GEMM1's training saves likewise: their second half (up) staged in the GEMM1 mainloop's kept
-// stage, and h waiting only for the first half's reads (MOK_DIAG_SAVES_HELD_STAGE, same bits).
-#if defined(MOK_DIAG_SAVES_HELD_STAGE)
-inline constexpr bool kSavesHeldStage = true;
-#else
-inline constexpr bool kSavesHeldStage = false;
-#endif
-
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
     std::uint16_t a[kBlockM * kBlockK];  // 16 KB
@@ -58,7 +41,6 @@ struct alignas(1024) SharedStorage {
   PushedRows pushed[kConsumerWarpgroups];  // push combine: rows pushed, not yet published
 };
 static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");
-static_assert(sizeof(SharedStorage::h_staging[0]) == kHalfTileBytes, "a held stage's half (held_staging) is a staging's size");
 static_assert(kCommWarps <= kThreads / 32);
 static_assert(sizeof(SharedStorage::Stage) % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
 static_assert(shared_storage_bytes<SharedStorage>() <= kMaxSharedMemoryBytes, "shared memory over the sm_90 opt-in limit");
