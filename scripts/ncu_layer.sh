@@ -4,10 +4,11 @@
 # left alone (--cache-control none: one kernel's lines stay in L2 for the next, as in a real step),
 # summed over the pass. On a Hopper machine with ncu and the package built:
 #   OUT=<dir> PYTHONPATH=build-gpu/pkg scripts/ncu_layer.sh [--preset mixtral-8x7b]
-#                                                           [--impl torch-compiled,mok-py] [--pass fwd+bwd]
+#                                                           [--impl torch-compiled,mok-py,mok-fp8-py] [--pass fwd+bwd]
 # writes $OUT/ncu-layer-<preset>-<impl>-<pass>.csv (ncu's rows) and prints, per implementation, the
-# kernels, their summed DRAM GB read and written and summed kernel ms (the fused layer's figures
-# for the same pass come from scripts/ncu_forward.sh, one kernel at a time).
+# kernels, their summed DRAM GB read and written and summed kernel ms, then the same per kernel
+# name (for mok-fp8-py: the FP8 step's quantizations, transposing passes and GEMM kernels one by
+# one). The fused kernels' stall reasons come from scripts/ncu_forward.sh, one kernel at a time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/ncu_out}"
@@ -35,6 +36,6 @@ for impl in ${impls//,/ }; do
     --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum --csv --print-units base \
     --log-file "$csv" python3 bench/ncu_layer.py --preset "$preset" --impl "$impl" --pass "$pass" \
     > "$OUT/ncu-layer-$preset-$impl-${pass/+/-}.log" 2>&1 || { echo "ncu failed on $impl:"; tail -5 "$OUT/ncu-layer-$preset-$impl-${pass/+/-}.log"; rc=1; continue; }
-  echo "$preset $impl $pass: $(python3 bench/ncu_layer.py --summarize "$csv")"
+  echo "$preset $impl $pass: $(python3 bench/ncu_layer.py --summarize "$csv")"  # (then a line per kernel)
 done
 exit "$rc"

@@ -509,6 +509,12 @@ def test_ncu_layer_sums_every_kernels_metrics_of_an_ncu_csv_log():
              "==PROF== Disconnected from process 1"]
     t = ncu_layer.summarize(lines)
     assert t == {"kernels": 2, "read_gb": 2.0, "written_gb": 0.25, "ms": 2.5}
+    lines.insert(-1, row(2, "void mok::kernels::(anonymous namespace)::quantize_columns_kernel<Storage<4, (bool)1>>"
+                            "(mok::kernels::P)", "gpu__time_duration.sum", "nsecond", "3,000,000"))
+    lines.insert(-1, row(3, "swiglu", "gpu__time_duration.sum", "nsecond", "250000"))
+    per = ncu_layer.by_kernel(lines)  # (a name's launches together, the longest first)
+    assert [name for name, _ in per] == ["mok::kernels::quantize_columns_kernel", "gemm", "swiglu"]
+    assert per[2][1] == {"kernels": 2, "read_gb": 0.5, "written_gb": 0.0, "ms": 0.75}
     with pytest.raises(ValueError):
         ncu_layer.summarize(["==PROF== nothing profiled"])
 
