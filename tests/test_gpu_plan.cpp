@@ -260,7 +260,7 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       const std::uint16_t* row = &src[static_cast<std::size_t>((gather ? pair / k : r) * C)];
       for (std::int64_t c = 0; c < C; ++c) t[static_cast<std::size_t>(c * rows + r)] = value(row[c]);
     }
-    for (int variant = 0; variant < (gather ? 12 : 6); ++variant) {
+    for (int variant = 0; variant < (gather ? 16 : 8); ++variant) {
       const bool blocks = variant % 2 == 1, ordered = gather && variant % 4 >= 2;
       const auto kernel = static_cast<kernels::QuantizeColumnsKernel>(variant / (gather ? 4 : 2));
       DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(C * cap));

@@ -240,26 +240,31 @@ __device__ __forceinline__ void quantize_column_tile(const QuantizeColumnsParams
     p.block_exponents[static_cast<std::int64_t>(ct) * p.exponent_stride + tile] = e;
 }
 
-// The plan tile CTA row blockIdx.y quantizes (launch_tile_order's order where given), or -1 past
-// the plan's last tile or from a bad plan.
-__device__ __forceinline__ int column_tile_plan_tile(const QuantizeColumnsParams& p) {
+// The plan tile of CTA row y (launch_tile_order's order where given), or -1 past the plan's last
+// tile or from a bad plan.
+__device__ __forceinline__ int column_tile_plan_tile(const QuantizeColumnsParams& p, int y) {
   if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return -1;
-  if (static_cast<int>(blockIdx.y) >= *p.num_tiles) return -1;
-  return p.tile_order != nullptr ? p.tile_order[blockIdx.y] : static_cast<int>(blockIdx.y);
+  if (y >= *p.num_tiles) return -1;
+  return p.tile_order != nullptr ? p.tile_order[y] : y;
 }
 
 // Each thread's share of a tile's loads: 8 chunks of 16 bytes, rows threadIdx.x / 16 + 16 j.
 constexpr int kColumnChunks = kFp8Block * 16 / kThreads;
 
-// One plan tile of 128 rows x 128 columns a CTA (launch_quantize_columns without
-// MOK_DIAG_QCOLS_STRIP): the bf16 rows into shared memory (16-byte loads, a warp two rows' 256
-// bytes, a thread's eight in flight together), then quantize_column_tile.
+// One plan tile of 128 rows x 128 columns a CTA (QuantizeColumnsKernel::one_tile, the layer's):
+// the bf16 rows into shared memory (16-byte loads, a warp two rows' 256 bytes, a thread's eight in
+// flight together), then quantize_column_tile. CTA (x, y): column tile x of plan tile y; with
+// kBands (one_tile_bands) CTA (x, y) takes column tile y of plan tile x, so that the CTAs launched
+// together read one band of 128 columns down the plan's rows (a gather's source rows: k reads of
+// each token's 256 bytes close together in time, in the L2).
+template <bool kBands>
 __global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid_constant__ QuantizeColumnsParams p) {
-  const int tile = column_tile_plan_tile(p);
+  const int tile = column_tile_plan_tile(p, kBands ? blockIdx.x : blockIdx.y);
   if (tile < 0) return;
   __shared__ ColumnTileStorage s;
   const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
-  const int c0 = blockIdx.x * kFp8Block, chunk = threadIdx.x % 16;
+  const int ct = kBands ? blockIdx.y : blockIdx.x;
+  const int c0 = ct * kFp8Block, chunk = threadIdx.x % 16;
   std::int32_t pair[kColumnChunks];  // (the plan rows' pairs, loaded together before any is used)
 #pragma unroll
   for (int j = 0; j < kColumnChunks; ++j) pair[j] = p.row_pair != nullptr ? p.row_pair[row0 + threadIdx.x / 16 + 16 * j] : 0;
@@ -276,7 +281,7 @@ __global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid
 #pragma unroll
   for (int j = 0; j < kColumnChunks; ++j) *reinterpret_cast<uint4*>(&s.rows[threadIdx.x / 16 + 16 * j][chunk * 8]) = v[j];
   __syncthreads();
-  quantize_column_tile(p, s, tile, row0, blockIdx.x);
+  quantize_column_tile(p, s, tile, row0, ct);
 }
 
 // A strip of column tiles of one plan tile a CTA (launch_quantize_columns with
@@ -284,16 +289,17 @@ __global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid
 // column tile's loads issued into registers before the tile before it is quantized, so a CTA's
 // loads are in flight while it scans and stores (Nsight Compute, 2026-12-05: one tile a CTA spends
 // ~40 % of its stall samples waiting for its loads and ~20 % on the chain of plan loads before
-// them). CTA (x, y): column tiles [x n, x n + n) of the plan tile of row y, n = the column tiles
-// / gridDim.x rounded up.
+// them). CTA (x, y): column tiles [y n, y n + n) of the plan tile of row x, n = the column tiles
+// / gridDim.y rounded up — the CTAs launched together take one band of columns down the plan's
+// rows (as one_tile_bands: a gather's source rows read k times close together, in the L2).
 __global__ void __launch_bounds__(kThreads, 4) quantize_column_strip_kernel(const __grid_constant__ QuantizeColumnsParams p) {
-  const int tile = column_tile_plan_tile(p);
+  const int tile = column_tile_plan_tile(p, blockIdx.x);
   if (tile < 0) return;
   __shared__ ColumnTileStorage s;
   __shared__ std::int64_t row_offset[kFp8Block];  // (elements into src; -1: a padding row, zeros)
   const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
-  const int column_tiles = p.columns / kFp8Block, per_cta = (column_tiles + gridDim.x - 1) / gridDim.x;
-  const int first = blockIdx.x * per_cta, end = min(column_tiles, first + per_cta);
+  const int column_tiles = p.columns / kFp8Block, per_cta = (column_tiles + gridDim.y - 1) / gridDim.y;
+  const int first = blockIdx.y * per_cta, end = min(column_tiles, first + per_cta);
   if (first >= end) return;
   if (threadIdx.x < kFp8Block) {
     const std::int64_t row = row0 + threadIdx.x;
@@ -336,13 +342,13 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_column_strip_kernel(cons
 // quantized. Strips as quantize_column_strip_kernel's; block exponents take one barrier a tile
 // (their warp maxima alternate between two arrays).
 __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const __grid_constant__ QuantizeColumnsParams p) {
-  const int tile = column_tile_plan_tile(p);
+  const int tile = column_tile_plan_tile(p, blockIdx.x);
   if (tile < 0) return;
   __shared__ alignas(16) std::int64_t row_offset[kFp8Block];  // (elements into src; -1: a padding row, zeros)
   __shared__ float warp_max[2][kThreads / 32];
   const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
-  const int column_tiles = p.columns / kFp8Block, per_cta = (column_tiles + gridDim.x - 1) / gridDim.x;
-  const int first = blockIdx.x * per_cta, end = min(column_tiles, first + per_cta);
+  const int column_tiles = p.columns / kFp8Block, per_cta = (column_tiles + gridDim.y - 1) / gridDim.y;
+  const int first = blockIdx.y * per_cta, end = min(column_tiles, first + per_cta);
   if (first >= end) return;
   if (threadIdx.x < kFp8Block) {
     const std::int64_t row = row0 + threadIdx.x;
@@ -431,10 +437,12 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const
 
 // The column quantization the layer runs (the others: diagnostic builds until measured,
 // bench/NOTES.md, 2026-12-05).
-#if defined(MOK_DIAG_QCOLS_STRIP) && defined(MOK_DIAG_QCOLS_REGS)
-#error "MOK_DIAG_QCOLS_STRIP and MOK_DIAG_QCOLS_REGS are separate variants"
+#if defined(MOK_DIAG_QCOLS_STRIP) + defined(MOK_DIAG_QCOLS_REGS) + defined(MOK_DIAG_QCOLS_BANDS) > 1
+#error "MOK_DIAG_QCOLS_STRIP, MOK_DIAG_QCOLS_REGS and MOK_DIAG_QCOLS_BANDS are separate variants"
 #endif
-#if defined(MOK_DIAG_QCOLS_STRIP)
+#if defined(MOK_DIAG_QCOLS_BANDS)
+constexpr QuantizeColumnsKernel kColumnKernel = QuantizeColumnsKernel::one_tile_bands;
+#elif defined(MOK_DIAG_QCOLS_STRIP)
 constexpr QuantizeColumnsKernel kColumnKernel = QuantizeColumnsKernel::strip;
 #elif defined(MOK_DIAG_QCOLS_REGS)
 constexpr QuantizeColumnsKernel kColumnKernel = QuantizeColumnsKernel::regs;
@@ -493,7 +501,8 @@ void load_quantize_kernels() {
   load_kernel(gather_fp8_rows_kernel);
   load_kernel(quantize_rows_kernel);
   load_kernel(quantize_scatter_kernel);
-  load_kernel(quantize_columns_kernel);
+  load_kernel(quantize_columns_kernel<false>);
+  load_kernel(quantize_columns_kernel<true>);
   load_kernel(quantize_column_strip_kernel);
   load_kernel(quantize_column_regs_kernel);
   load_kernel(tile_order_kernel);
@@ -506,9 +515,10 @@ void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream
   const unsigned tiles = static_cast<unsigned>(p.capacity / kFp8Block);
   const int strips = (column_tiles + kColumnTilesPerStrip - 1) / kColumnTilesPerStrip;
   switch (kernel) {
-    case QuantizeColumnsKernel::one_tile: quantize_columns_kernel<<<dim3(column_tiles, tiles), kThreads, 0, stream>>>(p); break;
-    case QuantizeColumnsKernel::strip: quantize_column_strip_kernel<<<dim3(strips, tiles), kThreads, 0, stream>>>(p); break;
-    case QuantizeColumnsKernel::regs: quantize_column_regs_kernel<<<dim3(strips, tiles), kThreads, 0, stream>>>(p); break;
+    case QuantizeColumnsKernel::one_tile: quantize_columns_kernel<false><<<dim3(column_tiles, tiles), kThreads, 0, stream>>>(p); break;
+    case QuantizeColumnsKernel::one_tile_bands: quantize_columns_kernel<true><<<dim3(tiles, column_tiles), kThreads, 0, stream>>>(p); break;
+    case QuantizeColumnsKernel::strip: quantize_column_strip_kernel<<<dim3(tiles, strips), kThreads, 0, stream>>>(p); break;
+    case QuantizeColumnsKernel::regs: quantize_column_regs_kernel<<<dim3(tiles, strips), kThreads, 0, stream>>>(p); break;
   }
 }
 

@@ -128,9 +128,12 @@ void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream
 
 // The kernels that write launch_quantize_columns' bytes (the same bytes; the layer runs one_tile
 // unless a diagnostic build chose another): one_tile, a CTA a 128 x 128 tile staged in shared
-// memory; strip, a CTA up to four column tiles of a plan tile, the next tile's loads in flight
-// while one is quantized; regs, strips transposed in registers, without the staging.
-enum class QuantizeColumnsKernel { one_tile, strip, regs };
+// memory, the CTAs launched together along the columns of a few plan tiles; one_tile_bands, the
+// same along one band of columns down the plan's tiles (a gather's k reads of a token row close
+// together, in the L2); strip, a CTA up to four column tiles of a plan tile, the next tile's
+// loads in flight while one is quantized, in bands; regs, strips transposed in registers,
+// without the staging, in bands.
+enum class QuantizeColumnsKernel { one_tile, one_tile_bands, strip, regs };
 void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream, QuantizeColumnsKernel kernel);
 
 // order[p] = the plan tile at position p of the rank order (kernels/fp8/tile_order.cuh), for
