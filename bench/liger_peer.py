@@ -6,8 +6,9 @@ groups reach for on Hopper besides the compiled PyTorch path (bench/NOTES.md, is
 
 Not installed with the project: `scripts/peers.sh` downloads the pinned wheel (pure Python; it
 needs Triton, which PyTorch's CUDA wheels bring) into `.peers/` (a device call carries it),
-which function() below puts on sys.path. Its kernels autotune on their first call per shape (1-6
-minutes a preset), which layer_bench's checks take before anything is timed.
+which function() below puts on sys.path. Its kernels autotune on their first call per shape (on an
+H100 ~4 minutes for qwen3-30b-a3b, more than 9 for deepseek-v3), which layer_bench's checks take
+before anything is timed; scripts/gpu_check.sh keeps the tuning results between calls.
 
 What it computes is the routed layer with gate and up concatenated as [E, 2I, H] (gate rows
 first: layer_bench's `w_gate_up`), int32 expert ids, the routing weights applied in the

@@ -11,7 +11,7 @@ the DRAM bytes of the compiled PyTorch layer's many kernels beside the fused lay
 
 mok-fp8-py: mok.moe(..., precision="fp8") with the weights quantized once (bench/mok_impls.MokPy:
 the FP8 dgrad where it pays, the FP8 weight gradients as the Python default), so the FP8 step's
-launches (quantizations, passes, GEMM kernels) show one by one.
+kernels (quantizations, passes, GEMM kernels) show per kernel name, the launches of one name summed.
 
 Nothing is timed or checked here (layer_bench does both on the same inputs).
 """

@@ -372,28 +372,35 @@ fi
 # round: a broken build or check stops here, cheaply), then the chosen presets, written into
 # $OUT record by record (a call cut short by a machine's time limit keeps what it measured).
 # With the Liger peer, Triton's autotuning results are kept on disk (its kernels tune for minutes a
-# shape; deepseek-v3's took more than one 600 s call on an H100): .peers/liger-autotune-<GPU>.tgz,
-# where a device call carries it, is unpacked first, and $OUT/liger-autotune-<GPU>.tgz holds every
-# result after the run (copy it into .peers/ for the next call; the name keeps H100s and H200s apart).
-# A call cut short by `timeout` never gets there: follow it with
-#   (cd .peers/triton-cache && find . -name '*.autotune.json' | tar czf $OUT/liger-autotune-<GPU>.tgz -T -)
-liger_cache() {  # $1: before | after
+# shape; deepseek-v3's did not finish within a 540 s bound on an H100): .peers/liger-autotune-<GPU>.tgz
+# (<GPU>: nvidia-smi's name, other characters than letters and digits as _, e.g.
+# NVIDIA_H100_80GB_HBM3), where a device call carries it, is unpacked first, and
+# $OUT/liger-autotune-<GPU>.tgz holds every result after the run (copy it into .peers/ for the next
+# call; the name keeps H100s and H200s apart). A call cut short by `timeout` never gets there:
+# follow it with  tar czf "$OUT/liger-autotune-<GPU>.tgz" -C .peers/triton-cache \
+#                   $(cd .peers/triton-cache && find . -name '*.autotune.json')
+# liger_cache before|after; `before` sets liger_env (Triton's variables for layer_bench's runs only).
+liger_env=()
+liger_cache() {
   [[ ",${impls:-}," == *",liger,"* ]] || return 0
-  local slug cache="$PWD/.peers/triton-cache"
+  local slug cache="$PWD/.peers/triton-cache" list
   slug="$(echo "$gpu" | tr -c 'A-Za-z0-9\n' '_')"
   if [ "$1" = before ]; then
     mkdir -p "$cache"
-    export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="$cache"
+    liger_env=(TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="$cache")
     [ -f ".peers/liger-autotune-$slug.tgz" ] && tar xzf ".peers/liger-autotune-$slug.tgz" -C "$cache"
   else
-    (cd "$cache" && find . -name '*.autotune.json' | tar czf "$OUT/liger-autotune-$slug.tgz" -T -)
+    list="$(mktemp)"
+    (cd "$cache" && find . -name '*.autotune.json') > "$list"
+    tar czf "$OUT/liger-autotune-$slug.tgz" -C "$cache" -T "$list"
+    rm -f "$list"
   fi
   return 0
 }
 
 layer_bench() {  # $1: routings
-  local py=(env PYTHONPATH="$PWD/$build/pkg" python3 bench/layer_bench.py --mok-bench $build/bench/mok_bench)
   liger_cache before
+  local py=(env "${liger_env[@]}" PYTHONPATH="$PWD/$build/pkg" python3 bench/layer_bench.py --mok-bench $build/bench/mok_bench)
   if ! "${py[@]}" --preset small --repeats 1 --iters 2 --warmup 1 > "$LOG/bench_smoke.log" 2>&1; then
     echo "layer_bench smoke run failed:"; tail -30 "$LOG/bench_smoke.log"; test_rc=1; return
   fi

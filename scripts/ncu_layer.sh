@@ -7,8 +7,8 @@
 #                                                           [--impl torch-compiled,mok-py,mok-fp8-py] [--pass fwd+bwd]
 # writes $OUT/ncu-layer-<preset>-<impl>-<pass>.csv (ncu's rows) and prints, per implementation, the
 # kernels, their summed DRAM GB read and written and summed kernel ms, then the same per kernel
-# name (for mok-fp8-py: the FP8 step's quantizations, transposing passes and GEMM kernels one by
-# one). The fused kernels' stall reasons come from scripts/ncu_forward.sh, one kernel at a time.
+# name, its launches summed (for mok-fp8-py: the FP8 step's quantizations, transposing passes and
+# GEMM kernels). The fused kernels' stall reasons come from scripts/ncu_forward.sh, one kernel at a time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/ncu_out}"

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <random>
 
 #include "gpu_support.hpp"
@@ -197,12 +198,12 @@ INSTANTIATE_TEST_SUITE_P(
 // that transpose with 1 x 128 blocks (a scale per column and 128 rows) or 128 x 128 blocks,
 // the scales and exponents where Fp8WgradParams reads them; tiles past the plan's untouched. The
 // gathers visiting the tiles in the rank order (launch_tile_order, a permutation of the plan's
-// tiles) write the same bytes, and so does each of the kernels (QuantizeColumnsKernel; 5 column
-// tiles: strips of 3 and 2). Some columns hold NaN (ignored by the largest magnitude, as the
+// tiles) write the same bytes, and so does each of the kernels (QuantizeColumnsKernel; 13 column
+// tiles: strips of 4, 4, 4 and 1). Scales and exponents of tiles past the plan's stay untouched too. Some columns hold NaN (ignored by the largest magnitude, as the
 // host's), infinities, negative zeros or only subnormal values.
 TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
   MOK_REQUIRE_HOPPER();
-  const std::int64_t T = 700, E = 8, k = 3, C = 640;
+  const std::int64_t T = 700, E = 8, k = 3, C = 1664;
   MoeShape s = shape(E, E, k);
   s.hidden = C;
   const auto ids = make_routing(RoutingKind::padded, T, E, k, 23);
@@ -260,9 +261,13 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       const std::uint16_t* row = &src[static_cast<std::size_t>((gather ? pair / k : r) * C)];
       for (std::int64_t c = 0; c < C; ++c) t[static_cast<std::size_t>(c * rows + r)] = value(row[c]);
     }
-    for (int variant = 0; variant < (gather ? 16 : 8); ++variant) {
+    constexpr kernels::QuantizeColumnsKernel kKernels[] = {
+        kernels::QuantizeColumnsKernel::one_tile, kernels::QuantizeColumnsKernel::one_tile_bands,
+        kernels::QuantizeColumnsKernel::strip, kernels::QuantizeColumnsKernel::regs};
+    constexpr int kKernelCount = static_cast<int>(std::size(kKernels));
+    for (int variant = 0; variant < (gather ? 4 : 2) * kKernelCount; ++variant) {
       const bool blocks = variant % 2 == 1, ordered = gather && variant % 4 >= 2;
-      const auto kernel = static_cast<kernels::QuantizeColumnsKernel>(variant / (gather ? 4 : 2));
+      const auto kernel = kKernels[variant / (gather ? 4 : 2)];
       DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(C * cap));
       DeviceBuffer<float> scales(static_cast<std::size_t>(cap / 128 * C));
       DeviceBuffer<std::int32_t> exponents(static_cast<std::size_t>(C / 128 * stride));
@@ -284,7 +289,7 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       const auto got = values.download();
       const auto got_scales = scales.download();
       const auto got_exponents = exponents.download();
-      std::int64_t bad = 0, untouched = 0, bad_scales = 0;
+      std::int64_t bad = 0, untouched = 0, bad_scales = 0, touched_scales = 0;
       for (std::int64_t c = 0; c < C; ++c) {
         for (std::int64_t r = 0; r < rows; ++r)
           bad += got[static_cast<std::size_t>(c * cap + r)] != want.values[static_cast<std::size_t>(c * rows + r)];
@@ -299,9 +304,20 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
             bad_scales += got_scales[static_cast<std::size_t>(b * C + c)] != std::ldexp(1.0f, e);
           }
         }
+      auto poisoned = [](const auto& value) {  // (the memset's 0xab bytes)
+        std::uint32_t bits;
+        std::memcpy(&bits, &value, 4);
+        return bits == 0xababababu;
+      };
+      for (std::int64_t b = rows / 128; b < cap / 128; ++b)
+        for (std::int64_t c = 0; c < C; ++c) touched_scales += !poisoned(got_scales[static_cast<std::size_t>(b * C + c)]);
+      for (std::int64_t cb = 0; cb < C / 128; ++cb)
+        for (std::int64_t b = rows / 128; b < stride; ++b)
+          touched_scales += !poisoned(got_exponents[static_cast<std::size_t>(cb * stride + b)]);
       EXPECT_EQ(bad, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", kernel " << static_cast<int>(kernel);
       EXPECT_EQ(untouched, C * (cap - rows)) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", kernel " << static_cast<int>(kernel);
       EXPECT_EQ(bad_scales, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", kernel " << static_cast<int>(kernel);
+      EXPECT_EQ(touched_scales, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", kernel " << static_cast<int>(kernel);
     }
   }
 }

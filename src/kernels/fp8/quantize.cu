@@ -240,12 +240,12 @@ __device__ __forceinline__ void quantize_column_tile(const QuantizeColumnsParams
     p.block_exponents[static_cast<std::int64_t>(ct) * p.exponent_stride + tile] = e;
 }
 
-// The plan tile of CTA row y (launch_tile_order's order where given), or -1 past the plan's last
-// tile or from a bad plan.
-__device__ __forceinline__ int column_tile_plan_tile(const QuantizeColumnsParams& p, int y) {
+// The plan tile at grid position `position` (blockIdx.y in one_tile, blockIdx.x in the others;
+// launch_tile_order's order where given), or -1 past the plan's last tile or from a bad plan.
+__device__ __forceinline__ int column_tile_plan_tile(const QuantizeColumnsParams& p, int position) {
   if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return -1;
-  if (y >= *p.num_tiles) return -1;
-  return p.tile_order != nullptr ? p.tile_order[y] : y;
+  if (position >= *p.num_tiles) return -1;
+  return p.tile_order != nullptr ? p.tile_order[position] : position;
 }
 
 // Each thread's share of a tile's loads: 8 chunks of 16 bytes, rows threadIdx.x / 16 + 16 j.
@@ -289,8 +289,8 @@ __global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid
 // column tile's loads issued into registers before the tile before it is quantized, so a CTA's
 // loads are in flight while it scans and stores (Nsight Compute, 2026-12-05: one tile a CTA spends
 // ~40 % of its stall samples waiting for its loads and ~20 % on the chain of plan loads before
-// them). CTA (x, y): column tiles [y n, y n + n) of the plan tile of row x, n = the column tiles
-// / gridDim.y rounded up — the CTAs launched together take one band of columns down the plan's
+// them). CTA (x, y): column tiles [y n, y n + n) of the plan tile at position x, n = the column
+// tiles / gridDim.y rounded up — the CTAs launched together take one band of columns down the plan's
 // rows (as one_tile_bands: a gather's source rows read k times close together, in the L2).
 __global__ void __launch_bounds__(kThreads, 4) quantize_column_strip_kernel(const __grid_constant__ QuantizeColumnsParams p) {
   const int tile = column_tile_plan_tile(p, blockIdx.x);

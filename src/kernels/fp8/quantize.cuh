@@ -99,8 +99,8 @@ void launch_gather_fp8_rows(const GatherFp8RowsParams& p, int num_ctas, cudaStre
 
 // The FP8 weight gradients' operands (BackwardArgs::fp8_weight_gradients): `columns` columns of
 // the plan's routed rows, E4M3, stored as rows of their transpose — values[c * capacity + row],
-// so K-major for the weight-gradient GEMMs, whose K is the rows — one CTA a plan tile of 128 rows
-// and 128 columns. Scales (powers of two) either per column and tile (col_scales[tile * columns
+// so K-major for the weight-gradient GEMMs, whose K is the rows — in tiles of 128 plan rows and
+// 128 columns (QuantizeColumnsKernel: how CTAs take them). Scales (powers of two) either per column and tile (col_scales[tile * columns
 // + c] = 2^e: the gradient operands, dy and dgate|dup) or per 128 x 128 block (block_exponents
 // [(c / 128) * exponent_stride + tile] = e: the activation operands, x and w h); the largest
 // magnitude is a max, the same in any order. The rows: src's plan rows ([capacity, columns] at
@@ -117,7 +117,7 @@ struct QuantizeColumnsParams {
   std::int32_t* block_exponents; // [columns / 128, exponent_stride], or null
   std::int64_t exponent_stride;  // >= capacity / 128
   const std::int32_t* num_tiles;  // the plan's
-  // Optional (gathers): the plan tile CTA row y quantizes (launch_tile_order's; null: tile y).
+  // Optional (gathers): the plan tile at grid position i (launch_tile_order's; null: tile i).
   const std::int32_t* tile_order;
   const void* plan_status;       // PlanStatus*
   std::int64_t capacity;         // a multiple of 128
