@@ -14,4 +14,7 @@ mkdir -p .peers/wheels
 "$py" -m pip download -q --no-deps --only-binary=:all: -d .peers/wheels "$wheel"
 for w in .peers/wheels/*.whl; do "$py" -m zipfile -e "$w" .peers/; done
 rm -rf .peers/wheels
-echo "peers.sh: $wheel in .peers/ ($(du -sh .peers | cut -f1))"
+# Liger's recorded Triton tuning results (gpu_check.sh's liger_cache; one archive a GPU model, the
+# newest record's), so a device call need not tune again what an earlier one did.
+for t in $(ls bench/results/experiments/*-liger/liger-autotune-*.tgz 2>/dev/null | sort); do cp "$t" .peers/; done
+echo "peers.sh: $wheel in .peers/ ($(du -sh .peers | cut -f1)); tuning results: $(cd .peers && ls liger-autotune-*.tgz 2>/dev/null | tr '\n' ' ')"
