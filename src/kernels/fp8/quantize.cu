@@ -284,6 +284,32 @@ __global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid
   quantize_column_tile(p, s, tile, row0, ct);
 }
 
+// The column tiles [first, end) of a strip kernel's CTA: [y n, y n + n), n = the column tiles /
+// gridDim.y rounded up (never empty for launch_quantize_columns' grids).
+struct ColumnStrip {
+  int first, end;
+};
+__device__ __forceinline__ ColumnStrip column_strip(const QuantizeColumnsParams& p) {
+  const int column_tiles = p.columns / kFp8Block, per_cta = (column_tiles + gridDim.y - 1) / gridDim.y;
+  const int first = blockIdx.y * per_cta;
+  return {first, min(column_tiles, first + per_cta)};
+}
+
+// Where plan rows [row0, row0 + 128) start in src (elements; -1: a padding row, read as zeros),
+// one thread a row, then a barrier: the strip kernels' row offsets, found once for every column tile.
+__device__ __forceinline__ void find_row_offsets(const QuantizeColumnsParams& p, std::int64_t row0, std::int64_t* row_offset) {
+  if (threadIdx.x < kFp8Block) {
+    const std::int64_t row = row0 + threadIdx.x;
+    if (p.row_pair == nullptr) {
+      row_offset[threadIdx.x] = row * p.row_stride;
+    } else {
+      const std::int32_t pair = p.row_pair[row];
+      row_offset[threadIdx.x] = pair >= 0 ? static_cast<std::int64_t>(pair / p.top_k) * p.row_stride : -1;
+    }
+  }
+  __syncthreads();
+}
+
 // A strip of column tiles of one plan tile a CTA (launch_quantize_columns with
 // MOK_DIAG_QCOLS_STRIP; the same bytes): the plan rows' source offsets found once, then each
 // column tile's loads issued into registers before the tile before it is quantized, so a CTA's
@@ -298,19 +324,9 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_column_strip_kernel(cons
   __shared__ ColumnTileStorage s;
   __shared__ std::int64_t row_offset[kFp8Block];  // (elements into src; -1: a padding row, zeros)
   const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
-  const int column_tiles = p.columns / kFp8Block, per_cta = (column_tiles + gridDim.y - 1) / gridDim.y;
-  const int first = blockIdx.y * per_cta, end = min(column_tiles, first + per_cta);
-  if (first >= end) return;
-  if (threadIdx.x < kFp8Block) {
-    const std::int64_t row = row0 + threadIdx.x;
-    if (p.row_pair == nullptr) {
-      row_offset[threadIdx.x] = row * p.row_stride;
-    } else {
-      const std::int32_t pair = p.row_pair[row];
-      row_offset[threadIdx.x] = pair >= 0 ? static_cast<std::int64_t>(pair / p.top_k) * p.row_stride : -1;
-    }
-  }
-  __syncthreads();
+  const ColumnStrip strip = column_strip(p);
+  if (strip.first >= strip.end) return;
+  find_row_offsets(p, row0, row_offset);
   const int chunk = threadIdx.x % 16;
   uint4 v[kColumnChunks];
   auto load = [&](int ct) {  // (the offsets read from shared memory each time: 16 registers fewer)
@@ -321,13 +337,13 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_column_strip_kernel(cons
                          : make_uint4(0, 0, 0, 0);
     }
   };
-  load(first);
-  for (int ct = first; ct < end; ++ct) {
-    if (ct != first) __syncthreads();  // (every thread has read the tile before from s.rows)
+  load(strip.first);
+  for (int ct = strip.first; ct < strip.end; ++ct) {
+    if (ct != strip.first) __syncthreads();  // (every thread has read the tile before from s.rows)
 #pragma unroll
     for (int j = 0; j < kColumnChunks; ++j) *reinterpret_cast<uint4*>(&s.rows[threadIdx.x / 16 + 16 * j][chunk * 8]) = v[j];
     __syncthreads();
-    if (ct + 1 < end) load(ct + 1);
+    if (ct + 1 < strip.end) load(ct + 1);
     quantize_column_tile(p, s, tile, row0, ct);
   }
 }
@@ -347,19 +363,9 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const
   __shared__ alignas(16) std::int64_t row_offset[kFp8Block];  // (elements into src; -1: a padding row, zeros)
   __shared__ float warp_max[2][kThreads / 32];
   const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
-  const int column_tiles = p.columns / kFp8Block, per_cta = (column_tiles + gridDim.y - 1) / gridDim.y;
-  const int first = blockIdx.y * per_cta, end = min(column_tiles, first + per_cta);
-  if (first >= end) return;
-  if (threadIdx.x < kFp8Block) {
-    const std::int64_t row = row0 + threadIdx.x;
-    if (p.row_pair == nullptr) {
-      row_offset[threadIdx.x] = row * p.row_stride;
-    } else {
-      const std::int32_t pair = p.row_pair[row];
-      row_offset[threadIdx.x] = pair >= 0 ? static_cast<std::int64_t>(pair / p.top_k) * p.row_stride : -1;
-    }
-  }
-  __syncthreads();
+  const ColumnStrip strip = column_strip(p);
+  if (strip.first >= strip.end) return;
+  find_row_offsets(p, row0, row_offset);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 2, h = lane % 2;
   const int column = 16 * warp + 8 * h;  // (the lane's first column in a column tile)
   auto load = [&](int ct, uint4 (&v)[8]) {  // (rows 8 g + j; padding rows: zeros)
@@ -376,10 +382,10 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const
     return bf16_bits_value(static_cast<std::uint16_t>(k % 2 == 0 ? word & 0xffff : word >> 16));
   };
   uint4 v[8];
-  load(first, v);
-  for (int ct = first; ct < end; ++ct) {
+  load(strip.first, v);
+  for (int ct = strip.first; ct < strip.end; ++ct) {
     uint4 next[8];
-    if (ct + 1 < end) load(ct + 1, next);
+    if (ct + 1 < strip.end) load(ct + 1, next);
     // Each column's largest magnitude as bf16 pairs (word q: columns 2 q, 2 q + 1): max.bf16x2 of
     // the magnitudes returns the other operand where one is NaN, as fmaxf does, and is exact, so
     // these are the floats' maxima; no floats are made here (unpacked, the 64 values took ~60
@@ -442,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const
     if (p.col_scales != nullptr && g < 8) p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + column + g] = exp2_int(mine);
     if (p.block_exponents != nullptr && threadIdx.x == 0)
       p.block_exponents[static_cast<std::int64_t>(ct) * p.exponent_stride + tile] = mine;
-    if (ct + 1 < end) {
+    if (ct + 1 < strip.end) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = next[j];
     }
