@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Kernel time and DRAM bytes of every launch of mok_bench's C++ layer (a warm-up pass and one timed
+# pass, both profiled), under Nsight Compute with clocks and caches left alone (--cache-control none:
+# one kernel's lines stay in L2 for the next, as in a real step), summed per kernel name: where an
+# implementation's pass goes, launch by launch, in any build (a diagnostic one too), without the
+# Python package that scripts/ncu_layer.sh needs. On a Hopper machine with ncu:
+#   OUT=<dir> scripts/ncu_bench.sh [--build DIR] [--impl mok-fp8-wgrad,mok] [--preset deepseek-v3]
+#                                  [--pass fwd+bwd] [--kernel REGEX]
+# writes $OUT/ncu-bench-<build>-<preset>-<impl>-<pass>.csv (ncu's rows) and prints, per implementation,
+# the kernels' summed ms and DRAM GB and a line per kernel name (bench/ncu_layer.py --summarize). The
+# sums cover both passes (halve them for one) plus the few set-up launches that run before them;
+# --kernel (ncu's -k, e.g. 'regex:quantize_column') keeps only the kernels it matches.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/ncu_out}"
+impls=mok-fp8-wgrad
+preset=deepseek-v3
+pass=fwd+bwd
+build=build-ncu
+kernel=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --impl) impls="$2"; shift ;;
+    --preset) preset="$2"; shift ;;
+    --pass) pass="$2"; shift ;;
+    --build) build="$2"; shift ;;
+    --kernel) kernel="$2"; shift ;;
+    *) echo "usage: ncu_bench.sh [--build DIR] [--impl LIST] [--preset NAME] [--pass fwd|fwd+bwd] [--kernel REGEX]"; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$OUT"
+source scripts/setup.sh || exit 1
+set +e
+ncu_bin="$(ncu_path)"
+[ -n "$ncu_bin" ] || { echo "ncu_bench.sh: no ncu (Nsight Compute) found"; exit 1; }
+if [ ! -x "$build/bench/mok_bench" ]; then
+  { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_TESTS=OFF -DMOK_BUILD_EXAMPLES=OFF &&
+    cmake --build "$build" --target mok_bench -j"$(nproc)"; } > "$OUT/ncu-bench-build.log" 2>&1 ||
+    { tail -30 "$OUT/ncu-bench-build.log"; exit 1; }
+fi
+filter=()
+[ -n "$kernel" ] && filter=(-k "$kernel")
+rc=0
+for impl in ${impls//,/ }; do
+  name="ncu-bench-$(basename "$build")-$preset-$impl-${pass/+/-}"
+  "$ncu_bin" --clock-control none --cache-control none "${filter[@]}" \
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum --csv --print-units base \
+    --log-file "$OUT/$name.csv" "$build/bench/mok_bench" --preset "$preset" --impl "$impl" --pass "$pass" \
+    --iters 1 --warmup 1 --no-check > "$OUT/$name.log" 2>&1 ||
+    { echo "ncu failed on $impl:"; tail -5 "$OUT/$name.log"; rc=1; continue; }
+  echo "== $(basename "$build") $preset $impl $pass (two passes): $(python3 bench/ncu_layer.py --summarize "$OUT/$name.csv")"
+done
+exit "$rc"
