@@ -5,9 +5,12 @@ spends a TFLOP of the layer — the figure of merit there.
 
   clock_power.py [--preset mixtral-8x7b] [--routing uniform] [--impl mok,torch-compiled]
                  [--pass fwd,fwd+bwd] [--seconds 4] [--repeats 2] [--interval-ms 50]
-                 [--mok-bench PATH] [--out FILE.json]
+                 [--mok-bench PATH] [--mok-bench-head PATH] [--out FILE.json]
 
-impls: layer_bench's `mok` (mok_bench --serve), `mok-py`, `torch-compiled`, `torch`.
+impls: mok_bench's own (`mok`, `mok-fp8`, `mok-fp8-wgrad`, `mok-fp8-bf16dgrad`, `mok-pp`; through
+mok_bench --serve; the FP8 backward variants forward+backward only), `mok-py`, `torch-compiled`,
+`torch`; with --mok-bench-head (a second build, e.g. a diagnostic one), `head:<impl>` runs mok_bench's
+<impl> in that binary, so two builds' clocks and power are sampled in the same rounds.
 
 In each round, every implementation and pass in turn (rotated every round as layer_bench's are:
 rounds.round_order) runs back to back for --seconds, queued as in training (the GPU does not idle
@@ -34,7 +37,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-IMPLS = ("mok", "mok-py", "torch-compiled", "torch")
+BENCH_IMPLS = ("mok", "mok-fp8", "mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-pp")  # (mok_bench --serve's)
+BWD_ONLY = ("mok-fp8-wgrad", "mok-fp8-bf16dgrad")
+IMPLS = BENCH_IMPLS + tuple(f"head:{i}" for i in BENCH_IMPLS) + ("mok-py", "torch-compiled", "torch")
 QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 
 
@@ -117,12 +122,15 @@ def main():
     ap.add_argument("--interval-ms", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--mok-bench", default=os.environ.get("MOK_BENCH", ""))
+    ap.add_argument("--mok-bench-head", default="", help="a second mok_bench for the head:<impl> implementations")
     import torch_baseline as tb
 
     tb.add_run_args(ap, iters=10)
     args = ap.parse_args()
     args.repeats = max(args.repeats, 1)
     tb.check_run_args("clock_power", args, IMPLS)
+    if any(i.startswith("head:") for i in args.impls) and not args.mok_bench_head:
+        sys.exit("clock_power: head:<impl> needs --mok-bench-head PATH")
     if len(args.routings) != 1:
         sys.exit("clock_power: one --routing at a time")
     if args.seconds <= args.skip_s or args.interval_ms < 10:
@@ -140,9 +148,11 @@ def main():
     for n in names:
         if n not in presets:
             sys.exit(f"clock_power: unknown preset '{n}'; known: {', '.join(presets)}")
-    server = None
-    if "mok" in args.impls:
-        server = MokBench(mok_bench_path(args.mok_bench))
+    servers = {}  # (mok_bench --serve processes: "" the build under test, "head:" the second)
+    if any(i in BENCH_IMPLS for i in args.impls):
+        servers[""] = MokBench(mok_bench_path(args.mok_bench))
+    if any(i.startswith("head:") for i in args.impls):
+        servers["head:"] = MokBench(args.mok_bench_head)
     tb.configure_compile()
     gpu = torch.cuda.get_device_name(0)
     sampler = Sampler(smi_index(torch.cuda.current_device()), args.interval_ms)
@@ -165,17 +175,21 @@ def main():
                 impls["torch"] = tb.TorchImpl(d, tb.moe_eager)
             if "mok-py" in args.impls:
                 impls["mok-py"] = MokPy(d)
-            if server:
+            for prefix, server in servers.items():
                 server.load(name, args.seed, d)
-                impls["mok"] = server
+                for i in args.impls:
+                    if i.startswith(prefix) and i[len(prefix):] in BENCH_IMPLS:
+                        impls[i] = (server, i[len(prefix):])
 
             def run(impl, ps, iters):  # one queued timing of `iters` iterations: each one's ms
-                if impl == "mok":
-                    return server.call("time-queued", ps, 0, iters, "mok")["ms"]
+                if isinstance(impls[impl], tuple):
+                    server, bench_impl = impls[impl]
+                    return server.call("time-queued", ps, 0, iters, bench_impl)["ms"]
                 fn, before = impls[impl].step(ps)
                 return tb.time_ms(fn, 0, iters, before, queued=True)
 
-            runnable = [(i, ps) for ps in args.passes for i in args.impls if i in impls]
+            runnable = [(i, ps) for ps in args.passes for i in args.impls
+                        if i in impls and not (i.split(":")[-1] in BWD_ONLY and ps != "fwd+bwd")]
             windows = {key: [] for key in runnable}
             for key in runnable:  # warm-up (compiles, workspaces) and each pass's time, for its iteration count
                 run(*key, max(args.warmup, 1))
@@ -190,7 +204,7 @@ def main():
                     stats = window_stats(sampler.samples(), start, end, args.skip_s)
                     windows[(impl, ps)].append((statistics.median(ms), stats))
                     clock = f"{stats['sm_mhz']:.0f} MHz, {stats['power_w']:.0f} W" if stats else "no samples"
-                    print(f"{name:<16} {impl:<15} {ps:<8} round {r}: {statistics.median(ms):8.3f} ms  {clock}", flush=True)
+                    print(f"{name:<16} {impl:<19} {ps:<8} round {r}: {statistics.median(ms):8.3f} ms  {clock}", flush=True)
                     time.sleep(1.0)  # (a gap between windows, as between layer_bench's timings)
             for (impl, ps), ws in windows.items():
                 flops = tb.layer_flops(p, ps)
@@ -211,13 +225,13 @@ def main():
             torch.cuda.empty_cache()
     finally:
         sampler.close()
-        if server:
+        for server in servers.values():
             server.close()
     print()
-    print(f"{'preset':<16}{'impl':<16}{'pass':<9}{'ms':>9}{'TFLOP/s':>9}{'SM MHz':>8}{'W':>6}{'J/TFLOP':>9}  throttle reasons")
+    print(f"{'preset':<16}{'impl':<20}{'pass':<9}{'ms':>9}{'TFLOP/s':>9}{'SM MHz':>8}{'W':>6}{'J/TFLOP':>9}  throttle reasons")
     for r in records:
         reasons = sorted({x for w in r["rounds"] for x in w["throttle_reasons"]})
-        print(f"{r['preset']:<16}{r['impl']:<16}{r['pass']:<9}{r['ms']:9.3f}{r['tflops']:9.1f}{r['sm_mhz']:8.0f}"
+        print(f"{r['preset']:<16}{r['impl']:<20}{r['pass']:<9}{r['ms']:9.3f}{r['tflops']:9.1f}{r['sm_mhz']:8.0f}"
               f"{r['power_w']:6.0f}{r['joules_per_tflop']:9.3f}  {' '.join(reasons)}")
 
 
