@@ -191,100 +191,15 @@ __global__ void __launch_bounds__(kThreads) gather_fp8_rows_kernel(const __grid_
   }
 }
 
-// The column quantization's shared memory: one tile's bf16 rows (16-byte aligned rows) and the
-// scans' partial maxima.
-struct ColumnTileStorage {
-  static constexpr int kStride = kFp8Block + 8;  // (bf16 elements a row)
-  alignas(16) std::uint16_t rows[kFp8Block][kStride];
-  float half_max[2][kFp8Block];
-  float warp_max[kThreads / 32];
-};
-
-// Column tile ct (columns [128 ct, + 128)) of plan tile `tile` (rows [row0, + 128)), its bf16 rows
-// in s.rows (every thread's stores made visible by a barrier): each column's largest magnitude
-// (thread c of each half scans 64 rows; a warp reads 32 adjacent columns of a row: no bank
-// conflicts), then thread (c, half) writes its 64 rows of column c as 64 contiguous E4M3 bytes.
-// Reads s.rows until it returns; its barrier orders the maxima, so a caller that refills s.rows
-// must first wait at a barrier for every thread's return.
-__device__ __forceinline__ void quantize_column_tile(const QuantizeColumnsParams& p, ColumnTileStorage& s, int tile,
-                                                     std::int64_t row0, int ct) {
-  const int c = threadIdx.x % kFp8Block, half = threadIdx.x / kFp8Block, r0 = 64 * half, c0 = ct * kFp8Block;
-  float amax = 0.0f;
-  for (int r = r0; r < r0 + 64; ++r) amax = fmaxf(amax, fabsf(bf16_bits_value(s.rows[r][c])));
-  s.half_max[half][c] = amax;
-  __syncthreads();
-  amax = fmaxf(s.half_max[0][c], s.half_max[1][c]);
-  if (p.block_exponents != nullptr) {  // the block's: a max over the columns too
-    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    if (threadIdx.x % 32 == 0) s.warp_max[threadIdx.x / 32] = amax;
-    __syncthreads();
-    for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, s.warp_max[w]);
-  }
-  const int e = fp8_scale_exponent(amax);
-  const InverseScale inverse(e);
-  auto scaled = [&](int r) { return inverse(bf16_bits_value(s.rows[r][c])); };
-  auto packed = [&](int j) {  // (rows r0 + 16 j ... + 15 of column c: 16 E4M3 bytes)
-    std::uint32_t w[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int r = r0 + 16 * j + 4 * q;
-      w[q] = pack_e4m3x4(scaled(r), scaled(r + 1), scaled(r + 2), scaled(r + 3));
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
-  };
-  uint4* out = reinterpret_cast<uint4*>(p.values + static_cast<std::int64_t>(c0 + c) * p.capacity + row0 + r0);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) out[j] = packed(j);
-  if (p.col_scales != nullptr && half == 0) p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + c] = exp2_int(e);
-  if (p.block_exponents != nullptr && threadIdx.x == 0)
-    p.block_exponents[static_cast<std::int64_t>(ct) * p.exponent_stride + tile] = e;
-}
-
-// The plan tile at grid position `position` (blockIdx.y in one_tile, blockIdx.x in the others;
-// launch_tile_order's order where given), or -1 past the plan's last tile or from a bad plan.
+// The plan tile at grid position `position` (blockIdx.x; launch_tile_order's order where given),
+// or -1 past the plan's last tile or from a bad plan.
 __device__ __forceinline__ int column_tile_plan_tile(const QuantizeColumnsParams& p, int position) {
   if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return -1;
   if (position >= *p.num_tiles) return -1;
   return p.tile_order != nullptr ? p.tile_order[position] : position;
 }
 
-// Each thread's share of a tile's loads: 8 chunks of 16 bytes, rows threadIdx.x / 16 + 16 j.
-constexpr int kColumnChunks = kFp8Block * 16 / kThreads;
-
-// One plan tile of 128 rows x 128 columns a CTA (QuantizeColumnsKernel::one_tile, the layer's):
-// the bf16 rows into shared memory (16-byte loads, a warp two rows' 256 bytes, a thread's eight in
-// flight together), then quantize_column_tile. CTA (x, y): column tile x of plan tile y; with
-// kBands (one_tile_bands) CTA (x, y) takes column tile y of plan tile x, so that the CTAs launched
-// together read one band of 128 columns down the plan's rows (a gather's source rows: k reads of
-// each token's 256 bytes close together in time, in the L2).
-template <bool kBands>
-__global__ void __launch_bounds__(kThreads) quantize_columns_kernel(const __grid_constant__ QuantizeColumnsParams p) {
-  const int tile = column_tile_plan_tile(p, kBands ? blockIdx.x : blockIdx.y);
-  if (tile < 0) return;
-  __shared__ ColumnTileStorage s;
-  const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
-  const int ct = kBands ? blockIdx.y : blockIdx.x;
-  const int c0 = ct * kFp8Block, chunk = threadIdx.x % 16;
-  std::int32_t pair[kColumnChunks];  // (the plan rows' pairs, loaded together before any is used)
-#pragma unroll
-  for (int j = 0; j < kColumnChunks; ++j) pair[j] = p.row_pair != nullptr ? p.row_pair[row0 + threadIdx.x / 16 + 16 * j] : 0;
-  const std::uint16_t* src[kColumnChunks];
-#pragma unroll
-  for (int j = 0; j < kColumnChunks; ++j) {
-    const std::int64_t row = p.row_pair != nullptr ? pair[j] / p.top_k : row0 + threadIdx.x / 16 + 16 * j;
-    src[j] = pair[j] >= 0 ? p.src + row * p.row_stride : nullptr;
-  }
-  uint4 v[kColumnChunks];
-#pragma unroll
-  for (int j = 0; j < kColumnChunks; ++j)
-    v[j] = src[j] != nullptr ? __ldcg(reinterpret_cast<const uint4*>(src[j] + c0) + chunk) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-  for (int j = 0; j < kColumnChunks; ++j) *reinterpret_cast<uint4*>(&s.rows[threadIdx.x / 16 + 16 * j][chunk * 8]) = v[j];
-  __syncthreads();
-  quantize_column_tile(p, s, tile, row0, ct);
-}
-
-// The column tiles [first, end) of a strip kernel's CTA: [y n, y n + n), n = the column tiles /
+// The column tiles [first, end) of a CTA's strip: [y n, y n + n), n = the column tiles /
 // gridDim.y rounded up (never empty for launch_quantize_columns' grids).
 struct ColumnStrip {
   int first, end;
@@ -296,7 +211,7 @@ __device__ __forceinline__ ColumnStrip column_strip(const QuantizeColumnsParams&
 }
 
 // Where plan rows [row0, row0 + 128) start in src (elements; -1: a padding row, read as zeros),
-// one thread a row, then a barrier: the strip kernels' row offsets, found once for every column tile.
+// one thread a row, then a barrier: found once for every column tile of a strip.
 __device__ __forceinline__ void find_row_offsets(const QuantizeColumnsParams& p, std::int64_t row0, std::int64_t* row_offset) {
   if (threadIdx.x < kFp8Block) {
     const std::int64_t row = row0 + threadIdx.x;
@@ -310,53 +225,20 @@ __device__ __forceinline__ void find_row_offsets(const QuantizeColumnsParams& p,
   __syncthreads();
 }
 
-// A strip of column tiles of one plan tile a CTA (launch_quantize_columns with
-// MOK_DIAG_QCOLS_STRIP; the same bytes): the plan rows' source offsets found once, then each
-// column tile's loads issued into registers before the tile before it is quantized, so a CTA's
-// loads are in flight while it scans and stores (Nsight Compute, 2026-12-05: one tile a CTA spends
-// ~40 % of its stall samples waiting for its loads and ~20 % on the chain of plan loads before
-// them). CTA (x, y): column tiles [y n, y n + n) of the plan tile at position x, n = the column
-// tiles / gridDim.y rounded up — the CTAs launched together take one band of columns down the plan's
-// rows (as one_tile_bands: a gather's source rows read k times close together, in the L2).
-__global__ void __launch_bounds__(kThreads, 4) quantize_column_strip_kernel(const __grid_constant__ QuantizeColumnsParams p) {
-  const int tile = column_tile_plan_tile(p, blockIdx.x);
-  if (tile < 0) return;
-  __shared__ ColumnTileStorage s;
-  __shared__ std::int64_t row_offset[kFp8Block];  // (elements into src; -1: a padding row, zeros)
-  const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
-  const ColumnStrip strip = column_strip(p);
-  if (strip.first >= strip.end) return;
-  find_row_offsets(p, row0, row_offset);
-  const int chunk = threadIdx.x % 16;
-  uint4 v[kColumnChunks];
-  auto load = [&](int ct) {  // (the offsets read from shared memory each time: 16 registers fewer)
-#pragma unroll
-    for (int j = 0; j < kColumnChunks; ++j) {
-      const std::int64_t offset = row_offset[threadIdx.x / 16 + 16 * j];
-      v[j] = offset >= 0 ? __ldcg(reinterpret_cast<const uint4*>(p.src + offset + ct * kFp8Block) + chunk)
-                         : make_uint4(0, 0, 0, 0);
-    }
-  };
-  load(strip.first);
-  for (int ct = strip.first; ct < strip.end; ++ct) {
-    if (ct != strip.first) __syncthreads();  // (every thread has read the tile before from s.rows)
-#pragma unroll
-    for (int j = 0; j < kColumnChunks; ++j) *reinterpret_cast<uint4*>(&s.rows[threadIdx.x / 16 + 16 * j][chunk * 8]) = v[j];
-    __syncthreads();
-    if (ct + 1 < strip.end) load(ct + 1);
-    quantize_column_tile(p, s, tile, row0, ct);
-  }
-}
-
-// A strip of column tiles of one plan tile a CTA, transposed in registers (launch_quantize_columns
-// with MOK_DIAG_QCOLS_REGS; the same bytes): no staging of the rows in shared memory. Warp w takes
+// The column quantization (launch_quantize_columns): a strip of up to kColumnTilesPerStrip column
+// tiles of one plan tile a CTA, transposed in registers, without staging the rows in shared
+// memory. CTA (x, y): column tiles [y n, y n + n) of the plan tile at position x (column_strip),
+// so the CTAs launched together walk one band of columns down the plan's tiles and a gather's k
+// reads of a token row meet in the L2; the plan rows' source offsets are found once a strip. Warp w takes
 // columns [16 w, 16 w + 16) of each column tile; lane (g, h) = (lane / 2, lane % 2) loads rows
 // [8 g, 8 g + 8) of columns [16 w + 8 h, + 8) (one 16-byte load a row: a warp's load reads 16
 // rows' 32 bytes), takes each column's largest magnitude over its rows and then over the 16 lanes
 // of its h (shuffles), and stores each column's 8 E4M3 bytes of its rows (a warp's store writes
 // two whole 128-byte column segments). The next tile's loads are issued before a tile is
-// quantized. Strips as quantize_column_strip_kernel's; block exponents take one barrier a tile
-// (their warp maxima alternate between two arrays).
+// quantized. Block exponents take one barrier a tile (their warp maxima alternate between two
+// arrays). Measured against the kernel it replaced (a 128 x 128 tile a CTA staged in shared memory,
+// latency-bound at 1.6 TB/s): 0.54x its time, and 0.967x the FP8 forward+backward's on
+// deepseek-v3 and kimi-k2 at the H100's power cap (bench/NOTES.md, twenty-third session).
 __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const __grid_constant__ QuantizeColumnsParams p) {
   const int tile = column_tile_plan_tile(p, blockIdx.x);
   if (tile < 0) return;
@@ -455,20 +337,6 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const
   }
 }
 
-// The column quantization the layer runs (the others: diagnostic builds until measured,
-// bench/NOTES.md, 2026-12-05).
-#if defined(MOK_DIAG_QCOLS_STRIP) + defined(MOK_DIAG_QCOLS_REGS) + defined(MOK_DIAG_QCOLS_BANDS) > 1
-#error "MOK_DIAG_QCOLS_STRIP, MOK_DIAG_QCOLS_REGS and MOK_DIAG_QCOLS_BANDS are separate variants"
-#endif
-#if defined(MOK_DIAG_QCOLS_BANDS)
-constexpr QuantizeColumnsKernel kColumnKernel = QuantizeColumnsKernel::one_tile_bands;
-#elif defined(MOK_DIAG_QCOLS_STRIP)
-constexpr QuantizeColumnsKernel kColumnKernel = QuantizeColumnsKernel::strip;
-#elif defined(MOK_DIAG_QCOLS_REGS)
-constexpr QuantizeColumnsKernel kColumnKernel = QuantizeColumnsKernel::regs;
-#else
-constexpr QuantizeColumnsKernel kColumnKernel = QuantizeColumnsKernel::one_tile;
-#endif
 constexpr int kColumnTilesPerStrip = 4;  // (a strip's column tiles, at most)
 
 __global__ void __launch_bounds__(kThreads) tile_order_kernel(const std::int32_t* expert_offset, const std::int32_t* tile_expert,
@@ -521,29 +389,17 @@ void load_quantize_kernels() {
   load_kernel(gather_fp8_rows_kernel);
   load_kernel(quantize_rows_kernel);
   load_kernel(quantize_scatter_kernel);
-  load_kernel(quantize_columns_kernel<false>);
-  load_kernel(quantize_columns_kernel<true>);
-  load_kernel(quantize_column_strip_kernel);
   load_kernel(quantize_column_regs_kernel);
   load_kernel(tile_order_kernel);
   load_kernel(quantize_blocks_kernel);
 }
 
-void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream, QuantizeColumnsKernel kernel) {
+void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream) {
   if (p.capacity == 0 || p.columns == 0) return;
   const int column_tiles = p.columns / kFp8Block;
   const unsigned tiles = static_cast<unsigned>(p.capacity / kFp8Block);
   const int strips = (column_tiles + kColumnTilesPerStrip - 1) / kColumnTilesPerStrip;
-  switch (kernel) {
-    case QuantizeColumnsKernel::one_tile: quantize_columns_kernel<false><<<dim3(column_tiles, tiles), kThreads, 0, stream>>>(p); break;
-    case QuantizeColumnsKernel::one_tile_bands: quantize_columns_kernel<true><<<dim3(tiles, column_tiles), kThreads, 0, stream>>>(p); break;
-    case QuantizeColumnsKernel::strip: quantize_column_strip_kernel<<<dim3(tiles, strips), kThreads, 0, stream>>>(p); break;
-    case QuantizeColumnsKernel::regs: quantize_column_regs_kernel<<<dim3(tiles, strips), kThreads, 0, stream>>>(p); break;
-  }
-}
-
-void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream) {
-  launch_quantize_columns(p, stream, kColumnKernel);
+  quantize_column_regs_kernel<<<dim3(tiles, strips), kThreads, 0, stream>>>(p);
 }
 
 }  // namespace mok::kernels

@@ -100,7 +100,7 @@ void launch_gather_fp8_rows(const GatherFp8RowsParams& p, int num_ctas, cudaStre
 // The FP8 weight gradients' operands (BackwardArgs::fp8_weight_gradients): `columns` columns of
 // the plan's routed rows, E4M3, stored as rows of their transpose — values[c * capacity + row],
 // so K-major for the weight-gradient GEMMs, whose K is the rows — in tiles of 128 plan rows and
-// 128 columns (QuantizeColumnsKernel: how CTAs take them). Scales (powers of two) either per column and tile (col_scales[tile * columns
+// 128 columns (a CTA up to four column tiles of one plan tile). Scales (powers of two) either per column and tile (col_scales[tile * columns
 // + c] = 2^e: the gradient operands, dy and dgate|dup) or per 128 x 128 block (block_exponents
 // [(c / 128) * exponent_stride + tile] = e: the activation operands, x and w h); the largest
 // magnitude is a max, the same in any order. The rows: src's plan rows ([capacity, columns] at
@@ -125,16 +125,6 @@ struct QuantizeColumnsParams {
 };
 
 void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream);
-
-// The kernels that write launch_quantize_columns' bytes (the same bytes; the layer runs one_tile
-// unless a diagnostic build chose another): one_tile, a CTA a 128 x 128 tile staged in shared
-// memory, the CTAs launched together along the columns of a few plan tiles; one_tile_bands, the
-// same along one band of columns down the plan's tiles (a gather's k reads of a token row close
-// together, in the L2); strip, a CTA up to four column tiles of a plan tile, the next tile's
-// loads in flight while one is quantized, in bands; regs, strips transposed in registers,
-// without the staging, in bands.
-enum class QuantizeColumnsKernel { one_tile, one_tile_bands, strip, regs };
-void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream, QuantizeColumnsKernel kernel);
 
 // order[p] = the plan tile at position p of the rank order (kernels/fp8/tile_order.cuh), for
 // every tile of the plan (one thread a tile; tile t holds rows [tile_row[t], + 128) of expert
