@@ -233,6 +233,29 @@ def test_report_lists_one_build_comparisons_of_two_implementations(tmp_path):
     assert text.count("| p | fwd+bwd | 10.000 | 8.000 | 0.800 | 0.700–0.900 | False |") == 3
 
 
+def test_report_lists_clock_power_runs_with_ratios_to_mok_per_round(tmp_path):
+    """report.py's power section: clock_power.py's records, each implementation's rounds' min–max
+    and how many times faster than mok it ran in the same rounds (time(mok) / time(impl))."""
+    def rec(impl, ps, times):
+        rounds = [dict(ms=t, samples=50, sm_mhz=1500.0, sm_mhz_min=1400.0, sm_mhz_max=1600.0, power_w=700.0,
+                       power_w_min=690.0, power_w_max=705.0, throttle_reasons=["0x0000000000000004"]) for t in times]
+        return dict(preset="p", impl=impl, **{"pass": ps}, routing="uniform", ms=sorted(times)[1], tflops=500.0,
+                    sm_mhz=1500.0, power_w=700.0, joules_per_tflop=1.0, rounds=rounds, seconds=3.0, skip_s=0.5,
+                    interval_ms=50, gpu="G", commit="abc", date="2026-12-05T00:00:00Z", torch="2.11")
+    (tmp_path / "2026-12-05-abc-power-fp8.json").write_text(json.dumps(
+        [rec("mok", "fwd", [10.0, 12.0, 11.0]), rec("mok-fp8", "fwd", [8.0, 8.0, 10.0]),
+         rec("head:mok-fp8", "fwd+bwd", [5.0, 5.0, 5.0])]))
+    (tmp_path / "2026-12-04-def-power.json").write_text(json.dumps([rec("mok", "fwd", [1.0, 1.0, 1.0])]))
+    text = "\n".join(report.power_tables(str(tmp_path)))
+    assert text.index("abc-power-fp8") < text.index("def-power")  # newest first
+    assert "GPU G, commit abc, 2026-12-05T00:00:00Z, 3 rounds of 3 s windows" in text
+    assert "| p | mok | fwd | 11.000 (10.000–12.000) | 500 | 1500 | 700 | 1.000 | – | 0x4 |" in text
+    # rounds 10/8, 12/8, 11/10: 1.1–1.5; the medians' ratio 11/8
+    assert "| p | mok-fp8 | fwd | 8.000 (8.000–10.000) | 500 | 1500 | 700 | 1.000 | 1.375 (1.100–1.500) | 0x4 |" in text
+    assert "| p | head:mok-fp8 | fwd+bwd | 5.000 (5.000–5.000) | 500 | 1500 | 700 | 1.000 | – | 0x4 |" in text  # (no mok fwd+bwd)
+    assert report.power_tables(str(tmp_path / "nothing")) == []
+
+
 def test_report_lists_training_runs_with_their_recipe_and_spikes(tmp_path):
     """report.py's training section: newest first by date, each backend's final loss against the
     run's bf16 mok, the recipe (old records have none) and the largest loss rise after the warm-up."""
