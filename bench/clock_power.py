@@ -233,6 +233,23 @@ def main():
         reasons = sorted({x for w in r["rounds"] for x in w["throttle_reasons"]})
         print(f"{r['preset']:<16}{r['impl']:<20}{r['pass']:<9}{r['ms']:9.3f}{r['tflops']:9.1f}{r['sm_mhz']:8.0f}"
               f"{r['power_w']:6.0f}{r['joules_per_tflop']:9.3f}  {' '.join(reasons)}")
+    for line in head_ratios(records):
+        print(line)
+
+
+def head_ratios(records):
+    """Lines 'preset pass impl: head/base time R (min–max over rounds)' for every head:<impl> record
+    whose <impl> ran in the same rounds from the first build (its rounds' times, round by round)."""
+    base = {(r["preset"], r["pass"], r["impl"]): r for r in records if not r["impl"].startswith("head:")}
+    lines = []
+    for r in records:
+        b = base.get((r["preset"], r["pass"], r["impl"][len("head:"):])) if r["impl"].startswith("head:") else None
+        if b is None:
+            continue
+        per_round = [h["ms"] / x["ms"] for h, x in zip(r["rounds"], b["rounds"])]
+        lines.append(f"{r['preset']:<16}{r['pass']:<9}{r['impl'][len('head:'):]}: head/base time {r['ms'] / b['ms']:.3f} "
+                     f"({min(per_round):.3f}–{max(per_round):.3f} over {len(per_round)} rounds)")
+    return lines
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|
 #                                                   host|fp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
-#                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME]
+#                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME]
 #                                                   [--ncu-kernels forward,backward]
 # --part splits the check for machines that limit one command's time: `tests` (clean
 # build, every test, sanitizers) writes the gpucheck JSON, and so do its two halves `ctest` (clean
@@ -89,6 +89,11 @@
 # variant (--diag A[,B...]; a variant of several defines separates them with ';'), bench/ab_serve.py of each against the default (--impl, default mok,mok; --pass, default
 # fwd+bwd; --presets, default mixtral-8x7b,qwen3-30b-a3b,deepseek-v3; --repeats rounds; outputs checked
 # bitwise equal) into <date>-<commit>-diagab.json (-diagab-<i>.json with several); nothing else runs.
+# With --sustained, each variant is then timed against the default at the power limit too
+# (bench/clock_power.py --mok-bench-head: both builds' passes back to back, queued, 3 s windows in the
+# same rotated rounds; head/base per round) into <date>-<commit>-diagab-sustained[-<i>].json: short
+# synchronous rounds start below the limit and could not see a 3 % change that every sustained round
+# showed (bench/NOTES.md, twenty-third session).
 # `dram` (same-bits order / cache variants, judged by DRAM bytes, then time): a mok_bench build per
 # --diag variant (`,` between variants, `;` joins defines within one) beside the default, all in
 # parallel; ncu's DRAM bytes (read, written), kernel time and L2 hit rate of one forward and one
@@ -133,6 +138,7 @@ impl_args=()
 settle_args=()
 bench_only=false
 diag=""
+sustained=false
 ncu_preset=mixtral-8x7b
 ncu_kernels="forward backward"
 while [ $# -gt 0 ]; do
@@ -153,8 +159,9 @@ while [ $# -gt 0 ]; do
     --pass) impl_args+=(--pass "$2"); passes="$2"; shift ;;
     --settle-ms) settle_args+=(--settle-ms "$2"); impl_args+=(--settle-ms "$2"); shift ;;
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
+    --sustained) sustained=true ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--pytest ARGS] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--pytest ARGS] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
@@ -341,6 +348,17 @@ if [ "$part" = diagab ]; then  # same-bits diagnostic builds (--diag A[,B...], o
     [ "${#variants[@]}" -gt 1 ] && name="diagab-$i"
     echo "== ${variants[$i]} (head) / default (base)"
     diag=${variants[$i]} diag_build="build-ab-diag$i" diag_ab build-ab-base "$name" mixtral-8x7b,qwen3-30b-a3b,deepseek-v3 fwd+bwd || rc=1
+    if $sustained; then  # (each pair of --impl: base impl, head impl)
+      sus_presets=$presets
+      [ "$presets" = all ] && sus_presets=mixtral-8x7b,qwen3-30b-a3b,deepseek-v3
+      IFS=';' read -r -a pairs <<< "${impls:-mok,mok}"
+      sus_impls=""
+      for pair in "${pairs[@]}"; do sus_impls+="${sus_impls:+,}${pair%%,*},head:${pair#*,}"; done
+      python3 bench/clock_power.py --mok-bench build-ab-base/bench/mok_bench --mok-bench-head "build-ab-diag$i/bench/mok_bench" \
+        --impl "$sus_impls" --pass "${passes:-fwd+bwd}" --preset "$sus_presets" --repeats "$repeats" --seconds 3 \
+        --commit "$commit" --date "$date" --out "$OUT/${date:0:10}-$commit-${name/diagab/diagab-sustained}.json" 2>&1 |
+        tee "$LOG/${name}-sustained.log" | grep "head/base" || rc=1
+    fi
   done
   exit "$rc"
 fi
