@@ -456,6 +456,20 @@ def test_report_table_of_an_fp8_run_quotes_python_fp8_against_torch_fp8():
     assert "timed no torch-compiled" in text  # and it says its ratios are not to PyTorch's strongest layer
 
 
+def test_clock_power_compares_a_second_builds_impl_round_by_round():
+    """head:<impl> records (--mok-bench-head) against <impl> from the first build: the medians' ratio
+    and the min–max of the rounds' ratios; a head impl without its base twin gives no line."""
+    import clock_power
+
+    def rec(impl, ps, times):
+        return dict(preset="p", impl=impl, **{"pass": ps}, ms=sorted(times)[1], rounds=[dict(ms=t) for t in times])
+    lines = clock_power.head_ratios([rec("mok", "fwd", [10.0, 10.0, 12.0]), rec("head:mok", "fwd", [9.0, 9.5, 10.8]),
+                                     rec("head:mok-fp8", "fwd", [5.0, 5.0, 5.0])])
+    assert len(lines) == 1
+    assert "p" in lines[0] and "mok: head/base time 0.950 (0.900–0.950 over 3 rounds)" in lines[0]
+    assert {"mok-fp8-wgrad", "head:mok-fp8-wgrad", "torch-compiled"} <= set(clock_power.IMPLS)  # (names it takes)
+
+
 def test_clock_power_reads_nvidia_smi_samples_and_their_window():
     import datetime
 
