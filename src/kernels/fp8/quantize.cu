@@ -337,7 +337,14 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const
   }
 }
 
-constexpr int kColumnTilesPerStrip = 4;  // (a strip's column tiles, at most)
+// A strip's column tiles, at most: each CTA's start (the plan loads, the row offsets, its first
+// tile's loads) is exposed once a strip. MOK_DIAG_QCOLS_STRIP8 (same bytes): 8, the start amortized
+// over twice the tiles, half the CTAs (prepared 2026-12-05, not yet measured).
+#if defined(MOK_DIAG_QCOLS_STRIP8)
+constexpr int kColumnTilesPerStrip = 8;
+#else
+constexpr int kColumnTilesPerStrip = 4;
+#endif
 
 __global__ void __launch_bounds__(kThreads) tile_order_kernel(const std::int32_t* expert_offset, const std::int32_t* tile_expert,
                                                               const std::int32_t* tile_row, const std::int32_t* num_tiles,
