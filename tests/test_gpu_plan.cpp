@@ -95,7 +95,9 @@ INSTANTIATE_TEST_SUITE_P(
 // The one-GPU scatter (a warp per token, its row read once) and the gather (a warp per plan row)
 // write the same bytes: every plan row its token's row, padding rows zeros, rows past the plan's
 // last untouched (poisoned before), across a split into two buffers; and the FP8 row quantization
-// likewise (E4M3 values, scales, the bf16 copy). Routings with unrouted slots (-1) and k > 32
+// likewise (E4M3 values, scales, the bf16 copy), by either scatter kernel (kernels::ScatterLanes:
+// 4 or 16 columns a lane; hidden sizes of 1, 2 and 9 blocks leave a group of four blocks part
+// empty). Routings with unrouted slots (-1) and k > 32
 // (the scatter's rows of a token come 32 at a time), and rows of H / 8 = 16 and 144 16-byte
 // vectors (the scatter's last chunk of a row spans part of the warp: d7dd9bb's loop hung there).
 struct RowCopyCase {
@@ -135,7 +137,7 @@ TEST_P(RowCopyCases, ScatterWritesTheGathersBytes) {
     std::vector<std::uint8_t> fp8;
     std::vector<float> scales;
   };
-  auto copy = [&](bool scatter) -> Out {
+  auto copy = [&](bool scatter, kernels::ScatterLanes lanes) -> Out {
     DeviceBuffer<std::uint16_t> lo(static_cast<std::size_t>(split * H)), hi(static_cast<std::size_t>((cap - split) * H));
     DeviceBuffer<std::uint16_t> fp8_copy(static_cast<std::size_t>(cap * H));
     DeviceBuffer<std::uint8_t> fp8(static_cast<std::size_t>(cap * H));
@@ -158,18 +160,23 @@ TEST_P(RowCopyCases, ScatterWritesTheGathersBytes) {
     qp.hidden = static_cast<int>(H), qp.top_k = static_cast<int>(k), qp.num_local_experts = static_cast<int>(c.E);
     if (scatter) qp.pair_row = v.pair_row, qp.pairs = T * k;
     qp.rows_bf16 = fp8_copy.get(), qp.rows_bf16_hi = fp8_copy.get() + split * H, qp.split = split;
-    kernels::launch_quantize_rows(qp, 8, nullptr);
+    kernels::launch_quantize_rows(qp, 8, nullptr, lanes);
     EXPECT_EQ(cudaSuccess, cudaGetLastError());
     EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
     return Out{lo.download(), hi.download(), fp8_copy.download(), fp8.download(), scales.download()};
   };
-  const Out gather = copy(false), scatter = copy(true);
+  const Out gather = copy(false, kernels::ScatterLanes::four), scatter = copy(true, kernels::ScatterLanes::four);
   EXPECT_EQ(scatter.lo, gather.lo);
   EXPECT_EQ(scatter.hi, gather.hi);
   EXPECT_EQ(scatter.fp8_copy, gather.fp8_copy);
   EXPECT_EQ(scatter.fp8, gather.fp8);
   ASSERT_EQ(scatter.scales.size(), gather.scales.size());
   EXPECT_EQ(std::memcmp(scatter.scales.data(), gather.scales.data(), scatter.scales.size() * 4), 0);
+  const Out wide = copy(true, kernels::ScatterLanes::sixteen);
+  EXPECT_EQ(wide.fp8_copy, gather.fp8_copy) << "16 columns a lane";
+  EXPECT_EQ(wide.fp8, gather.fp8) << "16 columns a lane";
+  ASSERT_EQ(wide.scales.size(), gather.scales.size());
+  EXPECT_EQ(std::memcmp(wide.scales.data(), gather.scales.data(), wide.scales.size() * 4), 0) << "16 columns a lane";
   // The rows themselves: the token's row, zeros, or the poison past the plan's rows.
   std::int64_t bad = 0, padding = 0;
   for (std::int64_t r = 0; r < cap; ++r) {

@@ -103,6 +103,28 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_co
   }
 }
 
+// The plan's padding rows among rows warp * 32 .., (warp + warps) * 32 .., ...: zeros of scale 1
+// (and bf16 zeros with rows_bf16), on every lane of the calling warps.
+__device__ __forceinline__ void scatter_padding_rows(const QuantizeRowsParams& p, std::int64_t warp, std::int64_t warps) {
+  const int lane = threadIdx.x % 32, blocks = p.hidden / kFp8Block;
+  const std::int64_t rows = p.expert_offset[p.num_local_experts];
+  for (std::int64_t base = warp * 32; base < rows; base += warps * 32) {
+    unsigned padding = __ballot_sync(0xffffffffu, base + lane < rows && p.row_pair[base + lane] < 0);
+    for (; padding; padding &= padding - 1) {
+      const std::int64_t row = base + __ffs(padding) - 1;
+      std::uint32_t* values = reinterpret_cast<std::uint32_t*>(p.values + row * p.hidden) + lane;
+      uint2* copy = p.rows_bf16 == nullptr ? nullptr
+                                           : reinterpret_cast<uint2*>(row < p.split ? p.rows_bf16 + row * p.hidden
+                                                                                    : p.rows_bf16_hi + (row - p.split) * p.hidden) + lane;
+      for (int b = 0; b < blocks; ++b) {
+        values[b * 32] = 0;
+        if (copy != nullptr) copy[b * 32] = make_uint2(0, 0);
+        if (lane == 0) p.scales[b * p.capacity + row] = 1.0f;
+      }
+    }
+  }
+}
+
 // One GPU (pair_row set): the same rows, x read once. One warp a token quantizes 4 blocks of its
 // row at a time (the values and scales any of its rows gets: they depend on the token's values
 // alone) and stores them to each of the token's k rows, pairs in order; then the padding rows of
@@ -147,20 +169,74 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
       }
     }
   }
-  const std::int64_t rows = p.expert_offset[p.num_local_experts];
-  for (std::int64_t base = warp * 32; base < rows; base += warps * 32) {
-    unsigned padding = __ballot_sync(0xffffffffu, base + lane < rows && p.row_pair[base + lane] < 0);
-    for (; padding; padding &= padding - 1) {
-      const std::int64_t row = base + __ffs(padding) - 1;
-      std::uint32_t* values = values_at(row);
-      uint2* copy = copy_at(row);
-      for (int b = 0; b < blocks; ++b) {
-        values[b * 32] = 0;
-        if (copy != nullptr) copy[b * 32] = make_uint2(0, 0);
-        if (lane == 0) p.scales[b * p.capacity + row] = 1.0f;
+  scatter_padding_rows(p, warp, warps);
+}
+
+// The same rows as quantize_scatter_kernel (the same bytes), a lane 16 columns of a block instead
+// of 4 (ScatterLanes::sixteen; MOK_DIAG_SCATTER_WIDE picks it for the layer): lanes 8 j .. 8 j + 7
+// hold block b0 + j of a group of four, a lane's 32 bytes two 16-byte loads; a block's largest
+// magnitude is a max over its eight lanes (three shuffles), each lane computes one exponent
+// instead of four, and a row's four blocks go out as one 16-byte store a lane (a warp's store: the
+// row's 512 bytes) instead of four 4-byte ones — the store width of the bf16 dispatch's copy, which
+// ran at ~2.6 TB/s where this pass ran at 1.75 (Nsight Compute, H100, bench/NOTES.md, 2026-12-05).
+__global__ void __launch_bounds__(kThreads) quantize_scatter_wide_kernel(const __grid_constant__ QuantizeRowsParams p) {
+  if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
+  const int lane = threadIdx.x % 32, blocks = p.hidden / kFp8Block, k = p.top_k;
+  const int j = lane / 8, part = lane % 8;  // (block b0 + j of the group; columns 16 part .. + 15 of it)
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
+  const std::int64_t warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
+  const std::int64_t tokens = p.pairs / k;
+  const int lane_column = j * kFp8Block + 16 * part;  // (within the group's 512 columns)
+  for (std::int64_t token = warp; token < tokens; token += warps) {
+    const std::uint16_t* x = p.x[0] + token * p.hidden + lane_column;
+    const std::int32_t* rows_of_token = p.pair_row + token * k;
+    for (int b0 = 0; b0 < blocks; b0 += 4) {
+      const bool mine = b0 + j < blocks;  // (a block past the row: zeros, never stored)
+      uint4 bits[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+      if (mine) {
+        bits[0] = reinterpret_cast<const uint4*>(x + b0 * kFp8Block)[0];
+        bits[1] = reinterpret_cast<const uint4*>(x + b0 * kFp8Block)[1];
+      }
+      float v[16];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const std::uint32_t w[4] = {bits[h].x, bits[h].y, bits[h].z, bits[h].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          v[8 * h + 2 * q] = bf16_bits_value(static_cast<std::uint16_t>(w[q] & 0xffff));
+          v[8 * h + 2 * q + 1] = bf16_bits_value(static_cast<std::uint16_t>(w[q] >> 16));
+        }
+      }
+      float amax = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 16; ++c) amax = fmaxf(amax, fabsf(v[c]));
+#pragma unroll
+      for (int offset = 1; offset < 8; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      const int e = fp8_scale_exponent(amax);
+      const InverseScale inverse(e);
+      const uint4 q = make_uint4(pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3])),
+                                 pack_e4m3x4(inverse(v[4]), inverse(v[5]), inverse(v[6]), inverse(v[7])),
+                                 pack_e4m3x4(inverse(v[8]), inverse(v[9]), inverse(v[10]), inverse(v[11])),
+                                 pack_e4m3x4(inverse(v[12]), inverse(v[13]), inverse(v[14]), inverse(v[15])));
+      const float scale = exp2_int(e);
+      for (int i0 = 0; i0 < k; i0 += 32) {  // (lane i holds pair i0 + i's row)
+        const std::int32_t held = i0 + lane < k ? rows_of_token[i0 + lane] : -1;
+        for (int i = 0; i < min(32, k - i0); ++i) {
+          const std::int32_t row = __shfl_sync(0xffffffffu, held, i);
+          if (row < 0 || !mine) continue;  // (a pair routed nowhere: no row)
+          const std::int64_t at = static_cast<std::int64_t>(row) * p.hidden + b0 * kFp8Block + lane_column;
+          *reinterpret_cast<uint4*>(p.values + at) = q;
+          if (p.rows_bf16 != nullptr) {
+            std::uint16_t* copy = row < p.split ? p.rows_bf16 + at : p.rows_bf16_hi + (at - p.split * p.hidden);
+            reinterpret_cast<uint4*>(copy)[0] = bits[0];
+            reinterpret_cast<uint4*>(copy)[1] = bits[1];
+          }
+          if (part == 0) p.scales[(b0 + j) * p.capacity + row] = scale;
+        }
       }
     }
   }
+  scatter_padding_rows(p, warp, warps);
 }
 
 __global__ void __launch_bounds__(kThreads) quantize_tokens_kernel(const std::uint16_t* src, std::uint8_t* out,
@@ -359,11 +435,21 @@ __global__ void __launch_bounds__(kThreads) tile_order_kernel(const std::int32_t
 
 }  // namespace
 
-void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream) {
-  if (p.pair_row)
-    quantize_scatter_kernel<<<num_ctas, kThreads, 0, stream>>>(p);
-  else
+void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream, ScatterLanes lanes) {
+  if (p.pair_row == nullptr)
     quantize_rows_kernel<<<num_ctas, kThreads, 0, stream>>>(p);
+  else if (lanes == ScatterLanes::sixteen)
+    quantize_scatter_wide_kernel<<<num_ctas, kThreads, 0, stream>>>(p);
+  else
+    quantize_scatter_kernel<<<num_ctas, kThreads, 0, stream>>>(p);
+}
+
+void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream) {
+#if defined(MOK_DIAG_SCATTER_WIDE)  // (prepared 2026-12-05, not yet measured: bench/NOTES.md)
+  launch_quantize_rows(p, num_ctas, stream, ScatterLanes::sixteen);
+#else
+  launch_quantize_rows(p, num_ctas, stream, ScatterLanes::four);
+#endif
 }
 
 void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream) {
@@ -396,6 +482,7 @@ void load_quantize_kernels() {
   load_kernel(gather_fp8_rows_kernel);
   load_kernel(quantize_rows_kernel);
   load_kernel(quantize_scatter_kernel);
+  load_kernel(quantize_scatter_wide_kernel);
   load_kernel(quantize_column_regs_kernel);
   load_kernel(tile_order_kernel);
   load_kernel(quantize_blocks_kernel);

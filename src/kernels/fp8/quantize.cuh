@@ -65,6 +65,11 @@ struct QuantizeRowsParams {
 };
 
 void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream);
+// The scatter's kernels (pair_row set; the same bytes): a lane 4 columns of each of four blocks
+// (`four`, the layer's) or 16 columns of one of them (`sixteen`, 16-byte stores; the layer's in a
+// MOK_DIAG_SCATTER_WIDE build until measured). The gather (pair_row null) has one kernel.
+enum class ScatterLanes { four, sixteen };
+void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream, ScatterLanes lanes);
 
 // A rank's tokens quantized for peers that pull E4M3 rows (Config::pull_fp8_rows): the token-major
 // layout [tokens, H] E4M3, then [tokens, H / 128] f32 scales (a row's scales contiguous).
