@@ -83,8 +83,11 @@
 # `rates` (what the tensor cores and the FP8 mainloop reach by themselves, bench/NOTES.md): builds and runs
 # bench/mma_rate and bench/fp8_tile_rate (--repeats repeats) into <date>-<commit>-rates.txt; nothing else runs.
 # `power` (build if missing): bench/clock_power.py — the SM clock, board power, throttle reasons and
-# J/TFLOP while each of --impl (default mok,torch-compiled) repeats each --pass, on --presets (default
-# mixtral-8x7b,deepseek-v3), --repeats windows each, into <date>-<commit>-power.json.
+# J/TFLOP while each of --impl (default mok,torch-compiled; mok_bench's mok-fp8, mok-fp8-wgrad, ... too)
+# repeats each --pass, on --presets (default mixtral-8x7b,deepseek-v3), --repeats windows each, into
+# <date>-<commit>-power.json (bench/report.py's power section: each impl's speed against mok's in the
+# same rounds). FP8 / BF16 at the plateau a training step runs on:
+#   --part power --impl mok,mok-fp8,mok-fp8-wgrad --pass fwd,fwd+bwd --presets <the FP8 presets>
 # `diagab` (same-bits diagnostic variants against the default): a default mok_bench build and one per
 # variant (--diag A[,B...]; a variant of several defines separates them with ';'), bench/ab_serve.py of each against the default (--impl, default mok,mok; --pass, default
 # fwd+bwd; --presets, default mixtral-8x7b,qwen3-30b-a3b,deepseek-v3; --repeats rounds; outputs checked
