@@ -97,7 +97,7 @@ INSTANTIATE_TEST_SUITE_P(
 // last untouched (poisoned before), across a split into two buffers; and the FP8 row quantization
 // likewise (E4M3 values, scales, the bf16 copy), by either scatter kernel (kernels::ScatterLanes:
 // 4 or 16 columns a lane; hidden sizes of 1, 2 and 9 blocks leave a group of four blocks part
-// empty). Routings with unrouted slots (-1) and k > 32
+// empty; blocks with a NaN, an infinity, only subnormal values, only zeros or only NaN). Routings with unrouted slots (-1) and k > 32
 // (the scatter's rows of a token come 32 at a time), and rows of H / 8 = 16 and 144 16-byte
 // vectors (the scatter's last chunk of a row spans part of the warp: d7dd9bb's loop hung there).
 struct RowCopyCase {
@@ -128,6 +128,19 @@ TEST_P(RowCopyCases, ScatterWritesTheGathersBytes) {
     std::uint32_t bits;
     std::memcpy(&bits, &f, 4);
     v = static_cast<std::uint16_t>(bits >> 16);
+  }
+  // Blocks the quantization treats specially (the scatter kernels' bytes against the gather's):
+  // a NaN, an infinity, only subnormal values, only zeros, only NaN.
+  for (std::int64_t t = 0; t < T; t += 7) {
+    std::uint16_t* row = &x[static_cast<std::size_t>(t * H)];
+    const std::int64_t b = (t / 7) % (H / 128);
+    switch ((t / 7) % 5) {
+      case 0: row[b * 128 + 5] = 0x7fc0; break;                                        // NaN
+      case 1: row[b * 128 + 17] = (t & 8) ? 0xff80 : 0x7f80; break;                    // -+infinity
+      case 2: for (int c = 0; c < 128; ++c) row[b * 128 + c] = 0x0001 + c; break;      // subnormal
+      case 3: for (int c = 0; c < 128; ++c) row[b * 128 + c] = 0; break;               // zeros
+      default: for (int c = 0; c < 128; ++c) row[b * 128 + c] = 0x7fc0; break;        // all NaN
+    }
   }
   DeviceBuffer<std::uint16_t> d_x(x);
   const DevicePlanView& v = plan.view();
@@ -205,7 +218,8 @@ INSTANTIATE_TEST_SUITE_P(
 // that transpose with 1 x 128 blocks (a scale per column and 128 rows) or 128 x 128 blocks,
 // the scales and exponents where Fp8WgradParams reads them; tiles past the plan's untouched. The
 // gathers visiting the tiles in the rank order (launch_tile_order, a permutation of the plan's
-// tiles) write the same bytes (13 column tiles: a CTA's strips of 4, 4, 4 and 1). Scales and exponents of tiles past the plan's stay untouched too. Some columns hold NaN (ignored by the largest magnitude, as the
+// tiles) write the same bytes (13 column tiles: a CTA's strips of 4, 4, 4 and 1; 7 and 6 in a
+// MOK_DIAG_QCOLS_STRIP8 build). Scales and exponents of tiles past the plan's stay untouched too. Some columns hold NaN (ignored by the largest magnitude, as the
 // host's), infinities, negative zeros or only subnormal values.
 TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
   MOK_REQUIRE_HOPPER();
