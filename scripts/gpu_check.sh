@@ -92,7 +92,7 @@
 # variant (--diag A[,B...]; a variant of several defines separates them with ';'), bench/ab_serve.py of each against the default (--impl, default mok,mok; --pass, default
 # fwd+bwd; --presets, default mixtral-8x7b,qwen3-30b-a3b,deepseek-v3; --repeats rounds; outputs checked
 # bitwise equal) into <date>-<commit>-diagab.json (-diagab-<i>.json with several); nothing else runs.
-# With --sustained, each variant is then timed against the default at the power limit too
+# With --sustained (diagab and kernelab), each variant is then timed against the default at the power limit too
 # (bench/clock_power.py --mok-bench-head: both builds' passes back to back, queued, 3 s windows in the
 # same rotated rounds; head/base per round) into <date>-<commit>-diagab-sustained[-<i>].json: short
 # synchronous rounds start below the limit and could not see a 3 % change that every sustained round
@@ -201,6 +201,23 @@ diag_ab() {
     --meta "{\"gpu\": \"$gpu\", \"commit\": \"$commit\", \"date\": \"$date\", \"diag\": \"$diag\"}" 2>&1 |
     tee "$OUT/${date:0:10}-$commit-$2.txt" | tail -16
   return "${PIPESTATUS[0]}"
+}
+# sustained_ab BASE HEAD NAME PRESETS PASSES (--sustained): bench/clock_power.py with BASE's mok_bench
+# and HEAD's (--mok-bench-head) in the same rotated rounds, each pass back to back for 3 s windows at
+# the power limit, per pair of --impl (default mok,mok) its base impl against head:<its head impl>;
+# prints the head/base lines, writes $OUT/<date>-<commit>-NAME.json. PRESETS / PASSES: for --presets
+# all / without --pass.
+sustained_ab() {
+  local sus_presets=$presets sus_impls="" pair pairs
+  [ "$presets" = all ] && sus_presets=$4
+  IFS=';' read -r -a pairs <<< "${impls:-mok,mok}"
+  for pair in "${pairs[@]}"; do sus_impls+="${sus_impls:+,}${pair%%,*},head:${pair#*,}"; done
+  python3 bench/clock_power.py --mok-bench "$1/bench/mok_bench" --mok-bench-head "$2/bench/mok_bench" \
+    --impl "$sus_impls" --pass "${passes:-$5}" --preset "$sus_presets" --repeats "$repeats" --seconds 3 \
+    --commit "$commit" --date "$date" --out "$OUT/${date:0:10}-$commit-$3.json" > "$LOG/$3.log" 2>&1
+  local rc=$?
+  grep "head/base" "$LOG/$3.log" || tail -5 "$LOG/$3.log"
+  return "$rc"
 }
 # mma_check BASE HEAD...: warns (and writes $OUT/<date>-<commit>-mma-sites.txt) when a variant's
 # mok_bench has fewer tensor-core MMA sites in a kernel than the base's: ptxas removed MMAs whose
@@ -351,17 +368,8 @@ if [ "$part" = diagab ]; then  # same-bits diagnostic builds (--diag A[,B...], o
     [ "${#variants[@]}" -gt 1 ] && name="diagab-$i"
     echo "== ${variants[$i]} (head) / default (base)"
     diag=${variants[$i]} diag_build="build-ab-diag$i" diag_ab build-ab-base "$name" mixtral-8x7b,qwen3-30b-a3b,deepseek-v3 fwd+bwd || rc=1
-    if $sustained; then  # (each pair of --impl: base impl, head impl)
-      sus_presets=$presets
-      [ "$presets" = all ] && sus_presets=mixtral-8x7b,qwen3-30b-a3b,deepseek-v3
-      IFS=';' read -r -a pairs <<< "${impls:-mok,mok}"
-      sus_impls=""
-      for pair in "${pairs[@]}"; do sus_impls+="${sus_impls:+,}${pair%%,*},head:${pair#*,}"; done
-      python3 bench/clock_power.py --mok-bench build-ab-base/bench/mok_bench --mok-bench-head "build-ab-diag$i/bench/mok_bench" \
-        --impl "$sus_impls" --pass "${passes:-fwd+bwd}" --preset "$sus_presets" --repeats "$repeats" --seconds 3 \
-        --commit "$commit" --date "$date" --out "$OUT/${date:0:10}-$commit-${name/diagab/diagab-sustained}.json" 2>&1 |
-        tee "$LOG/${name}-sustained.log" | grep "head/base" || rc=1
-    fi
+    if $sustained; then sustained_ab build-ab-base "build-ab-diag$i" "${name/diagab/diagab-sustained}" \
+      mixtral-8x7b,qwen3-30b-a3b,deepseek-v3 fwd+bwd || rc=1; fi
   done
   exit "$rc"
 fi
@@ -715,6 +723,8 @@ if [ "$part" = kernelab ]; then  # a kernel change in one call: the A/B against 
     impls=${ab_pairs[$i]} diag_ab "$build" "$name" deepseek-v3,kimi-k2,deepseek-v4-pro,mixtral-8x7b,qwen3-30b-a3b fwd,fwd+bwd ||
       test_rc=1
   done
+  if $sustained; then sustained_ab "$build" build-ab-diag kernelab-sustained deepseek-v3,kimi-k2,mixtral-8x7b fwd,fwd+bwd ||
+    test_rc=1; fi
   ctest_run 3 -j4 || test_rc=1
   sanitize test_gpu_forward Forward/ForwardCases.MatchesReference/shared_padded_clamp
   sanitize test_gpu_backward Backward/BackwardCases.MatchesReference/shared_padded_clamp
