@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <iterator>
@@ -219,7 +220,8 @@ INSTANTIATE_TEST_SUITE_P(
 // the scales and exponents where Fp8WgradParams reads them; tiles past the plan's untouched. The
 // gathers visiting the tiles in the rank order (launch_tile_order, a permutation of the plan's
 // tiles) write the same bytes (13 column tiles: a CTA's strips of 4, 4, 4 and 1; 7 and 6 in a
-// MOK_DIAG_QCOLS_STRIP8 build). Scales and exponents of tiles past the plan's stay untouched too. Some columns hold NaN (ignored by the largest magnitude, as the
+// MOK_DIAG_QCOLS_STRIP8 build), and so do 3 and 64 persistent CTAs (many strips each: the next
+// strip's start prepared during the one before, the block exponents' arrays alternating). Scales and exponents of tiles past the plan's stay untouched too. Some columns hold NaN (ignored by the largest magnitude, as the
 // host's), infinities, negative zeros or only subnormal values.
 TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
   MOK_REQUIRE_HOPPER();
@@ -281,8 +283,9 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       const std::uint16_t* row = &src[static_cast<std::size_t>((gather ? pair / k : r) * C)];
       for (std::int64_t c = 0; c < C; ++c) t[static_cast<std::size_t>(c * rows + r)] = value(row[c]);
     }
-    for (int variant = 0; variant < (gather ? 4 : 2); ++variant) {
+    for (int variant = 0; variant < (gather ? 4 : 2) * 3; ++variant) {
       const bool blocks = variant % 2 == 1, ordered = gather && variant % 4 >= 2;
+      const int ctas = std::array<int, 3>{0, 3, 64}[variant / (gather ? 4 : 2)];  // (0: a CTA a strip)
       DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(C * cap));
       DeviceBuffer<float> scales(static_cast<std::size_t>(cap / 128 * C));
       DeviceBuffer<std::int32_t> exponents(static_cast<std::size_t>(C / 128 * stride));
@@ -297,7 +300,7 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       q.exponent_stride = stride;
       q.num_tiles = v.num_tiles, q.plan_status = v.status, q.capacity = cap, q.columns = static_cast<int>(C);
       q.tile_order = ordered ? order.get() : nullptr;
-      kernels::launch_quantize_columns(q, nullptr);
+      kernels::launch_quantize_columns(q, nullptr, ctas);
       EXPECT_EQ(cudaSuccess, cudaGetLastError());
       EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
       const fp8::Blockwise want = fp8::quantize(t.data(), static_cast<int>(C), static_cast<int>(rows), blocks ? 128 : 1, 128);
@@ -329,10 +332,10 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       for (std::int64_t cb = 0; cb < C / 128; ++cb)
         for (std::int64_t b = rows / 128; b < stride; ++b)
           touched_scales += !poisoned(got_exponents[static_cast<std::size_t>(cb * stride + b)]);
-      EXPECT_EQ(bad, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
-      EXPECT_EQ(untouched, C * (cap - rows)) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
-      EXPECT_EQ(bad_scales, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
-      EXPECT_EQ(touched_scales, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
+      EXPECT_EQ(bad, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", persistent CTAs " << ctas;
+      EXPECT_EQ(untouched, C * (cap - rows)) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", persistent CTAs " << ctas;
+      EXPECT_EQ(bad_scales, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", persistent CTAs " << ctas;
+      EXPECT_EQ(touched_scales, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", persistent CTAs " << ctas;
     }
   }
 }

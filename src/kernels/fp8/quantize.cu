@@ -7,6 +7,7 @@
 #include "kernels/fp8/quantize_rows.cuh"
 #include "kernels/fp8/tile_order.cuh"
 
+#include <algorithm>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -301,6 +302,107 @@ __device__ __forceinline__ void find_row_offsets(const QuantizeColumnsParams& p,
   __syncthreads();
 }
 
+// A strip's column tiles, at most: each CTA's start (the plan loads, the row offsets, its first
+// tile's loads) is exposed once a strip. MOK_DIAG_QCOLS_STRIP8 (same bytes): 8, the start amortized
+// over twice the tiles, half the CTAs (prepared 2026-12-05, not yet measured).
+#if defined(MOK_DIAG_QCOLS_STRIP8)
+constexpr int kColumnTilesPerStrip = 8;
+#else
+constexpr int kColumnTilesPerStrip = 4;
+#endif
+
+// The register kernels' loads of column tile ct: lane (g, h) of warp w, rows 8 g + j (j < 8) of
+// columns [16 w + 8 h, + 8), one 16-byte load a row (row_offset: the plan rows' starts in src,
+// elements; -1: a padding row, zeros).
+__device__ __forceinline__ void load_column_tile(const QuantizeColumnsParams& p, const std::int64_t* row_offset, int ct,
+                                                 uint4 (&v)[8]) {
+  const int g = (threadIdx.x % 32) / 2, column = 16 * (threadIdx.x / 32) + 8 * (threadIdx.x % 2);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const std::int64_t offset = row_offset[8 * g + j];
+    v[j] = offset >= 0 ? __ldcg(reinterpret_cast<const uint4*>(p.src + offset + ct * kFp8Block + column))
+                       : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Column tile ct of plan tile `tile` (rows from row0), held as load_column_tile left it: each
+// column's largest magnitude, exponent and E4M3 bytes, stored transposed, and its scale (or the
+// block's exponent). Every thread of the CTA takes part; with block exponents it passes one barrier,
+// its warp maxima in warp_max[parity] (a caller alternates parity tile by tile).
+__device__ __forceinline__ void quantize_column_tile(const QuantizeColumnsParams& p, const uint4 (&v)[8], int tile,
+                                                     std::int64_t row0, int ct, float (&warp_max)[2][kThreads / 32],
+                                                     int parity) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 2, h = lane % 2;
+  const int column = 16 * warp + 8 * h;  // (the lane's first column in a column tile)
+  // (bf16 k of a row's 16 bytes: column k of the lane's eight)
+  auto value = [](const uint4& row, int k) {
+    const std::uint32_t word = k / 2 == 0 ? row.x : k / 2 == 1 ? row.y : k / 2 == 2 ? row.z : row.w;
+    return bf16_bits_value(static_cast<std::uint16_t>(k % 2 == 0 ? word & 0xffff : word >> 16));
+  };
+  // Each column's largest magnitude as bf16 pairs (word q: columns 2 q, 2 q + 1): max.bf16x2 of
+  // the magnitudes returns the other operand where one is NaN, as fmaxf does, and is exact, so
+  // these are the floats' maxima; no floats are made here (unpacked, the 64 values took ~60
+  // registers more).
+  __nv_bfloat162 pair_max[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    pair_max[q] = __float2bfloat162_rn(0.0f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const std::uint32_t word = q == 0 ? v[j].x : q == 1 ? v[j].y : q == 2 ? v[j].z : v[j].w;
+      pair_max[q] = __hmax2(pair_max[q], __habs2(*reinterpret_cast<const __nv_bfloat162*>(&word)));
+    }
+#pragma unroll
+    for (int offset = 2; offset < 32; offset *= 2) pair_max[q] = __hmax2(pair_max[q], __shfl_xor_sync(0xffffffffu, pair_max[q], offset));
+  }
+  float amax[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) amax[k] = k % 2 == 0 ? __low2float(pair_max[k / 2]) : __high2float(pair_max[k / 2]);
+  if (p.block_exponents != nullptr) {  // the block's: a max over the columns too
+    float m = amax[0];
+#pragma unroll
+    for (int k = 1; k < 8; ++k) m = fmaxf(m, amax[k]);
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    if (lane == 0) warp_max[parity][warp] = m;
+    __syncthreads();  // (the array of the tile before the last was read before the last one's barrier)
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[parity][w]);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) amax[k] = m;
+  }
+  // Column k's exponent and inverse scale are computed once, by lane (k, h) of the 16 that hold
+  // its maximum, and shuffled to the others (eight exponents a lane were ~40 % of the loop's
+  // instructions); InverseScale's second factor is 1 unless a column's largest magnitude is
+  // below 2^-119, and then one multiplication gives its two's bits (x * a * 1 = x * a).
+  float my_amax = amax[0];
+#pragma unroll
+  for (int k = 1; k < 8; ++k)
+    if (g % 8 == k) my_amax = amax[k];
+  const int mine = fp8_scale_exponent(my_amax);  // (lane g < 8: column g's)
+  const InverseScale my_inverse(mine);
+  const bool one_factor = __all_sync(0xffffffffu, my_inverse.b == 1.0f);
+  const int c0 = ct * kFp8Block;
+  std::uint8_t* out = p.values + static_cast<std::int64_t>(c0 + column) * p.capacity + row0 + 8 * g;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float a = __shfl_sync(0xffffffffu, my_inverse.a, 2 * k + h);
+    const float b = __shfl_sync(0xffffffffu, my_inverse.b, 2 * k + h);
+    float s[8];
+    if (one_factor) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s[j] = value(v[j], k) * a;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s[j] = value(v[j], k) * a * b;  // (InverseScale's operator())
+    }
+    *reinterpret_cast<uint2*>(out + static_cast<std::int64_t>(k) * p.capacity) =
+        make_uint2(pack_e4m3x4(s[0], s[1], s[2], s[3]), pack_e4m3x4(s[4], s[5], s[6], s[7]));
+  }
+  if (p.col_scales != nullptr && g < 8) p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + column + g] = exp2_int(mine);
+  if (p.block_exponents != nullptr && threadIdx.x == 0)
+    p.block_exponents[static_cast<std::int64_t>(ct) * p.exponent_stride + tile] = mine;
+}
+
 // The column quantization (launch_quantize_columns): a strip of up to kColumnTilesPerStrip column
 // tiles of one plan tile a CTA, transposed in registers, without staging the rows in shared
 // memory. CTA (x, y): column tiles [y n, y n + n) of the plan tile at position x (column_strip),
@@ -324,88 +426,12 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const
   const ColumnStrip strip = column_strip(p);
   if (strip.first >= strip.end) return;
   find_row_offsets(p, row0, row_offset);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 2, h = lane % 2;
-  const int column = 16 * warp + 8 * h;  // (the lane's first column in a column tile)
-  auto load = [&](int ct, uint4 (&v)[8]) {  // (rows 8 g + j; padding rows: zeros)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const std::int64_t offset = row_offset[8 * g + j];
-      v[j] = offset >= 0 ? __ldcg(reinterpret_cast<const uint4*>(p.src + offset + ct * kFp8Block + column))
-                         : make_uint4(0, 0, 0, 0);
-    }
-  };
-  // (bf16 k of a row's 16 bytes: column k of the lane's eight)
-  auto value = [](const uint4& row, int k) {
-    const std::uint32_t word = k / 2 == 0 ? row.x : k / 2 == 1 ? row.y : k / 2 == 2 ? row.z : row.w;
-    return bf16_bits_value(static_cast<std::uint16_t>(k % 2 == 0 ? word & 0xffff : word >> 16));
-  };
   uint4 v[8];
-  load(strip.first, v);
+  load_column_tile(p, row_offset, strip.first, v);
   for (int ct = strip.first; ct < strip.end; ++ct) {
     uint4 next[8];
-    if (ct + 1 < strip.end) load(ct + 1, next);
-    // Each column's largest magnitude as bf16 pairs (word q: columns 2 q, 2 q + 1): max.bf16x2 of
-    // the magnitudes returns the other operand where one is NaN, as fmaxf does, and is exact, so
-    // these are the floats' maxima; no floats are made here (unpacked, the 64 values took ~60
-    // registers more).
-    __nv_bfloat162 pair_max[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      pair_max[q] = __float2bfloat162_rn(0.0f);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const std::uint32_t word = q == 0 ? v[j].x : q == 1 ? v[j].y : q == 2 ? v[j].z : v[j].w;
-        pair_max[q] = __hmax2(pair_max[q], __habs2(*reinterpret_cast<const __nv_bfloat162*>(&word)));
-      }
-#pragma unroll
-      for (int offset = 2; offset < 32; offset *= 2) pair_max[q] = __hmax2(pair_max[q], __shfl_xor_sync(0xffffffffu, pair_max[q], offset));
-    }
-    float amax[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) amax[k] = k % 2 == 0 ? __low2float(pair_max[k / 2]) : __high2float(pair_max[k / 2]);
-    if (p.block_exponents != nullptr) {  // the block's: a max over the columns too
-      float m = amax[0];
-#pragma unroll
-      for (int k = 1; k < 8; ++k) m = fmaxf(m, amax[k]);
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      if (lane == 0) warp_max[ct % 2][warp] = m;
-      __syncthreads();  // (the array of tile ct - 2 was read before the barrier of tile ct - 1)
-#pragma unroll
-      for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[ct % 2][w]);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) amax[k] = m;
-    }
-    // Column k's exponent and inverse scale are computed once, by lane (k, h) of the 16 that hold
-    // its maximum, and shuffled to the others (eight exponents a lane were ~40 % of the loop's
-    // instructions); InverseScale's second factor is 1 unless a column's largest magnitude is
-    // below 2^-119, and then one multiplication gives its two's bits (x * a * 1 = x * a).
-    float my_amax = amax[0];
-#pragma unroll
-    for (int k = 1; k < 8; ++k)
-      if (g % 8 == k) my_amax = amax[k];
-    const int mine = fp8_scale_exponent(my_amax);  // (lane g < 8: column g's)
-    const InverseScale my_inverse(mine);
-    const bool one_factor = __all_sync(0xffffffffu, my_inverse.b == 1.0f);
-    const int c0 = ct * kFp8Block;
-    std::uint8_t* out = p.values + static_cast<std::int64_t>(c0 + column) * p.capacity + row0 + 8 * g;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const float a = __shfl_sync(0xffffffffu, my_inverse.a, 2 * k + h);
-      const float b = __shfl_sync(0xffffffffu, my_inverse.b, 2 * k + h);
-      float s[8];
-      if (one_factor) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) s[j] = value(v[j], k) * a;
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) s[j] = value(v[j], k) * a * b;  // (InverseScale's operator())
-      }
-      *reinterpret_cast<uint2*>(out + static_cast<std::int64_t>(k) * p.capacity) =
-          make_uint2(pack_e4m3x4(s[0], s[1], s[2], s[3]), pack_e4m3x4(s[4], s[5], s[6], s[7]));
-    }
-    if (p.col_scales != nullptr && g < 8) p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + column + g] = exp2_int(mine);
-    if (p.block_exponents != nullptr && threadIdx.x == 0)
-      p.block_exponents[static_cast<std::int64_t>(ct) * p.exponent_stride + tile] = mine;
+    if (ct + 1 < strip.end) load_column_tile(p, row_offset, ct + 1, next);
+    quantize_column_tile(p, v, tile, row0, ct, warp_max, ct % 2);
     if (ct + 1 < strip.end) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = next[j];
@@ -413,14 +439,82 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const
   }
 }
 
-// A strip's column tiles, at most: each CTA's start (the plan loads, the row offsets, its first
-// tile's loads) is exposed once a strip. MOK_DIAG_QCOLS_STRIP8 (same bytes): 8, the start amortized
-// over twice the tiles, half the CTAs (prepared 2026-12-05, not yet measured).
-#if defined(MOK_DIAG_QCOLS_STRIP8)
-constexpr int kColumnTilesPerStrip = 8;
-#else
-constexpr int kColumnTilesPerStrip = 4;
-#endif
+// The same strips and bytes as quantize_column_regs_kernel from persistent CTAs
+// (QuantizeColumnsParams::persistent_ctas; the layer's in a MOK_DIAG_QCOLS_PERSISTENT build until
+// measured): CTA c takes the strips c, c + G, c + 2 G, ... (G CTAs; strip i: plan tile position
+// i % num_tiles, column strip i / num_tiles — the band order of the one-strip grid), and a strip's
+// start — its plan tile, the row offsets, its first tile's loads — is prepared during the strip
+// before it: the next strip's offsets are loaded into registers when a strip begins, put in the
+// other of two shared arrays before its last tile, and its first tile's loads issued with that
+// tile's quantization, as the strip's own next tiles are. One barrier a strip more; the block
+// exponents' two arrays alternate by the CTA's tile count.
+__global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_persistent_kernel(const __grid_constant__ QuantizeColumnsParams p) {
+  if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
+  const int column_tiles = p.columns / kFp8Block;
+  const int strips = (column_tiles + kColumnTilesPerStrip - 1) / kColumnTilesPerStrip;
+  const int per_strip = (column_tiles + strips - 1) / strips;
+  const int positions = *p.num_tiles;
+  const int items = positions * strips;
+  int item = blockIdx.x;
+  if (item >= items) return;
+  __shared__ alignas(16) std::int64_t row_offset[2][kFp8Block];  // (elements into src; -1: a padding row, zeros)
+  __shared__ float warp_max[2][kThreads / 32];
+  auto tile_of = [&](int it) {
+    const int position = it % positions;
+    return p.tile_order != nullptr ? p.tile_order[position] : position;
+  };
+  auto strip_of = [&](int it) {
+    const int first = it / positions * per_strip;
+    return ColumnStrip{first, min(column_tiles, first + per_strip)};
+  };
+  auto offset_of = [&](int tile) -> std::int64_t {  // (thread t < 128: plan row 128 tile + t's start)
+    const std::int64_t row = static_cast<std::int64_t>(tile) * kFp8Block + threadIdx.x;
+    if (p.row_pair == nullptr) return row * p.row_stride;
+    const std::int32_t pair = p.row_pair[row];
+    return pair >= 0 ? static_cast<std::int64_t>(pair / p.top_k) * p.row_stride : -1;
+  };
+  int tile = tile_of(item), buffer = 0, parity = 0;
+  ColumnStrip strip = strip_of(item);
+  if (threadIdx.x < kFp8Block) row_offset[0][threadIdx.x] = offset_of(tile);
+  __syncthreads();
+  uint4 v[8];
+  load_column_tile(p, row_offset[0], strip.first, v);
+  for (;;) {
+    const int next_item = item + static_cast<int>(gridDim.x);
+    const bool has_next = next_item < items;  // (the same in every thread: every branch below is the CTA's)
+    int next_tile = 0;
+    ColumnStrip next_strip{0, 0};
+    std::int64_t next_offset = -1;
+    if (has_next) {
+      next_tile = tile_of(next_item);
+      next_strip = strip_of(next_item);
+      if (threadIdx.x < kFp8Block) next_offset = offset_of(next_tile);  // (used at this strip's last tile)
+    }
+    const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
+    for (int ct = strip.first; ct < strip.end; ++ct) {
+      uint4 next[8];
+      const bool last = ct + 1 == strip.end;
+      if (!last) {
+        load_column_tile(p, row_offset[buffer], ct + 1, next);
+      } else if (has_next) {
+        // (row_offset[buffer ^ 1] was last read by the strip before's loads, all issued before the
+        // barrier of that strip's last tile)
+        if (threadIdx.x < kFp8Block) row_offset[buffer ^ 1][threadIdx.x] = next_offset;
+        __syncthreads();
+        load_column_tile(p, row_offset[buffer ^ 1], next_strip.first, next);
+      }
+      quantize_column_tile(p, v, tile, row0, ct, warp_max, parity);
+      parity ^= 1;
+      if (!last || has_next) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = next[j];
+      }
+    }
+    if (!has_next) return;
+    item = next_item, tile = next_tile, strip = next_strip, buffer ^= 1;
+  }
+}
+
 
 __global__ void __launch_bounds__(kThreads) tile_order_kernel(const std::int32_t* expert_offset, const std::int32_t* tile_expert,
                                                               const std::int32_t* tile_row, const std::int32_t* num_tiles,
@@ -484,16 +578,30 @@ void load_quantize_kernels() {
   load_kernel(quantize_scatter_kernel);
   load_kernel(quantize_scatter_wide_kernel);
   load_kernel(quantize_column_regs_kernel);
+  load_kernel(quantize_column_regs_persistent_kernel);
   load_kernel(tile_order_kernel);
   load_kernel(quantize_blocks_kernel);
 }
 
-void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream) {
+void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream, int persistent_ctas) {
   if (p.capacity == 0 || p.columns == 0) return;
   const int column_tiles = p.columns / kFp8Block;
   const unsigned tiles = static_cast<unsigned>(p.capacity / kFp8Block);
   const int strips = (column_tiles + kColumnTilesPerStrip - 1) / kColumnTilesPerStrip;
-  quantize_column_regs_kernel<<<dim3(tiles, strips), kThreads, 0, stream>>>(p);
+  if (persistent_ctas > 0) {
+    const auto ctas = std::min<std::int64_t>(persistent_ctas, static_cast<std::int64_t>(tiles) * strips);
+    quantize_column_regs_persistent_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(p);
+  } else {
+    quantize_column_regs_kernel<<<dim3(tiles, strips), kThreads, 0, stream>>>(p);
+  }
+}
+
+void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream) {
+#if defined(MOK_DIAG_QCOLS_PERSISTENT)  // (prepared 2026-12-05, not yet measured: bench/NOTES.md)
+  launch_quantize_columns(p, stream, p.persistent_ctas);
+#else
+  launch_quantize_columns(p, stream, 0);
+#endif
 }
 
 }  // namespace mok::kernels

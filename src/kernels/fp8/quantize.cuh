@@ -127,9 +127,13 @@ struct QuantizeColumnsParams {
   const void* plan_status;       // PlanStatus*
   std::int64_t capacity;         // a multiple of 128
   int columns;                   // a multiple of 128
+  // The persistent kernel's CTAs (two an SM; read only by a MOK_DIAG_QCOLS_PERSISTENT build's layer).
+  int persistent_ctas = 0;
 };
 
 void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream);
+// The same bytes from a CTA a strip (persistent_ctas 0) or from persistent_ctas persistent CTAs.
+void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream, int persistent_ctas);
 
 // order[p] = the plan tile at position p of the rank order (kernels/fp8/tile_order.cuh), for
 // every tile of the plan (one thread a tile; tile t holds rows [tile_row[t], + 128) of expert
