@@ -220,8 +220,10 @@ INSTANTIATE_TEST_SUITE_P(
 // the scales and exponents where Fp8WgradParams reads them; tiles past the plan's untouched. The
 // gathers visiting the tiles in the rank order (launch_tile_order, a permutation of the plan's
 // tiles) write the same bytes (13 column tiles: a CTA's strips of 4, 4, 4 and 1; 7 and 6 in a
-// MOK_DIAG_QCOLS_STRIP8 build), and so do 3 and 64 persistent CTAs (many strips each: the next
-// strip's start prepared during the one before, the block exponents' arrays alternating). Scales and exponents of tiles past the plan's stay untouched too. Some columns hold NaN (ignored by the largest magnitude, as the
+// MOK_DIAG_QCOLS_STRIP8 build), and so do persistent CTAs: 3 (~21 of the 64 strips each: the next
+// strip's start prepared during the one before, across strips of 4 and of 1 tile, the block
+// exponents' arrays alternating), 17 (3 or 4 strips each) and 1000 (clamped to the grid's strips, most
+// of them past the plan's: idle). Scales and exponents of tiles past the plan's stay untouched too. Some columns hold NaN (ignored by the largest magnitude, as the
 // host's), infinities, negative zeros or only subnormal values.
 TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
   MOK_REQUIRE_HOPPER();
@@ -283,9 +285,9 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       const std::uint16_t* row = &src[static_cast<std::size_t>((gather ? pair / k : r) * C)];
       for (std::int64_t c = 0; c < C; ++c) t[static_cast<std::size_t>(c * rows + r)] = value(row[c]);
     }
-    for (int variant = 0; variant < (gather ? 4 : 2) * 3; ++variant) {
+    for (int variant = 0; variant < (gather ? 4 : 2) * 4; ++variant) {
       const bool blocks = variant % 2 == 1, ordered = gather && variant % 4 >= 2;
-      const int ctas = std::array<int, 3>{0, 3, 64}[variant / (gather ? 4 : 2)];  // (0: a CTA a strip)
+      const int ctas = std::array<int, 4>{0, 3, 17, 1000}[variant / (gather ? 4 : 2)];  // (0: a CTA a strip)
       DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(C * cap));
       DeviceBuffer<float> scales(static_cast<std::size_t>(cap / 128 * C));
       DeviceBuffer<std::int32_t> exponents(static_cast<std::size_t>(C / 128 * stride));
