@@ -1,7 +1,8 @@
 // The GPU's blockwise FP8 weight quantization (mok::fp8::quantize_weights) against the
 // host's fp8::quantize, bitwise: ragged edge blocks, blocks of zeros, magnitudes from 2^-30
 // to 2^30 across blocks, a strided view (one half of a concatenated [E, 2I, H] with a
-// padded expert pitch), and the same bytes on a second run.
+// padded expert pitch), and the same bytes on a second run; and the vector kernel
+// (kernels::QuantizeBlocksKernel::vector) likewise, for W, W^T and both from one read.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "gpu_support.hpp"
+#include "kernels/fp8/quantize.cuh"
 #include "mok/bf16.hpp"
 #include "mok/fp8.hpp"
 #include "mok/types.hpp"
@@ -110,6 +112,69 @@ TEST(GpuFp8, StridedViewsAreReadAsTheySay) {
   // The up half of a concatenated [E, 2I, H] (row pitch H, expert pitch 2 I H) would have
   // pitch == cols; here also a padded row pitch, whose padding (NaN) must not be read.
   expect_matches_host(2, 192, 256, 320, 2 * 192 * 320 + 64, 9);
+}
+
+// The vector kernel (kernels::launch_quantize_blocks(..., QuantizeBlocksKernel::vector)) for W, for
+// W^T, and for both at once (values_t), each against the host's quantization of W or W^T; blocks
+// special to the vector path's max (a NaN, an infinity) are added. Edge blocks and views the wide
+// loads cannot take (an odd row pitch) go through its scalar code and must give the same bytes.
+void expect_vector_matches_host(int E, int rows, int cols, int pitch, std::int64_t expert_pitch, std::uint64_t seed) {
+  std::vector<std::uint16_t> host_w = make_weights(E, rows, cols, pitch, expert_pitch, seed);
+  host_w[static_cast<std::size_t>(5 * pitch + 7)] = bf16::from_float(std::nanf("")).bits;       // (expert 0, block 0)
+  host_w[static_cast<std::size_t>(expert_pitch + 3 * pitch + 130)] = bf16::from_float(-INFINITY).bits;  // (expert 1, block 1)
+  const int rb = (rows + 127) / 128, cb = (cols + 127) / 128;
+  DeviceBuffer<std::uint16_t> w(host_w);
+  std::vector<std::vector<std::uint8_t>> want_values(2);
+  std::vector<std::vector<std::int32_t>> want_exponents(2);
+  for (int t = 0; t < 2; ++t) {  // (t = 1: W^T)
+    const int out_rows = t ? cols : rows, out_cols = t ? rows : cols;
+    for (int e = 0; e < E; ++e) {
+      std::vector<float> x(static_cast<std::size_t>(rows) * cols);
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c)
+          x[t ? static_cast<std::size_t>(c) * rows + r : static_cast<std::size_t>(r) * cols + c] =
+              bf16::from_bits(host_w[e * expert_pitch + static_cast<std::int64_t>(r) * pitch + c]).to_float();
+      const Blockwise q = quantize(x.data(), out_rows, out_cols, 128, 128);
+      want_values[t].insert(want_values[t].end(), q.values.begin(), q.values.end());
+      want_exponents[t].insert(want_exponents[t].end(), q.exponents.begin(), q.exponents.end());
+    }
+  }
+  for (int mode = 0; mode < 3; ++mode) {  // W, W^T, both
+    DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(E) * rows * cols), values_t(values.size());
+    DeviceBuffer<std::int32_t> exponents(static_cast<std::size_t>(E) * rb * cb), exponents_t(exponents.size());
+    for (auto* b : {&values, &values_t}) MOK_CUDA_OK(cudaMemset(b->get(), 0xa5, b->size()));
+    for (auto* b : {&exponents, &exponents_t}) MOK_CUDA_OK(cudaMemset(b->get(), 0x5a, b->size() * 4));
+    kernels::QuantizeParams p{};
+    p.w = w.get(), p.expert_stride = expert_pitch, p.row_stride = pitch;
+    p.experts = E, p.rows = rows, p.cols = cols;
+    p.transpose = mode == 1;
+    p.values = values.get(), p.exponents = exponents.get();
+    p.values_expert_stride = static_cast<std::int64_t>(rows) * cols, p.values_row_stride = mode == 1 ? rows : cols;
+    p.exponents_expert_stride = static_cast<std::int64_t>(rb) * cb, p.exponents_row_stride = mode == 1 ? rb : cb;
+    if (mode == 2) {
+      p.values_t = values_t.get(), p.exponents_t = exponents_t.get();
+      p.values_t_expert_stride = static_cast<std::int64_t>(rows) * cols, p.values_t_row_stride = rows;
+      p.exponents_t_expert_stride = static_cast<std::int64_t>(rb) * cb, p.exponents_t_row_stride = rb;
+    }
+    kernels::launch_quantize_blocks(p, nullptr, kernels::QuantizeBlocksKernel::vector);
+    MOK_CUDA_OK(cudaGetLastError());
+    MOK_CUDA_OK(cudaDeviceSynchronize());
+    const auto check = [&](const DeviceBuffer<std::uint8_t>& v, const DeviceBuffer<std::int32_t>& x, int t) {
+      EXPECT_EQ(v.download(), want_values[t]) << "mode " << mode << (t ? ": W^T's values" : ": W's values")
+                                              << ", rows " << rows << ", cols " << cols << ", pitch " << pitch;
+      EXPECT_EQ(x.download(), want_exponents[t]) << "mode " << mode << (t ? ": W^T's exponents" : ": W's exponents");
+    };
+    check(values, exponents, mode == 1 ? 1 : 0);
+    if (mode == 2) check(values_t, exponents_t, 1);
+  }
+}
+
+TEST(GpuFp8, VectorKernelWritesTheHostsBytesForWAndItsTranspose) {
+  MOK_REQUIRE_HOPPER();
+  expect_vector_matches_host(2, 256, 384, 384, 256 * 384, 21);             // whole blocks, the vector path
+  expect_vector_matches_host(3, 200, 320, 320, 200 * 320, 22);             // edge blocks: the scalar code
+  expect_vector_matches_host(2, 256, 256, 264, 256 * 264 + 8, 23);         // a padded pitch, aligned
+  expect_vector_matches_host(2, 256, 256, 260, 256 * 260, 24);             // an unaligned pitch: scalar
 }
 
 }  // namespace

@@ -26,12 +26,30 @@ struct QuantizeParams {
   // 128)] (the strides are theirs) (the same blocks, so the transposed values of the untransposed quantization): the
   // K-major operand of a GEMM that multiplies by W^T (E4M3 wgmma reads K-major only).
   bool transpose = false;
+  // Optional (QuantizeBlocksKernel::vector only; null: none): W^T as well, from the same read —
+  // values_t [experts, cols, rows] and exponents_t [experts, ceil(cols / 128), ceil(rows / 128)] at
+  // their own strides (elements), beside the untransposed values and exponents (transpose false).
+  std::uint8_t* values_t = nullptr;
+  std::int32_t* exponents_t = nullptr;
+  std::int64_t values_t_expert_stride = 0, values_t_row_stride = 0, exponents_t_expert_stride = 0,
+               exponents_t_row_stride = 0;
 };
 
 // One CTA a block: its largest magnitude (a max: any order gives the same value), then
 // every element divided by the block's scale (exact: a power of two) and rounded to E4M3
-// (nearest, ties to even, saturating).
+// (nearest, ties to even, saturating). The kernels (the same bytes): `scalar` reads the block
+// twice, an element a thread at a time, and writes a byte at a time (W^T through shared memory);
+// `vector` reads a whole block's 16-byte pieces once into registers and writes 8-byte rows of W and
+// 16-byte rows of W^T (through a swizzled shared-memory tile), where the block is whole and
+// quantize_blocks_vector_ok holds (else the scalar code, in the same kernel). The layer's
+// quantizations run `scalar` unless a MOK_DIAG_QBLOCKS_VECTOR build chose `vector` (prepared
+// 2026-12-05, not yet measured: bench/NOTES.md).
+enum class QuantizeBlocksKernel { scalar, vector };
 void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream);
+void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream, QuantizeBlocksKernel kernel);
+// Whether p's pointers and strides allow the vector kernel's wide loads and stores (w 16-byte, values
+// 8-byte, values_t 16-byte aligned rows and experts).
+bool quantize_blocks_vector_ok(const QuantizeParams& p);
 
 // The FP8 forward's gather: the plan's routed rows of x (bf16 [T, H], H a multiple of 128)
 // into values (E4M3 [capacity, H], plan order) with one power-of-two scale per 1 x 128 block
