@@ -5,11 +5,13 @@
 # implementation's pass goes, launch by launch, in any build (a diagnostic one too), without the
 # Python package that scripts/ncu_layer.sh needs. On a Hopper machine with ncu:
 #   OUT=<dir> scripts/ncu_bench.sh [--build DIR] [--impl mok-fp8-wgrad,mok] [--preset deepseek-v3]
-#                                  [--pass fwd+bwd] [--kernel REGEX]
+#                                  [--pass fwd+bwd] [--kernel REGEX] [--diag DEFINES]
 # writes $OUT/ncu-bench-<build>-<preset>-<impl>-<pass>.csv (ncu's rows) and prints, per implementation,
 # the kernels' summed ms and DRAM GB and a line per kernel name (bench/ncu_layer.py --summarize). The
 # sums cover both passes (halve them for one) plus the few set-up launches that run before them;
-# --kernel (ncu's -k, e.g. 'regex:quantize_column') keeps only the kernels it matches.
+# --kernel (ncu's -k, e.g. 'regex:quantize_column') keeps only the kernels it matches. --diag: the
+# build (made if missing) with -DMOK_DIAG_DEFINES=DEFINES (';' between several), e.g.
+# --build build-qv --diag MOK_DIAG_QBLOCKS_VECTOR beside a default --build build-ncu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/ncu_out}"
@@ -18,6 +20,7 @@ preset=deepseek-v3
 pass=fwd+bwd
 build=build-ncu
 kernel=""
+diag=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --impl) impls="$2"; shift ;;
@@ -25,7 +28,8 @@ while [ $# -gt 0 ]; do
     --pass) pass="$2"; shift ;;
     --build) build="$2"; shift ;;
     --kernel) kernel="$2"; shift ;;
-    *) echo "usage: ncu_bench.sh [--build DIR] [--impl LIST] [--preset NAME] [--pass fwd|fwd+bwd] [--kernel REGEX]"; exit 2 ;;
+    --diag) diag="$2"; shift ;;
+    *) echo "usage: ncu_bench.sh [--build DIR] [--impl LIST] [--preset NAME] [--pass fwd|fwd+bwd] [--kernel REGEX] [--diag DEFINES]"; exit 2 ;;
   esac
   shift
 done
@@ -35,9 +39,10 @@ set +e
 ncu_bin="$(ncu_path)"
 [ -n "$ncu_bin" ] || { echo "ncu_bench.sh: no ncu (Nsight Compute) found"; exit 1; }
 if [ ! -x "$build/bench/mok_bench" ]; then
-  { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_TESTS=OFF -DMOK_BUILD_EXAMPLES=OFF &&
-    cmake --build "$build" --target mok_bench -j"$(nproc)"; } > "$OUT/ncu-bench-build.log" 2>&1 ||
-    { tail -30 "$OUT/ncu-bench-build.log"; exit 1; }
+  { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_TESTS=OFF -DMOK_BUILD_EXAMPLES=OFF \
+      -DMOK_BUILD_PYTHON=OFF -DMOK_DIAG_DEFINES="$diag" &&
+    cmake --build "$build" --target mok_bench -j"$(nproc)"; } > "$OUT/ncu-bench-build-$(basename "$build").log" 2>&1 ||
+    { tail -30 "$OUT/ncu-bench-build-$(basename "$build").log"; exit 1; }
 fi
 filter=()
 [ -n "$kernel" ] && filter=(-k "$kernel")
