@@ -116,12 +116,14 @@ TEST(GpuFp8, StridedViewsAreReadAsTheySay) {
 
 // The vector kernel (kernels::launch_quantize_blocks(..., QuantizeBlocksKernel::vector)) for W, for
 // W^T, and for both at once (values_t), each against the host's quantization of W or W^T; blocks
-// special to the vector path's max (a NaN, an infinity) are added. Edge blocks and views the wide
-// loads cannot take (an odd row pitch) go through its scalar code and must give the same bytes.
+// special to the vector path's max (a NaN, an infinity beside normal values; make_weights' block of
+// zeros) are added. Edge blocks and views the wide loads cannot take (a row pitch not a multiple of 8
+// elements) go through its scalar code in the same launch and must give the same bytes.
 void expect_vector_matches_host(int E, int rows, int cols, int pitch, std::int64_t expert_pitch, std::uint64_t seed) {
   std::vector<std::uint16_t> host_w = make_weights(E, rows, cols, pitch, expert_pitch, seed);
-  host_w[static_cast<std::size_t>(5 * pitch + 7)] = bf16::from_float(std::nanf("")).bits;       // (expert 0, block 0)
-  host_w[static_cast<std::size_t>(expert_pitch + 3 * pitch + 130)] = bf16::from_float(-INFINITY).bits;  // (expert 1, block 1)
+  host_w[static_cast<std::size_t>(5 * pitch + 7)] = bf16::from_float(std::nanf("")).bits;  // (expert 0, block (0, 0))
+  host_w[static_cast<std::size_t>(expert_pitch + 3 * pitch + 5)] = bf16::from_float(-INFINITY).bits;  // (expert 1, (0, 0))
+  // (expert 1's block (0, 1) stays all zeros: make_weights')
   const int rb = (rows + 127) / 128, cb = (cols + 127) / 128;
   DeviceBuffer<std::uint16_t> w(host_w);
   std::vector<std::vector<std::uint8_t>> want_values(2);
@@ -172,6 +174,7 @@ void expect_vector_matches_host(int E, int rows, int cols, int pitch, std::int64
 TEST(GpuFp8, VectorKernelWritesTheHostsBytesForWAndItsTranspose) {
   MOK_REQUIRE_HOPPER();
   expect_vector_matches_host(2, 256, 384, 384, 256 * 384, 21);             // whole blocks, the vector path
+  expect_vector_matches_host(2, 256, 320, 320, 256 * 320, 25);             // vector blocks beside edge columns
   expect_vector_matches_host(3, 200, 320, 320, 200 * 320, 22);             // edge blocks: the scalar code
   expect_vector_matches_host(2, 256, 256, 264, 256 * 264 + 8, 23);         // a padded pitch, aligned
   expect_vector_matches_host(2, 256, 256, 260, 256 * 260, 24);             // an unaligned pitch: scalar

@@ -128,6 +128,7 @@ __device__ void quantize_block_any(const QuantizeParams& p, int cb, int rb, int 
 // bytes); W^T through block_tile_word's tile, thread t writing 16 rows (16 s .. 16 s + 15, s = t % 8)
 // of W^T rows 4 (t / 8) .. + 3 as four 16-byte stores (a warp's: four rows' 128 bytes), each from
 // sixteen 4-byte shared loads and byte permutes. Edge blocks and unaligned views: quantize_block_any.
+static_assert(kThreads == 256, "quantize_blocks_vector_kernel: 16 threads a 128-column row, 8 a 16-row segment");
 __global__ void __launch_bounds__(kThreads) quantize_blocks_vector_kernel(const __grid_constant__ QuantizeParams p, bool vector_ok) {
   const int cb = blockIdx.x, rb = blockIdx.y, e = blockIdx.z;
   const int r0 = rb * kFp8Block, c0 = cb * kFp8Block;
