@@ -7,8 +7,9 @@ spends a TFLOP of the layer — the figure of merit there.
                  [--pass fwd,fwd+bwd] [--seconds 4] [--repeats 2] [--interval-ms 50]
                  [--mok-bench PATH] [--mok-bench-head PATH] [--out FILE.json]
 
-impls: mok_bench's own (`mok`, `mok-fp8`, `mok-fp8-wgrad`, `mok-fp8-bf16dgrad`, `mok-pp`; through
-mok_bench --serve; the FP8 backward variants forward+backward only), `mok-py`, `torch-compiled`,
+impls: mok_bench's own (`mok`, `mok-fp8`, `mok-fp8-wgrad`, `mok-fp8-bf16dgrad`, `mok-fp8-step` — the
+FP8 weight gradients with the weights quantized again every pass, as a step with one micro-batch an
+optimizer step —, `mok-pp`; through mok_bench --serve; the FP8 backward variants forward+backward only), `mok-py`, `torch-compiled`,
 `torch`; with --mok-bench-head (a second build, e.g. a diagnostic one), `head:<impl>` runs mok_bench's
 <impl> in that binary, so two builds' clocks and power are sampled in the same rounds.
 
@@ -37,8 +38,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-BENCH_IMPLS = ("mok", "mok-fp8", "mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-pp")  # (mok_bench --serve's)
-BWD_ONLY = ("mok-fp8-wgrad", "mok-fp8-bf16dgrad")
+BENCH_IMPLS = ("mok", "mok-fp8", "mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step", "mok-pp")  # (mok_bench --serve's)
+BWD_ONLY = ("mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step")
 IMPLS = BENCH_IMPLS + tuple(f"head:{i}" for i in BENCH_IMPLS) + ("mok-py", "torch-compiled", "torch")
 QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 

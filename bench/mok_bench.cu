@@ -43,6 +43,9 @@
 //   mok-fp8-bf16dgrad  the same forward, the backward's dgrad in bf16 (pass fwd+bwd)
 //   mok-fp8-wgrad      mok-fp8 with the weight gradients in E4M3 too (pass fwd+bwd;
 //                      BackwardArgs::fp8_weight_gradients)
+//   mok-fp8-step       mok-fp8-wgrad with the routed weights quantized again in every pass (the
+//                      forward's and the dgrad's): a training step with one micro-batch an
+//                      optimizer step (pass fwd+bwd)
 // peak_bytes (mok): the workspace + y + the high-water mark of what one pass allocates from
 // a caching stream-ordered pool (scratch; fwd+bwd: saved tensor, dx, d_topk_weights, bf16
 // weight gradients, allocated when the backward runs), as PyTorch's allocator would count it.
@@ -109,7 +112,7 @@ int serve() {
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::unique_ptr<Problem> problem;
-  static const char* const impls[] = {"mok", "mok-fp8", "mok-pp", "mok-fp8-bf16dgrad", "mok-fp8-wgrad"};
+  static const char* const impls[] = {"mok", "mok-fp8", "mok-pp", "mok-fp8-bf16dgrad", "mok-fp8-wgrad", "mok-fp8-step"};
   std::unique_ptr<FusedLayer> layers[2 * std::size(impls)];  // each impl's fwd, fwd+bwd
   auto layer = [&](const std::string& pass, std::istringstream& in) -> FusedLayer& {
     if (!problem) throw mok::Error("mok_bench: 'load' a preset first");
@@ -118,7 +121,8 @@ int serve() {
     in >> impl;  // (optional)
     const auto known = std::find(std::begin(impls), std::end(impls), impl);
     if (known == std::end(impls))
-      throw mok::Error("mok_bench: impl must be mok, mok-fp8, mok-pp, mok-fp8-bf16dgrad or mok-fp8-wgrad, got '" + impl + "'");
+      throw mok::Error("mok_bench: impl must be mok, mok-fp8, mok-pp, mok-fp8-bf16dgrad, mok-fp8-wgrad or mok-fp8-step, got '" +
+                       impl + "'");
     auto& l = layers[2 * (known - std::begin(impls)) + (pass == "fwd+bwd")];
     if (!l) l = std::make_unique<FusedLayer>(*problem, impl, pass, mok::Config{}, stream);
     return *l;
@@ -245,9 +249,10 @@ int main(int argc, char** argv) try {
     if (name != "all") mok::find_preset(name);  // unknown names are an error
   for (const std::string& impl : o.impls)
     if (impl != "mok" && impl != "mok-pp" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "mok-fp8-bf16dgrad" &&
-        impl != "mok-fp8-wgrad" && impl != "cublas" && impl != "plan")
+        impl != "mok-fp8-wgrad" && impl != "mok-fp8-step" && impl != "cublas" && impl != "plan")
       throw mok::Error("mok_bench: impl '" + impl +
-                       "' is not available (known: mok, mok-pp, mok-ep1, mok-fp8, mok-fp8-bf16dgrad, mok-fp8-wgrad, cublas, plan)");
+                       "' is not available (known: mok, mok-pp, mok-ep1, mok-fp8, mok-fp8-bf16dgrad, mok-fp8-wgrad, "
+                       "mok-fp8-step, cublas, plan)");
 
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -267,7 +272,7 @@ int main(int argc, char** argv) try {
       std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
       for (const std::string& pass : passes) {
         const bool fp8 = impl.starts_with("mok-fp8");
-        if ((impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad") && pass != "fwd+bwd") continue;
+        if ((impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step") && pass != "fwd+bwd") continue;
         if (fp8 && (p->shape.hidden % 128 != 0 || p->shape.intermediate % 128 != 0)) {
           std::printf("%-16s %-7s %-8s    (skipped: Precision::fp8 needs H and I multiples of 128)\n", p->name.c_str(),
                       impl.c_str(), pass.c_str());

@@ -88,6 +88,8 @@
 # <date>-<commit>-power.json (bench/report.py's power section: each impl's speed against mok's in the
 # same rounds). FP8 / BF16 at the plateau a training step runs on:
 #   --part power --impl mok,mok-fp8,mok-fp8-wgrad --pass fwd,fwd+bwd --presets <the FP8 presets>
+# (mok-fp8-step: mok-fp8-wgrad with the weights quantized again every pass, a step with one
+# micro-batch an optimizer step)
 # `diagab` (same-bits diagnostic variants against the default): a default mok_bench build and one per
 # variant (--diag A[,B...]; a variant of several defines separates them with ';'), bench/ab_serve.py of each against the default (--impl, default mok,mok; --pass, default
 # fwd+bwd; --presets, default mixtral-8x7b,qwen3-30b-a3b,deepseek-v3; --repeats rounds; outputs checked

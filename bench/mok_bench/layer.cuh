@@ -55,7 +55,9 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
 // dgrad (BackwardArgs::fp8); "mok-fp8-bf16dgrad": the same forward, the backward's dgrad in
 // bf16; "mok-fp8-wgrad": "mok-fp8" with the weight gradients in E4M3 too
 // (BackwardArgs::fp8_weight_gradients; pass fwd+bwd). The routed weights are quantized once when the layer is made
-// (mok::fp8::quantize_weights, quantize_dgrad_weights; not in the timed pass). "mok-pp": "mok"
+// (mok::fp8::quantize_weights, quantize_dgrad_weights; not in the timed pass), except in
+// "mok-fp8-step": "mok-fp8-wgrad" with that quantization in every pass too — a training step with
+// one micro-batch an optimizer step, whose weights are new each step. "mok-pp": "mok"
 // with Config::pingpong (the forward's ping-pong consumers; the same bits).
 class FusedLayer {
   static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8, bool pingpong) {  // (--interleave-rows, replay_launches: all)
@@ -67,9 +69,9 @@ class FusedLayer {
     return c;
   }
   static bool fp8_forward(const std::string& impl, const std::string& pass) {
-    if ((impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad") && pass != "fwd+bwd")
+    if ((impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step") && pass != "fwd+bwd")
       throw mok::Error("mok_bench: " + impl + " is a training step (pass fwd+bwd), got pass '" + pass + "'");
-    return impl == "mok-fp8" || impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad";
+    return impl == "mok-fp8" || impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step";
   }
 
  public:
@@ -103,20 +105,18 @@ class FusedLayer {
       w.gate_exponents = mok::TensorView::contiguous(i32(E * Ib * Hb), mok::DType::i32, dev, {E, Ib, Hb});
       w.up_exponents = mok::TensorView::contiguous(i32(E * Ib * Hb), mok::DType::i32, dev, {E, Ib, Hb});
       w.down_exponents = mok::TensorView::contiguous(i32(E * Hb * Ib), mok::DType::i32, dev, {E, Hb, Ib});
-      mok::fp8::quantize_weights(a_.w_gate, w.gate, w.gate_exponents, stream_);
-      mok::fp8::quantize_weights(a_.w_up, w.up, w.up_exponents, stream_);
-      mok::fp8::quantize_weights(a_.w_down, w.down, w.down_exponents, stream_);
       a_.fp8 = w;
-      wgrad_ = impl == "mok-fp8-wgrad";
+      requantize_ = impl == "mok-fp8-step";
+      wgrad_ = impl == "mok-fp8-wgrad" || requantize_;
       if (bwd_ && (impl == "mok-fp8" || wgrad_)) {
         mok::Fp8DgradWeights d;
         d.down_t = mok::TensorView::contiguous(u8(E * I * H), mok::DType::u8, dev, {E, I, H});
         d.gate_up_t = mok::TensorView::contiguous(u8(2 * E * H * I), mok::DType::u8, dev, {E, H, 2 * I});
         d.down_t_exponents = mok::TensorView::contiguous(i32(E * Ib * Hb), mok::DType::i32, dev, {E, Ib, Hb});
         d.gate_up_t_exponents = mok::TensorView::contiguous(i32(2 * E * Hb * Ib), mok::DType::i32, dev, {E, Hb, 2 * Ib});
-        mok::fp8::quantize_dgrad_weights(a_.w_gate, a_.w_up, a_.w_down, d, stream_);
         dgrad_ = d;
       }
+      quantize_weights();
     }
     if (ep1_) {
       group_ = std::make_unique<mok::VirtualRanks>(s, T, ep_config, bwd_ ? mok::Training::save : mok::Training::off);
@@ -131,11 +131,20 @@ class FusedLayer {
     }
   }
 
+  // The routed weights quantized (Precision::fp8): the forward's, and the dgrad's where it runs.
+  void quantize_weights() {
+    mok::fp8::quantize_weights(a_.w_gate, a_.fp8->gate, a_.fp8->gate_exponents, stream_);
+    mok::fp8::quantize_weights(a_.w_up, a_.fp8->up, a_.fp8->up_exponents, stream_);
+    mok::fp8::quantize_weights(a_.w_down, a_.fp8->down, a_.fp8->down_exponents, stream_);
+    if (dgrad_) mok::fp8::quantize_dgrad_weights(a_.w_gate, a_.w_up, a_.w_down, *dgrad_, stream_);
+  }
+
   // One pass. With keep, the outputs stay allocated (poisoned before the pass) for the
   // caller to read; release_kept() frees them.
   void step(bool keep = false) {
     if (keep) CUDA_OK(cudaMemsetAsync(y_, 0xff, pr_.T * pr_.s.hidden * 2, stream_));
     if (ep1_) return step_ep1(keep);
+    if (requantize_) quantize_weights();  // (mok-fp8-step: new weights every step)
     if (!bwd_) {
       forward(std::nullopt);
       return;
@@ -297,7 +306,8 @@ class FusedLayer {
   std::unique_ptr<mok::VirtualRanks> group_;
   mok::ForwardArgs a_;
   std::optional<mok::Fp8DgradWeights> dgrad_;  // mok-fp8, fwd+bwd
-  bool wgrad_ = false;                          // mok-fp8-wgrad
+  bool wgrad_ = false;                          // mok-fp8-wgrad, mok-fp8-step
+  bool requantize_ = false;                     // mok-fp8-step
   std::uint16_t* y_ = nullptr;
   std::uint16_t* saved_fixed_ = nullptr;
   Outputs outputs_;
