@@ -388,6 +388,29 @@ def test_synced_and_queued_timings_give_every_iteration(queued):
     assert len(times) == 4 and times == sorted(times) and min(times) > 0 and len(host) == 4
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)),
+                    reason="needs a Hopper GPU")
+@pytest.mark.skipif(not os.path.exists(MOK_BENCH), reason=f"{MOK_BENCH} not built (scripts/test.sh builds it)")
+def test_fp8_step_quantizes_the_weights_again_to_the_same_bits():
+    """mok_bench's mok-fp8-step (the routed weights quantized again in every pass, as a step with
+    one micro-batch an optimizer step) gives mok-fp8-wgrad's outputs bit for bit (the same weights
+    quantize to the same bytes), and times."""
+    from mok_impls import MokBench
+
+    d = tb.make_inputs(tb.load_presets()["tiny"], "uniform", seed=1)
+    server = MokBench(MOK_BENCH)
+    try:
+        server.load("tiny", 1, d)
+        once = server.call("check", "fwd+bwd", "mok-fp8-wgrad")["checksums"]
+        every = server.call("check", "fwd+bwd", "mok-fp8-step")["checksums"]
+        again = server.call("check", "fwd+bwd", "mok-fp8-step")["checksums"]  # (its second pass: quantized again)
+        reply = server.call("time-queued", "fwd+bwd", 1, 3, "mok-fp8-step")
+    finally:
+        server.close()
+    assert len(once) >= 5 and once == every == again
+    assert len(reply["ms"]) == 3 and min(reply["ms"]) > 0
+
+
 def test_round_ratios_pair_each_run_and_pool_the_runs():
     """rounds.round_ratios pairs mok with mok-py within a run (same commit and date) and appends
     the runs' rounds; median_interval's median is the plain median and the interval holds it."""
