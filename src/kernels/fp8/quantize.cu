@@ -18,61 +18,54 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(QuantizeParams p) {
-  const int cb = blockIdx.x, rb = blockIdx.y, e = blockIdx.z;
-  const int r0 = rb * kFp8Block, c0 = cb * kFp8Block;
-  const int rows = min(kFp8Block, p.rows - r0), cols = min(kFp8Block, p.cols - c0);
-  const std::uint16_t* w = p.w + e * p.expert_stride + static_cast<std::int64_t>(r0) * p.row_stride + c0;
-  float amax = 0.0f;
-  for (int i = threadIdx.x; i < rows * kFp8Block; i += kThreads) {
-    const int r = i / kFp8Block, c = i % kFp8Block;
-    if (c < cols) amax = fmaxf(amax, fabsf(bf16_bits_value(w[static_cast<std::int64_t>(r) * p.row_stride + c])));
-  }
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  __shared__ float warp_max[kThreads / 32];
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
-  __syncthreads();
-  amax = warp_max[0];
-  for (int i = 1; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
-  const int exponent = fp8_scale_exponent(amax);
-  const InverseScale inverse(exponent);
-  auto value = [&](int r, int c) {
-    const float x = inverse(bf16_bits_value(w[static_cast<std::int64_t>(r) * p.row_stride + c]));
-    return static_cast<std::uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
-  };
-  if (!p.transpose) {
-    if (threadIdx.x == 0) p.exponents[e * p.exponents_expert_stride + rb * p.exponents_row_stride + cb] = exponent;
-    std::uint8_t* out = p.values + e * p.values_expert_stride + r0 * p.values_row_stride + c0;
-    for (int i = threadIdx.x; i < rows * kFp8Block; i += kThreads) {
-      const int r = i / kFp8Block, c = i % kFp8Block;
-      if (c < cols) out[r * p.values_row_stride + c] = value(r, c);
-    }
-    return;
-  }
-  // Transposed: the block's bytes through shared memory, then written as rows of W^T.
-  __shared__ std::uint8_t tile[kFp8Block][kFp8Block + 4];
-  if (threadIdx.x == 0) p.exponents[e * p.exponents_expert_stride + cb * p.exponents_row_stride + rb] = exponent;
-  for (int i = threadIdx.x; i < rows * kFp8Block; i += kThreads) {
-    const int r = i / kFp8Block, c = i % kFp8Block;
-    if (c < cols) tile[c][r] = value(r, c);
-  }
-  __syncthreads();
-  std::uint8_t* out = p.values + e * p.values_expert_stride + c0 * p.values_row_stride + r0;
-  for (int i = threadIdx.x; i < cols * kFp8Block; i += kThreads) {
-    const int c = i / kFp8Block, r = i % kFp8Block;
-    if (r < rows) out[c * p.values_row_stride + r] = tile[c][r];
-  }
-}
-
 // The vector kernel's W^T staging: a whole block's E4M3 bytes as words (row r, word q: columns
 // 4 q .. 4 q + 3) at r * 32 + (q ^ 4 (r / 16)), so that the eight 16-row segments a warp reads
 // for its W^T rows fall in different banks; 16 KB.
 __device__ __forceinline__ int block_tile_word(int r, int q) { return r * 32 + (q ^ (4 * (r / 16))); }
 
-// Block (rb, cb) of expert e, any shape and alignment (the vector kernel's edge blocks, and its
-// blocks where quantize_blocks_vector_ok fails): quantize_blocks_kernel's two reads and byte stores,
-// with values_t as well where set. `tile`: 128 x 132 bytes of shared memory.
-__device__ void quantize_block_any(const QuantizeParams& p, int cb, int rb, int e, std::uint8_t (*tile)[kFp8Block + 4],
+// A block's exponent where the launch writes it (thread 0): W's [e][rb][cb] unless transpose, and
+// W^T's [e][cb][rb] — in exponents with transpose, in exponents_t with values_t.
+__device__ __forceinline__ void store_block_exponent(const QuantizeParams& p, int e, int rb, int cb, int exponent) {
+  if (threadIdx.x != 0) return;
+  if (p.transpose) {
+    p.exponents[e * p.exponents_expert_stride + cb * p.exponents_row_stride + rb] = exponent;
+    return;
+  }
+  p.exponents[e * p.exponents_expert_stride + rb * p.exponents_row_stride + cb] = exponent;
+  if (p.values_t != nullptr) p.exponents_t[e * p.exponents_t_expert_stride + cb * p.exponents_t_row_stride + rb] = exponent;
+}
+
+// W^T's bytes of block (rb, cb) of expert e: row c of the block at the result + c * row_stride
+// (values with transpose, values_t with it set), or null where W^T is not written.
+struct TransposedBlock {
+  std::uint8_t* values;
+  std::int64_t row_stride;
+};
+__device__ __forceinline__ TransposedBlock transposed_block(const QuantizeParams& p, int e, int rb, int cb) {
+  if (!p.transpose && p.values_t == nullptr) return {nullptr, 0};
+  const std::int64_t expert_stride = p.transpose ? p.values_expert_stride : p.values_t_expert_stride;
+  const std::int64_t row_stride = p.transpose ? p.values_row_stride : p.values_t_row_stride;
+  return {(p.transpose ? p.values : p.values_t) + e * expert_stride + static_cast<std::int64_t>(cb) * kFp8Block * row_stride +
+              rb * kFp8Block,
+          row_stride};
+}
+
+// The largest of every thread's v (a max: the same in any order), on every thread of the CTA;
+// warp_max: kThreads / 32 floats of shared memory, free until the barrier inside.
+__device__ __forceinline__ float cta_max(float v, float* warp_max) {
+  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = warp_max[0];
+  for (int i = 1; i < kThreads / 32; ++i) v = fmaxf(v, warp_max[i]);
+  return v;
+}
+
+// Block (rb, cb) of expert e, any shape and alignment (QuantizeBlocksKernel::scalar's every block;
+// the vector kernel's edge blocks, and its blocks where quantize_blocks_vector_ok fails): the block
+// read twice, an element a thread at a time, and written a byte at a time (W^T through shared
+// memory), with values_t as well where set. `tile`: 128 x 132 bytes of shared memory.
+__device__ __forceinline__ void quantize_block_any(const QuantizeParams& p, int cb, int rb, int e, std::uint8_t (*tile)[kFp8Block + 4],
                                    float* warp_max) {
   const int r0 = rb * kFp8Block, c0 = cb * kFp8Block;
   const int rows = min(kFp8Block, p.rows - r0), cols = min(kFp8Block, p.cols - c0);
@@ -82,43 +75,41 @@ __device__ void quantize_block_any(const QuantizeParams& p, int cb, int rb, int 
     const int r = i / kFp8Block, c = i % kFp8Block;
     if (c < cols) amax = fmaxf(amax, fabsf(bf16_bits_value(w[static_cast<std::int64_t>(r) * p.row_stride + c])));
   }
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
-  __syncthreads();
-  amax = warp_max[0];
-  for (int i = 1; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
+  amax = cta_max(amax, warp_max);
   const int exponent = fp8_scale_exponent(amax);
   const InverseScale inverse(exponent);
   auto value = [&](int r, int c) {
     const float x = inverse(bf16_bits_value(w[static_cast<std::int64_t>(r) * p.row_stride + c]));
     return static_cast<std::uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
   };
+  store_block_exponent(p, e, rb, cb, exponent);
   if (!p.transpose) {
-    if (threadIdx.x == 0) p.exponents[e * p.exponents_expert_stride + rb * p.exponents_row_stride + cb] = exponent;
     std::uint8_t* out = p.values + e * p.values_expert_stride + r0 * p.values_row_stride + c0;
     for (int i = threadIdx.x; i < rows * kFp8Block; i += kThreads) {
       const int r = i / kFp8Block, c = i % kFp8Block;
       if (c < cols) out[r * p.values_row_stride + c] = value(r, c);
     }
   }
-  if (!p.transpose && p.values_t == nullptr) return;
-  std::uint8_t* out_t = p.transpose ? p.values : p.values_t;
-  const std::int64_t ves = p.transpose ? p.values_expert_stride : p.values_t_expert_stride;
-  const std::int64_t vrs = p.transpose ? p.values_row_stride : p.values_t_row_stride;
-  if (threadIdx.x == 0) {
-    if (p.transpose) p.exponents[e * p.exponents_expert_stride + cb * p.exponents_row_stride + rb] = exponent;
-    else p.exponents_t[e * p.exponents_t_expert_stride + cb * p.exponents_t_row_stride + rb] = exponent;
-  }
+  const TransposedBlock out_t = transposed_block(p, e, rb, cb);
+  if (out_t.values == nullptr) return;
   for (int i = threadIdx.x; i < rows * kFp8Block; i += kThreads) {
     const int r = i / kFp8Block, c = i % kFp8Block;
     if (c < cols) tile[c][r] = value(r, c);
   }
   __syncthreads();
-  out_t += e * ves + static_cast<std::int64_t>(c0) * vrs + r0;
   for (int i = threadIdx.x; i < cols * kFp8Block; i += kThreads) {
     const int c = i / kFp8Block, r = i % kFp8Block;
-    if (r < rows) out_t[c * vrs + r] = tile[c][r];
+    if (r < rows) out_t.values[c * out_t.row_stride + r] = tile[c][r];
   }
+}
+
+// QuantizeBlocksKernel::scalar: quantize_block_any on a block a CTA (4 CTAs an SM: without the
+// bound ptxas chose 32 registers and spilled).
+__global__ void __launch_bounds__(kThreads, 4) quantize_blocks_kernel(const __grid_constant__ QuantizeParams p) {
+  __shared__ std::uint8_t tile[kFp8Block][kFp8Block + 4];
+  __shared__ float warp_max[kThreads / 32];
+  const int cb = blockIdx.x, rb = blockIdx.y, e = blockIdx.z;
+  quantize_block_any(p, cb, rb, e, tile, warp_max);
 }
 
 // QuantizeBlocksKernel::vector (the same bytes as quantize_blocks_kernel): a whole block read once,
@@ -151,13 +142,7 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_vector_kernel(const 
 #pragma unroll
     for (int q = 0; q < 4; ++q) pair_max = __hmax2(pair_max, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&words[q])));
   }
-  float amax = fmaxf(__low2float(pair_max), __high2float(pair_max));
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
-  __syncthreads();
-  amax = warp_max[0];
-#pragma unroll
-  for (int i = 1; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
+  const float amax = cta_max(fmaxf(__low2float(pair_max), __high2float(pair_max)), warp_max);
   const int exponent = fp8_scale_exponent(amax);
   const InverseScale inverse(exponent);
   uint2 q[8];  // (the E4M3 bytes of piece `chunk` of rows row + 16 j)
@@ -172,30 +157,24 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_vector_kernel(const 
     }
     q[j] = make_uint2(pack_e4m3x4(f[0], f[1], f[2], f[3]), pack_e4m3x4(f[4], f[5], f[6], f[7]));
   }
+  store_block_exponent(p, e, rb, cb, exponent);
   if (!p.transpose) {
-    if (threadIdx.x == 0) p.exponents[e * p.exponents_expert_stride + rb * p.exponents_row_stride + cb] = exponent;
     std::uint8_t* out = p.values + e * p.values_expert_stride + static_cast<std::int64_t>(r0) * p.values_row_stride + c0;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
       *reinterpret_cast<uint2*>(out + static_cast<std::int64_t>(row + 16 * j) * p.values_row_stride + 8 * chunk) = q[j];
   }
-  if (!p.transpose && p.values_t == nullptr) return;
+  const TransposedBlock out_t = transposed_block(p, e, rb, cb);
+  if (out_t.values == nullptr) return;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     *reinterpret_cast<uint2*>(&smem[block_tile_word(row + 16 * j, 2 * chunk)]) = q[j];
-  if (threadIdx.x == 0) {
-    if (p.transpose) p.exponents[e * p.exponents_expert_stride + cb * p.exponents_row_stride + rb] = exponent;
-    else p.exponents_t[e * p.exponents_t_expert_stride + cb * p.exponents_t_row_stride + rb] = exponent;
-  }
   __syncthreads();
   const int segment = threadIdx.x % 8, group = threadIdx.x / 8;  // (W rows 16 segment .. + 15; W columns 4 group .. + 3)
   std::uint32_t words[16];  // (W row 16 segment + i, columns 4 group .. + 3)
 #pragma unroll
   for (int i = 0; i < 16; ++i) words[i] = smem[block_tile_word(16 * segment + i, group)];
-  std::uint8_t* out_t = p.transpose ? p.values : p.values_t;
-  const std::int64_t ves = p.transpose ? p.values_expert_stride : p.values_t_expert_stride;
-  const std::int64_t vrs = p.transpose ? p.values_row_stride : p.values_t_row_stride;
-  out_t += e * ves + static_cast<std::int64_t>(c0 + 4 * group) * vrs + r0 + 16 * segment;
+  std::uint8_t* rows_t = out_t.values + (4 * group) * out_t.row_stride + 16 * segment;
 #pragma unroll
   for (int b = 0; b < 4; ++b) {  // (W^T row c0 + 4 group + b: byte b of each word)
     const unsigned pick = b | ((4 + b) << 4);  // (byte b of the first word, then of the second)
@@ -204,7 +183,29 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_vector_kernel(const 
     for (int k = 0; k < 4; ++k)
       t[k] = __byte_perm(__byte_perm(words[4 * k], words[4 * k + 1], pick), __byte_perm(words[4 * k + 2], words[4 * k + 3], pick),
                          0x5410);
-    *reinterpret_cast<uint4*>(out_t + b * vrs) = make_uint4(t[0], t[1], t[2], t[3]);
+    *reinterpret_cast<uint4*>(rows_t + b * out_t.row_stride) = make_uint4(t[0], t[1], t[2], t[3]);
+  }
+}
+
+// Plan row `row`'s bf16 copy (QuantizeRowsParams::rows_bf16: rows before split there, the rest in
+// rows_bf16_hi from its start), or null without one.
+__device__ __forceinline__ std::uint16_t* bf16_copy_row(const QuantizeRowsParams& p, std::int64_t row) {
+  if (p.rows_bf16 == nullptr) return nullptr;
+  return row < p.split ? p.rows_bf16 + row * p.hidden : p.rows_bf16_hi + (row - p.split) * p.hidden;
+}
+
+// f(row) for each plan row of a token's k pairs (rows_of_token: pair_row's k entries; pairs routed
+// nowhere, -1, skipped), in pair order, on every lane of the warp: lane i loads pair i0 + i's row,
+// 32 at a time, and the warp takes them one by one.
+template <class F>
+__device__ __forceinline__ void for_each_token_row(const std::int32_t* rows_of_token, int k, F&& f) {
+  const int lane = threadIdx.x % 32;
+  for (int i0 = 0; i0 < k; i0 += 32) {
+    const std::int32_t held = i0 + lane < k ? rows_of_token[i0 + lane] : -1;
+    for (int i = 0; i < min(32, k - i0); ++i) {
+      const std::int32_t row = __shfl_sync(0xffffffffu, held, i);
+      if (row >= 0) f(static_cast<std::int64_t>(row));
+    }
   }
 }
 
@@ -220,9 +221,8 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_co
   for (std::int64_t row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < rows; row += warps) {
     const std::int32_t pair = p.row_pair[row];
     std::uint32_t* values = reinterpret_cast<std::uint32_t*>(p.values + row * p.hidden) + lane;
-    uint2* copy = nullptr;  // the bf16 copy's row (optional)
-    if (p.rows_bf16 != nullptr)
-      copy = reinterpret_cast<uint2*>(row < p.split ? p.rows_bf16 + row * p.hidden : p.rows_bf16_hi + (row - p.split) * p.hidden) + lane;
+    std::uint16_t* copy_row = bf16_copy_row(p, row);  // (optional)
+    uint2* copy = copy_row != nullptr ? reinterpret_cast<uint2*>(copy_row) + lane : nullptr;
     if (pair < 0) {
       for (int b = 0; b < blocks; ++b) {
         values[b * 32] = 0;
@@ -258,9 +258,8 @@ __device__ __forceinline__ void scatter_padding_rows(const QuantizeRowsParams& p
     for (; padding; padding &= padding - 1) {
       const std::int64_t row = base + __ffs(padding) - 1;
       std::uint32_t* values = reinterpret_cast<std::uint32_t*>(p.values + row * p.hidden) + lane;
-      uint2* copy = p.rows_bf16 == nullptr ? nullptr
-                                           : reinterpret_cast<uint2*>(row < p.split ? p.rows_bf16 + row * p.hidden
-                                                                                    : p.rows_bf16_hi + (row - p.split) * p.hidden) + lane;
+      std::uint16_t* copy_row = bf16_copy_row(p, row);
+      uint2* copy = copy_row != nullptr ? reinterpret_cast<uint2*>(copy_row) + lane : nullptr;
       for (int b = 0; b < blocks; ++b) {
         values[b * 32] = 0;
         if (copy != nullptr) copy[b * 32] = make_uint2(0, 0);
@@ -280,12 +279,7 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
   const int lane = threadIdx.x % 32, blocks = p.hidden / kFp8Block, k = p.top_k;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
   const std::int64_t warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
-  auto values_at = [&](std::int64_t row) { return reinterpret_cast<std::uint32_t*>(p.values + row * p.hidden) + lane; };
-  auto copy_at = [&](std::int64_t row) {  // the bf16 copy's row (optional)
-    return p.rows_bf16 == nullptr ? nullptr
-                                  : reinterpret_cast<uint2*>(row < p.split ? p.rows_bf16 + row * p.hidden
-                                                                           : p.rows_bf16_hi + (row - p.split) * p.hidden) + lane;
-  };
+
   const std::int64_t tokens = p.pairs / k;
   for (std::int64_t token = warp; token < tokens; token += warps) {
     const uint2* x = reinterpret_cast<const uint2*>(p.x[0] + token * p.hidden) + lane;
@@ -296,22 +290,17 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
       QuantizedLane q[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) q[j] = quantize_lane(bits[j]);  // (blocks past the row: never stored)
-      for (int i0 = 0; i0 < k; i0 += 32) {  // (lane i holds pair i0 + i's row)
-        const std::int32_t mine = i0 + lane < k ? rows_of_token[i0 + lane] : -1;
-        for (int i = 0; i < min(32, k - i0); ++i) {
-          const std::int32_t row = __shfl_sync(0xffffffffu, mine, i);
-          if (row < 0) continue;  // (a pair routed nowhere: no row)
-          std::uint32_t* values = values_at(row);
-          uint2* copy = copy_at(row);
+      for_each_token_row(rows_of_token, k, [&](std::int64_t row) {
+        std::uint32_t* values = reinterpret_cast<std::uint32_t*>(p.values + row * p.hidden) + lane;
+        std::uint16_t* copy_row = bf16_copy_row(p, row);  // (optional)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if (b0 + j >= blocks) break;
-            values[(b0 + j) * 32] = q[j].values;
-            if (copy != nullptr) copy[(b0 + j) * 32] = bits[j];
-            if (lane == 0) p.scales[(b0 + j) * p.capacity + row] = q[j].scale;
-          }
+        for (int j = 0; j < 4; ++j) {
+          if (b0 + j >= blocks) break;
+          values[(b0 + j) * 32] = q[j].values;
+          if (copy_row != nullptr) reinterpret_cast<uint2*>(copy_row)[lane + (b0 + j) * 32] = bits[j];
+          if (lane == 0) p.scales[(b0 + j) * p.capacity + row] = q[j].scale;
         }
-      }
+      });
     }
   }
   scatter_padding_rows(p, warp, warps);
@@ -364,21 +353,16 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_wide_kernel(const _
                                  pack_e4m3x4(inverse(v[8]), inverse(v[9]), inverse(v[10]), inverse(v[11])),
                                  pack_e4m3x4(inverse(v[12]), inverse(v[13]), inverse(v[14]), inverse(v[15])));
       const float scale = exp2_int(e);
-      for (int i0 = 0; i0 < k; i0 += 32) {  // (lane i holds pair i0 + i's row)
-        const std::int32_t held = i0 + lane < k ? rows_of_token[i0 + lane] : -1;
-        for (int i = 0; i < min(32, k - i0); ++i) {
-          const std::int32_t row = __shfl_sync(0xffffffffu, held, i);
-          if (row < 0 || !mine) continue;  // (a pair routed nowhere: no row)
-          const std::int64_t at = static_cast<std::int64_t>(row) * p.hidden + b0 * kFp8Block + lane_column;
-          *reinterpret_cast<uint4*>(p.values + at) = q;
-          if (p.rows_bf16 != nullptr) {
-            std::uint16_t* copy = row < p.split ? p.rows_bf16 + at : p.rows_bf16_hi + (at - p.split * p.hidden);
-            reinterpret_cast<uint4*>(copy)[0] = bits[0];
-            reinterpret_cast<uint4*>(copy)[1] = bits[1];
-          }
-          if (part == 0) p.scales[(b0 + j) * p.capacity + row] = scale;
+      for_each_token_row(rows_of_token, k, [&](std::int64_t row) {
+        if (!mine) return;
+        const int column = b0 * kFp8Block + lane_column;
+        *reinterpret_cast<uint4*>(p.values + row * p.hidden + column) = q;
+        if (std::uint16_t* copy_row = bf16_copy_row(p, row)) {
+          reinterpret_cast<uint4*>(copy_row + column)[0] = bits[0];
+          reinterpret_cast<uint4*>(copy_row + column)[1] = bits[1];
         }
-      }
+        if (part == 0) p.scales[(b0 + j) * p.capacity + row] = scale;
+      });
     }
   }
   scatter_padding_rows(p, warp, warps);
@@ -431,18 +415,15 @@ __device__ __forceinline__ ColumnStrip column_strip(const QuantizeColumnsParams&
   return {first, min(column_tiles, first + per_cta)};
 }
 
-// Where plan rows [row0, row0 + 128) start in src (elements; -1: a padding row, read as zeros),
-// one thread a row, then a barrier: found once for every column tile of a strip.
+// Where plan row `row` starts in src (elements; -1: a padding row, read as zeros); find_row_offsets:
+// rows [row0, row0 + 128), one thread a row, then a barrier — found once for every column tile of a strip.
+__device__ __forceinline__ std::int64_t plan_row_offset(const QuantizeColumnsParams& p, std::int64_t row) {
+  if (p.row_pair == nullptr) return row * p.row_stride;
+  const std::int32_t pair = p.row_pair[row];
+  return pair >= 0 ? static_cast<std::int64_t>(pair / p.top_k) * p.row_stride : -1;
+}
 __device__ __forceinline__ void find_row_offsets(const QuantizeColumnsParams& p, std::int64_t row0, std::int64_t* row_offset) {
-  if (threadIdx.x < kFp8Block) {
-    const std::int64_t row = row0 + threadIdx.x;
-    if (p.row_pair == nullptr) {
-      row_offset[threadIdx.x] = row * p.row_stride;
-    } else {
-      const std::int32_t pair = p.row_pair[row];
-      row_offset[threadIdx.x] = pair >= 0 ? static_cast<std::int64_t>(pair / p.top_k) * p.row_stride : -1;
-    }
-  }
+  if (threadIdx.x < kFp8Block) row_offset[threadIdx.x] = plan_row_offset(p, row0 + threadIdx.x);
   __syncthreads();
 }
 
@@ -611,11 +592,8 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_persistent_k
     const int first = it / positions * per_strip;
     return ColumnStrip{first, min(column_tiles, first + per_strip)};
   };
-  auto offset_of = [&](int tile) -> std::int64_t {  // (thread t < 128: plan row 128 tile + t's start)
-    const std::int64_t row = static_cast<std::int64_t>(tile) * kFp8Block + threadIdx.x;
-    if (p.row_pair == nullptr) return row * p.row_stride;
-    const std::int32_t pair = p.row_pair[row];
-    return pair >= 0 ? static_cast<std::int64_t>(pair / p.top_k) * p.row_stride : -1;
+  auto offset_of = [&](int tile) {  // (thread t < 128: plan row 128 tile + t's start)
+    return plan_row_offset(p, static_cast<std::int64_t>(tile) * kFp8Block + threadIdx.x);
   };
   int tile = tile_of(item), buffer = 0, parity = 0;
   ColumnStrip strip = strip_of(item);
@@ -703,7 +681,7 @@ bool quantize_blocks_vector_ok(const QuantizeParams& p) {
 void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream, QuantizeBlocksKernel kernel) {
   if (p.experts == 0 || p.rows == 0 || p.cols == 0) return;
   const dim3 grid((p.cols + kFp8Block - 1) / kFp8Block, (p.rows + kFp8Block - 1) / kFp8Block, p.experts);
-  if (kernel == QuantizeBlocksKernel::vector || p.values_t != nullptr)  // (W and W^T together: the vector kernel's)
+  if (kernel == QuantizeBlocksKernel::vector)
     quantize_blocks_vector_kernel<<<grid, kThreads, 0, stream>>>(p, quantize_blocks_vector_ok(p));
   else
     quantize_blocks_kernel<<<grid, kThreads, 0, stream>>>(p);

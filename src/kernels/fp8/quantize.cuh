@@ -28,8 +28,7 @@ struct QuantizeParams {
   bool transpose = false;
   // Optional (transpose false only; null: none): W^T as well, from the same read — values_t
   // [experts, cols, rows] and exponents_t [experts, ceil(cols / 128), ceil(rows / 128)] at their own
-  // strides (elements), beside the untransposed values and exponents. Set, the vector kernel runs
-  // whichever QuantizeBlocksKernel was asked for (the scalar one writes one layout).
+  // strides (elements), beside the untransposed values and exponents.
   std::uint8_t* values_t = nullptr;
   std::int32_t* exponents_t = nullptr;
   std::int64_t values_t_expert_stride = 0, values_t_row_stride = 0, exponents_t_expert_stride = 0,
