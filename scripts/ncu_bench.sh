@@ -38,12 +38,7 @@ source scripts/setup.sh || exit 1
 set +e
 ncu_bin="$(ncu_path)"
 [ -n "$ncu_bin" ] || { echo "ncu_bench.sh: no ncu (Nsight Compute) found"; exit 1; }
-if [ ! -x "$build/bench/mok_bench" ]; then
-  { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_TESTS=OFF -DMOK_BUILD_EXAMPLES=OFF \
-      -DMOK_BUILD_PYTHON=OFF -DMOK_DIAG_DEFINES="$diag" &&
-    cmake --build "$build" --target mok_bench -j"$(nproc)"; } > "$OUT/ncu-bench-build-$(basename "$build").log" 2>&1 ||
-    { tail -30 "$OUT/ncu-bench-build-$(basename "$build").log"; exit 1; }
-fi
+mok_bench_build "$build" "$OUT/ncu-bench-build-$(basename "$build").log" "$diag" || exit 1
 filter=()
 [ -n "$kernel" ] && filter=(-k "$kernel")
 rc=0

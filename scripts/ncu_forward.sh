@@ -37,11 +37,7 @@ source scripts/setup.sh || exit 1
 set +e
 ncu_bin="$(ncu_path)"
 [ -n "$ncu_bin" ] || { echo "ncu_forward.sh: no ncu (Nsight Compute) found"; exit 1; }
-if [ ! -x "$build/bench/mok_bench" ]; then
-  { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_TESTS=OFF -DMOK_BUILD_EXAMPLES=OFF &&
-    cmake --build "$build" --target mok_bench -j"$(nproc)"; } > "$OUT/ncu-build.log" 2>&1 ||
-    { tail -30 "$OUT/ncu-build.log"; exit 1; }
-fi
+mok_bench_build "$build" "$OUT/ncu-build.log" || exit 1
 rc=0
 for impl in ${impls//,/ }; do
   rep="$(mktemp -d)/ncu-$preset-$impl"

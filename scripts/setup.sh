@@ -49,4 +49,13 @@ fi
 ncu_path() {
   { command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; } || true
 }
+# mok_bench_build DIR LOG [DEFINES]: DIR/bench/mok_bench (Release, no tests, examples or Python;
+# MOK_DIAG_DEFINES=DEFINES) unless it exists, its output into LOG; on failure prints LOG's tail and
+# returns non-zero (the ncu_*.sh scripts).
+mok_bench_build() {
+  [ -x "$1/bench/mok_bench" ] && return 0
+  { cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_TESTS=OFF -DMOK_BUILD_EXAMPLES=OFF \
+      -DMOK_BUILD_PYTHON=OFF -DMOK_DIAG_DEFINES="${3:-}" &&
+    cmake --build "$1" --target mok_bench -j"$(nproc)"; } > "$2" 2>&1 || { tail -30 "$2"; return 1; }
+}
 echo "setup: $(cmake --version | head -1), nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), $(g++ --version | head -1)"
