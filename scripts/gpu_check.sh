@@ -507,11 +507,12 @@ fi
 
 # compute-sanitizer on small cases: shared expert, clamp, padding, ragged T, dy rows in dx, the EP ring,
 # the FP8 dgrad, the ping-pong forward (several tasks a CTA), the FP8 weight gradients' column
-# quantization (one-strip and persistent CTAs), the FP8 row scatters, the vector weight quantization.
+# quantization, the FP8 row scatter, the weight quantization (wide path, W and W^T from one read).
 for target in test_gpu_forward:Forward/ForwardCases.MatchesReference/shared_padded_clamp \
               test_gpu_plan:Fp8Quantize.TransposedColumnsAreTheHostsQuantizationOfTheTranspose \
               test_gpu_plan:Dispatch/RowCopyCases.ScatterWritesTheGathersBytes/uniform_k8 \
               test_gpu_fp8:GpuFp8.VectorKernelWritesTheHostsBytesForWAndItsTranspose \
+              test_gpu_backward_fp8:Fp8Backward.QuantizeExpertsFromOneReadWritesTheSeparateQuantizationsBytes \
               test_gpu_backward:Backward/BackwardCases.MatchesReference/shared_padded_clamp \
               test_gpu_backward_fp8:Fp8Backward/Fp8BackwardCases.MatchesTheRecipeReference/shared_padded_clamp \
               test_gpu_forward_pingpong:PingPong/PingPongCases.MatchesReferenceAndTheCooperativeBits/uniform_large \

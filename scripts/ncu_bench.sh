@@ -11,7 +11,7 @@
 # sums cover both passes (halve them for one) plus the few set-up launches that run before them;
 # --kernel (ncu's -k, e.g. 'regex:quantize_column') keeps only the kernels it matches. --diag: the
 # build (made if missing) with -DMOK_DIAG_DEFINES=DEFINES (';' between several), e.g.
-# --build build-qv --diag MOK_DIAG_QBLOCKS_VECTOR beside a default --build build-ncu.
+# --build build-x --diag MOK_DIAG_X beside a default --build build-ncu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/ncu_out}"

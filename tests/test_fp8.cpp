@@ -319,6 +319,25 @@ TEST(Fp8Weights, BadArgumentsAreNamed) {
                 .find("argument 'values': shape must be [2, 320, 200] (w^T's)"), std::string::npos);
   EXPECT_NE(message([&] { quantize_weights(w, view(DType::u8, {2, 320, 200}), exps, nullptr, true); })
                 .find("argument 'exponents': shape must be [2, 3, 2] (128 x 128 blocks of w^T)"), std::string::npos);
+  // W and W^T from one read: values_t and exponents_t named, with w^T's shapes.
+  const TensorView values_t = view(DType::u8, {2, 320, 200}), exps_t = view(DType::i32, {2, 3, 2});
+  EXPECT_NE(message([&] { quantize_weights(w, values, exps, values, exps_t, nullptr); })
+                .find("argument 'values_t': shape must be [2, 320, 200] (w^T's)"), std::string::npos);
+  EXPECT_NE(message([&] { quantize_weights(w, values, exps, values_t, exps, nullptr); })
+                .find("argument 'exponents_t': shape must be [2, 3, 2] (128 x 128 blocks of w^T)"), std::string::npos);
+  EXPECT_NE(message([&] { quantize_weights(w, values, exps, view(DType::i32, {2, 320, 200}), exps_t, nullptr); })
+                .find("argument 'values_t': dtype must be u8"), std::string::npos);
+  EXPECT_NE(message([&] { quantize_weights(w, values_t, exps, values_t, exps_t, nullptr); })
+                .find("argument 'values': shape must be [2, 200, 320] (w's)"), std::string::npos);
+  // quantize_experts: the dgrad operands' shapes as quantize_dgrad_weights wants them.
+  const TensorView gate = view(DType::bf16, {2, 256, 384}), down = view(DType::bf16, {2, 384, 256});
+  Fp8Weights fwd{view(DType::u8, {2, 256, 384}), view(DType::u8, {2, 256, 384}), view(DType::u8, {2, 384, 256}),
+                 view(DType::i32, {2, 2, 3}), view(DType::i32, {2, 2, 3}), view(DType::i32, {2, 3, 2})};
+  Fp8DgradWeights dgrad{view(DType::u8, {2, 256, 384}), view(DType::u8, {2, 384, 256}), view(DType::i32, {2, 2, 3}),
+                        view(DType::i32, {2, 3, 4})};
+  EXPECT_NE(message([&] { quantize_experts(gate, gate, down, fwd, &dgrad, nullptr); })
+                .find("mok::fp8::quantize_experts: argument 'gate_up_t': shape must be [E, H, 2I] with 2I = 512, got [2, 384, 256]"),
+            std::string::npos) << message([&] { quantize_experts(gate, gate, down, fwd, &dgrad, nullptr); });
 }
 
 }  // namespace

@@ -144,6 +144,28 @@ TEST(Fp8Backward, DgradWeightsAreTheForwardBlocksTransposed) {
       }
 }
 
+// fp8::quantize_experts with the dgrad operands (W and W^T from one read, three kernels) writes
+// the bytes of the separate quantizations (quantize_weights, quantize_dgrad_weights: six), every
+// buffer poisoned before.
+TEST(Fp8Backward, QuantizeExpertsFromOneReadWritesTheSeparateQuantizationsBytes) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 384, 256, 3, 2, 0, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 10, RoutingKind::uniform, 4);
+  GpuProblem gpu(host);
+  const QuantizedWeights separate(gpu), one_read(gpu, /*one_read=*/true);
+  EXPECT_EQ(cudaSuccess, cudaGetLastError());
+  EXPECT_EQ(one_read.gate.download(), separate.gate.download());
+  EXPECT_EQ(one_read.up.download(), separate.up.download());
+  EXPECT_EQ(one_read.down.download(), separate.down.download());
+  EXPECT_EQ(one_read.down_t.download(), separate.down_t.download());
+  EXPECT_EQ(one_read.gate_up_t.download(), separate.gate_up_t.download());
+  EXPECT_EQ(one_read.gate_exponents.download(), separate.gate_exponents.download());
+  EXPECT_EQ(one_read.up_exponents.download(), separate.up_exponents.download());
+  EXPECT_EQ(one_read.down_exponents.download(), separate.down_exponents.download());
+  EXPECT_EQ(one_read.down_t_exponents.download(), separate.down_t_exponents.download());
+  EXPECT_EQ(one_read.gate_up_t_exponents.download(), separate.gate_up_t_exponents.download());
+}
+
 // The FP8 weight gradients (BackwardArgs::fp8_weight_gradients) against the recipe's reference
 // with them (reference::backward_fp8(..., fp8_wgrad = true): the same E4M3 operands — dy and
 // dgate|dup per channel and 128 rows, x and w h per 128 x 128 — exact sums). The kernel's

@@ -1,8 +1,8 @@
 // The GPU's blockwise FP8 weight quantization (mok::fp8::quantize_weights) against the
 // host's fp8::quantize, bitwise: ragged edge blocks, blocks of zeros, magnitudes from 2^-30
 // to 2^30 across blocks, a strided view (one half of a concatenated [E, 2I, H] with a
-// padded expert pitch), and the same bytes on a second run; and the vector kernel
-// (kernels::QuantizeBlocksKernel::vector) likewise, for W, W^T and both from one read.
+// padded expert pitch), and the same bytes on a second run; and the kernel's wide-load path
+// likewise, for W, W^T and both from one read (values_t).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -114,11 +114,11 @@ TEST(GpuFp8, StridedViewsAreReadAsTheySay) {
   expect_matches_host(2, 192, 256, 320, 2 * 192 * 320 + 64, 9);
 }
 
-// The vector kernel (kernels::launch_quantize_blocks(..., QuantizeBlocksKernel::vector)) for W, for
-// W^T, and for both at once (values_t), each against the host's quantization of W or W^T; blocks
+// The kernel's wide-load path (kernels::launch_quantize_blocks) for W, for W^T, and for both at
+// once (values_t), each against the host's quantization of W or W^T; blocks
 // special to the vector path's max (a NaN, an infinity beside normal values; make_weights' block of
 // zeros) are added. Edge blocks and views the wide loads cannot take (a row pitch not a multiple of 8
-// elements) go through its scalar code in the same launch and must give the same bytes.
+// elements) go through its element-wise code in the same launch and must give the same bytes.
 void expect_vector_matches_host(int E, int rows, int cols, int pitch, std::int64_t expert_pitch, std::uint64_t seed) {
   std::vector<std::uint16_t> host_w = make_weights(E, rows, cols, pitch, expert_pitch, seed);
   host_w[static_cast<std::size_t>(5 * pitch + 7)] = bf16::from_float(std::nanf("")).bits;  // (expert 0, block (0, 0))
@@ -158,7 +158,7 @@ void expect_vector_matches_host(int E, int rows, int cols, int pitch, std::int64
       p.values_t_expert_stride = static_cast<std::int64_t>(rows) * cols, p.values_t_row_stride = rows;
       p.exponents_t_expert_stride = static_cast<std::int64_t>(rb) * cb, p.exponents_t_row_stride = rb;
     }
-    kernels::launch_quantize_blocks(p, nullptr, kernels::QuantizeBlocksKernel::vector);
+    kernels::launch_quantize_blocks(p, nullptr);
     MOK_CUDA_OK(cudaGetLastError());
     MOK_CUDA_OK(cudaDeviceSynchronize());
     const auto check = [&](const DeviceBuffer<std::uint8_t>& v, const DeviceBuffer<std::int32_t>& x, int t) {

@@ -96,9 +96,8 @@ INSTANTIATE_TEST_SUITE_P(
 // The one-GPU scatter (a warp per token, its row read once) and the gather (a warp per plan row)
 // write the same bytes: every plan row its token's row, padding rows zeros, rows past the plan's
 // last untouched (poisoned before), across a split into two buffers; and the FP8 row quantization
-// likewise (E4M3 values, scales, the bf16 copy), by either scatter kernel (kernels::ScatterLanes:
-// 4 or 16 columns a lane; hidden sizes of 1, 2 and 9 blocks leave a group of four blocks part
-// empty; blocks with a NaN, an infinity, only subnormal values, only zeros or only NaN). Routings with unrouted slots (-1) and k > 32
+// likewise (E4M3 values, scales, the bf16 copy; hidden sizes of 1, 2 and 9 blocks leave the
+// scatter's group of four blocks part empty; blocks with a NaN, an infinity, only subnormal values, only zeros or only NaN). Routings with unrouted slots (-1) and k > 32
 // (the scatter's rows of a token come 32 at a time), and rows of H / 8 = 16 and 144 16-byte
 // vectors (the scatter's last chunk of a row spans part of the warp: d7dd9bb's loop hung there).
 struct RowCopyCase {
@@ -151,7 +150,7 @@ TEST_P(RowCopyCases, ScatterWritesTheGathersBytes) {
     std::vector<std::uint8_t> fp8;
     std::vector<float> scales;
   };
-  auto copy = [&](bool scatter, kernels::ScatterLanes lanes) -> Out {
+  auto copy = [&](bool scatter) -> Out {
     DeviceBuffer<std::uint16_t> lo(static_cast<std::size_t>(split * H)), hi(static_cast<std::size_t>((cap - split) * H));
     DeviceBuffer<std::uint16_t> fp8_copy(static_cast<std::size_t>(cap * H));
     DeviceBuffer<std::uint8_t> fp8(static_cast<std::size_t>(cap * H));
@@ -174,23 +173,18 @@ TEST_P(RowCopyCases, ScatterWritesTheGathersBytes) {
     qp.hidden = static_cast<int>(H), qp.top_k = static_cast<int>(k), qp.num_local_experts = static_cast<int>(c.E);
     if (scatter) qp.pair_row = v.pair_row, qp.pairs = T * k;
     qp.rows_bf16 = fp8_copy.get(), qp.rows_bf16_hi = fp8_copy.get() + split * H, qp.split = split;
-    kernels::launch_quantize_rows(qp, 8, nullptr, lanes);
+    kernels::launch_quantize_rows(qp, 8, nullptr);
     EXPECT_EQ(cudaSuccess, cudaGetLastError());
     EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
     return Out{lo.download(), hi.download(), fp8_copy.download(), fp8.download(), scales.download()};
   };
-  const Out gather = copy(false, kernels::ScatterLanes::four), scatter = copy(true, kernels::ScatterLanes::four);
+  const Out gather = copy(false), scatter = copy(true);
   EXPECT_EQ(scatter.lo, gather.lo);
   EXPECT_EQ(scatter.hi, gather.hi);
   EXPECT_EQ(scatter.fp8_copy, gather.fp8_copy);
   EXPECT_EQ(scatter.fp8, gather.fp8);
   ASSERT_EQ(scatter.scales.size(), gather.scales.size());
   EXPECT_EQ(std::memcmp(scatter.scales.data(), gather.scales.data(), scatter.scales.size() * 4), 0);
-  const Out wide = copy(true, kernels::ScatterLanes::sixteen);
-  EXPECT_EQ(wide.fp8_copy, gather.fp8_copy) << "16 columns a lane";
-  EXPECT_EQ(wide.fp8, gather.fp8) << "16 columns a lane";
-  ASSERT_EQ(wide.scales.size(), gather.scales.size());
-  EXPECT_EQ(std::memcmp(wide.scales.data(), gather.scales.data(), wide.scales.size() * 4), 0) << "16 columns a lane";
   // The rows themselves: the token's row, zeros, or the poison past the plan's rows.
   std::int64_t bad = 0, padding = 0;
   for (std::int64_t r = 0; r < cap; ++r) {
@@ -219,11 +213,8 @@ INSTANTIATE_TEST_SUITE_P(
 // that transpose with 1 x 128 blocks (a scale per column and 128 rows) or 128 x 128 blocks,
 // the scales and exponents where Fp8WgradParams reads them; tiles past the plan's untouched. The
 // gathers visiting the tiles in the rank order (launch_tile_order, a permutation of the plan's
-// tiles) write the same bytes (13 column tiles: a CTA's strips of 4, 4, 4 and 1; 7 and 6 in a
-// MOK_DIAG_QCOLS_STRIP8 build), and so do persistent CTAs: 3 (~21 of the 64 strips each: the next
-// strip's start prepared during the one before, across strips of 4 and of 1 tile, the block
-// exponents' arrays alternating), 17 (3 or 4 strips each) and 1000 (clamped to the grid's strips, most
-// of them past the plan's: idle). Scales and exponents of tiles past the plan's stay untouched too. Some columns hold NaN (ignored by the largest magnitude, as the
+// tiles) write the same bytes (13 column tiles: a CTA's strips of 4, 4, 4 and 1). Scales and
+// exponents of tiles past the plan's stay untouched too. Some columns hold NaN (ignored by the largest magnitude, as the
 // host's), infinities, negative zeros or only subnormal values.
 TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
   MOK_REQUIRE_HOPPER();
@@ -285,9 +276,8 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       const std::uint16_t* row = &src[static_cast<std::size_t>((gather ? pair / k : r) * C)];
       for (std::int64_t c = 0; c < C; ++c) t[static_cast<std::size_t>(c * rows + r)] = value(row[c]);
     }
-    for (int variant = 0; variant < (gather ? 4 : 2) * 4; ++variant) {
-      const bool blocks = variant % 2 == 1, ordered = gather && variant % 4 >= 2;
-      const int ctas = std::array<int, 4>{0, 3, 17, 1000}[variant / (gather ? 4 : 2)];  // (0: a CTA a strip)
+    for (int variant = 0; variant < (gather ? 4 : 2); ++variant) {
+      const bool blocks = variant % 2 == 1, ordered = variant >= 2;
       DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(C * cap));
       DeviceBuffer<float> scales(static_cast<std::size_t>(cap / 128 * C));
       DeviceBuffer<std::int32_t> exponents(static_cast<std::size_t>(C / 128 * stride));
@@ -302,7 +292,7 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       q.exponent_stride = stride;
       q.num_tiles = v.num_tiles, q.plan_status = v.status, q.capacity = cap, q.columns = static_cast<int>(C);
       q.tile_order = ordered ? order.get() : nullptr;
-      kernels::launch_quantize_columns(q, nullptr, ctas);
+      kernels::launch_quantize_columns(q, nullptr);
       EXPECT_EQ(cudaSuccess, cudaGetLastError());
       EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
       const fp8::Blockwise want = fp8::quantize(t.data(), static_cast<int>(C), static_cast<int>(rows), blocks ? 128 : 1, 128);
@@ -334,10 +324,10 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       for (std::int64_t cb = 0; cb < C / 128; ++cb)
         for (std::int64_t b = rows / 128; b < stride; ++b)
           touched_scales += !poisoned(got_exponents[static_cast<std::size_t>(cb * stride + b)]);
-      EXPECT_EQ(bad, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", persistent CTAs " << ctas;
-      EXPECT_EQ(untouched, C * (cap - rows)) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", persistent CTAs " << ctas;
-      EXPECT_EQ(bad_scales, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", persistent CTAs " << ctas;
-      EXPECT_EQ(touched_scales, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered << ", persistent CTAs " << ctas;
+      EXPECT_EQ(bad, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
+      EXPECT_EQ(untouched, C * (cap - rows)) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
+      EXPECT_EQ(bad_scales, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
+      EXPECT_EQ(touched_scales, 0) << "gather " << gather << ", blocks " << blocks << ", ordered " << ordered;
     }
   }
 }

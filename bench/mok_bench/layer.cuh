@@ -55,7 +55,7 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
 // dgrad (BackwardArgs::fp8); "mok-fp8-bf16dgrad": the same forward, the backward's dgrad in
 // bf16; "mok-fp8-wgrad": "mok-fp8" with the weight gradients in E4M3 too
 // (BackwardArgs::fp8_weight_gradients; pass fwd+bwd). The routed weights are quantized once when the layer is made
-// (mok::fp8::quantize_weights, quantize_dgrad_weights; not in the timed pass), except in
+// (mok::fp8::quantize_experts: three kernels, W and W^T from one read each; not in the timed pass), except in
 // "mok-fp8-step": "mok-fp8-wgrad" with that quantization in every pass too — a training step with
 // one micro-batch an optimizer step, whose weights are new each step. "mok-pp": "mok"
 // with Config::pingpong (the forward's ping-pong consumers; the same bits).
@@ -133,10 +133,7 @@ class FusedLayer {
 
   // The routed weights quantized (Precision::fp8): the forward's, and the dgrad's where it runs.
   void quantize_weights() {
-    mok::fp8::quantize_weights(a_.w_gate, a_.fp8->gate, a_.fp8->gate_exponents, stream_);
-    mok::fp8::quantize_weights(a_.w_up, a_.fp8->up, a_.fp8->up_exponents, stream_);
-    mok::fp8::quantize_weights(a_.w_down, a_.fp8->down, a_.fp8->down_exponents, stream_);
-    if (dgrad_) mok::fp8::quantize_dgrad_weights(a_.w_gate, a_.w_up, a_.w_down, *dgrad_, stream_);
+    mok::fp8::quantize_experts(a_.w_gate, a_.w_up, a_.w_down, *a_.fp8, dgrad_ ? &*dgrad_ : nullptr, stream_);
   }
 
   // One pass. With keep, the outputs stay allocated (poisoned before the pass) for the

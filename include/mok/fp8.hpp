@@ -62,11 +62,22 @@ std::vector<float> dequantize(const Mxfp8& m);
 // values and exponents may be views with contiguous rows of larger tensors (their own strides).
 void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
                       cudaStream_t stream, bool transpose = false);
+// Both from one read of w (one kernel, w's bytes read once): values and exponents as above, and
+// values_t [E, cols, rows] and exponents_t [E, ceil(cols / 128), ceil(rows / 128)] those of w^T
+// (transpose = true's bytes).
+void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
+                      const TensorView& values_t, const TensorView& exponents_t, cudaStream_t stream);
 
 // The routed weights as the FP8 backward's dgrad GEMMs read them (Fp8DgradWeights, with its
 // shapes): W_down^T, and W_gate^T then W_up^T along K in one [E, H, 2I] (quantize_weights with
 // transpose: the same blocks as the forward's, so the same values). I a multiple of 128.
 void quantize_dgrad_weights(const TensorView& w_gate, const TensorView& w_up, const TensorView& w_down,
                             const Fp8DgradWeights& out, cudaStream_t stream);
+
+// A weight version's quantization for Precision::fp8: the forward's operands (Fp8Weights), and
+// with dgrad the backward's (quantize_dgrad_weights' bytes) from the same reads: three kernels,
+// each matrix read once (the two quantizations separately read every weight twice).
+void quantize_experts(const TensorView& w_gate, const TensorView& w_up, const TensorView& w_down, const Fp8Weights& out,
+                      const Fp8DgradWeights* dgrad, cudaStream_t stream);
 
 }  // namespace mok::fp8

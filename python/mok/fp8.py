@@ -126,6 +126,15 @@ def dequantize_mxfp8(values: torch.Tensor, e8m0: torch.Tensor, dtype: torch.dtyp
     return _ldexp(values.float(), scale).to(dtype)
 
 
+def _check_weight(w, where="mok.fp8.quantize_weights", name="w") -> None:
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16:
+        raise TypeError(f"{where}: {name} must be a CUDA bfloat16 tensor [E, rows, cols], got "
+                        + (f"{w.dtype} {tuple(w.shape)} on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__))
+    if w.dim() != 3 or not w.is_cuda:  # (a dtype is a TypeError, anything else a ValueError)
+        raise ValueError(f"{where}: {name} must be a CUDA bfloat16 tensor [E, rows, cols], got "
+                         f"{w.dtype} {tuple(w.shape)} on {w.device}")
+
+
 def quantize_weights(w: torch.Tensor, transpose: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """quantize(w, block=(128, 128)) of CUDA bf16 expert weights w [E, rows, cols] by one
     kernel on the current stream (the same bytes): (values float8_e4m3fn [E, rows, cols],
@@ -137,12 +146,7 @@ def quantize_weights(w: torch.Tensor, transpose: bool = False) -> Tuple[torch.Te
 
     from mok import _C
 
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16:
-        raise TypeError("mok.fp8.quantize_weights: w must be a CUDA bfloat16 tensor [E, rows, cols], got "
-                        + (f"{w.dtype} {tuple(w.shape)} on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__))
-    if w.dim() != 3 or not w.is_cuda:  # (a dtype is a TypeError, anything else a ValueError)
-        raise ValueError(f"mok.fp8.quantize_weights: w must be a CUDA bfloat16 tensor [E, rows, cols], got "
-                         f"{w.dtype} {tuple(w.shape)} on {w.device}")
+    _check_weight(w)
     E, rows, cols = w.shape
     if transpose:
         rows, cols = cols, rows

@@ -72,40 +72,51 @@ def _halves(w_gate, w_up):
     return w_gate[:, :inter], w_gate[:, inter:]  # views: quantize_weights reads them in place
 
 
-def _dgrad_operands(gate, up, w_down):
-    """W_down^T and [W_gate^T | W_up^T] quantized (mok::fp8::quantize_dgrad_weights' layout):
-    the transposed quantization of each matrix, the gate and up halves written in place into
-    one [E, H, 2I] (views with contiguous rows)."""
-    from mok.fp8 import quantize_weights
-
-    E, inter, hidden = gate.shape
-    down_t, down_t_exponents = quantize_weights(w_down, transpose=True)
-    gate_up_t = torch.empty(E, hidden, 2 * inter, dtype=torch.uint8, device=gate.device)
-    gate_up_t_exponents = torch.empty(E, -(-hidden // BLOCK), 2 * inter // BLOCK, dtype=torch.int32, device=gate.device)
-    stream = torch.cuda.current_stream(gate.device).cuda_stream
-    for half, w in enumerate((gate, up)):
-        _C.fp8_quantize_weights(to_dlpack(w.detach()), to_dlpack(gate_up_t[:, :, half * inter:(half + 1) * inter]),
-                                to_dlpack(gate_up_t_exponents[:, :, half * inter // BLOCK:(half + 1) * inter // BLOCK]),
-                                stream, True)
-    return down_t, down_t_exponents, gate_up_t.view(torch.float8_e4m3fn), gate_up_t_exponents
-
-
 def quantize_experts(w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
                      dgrad: bool = False) -> Fp8Experts:
     """The routed weights quantized for mok.moe(..., precision="fp8", fp8_experts=...): one
     kernel per matrix on the current stream (mok.fp8.quantize_weights). w_up None: w_gate is
     [E, 2I, H] (gate rows, then up rows); its halves are read in place. dgrad: also the
-    backward's dgrad operands (W_down^T, [W_gate^T | W_up^T]; three more kernels, as many bytes
-    again), with which a training step's dgrad GEMMs run in E4M3 (dgrad_pays: where that is
-    faster)."""
-    from mok.fp8 import quantize_weights  # (mok.fp8 imports this module: not at the top)
+    backward's dgrad operands (W_down^T, [W_gate^T | W_up^T]: each matrix's transposed
+    quantization, from the same kernel and the same read, twice the bytes written), with which a
+    training step's dgrad GEMMs run in E4M3 (dgrad_pays: where that is faster)."""
+    from mok.fp8 import _check_weight, quantize_weights  # (mok.fp8 imports this module: not at the top)
 
+    where = "mok.fp8.quantize_experts"
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if w is not None:
+            _check_weight(w, where, name)
     gate, up = _halves(w_gate, w_up)
-    forward = (*quantize_weights(gate), *quantize_weights(up), *quantize_weights(w_down))
     if not dgrad:
-        return Fp8Experts(*forward)
-    _check_fp8(w_down)
-    return Fp8Experts(*forward, *_dgrad_operands(gate, up, w_down))
+        return Fp8Experts(*quantize_weights(gate), *quantize_weights(up), *quantize_weights(w_down))
+    E, inter, hidden = gate.shape
+    if up.shape != gate.shape or w_down.shape != (E, hidden, inter):
+        raise ValueError(f"{where}: the experts' shapes disagree: w_gate {tuple(w_gate.shape)}, w_up "
+                         f"{None if w_up is None else tuple(w_up.shape)}, w_down {tuple(w_down.shape)} (want gate and "
+                         f"up [E, I, H] each, or w_gate [E, 2I, H] and w_up None, and w_down [E, H, I])")
+    _check_fp8(w_down, where)
+    device = gate.device
+
+    def values(rows, cols):
+        return torch.empty(E, rows, cols, dtype=torch.uint8, device=device)
+
+    def exponents(rows, cols):
+        return torch.empty(E, -(-rows // BLOCK), -(-cols // BLOCK), dtype=torch.int32, device=device)
+
+    forward = [(values(inter, hidden), exponents(inter, hidden)), (values(inter, hidden), exponents(inter, hidden)),
+               (values(hidden, inter), exponents(hidden, inter))]
+    down_t, down_t_exponents = values(inter, hidden), exponents(inter, hidden)
+    gate_up_t, gate_up_t_exponents = values(hidden, 2 * inter), exponents(hidden, 2 * inter)
+    ib = inter // BLOCK  # (_check_fp8: I a multiple of 128)
+    transposed = [(gate_up_t[:, :, :inter], gate_up_t_exponents[:, :, :ib]),
+                  (gate_up_t[:, :, inter:], gate_up_t_exponents[:, :, ib:]), (down_t, down_t_exponents)]
+    stream = torch.cuda.current_stream(device).cuda_stream
+    for w, (v, x), (vt, xt) in zip((gate, up, w_down), forward, transposed):
+        _C.fp8_quantize_weights(to_dlpack(w.detach()), to_dlpack(v), to_dlpack(x), stream, False, to_dlpack(vt),
+                                to_dlpack(xt))
+    e4m3 = torch.float8_e4m3fn
+    return Fp8Experts(*(t for v, x in forward for t in (v.view(e4m3), x)), down_t.view(e4m3), down_t_exponents,
+                      gate_up_t.view(e4m3), gate_up_t_exponents)
 
 
 _weights_generation = 0  # moves on every optimizer step and weights_changed(): part of every cache key

@@ -46,16 +46,28 @@ NB_MODULE(_C, m) {
   // The GPU's blockwise weight quantization (mok::fp8::quantize_weights) into given
   // tensors: w bf16 [E, rows, cols], values u8 [E, rows, cols], exponents i32 [E, ceil(rows /
   // 128), ceil(cols / 128)], on `stream` (transpose: w^T's, [E, cols, rows] and [E, ceil(cols /
-  // 128), ceil(rows / 128)]).
+  // 128), ceil(rows / 128)]); values_t and exponents_t (transpose false): w^T's as well, from the
+  // same read.
   m.def(
       "fp8_quantize_weights",
-      [](nb::ndarray<> w, nb::ndarray<> values, nb::ndarray<> exponents, std::uintptr_t stream, bool transpose) {
+      [](nb::ndarray<> w, nb::ndarray<> values, nb::ndarray<> exponents, std::uintptr_t stream, bool transpose,
+         std::optional<nb::ndarray<>> values_t, std::optional<nb::ndarray<>> exponents_t) {
         const mok::TensorView wv = view_of(w), vv = view_of(values), ev = view_of(exponents);
         select_device(wv, "mok.fp8.quantize_weights");
+        if (values_t.has_value() != exponents_t.has_value())
+          throw nb::value_error("mok.fp8.quantize_weights: values_t and exponents_t go together");
+        if (values_t && transpose) throw nb::value_error("mok.fp8.quantize_weights: values_t with transpose=True");
+        if (values_t) {
+          const mok::TensorView tv = view_of(*values_t), te = view_of(*exponents_t);
+          nb::gil_scoped_release release;
+          mok::fp8::quantize_weights(wv, vv, ev, tv, te, reinterpret_cast<cudaStream_t>(stream));
+          return;
+        }
         nb::gil_scoped_release release;
         mok::fp8::quantize_weights(wv, vv, ev, reinterpret_cast<cudaStream_t>(stream), transpose);
       },
-      nb::arg("w"), nb::arg("values"), nb::arg("exponents"), nb::arg("stream"), nb::arg("transpose") = false);
+      nb::arg("w"), nb::arg("values"), nb::arg("exponents"), nb::arg("stream"), nb::arg("transpose") = false,
+      nb::arg("values_t") = nb::none(), nb::arg("exponents_t") = nb::none());
 
   // fp64 CPU references of the whole layer (the test oracles), weights of all E experts: the
   // exact layer, and the layer on the FP8 recipe's quantized operands (reference::forward_fp8).

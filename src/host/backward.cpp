@@ -283,7 +283,6 @@ void quantize_transposed(Workspace& ws, const void* src, std::int64_t columns, b
   q.plan_status = plan.status;
   q.capacity = ws.plan().capacity_rows();
   q.columns = static_cast<int>(columns);
-  q.persistent_ctas = 2 * persistent_ctas(ws, where);  // (two an SM: 117 registers; a diagnostic build's)
   kernels::launch_quantize_columns(q, stream);
   cuda_check(cudaGetLastError(), where, "launching the FP8 weight gradients' quantization");
 }

@@ -150,13 +150,18 @@ std::vector<float> dequantize(const Mxfp8& m) {
   return out;
 }
 
-void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
-                      cudaStream_t stream, bool transpose) {
-  constexpr const char* where = "mok::fp8::quantize_weights";
+namespace {
+
+// quantize_weights' checks of (w, values, exponents) and its kernel's parameters; values and
+// exponents named as the caller's arguments.
+kernels::QuantizeParams weight_params(const char* where, const TensorView& w, const TensorView& values,
+                                      const TensorView& exponents, bool transpose, const char* values_name,
+                                      const char* exponents_name) {
   if (w.dtype != DType::bf16) throw_dtype_error(where, "w", "dtype must be bf16, got ", dtype_name(w.dtype));
-  if (values.dtype != DType::u8) throw_dtype_error(where, "values", "dtype must be u8 (E4M3 bytes), got ", dtype_name(values.dtype));
+  if (values.dtype != DType::u8)
+    throw_dtype_error(where, values_name, "dtype must be u8 (E4M3 bytes), got ", dtype_name(values.dtype));
   if (exponents.dtype != DType::i32)
-    throw_dtype_error(where, "exponents", "dtype must be i32, got ", dtype_name(exponents.dtype));
+    throw_dtype_error(where, exponents_name, "dtype must be i32, got ", dtype_name(exponents.dtype));
   if (w.ndim != 3) throw_argument_error(where, "w", "must be 3-D [E, rows, cols], got shape ", w.shape_string());
   const std::int64_t E = w.shape[0], R = w.shape[1], C = w.shape[2];
   const std::int64_t rb = (R + kernels::kFp8Block - 1) / kernels::kFp8Block;
@@ -166,17 +171,17 @@ void quantize_weights(const TensorView& w, const TensorView& values, const Tenso
                          w.stride[1], ", ", w.stride[2], ") for shape ", w.shape_string());
   const std::int64_t VR = transpose ? C : R, VC = transpose ? R : C, XR = transpose ? cb : rb, XC = transpose ? rb : cb;
   if (values.ndim != 3 || values.shape[0] != E || values.shape[1] != VR || values.shape[2] != VC)
-    throw_argument_error(where, "values", "shape must be [", E, ", ", VR, ", ", VC, "] (", transpose ? "w^T" : "w",
+    throw_argument_error(where, values_name, "shape must be [", E, ", ", VR, ", ", VC, "] (", transpose ? "w^T" : "w",
                          "'s), got ", values.shape_string());
   if (exponents.ndim != 3 || exponents.shape[0] != E || exponents.shape[1] != XR || exponents.shape[2] != XC)
-    throw_argument_error(where, "exponents", "shape must be [", E, ", ", XR, ", ", XC, "] (128 x 128 blocks of ",
+    throw_argument_error(where, exponents_name, "shape must be [", E, ", ", XR, ", ", XC, "] (128 x 128 blocks of ",
                          transpose ? "w^T" : "w", "), got ", exponents.shape_string());
-  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"values", &values}, {"exponents", &exponents}})
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{values_name, &values}, {exponents_name, &exponents}})
     if (t->stride[2] != 1 || t->stride[1] < t->shape[2] || t->stride[0] < t->shape[1] * t->stride[1])
       throw_argument_error(where, name, "must have contiguous, non-overlapping rows, got strides (", t->stride[0], ", ",
                            t->stride[1], ", ", t->stride[2], ") for shape ", t->shape_string());
-  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"w", &w}, {"values", &values},
-                                {"exponents", &exponents}}) {
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"w", &w}, {values_name, &values},
+                                {exponents_name, &exponents}}) {
     if (t->device.kind != DeviceKind::cuda)
       throw_argument_error(where, name, "must be on a CUDA device, got ", device_name(t->device));
     if (t->device.index != w.device.index)
@@ -195,8 +200,31 @@ void quantize_weights(const TensorView& w, const TensorView& values, const Tenso
   p.exponents_expert_stride = exponents.stride[0], p.exponents_row_stride = exponents.stride[1];
   p.experts = static_cast<int>(E), p.rows = static_cast<int>(R), p.cols = static_cast<int>(C);
   p.transpose = transpose;
+  return p;
+}
+
+void launch(const kernels::QuantizeParams& p, cudaStream_t stream, const char* where) {
   kernels::launch_quantize_blocks(p, stream);
   detail::cuda_check(cudaGetLastError(), where, "launching the quantization");
+}
+
+}  // namespace
+
+void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
+                      cudaStream_t stream, bool transpose) {
+  constexpr const char* where = "mok::fp8::quantize_weights";
+  launch(weight_params(where, w, values, exponents, transpose, "values", "exponents"), stream, where);
+}
+
+void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
+                      const TensorView& values_t, const TensorView& exponents_t, cudaStream_t stream) {
+  constexpr const char* where = "mok::fp8::quantize_weights";
+  kernels::QuantizeParams p = weight_params(where, w, values, exponents, false, "values", "exponents");
+  const kernels::QuantizeParams t = weight_params(where, w, values_t, exponents_t, true, "values_t", "exponents_t");
+  p.values_t = t.values, p.exponents_t = t.exponents;
+  p.values_t_expert_stride = t.values_expert_stride, p.values_t_row_stride = t.values_row_stride;
+  p.exponents_t_expert_stride = t.exponents_expert_stride, p.exponents_t_row_stride = t.exponents_row_stride;
+  launch(p, stream, where);
 }
 
 }  // namespace mok::fp8
@@ -213,11 +241,14 @@ TensorView columns(const TensorView& v, std::int64_t col0, std::int64_t cols) {
   return c;
 }
 
-}  // namespace
+// Fp8DgradWeights' gate_up_t and its exponents for I = w_gate's rows (a multiple of 128): the
+// two halves' views (W_gate^T's columns, then W_up^T's).
+struct GateUpHalves {
+  TensorView gate_t, up_t, gate_t_exponents, up_t_exponents;
+};
 
-void quantize_dgrad_weights(const TensorView& w_gate, const TensorView& w_up, const TensorView& w_down,
-                            const Fp8DgradWeights& out, cudaStream_t stream) {
-  constexpr const char* where = "mok::fp8::quantize_dgrad_weights";
+GateUpHalves gate_up_halves(const char* where, const TensorView& w_gate, const TensorView& w_down,
+                            const Fp8DgradWeights& out) {
   if (w_gate.ndim != 3 || w_down.ndim != 3)
     throw_argument_error(where, w_gate.ndim != 3 ? "w_gate" : "w_down", "must be 3-D [E, rows, cols], got shape ",
                          (w_gate.ndim != 3 ? w_gate : w_down).shape_string());
@@ -231,9 +262,32 @@ void quantize_dgrad_weights(const TensorView& w_gate, const TensorView& w_up, co
   if (out.gate_up_t_exponents.ndim != 3 || out.gate_up_t_exponents.shape[2] != 2 * ib)
     throw_argument_error(where, "gate_up_t_exponents", "shape must be [E, H / 128, 2I / 128] with 2I / 128 = ", 2 * ib,
                          ", got ", out.gate_up_t_exponents.shape_string());
+  return {columns(out.gate_up_t, 0, I), columns(out.gate_up_t, I, I), columns(out.gate_up_t_exponents, 0, ib),
+          columns(out.gate_up_t_exponents, ib, ib)};
+}
+
+}  // namespace
+
+void quantize_dgrad_weights(const TensorView& w_gate, const TensorView& w_up, const TensorView& w_down,
+                            const Fp8DgradWeights& out, cudaStream_t stream) {
+  const GateUpHalves h = gate_up_halves("mok::fp8::quantize_dgrad_weights", w_gate, w_down, out);
   quantize_weights(w_down, out.down_t, out.down_t_exponents, stream, true);
-  quantize_weights(w_gate, columns(out.gate_up_t, 0, I), columns(out.gate_up_t_exponents, 0, ib), stream, true);
-  quantize_weights(w_up, columns(out.gate_up_t, I, I), columns(out.gate_up_t_exponents, ib, ib), stream, true);
+  quantize_weights(w_gate, h.gate_t, h.gate_t_exponents, stream, true);
+  quantize_weights(w_up, h.up_t, h.up_t_exponents, stream, true);
+}
+
+void quantize_experts(const TensorView& w_gate, const TensorView& w_up, const TensorView& w_down, const Fp8Weights& out,
+                      const Fp8DgradWeights* dgrad, cudaStream_t stream) {
+  if (dgrad == nullptr) {
+    quantize_weights(w_gate, out.gate, out.gate_exponents, stream);
+    quantize_weights(w_up, out.up, out.up_exponents, stream);
+    quantize_weights(w_down, out.down, out.down_exponents, stream);
+    return;
+  }
+  const GateUpHalves h = gate_up_halves("mok::fp8::quantize_experts", w_gate, w_down, *dgrad);
+  quantize_weights(w_gate, out.gate, out.gate_exponents, h.gate_t, h.gate_t_exponents, stream);
+  quantize_weights(w_up, out.up, out.up_exponents, h.up_t, h.up_t_exponents, stream);
+  quantize_weights(w_down, out.down, out.down_exponents, dgrad->down_t, dgrad->down_t_exponents, stream);
 }
 
 }  // namespace mok::fp8

@@ -111,6 +111,9 @@ def test_fp8_training_step_with_the_fp8_dgrad(concatenated):
     assert torch.equal(u8(with_dgrad.gate_up_t), torch.cat([t(u8(with_dgrad.gate)), t(u8(with_dgrad.up))], dim=2))
     assert torch.equal(with_dgrad.gate_up_t_exponents,
                        torch.cat([t(with_dgrad.gate_exponents), t(with_dgrad.up_exponents)], dim=2))
+    for name in ("gate", "up", "down"):  # (W and W^T from one kernel: W's bytes as W's alone)
+        assert torch.equal(u8(getattr(with_dgrad, name)), u8(getattr(without, name))), name
+        assert torch.equal(getattr(with_dgrad, name + "_exponents"), getattr(without, name + "_exponents")), name
 
     def grads(experts, compiled=False):
         leaves = [t.detach().clone().requires_grad_() for t in (x, weights, gate, w_down, *sh)]
@@ -460,3 +463,19 @@ def test_cached_experts_are_made_inside_a_graph_capture_and_not_kept(monkeypatch
     assert fp8_layer.cached_experts(owner, gate, None, down) == 2  # made again although nothing changed
     assert fp8_layer.cached_experts(owner, gate, None, down) == 3
     assert owner._fp8_cache[1] == 1  # the cache still holds the copy from before
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_quantize_experts_names_bad_weights():
+    """quantize_experts(..., dgrad=True) refuses weights of the wrong dtype or device, naming
+    them, and experts whose shapes disagree, before anything is written."""
+    g = torch.randn(2, 256, 384, device="cuda").bfloat16()
+    d = torch.randn(2, 384, 256, device="cuda").bfloat16()
+    with pytest.raises(TypeError, match=r"^mok\.fp8\.quantize_experts: w_up must be a CUDA bfloat16 tensor"):
+        fp8.quantize_experts(g, g.float(), d, dgrad=True)
+    with pytest.raises(ValueError, match=r"^mok\.fp8\.quantize_experts: w_down must be a CUDA bfloat16 tensor"):
+        fp8.quantize_experts(g, g, d.cpu(), dgrad=True)
+    with pytest.raises(ValueError, match=r"^mok\.fp8\.quantize_experts: the experts' shapes disagree"):
+        fp8.quantize_experts(g, g, d[:, :256], dgrad=True)
+    with pytest.raises(ValueError, match=r"^mok\.fp8\.quantize_experts: the experts' shapes disagree"):
+        fp8.quantize_experts(g, g[:, :128], d, dgrad=True)

@@ -61,8 +61,8 @@ __device__ __forceinline__ float cta_max(float v, float* warp_max) {
   return v;
 }
 
-// Block (rb, cb) of expert e, any shape and alignment (QuantizeBlocksKernel::scalar's every block;
-// the vector kernel's edge blocks, and its blocks where quantize_blocks_vector_ok fails): the block
+// Block (rb, cb) of expert e, any shape and alignment (quantize_blocks_kernel's edge blocks, and its
+// blocks where quantize_blocks_vector_ok fails): the block
 // read twice, an element a thread at a time, and written a byte at a time (W^T through shared
 // memory), with values_t as well where set. `tile`: 128 x 132 bytes of shared memory.
 __device__ __forceinline__ void quantize_block_any(const QuantizeParams& p, int cb, int rb, int e, std::uint8_t (*tile)[kFp8Block + 4],
@@ -103,24 +103,15 @@ __device__ __forceinline__ void quantize_block_any(const QuantizeParams& p, int 
   }
 }
 
-// QuantizeBlocksKernel::scalar: quantize_block_any on a block a CTA (4 CTAs an SM: without the
-// bound ptxas chose 32 registers and spilled).
-__global__ void __launch_bounds__(kThreads, 4) quantize_blocks_kernel(const __grid_constant__ QuantizeParams p) {
-  __shared__ std::uint8_t tile[kFp8Block][kFp8Block + 4];
-  __shared__ float warp_max[kThreads / 32];
-  const int cb = blockIdx.x, rb = blockIdx.y, e = blockIdx.z;
-  quantize_block_any(p, cb, rb, e, tile, warp_max);
-}
-
-// QuantizeBlocksKernel::vector (the same bytes as quantize_blocks_kernel): a whole block read once,
+// launch_quantize_blocks: a whole block read once,
 // thread t its 16-byte pieces t % 16 of rows t / 16 + 16 j (j < 8: eight loads in flight), the
 // largest magnitude a max.bf16x2 of abs.bf16x2 (exact, NaN ignored as fmaxf does) then a warp and a
 // CTA max, the E4M3 bytes of a piece an 8-byte store into W's row (a warp's store: two rows' 128
 // bytes); W^T through block_tile_word's tile, thread t writing 16 rows (16 s .. 16 s + 15, s = t % 8)
 // of W^T rows 4 (t / 8) .. + 3 as four 16-byte stores (a warp's: four rows' 128 bytes), each from
 // sixteen 4-byte shared loads and byte permutes. Edge blocks and unaligned views: quantize_block_any.
-static_assert(kThreads == 256, "quantize_blocks_vector_kernel: 16 threads a 128-column row, 8 a 16-row segment");
-__global__ void __launch_bounds__(kThreads) quantize_blocks_vector_kernel(const __grid_constant__ QuantizeParams p, bool vector_ok) {
+static_assert(kThreads == 256, "quantize_blocks_kernel: 16 threads a 128-column row, 8 a 16-row segment");
+__global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const __grid_constant__ QuantizeParams p, bool vector_ok) {
   const int cb = blockIdx.x, rb = blockIdx.y, e = blockIdx.z;
   const int r0 = rb * kFp8Block, c0 = cb * kFp8Block;
   __shared__ alignas(16) std::uint32_t smem[kFp8Block * (kFp8Block + 4) / 4];  // (either path's tile)
@@ -306,68 +297,6 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
   scatter_padding_rows(p, warp, warps);
 }
 
-// The same rows as quantize_scatter_kernel (the same bytes), a lane 16 columns of a block instead
-// of 4 (ScatterLanes::sixteen; MOK_DIAG_SCATTER_WIDE picks it for the layer): lanes 8 j .. 8 j + 7
-// hold block b0 + j of a group of four, a lane's 32 bytes two 16-byte loads; a block's largest
-// magnitude is a max over its eight lanes (three shuffles), each lane computes one exponent
-// instead of four, and a row's four blocks go out as one 16-byte store a lane (a warp's store: the
-// row's 512 bytes) instead of four 4-byte ones — the store width of the bf16 dispatch's copy, which
-// ran at ~2.6 TB/s where this pass ran at 1.75 (Nsight Compute, H100, bench/NOTES.md, 2026-12-05).
-__global__ void __launch_bounds__(kThreads) quantize_scatter_wide_kernel(const __grid_constant__ QuantizeRowsParams p) {
-  if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
-  const int lane = threadIdx.x % 32, blocks = p.hidden / kFp8Block, k = p.top_k;
-  const int j = lane / 8, part = lane % 8;  // (block b0 + j of the group; columns 16 part .. + 15 of it)
-  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
-  const std::int64_t warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
-  const std::int64_t tokens = p.pairs / k;
-  const int lane_column = j * kFp8Block + 16 * part;  // (within the group's 512 columns)
-  for (std::int64_t token = warp; token < tokens; token += warps) {
-    const std::uint16_t* x = p.x[0] + token * p.hidden + lane_column;
-    const std::int32_t* rows_of_token = p.pair_row + token * k;
-    for (int b0 = 0; b0 < blocks; b0 += 4) {
-      const bool mine = b0 + j < blocks;  // (a block past the row: zeros, never stored)
-      uint4 bits[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-      if (mine) {
-        bits[0] = reinterpret_cast<const uint4*>(x + b0 * kFp8Block)[0];
-        bits[1] = reinterpret_cast<const uint4*>(x + b0 * kFp8Block)[1];
-      }
-      float v[16];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const std::uint32_t w[4] = {bits[h].x, bits[h].y, bits[h].z, bits[h].w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          v[8 * h + 2 * q] = bf16_bits_value(static_cast<std::uint16_t>(w[q] & 0xffff));
-          v[8 * h + 2 * q + 1] = bf16_bits_value(static_cast<std::uint16_t>(w[q] >> 16));
-        }
-      }
-      float amax = 0.0f;
-#pragma unroll
-      for (int c = 0; c < 16; ++c) amax = fmaxf(amax, fabsf(v[c]));
-#pragma unroll
-      for (int offset = 1; offset < 8; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-      const int e = fp8_scale_exponent(amax);
-      const InverseScale inverse(e);
-      const uint4 q = make_uint4(pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3])),
-                                 pack_e4m3x4(inverse(v[4]), inverse(v[5]), inverse(v[6]), inverse(v[7])),
-                                 pack_e4m3x4(inverse(v[8]), inverse(v[9]), inverse(v[10]), inverse(v[11])),
-                                 pack_e4m3x4(inverse(v[12]), inverse(v[13]), inverse(v[14]), inverse(v[15])));
-      const float scale = exp2_int(e);
-      for_each_token_row(rows_of_token, k, [&](std::int64_t row) {
-        if (!mine) return;
-        const int column = b0 * kFp8Block + lane_column;
-        *reinterpret_cast<uint4*>(p.values + row * p.hidden + column) = q;
-        if (std::uint16_t* copy_row = bf16_copy_row(p, row)) {
-          reinterpret_cast<uint4*>(copy_row + column)[0] = bits[0];
-          reinterpret_cast<uint4*>(copy_row + column)[1] = bits[1];
-        }
-        if (part == 0) p.scales[(b0 + j) * p.capacity + row] = scale;
-      });
-    }
-  }
-  scatter_padding_rows(p, warp, warps);
-}
-
 __global__ void __launch_bounds__(kThreads) quantize_tokens_kernel(const std::uint16_t* src, std::uint8_t* out,
                                                                    std::int64_t tokens, int hidden) {
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
@@ -428,13 +357,10 @@ __device__ __forceinline__ void find_row_offsets(const QuantizeColumnsParams& p,
 }
 
 // A strip's column tiles, at most: each CTA's start (the plan loads, the row offsets, its first
-// tile's loads) is exposed once a strip. MOK_DIAG_QCOLS_STRIP8 (same bytes): 8, the start amortized
-// over twice the tiles, half the CTAs (prepared 2026-12-05, not yet measured).
-#if defined(MOK_DIAG_QCOLS_STRIP8)
-constexpr int kColumnTilesPerStrip = 8;
-#else
+// tile's loads) is exposed once a strip. (Strips of 8, and persistent CTAs that prepare the next
+// strip's start during the one before: the same time at the H100's power limit, bench/NOTES.md,
+// twenty-fourth session.)
 constexpr int kColumnTilesPerStrip = 4;
-#endif
 
 // The register kernels' loads of column tile ct: lane (g, h) of warp w, rows 8 g + j (j < 8) of
 // columns [16 w + 8 h, + 8), one 16-byte load a row (row_offset: the plan rows' starts in src,
@@ -564,80 +490,6 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const
   }
 }
 
-// The same strips and bytes as quantize_column_regs_kernel from persistent CTAs
-// (QuantizeColumnsParams::persistent_ctas; the layer's in a MOK_DIAG_QCOLS_PERSISTENT build until
-// measured): CTA c takes the strips c, c + G, c + 2 G, ... (G CTAs; strip i: plan tile position
-// i % num_tiles, column strip i / num_tiles — the band order of the one-strip grid), and a strip's
-// start — its plan tile, the row offsets, its first tile's loads — is prepared during the strip
-// before it: the next strip's offsets are loaded into registers when a strip begins, put in the
-// other of two shared arrays before its last tile, and its first tile's loads issued with that
-// tile's quantization, as the strip's own next tiles are. One barrier a strip more; the block
-// exponents' two arrays alternate by the CTA's tile count.
-__global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_persistent_kernel(const __grid_constant__ QuantizeColumnsParams p) {
-  if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
-  const int column_tiles = p.columns / kFp8Block;
-  const int strips = (column_tiles + kColumnTilesPerStrip - 1) / kColumnTilesPerStrip;
-  const int per_strip = (column_tiles + strips - 1) / strips;
-  const int positions = *p.num_tiles;
-  const int items = positions * strips;
-  int item = blockIdx.x;
-  if (item >= items) return;
-  __shared__ alignas(16) std::int64_t row_offset[2][kFp8Block];  // (elements into src; -1: a padding row, zeros)
-  __shared__ float warp_max[2][kThreads / 32];
-  auto tile_of = [&](int it) {
-    const int position = it % positions;
-    return p.tile_order != nullptr ? p.tile_order[position] : position;
-  };
-  auto strip_of = [&](int it) {
-    const int first = it / positions * per_strip;
-    return ColumnStrip{first, min(column_tiles, first + per_strip)};
-  };
-  auto offset_of = [&](int tile) {  // (thread t < 128: plan row 128 tile + t's start)
-    return plan_row_offset(p, static_cast<std::int64_t>(tile) * kFp8Block + threadIdx.x);
-  };
-  int tile = tile_of(item), buffer = 0, parity = 0;
-  ColumnStrip strip = strip_of(item);
-  if (threadIdx.x < kFp8Block) row_offset[0][threadIdx.x] = offset_of(tile);
-  __syncthreads();
-  uint4 v[8];
-  load_column_tile(p, row_offset[0], strip.first, v);
-  for (;;) {
-    const int next_item = item + static_cast<int>(gridDim.x);
-    const bool has_next = next_item < items;  // (the same in every thread: every branch below is the CTA's)
-    int next_tile = 0;
-    ColumnStrip next_strip{0, 0};
-    std::int64_t next_offset = -1;
-    if (has_next) {
-      next_tile = tile_of(next_item);
-      next_strip = strip_of(next_item);
-      if (threadIdx.x < kFp8Block) next_offset = offset_of(next_tile);  // (used at this strip's last tile)
-    }
-    const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
-    for (int ct = strip.first; ct < strip.end; ++ct) {
-      uint4 next[8];
-      const bool last = ct + 1 == strip.end;
-      if (!last) {
-        load_column_tile(p, row_offset[buffer], ct + 1, next);
-      } else if (has_next) {
-        // (row_offset[buffer ^ 1] was last read by the strip before's loads, all issued before the
-        // barrier of that strip's last tile)
-        if (threadIdx.x < kFp8Block) row_offset[buffer ^ 1][threadIdx.x] = next_offset;
-        __syncthreads();
-        load_column_tile(p, row_offset[buffer ^ 1], next_strip.first, next);
-      }
-      quantize_column_tile(p, v, tile, row0, ct, warp_max, parity);
-      parity ^= 1;
-      if (!last || has_next) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = next[j];
-      }
-    }
-    if (!has_next) return;
-    item = next_item, tile = next_tile, strip = next_strip, buffer ^= 1;
-  }
-}
-
-
 __global__ void __launch_bounds__(kThreads) tile_order_kernel(const std::int32_t* expert_offset, const std::int32_t* tile_expert,
                                                               const std::int32_t* tile_row, const std::int32_t* num_tiles,
                                                               const void* plan_status, int experts, std::int32_t* order) {
@@ -651,21 +503,11 @@ __global__ void __launch_bounds__(kThreads) tile_order_kernel(const std::int32_t
 
 }  // namespace
 
-void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream, ScatterLanes lanes) {
+void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream) {
   if (p.pair_row == nullptr)
     quantize_rows_kernel<<<num_ctas, kThreads, 0, stream>>>(p);
-  else if (lanes == ScatterLanes::sixteen)
-    quantize_scatter_wide_kernel<<<num_ctas, kThreads, 0, stream>>>(p);
   else
     quantize_scatter_kernel<<<num_ctas, kThreads, 0, stream>>>(p);
-}
-
-void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream) {
-#if defined(MOK_DIAG_SCATTER_WIDE)  // (prepared 2026-12-05, not yet measured: bench/NOTES.md)
-  launch_quantize_rows(p, num_ctas, stream, ScatterLanes::sixteen);
-#else
-  launch_quantize_rows(p, num_ctas, stream, ScatterLanes::four);
-#endif
 }
 
 bool quantize_blocks_vector_ok(const QuantizeParams& p) {
@@ -678,21 +520,10 @@ bool quantize_blocks_vector_ok(const QuantizeParams& p) {
   return ok;
 }
 
-void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream, QuantizeBlocksKernel kernel) {
+void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream) {
   if (p.experts == 0 || p.rows == 0 || p.cols == 0) return;
   const dim3 grid((p.cols + kFp8Block - 1) / kFp8Block, (p.rows + kFp8Block - 1) / kFp8Block, p.experts);
-  if (kernel == QuantizeBlocksKernel::vector)
-    quantize_blocks_vector_kernel<<<grid, kThreads, 0, stream>>>(p, quantize_blocks_vector_ok(p));
-  else
-    quantize_blocks_kernel<<<grid, kThreads, 0, stream>>>(p);
-}
-
-void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream) {
-#if defined(MOK_DIAG_QBLOCKS_VECTOR)  // (prepared 2026-12-05, not yet measured: bench/NOTES.md)
-  launch_quantize_blocks(p, stream, QuantizeBlocksKernel::vector);
-#else
-  launch_quantize_blocks(p, stream, QuantizeBlocksKernel::scalar);
-#endif
+  quantize_blocks_kernel<<<grid, kThreads, 0, stream>>>(p, quantize_blocks_vector_ok(p));
 }
 
 void launch_tile_order(const std::int32_t* expert_offset, const std::int32_t* tile_expert, const std::int32_t* tile_row,
@@ -719,33 +550,17 @@ void load_quantize_kernels() {
   load_kernel(gather_fp8_rows_kernel);
   load_kernel(quantize_rows_kernel);
   load_kernel(quantize_scatter_kernel);
-  load_kernel(quantize_scatter_wide_kernel);
   load_kernel(quantize_column_regs_kernel);
-  load_kernel(quantize_column_regs_persistent_kernel);
   load_kernel(tile_order_kernel);
   load_kernel(quantize_blocks_kernel);
-  load_kernel(quantize_blocks_vector_kernel);
 }
 
-void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream, int persistent_ctas) {
+void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream) {
   if (p.capacity == 0 || p.columns == 0) return;
   const int column_tiles = p.columns / kFp8Block;
   const unsigned tiles = static_cast<unsigned>(p.capacity / kFp8Block);
   const int strips = (column_tiles + kColumnTilesPerStrip - 1) / kColumnTilesPerStrip;
-  if (persistent_ctas > 0) {
-    const auto ctas = std::min<std::int64_t>(persistent_ctas, static_cast<std::int64_t>(tiles) * strips);
-    quantize_column_regs_persistent_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(p);
-  } else {
-    quantize_column_regs_kernel<<<dim3(tiles, strips), kThreads, 0, stream>>>(p);
-  }
-}
-
-void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream) {
-#if defined(MOK_DIAG_QCOLS_PERSISTENT)  // (prepared 2026-12-05, not yet measured: bench/NOTES.md)
-  launch_quantize_columns(p, stream, p.persistent_ctas);
-#else
-  launch_quantize_columns(p, stream, 0);
-#endif
+  quantize_column_regs_kernel<<<dim3(tiles, strips), kThreads, 0, stream>>>(p);
 }
 
 }  // namespace mok::kernels

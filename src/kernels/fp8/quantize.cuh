@@ -37,16 +37,13 @@ struct QuantizeParams {
 
 // One CTA a block: its largest magnitude (a max: any order gives the same value), then
 // every element divided by the block's scale (exact: a power of two) and rounded to E4M3
-// (nearest, ties to even, saturating). The kernels (the same bytes): `scalar` reads the block
-// twice, an element a thread at a time, and writes a byte at a time (W^T through shared memory);
-// `vector` reads a whole block's 16-byte pieces once into registers and writes 8-byte rows of W and
-// 16-byte rows of W^T (through a swizzled shared-memory tile), where the block is whole and
-// quantize_blocks_vector_ok holds (else the scalar code, in the same kernel). The layer's
-// quantizations run `scalar` unless a MOK_DIAG_QBLOCKS_VECTOR build chose `vector` (prepared
-// 2026-12-05, not yet measured: bench/NOTES.md).
-enum class QuantizeBlocksKernel { scalar, vector };
+// (nearest, ties to even, saturating): a whole block's 16-byte pieces read once into registers,
+// 8-byte rows of W and 16-byte rows of W^T written (through a swizzled shared-memory tile) where
+// the block is whole and quantize_blocks_vector_ok holds; else the block read twice, an element a
+// thread at a time, and written a byte at a time (the same bytes). The vector path took 0.37x the
+// element-wise kernel's time for deepseek-v3's six weight quantizations (8.05 -> 2.97 ms, H100,
+// bench/NOTES.md, twenty-fourth session).
 void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream);
-void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream, QuantizeBlocksKernel kernel);
 // Whether p's pointers and strides allow the vector kernel's wide loads and stores (w 16-byte, values
 // 8-byte, values_t 16-byte aligned rows and experts).
 bool quantize_blocks_vector_ok(const QuantizeParams& p);
@@ -83,11 +80,6 @@ struct QuantizeRowsParams {
 };
 
 void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream);
-// The scatter's kernels (pair_row set; the same bytes): a lane 4 columns of each of four blocks
-// (`four`, the layer's) or 16 columns of one of them (`sixteen`, 16-byte stores; the layer's in a
-// MOK_DIAG_SCATTER_WIDE build until measured). The gather (pair_row null) has one kernel.
-enum class ScatterLanes { four, sixteen };
-void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream, ScatterLanes lanes);
 
 // A rank's tokens quantized for peers that pull E4M3 rows (Config::pull_fp8_rows): the token-major
 // layout [tokens, H] E4M3, then [tokens, H / 128] f32 scales (a row's scales contiguous).
@@ -145,13 +137,9 @@ struct QuantizeColumnsParams {
   const void* plan_status;       // PlanStatus*
   std::int64_t capacity;         // a multiple of 128
   int columns;                   // a multiple of 128
-  // The persistent kernel's CTAs (two an SM; read only by a MOK_DIAG_QCOLS_PERSISTENT build's layer).
-  int persistent_ctas = 0;
 };
 
 void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream);
-// The same bytes from a CTA a strip (persistent_ctas 0) or from persistent_ctas persistent CTAs.
-void launch_quantize_columns(const QuantizeColumnsParams& p, cudaStream_t stream, int persistent_ctas);
 
 // order[p] = the plan tile at position p of the rank order (kernels/fp8/tile_order.cuh), for
 // every tile of the plan (one thread a tile; tile t holds rows [tile_row[t], + 128) of expert
