@@ -21,9 +21,11 @@ struct QuantizedWeights {
   Fp8Weights views;
   Fp8DgradWeights dgrad;
 
-  // one_read: by fp8::quantize_experts (W and W^T from one kernel a matrix) into poisoned buffers,
-  // instead of quantize_weights and quantize_dgrad_weights (six kernels).
-  explicit QuantizedWeights(const GpuProblem& gpu, bool one_read = false)
+  // How the buffers are written: quantize_weights and quantize_dgrad_weights (six kernels), or
+  // fp8::quantize_experts into poisoned buffers (bytes 0xa5, exponents 0x5a5a5a5a) — with the
+  // dgrad operands (W and W^T from one kernel a matrix) or without (those stay poisoned).
+  enum class By { separate, one_read, forward_only };
+  explicit QuantizedWeights(const GpuProblem& gpu, By by = By::separate)
       : gate(gpu.w_gate.size()), up(gpu.w_up.size()), down(gpu.w_down.size()), down_t(gpu.w_down.size()),
         gate_up_t(2 * gpu.w_gate.size()), gate_exponents(blocks(gpu)), up_exponents(blocks(gpu)),
         down_exponents(blocks(gpu)), down_t_exponents(blocks(gpu)), gate_up_t_exponents(2 * blocks(gpu)) {
@@ -41,18 +43,18 @@ struct QuantizedWeights {
     dgrad.down_t_exponents = TensorView::contiguous(down_t_exponents.get(), DType::i32, d, {E, Ib, Hb});
     dgrad.gate_up_t_exponents = TensorView::contiguous(gate_up_t_exponents.get(), DType::i32, d, {E, Hb, 2 * Ib});
     const ForwardArgs a = gpu.args();
-    if (one_read) {
-      for (auto* b : {&gate, &up, &down, &down_t, &gate_up_t}) cudaMemset(b->get(), 0xa5, b->size());
+    if (by != By::separate) {
+      for (auto* b : {&gate, &up, &down, &down_t, &gate_up_t}) EXPECT_EQ(cudaSuccess, cudaMemset(b->get(), 0xa5, b->size()));
       for (auto* b : {&gate_exponents, &up_exponents, &down_exponents, &down_t_exponents, &gate_up_t_exponents})
-        cudaMemset(b->get(), 0x5a, b->size() * sizeof(std::int32_t));
-      fp8::quantize_experts(a.w_gate, a.w_up, a.w_down, views, &dgrad, nullptr);
+        EXPECT_EQ(cudaSuccess, cudaMemset(b->get(), 0x5a, b->size() * sizeof(std::int32_t)));
+      fp8::quantize_experts(a.w_gate, a.w_up, a.w_down, views, by == By::one_read ? &dgrad : nullptr, nullptr);
     } else {
       fp8::quantize_weights(a.w_gate, views.gate, views.gate_exponents, nullptr);
       fp8::quantize_weights(a.w_up, views.up, views.up_exponents, nullptr);
       fp8::quantize_weights(a.w_down, views.down, views.down_exponents, nullptr);
       fp8::quantize_dgrad_weights(a.w_gate, a.w_up, a.w_down, dgrad, nullptr);
     }
-    cudaDeviceSynchronize();
+    EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
   }
   static std::size_t blocks(const GpuProblem& gpu) {  // 128 x 128 blocks of one weight tensor
     const MoeShape& s = gpu.host.shape;

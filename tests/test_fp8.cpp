@@ -335,9 +335,39 @@ TEST(Fp8Weights, BadArgumentsAreNamed) {
                  view(DType::i32, {2, 2, 3}), view(DType::i32, {2, 2, 3}), view(DType::i32, {2, 3, 2})};
   Fp8DgradWeights dgrad{view(DType::u8, {2, 256, 384}), view(DType::u8, {2, 384, 256}), view(DType::i32, {2, 2, 3}),
                         view(DType::i32, {2, 3, 4})};
-  EXPECT_NE(message([&] { quantize_experts(gate, gate, down, fwd, &dgrad, nullptr); })
-                .find("mok::fp8::quantize_experts: argument 'gate_up_t': shape must be [E, H, 2I] with 2I = 512, got [2, 384, 256]"),
-            std::string::npos) << message([&] { quantize_experts(gate, gate, down, fwd, &dgrad, nullptr); });
+  const auto expect_named = [&](const std::function<void()>& call, const std::string& want) {
+    const std::string got = message(call);
+    EXPECT_NE(got.find(want), std::string::npos) << "got: " << got;
+  };
+  expect_named([&] { quantize_experts(gate, gate, down, fwd, &dgrad, nullptr); },
+               "mok::fp8::quantize_experts: argument 'gate_up_t': shape must be [E, H, 2I] = [2, 384, 512] (w_gate's E, H "
+               "and I), got [2, 384, 256]");
+  dgrad.gate_up_t = view(DType::u8, {2, 384, 512});
+  dgrad.gate_up_t_exponents = view(DType::i32, {2, 2, 3});
+  expect_named([&] { quantize_experts(gate, gate, down, fwd, &dgrad, nullptr); },
+               "mok::fp8::quantize_experts: argument 'gate_up_t_exponents': shape must be [E, H / 128, 2I / 128] = [2, 3, "
+               "4], got [2, 2, 3]");
+  dgrad.gate_up_t_exponents = view(DType::i32, {2, 3, 4});  // (dgrad right from here on)
+  expect_named([&] { quantize_experts(gate, view(DType::bf16, {2, 256, 256}), down, fwd, &dgrad, nullptr); },
+               "mok::fp8::quantize_experts: argument 'w_up': shape must be w_gate's, [2, 256, 384], got [2, 256, 256]");
+  expect_named([&] { quantize_experts(gate, gate, gate, fwd, &dgrad, nullptr); },
+               "mok::fp8::quantize_experts: argument 'w_down': shape must be [E, H, I] = [2, 384, 256] (w_gate's), got "
+               "[2, 256, 384]");
+  expect_named([&] { quantize_experts(gate, gate, TensorView::contiguous(fake, DType::bf16, Device::cuda(1), {2, 384, 256}),
+                                      fwd, &dgrad, nullptr); },
+               "mok::fp8::quantize_experts: argument 'w_down': is on cuda:1, but w_gate is on cuda:0");
+  expect_named([&] { quantize_experts(gate, view(DType::f32, {2, 256, 384}), down, fwd, nullptr, nullptr); },
+               "mok::fp8::quantize_experts: argument 'w_up': dtype must be bf16, got f32");
+  Fp8Weights bad_up = fwd;
+  bad_up.up = view(DType::u8, {2, 384, 256});
+  expect_named([&] { quantize_experts(gate, gate, down, bad_up, nullptr, nullptr); },
+               "mok::fp8::quantize_experts: argument 'up': shape must be [2, 256, 384] (w's)");
+  Fp8DgradWeights bad_down_t = dgrad;
+  bad_down_t.down_t_exponents = view(DType::f32, {2, 2, 3});
+  expect_named([&] { quantize_experts(gate, gate, down, fwd, &bad_down_t, nullptr); },
+               "mok::fp8::quantize_experts: argument 'down_t_exponents': dtype must be i32, got f32");
+  expect_named([&] { quantize_weights(w, values, exps, values_t, view(DType::u8, {2, 3, 2}), nullptr); },
+               "argument 'exponents_t': dtype must be i32, got u8");
 }
 
 }  // namespace

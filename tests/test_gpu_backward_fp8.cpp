@@ -7,6 +7,8 @@
 // errors: test_validate.cpp and Fp8Backward.RejectsMisuse.)
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <string>
 #include <vector>
 
@@ -146,14 +148,25 @@ TEST(Fp8Backward, DgradWeightsAreTheForwardBlocksTransposed) {
 
 // fp8::quantize_experts with the dgrad operands (W and W^T from one read, three kernels) writes
 // the bytes of the separate quantizations (quantize_weights, quantize_dgrad_weights: six), every
-// buffer poisoned before.
+// buffer poisoned before; without them, the forward's bytes and the dgrad buffers untouched.
 TEST(Fp8Backward, QuantizeExpertsFromOneReadWritesTheSeparateQuantizationsBytes) {
   MOK_REQUIRE_HOPPER();
   const MoeShape s = shape_of({"", 0, 384, 256, 3, 2, 0, 0, RoutingKind::uniform});
   const HostProblem host = make_problem(s, 10, RoutingKind::uniform, 4);
   GpuProblem gpu(host);
-  const QuantizedWeights separate(gpu), one_read(gpu, /*one_read=*/true);
+  using By = QuantizedWeights::By;
+  const QuantizedWeights separate(gpu), one_read(gpu, By::one_read), forward_only(gpu, By::forward_only);
   EXPECT_EQ(cudaSuccess, cudaGetLastError());
+  EXPECT_EQ(forward_only.gate.download(), separate.gate.download());
+  EXPECT_EQ(forward_only.up.download(), separate.up.download());
+  EXPECT_EQ(forward_only.down.download(), separate.down.download());
+  EXPECT_EQ(forward_only.gate_exponents.download(), separate.gate_exponents.download());
+  EXPECT_EQ(forward_only.up_exponents.download(), separate.up_exponents.download());
+  EXPECT_EQ(forward_only.down_exponents.download(), separate.down_exponents.download());
+  for (const auto& b : {forward_only.down_t.download(), forward_only.gate_up_t.download()})
+    EXPECT_TRUE(std::all_of(b.begin(), b.end(), [](std::uint8_t v) { return v == 0xa5; })) << "a dgrad buffer written";
+  for (const auto& b : {forward_only.down_t_exponents.download(), forward_only.gate_up_t_exponents.download()})
+    EXPECT_TRUE(std::all_of(b.begin(), b.end(), [](std::int32_t v) { return v == 0x5a5a5a5a; })) << "a dgrad buffer written";
   EXPECT_EQ(one_read.gate.download(), separate.gate.download());
   EXPECT_EQ(one_read.up.download(), separate.up.download());
   EXPECT_EQ(one_read.down.download(), separate.down.download());

@@ -175,9 +175,12 @@ TEST(GpuFp8, VectorKernelWritesTheHostsBytesForWAndItsTranspose) {
   MOK_REQUIRE_HOPPER();
   expect_vector_matches_host(2, 256, 384, 384, 256 * 384, 21);             // whole blocks, the vector path
   expect_vector_matches_host(2, 256, 320, 320, 256 * 320, 25);             // vector blocks beside edge columns
-  expect_vector_matches_host(3, 200, 320, 320, 200 * 320, 22);             // edge blocks: the scalar code
+  expect_vector_matches_host(3, 200, 320, 320, 200 * 320, 22);             // edge blocks: the element-wise code
   expect_vector_matches_host(2, 256, 256, 264, 256 * 264 + 8, 23);         // a padded pitch, aligned
-  expect_vector_matches_host(2, 256, 256, 260, 256 * 260, 24);             // an unaligned pitch: scalar
+  expect_vector_matches_host(2, 256, 256, 260, 256 * 260, 24);             // an unaligned pitch: element-wise
+  // W aligned, W^T's rows (264 bytes) not 16-byte multiples: the whole launch element-wise when
+  // values_t is written (modes 1 and 2), W's wide path alone (mode 0)
+  expect_vector_matches_host(2, 264, 384, 384, 264 * 384, 26);
 }
 
 }  // namespace

@@ -76,7 +76,9 @@ void quantize_dgrad_weights(const TensorView& w_gate, const TensorView& w_up, co
 
 // A weight version's quantization for Precision::fp8: the forward's operands (Fp8Weights), and
 // with dgrad the backward's (quantize_dgrad_weights' bytes) from the same reads: three kernels,
-// each matrix read once (the two quantizations separately read every weight twice).
+// each matrix read once (the two quantizations separately read every weight twice). w_gate and
+// w_up [E, I, H], w_down [E, H, I] on one device; every argument is checked (and named as here,
+// e.g. 'w_down', 'gate_up_t') before the first kernel, so a bad one leaves the outputs untouched.
 void quantize_experts(const TensorView& w_gate, const TensorView& w_up, const TensorView& w_down, const Fp8Weights& out,
                       const Fp8DgradWeights* dgrad, cudaStream_t stream);
 

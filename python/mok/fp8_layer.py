@@ -86,6 +86,8 @@ def quantize_experts(w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down:
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if w is not None:
             _check_weight(w, where, name)
+            if w.device != w_gate.device:
+                raise ValueError(f"{where}: {name} is on {w.device}, but w_gate is on {w_gate.device}")
     gate, up = _halves(w_gate, w_up)
     if not dgrad:
         return Fp8Experts(*quantize_weights(gate), *quantize_weights(up), *quantize_weights(w_down))

@@ -155,19 +155,19 @@ namespace {
 // quantize_weights' checks of (w, values, exponents) and its kernel's parameters; values and
 // exponents named as the caller's arguments.
 kernels::QuantizeParams weight_params(const char* where, const TensorView& w, const TensorView& values,
-                                      const TensorView& exponents, bool transpose, const char* values_name,
-                                      const char* exponents_name) {
-  if (w.dtype != DType::bf16) throw_dtype_error(where, "w", "dtype must be bf16, got ", dtype_name(w.dtype));
+                                      const TensorView& exponents, bool transpose, const char* w_name,
+                                      const char* values_name, const char* exponents_name) {
+  if (w.dtype != DType::bf16) throw_dtype_error(where, w_name, "dtype must be bf16, got ", dtype_name(w.dtype));
   if (values.dtype != DType::u8)
     throw_dtype_error(where, values_name, "dtype must be u8 (E4M3 bytes), got ", dtype_name(values.dtype));
   if (exponents.dtype != DType::i32)
     throw_dtype_error(where, exponents_name, "dtype must be i32, got ", dtype_name(exponents.dtype));
-  if (w.ndim != 3) throw_argument_error(where, "w", "must be 3-D [E, rows, cols], got shape ", w.shape_string());
+  if (w.ndim != 3) throw_argument_error(where, w_name, "must be 3-D [E, rows, cols], got shape ", w.shape_string());
   const std::int64_t E = w.shape[0], R = w.shape[1], C = w.shape[2];
   const std::int64_t rb = (R + kernels::kFp8Block - 1) / kernels::kFp8Block;
   const std::int64_t cb = (C + kernels::kFp8Block - 1) / kernels::kFp8Block;
   if (w.stride[2] != 1 || w.stride[1] < C || w.stride[0] < R * w.stride[1])
-    throw_argument_error(where, "w", "must have contiguous, non-overlapping rows, got strides (", w.stride[0], ", ",
+    throw_argument_error(where, w_name, "must have contiguous, non-overlapping rows, got strides (", w.stride[0], ", ",
                          w.stride[1], ", ", w.stride[2], ") for shape ", w.shape_string());
   const std::int64_t VR = transpose ? C : R, VC = transpose ? R : C, XR = transpose ? cb : rb, XC = transpose ? rb : cb;
   if (values.ndim != 3 || values.shape[0] != E || values.shape[1] != VR || values.shape[2] != VC)
@@ -180,16 +180,16 @@ kernels::QuantizeParams weight_params(const char* where, const TensorView& w, co
     if (t->stride[2] != 1 || t->stride[1] < t->shape[2] || t->stride[0] < t->shape[1] * t->stride[1])
       throw_argument_error(where, name, "must have contiguous, non-overlapping rows, got strides (", t->stride[0], ", ",
                            t->stride[1], ", ", t->stride[2], ") for shape ", t->shape_string());
-  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"w", &w}, {values_name, &values},
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{w_name, &w}, {values_name, &values},
                                 {exponents_name, &exponents}}) {
     if (t->device.kind != DeviceKind::cuda)
       throw_argument_error(where, name, "must be on a CUDA device, got ", device_name(t->device));
     if (t->device.index != w.device.index)
-      throw_argument_error(where, name, "is on ", device_name(t->device), ", but w is on ", device_name(w.device));
+      throw_argument_error(where, name, "is on ", device_name(t->device), ", but ", w_name, " is on ", device_name(w.device));
     if (t->numel() > 0 && t->data == nullptr) throw_argument_error(where, name, "data pointer is null");
   }
   if (E > 65535 || rb > 65535 || C > INT32_MAX)  // (the grid's y and z limits; int columns)
-    throw_argument_error(where, "w", "at most 65535 experts, 65535 * 128 rows and 2^31 - 1 columns, got shape ",
+    throw_argument_error(where, w_name, "at most 65535 experts, 65535 * 128 rows and 2^31 - 1 columns, got shape ",
                          w.shape_string());
   kernels::QuantizeParams p{};
   p.w = static_cast<const std::uint16_t*>(w.data);
@@ -203,6 +203,13 @@ kernels::QuantizeParams weight_params(const char* where, const TensorView& w, co
   return p;
 }
 
+// p writing w^T's values and exponents too, where t (w's transposed quantization) writes them.
+void with_transpose(kernels::QuantizeParams& p, const kernels::QuantizeParams& t) {
+  p.values_t = t.values, p.exponents_t = t.exponents;
+  p.values_t_expert_stride = t.values_expert_stride, p.values_t_row_stride = t.values_row_stride;
+  p.exponents_t_expert_stride = t.exponents_expert_stride, p.exponents_t_row_stride = t.exponents_row_stride;
+}
+
 void launch(const kernels::QuantizeParams& p, cudaStream_t stream, const char* where) {
   kernels::launch_quantize_blocks(p, stream);
   detail::cuda_check(cudaGetLastError(), where, "launching the quantization");
@@ -213,17 +220,14 @@ void launch(const kernels::QuantizeParams& p, cudaStream_t stream, const char* w
 void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
                       cudaStream_t stream, bool transpose) {
   constexpr const char* where = "mok::fp8::quantize_weights";
-  launch(weight_params(where, w, values, exponents, transpose, "values", "exponents"), stream, where);
+  launch(weight_params(where, w, values, exponents, transpose, "w", "values", "exponents"), stream, where);
 }
 
 void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
                       const TensorView& values_t, const TensorView& exponents_t, cudaStream_t stream) {
   constexpr const char* where = "mok::fp8::quantize_weights";
-  kernels::QuantizeParams p = weight_params(where, w, values, exponents, false, "values", "exponents");
-  const kernels::QuantizeParams t = weight_params(where, w, values_t, exponents_t, true, "values_t", "exponents_t");
-  p.values_t = t.values, p.exponents_t = t.exponents;
-  p.values_t_expert_stride = t.values_expert_stride, p.values_t_row_stride = t.values_row_stride;
-  p.exponents_t_expert_stride = t.exponents_expert_stride, p.exponents_t_row_stride = t.exponents_row_stride;
+  kernels::QuantizeParams p = weight_params(where, w, values, exponents, false, "w", "values", "exponents");
+  with_transpose(p, weight_params(where, w, values_t, exponents_t, true, "w", "values_t", "exponents_t"));
   launch(p, stream, where);
 }
 
@@ -256,12 +260,14 @@ GateUpHalves gate_up_halves(const char* where, const TensorView& w_gate, const T
   if (I % kernels::kFp8Block != 0)
     throw_argument_error(where, "w_gate", "rows (I) must be a multiple of ", kernels::kFp8Block, " (W_gate^T and W_up^T "
                          "share [E, H, 2I] at a block boundary), got ", I);
-  if (out.gate_up_t.ndim != 3 || out.gate_up_t.shape[2] != 2 * I)
-    throw_argument_error(where, "gate_up_t", "shape must be [E, H, 2I] with 2I = ", 2 * I, ", got ",
-                         out.gate_up_t.shape_string());
-  if (out.gate_up_t_exponents.ndim != 3 || out.gate_up_t_exponents.shape[2] != 2 * ib)
-    throw_argument_error(where, "gate_up_t_exponents", "shape must be [E, H / 128, 2I / 128] with 2I / 128 = ", 2 * ib,
-                         ", got ", out.gate_up_t_exponents.shape_string());
+  const std::int64_t E = w_gate.shape[0], H = w_gate.shape[2], hb = (H + kernels::kFp8Block - 1) / kernels::kFp8Block;
+  if (out.gate_up_t.ndim != 3 || out.gate_up_t.shape[0] != E || out.gate_up_t.shape[1] != H || out.gate_up_t.shape[2] != 2 * I)
+    throw_argument_error(where, "gate_up_t", "shape must be [E, H, 2I] = [", E, ", ", H, ", ", 2 * I,
+                         "] (w_gate's E, H and I), got ", out.gate_up_t.shape_string());
+  if (out.gate_up_t_exponents.ndim != 3 || out.gate_up_t_exponents.shape[0] != E ||
+      out.gate_up_t_exponents.shape[1] != hb || out.gate_up_t_exponents.shape[2] != 2 * ib)
+    throw_argument_error(where, "gate_up_t_exponents", "shape must be [E, H / 128, 2I / 128] = [", E, ", ", hb, ", ",
+                         2 * ib, "], got ", out.gate_up_t_exponents.shape_string());
   return {columns(out.gate_up_t, 0, I), columns(out.gate_up_t, I, I), columns(out.gate_up_t_exponents, 0, ib),
           columns(out.gate_up_t_exponents, ib, ib)};
 }
@@ -278,16 +284,34 @@ void quantize_dgrad_weights(const TensorView& w_gate, const TensorView& w_up, co
 
 void quantize_experts(const TensorView& w_gate, const TensorView& w_up, const TensorView& w_down, const Fp8Weights& out,
                       const Fp8DgradWeights* dgrad, cudaStream_t stream) {
-  if (dgrad == nullptr) {
-    quantize_weights(w_gate, out.gate, out.gate_exponents, stream);
-    quantize_weights(w_up, out.up, out.up_exponents, stream);
-    quantize_weights(w_down, out.down, out.down_exponents, stream);
-    return;
+  constexpr const char* where = "mok::fp8::quantize_experts";
+  for (const auto& [name, w] :
+       {std::pair<const char*, const TensorView*>{"w_gate", &w_gate}, {"w_up", &w_up}, {"w_down", &w_down}})
+    if (w->ndim != 3) throw_argument_error(where, name, "must be 3-D [E, rows, cols], got shape ", w->shape_string());
+  const std::int64_t E = w_gate.shape[0], I = w_gate.shape[1], H = w_gate.shape[2];
+  if (w_up.shape[0] != E || w_up.shape[1] != I || w_up.shape[2] != H)
+    throw_argument_error(where, "w_up", "shape must be w_gate's, ", w_gate.shape_string(), ", got ", w_up.shape_string());
+  if (w_down.shape[0] != E || w_down.shape[1] != H || w_down.shape[2] != I)
+    throw_argument_error(where, "w_down", "shape must be [E, H, I] = [", E, ", ", H, ", ", I, "] (w_gate's), got ",
+                         w_down.shape_string());
+  for (const auto& [name, w] : {std::pair<const char*, const TensorView*>{"w_up", &w_up}, {"w_down", &w_down}})
+    if (w->device.kind != w_gate.device.kind || w->device.index != w_gate.device.index)
+      throw_argument_error(where, name, "is on ", device_name(w->device), ", but w_gate is on ", device_name(w_gate.device));
+  // Every argument is checked before the first kernel: a bad one leaves every output untouched.
+  kernels::QuantizeParams p[3] = {
+      weight_params(where, w_gate, out.gate, out.gate_exponents, false, "w_gate", "gate", "gate_exponents"),
+      weight_params(where, w_up, out.up, out.up_exponents, false, "w_up", "up", "up_exponents"),
+      weight_params(where, w_down, out.down, out.down_exponents, false, "w_down", "down", "down_exponents")};
+  if (dgrad != nullptr) {
+    const GateUpHalves h = gate_up_halves(where, w_gate, w_down, *dgrad);
+    with_transpose(p[0], weight_params(where, w_gate, h.gate_t, h.gate_t_exponents, true, "w_gate", "gate_up_t",
+                                       "gate_up_t_exponents"));
+    with_transpose(p[1], weight_params(where, w_up, h.up_t, h.up_t_exponents, true, "w_up", "gate_up_t",
+                                       "gate_up_t_exponents"));
+    with_transpose(p[2], weight_params(where, w_down, dgrad->down_t, dgrad->down_t_exponents, true, "w_down", "down_t",
+                                       "down_t_exponents"));
   }
-  const GateUpHalves h = gate_up_halves("mok::fp8::quantize_experts", w_gate, w_down, *dgrad);
-  quantize_weights(w_gate, out.gate, out.gate_exponents, h.gate_t, h.gate_t_exponents, stream);
-  quantize_weights(w_up, out.up, out.up_exponents, h.up_t, h.up_t_exponents, stream);
-  quantize_weights(w_down, out.down, out.down_exponents, dgrad->down_t, dgrad->down_t_exponents, stream);
+  for (const kernels::QuantizeParams& q : p) launch(q, stream, where);
 }
 
 }  // namespace mok::fp8

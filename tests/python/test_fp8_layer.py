@@ -479,3 +479,19 @@ def test_quantize_experts_names_bad_weights():
         fp8.quantize_experts(g, g, d[:, :256], dgrad=True)
     with pytest.raises(ValueError, match=r"^mok\.fp8\.quantize_experts: the experts' shapes disagree"):
         fp8.quantize_experts(g, g[:, :128], d, dgrad=True)
+    # The extension's W-and-W^T entry: values_t and exponents_t together, never with transpose.
+    from torch.utils.dlpack import to_dlpack
+
+    from mok import _C
+
+    v = torch.empty(2, 256, 384, dtype=torch.uint8, device="cuda")
+    x = torch.empty(2, 2, 3, dtype=torch.int32, device="cuda")
+    vt = torch.empty(2, 384, 256, dtype=torch.uint8, device="cuda")
+    xt = torch.empty(2, 3, 2, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    with pytest.raises(ValueError, match="values_t and exponents_t go together"):
+        _C.fp8_quantize_weights(to_dlpack(g), to_dlpack(v), to_dlpack(x), stream, False, to_dlpack(vt))
+    with pytest.raises(ValueError, match="values_t with transpose=True"):
+        _C.fp8_quantize_weights(to_dlpack(g), to_dlpack(vt), to_dlpack(xt), stream, True, to_dlpack(vt), to_dlpack(xt))
+    with pytest.raises(ValueError, match="argument 'values_t': shape must be \\[2, 384, 256\\]"):
+        _C.fp8_quantize_weights(to_dlpack(g), to_dlpack(v), to_dlpack(x), stream, False, to_dlpack(v), to_dlpack(xt))

@@ -18,7 +18,7 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// The vector kernel's W^T staging: a whole block's E4M3 bytes as words (row r, word q: columns
+// The block kernel's wide path: its W^T staging: a whole block's E4M3 bytes as words (row r, word q: columns
 // 4 q .. 4 q + 3) at r * 32 + (q ^ 4 (r / 16)), so that the eight 16-row segments a warp reads
 // for its W^T rows fall in different banks; 16 KB.
 __device__ __forceinline__ int block_tile_word(int r, int q) { return r * 32 + (q ^ (4 * (r / 16))); }

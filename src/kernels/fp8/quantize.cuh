@@ -40,11 +40,11 @@ struct QuantizeParams {
 // (nearest, ties to even, saturating): a whole block's 16-byte pieces read once into registers,
 // 8-byte rows of W and 16-byte rows of W^T written (through a swizzled shared-memory tile) where
 // the block is whole and quantize_blocks_vector_ok holds; else the block read twice, an element a
-// thread at a time, and written a byte at a time (the same bytes). The vector path took 0.37x the
+// thread at a time, and written a byte at a time (the same bytes). The wide path took 0.37x the
 // element-wise kernel's time for deepseek-v3's six weight quantizations (8.05 -> 2.97 ms, H100,
 // bench/NOTES.md, twenty-fourth session).
 void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream);
-// Whether p's pointers and strides allow the vector kernel's wide loads and stores (w 16-byte, values
+// Whether p's pointers and strides allow the block kernel's wide loads and stores (w 16-byte, values
 // 8-byte, values_t 16-byte aligned rows and experts).
 bool quantize_blocks_vector_ok(const QuantizeParams& p);
 
