@@ -56,8 +56,13 @@ def summarize(lines):
 
 def kernel_name(full):
     """A kernel's name without its return type, parameter list, template arguments and anonymous
-    namespaces: 'void ns::(anonymous namespace)::k<4>(P)' -> 'ns::k'."""
+    namespaces: 'void ns::(anonymous namespace)::k<4>(P)' -> 'ns::k'. ncu writes some anonymous
+    namespaces as '<unnamed>', or cut to 'unnamed>' at the start of the name (mok_bench's kernels)."""
     s = full.strip()
+    for anonymous in ("(anonymous namespace)::", "<unnamed>::"):
+        s = s.replace(anonymous, "")
+    if s.startswith("unnamed>::"):
+        s = s[len("unnamed>::"):]
     if s.endswith(")"):  # (the parameter list: the balanced parentheses at the end)
         depth = 0
         for i in range(len(s) - 1, -1, -1):
@@ -70,7 +75,7 @@ def kernel_name(full):
         depth += {"<": 1, ">": -1}.get(ch, 0)
         if depth == 0 and ch != ">":
             kept.append(ch)
-    s = "".join(kept).replace("(anonymous namespace)::", "").strip()
+    s = "".join(kept).strip()
     return s[5:] if s.startswith("void ") else s
 
 

@@ -575,6 +575,9 @@ def test_ncu_layer_sums_every_kernels_metrics_of_an_ncu_csv_log():
     per = ncu_layer.by_kernel(lines)  # (a name's launches together, the longest first)
     assert [name for name, _ in per] == ["mok::kernels::quantize_columns_kernel", "gemm", "swiglu"]
     assert per[2][1] == {"kernels": 2, "read_gb": 0.5, "written_gb": 0.0, "ms": 0.75}
+    # ncu's other spellings of an anonymous namespace (mok_bench's kernels came out as 'unnamed')
+    assert ncu_layer.kernel_name("unnamed>::quantize_blocks_kernel(QuantizeParams, bool)") == "quantize_blocks_kernel"
+    assert ncu_layer.kernel_name("void mok::<unnamed>::k<Storage<4>>(P<2>)") == "mok::k"
     with pytest.raises(ValueError):
         ncu_layer.summarize(["==PROF== nothing profiled"])
 
