@@ -36,8 +36,7 @@ done
 mkdir -p "$OUT"
 source scripts/setup.sh || exit 1
 set +e
-ncu_bin="$(ncu_path)"
-[ -n "$ncu_bin" ] || { echo "ncu_bench.sh: no ncu (Nsight Compute) found"; exit 1; }
+ncu_bin="$(require_ncu ncu_bench.sh)" || exit 1
 mok_bench_build "$build" "$OUT/ncu-bench-build-$(basename "$build").log" "$diag" || exit 1
 filter=()
 [ -n "$kernel" ] && filter=(-k "$kernel")

@@ -35,8 +35,7 @@ done
 mkdir -p "$OUT"
 source scripts/setup.sh || exit 1
 set +e
-ncu_bin="$(ncu_path)"
-[ -n "$ncu_bin" ] || { echo "ncu_forward.sh: no ncu (Nsight Compute) found"; exit 1; }
+ncu_bin="$(require_ncu ncu_forward.sh)" || exit 1
 mok_bench_build "$build" "$OUT/ncu-build.log" || exit 1
 rc=0
 for impl in ${impls//,/ }; do

@@ -27,8 +27,7 @@ done
 mkdir -p "$OUT"
 source scripts/setup.sh || exit 1
 set +e
-ncu_bin="$(ncu_path)"
-[ -n "$ncu_bin" ] || { echo "ncu_layer.sh: no ncu (Nsight Compute) found"; exit 1; }
+ncu_bin="$(require_ncu ncu_layer.sh)" || exit 1
 rc=0
 for impl in ${impls//,/ }; do
   csv="$OUT/ncu-layer-$preset-$impl-${pass/+/-}.csv"

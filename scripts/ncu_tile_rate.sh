@@ -23,8 +23,7 @@ done
 mkdir -p "$OUT"
 source scripts/setup.sh || exit 1
 set +e
-ncu_bin="$(ncu_path)"
-[ -n "$ncu_bin" ] || { echo "ncu_tile_rate.sh: no ncu (Nsight Compute) found"; exit 1; }
+ncu_bin="$(require_ncu ncu_tile_rate.sh)" || exit 1
 if [ ! -x "$build/bench/fp8_tile_rate" ]; then
   { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_PYTHON=OFF -DMOK_BUILD_TESTS=OFF \
       -DMOK_BUILD_EXAMPLES=OFF && cmake --build "$build" --target fp8_tile_rate -j"$(nproc)"; } > "$OUT/ncu-build.log" 2>&1 ||

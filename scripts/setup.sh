@@ -44,10 +44,14 @@ if ! cmake_ok; then
   fi
   export PATH="$mok_root/.venv-tools/bin:$PATH"
 fi
-# Nsight Compute's ncu (on PATH, or where the CUDA toolkit or Nsight Compute installs it); empty if
-# none (the ncu_*.sh scripts).
-ncu_path() {
-  { command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; } || true
+# require_ncu NAME: prints Nsight Compute's ncu (on PATH, or where the CUDA toolkit or Nsight
+# Compute installs it), or says on stderr that NAME found none and fails (the ncu_*.sh scripts:
+# ncu_bin="$(require_ncu ncu_x.sh)" || exit 1).
+require_ncu() {
+  local bin
+  bin="$({ command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; } || true)"
+  [ -n "$bin" ] || { echo "$1: no ncu (Nsight Compute) found" >&2; return 1; }
+  echo "$bin"
 }
 # mok_bench_build DIR LOG [DEFINES]: DIR/bench/mok_bench (Release, no tests, examples or Python;
 # MOK_DIAG_DEFINES=DEFINES) unless it exists, its output into LOG; on failure prints LOG's tail and
