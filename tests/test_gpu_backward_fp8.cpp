@@ -157,24 +157,23 @@ TEST(Fp8Backward, QuantizeExpertsFromOneReadWritesTheSeparateQuantizationsBytes)
   using By = QuantizedWeights::By;
   const QuantizedWeights separate(gpu), one_read(gpu, By::one_read), forward_only(gpu, By::forward_only);
   EXPECT_EQ(cudaSuccess, cudaGetLastError());
-  EXPECT_EQ(forward_only.gate.download(), separate.gate.download());
-  EXPECT_EQ(forward_only.up.download(), separate.up.download());
-  EXPECT_EQ(forward_only.down.download(), separate.down.download());
-  EXPECT_EQ(forward_only.gate_exponents.download(), separate.gate_exponents.download());
-  EXPECT_EQ(forward_only.up_exponents.download(), separate.up_exponents.download());
-  EXPECT_EQ(forward_only.down_exponents.download(), separate.down_exponents.download());
+  // (the forward's six buffers of q against the separate quantization's)
+  const auto expect_forward_bytes = [&](const QuantizedWeights& q, const char* by) {
+    EXPECT_EQ(q.gate.download(), separate.gate.download()) << by;
+    EXPECT_EQ(q.up.download(), separate.up.download()) << by;
+    EXPECT_EQ(q.down.download(), separate.down.download()) << by;
+    EXPECT_EQ(q.gate_exponents.download(), separate.gate_exponents.download()) << by;
+    EXPECT_EQ(q.up_exponents.download(), separate.up_exponents.download()) << by;
+    EXPECT_EQ(q.down_exponents.download(), separate.down_exponents.download()) << by;
+  };
+  expect_forward_bytes(forward_only, "forward only");
   for (const auto& b : {forward_only.down_t.download(), forward_only.gate_up_t.download()})
     EXPECT_TRUE(std::all_of(b.begin(), b.end(), [](std::uint8_t v) { return v == 0xa5; })) << "a dgrad buffer written";
   for (const auto& b : {forward_only.down_t_exponents.download(), forward_only.gate_up_t_exponents.download()})
     EXPECT_TRUE(std::all_of(b.begin(), b.end(), [](std::int32_t v) { return v == 0x5a5a5a5a; })) << "a dgrad buffer written";
-  EXPECT_EQ(one_read.gate.download(), separate.gate.download());
-  EXPECT_EQ(one_read.up.download(), separate.up.download());
-  EXPECT_EQ(one_read.down.download(), separate.down.download());
+  expect_forward_bytes(one_read, "one read");
   EXPECT_EQ(one_read.down_t.download(), separate.down_t.download());
   EXPECT_EQ(one_read.gate_up_t.download(), separate.gate_up_t.download());
-  EXPECT_EQ(one_read.gate_exponents.download(), separate.gate_exponents.download());
-  EXPECT_EQ(one_read.up_exponents.download(), separate.up_exponents.download());
-  EXPECT_EQ(one_read.down_exponents.download(), separate.down_exponents.download());
   EXPECT_EQ(one_read.down_t_exponents.download(), separate.down_t_exponents.download());
   EXPECT_EQ(one_read.gate_up_t_exponents.download(), separate.gate_up_t_exponents.download());
 }
