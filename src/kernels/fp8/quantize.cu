@@ -362,7 +362,7 @@ __device__ __forceinline__ void find_row_offsets(const QuantizeColumnsParams& p,
 // twenty-fourth session.)
 constexpr int kColumnTilesPerStrip = 4;
 
-// The register kernels' loads of column tile ct: lane (g, h) of warp w, rows 8 g + j (j < 8) of
+// The column kernel's loads of column tile ct: lane (g, h) of warp w, rows 8 g + j (j < 8) of
 // columns [16 w + 8 h, + 8), one 16-byte load a row (row_offset: the plan rows' starts in src,
 // elements; -1: a padding row, zeros).
 __device__ __forceinline__ void load_column_tile(const QuantizeColumnsParams& p, const std::int64_t* row_offset, int ct,
