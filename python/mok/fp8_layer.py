@@ -80,53 +80,75 @@ def quantize_experts(w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down:
     backward's dgrad operands (W_down^T, [W_gate^T | W_up^T]: each matrix's transposed
     quantization, from the same kernel and the same read, twice the bytes written), with which a
     training step's dgrad GEMMs run in E4M3 (dgrad_pays: where that is faster)."""
-    from mok.fp8 import _check_weight, quantize_weights  # (mok.fp8 imports this module: not at the top)
+    _check_experts_weights(w_gate, w_up, w_down, dgrad)
+    experts = _empty_experts(w_gate, w_up, w_down, dgrad)
+    _quantize_into(w_gate, w_up, w_down, experts)
+    return experts
 
-    where = "mok.fp8.quantize_experts"
+
+def _check_experts_weights(w_gate, w_up, w_down, dgrad, where="mok.fp8.quantize_experts"):
+    from mok.fp8 import _check_weight  # (mok.fp8 imports this module: not at the top)
+
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if w is not None:
             _check_weight(w, where, name)
             if w.device != w_gate.device:
                 raise ValueError(f"{where}: {name} is on {w.device}, but w_gate is on {w_gate.device}")
-    gate, up = _halves(w_gate, w_up)
     if not dgrad:
-        return Fp8Experts(*quantize_weights(gate), *quantize_weights(up), *quantize_weights(w_down))
+        return
+    gate, up = _halves(w_gate, w_up)
     E, inter, hidden = gate.shape
     if up.shape != gate.shape or w_down.shape != (E, hidden, inter):
         raise ValueError(f"{where}: the experts' shapes disagree: w_gate {tuple(w_gate.shape)}, w_up "
                          f"{None if w_up is None else tuple(w_up.shape)}, w_down {tuple(w_down.shape)} (want gate and "
                          f"up [E, I, H] each, or w_gate [E, 2I, H] and w_up None, and w_down [E, H, I])")
     _check_fp8(w_down, where)
-    device = gate.device
 
-    def values(rows, cols):
-        return torch.empty(E, rows, cols, dtype=torch.uint8, device=device)
 
-    def exponents(rows, cols):
-        return torch.empty(E, -(-rows // BLOCK), -(-cols // BLOCK), dtype=torch.int32, device=device)
+def _empty_experts(w_gate, w_up, w_down, dgrad: bool) -> Fp8Experts:
+    """Uninitialised tensors of quantize_experts' shapes, on the weights' device: each matrix's
+    E4M3 values and exponents, and (dgrad) W_down^T's and [W_gate^T | W_up^T]'s."""
+    device = w_gate.device
 
-    forward = [(values(inter, hidden), exponents(inter, hidden)), (values(inter, hidden), exponents(inter, hidden)),
-               (values(hidden, inter), exponents(hidden, inter))]
-    down_t, down_t_exponents = values(inter, hidden), exponents(inter, hidden)
-    gate_up_t, gate_up_t_exponents = values(hidden, 2 * inter), exponents(hidden, 2 * inter)
-    ib = inter // BLOCK  # (_check_fp8: I a multiple of 128)
-    transposed = [(gate_up_t[:, :, :inter], gate_up_t_exponents[:, :, :ib]),
-                  (gate_up_t[:, :, inter:], gate_up_t_exponents[:, :, ib:]), (down_t, down_t_exponents)]
-    stream = torch.cuda.current_stream(device).cuda_stream
-    for w, (v, x), (vt, xt) in zip((gate, up, w_down), forward, transposed):
-        _C.fp8_quantize_weights(to_dlpack(w.detach()), to_dlpack(v), to_dlpack(x), stream, False, to_dlpack(vt),
-                                to_dlpack(xt))
-    e4m3 = torch.float8_e4m3fn
-    return Fp8Experts(*(t for v, x in forward for t in (v.view(e4m3), x)), down_t.view(e4m3), down_t_exponents,
-                      gate_up_t.view(e4m3), gate_up_t_exponents)
+    def quantized(E, rows, cols):
+        return (torch.empty(E, rows, cols, dtype=torch.float8_e4m3fn, device=device),
+                torch.empty(E, -(-rows // BLOCK), -(-cols // BLOCK), dtype=torch.int32, device=device))
+
+    gate, up = _halves(w_gate, w_up)
+    fields = [t for w in (gate, up, w_down) for t in quantized(*w.shape)]
+    if dgrad:
+        E, inter, hidden = gate.shape
+        fields += [*quantized(E, inter, hidden), *quantized(E, hidden, 2 * inter)]
+    return Fp8Experts(*fields)
+
+
+def _quantize_into(w_gate, w_up, w_down, experts: Fp8Experts) -> None:
+    """quantize_experts' bytes written into the tensors of `experts` (_empty_experts' shapes),
+    on the current stream: one kernel per matrix; with the dgrad operands, each kernel writes
+    the matrix's transposed quantization too, from the same read."""
+    gate, up = _halves(w_gate, w_up)
+    transposed = [(), (), ()]
+    if experts.dgrad() is not None:
+        inter, ib = gate.shape[1], gate.shape[1] // BLOCK  # (I a multiple of 128: _check_fp8)
+        gate_up_t, gate_up_t_exponents = experts.gate_up_t, experts.gate_up_t_exponents
+        transposed = [(gate_up_t[:, :, :inter], gate_up_t_exponents[:, :, :ib]),
+                      (gate_up_t[:, :, inter:], gate_up_t_exponents[:, :, ib:]),
+                      (experts.down_t, experts.down_t_exponents)]
+    stream = torch.cuda.current_stream(gate.device).cuda_stream
+    forward = ((experts.gate, experts.gate_exponents), (experts.up, experts.up_exponents),
+               (experts.down, experts.down_exponents))
+    for w, (v, x), t in zip((gate, up, w_down), forward, transposed):
+        t = (to_dlpack(t[0].view(torch.uint8)), to_dlpack(t[1])) if t else ()
+        _C.fp8_quantize_weights(to_dlpack(w.detach()), to_dlpack(v.view(torch.uint8)), to_dlpack(x), stream, False,
+                                *t)
 
 
 _weights_generation = 0  # moves on every optimizer step and weights_changed(): part of every cache key
 
 
 def weights_changed() -> None:
-    """Forget every quantized copy that mok.MoE and the Hugging Face backend keep (they are made
-    again at their next call). Needed only after expert weights change where neither their
+    """Mark every quantized copy that mok.MoE and the Hugging Face backend keep as stale (each is
+    quantized again at its owner's next call, eager or compiled). Needed only after expert weights change where neither their
     version counters nor a torch.optim optimizer's step see it: writes through `.data`, or an
     optimizer that is not a torch.optim.Optimizer. Every torch.optim step (fused and foreach
     ones too, which do not all move the version counters) already does this."""
@@ -141,32 +163,93 @@ def _after_optimizer_step(optimizer, args, kwargs):  # (torch.optim's global ste
 register_optimizer_step_post_hook(_after_optimizer_step)
 
 
+def _fits(experts: Optional[Fp8Experts], w_gate, w_up, w_down, dgrad: bool) -> bool:
+    """Whether a kept copy has the shapes, device and dgrad operands these weights need."""
+    if experts is None or (experts.dgrad() is not None) != dgrad or experts.gate.device != w_gate.device:
+        return False
+    gate, up = _halves(w_gate, w_up)
+    shapes = [gate.shape, up.shape, w_down.shape]
+    if dgrad:
+        E, inter, hidden = gate.shape
+        shapes += [(E, inter, hidden), (E, hidden, 2 * inter)]
+    return [tuple(t.shape) for t in experts[::2] if t is not None] == [tuple(s) for s in shapes]
+
+
+def _refresh(w_gate, w_up, w_down, experts: Fp8Experts) -> None:
+    """Quantize the weights into the kept copy `experts`, in place, unless it already holds
+    these weights as they are: the key — each weight's storage and version counter, and the
+    optimizer steps' generation — is kept on the copy's first tensor (the same Python object
+    in every call, eager or compiled). While a CUDA graph is captured: always (each replay
+    quantizes the weights it finds), and the key is dropped (the capture ran no kernel)."""
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    key = None if capturing else (tuple((w.data_ptr(), w._version) for w in (w_gate, w_up, w_down) if w is not None)
+                                  + (_weights_generation,))
+    if capturing or getattr(experts.gate, "_mok_weights", None) != key:
+        _check_experts_weights(w_gate, w_up, w_down, experts.dgrad() is not None, "mok.fp8_layer.cached_experts")
+        experts.gate._mok_weights = None  # (not valid while it is written)
+        _quantize_into(w_gate, w_up, w_down, experts)
+        experts.gate._mok_weights = key
+
+
+@torch.library.custom_op("mok::fp8_refresh_experts", mutates_args=Fp8Experts._fields)
+def fp8_refresh_experts(w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
+                        gate: torch.Tensor, gate_exponents: torch.Tensor, up: torch.Tensor, up_exponents: torch.Tensor,
+                        down: torch.Tensor, down_exponents: torch.Tensor, down_t: Optional[torch.Tensor],
+                        down_t_exponents: Optional[torch.Tensor], gate_up_t: Optional[torch.Tensor],
+                        gate_up_t_exponents: Optional[torch.Tensor]) -> None:
+    """_refresh under torch.compile: the kept copy is the compiled graph's input, written in
+    place (declared, so the graph orders it before the layer's reads)."""
+    _refresh(w_gate, w_up, w_down, Fp8Experts(gate, gate_exponents, up, up_exponents, down, down_exponents, down_t,
+                                              down_t_exponents, gate_up_t, gate_up_t_exponents))
+
+
+@fp8_refresh_experts.register_fake
+def _fp8_refresh_experts_fake(w_gate, w_up, w_down, *experts):
+    return None
+
+
+def new_cached_experts(w_gate, w_up, w_down, dgrad: bool) -> Fp8Experts:
+    """An empty copy for cached_experts (a module makes it with its weights, so that its first
+    call under torch.compile already has one): marked as a static address, as modules'
+    parameters are, so a CUDA graph of torch.compile (mode="reduce-overhead") may write it."""
+    experts = _empty_experts(w_gate, w_up, w_down, dgrad)
+    for t in experts:
+        if t is not None:
+            torch._dynamo.mark_static_address(t, guard=False)
+    return experts
+
+
 def cached_experts(owner, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
                    dgrad: Optional[bool] = None) -> Optional[Fp8Experts]:
     """quantize_experts(w_gate, w_up, w_down, dgrad), kept on `owner` (its `_fp8_cache`: a
-    module holding the weights) and made again when a weight's storage or version counter
-    changes (load_state_dict, in-place updates), after any torch.optim optimizer's step (a
-    fused AdamW updates the weights without moving their version counters), and after
-    weights_changed(). dgrad None: dgrad_pays(w_down). Under torch.compile: None (the layer
-    then quantizes the forward's weights itself, without a graph break, and the dgrad runs in
-    bf16). While a CUDA graph is being captured: made in the capture and not kept (each replay
-    quantizes the weights it finds)."""
-    if torch.compiler.is_compiling():
-        return None
+    module holding the weights) and quantized again, into the same tensors, when a weight's
+    storage or version counter changes (load_state_dict, in-place updates), after any
+    torch.optim optimizer's step (a fused AdamW updates the weights without moving their
+    version counters), and after weights_changed(). dgrad None: dgrad_pays(w_down). Under
+    torch.compile the same, through the custom op mok::fp8_refresh_experts, if the owner
+    already holds a copy of the right shapes (mok.MoE makes one with its weights); else None
+    (the layer then quantizes the forward's weights itself and the dgrad runs in bf16). While
+    an eager CUDA graph is captured: made in the capture and not kept (each replay quantizes the
+    weights it finds)."""
     dgrad = dgrad_pays(w_down) if dgrad is None else dgrad
+    kept = getattr(owner, "_fp8_cache", None)
+    fits = _fits(kept, w_gate, w_up, w_down, dgrad)
+    if torch.compiler.is_compiling():
+        if not fits:
+            return None
+        torch.ops.mok.fp8_refresh_experts(w_gate, w_up, w_down, *kept)
+        return kept
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         # In a CUDA graph the quantization is captured too, so every replay reads the weights as
         # they are then (a copy kept from before the capture would be replayed stale after the
         # optimizer's steps); the captured copy lives in the graph's memory, not in the cache.
         return quantize_experts(w_gate, w_up, w_down, dgrad=dgrad)
-    key = tuple((w.data_ptr(), w._version) for w in (w_gate, w_up, w_down) if w is not None) + (
-        dgrad, _weights_generation)
-    cached = getattr(owner, "_fp8_cache", None)
-    if cached is None or cached[0] != key:
+    if not fits:
+        _check_experts_weights(w_gate, w_up, w_down, dgrad, "mok.fp8_layer.cached_experts")
         owner._fp8_cache = None  # (the old copy goes before the new one is made)
-        cached = (key, quantize_experts(w_gate, w_up, w_down, dgrad=dgrad))
-        owner._fp8_cache = cached
-    return cached[1]
+        kept = owner._fp8_cache = new_cached_experts(w_gate, w_up, w_down, dgrad)
+    _refresh(w_gate, w_up, w_down, kept)
+    return kept
 
 
 def _bytes_of(name, t, where="mok.moe"):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mok._checks import finite_positive
-from mok.fp8_layer import cached_experts
+from mok.fp8_layer import _fits, cached_experts, dgrad_pays, new_cached_experts
 from mok.ops import moe
 from mok.torch_path import moe_torch, moe_torch_ep
 
@@ -34,13 +34,15 @@ class MoE(nn.Module):
     the group's process group, any device, e.g. gloo on CPUs).
     precision: "bf16", or "fp8" (backend "mok"): the routed experts' forward in E4M3 with
     blockwise scales (mok.moe's precision="fp8"; with a group, mok.ep.moe's); the quantized
-    routed weights are kept and
-    made again when a weight changes: its storage or version counter, any torch.optim
-    optimizer's step (fused ones included), or mok.fp8.weights_changed() after writes that
-    neither sees (through `.data`, an optimizer outside torch.optim); a CUDA graph captures the
-    quantization itself. fp8_dgrad (precision "fp8"): whether the backward's dgrad GEMMs run in
-    E4M3 too (keeping W_down^T and [W_gate^T | W_up^T] quantized as well: E * 3 * I * H bytes more);
-    None: where that was measured faster (mok.fp8.dgrad_pays: I >= 1024).
+    routed weights are kept
+    (E * 3 * I * H bytes, made with the module's CUDA weights and again when they move) and
+    quantized again, in place, when a weight changes: its storage or version counter, any
+    torch.optim optimizer's step (fused ones included), or mok.fp8.weights_changed() after
+    writes that neither sees (through `.data`, an optimizer outside torch.optim) — eagerly and
+    under torch.compile alike; a CUDA graph captures the quantization itself. fp8_dgrad
+    (precision "fp8"): whether the backward's dgrad GEMMs (and then the weight gradients' too)
+    run in E4M3 (keeping W_down^T and [W_gate^T | W_up^T] quantized as well: E * 3 * I * H
+    bytes more); None: where that was measured faster (mok.fp8.dgrad_pays: I >= 1024).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
@@ -57,7 +59,7 @@ class MoE(nn.Module):
             raise ValueError(f"mok.MoE: 'fp8_dgrad' must be None, True or False with precision='fp8', got "
                              f"fp8_dgrad={fp8_dgrad!r} with precision={precision!r}")
         self.precision, self.fp8_dgrad = precision, fp8_dgrad
-        self._fp8_cache = None  # precision "fp8": (the weights' identity and versions, their Fp8Experts)
+        self._fp8_cache = None  # precision "fp8": the routed weights quantized (mok.fp8_layer.cached_experts)
         for name, n in (("hidden", hidden), ("intermediate", intermediate), ("num_experts", num_experts),
                         ("top_k", top_k), ("shared_intermediate", shared_intermediate)):
             if not isinstance(n, int) or isinstance(n, bool) or n < (0 if name == "shared_intermediate" else 1):
@@ -114,6 +116,30 @@ class MoE(nn.Module):
                 nn.Parameter(torch.empty(hidden, shared_intermediate, **kw))])
         self.router = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=torch.float32) if router else None
         self.reset_parameters()
+        self._keep_fp8_copy()
+
+    def _fp8_dgrad(self) -> bool:
+        return dgrad_pays(self.w_down) if self.fp8_dgrad is None else self.fp8_dgrad
+
+    def _keep_fp8_copy(self):
+        """precision "fp8" with CUDA weights: an (empty) quantized copy of the routed weights of
+        their shapes and device (unless the one held fits), made now so that a first call
+        under torch.compile keeps its quantization too (mok.fp8_layer.cached_experts)."""
+        if self.precision != "fp8":
+            return
+        gate, up = (self.w_gate_up, None) if self.fused_gate_up else (self.w_gate, self.w_up)
+        dgrad = self._fp8_dgrad()
+        if not gate.is_cuda:
+            self._fp8_cache = None
+        elif not _fits(self._fp8_cache, gate, up, self.w_down, dgrad):
+            self._fp8_cache = None  # (the old copy goes before the new one is made)
+            self._fp8_cache = new_cached_experts(gate, up, self.w_down, dgrad)
+
+    def _apply(self, fn, recurse=True):
+        # (.to(), .cuda(), to_empty(): the weights may move, and the quantized copy with them)
+        module = super()._apply(fn, recurse)
+        self._keep_fp8_copy()
+        return module
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -188,7 +214,7 @@ class MoE(nn.Module):
             if self.backend == "mok" and self.precision == "fp8":
                 y = ep.moe(x2, ids, weights, gate, up, self.w_down, shared=shared, swiglu_limit=self.swiglu_limit,
                            group=self.group, precision="fp8",
-                           fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=self.fp8_dgrad))
+                           fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=self._fp8_dgrad()))
             elif self.backend == "mok":
                 y = ep.moe(x2, ids, weights, gate, up, self.w_down, shared=shared,
                            swiglu_limit=self.swiglu_limit, group=self.group)
@@ -200,7 +226,7 @@ class MoE(nn.Module):
                                  swiglu_limit=self.swiglu_limit, group=self.group.group)
         elif self.precision == "fp8":
             y = moe(x2, ids, weights, gate, up, self.w_down, shared=shared, swiglu_limit=self.swiglu_limit,
-                    precision="fp8", fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=self.fp8_dgrad))
+                    precision="fp8", fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=self._fp8_dgrad()))
         else:
             layer = moe if self.backend == "mok" else moe_torch
             y = layer(x2, ids, weights, gate, up, self.w_down, shared=shared,

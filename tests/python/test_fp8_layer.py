@@ -191,7 +191,7 @@ def test_module_keeps_the_dgrad_operands_where_they_pay():
     for inter, choice, want in ((128, None, False), (128, True, True), (1536, None, True), (1536, False, False)):
         layer = mok.MoE(384, inter, 8, 2, precision="fp8", fp8_dgrad=choice, device="cuda")
         layer(x).float().square().sum().backward()
-        assert (layer._fp8_cache[1].dgrad() is not None) == want, (inter, choice)
+        assert (layer._fp8_cache.dgrad() is not None) == want, (inter, choice)
         assert all(torch.isfinite(p.grad.float()).all() for p in (layer.w_gate, layer.w_up, layer.w_down))
     mok.check()
 
@@ -306,17 +306,20 @@ def test_module_keeps_quantized_weights_until_a_weight_changes():
     torch.manual_seed(9)
     layer = mok.MoE(256, 128, 8, 2, shared_intermediate=128, fused_gate_up=True, precision="fp8", device="cuda")
     x = torch.randn(300, 256, device="cuda").to(torch.bfloat16)
+    kept = layer._fp8_cache  # (made with the weights, empty until the first call)
+    assert kept is not None and kept.dgrad() is None  # (I = 128: dgrad_pays says no)
     with torch.no_grad():
         y = layer(x)
-        cached = layer._fp8_cache[1]
-        assert torch.equal(layer(x), y) and layer._fp8_cache[1] is cached  # kept, same bits
+        key, down = kept.gate._mok_weights, kept.down.clone()
+        assert torch.equal(layer(x), y) and kept.gate._mok_weights == key  # kept, same bits
         ids, weights, _ = layer.route(x)
         want = mok.moe(x, ids, weights, layer.w_gate_up, None, layer.w_down, shared=tuple(layer.shared),
                        precision="fp8")
         assert torch.equal(y, want)
         layer.w_down.mul_(0.5)  # an optimizer step or load_state_dict: the version counter moves
         y2 = layer(x)
-        assert layer._fp8_cache[1] is not cached
+        assert layer._fp8_cache is kept and kept.gate._mok_weights != key  # quantized again, in place
+        assert not torch.equal(kept.down.view(torch.uint8), down.view(torch.uint8))
         want2 = mok.moe(x, ids, weights, layer.w_gate_up, None, layer.w_down, shared=tuple(layer.shared),
                         precision="fp8")
         assert torch.equal(y2, want2) and not torch.equal(y2, y)
@@ -365,6 +368,76 @@ def test_module_in_a_cuda_graph_quantizes_the_weights_of_each_replay():
     assert torch.equal(replayed, eager) and not torch.equal(replayed, before)
 
 
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_module_under_torch_compile_keeps_its_quantized_weights(monkeypatch):
+    """mok.MoE(precision="fp8") under torch.compile(fullgraph=True): the copy the module made
+    with its weights is quantized once per optimizer step (two micro-batches a step: once, not
+    twice), and every step's outputs and gradients are the bits of the same module's eager
+    steps — the FP8 dgrad and weight gradients included (I = 1024: dgrad_pays). Before
+    2026-12-05 the compiled module quantized the forward's weights in every call and ran the
+    dgrad in bf16."""
+    from mok import fp8_layer
+
+    made = []
+    quantize_into = fp8_layer._quantize_into
+    monkeypatch.setattr(fp8_layer, "_quantize_into", lambda *args: made.append(1) or quantize_into(*args))
+    torch.manual_seed(14)
+    H, I, E, k, T = 256, 1024, 8, 2, 300
+    modules = [mok.MoE(H, I, E, k, router=None, precision="fp8", device="cuda") for _ in range(2)]
+    modules[1].load_state_dict(modules[0].state_dict())
+    assert all(m._fp8_cache is not None and m._fp8_cache.dgrad() is not None for m in modules)
+    calls = (modules[0], torch.compile(modules[1], fullgraph=True))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in modules]
+    for step in range(3):
+        for micro in range(2):
+            x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+            ids = torch.rand(T, E, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
+            w = torch.rand(T, k, device="cuda")
+            dy = torch.randn_like(x)
+            got = []
+            for call in calls:
+                xx = x.clone().requires_grad_()
+                y = call(xx, ids, w)
+                y.backward(dy)
+                got.append([y, xx.grad])
+            for i, (a, b) in enumerate(zip(*got)):
+                assert torch.equal(a, b), (step, micro, i)
+        for name in ("w_gate", "w_up", "w_down"):
+            assert torch.equal(getattr(modules[0], name).grad, getattr(modules[1], name).grad), (step, name)
+        assert len(made) == 2 * (step + 1)  # (one quantization a module a step)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    mok.check()
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_module_under_reduce_overhead_compile_reads_the_weights_of_each_replay():
+    """torch.compile(mode="reduce-overhead"): the kept copy is a static address (as the weights
+    are), so the graph that writes it is still captured (no cudagraph skip), and each replay
+    quantizes the weights it finds — the bits of an eager call after they change. The copy
+    moves with the module (.cpu() drops it, .cuda() makes it again)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(15)
+    layer = mok.MoE(256, 128, 8, 2, router=None, precision="fp8", device="cuda")
+    assert layer.cpu()._fp8_cache is None and layer.cuda()._fp8_cache.gate.is_cuda
+    x = torch.randn(300, 256, device="cuda").to(torch.bfloat16)
+    ids = torch.rand(300, 8, device="cuda").argsort(dim=1)[:, :2].to(torch.int32)
+    w = torch.rand(300, 2, device="cuda")
+    counters.clear()
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for i in range(5):
+            if i >= 3:  # (an optimizer step's in-place update between replays)
+                layer.w_down.mul_(0.5)
+                layer.w_gate.mul_(1.5)
+            got = compiled(x, ids, w).clone()
+            assert torch.equal(got, layer(x, ids, w)), i
+    mok.check()
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
 def test_module_precision_arguments():
     with pytest.raises(ValueError, match="'precision' must be 'bf16' or 'fp8', got 'int8'"):
         mok.MoE(128, 128, 4, 2, precision="int8", device="meta")
@@ -394,57 +467,77 @@ def test_fp8_modules_import_in_either_order(first):
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_cached_experts_are_made_again_only_when_a_weight_changes(monkeypatch):
-    """mok.fp8_layer.cached_experts (mok.MoE's and mok.hf's cache), on the CPU with the
-    quantization stubbed: kept while the weights are unchanged, made again after an in-place
-    update (version counter) or a new storage."""
+def _stub_quantization(monkeypatch):
+    """cached_experts on the CPU: the weights' checks and the quantization kernels stubbed (the
+    copy's gate exponents get the weights' sum, so what a compiled graph reads shows which
+    weights it holds); returns the list of quantizations made."""
     from mok import fp8_layer
 
     made = []
-    monkeypatch.setattr(fp8_layer, "quantize_experts",
-                        lambda g, u, d, dgrad=False: made.append((g, u, d, dgrad)) or len(made))
+
+    def quantize_into(w_gate, w_up, w_down, experts):
+        made.append(experts.dgrad() is not None)
+        experts.gate_exponents.fill_(int(w_gate.sum() + w_down.sum()))
+
+    monkeypatch.setattr(fp8_layer, "_quantize_into", quantize_into)
+    monkeypatch.setattr(fp8_layer, "_check_experts_weights", lambda *args, **kwargs: None)
+    return made
+
+
+def test_cached_experts_are_made_again_only_when_a_weight_changes(monkeypatch):
+    """mok.fp8_layer.cached_experts (mok.MoE's and mok.hf's copy), on the CPU with the
+    quantization stubbed: kept while the weights are unchanged, quantized again into the same
+    tensors after an in-place update (version counter) or a new storage; made anew when the
+    dgrad operands are asked for."""
+    from mok import fp8_layer
+
+    made = _stub_quantization(monkeypatch)
     owner = type("Owner", (), {})()
     gate, down = torch.zeros(2, 256, 128), torch.zeros(2, 128, 128)
-    assert fp8_layer.cached_experts(owner, gate, None, down) == 1
-    assert fp8_layer.cached_experts(owner, gate, None, down) == 1 and len(made) == 1
+    kept = fp8_layer.cached_experts(owner, gate, None, down)
+    assert kept is owner._fp8_cache and kept.dgrad() is None and len(made) == 1  # I = 128: dgrad_pays says no
+    assert kept.gate.shape == (2, 128, 128) and kept.down_exponents.shape == (2, 1, 1)
+    assert fp8_layer.cached_experts(owner, gate, None, down) is kept and len(made) == 1
     down.add_(1.0)  # in place: the version counter moves
-    assert fp8_layer.cached_experts(owner, gate, None, down) == 2
+    assert fp8_layer.cached_experts(owner, gate, None, down) is kept and len(made) == 2
+    assert int(kept.gate_exponents[0, 0, 0]) == 2 * 128 * 128
     gate = gate.clone()  # a new storage
-    assert fp8_layer.cached_experts(owner, gate, None, down) == 3
-    assert owner._fp8_cache[1] == 3
-    assert [m[3] for m in made] == [False] * 3  # I = 128: dgrad_pays says no
-    assert fp8_layer.cached_experts(owner, gate, None, down, dgrad=True) == 4 and made[-1][3] is True
-    assert fp8_layer.cached_experts(owner, gate, None, down, dgrad=True) == 4
+    assert fp8_layer.cached_experts(owner, gate, None, down) is kept and len(made) == 3
+    with_dgrad = fp8_layer.cached_experts(owner, gate, None, down, dgrad=True)
+    assert with_dgrad is not kept and with_dgrad.gate_up_t.shape == (2, 128, 256) and made[-1] is True
+    assert fp8_layer.cached_experts(owner, gate, None, down, dgrad=True) is with_dgrad and len(made) == 4
 
 
 @pytest.mark.parametrize("optimizer", ["fused", "foreach", "for-loop", "sgd"])
 def test_cached_experts_are_made_again_after_every_optimizer_step(monkeypatch, optimizer):
     """A fused AdamW updates the weights without moving their version counters (checked here,
-    so a PyTorch that starts moving them still runs the test's point): the cache must be made
+    so a PyTorch that starts moving them still runs the test's point): the copy must be made
     again after any torch.optim step anyway, and after mok.fp8.weights_changed() (writes
     through .data), and kept between steps (gradient accumulation)."""
     from mok import fp8_layer
 
-    made = []
-    monkeypatch.setattr(fp8_layer, "quantize_experts", lambda g, u, d, dgrad=False: made.append(1) or len(made))
+    made = _stub_quantization(monkeypatch)
     owner = type("Owner", (), {})()
     gate, down = torch.nn.Parameter(torch.zeros(2, 256, 128)), torch.nn.Parameter(torch.zeros(2, 128, 128))
     kind = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
     opt = (torch.optim.SGD([gate, down], lr=0.1) if optimizer == "sgd"
            else torch.optim.AdamW([gate, down], lr=0.1, **kind[optimizer]))
-    assert fp8_layer.cached_experts(owner, gate, None, down) == 1
-    assert fp8_layer.cached_experts(owner, gate, None, down) == 1  # kept: nothing changed
+    fp8_layer.cached_experts(owner, gate, None, down)
+    fp8_layer.cached_experts(owner, gate, None, down)
+    assert len(made) == 1  # kept: nothing changed
     gate.grad, down.grad = torch.ones_like(gate), torch.ones_like(down)
     versions = (gate._version, down._version)
     opt.step()
     assert not torch.equal(gate.detach(), torch.zeros_like(gate))  # the step changed the weights
     if optimizer == "fused":
         print("fused AdamW moved the version counters:", versions != (gate._version, down._version))
-    assert fp8_layer.cached_experts(owner, gate, None, down) == 2
-    assert fp8_layer.cached_experts(owner, gate, None, down) == 2
+    fp8_layer.cached_experts(owner, gate, None, down)
+    fp8_layer.cached_experts(owner, gate, None, down)
+    assert len(made) == 2
     down.data.add_(1.0)  # (.data: no version counter moves)
     mok.fp8.weights_changed()
-    assert fp8_layer.cached_experts(owner, gate, None, down) == 3
+    fp8_layer.cached_experts(owner, gate, None, down)
+    assert len(made) == 3
 
 
 def test_cached_experts_are_made_inside_a_graph_capture_and_not_kept(monkeypatch):
@@ -453,16 +546,62 @@ def test_cached_experts_are_made_inside_a_graph_capture_and_not_kept(monkeypatch
     replayed stale after an optimizer step, and one made inside lives in the graph's memory."""
     from mok import fp8_layer
 
-    made = []
-    monkeypatch.setattr(fp8_layer, "quantize_experts", lambda g, u, d, dgrad=False: made.append(1) or len(made))
+    made = _stub_quantization(monkeypatch)
+    captured = []
+    monkeypatch.setattr(fp8_layer, "quantize_experts", lambda g, u, d, dgrad=False: captured.append(1) or len(captured))
     owner = type("Owner", (), {})()
     gate, down = torch.zeros(2, 256, 128), torch.zeros(2, 128, 128)
-    assert fp8_layer.cached_experts(owner, gate, None, down) == 1
+    kept = fp8_layer.cached_experts(owner, gate, None, down)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert fp8_layer.cached_experts(owner, gate, None, down) == 2  # made again although nothing changed
-    assert fp8_layer.cached_experts(owner, gate, None, down) == 3
-    assert owner._fp8_cache[1] == 1  # the cache still holds the copy from before
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 1  # made again although nothing changed
+    assert fp8_layer.cached_experts(owner, gate, None, down) == 2
+    assert owner._fp8_cache is kept and len(made) == 1  # the copy from before, untouched
+
+
+def test_cached_experts_under_torch_compile_are_quantized_again_in_place(monkeypatch):
+    """Under torch.compile(fullgraph=True) a kept copy is the graph's input and
+    mok::fp8_refresh_experts writes it in place: quantized again only when a weight changed
+    (the version counter, an optimizer step), read with the new values by the same compiled
+    graph, no recompilation for another owner of the same shapes; without a kept copy the
+    compiled call gets None (the layer then quantizes the forward's weights itself). On the
+    CPU with the quantization stubbed."""
+    from mok import fp8_layer
+
+    made = _stub_quantization(monkeypatch)
+    owners = [torch.nn.Module() for _ in range(2)]
+    for i, owner in enumerate(owners):
+        owner.gate = torch.nn.Parameter(torch.full((2, 256, 128), float(i)))
+        owner.down = torch.nn.Parameter(torch.zeros(2, 128, 128))
+
+    def layer(owner, x):
+        experts = fp8_layer.cached_experts(owner, owner.gate, None, owner.down)
+        return x if experts is None else x + experts.gate_exponents.float().sum()
+
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.zeros(4)
+    assert torch.equal(compiled(owners[0], x), x) and made == []  # (nothing kept yet: None)
+    for owner in owners:
+        fp8_layer.cached_experts(owner, owner.gate, None, owner.down)  # (eager: made and kept)
+    assert len(made) == 2
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    per_block = 2 * 256 * 128
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i, owner in enumerate(owners):
+            kept = owner._fp8_cache
+            assert torch.equal(compiled(owner, x), x + 2 * i * per_block) and len(made) == 2 + i  # kept
+            with torch.no_grad():
+                owner.down.add_(1.0)  # the version counter moves
+            want = x + 2 * (i * per_block + 2 * 128 * 128)
+            assert torch.equal(compiled(owner, x), want) and len(made) == 3 + i and owner._fp8_cache is kept
+            assert torch.equal(compiled(owner, x), want) and len(made) == 3 + i
+        opt = torch.optim.SGD([owners[0].gate], lr=1.0)
+        owners[0].gate.grad = torch.full_like(owners[0].gate, -1.0)
+        opt.step()  # (the generation moves: both owners' copies are quantized again at their next call)
+        assert torch.equal(compiled(owners[0], x), x + 2 * (per_block + 2 * 128 * 128)) and len(made) == 5
+        compiled(owners[1], x)
+        assert len(made) == 6
 
 
 @pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
