@@ -411,6 +411,20 @@ def test_fp8_step_quantizes_the_weights_again_to_the_same_bits():
     assert len(reply["ms"]) == 3 and min(reply["ms"]) > 0
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)),
+                    reason="needs a Hopper GPU")
+def test_fp8_compiled_module_bench_checks_and_times(tmp_path):
+    """bench/fp8_compiled_module.py on the small preset: the kept compiled FP8 step is the eager
+    module's bit for bit (its exit status says so), and every variant is timed."""
+    out = tmp_path / "run.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "fp8_compiled_module.py"), "--preset", "small",
+                    "--micro", "1", "--rounds", "1", "--iters", "2", "--warmup", "1", "--out", str(out)], check=True)
+    run = json.loads(out.read_text())
+    assert sorted(r["impl"] for r in run["records"]) == sorted(("fp8-compiled", "fp8-compiled-per-call", "fp8-eager",
+                                                               "bf16-compiled"))
+    assert all(r["ms"] > 0 for r in run["records"]) and all(run["checks"]["small"]["kept_equals_eager"].values())
+
+
 def test_round_ratios_pair_each_run_and_pool_the_runs():
     """rounds.round_ratios pairs mok with mok-py within a run (same commit and date) and appends
     the runs' rounds; median_interval's median is the plain median and the interval holds it."""
