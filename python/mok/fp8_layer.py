@@ -18,6 +18,7 @@ quantized by the call itself: three small kernels that read the bf16 weights and
 quarter more bytes than E * 3 * I * H, every call (and the dgrad then stays bf16).
 """
 
+import weakref
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -175,20 +176,34 @@ def _fits(experts: Optional[Fp8Experts], w_gate, w_up, w_down, dgrad: bool) -> b
     return [tuple(t.shape) for t in experts[::2] if t is not None] == [tuple(s) for s in shapes]
 
 
-def _refresh(w_gate, w_up, w_down, experts: Fp8Experts) -> None:
-    """Quantize the weights into the kept copy `experts`, in place, unless it already holds
-    these weights as they are: the key — each weight's storage and version counter, and the
-    optimizer steps' generation — is kept on the copy's first tensor (the same Python object
-    in every call, eager or compiled). While a CUDA graph is captured: always (each replay
-    quantizes the weights it finds), and the key is dropped (the capture ran no kernel)."""
+def _holds(experts: Fp8Experts, weights, generation) -> bool:
+    """Whether the copy holds these weights as they are: the same tensor objects (alive: a
+    temporary made anew each call, e.g. an autocast cast or a weight changed inside a compiled
+    graph, never matches, however the allocator reuses its address), each with the storage and
+    version counter it had when quantized, and no optimizer step since."""
+    held = getattr(experts.gate, "_mok_weights", None)
+    return (held is not None and held[0] == generation and len(held[1]) == len(weights)
+            and all(ref() is w and ptr == w.data_ptr() and version == w._version
+                    for (ref, ptr, version), w in zip(held[1], weights)))
+
+
+def _refresh(w_gate, w_up, w_down, experts: Fp8Experts, where: str) -> bool:
+    """Quantize the weights into the copy `experts`, in place, unless it holds them as they are
+    (_holds; what it holds is kept on the copy's first tensor, the same Python object in every
+    call, eager or compiled). While a CUDA graph is captured: always (each replay quantizes the
+    weights it finds), and what it held is forgotten (the capture ran no kernel). Returns
+    whether it quantized."""
+    weights = tuple(w for w in (w_gate, w_up, w_down) if w is not None)
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    key = None if capturing else (tuple((w.data_ptr(), w._version) for w in (w_gate, w_up, w_down) if w is not None)
-                                  + (_weights_generation,))
-    if capturing or getattr(experts.gate, "_mok_weights", None) != key:
-        _check_experts_weights(w_gate, w_up, w_down, experts.dgrad() is not None, "mok.fp8_layer.cached_experts")
-        experts.gate._mok_weights = None  # (not valid while it is written)
-        _quantize_into(w_gate, w_up, w_down, experts)
-        experts.gate._mok_weights = key
+    if not capturing and _holds(experts, weights, _weights_generation):
+        return False
+    _check_experts_weights(w_gate, w_up, w_down, experts.dgrad() is not None, where)
+    experts.gate._mok_weights = None  # (not valid while it is written)
+    _quantize_into(w_gate, w_up, w_down, experts)
+    if not capturing:
+        experts.gate._mok_weights = (_weights_generation,
+                                     tuple((weakref.ref(w), w.data_ptr(), w._version) for w in weights))
+    return True
 
 
 @torch.library.custom_op("mok::fp8_refresh_experts", mutates_args=Fp8Experts._fields)
@@ -200,7 +215,7 @@ def fp8_refresh_experts(w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_do
     """_refresh under torch.compile: the kept copy is the compiled graph's input, written in
     place (declared, so the graph orders it before the layer's reads)."""
     _refresh(w_gate, w_up, w_down, Fp8Experts(gate, gate_exponents, up, up_exponents, down, down_exponents, down_t,
-                                              down_t_exponents, gate_up_t, gate_up_t_exponents))
+                                              down_t_exponents, gate_up_t, gate_up_t_exponents), "mok.moe")
 
 
 @fp8_refresh_experts.register_fake
@@ -220,17 +235,21 @@ def new_cached_experts(w_gate, w_up, w_down, dgrad: bool) -> Fp8Experts:
 
 
 def cached_experts(owner, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
-                   dgrad: Optional[bool] = None) -> Optional[Fp8Experts]:
+                   dgrad: Optional[bool] = None, where: str = "mok.fp8_layer.cached_experts") -> Optional[Fp8Experts]:
     """quantize_experts(w_gate, w_up, w_down, dgrad), kept on `owner` (its `_fp8_cache`: a
-    module holding the weights) and quantized again, into the same tensors, when a weight's
-    storage or version counter changes (load_state_dict, in-place updates), after any
+    module holding the weights) and quantized again when the weights are other tensors or a
+    weight's storage or version counter changed (load_state_dict, in-place updates), after any
     torch.optim optimizer's step (a fused AdamW updates the weights without moving their
-    version counters), and after weights_changed(). dgrad None: dgrad_pays(w_down). Under
-    torch.compile the same, through the custom op mok::fp8_refresh_experts, if the owner
-    already holds a copy of the right shapes (mok.MoE makes one with its weights); else None
-    (the layer then quantizes the forward's weights itself and the dgrad runs in bf16). While
-    an eager CUDA graph is captured: made in the capture and not kept (each replay quantizes the
-    weights it finds)."""
+    version counters), and after weights_changed(). dgrad None: dgrad_pays(w_down). `where`
+    names the caller in errors (mok.MoE, mok.hf).
+
+    Eagerly, a change makes a new copy (a backward still pending from an earlier forward keeps
+    the one it saved; an empty copy made beforehand, mok.MoE's, is filled in place). Under
+    torch.compile the copy is the graph's input and the custom op mok::fp8_refresh_experts
+    writes it in place — if the owner holds one of the right shapes and device (mok.MoE makes
+    one with its weights); else None (the layer then quantizes the forward's weights itself and
+    the dgrad runs in bf16). While an eager CUDA graph is captured: made in the capture and not
+    kept (each replay quantizes the weights it finds)."""
     dgrad = dgrad_pays(w_down) if dgrad is None else dgrad
     kept = getattr(owner, "_fp8_cache", None)
     fits = _fits(kept, w_gate, w_up, w_down, dgrad)
@@ -244,11 +263,13 @@ def cached_experts(owner, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_
         # they are then (a copy kept from before the capture would be replayed stale after the
         # optimizer's steps); the captured copy lives in the graph's memory, not in the cache.
         return quantize_experts(w_gate, w_up, w_down, dgrad=dgrad)
-    if not fits:
-        _check_experts_weights(w_gate, w_up, w_down, dgrad, "mok.fp8_layer.cached_experts")
+    weights = tuple(w for w in (w_gate, w_up, w_down) if w is not None)
+    if fits and _holds(kept, weights, _weights_generation):
+        return kept
+    if not fits or hasattr(kept.gate, "_mok_weights"):  # (a copy that was ever filled: a new one)
         owner._fp8_cache = None  # (the old copy goes before the new one is made)
         kept = owner._fp8_cache = new_cached_experts(w_gate, w_up, w_down, dgrad)
-    _refresh(w_gate, w_up, w_down, kept)
+    _refresh(w_gate, w_up, w_down, kept, where)
     return kept
 
 

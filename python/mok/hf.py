@@ -181,7 +181,7 @@ def _mok(module, x, ids, weights, w_gate, w_up, w_down):
 
 def _mok_fp8(module, x, ids, weights, w_gate, w_up, w_down):
     return moe(x, ids, weights, w_gate, w_up, w_down, swiglu_limit=_swiglu_limit(module), precision="fp8",
-               fp8_experts=cached_experts(module, w_gate, w_up, w_down))
+               fp8_experts=cached_experts(module, w_gate, w_up, w_down, where="mok.hf"))
 
 
 def _mok_torch(module, x, ids, weights, w_gate, w_up, w_down):

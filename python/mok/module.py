@@ -36,10 +36,12 @@ class MoE(nn.Module):
     blockwise scales (mok.moe's precision="fp8"; with a group, mok.ep.moe's); the quantized
     routed weights are kept
     (E * 3 * I * H bytes, made with the module's CUDA weights and again when they move) and
-    quantized again, in place, when a weight changes: its storage or version counter, any
+    quantized again when a weight changes: other tensors, their storage or version counter, any
     torch.optim optimizer's step (fused ones included), or mok.fp8.weights_changed() after
-    writes that neither sees (through `.data`, an optimizer outside torch.optim) — eagerly and
-    under torch.compile alike; a CUDA graph captures the quantization itself. fp8_dgrad
+    writes that neither sees (through `.data`, an optimizer outside torch.optim) — eagerly into a
+    new copy, under torch.compile in place (mok.fp8_layer.cached_experts; a compiled backward
+    after a forward with other weights is not supported); a CUDA graph captures the
+    quantization itself. fp8_dgrad
     (precision "fp8"): whether the backward's dgrad GEMMs (and then the weight gradients' too)
     run in E4M3 (keeping W_down^T and [W_gate^T | W_up^T] quantized as well: E * 3 * I * H
     bytes more); None: where that was measured faster (mok.fp8.dgrad_pays: I >= 1024).
@@ -55,10 +57,8 @@ class MoE(nn.Module):
             raise ValueError(f"mok.MoE: 'precision' must be 'bf16' or 'fp8', got {precision!r}")
         if precision == "fp8" and backend != "mok":
             raise ValueError("mok.MoE: precision='fp8' runs on the fused kernel (backend='mok')")
-        if fp8_dgrad is not None and (precision != "fp8" or not isinstance(fp8_dgrad, bool)):
-            raise ValueError(f"mok.MoE: 'fp8_dgrad' must be None, True or False with precision='fp8', got "
-                             f"fp8_dgrad={fp8_dgrad!r} with precision={precision!r}")
-        self.precision, self.fp8_dgrad = precision, fp8_dgrad
+        self.precision = precision
+        self.fp8_dgrad = fp8_dgrad
         self._fp8_cache = None  # precision "fp8": the routed weights quantized (mok.fp8_layer.cached_experts)
         for name, n in (("hidden", hidden), ("intermediate", intermediate), ("num_experts", num_experts),
                         ("top_k", top_k), ("shared_intermediate", shared_intermediate)):
@@ -117,6 +117,21 @@ class MoE(nn.Module):
         self.router = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=torch.float32) if router else None
         self.reset_parameters()
         self._keep_fp8_copy()
+        # (load_state_dict(assign=True) puts new parameters in place: the kept copy follows them)
+        self.register_load_state_dict_post_hook(lambda module, keys: module._keep_fp8_copy())
+
+    @property
+    def fp8_dgrad(self) -> Optional[bool]:
+        return self._fp8_dgrad_choice
+
+    @fp8_dgrad.setter
+    def fp8_dgrad(self, value: Optional[bool]):
+        if value is not None and (self.precision != "fp8" or not isinstance(value, bool)):
+            raise ValueError(f"mok.MoE: 'fp8_dgrad' must be None, True or False with precision='fp8', got "
+                             f"fp8_dgrad={value!r} with precision={self.precision!r}")
+        self._fp8_dgrad_choice = value
+        if "w_down" in self._parameters:  # (set after construction: the kept copy follows)
+            self._keep_fp8_copy()
 
     def _fp8_dgrad(self) -> bool:
         return dgrad_pays(self.w_down) if self.fp8_dgrad is None else self.fp8_dgrad
@@ -129,7 +144,7 @@ class MoE(nn.Module):
             return
         gate, up = (self.w_gate_up, None) if self.fused_gate_up else (self.w_gate, self.w_up)
         dgrad = self._fp8_dgrad()
-        if not gate.is_cuda:
+        if not gate.is_cuda or gate.dtype != torch.bfloat16:
             self._fp8_cache = None
         elif not _fits(self._fp8_cache, gate, up, self.w_down, dgrad):
             self._fp8_cache = None  # (the old copy goes before the new one is made)
@@ -214,7 +229,8 @@ class MoE(nn.Module):
             if self.backend == "mok" and self.precision == "fp8":
                 y = ep.moe(x2, ids, weights, gate, up, self.w_down, shared=shared, swiglu_limit=self.swiglu_limit,
                            group=self.group, precision="fp8",
-                           fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=self._fp8_dgrad()))
+                           fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=self._fp8_dgrad(),
+                                                      where="mok.MoE"))
             elif self.backend == "mok":
                 y = ep.moe(x2, ids, weights, gate, up, self.w_down, shared=shared,
                            swiglu_limit=self.swiglu_limit, group=self.group)
@@ -226,7 +242,8 @@ class MoE(nn.Module):
                                  swiglu_limit=self.swiglu_limit, group=self.group.group)
         elif self.precision == "fp8":
             y = moe(x2, ids, weights, gate, up, self.w_down, shared=shared, swiglu_limit=self.swiglu_limit,
-                    precision="fp8", fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=self._fp8_dgrad()))
+                    precision="fp8", fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=self._fp8_dgrad(),
+                                                                where="mok.MoE"))
         else:
             layer = moe if self.backend == "mok" else moe_torch
             y = layer(x2, ids, weights, gate, up, self.w_down, shared=shared,

@@ -310,16 +310,18 @@ def test_module_keeps_quantized_weights_until_a_weight_changes():
     assert kept is not None and kept.dgrad() is None  # (I = 128: dgrad_pays says no)
     with torch.no_grad():
         y = layer(x)
-        key, down = kept.gate._mok_weights, kept.down.clone()
-        assert torch.equal(layer(x), y) and kept.gate._mok_weights == key  # kept, same bits
+        held, down = kept.gate._mok_weights, kept.down.clone()  # (the init copy, filled in place)
+        assert torch.equal(layer(x), y) and layer._fp8_cache is kept and kept.gate._mok_weights is held  # kept
         ids, weights, _ = layer.route(x)
         want = mok.moe(x, ids, weights, layer.w_gate_up, None, layer.w_down, shared=tuple(layer.shared),
                        precision="fp8")
         assert torch.equal(y, want)
         layer.w_down.mul_(0.5)  # an optimizer step or load_state_dict: the version counter moves
         y2 = layer(x)
-        assert layer._fp8_cache is kept and kept.gate._mok_weights != key  # quantized again, in place
-        assert not torch.equal(kept.down.view(torch.uint8), down.view(torch.uint8))
+        # Quantized again into a new copy (eagerly: a backward pending from the first call keeps its own)
+        again = layer._fp8_cache
+        assert again is not kept and torch.equal(kept.down.view(torch.uint8), down.view(torch.uint8))
+        assert not torch.equal(again.down.view(torch.uint8), down.view(torch.uint8))
         want2 = mok.moe(x, ids, weights, layer.w_gate_up, None, layer.w_down, shared=tuple(layer.shared),
                         precision="fp8")
         assert torch.equal(y2, want2) and not torch.equal(y2, y)
@@ -412,28 +414,49 @@ def test_module_under_torch_compile_keeps_its_quantized_weights(monkeypatch):
 
 
 @pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
-def test_module_under_reduce_overhead_compile_reads_the_weights_of_each_replay():
+@pytest.mark.parametrize("train", [False, True])
+def test_module_under_reduce_overhead_compile_reads_the_weights_of_each_replay(train):
     """torch.compile(mode="reduce-overhead"): the kept copy is a static address (as the weights
-    are), so the graph that writes it is still captured (no cudagraph skip), and each replay
-    quantizes the weights it finds — the bits of an eager call after they change. The copy
-    moves with the module (.cpu() drops it, .cuda() makes it again)."""
+    are), so the graphs that write it are still captured (no cudagraph skip), and each replay
+    quantizes the weights it finds — the bits of an eager twin module (same weights, the same
+    in-place updates) in the forward and, training, in every gradient (the FP8 dgrad: I = 1024).
+    The copy moves with the module (.cpu() drops it, .cuda() makes it again)."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(15)
-    layer = mok.MoE(256, 128, 8, 2, router=None, precision="fp8", device="cuda")
+    inter = 1024 if train else 128
+    layer, twin = (mok.MoE(256, inter, 8, 2, router=None, precision="fp8", device="cuda") for _ in range(2))
+    twin.load_state_dict(layer.state_dict())
     assert layer.cpu()._fp8_cache is None and layer.cuda()._fp8_cache.gate.is_cuda
     x = torch.randn(300, 256, device="cuda").to(torch.bfloat16)
     ids = torch.rand(300, 8, device="cuda").argsort(dim=1)[:, :2].to(torch.int32)
     w = torch.rand(300, 2, device="cuda")
+    dy = torch.randn_like(x)
     counters.clear()
+    torch._dynamo.reset()
     compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
-    with torch.no_grad():
-        for i in range(5):
-            if i >= 3:  # (an optimizer step's in-place update between replays)
-                layer.w_down.mul_(0.5)
-                layer.w_gate.mul_(1.5)
-            got = compiled(x, ids, w).clone()
-            assert torch.equal(got, layer(x, ids, w)), i
+    for i in range(5):
+        if i >= 3:  # (an optimizer step's in-place update between replays, on both modules)
+            with torch.no_grad():
+                for m in (layer, twin):
+                    m.w_down.mul_(0.5)
+                    m.w_gate.mul_(1.5)
+        got, want = [], []
+        for call, out in ((compiled, got), (twin, want)):
+            if not train:
+                with torch.no_grad():
+                    out.append(call(x, ids, w).clone())
+                continue
+            module = layer if call is compiled else twin
+            xx = x.clone().requires_grad_()
+            y = call(xx, ids, w)
+            y.backward(dy)
+            out += [y.detach().clone(), xx.grad.clone()] + [getattr(module, n).grad.clone()
+                                                           for n in ("w_gate", "w_up", "w_down")]
+            for p in module.parameters():
+                p.grad = None
+        for j, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), (i, j)
     mok.check()
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
@@ -448,6 +471,28 @@ def test_module_precision_arguments():
         mok.MoE(128, 128, 4, 2, fp8_dgrad=True, device="meta")
     with pytest.raises(ValueError, match="got fp8_dgrad=1 with precision='fp8'"):
         mok.MoE(128, 128, 4, 2, precision="fp8", fp8_dgrad=1, device="meta")
+    layer = mok.MoE(128, 128, 4, 2, precision="fp8", device="meta")
+    assert layer._fp8_cache is None  # (meta weights: no copy)
+    with pytest.raises(ValueError, match="got fp8_dgrad='yes' with precision='fp8'"):
+        layer.fp8_dgrad = "yes"
+    layer.fp8_dgrad = True
+    assert layer.fp8_dgrad is True and layer._fp8_dgrad()
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_module_keeps_a_copy_for_its_current_weights():
+    """The (empty) kept copy follows the module: fp8_dgrad set after construction, and
+    load_state_dict(assign=True) into a module made on the meta device, both make the copy a
+    first compiled call will use."""
+    layer = mok.MoE(256, 128, 8, 2, precision="fp8", device="cuda")
+    first = layer._fp8_cache
+    assert first is not None and first.dgrad() is None
+    layer.fp8_dgrad = True
+    assert layer._fp8_cache is not first and layer._fp8_cache.dgrad() is not None
+    meta = mok.MoE(256, 128, 8, 2, precision="fp8", device="meta")
+    assert meta._fp8_cache is None
+    meta.load_state_dict(layer.state_dict(), assign=True)
+    assert meta._fp8_cache is not None and meta._fp8_cache.gate.is_cuda and meta._fp8_cache.dgrad() is None
 
 
 def test_dgrad_pays_where_it_was_measured_faster():
@@ -477,7 +522,7 @@ def _stub_quantization(monkeypatch):
 
     def quantize_into(w_gate, w_up, w_down, experts):
         made.append(experts.dgrad() is not None)
-        experts.gate_exponents.fill_(int(w_gate.sum() + w_down.sum()))
+        experts.gate_exponents.data.fill_(int(w_gate.sum() + w_down.sum()))  # (.data: as a kernel, no version moves)
 
     monkeypatch.setattr(fp8_layer, "_quantize_into", quantize_into)
     monkeypatch.setattr(fp8_layer, "_check_experts_weights", lambda *args, **kwargs: None)
@@ -485,27 +530,50 @@ def _stub_quantization(monkeypatch):
 
 
 def test_cached_experts_are_made_again_only_when_a_weight_changes(monkeypatch):
-    """mok.fp8_layer.cached_experts (mok.MoE's and mok.hf's copy), on the CPU with the
-    quantization stubbed: kept while the weights are unchanged, quantized again into the same
-    tensors after an in-place update (version counter) or a new storage; made anew when the
-    dgrad operands are asked for."""
+    """mok.fp8_layer.cached_experts (mok.MoE's and mok.hf's copy), eagerly, on the CPU with the
+    quantization stubbed: kept while the weights are unchanged; after an in-place update (version
+    counter), a new storage or other weight tensors, quantized into a new copy — the old one,
+    which a pending backward may have saved, keeps its bytes; an empty copy made beforehand (as
+    mok.MoE makes one) is filled in place; the dgrad operands asked for make a new copy."""
     from mok import fp8_layer
 
     made = _stub_quantization(monkeypatch)
     owner = type("Owner", (), {})()
     gate, down = torch.zeros(2, 256, 128), torch.zeros(2, 128, 128)
+    owner._fp8_cache = empty = fp8_layer.new_cached_experts(gate, None, down, False)
     kept = fp8_layer.cached_experts(owner, gate, None, down)
-    assert kept is owner._fp8_cache and kept.dgrad() is None and len(made) == 1  # I = 128: dgrad_pays says no
+    assert kept is empty and kept.dgrad() is None and len(made) == 1  # I = 128: dgrad_pays says no
     assert kept.gate.shape == (2, 128, 128) and kept.down_exponents.shape == (2, 1, 1)
     assert fp8_layer.cached_experts(owner, gate, None, down) is kept and len(made) == 1
     down.add_(1.0)  # in place: the version counter moves
-    assert fp8_layer.cached_experts(owner, gate, None, down) is kept and len(made) == 2
-    assert int(kept.gate_exponents[0, 0, 0]) == 2 * 128 * 128
+    again = fp8_layer.cached_experts(owner, gate, None, down)
+    assert again is not kept and owner._fp8_cache is again and len(made) == 2
+    assert int(again.gate_exponents[0, 0, 0]) == 2 * 128 * 128 and int(kept.gate_exponents[0, 0, 0]) == 0
     gate = gate.clone()  # a new storage
-    assert fp8_layer.cached_experts(owner, gate, None, down) is kept and len(made) == 3
+    assert fp8_layer.cached_experts(owner, gate, None, down) is not again and len(made) == 3
+    kept = owner._fp8_cache
     with_dgrad = fp8_layer.cached_experts(owner, gate, None, down, dgrad=True)
     assert with_dgrad is not kept and with_dgrad.gate_up_t.shape == (2, 128, 256) and made[-1] is True
     assert fp8_layer.cached_experts(owner, gate, None, down, dgrad=True) is with_dgrad and len(made) == 4
+
+
+def test_cached_experts_never_trust_a_temporary(monkeypatch):
+    """Weights that are new tensors each call (an autocast cast, a weight changed inside a
+    compiled graph) are quantized every call, even when the allocator hands a new one the old
+    one's address and version counter: what the copy holds is the tensor objects themselves."""
+    from mok import fp8_layer
+
+    made = _stub_quantization(monkeypatch)
+    owner = type("Owner", (), {})()
+    gate, down = torch.zeros(2, 256, 128), torch.zeros(2, 128, 128)
+    addresses = set()
+    for i in range(3):
+        cast = down + float(i)  # (a temporary of the same shape: the CPU allocator may reuse its address)
+        addresses.add(cast.data_ptr())
+        experts = fp8_layer.cached_experts(owner, gate, None, cast)
+        assert len(made) == i + 1 and int(experts.gate_exponents[0, 0, 0]) == i * 2 * 128 * 128
+        del cast, experts
+    print("addresses of the temporaries:", len(addresses))
 
 
 @pytest.mark.parametrize("optimizer", ["fused", "foreach", "for-loop", "sgd"])
@@ -552,6 +620,7 @@ def test_cached_experts_are_made_inside_a_graph_capture_and_not_kept(monkeypatch
     owner = type("Owner", (), {})()
     gate, down = torch.zeros(2, 256, 128), torch.zeros(2, 128, 128)
     kept = fp8_layer.cached_experts(owner, gate, None, down)
+    assert len(made) == 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert fp8_layer.cached_experts(owner, gate, None, down) == 1  # made again although nothing changed
@@ -602,6 +671,39 @@ def test_cached_experts_under_torch_compile_are_quantized_again_in_place(monkeyp
         assert torch.equal(compiled(owners[0], x), x + 2 * (per_block + 2 * 128 * 128)) and len(made) == 5
         compiled(owners[1], x)
         assert len(made) == 6
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_compiled_refresh_writes_the_graph_inputs_themselves(monkeypatch, grad):
+    """The code Inductor makes calls mok::fp8_refresh_experts on the kept copy's own tensors (the
+    graph's inputs), with no clone of them and no copy back, in an inference graph and in a
+    training one (a copy a call would cost as much as quantizing). On the CPU, quantization
+    stubbed."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from mok import fp8_layer
+
+    _stub_quantization(monkeypatch)
+    owner = torch.nn.Module()
+    owner.gate = torch.nn.Parameter(torch.ones(2, 256, 128))
+    owner.down = torch.nn.Parameter(torch.zeros(2, 128, 128))
+    fp8_layer.cached_experts(owner, owner.gate, None, owner.down)
+
+    def layer(owner, x):
+        experts = fp8_layer.cached_experts(owner, owner.gate, None, owner.down)
+        return x * (owner.down.sum() + 1) + experts.gate_exponents.float().sum()
+
+    torch._dynamo.reset()
+    x = torch.ones(4, requires_grad=grad)
+    _, codes = run_and_get_code(torch.compile(layer, fullgraph=True), owner, x)
+    code = "\n".join(codes)
+    calls = re.findall(r"torch\.ops\.mok\.fp8_refresh_experts\.default\(([^)]*)\)", code)
+    assert len(calls) == 1, code
+    inputs = [a.strip() for a in calls[0].split(",")]
+    assert all(re.fullmatch(r"(arg|primals_)\d+(_\d+)?|None", a) for a in inputs), calls  # (graph inputs)
+    assert ".clone(" not in code and "copy_(" not in code, code
 
 
 @pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
