@@ -12,6 +12,12 @@ from mok.ops import moe
 from mok.torch_path import moe_torch, moe_torch_ep
 
 
+def _keep_fp8_copy_after_load(module, incompatible_keys):
+    # (load_state_dict(assign=True) puts new parameters in place: the kept copy follows them; a
+    # function of the module, not a lambda, so that torch.save(module) can pickle the hook)
+    module._keep_fp8_copy()
+
+
 class MoE(nn.Module):
     """A SwiGLU mixture-of-experts layer computed by the fused kernel.
 
@@ -117,8 +123,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=torch.float32) if router else None
         self.reset_parameters()
         self._keep_fp8_copy()
-        # (load_state_dict(assign=True) puts new parameters in place: the kept copy follows them)
-        self.register_load_state_dict_post_hook(lambda module, keys: module._keep_fp8_copy())
+        self.register_load_state_dict_post_hook(_keep_fp8_copy_after_load)
 
     @property
     def fp8_dgrad(self) -> Optional[bool]:

@@ -479,6 +479,22 @@ def test_module_precision_arguments():
     assert layer.fp8_dgrad is True and layer._fp8_dgrad()
 
 
+def test_fp8_module_pickles_and_copies():
+    """torch.save of a whole mok.MoE(precision="fp8") (its load_state_dict post-hook included) and
+    copy.deepcopy keep its settings; the load hook still runs on the copy."""
+    import copy
+    import io
+
+    layer = mok.MoE(128, 128, 4, 2, precision="fp8", fp8_dgrad=True)
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    for other in (torch.load(buf, weights_only=False), copy.deepcopy(layer)):
+        assert isinstance(other, mok.MoE) and other.precision == "fp8" and other.fp8_dgrad is True
+        assert other._fp8_cache is None  # (CPU weights: no copy)
+        other.load_state_dict(layer.state_dict())
+
+
 @pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
 def test_module_keeps_a_copy_for_its_current_weights():
     """The (empty) kept copy follows the module: fp8_dgrad set after construction, and
