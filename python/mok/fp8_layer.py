@@ -19,7 +19,7 @@ quarter more bytes than E * 3 * I * H, every call (and the dgrad then stays bf16
 """
 
 import weakref
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -176,51 +176,99 @@ def _fits(experts: Optional[Fp8Experts], w_gate, w_up, w_down, dgrad: bool) -> b
     return [tuple(t.shape) for t in experts[::2] if t is not None] == [tuple(s) for s in shapes]
 
 
+# What each kept copy holds: {id(copy's first tensor): (weakref to that tensor, generation, the
+# weights' _identity)} — kept here, not on the tensor (a weak reference in a tensor's __dict__ would
+# make torch.save of a module holding the copy fail); an entry goes with its tensor.
+_held = {}
+
+
+def _identity(w: torch.Tensor):
+    """What says a weight is unchanged: the tensor that owns its view (a view made anew each call
+    of a lasting tensor — DTensor.to_local(), a slice — is that tensor's), alive, with the
+    view's place in it and the version counter (views share their base's). A temporary made
+    anew each call (an autocast cast, a weight changed inside a compiled graph) never matches,
+    however the allocator reuses its address. Inference tensors have no version counter: only
+    mok.fp8.weights_changed() (or other tensors) says they changed."""
+    owner = w._base if w._base is not None else w
+    version = -1 if w.is_inference() else w._version
+    return weakref.ref(owner), w.data_ptr(), tuple(w.shape), w.stride(), version
+
+
 def _holds(experts: Fp8Experts, weights, generation) -> bool:
-    """Whether the copy holds these weights as they are: the same tensor objects (alive: a
-    temporary made anew each call, e.g. an autocast cast or a weight changed inside a compiled
-    graph, never matches, however the allocator reuses its address), each with the storage and
-    version counter it had when quantized, and no optimizer step since."""
-    held = getattr(experts.gate, "_mok_weights", None)
-    return (held is not None and held[0] == generation and len(held[1]) == len(weights)
-            and all(ref() is w and ptr == w.data_ptr() and version == w._version
-                    for (ref, ptr, version), w in zip(held[1], weights)))
+    """Whether the copy holds these weights as they are (_identity of each) and no optimizer step
+    (weights_changed) came since."""
+    entry = _held.get(id(experts.gate))
+    if entry is None or entry[0]() is not experts.gate or entry[1] != generation or len(entry[2]) != len(weights):
+        return False
+    for (ref, ptr, shape, stride, version), w in zip(entry[2], weights):
+        now = _identity(w)
+        if ref() is not now[0]() or (ptr, shape, stride, version) != now[1:]:
+            return False
+    return True
+
+
+def _forget(experts: Fp8Experts) -> None:
+    _held.pop(id(experts.gate), None)
+
+
+def _remember(experts: Fp8Experts, weights, generation) -> None:
+    key = id(experts.gate)
+    if key not in _held:
+        weakref.finalize(experts.gate, _held.pop, key, None)
+    _held[key] = (weakref.ref(experts.gate), generation, tuple(_identity(w) for w in weights))
 
 
 def _refresh(w_gate, w_up, w_down, experts: Fp8Experts, where: str) -> bool:
     """Quantize the weights into the copy `experts`, in place, unless it holds them as they are
-    (_holds; what it holds is kept on the copy's first tensor, the same Python object in every
-    call, eager or compiled). While a CUDA graph is captured: always (each replay quantizes the
-    weights it finds), and what it held is forgotten (the capture ran no kernel). Returns
-    whether it quantized."""
+    (_holds; the copy is known by its first tensor, the same Python object in every eager or
+    compiled call). While a CUDA graph is captured: always (each replay quantizes the weights
+    it finds), and what it held is forgotten (the capture ran no kernel). Returns whether it
+    quantized."""
     weights = tuple(w for w in (w_gate, w_up, w_down) if w is not None)
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     if not capturing and _holds(experts, weights, _weights_generation):
         return False
     _check_experts_weights(w_gate, w_up, w_down, experts.dgrad() is not None, where)
-    experts.gate._mok_weights = None  # (not valid while it is written)
+    _forget(experts)  # (not valid while it is written)
+    experts.gate._mok_filled = True  # (eagerly, a later change then makes a new copy: cached_experts)
     _quantize_into(w_gate, w_up, w_down, experts)
     if not capturing:
-        experts.gate._mok_weights = (_weights_generation,
-                                     tuple((weakref.ref(w), w.data_ptr(), w._version) for w in weights))
+        _remember(experts, weights, _weights_generation)
     return True
 
 
-@torch.library.custom_op("mok::fp8_refresh_experts", mutates_args=Fp8Experts._fields)
+# mok::fp8_refresh_experts writes the kept copy in place without declaring it in mutates_args (as
+# mok::moe_backward overwrites `saved`): declared, AOTAutograd refuses a graph that calls one module
+# twice (the second call "mutates" what the first saved for its backward), and a compiled
+# activation-checkpointing recompute clones the whole copy to write the clone. It writes only when
+# the copy does not hold the weights (_holds) — never while a graph that read it may still read it
+# with other weights, except as docs/fp8.md says. Its outputs, fresh copies of the (small)
+# exponent tensors, are what the layer reads with the values: so the layer runs after it.
+@torch.library.custom_op("mok::fp8_refresh_experts", mutates_args=())
 def fp8_refresh_experts(w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
                         gate: torch.Tensor, gate_exponents: torch.Tensor, up: torch.Tensor, up_exponents: torch.Tensor,
                         down: torch.Tensor, down_exponents: torch.Tensor, down_t: Optional[torch.Tensor],
                         down_t_exponents: Optional[torch.Tensor], gate_up_t: Optional[torch.Tensor],
-                        gate_up_t_exponents: Optional[torch.Tensor]) -> None:
-    """_refresh under torch.compile: the kept copy is the compiled graph's input, written in
-    place (declared, so the graph orders it before the layer's reads)."""
-    _refresh(w_gate, w_up, w_down, Fp8Experts(gate, gate_exponents, up, up_exponents, down, down_exponents, down_t,
-                                              down_t_exponents, gate_up_t, gate_up_t_exponents), "mok.moe")
+                        gate_up_t_exponents: Optional[torch.Tensor]) -> List[torch.Tensor]:
+    """_refresh under torch.compile: the kept copy (the compiled graph's input) written in place
+    when stale; returns its exponent tensors copied, in Fp8Experts' order."""
+    experts = Fp8Experts(gate, gate_exponents, up, up_exponents, down, down_exponents, down_t, down_t_exponents,
+                         gate_up_t, gate_up_t_exponents)
+    _refresh(w_gate, w_up, w_down, experts, "mok.moe")
+    return [e.clone() for e in experts[1::2] if e is not None]
 
 
 @fp8_refresh_experts.register_fake
 def _fp8_refresh_experts_fake(w_gate, w_up, w_down, *experts):
-    return None
+    return [torch.empty_like(e) for e in experts[1::2] if e is not None]
+
+
+def _refreshed(w_gate, w_up, w_down, kept: Fp8Experts) -> Fp8Experts:
+    """The kept copy as a compiled layer reads it: refreshed by mok::fp8_refresh_experts, its
+    exponents the op's outputs."""
+    exponents = iter(torch.ops.mok.fp8_refresh_experts(w_gate, w_up, w_down, *kept))
+    fields = [t if i % 2 == 0 or t is None else next(exponents) for i, t in enumerate(kept)]
+    return Fp8Experts(*fields)
 
 
 def new_cached_experts(w_gate, w_up, w_down, dgrad: bool) -> Fp8Experts:
@@ -256,8 +304,7 @@ def cached_experts(owner, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_
     if torch.compiler.is_compiling():
         if not fits:
             return None
-        torch.ops.mok.fp8_refresh_experts(w_gate, w_up, w_down, *kept)
-        return kept
+        return _refreshed(w_gate, w_up, w_down, kept)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         # In a CUDA graph the quantization is captured too, so every replay reads the weights as
         # they are then (a copy kept from before the capture would be replayed stale after the
@@ -266,8 +313,8 @@ def cached_experts(owner, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_
     weights = tuple(w for w in (w_gate, w_up, w_down) if w is not None)
     if fits and _holds(kept, weights, _weights_generation):
         return kept
-    if not fits or hasattr(kept.gate, "_mok_weights"):  # (a copy that was ever filled: a new one)
-        owner._fp8_cache = None  # (the old copy goes before the new one is made)
+    if not fits or getattr(kept.gate, "_mok_filled", False):  # (a copy that was ever filled: a new one)
+        kept = owner._fp8_cache = None  # (the old copy goes before the new one is made)
         kept = owner._fp8_cache = new_cached_experts(w_gate, w_up, w_down, dgrad)
     _refresh(w_gate, w_up, w_down, kept, where)
     return kept

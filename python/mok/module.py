@@ -155,6 +155,17 @@ class MoE(nn.Module):
             self._fp8_cache = None  # (the old copy goes before the new one is made)
             self._fp8_cache = new_cached_experts(gate, up, self.w_down, dgrad)
 
+    def __getstate__(self):
+        # (torch.save of the whole module, copy.deepcopy: without the quantized copy — E * 3 * I * H
+        # bytes or more, made again from the weights — and an empty one made on loading)
+        state = self.__dict__.copy()
+        state["_fp8_cache"] = None
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._keep_fp8_copy()
+
     def _apply(self, fn, recurse=True):
         # (.to(), .cuda(), to_empty(): the weights may move, and the quantized copy with them)
         module = super()._apply(fn, recurse)

@@ -310,8 +310,10 @@ def test_module_keeps_quantized_weights_until_a_weight_changes():
     assert kept is not None and kept.dgrad() is None  # (I = 128: dgrad_pays says no)
     with torch.no_grad():
         y = layer(x)
-        held, down = kept.gate._mok_weights, kept.down.clone()  # (the init copy, filled in place)
-        assert torch.equal(layer(x), y) and layer._fp8_cache is kept and kept.gate._mok_weights is held  # kept
+        from mok import fp8_layer
+
+        held, down = fp8_layer._held[id(kept.gate)], kept.down.clone()  # (the init copy, filled in place)
+        assert torch.equal(layer(x), y) and layer._fp8_cache is kept and fp8_layer._held[id(kept.gate)] is held
         ids, weights, _ = layer.route(x)
         want = mok.moe(x, ids, weights, layer.w_gate_up, None, layer.w_down, shared=tuple(layer.shared),
                        precision="fp8")
@@ -479,20 +481,57 @@ def test_module_precision_arguments():
     assert layer.fp8_dgrad is True and layer._fp8_dgrad()
 
 
-def test_fp8_module_pickles_and_copies():
-    """torch.save of a whole mok.MoE(precision="fp8") (its load_state_dict post-hook included) and
-    copy.deepcopy keep its settings; the load hook still runs on the copy."""
+def test_fp8_module_pickles_and_copies(monkeypatch):
+    """torch.save of a whole mok.MoE(precision="fp8") holding a filled copy (its load_state_dict
+    post-hook included) and copy.deepcopy keep its settings and leave the copy behind (it is made
+    again from the weights); the load hook still runs on the copy. (The quantization stubbed: a
+    copy on the CPU.)"""
     import copy
     import io
 
+    from mok import fp8_layer
+
+    _stub_quantization(monkeypatch)
     layer = mok.MoE(128, 128, 4, 2, precision="fp8", fp8_dgrad=True)
+    fp8_layer.cached_experts(layer, layer.w_gate, layer.w_up, layer.w_down, dgrad=True)
+    assert layer._fp8_cache is not None
     buf = io.BytesIO()
     torch.save(layer, buf)
     buf.seek(0)
     for other in (torch.load(buf, weights_only=False), copy.deepcopy(layer)):
         assert isinstance(other, mok.MoE) and other.precision == "fp8" and other.fp8_dgrad is True
-        assert other._fp8_cache is None  # (CPU weights: no copy)
+        assert other._fp8_cache is None  # (CPU weights: none made again)
         other.load_state_dict(layer.state_dict())
+    assert layer._fp8_cache is not None
+
+
+def test_cached_experts_know_views_and_inference_tensors(monkeypatch):
+    """A view made anew each call of a lasting tensor (DTensor.to_local(), a slice) is that
+    tensor's weight: kept while it is unchanged, quantized again after an in-place update (the
+    version counter views share). Inference tensors, which have no version counter, are kept
+    until mok.fp8.weights_changed()."""
+    from mok import fp8_layer
+
+    made = _stub_quantization(monkeypatch)
+    owner = type("Owner", (), {})()
+    gate, down = torch.zeros(2, 256, 128), torch.zeros(2, 128, 128)
+    for _ in range(3):
+        fp8_layer.cached_experts(owner, gate.view(gate.shape), None, down[:])
+    assert len(made) == 1
+    down.add_(1.0)
+    fp8_layer.cached_experts(owner, gate.view(gate.shape), None, down[:])
+    assert len(made) == 2
+    fp8_layer.cached_experts(owner, gate.view(gate.shape), None, down[:, :64])  # (another view: another weight)
+    assert len(made) == 3
+    with torch.inference_mode():
+        frozen = torch.zeros(2, 128, 128)
+    other = type("Owner", (), {})()
+    for _ in range(2):
+        fp8_layer.cached_experts(other, gate, None, frozen)
+    assert len(made) == 4
+    mok.fp8.weights_changed()
+    fp8_layer.cached_experts(other, gate, None, frozen)
+    assert len(made) == 5
 
 
 @pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
@@ -687,6 +726,80 @@ def test_cached_experts_under_torch_compile_are_quantized_again_in_place(monkeyp
         assert torch.equal(compiled(owners[0], x), x + 2 * (per_block + 2 * 128 * 128)) and len(made) == 5
         compiled(owners[1], x)
         assert len(made) == 6
+
+
+@torch.library.custom_op("mok_test::read_copy", mutates_args=())
+def _read_copy(x: torch.Tensor, w: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """A stand-in layer: reads the kept copy's exponents and saves them for its backward (as
+    the FP8 layer saves the dgrad operands)."""
+    return x * (exponents.float().sum() + w.sum())
+
+
+@_read_copy.register_fake
+def _(x, w, exponents):
+    return torch.empty_like(x)
+
+
+def _read_copy_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _read_copy_backward(ctx, g):
+    x, w, exponents = ctx.saved_tensors
+    return g * (exponents.float().sum() + w.sum()), (g * x).sum() * torch.ones_like(w), None
+
+
+_read_copy.register_autograd(_read_copy_backward, setup_context=_read_copy_setup)
+
+
+@pytest.mark.parametrize("shape", ["twice", "checkpointed"])
+def test_compiled_training_quantizes_once_a_step(monkeypatch, shape):
+    """A compiled training forward that calls one module twice (weights shared across layers) or
+    under non-reentrant activation checkpointing (its recompute calls it again in the backward):
+    it compiles, matches the eager model, and quantizes once an optimizer step — no second
+    quantization, no clone of the copy. On the CPU, quantization stubbed, a stand-in layer
+    saving the copy for its backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    from mok import fp8_layer
+
+    made = _stub_quantization(monkeypatch)
+
+    class Owner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Parameter(torch.full((2, 256, 128), 1e-3))
+            self.down = torch.nn.Parameter(torch.full((2, 128, 128), 2e-3))
+            self._fp8_cache = fp8_layer.new_cached_experts(self.gate, None, self.down, False)
+
+        def forward(self, x):
+            experts = fp8_layer.cached_experts(self, self.gate, None, self.down, dgrad=False)
+            return torch.ops.mok_test.read_copy(x, self.down, experts.gate_exponents) + x * self.gate.sum()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = Owner()
+
+        def forward(self, x):
+            if shape == "twice":
+                return self.moe(self.moe(x)).sum()
+            return checkpoint(self.moe, x, use_reentrant=False).sum()
+
+    torch._dynamo.reset()
+    models = [Model(), Model()]
+    compiled = torch.compile(models[0], fullgraph=True)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-9) for m in models]
+    for step in range(3):
+        before = len(made)
+        for call, model in ((compiled, models[0]), (models[1], models[1])):
+            x = torch.full((4,), 0.5)
+            call(x).backward()
+        assert len(made) - before == 2, (step, len(made) - before)  # (one a model)
+        torch.testing.assert_close(models[0].moe.down.grad, models[1].moe.down.grad, rtol=1e-5, atol=0)  # (sum order)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
 
 
 @pytest.mark.parametrize("grad", [False, True])
