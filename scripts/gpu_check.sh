@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N]
+#                                                   host|fp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME]
 #                                                   [--ncu-kernels forward,backward]
@@ -59,7 +59,8 @@
 # (losses and gradient norms must repeat bitwise), then its FP8 runs beside bf16 over --repeats seeds (0, 1, ...):
 # bf16, the FP8 forward with mok.MoE's choice of backward at its size (the bf16 one) and mok-fp8-dgrad (the FP8
 # dgrad and weight gradients) into -train-fp8-seedS.json, and the same with the recipe before 2026-12-05 (constant
-# rate, no clipping) into -train-fp8-constant-seedS.json. --impl / --pass choose layer_bench's implementations and passes in the
+# rate, no clipping) into -train-fp8-constant-seedS.json. `fp8compile` (build if missing): mok.MoE(precision="fp8")
+# under torch.compile — the kept copy's GPU tests, then bench/fp8_compiled_module.py into -fp8-compiled.json. --impl / --pass choose layer_bench's implementations and passes in the
 # bench and speed parts (e.g. --impl torch-compiled,torch-fp8,mok,mok-fp8,mok-py,mok-fp8-py --pass fwd);
 # --settle-ms MS runs each timed pass untimed for MS first (layer_bench's, in the bench, speed and
 # host parts: every implementation timed on the power limit's plateau, issue 21).
@@ -166,11 +167,11 @@ while [ $# -gt 0 ]; do
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --sustained) sustained=true ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--pytest ARGS] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--pytest ARGS] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, pyselect, bench, ep, speed, train, hf, phases, host, fp8, epfp8, fp8wgrad, fp8bench, fp8train, fp8lr, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, pyselect, bench, ep, speed, train, hf, phases, host, fp8, epfp8, fp8wgrad, fp8bench, fp8train, fp8compile, fp8lr, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
 [ "$part" != pyselect ] || [ -n "$pytest_args" ] || { echo "gpu_check.sh --part pyselect needs --pytest ARGS"; exit 2; }
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
@@ -385,7 +386,7 @@ if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
   if $run_ctest || [ "$part" = kernelab ]; then rm -rf "$build"; fi  # a clean build: the ptxas report covers every kernel
   # The benchmark needs the library, mok_bench and the extension mok._C, not the tests.
   with_tests=ON
-  { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ] || [ "$part" = fp8bench ] || [ "$part" = fp8train ] || [ "$part" = fp8lr ] ||
+  { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ] || [ "$part" = fp8bench ] || [ "$part" = fp8train ] || [ "$part" = fp8compile ] || [ "$part" = fp8lr ] ||
     [ "$part" = power ] || [ "$part" = pyselect ] ||
     [ "$part" = pytest ]; } &&
     [ ! -f $build/tests/test_plan ] &&
@@ -691,6 +692,22 @@ PY
     train_example 500 mok,mok-fp8,mok-fp8-dgrad "train-fp8-constant-seed$seed" --seed "$seed" --schedule constant \
       --lr-warmup 0 --clip 0 "${det[@]}"
   done
+fi
+if [ "$part" = fp8compile ]; then  # mok.MoE(precision="fp8") under torch.compile (2026-12-05): the kept copy's
+  # GPU tests (compiled bits = eager bits, one quantization a step, reduce-overhead without a cudagraph skip,
+  # inference and training), then bench/fp8_compiled_module.py: a compiled training step with the kept copy
+  # against the per-call quantization, beside the eager FP8 and the compiled bf16 module (--presets, default
+  # deepseek-v3,mixtral-8x7b; --repeats rounds), micro-batches 1 and 4 a step.
+  env PYTHONPATH="$PWD/$build/pkg" python3 -m pytest -q -rfEs tests/python/test_fp8_layer.py tests/python/test_bench.py \
+    -k "compile or keeps or cached or pickles or fp8_compiled" --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
+  grep -E "^(SKIPPED|FAILED|ERROR)" "$LOG/pytest.log" | head -20
+  tail -1 "$LOG/pytest.log"
+  junit=("$LOG/pytest.xml")
+  fc_presets="$presets"
+  [ "$fc_presets" = all ] && fc_presets=deepseek-v3,mixtral-8x7b
+  env PYTHONPATH="$PWD/$build/pkg" MOK_COMMIT="$commit" python3 bench/fp8_compiled_module.py --preset "$fc_presets" \
+    --micro 1,4 --rounds "$repeats" --date "$date" --out "$OUT/${date:0:10}-$commit-fp8-compiled.json" \
+    2>&1 | tee "$LOG/fp8_compiled.log" || test_rc=1
 fi
 if [ "$part" = fp8lr ]; then  # the training example's FP8 runs at one peak learning rate over seeds, beside bf16 twice
   # (mok and torch: two bf16 runs that differ only in rounding, the noise floor of a final loss)
