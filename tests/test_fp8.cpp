@@ -283,7 +283,7 @@ TEST(Fp8Recipe, WeightGradientsInFp8StayCloseAndTouchNothingElse) {
 // The GPU quantization's argument checks (they run before anything touches the device, so
 // here on the CPU): each bad argument is named with its value.
 TEST(Fp8Weights, BadArgumentsAreNamed) {
-  static char fake[1];  // (never dereferenced: every call below is refused first)
+  alignas(16) static char fake[16];  // (never dereferenced: every call below is refused first)
   const Device gpu = Device::cuda(0);
   auto view = [&](DType dtype, std::initializer_list<std::int64_t> dims) { return TensorView::contiguous(fake, dtype, gpu, dims); };
   const TensorView w = view(DType::bf16, {2, 200, 320}), values = view(DType::u8, {2, 200, 320});
@@ -368,6 +368,73 @@ TEST(Fp8Weights, BadArgumentsAreNamed) {
                "mok::fp8::quantize_experts: argument 'down_t_exponents': dtype must be i32, got f32");
   expect_named([&] { quantize_weights(w, values, exps, values_t, view(DType::u8, {2, 3, 2}), nullptr); },
                "argument 'exponents_t': dtype must be i32, got u8");
+}
+
+// What passed every check above and still made wrong bytes (a review, 2026-12-05): outputs sharing
+// memory with each other or with w, W_up^T's rows inside W_gate^T's, misaligned elements. Each
+// view below has its own (never dereferenced) address range unless a case shares one on purpose.
+TEST(Fp8Weights, OverlappingOrMisalignedArgumentsAreRefused) {
+  std::uintptr_t next = 0x100000000;
+  auto at = [&](DType dtype, std::initializer_list<std::int64_t> dims) {
+    next += 0x100000000;  // (4 GiB apart: no two spans meet)
+    return TensorView::contiguous(reinterpret_cast<void*>(next), dtype, Device::cuda(0), dims);
+  };
+  auto message = [](const std::function<void()>& call) {
+    try {
+      call();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const auto expect_named = [&](const std::function<void()>& call, const std::string& want) {
+    const std::string got = message(call);
+    EXPECT_NE(got.find(want), std::string::npos) << "got: " << got;
+  };
+  // A square w: values_t has values' shape, so only the overlap check can tell them apart.
+  const TensorView w = at(DType::bf16, {2, 256, 256}), values = at(DType::u8, {2, 256, 256});
+  const TensorView exps = at(DType::i32, {2, 2, 2}), values_t = at(DType::u8, {2, 256, 256});
+  const TensorView exps_t = at(DType::i32, {2, 2, 2});
+  expect_named([&] { quantize_weights(w, values, exps, values, exps, nullptr); },
+               "mok::fp8::quantize_weights: argument 'values': must not overlap 'values_t'");
+  expect_named([&] { quantize_weights(w, values, exps, values_t, exps, nullptr); },
+               "argument 'exponents': must not overlap 'exponents_t'");
+  TensorView inside_w = values;
+  inside_w.data = w.data;
+  expect_named([&] { quantize_weights(w, inside_w, exps, nullptr); }, "argument 'values': must not overlap 'w' (an input)");
+  TensorView odd = w;
+  odd.data = static_cast<char*>(w.data) + 1;
+  expect_named([&] { quantize_weights(odd, values, exps, nullptr); },
+               "argument 'w': data pointer must be aligned to its 2-byte elements");
+  // quantize_experts: every output apart, the halves of gate_up_t rows of 2I.
+  const TensorView gate = at(DType::bf16, {2, 256, 384}), up = at(DType::bf16, {2, 256, 384});
+  const TensorView down = at(DType::bf16, {2, 384, 256});
+  Fp8Weights fwd{at(DType::u8, {2, 256, 384}), at(DType::u8, {2, 256, 384}), at(DType::u8, {2, 384, 256}),
+                 at(DType::i32, {2, 2, 3}), at(DType::i32, {2, 2, 3}), at(DType::i32, {2, 3, 2})};
+  Fp8DgradWeights dgrad{at(DType::u8, {2, 256, 384}), at(DType::u8, {2, 384, 512}), at(DType::i32, {2, 2, 3}),
+                        at(DType::i32, {2, 3, 4})};
+  Fp8Weights shared = fwd;
+  shared.up = fwd.gate;
+  expect_named([&] { quantize_experts(gate, up, down, shared, &dgrad, nullptr); },
+               "mok::fp8::quantize_experts: argument 'gate': must not overlap 'up'");
+  Fp8DgradWeights squeezed = dgrad;
+  squeezed.gate_up_t.stride = {384 * 256, 256, 1, 0};  // (rows of I = 256 < 2I: W_up^T's row h is W_gate^T's h + 1)
+  squeezed.gate_up_t_exponents.stride = {3 * 2, 2, 1, 0};
+  expect_named([&] { quantize_experts(gate, up, down, fwd, &squeezed, nullptr); },
+               "argument 'gate_up_t': must have contiguous, non-overlapping rows of 2I");
+  Fp8DgradWeights on_down = dgrad;
+  on_down.down_t = fwd.down;
+  on_down.down_t.shape = {2, 256, 384, 0};
+  on_down.down_t.stride = {256 * 384, 384, 1, 0};
+  expect_named([&] { quantize_experts(gate, up, down, fwd, &on_down, nullptr); },
+               "argument 'down': must not overlap 'down_t'");
+  // quantize_dgrad_weights names itself and its arguments, and checks all before any kernel.
+  Fp8DgradWeights bad = dgrad;
+  bad.down_t = at(DType::u8, {2, 384, 256});
+  expect_named([&] { quantize_dgrad_weights(gate, up, down, bad, nullptr); },
+               "mok::fp8::quantize_dgrad_weights: argument 'down_t': shape must be [2, 256, 384]");
+  expect_named([&] { quantize_dgrad_weights(gate, up, down, squeezed, nullptr); },
+               "mok::fp8::quantize_dgrad_weights: argument 'gate_up_t': must have contiguous, non-overlapping rows");
 }
 
 }  // namespace

@@ -53,6 +53,9 @@ struct TensorView {
   std::int64_t numel() const;
   bool is_contiguous() const;
   std::string shape_string() const;
+  // Whether the byte spans of the two views intersect (empty views share none). Conservative:
+  // two interleaved views that share no element (the halves of [E, 2I, H]) count as overlapping.
+  bool overlaps(const TensorView& other) const;
 };
 
 // The layer. Experts are numbered globally 0..num_experts-1; rank r of an EP group of

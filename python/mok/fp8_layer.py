@@ -95,15 +95,17 @@ def _check_experts_weights(w_gate, w_up, w_down, dgrad, where="mok.fp8.quantize_
             _check_weight(w, where, name)
             if w.device != w_gate.device:
                 raise ValueError(f"{where}: {name} is on {w.device}, but w_gate is on {w_gate.device}")
-    if not dgrad:
-        return
+    if w_up is None and w_gate.shape[1] % 2:
+        raise ValueError(f"{where}: w_gate [E, 2I, H] (gate rows, then up rows; w_up None) must have an even number of "
+                         f"rows, got shape {tuple(w_gate.shape)}")
     gate, up = _halves(w_gate, w_up)
     E, inter, hidden = gate.shape
     if up.shape != gate.shape or w_down.shape != (E, hidden, inter):
         raise ValueError(f"{where}: the experts' shapes disagree: w_gate {tuple(w_gate.shape)}, w_up "
                          f"{None if w_up is None else tuple(w_up.shape)}, w_down {tuple(w_down.shape)} (want gate and "
                          f"up [E, I, H] each, or w_gate [E, 2I, H] and w_up None, and w_down [E, H, I])")
-    _check_fp8(w_down, where)
+    if dgrad:  # (the dgrad operands' halves meet at a block boundary)
+        _check_fp8(w_down, where)
 
 
 def _empty_experts(w_gate, w_up, w_down, dgrad: bool) -> Fp8Experts:

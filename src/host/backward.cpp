@@ -85,19 +85,7 @@ std::pair<void*, void*> gradient_row_spaces(const BackwardArgs& b, const MoeShap
 }
 
 // Whether two tensors share a byte (empty or absent ones share none).
-bool overlap(const TensorView* a, const TensorView* b) {
-  if (a == nullptr || b == nullptr || a->numel() == 0 || b->numel() == 0) return false;
-  auto span = [](const TensorView& v) {  // [lowest, past the highest) byte
-    std::int64_t first = 0, last = 0;
-    for (int d = 0; d < v.ndim; ++d) (v.stride[d] < 0 ? first : last) += (v.shape[d] - 1) * v.stride[d];
-    const auto bytes = static_cast<std::int64_t>(dtype_size(v.dtype));
-    const char* base = static_cast<const char*>(v.data);
-    return std::pair{base + first * bytes, base + (last + 1) * bytes};
-  };
-  const auto [a0, a1] = span(*a);
-  const auto [b0, b1] = span(*b);
-  return a0 < b1 && b0 < a1;
-}
+bool overlap(const TensorView* a, const TensorView* b) { return a != nullptr && b != nullptr && a->overlaps(*b); }
 
 // dx as space for the routed dy rows that miss the gradient buffers, or for the shared expert's
 // dx rows (the combine writes dx last, after every reader of those rows:

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <iterator>
 #include <utility>
 
 #include "cuda_check.hpp"
@@ -152,6 +154,30 @@ std::vector<float> dequantize(const Mxfp8& m) {
 
 namespace {
 
+// int columns, and the grid's column blocks computed as (cols + 127) / 128 in int.
+constexpr std::int64_t kMaxColumns = INT32_MAX - kernels::kFp8Block;
+
+// A 3-D view with contiguous rows that overlap neither each other nor another expert's
+// (stride[0] >= shape[1] * stride[1], compared by division: the product can wrap); empty: true.
+bool rows_apart(const TensorView& t) {
+  if (t.ndim != 3) return false;
+  if (t.numel() == 0) return true;
+  return t.stride[2] == 1 && t.stride[1] >= t.shape[2] && t.stride[1] > 0 && t.stride[0] >= 0 &&
+         (t.shape[0] == 1 || t.stride[0] / t.stride[1] >= t.shape[1]);
+}
+
+// Each output shares no byte with another or with an input (inputs may share: they are read).
+void check_apart(const char* where, std::initializer_list<std::pair<const char*, const TensorView*>> inputs,
+                 std::initializer_list<std::pair<const char*, const TensorView*>> outputs) {
+  for (auto a = outputs.begin(); a != outputs.end(); ++a) {
+    for (auto b = std::next(a); b != outputs.end(); ++b)
+      if (a->second->overlaps(*b->second))
+        throw_argument_error(where, a->first, "must not overlap '", b->first, "' (each output its own memory)");
+    for (const auto& [name, in] : inputs)
+      if (a->second->overlaps(*in)) throw_argument_error(where, a->first, "must not overlap '", name, "' (an input)");
+  }
+}
+
 // quantize_weights' checks of (w, values, exponents) and its kernel's parameters; values and
 // exponents named as the caller's arguments.
 kernels::QuantizeParams weight_params(const char* where, const TensorView& w, const TensorView& values,
@@ -166,7 +192,7 @@ kernels::QuantizeParams weight_params(const char* where, const TensorView& w, co
   const std::int64_t E = w.shape[0], R = w.shape[1], C = w.shape[2];
   const std::int64_t rb = (R + kernels::kFp8Block - 1) / kernels::kFp8Block;
   const std::int64_t cb = (C + kernels::kFp8Block - 1) / kernels::kFp8Block;
-  if (w.stride[2] != 1 || w.stride[1] < C || w.stride[0] < R * w.stride[1])
+  if (!rows_apart(w))
     throw_argument_error(where, w_name, "must have contiguous, non-overlapping rows, got strides (", w.stride[0], ", ",
                          w.stride[1], ", ", w.stride[2], ") for shape ", w.shape_string());
   const std::int64_t VR = transpose ? C : R, VC = transpose ? R : C, XR = transpose ? cb : rb, XC = transpose ? rb : cb;
@@ -177,7 +203,7 @@ kernels::QuantizeParams weight_params(const char* where, const TensorView& w, co
     throw_argument_error(where, exponents_name, "shape must be [", E, ", ", XR, ", ", XC, "] (128 x 128 blocks of ",
                          transpose ? "w^T" : "w", "), got ", exponents.shape_string());
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{values_name, &values}, {exponents_name, &exponents}})
-    if (t->stride[2] != 1 || t->stride[1] < t->shape[2] || t->stride[0] < t->shape[1] * t->stride[1])
+    if (!rows_apart(*t))
       throw_argument_error(where, name, "must have contiguous, non-overlapping rows, got strides (", t->stride[0], ", ",
                            t->stride[1], ", ", t->stride[2], ") for shape ", t->shape_string());
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{w_name, &w}, {values_name, &values},
@@ -187,10 +213,15 @@ kernels::QuantizeParams weight_params(const char* where, const TensorView& w, co
     if (t->device.index != w.device.index)
       throw_argument_error(where, name, "is on ", device_name(t->device), ", but ", w_name, " is on ", device_name(w.device));
     if (t->numel() > 0 && t->data == nullptr) throw_argument_error(where, name, "data pointer is null");
+    // (the kernels' element-wise path loads and stores whole elements: 2 bytes of w, 4 of an exponent)
+    const auto address = reinterpret_cast<std::uintptr_t>(t->data);
+    if (t->numel() > 0 && address % dtype_size(t->dtype) != 0)
+      throw_argument_error(where, name, "data pointer must be aligned to its ", dtype_size(t->dtype),
+                           "-byte elements, got address 0x", std::hex, address);
   }
-  if (E > 65535 || rb > 65535 || C > INT32_MAX)  // (the grid's y and z limits; int columns)
-    throw_argument_error(where, w_name, "at most 65535 experts, 65535 * 128 rows and 2^31 - 1 columns, got shape ",
-                         w.shape_string());
+  if (E > 65535 || rb > 65535 || C > kMaxColumns)  // (the grid's y and z limits; int columns, rounded up to blocks)
+    throw_argument_error(where, w_name, "at most 65535 experts, 65535 * 128 rows and ", kMaxColumns,
+                         " columns, got shape ", w.shape_string());
   kernels::QuantizeParams p{};
   p.w = static_cast<const std::uint16_t*>(w.data);
   p.expert_stride = w.stride[0], p.row_stride = w.stride[1];
@@ -220,7 +251,9 @@ void launch(const kernels::QuantizeParams& p, cudaStream_t stream, const char* w
 void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
                       cudaStream_t stream, bool transpose) {
   constexpr const char* where = "mok::fp8::quantize_weights";
-  launch(weight_params(where, w, values, exponents, transpose, "w", "values", "exponents"), stream, where);
+  const kernels::QuantizeParams p = weight_params(where, w, values, exponents, transpose, "w", "values", "exponents");
+  check_apart(where, {{"w", &w}}, {{"values", &values}, {"exponents", &exponents}});
+  launch(p, stream, where);
 }
 
 void quantize_weights(const TensorView& w, const TensorView& values, const TensorView& exponents,
@@ -228,6 +261,8 @@ void quantize_weights(const TensorView& w, const TensorView& values, const Tenso
   constexpr const char* where = "mok::fp8::quantize_weights";
   kernels::QuantizeParams p = weight_params(where, w, values, exponents, false, "w", "values", "exponents");
   with_transpose(p, weight_params(where, w, values_t, exponents_t, true, "w", "values_t", "exponents_t"));
+  check_apart(where, {{"w", &w}}, {{"values", &values}, {"exponents", &exponents}, {"values_t", &values_t},
+                                   {"exponents_t", &exponents_t}});
   launch(p, stream, where);
 }
 
@@ -268,6 +303,12 @@ GateUpHalves gate_up_halves(const char* where, const TensorView& w_gate, const T
       out.gate_up_t_exponents.shape[1] != hb || out.gate_up_t_exponents.shape[2] != 2 * ib)
     throw_argument_error(where, "gate_up_t_exponents", "shape must be [E, H / 128, 2I / 128] = [", E, ", ", hb, ", ",
                          2 * ib, "], got ", out.gate_up_t_exponents.shape_string());
+  // (whole rows of 2I: each half checked alone would let W_up^T's row h share W_gate^T's row h + 1)
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"gate_up_t", &out.gate_up_t},
+                                {"gate_up_t_exponents", &out.gate_up_t_exponents}})
+    if (!rows_apart(*t))
+      throw_argument_error(where, name, "must have contiguous, non-overlapping rows of 2I, got strides (", t->stride[0],
+                           ", ", t->stride[1], ", ", t->stride[2], ") for shape ", t->shape_string());
   return {columns(out.gate_up_t, 0, I), columns(out.gate_up_t, I, I), columns(out.gate_up_t_exponents, 0, ib),
           columns(out.gate_up_t_exponents, ib, ib)};
 }
@@ -276,10 +317,17 @@ GateUpHalves gate_up_halves(const char* where, const TensorView& w_gate, const T
 
 void quantize_dgrad_weights(const TensorView& w_gate, const TensorView& w_up, const TensorView& w_down,
                             const Fp8DgradWeights& out, cudaStream_t stream) {
-  const GateUpHalves h = gate_up_halves("mok::fp8::quantize_dgrad_weights", w_gate, w_down, out);
-  quantize_weights(w_down, out.down_t, out.down_t_exponents, stream, true);
-  quantize_weights(w_gate, h.gate_t, h.gate_t_exponents, stream, true);
-  quantize_weights(w_up, h.up_t, h.up_t_exponents, stream, true);
+  constexpr const char* where = "mok::fp8::quantize_dgrad_weights";
+  const GateUpHalves h = gate_up_halves(where, w_gate, w_down, out);
+  // Every argument is checked before the first kernel: a bad one leaves every output untouched.
+  const kernels::QuantizeParams p[3] = {
+      weight_params(where, w_down, out.down_t, out.down_t_exponents, true, "w_down", "down_t", "down_t_exponents"),
+      weight_params(where, w_gate, h.gate_t, h.gate_t_exponents, true, "w_gate", "gate_up_t", "gate_up_t_exponents"),
+      weight_params(where, w_up, h.up_t, h.up_t_exponents, true, "w_up", "gate_up_t", "gate_up_t_exponents")};
+  check_apart(where, {{"w_gate", &w_gate}, {"w_up", &w_up}, {"w_down", &w_down}},
+              {{"down_t", &out.down_t}, {"down_t_exponents", &out.down_t_exponents}, {"gate_up_t", &out.gate_up_t},
+               {"gate_up_t_exponents", &out.gate_up_t_exponents}});
+  for (const kernels::QuantizeParams& q : p) launch(q, stream, where);
 }
 
 void quantize_experts(const TensorView& w_gate, const TensorView& w_up, const TensorView& w_down, const Fp8Weights& out,
@@ -311,6 +359,13 @@ void quantize_experts(const TensorView& w_gate, const TensorView& w_up, const Te
     with_transpose(p[2], weight_params(where, w_down, dgrad->down_t, dgrad->down_t_exponents, true, "w_down", "down_t",
                                        "down_t_exponents"));
   }
+  const TensorView none{};  // (empty: overlaps nothing)
+  const Fp8DgradWeights* d = dgrad;
+  check_apart(where, {{"w_gate", &w_gate}, {"w_up", &w_up}, {"w_down", &w_down}},
+              {{"gate", &out.gate}, {"gate_exponents", &out.gate_exponents}, {"up", &out.up},
+               {"up_exponents", &out.up_exponents}, {"down", &out.down}, {"down_exponents", &out.down_exponents},
+               {"down_t", d ? &d->down_t : &none}, {"down_t_exponents", d ? &d->down_t_exponents : &none},
+               {"gate_up_t", d ? &d->gate_up_t : &none}, {"gate_up_t_exponents", d ? &d->gate_up_t_exponents : &none}});
   for (const kernels::QuantizeParams& q : p) launch(q, stream, where);
 }
 

@@ -76,6 +76,20 @@ bool TensorView::is_contiguous() const {
   return true;
 }
 
+bool TensorView::overlaps(const TensorView& other) const {
+  if (numel() == 0 || other.numel() == 0) return false;
+  auto span = [](const TensorView& v) {  // [lowest, past the highest) byte
+    std::int64_t first = 0, last = 0;
+    for (int d = 0; d < v.ndim; ++d) (v.stride[d] < 0 ? first : last) += (v.shape[d] - 1) * v.stride[d];
+    const auto bytes = static_cast<std::int64_t>(dtype_size(v.dtype));
+    const char* base = static_cast<const char*>(v.data);
+    return std::pair{base + first * bytes, base + (last + 1) * bytes};
+  };
+  const auto [a0, a1] = span(*this);
+  const auto [b0, b1] = span(other);
+  return a0 < b1 && b0 < a1;
+}
+
 std::string TensorView::shape_string() const {
   std::ostringstream os;
   os << '[';

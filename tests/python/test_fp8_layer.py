@@ -849,6 +849,11 @@ def test_quantize_experts_names_bad_weights():
         fp8.quantize_experts(g, g, d[:, :256], dgrad=True)
     with pytest.raises(ValueError, match=r"^mok\.fp8\.quantize_experts: the experts' shapes disagree"):
         fp8.quantize_experts(g, g[:, :128], d, dgrad=True)
+    # (without the dgrad operands too: an Fp8Experts whose parts do not fit together is no use)
+    with pytest.raises(ValueError, match=r"^mok\.fp8\.quantize_experts: the experts' shapes disagree"):
+        fp8.quantize_experts(g, g, d[:, :256])
+    with pytest.raises(ValueError, match=r"must have an even number of rows, got shape \(2, 257, 384\)"):
+        fp8.quantize_experts(torch.randn(2, 257, 384, device="cuda").bfloat16(), None, d)
     # The extension's W-and-W^T entry: values_t and exponents_t together, never with transpose.
     from torch.utils.dlpack import to_dlpack
 
@@ -865,3 +870,7 @@ def test_quantize_experts_names_bad_weights():
         _C.fp8_quantize_weights(to_dlpack(g), to_dlpack(vt), to_dlpack(xt), stream, True, to_dlpack(vt), to_dlpack(xt))
     with pytest.raises(ValueError, match="argument 'values_t': shape must be \\[2, 384, 256\\]"):
         _C.fp8_quantize_weights(to_dlpack(g), to_dlpack(v), to_dlpack(x), stream, False, to_dlpack(v), to_dlpack(xt))
+    square = torch.randn(2, 256, 256, device="cuda").bfloat16()  # (W^T has W's shape: only the overlap check is left)
+    vs, xs = torch.empty(2, 256, 256, dtype=torch.uint8, device="cuda"), torch.empty(2, 2, 2, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="argument 'values': must not overlap 'values_t'"):
+        _C.fp8_quantize_weights(to_dlpack(square), to_dlpack(vs), to_dlpack(xs), stream, False, to_dlpack(vs), to_dlpack(xs))
