@@ -471,7 +471,7 @@ def _moe_train_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down,
 
     y = _moe_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
                               swiglu_limit, num_experts, group_id, *experts)
-    n = ops._saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
+    n = ops._fake_saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
     return y, x.new_empty((n,), dtype=torch.bfloat16)
 
 

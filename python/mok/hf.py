@@ -143,6 +143,18 @@ def _routing(module: torch.nn.Module, top_k_index: torch.Tensor, experts: int) -
     return top_k_index.masked_fill(top_k_index >= experts, -1)
 
 
+def _fit_slots(ids: torch.Tensor, weights: torch.Tensor, experts: int):
+    """Under expert parallelism a rank may hold fewer experts than top_k (Mixtral at EP 8: one
+    expert a rank, top-2), while mok.moe takes k <= E. A router's top-k experts are distinct, so
+    a token has at most `experts` slots on this rank: its valid slots first, in slot order (a
+    stable sort on "is a sentinel"), and the columns past `experts` — sentinels only — dropped;
+    the weights gathered alike (their gradient goes back to the slots they came from)."""
+    if ids.shape[-1] <= experts:
+        return ids, weights
+    order = torch.sort((ids < 0).to(torch.int8), dim=-1, stable=True).indices[..., :experts]
+    return ids.gather(-1, order), weights.gather(-1, order)
+
+
 def _in_process_group() -> bool:
     """Whether torch.distributed has a process group (transformers' expert parallelism needs one)."""
     return torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -164,11 +176,14 @@ def _experts_forward(layer: Callable, autocast: bool = False) -> Callable:
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         w_gate, w_up, w_down = _expert_weights(self)
         ids = _routing(self, top_k_index, w_down.shape[0])
+        weights = top_k_weights.float()
+        if ids is not top_k_index:  # (expert-parallel: sentinels masked; fewer local experts than k possible)
+            ids, weights = _fit_slots(ids, weights, w_down.shape[0])
         x = hidden_states
         if autocast:  # (the bf16 fused kernel; mok_torch takes any dtype, and "mok_fp8" keeps its
             # quantized weights keyed on the weights it is given, which a per-call cast would defeat)
             x, (w_gate, w_up, w_down) = _autocast_to_bf16(x, (w_gate, w_up, w_down))
-        y = layer(self, x, ids, top_k_weights.float(), w_gate, w_up, w_down)
+        y = layer(self, x, ids, weights, w_gate, w_up, w_down)
         return y.to(hidden_states.dtype)
 
     forward.__name__ = f"{layer.__name__}_experts_forward"

@@ -121,6 +121,33 @@ def _saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_experts):
     return _C.ep_saved_elements(H, I, num_experts, E_l, top_k, _shared_size(shared_gate), swiglu_limit, x.shape[0])
 
 
+_TILE_ROWS, _SAVED_TRAILER = 128, 8  # (C++'s detail::kTileRows and kSavedTrailer)
+
+
+def _saved_length(tokens, hidden, inter, num_experts, local_experts, top_k, shared_inter):
+    """mok::saved_elements (workspace.cpp; the default Config: capacity for the worst case) in
+    Python arithmetic, so that a symbolic token count stays symbolic: every routed pair of the
+    group's ranks landing here plus each local expert's padding to 128-row tiles, whole tiles, at
+    least one; the shared expert's rows padded to tiles; 2 bf16 a row and column (gate and up
+    pre-activations), and the trailer. tests/python/test_module.py checks it against the C++."""
+    ep = num_experts // local_experts
+    rows = ep * tokens * top_k + local_experts * (_TILE_ROWS - 1)
+    rows = torch.sym_max(rows // _TILE_ROWS * _TILE_ROWS, _TILE_ROWS)
+    padded = (tokens + _TILE_ROWS - 1) // _TILE_ROWS * _TILE_ROWS if shared_inter else 0
+    return 2 * (rows * inter + padded * shared_inter) + _SAVED_TRAILER
+
+
+def _fake_saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_experts):
+    """The saved tensor's length in a fake implementation: with a symbolic token count (dynamic
+    shapes under torch.compile) as a formula of it — the C++ function takes an int and would
+    specialise T to a constant, every new T a recompilation and eager after the recompile limit
+    (found by review 2026-12-05)."""
+    if isinstance(x.shape[0], torch.SymInt):
+        E_l, H, I = w_down.shape
+        return _saved_length(x.shape[0], H, I, num_experts, E_l, top_k, _shared_size(shared_gate))
+    return _saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_experts)
+
+
 def _ep_group(group_id):
     group = ep_groups.get(group_id)
     if group is None:
@@ -247,7 +274,7 @@ def _moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, sha
                             swiglu_limit, num_experts, group_id):
     _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
            num_experts, group_id)
-    n = _saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
+    n = _fake_saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
     return torch.empty_like(x), x.new_empty((n,), dtype=torch.bfloat16)
 
 

@@ -150,16 +150,23 @@ def moe_torch_ep(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     check_torch_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts=E_l * world,
                      where="mok.moe_torch_ep")
     k = topk_ids.shape[1]
-    # (the exchanges read their sizes on the host anyway: the ids' range is checked there too)
-    if topk_ids.numel() and bool(((topk_ids < -1) | (topk_ids >= E_l * world)).any()):
-        raise ValueError(f"mok.moe_torch_ep: 'topk_ids' has an expert id outside [-1, {E_l * world}) "
-                         f"(-1 = no expert; {world} ranks of {E_l} experts)")
-    pairs, experts = _pairs_by_expert(topk_ids)  # sorted by expert, so by destination rank
-    sent = torch.zeros(world, dtype=torch.int64, device=experts.device).index_add(
+    # (the exchanges read their sizes on the host anyway: the ids' range is checked there too, and
+    # travels with the sizes, so that every rank raises — one rank raising alone left the others
+    # waiting in the next exchange until the group's timeout)
+    outside = (topk_ids < -1) | (topk_ids >= E_l * world)
+    bad = bool(topk_ids.numel() and outside.any())
+    pairs, experts = _pairs_by_expert(topk_ids.masked_fill(outside, -1) if bad else topk_ids)  # sorted by expert
+    counts = torch.zeros(world, dtype=torch.int64, device=experts.device).index_add(
         0, experts // E_l, torch.ones_like(experts))
+    sent = torch.stack([counts, torch.full_like(counts, int(bad))], dim=1)  # [world, (pairs, a bad id)]
     received = torch.empty_like(sent)
     dist.all_to_all_single(received, sent, group=group)
-    send_sizes, recv_sizes = sent.tolist(), received.tolist()  # the exchanges need them on the host
+    send_sizes, (recv_sizes, flags) = counts.tolist(), received.t().tolist()  # (the exchanges need them on the host)
+    if any(flags):
+        ranks = [r for r, f in enumerate(flags) if f]
+        raise ValueError(f"mok.moe_torch_ep: 'topk_ids' has an expert id outside [-1, {E_l * world}) on rank"
+                         f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of the group (-1 = no expert; "
+                         f"{world} ranks of {E_l} experts)")
     arrived = sum(recv_sizes)
     x_in = _Exchange.apply(x.index_select(0, pairs // k), recv_sizes, send_sizes, group)
     experts_in = experts.new_empty(arrived)

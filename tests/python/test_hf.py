@@ -219,16 +219,19 @@ def _rank_experts(experts, rank, ranks, flagged):
     return local
 
 
-@pytest.mark.parametrize("flagged", [True, None])
-def test_expert_parallel_ranks_add_up_to_the_whole_layer_on_cpu(flagged, monkeypatch):
+@pytest.mark.parametrize("flagged,ranks", [(True, 2), (None, 2), (True, 8)])
+def test_expert_parallel_ranks_add_up_to_the_whole_layer_on_cpu(flagged, ranks, monkeypatch):
     """Each rank's experts module sees every token with local ids and a sentinel (= its expert count)
     where a slot's expert is another rank's, that slot's weight zeroed (transformers' EP router);
     the glue's partial outputs summed over the ranks are the whole layer's output, and its weight,
     x and routing-weight gradients the whole layer's (on the CPU, over mok.moe_torch). Unflagged
-    (older transformers), the ranks are taken to be in a process group, as expert parallelism needs."""
+    (older transformers), the ranks are taken to be in a process group, as expert parallelism needs.
+    8 ranks of 8 experts: one expert a rank, fewer than top_k = 2 (Mixtral at EP 8): the glue keeps
+    each token's slots on the rank (mok.moe takes k <= E; found by review 2026-12-05)."""
     monkeypatch.setattr(mok.hf, "_in_process_group", lambda: True)
     experts = _models("qwen3_moe", ["mok_torch"], torch.float32, "cpu")[0].model.layers[0].mlp.experts
-    E, k, T, ranks = experts.num_experts, 2, 24, 2
+    E, k, T = experts.num_experts, 2, 24
+    assert E % ranks == 0 and (ranks < 8 or E // ranks < k)
     E_l = E // ranks
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(T, experts.gate_up_proj.shape[2], generator=gen)

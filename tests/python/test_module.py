@@ -191,3 +191,38 @@ def test_aux_loss_is_none_after_a_call_with_the_routing_given():
     ids, w, _ = layer.route(x)
     layer(x, ids, w)
     assert layer.aux_loss is None  # (it was the previous call's loss, whose graph may be freed)
+
+
+def test_saved_length_in_python_is_the_cpp_one():
+    """mok.ops._saved_length (the fake implementations' formula of a symbolic T) gives
+    mok::saved_elements' length for every shape and token count tried: one GPU and EP ranks,
+    with and without a shared expert, T from 0 past a tile boundary."""
+    from mok import _C, ops
+
+    for H, I, E, E_l, k, I_s in ((64, 64, 4, 4, 2, 0), (128, 192, 8, 2, 3, 64), (7168, 2048, 256, 32, 8, 2048),
+                                 (2048, 768, 128, 128, 8, 0), (4096, 14336, 8, 8, 2, 0), (512, 256, 64, 1, 6, 128)):
+        for T in (0, 1, 5, 127, 128, 129, 1000, 8192, 16385):
+            want = _C.ep_saved_elements(H, I, E, E_l, k, I_s, None, T)
+            assert ops._saved_length(T, H, I, E, E_l, k, I_s) == want, (H, I, E, E_l, k, I_s, T)
+
+
+def test_training_under_dynamic_shapes_compiles_once_for_every_token_count():
+    """A training call with a dynamic token count traces without specialising T (the saved
+    tensor's length a formula of T): 19 token counts, two compilations (the first static, then
+    one dynamic), fullgraph. On meta tensors (the fake implementations)."""
+    H, I, E, k = 64, 64, 4, 2
+    gate = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    down = torch.empty(E, H, I, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    layer = torch.compile(lambda x, ids, w: mok.moe(x, ids, w, gate, None, down), backend=backend, fullgraph=True)
+    for T in range(100, 2000, 100):
+        x = torch.empty(T, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        y = layer(x, torch.empty(T, k, dtype=torch.int64, device="meta"), torch.empty(T, k, device="meta"))
+        assert y.shape == (T, H)
+    assert len(graphs) == 2

@@ -198,6 +198,26 @@ def test_expert_parallel_module_with_the_torch_backend_matches_one_process():
     run_in_two_processes(_ep_module_rank)
 
 
+def _ep_bad_id_rank(rank, world):
+    """Rank 0 alone passes an expert id out of range: every rank must raise, naming rank 0 (before
+    2026-12-05 rank 0 raised and rank 1 waited in the next exchange until the group's timeout)."""
+    torch.manual_seed(0)
+    f64 = dict(dtype=torch.float64)
+    x, w = torch.randn(4, 64, **f64), torch.rand(4, 2, **f64)
+    ids = torch.tensor([[0, 1], [2, -1], [3, 0], [1, 2]])
+    gate, up, down = (torch.randn(2, 64, 64, **f64) for _ in range(3))
+    if rank == 0:
+        ids[0, 0] = 9
+    with pytest.raises(ValueError, match=r"expert id outside \[-1, 4\) on rank 0 of the group"):
+        mok.moe_torch_ep(x, ids, w, gate, up, down)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_expert_parallel_torch_path_raises_on_every_rank_for_one_ranks_bad_id():
+    run_in_two_processes(_ep_bad_id_rank)
+
+
 @pytest.mark.parametrize("bad", [8, -2])
 def test_moe_torch_refuses_an_expert_id_outside_the_range(bad):
     """An id >= E (past the last group's rows) or < -1 (not "no expert") is an error
