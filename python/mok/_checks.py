@@ -51,7 +51,8 @@ def _valid(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit
                 return False
             inter_s = sg.shape[0]
             if not (sg.dtype == bf16 and su.dtype == bf16 and sd.dtype == bf16 and sg.shape == (inter_s, hidden)
-                    and su.shape == (inter_s, hidden) and sd.shape == (hidden, inter_s) and inter_s % GRANULARITY == 0):
+                    and su.shape == (inter_s, hidden) and sd.shape == (hidden, inter_s) and inter_s % GRANULARITY == 0
+                    and inter_s > 0):
                 return False
             activations += [sg, su, sd]
         if swiglu_limit is not None and not finite_positive(swiglu_limit):
@@ -89,8 +90,10 @@ def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swig
         _require(t.dtype == torch.bfloat16, TypeError, lambda: f"{where}: {label} dtype must be torch.bfloat16, got {t.dtype}")
     for name, n in (("hidden size H", H), ("intermediate size I", I)):
         _require(n % GRANULARITY == 0 and n > 0, ValueError, lambda: f"{where}: {name} must be a positive multiple of {GRANULARITY}, got {n}")
-    if shared is not None:
-        _require(Is % GRANULARITY == 0, ValueError, lambda: f"{where}: shared intermediate size must be a multiple of {GRANULARITY}, got {Is}")
+    if shared is not None:  # (an empty shared expert is none: pass shared=None)
+        _require(Is % GRANULARITY == 0 and Is > 0, ValueError,
+                 lambda: f"{where}: shared intermediate size must be a positive multiple of {GRANULARITY} (no shared expert: "
+                         f"shared=None), got {Is}")
     device = x.device
     for name, t in tensors + list(weights):
         _require(t.device == device, ValueError, lambda: f"{where}: '{name}' is on {t.device}, but x is on {device}")
@@ -104,9 +107,18 @@ def check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swig
         _require(device.type == "cuda", ValueError, lambda: f"{where}: tensors must be on a CUDA device, got {device}")
 
 
+def as_limit(v):
+    """A swiglu_limit as the custom ops take it: a real number (a NumPy scalar too) as a Python
+    float; anything else as it is (the checks then name it)."""
+    return float(v) if finite_positive(v) else v
+
+
 def finite_positive(v) -> bool:
-    """Whether v is a finite positive int or float (not a bool): a limit, a timeout."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+    """Whether v is a finite positive real number (int, float, a NumPy scalar; not a bool): a
+    limit, a timeout."""
+    import numbers
+
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < float(v) < float("inf")
 
 
 def _check_layout(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, where):

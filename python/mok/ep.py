@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from mok import _C
-from mok._checks import finite_positive
+from mok._checks import as_limit, finite_positive
 from mok._state import ep_groups as _groups
 from mok.ops import call_layer
 
@@ -227,6 +227,7 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     ring (comm_sms, ring_rows) is bf16 only."""
     if not isinstance(group, ExpertParallel):
         raise TypeError(f"mok.ep.moe: 'group' must be a mok.ep.ExpertParallel, got {type(group).__name__}")
+    swiglu_limit = as_limit(swiglu_limit)
     padded = _padded_tokens(group, x, topk_ids, topk_weights)
     if padded is not None:  # (ExpertParallel(tokens=...): this call's T < the group's)
         T = x.shape[0]

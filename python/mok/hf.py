@@ -89,6 +89,17 @@ def _gate_limit(module, name: str) -> "float | None":
                      f"{candidates or '(none found)'}; the fused layer computes only that")
 
 
+def _silu_types() -> tuple:
+    """The SiLU modules a transformers experts module's act_fn is (ACT2FN["silu"]), by type."""
+    types = [torch.nn.SiLU]
+    try:
+        from transformers.activations import SiLUActivation
+        types.append(SiLUActivation)
+    except ImportError:  # (older or newer transformers: the probe below decides)
+        pass
+    return tuple(types)
+
+
 def _check_gate(module: torch.nn.Module, name: str) -> "float | None":
     """The module's gating must be transformers' default, act_fn(gate) * up with act_fn = SiLU,
     or a class's own `_apply_gate` that computes mok's clamped SwiGLU (its limit is returned:
@@ -104,6 +115,8 @@ def _check_gate(module: torch.nn.Module, name: str) -> "float | None":
     if default_gate is not None and gate is not None and gate is not default_gate:
         return _gate_limit(module, name)  # (the probe of the gate itself: act_fn included)
     act_fn = getattr(module, "act_fn", None)
+    if isinstance(act_fn, _silu_types()) or act_fn is torch.nn.functional.silu:
+        return None  # (known by its type: no probe, which torch.compile(fullgraph=True) could not trace)
     if callable(act_fn):  # (what the default gate calls; the config's hidden_act may be absent or another key)
         probe = torch.linspace(-12.0, 12.0, 97, dtype=torch.float32)
         try:

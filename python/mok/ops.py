@@ -13,7 +13,7 @@ from mok._buffers import empty_grads as _empty_grads
 from mok._buffers import gate_up_adjacent as _gate_up_adjacent
 from mok._buffers import gate_up_grads as _gate_up_grads
 from mok._buffers import scratch as _scratch
-from mok._checks import check_moe_args
+from mok._checks import as_limit, check_moe_args
 from mok._state import ep_groups
 from mok._state import workspaces as _workspaces
 
@@ -459,6 +459,7 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     with quantize_experts(..., dgrad=True), the backward's dgrad GEMMs run in E4M3 too (else in
     bf16; mok.fp8.dgrad_pays(w_down) says where that is faster).
     """
+    swiglu_limit = as_limit(swiglu_limit)
     if precision == "fp8":
         from mok.fp8_layer import moe_fp8
 

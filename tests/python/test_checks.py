@@ -3,6 +3,7 @@ refuse: every variant below, valid or broken in one way, is run through both (on
 CPU tensors: no GPU needed)."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,11 +72,13 @@ def mutations():
     broken("shared up shape", shared=(sg, su[:, :64], sd))
     broken("shared down shape", shared=(sg, su, sd[:64]))
     broken("shared I_s 32", shared=(sg[:32], su[:32], sd[:, :32]))
+    broken("shared I_s 0", shared=(sg[:0], su[:0], sd[:, :0]))  # (the kernel refused it after the checks passed)
     broken("shared not contiguous", shared=(sg, su, torch.empty(IS, H, dtype=BF16, device="meta").t()))
     broken("limit negative", swiglu_limit=-1.0)
     broken("limit inf", swiglu_limit=math.inf)
     broken("limit nan", swiglu_limit=math.nan)
     broken("limit not a number", swiglu_limit="7")
+    good.append(("NumPy limit", dict(base(), swiglu_limit=np.float32(7.0))))  # (refused as "not a number" before)
     broken("x not contiguous", x=torch.empty(T, 2 * H, dtype=BF16, device="meta")[:, ::2])
     broken("ids not contiguous", topk_ids=torch.empty(K, T, dtype=torch.int32, device="meta").t())
     broken("w_gate rows not contiguous", w_gate=torch.empty(E, H, I, dtype=BF16, device="meta").transpose(1, 2))

@@ -417,3 +417,23 @@ def test_fp32_weights_under_bf16_autocast_reach_the_kernel_as_bf16(monkeypatch):
     assert module.gate_up_proj.grad.dtype == torch.float32 and module.gate_up_proj.grad.abs().sum() > 0
     mok.hf.mok_experts_forward(module, x, ids, weights)  # (no autocast: as given; the kernel names fp32)
     assert seen[-1] == (torch.float32, torch.float32, torch.float32)
+
+
+def test_the_gate_check_traces_under_fullgraph_compile():
+    """An experts module whose act_fn is transformers' SiLU is known by its type, so the glue's
+    first look at a module (its weights and gate check) traces under
+    torch.compile(fullgraph=True): the SiLU probe's allclose did not (a data-dependent operator;
+    found by review 2026-12-05). (The glue over mok.moe_torch is not compiled here: on the CPU its
+    grouping reads counts on the host.)"""
+    experts = _models("qwen3_moe", ["mok_torch"], torch.float32, "cpu")[0].model.layers[0].mlp.experts
+    experts.__dict__.pop("_mok_swiglu_limit", None)  # (as a module never called)
+    x = torch.randn(3, experts.gate_up_proj.shape[2])
+
+    def first_rows(x):
+        gate_up, _, down = mok.hf._expert_weights(experts)
+        return x @ gate_up[0].T + down.sum()
+
+    torch._dynamo.reset()
+    got = torch.compile(first_rows, backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(got, first_rows(x))
+    assert mok.hf._swiglu_limit(experts) is None
