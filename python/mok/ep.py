@@ -139,12 +139,16 @@ class ExpertParallel:
         # alike (E4M3 rows or bf16 ones: each rank reads its peers' regions as its own is written).
         keys = [None] * self.world
         e4m3 = precision == "fp8" and self.pull_fp8_rows
-        dist.all_gather_object(keys, key[1:] + (e4m3,), group=self.group)
+        # (and the settings that lay out the exchanges: a ring on one rank only, or another minibatch,
+        # would wait in the kernel until its timeout rather than raise)
+        layout = (self.comm_sms, self.ring_rows, self.minibatch_rows, self.pull_tokens_once, self.interleave_rows)
+        dist.all_gather_object(keys, key[1:] + (e4m3,) + layout, group=self.group)
         if any(k != keys[0] for k in keys):
             raise ValueError(f"mok.ep: the ranks called the layer with different shapes, token counts or settings "
-                             f"(T, H, I, E, E_l, k, I_s, limit, training, precision, FP8 dgrad, E4M3 rows pulled per "
-                             f"rank: {keys}); pad every rank to one T (mok.ep.ExpertParallel(tokens=...) does), and "
-                             f"make the group with the same arguments everywhere")
+                             f"(T, H, I, E, E_l, k, I_s, limit, training, precision, FP8 dgrad, E4M3 rows pulled, "
+                             f"comm_sms, ring_rows, minibatch_rows, pull_tokens_once, interleave_rows per rank: "
+                             f"{keys}); pad every rank to one T (mok.ep.ExpertParallel(tokens=...) does), and make "
+                             f"the group with the same arguments everywhere")
         nbytes = _C.ep_region_bytes(H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, T)
         region = symm_mem.empty(nbytes, dtype=torch.uint8, device=x.device)
         region.zero_()
