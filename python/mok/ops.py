@@ -476,7 +476,7 @@ def check() -> None:
     """Synchronises and raises if a kernel recorded an error in any workspace, or in any
     expert-parallel rank (mok.ep): ValueError for bad input (an expert id out of range, more
     routed rows than the capacity), RuntimeError for a failure (a timed-out wait, a CUDA error)."""
-    for ws in _workspaces.values():
-        ws.check(torch.cuda.current_stream().cuda_stream)
+    for key, ws in _workspaces.items():  # (each on its own device's stream: key[0], the device index)
+        ws.check(torch.cuda.current_stream(key[0]).cuda_stream)
     for group in ep_groups.values():  # (empty unless mok.ep was used)
         group.check()
