@@ -428,6 +428,13 @@ TEST(Fp8Weights, OverlappingOrMisalignedArgumentsAreRefused) {
   on_down.down_t.stride = {256 * 384, 384, 1, 0};
   expect_named([&] { quantize_experts(gate, up, down, fwd, &on_down, nullptr); },
                "argument 'down': must not overlap 'down_t'");
+  // (quantize_experts without the dgrad operands checks them as absent, default views: they overlap
+  // nothing, each other included — else every call without them would be refused)
+  const TensorView absent{};
+  EXPECT_FALSE(absent.overlaps(absent));
+  EXPECT_FALSE(absent.overlaps(w));
+  EXPECT_TRUE(w.overlaps(w));
+  EXPECT_FALSE(w.overlaps(values));
   // quantize_dgrad_weights names itself and its arguments, and checks all before any kernel.
   Fp8DgradWeights bad = dgrad;
   bad.down_t = at(DType::u8, {2, 384, 256});

@@ -53,7 +53,8 @@ struct TensorView {
   std::int64_t numel() const;
   bool is_contiguous() const;
   std::string shape_string() const;
-  // Whether the byte spans of the two views intersect (empty views share none). Conservative:
+  // Whether the byte spans of the two views intersect (empty views and views without data share
+  // none). Conservative:
   // two interleaved views that share no element (the halves of [E, 2I, H]) count as overlapping.
   bool overlaps(const TensorView& other) const;
 };

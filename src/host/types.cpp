@@ -77,7 +77,8 @@ bool TensorView::is_contiguous() const {
 }
 
 bool TensorView::overlaps(const TensorView& other) const {
-  if (numel() == 0 || other.numel() == 0) return false;
+  // (no data: a default view standing for an absent argument — 0-D, so numel() 1 — shares nothing)
+  if (data == nullptr || other.data == nullptr || numel() == 0 || other.numel() == 0) return false;
   auto span = [](const TensorView& v) {  // [lowest, past the highest) byte
     std::int64_t first = 0, last = 0;
     for (int d = 0; d < v.ndim; ++d) (v.stride[d] < 0 ? first : last) += (v.shape[d] - 1) * v.stride[d];
