@@ -89,15 +89,29 @@ def _gate_limit(module, name: str) -> "float | None":
                      f"{candidates or '(none found)'}; the fused layer computes only that")
 
 
-def _silu_types() -> tuple:
-    """The SiLU modules a transformers experts module's act_fn is (ACT2FN["silu"]), by type."""
-    types = [torch.nn.SiLU]
-    try:
-        from transformers.activations import SiLUActivation
-        types.append(SiLUActivation)
-    except ImportError:  # (older or newer transformers: the probe below decides)
-        pass
-    return tuple(types)
+_transformers_names = None  # (transformers' default gate, its SiLU types): _transformers() fills it once
+
+
+def _transformers():
+    """(transformers' default `_apply_gate` or None, the SiLU module types an experts module's
+    act_fn may be), imported once, eagerly: register() calls this first, so the glue's first
+    call under torch.compile finds them here (torch 2.11's dynamo cannot trace transformers'
+    lazy-module import)."""
+    global _transformers_names
+    if _transformers_names is None:
+        default_gate, silu = None, [torch.nn.SiLU]
+        try:
+            from transformers.integrations import moe as hf_moe
+            default_gate = getattr(hf_moe, "_default_apply_gate", None)
+        except ImportError:  # (register() needs transformers; a module without it has no custom gate)
+            pass
+        try:
+            from transformers.activations import SiLUActivation
+            silu.append(SiLUActivation)
+        except ImportError:  # (older or newer transformers: the probe decides)
+            pass
+        _transformers_names = (default_gate, tuple(silu))
+    return _transformers_names
 
 
 def _check_gate(module: torch.nn.Module, name: str) -> "float | None":
@@ -106,16 +120,12 @@ def _check_gate(module: torch.nn.Module, name: str) -> "float | None":
     the layer's swiglu_limit; None without a clamp). Classes with other gating (softcaps,
     alpha·sigmoid: e.g. MiniMax-M3, Inkling2) ran plain SiLU·up here and gave wrong outputs
     without an error; they are refused by name."""
-    try:
-        from transformers.integrations import moe as hf_moe
-        default_gate = getattr(hf_moe, "_default_apply_gate", None)
-    except ImportError:  # (register() needs transformers; a module without it has no custom gate)
-        default_gate = None
+    default_gate, silu_types = _transformers()
     gate = getattr(type(module), "_apply_gate", None)
     if default_gate is not None and gate is not None and gate is not default_gate:
         return _gate_limit(module, name)  # (the probe of the gate itself: act_fn included)
     act_fn = getattr(module, "act_fn", None)
-    if isinstance(act_fn, _silu_types()) or act_fn is torch.nn.functional.silu:
+    if isinstance(act_fn, silu_types) or act_fn is torch.nn.functional.silu:
         return None  # (known by its type: no probe, which torch.compile(fullgraph=True) could not trace)
     if callable(act_fn):  # (what the default gate calls; the config's hidden_act may be absent or another key)
         probe = torch.linspace(-12.0, 12.0, 97, dtype=torch.float32)
@@ -229,6 +239,7 @@ def register() -> None:
         from transformers.integrations.moe import ExpertsInterface
     except ImportError as e:  # pragma: no cover - depends on the installed transformers
         raise ImportError("mok.hf.register: needs transformers >= 5 (transformers.integrations.moe.ExpertsInterface)") from e
+    _transformers()  # (imported now, outside any torch.compile trace)
     ExpertsInterface.register("mok", mok_experts_forward)
     ExpertsInterface.register("mok_fp8", mok_fp8_experts_forward)
     ExpertsInterface.register("mok_torch", mok_torch_experts_forward)
