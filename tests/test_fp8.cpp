@@ -280,6 +280,21 @@ TEST(Fp8Recipe, WeightGradientsInFp8StayCloseAndTouchNothingElse) {
   }
 }
 
+// What a call's mok::Error says ("no error" if it returns), and a check that it names `want`.
+std::string message(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    return std::string(e.what());
+  }
+  return std::string("no error");
+}
+
+void expect_named(const std::function<void()>& call, const std::string& want) {
+  const std::string got = message(call);
+  EXPECT_NE(got.find(want), std::string::npos) << "got: " << got;
+}
+
 // The GPU quantization's argument checks (they run before anything touches the device, so
 // here on the CPU): each bad argument is named with its value.
 TEST(Fp8Weights, BadArgumentsAreNamed) {
@@ -288,14 +303,6 @@ TEST(Fp8Weights, BadArgumentsAreNamed) {
   auto view = [&](DType dtype, std::initializer_list<std::int64_t> dims) { return TensorView::contiguous(fake, dtype, gpu, dims); };
   const TensorView w = view(DType::bf16, {2, 200, 320}), values = view(DType::u8, {2, 200, 320});
   const TensorView exps = view(DType::i32, {2, 2, 3});
-  auto message = [](const std::function<void()>& call) {
-    try {
-      call();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   EXPECT_NE(message([&] { quantize_weights(view(DType::f32, {2, 200, 320}), values, exps, nullptr); })
                 .find("argument 'w': dtype must be bf16, got f32"), std::string::npos);
   EXPECT_NE(message([&] { quantize_weights(w, view(DType::bf16, {2, 200, 320}), exps, nullptr); })
@@ -335,10 +342,6 @@ TEST(Fp8Weights, BadArgumentsAreNamed) {
                  view(DType::i32, {2, 2, 3}), view(DType::i32, {2, 2, 3}), view(DType::i32, {2, 3, 2})};
   Fp8DgradWeights dgrad{view(DType::u8, {2, 256, 384}), view(DType::u8, {2, 384, 256}), view(DType::i32, {2, 2, 3}),
                         view(DType::i32, {2, 3, 4})};
-  const auto expect_named = [&](const std::function<void()>& call, const std::string& want) {
-    const std::string got = message(call);
-    EXPECT_NE(got.find(want), std::string::npos) << "got: " << got;
-  };
   expect_named([&] { quantize_experts(gate, gate, down, fwd, &dgrad, nullptr); },
                "mok::fp8::quantize_experts: argument 'gate_up_t': shape must be [E, H, 2I] = [2, 384, 512] (w_gate's E, H "
                "and I), got [2, 384, 256]");
@@ -378,18 +381,6 @@ TEST(Fp8Weights, OverlappingOrMisalignedArgumentsAreRefused) {
   auto at = [&](DType dtype, std::initializer_list<std::int64_t> dims) {
     next += 0x100000000;  // (4 GiB apart: no two spans meet)
     return TensorView::contiguous(reinterpret_cast<void*>(next), dtype, Device::cuda(0), dims);
-  };
-  auto message = [](const std::function<void()>& call) {
-    try {
-      call();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
-  const auto expect_named = [&](const std::function<void()>& call, const std::string& want) {
-    const std::string got = message(call);
-    EXPECT_NE(got.find(want), std::string::npos) << "got: " << got;
   };
   // A square w: values_t has values' shape, so only the overlap check can tell them apart.
   const TensorView w = at(DType::bf16, {2, 256, 256}), values = at(DType::u8, {2, 256, 256});

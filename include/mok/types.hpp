@@ -57,6 +57,10 @@ struct TensorView {
   // none). Conservative:
   // two interleaved views that share no element (the halves of [E, 2I, H]) count as overlapping.
   bool overlaps(const TensorView& other) const;
+  // Whether a 3-D view has contiguous rows that overlap neither each other nor another expert's:
+  // stride[2] == 1, stride[1] >= shape[2], stride[0] >= shape[1] * stride[1] (compared by
+  // division: the product can wrap). Empty views have.
+  bool rows_apart() const;
 };
 
 // The layer. Experts are numbered globally 0..num_experts-1; rank r of an EP group of

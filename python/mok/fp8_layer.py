@@ -108,20 +108,25 @@ def _check_experts_weights(w_gate, w_up, w_down, dgrad, where="mok.fp8.quantize_
         _check_fp8(w_down, where)
 
 
-def _empty_experts(w_gate, w_up, w_down, dgrad: bool) -> Fp8Experts:
-    """Uninitialised tensors of quantize_experts' shapes, on the weights' device: each matrix's
-    E4M3 values and exponents, and (dgrad) W_down^T's and [W_gate^T | W_up^T]'s."""
-    device = w_gate.device
-
-    def quantized(E, rows, cols):
-        return (torch.empty(E, rows, cols, dtype=torch.float8_e4m3fn, device=device),
-                torch.empty(E, -(-rows // BLOCK), -(-cols // BLOCK), dtype=torch.int32, device=device))
-
+def _value_shapes(w_gate, w_up, w_down, dgrad: bool):
+    """The [E, rows, cols] of quantize_experts' E4M3 tensors: gate, up, down, and (dgrad)
+    W_down^T and [W_gate^T | W_up^T]."""
     gate, up = _halves(w_gate, w_up)
-    fields = [t for w in (gate, up, w_down) for t in quantized(*w.shape)]
+    shapes = [tuple(gate.shape), tuple(up.shape), tuple(w_down.shape)]
     if dgrad:
         E, inter, hidden = gate.shape
-        fields += [*quantized(E, inter, hidden), *quantized(E, hidden, 2 * inter)]
+        shapes += [(E, inter, hidden), (E, hidden, 2 * inter)]
+    return shapes
+
+
+def _empty_experts(w_gate, w_up, w_down, dgrad: bool) -> Fp8Experts:
+    """Uninitialised tensors of quantize_experts' shapes, on the weights' device: each matrix's
+    E4M3 values and the exponents of its 128 x 128 blocks."""
+    device = w_gate.device
+    fields = []
+    for E, rows, cols in _value_shapes(w_gate, w_up, w_down, dgrad):
+        fields += [torch.empty(E, rows, cols, dtype=torch.float8_e4m3fn, device=device),
+                   torch.empty(E, -(-rows // BLOCK), -(-cols // BLOCK), dtype=torch.int32, device=device)]
     return Fp8Experts(*fields)
 
 
@@ -170,12 +175,7 @@ def _fits(experts: Optional[Fp8Experts], w_gate, w_up, w_down, dgrad: bool) -> b
     """Whether a kept copy has the shapes, device and dgrad operands these weights need."""
     if experts is None or (experts.dgrad() is not None) != dgrad or experts.gate.device != w_gate.device:
         return False
-    gate, up = _halves(w_gate, w_up)
-    shapes = [gate.shape, up.shape, w_down.shape]
-    if dgrad:
-        E, inter, hidden = gate.shape
-        shapes += [(E, inter, hidden), (E, hidden, 2 * inter)]
-    return [tuple(t.shape) for t in experts[::2] if t is not None] == [tuple(s) for s in shapes]
+    return [tuple(t.shape) for t in experts[::2] if t is not None] == _value_shapes(w_gate, w_up, w_down, dgrad)
 
 
 # What each kept copy holds: {id(copy's first tensor): (weakref to that tensor, generation, the
@@ -185,15 +185,14 @@ _held = {}
 
 
 def _identity(w: torch.Tensor):
-    """What says a weight is unchanged: the tensor that owns its view (a view made anew each call
-    of a lasting tensor — DTensor.to_local(), a slice — is that tensor's), alive, with the
-    view's place in it and the version counter (views share their base's). A temporary made
-    anew each call (an autocast cast, a weight changed inside a compiled graph) never matches,
-    however the allocator reuses its address. Inference tensors have no version counter: only
-    mok.fp8.weights_changed() (or other tensors) says they changed."""
+    """What says a weight is unchanged: (the tensor that owns its view — a view made anew each
+    call of a lasting tensor, DTensor.to_local() or a slice, is that tensor's —, the view's place
+    in it, the version counter: views share their base's). _remember keeps the owner by a weak
+    reference, so a temporary made anew each call (an autocast cast, a weight changed inside a
+    compiled graph) never matches, however the allocator reuses its address. Inference tensors
+    have no version counter: only mok.fp8.weights_changed() (or other tensors) says they changed."""
     owner = w._base if w._base is not None else w
-    version = -1 if w.is_inference() else w._version
-    return weakref.ref(owner), w.data_ptr(), tuple(w.shape), w.stride(), version
+    return owner, (w.data_ptr(), tuple(w.shape), w.stride(), -1 if w.is_inference() else w._version)
 
 
 def _holds(experts: Fp8Experts, weights, generation) -> bool:
@@ -202,9 +201,9 @@ def _holds(experts: Fp8Experts, weights, generation) -> bool:
     entry = _held.get(id(experts.gate))
     if entry is None or entry[0]() is not experts.gate or entry[1] != generation or len(entry[2]) != len(weights):
         return False
-    for (ref, ptr, shape, stride, version), w in zip(entry[2], weights):
-        now = _identity(w)
-        if ref() is not now[0]() or (ptr, shape, stride, version) != now[1:]:
+    for (ref, place), w in zip(entry[2], weights):
+        owner, now = _identity(w)
+        if ref() is not owner or place != now:
             return False
     return True
 
@@ -217,26 +216,25 @@ def _remember(experts: Fp8Experts, weights, generation) -> None:
     key = id(experts.gate)
     if key not in _held:
         weakref.finalize(experts.gate, _held.pop, key, None)
-    _held[key] = (weakref.ref(experts.gate), generation, tuple(_identity(w) for w in weights))
+    _held[key] = (weakref.ref(experts.gate), generation,
+                  tuple((weakref.ref(owner), place) for owner, place in map(_identity, weights)))
 
 
-def _refresh(w_gate, w_up, w_down, experts: Fp8Experts, where: str) -> bool:
+def _refresh(w_gate, w_up, w_down, experts: Fp8Experts, where: str) -> None:
     """Quantize the weights into the copy `experts`, in place, unless it holds them as they are
     (_holds; the copy is known by its first tensor, the same Python object in every eager or
     compiled call). While a CUDA graph is captured: always (each replay quantizes the weights
-    it finds), and what it held is forgotten (the capture ran no kernel). Returns whether it
-    quantized."""
+    it finds), and what it held is forgotten (the capture ran no kernel)."""
     weights = tuple(w for w in (w_gate, w_up, w_down) if w is not None)
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     if not capturing and _holds(experts, weights, _weights_generation):
-        return False
+        return
     _check_experts_weights(w_gate, w_up, w_down, experts.dgrad() is not None, where)
     _forget(experts)  # (not valid while it is written)
     experts.gate._mok_filled = True  # (eagerly, a later change then makes a new copy: cached_experts)
     _quantize_into(w_gate, w_up, w_down, experts)
     if not capturing:
         _remember(experts, weights, _weights_generation)
-    return True
 
 
 # mok::fp8_refresh_experts writes the kept copy in place without declaring it in mutates_args (as

@@ -138,6 +138,10 @@ class MoE(nn.Module):
         if "w_down" in self._parameters:  # (set after construction: the kept copy follows)
             self._keep_fp8_copy()
 
+    def _gate_up(self):
+        """(w_gate, w_up) as the layers take them: w_up None, w_gate [E, 2I, H], with fused_gate_up."""
+        return (self.w_gate_up, None) if self.fused_gate_up else (self.w_gate, self.w_up)
+
     def _fp8_dgrad(self) -> bool:
         return dgrad_pays(self.w_down) if self.fp8_dgrad is None else self.fp8_dgrad
 
@@ -147,7 +151,7 @@ class MoE(nn.Module):
         under torch.compile keeps its quantization too (mok.fp8_layer.cached_experts)."""
         if self.precision != "fp8":
             return
-        gate, up = (self.w_gate_up, None) if self.fused_gate_up else (self.w_gate, self.w_up)
+        gate, up = self._gate_up()
         dgrad = self._fp8_dgrad()
         if not gate.is_cuda or gate.dtype != torch.bfloat16:
             self._fp8_cache = None
@@ -236,8 +240,7 @@ class MoE(nn.Module):
                     raise ValueError(f"mok.MoE: '{name}' must be {forms} for x of shape {tuple(shape)} and top_k = "
                                      f"{self.top_k}, got shape {tuple(t.shape)}")
         shared = None if self.shared is None else tuple(self.shared)
-        # (w_up None: w_gate is [E, 2I, H], taken as it is by every backend)
-        gate, up = (self.w_gate_up, None) if self.fused_gate_up else (self.w_gate, self.w_up)
+        gate, up = self._gate_up()
         ids, weights = topk_ids.reshape(-1, self.top_k), topk_weights.reshape(-1, self.top_k)
         if self.group is not None:
             from mok import ep

@@ -157,15 +157,6 @@ namespace {
 // int columns, and the grid's column blocks computed as (cols + 127) / 128 in int.
 constexpr std::int64_t kMaxColumns = INT32_MAX - kernels::kFp8Block;
 
-// A 3-D view with contiguous rows that overlap neither each other nor another expert's
-// (stride[0] >= shape[1] * stride[1], compared by division: the product can wrap); empty: true.
-bool rows_apart(const TensorView& t) {
-  if (t.ndim != 3) return false;
-  if (t.numel() == 0) return true;
-  return t.stride[2] == 1 && t.stride[1] >= t.shape[2] && t.stride[1] > 0 && t.stride[0] >= 0 &&
-         (t.shape[0] == 1 || t.stride[0] / t.stride[1] >= t.shape[1]);
-}
-
 // Each output shares no byte with another or with an input (inputs may share: they are read).
 void check_apart(const char* where, std::initializer_list<std::pair<const char*, const TensorView*>> inputs,
                  std::initializer_list<std::pair<const char*, const TensorView*>> outputs) {
@@ -192,7 +183,7 @@ kernels::QuantizeParams weight_params(const char* where, const TensorView& w, co
   const std::int64_t E = w.shape[0], R = w.shape[1], C = w.shape[2];
   const std::int64_t rb = (R + kernels::kFp8Block - 1) / kernels::kFp8Block;
   const std::int64_t cb = (C + kernels::kFp8Block - 1) / kernels::kFp8Block;
-  if (!rows_apart(w))
+  if (!w.rows_apart())
     throw_argument_error(where, w_name, "must have contiguous, non-overlapping rows, got strides (", w.stride[0], ", ",
                          w.stride[1], ", ", w.stride[2], ") for shape ", w.shape_string());
   const std::int64_t VR = transpose ? C : R, VC = transpose ? R : C, XR = transpose ? cb : rb, XC = transpose ? rb : cb;
@@ -203,7 +194,7 @@ kernels::QuantizeParams weight_params(const char* where, const TensorView& w, co
     throw_argument_error(where, exponents_name, "shape must be [", E, ", ", XR, ", ", XC, "] (128 x 128 blocks of ",
                          transpose ? "w^T" : "w", "), got ", exponents.shape_string());
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{values_name, &values}, {exponents_name, &exponents}})
-    if (!rows_apart(*t))
+    if (!t->rows_apart())
       throw_argument_error(where, name, "must have contiguous, non-overlapping rows, got strides (", t->stride[0], ", ",
                            t->stride[1], ", ", t->stride[2], ") for shape ", t->shape_string());
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{w_name, &w}, {values_name, &values},
@@ -306,7 +297,7 @@ GateUpHalves gate_up_halves(const char* where, const TensorView& w_gate, const T
   // (whole rows of 2I: each half checked alone would let W_up^T's row h share W_gate^T's row h + 1)
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"gate_up_t", &out.gate_up_t},
                                 {"gate_up_t_exponents", &out.gate_up_t_exponents}})
-    if (!rows_apart(*t))
+    if (!t->rows_apart())
       throw_argument_error(where, name, "must have contiguous, non-overlapping rows of 2I, got strides (", t->stride[0],
                            ", ", t->stride[1], ", ", t->stride[2], ") for shape ", t->shape_string());
   return {columns(out.gate_up_t, 0, I), columns(out.gate_up_t, I, I), columns(out.gate_up_t_exponents, 0, ib),

@@ -91,6 +91,12 @@ bool TensorView::overlaps(const TensorView& other) const {
   return a0 < b1 && b0 < a1;
 }
 
+bool TensorView::rows_apart() const {
+  if (ndim != 3) return false;
+  if (numel() == 0) return true;
+  return stride[2] == 1 && stride[1] >= shape[2] && stride[0] / stride[1] >= shape[1];  // (stride[1] >= shape[2] >= 1)
+}
+
 std::string TensorView::shape_string() const {
   std::ostringstream os;
   os << '[';

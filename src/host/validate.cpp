@@ -42,10 +42,9 @@ struct Checker {
     if (v.numel() == 0) return;  // an empty tensor may have a null pointer
     if (v.data == nullptr) throw_argument_error(where, arg, "data pointer is null");
     if (strided && !v.is_contiguous()) {
-      // (no overlap: stride[0] >= shape[1] * stride[1], compared by division — the product wrapped
-      // for strides near 2^57 and let overlapping experts through; stride[1] >= shape[2] >= 1 here)
-      const bool ok = v.ndim == 3 && v.stride[2] == 1 && v.stride[1] % 8 == 0 && v.stride[0] % 8 == 0 &&
-                      v.stride[1] >= v.shape[2] && v.stride[0] / v.stride[1] >= v.shape[1];
+      // (rows_apart compares by division: the product wrapped for strides near 2^57 and let
+      // overlapping experts through)
+      const bool ok = v.rows_apart() && v.stride[1] % 8 == 0 && v.stride[0] % 8 == 0;
       if (!ok)
         throw_argument_error(where, arg, "must be contiguous or a view with contiguous rows, row and expert "
                              "strides multiples of 8 and no overlap (like one half of [E, 2I, H]), got strides ",
