@@ -13,7 +13,9 @@ DeepSeek-V3's shared expert stays in the model's own code. "mok_torch" registers
 glue over mok.moe_torch (plain PyTorch, any device) for comparisons and CPU tests; "mok_fp8"
 runs the routed experts' forward in FP8 (mok.moe(..., precision="fp8"); the backward's dgrad
 GEMMs too where mok.fp8.dgrad_pays), the quantized weights kept on the experts module until a
-weight changes.
+weight changes. Before compiling a model with torch.compile, call mok.hf.prepare(model) once it
+is on its GPU: it makes each experts module's quantized copy (else a compiled "mok_fp8" model
+quantizes in every call) and the gate checks a fullgraph trace cannot run.
 
 `gate_up_proj` goes to the kernel as it is (w_up None: the kernel reads its gate and up
 halves in place, and writes its gradient as one [E, 2I, H] tensor): no copy per call.
@@ -33,7 +35,7 @@ from typing import Callable
 import torch
 
 from mok._checks import finite_positive
-from mok.fp8_layer import cached_experts
+from mok.fp8_layer import _check_fp8, _fits, cached_experts, dgrad_pays, new_cached_experts
 from mok.ops import moe
 from mok.torch_path import moe_torch
 
@@ -229,6 +231,36 @@ def _mok_torch(module, x, ids, weights, w_gate, w_up, w_down):
 mok_experts_forward = _experts_forward(_mok, autocast=True)
 mok_fp8_experts_forward = _experts_forward(_mok_fp8)
 mok_torch_experts_forward = _experts_forward(_mok_torch)
+
+
+def prepare(model: torch.nn.Module) -> int:
+    """Readies every experts module of `model` that runs "mok", "mok_fp8" or "mok_torch" for a
+    first call under torch.compile, and returns how many it readied. The glue's first look at a
+    module — its layout flags and gating (a class's own `_apply_gate` is probed by running it,
+    which a fullgraph trace cannot do) — is made now, and with "mok_fp8" and bf16 CUDA weights the
+    module gets its quantized copy (empty, of the weights' shapes, with the dgrad operands where
+    mok.fp8.dgrad_pays): else a model compiled before any eager call quantizes its experts' weights
+    in every call and runs the bf16 dgrad (the copy is made by the first eager call otherwise).
+    Call it after the model is on its GPU and sharded (transformers' expert parallelism: each
+    rank's local experts) and again after moving it; calling it twice keeps a copy that fits.
+    A module that does not fit the glue, or FP8 shapes that are not multiples of 128, raise
+    here (ValueError naming the class), as its first call would."""
+    readied = 0
+    for module in model.modules():
+        impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        if impl not in ("mok", "mok_fp8", "mok_torch") or not hasattr(module, "down_proj"):
+            continue
+        w_gate, w_up, w_down = _expert_weights(module)
+        if impl == "mok_fp8":
+            _check_fp8(w_down, where=f"mok.hf.prepare ({type(module).__name__})")
+            dgrad = dgrad_pays(w_down)
+            if not w_down.is_cuda or w_down.dtype != torch.bfloat16:
+                module._fp8_cache = None  # ("mok_fp8" takes bf16 CUDA weights; its call names what is wrong)
+            elif not _fits(getattr(module, "_fp8_cache", None), w_gate, w_up, w_down, dgrad):
+                module._fp8_cache = None  # (the old copy goes before the new one is made)
+                module._fp8_cache = new_cached_experts(w_gate, w_up, w_down, dgrad)
+        readied += 1
+    return readied
 
 
 def register() -> None:

@@ -437,3 +437,87 @@ def test_the_gate_check_traces_under_fullgraph_compile():
     got = torch.compile(first_rows, backend="eager", fullgraph=True)(x)
     torch.testing.assert_close(got, first_rows(x))
     assert mok.hf._swiglu_limit(experts) is None
+
+
+def _fp8_config(inter):
+    # (FP8 needs H and I multiples of 128; a config each: from_config records the experts
+    # implementation on the config object it is given)
+    return transformers.Qwen3MoeConfig(**COMMON, intermediate_size=128, moe_intermediate_size=inter, num_experts=8,
+                                       num_experts_per_tok=2, head_dim=32, norm_topk_prob=True)
+
+
+def test_prepare_readies_the_mok_experts_modules_before_a_compiled_call():
+    """mok.hf.prepare(model) makes the glue's first look at each experts module that runs a mok
+    implementation (the gate check, which a fullgraph trace cannot run for a class's own gate)
+    and counts them; other implementations are left alone. On the CPU "mok_fp8" gets no quantized
+    copy (the kernels are CUDA's); FP8 shapes that are not multiples of 128 are refused here,
+    naming the class, as the first call would."""
+    model = _models("qwen3_moe", ["mok_torch"], torch.float32, "cpu")[0]
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    assert len(experts) == 2
+    for m in experts:
+        m.__dict__.pop("_mok_swiglu_limit", None)  # (as modules never called)
+    assert mok.hf.prepare(model) == 2
+    assert all("_mok_swiglu_limit" in m.__dict__ for m in experts)
+    assert mok.hf.prepare(_models("qwen3_moe", ["eager"], torch.float32, "cpu")[0]) == 0
+
+    fp8 = transformers.AutoModelForCausalLM.from_config(_fp8_config(128), experts_implementation="mok_fp8",
+                                                        dtype=torch.bfloat16)
+    assert mok.hf.prepare(fp8) == 2
+    assert all(getattr(m, "_fp8_cache", None) is None for m in fp8.modules() if hasattr(m, "gate_up_proj"))
+    odd = transformers.AutoModelForCausalLM.from_config(_fp8_config(64), experts_implementation="mok_fp8",
+                                                        dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"mok.hf.prepare \(Qwen3MoeExperts\).*multiples of 128.*I = 64"):
+        mok.hf.prepare(odd)
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_prepared_fp8_model_compiled_first_keeps_its_quantized_weights(monkeypatch):
+    """"mok_fp8" experts modules compiled (fullgraph) before any eager call: after mok.hf.prepare
+    each holds its (empty) quantized copy, so the compiled modules quantize once per optimizer
+    step (two micro-batches a step: once a module, not twice) with the FP8 dgrad (I = 1024:
+    dgrad_pays) — the logits and every gradient the bits of an eager twin model's (only the
+    experts compiled: Inductor's fusions elsewhere would change bits). Unprepared, a compiled
+    module quantized in every call and ran the bf16 dgrad, whose gradients differ."""
+    from mok import fp8_layer
+
+    made = []
+    quantize_into = fp8_layer._quantize_into
+    monkeypatch.setattr(fp8_layer, "_quantize_into", lambda *args: made.append(1) or quantize_into(*args))
+    torch.manual_seed(0)
+    models = []
+    for _ in range(2):
+        m = transformers.AutoModelForCausalLM.from_config(_fp8_config(1024), experts_implementation="mok_fp8",
+                                                          dtype=torch.bfloat16)
+        if models:
+            m.load_state_dict(models[0].state_dict())
+        models.append(m.to("cuda"))
+    assert mok.hf.prepare(models[1]) == 2
+    kept = [m._fp8_cache for m in models[1].modules() if hasattr(m, "gate_up_proj")]
+    assert all(c is not None and c.dgrad() is not None for c in kept)
+    torch._dynamo.reset()
+    for m in models[1].modules():
+        if hasattr(m, "gate_up_proj"):
+            m.compile(fullgraph=True)
+    calls = models
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
+    for step in range(2):
+        made_before = len(made)
+        for micro in range(2):
+            ids = torch.randint(0, 128, (2, 96), device="cuda")
+            got = []
+            for call in calls:
+                logits = call(ids).logits
+                logits.float().pow(2).mean().backward()
+                got.append(logits)
+            assert torch.equal(got[0], got[1]), (step, micro)
+        grads = [{n: p.grad for n, p in m.named_parameters() if p.grad is not None} for m in models]
+        assert grads[0].keys() == grads[1].keys()
+        for n in grads[0]:
+            assert torch.equal(grads[0][n], grads[1][n]), (step, n)
+        assert len(made) - made_before == 4  # (two modules in each model: once a module a step)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    assert [m._fp8_cache for m in models[1].modules() if hasattr(m, "gate_up_proj")] == kept  # (the same copies)
+    mok.check()
