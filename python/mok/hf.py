@@ -248,7 +248,10 @@ def prepare(model: torch.nn.Module) -> int:
     readied = 0
     for module in model.modules():
         impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
-        if impl not in ("mok", "mok_fp8", "mok_torch") or not hasattr(module, "down_proj"):
+        # (an experts class transformers dispatches: its decorator sets the layout flags; a dense MLP
+        # or shared expert of the same config has none)
+        if impl not in ("mok", "mok_fp8", "mok_torch") or not all(
+                hasattr(module, flag) for flag in ("is_concatenated", "is_transposed", "has_gate")):
             continue
         w_gate, w_up, w_down = _expert_weights(module)
         if impl == "mok_fp8":

@@ -452,13 +452,14 @@ def test_prepare_readies_the_mok_experts_modules_before_a_compiled_call():
     and counts them; other implementations are left alone. On the CPU "mok_fp8" gets no quantized
     copy (the kernels are CUDA's); FP8 shapes that are not multiples of 128 are refused here,
     naming the class, as the first call would."""
-    model = _models("qwen3_moe", ["mok_torch"], torch.float32, "cpu")[0]
-    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
-    assert len(experts) == 2
-    for m in experts:
-        m.__dict__.pop("_mok_swiglu_limit", None)  # (as modules never called)
-    assert mok.hf.prepare(model) == 2
-    assert all("_mok_swiglu_limit" in m.__dict__ for m in experts)
+    for name in MODELS:  # (DeepSeek-V3: a dense first layer and shared experts, which are not experts modules)
+        model = _models(name, ["mok_torch"], torch.float32, "cpu")[0]
+        experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+        assert len(experts) == (1 if name == "deepseek_v3" else 2), name
+        for m in experts:
+            m.__dict__.pop("_mok_swiglu_limit", None)  # (as modules never called)
+        assert mok.hf.prepare(model) == len(experts), name
+        assert all("_mok_swiglu_limit" in m.__dict__ for m in experts), name
     assert mok.hf.prepare(_models("qwen3_moe", ["eager"], torch.float32, "cpu")[0]) == 0
 
     fp8 = transformers.AutoModelForCausalLM.from_config(_fp8_config(128), experts_implementation="mok_fp8",
