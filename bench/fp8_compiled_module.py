@@ -16,7 +16,11 @@ time, the same for every variant, left out). Timed queued (tb.time_ms: no idling
 the L2 flushed before each; each round runs every variant once, in an order rotated by the round.
 Checked before timing: the kept compiled step's y, dx and weight gradients are the bits of the eager
 module's (both take the FP8 dgrad where it pays); the per-call variant's are only finite (its bf16
-dgrad differs by design).
+dgrad differs by design); and a step of two micro-batches quantizes the weights once with the kept
+copy, twice without (counted at mok.fp8_layer._quantize_into, which every quantization goes
+through) — so a kept variant that silently fell back to the per-call path fails the run also where
+the dgrad stays bf16 (I < 1024). Each record is written to --out as it is measured (a run cut short
+keeps what it measured).
 """
 import argparse
 import json
@@ -78,6 +82,31 @@ def outputs(module, call, d):
     return got
 
 
+def quantizations_a_step(module, call, d, micro=2):
+    """How many times one step of `micro` micro-batches quantizes weights (the step's work as
+    step_fn's, synchronised), after an optimizer step's mok.fp8.weights_changed()."""
+    import mok.fp8
+    from mok import fp8_layer
+
+    mok.fp8.weights_changed()
+
+    made = []
+    quantize_into = fp8_layer._quantize_into
+    fp8_layer._quantize_into = lambda *args: made.append(1) or quantize_into(*args)
+    try:
+        step_fn(module, call, d, micro)[0]()
+        torch.cuda.synchronize()
+    finally:
+        fp8_layer._quantize_into = quantize_into
+    return len(made)
+
+
+def write(out, records, checks):
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(records=records, checks=checks), f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="deepseek-v3,mixtral-8x7b")
@@ -105,7 +134,11 @@ def main():
         checks[name] = dict(
             kept_equals_eager={k: bool(torch.equal(kept[k], eager[k])) for k in kept},
             per_call_finite={k: bool(torch.isfinite(v.float()).all()) for k, v in per_call.items()},
-            fp8_dgrad=bool(modules["fp8-compiled"]._fp8_cache.dgrad() is not None))
+            fp8_dgrad=bool(modules["fp8-compiled"]._fp8_cache.dgrad() is not None),
+            quantizations_a_step_of_two={v: quantizations_a_step(modules[v], calls[v], d)
+                                         for v in ("fp8-compiled", "fp8-compiled-per-call", "fp8-eager")})
+        print(f"{name}: checks {json.dumps(checks[name])}", flush=True)
+        write(args.out, records, checks)
         del kept, eager, per_call
         flops = tb.layer_flops(p, "fwd+bwd")
         for micro in (int(m) for m in args.micro.split(",")):
@@ -120,11 +153,13 @@ def main():
                 rec = dict(preset=name, micro=micro, impl=v, ms=ms, ms_repeats=times[v],
                            tflops=flops * micro / (ms * 1e-3) / 1e12, gpu=gpu, commit=args.commit, date=args.date)
                 records.append(rec)
+            write(args.out, records, checks)
             base = times["fp8-compiled-per-call"]
             for v in ("fp8-compiled", "fp8-eager", "bf16-compiled"):
                 ratios = [b / a for a, b in zip(times[v], base)]
                 print(f"{name:16s} micro {micro}: per-call / {v:14s} {statistics.median(ratios):.3f} "
-                      f"[{min(ratios):.3f}, {max(ratios):.3f}]  ({statistics.median(times[v]):.2f} ms a step)")
+                      f"[{min(ratios):.3f}, {max(ratios):.3f}]  ({statistics.median(times[v]):.2f} ms a step)",
+                      flush=True)
         del modules, calls, steps, d
         torch.cuda.empty_cache()
     print("checks:", json.dumps(checks))
@@ -134,10 +169,10 @@ def main():
             row = {r["impl"]: r["tflops"] for r in records if r["preset"] == name and r["micro"] == micro}
             print(f"{name:16s} {micro:5d} " + " ".join(f"{row[v]:22.1f}" for v in VARIANTS))
     print(f"torch {torch.__version__}, {gpu}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(records=records, checks=checks), f, indent=1)
-    ok = all(all(c["kept_equals_eager"].values()) and all(c["per_call_finite"].values()) for c in checks.values())
+    write(args.out, records, checks)
+    once = {"fp8-compiled": 1, "fp8-compiled-per-call": 2, "fp8-eager": 1}
+    ok = all(all(c["kept_equals_eager"].values()) and all(c["per_call_finite"].values())
+             and c["quantizations_a_step_of_two"] == once for c in checks.values())
     sys.exit(0 if ok else 1)
 
 

@@ -312,17 +312,21 @@ def test_module_keeps_quantized_weights_until_a_weight_changes():
         y = layer(x)
         from mok import fp8_layer
 
-        held, down = fp8_layer._held[id(kept.gate)], kept.down.clone()  # (the init copy, filled in place)
+        held = fp8_layer._held[id(kept.gate)]  # (the init copy, filled in place)
+        down, down_exponents = kept.down.clone(), kept.down_exponents.clone()
         assert torch.equal(layer(x), y) and layer._fp8_cache is kept and fp8_layer._held[id(kept.gate)] is held
         ids, weights, _ = layer.route(x)
         want = mok.moe(x, ids, weights, layer.w_gate_up, None, layer.w_down, shared=tuple(layer.shared),
                        precision="fp8")
         assert torch.equal(y, want)
-        layer.w_down.mul_(0.5)  # an optimizer step or load_state_dict: the version counter moves
+        # An optimizer step or load_state_dict: the version counter moves. (Not a power of two: 0.5
+        # would leave every E4M3 byte as it was and move only the blocks' exponents.)
+        layer.w_down.mul_(1.5)
         y2 = layer(x)
         # Quantized again into a new copy (eagerly: a backward pending from the first call keeps its own)
         again = layer._fp8_cache
         assert again is not kept and torch.equal(kept.down.view(torch.uint8), down.view(torch.uint8))
+        assert torch.equal(kept.down_exponents, down_exponents)
         assert not torch.equal(again.down.view(torch.uint8), down.view(torch.uint8))
         want2 = mok.moe(x, ids, weights, layer.w_gate_up, None, layer.w_down, shared=tuple(layer.shared),
                         precision="fp8")
@@ -418,11 +422,12 @@ def test_module_under_torch_compile_keeps_its_quantized_weights(monkeypatch):
 @pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("train", [False, True])
 def test_module_under_reduce_overhead_compile_reads_the_weights_of_each_replay(train):
-    """torch.compile(mode="reduce-overhead"): the kept copy is a static address (as the weights
-    are), so the graphs that write it are still captured (no cudagraph skip), and each replay
-    quantizes the weights it finds — the bits of an eager twin module (same weights, the same
-    in-place updates) in the forward and, training, in every gradient (the FP8 dgrad: I = 1024).
-    The copy moves with the module (.cpu() drops it, .cuda() makes it again)."""
+    """torch.compile(mode="reduce-overhead"): the graphs are captured (no cudagraph skip), each
+    replay quantizes the weights it finds — the bits of an eager twin module (same weights, the
+    same in-place updates) in the forward and, training, in every gradient (the FP8 dgrad:
+    I = 1024) — and writes the module's own copy, a static input as the weights are (its bytes
+    the twin's at the end; a private copy in the graph's memory would give the same outputs and
+    leave it stale). The copy moves with the module (.cpu() drops it, .cuda() makes it again)."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(15)
@@ -461,6 +466,13 @@ def test_module_under_reduce_overhead_compile_reads_the_weights_of_each_replay(t
             assert torch.equal(a, b), (i, j)
     mok.check()
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    # The replays wrote the module's own copy (a static input), not a private one inside the graph's
+    # memory — which would give the same outputs, each replay quantizing again, but leave this copy
+    # stale after the updates: it holds the bytes the eager twin made from the current weights.
+    for j, (a, b) in enumerate(zip(layer._fp8_cache, twin._fp8_cache)):
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), j
 
 
 def test_module_precision_arguments():
