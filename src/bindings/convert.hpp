@@ -12,6 +12,8 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <span>
@@ -49,6 +51,18 @@ inline mok::TensorView view_of(const nb::ndarray<>& a) {
   v.device = a.device_type() == nb::device::cuda::value ? mok::Device::cuda(a.device_id()) : mok::Device::cpu();
   v.ndim = static_cast<int>(a.ndim());
   for (int i = 0; i < v.ndim; ++i) v.shape[i] = a.shape(i), v.stride[i] = a.stride(i);
+  // A dimension of size 1 is never stepped along, so its stride says nothing, and exporters differ:
+  // PyTorch 1.13 to 2.9 hands DLPack a stride of 1 for every such dimension (an E = 1 expert stack
+  // [1, I, H] arrives with strides (1, H, 1); the 128 x 128 blocks' exponents of I = 128, [E, 1, n],
+  // with (n, 1, 1)), which the row checks and TMA descriptors would read as overlapping rows. Such a
+  // stride is made the extent of the dimensions after it (for a row-major tensor the stride later
+  // PyTorch exports).
+  for (int i = v.ndim - 1; i >= 0; --i) {
+    if (v.shape[i] != 1) continue;
+    std::int64_t extent = 1;
+    for (int j = i + 1; j < v.ndim; ++j) extent = std::max(extent, v.shape[j] * std::abs(v.stride[j]));
+    v.stride[i] = extent;
+  }
   return v;
 }
 

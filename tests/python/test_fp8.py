@@ -143,6 +143,30 @@ def test_weight_quantization_refuses_bad_input():
         fp8.quantize_weights(torch.zeros(2, 128, 128, dtype=torch.bfloat16))
 
 
+def test_strides_of_size_one_dimensions_are_not_read():
+    """PyTorch 1.13 to 2.9 exported a DLPack stride of 1 for every dimension of size 1: an E = 1
+    expert stack [1, rows, cols] came with strides (1, cols, 1), and the exponents of I = 128,
+    [E, 1, n], with (n, 1, 1) — refused as overlapping rows. The extension takes such a stride as
+    the extent of the dimensions after it, so these arguments pass the shape and row checks and
+    reach the device check that follows them (CPU tensors: refused there, before any launch)."""
+    from mok import _C
+
+    on_cpu = "argument 'w': must be on a CUDA device, got cpu"
+    w = torch.zeros(1, 256, 128, dtype=torch.bfloat16).as_strided((1, 256, 128), (1, 128, 1))
+    with pytest.raises(ValueError, match=on_cpu):
+        _C.fp8_quantize_weights(w, torch.zeros(1, 256, 128, dtype=torch.uint8),
+                                torch.zeros(1, 2, 1, dtype=torch.int32).as_strided((1, 2, 1), (1, 1, 1)), 0)
+    rows = torch.zeros(2, 1, 2, dtype=torch.int32).as_strided((2, 1, 2), (2, 1, 1))  # ([E, 1, n] exponents)
+    with pytest.raises(ValueError, match=on_cpu):
+        _C.fp8_quantize_weights(torch.zeros(2, 128, 256, dtype=torch.bfloat16), torch.zeros(2, 128, 256, dtype=torch.uint8),
+                                rows, 0)
+    # (a real overlap is still refused: two experts on the same rows)
+    overlapping = torch.zeros(2, 256, 128, dtype=torch.bfloat16).as_strided((2, 256, 128), (128, 128, 1))
+    with pytest.raises(ValueError, match="argument 'w': must have contiguous, non-overlapping rows"):
+        _C.fp8_quantize_weights(overlapping, torch.zeros(2, 256, 128, dtype=torch.uint8),
+                                torch.zeros(2, 2, 1, dtype=torch.int32), 0)
+
+
 def test_recipe_reference_takes_a_concatenated_gate_up():
     g = torch.Generator().manual_seed(8)
     x = torch.randn(6, 128, generator=g).bfloat16()
