@@ -256,6 +256,26 @@ def test_report_lists_clock_power_runs_with_ratios_to_mok_per_round(tmp_path):
     assert report.power_tables(str(tmp_path / "nothing")) == []
 
 
+def test_report_lists_compiled_fp8_module_runs_with_ratios_to_the_per_call_step(tmp_path):
+    """report.py's section for bench/fp8_compiled_module.py: each variant's step time, min–max over
+    the rounds, and time(per-call) / time(variant) per round; the run's checks below the table."""
+    def rec(impl, times):
+        return dict(preset="p", micro=4, impl=impl, ms=sorted(times)[1], ms_repeats=times, tflops=700.0, gpu="G",
+                    commit="abc", date="2026-12-06T00:00:00Z")
+    checks = {"p": dict(kept_equals_eager={"y": True, "dx": True}, per_call_finite={"y": True}, fp8_dgrad=True,
+                        quantizations_a_step_of_two={"fp8-compiled": 1, "fp8-compiled-per-call": 2, "fp8-eager": 1})}
+    (tmp_path / "2026-12-06-abc-fp8-compiled.json").write_text(json.dumps(dict(
+        records=[rec("fp8-compiled", [10.0, 11.0, 12.0]), rec("fp8-compiled-per-call", [12.0, 13.0, 12.0])],
+        checks=checks)))
+    text = "\n".join(report.fp8_compiled_tables(str(tmp_path)))
+    assert "GPU G, commit abc, 2026-12-06T00:00:00Z, 3 rounds" in text
+    # rounds 12/10, 13/11, 12/12: median 1.182, 1.000–1.200
+    assert "| p | 4 | fp8-compiled | 11.00 (10.00–12.00) | 700 | 1.182 (1.000–1.200) |" in text
+    assert "| p | 4 | fp8-compiled-per-call | 12.00 (12.00–13.00) | 700 | – |" in text
+    assert "kept = eager bitwise: True; FP8 dgrad: True; quantizations a step of two micro-batches: " in text
+    assert report.fp8_compiled_tables(str(tmp_path / "nothing")) == []
+
+
 def test_report_lists_training_runs_with_their_recipe_and_spikes(tmp_path):
     """report.py's training section: newest first by date, each backend's final loss against the
     run's bf16 mok, the recipe (old records have none) and the largest loss rise after the warm-up."""
