@@ -30,6 +30,7 @@ with all_to_all the rows arrive already exchanged, with local ids. (transformers
 around the experts: mok.ep's fused dispatch and combine are not used there.)
 """
 
+import warnings
 from typing import Callable
 
 import torch
@@ -243,15 +244,20 @@ def prepare(model: torch.nn.Module) -> int:
     in every call and runs the bf16 dgrad (the copy is made by the first eager call otherwise).
     Call it after the model is on its GPU and sharded (transformers' expert parallelism: each
     rank's local experts) and again after moving it; calling it twice keeps a copy that fits.
-    A module that does not fit the glue, or FP8 shapes that are not multiples of 128, raise
-    here (ValueError naming the class), as its first call would."""
-    readied = 0
+    (Weights sharded by FSDP are gathered into new tensors for every forward, so no copy is kept
+    across calls there, prepared or not.) A module that does not fit the glue, or FP8 shapes that
+    are not multiples of 128, raise here (ValueError naming the class), as its first call would;
+    a model whose config names a mok implementation but holds no experts module it can find is
+    warned about (prepare then returns 0)."""
+    readied, named = 0, False
     for module in model.modules():
         impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
-        # (an experts class transformers dispatches: its decorator sets the layout flags; a dense MLP
-        # or shared expert of the same config has none)
-        if impl not in ("mok", "mok_fp8", "mok_torch") or not all(
-                hasattr(module, flag) for flag in ("is_concatenated", "is_transposed", "has_gate")):
+        named = named or impl in ("mok", "mok_fp8", "mok_torch")
+        # (an experts class transformers dispatches: its decorator sets is_transposed in every 5.x
+        # release — is_concatenated and has_gate came later —; a dense MLP or shared expert of the
+        # same config has none)
+        if impl not in ("mok", "mok_fp8", "mok_torch") or not hasattr(module, "is_transposed") or not hasattr(
+                module, "down_proj"):
             continue
         w_gate, w_up, w_down = _expert_weights(module)
         if impl == "mok_fp8":
@@ -263,6 +269,10 @@ def prepare(model: torch.nn.Module) -> int:
                 module._fp8_cache = None  # (the old copy goes before the new one is made)
                 module._fp8_cache = new_cached_experts(w_gate, w_up, w_down, dgrad)
         readied += 1
+    if named and not readied:
+        warnings.warn("mok.hf.prepare: the model's config names a mok experts implementation, but no experts "
+                      "module (a transformers experts class with `is_transposed` and `down_proj`) was found to "
+                      "ready", stacklevel=2)
     return readied
 
 

@@ -461,6 +461,18 @@ def test_prepare_readies_the_mok_experts_modules_before_a_compiled_call():
         assert mok.hf.prepare(model) == len(experts), name
         assert all("_mok_swiglu_limit" in m.__dict__ for m in experts), name
     assert mok.hf.prepare(_models("qwen3_moe", ["eager"], torch.float32, "cpu")[0]) == 0
+    # transformers 5.0-5.5's decorator sets is_transposed but not is_concatenated (nor, before 5.3,
+    # has_gate): such modules are readied too (the glue takes the missing flags as their defaults)
+    model = _models("qwen3_moe", ["mok_torch"], torch.float32, "cpu")[0]
+    for m in model.modules():
+        if hasattr(m, "gate_up_proj"):
+            del m.is_concatenated, m.has_gate
+    assert mok.hf.prepare(model) == 2
+    for m in model.modules():  # (a model whose experts the glue cannot find: a warning, not silence)
+        if hasattr(m, "gate_up_proj"):
+            del m.is_transposed
+    with pytest.warns(UserWarning, match="names a mok experts implementation, but no experts module"):
+        assert mok.hf.prepare(model) == 0
 
     fp8 = transformers.AutoModelForCausalLM.from_config(_fp8_config(128), experts_implementation="mok_fp8",
                                                         dtype=torch.bfloat16)
