@@ -380,23 +380,29 @@ def train_tables(results_dir):
     return out + [""]
 
 
+def newest_files(results_dir, pattern, heading):
+    """(the section's heading lines, or none without files; [(path, its JSON)] newest first by name)."""
+    paths = sorted(glob.glob(os.path.join(results_dir, pattern)), key=os.path.basename, reverse=True)
+    files = []
+    for path in paths:
+        with open(path) as f:
+            files.append((path, json.load(f)))
+    return (heading + [""] if files else []), files
+
+
 def power_tables(results_dir):
     """Markdown sections for bench/clock_power.py files (`*-power*.json`), newest first: per
     preset and pass, each implementation's time (median of the rounds' medians, min–max), TFLOP/s,
     the samples' median SM clock and board power, the energy a TFLOP, and time(mok) / time(impl) —
     how many times faster than the BF16 layer in the same rounds (the rounds' ratios' median, min–max)."""
-    paths = sorted(glob.glob(os.path.join(results_dir, "*-power*.json")), key=os.path.basename, reverse=True)
-    out = []
-    if paths:
-        out += ["## Sustained at the power limit (bench/clock_power.py)", "",
-                "Each implementation repeats one pass back to back, queued as in training, for a few seconds a",
-                "window (the first 0.5 s dropped), in rotated rounds, while nvidia-smi samples the SM clock and the",
-                "board power; the L2 is flushed before each iteration as layer_bench does. Where the board sits",
-                "at its power limit (throttle reason 0x4) this is the time a training step sees; the short",
-                "synchronous rounds of the layer runs below start each timing below the limit.", ""]
-    for path in paths:
-        with open(path) as f:
-            records = json.load(f)
+    out, files = newest_files(results_dir, "*-power*.json", [
+        "## Sustained at the power limit (bench/clock_power.py)", "",
+        "Each implementation repeats one pass back to back, queued as in training, for a few seconds a",
+        "window (the first 0.5 s dropped), in rotated rounds, while nvidia-smi samples the SM clock and the",
+        "board power; the L2 is flushed before each iteration as layer_bench does. Where the board sits",
+        "at its power limit (throttle reason 0x4) this is the time a training step sees; the short",
+        "synchronous rounds of the layer runs below start each timing below the limit."])
+    for path, records in files:
         if not records:
             continue
         r0 = records[0]
@@ -425,20 +431,16 @@ def fp8_compiled_tables(results_dir):
     """Markdown sections for bench/fp8_compiled_module.py files (`*-fp8-compiled.json`), newest
     first: per preset and micro-batches a step, each variant's step time (median of the rounds,
     min–max), TFLOP/s and time(per-call) / time(variant), with the run's checks."""
-    paths = sorted(glob.glob(os.path.join(results_dir, "*-fp8-compiled.json")), key=os.path.basename, reverse=True)
-    out = []
-    if paths:
-        out += ["## mok.MoE(precision=\"fp8\") under torch.compile (bench/fp8_compiled_module.py)", "",
-                "A training step: `micro` forward+backward passes, then mok.fp8.weights_changed() (an optimizer",
-                "step's effect on the kept copy), timed queued, variants rotated by round. `fp8-compiled`: the",
-                "compiled module keeping its quantized weights (once a step, the FP8 dgrad and weight gradients);",
-                "`fp8-compiled-per-call`: the same without the copy (the behaviour before 2026-12-05: quantized",
-                "every call, bf16 dgrad); `fp8-eager`; `bf16-compiled`. Checked first: the kept compiled step's",
-                "y, dx and weight gradients bitwise the eager module's, and the quantizations a step of two",
-                "micro-batches (kept 1, per-call 2).", ""]
-    for path in paths:
-        with open(path) as f:
-            d = json.load(f)
+    out, files = newest_files(results_dir, "*-fp8-compiled.json", [
+        "## mok.MoE(precision=\"fp8\") under torch.compile (bench/fp8_compiled_module.py)", "",
+        "A training step: `micro` forward+backward passes, then mok.fp8.weights_changed() (an optimizer",
+        "step's effect on the kept copy), timed queued, variants rotated by round. `fp8-compiled`: the",
+        "compiled module keeping its quantized weights (once a step, the FP8 dgrad and weight gradients);",
+        "`fp8-compiled-per-call`: the same without the copy (the behaviour before 2026-12-05: quantized",
+        "every call, bf16 dgrad); `fp8-eager`; `bf16-compiled`. Checked first: the kept compiled step's",
+        "y, dx and weight gradients bitwise the eager module's, and the quantizations a step of two",
+        "micro-batches (kept 1, per-call 2)."])
+    for path, d in files:
         records, checks = d["records"], d["checks"]
         if not records:
             continue

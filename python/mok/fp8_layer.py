@@ -282,6 +282,18 @@ def new_cached_experts(w_gate, w_up, w_down, dgrad: bool) -> Fp8Experts:
     return experts
 
 
+def keep_empty_copy(owner, w_gate, w_up, w_down, dgrad: bool) -> None:
+    """Gives `owner` (a module holding the weights) an empty copy for cached_experts, of these
+    weights' shapes and device, so that its first call under torch.compile already has one — kept
+    if the one it holds fits; none for weights that are not bf16 on a CUDA device (the FP8 path's
+    checks name those in the call)."""
+    if not w_gate.is_cuda or w_gate.dtype != torch.bfloat16:
+        owner._fp8_cache = None
+    elif not _fits(getattr(owner, "_fp8_cache", None), w_gate, w_up, w_down, dgrad):
+        owner._fp8_cache = None  # (the old copy goes before the new one is made)
+        owner._fp8_cache = new_cached_experts(w_gate, w_up, w_down, dgrad)
+
+
 def cached_experts(owner, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
                    dgrad: Optional[bool] = None, where: str = "mok.fp8_layer.cached_experts") -> Optional[Fp8Experts]:
     """quantize_experts(w_gate, w_up, w_down, dgrad), kept on `owner` (its `_fp8_cache`: a

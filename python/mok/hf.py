@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from mok._checks import finite_positive
-from mok.fp8_layer import _check_fp8, _fits, cached_experts, dgrad_pays, new_cached_experts
+from mok.fp8_layer import _check_fp8, cached_experts, dgrad_pays, keep_empty_copy
 from mok.ops import moe
 from mok.torch_path import moe_torch
 
@@ -262,12 +262,7 @@ def prepare(model: torch.nn.Module) -> int:
         w_gate, w_up, w_down = _expert_weights(module)
         if impl == "mok_fp8":
             _check_fp8(w_down, where=f"mok.hf.prepare ({type(module).__name__})")
-            dgrad = dgrad_pays(w_down)
-            if not w_down.is_cuda or w_down.dtype != torch.bfloat16:
-                module._fp8_cache = None  # ("mok_fp8" takes bf16 CUDA weights; its call names what is wrong)
-            elif not _fits(getattr(module, "_fp8_cache", None), w_gate, w_up, w_down, dgrad):
-                module._fp8_cache = None  # (the old copy goes before the new one is made)
-                module._fp8_cache = new_cached_experts(w_gate, w_up, w_down, dgrad)
+            keep_empty_copy(module, w_gate, w_up, w_down, dgrad_pays(w_down))
         readied += 1
     if named and not readied:
         warnings.warn("mok.hf.prepare: the model's config names a mok experts implementation, but no experts "

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mok._checks import finite_positive
-from mok.fp8_layer import _fits, cached_experts, dgrad_pays, new_cached_experts
+from mok.fp8_layer import cached_experts, dgrad_pays, keep_empty_copy
 from mok.ops import moe
 from mok.torch_path import moe_torch, moe_torch_ep
 
@@ -152,12 +152,7 @@ class MoE(nn.Module):
         if self.precision != "fp8":
             return
         gate, up = self._gate_up()
-        dgrad = self._fp8_dgrad()
-        if not gate.is_cuda or gate.dtype != torch.bfloat16:
-            self._fp8_cache = None
-        elif not _fits(self._fp8_cache, gate, up, self.w_down, dgrad):
-            self._fp8_cache = None  # (the old copy goes before the new one is made)
-            self._fp8_cache = new_cached_experts(gate, up, self.w_down, dgrad)
+        keep_empty_copy(self, gate, up, self.w_down, self._fp8_dgrad())
 
     def __getstate__(self):
         # (torch.save of the whole module, copy.deepcopy: without the quantized copy — E * 3 * I * H

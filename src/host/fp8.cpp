@@ -169,6 +169,14 @@ void check_apart(const char* where, std::initializer_list<std::pair<const char*,
   }
 }
 
+// A quantization's 3-D argument must have contiguous rows that overlap neither each other nor
+// another expert's (TensorView::rows_apart); `rows` names them in the error.
+void require_rows_apart(const char* where, const char* name, const TensorView& t, const char* rows = "rows") {
+  if (!t.rows_apart())
+    throw_argument_error(where, name, "must have contiguous, non-overlapping ", rows, ", got strides (", t.stride[0],
+                         ", ", t.stride[1], ", ", t.stride[2], ") for shape ", t.shape_string());
+}
+
 // quantize_weights' checks of (w, values, exponents) and its kernel's parameters; values and
 // exponents named as the caller's arguments.
 kernels::QuantizeParams weight_params(const char* where, const TensorView& w, const TensorView& values,
@@ -183,9 +191,7 @@ kernels::QuantizeParams weight_params(const char* where, const TensorView& w, co
   const std::int64_t E = w.shape[0], R = w.shape[1], C = w.shape[2];
   const std::int64_t rb = (R + kernels::kFp8Block - 1) / kernels::kFp8Block;
   const std::int64_t cb = (C + kernels::kFp8Block - 1) / kernels::kFp8Block;
-  if (!w.rows_apart())
-    throw_argument_error(where, w_name, "must have contiguous, non-overlapping rows, got strides (", w.stride[0], ", ",
-                         w.stride[1], ", ", w.stride[2], ") for shape ", w.shape_string());
+  require_rows_apart(where, w_name, w);
   const std::int64_t VR = transpose ? C : R, VC = transpose ? R : C, XR = transpose ? cb : rb, XC = transpose ? rb : cb;
   if (values.ndim != 3 || values.shape[0] != E || values.shape[1] != VR || values.shape[2] != VC)
     throw_argument_error(where, values_name, "shape must be [", E, ", ", VR, ", ", VC, "] (", transpose ? "w^T" : "w",
@@ -193,10 +199,8 @@ kernels::QuantizeParams weight_params(const char* where, const TensorView& w, co
   if (exponents.ndim != 3 || exponents.shape[0] != E || exponents.shape[1] != XR || exponents.shape[2] != XC)
     throw_argument_error(where, exponents_name, "shape must be [", E, ", ", XR, ", ", XC, "] (128 x 128 blocks of ",
                          transpose ? "w^T" : "w", "), got ", exponents.shape_string());
-  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{values_name, &values}, {exponents_name, &exponents}})
-    if (!t->rows_apart())
-      throw_argument_error(where, name, "must have contiguous, non-overlapping rows, got strides (", t->stride[0], ", ",
-                           t->stride[1], ", ", t->stride[2], ") for shape ", t->shape_string());
+  require_rows_apart(where, values_name, values);
+  require_rows_apart(where, exponents_name, exponents);
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{w_name, &w}, {values_name, &values},
                                 {exponents_name, &exponents}}) {
     if (t->device.kind != DeviceKind::cuda)
@@ -295,11 +299,8 @@ GateUpHalves gate_up_halves(const char* where, const TensorView& w_gate, const T
     throw_argument_error(where, "gate_up_t_exponents", "shape must be [E, H / 128, 2I / 128] = [", E, ", ", hb, ", ",
                          2 * ib, "], got ", out.gate_up_t_exponents.shape_string());
   // (whole rows of 2I: each half checked alone would let W_up^T's row h share W_gate^T's row h + 1)
-  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"gate_up_t", &out.gate_up_t},
-                                {"gate_up_t_exponents", &out.gate_up_t_exponents}})
-    if (!t->rows_apart())
-      throw_argument_error(where, name, "must have contiguous, non-overlapping rows of 2I, got strides (", t->stride[0],
-                           ", ", t->stride[1], ", ", t->stride[2], ") for shape ", t->shape_string());
+  require_rows_apart(where, "gate_up_t", out.gate_up_t, "rows of 2I");
+  require_rows_apart(where, "gate_up_t_exponents", out.gate_up_t_exponents, "rows of 2I");
   return {columns(out.gate_up_t, 0, I), columns(out.gate_up_t, I, I), columns(out.gate_up_t_exponents, 0, ib),
           columns(out.gate_up_t_exponents, ib, ib)};
 }
