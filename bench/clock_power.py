@@ -11,7 +11,9 @@ impls: mok_bench's own (`mok`, `mok-fp8`, `mok-fp8-wgrad`, `mok-fp8-bf16dgrad`, 
 FP8 weight gradients with the weights quantized again every pass, as a step with one micro-batch an
 optimizer step —, `mok-pp`; through mok_bench --serve; the FP8 backward variants forward+backward only), `mok-py`, `torch-compiled`,
 `torch`; with --mok-bench-head (a second build, e.g. a diagnostic one), `head:<impl>` runs mok_bench's
-<impl> in that binary, so two builds' clocks and power are sampled in the same rounds.
+<impl> in that binary, so two builds' clocks and power are sampled in the same rounds; `mok-fp8-py`
+(mok.moe(precision="fp8"), the weights quantized once) and `torch-fp8` (the compiled PyTorch layer with
+rowwise-scaled FP8 GEMMs, bench/torch_fp8.py) as layer_bench runs them.
 
 In each round, every implementation and pass in turn (rotated every round as layer_bench's are:
 rounds.round_order) runs back to back for --seconds, queued as in training (the GPU does not idle
@@ -40,7 +42,8 @@ sys.path.insert(0, HERE)
 
 BENCH_IMPLS = ("mok", "mok-fp8", "mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step", "mok-pp")  # (mok_bench --serve's)
 BWD_ONLY = ("mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step")
-IMPLS = BENCH_IMPLS + tuple(f"head:{i}" for i in BENCH_IMPLS) + ("mok-py", "torch-compiled", "torch")
+IMPLS = BENCH_IMPLS + tuple(f"head:{i}" for i in BENCH_IMPLS) + ("mok-py", "mok-fp8-py", "torch-compiled", "torch",
+                                                                  "torch-fp8")
 QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 
 
@@ -176,6 +179,12 @@ def main():
                 impls["torch"] = tb.TorchImpl(d, tb.moe_eager)
             if "mok-py" in args.impls:
                 impls["mok-py"] = MokPy(d)
+            if "mok-fp8-py" in args.impls:  # (the routed weights quantized once, as layer_bench's)
+                impls["mok-fp8-py"] = MokPy(d, precision="fp8")
+            if "torch-fp8" in args.impls:
+                import torch_fp8
+
+                impls["torch-fp8"] = torch_fp8.TorchFp8(d)
             for prefix, server in servers.items():
                 server.load(name, args.seed, d)
                 for i in args.impls:

@@ -393,8 +393,10 @@ def newest_files(results_dir, pattern, heading):
 def power_tables(results_dir):
     """Markdown sections for bench/clock_power.py files (`*-power*.json`), newest first: per
     preset and pass, each implementation's time (median of the rounds' medians, min–max), TFLOP/s,
-    the samples' median SM clock and board power, the energy a TFLOP, and time(mok) / time(impl) —
-    how many times faster than the BF16 layer in the same rounds (the rounds' ratios' median, min–max)."""
+    the samples' median SM clock and board power, the energy a TFLOP, and time(base) / time(impl) —
+    how many times faster than the BF16 layer in the same rounds (base `mok`, else `mok-py`; the
+    rounds' ratios' median, min–max); where the file has `torch-fp8`, the FP8 layers' time against
+    it too (time(torch-fp8) / time(impl), round by round)."""
     out, files = newest_files(results_dir, "*-power*.json", [
         "## Sustained at the power limit (bench/clock_power.py)", "",
         "Each implementation repeats one pass back to back, queued as in training, for a few seconds a",
@@ -402,27 +404,36 @@ def power_tables(results_dir):
         "board power; the L2 is flushed before each iteration as layer_bench does. Where the board sits",
         "at its power limit (throttle reason 0x4) this is the time a training step sees; the short",
         "synchronous rounds of the layer runs below start each timing below the limit."])
+
+    def ratio(b, r):  # time(b) / time(r): the ratio of the medians, and the rounds' min–max
+        per_round = [x["ms"] / y["ms"] for x, y in zip(b["rounds"], r["rounds"])]
+        return f"{b['ms'] / r['ms']:.3f} ({min(per_round):.3f}–{max(per_round):.3f})"
     for path, records in files:
         if not records:
             continue
         r0 = records[0]
+        impls = {r["impl"] for r in records}
+        base_impl = "mok" if "mok" in impls else "mok-py"
+        fp8_peer = "torch-fp8" in impls
         out += [f"### {os.path.basename(path)}", "",
                 f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, {len(r0['rounds'])} rounds of "
                 f"{r0['seconds']:g} s windows, PyTorch {r0.get('torch', '?')}", "",
-                "| preset | impl | pass | ms (min–max) | TFLOP/s | SM MHz | W | J/TFLOP | × mok's speed (min–max) | throttle |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
-        base = {(r["preset"], r["pass"]): r for r in records if r["impl"] == "mok"}
+                f"| preset | impl | pass | ms (min–max) | TFLOP/s | SM MHz | W | J/TFLOP | × {base_impl}'s speed (min–max) |"
+                + (" × torch-fp8's speed (min–max) |" if fp8_peer else "") + " throttle |",
+                "|---|---|---|---|---|---|---|---|---|" + ("---|" if fp8_peer else "") + "---|"]
+        base = {(r["preset"], r["pass"]): r for r in records if r["impl"] == base_impl}
+        peer = {(r["preset"], r["pass"]): r for r in records if r["impl"] == "torch-fp8"}
         for r in records:
             times = [w["ms"] for w in r["rounds"]]
-            ratio = "–"
             b = base.get((r["preset"], r["pass"]))
-            if b is not None and r["impl"] != "mok":
-                per_round = [x["ms"] / y["ms"] for x, y in zip(b["rounds"], r["rounds"])]
-                ratio = f"{b['ms'] / r['ms']:.3f} ({min(per_round):.3f}–{max(per_round):.3f})"
+            cells = ["–" if b is None or r["impl"] == base_impl else ratio(b, r)]
+            if fp8_peer:
+                f = peer.get((r["preset"], r["pass"]))
+                cells.append(ratio(f, r) if f is not None and r["impl"] in ("mok-fp8", "mok-fp8-py") else "–")
             reasons = sorted({x for w in r["rounds"] for x in w["throttle_reasons"]})
             out.append(f"| {r['preset']} | {r['impl']} | {r['pass']} | {r['ms']:.3f} ({min(times):.3f}–{max(times):.3f}) | "
-                       f"{r['tflops']:.0f} | {r['sm_mhz']:.0f} | {r['power_w']:.0f} | {r['joules_per_tflop']:.3f} | {ratio} | "
-                       f"{' '.join(x.replace('0x000000000000000', '0x') for x in reasons)} |")
+                       f"{r['tflops']:.0f} | {r['sm_mhz']:.0f} | {r['power_w']:.0f} | {r['joules_per_tflop']:.3f} | "
+                       + " | ".join(cells) + f" | {' '.join(x.replace('0x000000000000000', '0x') for x in reasons)} |")
         out.append("")
     return out
 

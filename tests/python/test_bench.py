@@ -256,6 +256,25 @@ def test_report_lists_clock_power_runs_with_ratios_to_mok_per_round(tmp_path):
     assert report.power_tables(str(tmp_path / "nothing")) == []
 
 
+def test_report_power_runs_without_mok_compare_to_mok_py_and_fp8_layers_to_torch_fp8(tmp_path):
+    """A clock_power run of the Python layers: the base is mok-py, and each FP8 layer's speed against
+    torch-fp8 in the same rounds (time(torch-fp8) / time(impl)) is a column of its own."""
+    def rec(impl, times):
+        rounds = [dict(ms=t, samples=50, sm_mhz=1500.0, sm_mhz_min=1400.0, sm_mhz_max=1600.0, power_w=700.0,
+                       power_w_min=690.0, power_w_max=705.0, throttle_reasons=["0x0000000000000004"]) for t in times]
+        return dict(preset="p", impl=impl, **{"pass": "fwd"}, routing="uniform", ms=sorted(times)[1], tflops=500.0,
+                    sm_mhz=1500.0, power_w=700.0, joules_per_tflop=1.0, rounds=rounds, seconds=3.0, skip_s=0.5,
+                    interval_ms=50, gpu="G", commit="abc", date="2026-12-06T00:00:00Z", torch="2.11")
+    (tmp_path / "2026-12-06-abc-power-torch-fp8.json").write_text(json.dumps(
+        [rec("mok-py", [12.0, 12.0, 12.0]), rec("mok-fp8-py", [8.0, 9.0, 10.0]), rec("torch-fp8", [9.0, 9.0, 9.0])]))
+    text = "\n".join(report.power_tables(str(tmp_path)))
+    assert "× mok-py's speed (min–max) | × torch-fp8's speed (min–max) | throttle |" in text
+    # against mok-py: 12/8, 12/9, 12/10 (median 12/9); against torch-fp8: 9/8, 9/9, 9/10
+    assert "| p | mok-fp8-py | fwd | 9.000 (8.000–10.000) | 500 | 1500 | 700 | 1.000 | 1.333 (1.200–1.500) | 1.000 (0.900–1.125) | 0x4 |" in text
+    assert "| p | torch-fp8 | fwd | 9.000 (9.000–9.000) | 500 | 1500 | 700 | 1.000 | 1.333 (1.333–1.333) | – | 0x4 |" in text
+    assert "| p | mok-py | fwd | 12.000 (12.000–12.000) | 500 | 1500 | 700 | 1.000 | – | – | 0x4 |" in text
+
+
 def test_report_lists_compiled_fp8_module_runs_with_ratios_to_the_per_call_step(tmp_path):
     """report.py's section for bench/fp8_compiled_module.py: each variant's step time, min–max over
     the rounds, and time(per-call) / time(variant) per round; the run's checks below the table."""
@@ -524,7 +543,7 @@ def test_clock_power_compares_a_second_builds_impl_round_by_round():
                                      rec("head:mok-fp8", "fwd", [5.0, 5.0, 5.0])])
     assert len(lines) == 1
     assert "p" in lines[0] and "mok: head/base time 0.950 (0.900–0.950 over 3 rounds)" in lines[0]
-    assert {"mok-fp8-wgrad", "head:mok-fp8-wgrad", "torch-compiled"} <= set(clock_power.IMPLS)  # (names it takes)
+    assert {"mok-fp8-wgrad", "head:mok-fp8-wgrad", "torch-compiled", "torch-fp8", "mok-fp8-py"} <= set(clock_power.IMPLS)  # (names it takes)
 
 
 def test_clock_power_reads_nvidia_smi_samples_and_their_window():
