@@ -23,8 +23,8 @@ except ImportError:  # pragma: no cover - exercised only without torch
 else:
     from mok import fp8  # noqa: F401 (mok.fp8.quantize_experts, the FP8 layer's weights)
     from mok.module import MoE  # noqa: F401
-    from mok.ops import check, moe, set_backward_column_blocks, set_fp8_weight_gradients  # noqa: F401
+    from mok.ops import check, moe, set_backward_column_blocks, set_compute_sms, set_fp8_weight_gradients  # noqa: F401
     from mok.torch_path import moe_torch, moe_torch_ep  # noqa: F401
 
 __all__ = ["MoE", "__version__", "check", "cuda_device_count", "moe", "moe_torch", "moe_torch_ep", "reference_forward",
-           "set_backward_column_blocks", "set_fp8_weight_gradients"]
+           "set_backward_column_blocks", "set_compute_sms", "set_fp8_weight_gradients"]

@@ -49,6 +49,28 @@ def set_backward_column_blocks(blocks: int) -> None:
     _backward_column_blocks = blocks
 
 
+# Config::compute_sms of the workspaces made from here on (set_compute_sms).
+_compute_sms = 0
+
+
+def set_compute_sms(sms: int) -> None:
+    """How many SMs the one-GPU layer's persistent kernels take (C++ Config::compute_sms): 0, the
+    default, every SM. While a fused kernel runs it holds its SMs to the end, so kernels on other
+    streams — FSDP's all-gathers and reduce-scatters, a data-parallel all-reduce overlapped with
+    the backward, NCCL's kernels among them — start only where an SM is free; leaving some free
+    (e.g. set_compute_sms(torch.cuda.get_device_properties(0).multi_processor_count - 16)) lets
+    them run beside the layer, at the layer's cost of the SMs it gives up. Every output and
+    gradient is bitwise the same for every value (no reduction order depends on the grid). A value
+    above the GPU's SM count means every SM. Applies to the workspaces made afterwards: a layer
+    shape's next call makes a workspace of its own for the new value (outside CUDA graph capture;
+    each value used holds one). mok.ep.ExpertParallel(compute_sms=...) is the expert-parallel
+    layer's."""
+    global _compute_sms
+    if not isinstance(sms, int) or isinstance(sms, bool) or sms < 0:
+        raise ValueError(f"mok.set_compute_sms: sms must be an int >= 0 (0: every SM), got {sms!r}")
+    _compute_sms = sms
+
+
 # BackwardArgs::fp8_weight_gradients of the FP8 backwards run from here on (set_fp8_weight_gradients).
 _fp8_weight_gradients = True
 
@@ -82,7 +104,7 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
     T, H = x.shape
     E, _, I = w_down.shape
     device = x.get_device()
-    key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit, precision, _backward_column_blocks)
+    key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit, precision, _backward_column_blocks, _compute_sms)
     ws = _workspaces.get(key)
     if ws is None or ws.max_tokens < T:
         if torch.cuda.is_current_stream_capturing():
@@ -92,7 +114,7 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
         if ws is not None:  # replaced: report what its calls recorded (synchronises, once per growth)
             ws.check(torch.cuda.current_stream(x.device).cuda_stream)
         ws = _C.Workspace(H, I, E, top_k, shared_intermediate, swiglu_limit, T, device, training=True,
-                          precision=precision, backward_column_blocks=_backward_column_blocks)
+                          precision=precision, backward_column_blocks=_backward_column_blocks, compute_sms=_compute_sms)
         _workspaces[key] = ws
     return ws
 

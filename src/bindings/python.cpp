@@ -122,6 +122,7 @@ NB_MODULE(_C, m) {
           nb::arg("precision") = "bf16", nb::arg("replay_launches") = true, nb::arg("backward_column_blocks") = 0)
       .def_prop_ro("max_tokens", &mok::Workspace::max_tokens)
       .def_prop_ro("replayed_calls", &mok::Workspace::replayed_calls)  // (Config::replay_launches)
+      .def_prop_ro("compute_sms", [](const mok::Workspace& ws) { return ws.config().compute_sms; })
       .def_prop_ro("captured_calls", &mok::Workspace::captured_calls)
       .def(
           "saved_elements",

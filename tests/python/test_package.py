@@ -171,6 +171,23 @@ def test_backward_column_blocks_setting_keys_new_workspaces():
     assert ops._backward_column_blocks == 0
 
 
+@pytest.mark.parametrize("bad", [-1, 2.0, True, "8", None])
+def test_compute_sms_setting_is_checked(bad):
+    with pytest.raises(ValueError, match=r"mok.set_compute_sms: sms must be an int >= 0 \(0: every SM\)"):
+        mok.set_compute_sms(bad)
+
+
+def test_compute_sms_setting_keys_new_workspaces():
+    from mok import ops
+
+    try:
+        mok.set_compute_sms(100)
+        assert ops._compute_sms == 100
+    finally:
+        mok.set_compute_sms(0)
+    assert ops._compute_sms == 0
+
+
 @pytest.mark.parametrize("bad", [0, 1, "yes", None])
 def test_fp8_weight_gradients_setting_is_checked(bad):
     with pytest.raises(ValueError, match=r"mok.set_fp8_weight_gradients: on must be True or False"):
