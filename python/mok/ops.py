@@ -108,6 +108,13 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
     ws = _workspaces.get(key)
     if ws is None or ws.max_tokens < T:
         if torch.cuda.is_current_stream_capturing():
+            settings = sorted({(k[-2], k[-1]) for k in _workspaces if k[:-2] == key[:-2]} - {key[-2:]})
+            if ws is None and settings:  # (this shape has workspaces, made with other settings)
+                raise RuntimeError(
+                    f"mok.moe: this layer shape's workspaces were made with other settings (backward_column_blocks, "
+                    f"compute_sms = {', '.join(map(str, settings))}) than now ({_backward_column_blocks}, {_compute_sms}: "
+                    "mok.set_backward_column_blocks, mok.set_compute_sms); the new one is allocated outside CUDA graph "
+                    "capture: run the layer once with these settings before capturing")
             raise RuntimeError(f"mok.moe: a call with {T} tokens needs a workspace for more tokens than this "
                                f"layer shape has seen ({0 if ws is None else ws.max_tokens}); it is allocated "
                                "outside CUDA graph capture: run the largest token count once before capturing")

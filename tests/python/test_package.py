@@ -188,6 +188,26 @@ def test_compute_sms_setting_keys_new_workspaces():
     assert ops._compute_sms == 0
 
 
+def test_a_setting_changed_before_a_capture_is_named_by_the_capture_error(monkeypatch):
+    """A layer shape whose workspaces were made with other settings needs a new one, which cannot
+    be allocated inside CUDA graph capture: the error names the settings, not the token count."""
+    from mok import ops
+
+    x, w_down = torch.zeros(16, 256), torch.zeros(4, 256, 128)
+    key = (x.get_device(), 256, 128, 4, 2, 0, None, "bf16")
+    monkeypatch.setattr(ops, "_workspaces", {key + (0, 0): type("Ws", (), {"max_tokens": 64})()})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(ops, "_compute_sms", 100)
+    with pytest.raises(RuntimeError, match=r"made with other settings \(backward_column_blocks, compute_sms = \(0, 0\)\) "
+                                           r"than now \(0, 100"):
+        ops._workspace(x, w_down, 2, 0, None)
+    monkeypatch.setattr(ops, "_compute_sms", 0)
+    assert ops._workspace(x, w_down, 2, 0, None).max_tokens == 64  # (the settings it was made with: no new one)
+    with pytest.raises(RuntimeError, match=r"a call with 100 tokens needs a workspace for more tokens than this layer "
+                                           r"shape has seen \(64\)"):
+        ops._workspace(torch.zeros(100, 256), w_down, 2, 0, None)
+
+
 @pytest.mark.parametrize("bad", [0, 1, "yes", None])
 def test_fp8_weight_gradients_setting_is_checked(bad):
     with pytest.raises(ValueError, match=r"mok.set_fp8_weight_gradients: on must be True or False"):
