@@ -120,7 +120,7 @@ def test_fewer_compute_sms_give_the_same_bits_forward_and_backward():
 
     g = torch.Generator(device=x.device).manual_seed(5)  # (an FP8 problem: H and I multiples of 128)
     x8 = torch.randn(200, 256, device=x.device, generator=g).bfloat16()
-    ids8 = torch.rand(200, 8, device=x.device, generator=g).argsort(dim=1)[:, :2]
+    ids8 = torch.rand(200, 8, device=x.device, generator=g).argsort(dim=1)[:, :2].contiguous()
     w8 = torch.rand(200, 2, device=x.device, generator=g)
     gate8, up8 = (torch.randn(8, 128, 256, device=x.device, generator=g).bfloat16() * 0.05 for _ in range(2))
     down8 = torch.randn(8, 256, 128, device=x.device, generator=g).bfloat16() * 0.05
