@@ -438,6 +438,31 @@ def power_tables(results_dir):
     return out
 
 
+def sm_share_tables(results_dir):
+    """Markdown sections for bench/sm_share.py files (`*-sm-share.json`), newest first: per
+    compute_sms setting, the layer's time alone, the side chain's alone, both together, the share of
+    the side chain hidden under the layer, and the layer's time against the first setting's."""
+    out, files = newest_files(results_dir, "*-sm-share.json", [
+        "## SMs left to other streams (bench/sm_share.py, mok.set_compute_sms)", "",
+        "The layer alone, a chain of elementwise kernels on another stream alone (a stand-in for",
+        "communication kernels: they need SMs of their own), and both together, queued, the L2 flushed",
+        "before each iteration; hidden = (layer + side - both) / side."])
+    for path, records in files:
+        if not records:
+            continue
+        r0 = records[0]
+        out += [f"### {os.path.basename(path)}", "",
+                f"GPU {r0['gpu']} ({r0['sms']} SMs), commit {r0['commit']}, {r0['date']}, {r0['preset']} {r0['pass']}, "
+                f"{len(r0['rounds'])} rounds; side: {r0['side_kernels']} x add_ of {r0['side_elems']} fp32", "",
+                "| compute_sms | layer ms | side ms | both ms | hidden | layer / first setting's |",
+                "|---|---|---|---|---|---|"]
+        for r in records:
+            out.append(f"| {r['compute_sms'] or 'every SM'} | {r['layer_ms']:.3f} | {r['side_ms']:.3f} | {r['both_ms']:.3f} | "
+                       f"{r['hidden']:.2f} | {r['layer_vs_first']:.3f} |")
+        out.append("")
+    return out
+
+
 def fp8_compiled_tables(results_dir):
     """Markdown sections for bench/fp8_compiled_module.py files (`*-fp8-compiled.json`), newest
     first: per preset and micro-batches a step, each variant's step time (median of the rounds,
@@ -516,6 +541,7 @@ def cmd_table(a):
             out.append("")
     out += power_tables(a.results_dir)
     out += fp8_compiled_tables(a.results_dir)
+    out += sm_share_tables(a.results_dir)
     out += ab_tables(a.results_dir)
     out += train_tables(a.results_dir)
     for path, records in result_files(a.results_dir):

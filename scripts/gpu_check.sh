@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N]
+#                                                   host|fp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power|smshare] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME]
 #                                                   [--ncu-kernels forward,backward]
@@ -91,6 +91,11 @@
 #   --part power --impl mok,mok-fp8,mok-fp8-wgrad --pass fwd,fwd+bwd --presets <the FP8 presets>
 # (mok-fp8-step: mok-fp8-wgrad with the weights quantized again every pass, a step with one
 # micro-batch an optimizer step)
+# (--impl mok-py,mok-fp8-py,torch-fp8: the Python layers and PyTorch's FP8 one, against torch-fp8 too)
+# `smshare` (build if missing): bench/sm_share.py on one preset (--presets NAME, default deepseek-v3;
+# --pass, default fwd+bwd; --repeats rounds): the layer at compute_sms 0, SMs-8, SMs-16, SMs-32
+# (mok.set_compute_sms) alone and beside a chain of kernels on another stream, into
+# <date>-<commit>-sm-share.json.
 # `diagab` (same-bits diagnostic variants against the default): a default mok_bench build and one per
 # variant (--diag A[,B...]; a variant of several defines separates them with ';'), bench/ab_serve.py of each against the default (--impl, default mok,mok; --pass, default
 # fwd+bwd; --presets, default mixtral-8x7b,qwen3-30b-a3b,deepseek-v3; --repeats rounds; outputs checked
@@ -167,11 +172,11 @@ while [ $# -gt 0 ]; do
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --sustained) sustained=true ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--pytest ARGS] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power|smshare] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--pytest ARGS] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, pyselect, bench, ep, speed, train, hf, phases, host, fp8, epfp8, fp8wgrad, fp8bench, fp8train, fp8compile, fp8lr, fp8diag, rates, diagab, kernelab, dram, pingpong or power"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power|smshare) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, pyselect, bench, ep, speed, train, hf, phases, host, fp8, epfp8, fp8wgrad, fp8bench, fp8train, fp8compile, fp8lr, fp8diag, rates, diagab, kernelab, dram, pingpong, power or smshare"; exit 2 ;; esac
 [ "$part" != pyselect ] || [ -n "$pytest_args" ] || { echo "gpu_check.sh --part pyselect needs --pytest ARGS"; exit 2; }
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
@@ -387,7 +392,7 @@ if [ "$part" != ep ]; then  # (the ep part needs only the Python package)
   # The benchmark needs the library, mok_bench and the extension mok._C, not the tests.
   with_tests=ON
   { [ "$part" = bench ] || [ "$part" = train ] || [ "$part" = hf ] || [ "$part" = host ] || [ "$part" = fp8bench ] || [ "$part" = fp8train ] || [ "$part" = fp8compile ] || [ "$part" = fp8lr ] ||
-    [ "$part" = power ] || [ "$part" = pyselect ] ||
+    [ "$part" = power ] || [ "$part" = smshare ] || [ "$part" = pyselect ] ||
     [ "$part" = pytest ]; } &&
     [ ! -f $build/tests/test_plan ] &&
     with_tests=OFF
@@ -637,6 +642,13 @@ if [ "$part" = power ]; then  # the SM clock and board power while each impl rep
   env PYTHONPATH="$PWD/$build/pkg" python3 bench/clock_power.py --mok-bench $build/bench/mok_bench --preset "$power_presets" \
     --impl "${impls:-mok,torch-compiled}" --pass "${passes:-fwd,fwd+bwd}" --repeats "$repeats" --commit "$commit" \
     --date "$date" --out "$OUT/${date:0:10}-$commit-power.json" 2>&1 | tee "$LOG/clock_power.log" || test_rc=1
+fi
+if [ "$part" = smshare ]; then  # mok.set_compute_sms: the layer's cost of SMs left free, and what a side stream gains
+  sms_preset=$presets
+  [ "$presets" = all ] && sms_preset=deepseek-v3
+  env PYTHONPATH="$PWD/$build/pkg" python3 bench/sm_share.py --preset "$sms_preset" \
+    --pass "${passes:-fwd+bwd}" --repeats "$repeats" --commit "$commit" --date "$date" \
+    --out "$OUT/${date:0:10}-$commit-sm-share.json" 2>&1 | tee "$LOG/sm_share.log" || test_rc=1
 fi
 if [ "$part" = fp8bench ]; then
   fp8_presets=$presets

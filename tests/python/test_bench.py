@@ -464,6 +464,21 @@ def test_fp8_compiled_module_bench_checks_and_times(tmp_path):
     assert all(r["ms"] > 0 for r in run["records"]) and all(run["checks"]["small"]["kept_equals_eager"].values())
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)),
+                    reason="needs a Hopper GPU")
+def test_sm_share_bench_times_every_setting(tmp_path):
+    """bench/sm_share.py on the small preset: a record per compute_sms setting, each with its three
+    timings, and the setting left back at every SM."""
+    out = tmp_path / "run.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "sm_share.py"), "--preset", "small", "--sms", "0,-16",
+                    "--side-kernels", "4", "--repeats", "2", "--iters", "2", "--warmup", "1", "--out", str(out)],
+                   check=True)
+    records = json.loads(out.read_text())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert [r["compute_sms"] for r in records] == [0, sms - 16]
+    assert all(r["layer_ms"] > 0 and r["side_ms"] > 0 and r["both_ms"] > 0 and len(r["rounds"]) == 2 for r in records)
+
+
 def test_round_ratios_pair_each_run_and_pool_the_runs():
     """rounds.round_ratios pairs mok with mok-py within a run (same commit and date) and appends
     the runs' rounds; median_interval's median is the plain median and the interval holds it."""
@@ -675,3 +690,34 @@ def test_summary_gives_mok_s_ratio_to_the_peer_where_it_ran():
     header, row = text.splitlines()[:2]
     assert "mok/liger" in header and row.split()[-5:] == ["1.200", "-", "1.500", "-", "ok"]  # (compiled, py, liger)
     assert "mok/liger" not in layer_bench.summary([rec("torch-compiled", 1.2), rec("mok", 1.0)])
+
+
+def test_sm_share_resolves_its_settings_and_the_hidden_share():
+    """bench/sm_share.py: --sms values against the GPU's SM count (0 every SM, -n leaves n free,
+    n is n; none outside 1 .. SMs), and the share of the side stream's time hidden under the layer."""
+    import sm_share
+
+    assert sm_share.resolve_sms([0, -8, -16, 100], 132) == [0, 124, 116, 100]
+    for bad in (-132, 133, -200):
+        with pytest.raises(ValueError, match=r"sm_share: --sms .* must be 1 \.\. 132"):
+            sm_share.resolve_sms([bad], 132)
+    assert sm_share.hidden_share(10.0, 2.0, 12.0) == 0.0  # (serialised)
+    assert sm_share.hidden_share(10.0, 2.0, 10.5) == 0.75
+    assert sm_share.hidden_share(10.0, 2.0, 9.9) == 1.0  # (noise clamped)
+    assert sm_share.hidden_share(10.0, 0.0, 10.0) == 0.0
+
+
+def test_report_lists_sm_share_runs(tmp_path):
+    """report.py's section for bench/sm_share.py: each compute_sms setting's times, hidden share and
+    the layer's time against the first setting's."""
+    def rec(n, layer, side, both, hidden, vs):
+        return dict(preset="p", routing="uniform", **{"pass": "fwd+bwd"}, compute_sms=n, sms=132, layer_ms=layer,
+                    side_ms=side, both_ms=both, hidden=hidden, layer_vs_first=vs, rounds=[{}, {}, {}], side_kernels=100,
+                    side_elems=1024, gpu="G", commit="abc", date="2026-12-06T00:00:00Z", torch="2.11")
+    (tmp_path / "2026-12-06-abc-sm-share.json").write_text(json.dumps(
+        [rec(0, 10.0, 2.0, 12.0, 0.0, 1.0), rec(116, 10.5, 2.0, 10.6, 0.95, 1.05)]))
+    text = "\n".join(report.sm_share_tables(str(tmp_path)))
+    assert "GPU G (132 SMs), commit abc, 2026-12-06T00:00:00Z, p fwd+bwd, 3 rounds; side: 100 x add_ of 1024 fp32" in text
+    assert "| every SM | 10.000 | 2.000 | 12.000 | 0.00 | 1.000 |" in text
+    assert "| 116 | 10.500 | 2.000 | 10.600 | 0.95 | 1.050 |" in text
+    assert report.sm_share_tables(str(tmp_path / "nothing")) == []
