@@ -4,7 +4,8 @@ and device) and the live expert-parallel groups of mok.ep, released at exit."""
 import atexit
 import weakref
 
-# mok.moe: (device, H, I, E, k, I_s, swiglu_limit, precision) -> mok._C.Workspace for the largest T seen
+# mok.moe: (device, H, I, E, k, I_s, swiglu_limit, precision, backward_column_blocks, compute_sms)
+# -> mok._C.Workspace for the largest T seen
 workspaces = {}
 
 # mok.ep: live groups by id (the custom ops take an int). Weak, so that a group, its process

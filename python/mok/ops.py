@@ -2,6 +2,7 @@
 under torch.compile(fullgraph=True); in eager mode the same bodies are called directly
 (an autograd.Function), which saves the custom ops' dispatch. Both capture in CUDA graphs."""
 
+import operator
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -61,14 +62,32 @@ def set_compute_sms(sms: int) -> None:
     (e.g. set_compute_sms(torch.cuda.get_device_properties(0).multi_processor_count - 16)) lets
     them run beside the layer, at the layer's cost of the SMs it gives up. Every output and
     gradient is bitwise the same for every value (no reduction order depends on the grid). A value
-    above the GPU's SM count means every SM. Applies to the workspaces made afterwards: a layer
-    shape's next call makes a workspace of its own for the new value (outside CUDA graph capture;
-    each value used holds one). mok.ep.ExpertParallel(compute_sms=...) is the expert-parallel
-    layer's."""
+    of at least the GPU's SM count means every SM (the same as 0). Applies to the workspaces made
+    afterwards: a layer shape's next call makes a workspace of its own for the new value (outside
+    CUDA graph capture; each value used holds one). mok.ep.ExpertParallel(compute_sms=...) is the
+    expert-parallel layer's."""
     global _compute_sms
-    if not isinstance(sms, int) or isinstance(sms, bool) or sms < 0:
+    try:
+        value = operator.index(sms)  # (an int or a NumPy integer; not a bool)
+    except TypeError:
+        value = None
+    if value is None or isinstance(sms, bool) or value < 0:
         raise ValueError(f"mok.set_compute_sms: sms must be an int >= 0 (0: every SM), got {sms!r}")
-    _compute_sms = sms
+    _compute_sms = value
+
+
+_device_sms = {}  # (device index -> its SM count, read once)
+
+
+def _compute_sms_on(device):
+    """The compute_sms a workspace on `device` is made with: the setting, or 0 (every SM) where it
+    is 0 or at least the device's SM count (so such values share the every-SM workspace)."""
+    if _compute_sms == 0:
+        return 0
+    sms = _device_sms.get(device)
+    if sms is None:
+        sms = _device_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _compute_sms if _compute_sms < sms else 0
 
 
 # BackwardArgs::fp8_weight_gradients of the FP8 backwards run from here on (set_fp8_weight_gradients).
@@ -104,7 +123,8 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
     T, H = x.shape
     E, _, I = w_down.shape
     device = x.get_device()
-    key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit, precision, _backward_column_blocks, _compute_sms)
+    compute_sms = _compute_sms_on(device)
+    key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit, precision, _backward_column_blocks, compute_sms)
     ws = _workspaces.get(key)
     if ws is None or ws.max_tokens < T:
         if torch.cuda.is_current_stream_capturing():
@@ -112,7 +132,7 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
             if ws is None and settings:  # (this shape has workspaces, made with other settings)
                 raise RuntimeError(
                     f"mok.moe: this layer shape's workspaces were made with other settings (backward_column_blocks, "
-                    f"compute_sms = {', '.join(map(str, settings))}) than now ({_backward_column_blocks}, {_compute_sms}: "
+                    f"compute_sms = {', '.join(map(str, settings))}) than now ({_backward_column_blocks}, {compute_sms}: "
                     "mok.set_backward_column_blocks, mok.set_compute_sms); the new one is allocated outside CUDA graph "
                     "capture: run the layer once with these settings before capturing")
             raise RuntimeError(f"mok.moe: a call with {T} tokens needs a workspace for more tokens than this "
@@ -121,7 +141,7 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
         if ws is not None:  # replaced: report what its calls recorded (synchronises, once per growth)
             ws.check(torch.cuda.current_stream(x.device).cuda_stream)
         ws = _C.Workspace(H, I, E, top_k, shared_intermediate, swiglu_limit, T, device, training=True,
-                          precision=precision, backward_column_blocks=_backward_column_blocks, compute_sms=_compute_sms)
+                          precision=precision, backward_column_blocks=_backward_column_blocks, compute_sms=compute_sms)
         _workspaces[key] = ws
     return ws
 

@@ -50,6 +50,30 @@ def test_fp8_forward_matches_the_recipe_oracle(concatenated, shared, limit):
 
 
 @pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+def test_fp8_training_step_gives_the_same_bits_on_fewer_sms():
+    """mok.set_compute_sms(n): the FP8 forward, the FP8 dgrad and the FP8 weight gradients (the
+    defaults with quantize_experts(..., dgrad=True)) on n CTAs give every SM's bits."""
+    x, ids, weights, w_gate, w_up, w_down, sh = _problem(600, 384, 384, 8, 2, 128, seed=23)
+    experts = fp8.quantize_experts(w_gate, w_up, w_down, dgrad=True)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+
+    def step():
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w_gate, w_up, w_down, *sh)]
+        y = mok.moe(leaves[0], ids, *leaves[1:5], shared=tuple(leaves[5:]), precision="fp8", fp8_experts=experts)
+        return [y.detach()] + list(torch.autograd.grad((y.float() ** 2).sum(), leaves))
+
+    every = step()
+    try:
+        for n in (5, sms // 2):
+            mok.set_compute_sms(n)
+            for i, (a, b) in enumerate(zip(every, step())):
+                assert torch.equal(a, b), f"compute_sms {n}: output {i} differs"
+    finally:
+        mok.set_compute_sms(0)
+    mok.check()
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("concatenated", [False, True])
 def test_fp8_training_step_uses_the_bf16_backward(concatenated):
     """Autograd through mok.moe(precision="fp8"): the FP8 forward saves its pre-activations and

@@ -172,20 +172,29 @@ def test_backward_column_blocks_setting_keys_new_workspaces():
 
 
 @pytest.mark.parametrize("bad", [-1, 2.0, True, "8", None])
-def test_compute_sms_setting_is_checked(bad):
+def test_compute_sms_setting_is_checked(bad):  # (the value before it stays)
     with pytest.raises(ValueError, match=r"mok.set_compute_sms: sms must be an int >= 0 \(0: every SM\)"):
         mok.set_compute_sms(bad)
 
 
-def test_compute_sms_setting_keys_new_workspaces():
+def test_compute_sms_setting_takes_numpy_ints_and_maps_every_sm_to_zero(monkeypatch):
+    """The setting takes any integer (a NumPy one from SM arithmetic too); a workspace is made with
+    it where it leaves SMs free, and with 0 (the every-SM workspace) where it is at least the
+    device's SM count."""
+    np = pytest.importorskip("numpy")
     from mok import ops
 
+    monkeypatch.setattr(ops, "_device_sms", {3: 132})
     try:
-        mok.set_compute_sms(100)
-        assert ops._compute_sms == 100
+        mok.set_compute_sms(np.int64(116))
+        assert ops._compute_sms == 116 and type(ops._compute_sms) is int and ops._compute_sms_on(3) == 116
+        for every in (132, 200, 2**40):
+            mok.set_compute_sms(every)
+            assert ops._compute_sms_on(3) == 0
+        mok.set_compute_sms(0)
+        assert ops._compute_sms_on(3) == 0
     finally:
         mok.set_compute_sms(0)
-    assert ops._compute_sms == 0
 
 
 def test_a_setting_changed_before_a_capture_is_named_by_the_capture_error(monkeypatch):
@@ -196,6 +205,7 @@ def test_a_setting_changed_before_a_capture_is_named_by_the_capture_error(monkey
     x, w_down = torch.zeros(16, 256), torch.zeros(4, 256, 128)
     key = (x.get_device(), 256, 128, 4, 2, 0, None, "bf16")
     monkeypatch.setattr(ops, "_workspaces", {key + (0, 0): type("Ws", (), {"max_tokens": 64})()})
+    monkeypatch.setattr(ops, "_device_sms", {x.get_device(): 132})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setattr(ops, "_compute_sms", 100)
     with pytest.raises(RuntimeError, match=r"made with other settings \(backward_column_blocks, compute_sms = \(0, 0\)\) "
