@@ -179,8 +179,7 @@ def main():
                 impls["torch"] = tb.TorchImpl(d, tb.moe_eager)
             if "mok-py" in args.impls:
                 impls["mok-py"] = MokPy(d)
-            fp8_shape = p["hidden"] % 128 == 0 and p["intermediate"] % 128 == 0  # (the FP8 layer's scale blocks)
-            if "mok-fp8-py" in args.impls and not fp8_shape:
+            if "mok-fp8-py" in args.impls and not tb.fp8_shape(p):
                 print(f"clock_power: {name}: mok-fp8-py left out (precision fp8 needs H and I multiples of 128)")
             elif "mok-fp8-py" in args.impls:  # (the routed weights quantized once, as layer_bench's)
                 impls["mok-fp8-py"] = MokPy(d, precision="fp8")

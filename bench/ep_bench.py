@@ -223,7 +223,7 @@ def run_checks(d, p, args, ctx):
 
         if impl not in ctx.groups:
             continue
-        if p["hidden"] % 128 == 0 and p["intermediate"] % 128 == 0:
+        if tb.fp8_shape(p):
             attempt(impl, lambda: MokEp(d, ctx.groups[impl], precision="fp8"), fp8_pass)
         elif ctx.rank == 0:  # (no record: FP8 needs H and I multiples of 128)
             print(f"  {p['name']} {impl}: skipped (FP8 needs hidden and intermediate multiples of 128; "

@@ -165,7 +165,7 @@ def run_preset(p, routing, args, server, gpu, emit):
             for ps in passes:
                 fail("mok-py", ps, e)
     fp8_sums = None
-    fp8_shape = p["hidden"] % 128 == 0 and p["intermediate"] % 128 == 0  # (the FP8 layer's scale blocks)
+    fp8_shape = tb.fp8_shape(p)
     if ("mok-fp8-py" in args.impls or "mok-fp8" in args.impls) and not fp8_shape:
         for impl in ("mok-fp8", "mok-fp8-py"):
             for ps in passes:

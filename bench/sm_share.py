@@ -34,16 +34,16 @@ sys.path.insert(0, HERE)
 
 
 def resolve_sms(values, sms):
-    """The compute_sms settings of --sms's values on a GPU of `sms` SMs: 0 stays 0 (every SM), a
-    negative n is sms + n (|n| left free), a positive n is n; refuses a setting that leaves the
-    layer no SM or asks for more than the GPU has."""
+    """The compute_sms settings of --sms's values on a GPU of `sms` SMs, each once: 0 and sms are 0
+    (every SM, as mok.set_compute_sms takes them), a negative n is sms + n (|n| left free), a
+    positive n is n; refuses a setting that leaves the layer no SM or asks for more than the GPU has."""
     out = []
     for v in values:
         n = sms + v if v < 0 else v
         if v != 0 and not 0 < n <= sms:
             raise ValueError(f"sm_share: --sms {v} gives {n} SMs on a GPU of {sms}: must be 1 .. {sms}")
-        out.append(n)
-    return out
+        out.append(0 if n == sms else n)
+    return list(dict.fromkeys(out))
 
 
 def hidden_share(layer_ms, side_ms, both_ms):

@@ -49,6 +49,11 @@ def load_presets(path=os.path.join(HERE, "presets.csv")):
     return out
 
 
+def fp8_shape(p):
+    """Whether the FP8 layer takes preset p's shape: H and I multiples of its 128-wide scale blocks."""
+    return p["hidden"] % 128 == 0 and p["intermediate"] % 128 == 0
+
+
 def benchmark_presets(presets):
     """The presets `--preset all` means: every one-GPU share of a real model (not the
     CPU-sized check cases)."""
