@@ -56,7 +56,8 @@ def main():
         key = next(k for k in ops._workspaces if k[1:3] == (x.shape[1], wd.shape[2]))
         ws_graphs = ops._workspaces[key]
         ws_direct = mok._C.Workspace(*key[1:7], ws_graphs.max_tokens, key[0], training=True, replay_launches=False,
-                                     precision=key[7], backward_column_blocks=key[8], compute_sms=key[9])
+                                     precision=key[7], recompute=key[8], backward_column_blocks=key[9],
+                                     compute_sms=key[10])
         leaves = (x, w, wg, wu, wd)
 
         def measure(title):

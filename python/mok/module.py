@@ -51,14 +51,24 @@ class MoE(nn.Module):
     (precision "fp8"): whether the backward's dgrad GEMMs (and then the weight gradients' too)
     run in E4M3 (keeping W_down^T and [W_gate^T | W_up^T] quantized as well: E * 3 * I * H
     bytes more); None: where that was measured faster (mok.fp8.dgrad_pays: I >= 1024).
+    recompute (backend "mok", bf16, one GPU): mok.moe's recompute=True — a training forward
+    keeps no pre-activations for the backward, which runs GEMM1 again (the same bits).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  shared_intermediate: int = 0, router: Optional[str] = "softmax", renormalize: bool = True,
                  swiglu_limit: Optional[float] = None, backend: str = "mok", load_balancing: bool = False,
                  group=None, fused_gate_up: bool = False, precision: str = "bf16",
-                 fp8_dgrad: Optional[bool] = None, device=None, dtype=torch.bfloat16):
+                 fp8_dgrad: Optional[bool] = None, recompute: bool = False, device=None,
+                 dtype=torch.bfloat16):
         super().__init__()
+        if not isinstance(recompute, bool):
+            raise ValueError(f"mok.MoE: 'recompute' must be True or False, got {recompute!r}")
+        if recompute and (backend != "mok" or precision != "bf16" or group is not None):
+            raise ValueError("mok.MoE: recompute=True runs on the fused bf16 kernel on one GPU (backend='mok', "
+                             f"precision='bf16', group=None), got backend={backend!r}, precision={precision!r}, "
+                             f"group={'None' if group is None else 'given'}")
+        self.recompute = recompute
         if precision not in ("bf16", "fp8"):
             raise ValueError(f"mok.MoE: 'precision' must be 'bf16' or 'fp8', got {precision!r}")
         if precision == "fp8" and backend != "mok":
@@ -256,10 +266,11 @@ class MoE(nn.Module):
                                  swiglu_limit=self.swiglu_limit, group=self.group.group)
         elif self.precision == "fp8":
             y = moe(x2, ids, weights, gate, up, self.w_down, shared=shared, swiglu_limit=self.swiglu_limit,
-                    precision="fp8", fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=self._fp8_dgrad(),
-                                                                where="mok.MoE"))
+                    precision="fp8", recompute=self.recompute,
+                    fp8_experts=cached_experts(self, gate, up, self.w_down, dgrad=self._fp8_dgrad(), where="mok.MoE"))
+        elif self.backend == "mok":
+            y = moe(x2, ids, weights, gate, up, self.w_down, shared=shared, swiglu_limit=self.swiglu_limit,
+                    recompute=self.recompute)
         else:
-            layer = moe if self.backend == "mok" else moe_torch
-            y = layer(x2, ids, weights, gate, up, self.w_down, shared=shared,
-                      swiglu_limit=self.swiglu_limit)
+            y = moe_torch(x2, ids, weights, gate, up, self.w_down, shared=shared, swiglu_limit=self.swiglu_limit)
         return y.reshape(shape)

@@ -113,35 +113,40 @@ def set_fp8_weight_gradients(on: bool) -> None:
     _fp8_weight_gradients = on
 
 
-def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="bf16"):
-    """The workspace of this layer shape, precision and device, made on first use and remade
+def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="bf16", recompute=False):
+    """The workspace of this layer shape, precision, training mode and device, made on first use and remade
     for a larger T when one comes (a workspace serves every T up to its max_tokens: variable
     batch or sequence lengths hold one per shape, the size of the largest). It is made for
     training (4*ceil(I/256) bytes per row more than an inference one) so that training steps
     and evaluation under no_grad share one workspace instead of holding two. (An fp8 one
-    serves mok.fp8_layer's forwards; their backward is the bf16 one's.)"""
+    serves mok.fp8_layer's forwards; their backward is the bf16 one's. recompute: a
+    Training::recompute one — its forward saves nothing, its backward runs GEMM1 again into the
+    call's scratch; it serves the inference forwards of the layers that train with it too.)"""
     T, H = x.shape
     E, _, I = w_down.shape
     device = x.get_device()
     compute_sms = _compute_sms_on(device)
-    key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit, precision, _backward_column_blocks, compute_sms)
+    key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit, precision, recompute, _backward_column_blocks,
+           compute_sms)
     ws = _workspaces.get(key)
     if ws is None or ws.max_tokens < T:
         if torch.cuda.is_current_stream_capturing():
-            settings = sorted({(k[-2], k[-1]) for k in _workspaces if k[:-2] == key[:-2]} - {key[-2:]})
+            settings = sorted({k[-3:] for k in _workspaces if k[:-3] == key[:-3]} - {key[-3:]})
             if ws is None and settings:  # (this shape has workspaces, made with other settings)
                 raise RuntimeError(
-                    f"mok.moe: this layer shape's workspaces were made with other settings (backward_column_blocks, "
-                    f"compute_sms = {', '.join(map(str, settings))}) than now ({_backward_column_blocks}, {compute_sms}: "
-                    "mok.set_backward_column_blocks, mok.set_compute_sms); the new one is allocated outside CUDA graph "
-                    "capture: run the layer once with these settings before capturing")
+                    f"mok.moe: this layer shape's workspaces were made with other settings (recompute, "
+                    f"backward_column_blocks, compute_sms = {', '.join(map(str, settings))}) than now ({recompute}, "
+                    f"{_backward_column_blocks}, {compute_sms}: mok.moe's recompute, mok.set_backward_column_blocks, "
+                    "mok.set_compute_sms); the new one is allocated outside CUDA graph capture: run the layer once "
+                    "with these settings before capturing")
             raise RuntimeError(f"mok.moe: a call with {T} tokens needs a workspace for more tokens than this "
                                f"layer shape has seen ({0 if ws is None else ws.max_tokens}); it is allocated "
                                "outside CUDA graph capture: run the largest token count once before capturing")
         if ws is not None:  # replaced: report what its calls recorded (synchronises, once per growth)
             ws.check(torch.cuda.current_stream(x.device).cuda_stream)
         ws = _C.Workspace(H, I, E, top_k, shared_intermediate, swiglu_limit, T, device, training=True,
-                          precision=precision, backward_column_blocks=_backward_column_blocks, compute_sms=compute_sms)
+                          precision=precision, backward_column_blocks=_backward_column_blocks, compute_sms=compute_sms,
+                          recompute=recompute)
         _workspaces[key] = ws
     return ws
 
@@ -205,20 +210,21 @@ def _ep_group(group_id):
     return group
 
 
-def _forward_rows(x, topk_ids, w_down, shared_gate, swiglu_limit):
+def _forward_rows(x, topk_ids, w_down, shared_gate, swiglu_limit, recompute=False):
     """The first of the eager one-GPU forward's two enqueues (mok::forward_rows): the plan and
     x's routed rows, which need only the workspace and the scratch, so that the GPU copies rows
     while the host allocates y and the saved tensor. (ws, scratch) for _run_forward's `rows`."""
-    ws = _workspace(x, w_down, topk_ids.shape[1], _shared_size(shared_gate), swiglu_limit)
+    ws = _workspace(x, w_down, topk_ids.shape[1], _shared_size(shared_gate), swiglu_limit, recompute=recompute)
     scratch = _scratch(ws.forward_scratch_bytes(x.shape[0]), x.device)
     _C.forward_rows(ws, to_dlpack(x), to_dlpack(topk_ids), _stream(x), to_dlpack(scratch))
     return ws, scratch
 
 
 def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                 swiglu_limit, num_experts, group_id, training, check=True, rows=None):
+                 swiglu_limit, num_experts, group_id, training, check=True, rows=None, recompute=False):
     """The fused forward on the current stream, on one GPU or as a rank of an EP group: y, and
-    (training) the gate/up pre-activations (bf16, flat) the backward reads, else None. The one
+    (training without recompute) the gate/up pre-activations (bf16, flat) the backward reads,
+    else None (recompute: the backward runs GEMM1 again; one GPU only). The one
     body of the custom ops and of the eager path. w_up None: the extension takes the two
     halves of the concatenated w_gate as views (no Python slicing: host time before the first
     launch, which the GPU waits for). check=False: the caller leaves the checks to the
@@ -231,7 +237,7 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
     k, T = topk_ids.shape[1], x.shape[0]
     y = torch.empty_like(x)
     saved = None
-    if training:
+    if training and not recompute:
         saved = torch.empty(_saved_elements(x, w_down, k, shared_gate, swiglu_limit, num_experts),
                             dtype=torch.bfloat16, device=x.device)
     if group_id == ONE_GPU and T == 0:
@@ -241,7 +247,7 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
     if rows is not None:
         _C.forward(rows[0], *tensors, scratch=to_dlpack(rows[1]), rows_enqueued=True)
     elif group_id == ONE_GPU:
-        ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit)
+        ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit, recompute=recompute)
         _C.forward(ws, *tensors, scratch=to_dlpack(_scratch(ws.forward_scratch_bytes(T), x.device)))
     else:
         rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit,
@@ -257,7 +263,8 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
     (_input_grads splits it). fp8_dgrad: (down_t, down_t_exponents, gate_up_t,
     gate_up_t_exponents) of mok.fp8.quantize_experts(..., dgrad=True): the dgrad GEMMs in E4M3
     (after mok.fp8_layer's FP8 forward; with FP8 weight gradients unless
-    set_fp8_weight_gradients(False))."""
+    set_fp8_weight_gradients(False)). saved None: the forward ran with recompute (one GPU, bf16):
+    the backward runs GEMM1 again first, on the recompute workspace."""
     dy = dy.contiguous()
     grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, paired=True)
     d_gate, d_up = _gate_up_grads(grads, w_up)
@@ -267,7 +274,8 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
     k = topk_ids.shape[1]
     if group_id == ONE_GPU:
         fp8 = fp8_dgrad is not None
-        ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit, precision="fp8" if fp8 else "bf16")
+        ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit, precision="fp8" if fp8 else "bf16",
+                        recompute=saved is None)
         # (dx, grads[0], is a tensor of its own: the dy rows that miss the gradients may continue in it)
         wgrad = fp8 and _fp8_weight_gradients
         nbytes = ws.backward_scratch_bytes(False, x.shape[0], _gate_up_adjacent(d_gate, d_up), True, fp8, wgrad)
@@ -293,14 +301,16 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
 def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
                 w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
                 shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
-                swiglu_limit: Optional[float], num_experts: int, group_id: int) -> torch.Tensor:
+                swiglu_limit: Optional[float], num_experts: int, group_id: int, recompute: bool = False) -> torch.Tensor:
+    """The forward without autograd (recompute: on the workspace of the layers that train with
+    recompute, so that they hold one)."""
     return _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                        swiglu_limit, num_experts, group_id, training=False)[0]
+                        swiglu_limit, num_experts, group_id, training=False, recompute=recompute)[0]
 
 
 @moe_forward.register_fake
 def _moe_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                      swiglu_limit, num_experts, group_id):
+                      swiglu_limit, num_experts, group_id, recompute=False):
     _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
            num_experts, group_id)
     return torch.empty_like(x)
@@ -310,20 +320,21 @@ def _moe_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
 def moe_train_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
                       w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
                       shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
-                      swiglu_limit: Optional[float], num_experts: int,
-                      group_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                      swiglu_limit: Optional[float], num_experts: int, group_id: int,
+                      recompute: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """The forward of a training step: y, and the gate/up pre-activations (bf16, flat) the
-    backward reads."""
-    return _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                        swiglu_limit, num_experts, group_id, training=True)
+    backward reads — with recompute (one GPU) an empty tensor: the backward runs GEMM1 again."""
+    y, saved = _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                            swiglu_limit, num_experts, group_id, training=True, recompute=recompute)
+    return y, saved if saved is not None else x.new_empty((0,), dtype=torch.bfloat16)
 
 
 @moe_train_forward.register_fake
 def _moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
-                            swiglu_limit, num_experts, group_id):
+                            swiglu_limit, num_experts, group_id, recompute=False):
     _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
            num_experts, group_id)
-    n = _fake_saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
+    n = 0 if recompute else _fake_saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
     return torch.empty_like(x), x.new_empty((n,), dtype=torch.bfloat16)
 
 
@@ -335,14 +346,15 @@ def _moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, sha
 def moe_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
                  shared_gate: Optional[torch.Tensor], shared_up: Optional[torch.Tensor],
-                 shared_down: Optional[torch.Tensor], saved: torch.Tensor, swiglu_limit: Optional[float],
+                 shared_down: Optional[torch.Tensor], saved: Optional[torch.Tensor], swiglu_limit: Optional[float],
                  num_experts: int, group_id: int, down_t: Optional[torch.Tensor] = None,
                  down_t_exponents: Optional[torch.Tensor] = None, gate_up_t: Optional[torch.Tensor] = None,
                  gate_up_t_exponents: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """dx, d_topk_weights, d_w_gate, d_w_up, d_w_down[, d_shared_gate, d_shared_up, d_shared_down];
     d_w_gate and d_w_up as one [2, E, I, H] block in d_w_gate's place (d_w_up empty) when both
-    weights are contiguous and alike (_input_grads takes its halves). down_t ..
-    gate_up_t_exponents: the FP8 dgrad's operands (mok.fp8_layer), else None."""
+    weights are contiguous and alike (_input_grads takes its halves). saved None: the forward ran
+    with recompute (GEMM1 runs again). down_t .. gate_up_t_exponents: the FP8 dgrad's operands
+    (mok.fp8_layer), else None."""
     dgrad = None if down_t is None else (down_t, down_t_exponents, gate_up_t, gate_up_t_exponents)
     return _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
                          saved, swiglu_limit, num_experts, group_id, fp8_dgrad=dgrad)
@@ -354,20 +366,22 @@ def _moe_backward_fake(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shar
     return _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, paired=True)
 
 
-_TENSOR_INPUTS = 9  # x .. shared_down; then swiglu_limit, num_experts, group_id
+_TENSOR_INPUTS = 9  # x .. shared_down; then swiglu_limit, num_experts, group_id (and the ops' recompute)
 
 
 def _save(ctx, inputs, saved, swiglu_limit, num_experts, group_id, extra=()):
     """What the backward reads (its inputs: _backward_inputs): the train-forward's tensor
     inputs (the first _TENSOR_INPUTS of `inputs`), the saved pre-activations, and the layer's
     swiglu_limit, num_experts and group id (mok.fp8_layer's train-forward saves the same, and
-    its dgrad operands as `extra`, which _backward_inputs returns beside the arguments)."""
+    its dgrad operands as `extra`, which _backward_inputs returns beside the arguments). saved
+    None: the forward ran with recompute."""
     ctx.save_for_backward(*inputs[:_TENSOR_INPUTS], saved, *extra)
     ctx.swiglu_limit, ctx.num_experts, ctx.group_id = swiglu_limit, num_experts, group_id
 
 
 def _train_setup_context(ctx, inputs, output):
-    _save(ctx, inputs, output[1], *inputs[_TENSOR_INPUTS:])
+    recompute = inputs[_TENSOR_INPUTS + 3]  # (the op's inputs come with their defaults filled in)
+    _save(ctx, inputs, None if recompute else output[1], *inputs[_TENSOR_INPUTS:_TENSOR_INPUTS + 3])
     ctx.mark_non_differentiable(output[1])
 
 
@@ -398,7 +412,7 @@ def _input_grads(grads, args, trailing=3):
 
 def _train_backward(ctx, grad_y, grad_saved):
     args, _ = _backward_inputs(ctx, grad_y)
-    return _input_grads(moe_backward(*args), args)
+    return _input_grads(moe_backward(*args), args, trailing=4)
 
 
 moe_train_forward.register_autograd(_train_backward, setup_context=_train_setup_context)
@@ -410,7 +424,7 @@ def _no_backward(ctx, grad):
 
 
 def _forward_setup_context(ctx, inputs, output):
-    ctx.group_id = inputs[-1]
+    ctx.group_id = inputs[_TENSOR_INPUTS + 2]
 
 
 moe_forward.register_autograd(_no_backward, setup_context=_forward_setup_context)
@@ -419,18 +433,18 @@ moe_forward.register_autograd(_no_backward, setup_context=_forward_setup_context
 class _EagerTrainStep(torch.autograd.Function):
     """The layer with autograd outside torch.compile: the same forward and backward bodies as
     the custom ops, without the custom-op dispatch (its per-call checks cost about as much host
-    time as the whole C++ call). apply(rows, *inputs): rows as _run_forward's."""
+    time as the whole C++ call). apply(rows, recompute, *inputs): rows as _run_forward's."""
 
     @staticmethod
-    def forward(ctx, rows, *inputs):
-        y, saved = _run_forward(*inputs, training=True, check=inputs[-1] != ONE_GPU, rows=rows)
+    def forward(ctx, rows, recompute, *inputs):
+        y, saved = _run_forward(*inputs, training=True, check=inputs[-1] != ONE_GPU, rows=rows, recompute=recompute)
         _save(ctx, inputs, saved, *inputs[_TENSOR_INPUTS:])
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         args, _ = _backward_inputs(ctx, grad_y)
-        return (None, *_input_grads(_run_backward(*args), args))
+        return (None, None, *_input_grads(_run_backward(*args), args))
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -447,8 +461,10 @@ def _eager(tensors) -> bool:
     return True
 
 
-def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, group_id):
+def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, group_id,
+               recompute=False):
     """mok.moe and mok.ep.moe: the eager path or the custom ops, with autograd when it records.
+    recompute (one GPU): the training forward saves nothing and the backward runs GEMM1 again.
     The eager path of one GPU leaves the argument checks to the extension (the same checks in
     C++; the GPU waits for every µs of host time before the layer's first launch) and runs the
     Python ones only when the call fails, so that a bad argument is named as the custom ops name
@@ -460,18 +476,20 @@ def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_l
           or not all(isinstance(t, torch.Tensor) for t in shared)):  # (names it)
         check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts,
                        _where(group_id))
+    if recompute and group_id != ONE_GPU:
+        raise ValueError(f"{_where(group_id)}: recompute=True is not supported in an expert-parallel group yet")
     args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, num_experts, group_id)
     tensors = [t for t in args[:9] if t is not None]
     train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if not _eager(tensors):
-        return moe_train_forward(*args)[0] if train else moe_forward(*args)
+        return moe_train_forward(*args, recompute)[0] if train else moe_forward(*args, recompute)
     try:
         rows = None
         if group_id == ONE_GPU and x.shape[0] > 0:
-            rows = _forward_rows(x, topk_ids, w_down, shared[0], swiglu_limit)
+            rows = _forward_rows(x, topk_ids, w_down, shared[0], swiglu_limit, recompute)
         if train:
-            return _EagerTrainStep.apply(rows, *args)
-        return _run_forward(*args, training=False, check=group_id != ONE_GPU, rows=rows)[0]
+            return _EagerTrainStep.apply(rows, recompute, *args)
+        return _run_forward(*args, training=False, check=group_id != ONE_GPU, rows=rows, recompute=recompute)[0]
     except Exception:
         if group_id != ONE_GPU:
             raise
@@ -484,7 +502,8 @@ def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_l
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
         w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
-        swiglu_limit: Optional[float] = None, *, precision: str = "bf16", fp8_experts=None) -> torch.Tensor:
+        swiglu_limit: Optional[float] = None, *, precision: str = "bf16", fp8_experts=None,
+        recompute: bool = False) -> torch.Tensor:
     """The fused MoE layer on the current CUDA stream.
 
     x [T, H] bf16; topk_ids [T, k] int32/int64 (-1 = no expert); topk_weights [T, k] fp32;
@@ -507,8 +526,17 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     mok.fp8.quantize_experts(w_gate, w_up, w_down), else the call quantizes them itself. Made
     with quantize_experts(..., dgrad=True), the backward's dgrad GEMMs run in E4M3 too (else in
     bf16; mok.fp8.dgrad_pays(w_down) says where that is faster).
+    recompute=True (bf16): the training forward saves nothing (no k*2I*2 bytes a token kept
+    until the backward) and the backward runs GEMM1 again first, in the call's scratch — the
+    same bits as without it, for about 2/3 of a forward more work a step; cheaper than
+    torch.utils.checkpoint around the layer, which runs the whole forward again.
     """
+    if type(recompute) is not bool:
+        raise ValueError(f"mok.moe: recompute must be True or False, got {recompute!r}")
     swiglu_limit = as_limit(swiglu_limit)
+    if recompute and precision == "fp8":
+        raise ValueError("mok.moe: recompute=True needs precision='bf16': the FP8 backward reads the pre-activations "
+                         "the FP8 forward saved (a recompute would redo GEMM1 in bf16)")
     if precision == "fp8":
         from mok.fp8_layer import moe_fp8
 
@@ -518,7 +546,8 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     if fp8_experts is not None:
         raise ValueError("mok.moe: fp8_experts was given, but precision is 'bf16' (pass precision='fp8')")
     num_experts = w_gate.shape[0] if isinstance(w_gate, torch.Tensor) and w_gate.dim() > 0 else 0
-    return call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, ONE_GPU)
+    return call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, ONE_GPU,
+                      recompute)
 
 
 def check() -> None:

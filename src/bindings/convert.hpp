@@ -204,7 +204,8 @@ void def_forward_fp8(nb::module_& m, const char* name, const char* target, const
 
 // The same for the backward: name(target, forward's inputs, saved, dy, dx, d_topk_weights,
 // d_w_gate, d_w_up, d_w_down, d_shared_*, stream, scratch=None, fp8_dgrad=None, fp8_wgrad=False)
-// (w_up, d_w_up None: concatenated; fp8_dgrad: BackwardArgs::fp8 as (down_t, down_t_exponents,
+// (w_up, d_w_up None: concatenated; saved None: the target recomputes the pre-activations
+// (Training::recompute); fp8_dgrad: BackwardArgs::fp8 as (down_t, down_t_exponents,
 // gate_up_t, gate_up_t_exponents), mok.fp8.quantize_dgrad_experts' tensors; fp8_wgrad:
 // BackwardArgs::fp8_weight_gradients).
 template <typename Target, typename Run>
@@ -213,8 +214,8 @@ void def_backward(nb::module_& m, const char* name, const char* target, const ch
       name,
       [where, run](Target& t, nb::ndarray<> x, nb::ndarray<> ids, nb::ndarray<> weights, nb::ndarray<> gate,
                    std::optional<nb::ndarray<>> up, nb::ndarray<> down, std::optional<nb::ndarray<>> shared_gate,
-                   std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down, nb::ndarray<> saved,
-                   nb::ndarray<> dy, nb::ndarray<> dx, nb::ndarray<> d_weights, nb::ndarray<> d_gate,
+                   std::optional<nb::ndarray<>> shared_up, std::optional<nb::ndarray<>> shared_down,
+                   std::optional<nb::ndarray<>> saved, nb::ndarray<> dy, nb::ndarray<> dx, nb::ndarray<> d_weights, nb::ndarray<> d_gate,
                    std::optional<nb::ndarray<>> d_up, nb::ndarray<> d_down, std::optional<nb::ndarray<>> d_shared_gate,
                    std::optional<nb::ndarray<>> d_shared_up, std::optional<nb::ndarray<>> d_shared_down,
                    std::uintptr_t stream, std::optional<nb::ndarray<>> scratch,
@@ -230,14 +231,14 @@ void def_backward(nb::module_& m, const char* name, const char* target, const ch
                                        view_of(gate_up_t_exponents)};
         }
         b.fp8_weight_gradients = fp8_wgrad;
-        const mok::TensorView saved_view = view_of(saved);
+        const std::optional<mok::TensorView> saved_view = optional_view(saved);
         const std::optional<mok::TensorView> scratch_view = optional_view(scratch);
         nb::gil_scoped_release release;
         run(t, a, b, reinterpret_cast<cudaStream_t>(stream), saved_view, scratch_view);
       },
       nb::arg(target), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w_gate"), nb::arg("w_up").none(),
       nb::arg("w_down"), nb::arg("shared_gate").none(), nb::arg("shared_up").none(), nb::arg("shared_down").none(),
-      nb::arg("saved"), nb::arg("dy"), nb::arg("dx"), nb::arg("d_topk_weights"), nb::arg("d_w_gate"),
+      nb::arg("saved").none(), nb::arg("dy"), nb::arg("dx"), nb::arg("d_topk_weights"), nb::arg("d_w_gate"),
       nb::arg("d_w_up").none(), nb::arg("d_w_down"), nb::arg("d_shared_gate").none(), nb::arg("d_shared_up").none(),
       nb::arg("d_shared_down").none(), nb::arg("stream"), nb::arg("scratch").none() = nb::none(),
       nb::arg("fp8_dgrad").none() = nb::none(), nb::arg("fp8_wgrad") = false);

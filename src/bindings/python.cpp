@@ -100,7 +100,7 @@ NB_MODULE(_C, m) {
           [](mok::Workspace* self, std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts,
              std::int64_t top_k, std::int64_t shared_intermediate, std::optional<float> limit, std::int64_t tokens,
              int device, int compute_sms, double timeout_seconds, bool training, const std::string& precision,
-             bool replay_launches, int backward_column_blocks) {
+             bool replay_launches, int backward_column_blocks, bool recompute) {
             if (precision != "bf16" && precision != "fp8")
               throw nb::value_error(("mok.Workspace: precision must be 'bf16' or 'fp8', got '" + precision + "'").c_str());
             if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
@@ -114,13 +114,20 @@ NB_MODULE(_C, m) {
             config.backward_column_blocks = backward_column_blocks;
             new (self) mok::Workspace(make_shape(hidden, intermediate, num_experts, num_experts, top_k,
                                                  shared_intermediate, limit),
-                                      tokens, config, training ? mok::Training::save : mok::Training::off);
+                                      tokens, config,
+                                      !training   ? mok::Training::off
+                                      : recompute ? mok::Training::recompute
+                                                  : mok::Training::save);
           },
           nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("top_k"),
           nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("max_tokens"), nb::arg("device"),
           nb::arg("compute_sms") = 0, nb::arg("timeout_seconds") = 10.0, nb::arg("training") = false,
-          nb::arg("precision") = "bf16", nb::arg("replay_launches") = true, nb::arg("backward_column_blocks") = 0)
+          nb::arg("precision") = "bf16", nb::arg("replay_launches") = true, nb::arg("backward_column_blocks") = 0,
+          nb::arg("recompute") = false)
       .def_prop_ro("max_tokens", &mok::Workspace::max_tokens)
+      // training with recompute=True: the backward runs GEMM1 again (Training::recompute), so
+      // the forward saves nothing and the backward takes saved=None
+      .def_prop_ro("recompute", [](const mok::Workspace& ws) { return ws.training() == mok::Training::recompute; })
       .def_prop_ro("replayed_calls", &mok::Workspace::replayed_calls)  // (Config::replay_launches)
       .def_prop_ro("compute_sms", [](const mok::Workspace& ws) { return ws.config().compute_sms; })
       .def_prop_ro("captured_calls", &mok::Workspace::captured_calls)
@@ -185,7 +192,7 @@ NB_MODULE(_C, m) {
 
   def_backward<mok::Workspace>(m, "backward", "workspace", "mok.backward",
                                [](mok::Workspace& ws, const mok::ForwardArgs& a, const mok::BackwardArgs& b,
-                                  cudaStream_t stream, const mok::TensorView& saved,
+                                  cudaStream_t stream, const std::optional<mok::TensorView>& saved,
                                   const std::optional<mok::TensorView>& scratch) {
                                  mok::backward(a, b, ws, stream, saved, scratch);
                                });
@@ -275,7 +282,7 @@ NB_MODULE(_C, m) {
 
   def_backward<mok::EpRank>(m, "ep_backward", "rank", "mok.ep_backward",
                             [](mok::EpRank& rank, const mok::ForwardArgs& a, const mok::BackwardArgs& b,
-                               cudaStream_t stream, const mok::TensorView& saved,
+                               cudaStream_t stream, const std::optional<mok::TensorView>& saved,
                                const std::optional<mok::TensorView>& scratch) {
                               if (scratch) throw mok::ArgumentError("mok.ep_backward: scratch: an EP rank owns its buffers; pass None");
                               rank.backward(a, b, stream, saved);

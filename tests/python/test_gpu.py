@@ -136,6 +136,60 @@ def test_fewer_compute_sms_give_the_same_bits_forward_and_backward():
         mok.set_compute_sms(0)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_recompute_gives_the_bits_of_the_saving_layer_and_keeps_nothing(fused):
+    """recompute=True: a training forward keeps no pre-activations for the backward (what it
+    leaves allocated is y alone; the saving layer's is y and its saved tensor), and the
+    backward, which runs GEMM1 again, gives every gradient and y bitwise those of the saving
+    layer — eager and compiled, with a shared expert and the clamp; fused: w_gate [E, 2I, H]
+    and w_up None. The workspace it makes is a Training::recompute one."""
+    from mok import ops
+
+    x, ids, w, gate, up, down, sh = _problem(seed=23, shared=128, padding=0.2)
+    dy = torch.randn_like(x)
+    weights = (torch.cat([gate, up], dim=1), None) if fused else (gate, up)
+
+    def run(layer, recompute):
+        leaves = [_leaf(t) for t in (x, w, weights[0], down, *sh)] + ([] if fused else [_leaf(weights[1])])
+        up_leaf = None if fused else leaves[-1]
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = layer(leaves[0], ids, leaves[1], leaves[2], up_leaf, leaves[3], shared=tuple(leaves[4:7]),
+                  swiglu_limit=0.75, recompute=recompute)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        return [y.detach(), *torch.autograd.grad(y, leaves, dy)], held
+
+    saving, held_saving = run(mok.moe, False)
+    keys = set(ops._workspaces)
+    recomputing, held = run(mok.moe, True)
+    made = [ws for key, ws in ops._workspaces.items() if key not in keys]
+    assert len(made) <= 1 and all(ws.recompute for ws in made)
+    assert any(ws.recompute for ws in ops._workspaces.values())
+    saved_bytes = 2 * ops._saved_elements(x, down, ids.shape[1], sh[0], 0.75, down.shape[0])
+    y_bytes = x.numel() * x.element_size()
+    assert held <= y_bytes + 512 and held_saving >= held + saved_bytes, (held, held_saving, saved_bytes)
+    compiled, _ = run(torch.compile(mok.moe, fullgraph=True), True)
+    for i, (a, b, c) in enumerate(zip(saving, recomputing, compiled)):
+        assert torch.equal(a, b), f"recompute: output {i} differs from the saving layer's"
+        assert torch.equal(a, c), f"compiled recompute: output {i} differs from the saving layer's"
+
+
+def test_module_with_recompute_trains_with_the_bits_of_the_saving_module():
+    torch.manual_seed(3)
+    layers = [mok.MoE(256, 192, 8, 2, shared_intermediate=128, device="cuda", recompute=r) for r in (False, True)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(300, 256, device="cuda").bfloat16()
+    runs = []
+    for layer in layers:
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        (y.float() ** 2).sum().backward()
+        runs.append([y.detach(), xi.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*runs):
+        assert b is not None and torch.equal(a, b)
+
+
 def test_repeated_steps_are_replayed_from_graphs_bitwise():
     """A training loop repeats its calls (the caching allocator hands back the same blocks):
     from the second call of a forward or backward on, the workspace enqueues it as one CUDA
@@ -292,9 +346,11 @@ def test_second_backward_through_one_forward_is_refused():
         y.sum().backward()
 
 
-def test_cuda_graph_of_forward_and_backward():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_cuda_graph_of_forward_and_backward(recompute):
     # A training step captured once and replayed with new routing and data: gradients must
     # match an eager step on the same inputs bit for bit (nothing synchronises with the host).
+    # recompute: the captured step recomputes GEMM1 in its backward; the eager one saves.
     x, ids, w, gate, up, down, _ = _problem(seed=10)
     leaves = [_leaf(t) for t in (x, w, gate, up, down)]
     dy = torch.randn_like(x)
@@ -302,7 +358,7 @@ def test_cuda_graph_of_forward_and_backward():
     def step():
         for t in leaves:
             t.grad = None
-        mok.moe(leaves[0], ids, *leaves[1:]).backward(dy)
+        mok.moe(leaves[0], ids, *leaves[1:], recompute=recompute).backward(dy)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -313,7 +369,7 @@ def test_cuda_graph_of_forward_and_backward():
     for t in leaves:
         t.grad = None
     with torch.cuda.graph(graph):
-        mok.moe(leaves[0], ids, *leaves[1:]).backward(dy)
+        mok.moe(leaves[0], ids, *leaves[1:], recompute=recompute).backward(dy)
     grads_in_graph = [t.grad for t in leaves]
     nx, nids, nw, *_ = _problem(seed=11)
     with torch.no_grad():

@@ -204,14 +204,16 @@ def test_a_setting_changed_before_a_capture_is_named_by_the_capture_error(monkey
 
     x, w_down = torch.zeros(16, 256), torch.zeros(4, 256, 128)
     key = (x.get_device(), 256, 128, 4, 2, 0, None, "bf16")
-    monkeypatch.setattr(ops, "_workspaces", {key + (0, 0): type("Ws", (), {"max_tokens": 64})()})
+    monkeypatch.setattr(ops, "_workspaces", {key + (False, 0, 0): type("Ws", (), {"max_tokens": 64})()})
     monkeypatch.setattr(ops, "_device_sms", {x.get_device(): 132})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setattr(ops, "_compute_sms", 100)
-    with pytest.raises(RuntimeError, match=r"made with other settings \(backward_column_blocks, compute_sms = \(0, 0\)\) "
-                                           r"than now \(0, 100"):
+    with pytest.raises(RuntimeError, match=r"made with other settings \(recompute, backward_column_blocks, compute_sms = "
+                                           r"\(False, 0, 0\)\) than now \(False, 0, 100"):
         ops._workspace(x, w_down, 2, 0, None)
     monkeypatch.setattr(ops, "_compute_sms", 0)
+    with pytest.raises(RuntimeError, match=r"than now \(True, 0, 0: mok.moe's recompute"):
+        ops._workspace(x, w_down, 2, 0, None, recompute=True)
     assert ops._workspace(x, w_down, 2, 0, None).max_tokens == 64  # (the settings it was made with: no new one)
     with pytest.raises(RuntimeError, match=r"a call with 100 tokens needs a workspace for more tokens than this layer "
                                            r"shape has seen \(64\)"):
@@ -356,3 +358,50 @@ def test_compiled_training_step_hands_autograd_the_halves_of_the_gate_up_block(m
         assert t.grad.shape == t.shape and torch.all(t.grad == value), (t.shape, t.grad.flatten()[:4])
     assert (gate.grad.data_ptr(), up.grad.data_ptr()) == pointers[0]  # the block's halves themselves
     assert up.grad.data_ptr() == gate.grad.data_ptr() + gate.grad.nbytes
+
+
+def test_recompute_saves_nothing_and_traces_through_the_fake_implementations():
+    """recompute=True: the train-forward op's saved tensor is empty (the backward runs GEMM1
+    again), every gradient keeps its shape, and a compiled step traces through the ops."""
+    args = _meta_args()
+    for name in ("x", "topk_weights", "w_gate", "w_up", "w_down"):
+        args[name].requires_grad_(True)
+    y, saved = torch.ops.mok.moe_train_forward(args["x"], args["topk_ids"], args["topk_weights"], args["w_gate"],
+                                               args["w_up"], args["w_down"], None, None, None, None, 4, 0, True)
+    assert saved.shape == (0,) and y.shape == args["x"].shape
+    _, kept = torch.ops.mok.moe_train_forward(args["x"], args["topk_ids"], args["topk_weights"], args["w_gate"],
+                                              args["w_up"], args["w_down"], None, None, None, None, 4, 0)
+    assert kept.numel() == mok._C.saved_elements(128, 64, 4, 2, 0, None, 8)
+    names = ("x", "topk_weights", "w_gate", "w_up", "w_down")
+    y = mok.moe(**args, recompute=True)
+    grads = torch.autograd.grad(y, [args[n] for n in names], torch.empty_like(y))
+    for g, n in zip(grads, names):
+        assert g.shape == args[n].shape and g.dtype == args[n].dtype, n
+
+    def step(x, topk_weights, w_gate, w_up, w_down):
+        return mok.moe(x, args["topk_ids"], topk_weights, w_gate, w_up, w_down, recompute=True).float().sum()
+
+    leaves = {n: args[n].detach().requires_grad_() for n in names}
+    torch.compile(step, backend="aot_eager", fullgraph=True)(**leaves).backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves.values())
+
+
+@pytest.mark.parametrize("bad", [1, 0, "yes", None])
+def test_recompute_argument_is_checked(bad):
+    with pytest.raises(ValueError, match=r"mok.moe: recompute must be True or False, got"):
+        mok.moe(**_meta_args(), recompute=bad)
+    with pytest.raises(ValueError, match=r"mok.MoE: 'recompute' must be True or False, got"):
+        mok.MoE(128, 64, 4, 2, recompute=bad, device="meta")
+
+
+def test_recompute_is_refused_where_it_does_not_run():
+    with pytest.raises(ValueError, match=r"recompute=True needs precision='bf16'"):
+        mok.moe(**_meta_args(), precision="fp8", recompute=True)
+    for kw, named in ((dict(backend="torch"), "backend='torch'"), (dict(precision="fp8"), "precision='fp8'")):
+        with pytest.raises(ValueError, match=r"mok.MoE: recompute=True runs on the fused bf16 kernel on one GPU .*"
+                                             + named):
+            mok.MoE(128, 128, 4, 2, recompute=True, device="meta", **kw)
+    from mok import ops
+
+    with pytest.raises(ValueError, match=r"recompute=True is not supported in an expert-parallel group yet"):
+        ops.call_layer(*_meta_args().values(), None, None, 4, 7, recompute=True)
