@@ -108,9 +108,6 @@ def main():
                                 vs_save_range=[min(ratio), max(ratio)], held_bytes=held[v], peak_bytes=peak[v],
                                 checked_bitwise=True, gpu=gpu, commit=args.commit, date=args.date,
                                 torch=torch.__version__, iters=args.iters))
-        for t in leaves:
-            t.requires_grad_(False)
-        del d, leaves
         from mok import ops
 
         ops._workspaces.clear()
