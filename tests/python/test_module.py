@@ -115,7 +115,7 @@ def test_eager_training_steps_unpack_their_saved_tensors_once(monkeypatch, step)
     def layer(x):
         tensors = (x, ids, w, gate, up, down, None, None, None)
         if step == "bf16":
-            return ops._EagerTrainStep.apply(None, *tensors, None, E, 0)
+            return ops._EagerTrainStep.apply(None, False, *tensors, None, E, 0)
         experts = (x,) * fp8_layer._FORWARD_ARGS + (dgrad if step == "fp8-dgrad" else (None,) * 4)
         return fp8_layer._EagerTrainStep.apply(*tensors, None, E, 0, *experts)
 
