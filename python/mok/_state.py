@@ -4,7 +4,7 @@ and device) and the live expert-parallel groups of mok.ep, released at exit."""
 import atexit
 import weakref
 
-# mok.moe: (device, H, I, E, k, I_s, swiglu_limit, precision, backward_column_blocks, compute_sms)
+# mok.moe: (device, H, I, E, k, I_s, swiglu_limit, precision, recompute, backward_column_blocks, compute_sms)
 # -> mok._C.Workspace for the largest T seen
 workspaces = {}
 
