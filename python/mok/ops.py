@@ -126,8 +126,8 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
     E, _, I = w_down.shape
     device = x.get_device()
     compute_sms = _compute_sms_on(device)
-    key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit, precision, recompute, _backward_column_blocks,
-           compute_sms)
+    blocks = 0 if recompute else _backward_column_blocks  # (a recompute's GEMM1 reads whole x rows: one block)
+    key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit, precision, recompute, blocks, compute_sms)
     ws = _workspaces.get(key)
     if ws is None or ws.max_tokens < T:
         if torch.cuda.is_current_stream_capturing():
@@ -136,7 +136,7 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
                 raise RuntimeError(
                     f"mok.moe: this layer shape's workspaces were made with other settings (recompute, "
                     f"backward_column_blocks, compute_sms = {', '.join(map(str, settings))}) than now ({recompute}, "
-                    f"{_backward_column_blocks}, {compute_sms}: mok.moe's recompute, mok.set_backward_column_blocks, "
+                    f"{blocks}, {compute_sms}: mok.moe's recompute, mok.set_backward_column_blocks, "
                     "mok.set_compute_sms); the new one is allocated outside CUDA graph capture: run the layer once "
                     "with these settings before capturing")
             raise RuntimeError(f"mok.moe: a call with {T} tokens needs a workspace for more tokens than this "
@@ -145,7 +145,7 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
         if ws is not None:  # replaced: report what its calls recorded (synchronises, once per growth)
             ws.check(torch.cuda.current_stream(x.device).cuda_stream)
         ws = _C.Workspace(H, I, E, top_k, shared_intermediate, swiglu_limit, T, device, training=True,
-                          precision=precision, backward_column_blocks=_backward_column_blocks, compute_sms=compute_sms,
+                          precision=precision, backward_column_blocks=blocks, compute_sms=compute_sms,
                           recompute=recompute)
         _workspaces[key] = ws
     return ws
@@ -202,6 +202,11 @@ def _fake_saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_expert
     return _saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_experts)
 
 
+def _check_recompute(recompute, group_id):
+    if recompute and group_id != ONE_GPU:
+        raise ValueError(f"{_where(group_id)}: recompute=True is not supported in an expert-parallel group yet")
+
+
 def _ep_group(group_id):
     group = ep_groups.get(group_id)
     if group is None:
@@ -234,6 +239,7 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
     if check:
         _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
                num_experts, group_id)
+    _check_recompute(recompute, group_id)
     k, T = topk_ids.shape[1], x.shape[0]
     y = torch.empty_like(x)
     saved = None
@@ -313,6 +319,7 @@ def _moe_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
                       swiglu_limit, num_experts, group_id, recompute=False):
     _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
            num_experts, group_id)
+    _check_recompute(recompute, group_id)
     return torch.empty_like(x)
 
 
@@ -334,6 +341,7 @@ def _moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, sha
                             swiglu_limit, num_experts, group_id, recompute=False):
     _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
            num_experts, group_id)
+    _check_recompute(recompute, group_id)
     n = 0 if recompute else _fake_saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
     return torch.empty_like(x), x.new_empty((n,), dtype=torch.bfloat16)
 
@@ -377,6 +385,7 @@ def _save(ctx, inputs, saved, swiglu_limit, num_experts, group_id, extra=()):
     None: the forward ran with recompute."""
     ctx.save_for_backward(*inputs[:_TENSOR_INPUTS], saved, *extra)
     ctx.swiglu_limit, ctx.num_experts, ctx.group_id = swiglu_limit, num_experts, group_id
+    ctx.recomputes = saved is None  # (nothing to consume: a second backward may run)
 
 
 def _train_setup_context(ctx, inputs, output):
@@ -386,11 +395,12 @@ def _train_setup_context(ctx, inputs, output):
 
 
 def _backward_inputs(ctx, grad_y):
-    """The arguments of the backward of one train-forward, which may run only once: the fused
-    backward overwrites the pre-activations the forward saved; and the tensors _save kept after
-    the pre-activations (`extra`: a tuple, None if none). ctx.saved_tensors is read once: under
-    non-reentrant activation checkpointing a saved tensor may be unpacked only once."""
-    if getattr(ctx, "consumed", False):
+    """The arguments of the backward of one train-forward, which may run only once where the
+    forward saved its pre-activations (the fused backward overwrites them; with recompute any
+    number of times); and the tensors _save kept after the pre-activations (`extra`: a tuple,
+    None if none). ctx.saved_tensors is read once a backward: under non-reentrant activation
+    checkpointing a saved tensor may be unpacked only once."""
+    if getattr(ctx, "consumed", False) and not ctx.recomputes:
         raise RuntimeError(f"{_where(ctx.group_id)}: a second backward through the same forward (retain_graph=True) "
                            "is not supported: the fused backward overwrites the pre-activations the forward saved")
     ctx.consumed = True
@@ -476,8 +486,7 @@ def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_l
           or not all(isinstance(t, torch.Tensor) for t in shared)):  # (names it)
         check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts,
                        _where(group_id))
-    if recompute and group_id != ONE_GPU:
-        raise ValueError(f"{_where(group_id)}: recompute=True is not supported in an expert-parallel group yet")
+    _check_recompute(recompute, group_id)
     args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, num_experts, group_id)
     tensors = [t for t in args[:9] if t is not None]
     train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

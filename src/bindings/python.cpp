@@ -103,6 +103,8 @@ NB_MODULE(_C, m) {
              bool replay_launches, int backward_column_blocks, bool recompute) {
             if (precision != "bf16" && precision != "fp8")
               throw nb::value_error(("mok.Workspace: precision must be 'bf16' or 'fp8', got '" + precision + "'").c_str());
+            if (recompute && !training)
+              throw nb::value_error("mok.Workspace: recompute=True needs training=True (a recompute workspace trains)");
             if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
               throw nb::value_error(("mok.Workspace: cannot use CUDA device " + std::to_string(device) + ": " +
                                      cudaGetErrorString(err)).c_str());

@@ -386,6 +386,27 @@ def test_recompute_saves_nothing_and_traces_through_the_fake_implementations():
     assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves.values())
 
 
+def test_recompute_hands_the_backward_no_saved_tensor(monkeypatch):
+    """The custom ops' backward gets saved=None after a recomputing forward (the extension then
+    takes the recompute path), and the saved tensor after a saving one."""
+    from mok import ops
+
+    seen = []
+    real = ops.moe_backward
+
+    def spy(*args):
+        seen.append(args[10])
+        return real(*args)
+
+    monkeypatch.setattr(ops, "moe_backward", spy)
+    for recompute in (True, False):
+        args = _meta_args()
+        args["x"].requires_grad_(True)
+        mok.moe(**args, recompute=recompute).sum().backward()
+    assert seen[0] is None and seen[1] is not None and seen[1].numel() == mok._C.saved_elements(128, 64, 4, 2, 0,
+                                                                                               None, 8)
+
+
 @pytest.mark.parametrize("bad", [1, 0, "yes", None])
 def test_recompute_argument_is_checked(bad):
     with pytest.raises(ValueError, match=r"mok.moe: recompute must be True or False, got"):
@@ -401,7 +422,15 @@ def test_recompute_is_refused_where_it_does_not_run():
         with pytest.raises(ValueError, match=r"mok.MoE: recompute=True runs on the fused bf16 kernel on one GPU .*"
                                              + named):
             mok.MoE(128, 128, 4, 2, recompute=True, device="meta", **kw)
+    with pytest.raises(ValueError, match=r"mok.MoE: recompute=True runs on the fused bf16 kernel on one GPU .*group=given"):
+        mok.MoE(128, 128, 4, 2, recompute=True, device="meta", group=object())
     from mok import ops
 
     with pytest.raises(ValueError, match=r"recompute=True is not supported in an expert-parallel group yet"):
         ops.call_layer(*_meta_args().values(), None, None, 4, 7, recompute=True)
+    a = _meta_args()
+    with pytest.raises(ValueError, match=r"recompute=True is not supported in an expert-parallel group yet"):
+        torch.ops.mok.moe_train_forward(a["x"], a["topk_ids"], a["topk_weights"], a["w_gate"], a["w_up"], a["w_down"],
+                                        None, None, None, None, 4, 7, True)
+    with pytest.raises(ValueError, match=r"mok.Workspace: recompute=True needs training=True"):
+        mok._C.Workspace(128, 64, 4, 2, 0, None, 8, 0, training=False, recompute=True)
