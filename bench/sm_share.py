@@ -3,7 +3,7 @@
 buys work on another stream: the case of FSDP's all-gathers and reduce-scatters beside the MoE
 layer.
 
-  sm_share.py [--preset deepseek-v3] [--pass fwd+bwd] [--sms 0,-8,-16,-32] [--side-kernels 100]
+  sm_share.py [--preset deepseek-v3] [--pass fwd+bwd] [--sms 0,-8,-16,-32] [--side-kernels 1000]
               [--side-elems 1048576] [--repeats 3] [--iters 10] [--out FILE.json]
 
 --sms: the compute_sms settings timed (0: every SM; a negative n: the GPU's SMs + n, i.e. |n|
@@ -60,7 +60,7 @@ def main():
     ap.add_argument("--routing", default="uniform")
     ap.add_argument("--pass", dest="pass_", default="fwd+bwd", choices=("fwd", "fwd+bwd"))
     ap.add_argument("--sms", default="0,-8,-16,-32")
-    ap.add_argument("--side-kernels", type=int, default=100)
+    ap.add_argument("--side-kernels", type=int, default=1000)
     ap.add_argument("--side-elems", type=int, default=1 << 20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)

@@ -535,10 +535,12 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     mok.fp8.quantize_experts(w_gate, w_up, w_down), else the call quantizes them itself. Made
     with quantize_experts(..., dgrad=True), the backward's dgrad GEMMs run in E4M3 too (else in
     bf16; mok.fp8.dgrad_pays(w_down) says where that is faster).
-    recompute=True (bf16): the training forward saves nothing (no k*2I*2 bytes a token kept
-    until the backward) and the backward runs GEMM1 again first, in the call's scratch — the
-    same bits as without it, for about 2/3 of a forward more work a step; cheaper than
-    torch.utils.checkpoint around the layer, which runs the whole forward again.
+    recompute=True (bf16, one GPU): the training forward saves nothing (no k*2I*2 bytes a token
+    kept until the backward) and the backward runs GEMM1 again first, in the call's scratch —
+    the same bits as without it, for GEMM1's work again and a larger backward scratch (the
+    recompute buffer; the dy rows and w*h no longer fit in the weight gradients' buffers);
+    faster than torch.utils.checkpoint around the layer, which runs the whole forward again
+    (README, "Recompute").
     """
     if type(recompute) is not bool:
         raise ValueError(f"mok.moe: recompute must be True or False, got {recompute!r}")
