@@ -255,6 +255,18 @@ TEST(Backward, CallerScratchAndRowsInGradientsMatchOwnScratchBitwise) {
     lean.check(nullptr);
     EXPECT_TRUE(grads.snapshot() == own) << "caller scratch changed the gradients";
     EXPECT_LT(lean.bytes(), own_bytes) << "given scratch, the workspace allocated its own";
+
+    // Training::recompute keeps its rows in the gradients as save does (its GEMM1 runs before
+    // the dy rows are gathered there): the same room saved, the same bits, in a poisoned scratch.
+    Workspace rec(s, host.tokens, {}, Training::recompute);
+    const std::int64_t rec_bf16 = rec.backward_scratch_bytes(DType::bf16);
+    EXPECT_EQ(rec.backward_scratch_bytes(DType::f32) - rec_bf16, f32_bytes - bf16_bytes);
+    DeviceBuffer<std::uint8_t> rec_scratch(rec_bf16);
+    cudaMemset(rec_scratch.get(), 0xff, rec_scratch.size());
+    grads.poison();
+    backward(gpu.args(), grads.args(), rec, nullptr, std::nullopt, scratch_view(rec_scratch));
+    rec.check(nullptr);
+    EXPECT_TRUE(grads.snapshot() == own) << "recompute, rows in the gradients: the gradients differ";
   }
 }
 

@@ -321,7 +321,7 @@ TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
                   const detail::CallBuffers w = detail::backward_buffers(sh, b, g, u);
                   const std::string wb = what + (mode == Training::save ? " save" : " recompute") +
                                          (!bf16 ? " f32" : block ? " bf16 one block" : " bf16 apart");
-                  const bool in_grads = mode == Training::save && bf16;
+                  const bool in_grads = bf16;  // (save and recompute alike: the recompute's GEMM1 runs first)
                   // Apart: dy rows in gate's E I H, w h in up's, each where it fits. One block of
                   // 2 E I H: both (dy rows first) if they fit together, else the larger that fits.
                   const std::int64_t room = 2 * E * I * H, dy = cap * H, hw = cap * I;
@@ -353,13 +353,13 @@ TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
                     if (dy_in) check({{"dy rows", gate, gate + 2 * cap * H}}, gate, gate + 2 * E * I * H, wb);
                     if (hw_in) check({{"w h", up, up + 2 * cap * I}}, up, up + 2 * E * I * H, wb);
                   }
-                  // The recompute runs the forward kernel's GEMM1 on this layout (x rows after the dy rows,
-                  // which are never in the gradients there; its slots unused).
-                  if (mode == Training::recompute) EXPECT_EQ(at(w.x_rows), base + 2 * cap * H) << wb;
+                  // The recompute runs the forward kernel's GEMM1 on this layout (its x rows the backward's,
+                  // after the dy rows where those are in the scratch; its slots unused).
+                  if (mode == Training::recompute) EXPECT_EQ(at(w.x_rows), base + (dy_in ? 0 : 2 * cap * H)) << wb;
                   std::int64_t expect = 2 * cap * H + 2 * Tpad * H + 2 * Tpad * Is + (dy_in ? 0 : 2 * cap * H) +
                                         (hw_in ? 0 : 2 * cap * I) + (mode == Training::recompute ? 2 * sh.saved_elements : 0);
                   EXPECT_EQ(w.bytes, expect) << wb;
-                  if (block && mode == Training::save) {  // never more than with the gradients apart
+                  if (block) {  // never more than with the gradients apart
                     const detail::CallBuffers apart = detail::backward_buffers(sh, b, g, reinterpret_cast<void*>(up));
                     EXPECT_LE(w.bytes, apart.bytes) << wb;
                   }

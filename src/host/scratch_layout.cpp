@@ -106,14 +106,16 @@ std::optional<DyPlace> place_dy(std::uint16_t* at, std::int64_t room, std::uint1
 // scales 2I / 128 x capacity f32]. With the FP8 weight gradients (fp8_wgrad) their operands too,
 // in rooms dead by the time they are made where they fit (below; saved_space: the saved tensor's
 // data, Training::save).
-// The recompute's GEMM1 runs the forward kernel on this layout: its x rows are the backward's
-// (the dy rows are never in the gradients there), its slots unused.
+// The recompute's GEMM1 runs the forward kernel on this layout before the dy rows are gathered:
+// its x rows are the backward's, its h the w h buffer (wherever that lies: the gradients are
+// written last), its slots unused; so Training::recompute keeps rows in the gradients and dx as
+// Training::save does.
 CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row_space_a, void* row_space_b,
                              void* dx_space, bool fp8_dgrad, bool fp8_wgrad, void* saved_space) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
   const std::int64_t H = s.hidden, I = s.intermediate, Is = s.shared_intermediate, El = s.num_local_experts;
-  const bool in_grads = shape.training == Training::save && row_space_a != nullptr && row_space_b != nullptr;
+  const bool in_grads = shape.training != Training::off && row_space_a != nullptr && row_space_b != nullptr;
   auto* a = static_cast<std::uint16_t*>(row_space_a);
   auto* dx = static_cast<std::uint16_t*>(dx_space);
   const std::int64_t half = El * I * H, dy = cap * H, hw = cap * I;
