@@ -40,13 +40,13 @@ def main():
 
     import mok
 
-    if not torch.cuda.is_available():
-        sys.exit("recompute: no CUDA GPU")
     presets = tb.load_presets()
     names = args.preset.split(",")
     unknown = [n for n in names if n not in presets]
     if unknown:
         sys.exit(f"recompute: unknown preset(s) {', '.join(unknown)}; known: {', '.join(presets)}")
+    if not torch.cuda.is_available():
+        sys.exit("recompute: no CUDA GPU")
     gpu = torch.cuda.get_device_name(0)
     records = []
     for name in names:

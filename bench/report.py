@@ -463,6 +463,33 @@ def sm_share_tables(results_dir):
     return out
 
 
+def recompute_tables(results_dir):
+    """Markdown sections for bench/recompute.py files (`*-recompute.json`), newest first: per
+    preset, the saving layer, mok.moe(recompute=True) and torch.utils.checkpoint around the
+    saving layer — forward+backward time (median of the rounds) against the saving layer's in the
+    same round (median, min–max), the bytes a forward keeps until its backward and the step's peak."""
+    out, files = newest_files(results_dir, "*-recompute.json", [
+        "## Recompute against saving and against activation checkpointing (bench/recompute.py)", "",
+        "Forward+backward in rotated rounds, queued; held = what a training forward leaves allocated",
+        "until its backward (y and what it keeps: a model of L layers holds L times that); peak = the",
+        "step's, beyond the inputs; every output checked bitwise equal to the saving layer's."])
+    for path, records in files:
+        if not records:
+            continue
+        r0 = records[0]
+        out += [f"### {os.path.basename(path)}", "",
+                f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, {len(r0['rounds'])} rounds of {r0['iters']} "
+                f"iterations, PyTorch {r0['torch']}", "",
+                "| preset | variant | ms | vs saving (min–max) | held MiB | peak MiB |",
+                "|---|---|---|---|---|---|"]
+        for r in records:
+            lo, hi = r["vs_save_range"]
+            out.append(f"| {r['preset']} | {r['variant']} | {r['ms']:.3f} | {r['vs_save']:.3f} ({lo:.3f}–{hi:.3f}) | "
+                       f"{r['held_bytes'] / 2**20:.0f} | {r['peak_bytes'] / 2**20:.0f} |")
+        out.append("")
+    return out
+
+
 def fp8_compiled_tables(results_dir):
     """Markdown sections for bench/fp8_compiled_module.py files (`*-fp8-compiled.json`), newest
     first: per preset and micro-batches a step, each variant's step time (median of the rounds,
@@ -542,6 +569,7 @@ def cmd_table(a):
     out += power_tables(a.results_dir)
     out += fp8_compiled_tables(a.results_dir)
     out += sm_share_tables(a.results_dir)
+    out += recompute_tables(a.results_dir)
     out += ab_tables(a.results_dir)
     out += train_tables(a.results_dir)
     for path, records in result_files(a.results_dir):

@@ -479,6 +479,27 @@ def test_sm_share_bench_times_every_setting(tmp_path):
     assert all(r["layer_ms"] > 0 and r["side_ms"] > 0 and r["both_ms"] > 0 and len(r["rounds"]) == 2 for r in records)
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)),
+                    reason="needs a Hopper GPU")
+def test_recompute_bench_times_three_variants_bitwise_checked(tmp_path):
+    """bench/recompute.py on the small preset: the saving layer, recompute and checkpointing, each
+    checked bitwise against the saving layer (the script exits otherwise), recompute holding less."""
+    out = tmp_path / "run.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "recompute.py"), "--preset", "small", "--repeats", "2",
+                    "--iters", "2", "--warmup", "1", "--out", str(out)], check=True)
+    records = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert sorted(records) == ["checkpoint", "recompute", "save"]
+    assert all(r["checked_bitwise"] and r["ms"] > 0 and len(r["rounds"]) == 2 for r in records.values())
+    assert records["recompute"]["held_bytes"] < records["save"]["held_bytes"]
+
+
+def test_recompute_bench_refuses_unknown_presets_by_name():
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "recompute.py"), "--preset", "nope"],
+                         capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "recompute: unknown preset(s) nope; known: " in run.stderr
+
+
 def test_round_ratios_pair_each_run_and_pool_the_runs():
     """rounds.round_ratios pairs mok with mok-py within a run (same commit and date) and appends
     the runs' rounds; median_interval's median is the plain median and the interval holds it."""
@@ -721,3 +742,19 @@ def test_report_lists_sm_share_runs(tmp_path):
     assert "| every SM | 10.000 | 2.000 | 12.000 | 0.00 | 1.000 |" in text
     assert "| 116 | 10.500 | 2.000 | 10.600 | 0.95 | 1.050 |" in text
     assert report.sm_share_tables(str(tmp_path / "nothing")) == []
+
+
+def test_report_lists_recompute_runs(tmp_path):
+    """report.py's section for bench/recompute.py: each variant's time against the saving layer's,
+    the bytes held until the backward and the step's peak."""
+    def rec(v, ms, vs, lo, hi, held, peak):
+        return dict(preset="p", routing="uniform", variant=v, ms=ms, rounds=[ms] * 3, vs_save=vs, vs_save_range=[lo, hi],
+                    held_bytes=held * 2**20, peak_bytes=peak * 2**20, checked_bitwise=True, gpu="G", commit="abc",
+                    date="2026-12-06T00:00:00Z", torch="2.11", iters=10)
+    (tmp_path / "2026-12-06-abc-recompute.json").write_text(json.dumps(
+        [rec("save", 10.0, 1.0, 1.0, 1.0, 656, 3931), rec("recompute", 11.9, 1.19, 1.18, 1.25, 112, 4406)]))
+    text = "\n".join(report.recompute_tables(str(tmp_path)))
+    assert "GPU G, commit abc, 2026-12-06T00:00:00Z, 3 rounds of 10 iterations, PyTorch 2.11" in text
+    assert "| p | save | 10.000 | 1.000 (1.000–1.000) | 656 | 3931 |" in text
+    assert "| p | recompute | 11.900 | 1.190 (1.180–1.250) | 112 | 4406 |" in text
+    assert report.recompute_tables(str(tmp_path / "nothing")) == []
