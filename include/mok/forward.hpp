@@ -48,10 +48,11 @@ void* call_scratch(Workspace& ws, const std::optional<TensorView>& given, std::i
 // to each call — from a caching allocator, so the forward's bytes serve the backward (the
 // PyTorch op does this) — or none: the workspace then allocates one buffer for max_tokens
 // that serves every call on its first call that needs it (not while a CUDA graph is being
-// captured). With bf16 weight gradients a Training::save backward keeps its routed dy rows
-// and w*h in the W_gate / W_up gradient buffers (which it writes last) where they fit, so
-// its scratch is smaller than the forward's (smallest when the two gradients are one block);
-// and it holds x's routed rows one column block at a time (Config::backward_column_blocks).
+// captured). With bf16 weight gradients the backward keeps its routed dy rows and w*h in the
+// W_gate / W_up gradient buffers (which it writes last) where they fit, so its scratch is
+// smaller than the forward's (smallest when the two gradients are one block); a
+// Training::save one also holds x's routed rows one column block at a time
+// (Config::backward_column_blocks; a recompute's GEMM1 reads whole rows).
 class Workspace {
  public:
   Workspace(const MoeShape& shape, std::int64_t max_tokens, const Config& config = {},

@@ -134,8 +134,8 @@ inline ScratchShape scratch_shape(const Workspace& ws) { return scratch_shape(ws
 
 // One GPU: a forward's buffers in `scratch` (null: offsets from 0, for .bytes).
 CallBuffers forward_buffers(const ScratchShape& s, void* scratch);
-// One GPU: a backward's buffers in `scratch`; with bf16 weight gradients of a Training::save
-// workspace the routed dy rows / w h go to row_space_a / row_space_b (non-null: E_l I H
+// One GPU: a backward's buffers in `scratch`; with bf16 weight gradients (Training::save or
+// recompute) the routed dy rows / w h go to row_space_a / row_space_b (non-null: E_l I H
 // elements each that the W_gate / W_up gradients cover) where they fit — into both as one
 // block when b == a + E_l I H — and dy rows that miss them may continue in dx_space (non-null:
 // dx's T x H elements, apart from every other argument), split at a 128-row tile; else the
