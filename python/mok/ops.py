@@ -307,7 +307,8 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
 def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
                 w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
                 shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor],
-                swiglu_limit: Optional[float], num_experts: int, group_id: int, recompute: bool = False) -> torch.Tensor:
+                swiglu_limit: Optional[float], num_experts: int, group_id: int,
+                recompute: bool = False) -> torch.Tensor:
     """The forward without autograd (recompute: on the workspace of the layers that train with
     recompute, so that they hold one)."""
     return _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
