@@ -11,7 +11,9 @@ Backends: `mok` (the experts on the fused kernel), `mok-fp8` (the same with the 
 experts' forward in FP8, `precision="fp8"`; --fp8-dgrad: its backward's dgrad GEMMs in FP8 too,
 `auto` where mok.fp8.dgrad_pays; with the FP8 dgrad, the weight gradients' GEMMs run in FP8 too
 unless --fp8-wgrad off, mok.set_fp8_weight_gradients), `mok-fp8-dgrad` (the FP8 forward with the
-FP8 dgrad whatever --fp8-dgrad says: one run can hold both FP8 backwards beside bf16), `torch`
+FP8 dgrad whatever --fp8-dgrad says: one run can hold both FP8 backwards beside bf16),
+`mok-recompute` (mok with recompute=True: the layers keep no pre-activations for the backward,
+which runs GEMM1 again; its losses must equal mok's bitwise, and the script says whether they do), `torch`
 (mok.moe_torch, the same layer in plain PyTorch), and `-compiled` variants of each: the whole
 model under torch.compile (graph breaks, if any, are counted and reported). --out writes the losses of every step and the
 tokens/s of each backend as JSON (with the commit, GPU and PyTorch version).
@@ -50,7 +52,7 @@ SIZES = {  # vocab, hidden, layers, heads, expert intermediate, experts, top_k, 
 
 
 class Block(nn.Module):
-    def __init__(self, c, backend, device, dtype, precision="bf16", fp8_dgrad=None, group=None):
+    def __init__(self, c, backend, device, dtype, precision="bf16", fp8_dgrad=None, group=None, recompute=False):
         super().__init__()
         h = c["hidden"]
         self.heads = c["heads"]
@@ -62,7 +64,7 @@ class Block(nn.Module):
         # examples/train_moe_ep.py)
         self.moe = mok.MoE(h, c["inter"], c["experts"], c["top_k"], backend=backend, load_balancing=True,
                            precision=precision, fp8_dgrad=fp8_dgrad if precision == "fp8" else None,
-                           group=group, device=device, dtype=dtype)
+                           group=group, recompute=recompute, device=device, dtype=dtype)
 
     def forward(self, x):
         b, s, h = x.shape
@@ -73,10 +75,10 @@ class Block(nn.Module):
 
 
 class MoeLM(nn.Module):
-    def __init__(self, c, backend, device, dtype, precision="bf16", fp8_dgrad=None, group=None):
+    def __init__(self, c, backend, device, dtype, precision="bf16", fp8_dgrad=None, group=None, recompute=False):
         super().__init__()
         self.embed = nn.Embedding(c["vocab"], c["hidden"], device=device, dtype=dtype)
-        self.blocks = nn.ModuleList(Block(c, backend, device, dtype, precision, fp8_dgrad, group)
+        self.blocks = nn.ModuleList(Block(c, backend, device, dtype, precision, fp8_dgrad, group, recompute)
                                     for _ in range(c["layers"]))
         self.norm = nn.RMSNorm(c["hidden"], device=device, dtype=dtype)
         self.head = nn.Linear(c["hidden"], c["vocab"], bias=False, device=device, dtype=dtype)
@@ -171,8 +173,9 @@ def train(backend, args, c, device, dtype, batches, entropy):
     layer_backend, compiled = backend.removesuffix("-compiled"), backend.endswith("-compiled")
     precision = "fp8" if layer_backend.startswith("mok-fp8") else "bf16"
     fp8_dgrad = True if layer_backend == "mok-fp8-dgrad" else {"auto": None, "on": True, "off": False}[args.fp8_dgrad]
+    recompute = layer_backend == "mok-recompute"
     layer_backend = "mok" if layer_backend.startswith("mok") else layer_backend
-    model = MoeLM(c, layer_backend, device, dtype, precision, fp8_dgrad)
+    model = MoeLM(c, layer_backend, device, dtype, precision, fp8_dgrad, recompute=recompute)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     forward = torch.compile(model) if compiled else model
     tokens_per_step = c["batch"] * c["seq"]
@@ -221,7 +224,8 @@ def graph_breaks():
     return sum(counters["graph_break"].values())
 
 
-BACKENDS = ("mok", "mok-compiled", "mok-fp8", "mok-fp8-compiled", "mok-fp8-dgrad", "torch", "torch-compiled")
+BACKENDS = ("mok", "mok-compiled", "mok-fp8", "mok-fp8-compiled", "mok-fp8-dgrad", "mok-recompute",
+            "mok-recompute-compiled", "torch", "torch-compiled")
 
 
 def with_precision(backends, precision):
@@ -299,11 +303,17 @@ def main():
         ok = ok and final < 0.8 * losses[0]
     print(f"(start ~ ln vocab = {math.log(c['vocab']):.2f}; the chain's entropy, the floor: {entropy:.2f})")
     for other in ("torch", "torch-compiled", "mok", "mok-compiled"):
-        for mine in ("mok", "mok-compiled", "mok-fp8", "mok-fp8-compiled", "mok-fp8-dgrad"):
+        for mine in ("mok", "mok-compiled", "mok-fp8", "mok-fp8-compiled", "mok-fp8-dgrad", "mok-recompute",
+                     "mok-recompute-compiled"):
             if mine == other:
                 continue
             if mine in results and other in results:
                 print(f"{mine} / {other} tokens/s: {results[mine][1] / results[other][1]:.3f}x")
+    for saving, recomputing in (("mok", "mok-recompute"), ("mok-compiled", "mok-recompute-compiled")):
+        if saving in results and recomputing in results:  # (the same bits by design: a difference is a bug)
+            same = results[saving][0] == results[recomputing][0] and results[saving][3] == results[recomputing][3]
+            print(f"{recomputing} losses and gradient norms bitwise {saving}'s: {same}")
+            ok = ok and same
     for bf16, fp8 in (("mok", "mok-fp8"), ("mok", "mok-fp8-dgrad"), ("mok-compiled", "mok-fp8-compiled")):
         if bf16 in results and fp8 in results:  # issue 19's bar: within 2 % of bf16's final loss
             a, b = (sum(results[k][0][-10:]) / len(results[k][0][-10:]) for k in (bf16, fp8))
@@ -326,7 +336,8 @@ def main():
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
     if not ok:
-        raise SystemExit("the loss did not fall below 0.8x its first value")
+        raise SystemExit("the loss did not fall below 0.8x its first value, or a recompute run differed from its "
+                         "saving twin")
 
 
 if __name__ == "__main__":

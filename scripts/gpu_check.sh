@@ -453,7 +453,7 @@ layer_bench() {  # $1: routings
 # train_example [STEPS BACKENDS NAME [ARGS...]]: the record goes to <date>-<commit>-NAME.json (ARGS:
 # more of the example's options).
 train_example() {
-  local steps=${1:-200} backends=${2:-mok,mok-compiled,torch,torch-compiled} name=${3:-train} py=python3
+  local steps=${1:-200} backends=${2:-mok,mok-compiled,mok-recompute,torch,torch-compiled} name=${3:-train} py=python3
   shift 3 2>/dev/null || shift $#
   python3 -c "import mok" 2>/dev/null || py=(env PYTHONPATH="$PWD/$build/pkg" python3)
   if "${py[@]}" examples/train_moe_lm.py --steps "$steps" --backend "$backends" "$@" \

@@ -57,6 +57,8 @@ def test_training_example_loss_falls_on_cpu():
     (["--lr", "nan"], "--lr must be a finite positive number, got nan"),
     (["--steps", "3"], r"--warmup \(steps left out of tokens/s\) must be in \[0, --steps\), got 5 with --steps 3"),
     (["--out", "/nonexistent-folder/run.json"], "--out /nonexistent-folder/run.json: the folder /nonexistent-folder does not"),
+    (["--backend", "mok-recompute"], r"the mok backends need a Hopper GPU \(--device cuda\)"),  # (a known backend)
+    (["--backend", "mok-nope"], "unknown backend 'mok-nope'; known: mok, mok-compiled"),
 ])
 def test_training_example_refuses_bad_options_before_training(bad, message):
     """(--out into a missing folder failed after the whole run, losing it; --steps below --warmup
