@@ -390,6 +390,17 @@ def newest_files(results_dir, pattern, heading):
     return (heading + [""] if files else []), files
 
 
+def record_sections(files, caption, header, row):
+    """A section per file of newest_files' whose JSON is a list of records: its name, caption(its
+    first record), then a table of `header` (a markdown header row) with row(record) for each."""
+    out = []
+    for path, records in files:
+        if records:
+            out += [f"### {os.path.basename(path)}", "", caption(records[0]), "", header,
+                    "|" + "---|" * header.count(" | ") + "---|"] + [row(r) for r in records] + [""]
+    return out
+
+
 def power_tables(results_dir):
     """Markdown sections for bench/clock_power.py files (`*-power*.json`), newest first: per
     preset and pass, each implementation's time (median of the rounds' medians, min–max), TFLOP/s,
@@ -447,20 +458,13 @@ def sm_share_tables(results_dir):
         "The layer alone, a chain of elementwise kernels on another stream alone (a stand-in for",
         "communication kernels: they need SMs of their own), and both together, queued, the L2 flushed",
         "before each iteration; hidden = (layer + side - both) / side."])
-    for path, records in files:
-        if not records:
-            continue
-        r0 = records[0]
-        out += [f"### {os.path.basename(path)}", "",
-                f"GPU {r0['gpu']} ({r0['sms']} SMs), commit {r0['commit']}, {r0['date']}, {r0['preset']} {r0['pass']}, "
-                f"{len(r0['rounds'])} rounds; side: {r0['side_kernels']} x add_ of {r0['side_elems']} fp32", "",
-                "| compute_sms | layer ms | side ms | both ms | hidden | layer / first setting's |",
-                "|---|---|---|---|---|---|"]
-        for r in records:
-            out.append(f"| {r['compute_sms'] or 'every SM'} | {r['layer_ms']:.3f} | {r['side_ms']:.3f} | {r['both_ms']:.3f} | "
-                       f"{r['hidden']:.2f} | {r['layer_vs_first']:.3f} |")
-        out.append("")
-    return out
+    return out + record_sections(
+        files, lambda r0: f"GPU {r0['gpu']} ({r0['sms']} SMs), commit {r0['commit']}, {r0['date']}, {r0['preset']} "
+                          f"{r0['pass']}, {len(r0['rounds'])} rounds; side: {r0['side_kernels']} x add_ of "
+                          f"{r0['side_elems']} fp32",
+        "| compute_sms | layer ms | side ms | both ms | hidden | layer / first setting's |",
+        lambda r: f"| {r['compute_sms'] or 'every SM'} | {r['layer_ms']:.3f} | {r['side_ms']:.3f} | {r['both_ms']:.3f} | "
+                  f"{r['hidden']:.2f} | {r['layer_vs_first']:.3f} |")
 
 
 def recompute_tables(results_dir):
@@ -473,21 +477,13 @@ def recompute_tables(results_dir):
         "Forward+backward in rotated rounds, queued; held = what a training forward leaves allocated",
         "until its backward (y and what it keeps: a model of L layers holds L times that); peak = the",
         "step's, beyond the inputs; every output checked bitwise equal to the saving layer's."])
-    for path, records in files:
-        if not records:
-            continue
-        r0 = records[0]
-        out += [f"### {os.path.basename(path)}", "",
-                f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, {len(r0['rounds'])} rounds of {r0['iters']} "
-                f"iterations, PyTorch {r0['torch']}", "",
-                "| preset | variant | ms | vs saving (min–max) | held MiB | peak MiB |",
-                "|---|---|---|---|---|---|"]
-        for r in records:
-            lo, hi = r["vs_save_range"]
-            out.append(f"| {r['preset']} | {r['variant']} | {r['ms']:.3f} | {r['vs_save']:.3f} ({lo:.3f}–{hi:.3f}) | "
-                       f"{r['held_bytes'] / 2**20:.0f} | {r['peak_bytes'] / 2**20:.0f} |")
-        out.append("")
-    return out
+    return out + record_sections(
+        files, lambda r0: f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, {len(r0['rounds'])} rounds of "
+                          f"{r0['iters']} iterations, PyTorch {r0['torch']}",
+        "| preset | variant | ms | vs saving (min–max) | held MiB | peak MiB |",
+        lambda r: f"| {r['preset']} | {r['variant']} | {r['ms']:.3f} | {r['vs_save']:.3f} "
+                  f"({r['vs_save_range'][0]:.3f}–{r['vs_save_range'][1]:.3f}) | {r['held_bytes'] / 2**20:.0f} | "
+                  f"{r['peak_bytes'] / 2**20:.0f} |")
 
 
 def fp8_compiled_tables(results_dir):

@@ -487,7 +487,6 @@ def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_l
           or not all(isinstance(t, torch.Tensor) for t in shared)):  # (names it)
         check_moe_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts,
                        _where(group_id))
-    _check_recompute(recompute, group_id)
     args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, *shared, swiglu_limit, num_experts, group_id)
     tensors = [t for t in args[:9] if t is not None]
     train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
