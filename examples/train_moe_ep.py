@@ -11,6 +11,7 @@ relative on the tiny model.)
 
     torchrun --nproc-per-node 8 examples/train_moe_ep.py                 # Hopper GPUs: mok.ep's fused kernels
     torchrun --nproc-per-node 8 examples/train_moe_ep.py --precision fp8 # the routed experts in FP8
+    torchrun --nproc-per-node 8 examples/train_moe_ep.py --recompute     # no pre-activations kept
     torchrun --nproc-per-node 2 examples/train_moe_ep.py --backend torch --device cpu --size tiny --steps 40 --check
 
 --backend mok: the fused EP kernels (pull dispatch and push combine through PyTorch symmetric
@@ -50,14 +51,14 @@ def is_expert(name):
     return ".moe." in name and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
 
 
-def split_model(c, backend, device, dtype, group, seed, precision="bf16"):
+def split_model(c, backend, device, dtype, group, seed, precision="bf16", recompute=False):
     """The whole model's initialisation (every expert; the same on every rank), and this rank's
     share of it: the replicated parameters as they are, experts [r E_l, (r + 1) E_l) of each
     MoE layer."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     whole = MoeLM(c, "torch" if backend == "torch" else "mok", device, dtype, precision)
-    mine = MoeLM(c, backend, device, dtype, precision, group=group)
+    mine = MoeLM(c, backend, device, dtype, precision, group=group, recompute=recompute)
     experts_here = c["experts"] // world
     whole_params = dict(whole.named_parameters())
     with torch.no_grad():
@@ -133,6 +134,9 @@ def main():
     ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                     help="the routed experts on the mok backend: fp8 = E4M3 forward (and, where mok.fp8.dgrad_pays, "
                          "the FP8 dgrad and weight gradients), bitwise equal to one GPU's FP8 layer")
+    ap.add_argument("--recompute", action="store_true",
+                    help="mok.MoE(recompute=True): the layers keep no pre-activations for the backward, which runs "
+                         "GEMM1 again (bf16, --backend mok; the same bits)")
     add_run_args(ap)
     ap.add_argument("--check", action="store_true", help="step 0's loss against the whole model's in one process")
     args = run_args(ap)
@@ -141,6 +145,8 @@ def main():
         ap.error("--backend mok needs Hopper GPUs (--device cuda); use --backend torch on CPUs")
     if args.precision == "fp8" and args.backend != "mok":
         ap.error("--precision fp8 runs on the fused kernels (--backend mok)")
+    if args.recompute and (args.backend != "mok" or args.precision != "bf16"):
+        ap.error("--recompute runs on the fused bf16 kernels (--backend mok --precision bf16)")
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda", torch.cuda.current_device())
@@ -153,7 +159,7 @@ def main():
     tokens = c["batch"] * c["seq"]
     # (the fused kernels: every call padded to this rank's batch of tokens, one EpRank per layer shape)
     group = mok.ep.ExpertParallel(tokens=tokens if args.backend == "mok" else None)
-    whole, model = split_model(c, args.backend, device, dtype, group, args.seed, args.precision)
+    whole, model = split_model(c, args.backend, device, dtype, group, args.seed, args.precision, args.recompute)
     if not args.check:
         del whole
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -162,8 +168,8 @@ def main():
     mine = slice(rank * c["batch"], (rank + 1) * c["batch"])
     if rank == 0:
         print(f"{args.size}: {world} ranks x {c['experts'] // world} of {c['experts']} experts, "
-              f"{c['batch']}x{c['seq']} tokens a rank a step, backend {args.backend} ({args.precision}), "
-              f"on {device.type}")
+              f"{c['batch']}x{c['seq']} tokens a rank a step, backend {args.backend} ({args.precision}"
+              f"{', recompute' if args.recompute else ''}), on {device.type}")
     losses, ok, seconds = [], True, 0.0
     for step in range(args.steps):
         inputs, targets = (t[mine] for t in batches[step])

@@ -552,12 +552,14 @@ train_example
   # the expert-parallel example on every GPU of the machine (a group of one on one GPU): step 0's loss
   # and gradients against the whole model's in one process, then the loss falling
   n_gpus=$(nvidia-smi -L | grep -c "^GPU")
-  for precision in bf16 fp8; do
+  for variant in bf16 fp8 bf16-recompute; do  # (recompute: mok.MoE(group=..., recompute=True))
+    flags=(--precision "${variant%%-*}")
+    [ "$variant" = bf16-recompute ] && flags+=(--recompute)
     if env PYTHONPATH="$PWD/$build/pkg" timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node "$n_gpus" \
-         examples/train_moe_ep.py --steps 100 --check --precision $precision > "$LOG/train_ep_$precision.log" 2>&1; then
-      grep -E "step 0:|first loss" "$LOG/train_ep_$precision.log"
+         examples/train_moe_ep.py --steps 100 --check "${flags[@]}" > "$LOG/train_ep_$variant.log" 2>&1; then
+      echo "$variant:"; grep -E "step 0:|first loss" "$LOG/train_ep_$variant.log"
     else
-      echo "expert-parallel training example ($precision) failed"; tail -8 "$LOG/train_ep_$precision.log"; test_rc=1
+      echo "expert-parallel training example ($variant) failed"; tail -8 "$LOG/train_ep_$variant.log"; test_rc=1
     fi
   done
 fi

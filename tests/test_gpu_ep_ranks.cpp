@@ -3,6 +3,9 @@
 // a stalled rank makes its peers time out with an error naming rank, peer, phase, counters.
 #include <gtest/gtest.h>
 
+#include <optional>
+#include <string>
+
 #include "ep_problem.hpp"
 
 namespace mok {
@@ -46,7 +49,8 @@ TEST(EpRanks, SeparateLaunchesMatchOneGpuBitwiseAcrossQueuedCalls) {
   }
 }
 
-// (One rank too: it has no peer to push to and keeps its dx rows local.)
+// Saving the pre-activations or recomputing them (Training::recompute). (One rank too: it has
+// no peer to push to and keeps its dx rows local.)
 TEST(EpRanks, SeparateLaunchesTrainBitwiseLikeVirtualRanks) {
   MOK_REQUIRE_HOPPER();
   for (int ep : {4, 1}) {
@@ -63,25 +67,26 @@ TEST(EpRanks, SeparateLaunchesTrainBitwiseLikeVirtualRanks) {
   Config spread = once;  // and the forward's GEMM2 tiles (their pushes) interleaved with GEMM1's
   spread.interleave_rows = 128;
   for (const Config& config : {Config{}, ring, once, spread}) {
-  SCOPED_TRACE(config.comm_sms > 0               ? "ring"
-               : config.interleave_rows > 0      ? "tokens pulled once, interleaved"
-               : config.pull_tokens_once         ? "tokens pulled once"
-                                                 : "no ring");
-  SeparateRanks group(p, Training::save, config);
+  // Training::recompute: no saved tensor; each rank's backward runs its GEMM1 again first.
+  for (const Training mode : {Training::save, Training::recompute}) {
+  SCOPED_TRACE(std::string(config.comm_sms > 0               ? "ring"
+                           : config.interleave_rows > 0      ? "tokens pulled once, interleaved"
+                           : config.pull_tokens_once         ? "tokens pulled once"
+                                                             : "no ring") +
+               (mode == Training::recompute ? ", recompute" : ""));
+  SeparateRanks group(p, mode, config);
   std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
-  for (int r = 0; r < p.ep; ++r) saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.ranks[r]->saved_elements()));
+  std::vector<std::optional<TensorView>> views(p.ep);
+  for (int r = 0; r < p.ep && mode == Training::save; ++r) {
+    saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.ranks[r]->saved_elements()));
+    views[r] = TensorView::contiguous(saved[r]->get(), DType::bf16, Device::cuda(0), {group.ranks[r]->saved_elements()});
+  }
   const auto fa = p.args();
   const auto ba = g.args();
   p.poison_outputs();
   g.poison();
-  for (int r = 0; r < p.ep; ++r) {
-    const auto view = TensorView::contiguous(saved[r]->get(), DType::bf16, Device::cuda(0), {group.ranks[r]->saved_elements()});
-    group.ranks[r]->forward(fa[r], group.streams[r], view);
-  }
-  for (int r = 0; r < p.ep; ++r) {
-    const auto view = TensorView::contiguous(saved[r]->get(), DType::bf16, Device::cuda(0), {group.ranks[r]->saved_elements()});
-    group.ranks[r]->backward(fa[r], ba[r], group.streams[r], view);
-  }
+  for (int r = 0; r < p.ep; ++r) group.ranks[r]->forward(fa[r], group.streams[r], views[r]);
+  for (int r = 0; r < p.ep; ++r) group.ranks[r]->backward(fa[r], ba[r], group.streams[r], views[r]);
   group.check();
   EXPECT_TRUE(same_bits(EpGrads::concat(g.dx), expected.dx));
   EXPECT_TRUE(same_bits(EpGrads::concat(g.dtw), expected.dtw));
@@ -89,6 +94,7 @@ TEST(EpRanks, SeparateLaunchesTrainBitwiseLikeVirtualRanks) {
   EXPECT_TRUE(same_bits(EpGrads::concat(g.d_up), expected.up));
   EXPECT_TRUE(same_bits(EpGrads::concat(g.d_down), expected.down));
   EXPECT_EQ(EpGrads::summed(g.d_sdown), expected.sdown);
+  }
   }
   }
 }

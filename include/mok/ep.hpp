@@ -114,6 +114,7 @@ class EpRank {
   EpRank& operator=(const EpRank&) = delete;
 
   int rank() const { return rank_; }
+  Training training() const { return training_; }
   int size() const { return static_cast<int>(bases_.size()); }
   Workspace& workspace() { return *ws_; }
   std::int64_t saved_elements() const { return ws_->saved_elements(); }

@@ -109,14 +109,17 @@ class ExpertParallel:
         _groups[self.id] = self
 
     def rank_for(self, x, w_down, num_experts, top_k, shared_intermediate, swiglu_limit, training, precision="bf16",
-                 fp8_dgrad=False):
+                 fp8_dgrad=False, recompute=False):
         """The EpRank for this shape, token count and precision (collective on first use);
         w_down [E_l, H, I]; fp8_dgrad (precision "fp8", training): one that holds the FP8
-        dgrad's rows (mok::Config::fp8_dgrad). precision None (a bf16 backward, after either
-        precision's forward): any rank of this shape serves it — it re-plans from the routing and
-        reads only the saved tensor, whose layout is the same in both precisions — so an existing
-        one, an fp8 one first (a new rank would be a collective set-up and more memory), else a
-        bf16 one (every rank of the group holds the same ranks: they make the same calls)."""
+        dgrad's rows (mok::Config::fp8_dgrad). recompute (bf16, training): a Training::recompute
+        rank — its forward saves nothing and its backward runs GEMM1 again (it also serves the
+        forwards without autograd of the layers that train with it). precision None (a bf16
+        backward on saved pre-activations, after either precision's forward): any saving rank of
+        this shape serves it — it re-plans from the routing and reads only the saved tensor, whose
+        layout is the same in both precisions — so an existing one, an fp8 one first (a new rank
+        would be a collective set-up and more memory), else a bf16 one (every rank of the group
+        holds the same ranks: they make the same calls)."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -124,9 +127,11 @@ class ExpertParallel:
         E_l, _, I = w_down.shape
         shape = (x.device.index, T, H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, training)
         if precision is None:
-            fp8 = [v for v in (("fp8", False), ("fp8", True)) if shape + v in self._ranks]
+            fp8 = [v for v in (("fp8", False), ("fp8", True)) if shape + v + (False,) in self._ranks]
             precision, fp8_dgrad = fp8[0] if fp8 else ("bf16", False)
-        key = shape + (precision, fp8_dgrad)
+        if recompute and not (training and precision == "bf16"):  # (mok.ep.moe and mok.MoE refuse these first)
+            raise ValueError(f"mok.ep: a recompute rank trains in bf16 (got training={training}, precision={precision!r})")
+        key = shape + (precision, fp8_dgrad, recompute)
         rank = self._ranks.get(key)
         if rank is not None:
             return rank
@@ -145,8 +150,8 @@ class ExpertParallel:
         dist.all_gather_object(keys, key[1:] + (e4m3,) + layout, group=self.group)
         if any(k != keys[0] for k in keys):
             raise ValueError(f"mok.ep: the ranks called the layer with different shapes, token counts or settings "
-                             f"(T, H, I, E, E_l, k, I_s, limit, training, precision, FP8 dgrad, E4M3 rows pulled, "
-                             f"comm_sms, ring_rows, minibatch_rows, pull_tokens_once, interleave_rows per rank: "
+                             f"(T, H, I, E, E_l, k, I_s, limit, training, precision, FP8 dgrad, recompute, E4M3 rows "
+                             f"pulled, comm_sms, ring_rows, minibatch_rows, pull_tokens_once, interleave_rows per rank: "
                              f"{keys}); pad every rank to one T (mok.ep.ExpertParallel(tokens=...) does), and make "
                              f"the group with the same arguments everywhere")
         nbytes = _C.ep_region_bytes(H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, T)
@@ -163,7 +168,7 @@ class ExpertParallel:
                          ring_rows=self.ring_rows, minibatch_rows=self.minibatch_rows,
                          pull_tokens_once=self.pull_tokens_once, interleave_rows=self.interleave_rows,
                          precision=precision, fp8_dgrad=fp8_dgrad,
-                         pull_fp8_rows=self.pull_fp8_rows and precision == "fp8")
+                         pull_fp8_rows=self.pull_fp8_rows and precision == "fp8", recompute=recompute)
         dist.barrier(group=self.group)  # every region zeroed and every rank built before any call
         self._regions.append(region)
         self._ranks[key] = rank
@@ -215,7 +220,7 @@ def _padded_tokens(group: ExpertParallel, x, topk_ids, topk_weights):
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
         w_up: Optional[torch.Tensor], w_down: torch.Tensor, shared: Optional[Sequence[torch.Tensor]] = None,
         swiglu_limit: Optional[float] = None, *, group: ExpertParallel, precision: str = "bf16",
-        fp8_experts=None) -> torch.Tensor:
+        fp8_experts=None, recompute: bool = False) -> torch.Tensor:
     """This rank's part of the expert-parallel layer: x [T, H] its tokens, topk_ids [T, k]
     global expert ids, w_gate/w_up/w_down its E_l = E / W experts (as for mok.moe: w_up None
     takes w_gate as [E_l, 2I, H]). The shared expert (if any) is applied to this rank's tokens;
@@ -228,15 +233,24 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     quantizes them. Training: the backward on the FP8 forward's activations — with dgrad=True its
     dgrad GEMMs in E4M3 too (the dy rows quantized as they are pulled) and its weight gradients
     as mok.set_fp8_weight_gradients says, as on one GPU (bitwise equal to it either way). The
-    ring (comm_sms, ring_rows) is bf16 only."""
+    ring (comm_sms, ring_rows) is bf16 only.
+    recompute=True (bf16): as mok.moe's — the training forward keeps no pre-activations (no
+    k*2I*2 bytes a token of this rank's share until the backward) and the backward runs GEMM1
+    again first, on the rows it pulls anyway; the same bits as without it (the rank's EpRank is
+    a Training::recompute one: the ranks of a group must agree on it, as on every setting)."""
     if not isinstance(group, ExpertParallel):
         raise TypeError(f"mok.ep.moe: 'group' must be a mok.ep.ExpertParallel, got {type(group).__name__}")
+    if type(recompute) is not bool:
+        raise ValueError(f"mok.ep.moe: recompute must be True or False, got {recompute!r}")
+    if recompute and precision == "fp8":
+        raise ValueError("mok.ep.moe: recompute=True needs precision='bf16': the FP8 backward reads the "
+                         "pre-activations the FP8 forward saved (a recompute would redo GEMM1 in bf16)")
     swiglu_limit = as_limit(swiglu_limit)
     padded = _padded_tokens(group, x, topk_ids, topk_weights)
     if padded is not None:  # (ExpertParallel(tokens=...): this call's T < the group's)
         T = x.shape[0]
         y = moe(*padded, w_gate, w_up, w_down, shared, swiglu_limit, group=group, precision=precision,
-                fp8_experts=fp8_experts)
+                fp8_experts=fp8_experts, recompute=recompute)
         return y[:T]
     num_experts = w_gate.shape[0] * group.world if isinstance(w_gate, torch.Tensor) and w_gate.dim() > 0 else 0
     if precision == "fp8":
@@ -251,4 +265,5 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
         raise ValueError(f"mok.ep.moe: precision must be 'bf16' or 'fp8', got {precision!r}")
     if fp8_experts is not None:
         raise ValueError("mok.ep.moe: fp8_experts was given, but precision is 'bf16' (pass precision='fp8')")
-    return call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, group.id)
+    return call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, group.id,
+                      recompute)

@@ -51,8 +51,9 @@ class MoE(nn.Module):
     (precision "fp8"): whether the backward's dgrad GEMMs (and then the weight gradients' too)
     run in E4M3 (keeping W_down^T and [W_gate^T | W_up^T] quantized as well: E * 3 * I * H
     bytes more); None: where that was measured faster (mok.fp8.dgrad_pays: I >= 1024).
-    recompute (backend "mok", bf16, one GPU): mok.moe's recompute=True — a training forward
-    keeps no pre-activations for the backward, which runs GEMM1 again (the same bits).
+    recompute (backend "mok", bf16; with or without a group): mok.moe's and mok.ep.moe's
+    recompute=True — a training forward keeps no pre-activations for the backward, which runs
+    GEMM1 again (the same bits).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
@@ -64,10 +65,9 @@ class MoE(nn.Module):
         super().__init__()
         if not isinstance(recompute, bool):
             raise ValueError(f"mok.MoE: 'recompute' must be True or False, got {recompute!r}")
-        if recompute and (backend != "mok" or precision != "bf16" or group is not None):
-            raise ValueError("mok.MoE: recompute=True runs on the fused bf16 kernel on one GPU (backend='mok', "
-                             f"precision='bf16', group=None), got backend={backend!r}, precision={precision!r}, "
-                             f"group={'None' if group is None else 'given'}")
+        if recompute and (backend != "mok" or precision != "bf16"):
+            raise ValueError("mok.MoE: recompute=True runs on the fused bf16 kernel (backend='mok', "
+                             f"precision='bf16'), got backend={backend!r}, precision={precision!r}")
         self.recompute = recompute
         if precision not in ("bf16", "fp8"):
             raise ValueError(f"mok.MoE: 'precision' must be 'bf16' or 'fp8', got {precision!r}")
@@ -257,7 +257,7 @@ class MoE(nn.Module):
                                                       where="mok.MoE"))
             elif self.backend == "mok":
                 y = ep.moe(x2, ids, weights, gate, up, self.w_down, shared=shared,
-                           swiglu_limit=self.swiglu_limit, group=self.group)
+                           swiglu_limit=self.swiglu_limit, group=self.group, recompute=self.recompute)
             else:  # NCCL (or gloo) all-to-all around the PyTorch path: any device
                 if self.group.tokens is not None and x2.shape[0] > self.group.tokens:  # (as the fused path)
                     raise ValueError(f"mok.MoE: x has {x2.shape[0]} tokens, more than the group's tokens = "

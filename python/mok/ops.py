@@ -202,11 +202,6 @@ def _fake_saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_expert
     return _saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_experts)
 
 
-def _check_recompute(recompute, group_id):
-    if recompute and group_id != ONE_GPU:
-        raise ValueError(f"{_where(group_id)}: recompute=True is not supported in an expert-parallel group yet")
-
-
 def _ep_group(group_id):
     group = ep_groups.get(group_id)
     if group is None:
@@ -229,7 +224,7 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
                  swiglu_limit, num_experts, group_id, training, check=True, rows=None, recompute=False):
     """The fused forward on the current stream, on one GPU or as a rank of an EP group: y, and
     (training without recompute) the gate/up pre-activations (bf16, flat) the backward reads,
-    else None (recompute: the backward runs GEMM1 again; one GPU only). The one
+    else None (recompute: the backward runs GEMM1 again). The one
     body of the custom ops and of the eager path. w_up None: the extension takes the two
     halves of the concatenated w_gate as views (no Python slicing: host time before the first
     launch, which the GPU waits for). check=False: the caller leaves the checks to the
@@ -239,7 +234,6 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
     if check:
         _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
                num_experts, group_id)
-    _check_recompute(recompute, group_id)
     k, T = topk_ids.shape[1], x.shape[0]
     y = torch.empty_like(x)
     saved = None
@@ -256,8 +250,9 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
         ws = _workspace(x, w_down, k, _shared_size(shared_gate), swiglu_limit, recompute=recompute)
         _C.forward(ws, *tensors, scratch=to_dlpack(_scratch(ws.forward_scratch_bytes(T), x.device)))
     else:
+        # (recompute: the layer's Training::recompute rank, with or without autograd, as on one GPU)
         rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit,
-                                            training)
+                                            training or recompute, recompute=recompute)
         _C.ep_forward(rank, *tensors)
     return y, saved
 
@@ -269,8 +264,8 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
     (_input_grads splits it). fp8_dgrad: (down_t, down_t_exponents, gate_up_t,
     gate_up_t_exponents) of mok.fp8.quantize_experts(..., dgrad=True): the dgrad GEMMs in E4M3
     (after mok.fp8_layer's FP8 forward; with FP8 weight gradients unless
-    set_fp8_weight_gradients(False)). saved None: the forward ran with recompute (one GPU, bf16):
-    the backward runs GEMM1 again first, on the recompute workspace."""
+    set_fp8_weight_gradients(False)). saved None: the forward ran with recompute (bf16): the
+    backward runs GEMM1 again first, on the recompute workspace (or EP rank)."""
     dy = dy.contiguous()
     grads = _empty_grads(x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, paired=True)
     d_gate, d_up = _gate_up_grads(grads, w_up)
@@ -290,8 +285,10 @@ def _run_backward(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
             dgrad = tuple(to_dlpack(t.view(torch.uint8) if i % 2 == 0 else t) for i, t in enumerate(fp8_dgrad))
         _C.backward(ws, *tensors, scratch=to_dlpack(_scratch(nbytes, x.device)), fp8_dgrad=dgrad, fp8_wgrad=wgrad)
     else:
-        # (the rank of this shape that a forward made; with the FP8 dgrad its fp8 one)
-        dgrad_rank = dict(precision="fp8", fp8_dgrad=True) if fp8_dgrad is not None else dict(precision=None)
+        # (the rank of this shape that a forward made; with the FP8 dgrad its fp8 one; after a
+        # recompute forward its recompute one)
+        dgrad_rank = (dict(precision="fp8", fp8_dgrad=True) if fp8_dgrad is not None
+                      else dict(precision="bf16", recompute=True) if saved is None else dict(precision=None))
         rank = _ep_group(group_id).rank_for(x, w_down, num_experts, k, _shared_size(shared_gate), swiglu_limit, True,
                                             **dgrad_rank)
         dgrad = None
@@ -320,7 +317,6 @@ def _moe_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_ga
                       swiglu_limit, num_experts, group_id, recompute=False):
     _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
            num_experts, group_id)
-    _check_recompute(recompute, group_id)
     return torch.empty_like(x)
 
 
@@ -331,7 +327,7 @@ def moe_train_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
                       swiglu_limit: Optional[float], num_experts: int, group_id: int,
                       recompute: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """The forward of a training step: y, and the gate/up pre-activations (bf16, flat) the
-    backward reads — with recompute (one GPU) an empty tensor: the backward runs GEMM1 again."""
+    backward reads — with recompute an empty tensor: the backward runs GEMM1 again."""
     y, saved = _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
                             swiglu_limit, num_experts, group_id, training=True, recompute=recompute)
     return y, saved if saved is not None else x.new_empty((0,), dtype=torch.bfloat16)
@@ -342,7 +338,6 @@ def _moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, sha
                             swiglu_limit, num_experts, group_id, recompute=False):
     _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
            num_experts, group_id)
-    _check_recompute(recompute, group_id)
     n = 0 if recompute else _fake_saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
     return torch.empty_like(x), x.new_empty((n,), dtype=torch.bfloat16)
 
@@ -475,7 +470,7 @@ def _eager(tensors) -> bool:
 def call_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit, num_experts, group_id,
                recompute=False):
     """mok.moe and mok.ep.moe: the eager path or the custom ops, with autograd when it records.
-    recompute (one GPU): the training forward saves nothing and the backward runs GEMM1 again.
+    recompute: the training forward saves nothing and the backward runs GEMM1 again.
     The eager path of one GPU leaves the argument checks to the extension (the same checks in
     C++; the GPU waits for every µs of host time before the layer's first launch) and runs the
     Python ones only when the call fails, so that a bad argument is named as the custom ops name
@@ -535,12 +530,12 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     mok.fp8.quantize_experts(w_gate, w_up, w_down), else the call quantizes them itself. Made
     with quantize_experts(..., dgrad=True), the backward's dgrad GEMMs run in E4M3 too (else in
     bf16; mok.fp8.dgrad_pays(w_down) says where that is faster).
-    recompute=True (bf16, one GPU): the training forward saves nothing (no k*2I*2 bytes a token
-    kept until the backward) and the backward runs GEMM1 again first, in the call's scratch —
-    the same bits as without it, for GEMM1's work again and a larger backward scratch (the
-    recompute buffer; the dy rows and w*h no longer fit in the weight gradients' buffers);
-    faster than torch.utils.checkpoint around the layer, which runs the whole forward again
-    (README, "Recompute").
+    recompute=True (bf16; mok.ep.moe takes it too): the training forward saves nothing (no
+    k*2I*2 bytes a token kept until the backward) and the backward runs GEMM1 again first, in
+    the call's scratch — the same bits as without it, for GEMM1's work again and a larger
+    backward scratch (the recompute buffer, k*2I*2 bytes a token plus padding, held only
+    during the backward); faster than torch.utils.checkpoint around the layer, which runs the
+    whole forward again (README, "Recompute").
     """
     if type(recompute) is not bool:
         raise ValueError(f"mok.moe: recompute must be True or False, got {recompute!r}")

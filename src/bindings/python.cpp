@@ -230,9 +230,12 @@ NB_MODULE(_C, m) {
              std::optional<float> limit, std::int64_t tokens, int rank, std::vector<std::uintptr_t> region_ptrs,
              int device, int compute_sms, double timeout_seconds, bool training, bool peers_on_other_gpus,
              int comm_sms, std::int64_t ring_rows, std::int64_t minibatch_rows, bool pull_tokens_once,
-             std::int64_t interleave_rows, const std::string& precision, bool fp8_dgrad, bool pull_fp8_rows) {
+             std::int64_t interleave_rows, const std::string& precision, bool fp8_dgrad, bool pull_fp8_rows,
+             bool recompute) {
             if (precision != "bf16" && precision != "fp8")
               throw nb::value_error(("mok.EpRank: precision must be 'bf16' or 'fp8', got '" + precision + "'").c_str());
+            if (recompute && !training)
+              throw nb::value_error("mok.EpRank: recompute=True needs training=True (a recompute rank trains)");
             if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
               throw nb::value_error(("mok.EpRank: cannot use CUDA device " + std::to_string(device) + ": " +
                                      cudaGetErrorString(err)).c_str());
@@ -251,7 +254,9 @@ NB_MODULE(_C, m) {
             for (std::uintptr_t p : region_ptrs) bases.push_back(reinterpret_cast<void*>(p));
             new (self) mok::EpRank(
                 make_shape(hidden, intermediate, num_experts, num_local_experts, top_k, shared_intermediate, limit),
-                tokens, rank, bases, config, training ? mok::Training::save : mok::Training::off, peers_on_other_gpus);
+                tokens, rank, bases, config,
+                !training ? mok::Training::off : recompute ? mok::Training::recompute : mok::Training::save,
+                peers_on_other_gpus);
           },
           nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("num_local_experts"),
           nb::arg("top_k"), nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("tokens"),
@@ -259,8 +264,10 @@ NB_MODULE(_C, m) {
           nb::arg("timeout_seconds") = 10.0, nb::arg("training") = false, nb::arg("peers_on_other_gpus") = true,
           nb::arg("comm_sms") = 0, nb::arg("ring_rows") = 0, nb::arg("minibatch_rows") = 4096,
           nb::arg("pull_tokens_once") = false, nb::arg("interleave_rows") = 0, nb::arg("precision") = "bf16",
-          nb::arg("fp8_dgrad") = false, nb::arg("pull_fp8_rows") = false)
+          nb::arg("fp8_dgrad") = false, nb::arg("pull_fp8_rows") = false, nb::arg("recompute") = false)
       .def_prop_ro("saved_elements", &mok::EpRank::saved_elements)
+      // training with recompute=True: the forward saves nothing, the backward runs GEMM1 again
+      .def_prop_ro("recompute", [](const mok::EpRank& r) { return r.training() == mok::Training::recompute; })
       .def("check", [](mok::EpRank& r, std::uintptr_t stream) { r.check(reinterpret_cast<cudaStream_t>(stream)); });
 
   def_forward<mok::EpRank>(m, "ep_forward", "rank", "mok.ep_forward",

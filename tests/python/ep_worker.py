@@ -2,7 +2,8 @@
 builds the same global problem, computes its part with mok.ep, and compares with one GPU
 computing every token with every expert (mok.moe): forward bitwise, gradients bitwise for
 x, topk_weights and its experts' weights, through mok.ep.moe and through mok.MoE(group=...),
-in bf16 and with precision="fp8" (the FP8 gradients finite too).
+in bf16 (saving the pre-activations or with recompute=True) and with precision="fp8" (the FP8
+gradients finite too).
 Exits non-zero on any mismatch."""
 
 import os
@@ -67,6 +68,29 @@ def main():
             if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
                 failures.append(f"rank {rank}: {name}{how} differs from one GPU")
 
+    # recompute=True: the forward keeps no pre-activations and the backward runs GEMM1 again on
+    # the group's Training::recompute rank — the same bits; the forward without autograd then
+    # runs on that rank too (one recompute rank for both, none other made).
+    for how, g in (("", group), (" (padded to a fixed T + 40)", mok.ep.ExpertParallel(tokens=T + 40))):
+        xb, wb, gb, ub, db = leaves(x[mine].contiguous(), w[mine].contiguous(), gate[experts].contiguous(),
+                                    up[experts].contiguous(), down[experts].contiguous())
+        yb = mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=g, recompute=True)
+        yb.backward(dy[mine].contiguous())
+        with torch.no_grad():
+            yn = mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=g, recompute=True)
+        g.check()
+        recomputing = [key for key, r in g._ranks.items() if r.recompute]
+        if len(recomputing) != 1 or recomputing[0][-1] is not True:
+            failures.append(f"rank {rank}: recompute{how} made {len(recomputing)} recompute ranks, not one")
+        for what, got in (("training forward", yb.detach()), ("forward without autograd", yn)):
+            if not torch.equal(got.view(torch.int16), ya.detach()[mine].view(torch.int16)):
+                failures.append(f"rank {rank}: recompute{how}: {what} differs from one GPU")
+        for name, got, want in (("dx", xb.grad, xa.grad[mine]), ("d_topk_weights", wb.grad, wa.grad[mine]),
+                                ("d_w_gate", gb.grad, ga.grad[experts]), ("d_w_up", ub.grad, ua.grad[experts]),
+                                ("d_w_down", db.grad, da.grad[experts])):
+            if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
+                failures.append(f"rank {rank}: recompute{how}: {name} differs from one GPU")
+
     # The same through the module: mok.MoE(..., group=...) holds only this rank's experts.
     def rank_module(I, weights, **kwargs):
         """mok.MoE(..., group=...) holding this rank's share of the whole layer's experts."""
@@ -88,6 +112,16 @@ def main():
                             ("d_w_down", layer.w_down.grad, da.grad[experts])):
         if got is None or not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
             failures.append(f"rank {rank}: mok.MoE(group=...) {name} differs from one GPU")
+
+    layer = rank_module(I, (gate, up, down), group=group, recompute=True)
+    xc = x[mine].detach().clone().requires_grad_()
+    layer(xc, ids[mine].contiguous(), w[mine].contiguous()).backward(dy[mine].contiguous())
+    group.check()
+    for name, got, want in (("dx", xc.grad, xa.grad[mine]), ("d_w_gate", layer.w_gate.grad, ga.grad[experts]),
+                            ("d_w_up", layer.w_up.grad, ua.grad[experts]),
+                            ("d_w_down", layer.w_down.grad, da.grad[experts])):
+        if got is None or not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
+            failures.append(f"rank {rank}: mok.MoE(group=..., recompute=True) {name} differs from one GPU")
 
     # FP8 (precision="fp8"): the routed experts' forward in E4M3; the group's backward on its
     # activations in bf16, or with the FP8 dgrad (dgrad=True) and FP8 or bf16 weight gradients —

@@ -134,6 +134,30 @@ def test_compiled_ep_training_step_traces_through_the_fake_implementations():
     assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
 
 
+def test_recompute_fake_implementations_save_nothing_in_a_group():
+    """recompute=True in a group (id 1): the train-forward op's saved tensor is empty and the
+    backward takes None for it, as on one GPU; a compiled step traces through them."""
+    T, H, I, El, E, k = 16, 128, 64, 2, 8, 4
+    x, ids, w, gate, down = _meta_rank(T, H, I, El, k)
+    y, saved = torch.ops.mok.moe_train_forward(x, ids, w, gate, gate, down, None, None, None, None, E, 1, True)
+    assert y.shape == (T, H) and saved.shape == (0,) and saved.dtype == torch.bfloat16
+    grads = torch.ops.mok.moe_backward(x, x, ids, w, gate, gate, down, None, None, None, None, None, E, 1)
+    assert [tuple(g.shape) for g in grads] == [(T, H), (T, k), (2, El, I, H), (0,), (El, H, I)]
+    leaves = [t.clone().requires_grad_() for t in (x, w, gate, gate, down)]
+
+    def step(x, w, gate, up, down):
+        y, _ = torch.ops.mok.moe_train_forward(x, ids, w, gate, up, down, None, None, None, None, E, 1, True)
+        return y.float().sum()
+
+    torch.compile(step, backend="aot_eager", fullgraph=True)(*leaves).backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
+
+
+def test_a_recompute_rank_needs_training():
+    with pytest.raises(ValueError, match=r"mok.EpRank: recompute=True needs training=True"):
+        _C.EpRank(128, 64, 8, 8, 2, 0, None, 16, 0, [0], 0, training=False, recompute=True)
+
+
 @pytest.fixture
 def single_process_group(tmp_path):
     import torch.distributed as dist
@@ -181,6 +205,28 @@ def test_moe_module_with_a_group_holds_its_share_of_the_experts(single_process_g
     assert layer.w_down.grad.shape == layer.w_down.shape and x.grad.shape == x.shape
     with pytest.raises(TypeError, match="must be a mok.ep.ExpertParallel"):
         mok.MoE(128, 64, 8, 2, group=object(), device="meta")
+
+
+@pytest.mark.parametrize("bad", [1, 0, "yes", None])
+def test_recompute_in_a_group_is_checked(single_process_group, bad):
+    group = mok.ep.ExpertParallel()
+    x, ids, w, gate, down = _meta_rank(16, 128, 128, 8, 2)
+    with pytest.raises(ValueError, match=r"mok.ep.moe: recompute must be True or False, got"):
+        mok.ep.moe(x, ids, w, gate, gate, down, group=group, recompute=bad)
+    with pytest.raises(ValueError, match=r"mok.ep.moe: recompute=True needs precision='bf16'"):
+        mok.ep.moe(x, ids, w, gate, gate, down, group=group, precision="fp8", recompute=True)
+    with pytest.raises(ValueError, match=r"mok.ep: a recompute rank trains in bf16"):
+        group.rank_for(x, down, 8, 2, 0, None, False, recompute=True)
+
+
+def test_moe_module_with_a_group_and_recompute_traces_through_the_fake_implementations(single_process_group):
+    layer = mok.MoE(128, 64, 8, 2, group=mok.ep.ExpertParallel(), recompute=True, device="meta")
+    assert layer.recompute
+    x = torch.empty(4, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    y = layer(x)
+    assert y.shape == (4, 128)
+    y.float().sum().backward()
+    assert layer.w_gate.grad.shape == layer.w_gate.shape and x.grad.shape == x.shape
 
 
 def test_fp8_fake_implementations_give_the_ep_output_metadata():

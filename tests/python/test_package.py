@@ -419,18 +419,7 @@ def test_recompute_is_refused_where_it_does_not_run():
     with pytest.raises(ValueError, match=r"recompute=True needs precision='bf16'"):
         mok.moe(**_meta_args(), precision="fp8", recompute=True)
     for kw, named in ((dict(backend="torch"), "backend='torch'"), (dict(precision="fp8"), "precision='fp8'")):
-        with pytest.raises(ValueError, match=r"mok.MoE: recompute=True runs on the fused bf16 kernel on one GPU .*"
-                                             + named):
+        with pytest.raises(ValueError, match=r"mok.MoE: recompute=True runs on the fused bf16 kernel .*" + named):
             mok.MoE(128, 128, 4, 2, recompute=True, device="meta", **kw)
-    with pytest.raises(ValueError, match=r"mok.MoE: recompute=True runs on the fused bf16 kernel on one GPU .*group=given"):
-        mok.MoE(128, 128, 4, 2, recompute=True, device="meta", group=object())
-    from mok import ops
-
-    with pytest.raises(ValueError, match=r"recompute=True is not supported in an expert-parallel group yet"):
-        ops.call_layer(*_meta_args().values(), None, None, 4, 7, recompute=True)
-    a = _meta_args()
-    with pytest.raises(ValueError, match=r"recompute=True is not supported in an expert-parallel group yet"):
-        torch.ops.mok.moe_train_forward(a["x"], a["topk_ids"], a["topk_weights"], a["w_gate"], a["w_up"], a["w_down"],
-                                        None, None, None, None, 4, 7, True)
     with pytest.raises(ValueError, match=r"mok.Workspace: recompute=True needs training=True"):
         mok._C.Workspace(128, 64, 4, 2, 0, None, 8, 0, training=False, recompute=True)

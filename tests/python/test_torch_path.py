@@ -69,6 +69,17 @@ def test_training_example_refuses_bad_options_before_training(bad, message):
     assert run.returncode == 2 and re.search(message, run.stderr), run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("bad,message", [
+    (["--backend", "torch", "--device", "cpu", "--recompute"], r"--recompute runs on the fused bf16 kernels"),
+    (["--backend", "torch", "--device", "cpu", "--precision", "fp8"], r"--precision fp8 runs on the fused kernels"),
+])
+def test_expert_parallel_training_example_refuses_bad_options_before_training(bad, message):
+    pytest.importorskip("tqdm")
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_moe_ep.py"), "--size", "tiny", *bad],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and re.search(message, run.stderr), run.stderr[-2000:]
+
+
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="needs torch.distributed with gloo")
 def test_expert_parallel_training_example_matches_one_process_on_cpu():
