@@ -110,20 +110,22 @@ def check_step(model, whole, batch, c, mean, dtype, rank, world):
     agrees = abs(mean - float(loss)) <= tolerance * abs(float(loss))
     whole_params = dict(whole.named_parameters())
     experts_here = c["experts"] // world
-    worst = 0.0
+    worst, worst_name = 0.0, None
     for name, p in model.named_parameters():
         want = whole_params[name].grad
         if want is None or p.grad is None:
             continue
         if is_expert(name):
             want = want[rank * experts_here:(rank + 1) * experts_here]
-        worst = max(worst, float((p.grad.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)))
+        diff = float((p.grad.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+        if diff > worst:
+            worst, worst_name = diff, name
     grads_agree = worst <= (1e-3 if dtype == torch.float32 else 5e-2)
     verdict = torch.tensor([float(agrees and grads_agree)], device=next(model.parameters()).device)
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
     if rank == 0:
         print(f"step 0: mean loss over the ranks {mean:.6f}, the whole model's in one process {float(loss):.6f}; "
-              f"gradients' largest relative difference {worst:.2e} (rank 0) — "
+              f"gradients' largest relative difference {worst:.2e} (rank 0, {worst_name}) — "
               f"{'agree' if verdict.item() == 1.0 else 'DIFFER'}")
     return verdict.item() == 1.0
 

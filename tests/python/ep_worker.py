@@ -113,6 +113,28 @@ def main():
         if got is None or not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
             failures.append(f"rank {rank}: mok.MoE(group=...) {name} differs from one GPU")
 
+    # Two layers of one shape in a row (one EpRank serves both, as in a model): the first
+    # layer's backward runs after the second's forward and backward, saving or recomputing.
+    _, ids2, w2, gate2, up2, down2, _ = random_problem(T * world, H, I, E, k, 0, seed=8, device=device,
+                                                       dtype=torch.bfloat16, padding=0.1)
+    one = leaves(x, w, gate, up, down, w2, gate2, up2, down2)
+    mok.moe(mok.moe(one[0], ids, *one[1:5]), ids2, *one[5:]).backward(dy)
+    for recompute in (False, True):
+        ep = leaves(x[mine].contiguous(), w[mine].contiguous(), gate[experts].contiguous(),
+                    up[experts].contiguous(), down[experts].contiguous(), w2[mine].contiguous(),
+                    gate2[experts].contiguous(), up2[experts].contiguous(), down2[experts].contiguous())
+        y1 = mok.ep.moe(ep[0], ids[mine].contiguous(), *ep[1:5], group=group, recompute=recompute)
+        mok.ep.moe(y1, ids2[mine].contiguous(), *ep[5:], group=group, recompute=recompute).backward(
+            dy[mine].contiguous())
+        group.check()
+        cuts = (mine, mine, experts, experts, experts, mine, experts, experts, experts)
+        names = ("dx", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down") + tuple(
+            f"layer 2 {n}" for n in ("d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"))
+        for name, got, want, cut in zip(names, ep, one, cuts):
+            if not torch.equal(got.grad.view(torch.uint8), want.grad[cut].contiguous().view(torch.uint8)):
+                failures.append(f"rank {rank}: two layers{' with recompute' if recompute else ''}: {name} differs "
+                                f"from one GPU")
+
     layer = rank_module(I, (gate, up, down), group=group, recompute=True)
     xc = x[mine].detach().clone().requires_grad_()
     layer(xc, ids[mine].contiguous(), w[mine].contiguous()).backward(dy[mine].contiguous())
