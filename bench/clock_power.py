@@ -40,8 +40,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-BENCH_IMPLS = ("mok", "mok-fp8", "mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step", "mok-pp")  # (mok_bench --serve's)
-BWD_ONLY = ("mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step")
+BENCH_IMPLS = ("mok", "mok-fp8", "mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step", "mok-pp", "mok-recompute",
+               "mok-1block")  # (mok_bench --serve's)
+BWD_ONLY = ("mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step", "mok-recompute")
 IMPLS = BENCH_IMPLS + tuple(f"head:{i}" for i in BENCH_IMPLS) + ("mok-py", "mok-fp8-py", "torch-compiled", "torch",
                                                                   "torch-fp8")
 QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"

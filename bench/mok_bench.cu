@@ -22,7 +22,7 @@
 //         time-queued PASS WARMUP ITERS [IMPL]    the same, every iteration enqueued before the
 //                                                 first is waited for (time_iterations' queued)
 //         peak PASS [IMPL]                        bytes one pass needs beyond inputs and weights
-//                                                 (IMPL: mok, the default, mok-fp8 or mok-pp)
+//                                                 (IMPL: mok, the default, or any impl below but mok-ep1)
 //         quit
 //   mok_bench --fill-sample SEED N                 (no GPU) the first N values fill_bits gives,
 //                                                 for the CPU test of layer_bench's hash_fill
@@ -46,6 +46,10 @@
 //   mok-fp8-step       mok-fp8-wgrad with the routed weights quantized again in every pass (the
 //                      forward's and the dgrad's): a training step with one micro-batch an
 //                      optimizer step (pass fwd+bwd)
+//   mok-recompute      mok with Training::recompute (pass fwd+bwd: nothing saved, GEMM1 again in
+//                      the backward; the same bits)
+//   mok-1block         mok with Config::backward_column_blocks = 1 (the backward's x rows whole, in
+//                      one launch, as a recompute's; the same bits)
 // peak_bytes (mok): the workspace + y + the high-water mark of what one pass allocates from
 // a caching stream-ordered pool (scratch; fwd+bwd: saved tensor, dx, d_topk_weights, bf16
 // weight gradients, allocated when the backward runs), as PyTorch's allocator would count it.
@@ -112,7 +116,8 @@ int serve() {
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::unique_ptr<Problem> problem;
-  static const char* const impls[] = {"mok", "mok-fp8", "mok-pp", "mok-fp8-bf16dgrad", "mok-fp8-wgrad", "mok-fp8-step"};
+  static const char* const impls[] = {"mok",           "mok-fp8",      "mok-pp",       "mok-fp8-bf16dgrad",
+                                      "mok-fp8-wgrad", "mok-fp8-step", "mok-recompute", "mok-1block"};
   std::unique_ptr<FusedLayer> layers[2 * std::size(impls)];  // each impl's fwd, fwd+bwd
   auto layer = [&](const std::string& pass, std::istringstream& in) -> FusedLayer& {
     if (!problem) throw mok::Error("mok_bench: 'load' a preset first");
@@ -121,8 +126,8 @@ int serve() {
     in >> impl;  // (optional)
     const auto known = std::find(std::begin(impls), std::end(impls), impl);
     if (known == std::end(impls))
-      throw mok::Error("mok_bench: impl must be mok, mok-fp8, mok-pp, mok-fp8-bf16dgrad, mok-fp8-wgrad or mok-fp8-step, got '" +
-                       impl + "'");
+      throw mok::Error("mok_bench: impl must be mok, mok-fp8, mok-pp, mok-fp8-bf16dgrad, mok-fp8-wgrad, mok-fp8-step, "
+                       "mok-recompute or mok-1block, got '" + impl + "'");
     auto& l = layers[2 * (known - std::begin(impls)) + (pass == "fwd+bwd")];
     if (!l) l = std::make_unique<FusedLayer>(*problem, impl, pass, mok::Config{}, stream);
     return *l;
@@ -249,10 +254,11 @@ int main(int argc, char** argv) try {
     if (name != "all") mok::find_preset(name);  // unknown names are an error
   for (const std::string& impl : o.impls)
     if (impl != "mok" && impl != "mok-pp" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "mok-fp8-bf16dgrad" &&
-        impl != "mok-fp8-wgrad" && impl != "mok-fp8-step" && impl != "cublas" && impl != "plan")
+        impl != "mok-fp8-wgrad" && impl != "mok-fp8-step" && impl != "mok-recompute" && impl != "mok-1block" &&
+        impl != "cublas" && impl != "plan")
       throw mok::Error("mok_bench: impl '" + impl +
                        "' is not available (known: mok, mok-pp, mok-ep1, mok-fp8, mok-fp8-bf16dgrad, mok-fp8-wgrad, "
-                       "mok-fp8-step, cublas, plan)");
+                       "mok-fp8-step, mok-recompute, mok-1block, cublas, plan)");
 
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -272,7 +278,7 @@ int main(int argc, char** argv) try {
       std::vector<std::string> passes = impl == "plan" ? std::vector<std::string>{"plan"} : o.passes;
       for (const std::string& pass : passes) {
         const bool fp8 = impl.starts_with("mok-fp8");
-        if ((impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step") && pass != "fwd+bwd") continue;
+        if (is_training_step(impl) && pass != "fwd+bwd") continue;
         if (fp8 && (p->shape.hidden % 128 != 0 || p->shape.intermediate % 128 != 0)) {
           std::printf("%-16s %-7s %-8s    (skipped: Precision::fp8 needs H and I multiples of 128)\n", p->name.c_str(),
                       impl.c_str(), pass.c_str());
@@ -281,7 +287,7 @@ int main(int argc, char** argv) try {
 #ifdef MOK_PHASE_TIMING
         CUDA_OK(cudaMemset(phase_table, 0, sizeof(unsigned long long) * 2 * mok::kernels::kPhases));
 #endif
-        if (impl == "mok" || impl == "mok-pp" || impl == "mok-ep1" || fp8) records.push_back(bench_mok(o, *p, impl, pass, stream));
+        if (impl.starts_with("mok")) records.push_back(bench_mok(o, *p, impl, pass, stream));
         else if (impl == "cublas") records.push_back(bench_dense(o, *p, pass, stream, handle));
         else records.push_back(bench_plan(o, *p, stream));
         const Record& r = records.back();

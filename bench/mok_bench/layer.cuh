@@ -58,18 +58,27 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
 // (mok::fp8::quantize_experts: three kernels, W and W^T from one read each; not in the timed pass), except in
 // "mok-fp8-step": "mok-fp8-wgrad" with that quantization in every pass too — a training step with
 // one micro-batch an optimizer step, whose weights are new each step. "mok-pp": "mok"
-// with Config::pingpong (the forward's ping-pong consumers; the same bits).
+// with Config::pingpong (the forward's ping-pong consumers; the same bits). "mok-recompute":
+// "mok" with Training::recompute (pass fwd+bwd: no saved tensor, the backward runs GEMM1 again;
+// the same bits); "mok-1block": "mok" with Config::backward_column_blocks = 1 (the backward's x
+// rows whole in one launch, as a recompute's are; the same bits).
+// The impls that are a training step only (pass fwd+bwd).
+inline bool is_training_step(const std::string& impl) {
+  return impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step" || impl == "mok-recompute";
+}
+
 class FusedLayer {
-  static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8, bool pingpong) {  // (--interleave-rows, replay_launches: all)
+  static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8, const std::string& impl) {  // (--interleave-rows, replay_launches: all)
     mok::Config c;
-    c.pingpong = pingpong;
+    c.pingpong = impl == "mok-pp";
+    c.backward_column_blocks = impl == "mok-1block" ? 1 : 0;
     c.interleave_rows = fp8 ? 0 : ep_config.interleave_rows;
     c.replay_launches = ep_config.replay_launches;
     c.precision = fp8 ? mok::Precision::fp8 : mok::Precision::bf16;
     return c;
   }
   static bool fp8_forward(const std::string& impl, const std::string& pass) {
-    if ((impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step") && pass != "fwd+bwd")
+    if (is_training_step(impl) && pass != "fwd+bwd")
       throw mok::Error("mok_bench: " + impl + " is a training step (pass fwd+bwd), got pass '" + pass + "'");
     return impl == "mok-fp8" || impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step";
   }
@@ -77,8 +86,10 @@ class FusedLayer {
  public:
   FusedLayer(const Problem& pr, const std::string& impl, const std::string& pass, const mok::Config& ep_config,
              cudaStream_t stream)
-      : pr_(pr), ep1_(impl == "mok-ep1"), bwd_(pass == "fwd+bwd"), fp8_(fp8_forward(impl, pass)), stream_(stream),
-        pool_(stream), ws_(pr.s, pr.T, one_gpu_config(ep_config, fp8_, impl == "mok-pp"), bwd_ ? mok::Training::save : mok::Training::off) {
+      : pr_(pr), ep1_(impl == "mok-ep1"), bwd_(pass == "fwd+bwd"), fp8_(fp8_forward(impl, pass)),
+        recompute_(impl == "mok-recompute"), stream_(stream), pool_(stream),
+        ws_(pr.s, pr.T, one_gpu_config(ep_config, fp8_, impl),
+            !bwd_ ? mok::Training::off : recompute_ ? mok::Training::recompute : mok::Training::save) {
     const mok::MoeShape& s = pr.s;
     const std::int64_t T = pr.T, H = s.hidden, I = s.intermediate, E = s.num_local_experts, k = s.top_k,
                        Is = s.shared_intermediate;
@@ -153,8 +164,8 @@ class FusedLayer {
     // the bf16 weight gradients, allocated when the backward runs (as autograd does); the
     // W_gate and W_up gradients as one block and dx a buffer of its own, as mok.moe allocates
     // them (the backward's rows may then span both and continue in dx: the smaller scratch).
-    auto* saved = pool_.alloc<std::uint16_t>(ws_.saved_elements());
-    forward(saved_view(saved));
+    auto* saved = recompute_ ? nullptr : pool_.alloc<std::uint16_t>(ws_.saved_elements());
+    forward(saved ? std::optional(saved_view(saved)) : std::nullopt);
     auto* gate_up = pool_.alloc<std::uint16_t>(2 * E * I * H);
     Outputs g{pool_.alloc<std::uint16_t>(T * H), pool_.alloc<float>(T * k), gate_up, gate_up + E * I * H,
               pool_.alloc<std::uint16_t>(E * H * I)};
@@ -169,9 +180,9 @@ class FusedLayer {
     mok::BackwardArgs b = grads(g);
     b.fp8 = dgrad_;
     b.fp8_weight_gradients = wgrad_;
-    mok::backward(a_, b, ws_, stream_, saved_view(saved), u8(scratch, bytes));
+    mok::backward(a_, b, ws_, stream_, saved ? std::optional(saved_view(saved)) : std::nullopt, u8(scratch, bytes));
     pool_.free(scratch);
-    pool_.free(saved);
+    if (saved) pool_.free(saved);
     if (keep) outputs_ = g, kept_ = true;
     else for (void* q : g.all()) pool_.free(q);
   }
@@ -295,7 +306,7 @@ class FusedLayer {
   }
 
   const Problem& pr_;
-  const bool ep1_, bwd_, fp8_;
+  const bool ep1_, bwd_, fp8_, recompute_;
   cudaStream_t stream_;
   Arena arena_;
   StepPool pool_;
