@@ -13,9 +13,12 @@ DeepSeek-V3's shared expert stays in the model's own code. "mok_torch" registers
 glue over mok.moe_torch (plain PyTorch, any device) for comparisons and CPU tests; "mok_fp8"
 runs the routed experts' forward in FP8 (mok.moe(..., precision="fp8"); the backward's dgrad
 GEMMs too where mok.fp8.dgrad_pays), the quantized weights kept on the experts module until a
-weight changes. Before compiling a model with torch.compile, call mok.hf.prepare(model) once it
-is on its GPU: it makes each experts module's quantized copy (else a compiled "mok_fp8" model
-quantizes in every call) and the gate checks a fullgraph trace cannot run.
+weight changes. "mok_recompute" is "mok" with recompute=True: a training forward keeps no
+gate/up pre-activations for the backward, which runs GEMM1 again (the same bits as "mok"; less
+memory across layers than saving them, less time than gradient checkpointing the layer). Before
+compiling a model with torch.compile, call mok.hf.prepare(model) once it is on its GPU: it makes
+each experts module's quantized copy (else a compiled "mok_fp8" model quantizes in every call) and
+the gate checks a fullgraph trace cannot run.
 
 `gate_up_proj` goes to the kernel as it is (w_up None: the kernel reads its gate and up
 halves in place, and writes its gradient as one [E, 2I, H] tensor): no copy per call.
@@ -220,6 +223,10 @@ def _mok(module, x, ids, weights, w_gate, w_up, w_down):
     return moe(x, ids, weights, w_gate, w_up, w_down, swiglu_limit=_swiglu_limit(module))
 
 
+def _mok_recompute(module, x, ids, weights, w_gate, w_up, w_down):
+    return moe(x, ids, weights, w_gate, w_up, w_down, swiglu_limit=_swiglu_limit(module), recompute=True)
+
+
 def _mok_fp8(module, x, ids, weights, w_gate, w_up, w_down):
     return moe(x, ids, weights, w_gate, w_up, w_down, swiglu_limit=_swiglu_limit(module), precision="fp8",
                fp8_experts=cached_experts(module, w_gate, w_up, w_down, where="mok.hf"))
@@ -230,12 +237,16 @@ def _mok_torch(module, x, ids, weights, w_gate, w_up, w_down):
 
 
 mok_experts_forward = _experts_forward(_mok, autocast=True)
+mok_recompute_experts_forward = _experts_forward(_mok_recompute, autocast=True)
 mok_fp8_experts_forward = _experts_forward(_mok_fp8)
 mok_torch_experts_forward = _experts_forward(_mok_torch)
 
 
+_IMPLEMENTATIONS = ("mok", "mok_recompute", "mok_fp8", "mok_torch")  # (what register() registers)
+
+
 def prepare(model: torch.nn.Module) -> int:
-    """Readies every experts module of `model` that runs "mok", "mok_fp8" or "mok_torch" for a
+    """Readies every experts module of `model` that runs a mok implementation for a
     first call under torch.compile, and returns how many it readied. The glue's first look at a
     module — its layout flags and gating (a class's own `_apply_gate` is probed by running it,
     which a fullgraph trace cannot do) — is made now, and with "mok_fp8" and bf16 CUDA weights the
@@ -252,11 +263,11 @@ def prepare(model: torch.nn.Module) -> int:
     readied, named = 0, False
     for module in model.modules():
         impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
-        named = named or impl in ("mok", "mok_fp8", "mok_torch")
+        named = named or impl in _IMPLEMENTATIONS
         # (an experts class transformers dispatches: its decorator sets is_transposed in every 5.x
         # release — is_concatenated and has_gate came later —; a dense MLP or shared expert of the
         # same config has none)
-        if impl not in ("mok", "mok_fp8", "mok_torch") or not hasattr(module, "is_transposed") or not hasattr(
+        if impl not in _IMPLEMENTATIONS or not hasattr(module, "is_transposed") or not hasattr(
                 module, "down_proj"):
             continue
         w_gate, w_up, w_down = _expert_weights(module)
@@ -272,7 +283,8 @@ def prepare(model: torch.nn.Module) -> int:
 
 
 def register() -> None:
-    """Registers "mok" (the fused kernel), "mok_fp8" (its FP8 forward) and "mok_torch" with
+    """Registers "mok" (the fused kernel), "mok_recompute" (the same, recomputing GEMM1 in the
+    backward instead of saving its output), "mok_fp8" (its FP8 forward) and "mok_torch" with
     transformers' experts interface (needs transformers >= 5 with
     `transformers.integrations.moe.ExpertsInterface`)."""
     try:
@@ -281,5 +293,6 @@ def register() -> None:
         raise ImportError("mok.hf.register: needs transformers >= 5 (transformers.integrations.moe.ExpertsInterface)") from e
     _transformers()  # (imported now, outside any torch.compile trace)
     ExpertsInterface.register("mok", mok_experts_forward)
+    ExpertsInterface.register("mok_recompute", mok_recompute_experts_forward)
     ExpertsInterface.register("mok_fp8", mok_fp8_experts_forward)
     ExpertsInterface.register("mok_torch", mok_torch_experts_forward)

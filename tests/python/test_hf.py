@@ -177,6 +177,31 @@ def test_fused_kernel_matches_eager_on_gpu(name):
 
 
 @pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("name", MODELS)
+def test_recompute_experts_give_the_bits_of_mok_on_gpu(name):
+    # "mok_recompute" (nothing saved for the backward, GEMM1 run again): logits and every
+    # gradient bitwise "mok"'s, the fused function probed as above (eager attention: its
+    # backward is deterministic, SDPA's need not be).
+    calls = []
+    probe = lambda self, *a: calls.append(1) or mok.hf.mok_recompute_experts_forward(self, *a)
+    moe_interface.ExpertsInterface.register("mok_recompute_probe", probe)
+    models = []
+    for impl in ("mok", "mok_recompute_probe"):
+        torch.manual_seed(0)
+        m = transformers.AutoModelForCausalLM.from_config(_config(name), experts_implementation=impl,
+                                                          attn_implementation="eager", dtype=torch.bfloat16)
+        models.append(m.to("cuda"))
+    saving, recomputing = models
+    ids = torch.randint(0, 128, (4, 64), device="cuda")
+    (a, ga), (b, gb) = _logits_and_grads(saving, ids), _logits_and_grads(recomputing, ids)
+    mok.check()
+    assert calls, "the recompute experts function was not called"
+    assert torch.equal(a, b) and ga.keys() == gb.keys()
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), n
+
+
+@pytest.mark.skipif(not hopper, reason="needs a Hopper GPU")
 def test_fp8_experts_are_close_to_bf16_on_gpu():
     # "mok_fp8" (the routed experts' forward in FP8, the bf16 backward): logits and every
     # gradient within FP8's error of "mok"'s (expert sizes multiples of 128, as FP8 needs).
@@ -461,6 +486,7 @@ def test_prepare_readies_the_mok_experts_modules_before_a_compiled_call():
         assert mok.hf.prepare(model) == len(experts), name
         assert all("_mok_swiglu_limit" in m.__dict__ for m in experts), name
     assert mok.hf.prepare(_models("qwen3_moe", ["eager"], torch.float32, "cpu")[0]) == 0
+    assert mok.hf.prepare(_models("qwen3_moe", ["mok_recompute"], torch.float32, "cpu")[0]) == 2
     # transformers 5.0-5.5's decorator sets is_transposed but not is_concatenated (nor, before 5.3,
     # has_gate): such modules are readied too (the glue takes the missing flags as their defaults)
     model = _models("qwen3_moe", ["mok_torch"], torch.float32, "cpu")[0]
