@@ -39,6 +39,9 @@ impls:
                      result pushes spread over the kernel
   mok-ep-fp8-e4m3    (only when asked for) mok-ep-fp8 with ExpertParallel(pull_fp8_rows=True): each
                      rank quantizes its tokens once in the exchange and peers pull E4M3 rows
+  mok-ep-recompute   (only when asked for) mok.ep.moe(..., recompute=True): its own group; the
+                     training forward keeps no pre-activations and the backward runs GEMM1 again
+                     (the same bits as mok-ep; what a recompute costs in the EP layer)
   mok-ep-fp8         (only when asked for) mok.ep.moe(..., precision="fp8"): the routed experts' forward in E4M3
                      (this rank's experts quantized once beforehand, mok.fp8.quantize_experts,
                      with the dgrad's copies where mok.fp8.dgrad_pays; the rows quantized as they
@@ -133,6 +136,7 @@ ONCE = "mok-ep-once"  # mok-ep with pull_tokens_once
 INTERLEAVE = "mok-ep-interleave"  # mok-ep with interleave_rows = 4096
 FP8 = "mok-ep-fp8"  # mok-ep with precision="fp8" (valid in --impl, not run unless named)
 FP8_E4M3 = "mok-ep-fp8-e4m3"  # mok-ep-fp8 pulling E4M3 rows (pull_fp8_rows; the same: only when named)
+RECOMPUTE = "mok-ep-recompute"  # mok-ep with recompute=True (only when named)
 RING = "mok-ep-ring"  # RING + str(N): mok-ep with comm_sms = N (--ring-sms)
 EXCHANGES = ("dispatch", "combine")
 DEFAULT_PRESETS = "deepseek-v3,qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b"
@@ -151,8 +155,9 @@ def ring_impls(spec):
 
 
 def impl_names(ring=()):
-    """Every implementation, in table order: IMPLS with the ring ones after mok-ep, then mok-ep-fp8."""
-    return IMPLS[:1] + tuple(ring) + IMPLS[1:] + (FP8, FP8_E4M3)
+    """Every implementation, in table order: IMPLS with the ring ones after mok-ep, then mok-ep-fp8,
+    its E4M3 pull and mok-ep-recompute."""
+    return IMPLS[:1] + tuple(ring) + IMPLS[1:] + (FP8, FP8_E4M3, RECOMPUTE)
 
 
 def comm_sms(impl):
@@ -166,7 +171,7 @@ def group_options(impl):
         return dict(pull_tokens_once=True)
     if impl == INTERLEAVE:
         return dict(interleave_rows=4096)
-    if impl == FP8:
+    if impl in (FP8, RECOMPUTE):
         return dict()
     if impl == FP8_E4M3:
         return dict(pull_fp8_rows=True)
@@ -215,7 +220,7 @@ def run_checks(d, p, args, ctx):
     for impl, group in ctx.groups.items():  # mok-ep and its variants (make() runs at once)
         if impl in (FP8, FP8_E4M3):
             continue
-        attempt(impl, lambda: MokEp(d, group), mok_ep_pass(impl))
+        attempt(impl, lambda: MokEp(d, group, recompute=impl == RECOMPUTE), mok_ep_pass(impl))
     for impl in (FP8, FP8_E4M3):
         def fp8_pass(obj, ps, impl=impl):
             out, extra[impl][ps] = outside_allocator(lambda: obj.outputs(ps), ctx.device)
@@ -325,7 +330,7 @@ def summary(records):
     ring = sorted({comm_sms(r["impl"]) for r in records if r["impl"].startswith(RING)})
     impls = [i for i in impl_names(f"{RING}{n}" for n in ring) if any(r["impl"] == i for r in records)]
     ratios = (("torch-ep", "mok-ep"), ("torch-compiled-ep", "mok-ep"), ("mok-ep", "mok-compute")) + tuple(
-        ("mok-ep", i) for i in impls if i.startswith(RING) or i in (ONCE, INTERLEAVE, FP8)) + (
+        ("mok-ep", i) for i in impls if i.startswith(RING) or i in (ONCE, INTERLEAVE, FP8, RECOMPUTE)) + (
         ((FP8, FP8_E4M3),) if FP8 in impls and FP8_E4M3 in impls else ())
     lines = [f"{'preset':<16}{'routing':<9}{'pass':<8}" + "".join(f"{i + ' ms':>20}" for i in impls) +
              "".join(f"{a + '/' + b:>28}" for a, b in ratios) + f"{'NCCL disp GB/s':>16}{'comb GB/s':>11}{'checks':>8}"]

@@ -175,11 +175,12 @@ class MokEp(layer_bench.MokPy):
     """mok.ep.moe on this rank's share (gate and up separate), through `group`: mok-ep's
     mok.ep.ExpertParallel, or a mok-ep-ring{N}'s (comm_sms = N); precision "fp8" (mok-ep-fp8):
     this rank's experts quantized once here, with the dgrad's copies where mok.fp8.dgrad_pays
-    (as mok-fp8-py: its backward then runs the FP8 dgrad and weight gradients)."""
+    (as mok-fp8-py: its backward then runs the FP8 dgrad and weight gradients); recompute
+    (mok-ep-recompute): mok.ep.moe's recompute=True."""
 
-    def __init__(self, d, group, precision="bf16"):
+    def __init__(self, d, group, precision="bf16", recompute=False):
         super().__init__(d)
-        self.group, self.precision = group, precision
+        self.group, self.precision, self.recompute = group, precision, recompute
         if precision == "fp8":
             import mok.fp8
 
@@ -188,7 +189,9 @@ class MokEp(layer_bench.MokPy):
 
     def _call(self):
         d = self.d
-        extra = {} if self.precision == "bf16" else dict(precision="fp8", fp8_experts=self.experts)
+        extra = dict(recompute=True) if self.recompute else {}
+        if self.precision == "fp8":
+            extra.update(precision="fp8", fp8_experts=self.experts)
         return self.mok.ep.moe(d["x"], d["ids"], d["weights"], d["w_gate"], d["w_up"], d["w_down"],
                                swiglu_limit=d["limit"], group=self.group, **extra)
 

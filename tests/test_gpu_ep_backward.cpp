@@ -192,8 +192,11 @@ TEST(EpBackward, RingTooSmallForAnExpertStopsEveryRankWithAClearError) {
 
 // A CUDA graph of every rank's forward and backward, replayed with new routing and new
 // data of the same shapes: nothing in the EP path may depend on the host seeing a count.
+// Saving the pre-activations, and recomputing them (the recompute's launch captured too).
 TEST(EpBackward, GraphReplayOfForwardAndBackward) {
   MOK_REQUIRE_HOPPER();
+  for (const Training mode : {Training::save, Training::recompute}) {
+  SCOPED_TRACE(mode == Training::save ? "save" : "recompute");
   const EpCase c{"", 4, 256, 256, 256, 16, 2, 128, 0, RoutingKind::uniform};
   EpProblem p(c, 51);
   const EpGrads g(p, testing::random_bf16(p.host.x.size(), 52));
@@ -201,10 +204,10 @@ TEST(EpBackward, GraphReplayOfForwardAndBackward) {
   // A ring of 128-row minibatches that holds any one expert's rows (at most ep * T * k =
   // 2048; the backward needs that) and wraps when a rank receives more (skewed routing).
   config.minibatch_rows = 128, config.ring_rows = 2048;
-  VirtualRanks group(p.shape, p.T, config, Training::save);
+  VirtualRanks group(p.shape, p.T, config, mode);
   std::vector<std::unique_ptr<DeviceBuffer<bf16>>> saved;
   std::vector<TensorView> views;
-  for (int r = 0; r < p.ep; ++r) {
+  for (int r = 0; r < p.ep && mode == Training::save; ++r) {
     saved.push_back(std::make_unique<DeviceBuffer<bf16>>(group.saved_elements()));
     views.push_back(TensorView::contiguous(saved.back()->get(), DType::bf16, Device::cuda(0), {group.saved_elements()}));
   }
@@ -246,6 +249,7 @@ TEST(EpBackward, GraphReplayOfForwardAndBackward) {
     testing::expect_close("d_shared_up (sum over ranks)", EpGrads::summed(g.d_sup), ref.w.shared_up, name);
   }
   cudaStreamDestroy(stream);
+  }
 }
 
 }  // namespace
