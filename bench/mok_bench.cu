@@ -22,7 +22,7 @@
 //         time-queued PASS WARMUP ITERS [IMPL]    the same, every iteration enqueued before the
 //                                                 first is waited for (time_iterations' queued)
 //         peak PASS [IMPL]                        bytes one pass needs beyond inputs and weights
-//                                                 (IMPL: mok, the default, or any impl below but mok-ep1)
+//                                                 (IMPL: mok, the default, or any mok-* impl below but mok-ep1)
 //         quit
 //   mok_bench --fill-sample SEED N                 (no GPU) the first N values fill_bits gives,
 //                                                 for the CPU test of layer_bench's hash_fill

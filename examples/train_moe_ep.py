@@ -125,7 +125,7 @@ def check_step(model, whole, batch, c, mean, dtype, rank, world):
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
     if rank == 0:
         print(f"step 0: mean loss over the ranks {mean:.6f}, the whole model's in one process {float(loss):.6f}; "
-              f"gradients' largest relative difference {worst:.2e} (rank 0, {worst_name}) — "
+              f"gradients' largest relative difference {worst:.2e} (rank 0{', ' + worst_name if worst_name else ''}) — "
               f"{'agree' if verdict.item() == 1.0 else 'DIFFER'}")
     return verdict.item() == 1.0
 

@@ -236,8 +236,12 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_g
     ring (comm_sms, ring_rows) is bf16 only.
     recompute=True (bf16): as mok.moe's — the training forward keeps no pre-activations (no
     k*2I*2 bytes a token of this rank's share until the backward) and the backward runs GEMM1
-    again first, on the rows it pulls anyway; the same bits as without it (the rank's EpRank is
-    a Training::recompute one: the ranks of a group must agree on it, as on every setting)."""
+    again first, on the rows it pulls anyway; the same bits as without it. The rank's EpRank is a
+    Training::recompute one (the ranks of a group must agree on it, as on every setting), which
+    holds one layer's pre-activations for the recompute itself (an EP rank owns its buffers, where
+    one GPU's recompute takes them from the backward's scratch): L layers of one shape keep one
+    such buffer instead of L saved tensors. Calls without autograd run on that rank too (a layer
+    that only infers needs no recompute: without it they get a lighter inference rank)."""
     if not isinstance(group, ExpertParallel):
         raise TypeError(f"mok.ep.moe: 'group' must be a mok.ep.ExpertParallel, got {type(group).__name__}")
     if type(recompute) is not bool:

@@ -82,6 +82,8 @@ def main():
         recomputing = [key for key, r in g._ranks.items() if r.recompute]
         if len(recomputing) != 1 or recomputing[0][-1] is not True:
             failures.append(f"rank {rank}: recompute{how} made {len(recomputing)} recompute ranks, not one")
+        if g is not group and len(g._ranks) != 1:  # (a group of its own: no other rank made either)
+            failures.append(f"rank {rank}: recompute{how} made {len(g._ranks)} ranks, not one")
         for what, got in (("training forward", yb.detach()), ("forward without autograd", yn)):
             if not torch.equal(got.view(torch.int16), ya.detach()[mine].view(torch.int16)):
                 failures.append(f"rank {rank}: recompute{how}: {what} differs from one GPU")

@@ -303,13 +303,26 @@ def _ranks_with_different_e4m3_pulls(rank, world):
         group.rank_for(x, w_down, E_l * world, 2, 0, None, False, precision="fp8")
 
 
+def _ranks_that_disagree_on_recompute(rank, world):
+    """One process of a gloo pair: rank 0 trains its layer with recompute=True, rank 1 saves. Their
+    EpRanks would differ (a Training::recompute one and a saving one) and wait on each other's
+    calls in the kernels: the first call must refuse, naming the setting."""
+    torch.cuda.is_current_stream_capturing = lambda: False  # (a CPU build of PyTorch raises there)
+    group = mok.ep.ExpertParallel()
+    T, H, I, E_l = 8, 128, 128, 2
+    x, w_down = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(E_l, H, I, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="FP8 dgrad, recompute, E4M3 rows"):
+        group.rank_for(x, w_down, E_l * world, 2, 0, None, True, recompute=rank == 0)
+
+
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="needs torch.distributed with gloo")
-def test_a_group_whose_ranks_pull_rows_differently_is_refused():
+@pytest.mark.parametrize("worker", [_ranks_with_different_e4m3_pulls, _ranks_that_disagree_on_recompute])
+def test_a_group_whose_ranks_pull_rows_differently_or_disagree_on_recompute_is_refused(worker):
     sys.path.insert(0, HERE)
     from process_group import run_in_two_processes
 
-    run_in_two_processes(_ranks_with_different_e4m3_pulls)
+    run_in_two_processes(worker)
 
 
 def test_a_fixed_token_count_pads_every_call_to_it(single_process_group, monkeypatch):
