@@ -181,6 +181,24 @@ class MoE(nn.Module):
         self._keep_fp8_copy()
         return module
 
+    def extra_repr(self) -> str:
+        """What print(model) shows beside the router (nn.Module's convention): the shape and the
+        settings a run depends on; the defaults left out."""
+        parts = [f"hidden={self.hidden}", f"intermediate={self.intermediate}", f"num_experts={self.num_experts}",
+                 f"top_k={self.top_k}"]
+        if self.shared is not None:
+            parts.append(f"shared_intermediate={self.shared[0].shape[0]}")
+        if self.group is not None:
+            parts.append(f"local_experts={self.w_down.shape[0]} of {self.group.world} ranks")
+        for name, value, default in (("router", self.router_kind, "softmax"), ("backend", self.backend, "mok"),
+                                     ("precision", self.precision, "bf16"),
+                                     ("recompute", self.recompute, False), ("swiglu_limit", self.swiglu_limit, None),
+                                     ("fused_gate_up", self.fused_gate_up, False),
+                                     ("load_balancing", self.load_balancing, False)):
+            if value != default:
+                parts.append(f"{name}={value!r}")
+        return ", ".join(parts)
+
     @torch.no_grad()
     def reset_parameters(self):
         if self.w_down.device.type == "meta":

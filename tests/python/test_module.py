@@ -35,6 +35,17 @@ def test_parameters_and_meta_forward():
     assert y.shape == x.shape and y.dtype == torch.bfloat16
 
 
+def test_print_shows_the_shape_and_the_settings_that_differ_from_the_defaults():
+    plain = mok.MoE(128, 64, 8, 2, device="meta").extra_repr()
+    assert plain == "hidden=128, intermediate=64, num_experts=8, top_k=2"
+    lean = mok.MoE(128, 64, 8, 2, shared_intermediate=64, router="sigmoid", swiglu_limit=7.0, recompute=True,
+                   fused_gate_up=True, device="meta")
+    assert lean.extra_repr() == ("hidden=128, intermediate=64, num_experts=8, top_k=2, shared_intermediate=64, "
+                                 "router='sigmoid', recompute=True, swiglu_limit=7.0, fused_gate_up=True")
+    fp8 = mok.MoE(128, 128, 8, 2, router=None, precision="fp8", device="meta")
+    assert "router=None, precision='fp8'" in repr(fp8)
+
+
 def test_initialisation_scale():
     layer = mok.MoE(256, 128, 4, 2)
     assert abs(layer.w_gate.float().std().item() - 256 ** -0.5) < 0.01
