@@ -130,7 +130,8 @@ class ExpertParallel:
             fp8 = [v for v in (("fp8", False), ("fp8", True)) if shape + v + (False,) in self._ranks]
             precision, fp8_dgrad = fp8[0] if fp8 else ("bf16", False)
         if recompute and not (training and precision == "bf16"):  # (mok.ep.moe and mok.MoE refuse these first)
-            raise ValueError(f"mok.ep: a recompute rank trains in bf16 (got training={training}, precision={precision!r})")
+            raise ValueError(f"mok.ep: a recompute rank trains in bf16 (got training={training}, "
+                             f"precision={precision!r})")
         key = shape + (precision, fp8_dgrad, recompute)
         rank = self._ranks.get(key)
         if rank is not None:
