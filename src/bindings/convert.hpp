@@ -81,6 +81,14 @@ inline mok::MoeShape make_shape(std::int64_t hidden, std::int64_t intermediate, 
   return s;
 }
 
+// The Training mode of a Workspace or EpRank from the bindings' two flags (`where` names the class
+// in the error: recompute without training is refused).
+inline mok::Training training_mode(const char* where, bool training, bool recompute) {
+  if (recompute && !training)
+    throw nb::value_error((std::string(where) + ": recompute=True needs training=True (recomputing trains)").c_str());
+  return !training ? mok::Training::off : recompute ? mok::Training::recompute : mok::Training::save;
+}
+
 using F64 = nb::ndarray<double, nb::c_contig, nb::device::cpu>;
 using I32 = nb::ndarray<std::int32_t, nb::c_contig, nb::device::cpu>;
 

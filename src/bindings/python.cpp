@@ -103,8 +103,7 @@ NB_MODULE(_C, m) {
              bool replay_launches, int backward_column_blocks, bool recompute) {
             if (precision != "bf16" && precision != "fp8")
               throw nb::value_error(("mok.Workspace: precision must be 'bf16' or 'fp8', got '" + precision + "'").c_str());
-            if (recompute && !training)
-              throw nb::value_error("mok.Workspace: recompute=True needs training=True (a recompute workspace trains)");
+            const mok::Training mode = training_mode("mok.Workspace", training, recompute);
             if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
               throw nb::value_error(("mok.Workspace: cannot use CUDA device " + std::to_string(device) + ": " +
                                      cudaGetErrorString(err)).c_str());
@@ -116,10 +115,7 @@ NB_MODULE(_C, m) {
             config.backward_column_blocks = backward_column_blocks;
             new (self) mok::Workspace(make_shape(hidden, intermediate, num_experts, num_experts, top_k,
                                                  shared_intermediate, limit),
-                                      tokens, config,
-                                      !training   ? mok::Training::off
-                                      : recompute ? mok::Training::recompute
-                                                  : mok::Training::save);
+                                      tokens, config, mode);
           },
           nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("top_k"),
           nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("max_tokens"), nb::arg("device"),
@@ -234,8 +230,7 @@ NB_MODULE(_C, m) {
              bool recompute) {
             if (precision != "bf16" && precision != "fp8")
               throw nb::value_error(("mok.EpRank: precision must be 'bf16' or 'fp8', got '" + precision + "'").c_str());
-            if (recompute && !training)
-              throw nb::value_error("mok.EpRank: recompute=True needs training=True (a recompute rank trains)");
+            const mok::Training mode = training_mode("mok.EpRank", training, recompute);
             if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
               throw nb::value_error(("mok.EpRank: cannot use CUDA device " + std::to_string(device) + ": " +
                                      cudaGetErrorString(err)).c_str());
@@ -254,9 +249,7 @@ NB_MODULE(_C, m) {
             for (std::uintptr_t p : region_ptrs) bases.push_back(reinterpret_cast<void*>(p));
             new (self) mok::EpRank(
                 make_shape(hidden, intermediate, num_experts, num_local_experts, top_k, shared_intermediate, limit),
-                tokens, rank, bases, config,
-                !training ? mok::Training::off : recompute ? mok::Training::recompute : mok::Training::save,
-                peers_on_other_gpus);
+                tokens, rank, bases, config, mode, peers_on_other_gpus);
           },
           nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("num_local_experts"),
           nb::arg("top_k"), nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("tokens"),

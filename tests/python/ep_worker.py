@@ -53,45 +53,39 @@ def main():
     xa, wa, ga, ua, da = leaves(x, w, gate, up, down)
     ya = mok.moe(xa, ids, wa, ga, ua, da)
     ya.backward(dy)
-    for how, g in (("", group), (" (tokens pulled once)", mok.ep.ExpertParallel(pull_tokens_once=True)),
-                   (" (padded to a fixed T + 40)", mok.ep.ExpertParallel(tokens=T + 40))):
+
+    # recompute=True: the forward keeps no pre-activations and the backward runs GEMM1 again on
+    # the group's Training::recompute rank — the same bits; the forward without autograd then
+    # runs on that rank too (one recompute rank for both, none other made).
+    cases = (("", group, False), (" (tokens pulled once)", mok.ep.ExpertParallel(pull_tokens_once=True), False),
+             (" (padded to a fixed T + 40)", mok.ep.ExpertParallel(tokens=T + 40), False),
+             (" with recompute", group, True),
+             (" with recompute (padded to a fixed T + 40)", mok.ep.ExpertParallel(tokens=T + 40), True))
+    for how, g, recompute in cases:
         xb, wb, gb, ub, db = leaves(x[mine].contiguous(), w[mine].contiguous(), gate[experts].contiguous(),
                                     up[experts].contiguous(), down[experts].contiguous())
-        yb = mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=g)
+        yb = mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=g, recompute=recompute)
         yb.backward(dy[mine].contiguous())
+        outputs = [("training forward", yb.detach())]
+        if recompute:
+            with torch.no_grad():
+                outputs.append(("forward without autograd",
+                                mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=g, recompute=True)))
         g.check()
-        if not torch.equal(yb.detach().view(torch.int16), ya.detach()[mine].view(torch.int16)):
-            failures.append(f"rank {rank}: training forward{how} differs from one GPU")
+        if recompute:
+            recomputing = [key for key, r in g._ranks.items() if r.recompute]
+            if len(recomputing) != 1 or recomputing[0][-1] is not True:
+                failures.append(f"rank {rank}: recompute{how} made {len(recomputing)} recompute ranks, not one")
+            if g is not group and len(g._ranks) != 1:  # (a group of its own: no other rank made either)
+                failures.append(f"rank {rank}: recompute{how} made {len(g._ranks)} ranks, not one")
+        for what, got in outputs:
+            if not torch.equal(got.view(torch.int16), ya.detach()[mine].view(torch.int16)):
+                failures.append(f"rank {rank}: {what}{how} differs from one GPU")
         for name, got, want in (("dx", xb.grad, xa.grad[mine]), ("d_topk_weights", wb.grad, wa.grad[mine]),
                                 ("d_w_gate", gb.grad, ga.grad[experts]), ("d_w_up", ub.grad, ua.grad[experts]),
                                 ("d_w_down", db.grad, da.grad[experts])):
             if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
                 failures.append(f"rank {rank}: {name}{how} differs from one GPU")
-
-    # recompute=True: the forward keeps no pre-activations and the backward runs GEMM1 again on
-    # the group's Training::recompute rank — the same bits; the forward without autograd then
-    # runs on that rank too (one recompute rank for both, none other made).
-    for how, g in (("", group), (" (padded to a fixed T + 40)", mok.ep.ExpertParallel(tokens=T + 40))):
-        xb, wb, gb, ub, db = leaves(x[mine].contiguous(), w[mine].contiguous(), gate[experts].contiguous(),
-                                    up[experts].contiguous(), down[experts].contiguous())
-        yb = mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=g, recompute=True)
-        yb.backward(dy[mine].contiguous())
-        with torch.no_grad():
-            yn = mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=g, recompute=True)
-        g.check()
-        recomputing = [key for key, r in g._ranks.items() if r.recompute]
-        if len(recomputing) != 1 or recomputing[0][-1] is not True:
-            failures.append(f"rank {rank}: recompute{how} made {len(recomputing)} recompute ranks, not one")
-        if g is not group and len(g._ranks) != 1:  # (a group of its own: no other rank made either)
-            failures.append(f"rank {rank}: recompute{how} made {len(g._ranks)} ranks, not one")
-        for what, got in (("training forward", yb.detach()), ("forward without autograd", yn)):
-            if not torch.equal(got.view(torch.int16), ya.detach()[mine].view(torch.int16)):
-                failures.append(f"rank {rank}: recompute{how}: {what} differs from one GPU")
-        for name, got, want in (("dx", xb.grad, xa.grad[mine]), ("d_topk_weights", wb.grad, wa.grad[mine]),
-                                ("d_w_gate", gb.grad, ga.grad[experts]), ("d_w_up", ub.grad, ua.grad[experts]),
-                                ("d_w_down", db.grad, da.grad[experts])):
-            if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
-                failures.append(f"rank {rank}: recompute{how}: {name} differs from one GPU")
 
     # The same through the module: mok.MoE(..., group=...) holds only this rank's experts.
     def rank_module(I, weights, **kwargs):
@@ -102,18 +96,20 @@ def main():
                 param.copy_(full[experts])
         return module
 
-    layer = rank_module(I, (gate, up, down), group=group)
-    xc = x[mine].detach().clone().requires_grad_()
-    yc = layer(xc, ids[mine].contiguous(), w[mine].contiguous())
-    yc.backward(dy[mine].contiguous())
-    group.check()
-    if not torch.equal(yc.detach().view(torch.int16), y_one[mine].view(torch.int16)):
-        failures.append(f"rank {rank}: mok.MoE(group=...) forward differs from one GPU")
-    for name, got, want in (("dx", xc.grad, xa.grad[mine]), ("d_w_gate", layer.w_gate.grad, ga.grad[experts]),
-                            ("d_w_up", layer.w_up.grad, ua.grad[experts]),
-                            ("d_w_down", layer.w_down.grad, da.grad[experts])):
-        if got is None or not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
-            failures.append(f"rank {rank}: mok.MoE(group=...) {name} differs from one GPU")
+    for recompute in (False, True):
+        what = "mok.MoE(group=..., recompute=True)" if recompute else "mok.MoE(group=...)"
+        layer = rank_module(I, (gate, up, down), group=group, recompute=recompute)
+        xc = x[mine].detach().clone().requires_grad_()
+        yc = layer(xc, ids[mine].contiguous(), w[mine].contiguous())
+        yc.backward(dy[mine].contiguous())
+        group.check()
+        if not torch.equal(yc.detach().view(torch.int16), y_one[mine].view(torch.int16)):
+            failures.append(f"rank {rank}: {what} forward differs from one GPU")
+        for name, got, want in (("dx", xc.grad, xa.grad[mine]), ("d_w_gate", layer.w_gate.grad, ga.grad[experts]),
+                                ("d_w_up", layer.w_up.grad, ua.grad[experts]),
+                                ("d_w_down", layer.w_down.grad, da.grad[experts])):
+            if got is None or not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
+                failures.append(f"rank {rank}: {what} {name} differs from one GPU")
 
     # Two layers of one shape in a row (one EpRank serves both, as in a model): the first
     # layer's backward runs after the second's forward and backward, saving or recomputing.
@@ -136,16 +132,6 @@ def main():
             if not torch.equal(got.grad.view(torch.uint8), want.grad[cut].contiguous().view(torch.uint8)):
                 failures.append(f"rank {rank}: two layers{' with recompute' if recompute else ''}: {name} differs "
                                 f"from one GPU")
-
-    layer = rank_module(I, (gate, up, down), group=group, recompute=True)
-    xc = x[mine].detach().clone().requires_grad_()
-    layer(xc, ids[mine].contiguous(), w[mine].contiguous()).backward(dy[mine].contiguous())
-    group.check()
-    for name, got, want in (("dx", xc.grad, xa.grad[mine]), ("d_w_gate", layer.w_gate.grad, ga.grad[experts]),
-                            ("d_w_up", layer.w_up.grad, ua.grad[experts]),
-                            ("d_w_down", layer.w_down.grad, da.grad[experts])):
-        if got is None or not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
-            failures.append(f"rank {rank}: mok.MoE(group=..., recompute=True) {name} differs from one GPU")
 
     # FP8 (precision="fp8"): the routed experts' forward in E4M3; the group's backward on its
     # activations in bf16, or with the FP8 dgrad (dgrad=True) and FP8 or bf16 weight gradients —
