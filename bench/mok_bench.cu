@@ -49,7 +49,9 @@
 //   mok-recompute      mok with Training::recompute (pass fwd+bwd: nothing saved, GEMM1 again in
 //                      the backward; the same bits)
 //   mok-1block         mok with Config::backward_column_blocks = 1 (the backward's x rows whole, in
-//                      one launch, as a recompute's; the same bits)
+//                      one launch, as a recompute's by default; the same bits)
+//   mok-recompute-2block  mok-recompute with Config::backward_column_blocks = 2 (pass fwd+bwd; the
+//                      recompute's GEMM1 on whole rows, then two column blocks; the same bits)
 // peak_bytes (mok): the workspace + y + the high-water mark of what one pass allocates from
 // a caching stream-ordered pool (scratch; fwd+bwd: saved tensor, dx, d_topk_weights, bf16
 // weight gradients, allocated when the backward runs), as PyTorch's allocator would count it.
@@ -117,7 +119,8 @@ int serve() {
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::unique_ptr<Problem> problem;
   static const char* const impls[] = {"mok",           "mok-fp8",      "mok-pp",       "mok-fp8-bf16dgrad",
-                                      "mok-fp8-wgrad", "mok-fp8-step", "mok-recompute", "mok-1block"};
+                                      "mok-fp8-wgrad", "mok-fp8-step", "mok-recompute", "mok-1block",
+                                      "mok-recompute-2block"};
   std::unique_ptr<FusedLayer> layers[2 * std::size(impls)];  // each impl's fwd, fwd+bwd
   auto layer = [&](const std::string& pass, std::istringstream& in) -> FusedLayer& {
     if (!problem) throw mok::Error("mok_bench: 'load' a preset first");
@@ -127,7 +130,7 @@ int serve() {
     const auto known = std::find(std::begin(impls), std::end(impls), impl);
     if (known == std::end(impls))
       throw mok::Error("mok_bench: impl must be mok, mok-fp8, mok-pp, mok-fp8-bf16dgrad, mok-fp8-wgrad, mok-fp8-step, "
-                       "mok-recompute or mok-1block, got '" + impl + "'");
+                       "mok-recompute, mok-1block or mok-recompute-2block, got '" + impl + "'");
     auto& l = layers[2 * (known - std::begin(impls)) + (pass == "fwd+bwd")];
     if (!l) l = std::make_unique<FusedLayer>(*problem, impl, pass, mok::Config{}, stream);
     return *l;
@@ -255,10 +258,10 @@ int main(int argc, char** argv) try {
   for (const std::string& impl : o.impls)
     if (impl != "mok" && impl != "mok-pp" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "mok-fp8-bf16dgrad" &&
         impl != "mok-fp8-wgrad" && impl != "mok-fp8-step" && impl != "mok-recompute" && impl != "mok-1block" &&
-        impl != "cublas" && impl != "plan")
+        impl != "mok-recompute-2block" && impl != "cublas" && impl != "plan")
       throw mok::Error("mok_bench: impl '" + impl +
                        "' is not available (known: mok, mok-pp, mok-ep1, mok-fp8, mok-fp8-bf16dgrad, mok-fp8-wgrad, "
-                       "mok-fp8-step, mok-recompute, mok-1block, cublas, plan)");
+                       "mok-fp8-step, mok-recompute, mok-1block, mok-recompute-2block, cublas, plan)");
 
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

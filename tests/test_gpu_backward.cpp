@@ -358,7 +358,8 @@ TEST(Backward, DyRowsContinuedInDxGiveTheBitsOfDyRowsInScratch) {
 
 // The backward in column blocks (Config::backward_column_blocks: x's rows one block of H's
 // columns at a time, a launch each, the counters carried on from launch to launch) gives the
-// bits of whole rows, and its scratch is smaller by exactly the x rows' other columns. H = 320:
+// bits of whole rows, and its scratch is smaller by exactly the x rows' other columns (in
+// Training::recompute the same bits at the same scratch, one block by default). H = 320:
 // a last block of 64 columns, with a shared expert (its dx rows in dx); H = 768: three tiles in
 // blocks of two and one, or one each, with the dy rows in the gradients.
 TEST(Backward, ColumnBlocksGiveTheBitsOfWholeRows) {
@@ -372,14 +373,15 @@ TEST(Backward, ColumnBlocksGiveTheBitsOfWholeRows) {
     const auto dy = random_bf16(host.x.size(), 92);
     GpuGrads grads(gpu, dy, false);
     const std::int64_t H = s.hidden;
-    auto run = [&](int blocks, std::int64_t& scratch_bytes, std::int64_t& capacity) {
+    auto run = [&](int blocks, std::int64_t& scratch_bytes, std::int64_t& capacity, Training mode = Training::save) {
       Config config;
       config.backward_column_blocks = blocks;
-      Workspace ws(s, host.tokens, config, Training::save);
-      DeviceBuffer<bf16> saved(ws.saved_elements());
-      forward(gpu.args(), ws, nullptr, saved_view(saved));
+      Workspace ws(s, host.tokens, config, mode);
+      DeviceBuffer<bf16> saved(mode == Training::save ? ws.saved_elements() : 0);
+      if (mode == Training::save) forward(gpu.args(), ws, nullptr, saved_view(saved));
       grads.poison();
-      backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));
+      if (mode == Training::save) backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));
+      else backward(gpu.args(), grads.args(), ws, nullptr);
       ws.check(nullptr);
       scratch_bytes = ws.backward_scratch_bytes(DType::bf16, host.tokens, true, true);
       capacity = ws.plan().capacity_rows();
@@ -399,6 +401,14 @@ TEST(Backward, ColumnBlocksGiveTheBitsOfWholeRows) {
     for (int blocks : {2, 3, 8}) {
       EXPECT_TRUE(run(blocks, bytes, cap) == whole) << blocks << " column blocks changed the gradients";
       EXPECT_EQ(whole_bytes - bytes, 2 * cap * (H - width(blocks))) << blocks << " blocks";
+    }
+    // Training::recompute: one block by default; more when asked (its GEMM1 on whole rows first,
+    // then the first block's columns gathered over them), the same bits and the same scratch.
+    std::int64_t recompute_bytes = 0;
+    EXPECT_TRUE(run(0, recompute_bytes, cap, Training::recompute) == whole) << "recompute, by default";
+    for (int blocks : {2, 3}) {
+      EXPECT_TRUE(run(blocks, bytes, cap, Training::recompute) == whole) << "recompute in " << blocks << " column blocks";
+      EXPECT_EQ(bytes, recompute_bytes) << "recompute in " << blocks << " column blocks";
     }
   }
 }

@@ -367,6 +367,58 @@ TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
             }
 }
 
+// The backward's column blocks (Config::backward_column_blocks): whole 256-column tiles, the
+// first blocks the widest; Training::save two by default, Training::recompute one unless asked,
+// whole rows with the ring or communication SMs (an EP rank) and without training. A save
+// layout's x rows take capacity x W, a recompute one's capacity x H whatever W (the recompute's
+// GEMM1 reads whole rows there before the first block's columns are gathered over them), so a
+// recompute's blocks leave its scratch and every other buffer where one block puts them.
+TEST(ScratchLayout, ColumnBlocksAndTheRecomputesWholeRows) {
+  auto at = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  void* base = reinterpret_cast<void*>(std::uintptr_t{1} << 40);
+  for (std::int64_t H : {320, 2048, 4096, 7168})
+    for (std::int64_t blocks : {0, 1, 2, 3, 8}) {
+      MoeShape shape;
+      shape.hidden = H, shape.intermediate = 512, shape.num_experts = shape.num_local_experts = 8, shape.top_k = 2;
+      Config config;
+      config.backward_column_blocks = static_cast<int>(blocks);
+      const std::int64_t tiles = (H + 255) / 256;
+      const auto width = [&](std::int64_t n) { return std::min(H, (tiles + n - 1) / n * 256); };
+      const std::string what = "H " + std::to_string(H) + " blocks " + std::to_string(blocks);
+      EXPECT_EQ(detail::backward_block_columns(shape, config, Training::save), width(blocks > 0 ? blocks : 2)) << what;
+      EXPECT_EQ(detail::backward_block_columns(shape, config, Training::recompute), width(blocks > 0 ? blocks : 1))
+          << what;
+      EXPECT_EQ(detail::backward_block_columns(shape, config, Training::off), H) << what;
+      Config ring = config, comm = config;
+      ring.ring_rows = 256, comm.comm_sms = 4;
+      for (Training mode : {Training::save, Training::recompute}) {
+        EXPECT_EQ(detail::backward_block_columns(shape, ring, mode), H) << what << " ring";
+        EXPECT_EQ(detail::backward_block_columns(shape, comm, mode), H) << what << " comm_sms";
+      }
+      for (Training mode : {Training::save, Training::recompute}) {
+        detail::ScratchShape sh;
+        sh.shape = shape, sh.tokens = 1000, sh.training = mode;
+        sh.capacity = plan_capacity_rows(shape, {}, sh.tokens, detail::kTileRows);
+        sh.saved_elements = 2 * sh.capacity * shape.intermediate + 8;
+        sh.block_columns = detail::backward_block_columns(shape, config, mode);
+        detail::ScratchShape whole = sh;
+        whole.block_columns = H;
+        const detail::CallBuffers b = detail::backward_buffers(sh, base, nullptr, nullptr);
+        const detail::CallBuffers w = detail::backward_buffers(whole, base, nullptr, nullptr);
+        const std::int64_t W = sh.block_columns, cap = sh.capacity;
+        const std::string wm = what + (mode == Training::save ? " save" : " recompute");
+        EXPECT_EQ(b.row_columns, W) << wm;
+        EXPECT_EQ(w.bytes - b.bytes, mode == Training::save ? 2 * cap * (H - W) : 0) << wm;
+        // (the buffers after the x rows: right after their room)
+        EXPECT_EQ(at(b.shared_dx_rows) - at(b.x_rows), 2 * cap * (mode == Training::save ? W : H)) << wm;
+        if (mode == Training::recompute)
+          EXPECT_TRUE(b.x_rows == w.x_rows && b.dy_rows == w.dy_rows && b.hidden == w.hidden &&
+                      b.shared_hidden == w.shared_hidden && b.recompute == w.recompute)
+              << wm << ": a recompute's buffers moved with its column blocks";
+      }
+    }
+}
+
 // The routed dy rows that miss the W_gate / W_up gradients continue in dx when it is given
 // (below or above the gradients): each part inside its buffer, split at a 128-row tile, the
 // lower address holding the first rows, never more scratch than without dx, and the layout

@@ -61,17 +61,20 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
 // with Config::pingpong (the forward's ping-pong consumers; the same bits). "mok-recompute":
 // "mok" with Training::recompute (pass fwd+bwd: no saved tensor, the backward runs GEMM1 again;
 // the same bits); "mok-1block": "mok" with Config::backward_column_blocks = 1 (the backward's x
-// rows whole in one launch, as a recompute's are; the same bits).
+// rows whole in one launch, as a recompute's are by default; the same bits);
+// "mok-recompute-2block": "mok-recompute" with Config::backward_column_blocks = 2 (the
+// recompute's GEMM1 on whole rows, then the backward in two column blocks; the same bits).
 // The impls that are a training step only (pass fwd+bwd).
 inline bool is_training_step(const std::string& impl) {
-  return impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step" || impl == "mok-recompute";
+  return impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step" || impl == "mok-recompute" ||
+         impl == "mok-recompute-2block";
 }
 
 class FusedLayer {
   static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8, const std::string& impl) {  // (--interleave-rows, replay_launches: all)
     mok::Config c;
     c.pingpong = impl == "mok-pp";
-    c.backward_column_blocks = impl == "mok-1block" ? 1 : 0;
+    c.backward_column_blocks = impl == "mok-1block" ? 1 : impl == "mok-recompute-2block" ? 2 : 0;
     c.interleave_rows = fp8 ? 0 : ep_config.interleave_rows;
     c.replay_launches = ep_config.replay_launches;
     c.precision = fp8 ? mok::Precision::fp8 : mok::Precision::bf16;
@@ -87,7 +90,7 @@ class FusedLayer {
   FusedLayer(const Problem& pr, const std::string& impl, const std::string& pass, const mok::Config& ep_config,
              cudaStream_t stream)
       : pr_(pr), ep1_(impl == "mok-ep1"), bwd_(pass == "fwd+bwd"), fp8_(fp8_forward(impl, pass)),
-        recompute_(impl == "mok-recompute"), stream_(stream), pool_(stream),
+        recompute_(impl == "mok-recompute" || impl == "mok-recompute-2block"), stream_(stream), pool_(stream),
         ws_(pr.s, pr.T, one_gpu_config(ep_config, fp8_, impl),
             !bwd_ ? mok::Training::off : recompute_ ? mok::Training::recompute : mok::Training::save) {
     const mok::MoeShape& s = pr.s;

@@ -52,7 +52,7 @@ void* call_scratch(Workspace& ws, const std::optional<TensorView>& given, std::i
 // W_gate / W_up gradient buffers (which it writes last) where they fit, so its scratch is
 // smaller than the forward's (smallest when the two gradients are one block); a
 // Training::save one also holds x's routed rows one column block at a time
-// (Config::backward_column_blocks; a recompute's GEMM1 reads whole rows).
+// (Config::backward_column_blocks; a Training::recompute one holds whole rows, its GEMM1's).
 class Workspace {
  public:
   Workspace(const MoeShape& shape, std::int64_t max_tokens, const Config& config = {},

@@ -120,13 +120,17 @@ struct Config {
                                        // 128 x 128 tasks (one's epilogue under the other's MMAs)
                                        // instead of sharing 128 x 256 ones; the same bits. Not with
                                        // the ring; EP ranks keep the cooperative kernel
-  int backward_column_blocks = 0;      // one GPU, Training::save: the backward's gathered x rows (and
-                                       // the dx rows over them) one block of H's columns at a time, a
-                                       // launch of the backward kernel each for the dW_gate|up, dx and
-                                       // combine work of its columns (the first also doing the dh, dW_down
-                                       // and shared-expert work): that buffer, the backward scratch's
-                                       // largest, at 1 / blocks of its bytes. 0 = 2; 1 = whole rows in one
-                                       // launch. Blocks are whole 256-column tiles. The same bits either way
+  int backward_column_blocks = 0;      // one GPU: the backward's gathered x rows (and the dx rows over
+                                       // them) one block of H's columns at a time, a launch of the
+                                       // backward kernel each for the dW_gate|up, dx and combine work of
+                                       // its columns (the first also doing the dh, dW_down and
+                                       // shared-expert work). Training::save: that buffer, the backward
+                                       // scratch's largest, at 1 / blocks of its bytes; 0 = 2; 1 = whole
+                                       // rows in one launch. Training::recompute: 0 = 1; more blocks keep
+                                       // the buffer's size (the recompute's GEMM1 reads whole rows; the
+                                       // first block's columns are gathered again after it) and may save
+                                       // DRAM traffic on wide rows. Blocks are whole 256-column tiles. The
+                                       // same bits either way
   bool pull_fp8_rows = false;          // EP ranks of Precision::fp8, rows pulled before the kernel (no
                                        // ring, not pull_tokens_once): each rank quantizes its own tokens
                                        // once (the exchange; virtual ranks: a kernel) and its peers pull

@@ -41,8 +41,11 @@ def set_backward_column_blocks(blocks: int) -> None:
     Config::backward_column_blocks): 0, the default, is 2 — the backward scratch's largest buffer
     at half its bytes, one more launch of the backward kernel, the same bits; 1 keeps whole rows
     in one launch (2026-12-04, H200: 3.5-4.7 % faster forward+backward on qwen3-30b-a3b's short
-    pass, 0-1 % on the large presets, for 13 % more peak memory there). Applies to the layers'
-    workspaces made afterwards: a layer shape's next call makes its workspace anew."""
+    pass, 0-1 % on the large presets, for 13 % more peak memory there). A recompute layer's
+    (mok.moe(..., recompute=True)) 0 is 1: its buffer holds whole rows for the recompute's GEMM1
+    whatever the blocks, so more blocks save it no memory, only DRAM traffic where rows are wide.
+    Applies to the layers' workspaces made afterwards: a layer shape's next call makes its
+    workspace anew."""
     global _backward_column_blocks
     if not isinstance(blocks, int) or isinstance(blocks, bool) or not 0 <= blocks <= 1024:
         raise ValueError(f"mok.set_backward_column_blocks: blocks must be an int in 0 .. 1024 (0: the default, 2), "
@@ -126,7 +129,7 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
     E, _, I = w_down.shape
     device = x.get_device()
     compute_sms = _compute_sms_on(device)
-    blocks = 0 if recompute else _backward_column_blocks  # (a recompute's GEMM1 reads whole x rows: one block)
+    blocks = _backward_column_blocks  # (0: two blocks, a recompute workspace's one)
     key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit, precision, recompute, blocks, compute_sms)
     ws = _workspaces.get(key)
     if ws is None or ws.max_tokens < T:

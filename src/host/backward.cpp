@@ -335,9 +335,15 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
       else detail::dispatch_row_columns(a.x.data, buffers.x_rows, ws, s, c0, std::min(W, H - c0), W);
     };
     // (the FP8 weight gradients read x and dy transposed, quantized from x and dy themselves: the
-    // bf16 rows serve only a recompute's GEMM1, and the dx rows take the x rows' room)
-    if (!fp8_wgrad || !saved) copy_x_rows(0);
-    if (!saved) detail::launch_forward_kernel(a, ws, buffers, s, gu, true, kWhere);
+    // bf16 rows serve only a recompute's GEMM1, and the dx rows take the x rows' room. A recompute's
+    // GEMM1 reads whole rows: in column blocks the first block's columns are gathered again after it)
+    if (!saved) {
+      detail::dispatch_rows(a.x.data, buffers.x_rows, ws, s);
+      detail::launch_forward_kernel(a, ws, buffers, s, gu, true, kWhere);
+      if (W < H) copy_x_rows(0);
+    } else if (!fp8_wgrad) {
+      copy_x_rows(0);
+    }
     if (b.fp8) detail::gather_dy_fp8(b, ws, buffers, s, kWhere, !fp8_wgrad);
     else detail::dispatch_rows(b.dy.data, buffers.dy_rows, ws, s, buffers.dy_rows_hi, buffers.dy_split);
     if (!saved) detail::zero_counters(ws, s, kWhere);  // (the recompute used them)

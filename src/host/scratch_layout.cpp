@@ -23,8 +23,13 @@ ScratchShape scratch_shape(const Workspace& ws, std::int64_t tokens) {
 
 std::int64_t backward_block_columns(const MoeShape& shape, const Config& config, Training training) {
   const std::int64_t H = shape.hidden, tile = kernels::kBlockN;
-  if (training != Training::save || config.comm_sms > 0 || config.ring_rows > 0) return H;
-  const std::int64_t blocks = config.backward_column_blocks > 0 ? config.backward_column_blocks : kBackwardColumnBlocks;
+  if (training == Training::off || config.comm_sms > 0 || config.ring_rows > 0) return H;
+  // (Training::recompute: one block unless asked for more — its x rows' room holds whole rows all
+  // the same, for the recompute's GEMM1, so blocks save it no memory; qwen3-30b-a3b's one-block
+  // backward is the faster one, mixtral-8x7b's two-block one: bench/NOTES.md, twenty-ninth session)
+  const std::int64_t blocks = config.backward_column_blocks > 0   ? config.backward_column_blocks
+                              : training == Training::recompute ? 1
+                                                                : kBackwardColumnBlocks;
   const std::int64_t tiles = (H + tile - 1) / tile;
   return std::min(H, (tiles + blocks - 1) / blocks * tile);
 }
@@ -92,8 +97,8 @@ std::optional<DyPlace> place_dy(std::uint16_t* at, std::int64_t room, std::uint1
 }  // namespace
 
 // [dy rows capacity x H, unless in the gradients][x rows, then dx rows, capacity x W (one column
-// block's columns: shape.block_columns)][shared dx
-// rows T_pad x H, unless in dx][w h capacity x I, unless in the gradients][shared w h T_pad x
+// block's columns: shape.block_columns; Training::recompute: room for capacity x H, the
+// recompute's whole rows)][shared dx rows T_pad x H, unless in dx][w h capacity x I, unless in the gradients][shared w h T_pad x
 // I_s][recomputed pre-activations]. In the gradients: row space a (E_l I H elements) takes the
 // dy rows and b the w h where each fits; when b directly follows a (one block of 2 E_l I H: a concatenated
 // [E, 2I, H] gradient, or two halves the caller allocated together) the dy rows take its start
@@ -168,11 +173,11 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
   b.dy_rows = dy_at.lo ? dy_at.lo : at(scratch, used);
   b.dy_rows_hi = dy_at.hi, b.dy_split = dy_at.split;
   if (!dy_at.lo) used += 2 * cap * H;
-  // (in column blocks: one block's columns at a time)
+  // (in column blocks: one block's columns at a time; a recompute's room holds whole rows, its GEMM1's)
   const std::int64_t W = shape.block_columns > 0 ? shape.block_columns : H;
   b.row_columns = W;
   b.x_rows = b.dx_rows = at(scratch, used);
-  used += 2 * cap * W;
+  used += 2 * cap * (shape.training == Training::recompute ? H : W);
   // The shared expert's dx rows in dx itself (token order; the combine adds the routed rows to
   // each in place) unless dy rows are there.
   const bool shared_in_dx = dx != nullptr && Tpad > 0 && dy_at.lo != dx && dy_at.hi != dx;

@@ -97,6 +97,37 @@ def test_backward_column_blocks_setting_gives_the_bits_of_the_default():
     assert grow % (2 * (H - 256)) == 0 and grow // (2 * (H - 256)) >= T * k
 
 
+def test_recompute_in_column_blocks_gives_the_bits_of_one_block():
+    """mok.moe(..., recompute=True) runs its backward in one column block by default; with
+    mok.set_backward_column_blocks(2) in two (the recompute's GEMM1 on whole x rows, then the first
+    block's columns gathered over them): the gradients bit for bit those of one block and of the
+    saving layer, at the same backward scratch (the x rows' room holds whole rows either way)."""
+    from mok import ops
+
+    T, H, I, E, k = 300, 768, 256, 4, 2
+    x, ids, w, gate, up, down, _ = _problem(T=T, H=H, I=I, E=E, k=k, seed=58)
+    dy = torch.randn_like(x)
+
+    def step(recompute):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, gate, up, down)]
+        y = mok.moe(leaves[0], ids, *leaves[1:], recompute=recompute)
+        y.backward(dy)
+        ws = ops._workspace(x, down, k, 0, None, recompute=recompute)
+        return [t.grad for t in leaves], ws
+
+    saving, _ = step(False)
+    one, ws_one = step(True)
+    try:
+        mok.set_backward_column_blocks(2)
+        two, ws_two = step(True)
+    finally:
+        mok.set_backward_column_blocks(0)
+    assert ws_two is not ws_one
+    for a, b, c in zip(one, two, saving):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    assert ws_two.backward_scratch_bytes(False, T, True) == ws_one.backward_scratch_bytes(False, T, True)
+
+
 def test_evaluation_and_training_share_one_workspace():
     """An evaluation call under no_grad and a training step of the same shape use one
     workspace (a training workspace also serves inference): no second copy of the buffers."""
