@@ -373,16 +373,24 @@ TEST(Backward, ColumnBlocksGiveTheBitsOfWholeRows) {
     const auto dy = random_bf16(host.x.size(), 92);
     GpuGrads grads(gpu, dy, false);
     const std::int64_t H = s.hidden;
-    auto run = [&](int blocks, std::int64_t& scratch_bytes, std::int64_t& capacity, Training mode = Training::save) {
+    // (calls > 2: the later ones replay the launches captured at the second, Config::replay_launches;
+    // each call's gradients must be the first's)
+    auto run = [&](int blocks, std::int64_t& scratch_bytes, std::int64_t& capacity, Training mode = Training::save,
+                   int calls = 1) {
       Config config;
       config.backward_column_blocks = blocks;
       Workspace ws(s, host.tokens, config, mode);
       DeviceBuffer<bf16> saved(mode == Training::save ? ws.saved_elements() : 0);
-      if (mode == Training::save) forward(gpu.args(), ws, nullptr, saved_view(saved));
-      grads.poison();
-      if (mode == Training::save) backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));
-      else backward(gpu.args(), grads.args(), ws, nullptr);
-      ws.check(nullptr);
+      std::vector<std::uint8_t> first;
+      for (int call = 0; call < calls; ++call) {
+        if (mode == Training::save) forward(gpu.args(), ws, nullptr, saved_view(saved));
+        grads.poison();
+        if (mode == Training::save) backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));
+        else backward(gpu.args(), grads.args(), ws, nullptr);
+        ws.check(nullptr);
+        if (call == 0) first = grads.snapshot();
+        else EXPECT_TRUE(grads.snapshot() == first) << blocks << " blocks, call " << call << " differs from the first";
+      }
       scratch_bytes = ws.backward_scratch_bytes(DType::bf16, host.tokens, true, true);
       capacity = ws.plan().capacity_rows();
       return grads.snapshot();
@@ -407,7 +415,7 @@ TEST(Backward, ColumnBlocksGiveTheBitsOfWholeRows) {
     std::int64_t recompute_bytes = 0;
     EXPECT_TRUE(run(0, recompute_bytes, cap, Training::recompute) == whole) << "recompute, by default";
     for (int blocks : {2, 3}) {
-      EXPECT_TRUE(run(blocks, bytes, cap, Training::recompute) == whole) << "recompute in " << blocks << " column blocks";
+      EXPECT_TRUE(run(blocks, bytes, cap, Training::recompute, 4) == whole) << "recompute in " << blocks << " column blocks";
       EXPECT_EQ(bytes, recompute_bytes) << "recompute in " << blocks << " column blocks";
     }
   }
