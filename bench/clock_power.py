@@ -10,7 +10,7 @@ spends a TFLOP of the layer — the figure of merit there.
 impls: mok_bench's own (`mok`, `mok-fp8`, `mok-fp8-wgrad`, `mok-fp8-bf16dgrad`, `mok-fp8-step` — the
 FP8 weight gradients with the weights quantized again every pass, as a step with one micro-batch an
 optimizer step —, `mok-pp`, `mok-recompute`, `mok-1block`, `mok-recompute-2block`; through mok_bench --serve; the FP8 backward
-variants and mok-recompute forward+backward only), `mok-py`, `torch-compiled`,
+variants, mok-recompute and mok-recompute-2block forward+backward only), `mok-py`, `torch-compiled`,
 `torch`; with --mok-bench-head (a second build, e.g. a diagnostic one), `head:<impl>` runs mok_bench's
 <impl> in that binary, so two builds' clocks and power are sampled in the same rounds; `mok-fp8-py`
 (mok.moe(precision="fp8"), the weights quantized once) and `torch-fp8` (the compiled PyTorch layer with

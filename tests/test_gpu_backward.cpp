@@ -15,6 +15,7 @@
 #include "mok/backward.hpp"
 #include "mok/error.hpp"
 #include "mok/forward.hpp"
+#include "host/layer_launch.hpp"
 
 namespace mok {
 namespace {
@@ -391,6 +392,10 @@ TEST(Backward, ColumnBlocksGiveTheBitsOfWholeRows) {
         if (call == 0) first = grads.snapshot();
         else EXPECT_TRUE(grads.snapshot() == first) << blocks << " blocks, call " << call << " differs from the first";
       }
+      // (the blocks this workspace runs: whole 256-column tiles, the first the widest; recompute's default one)
+      const int n = blocks > 0 ? blocks : mode == Training::save ? 2 : 1;
+      EXPECT_EQ(detail::scratch_shape(ws).block_columns, std::min(H, ((H + 255) / 256 + n - 1) / n * 256))
+          << blocks << " blocks";
       scratch_bytes = ws.backward_scratch_bytes(DType::bf16, host.tokens, true, true);
       capacity = ws.plan().capacity_rows();
       return grads.snapshot();

@@ -301,9 +301,11 @@ TEST(Validate, ConfigFields) {
                                      "ring_rows = 8192), which orders GEMM1 by its minibatches");
   c = Config{};
   c.backward_column_blocks = -1;
-  expect_error([&] { validate(c); }, "argument 'backward_column_blocks': must be 0 (the default, 2) or 1 .. 1024, got -1");
+  expect_error([&] { validate(c); },
+               "argument 'backward_column_blocks': must be 0 (the default: 2, Training::recompute 1) or 1 .. 1024, got -1");
   c.backward_column_blocks = 1025;
-  expect_error([&] { validate(c); }, "argument 'backward_column_blocks': must be 0 (the default, 2) or 1 .. 1024, got 1025");
+  expect_error([&] { validate(c); },
+               "argument 'backward_column_blocks': must be 0 (the default: 2, Training::recompute 1) or 1 .. 1024, got 1025");
   c.backward_column_blocks = 1024;
   validate(c);
   c = Config{};

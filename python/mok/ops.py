@@ -48,8 +48,8 @@ def set_backward_column_blocks(blocks: int) -> None:
     workspace anew."""
     global _backward_column_blocks
     if not isinstance(blocks, int) or isinstance(blocks, bool) or not 0 <= blocks <= 1024:
-        raise ValueError(f"mok.set_backward_column_blocks: blocks must be an int in 0 .. 1024 (0: the default, 2), "
-                         f"got {blocks!r}")
+        raise ValueError("mok.set_backward_column_blocks: blocks must be an int in 0 .. 1024 (0: the default, 2; "
+                         f"a recompute layer's 1), got {blocks!r}")
     _backward_column_blocks = blocks
 
 
@@ -129,7 +129,8 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
     E, _, I = w_down.shape
     device = x.get_device()
     compute_sms = _compute_sms_on(device)
-    blocks = _backward_column_blocks  # (0: two blocks, a recompute workspace's one)
+    # (0: two column blocks, a recompute workspace's one — so there 1 is 0, one workspace for both)
+    blocks = 0 if recompute and _backward_column_blocks == 1 else _backward_column_blocks
     key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit, precision, recompute, blocks, compute_sms)
     ws = _workspaces.get(key)
     if ws is None or ws.max_tokens < T:

@@ -126,7 +126,8 @@ struct ScratchShape {
 };
 // The width of the one-GPU backward's column blocks (Config::backward_column_blocks): H split
 // into that many blocks of whole 256-column tiles, the first ones the widest; H when one (the
-// ring; Training::recompute unless backward_column_blocks asks for more: 0 is one block there).
+// ring or comm SMs, Training::off; Training::recompute unless backward_column_blocks asks for
+// more: 0 is one block there).
 std::int64_t backward_block_columns(const MoeShape& shape, const Config& config, Training training);
 // Of a call of `tokens` tokens (no argument: the call being enqueued).
 ScratchShape scratch_shape(const Workspace& ws, std::int64_t tokens);
