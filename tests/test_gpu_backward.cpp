@@ -30,6 +30,16 @@ using testing::random_bf16;
 using testing::check_gradients;
 using testing::saved_view;
 
+// One training call in either mode: the forward into `saved` (Training::save; a recompute saves
+// nothing and its backward runs GEMM1 again), poisoned gradients, the backward, the status check.
+void train_call(const GpuProblem& gpu, GpuGrads& grads, Workspace& ws, Training mode, const DeviceBuffer<bf16>& saved) {
+  if (mode == Training::save) forward(gpu.args(), ws, nullptr, saved_view(saved));
+  grads.poison();
+  if (mode == Training::save) backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));
+  else backward(gpu.args(), grads.args(), ws, nullptr);
+  ws.check(nullptr);
+}
+
 class BackwardCases : public ::testing::TestWithParam<Case> {};
 
 TEST_P(BackwardCases, MatchesReference) {
@@ -76,11 +86,7 @@ TEST(Backward, BitwiseEqualAcrossRunsSmCountsAndModes) {
     DeviceBuffer<bf16> saved(mode == Training::save ? ws.saved_elements() : 0);
     std::vector<std::uint8_t> first;
     for (int r = 0; r < repeats; ++r) {
-      if (mode == Training::save) forward(gpu.args(), ws, nullptr, saved_view(saved));
-      grads.poison();
-      if (mode == Training::save) backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));
-      else backward(gpu.args(), grads.args(), ws, nullptr);
-      ws.check(nullptr);
+      train_call(gpu, grads, ws, mode, saved);
       auto bytes = grads.snapshot();
       if (r == 0) first = bytes;
       else EXPECT_TRUE(bytes == first) << "repeat " << r << " differs";
@@ -384,11 +390,7 @@ TEST(Backward, ColumnBlocksGiveTheBitsOfWholeRows) {
       DeviceBuffer<bf16> saved(mode == Training::save ? ws.saved_elements() : 0);
       std::vector<std::uint8_t> first;
       for (int call = 0; call < calls; ++call) {
-        if (mode == Training::save) forward(gpu.args(), ws, nullptr, saved_view(saved));
-        grads.poison();
-        if (mode == Training::save) backward(gpu.args(), grads.args(), ws, nullptr, saved_view(saved));
-        else backward(gpu.args(), grads.args(), ws, nullptr);
-        ws.check(nullptr);
+        train_call(gpu, grads, ws, mode, saved);
         if (call == 0) first = grads.snapshot();
         else EXPECT_TRUE(grads.snapshot() == first) << blocks << " blocks, call " << call << " differs from the first";
       }
