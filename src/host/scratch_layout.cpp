@@ -98,8 +98,8 @@ std::optional<DyPlace> place_dy(std::uint16_t* at, std::int64_t room, std::uint1
 
 // [dy rows capacity x H, unless in the gradients][x rows, then dx rows, capacity x W (one column
 // block's columns: shape.block_columns; Training::recompute: room for capacity x H, the
-// recompute's whole rows)][shared dx rows T_pad x H, unless in dx][w h capacity x I, unless in the gradients][shared w h T_pad x
-// I_s][recomputed pre-activations]. In the gradients: row space a (E_l I H elements) takes the
+// recompute's whole rows)][shared dx rows T_pad x H, unless in dx][w h capacity x I, unless in
+// the gradients][shared w h T_pad x I_s][recomputed pre-activations]. In the gradients: row space a (E_l I H elements) takes the
 // dy rows and b the w h where each fits; when b directly follows a (one block of 2 E_l I H: a concatenated
 // [E, 2I, H] gradient, or two halves the caller allocated together) the dy rows take its start
 // and the w h follow them. Where the dy rows miss the gradients and dx_space is given, they
