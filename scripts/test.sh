@@ -32,5 +32,8 @@ python_tests() {  # $1: virtual environment, $2: optional pip constraints file
 }
 python_tests "${MOK_VENV:-.venv}"
 if [ "${MOK_TEST_PINNED_TORCH:-0}" = 1 ]; then
+  # (MOK_TEST_DROP_VENV=1, CI: the first environment removed before the second is made — each
+  # holds PyTorch with its CUDA wheels, ~5.7 GB)
+  if [ "${MOK_TEST_DROP_VENV:-0}" = 1 ]; then rm -rf "${MOK_VENV:-.venv}"; fi
   python_tests "${MOK_VENV_PINNED:-.venv-pinned}" scripts/torch-pinned.txt
 fi
