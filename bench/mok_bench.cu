@@ -113,14 +113,26 @@ std::vector<T> read_binary(const std::string& path) {
   return v;
 }
 
+// The one-GPU layer's implementations (FusedLayer's; --serve takes these, --impl these and
+// mok-ep1, cublas and plan), and a list of names for an error.
+constexpr const char* kLayerImpls[] = {"mok",           "mok-fp8",      "mok-pp",        "mok-fp8-bf16dgrad",
+                                       "mok-fp8-wgrad", "mok-fp8-step", "mok-recompute", "mok-1block",
+                                       "mok-recompute-2block"};
+bool is_layer_impl(const std::string& impl) {
+  return std::find(std::begin(kLayerImpls), std::end(kLayerImpls), impl) != std::end(kLayerImpls);
+}
+std::string impl_list(std::span<const char* const> list) {
+  std::string s;
+  for (const char* n : list) s += (s.empty() ? "" : ", ") + std::string(n);
+  return s;
+}
+
 // --serve: the "mok" implementation of bench/layer_bench.py (see the top of this file).
 int serve() {
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::unique_ptr<Problem> problem;
-  static const char* const impls[] = {"mok",           "mok-fp8",      "mok-pp",       "mok-fp8-bf16dgrad",
-                                      "mok-fp8-wgrad", "mok-fp8-step", "mok-recompute", "mok-1block",
-                                      "mok-recompute-2block"};
+  const auto& impls = kLayerImpls;
   std::unique_ptr<FusedLayer> layers[2 * std::size(impls)];  // each impl's fwd, fwd+bwd
   auto layer = [&](const std::string& pass, std::istringstream& in) -> FusedLayer& {
     if (!problem) throw mok::Error("mok_bench: 'load' a preset first");
@@ -129,8 +141,7 @@ int serve() {
     in >> impl;  // (optional)
     const auto known = std::find(std::begin(impls), std::end(impls), impl);
     if (known == std::end(impls))
-      throw mok::Error("mok_bench: impl must be mok, mok-fp8, mok-pp, mok-fp8-bf16dgrad, mok-fp8-wgrad, mok-fp8-step, "
-                       "mok-recompute, mok-1block or mok-recompute-2block, got '" + impl + "'");
+      throw mok::Error("mok_bench: impl must be one of " + impl_list(impls) + ", got '" + impl + "'");
     auto& l = layers[2 * (known - std::begin(impls)) + (pass == "fwd+bwd")];
     if (!l) l = std::make_unique<FusedLayer>(*problem, impl, pass, mok::Config{}, stream);
     return *l;
@@ -256,12 +267,9 @@ int main(int argc, char** argv) try {
   for (const std::string& name : o.presets)
     if (name != "all") mok::find_preset(name);  // unknown names are an error
   for (const std::string& impl : o.impls)
-    if (impl != "mok" && impl != "mok-pp" && impl != "mok-ep1" && impl != "mok-fp8" && impl != "mok-fp8-bf16dgrad" &&
-        impl != "mok-fp8-wgrad" && impl != "mok-fp8-step" && impl != "mok-recompute" && impl != "mok-1block" &&
-        impl != "mok-recompute-2block" && impl != "cublas" && impl != "plan")
-      throw mok::Error("mok_bench: impl '" + impl +
-                       "' is not available (known: mok, mok-pp, mok-ep1, mok-fp8, mok-fp8-bf16dgrad, mok-fp8-wgrad, "
-                       "mok-fp8-step, mok-recompute, mok-1block, mok-recompute-2block, cublas, plan)");
+    if (!is_layer_impl(impl) && impl != "mok-ep1" && impl != "cublas" && impl != "plan")
+      throw mok::Error("mok_bench: impl '" + impl + "' is not available (known: " + impl_list(kLayerImpls) +
+                       ", mok-ep1, cublas, plan)");
 
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

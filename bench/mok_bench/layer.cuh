@@ -66,8 +66,8 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
 // recompute's GEMM1 on whole rows, then the backward in two column blocks; the same bits).
 // The impls that are a training step only (pass fwd+bwd).
 inline bool is_training_step(const std::string& impl) {
-  return impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step" || impl == "mok-recompute" ||
-         impl == "mok-recompute-2block";
+  return impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step" ||
+         impl.starts_with("mok-recompute");
 }
 
 class FusedLayer {
@@ -90,7 +90,7 @@ class FusedLayer {
   FusedLayer(const Problem& pr, const std::string& impl, const std::string& pass, const mok::Config& ep_config,
              cudaStream_t stream)
       : pr_(pr), ep1_(impl == "mok-ep1"), bwd_(pass == "fwd+bwd"), fp8_(fp8_forward(impl, pass)),
-        recompute_(impl == "mok-recompute" || impl == "mok-recompute-2block"), stream_(stream), pool_(stream),
+        recompute_(impl.starts_with("mok-recompute")), stream_(stream), pool_(stream),
         ws_(pr.s, pr.T, one_gpu_config(ep_config, fp8_, impl),
             !bwd_ ? mok::Training::off : recompute_ ? mok::Training::recompute : mok::Training::save) {
     const mok::MoeShape& s = pr.s;
