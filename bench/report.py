@@ -582,9 +582,6 @@ def cmd_table(a):
             if not has_baseline(records) and any(r["impl"] == "torch-fp8" for r in records):
                 desc += (". No torch-compiled in this run: mok's FP8 layer against PyTorch's (torch-fp8) and against mok's "
                          "own BF16 layer; the BF16 layer is not compared with PyTorch here")
-            elif not has_baseline(records) and any(r["impl"].startswith("mok-ep") for r in records):
-                desc += (". No torch-compiled-ep in this run: it compares mok-ep's variants with mok-ep, not the "
-                         "layer with PyTorch")
             elif not has_baseline(records):
                 desc += (". No torch-compiled in this run: it compares mok.moe from Python with the C++ call "
                          "(the binding's cost), not the layer with PyTorch")
