@@ -55,11 +55,17 @@ def _models(name, impls, dtype, device):
     return out
 
 
+def _probe(name, forward):
+    """Registers `forward` as experts implementation `name`, counting its calls (the list returned),
+    so that a silent fall-back to the eager experts cannot pass for it."""
+    calls = []
+    moe_interface.ExpertsInterface.register(name, lambda self, *a: calls.append(1) or forward(self, *a))
+    return calls
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_glue_matches_eager_on_cpu(name, monkeypatch):
-    calls = []
-    probe = lambda self, *a: calls.append(1) or mok.hf.mok_torch_experts_forward(self, *a)
-    moe_interface.ExpertsInterface.register("mok_torch_probe", probe)
+    calls = _probe("mok_torch_probe", mok.hf.mok_torch_experts_forward)
     eager, ours = _models(name, ["eager", "mok_torch_probe"], torch.float32, "cpu")
     ids = torch.randint(0, 128, (2, 9))
     (a, ga), (b, gb) = _logits_and_grads(eager, ids), _logits_and_grads(ours, ids)
@@ -162,9 +168,7 @@ def test_fused_kernel_matches_eager_on_gpu(name):
     # The fused kernel in bf16 must be about as close to the fp32 eager model as the
     # model's own bf16 eager path is (logits and every gradient). The registered function is
     # probed, so a silent fall-back to the eager experts cannot pass for the kernel.
-    calls = []
-    probe = lambda self, *a: calls.append(1) or mok.hf.mok_experts_forward(self, *a)
-    moe_interface.ExpertsInterface.register("mok_probe", probe)
+    calls = _probe("mok_probe", mok.hf.mok_experts_forward)
     ref, eager, ours = _models(name, ["eager", "eager", "mok_probe"], torch.float32, "cuda")
     eager.to(torch.bfloat16), ours.to(torch.bfloat16)
     ids = torch.randint(0, 128, (4, 64), device="cuda")
@@ -183,9 +187,7 @@ def test_recompute_experts_give_the_bits_of_mok_on_gpu(name):
     # gradient bitwise "mok"'s, the fused function probed as above (eager attention: its
     # backward is deterministic, SDPA's need not be; DeepSeek-V3's eager attention takes no
     # fewer key/value heads than heads: transformers 5.17 fails on COMMON's 2 of 4 there).
-    calls = []
-    probe = lambda self, *a: calls.append(1) or mok.hf.mok_recompute_experts_forward(self, *a)
-    moe_interface.ExpertsInterface.register("mok_recompute_probe", probe)
+    calls = _probe("mok_recompute_probe", mok.hf.mok_recompute_experts_forward)
     models = []
     for impl in ("mok", "mok_recompute_probe"):
         config = _config(name)
