@@ -303,8 +303,7 @@ def main():
         ok = ok and final < 0.8 * losses[0]
     print(f"(start ~ ln vocab = {math.log(c['vocab']):.2f}; the chain's entropy, the floor: {entropy:.2f})")
     for other in ("torch", "torch-compiled", "mok", "mok-compiled"):
-        for mine in ("mok", "mok-compiled", "mok-fp8", "mok-fp8-compiled", "mok-fp8-dgrad", "mok-recompute",
-                     "mok-recompute-compiled"):
+        for mine in (b for b in BACKENDS if b.startswith("mok")):
             if mine == other:
                 continue
             if mine in results and other in results:
