@@ -105,10 +105,12 @@ median of rounds), and `nccl_dispatch_gbps` / `nccl_combine_gbps` the bytes over
 
 Peak memory (`peak_bytes`, the largest over ranks): PyTorch's peak allocated bytes over one
 pass above what was allocated before it (weight gradients cleared first, so fwd+bwd counts
-them); mok-compute adds its workspace; mok-ep (and each mok-ep-ring{N}) adds the device
-memory its first call for the shape took outside PyTorch's allocator (symmetric region,
-EpRank workspace: cudaMemGetInfo's drop less the allocator's growth). NCCL's own buffers are
-not counted for anyone.
+them); mok-compute adds its workspace; each mok-ep variant adds the device memory outside
+PyTorch's allocator of the EpRanks the pass uses (symmetric region and EpRank workspace:
+cudaMemGetInfo's drop less the allocator's growth over the call that made the rank — a rank
+made by one pass and used by another, as a recompute rank serves both, counts in both; before
+2026-12-06 a pass counted only what its own first call made, so mok-ep-recompute's fwd+bwd
+left its rank out). NCCL's own buffers are not counted for anyone.
 
 Records keep bench/report.py's fields (preset, impl, pass, routing, tokens, ep = W, ms,
 tflops, peak_bytes, gpu, commit, date); TFLOP/s are per GPU (layer_flops of one rank's T
@@ -129,7 +131,7 @@ import layer_bench  # noqa: E402
 import torch_baseline as tb  # noqa: E402
 from mok_impls import fp8_check  # noqa: E402
 from ep_layers import (MokCompute, MokEp, TorchEp, all_agree, check_outputs, exchange_bytes, gather,  # noqa: E402
-                       make_inputs, nccl_steps, outside_allocator, round_stats, sampled_reference, synced)
+                       make_inputs, nccl_steps, rank_bytes, round_stats, sampled_reference, synced)
 
 IMPLS = ("mok-ep", "mok-ep-once", "mok-ep-interleave", "torch-compiled-ep", "torch-ep", "mok-compute")
 ONCE = "mok-ep-once"  # mok-ep with pull_tokens_once
@@ -211,9 +213,11 @@ def run_checks(d, p, args, ctx):
     attempt("torch-compiled-ep", lambda: tb.TorchImpl(d, args.torch_compiled_ep),
             lambda obj, ps: check_outputs(obj.outputs(ps), ref[ps], sampled))
 
+    held = {impl: {} for impl in args.all_impls}  # {impl: {id(EpRank): bytes outside the allocator}}
+
     def mok_ep_pass(impl):
-        def check_pass(obj, ps):  # its first call per pass sets up the shape's region and EpRank
-            out, extra[impl][ps] = outside_allocator(lambda: obj.outputs(ps), ctx.device)
+        def check_pass(obj, ps):  # its first call per pass may set up a region and EpRank
+            out, extra[impl][ps] = rank_bytes(obj, ps, ctx.device, held[impl])
             return check_outputs(out, ref[ps])
         return check_pass
 
@@ -223,7 +227,7 @@ def run_checks(d, p, args, ctx):
         attempt(impl, lambda: MokEp(d, group, recompute=impl == RECOMPUTE), mok_ep_pass(impl))
     for impl in (FP8, FP8_E4M3):
         def fp8_pass(obj, ps, impl=impl):
-            out, extra[impl][ps] = outside_allocator(lambda: obj.outputs(ps), ctx.device)
+            out, extra[impl][ps] = rank_bytes(obj, ps, ctx.device, held[impl])
             return fp8_check(out, ref[ps])
 
         if impl not in ctx.groups:

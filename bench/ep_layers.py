@@ -210,6 +210,34 @@ class MokCompute(layer_bench.MokPy):
                             swiglu_limit=d["limit"])
 
 
+def rank_bytes(obj, pass_, device, held):
+    """(obj.outputs(pass_), the device bytes outside PyTorch's allocator of the EpRanks that pass
+    used): each rank's symmetric region and workspace, measured (outside_allocator) by the call
+    that made it and kept in `held` ({id(rank): bytes}, one dict per implementation, across its
+    passes) — so a rank made by an earlier pass counts in every pass that uses it (a recompute
+    rank serves the forward without autograd and the training step alike; counting only what a
+    pass newly made would leave that rank's workspace out of the training step's peak)."""
+    group, used = obj.group, []
+    rank_for = group.rank_for
+
+    def spy(*args, **kwargs):
+        rank = rank_for(*args, **kwargs)
+        used.append(rank)
+        return rank
+
+    made = {id(r) for r in group._ranks.values()}
+    group.rank_for = spy  # (mok.ep's calls look it up on the group object)
+    try:
+        out, grown = outside_allocator(lambda: obj.outputs(pass_), device)
+    finally:
+        del group.rank_for
+    ids = list(dict.fromkeys(id(r) for r in used))
+    fresh = [i for i in ids if i not in made]
+    for n, i in enumerate(fresh):  # (what one call made, counted once)
+        held[i] = grown if n == 0 else 0
+    return out, sum(held.get(i, 0) for i in ids)
+
+
 def outside_allocator(fn, device):
     """(fn(), device bytes it left allocated outside PyTorch's caching allocator):
     cudaMemGetInfo's drop less the allocator's growth."""

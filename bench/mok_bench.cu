@@ -47,11 +47,13 @@
 //                      forward's and the dgrad's): a training step with one micro-batch an
 //                      optimizer step (pass fwd+bwd)
 //   mok-recompute      mok with Training::recompute (pass fwd+bwd: nothing saved, GEMM1 again in
-//                      the backward; the same bits)
+//                      the backward, which runs in two column blocks where I > H, else one; the
+//                      same bits)
 //   mok-1block         mok with Config::backward_column_blocks = 1 (the backward's x rows whole, in
-//                      one launch, as a recompute's by default; the same bits)
-//   mok-recompute-2block  mok-recompute with Config::backward_column_blocks = 2 (pass fwd+bwd; the
-//                      recompute's GEMM1 on whole rows, then two column blocks; the same bits)
+//                      one launch; the same bits)
+//   mok-recompute-1block, mok-recompute-2block  mok-recompute with Config::backward_column_blocks
+//                      = 1 / 2 (pass fwd+bwd; the recompute's GEMM1 on whole rows, then one or two
+//                      column blocks; the same bits)
 // peak_bytes (mok): the workspace + y + the high-water mark of what one pass allocates from
 // a caching stream-ordered pool (scratch; fwd+bwd: saved tensor, dx, d_topk_weights, bf16
 // weight gradients, allocated when the backward runs), as PyTorch's allocator would count it.
@@ -117,7 +119,7 @@ std::vector<T> read_binary(const std::string& path) {
 // mok-ep1, cublas and plan), and a list of names for an error.
 constexpr const char* kLayerImpls[] = {"mok",           "mok-fp8",      "mok-pp",        "mok-fp8-bf16dgrad",
                                        "mok-fp8-wgrad", "mok-fp8-step", "mok-recompute", "mok-1block",
-                                       "mok-recompute-2block"};
+                                       "mok-recompute-1block", "mok-recompute-2block"};
 bool is_layer_impl(const std::string& impl) {
   return std::find(std::begin(kLayerImpls), std::end(kLayerImpls), impl) != std::end(kLayerImpls);
 }

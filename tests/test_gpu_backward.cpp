@@ -366,7 +366,7 @@ TEST(Backward, DyRowsContinuedInDxGiveTheBitsOfDyRowsInScratch) {
 // The backward in column blocks (Config::backward_column_blocks: x's rows one block of H's
 // columns at a time, a launch each, the counters carried on from launch to launch) gives the
 // bits of whole rows, and its scratch is smaller by exactly the x rows' other columns (in
-// Training::recompute the same bits at the same scratch, one block by default). H = 320:
+// Training::recompute the same bits at the same scratch, one block by default where I <= H, as here). H = 320:
 // a last block of 64 columns, with a shared expert (its dx rows in dx); H = 768: three tiles in
 // blocks of two and one, or one each, with the dy rows in the gradients.
 TEST(Backward, ColumnBlocksGiveTheBitsOfWholeRows) {
@@ -394,8 +394,9 @@ TEST(Backward, ColumnBlocksGiveTheBitsOfWholeRows) {
         if (call == 0) first = grads.snapshot();
         else EXPECT_TRUE(grads.snapshot() == first) << blocks << " blocks, call " << call << " differs from the first";
       }
-      // (the blocks this workspace runs: whole 256-column tiles, the first the widest; recompute's default one)
-      const int n = blocks > 0 ? blocks : mode == Training::save ? 2 : 1;
+      // (the blocks this workspace runs: whole 256-column tiles, the first the widest; recompute's
+      // default two where I > H, else one)
+      const int n = blocks > 0 ? blocks : mode == Training::save || s.intermediate > H ? 2 : 1;
       EXPECT_EQ(detail::scratch_shape(ws).block_columns, std::min(H, ((H + 255) / 256 + n - 1) / n * 256))
           << blocks << " blocks";
       scratch_bytes = ws.backward_scratch_bytes(DType::bf16, host.tokens, true, true);
@@ -417,7 +418,7 @@ TEST(Backward, ColumnBlocksGiveTheBitsOfWholeRows) {
       EXPECT_TRUE(run(blocks, bytes, cap) == whole) << blocks << " column blocks changed the gradients";
       EXPECT_EQ(whole_bytes - bytes, 2 * cap * (H - width(blocks))) << blocks << " blocks";
     }
-    // Training::recompute: one block by default; more when asked (its GEMM1 on whole rows first,
+    // Training::recompute: one block by default here (I <= H); more when asked (its GEMM1 on whole rows first,
     // then the first block's columns gathered over them), the same bits and the same scratch.
     std::int64_t recompute_bytes = 0;
     EXPECT_TRUE(run(0, recompute_bytes, cap, Training::recompute) == whole) << "recompute, by default";

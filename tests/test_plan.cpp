@@ -378,7 +378,7 @@ TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
 }
 
 // The backward's column blocks (Config::backward_column_blocks): whole 256-column tiles, the
-// first blocks the widest; Training::save two by default, Training::recompute one unless asked,
+// first blocks the widest; Training::save two by default, Training::recompute two where I > H, else one,
 // whole rows with the ring or communication SMs (an EP rank) and without training. A save
 // layout's x rows take capacity x W, a recompute one's capacity x H whatever W (the recompute's
 // GEMM1 reads whole rows there before the first block's columns are gathered over them), so a
@@ -387,16 +387,19 @@ TEST(ScratchLayout, ColumnBlocksAndTheRecomputesWholeRows) {
   auto at = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
   void* base = reinterpret_cast<void*>(std::uintptr_t{1} << 40);
   for (std::int64_t H : {320, 2048, 4096, 7168})
+    for (std::int64_t I : {512, 14336})
     for (std::int64_t blocks : {0, 1, 2, 3, 8}) {
       MoeShape shape;
-      shape.hidden = H, shape.intermediate = 512, shape.num_experts = shape.num_local_experts = 8, shape.top_k = 2;
+      shape.hidden = H, shape.intermediate = I, shape.num_experts = shape.num_local_experts = 8, shape.top_k = 2;
       Config config;
       config.backward_column_blocks = static_cast<int>(blocks);
       const std::int64_t tiles = (H + 255) / 256;
       const auto width = [&](std::int64_t n) { return std::min(H, (tiles + n - 1) / n * 256); };
-      const std::string what = "H " + std::to_string(H) + " blocks " + std::to_string(blocks);
+      const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + " blocks " + std::to_string(blocks);
       EXPECT_EQ(detail::backward_block_columns(shape, config, Training::save), width(blocks > 0 ? blocks : 2)) << what;
-      EXPECT_EQ(detail::backward_block_columns(shape, config, Training::recompute), width(blocks > 0 ? blocks : 1))
+      // (recompute's default: two blocks where the expert is wider than the model, else one)
+      EXPECT_EQ(detail::backward_block_columns(shape, config, Training::recompute),
+                width(blocks > 0 ? blocks : I > H ? 2 : 1))
           << what;
       EXPECT_EQ(detail::backward_block_columns(shape, config, Training::off), H) << what;
       Config ring = config, comm = config;

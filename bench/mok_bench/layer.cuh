@@ -61,9 +61,10 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
 // with Config::pingpong (the forward's ping-pong consumers; the same bits). "mok-recompute":
 // "mok" with Training::recompute (pass fwd+bwd: no saved tensor, the backward runs GEMM1 again;
 // the same bits); "mok-1block": "mok" with Config::backward_column_blocks = 1 (the backward's x
-// rows whole in one launch, as a recompute's are by default; the same bits);
-// "mok-recompute-2block": "mok-recompute" with Config::backward_column_blocks = 2 (the
-// recompute's GEMM1 on whole rows, then the backward in two column blocks; the same bits).
+// rows whole in one launch; the same bits); "mok-recompute-1block" / "mok-recompute-2block":
+// "mok-recompute" with Config::backward_column_blocks = 1 / 2 (the recompute's GEMM1 on whole
+// rows, then the backward in one or two column blocks — its default two where I > H, else one;
+// the same bits).
 // The impls that are a training step only (pass fwd+bwd).
 inline bool is_training_step(const std::string& impl) {
   return impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step" ||
@@ -74,7 +75,9 @@ class FusedLayer {
   static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8, const std::string& impl) {  // (--interleave-rows, replay_launches: all)
     mok::Config c;
     c.pingpong = impl == "mok-pp";
-    c.backward_column_blocks = impl == "mok-1block" ? 1 : impl == "mok-recompute-2block" ? 2 : 0;
+    c.backward_column_blocks = impl == "mok-1block" || impl == "mok-recompute-1block" ? 1
+                               : impl == "mok-recompute-2block"                   ? 2
+                                                                                  : 0;
     c.interleave_rows = fp8 ? 0 : ep_config.interleave_rows;
     c.replay_launches = ep_config.replay_launches;
     c.precision = fp8 ? mok::Precision::fp8 : mok::Precision::bf16;

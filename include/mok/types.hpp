@@ -126,11 +126,11 @@ struct Config {
                                        // its columns (the first also doing the dh, dW_down and
                                        // shared-expert work). Training::save: that buffer, the backward
                                        // scratch's largest, at 1 / blocks of its bytes; 0 = 2; 1 = whole
-                                       // rows in one launch. Training::recompute: 0 = 1; more blocks keep
-                                       // the buffer's size (the recompute's GEMM1 reads whole rows; the
-                                       // first block's columns are gathered again after it) and may save
-                                       // DRAM traffic on wide rows. Blocks are whole 256-column tiles. The
-                                       // same bits either way
+                                       // rows in one launch. Training::recompute: 0 = 2 where I > H, else
+                                       // 1; blocks keep the buffer's size there (the recompute's GEMM1
+                                       // reads whole rows; the first block's columns are gathered again
+                                       // after it) and save DRAM traffic when I > H. Blocks are whole
+                                       // 256-column tiles. The same bits either way
   bool pull_fp8_rows = false;          // EP ranks of Precision::fp8, rows pulled before the kernel (no
                                        // ring, not pull_tokens_once): each rank quantizes its own tokens
                                        // once (the exchange; virtual ranks: a kernel) and its peers pull

@@ -42,14 +42,16 @@ def set_backward_column_blocks(blocks: int) -> None:
     at half its bytes, one more launch of the backward kernel, the same bits; 1 keeps whole rows
     in one launch (2026-12-04, H200: 3.5-4.7 % faster forward+backward on qwen3-30b-a3b's short
     pass, 0-1 % on the large presets, for 13 % more peak memory there). A recompute layer's
-    (mok.moe(..., recompute=True)) 0 is 1: its buffer holds whole rows for the recompute's GEMM1
-    whatever the blocks, so more blocks save it no memory, only DRAM traffic where rows are wide.
+    (mok.moe(..., recompute=True)) 0 is 2 where I > H, else 1: its buffer holds whole rows for the
+    recompute's GEMM1 whatever the blocks, so blocks save it no memory, only DRAM traffic where
+    the expert is wider than the model (2026-12-06, H100: two blocks 0.967 of one's forward+backward
+    time on mixtral-8x7b, 1.016 on deepseek-v3, 1.070 on qwen3-30b-a3b).
     Applies to the layers' workspaces made afterwards: a layer shape's next call makes its
     workspace anew."""
     global _backward_column_blocks
     if not isinstance(blocks, int) or isinstance(blocks, bool) or not 0 <= blocks <= 1024:
         raise ValueError("mok.set_backward_column_blocks: blocks must be an int in 0 .. 1024 (0: the default, 2; "
-                         f"a recompute layer's 1), got {blocks!r}")
+                         f"a recompute layer's 2 where I > H, else 1), got {blocks!r}")
     _backward_column_blocks = blocks
 
 
@@ -129,8 +131,9 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
     E, _, I = w_down.shape
     device = x.get_device()
     compute_sms = _compute_sms_on(device)
-    # (0: two column blocks, a recompute workspace's one — so there 1 is 0, one workspace for both)
-    blocks = 0 if recompute and _backward_column_blocks == 1 else _backward_column_blocks
+    # (0: two column blocks; a recompute workspace's 0 is two where I > H, else one (mok::Config::
+    # backward_column_blocks) — that count asked for explicitly is its 0: one workspace for both)
+    blocks = 0 if recompute and _backward_column_blocks == (2 if I > H else 1) else _backward_column_blocks
     key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit, precision, recompute, blocks, compute_sms)
     ws = _workspaces.get(key)
     if ws is None or ws.max_tokens < T:

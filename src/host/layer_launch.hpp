@@ -126,8 +126,7 @@ struct ScratchShape {
 };
 // The width of the one-GPU backward's column blocks (Config::backward_column_blocks): H split
 // into that many blocks of whole 256-column tiles, the first ones the widest; H when one (the
-// ring or comm SMs, Training::off; Training::recompute unless backward_column_blocks asks for
-// more: 0 is one block there).
+// ring or comm SMs, Training::off). Training::recompute's 0: two blocks where I > H, else one.
 std::int64_t backward_block_columns(const MoeShape& shape, const Config& config, Training training);
 // Of a call of `tokens` tokens (no argument: the call being enqueued).
 ScratchShape scratch_shape(const Workspace& ws, std::int64_t tokens);

@@ -126,6 +126,45 @@ def test_exchange_bytes_count_rows_to_and_from_other_ranks_only():
     assert ep_layers.exchange_bytes([5], [5], rank=0, row_bytes=10) == (0, 0)
 
 
+def test_rank_bytes_count_every_rank_a_pass_uses(monkeypatch):
+    """A pass's bytes outside the allocator are those of the EpRanks it used, whichever pass made
+    them: a recompute rank, made by the forward without autograd, counts in the training step too
+    (it did not before 2026-12-06); a saving group's two ranks each count in their own pass."""
+
+    class Group:
+        def __init__(self, sizes):
+            self._ranks, self.sizes, self.made = {}, sizes, 0
+
+        def rank_for(self, key):
+            if key not in self._ranks:
+                self._ranks[key] = object()
+                self.made += self.sizes[key]
+            return self._ranks[key]
+
+    class Layer:
+        def __init__(self, group, keys):
+            self.group, self.keys = group, keys
+
+        def outputs(self, pass_):
+            return [self.group.rank_for(k) for k in self.keys[pass_]]
+
+    def grown_by(layer):  # stands in for cudaMemGetInfo's drop over the call
+        def measure(fn, device):
+            before = layer.group.made
+            out = fn()
+            return out, layer.group.made - before
+        return measure
+
+    recompute = Layer(Group({"recompute": 300}), {"fwd": ["recompute"], "fwd+bwd": ["recompute", "recompute"]})
+    saving = Layer(Group({"off": 100, "save": 250}), {"fwd": ["off"], "fwd+bwd": ["save", "save"]})
+    for layer, want in ((recompute, {"fwd": 300, "fwd+bwd": 300}), (saving, {"fwd": 100, "fwd+bwd": 250})):
+        monkeypatch.setattr(ep_layers, "outside_allocator", grown_by(layer))
+        held = {}
+        got = {ps: ep_layers.rank_bytes(layer, ps, "cpu", held)[1] for ps in ("fwd", "fwd+bwd")}
+        assert got == want
+        assert "rank_for" not in vars(layer.group)  # the spy is gone after the call
+
+
 def test_summary_ratios_are_per_round():
     rec = lambda impl, ms: dict(preset="p", routing="uniform", impl=impl, ms=sorted(ms)[1], ms_repeats=ms,
                                 check="passed", nccl_dispatch_gbps=100.0, nccl_combine_gbps=None, **{"pass": "fwd"})

@@ -220,26 +220,30 @@ def test_a_setting_changed_before_a_capture_is_named_by_the_capture_error(monkey
         ops._workspace(torch.zeros(100, 256), w_down, 2, 0, None)
 
 
-def test_one_column_block_is_a_recompute_workspaces_default(monkeypatch):
-    """A recompute workspace takes one column block by default: mok.set_backward_column_blocks(1)
-    finds the workspace made with 0 (no second one, and none to allocate inside a capture), where a
-    saving layer's 1 is a setting of its own and 2 a recompute layer's."""
+@pytest.mark.parametrize("I, default", [(128, 1), (512, 2)])
+def test_the_default_column_blocks_are_a_recompute_workspaces_0(monkeypatch, I, default):
+    """A recompute workspace's default is one column block where I <= H, two where I > H:
+    mok.set_backward_column_blocks(default) finds the workspace made with 0 (no second one, and none
+    to allocate inside a capture), where the other count is a setting of its own, and a saving
+    layer's 1 too."""
     from mok import ops
 
-    x, w_down = torch.zeros(16, 256), torch.zeros(4, 256, 128)
-    key = (x.get_device(), 256, 128, 4, 2, 0, None, "bf16")
+    x, w_down = torch.zeros(16, 256), torch.zeros(4, 256, I)
+    key = (x.get_device(), 256, I, 4, 2, 0, None, "bf16")
     made = type("Ws", (), {"max_tokens": 64})()
     monkeypatch.setattr(ops, "_workspaces", {key + (True, 0, 0): made, key + (False, 0, 0): made})
     monkeypatch.setattr(ops, "_device_sms", {x.get_device(): 132})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     try:
-        mok.set_backward_column_blocks(1)
+        mok.set_backward_column_blocks(default)
         assert ops._workspace(x, w_down, 2, 0, None, recompute=True) is made
+        other = 3 - default
+        mok.set_backward_column_blocks(other)
+        with pytest.raises(RuntimeError, match=rf"than now \(True, {other}, 0: "):
+            ops._workspace(x, w_down, 2, 0, None, recompute=True)
+        mok.set_backward_column_blocks(1)
         with pytest.raises(RuntimeError, match=r"than now \(False, 1, 0: "):
             ops._workspace(x, w_down, 2, 0, None)
-        mok.set_backward_column_blocks(2)
-        with pytest.raises(RuntimeError, match=r"than now \(True, 2, 0: "):
-            ops._workspace(x, w_down, 2, 0, None, recompute=True)
     finally:
         mok.set_backward_column_blocks(0)
 
