@@ -32,6 +32,25 @@ import torch_baseline as tb  # noqa: E402
 from layer_bench import MokBench  # noqa: E402
 
 
+def record_meta(given):
+    """The record's gpu, commit and date: --meta's where it gives them, else this GPU's name
+    (nvidia-smi), $MOK_COMMIT and the time now (UTC) — every result file names all three."""
+    import datetime
+    import subprocess
+
+    meta = json.loads(given)
+    if "gpu" not in meta:
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=30).stdout.split("\n")
+            meta["gpu"] = names[0].strip() or "unknown"
+        except (OSError, subprocess.SubprocessError):
+            meta["gpu"] = "unknown"
+    meta.setdefault("commit", os.environ.get("MOK_COMMIT", "unknown"))
+    meta.setdefault("date", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    return meta
+
+
 def rows_of(times, same):
     """ab_compare's rows from {(preset, pass): {"base": [ms per round], "head": [...]}}, over the
     rounds both sides completed (a run stopped mid-round still writes the rounds before)."""
@@ -101,7 +120,7 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 base_impl, head_impl = args.impls.split(",")
-                json.dump(dict(json.loads(args.meta), routing=args.routing, iters=args.iters, order="alternating",
+                json.dump(dict(record_meta(args.meta), routing=args.routing, iters=args.iters, order="alternating",
                                base_impl=base_impl, head_impl=head_impl, rows=rows), f, indent=1)
     if not all(same.values()):
         sys.exit("ab_serve: the two builds' outputs differ on " + ", ".join(f"{n} {ps}" for (n, ps), v in same.items()

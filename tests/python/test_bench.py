@@ -5,6 +5,7 @@ mok.moe's, and the report's ratios."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -206,6 +207,16 @@ def test_ab_serve_rows_carry_the_round_ratios_and_the_bitwise_verdict():
     assert (row["ratio_min"], row["ratio_max"], row["rounds"], row["bitwise_equal"]) == (0.9, 1.0, 3, True)
     assert "largest change: p fwd 1.000" in ab_compare.table([row])
 
+
+
+def test_ab_serve_records_name_gpu_commit_and_date(monkeypatch):
+    monkeypatch.setenv("MOK_COMMIT", "abc123")
+    meta = ab_serve.record_meta('{"gpu": "NVIDIA H200", "base": "x"}')
+    assert meta["gpu"] == "NVIDIA H200" and meta["commit"] == "abc123" and meta["base"] == "x"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", meta["date"])
+    given = ab_serve.record_meta('{"gpu": "g", "commit": "c", "date": "d"}')
+    assert (given["gpu"], given["commit"], given["date"]) == ("g", "c", "d")
+    assert ab_serve.record_meta("{}")["gpu"]  # (nvidia-smi's name, or "unknown" without one)
 
 
 def test_ab_serve_rows_keep_the_rounds_both_sides_completed():
