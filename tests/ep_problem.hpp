@@ -271,6 +271,11 @@ inline TrainRun train_group(const EpProblem& p, const EpGrads& g, Training mode,
   group.forward(fa, nullptr, views);
   group.backward(fa, ba, nullptr, views);
   group.check(nullptr);
+  // (a bf16 rank with peers keeps no room for routed dx rows: its dx tiles push them to the
+  // tokens' owners, so the gradients above were made without it; detail::rank_slot_rows)
+  for (int r = 0; r < p.ep; ++r)
+    EXPECT_EQ(group.workspace(r).dx_rows() == nullptr, p.ep > 1 && config.precision == Precision::bf16)
+        << "rank " << r << " of " << p.ep;
   return {EpGrads::concat(g.dx),        EpGrads::concat(g.d_gate),      EpGrads::concat(g.d_up),
           EpGrads::concat(g.d_down),    EpGrads::concat(g.dtw),         EpGrads::summed(g.d_sgate),
           EpGrads::summed(g.d_sup),     EpGrads::summed(g.d_sdown)};

@@ -377,6 +377,35 @@ TEST(ScratchLayout, BuffersFitAndNeverOverlap) {
             }
 }
 
+// An EP rank's slot buffer: the routed dx rows keep a room only where the rank stores them (a
+// group of one) or FP8's weight gradients use it; a bf16 rank with peers pushes its dx rows, so
+// its buffer is the dy rows and the shared expert's rows — capacity x H bf16 less (at the worst-case
+// capacity of EP x T x k rows, the largest buffer it held). The shared rows sit where the forward
+// puts its shared slot rows (after capacity rows) whenever the dx rows have no room.
+TEST(ScratchLayout, RankSlotsKeepDxRowsOnlyWhereStored) {
+  for (std::int64_t ep : {1, 2, 8})
+    for (Precision precision : {Precision::bf16, Precision::fp8})
+      for (Training training : {Training::off, Training::save, Training::recompute}) {
+        MoeShape shape;
+        shape.hidden = 512, shape.intermediate = 256, shape.top_k = 2;
+        shape.num_local_experts = 4, shape.num_experts = 4 * ep;
+        const std::int64_t cap = 1280, tpad = 256;
+        const detail::RankSlotRows r = detail::rank_slot_rows(shape, training, precision, cap, tpad);
+        const std::string what = "ep " + std::to_string(ep) + (precision == Precision::fp8 ? " fp8 " : " bf16 ") +
+                                 std::to_string(static_cast<int>(training));
+        if (training == Training::off) {
+          EXPECT_EQ(r.rows, cap + tpad) << what;
+          EXPECT_EQ(r.dx_rows, -1) << what;
+          continue;
+        }
+        const bool keeps = ep == 1 || precision == Precision::fp8;
+        EXPECT_EQ(r.dx_rows, keeps ? cap : -1) << what;                 // (after the dy rows)
+        EXPECT_EQ(r.shared_dx_rows, keeps ? 2 * cap : cap) << what;     // (after the last routed room)
+        EXPECT_EQ(r.rows, r.shared_dx_rows + tpad) << what;
+        EXPECT_EQ(r.rows, (keeps ? 2 : 1) * cap + tpad) << what;
+      }
+}
+
 // The backward's column blocks (Config::backward_column_blocks): whole 256-column tiles, the
 // first blocks the widest; Training::save two by default, Training::recompute two where I > H, else one,
 // whole rows with the ring or communication SMs (an EP rank) and without training. A save

@@ -131,11 +131,13 @@ class Workspace {
   void* hidden() const { return hidden_; }      // [capacity, I] bf16
   std::uint16_t* slots() const { return slots_; }  // [capacity, H] bf16 result rows, then [T_pad, H] of the shared expert
   // Backward buffers (training only), in the slot buffer (dead between the forward's
-  // combine and the next forward).
+  // combine and the next forward; detail::rank_slot_rows).
   void* dy_routed() const { return slots_; }    // [capacity, H] bf16
-  void* dx_rows() const { return slots_ ? static_cast<std::uint16_t*>(dy_routed()) + capacity_h() : nullptr; }
-  void* shared_dx_rows() const {                // [T_pad, H]
-    return slots_ ? static_cast<std::uint16_t*>(dy_routed()) + 2 * capacity_h() : nullptr;
+  void* dx_rows() const {  // [capacity, H] bf16, or null: a bf16 rank with peers pushes its dx rows
+    return slots_ && dx_row0_ >= 0 ? slots_ + dx_row0_ * shape_.hidden : nullptr;
+  }
+  void* shared_dx_rows() const {  // [T_pad, H]
+    return slots_ ? slots_ + shared_dx_row0_ * shape_.hidden : nullptr;
   }
   void* recompute_buffer() const { return recompute_; }  // saved_elements() bf16 (recompute)
   // Device bytes the workspace holds (with its own scratch once allocated).
@@ -185,8 +187,8 @@ class Workspace {
   std::unique_ptr<detail::LaunchCache> launch_cache_;
   void* x_routed_ = nullptr;
   void* hidden_ = nullptr;
-  std::int64_t capacity_h() const;
   std::uint16_t* slots_ = nullptr;
+  std::int64_t dx_row0_ = -1, shared_dx_row0_ = 0;  // an EP rank's rows in slots_ (detail::rank_slot_rows)
   float* dw_partial_ = nullptr;
   void* recompute_ = nullptr;
   void* scratch_ = nullptr;  // one GPU, when a call is given no scratch

@@ -186,7 +186,9 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
   kernels::BackwardParams p{};
   p.routed_maps = set_maps(buffers.dy_rows, buffers.dy_rows_hi, buffers.dy_split, buffers.x_rows, capacity, dgu, hw,
                            capacity, a.w_gate, a.w_up, a.w_down, H, I, W);
-  p.routed_maps.dx_rows = detail::make_bf16_tensor_map(dx_rows, {U(W), U(capacity), 1}, kernels::kBoxMN, "dx rows");
+  // (none on an EP rank with peers in bf16: its dx tiles push their rows to the tokens' owners)
+  if (dx_rows != nullptr)
+    p.routed_maps.dx_rows = detail::make_bf16_tensor_map(dx_rows, {U(W), U(capacity), 1}, kernels::kBoxMN, "dx rows");
   p.block_first_tile = 0;  // (the first column block; W = H: the one)
   p.block_tiles = static_cast<std::uint16_t>(W == H ? 0 : W / kernels::kBlockN);
   p.routed = {gu, hw, dx_rows, b.d_w_gate.data, b.d_w_up.data, b.d_w_down.data, static_cast<int>(I)};

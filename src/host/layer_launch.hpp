@@ -124,6 +124,21 @@ struct ScratchShape {
   Precision precision = Precision::bf16;
   std::int64_t block_columns = 0;  // the backward's column blocks' width (backward_block_columns; 0: H)
 };
+// An EP rank's slot buffer (Workspace::slots(), bf16 rows of H), in rows. The forward: the
+// routed result rows [capacity] (with peers unused: GEMM2 pushes them to their tokens' owners),
+// then the shared expert's [T_pad]. Training reuses it for the backward: the dy rows [capacity],
+// the routed dx rows [capacity] only where the rank keeps them — a group of one (its TMA stores,
+// then its combine) or Precision::fp8 (the FP8 weight gradients' transposed operands take that
+// room); a rank with peers and bf16 pushes each dx row straight into its owner's slots — then
+// the shared expert's dx rows [T_pad].
+struct RankSlotRows {
+  std::int64_t rows = 0;            // the buffer's rows
+  std::int64_t dx_rows = -1;        // the routed dx rows' first row, or -1 (none kept)
+  std::int64_t shared_dx_rows = 0;  // the shared expert's dx rows' first row (training)
+};
+RankSlotRows rank_slot_rows(const MoeShape& shape, Training training, Precision precision, std::int64_t capacity,
+                            std::int64_t padded_tokens);
+
 // The width of the one-GPU backward's column blocks (Config::backward_column_blocks): H split
 // into that many blocks of whole 256-column tiles, the first ones the widest; H when one (the
 // ring or comm SMs, Training::off). Training::recompute's 0: two blocks where I > H, else one.

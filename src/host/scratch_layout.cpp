@@ -333,6 +333,14 @@ void rank_fp8_wgrad_buffers(CallBuffers& b, const Workspace& ws, void* base) {
   rank_fp8_wgrad_buffers(b, ws.plan().allocated_rows(), ws.shape().hidden, ws.shape().intermediate, base, ws.dx_rows());
 }
 
+RankSlotRows rank_slot_rows(const MoeShape& shape, Training training, Precision precision, std::int64_t capacity,
+                            std::int64_t padded_tokens) {
+  if (training == Training::off) return {capacity + padded_tokens, -1, 0};
+  const bool keeps_dx = shape.ep_size() == 1 || precision == Precision::fp8;
+  const std::int64_t shared = (keeps_dx ? 2 : 1) * capacity;
+  return {shared + padded_tokens, keeps_dx ? capacity : -1, shared};
+}
+
 CallBuffers rank_buffers(const Workspace& ws) {
   CallBuffers b;
   b.slots = ws.slots();

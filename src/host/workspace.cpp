@@ -128,10 +128,11 @@ Workspace::Workspace(const MoeShape& shape, std::int64_t tokens, const Config& c
   if (rank.rank >= 0) {  // an EP rank owns its row buffers; one GPU's calls take scratch
     allocate(x_routed_, 2 * capacity * H, "cudaMalloc(x_routed)", bytes_);
     allocate(hidden_, 2 * (capacity * I + padded_tokens * Is), "cudaMalloc(hidden)", bytes_);
-    // bf16 rows: the forward's [capacity + T_pad, H] (routed rows unused: they are pushed), the
-    // backward's dy and dx rows [2 capacity, H] then the shared dx rows [T_pad, H]
-    const std::int64_t slot_rows = (training == Training::off ? 1 : 2) * capacity + padded_tokens;
-    allocate(slots_, 2 * slot_rows * H, "cudaMalloc(slots)", bytes_);
+    // (bf16 rows: detail::rank_slot_rows)
+    const detail::RankSlotRows slot_rows = detail::rank_slot_rows(shape, training, config.precision, capacity,
+                                                                  padded_tokens);
+    allocate(slots_, 2 * slot_rows.rows * H, "cudaMalloc(slots)", bytes_);
+    dx_row0_ = slot_rows.dx_rows, shared_dx_row0_ = slot_rows.shared_dx_rows;
     if (training == Training::recompute) allocate(recompute_, 2 * saved_elements(), "cudaMalloc(recompute)", bytes_);
     if (config.fp8_dgrad && config.precision == Precision::fp8 && training == Training::save)
       allocate(fp8_dgrad_rows_, detail::rank_fp8_dgrad_bytes(*this), "cudaMalloc(FP8 dgrad rows)", bytes_);
@@ -231,7 +232,6 @@ std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Co
   return 2 * (capacity * shape.intermediate + padded_tokens * shape.shared_intermediate) + detail::kSavedTrailer;
 }
 
-std::int64_t Workspace::capacity_h() const { return plan_->allocated_rows() * shape_.hidden; }
 
 std::int64_t Workspace::saved_elements(std::int64_t tokens) const { return mok::saved_elements(shape_, tokens, config_); }
 
