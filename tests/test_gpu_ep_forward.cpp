@@ -111,6 +111,34 @@ TEST(Ep, BadExpertIdOnOneRankStopsEveryRank) {
   for (const bf16 v : p.outputs()) ASSERT_TRUE(std::isnan(v.to_float())) << "a rank wrote output from a bad plan";
 }
 
+// Config::capacity_factor (mok.ep.ExpertParallel's): room for fewer rows than the worst case
+// (EP * T * k). Enough of it: the bits of the default; too little for the routing: every rank
+// stops with the capacity's error (the rows needed and the capacity) and writes NaN, nothing
+// dropped. (Written 2026-12-06 with the Python setting; not yet run on a GPU.)
+TEST(Ep, CapacityFactorBelowTheWorstCase) {
+  MOK_REQUIRE_HOPPER();
+  const EpCase c{"", 2, 2048, 256, 256, 4, 2, 0, 0, RoutingKind::uniform};
+  EpProblem p(c, 17);
+  Config roomy;
+  roomy.capacity_factor = 1.5;  // (each rank receives about T * k rows of the 2 T * k possible)
+  EXPECT_TRUE(same_bits(run_group(p, roomy), run_group(p, {}))) << "capacity factor 1.5";
+  EXPECT_LT(VirtualRanks(p.shape, p.T, roomy, Training::save).saved_elements(),
+            VirtualRanks(p.shape, p.T, {}, Training::save).saved_elements());
+  Config tight;
+  tight.capacity_factor = 1.0 / 64;  // (256 rows of room: far fewer than a rank receives)
+  VirtualRanks group(p.shape, p.T, tight);
+  p.poison_outputs();
+  group.forward(p.args(), nullptr);
+  try {
+    group.check(nullptr);
+    FAIL() << "no error reported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("capacity exceeded: routed rows need"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("capacity is 256"), std::string::npos) << e.what();
+  }
+  for (const bf16 v : p.outputs()) ASSERT_TRUE(std::isnan(v.to_float())) << "a rank wrote output from a bad plan";
+}
+
 TEST(Ep, ArgumentsAreChecked) {
   MOK_REQUIRE_HOPPER();
   const EpCase c{"", 2, 64, 256, 256, 8, 2, 0, 0, RoutingKind::uniform};

@@ -55,14 +55,26 @@ class ExpertParallel:
     varying T — a last, shorter batch; packed sequences of varying length — run on one EpRank
     per layer shape, with no new collective set-up or memory and no host synchronisation. A
     call with more tokens is refused. Without it, each new T makes a new rank (collectively,
-    on every rank of the group)."""
+    on every rank of the group).
+
+    capacity_factor: the routed rows a rank has room for, in units of its own T*k (plus each
+    local expert's padding to 128-row tiles); 0, the default, is room for the worst case — every
+    token of every rank routed to this rank's experts, W*T*k rows. Each layer's saved
+    pre-activations (kept until its backward) and the rank's row buffers are sized by it, so
+    at W = 8 a factor of 2 holds about a quarter of the default's. A call whose routing sends a
+    rank more rows than that stops on every rank and raises at the next call or at mok.check()
+    / check() ("capacity exceeded", the rows needed and the capacity); nothing is dropped.
+    Choose it above the imbalance your router allows (a rank receiving at most twice its share:
+    2.0). A multiple of 1/64 (e.g. 1.25, 1.5, 2), so that its rows are exact in any arithmetic."""
 
     def __init__(self, group=None, *, compute_sms: int = 0, timeout_seconds: float = 600.0, comm_sms: int = 0,
                  ring_rows: int = 0, minibatch_rows: int = 4096, pull_tokens_once: bool = False,
-                 interleave_rows: int = 0, pull_fp8_rows: bool = False, tokens: Optional[int] = None):
+                 interleave_rows: int = 0, pull_fp8_rows: bool = False, tokens: Optional[int] = None,
+                 capacity_factor: float = 0.0):
         import torch.distributed as dist
 
         _check_ring(comm_sms, ring_rows, minibatch_rows)
+        _check_capacity_factor(capacity_factor)
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
             raise ValueError(f"mok.ep.ExpertParallel: tokens must be None or an int >= 1, got {tokens!r}")
         if not isinstance(compute_sms, int) or isinstance(compute_sms, bool) or compute_sms < 0:
@@ -102,6 +114,7 @@ class ExpertParallel:
         self.comm_sms, self.ring_rows, self.minibatch_rows = comm_sms, ring_rows, minibatch_rows
         self.pull_tokens_once, self.interleave_rows = pull_tokens_once, interleave_rows
         self.pull_fp8_rows = pull_fp8_rows
+        self.capacity_factor = float(capacity_factor)
         self.tokens = tokens
         self._ranks: Dict[tuple, object] = {}
         self._regions: List[torch.Tensor] = []
@@ -147,12 +160,14 @@ class ExpertParallel:
         e4m3 = precision == "fp8" and self.pull_fp8_rows
         # (and the settings that lay out the exchanges: a ring on one rank only, or another minibatch,
         # would wait in the kernel until its timeout rather than raise)
-        layout = (self.comm_sms, self.ring_rows, self.minibatch_rows, self.pull_tokens_once, self.interleave_rows)
+        layout = (self.comm_sms, self.ring_rows, self.minibatch_rows, self.pull_tokens_once, self.interleave_rows,
+                  self.capacity_factor)
         dist.all_gather_object(keys, key[1:] + (e4m3,) + layout, group=self.group)
         if any(k != keys[0] for k in keys):
             raise ValueError(f"mok.ep: the ranks called the layer with different shapes, token counts or settings "
                              f"(T, H, I, E, E_l, k, I_s, limit, training, precision, FP8 dgrad, recompute, E4M3 rows "
-                             f"pulled, comm_sms, ring_rows, minibatch_rows, pull_tokens_once, interleave_rows per rank: "
+                             f"pulled, comm_sms, ring_rows, minibatch_rows, pull_tokens_once, interleave_rows, "
+                             f"capacity_factor per rank: "
                              f"{keys}); pad every rank to one T (mok.ep.ExpertParallel(tokens=...) does), and make "
                              f"the group with the same arguments everywhere")
         nbytes = _C.ep_region_bytes(H, I, num_experts, E_l, top_k, shared_intermediate, swiglu_limit, T)
@@ -169,7 +184,8 @@ class ExpertParallel:
                          ring_rows=self.ring_rows, minibatch_rows=self.minibatch_rows,
                          pull_tokens_once=self.pull_tokens_once, interleave_rows=self.interleave_rows,
                          precision=precision, fp8_dgrad=fp8_dgrad,
-                         pull_fp8_rows=self.pull_fp8_rows and precision == "fp8", recompute=recompute)
+                         pull_fp8_rows=self.pull_fp8_rows and precision == "fp8", recompute=recompute,
+                         capacity_factor=self.capacity_factor)
         dist.barrier(group=self.group)  # every region zeroed and every rank built before any call
         self._regions.append(region)
         self._ranks[key] = rank
@@ -187,6 +203,18 @@ class ExpertParallel:
         """Synchronises and raises ValueError (naming rank and peer) if a kernel recorded an error."""
         for rank in self._ranks.values():
             rank.check(torch.cuda.current_stream().cuda_stream)
+
+
+def _check_capacity_factor(capacity_factor) -> None:
+    """0 or a positive multiple of 1/64 (mok.ops' saved-tensor arithmetic takes ceil(factor*T*k)
+    as an integer division, exact for those — and the same as the C++'s in doubles)."""
+    import numbers
+
+    ok = (isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
+          and 0 <= float(capacity_factor) < float("inf") and float(capacity_factor) * 64 == int(float(capacity_factor) * 64))
+    if not ok:
+        raise ValueError(f"mok.ep.ExpertParallel: capacity_factor must be 0 (room for the worst case) or a positive "
+                         f"multiple of 1/64 (e.g. 1.25, 1.5, 2), got {capacity_factor!r}")
 
 
 def _check_ring(comm_sms, ring_rows, minibatch_rows) -> None:

@@ -360,7 +360,8 @@ def _run_forward_fp8(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gat
     saved = None
     k, T = topk_ids.shape[1], x.shape[0]
     if training:
-        saved = torch.empty(ops._saved_elements(x, w_down, k, shared_gate, swiglu_limit, num_experts),
+        saved = torch.empty(ops._saved_elements(x, w_down, k, shared_gate, swiglu_limit, num_experts,
+                                                ops._capacity_factor(group_id)),
                             dtype=torch.bfloat16, device=x.device)
     if group_id == ops.ONE_GPU and T == 0:
         return y, saved
@@ -481,7 +482,8 @@ def _moe_train_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down,
 
     y = _moe_forward_fp8_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
                               swiglu_limit, num_experts, group_id, *experts)
-    n = ops._fake_saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
+    n = ops._fake_saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts,
+                                 ops._capacity_factor(group_id))
     return y, x.new_empty((n,), dtype=torch.bfloat16)
 
 

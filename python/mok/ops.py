@@ -177,36 +177,51 @@ def _shared_size(shared_gate):
     return 0 if shared_gate is None else shared_gate.shape[0]
 
 
-def _saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_experts):
+def _saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_experts, capacity_factor=0.0):
     E_l, H, I = w_down.shape
-    return _C.ep_saved_elements(H, I, num_experts, E_l, top_k, _shared_size(shared_gate), swiglu_limit, x.shape[0])
+    return _C.ep_saved_elements(H, I, num_experts, E_l, top_k, _shared_size(shared_gate), swiglu_limit, x.shape[0],
+                                capacity_factor)
+
+
+def _capacity_factor(group_id):
+    """The layer's capacity factor: its mok.ep.ExpertParallel's (0 on one GPU: room for every row;
+    0 for a group id with no group, which only metadata calls of the fake implementations make —
+    a real call refuses it when it looks its group up)."""
+    group = ep_groups.get(group_id) if group_id != ONE_GPU else None
+    return group.capacity_factor if group is not None else 0.0
 
 
 _TILE_ROWS, _SAVED_TRAILER = 128, 8  # (C++'s detail::kTileRows and kSavedTrailer)
 
 
-def _saved_length(tokens, hidden, inter, num_experts, local_experts, top_k, shared_inter):
-    """mok::saved_elements (workspace.cpp; the default Config: capacity for the worst case) in
-    Python arithmetic, so that a symbolic token count stays symbolic: every routed pair of the
-    group's ranks landing here plus each local expert's padding to 128-row tiles, whole tiles, at
-    least one; the shared expert's rows padded to tiles; 2 bf16 a row and column (gate and up
-    pre-activations), and the trailer. tests/python/test_module.py checks it against the C++."""
+def _saved_length(tokens, hidden, inter, num_experts, local_experts, top_k, shared_inter, capacity_factor=0.0):
+    """mok::saved_elements (workspace.cpp) in Python arithmetic, so that a symbolic token count
+    stays symbolic: every routed pair of the group's ranks landing here (capacity_factor 0, the
+    worst case) or ceil(capacity_factor * T * k) of them, whichever is fewer (the factor a
+    multiple of 1/64: an exact integer division), plus each local expert's padding to 128-row
+    tiles, whole tiles, at least one; the shared expert's rows padded to tiles; 2 bf16 a row and
+    column (gate and up pre-activations), and the trailer. tests/python/test_module.py checks it
+    against the C++."""
     ep = num_experts // local_experts
-    rows = ep * tokens * top_k + local_experts * (_TILE_ROWS - 1)
+    rows = ep * tokens * top_k
+    if capacity_factor > 0:
+        sixty_fourths = int(capacity_factor * 64)
+        rows = torch.sym_min(rows, (sixty_fourths * tokens * top_k + 63) // 64)
+    rows = rows + local_experts * (_TILE_ROWS - 1)
     rows = torch.sym_max(rows // _TILE_ROWS * _TILE_ROWS, _TILE_ROWS)
     padded = (tokens + _TILE_ROWS - 1) // _TILE_ROWS * _TILE_ROWS if shared_inter else 0
     return 2 * (rows * inter + padded * shared_inter) + _SAVED_TRAILER
 
 
-def _fake_saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_experts):
+def _fake_saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_experts, capacity_factor=0.0):
     """The saved tensor's length in a fake implementation: with a symbolic token count (dynamic
     shapes under torch.compile) as a formula of it — the C++ function takes an int and would
     specialise T to a constant, every new T a recompilation and eager after the recompile limit
     (found by review 2026-12-05)."""
     if isinstance(x.shape[0], torch.SymInt):
         E_l, H, I = w_down.shape
-        return _saved_length(x.shape[0], H, I, num_experts, E_l, top_k, _shared_size(shared_gate))
-    return _saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_experts)
+        return _saved_length(x.shape[0], H, I, num_experts, E_l, top_k, _shared_size(shared_gate), capacity_factor)
+    return _saved_elements(x, w_down, top_k, shared_gate, swiglu_limit, num_experts, capacity_factor)
 
 
 def _ep_group(group_id):
@@ -245,7 +260,8 @@ def _run_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, s
     y = torch.empty_like(x)
     saved = None
     if training and not recompute:
-        saved = torch.empty(_saved_elements(x, w_down, k, shared_gate, swiglu_limit, num_experts),
+        saved = torch.empty(_saved_elements(x, w_down, k, shared_gate, swiglu_limit, num_experts,
+                                            _capacity_factor(group_id)),
                             dtype=torch.bfloat16, device=x.device)
     if group_id == ONE_GPU and T == 0:
         return y, saved
@@ -345,7 +361,8 @@ def _moe_train_forward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, sha
                             swiglu_limit, num_experts, group_id, recompute=False):
     _check(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, swiglu_limit,
            num_experts, group_id)
-    n = 0 if recompute else _fake_saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts)
+    n = 0 if recompute else _fake_saved_elements(x, w_down, topk_ids.shape[1], shared_gate, swiglu_limit, num_experts,
+                                                 _capacity_factor(group_id))
     return torch.empty_like(x), x.new_empty((n,), dtype=torch.bfloat16)
 
 

@@ -210,13 +210,18 @@ NB_MODULE(_C, m) {
   m.def(
       "ep_saved_elements",
       [](std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts, std::int64_t num_local_experts,
-         std::int64_t top_k, std::int64_t shared_intermediate, std::optional<float> limit, std::int64_t tokens) {
+         std::int64_t top_k, std::int64_t shared_intermediate, std::optional<float> limit, std::int64_t tokens,
+         double capacity_factor) {
+        mok::Config config;
+        config.capacity_factor = capacity_factor;
         return mok::saved_elements(
-            make_shape(hidden, intermediate, num_experts, num_local_experts, top_k, shared_intermediate, limit), tokens);
+            make_shape(hidden, intermediate, num_experts, num_local_experts, top_k, shared_intermediate, limit), tokens,
+            config);
       },
       nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("num_local_experts"),
       nb::arg("top_k"), nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("tokens"),
-      "bf16 elements of one EP rank's saved tensor (no GPU needed).");
+      nb::arg("capacity_factor") = 0.0,
+      "bf16 elements of one EP rank's saved tensor (no GPU needed; capacity_factor: the rank's, 0 the worst case).");
 
   nb::class_<mok::EpRank>(m, "EpRank")
       .def(
@@ -227,7 +232,7 @@ NB_MODULE(_C, m) {
              int device, int compute_sms, double timeout_seconds, bool training, bool peers_on_other_gpus,
              int comm_sms, std::int64_t ring_rows, std::int64_t minibatch_rows, bool pull_tokens_once,
              std::int64_t interleave_rows, const std::string& precision, bool fp8_dgrad, bool pull_fp8_rows,
-             bool recompute) {
+             bool recompute, double capacity_factor) {
             if (precision != "bf16" && precision != "fp8")
               throw nb::value_error(("mok.EpRank: precision must be 'bf16' or 'fp8', got '" + precision + "'").c_str());
             const mok::Training mode = training_mode("mok.EpRank", training, recompute);
@@ -245,6 +250,7 @@ NB_MODULE(_C, m) {
             config.minibatch_rows = minibatch_rows;
             config.pull_tokens_once = pull_tokens_once;
             config.interleave_rows = interleave_rows;
+            config.capacity_factor = capacity_factor;  // (0: room for the worst case, EP * T * k rows)
             std::vector<void*> bases;
             for (std::uintptr_t p : region_ptrs) bases.push_back(reinterpret_cast<void*>(p));
             new (self) mok::EpRank(
@@ -257,7 +263,8 @@ NB_MODULE(_C, m) {
           nb::arg("timeout_seconds") = 10.0, nb::arg("training") = false, nb::arg("peers_on_other_gpus") = true,
           nb::arg("comm_sms") = 0, nb::arg("ring_rows") = 0, nb::arg("minibatch_rows") = 4096,
           nb::arg("pull_tokens_once") = false, nb::arg("interleave_rows") = 0, nb::arg("precision") = "bf16",
-          nb::arg("fp8_dgrad") = false, nb::arg("pull_fp8_rows") = false, nb::arg("recompute") = false)
+          nb::arg("fp8_dgrad") = false, nb::arg("pull_fp8_rows") = false, nb::arg("recompute") = false,
+          nb::arg("capacity_factor") = 0.0)
       .def_prop_ro("saved_elements", &mok::EpRank::saved_elements)
       // training with recompute=True: the forward saves nothing, the backward runs GEMM1 again
       .def_prop_ro("recompute", [](const mok::EpRank& r) { return r.training() == mok::Training::recompute; })

@@ -60,7 +60,8 @@ def main():
     cases = (("", group, False), (" (tokens pulled once)", mok.ep.ExpertParallel(pull_tokens_once=True), False),
              (" (padded to a fixed T + 40)", mok.ep.ExpertParallel(tokens=T + 40), False),
              (" with recompute", group, True),
-             (" with recompute (padded to a fixed T + 40)", mok.ep.ExpertParallel(tokens=T + 40), True))
+             (" with recompute (padded to a fixed T + 40)", mok.ep.ExpertParallel(tokens=T + 40), True),
+             (" with capacity_factor 0.75", mok.ep.ExpertParallel(capacity_factor=0.75), False))
     for how, g, recompute in cases:
         xb, wb, gb, ub, db = leaves(x[mine].contiguous(), w[mine].contiguous(), gate[experts].contiguous(),
                                     up[experts].contiguous(), down[experts].contiguous())
@@ -78,6 +79,12 @@ def main():
                 failures.append(f"rank {rank}: recompute{how} made {len(recomputing)} recompute ranks, not one")
             if g is not group and len(g._ranks) != 1:  # (a group of its own: no other rank made either)
                 failures.append(f"rank {rank}: recompute{how} made {len(g._ranks)} ranks, not one")
+        if g.capacity_factor:  # (the rank and the saved tensor sized by it: fewer rows than the worst case)
+            want = mok._C.ep_saved_elements(H, I, E, E // world, k, 0, None, T, g.capacity_factor)
+            if [r.saved_elements for r in g._ranks.values()] != [want] or \
+                    want >= mok._C.ep_saved_elements(H, I, E, E // world, k, 0, None, T):
+                failures.append(f"rank {rank}: capacity_factor {g.capacity_factor}: saved elements "
+                                f"{[r.saved_elements for r in g._ranks.values()]}, want one rank of {want}")
         for what, got in outputs:
             if not torch.equal(got.view(torch.int16), ya.detach()[mine].view(torch.int16)):
                 failures.append(f"rank {rank}: {what}{how} differs from one GPU")

@@ -53,6 +53,13 @@ def test_needs_an_initialised_process_group():
     (dict(timeout_seconds=-5), "timeout_seconds must be a finite positive number, got -5"),
     (dict(timeout_seconds=float("nan")), "timeout_seconds must be a finite positive number, got nan"),
     (dict(timeout_seconds="x"), "timeout_seconds must be a finite positive number, got 'x'"),
+    (dict(capacity_factor=-1), r"capacity_factor must be 0 \(room for the worst case\) or a positive multiple of "
+                               r"1/64 \(e.g. 1.25, 1.5, 2\), got -1"),
+    (dict(capacity_factor=1.1), r"capacity_factor must be 0 .* got 1.1"),
+    (dict(capacity_factor=float("nan")), r"capacity_factor must be 0 .* got nan"),
+    (dict(capacity_factor=float("inf")), r"capacity_factor must be 0 .* got inf"),
+    (dict(capacity_factor=True), r"capacity_factor must be 0 .* got True"),
+    (dict(capacity_factor="2"), r"capacity_factor must be 0 .* got '2'"),
 ])
 def test_ring_arguments_are_checked_before_the_process_group(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -114,6 +121,26 @@ def test_fake_implementations_give_output_metadata():
     grads = torch.ops.mok.moe_backward(x, x, ids, w, gate, gate, down, None, None, None, saved, None, E, 1)
     # (gate and up alike and contiguous: their gradients as one [2, E_l, I, H] block, d_w_up empty)
     assert [tuple(g.shape) for g in grads] == [(T, H), (T, k), (2, El, I, H), (0,), (El, H, I)]
+
+
+def test_fake_implementations_size_the_saved_tensor_by_the_groups_capacity_factor(monkeypatch):
+    """A group's capacity_factor sizes the saved pre-activations the fake implementations
+    promise (what the real call allocates: mok::saved_elements with the rank's Config), bf16 and
+    FP8 alike; 1.5 of a rank of a group of 4 holds fewer rows than the worst case."""
+    from mok import fp8_layer, ops
+
+    class Group:  # (what the fake implementations read of an ExpertParallel)
+        capacity_factor = 1.5
+
+    group = Group()
+    monkeypatch.setitem(ops.ep_groups, 7, group)
+    T, H, I, El, E, k = 256, 128, 128, 2, 8, 4
+    x, ids, w, gate, down = _meta_rank(T, H, I, El, k)
+    _, saved = torch.ops.mok.moe_train_forward(x, ids, w, gate, gate, down, None, None, None, None, E, 7)
+    want = _C.ep_saved_elements(H, I, E, El, k, 0, None, T, 1.5)
+    assert saved.shape == (want,) and want < _C.ep_saved_elements(H, I, E, El, k, 0, None, T)
+    assert ops._fake_saved_elements(x, down, k, None, None, E, ops._capacity_factor(7)) == want
+    assert fp8_layer is not None and ops._capacity_factor(ops.ONE_GPU) == 0.0
 
 
 def test_compiled_ep_training_step_traces_through_the_fake_implementations():

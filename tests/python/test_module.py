@@ -207,14 +207,20 @@ def test_aux_loss_is_none_after_a_call_with_the_routing_given():
 def test_saved_length_in_python_is_the_cpp_one():
     """mok.ops._saved_length (the fake implementations' formula of a symbolic T) gives
     mok::saved_elements' length for every shape and token count tried: one GPU and EP ranks,
-    with and without a shared expert, T from 0 past a tile boundary."""
+    with and without a shared expert, T from 0 past a tile boundary, and EP ranks' capacity
+    factors (mok.ep.ExpertParallel's: multiples of 1/64, below and above the worst case)."""
     from mok import _C, ops
 
     for H, I, E, E_l, k, I_s in ((64, 64, 4, 4, 2, 0), (128, 192, 8, 2, 3, 64), (7168, 2048, 256, 32, 8, 2048),
                                  (2048, 768, 128, 128, 8, 0), (4096, 14336, 8, 8, 2, 0), (512, 256, 64, 1, 6, 128)):
         for T in (0, 1, 5, 127, 128, 129, 1000, 8192, 16385):
-            want = _C.ep_saved_elements(H, I, E, E_l, k, I_s, None, T)
-            assert ops._saved_length(T, H, I, E, E_l, k, I_s) == want, (H, I, E, E_l, k, I_s, T)
+            for factor in (0.0, 1 / 64, 0.5, 1.0, 1.25, 1.984375, 2.0, 3.0, 64.0):
+                want = _C.ep_saved_elements(H, I, E, E_l, k, I_s, None, T, factor)
+                got = ops._saved_length(T, H, I, E, E_l, k, I_s, factor)
+                assert got == want, (H, I, E, E_l, k, I_s, T, factor)
+            # (a factor caps the rows below the worst case only where W > 1 and it is below W)
+            assert _C.ep_saved_elements(H, I, E, E_l, k, I_s, None, T, 1.0) <= _C.ep_saved_elements(
+                H, I, E, E_l, k, I_s, None, T)
 
 
 def test_training_under_dynamic_shapes_compiles_once_for_every_token_count():
