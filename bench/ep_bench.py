@@ -42,6 +42,10 @@ impls:
   mok-ep-recompute   (only when asked for) mok.ep.moe(..., recompute=True): its own group; the
                      training forward keeps no pre-activations and the backward runs GEMM1 again
                      (the same bits as mok-ep; what a recompute costs in the EP layer)
+  mok-ep-capped      (only when asked for) mok-ep with ExpertParallel(capacity_factor=F)
+                     (--capacity-factor, default 2): room for F*T*k routed rows a rank instead of
+                     the worst case W*T*k (its buffers and saved pre-activations); the same bits
+                     while the routing fits — what the cap saves in memory
   mok-ep-fp8         (only when asked for) mok.ep.moe(..., precision="fp8"): the routed experts' forward in E4M3
                      (this rank's experts quantized once beforehand, mok.fp8.quantize_experts,
                      with the dgrad's copies where mok.fp8.dgrad_pays; the rows quantized as they
@@ -139,6 +143,7 @@ INTERLEAVE = "mok-ep-interleave"  # mok-ep with interleave_rows = 4096
 FP8 = "mok-ep-fp8"  # mok-ep with precision="fp8" (valid in --impl, not run unless named)
 FP8_E4M3 = "mok-ep-fp8-e4m3"  # mok-ep-fp8 pulling E4M3 rows (pull_fp8_rows; the same: only when named)
 RECOMPUTE = "mok-ep-recompute"  # mok-ep with recompute=True (only when named)
+CAPPED = "mok-ep-capped"  # mok-ep with capacity_factor = --capacity-factor (only when named)
 RING = "mok-ep-ring"  # RING + str(N): mok-ep with comm_sms = N (--ring-sms)
 EXCHANGES = ("dispatch", "combine")
 DEFAULT_PRESETS = "deepseek-v3,qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b"
@@ -158,8 +163,8 @@ def ring_impls(spec):
 
 def impl_names(ring=()):
     """Every implementation, in table order: IMPLS with the ring ones after mok-ep, then mok-ep-fp8,
-    its E4M3 pull and mok-ep-recompute."""
-    return IMPLS[:1] + tuple(ring) + IMPLS[1:] + (FP8, FP8_E4M3, RECOMPUTE)
+    its E4M3 pull, mok-ep-recompute and mok-ep-capped."""
+    return IMPLS[:1] + tuple(ring) + IMPLS[1:] + (FP8, FP8_E4M3, RECOMPUTE, CAPPED)
 
 
 def comm_sms(impl):
@@ -167,8 +172,11 @@ def comm_sms(impl):
     return int(impl[len(RING):]) if impl.startswith(RING) else 0
 
 
-def group_options(impl):
-    """mok.ep.ExpertParallel's keyword arguments for a mok-ep variant, or None for the others."""
+def group_options(impl, capacity_factor=2.0):
+    """mok.ep.ExpertParallel's keyword arguments for a mok-ep variant, or None for the others
+    (capacity_factor: mok-ep-capped's)."""
+    if impl == CAPPED:
+        return dict(capacity_factor=capacity_factor)
     if impl == ONCE:
         return dict(pull_tokens_once=True)
     if impl == INTERLEAVE:
@@ -310,7 +318,8 @@ def run_preset(p, routing, args, ctx, emit):
                   nccl_dispatch_gbps=rate(dispatch_bytes, nccl_ms["dispatch"]),
                   nccl_combine_gbps=rate(combine_bytes, nccl_ms["combine"]),
                   iters=args.iters, warmup=args.warmup, gpu=ctx.gpu, commit=args.commit, date=args.date,
-                  torch=torch.__version__))
+                  torch=torch.__version__,
+                  capacity_factor=ctx.groups[impl].capacity_factor if impl in ctx.groups else None))
     for obj in impls.values():
         obj.release()
     return failed
@@ -334,7 +343,7 @@ def summary(records):
     ring = sorted({comm_sms(r["impl"]) for r in records if r["impl"].startswith(RING)})
     impls = [i for i in impl_names(f"{RING}{n}" for n in ring) if any(r["impl"] == i for r in records)]
     ratios = (("torch-ep", "mok-ep"), ("torch-compiled-ep", "mok-ep"), ("mok-ep", "mok-compute")) + tuple(
-        ("mok-ep", i) for i in impls if i.startswith(RING) or i in (ONCE, INTERLEAVE, FP8, RECOMPUTE)) + (
+        ("mok-ep", i) for i in impls if i.startswith(RING) or i in (ONCE, INTERLEAVE, FP8, RECOMPUTE, CAPPED)) + (
         ((FP8, FP8_E4M3),) if FP8 in impls and FP8_E4M3 in impls else ())
     lines = [f"{'preset':<16}{'routing':<9}{'pass':<8}" + "".join(f"{i + ' ms':>20}" for i in impls) +
              "".join(f"{a + '/' + b:>28}" for a, b in ratios) + f"{'NCCL disp GB/s':>16}{'comb GB/s':>11}{'checks':>8}"]
@@ -372,6 +381,7 @@ def parse_args():
     ap.add_argument("--pass", dest="passes", default=",".join(tb.PASSES))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--capacity-factor", type=float, default=2.0, help="mok-ep-capped's (a multiple of 1/64)")
     tb.add_run_args(ap, iters=10)
     args = ap.parse_args()
     args.all_impls = impl_names(ring_impls(args.ring_sms))
@@ -401,7 +411,7 @@ def main():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    ctx = Context({impl: mok.ep.ExpertParallel(**group_options(impl)) for impl in args.all_impls
+    ctx = Context({impl: mok.ep.ExpertParallel(**group_options(impl, args.capacity_factor)) for impl in args.all_impls
                    if group_options(impl) is not None})
     tb.configure_compile()
     records, failed = [], []

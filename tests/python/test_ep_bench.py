@@ -177,22 +177,27 @@ def test_summary_ratios_are_per_round():
 def test_ring_sms_adds_one_mok_ep_implementation_per_sm_count(monkeypatch):
     assert ep_bench.ring_impls("4,8") == ("mok-ep-ring4", "mok-ep-ring8")
     assert ep_bench.ring_impls("") == ()
-    assert [ep_bench.comm_sms(i) for i in ep_bench.impl_names(ep_bench.ring_impls("4,8"))] == [0] + [4, 8] + [0] * 8
-    assert [ep_bench.group_options(i) for i in ep_bench.impl_names(ep_bench.ring_impls("4"))] == [
+    assert [ep_bench.comm_sms(i) for i in ep_bench.impl_names(ep_bench.ring_impls("4,8"))] == [0] + [4, 8] + [0] * 9
+    assert [ep_bench.group_options(i, 1.5) for i in ep_bench.impl_names(ep_bench.ring_impls("4"))] == [
         dict(comm_sms=0), dict(comm_sms=4), dict(pull_tokens_once=True), dict(interleave_rows=4096), None, None, None,
-        dict(), dict(pull_fp8_rows=True), dict()]  # (mok-ep-fp8, its E4M3 pull, mok-ep-recompute: groups of their own)
+        dict(), dict(pull_fp8_rows=True), dict(), dict(capacity_factor=1.5)]
+    # (mok-ep-fp8, its E4M3 pull, mok-ep-recompute, mok-ep-capped: groups of their own)
     with pytest.raises(SystemExit, match="--ring-sms takes positive SM counts, got '0'"):
         ep_bench.ring_impls("4,0")
     monkeypatch.setattr(sys, "argv", ["ep_bench.py", "--ring-sms", "4,8"])
     args = ep_bench.parse_args()
     assert args.all_impls == ("mok-ep", "mok-ep-ring4", "mok-ep-ring8", "mok-ep-once", "mok-ep-interleave",
                               "torch-compiled-ep", "torch-ep", "mok-compute", "mok-ep-fp8", "mok-ep-fp8-e4m3",
-                              "mok-ep-recompute")
+                              "mok-ep-recompute", "mok-ep-capped")
+    assert args.capacity_factor == 2.0
     assert args.impls == list(ep_bench.IMPLS) + ["mok-ep-ring4", "mok-ep-ring8"]  # whatever --impl says
     monkeypatch.setattr(sys, "argv", ["ep_bench.py", "--impl", "mok-ep,mok-ep-fp8"])  # (FP8: only when named)
     assert ep_bench.parse_args().impls == ["mok-ep", "mok-ep-fp8"]
     monkeypatch.setattr(sys, "argv", ["ep_bench.py", "--impl", "mok-ep,mok-ep-recompute"])  # (only when named too)
     assert ep_bench.parse_args().impls == ["mok-ep", "mok-ep-recompute"]
+    monkeypatch.setattr(sys, "argv", ["ep_bench.py", "--impl", "mok-ep,mok-ep-capped", "--capacity-factor", "1.25"])
+    args = ep_bench.parse_args()
+    assert args.impls == ["mok-ep", "mok-ep-capped"] and args.capacity_factor == 1.25
     monkeypatch.setattr(sys, "argv", ["ep_bench.py", "--impl", "mok-ep-ring8,mok-ep", "--ring-sms", "8"])
     assert ep_bench.parse_args().impls == ["mok-ep-ring8", "mok-ep"]
     monkeypatch.setattr(sys, "argv", ["ep_bench.py", "--impl", "mok-ep-ring8"])  # no --ring-sms 8
