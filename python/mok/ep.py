@@ -210,9 +210,9 @@ def _check_capacity_factor(capacity_factor) -> None:
     as an integer division, exact for those — and the same as the C++'s in doubles)."""
     import numbers
 
-    ok = (isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
-          and 0 <= float(capacity_factor) < float("inf") and float(capacity_factor) * 64 == int(float(capacity_factor) * 64))
-    if not ok:
+    f = float(capacity_factor) if isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool) \
+        else float("nan")
+    if not (0 <= f < float("inf") and f * 64 == int(f * 64)):
         raise ValueError(f"mok.ep.ExpertParallel: capacity_factor must be 0 (room for the worst case) or a positive "
                          f"multiple of 1/64 (e.g. 1.25, 1.5, 2), got {capacity_factor!r}")
 
