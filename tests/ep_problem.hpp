@@ -146,8 +146,10 @@ struct EpProblem {
   }
 };
 
-inline std::vector<bf16> run_group(const EpProblem& p, const Config& config = {}) {
-  VirtualRanks group(p.shape, p.T, config);
+// (mode: the group's training mode, its forward given no saved tensors — a forward for
+// evaluation on a group that trains saves nothing and gives the same bits)
+inline std::vector<bf16> run_group(const EpProblem& p, const Config& config = {}, Training mode = Training::off) {
+  VirtualRanks group(p.shape, p.T, config, mode);
   p.poison_outputs();
   const auto args = p.args();
   group.forward(args, nullptr);

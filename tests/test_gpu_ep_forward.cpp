@@ -112,16 +112,21 @@ TEST(Ep, BadExpertIdOnOneRankStopsEveryRank) {
 }
 
 // Config::capacity_factor (mok.ep.ExpertParallel's): room for fewer rows than the worst case
-// (EP * T * k). Enough of it: the bits of the default; too little for the routing: every rank
-// stops with the capacity's error (the rows needed and the capacity) and writes NaN, nothing
-// dropped. (Written 2026-12-06 with the Python setting; not yet run on a GPU.)
+// (EP * T * k). Enough of it: the bits of the default (also as the evaluation forward of a group
+// made for training: no saved tensors); too little for the routing: every rank stops with the
+// capacity's error (the rows needed and the capacity) and writes NaN, nothing dropped. (Written
+// 2026-12-06 with the Python setting; not yet run on a GPU.)
 TEST(Ep, CapacityFactorBelowTheWorstCase) {
   MOK_REQUIRE_HOPPER();
   const EpCase c{"", 2, 2048, 256, 256, 4, 2, 0, 0, RoutingKind::uniform};
   EpProblem p(c, 17);
   Config roomy;
   roomy.capacity_factor = 1.5;  // (each rank receives about T * k rows of the 2 T * k possible)
-  EXPECT_TRUE(same_bits(run_group(p, roomy), run_group(p, {}))) << "capacity factor 1.5";
+  const std::vector<bf16> by_default = run_group(p, {});
+  EXPECT_TRUE(same_bits(run_group(p, roomy), by_default)) << "capacity factor 1.5";
+  // (a forward without saved tensors on a group made for training: the same bits, nothing saved)
+  for (Training mode : {Training::save, Training::recompute})
+    EXPECT_TRUE(same_bits(run_group(p, roomy, mode), by_default)) << "training mode " << static_cast<int>(mode);
   EXPECT_LT(VirtualRanks(p.shape, p.T, roomy, Training::save).saved_elements(),
             VirtualRanks(p.shape, p.T, {}, Training::save).saved_elements());
   Config tight;

@@ -31,10 +31,15 @@ TEST(EpRanks, SeparateLaunchesMatchOneGpuBitwiseAcrossQueuedCalls) {
     ring.minibatch_rows = 128, ring.ring_rows = 256;  // the ring wraps
     Config once;  // each peer token pulled once, then gathered locally
     once.pull_tokens_once = true;
+    // (Training::save ranks called without saved tensors: the evaluation forward of ranks that
+    // train, saving nothing — mok.ep runs a forward without autograd on them; added 2026-12-06,
+    // not yet run on a GPU)
+    for (Training mode : {Training::off, Training::save})
     for (const Config& config : {ring, once}) {
-    SCOPED_TRACE(config.pull_tokens_once ? "tokens pulled once" : "ring");
+    SCOPED_TRACE(std::string(config.pull_tokens_once ? "tokens pulled once" : "ring") +
+                 (mode == Training::save ? ", training ranks" : ""));
     for (auto& call : calls) call->poison_outputs();
-    SeparateRanks group(*calls[0], Training::off, config);
+    SeparateRanks group(*calls[0], mode, config);
     for (std::size_t c = 0; c < calls.size(); ++c) {
       if (c == 1)  // rank 0 falls behind by 50 ms
         cudaLaunchHostFunc(

@@ -56,7 +56,8 @@ class VirtualRanks {
   // global expert ids (-1 = none), topk_weights, the weights of rank r's E_l experts, its
   // shared expert, y. Stream-ordered, no host synchronisation.
   // saved (Training::save): one tensor per rank, saved_elements() bf16 each, as for
-  // mok::forward; the backward reads and consumes them.
+  // mok::forward; the backward reads and consumes them. None: the forward saves nothing (a
+  // forward for evaluation on the group that trains; any training mode).
   void forward(std::span<const ForwardArgs> args, cudaStream_t stream, std::span<const TensorView> saved = {});
   // Gradients of every rank's sum(y * dy): rank r's dx, d_topk_weights and the gradients
   // of its experts' weights; the shared expert's gradients are those of rank r's tokens
@@ -120,7 +121,8 @@ class EpRank {
   std::int64_t saved_elements() const { return ws_->saved_elements(); }
 
   // This rank's call, as for mok::forward / mok::backward (global expert ids; its experts'
-  // weights). Every rank of the group must make the same sequence of calls.
+  // weights). Every rank of the group must make the same sequence of calls. forward's saved:
+  // as VirtualRanks::forward's (none: nothing saved, any training mode).
   void forward(const ForwardArgs& args, cudaStream_t stream, const std::optional<TensorView>& saved = std::nullopt);
   void backward(const ForwardArgs& fwd, const BackwardArgs& bwd, cudaStream_t stream,
                 const std::optional<TensorView>& saved = std::nullopt);

@@ -127,7 +127,9 @@ class ExpertParallel:
         w_down [E_l, H, I]; fp8_dgrad (precision "fp8", training): one that holds the FP8
         dgrad's rows (mok::Config::fp8_dgrad). recompute (bf16, training): a Training::recompute
         rank — its forward saves nothing and its backward runs GEMM1 again (it also serves the
-        forwards without autograd of the layers that train with it). precision None (a bf16
+        forwards without autograd of the layers that train with it). Not training: a rank made
+        for training this shape in this precision, if there is one (its forward then saves
+        nothing), else one of its own (Training::off). precision None (a bf16
         backward on saved pre-activations, after either precision's forward): any saving rank of
         this shape serves it — it re-plans from the routing and reads only the saved tensor, whose
         layout is the same in both precisions — so an existing one, an fp8 one first (a new rank
@@ -149,6 +151,13 @@ class ExpertParallel:
         rank = self._ranks.get(key)
         if rank is not None:
             return rank
+        if not training:  # (a forward without autograd: a rank that trains this shape in this precision serves
+            # it, saving nothing — as one GPU's training workspace serves evaluation — instead of a second
+            # rank's region and row buffers; the first such rank: every process holds the same ranks in
+            # the same order, so all pick the same one)
+            trains = [r for k, r in self._ranks.items() if k[:-4] == shape[:-1] and k[-4] and k[-3] == precision]
+            if trains:
+                return trains[0]
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("mok.ep: the first call for a shape sets up its symmetric memory; run it once before "
                                "capturing a CUDA graph")

@@ -218,8 +218,7 @@ void VirtualRanks::forward(std::span<const ForwardArgs> args, cudaStream_t strea
   const Launch launch = prepare(args, where, false);
   const int ep = size();
   const std::int64_t T = tokens_;
-  if (saved.empty() && training_ == Training::save)
-    throw_argument_error(where, "saved", "is required: the group was made with Training::save");
+  // (none on a Training::save group: a forward that saves nothing, for evaluation — as one GPU's)
   if (!saved.empty() && static_cast<int>(saved.size()) != ep)
     throw_argument_error(where, "saved", "must hold one tensor per rank (", ep, "), got ", saved.size());
   if (!saved.empty() && training_ != Training::save)

@@ -237,9 +237,7 @@ void EpRank::forward(const ForwardArgs& a, cudaStream_t stream, const std::optio
   if (saved) {
     if (training_ != Training::save) throw_argument_error(where, "saved", "needs a rank made with Training::save");
     detail::check_saved(where, *saved, *ws_, Device::cuda(device));
-  } else if (training_ == Training::save) {
-    throw_argument_error(where, "saved", "is required: the rank was made with Training::save");
-  }
+  }  // (none on a Training::save rank: a forward that saves nothing, for evaluation — as one GPU's)
   const int ctas = this->ctas();
   const int comm = detail::comm_ctas(where, config_, ctas);
   begin(a, nullptr, nullptr, stream);

@@ -68,17 +68,19 @@ def main():
         yb = mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=g, recompute=recompute)
         yb.backward(dy[mine].contiguous())
         outputs = [("training forward", yb.detach())]
-        if recompute:
-            with torch.no_grad():
-                outputs.append(("forward without autograd",
-                                mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=g, recompute=True)))
+        # (a forward without autograd after training: on the rank that trains, saving nothing —
+        # with recompute always, without it since 2026-12-06 — no second rank made)
+        with torch.no_grad():
+            outputs.append(("forward without autograd",
+                            mok.ep.moe(xb, ids[mine].contiguous(), wb, gb, ub, db, group=g, recompute=recompute)))
         g.check()
         if recompute:
             recomputing = [key for key, r in g._ranks.items() if r.recompute]
             if len(recomputing) != 1 or recomputing[0][-1] is not True:
                 failures.append(f"rank {rank}: recompute{how} made {len(recomputing)} recompute ranks, not one")
-            if g is not group and len(g._ranks) != 1:  # (a group of its own: no other rank made either)
-                failures.append(f"rank {rank}: recompute{how} made {len(g._ranks)} ranks, not one")
+        if g is not group and len(g._ranks) != 1:  # (a group of its own: no other rank made)
+            failures.append(f"rank {rank}: training{how} and a forward without autograd made {len(g._ranks)} ranks, "
+                            "not one")
         if g.capacity_factor:  # (the rank and the saved tensor sized by it: fewer rows than the worst case)
             want = mok._C.ep_saved_elements(H, I, E, E // world, k, 0, None, T, g.capacity_factor)
             if [r.saved_elements for r in g._ranks.values()] != [want] or \

@@ -194,6 +194,27 @@ def single_process_group(tmp_path):
     dist.destroy_process_group()
 
 
+def test_a_forward_without_autograd_runs_on_the_rank_that_trains_its_shape(single_process_group):
+    """rank_for(training=False) takes the rank made for training this shape and precision (a save
+    or recompute rank: its forward then saves nothing) instead of setting up a second rank; its
+    own Training::off rank when it exists already; never a rank of another precision or shape."""
+    group = mok.ep.ExpertParallel()
+    x, w_down = torch.zeros(16, 64), torch.zeros(4, 64, 32)
+    shape = (x.device.index, 16, 64, 32, 4, 4, 2, 0, None)
+    trains, other, fp8 = object(), object(), object()
+    group._ranks = {shape[:4] + (8,) + shape[5:] + (True, "bf16", False, False): other,  # (another E)
+                    shape + (True, "fp8", False, False): fp8,
+                    shape + (True, "bf16", False, False): trains}
+    assert group.rank_for(x, w_down, 4, 2, 0, None, False) is trains
+    assert group.rank_for(x, w_down, 4, 2, 0, None, False, precision="fp8") is fp8
+    recomputes = object()
+    group._ranks = {shape + (True, "bf16", False, True): recomputes}
+    assert group.rank_for(x, w_down, 4, 2, 0, None, False) is recomputes
+    off = object()
+    group._ranks = {shape + (True, "bf16", False, False): trains, shape + (False, "bf16", False, False): off}
+    assert group.rank_for(x, w_down, 4, 2, 0, None, False) is off  # (its own, made first)
+
+
 def test_group_argument_and_expert_ids_of_the_torch_ep_path_are_checked(single_process_group):
     with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup or None"):
         mok.ep.ExpertParallel("nope")
