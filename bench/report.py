@@ -407,7 +407,9 @@ def power_tables(results_dir):
     the samples' median SM clock and board power, the energy a TFLOP, and time(base) / time(impl) —
     how many times faster than the BF16 layer in the same rounds (base `mok`, else `mok-py`; the
     rounds' ratios' median, min–max); where the file has `torch-fp8`, the FP8 layers' time against
-    it too (time(torch-fp8) / time(impl), round by round)."""
+    it too (time(torch-fp8) / time(impl), round by round); where it has the ceilings `dense` /
+    `dense-fp8`, each layer's share of its precision's ceiling (time(ceiling) / time(impl): the FP8
+    layers and dense-fp8 against dense-fp8, the others against dense; dense-fp8 against dense too)."""
     out, files = newest_files(results_dir, "*-power*.json", [
         "## Sustained at the power limit (bench/clock_power.py)", "",
         "Each implementation repeats one pass back to back, queued as in training, for a few seconds a",
@@ -426,14 +428,19 @@ def power_tables(results_dir):
         impls = {r["impl"] for r in records}
         base_impl = "mok" if "mok" in impls else "mok-py"
         fp8_peer = "torch-fp8" in impls
+        ceilings = bool(impls & {"dense", "dense-fp8"})
         out += [f"### {os.path.basename(path)}", "",
                 f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, {len(r0['rounds'])} rounds of "
                 f"{r0['seconds']:g} s windows, PyTorch {r0.get('torch', '?')}", "",
                 f"| preset | impl | pass | ms (min–max) | TFLOP/s | SM MHz | W | J/TFLOP | × {base_impl}'s speed (min–max) |"
-                + (" × torch-fp8's speed (min–max) |" if fp8_peer else "") + " throttle |",
-                "|---|---|---|---|---|---|---|---|---|" + ("---|" if fp8_peer else "") + "---|"]
+                + (" × torch-fp8's speed (min–max) |" if fp8_peer else "")
+                + (" of the dense ceiling's speed (min–max) |" if ceilings else "") + " throttle |",
+                "|---|---|---|---|---|---|---|---|---|" + ("---|" if fp8_peer else "") + ("---|" if ceilings else "")
+                + "---|"]
         base = {(r["preset"], r["pass"]): r for r in records if r["impl"] == base_impl}
         peer = {(r["preset"], r["pass"]): r for r in records if r["impl"] == "torch-fp8"}
+        dense = {(r["impl"], r["preset"], r["pass"]): r for r in records if r["impl"] in ("dense", "dense-fp8")}
+        fp8 = ("mok-fp8", "mok-fp8-py", "torch-fp8", "mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step")
         for r in records:
             times = [w["ms"] for w in r["rounds"]]
             b = base.get((r["preset"], r["pass"]))
@@ -441,6 +448,11 @@ def power_tables(results_dir):
             if fp8_peer:
                 f = peer.get((r["preset"], r["pass"]))
                 cells.append(ratio(f, r) if f is not None and r["impl"] in ("mok-fp8", "mok-fp8-py") else "–")
+            if ceilings:  # (dense-fp8's own row: against dense, the FP8 GEMMs' gain at the same power)
+                ceiling = "dense" if r["impl"] == "dense-fp8" else "dense-fp8" if r["impl"].split(":")[-1] in fp8 \
+                    else "dense"
+                c = dense.get((ceiling, r["preset"], r["pass"]))
+                cells.append(ratio(c, r) if c is not None and c is not r else "–")
             reasons = sorted({x for w in r["rounds"] for x in w["throttle_reasons"]})
             out.append(f"| {r['preset']} | {r['impl']} | {r['pass']} | {r['ms']:.3f} ({min(times):.3f}–{max(times):.3f}) | "
                        f"{r['tflops']:.0f} | {r['sm_mhz']:.0f} | {r['power_w']:.0f} | {r['joules_per_tflop']:.3f} | "

@@ -15,6 +15,9 @@ impl "torch": the same layer in eager PyTorch, as the project first measured it 
   weighted sum); fwd+bwd is autograd through it.
 impl "dense": the layer's GEMMs as if every routed row went to one expert (+ the shared
   expert's), through torch.matmul: the ceiling a grouped kernel is measured against.
+impl "dense-fp8" (bench/clock_power.py): the same GEMMs in E4M3 through torch._scaled_mm
+  (row-wise fp32 scales, bf16 out), every operand quantized and laid out beforehand: the
+  FP8 ceiling, without any quantization's cost.
 """
 import csv
 import datetime
@@ -354,6 +357,55 @@ def dense_step(p, seed=2):
             dgu.t() @ x        # wgrad gate|up
 
     return {"fwd": fwd, "fwd+bwd": fwd_bwd}
+
+
+def dense_fp8_step(p, seed=2):
+    """{pass: fn} of the dense FP8 ceiling: dense_step's GEMMs in E4M3 through torch._scaled_mm
+    (A row-major, B column-major, fp32 scales per row of A and per column of B, bf16 out: the
+    fastest FP8 GEMM PyTorch offers on sm_90), each operand quantized and transposed as that GEMM
+    needs it beforehand — the backward's weight gradients too (K = the rows). The same FLOPs as
+    the layer; no quantization inside the timing."""
+    T, H, k = p["tokens"], p["hidden"], p["top_k"]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    e4m3 = lambda *s: (torch.rand(*s, device="cuda", generator=gen) - 0.5).to(torch.float8_e4m3fn)
+
+    def gemm(a, b_rows):
+        """a [M, K] @ b_rows[N, K]^T in E4M3 (b_rows.t() is the column-major B _scaled_mm takes)."""
+        scale_a = torch.ones(a.shape[0], 1, device="cuda", dtype=torch.float32)
+        scale_b = torch.ones(1, b_rows.shape[0], device="cuda", dtype=torch.float32)
+        return lambda: torch._scaled_mm(a, b_rows.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+    chains = [(T * k, p["intermediate"])] + ([(T, p["shared_intermediate"])] if p["shared_intermediate"] else [])
+    forward, backward = [], []
+    for M, I in chains:
+        x, w1, hid, w2 = e4m3(M, H), e4m3(2 * I, H), e4m3(M, I), e4m3(H, I)
+        forward += [gemm(x, w1), gemm(hid, w2)]  # gate|up [M, 2I], down [M, H]
+        dy, dgu = e4m3(M, H), e4m3(M, 2 * I)
+        backward += [gemm(dy, w2.t().contiguous()),               # dgrad down [M, I]
+                     gemm(dy.t().contiguous(), hid.t().contiguous()),  # wgrad down [H, I] (K = M)
+                     gemm(dgu, w1.t().contiguous()),              # dgrad gate|up [M, H]
+                     gemm(dgu.t().contiguous(), x.t().contiguous())]  # wgrad gate|up [2I, H] (K = M)
+
+    def fwd():
+        for g in forward:
+            g()
+
+    def fwd_bwd():
+        fwd()
+        for g in backward:
+            g()
+
+    return {"fwd": fwd, "fwd+bwd": fwd_bwd}
+
+
+class Steps:
+    """{pass: fn} (dense_step's, dense_fp8_step's) as the implementations' step(pass): (fn, None)."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def step(self, pass_):
+        return self.steps[pass_], None
 
 
 # ---------------------------------------------------------------------------------------

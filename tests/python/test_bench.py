@@ -286,6 +286,26 @@ def test_report_power_runs_without_mok_compare_to_mok_py_and_fp8_layers_to_torch
     assert "| p | mok-py | fwd | 12.000 (12.000–12.000) | 500 | 1500 | 700 | 1.000 | – | – | 0x4 |" in text
 
 
+def test_report_power_runs_with_the_dense_ceilings_give_each_layers_share_of_its_precisions(tmp_path):
+    """With dense and dense-fp8 in the run: the BF16 layers against dense, the FP8 ones against
+    dense-fp8, dense-fp8 against dense (what FP8 GEMMs gain at the same power), dense itself none."""
+    def rec(impl, times):
+        rounds = [dict(ms=t, samples=50, sm_mhz=1500.0, sm_mhz_min=1400.0, sm_mhz_max=1600.0, power_w=700.0,
+                       power_w_min=690.0, power_w_max=705.0, throttle_reasons=["0x0000000000000004"]) for t in times]
+        return dict(preset="p", impl=impl, **{"pass": "fwd"}, routing="uniform", ms=sorted(times)[1], tflops=500.0,
+                    sm_mhz=1500.0, power_w=700.0, joules_per_tflop=1.0, rounds=rounds, seconds=3.0, skip_s=0.5,
+                    interval_ms=50, gpu="G", commit="abc", date="2026-12-06T00:00:00Z", torch="2.11")
+    (tmp_path / "2026-12-06-abc-power-ceilings.json").write_text(json.dumps(
+        [rec("mok-py", [10.0, 10.0, 10.0]), rec("mok-fp8-py", [8.0, 8.0, 8.0]), rec("dense", [9.0, 9.0, 9.0]),
+         rec("dense-fp8", [6.0, 6.0, 6.0])]))
+    text = "\n".join(report.power_tables(str(tmp_path)))
+    assert "| × mok-py's speed (min–max) | of the dense ceiling's speed (min–max) | throttle |" in text
+    assert "| p | mok-py | fwd | 10.000 (10.000–10.000) | 500 | 1500 | 700 | 1.000 | – | 0.900 (0.900–0.900) | 0x4 |" in text
+    assert "| p | mok-fp8-py | fwd | 8.000 (8.000–8.000) | 500 | 1500 | 700 | 1.000 | 1.250 (1.250–1.250) | 0.750 (0.750–0.750) | 0x4 |" in text
+    assert "| p | dense-fp8 | fwd | 6.000 (6.000–6.000) | 500 | 1500 | 700 | 1.000 | 1.667 (1.667–1.667) | 1.500 (1.500–1.500) | 0x4 |" in text
+    assert "| p | dense | fwd | 9.000 (9.000–9.000) | 500 | 1500 | 700 | 1.000 | 1.111 (1.111–1.111) | – | 0x4 |" in text
+
+
 def test_report_lists_compiled_fp8_module_runs_with_ratios_to_the_per_call_step(tmp_path):
     """report.py's section for bench/fp8_compiled_module.py: each variant's step time, min–max over
     the rounds, and time(per-call) / time(variant) per round; the run's checks below the table."""
@@ -473,6 +493,30 @@ def test_fp8_compiled_module_bench_checks_and_times(tmp_path):
     assert sorted(r["impl"] for r in run["records"]) == sorted(("fp8-compiled", "fp8-compiled-per-call", "fp8-eager",
                                                                "bf16-compiled"))
     assert all(r["ms"] > 0 for r in run["records"]) and all(run["checks"]["small"]["kept_equals_eager"].values())
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)),
+                    reason="needs a Hopper GPU")
+def test_dense_fp8_ceiling_runs_the_layers_flops_in_e4m3(monkeypatch):
+    """torch_baseline.dense_fp8_step: every GEMM an E4M3 torch._scaled_mm, and together exactly the
+    layer's FLOPs in each pass (with and without a shared expert), as dense_step's in BF16."""
+    import torch_baseline as tb
+
+    real, flops = torch._scaled_mm, []
+
+    def counted(a, b, **kwargs):
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and a.is_contiguous() and b.t().is_contiguous()
+        flops.append(2 * a.shape[0] * a.shape[1] * b.shape[1])
+        return real(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counted)
+    for p in (small_preset(), small_preset(shared=128)):
+        steps = tb.dense_fp8_step(p)
+        for ps in ("fwd", "fwd+bwd"):
+            flops.clear()
+            steps[ps]()
+            torch.cuda.synchronize()
+            assert sum(flops) == tb.layer_flops(p, ps), (p, ps)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)),
