@@ -361,8 +361,9 @@ def dense_step(p, seed=2):
 
 def dense_fp8_step(p, seed=2):
     """{pass: fn} of the dense FP8 ceiling: dense_step's GEMMs in E4M3 through torch._scaled_mm
-    (A row-major, B column-major, fp32 scales per row of A and per column of B, bf16 out: the
-    fastest FP8 GEMM PyTorch offers on sm_90), each operand quantized and transposed as that GEMM
+    (A row-major, B column-major, fp32 scales per row of A and per column of B, bf16 out, no fast
+    accumulation — partial sums promoted to fp32 as the layer's are: the fastest FP8 GEMM of that
+    accuracy PyTorch offers on sm_90), each operand quantized and transposed as that GEMM
     needs it beforehand — the backward's weight gradients too (K = the rows). The same FLOPs as
     the layer; no quantization inside the timing."""
     T, H, k = p["tokens"], p["hidden"], p["top_k"]
