@@ -41,7 +41,7 @@
 # numbers as gtest XML (<date>-<commit>-fp8-accuracy.xml, -fp8-dgrad-accuracy.xml), compute-sanitizer on a small
 # FP8 forward, FP8 dgrad, FP8 weight-gradient and EP FP8 forward case; `epfp8` (FP8 under expert parallelism):
 # build, the EP tests (C++ EpFp8*, Ep*, EpRanks*, Validate; Python test_ep.py, whose torchrun worker checks FP8 bitwise
-# against one GPU), compute-sanitizer on a small EP FP8 case (both pulls); `fp8wgrad` (issue 19's FP8 weight gradients in one call, the
+# against one GPU), compute-sanitizer on a small EP FP8 case (both pulls) and memcheck on the EP capacity stop; `fp8wgrad` (issue 19's FP8 weight gradients in one call, the
 # decisive parts first): build, their ctests (Fp8Wgrad, Fp8Quantize, Fp8Backward, the CPU layout tests) and Python
 # tests, the accuracy table's XML (<date>-<commit>-fp8-wgrad-accuracy.xml), bench/ab_serve.py of mok-fp8 against
 # mok-fp8-wgrad (forward+backward, alternating --repeats rounds, one build; its outputs differ by design) on --presets
@@ -614,6 +614,8 @@ if [ "$part" = epfp8 ]; then  # FP8 under expert parallelism (issue 19, 2026-12-
   # (the sanitizers before pytest, each bounded: the part's worst case stays inside a 600-s call)
   sanitize test_gpu_ep_fp8 EpFp8/EpFp8Cases.ForwardBitwiseEqualsOneGpuFp8/ep4_small_shared_padded_clamp 120
   sanitize test_gpu_ep_fp8 EpFp8.OneRankFp8TrainingStepSmall 120 memcheck
+  # (a capacity too small: every rank's plan stops the kernels, which write NaN and nothing else)
+  sanitize test_gpu_ep_forward Ep.CapacityFactorBelowTheWorstCase 120 memcheck
   env PYTHONPATH="$PWD/$build/pkg" timeout 200 python3 -m pytest -q tests/python/test_ep.py tests/python/test_ep_bench.py \
     tests/python/test_fp8_layer.py --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1 || test_rc=1
   tail -1 "$LOG/pytest.log"
