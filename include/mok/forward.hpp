@@ -28,6 +28,11 @@ enum class Training { off, save, recompute };
 // shape, T and config (Workspace::saved_elements(), computed without a GPU).
 std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Config& config = {});
 
+// The column blocks Config::backward_column_blocks = 0 stands for on one GPU (no ring or comm
+// SMs): Training::save 2; Training::recompute 2 where I > H, else 1 (its x rows' room holds whole
+// rows either way, so the count is chosen for speed: bench/NOTES.md, thirty-first session).
+int default_backward_column_blocks(const MoeShape& shape, Training training);
+
 class Workspace;
 namespace detail {
 class LaunchCache;  // src/host/launch_cache.hpp

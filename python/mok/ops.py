@@ -131,9 +131,11 @@ def _workspace(x, w_down, top_k, shared_intermediate, swiglu_limit, precision="b
     E, _, I = w_down.shape
     device = x.get_device()
     compute_sms = _compute_sms_on(device)
-    # (0: two column blocks; a recompute workspace's 0 is two where I > H, else one (mok::Config::
-    # backward_column_blocks) — that count asked for explicitly is its 0: one workspace for both)
-    blocks = 0 if recompute and _backward_column_blocks == (2 if I > H else 1) else _backward_column_blocks
+    # (a recompute workspace's 0 — two blocks where I > H, else one: mok::default_backward_column_blocks —
+    # asked for explicitly is its 0: one workspace for both)
+    blocks = _backward_column_blocks
+    if recompute and blocks and blocks == _C.default_backward_column_blocks(H, I, True):
+        blocks = 0
     key = (device, H, I, E, top_k, shared_intermediate, swiglu_limit, precision, recompute, blocks, compute_sms)
     ws = _workspaces.get(key)
     if ws is None or ws.max_tokens < T:

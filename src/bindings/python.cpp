@@ -208,6 +208,16 @@ NB_MODULE(_C, m) {
       nb::arg("top_k"), nb::arg("shared_intermediate"), nb::arg("swiglu_limit").none(), nb::arg("tokens"));
 
   m.def(
+      "default_backward_column_blocks",
+      [](std::int64_t hidden, std::int64_t intermediate, bool recompute) {
+        mok::MoeShape shape;
+        shape.hidden = hidden, shape.intermediate = intermediate;
+        return mok::default_backward_column_blocks(shape, recompute ? mok::Training::recompute : mok::Training::save);
+      },
+      nb::arg("hidden"), nb::arg("intermediate"), nb::arg("recompute"),
+      "The column blocks a training workspace's backward_column_blocks = 0 stands for (no GPU needed).");
+
+  m.def(
       "ep_saved_elements",
       [](std::int64_t hidden, std::int64_t intermediate, std::int64_t num_experts, std::int64_t num_local_experts,
          std::int64_t top_k, std::int64_t shared_intermediate, std::optional<float> limit, std::int64_t tokens,

@@ -96,8 +96,8 @@ void DevicePlan::check(cudaStream_t stream) const {
   if (status.code == PlanStatus::capacity_exceeded)
     throw ArgumentError(detail::concat("mok::plan_device: capacity exceeded: routed rows need ", status.value,
                                " padded rows, capacity is ", status.limit,
-                               " (raise Config::capacity_factor; from Python mok.ep.ExpertParallel(capacity_factor=...), 0 "
-                               "for room for every row)"));
+                               " (raise Config::capacity_factor; from Python mok.ep.ExpertParallel("
+                               "capacity_factor=...), 0 for room for every row)"));
   if (status.code == PlanStatus::ring_too_small)
     throw ArgumentError(detail::concat("mok::plan_device: the backward's ring token buffer is too small: local expert ",
                                status.index, " has ", status.value, " padded rows and the ring holds ", status.limit,

@@ -63,8 +63,9 @@ Plan plan_host(const MoeShape& shape, std::int64_t T, std::span<const std::int32
   if (padded_total > p.capacity_rows)
     throw ArgumentError(detail::concat(where, ": capacity exceeded on rank ", rank, ": ", p.routed_rows(),
                                " routed rows need ", padded_total, " padded rows, capacity is ",
-                               p.capacity_rows, " (raise Config::capacity_factor; from Python mok.ep.ExpertParallel(capacity_factor=...), 0 "
-                               "for room for every row)"));
+                               p.capacity_rows,
+                               " (raise Config::capacity_factor; from Python mok.ep.ExpertParallel("
+                               "capacity_factor=...), 0 for room for every row)"));
   if (padded_total > std::numeric_limits<std::int32_t>::max())  // (a default capacity may exceed them)
     throw_argument_error(where, "block_m", "pads the plan to ", padded_total, " rows, more than its int32 row "
                          "indices hold");

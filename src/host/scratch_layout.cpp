@@ -8,6 +8,17 @@
 
 #include "mok/error.hpp"
 
+namespace mok {
+
+// (Training::recompute: mixtral-8x7b's two-block recompute backward 0.967 of its one-block one,
+// deepseek-v3's 1.016, qwen3-30b-a3b's 1.070)
+int default_backward_column_blocks(const MoeShape& shape, Training training) {
+  if (training == Training::recompute) return shape.intermediate > shape.hidden ? detail::kBackwardColumnBlocks : 1;
+  return training == Training::save ? detail::kBackwardColumnBlocks : 1;
+}
+
+}  // namespace mok
+
 namespace mok::detail {
 
 namespace {
@@ -24,14 +35,8 @@ ScratchShape scratch_shape(const Workspace& ws, std::int64_t tokens) {
 std::int64_t backward_block_columns(const MoeShape& shape, const Config& config, Training training) {
   const std::int64_t H = shape.hidden, tile = kernels::kBlockN;
   if (training == Training::off || config.comm_sms > 0 || config.ring_rows > 0) return H;
-  // (Training::recompute: its x rows' room holds whole rows all the same, for the recompute's
-  // GEMM1, so blocks save it no memory and are chosen for speed: two where I > H, else one —
-  // mixtral-8x7b's two-block recompute backward 0.967 of its one-block one, deepseek-v3's 1.016,
-  // qwen3-30b-a3b's 1.070: bench/NOTES.md, thirty-first session)
   const std::int64_t blocks = config.backward_column_blocks > 0 ? config.backward_column_blocks
-                              : training == Training::recompute
-                                  ? (shape.intermediate > H ? kBackwardColumnBlocks : 1)
-                                  : kBackwardColumnBlocks;
+                                                                : default_backward_column_blocks(shape, training);
   const std::int64_t tiles = (H + tile - 1) / tile;
   return std::min(H, (tiles + blocks - 1) / blocks * tile);
 }

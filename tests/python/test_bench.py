@@ -244,15 +244,21 @@ def test_report_lists_one_build_comparisons_of_two_implementations(tmp_path):
     assert text.count("| p | fwd+bwd | 10.000 | 8.000 | 0.800 | 0.700–0.900 | False |") == 3
 
 
+def power_record(impl, times, ps="fwd", date="2026-12-06T00:00:00Z"):
+    """A clock_power.py record of preset p at 700 W, 1500 MHz: one round per time (ms), the
+    median of three as its ms."""
+    rounds = [dict(ms=t, samples=50, sm_mhz=1500.0, sm_mhz_min=1400.0, sm_mhz_max=1600.0, power_w=700.0,
+                   power_w_min=690.0, power_w_max=705.0, throttle_reasons=["0x0000000000000004"]) for t in times]
+    return dict(preset="p", impl=impl, **{"pass": ps}, routing="uniform", ms=sorted(times)[1], tflops=500.0,
+                sm_mhz=1500.0, power_w=700.0, joules_per_tflop=1.0, rounds=rounds, seconds=3.0, skip_s=0.5,
+                interval_ms=50, gpu="G", commit="abc", date=date, torch="2.11")
+
+
 def test_report_lists_clock_power_runs_with_ratios_to_mok_per_round(tmp_path):
     """report.py's power section: clock_power.py's records, each implementation's rounds' min–max
     and how many times faster than mok it ran in the same rounds (time(mok) / time(impl))."""
     def rec(impl, ps, times):
-        rounds = [dict(ms=t, samples=50, sm_mhz=1500.0, sm_mhz_min=1400.0, sm_mhz_max=1600.0, power_w=700.0,
-                       power_w_min=690.0, power_w_max=705.0, throttle_reasons=["0x0000000000000004"]) for t in times]
-        return dict(preset="p", impl=impl, **{"pass": ps}, routing="uniform", ms=sorted(times)[1], tflops=500.0,
-                    sm_mhz=1500.0, power_w=700.0, joules_per_tflop=1.0, rounds=rounds, seconds=3.0, skip_s=0.5,
-                    interval_ms=50, gpu="G", commit="abc", date="2026-12-05T00:00:00Z", torch="2.11")
+        return power_record(impl, times, ps, date="2026-12-05T00:00:00Z")
     (tmp_path / "2026-12-05-abc-power-fp8.json").write_text(json.dumps(
         [rec("mok", "fwd", [10.0, 12.0, 11.0]), rec("mok-fp8", "fwd", [8.0, 8.0, 10.0]),
          rec("head:mok-fp8", "fwd+bwd", [5.0, 5.0, 5.0])]))
@@ -270,12 +276,7 @@ def test_report_lists_clock_power_runs_with_ratios_to_mok_per_round(tmp_path):
 def test_report_power_runs_without_mok_compare_to_mok_py_and_fp8_layers_to_torch_fp8(tmp_path):
     """A clock_power run of the Python layers: the base is mok-py, and each FP8 layer's speed against
     torch-fp8 in the same rounds (time(torch-fp8) / time(impl)) is a column of its own."""
-    def rec(impl, times):
-        rounds = [dict(ms=t, samples=50, sm_mhz=1500.0, sm_mhz_min=1400.0, sm_mhz_max=1600.0, power_w=700.0,
-                       power_w_min=690.0, power_w_max=705.0, throttle_reasons=["0x0000000000000004"]) for t in times]
-        return dict(preset="p", impl=impl, **{"pass": "fwd"}, routing="uniform", ms=sorted(times)[1], tflops=500.0,
-                    sm_mhz=1500.0, power_w=700.0, joules_per_tflop=1.0, rounds=rounds, seconds=3.0, skip_s=0.5,
-                    interval_ms=50, gpu="G", commit="abc", date="2026-12-06T00:00:00Z", torch="2.11")
+    rec = power_record
     (tmp_path / "2026-12-06-abc-power-torch-fp8.json").write_text(json.dumps(
         [rec("mok-py", [12.0, 12.0, 12.0]), rec("mok-fp8-py", [8.0, 9.0, 10.0]), rec("torch-fp8", [9.0, 9.0, 9.0])]))
     text = "\n".join(report.power_tables(str(tmp_path)))
@@ -289,12 +290,7 @@ def test_report_power_runs_without_mok_compare_to_mok_py_and_fp8_layers_to_torch
 def test_report_power_runs_with_the_dense_ceilings_give_each_layers_share_of_its_precisions(tmp_path):
     """With dense and dense-fp8 in the run: the BF16 layers against dense, the FP8 ones against
     dense-fp8, dense-fp8 against dense (what FP8 GEMMs gain at the same power), dense itself none."""
-    def rec(impl, times):
-        rounds = [dict(ms=t, samples=50, sm_mhz=1500.0, sm_mhz_min=1400.0, sm_mhz_max=1600.0, power_w=700.0,
-                       power_w_min=690.0, power_w_max=705.0, throttle_reasons=["0x0000000000000004"]) for t in times]
-        return dict(preset="p", impl=impl, **{"pass": "fwd"}, routing="uniform", ms=sorted(times)[1], tflops=500.0,
-                    sm_mhz=1500.0, power_w=700.0, joules_per_tflop=1.0, rounds=rounds, seconds=3.0, skip_s=0.5,
-                    interval_ms=50, gpu="G", commit="abc", date="2026-12-06T00:00:00Z", torch="2.11")
+    rec = power_record
     (tmp_path / "2026-12-06-abc-power-ceilings.json").write_text(json.dumps(
         [rec("mok-py", [10.0, 10.0, 10.0]), rec("mok-fp8-py", [8.0, 8.0, 8.0]), rec("dense", [9.0, 9.0, 9.0]),
          rec("dense-fp8", [6.0, 6.0, 6.0])]))
