@@ -404,7 +404,9 @@ def record_sections(files, caption, header, row):
 def power_tables(results_dir):
     """Markdown sections for bench/clock_power.py files (`*-power*.json`), newest first: per
     preset and pass, each implementation's time (median of the rounds' medians, min–max), TFLOP/s,
-    the samples' median SM clock and board power, the energy a TFLOP, and time(base) / time(impl) —
+    the samples' median SM clock and board power, the energy a TFLOP, the work a clock (TFLOP/s over
+    the median SM clock in GHz: at the power limit the clock falls as the tensor cores get busier, so
+    this, not TFLOP/s, says how well a kernel keeps them fed), and time(base) / time(impl) —
     how many times faster than the BF16 layer in the same rounds (base `mok`, else `mok-py`; the
     rounds' ratios' median, min–max); where the file has `torch-fp8`, the FP8 layers' time against
     it too (time(torch-fp8) / time(impl), round by round); where it has the ceilings `dense` /
@@ -432,10 +434,11 @@ def power_tables(results_dir):
         out += [f"### {os.path.basename(path)}", "",
                 f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, {len(r0['rounds'])} rounds of "
                 f"{r0['seconds']:g} s windows, PyTorch {r0.get('torch', '?')}", "",
-                f"| preset | impl | pass | ms (min–max) | TFLOP/s | SM MHz | W | J/TFLOP | × {base_impl}'s speed (min–max) |"
+                f"| preset | impl | pass | ms (min–max) | TFLOP/s | SM MHz | W | J/TFLOP | TFLOP/s ÷ SM GHz "
+                f"| × {base_impl}'s speed (min–max) |"
                 + (" × torch-fp8's speed (min–max) |" if fp8_peer else "")
                 + (" of the dense ceiling's speed (min–max) |" if ceilings else "") + " throttle |",
-                "|---|---|---|---|---|---|---|---|---|" + ("---|" if fp8_peer else "") + ("---|" if ceilings else "")
+                "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if fp8_peer else "") + ("---|" if ceilings else "")
                 + "---|"]
         base = {(r["preset"], r["pass"]): r for r in records if r["impl"] == base_impl}
         peer = {(r["preset"], r["pass"]): r for r in records if r["impl"] == "torch-fp8"}
@@ -456,6 +459,7 @@ def power_tables(results_dir):
             reasons = sorted({x for w in r["rounds"] for x in w["throttle_reasons"]})
             out.append(f"| {r['preset']} | {r['impl']} | {r['pass']} | {r['ms']:.3f} ({min(times):.3f}–{max(times):.3f}) | "
                        f"{r['tflops']:.0f} | {r['sm_mhz']:.0f} | {r['power_w']:.0f} | {r['joules_per_tflop']:.3f} | "
+                       f"{r['tflops'] / (r['sm_mhz'] / 1000):.0f} | "
                        + " | ".join(cells) + f" | {' '.join(x.replace('0x000000000000000', '0x') for x in reasons)} |")
         out.append("")
     return out

@@ -266,10 +266,10 @@ def test_report_lists_clock_power_runs_with_ratios_to_mok_per_round(tmp_path):
     text = "\n".join(report.power_tables(str(tmp_path)))
     assert text.index("abc-power-fp8") < text.index("def-power")  # newest first
     assert "GPU G, commit abc, 2026-12-05T00:00:00Z, 3 rounds of 3 s windows" in text
-    assert "| p | mok | fwd | 11.000 (10.000–12.000) | 500 | 1500 | 700 | 1.000 | – | 0x4 |" in text
+    assert "| p | mok | fwd | 11.000 (10.000–12.000) | 500 | 1500 | 700 | 1.000 | 333 | – | 0x4 |" in text
     # rounds 10/8, 12/8, 11/10: 1.1–1.5; the medians' ratio 11/8
-    assert "| p | mok-fp8 | fwd | 8.000 (8.000–10.000) | 500 | 1500 | 700 | 1.000 | 1.375 (1.100–1.500) | 0x4 |" in text
-    assert "| p | head:mok-fp8 | fwd+bwd | 5.000 (5.000–5.000) | 500 | 1500 | 700 | 1.000 | – | 0x4 |" in text  # (no mok fwd+bwd)
+    assert "| p | mok-fp8 | fwd | 8.000 (8.000–10.000) | 500 | 1500 | 700 | 1.000 | 333 | 1.375 (1.100–1.500) | 0x4 |" in text
+    assert "| p | head:mok-fp8 | fwd+bwd | 5.000 (5.000–5.000) | 500 | 1500 | 700 | 1.000 | 333 | – | 0x4 |" in text  # (no mok fwd+bwd)
     assert report.power_tables(str(tmp_path / "nothing")) == []
 
 
@@ -282,9 +282,9 @@ def test_report_power_runs_without_mok_compare_to_mok_py_and_fp8_layers_to_torch
     text = "\n".join(report.power_tables(str(tmp_path)))
     assert "× mok-py's speed (min–max) | × torch-fp8's speed (min–max) | throttle |" in text
     # against mok-py: 12/8, 12/9, 12/10 (median 12/9); against torch-fp8: 9/8, 9/9, 9/10
-    assert "| p | mok-fp8-py | fwd | 9.000 (8.000–10.000) | 500 | 1500 | 700 | 1.000 | 1.333 (1.200–1.500) | 1.000 (0.900–1.125) | 0x4 |" in text
-    assert "| p | torch-fp8 | fwd | 9.000 (9.000–9.000) | 500 | 1500 | 700 | 1.000 | 1.333 (1.333–1.333) | – | 0x4 |" in text
-    assert "| p | mok-py | fwd | 12.000 (12.000–12.000) | 500 | 1500 | 700 | 1.000 | – | – | 0x4 |" in text
+    assert "| p | mok-fp8-py | fwd | 9.000 (8.000–10.000) | 500 | 1500 | 700 | 1.000 | 333 | 1.333 (1.200–1.500) | 1.000 (0.900–1.125) | 0x4 |" in text
+    assert "| p | torch-fp8 | fwd | 9.000 (9.000–9.000) | 500 | 1500 | 700 | 1.000 | 333 | 1.333 (1.333–1.333) | – | 0x4 |" in text
+    assert "| p | mok-py | fwd | 12.000 (12.000–12.000) | 500 | 1500 | 700 | 1.000 | 333 | – | – | 0x4 |" in text
 
 
 def test_report_power_runs_with_the_dense_ceilings_give_each_layers_share_of_its_precisions(tmp_path):
@@ -296,10 +296,10 @@ def test_report_power_runs_with_the_dense_ceilings_give_each_layers_share_of_its
          rec("dense-fp8", [6.0, 6.0, 6.0])]))
     text = "\n".join(report.power_tables(str(tmp_path)))
     assert "| × mok-py's speed (min–max) | of the dense ceiling's speed (min–max) | throttle |" in text
-    assert "| p | mok-py | fwd | 10.000 (10.000–10.000) | 500 | 1500 | 700 | 1.000 | – | 0.900 (0.900–0.900) | 0x4 |" in text
-    assert "| p | mok-fp8-py | fwd | 8.000 (8.000–8.000) | 500 | 1500 | 700 | 1.000 | 1.250 (1.250–1.250) | 0.750 (0.750–0.750) | 0x4 |" in text
-    assert "| p | dense-fp8 | fwd | 6.000 (6.000–6.000) | 500 | 1500 | 700 | 1.000 | 1.667 (1.667–1.667) | 1.500 (1.500–1.500) | 0x4 |" in text
-    assert "| p | dense | fwd | 9.000 (9.000–9.000) | 500 | 1500 | 700 | 1.000 | 1.111 (1.111–1.111) | – | 0x4 |" in text
+    assert "| p | mok-py | fwd | 10.000 (10.000–10.000) | 500 | 1500 | 700 | 1.000 | 333 | – | 0.900 (0.900–0.900) | 0x4 |" in text
+    assert "| p | mok-fp8-py | fwd | 8.000 (8.000–8.000) | 500 | 1500 | 700 | 1.000 | 333 | 1.250 (1.250–1.250) | 0.750 (0.750–0.750) | 0x4 |" in text
+    assert "| p | dense-fp8 | fwd | 6.000 (6.000–6.000) | 500 | 1500 | 700 | 1.000 | 333 | 1.667 (1.667–1.667) | 1.500 (1.500–1.500) | 0x4 |" in text
+    assert "| p | dense | fwd | 9.000 (9.000–9.000) | 500 | 1500 | 700 | 1.000 | 333 | 1.111 (1.111–1.111) | – | 0x4 |" in text
 
 
 def test_report_lists_compiled_fp8_module_runs_with_ratios_to_the_per_call_step(tmp_path):
