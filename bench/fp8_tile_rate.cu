@@ -17,13 +17,24 @@
 //   overlap+mc  overlapped (6 stages) in 2-CTA clusters taking tiles (m, 2j) and (m, 2j + 1): each
 //               CTA loads one 64-row half of A multicast into both (A's L2 reads halved: the
 //               overlapped loop ran with L2 85 % busy, ncu)
+//   narrow      128 x 128 CTA tiles, two warpgroups of 64 x 128 promoted in step as current is (four
+//               MMAs into one block accumulator, wait_group 0, promote): the structure of the
+//               CUTLASS kernel behind PyTorch's rowwise-scaled torch._scaled_mm on large shapes
+//               (cooperative, 128 x 128 x 128 tiles, partial sums promoted every 128 K, 2 x 1
+//               clusters), which at the 700 W cap ran 1.55-1.58x dense BF16 (2026-12-06)
+//   narrow+bmc  narrow in 2-CTA clusters taking tiles (2i, j) and (2i + 1, j): each CTA loads
+//               one 64-row half of B multicast into both (B's L2 reads halved), as those
+//               2 x 1 clusters share B
 //   three WGs   192 x 128 CTA tiles, three consumer warpgroups of 64 x 128, each promoted as today
 //               (four MMAs into one block accumulator, wait_group 0, promote: 128 registers, so
 //               three fit beside the producer at 160 each): while one warpgroup promotes, two
 //               can keep the tensor cores busy. Stages of A 24 KB + B 16 KB (11 % more bytes a
 //               FLOP than current); M rounded down to a multiple of 192.
 //
-//   fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R]
+//   fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R] [--only NAME]
+//
+// --only NAME runs that variant alone, once (bench/fp8_gemm_clocks.py runs each so, sampling the
+// clock and power while it runs); otherwise every variant, two rounds.
 //
 // Prints TFLOP/s (2 M N K a launch; median of the repeats, min-max; an L2 flush before each repeat). The scales are real loads
 // (A's per row and K block, B's exponents per block) of ones, so the promotions do the kernels' work.
@@ -61,7 +72,7 @@ struct Counters {
 
 struct Params {
   CUtensorMap a, b;               // E4M3 [M, K], [N, K]: boxes of 128 rows x 128 K
-  CUtensorMap a_half;             // A again, boxes of 64 rows (a cluster's CTAs multicast a half each)
+  CUtensorMap a_half, b_half;     // A and B again, boxes of 64 rows (a cluster's CTAs multicast a half each)
   Counters counters;              // (the bounded waits' abort flag)
   KernelStatus* status;
   long long timeout_ns;
@@ -73,8 +84,9 @@ struct Params {
 
 // A stage: A 128 rows x 128 K, B kTileN rows x 128 K (E4M3). kClusterSize 2: the CTAs of a
 // cluster take the tiles (m, 2j) and (m, 2j + 1) together, each loading one 64-row half of A
-// multicast into both CTAs' stages (A's L2 reads halved) and its own B.
-template <int kTileN, int kStageCount, int kClusterSize = 1, int kTileM = 128>
+// multicast into both CTAs' stages (A's L2 reads halved) and its own B; with kShareB the tiles
+// (2i, j) and (2i + 1, j), each loading its own A and one 64-row half of B multicast.
+template <int kTileN, int kStageCount, int kClusterSize = 1, int kTileM = 128, bool kShareB = false>
 struct alignas(1024) Storage {
   static constexpr int kStages = kStageCount;
   static constexpr int kN = kTileN;
@@ -82,7 +94,9 @@ struct alignas(1024) Storage {
   static constexpr int kWarpgroups = kTileM / 64;  // consumer warpgroups, 64 rows each
   static constexpr int kCtaThreads = 128 * (1 + kWarpgroups);
   static constexpr int kCluster = kClusterSize;
-  static_assert(kClusterSize == 1 || kTileM == 128);
+  static constexpr bool kSharesB = kShareB;
+  static_assert(kClusterSize == 1 || (kTileM == 128 && kTileN == 128));
+  static_assert(!kShareB || kClusterSize == 2);
   struct alignas(1024) Stage {
     std::uint8_t a[kTileM * 128];
     std::uint8_t b[kTileN * 128];
@@ -98,14 +112,23 @@ __device__ __forceinline__ int cluster_rank() {
 }
 
 // Calls f(tile, m, n) for this CTA's tiles in order: CTA c takes tiles c, c + CTAs, ...; a
-// cluster q of two takes the pairs q, q + clusters, ... of tiles (m, 2j), (m, 2j + 1).
+// cluster q of two takes the pairs q, q + clusters, ... of tiles (m, 2j), (m, 2j + 1), or with
+// kSharesB of tiles (2i, j), (2i + 1, j).
 template <typename St, typename F>
 __device__ __forceinline__ void for_each_tile(const Params& p, F&& f) {
   const int rank = cluster_rank<St>();
-  const int units = St::kCluster == 1 ? p.tiles_m * p.tiles_n : p.tiles_m * (p.tiles_n / 2);
-  for (int u = blockIdx.x / St::kCluster; u < units; u += gridDim.x / St::kCluster) {
-    const int m = u % p.tiles_m, n = St::kCluster == 1 ? u / p.tiles_m : u / p.tiles_m * 2 + rank;
-    f(m + n * p.tiles_m, m, n);
+  if constexpr (St::kSharesB) {
+    const int pairs_m = p.tiles_m / 2;
+    for (int u = blockIdx.x / 2; u < pairs_m * p.tiles_n; u += gridDim.x / 2) {
+      const int m = u % pairs_m * 2 + rank, n = u / pairs_m;
+      f(m + n * p.tiles_m, m, n);
+    }
+  } else {
+    const int units = St::kCluster == 1 ? p.tiles_m * p.tiles_n : p.tiles_m * (p.tiles_n / 2);
+    for (int u = blockIdx.x / St::kCluster; u < units; u += gridDim.x / St::kCluster) {
+      const int m = u % p.tiles_m, n = St::kCluster == 1 ? u / p.tiles_m : u / p.tiles_m * 2 + rank;
+      f(m + n * p.tiles_m, m, n);
+    }
   }
 }
 
@@ -132,12 +155,15 @@ __device__ void produce(const Params& p, St& s) {
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       std::uint64_t* full = pipe.producer_acquire(p, s.barriers, tile, St::kM * 128 + kTileN * 128);
       auto& st = s.stages[pipe.stage()];
-      if constexpr (St::kCluster == 2)  // (the peer's half lands here too, counted by this barrier)
+      if constexpr (St::kCluster == 2 && !St::kSharesB)  // (the peer's half lands here too, counted by this barrier)
         ptx::tma_load_2d_multicast(st.a + rank * 64 * 128, &p.a_half, full, kb * 128, m * 128 + rank * 64, 0x3);
       else
         ptx::tma_load_2d(st.a, &p.a, full, kb * 128, m * St::kM);
       if constexpr (St::kM == 192) ptx::tma_load_2d(st.a + 128 * 128, &p.a_half, full, kb * 128, m * 192 + 128);
-      ptx::tma_load_2d(st.b, &p.b, full, kb * 128, n * kTileN);
+      if constexpr (St::kSharesB)
+        ptx::tma_load_2d_multicast(st.b + rank * 64 * 128, &p.b_half, full, kb * 128, n * 128 + rank * 64, 0x3);
+      else
+        ptx::tma_load_2d(st.b, &p.b, full, kb * 128, n * kTileN);
       if constexpr (kTileN == 256) ptx::tma_load_2d(st.b + 128 * 128, &p.b, full, kb * 128, n * kTileN + 128);
       pipe.producer_commit();
     }
@@ -241,6 +267,7 @@ template <typename St>
 __device__ void mainloop_promoted64(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[64], int wg,
                                     int task, const float* a_rows) {
   const int tid = threadIdx.x % 128;
+  const std::uint32_t peer_empty = peer_empty_barriers(s);
   float block[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f, block[i] = 0.0f;
@@ -250,7 +277,7 @@ __device__ void mainloop_promoted64(const Params& p, St& s, Pipeline<St::kStages
     const BlockScales next = block_scales(p, a_rows, kb + 1);
     issue(s.stages[stage_index], wg, block);
     ptx::wgmma_wait_group<0>();
-    if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
+    if (tid == 0) release(s, pipe, stage_index, peer_empty);
     pipe.consumer_advance();
     promote(acc, block, scales.a_lo, scales.a_hi, scales.e);
     scales = next;
@@ -291,7 +318,11 @@ __device__ void mainloop_overlapped(const Params& p, St& s, Pipeline<St::kStages
   }
 }
 
-template <typename St, bool kRs>
+// The consumers' loop: kLoop 0 the tile's own (current for 128 x 256, overlapped for 128 x 128,
+// promoted64 for 192 x 128), 1 A in registers (128 x 256), 2 promoted64 in step (narrow, 128 x 128).
+enum : int { kLoopOfTile = 0, kLoopAInRegs = 1, kLoopInStep = 2 };
+
+template <typename St, int kLoop>
 __device__ void consume(const Params& p, St& s, int wg) {
   constexpr int kTileN = St::kN;
   Pipeline<St::kStages> pipe;
@@ -299,7 +330,7 @@ __device__ void consume(const Params& p, St& s, int wg) {
   float total = 0.0f;
   for_each_tile<St>(p, [&](int tile, int m, int) {
     const float* a_rows = p.a_scales + m * St::kM + wg * 64 + warp * 16 + lane / 4;
-    if constexpr (St::kM == 192) {
+    if constexpr (St::kM == 192 || kLoop == kLoopInStep) {
       float acc[64];
       mainloop_promoted64(p, s, pipe, acc, wg, tile, a_rows);
 #pragma unroll
@@ -307,7 +338,7 @@ __device__ void consume(const Params& p, St& s, int wg) {
     } else if constexpr (kTileN == 256) {
       float acc[128];
       const Fp8TaskScales sc{p.a_scales + m * 128 + wg * 64, p.m, {p.b_exponents, p.b_exponents}};
-      if constexpr (kRs) mainloop_rs(p, s, pipe, acc, wg, tile, a_rows);
+      if constexpr (kLoop == kLoopAInRegs) mainloop_rs(p, s, pipe, acc, wg, tile, a_rows);
       else mainloop_fp8(p, s, pipe, acc, p.k_blocks, wg, tile, sc);
 #pragma unroll
       for (int i = 0; i < 128; ++i) total += acc[i];
@@ -331,7 +362,7 @@ template <typename St>
 inline constexpr bool kRegistersFit =
     kTileProducerRegisters<St> * 128 + kTileConsumerRegisters<St> * 128 * St::kWarpgroups <= 65536;
 
-template <typename St, bool kRs>
+template <typename St, int kLoop>
 __global__ void __launch_bounds__(St::kCtaThreads, 1) tile_kernel(const __grid_constant__ Params p) {
   static_assert(kRegistersFit<St>);
   St& s = shared_storage<St>();
@@ -343,18 +374,29 @@ __global__ void __launch_bounds__(St::kCtaThreads, 1) tile_kernel(const __grid_c
     __syncthreads();
   }
   split_roles<kTileProducerRegisters<St>, kTileConsumerRegisters<St>>([&] { produce<St>(p, s); },
-                                                                      [&](int wg) { consume<St, kRs>(p, s, wg); });
+                                                                      [&](int wg) { consume<St, kLoop>(p, s, wg); });
   if constexpr (St::kCluster == 2) ptx::cluster_sync();  // (no CTA leaves while its peer may still write into it)
 }
 
-template <int kTileN, int kStages, bool kRs = false, int kCluster = 1, int kTileM = 128>
-void run(Params p, int M, int N, int K, int iters, int repeats, int sms) {
-  using St = Storage<kTileN, kStages, kCluster, kTileM>;
+// The variant's name as --only and the output give it.
+template <int kTileN, int kLoop, int kCluster, int kTileM, bool kShareB>
+constexpr const char* variant_name() {
+  if (kTileM == 192) return "three-wgs";
+  if (kTileN == 256) return kLoop == kLoopAInRegs ? "a-in-regs" : "current";
+  if (kLoop == kLoopInStep) return kShareB ? "narrow+bmc" : "narrow";
+  return kCluster == 2 ? "overlap+mc" : "overlapped";
+}
+
+template <int kTileN, int kStages, int kLoop = kLoopOfTile, int kCluster = 1, int kTileM = 128, bool kShareB = false>
+void run(Params p, int M, int N, int K, int iters, int repeats, int sms, const char* only) {
+  constexpr const char* name = variant_name<kTileN, kLoop, kCluster, kTileM, kShareB>();
+  if (only != nullptr && std::strcmp(only, name) != 0) return;
+  using St = Storage<kTileN, kStages, kCluster, kTileM, kShareB>;
   M = M / kTileM * kTileM;  // (192-row tiles: M rounded down; the FLOPs counted are this M's)
   p.tiles_m = M / kTileM, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
   const std::size_t smem = shared_storage_bytes<St>();
   static_assert(shared_storage_bytes<St>() <= kMaxSharedMemoryBytes);
-  auto kernel = tile_kernel<St, kRs>;
+  auto kernel = tile_kernel<St, kLoop>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
@@ -366,28 +408,36 @@ void run(Params p, int M, int N, int K, int iters, int repeats, int sms) {
     for (int i = 0; i < iters; ++i) cudaLaunchKernelEx(&config, kernel, p);
   });
   const double tflop = 2.0 * M * N * K * iters / 1e12;  // (ms: ascending)
-  std::printf("%-11s %3d x %3d CTA tiles, %d stages of %2d KB  %7.1f TFLOP/s  [%.1f, %.1f]\n",
-              kTileM == 192 ? "three WGs" : kTileN == 128 ? (kCluster == 2 ? "overlap+mc" : "overlapped") : kRs ? "A in regs" : "current", kTileM,
-              kTileN, kStages, static_cast<int>(sizeof(typename St::Stage) / 1024), tflop / (ms[ms.size() / 2] * 1e-3), tflop / (ms.back() * 1e-3), tflop / (ms.front() * 1e-3));
+  std::printf("%-11s %3d x %3d CTA tiles, %d stages of %2d KB  %7.1f TFLOP/s  [%.1f, %.1f]\n", name, kTileM, kTileN, kStages, static_cast<int>(sizeof(typename St::Stage) / 1024), tflop / (ms[ms.size() / 2] * 1e-3), tflop / (ms.back() * 1e-3), tflop / (ms.front() * 1e-3));
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   int M = 8192, N = 4096, K = 7168, iters = 10, repeats = 5;
+  const char* only = nullptr;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--m")) M = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--n")) N = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--k")) K = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--iters")) iters = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--repeats")) repeats = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--only")) only = argv[i + 1];
     else {
-      std::fprintf(stderr, "usage: fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R]\n");
+      std::fprintf(stderr, "usage: fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R] [--only NAME]\n");
       return 2;
     }
   }
-  if (M % 128 || N % 256 || K % 1024) {
-    std::fprintf(stderr, "fp8_tile_rate: M must be a multiple of 128, N of 256, K of 1024 (eight K blocks)\n");
+  if (M % 256 || N % 256 || K % 1024) {
+    std::fprintf(stderr, "fp8_tile_rate: M and N must be multiples of 256, K of 1024 (eight K blocks)\n");
+    return 2;
+  }
+  static const char* const kVariants[] = {"current", "a-in-regs", "overlapped", "overlap+mc", "narrow", "narrow+bmc",
+                                          "three-wgs"};
+  if (only != nullptr && std::none_of(std::begin(kVariants), std::end(kVariants),
+                                      [&](const char* v) { return std::strcmp(v, only) == 0; })) {
+    std::fprintf(stderr, "fp8_tile_rate: --only %s: not a variant (current, a-in-regs, overlapped, overlap+mc, "
+                         "narrow, narrow+bmc, three-wgs)\n", only);
     return 2;
   }
   int device = 0, sms = 0;
@@ -425,6 +475,7 @@ int main(int argc, char** argv) {
   p.a = detail::make_u8_tensor_map(a, {U(K), U(M)}, kBoxFp8, "a");
   p.b = detail::make_u8_tensor_map(b, {U(K), U(N)}, kBoxFp8, "b");
   p.a_half = detail::make_u8_tensor_map(a, {U(K), U(M)}, kBoxFp8Half, "a_half");
+  p.b_half = detail::make_u8_tensor_map(b, {U(K), U(N)}, kBoxFp8Half, "b_half");
   p.counters.abort = abort;
   p.status = status;
   p.timeout_ns = 20'000'000'000LL;
@@ -433,15 +484,19 @@ int main(int argc, char** argv) {
   p.b_exponents = b_exponents;
   p.sink = sink;
   try {  // (time_iterations throws mok::Error on a CUDA error)
-    for (int round = 0; round < 2; ++round) {
-      run<256, 4>(p, M, N, K, iters, repeats, sms);
-      run<256, 4, true>(p, M, N, K, iters, repeats, sms);
-      run<128, 4>(p, M, N, K, iters, repeats, sms);
-      run<128, 6>(p, M, N, K, iters, repeats, sms);
-      run<128, 7>(p, M, N, K, iters, repeats, sms);
-      run<128, 6, false, 2>(p, M, N, K, iters, repeats, sms);
-      run<128, 5, false, 1, 192>(p, M, N, K, iters, repeats, sms);
-      run<128, 4, false, 1, 192>(p, M, N, K, iters, repeats, sms);  // (what the forward could keep beside h staging)
+    for (int round = 0; round < (only != nullptr ? 1 : 2); ++round) {
+      run<256, 4>(p, M, N, K, iters, repeats, sms, only);
+      run<256, 4, kLoopAInRegs>(p, M, N, K, iters, repeats, sms, only);
+      if (only == nullptr) {  // (stage counts the --only runs leave out)
+        run<128, 4>(p, M, N, K, iters, repeats, sms, only);
+        run<128, 7>(p, M, N, K, iters, repeats, sms, only);
+      }
+      run<128, 6>(p, M, N, K, iters, repeats, sms, only);
+      run<128, 6, kLoopOfTile, 2>(p, M, N, K, iters, repeats, sms, only);
+      run<128, 6, kLoopInStep>(p, M, N, K, iters, repeats, sms, only);
+      run<128, 6, kLoopInStep, 2, 128, true>(p, M, N, K, iters, repeats, sms, only);
+      if (only == nullptr) run<128, 5, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only);
+      run<128, 4, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only);  // (what the forward could keep beside h staging)
     }
   } catch (const mok::Error& e) {
     std::fprintf(stderr, "fp8_tile_rate: %s\n", e.what());

@@ -465,6 +465,40 @@ def power_tables(results_dir):
     return out
 
 
+def fp8_gemm_clock_tables(results_dir):
+    """Markdown sections for bench/fp8_gemm_clocks.py files (`*-fp8-gemm-clocks.json`), newest first:
+    per implementation the medians over its rounds of TFLOP/s, SM clock, power and the work a clock
+    (TFLOP/s per SM GHz), and that work against scaled-mm's (the CUTLASS kernel) where the file has it."""
+    out, files = newest_files(results_dir, "*-fp8-gemm-clocks.json", [
+        "## One E4M3 GEMM at the power limit: our mainloops beside torch._scaled_mm (bench/fp8_gemm_clocks.py)", "",
+        "Each implementation repeats the same dense GEMM back to back for a window while nvidia-smi samples",
+        "the SM clock and the board power; at the cap the clock falls until the power fits, so the work a",
+        "clock (TFLOP/s per SM GHz) is what the kernel's structure decides. current is the layer's FP8",
+        "mainloop (128 x 256 tiles), narrow the structure of the CUTLASS kernel behind scaled-mm."])
+    for path, records in files:
+        if not records:
+            continue
+        r0 = records[0]
+        impls = list(dict.fromkeys(r["impl"] for r in records))
+        med = {i: {f: statistics.median(r[f] for r in records if r["impl"] == i)
+                   for f in ("tflops", "sm_mhz", "power_w", "tflops_per_ghz")} for i in impls}
+        peer = med.get("scaled-mm")
+        out += [f"### {os.path.basename(path)}", "",
+                f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, M {r0['m']} N {r0['n']} K {r0['k']}, "
+                f"medians of {len({r['round'] for r in records})} rounds of {r0['seconds']:g} s windows, "
+                f"PyTorch {r0.get('torch', '?')}", "",
+                "| impl | TFLOP/s | SM MHz | W | TFLOP/s ÷ SM GHz | ÷ scaled-mm's | throttle |",
+                "|---|---|---|---|---|---|---|"]
+        for i in impls:
+            m = med[i]
+            reasons = sorted({t for r in records if r["impl"] == i for t in r["throttle_reasons"]})
+            ratio = f"{m['tflops_per_ghz'] / peer['tflops_per_ghz']:.3f}" if peer and i != "scaled-mm" else "–"
+            out.append(f"| {i} | {m['tflops']:.0f} | {m['sm_mhz']:.0f} | {m['power_w']:.0f} | {m['tflops_per_ghz']:.0f} | "
+                       f"{ratio} | {' '.join(x.replace('0x000000000000000', '0x') for x in reasons)} |")
+        out.append("")
+    return out
+
+
 def sm_share_tables(results_dir):
     """Markdown sections for bench/sm_share.py files (`*-sm-share.json`), newest first: per
     compute_sms setting, the layer's time alone, the side chain's alone, both together, the share of
@@ -579,6 +613,7 @@ def cmd_table(a):
                            f"{attention:.2f} | {pm.get('rest', 0):.2f} | {r['peak_bytes'] / 2**30:.2f} |")
             out.append("")
     out += power_tables(a.results_dir)
+    out += fp8_gemm_clock_tables(a.results_dir)
     out += fp8_compiled_tables(a.results_dir)
     out += sm_share_tables(a.results_dir)
     out += recompute_tables(a.results_dir)

@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power|smshare] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N]
+#                                                   host|fp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|fp8clocks|diagab|kernelab|dram|pingpong|power|smshare] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME]
 #                                                   [--ncu-kernels forward,backward]
@@ -83,6 +83,9 @@
 # `pytest` part reinstalls the package through pip and runs every test: more than 320 s).
 # `rates` (what the tensor cores and the FP8 mainloop reach by themselves, bench/NOTES.md): builds and runs
 # bench/mma_rate and bench/fp8_tile_rate (--repeats repeats) into <date>-<commit>-rates.txt; nothing else runs.
+# `fp8clocks`: bench/fp8_gemm_clocks.py — one E4M3 GEMM sustained at the power limit, fp8_tile_rate's
+# current, narrow and narrow+bmc loops beside torch._scaled_mm (rowwise, CUTLASS) and a BF16 matmul
+# (or --impl), --repeats rounds, into <date>-<commit>-fp8-gemm-clocks.json; nothing else runs.
 # `power` (build if missing): bench/clock_power.py — the SM clock, board power, throttle reasons and
 # J/TFLOP while each of --impl (default mok,torch-compiled; mok_bench's mok-fp8, mok-fp8-wgrad, ... too)
 # repeats each --pass, on --presets (default mixtral-8x7b,deepseek-v3), --repeats windows each, into
@@ -172,11 +175,11 @@ while [ $# -gt 0 ]; do
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --sustained) sustained=true ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power|smshare] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--pytest ARGS] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|fp8clocks|diagab|kernelab|dram|pingpong|power|smshare] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--pytest ARGS] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|diagab|kernelab|dram|pingpong|power|smshare) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, pyselect, bench, ep, speed, train, hf, phases, host, fp8, epfp8, fp8wgrad, fp8bench, fp8train, fp8compile, fp8lr, fp8diag, rates, diagab, kernelab, dram, pingpong, power or smshare"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|fp8clocks|diagab|kernelab|dram|pingpong|power|smshare) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, pyselect, bench, ep, speed, train, hf, phases, host, fp8, epfp8, fp8wgrad, fp8bench, fp8train, fp8compile, fp8lr, fp8diag, rates, fp8clocks, diagab, kernelab, dram, pingpong, power or smshare"; exit 2 ;; esac
 [ "$part" != pyselect ] || [ -n "$pytest_args" ] || { echo "gpu_check.sh --part pyselect needs --pytest ARGS"; exit 2; }
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
@@ -282,6 +285,16 @@ if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else run
     done
   fi
   exit "$rc"
+fi
+
+if [ "$part" = fp8clocks ]; then  # one E4M3 GEMM at the power limit: our mainloops beside torch._scaled_mm's CUTLASS kernel
+  { cmake -S . -B build-rates -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_PYTHON=OFF -DMOK_BUILD_TESTS=OFF \
+      -DMOK_BUILD_EXAMPLES=OFF && cmake --build build-rates --target fp8_tile_rate -j"$(nproc)"; } \
+    > "$LOG/build_rates.log" 2>&1 || { tail -30 "$LOG/build_rates.log"; exit 1; }
+  python3 bench/fp8_gemm_clocks.py --tile-rate build-rates/bench/fp8_tile_rate \
+    --impl "${impls:-current,narrow,narrow+bmc,scaled-mm,bf16-mm}" --rounds "$repeats" --commit "$commit" --date "$date" \
+    --out "$OUT/${date:0:10}-$commit-fp8-gemm-clocks.json" 2>&1 | tee "$LOG/fp8_gemm_clocks.log" | tail -9
+  exit "${PIPESTATUS[0]}"
 fi
 
 if [ "$part" = rates ]; then  # two microbenchmarks of their own build: nothing else runs

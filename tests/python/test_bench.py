@@ -16,6 +16,7 @@ import torch
 from bench_support import MOK_BENCH, ROOT, small_preset  # noqa: E402  (puts bench/ on sys.path)
 import ab_compare  # noqa: E402
 import ab_serve  # noqa: E402
+import fp8_gemm_clocks  # noqa: E402
 import host_overhead  # noqa: E402
 import layer_bench  # noqa: E402
 import report  # noqa: E402
@@ -300,6 +301,47 @@ def test_report_power_runs_with_the_dense_ceilings_give_each_layers_share_of_its
     assert "| p | mok-fp8-py | fwd | 8.000 (8.000–8.000) | 500 | 1500 | 700 | 1.000 | 333 | 1.250 (1.250–1.250) | 0.750 (0.750–0.750) | 0x4 |" in text
     assert "| p | dense-fp8 | fwd | 6.000 (6.000–6.000) | 500 | 1500 | 700 | 1.000 | 333 | 1.667 (1.667–1.667) | 1.500 (1.500–1.500) | 0x4 |" in text
     assert "| p | dense | fwd | 9.000 (9.000–9.000) | 500 | 1500 | 700 | 1.000 | 333 | 1.111 (1.111–1.111) | – | 0x4 |" in text
+
+
+def test_fp8_gemm_clocks_reads_fp8_tile_rates_line_of_the_variant_it_ran():
+    """fp8_gemm_clocks.parse_tile_rate: the median TFLOP/s of the named variant's line as
+    fp8_tile_rate prints it (name, tile, stages, median, [min, max]); None when the line is missing."""
+    text = ("# NVIDIA H100 80GB HBM3, 132 SMs, E4M3 GEMM M 8192 N 4096 K 7168, 520 launches a repeat, median of 16\n"
+            "narrow      128 x 128 CTA tiles, 6 stages of 32 KB   1098.4 TFLOP/s  [1050.2, 1110.9]\n"
+            "narrow+bmc  128 x 128 CTA tiles, 6 stages of 32 KB   1133.0 TFLOP/s  [1101.0, 1140.0]\n")
+    assert fp8_gemm_clocks.parse_tile_rate(text, "narrow") == 1098.4
+    assert fp8_gemm_clocks.parse_tile_rate(text, "narrow+bmc") == 1133.0
+    assert fp8_gemm_clocks.parse_tile_rate(text, "current") is None
+
+
+def test_fp8_gemm_clocks_refuses_unknown_implementations_and_shapes():
+    """The harness names a bad --impl, a missing fp8_tile_rate and a shape the tile bench cannot run
+    before it touches a GPU."""
+    script = os.path.join(ROOT, "bench", "fp8_gemm_clocks.py")
+    for argv, message in ((["--impl", "cutlass"], "--impl cutlass"),
+                          (["--impl", "narrow", "--tile-rate", "/nonexistent"], "--tile-rate '/nonexistent'"),
+                          (["--impl", "scaled-mm", "--m", "1000"], "--m 1000")):
+        run = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True)
+        assert run.returncode != 0 and message in run.stderr, (argv, run.stderr)
+
+
+def test_report_lists_fp8_gemm_clock_runs_with_the_work_a_clock_against_scaled_mm(tmp_path):
+    """report.py's section for fp8_gemm_clocks.py: per implementation the medians over rounds and
+    its TFLOP/s per SM GHz over scaled-mm's."""
+    def rec(impl, rnd, tflops, mhz):
+        return dict(impl=impl, round=rnd, m=8192, n=4096, k=7168, tflops=tflops, tflops_per_ghz=tflops / (mhz / 1e3),
+                    samples=40, sm_mhz=mhz, sm_mhz_min=mhz, sm_mhz_max=mhz, power_w=700.0, power_w_min=690.0,
+                    power_w_max=705.0, throttle_reasons=["0x0000000000000004"], seconds=4.0, skip_s=1.0, gpu="G",
+                    commit="abc", date="2026-12-06", torch="2.11")
+    records = [rec("current", r, t, 1600.0) for r, t in enumerate((800.0, 960.0, 880.0))] + \
+              [rec("scaled-mm", r, 1100.0, 1375.0) for r in range(3)]
+    (tmp_path / "2026-12-06-abc-fp8-gemm-clocks.json").write_text(json.dumps(records))
+    text = "\n".join(report.fp8_gemm_clock_tables(str(tmp_path)))
+    assert "GPU G, commit abc, 2026-12-06, M 8192 N 4096 K 7168, medians of 3 rounds of 4 s windows" in text
+    # current: median 880 TFLOP/s at 1600 MHz = 550 a GHz; scaled-mm 1100 at 1375 = 800: 0.6875
+    assert "| current | 880 | 1600 | 700 | 550 | 0.688 | 0x4 |" in text
+    assert "| scaled-mm | 1100 | 1375 | 700 | 800 | – | 0x4 |" in text
+    assert report.fp8_gemm_clock_tables(str(tmp_path / "nothing")) == []
 
 
 def test_report_lists_compiled_fp8_module_runs_with_ratios_to_the_per_call_step(tmp_path):

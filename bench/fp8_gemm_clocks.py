@@ -1,0 +1,162 @@
+"""One dense E4M3 GEMM, sustained at the power limit: our FP8 mainloops (bench/fp8_tile_rate's
+variants) beside the CUTLASS kernel PyTorch runs for a rowwise-scaled `torch._scaled_mm` and
+beside a BF16 `torch.matmul` of the same shape, each repeated back to back for a window of
+seconds while nvidia-smi samples the SM clock and the board power.
+
+    fp8_gemm_clocks.py --tile-rate build/bench/fp8_tile_rate [--m 8192 --n 4096 --k 7168]
+                       [--impl current,narrow,narrow+bmc,scaled-mm,bf16-mm] [--seconds 4] [--rounds 3]
+                       [--out FILE.json] [--commit SHA] [--date DATE]
+
+Why (bench/NOTES.md, 2026-12-06): at the 700 W cap the layer's FP8 forward runs at ~1650 MHz and
+0.52-0.59 TFLOP/s a MHz, the dense FP8 ceiling (torch._scaled_mm) at ~1350 MHz and 0.80-0.85 —
+at the cap the clock falls until the power fits, so the work a clock is what a kernel's structure
+decides. This says whether our mainloop alone (no layer around it) already trails that kernel a
+clock, and which tile structure closes the gap: `current` is the layer's (128 x 256 tiles),
+`narrow` the CUTLASS kernel's (128 x 128, promoted in step), `narrow+bmc` with its 2-CTA clusters
+sharing B. The tile variants run as `fp8_tile_rate --only NAME` (their TFLOP/s its median of
+repeats; the window the process's run after --skip-s, which covers its start and the ramp);
+scaled-mm and bf16-mm run here. All E4M3 operands hold fp8_tile_rate's bytes (the power drawn
+depends on the data). Nothing is checked: the numbers are rates, not results.
+
+A record per implementation and round: TFLOP/s, the window's median SM MHz and W (min–max), the
+throttle reasons, and TFLOP/s per SM GHz (the work a clock).
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+TILE_VARIANTS = ("current", "a-in-regs", "overlapped", "overlap+mc", "narrow", "narrow+bmc", "three-wgs")
+PEERS = ("scaled-mm", "bf16-mm")
+
+
+def parse_tile_rate(text, name):
+    """The median TFLOP/s of variant `name` in fp8_tile_rate's output, or None."""
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] == name and "TFLOP/s" in parts:
+            return float(parts[parts.index("TFLOP/s") - 1])
+    return None
+
+
+def tile_bytes(m, k, torch):
+    """fp8_tile_rate's operand bytes, [m, k] as E4M3: byte i = ((i * 2654435761) >> 13) & 0x77."""
+    i = torch.arange(m * k, dtype=torch.int64, device="cuda")
+    return (((i * 2654435761) >> 13) & 0x77).to(torch.uint8).view(torch.float8_e4m3fn).view(m, k)
+
+
+def timed_loop(fn, seconds, batch=20):
+    """Runs fn back to back for `seconds`; the median ms of one call over batches of `batch`."""
+    import torch
+
+    times, start = [], time.monotonic()
+    while time.monotonic() - start < seconds:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(batch):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / batch)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tile-rate", default="", help="bench/fp8_tile_rate (needed for its variants)")
+    ap.add_argument("--m", type=int, default=8192)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=7168)
+    ap.add_argument("--impl", default="current,narrow,narrow+bmc,scaled-mm,bf16-mm")
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--skip-s", type=float, default=1.0, help="dropped from the start of each window")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--interval-ms", type=int, default=50)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--date", default="")
+    args = ap.parse_args()
+    impls = [i for i in args.impl.split(",") if i]
+    bad = [i for i in impls if i not in TILE_VARIANTS + PEERS]
+    if bad or not impls:
+        sys.exit(f"fp8_gemm_clocks: --impl {args.impl}: each one of {', '.join(TILE_VARIANTS + PEERS)}")
+    if any(i in TILE_VARIANTS for i in impls) and not os.access(args.tile_rate, os.X_OK):
+        sys.exit(f"fp8_gemm_clocks: --tile-rate '{args.tile_rate}' is not an executable fp8_tile_rate")
+    if args.m % 256 or args.n % 256 or args.k % 1024:
+        sys.exit(f"fp8_gemm_clocks: --m {args.m} and --n {args.n} must be multiples of 256, --k {args.k} of 1024")
+    if args.seconds <= args.skip_s or args.rounds < 1:
+        sys.exit(f"fp8_gemm_clocks: --seconds ({args.seconds}) must exceed --skip-s ({args.skip_s}), --rounds >= 1")
+    import torch
+
+    from clock_power import Sampler, smi_index, window_stats
+    from rounds import round_order
+
+    if not torch.cuda.is_available():
+        sys.exit("fp8_gemm_clocks: no CUDA GPU")
+    M, N, K = args.m, args.n, args.k
+    flop = 2.0 * M * N * K
+    a8, b8 = tile_bytes(M, K, torch), tile_bytes(N, K, torch)
+    ones_a = torch.ones(M, 1, device="cuda", dtype=torch.float32)
+    ones_b = torch.ones(1, N, device="cuda", dtype=torch.float32)
+    a16 = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    b16 = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+    peers = {"scaled-mm": lambda: torch._scaled_mm(a8, b8.t(), scale_a=ones_a, scale_b=ones_b,
+                                                   out_dtype=torch.bfloat16, use_fast_accum=False),
+             "bf16-mm": lambda: torch.matmul(a16, b16)}
+    # fp8_tile_rate: ~0.25 s a repeat at 1000 TFLOP/s, repeats enough to fill the window
+    launch_s = flop / 1e15
+    iters = max(1, int(0.25 / launch_s))
+    repeats = max(3, int(args.seconds / 0.25))
+    gpu = torch.cuda.get_device_name(0)
+    sampler = Sampler(smi_index(torch.cuda.current_device()), args.interval_ms)
+    records = []
+    try:
+        for r in range(args.rounds):
+            for impl, _ in round_order([(i, "gemm") for i in impls], r):  # (rotated: each first once)
+                start = datetime.datetime.now()
+                if impl in PEERS:
+                    ms = timed_loop(peers[impl], args.seconds)
+                    tflops = flop / (ms * 1e-3) / 1e12
+                else:
+                    run = subprocess.run([args.tile_rate, "--only", impl, "--m", str(M), "--n", str(N), "--k", str(K),
+                                          "--iters", str(iters), "--repeats", str(repeats)],
+                                         capture_output=True, text=True, timeout=120)
+                    tflops = parse_tile_rate(run.stdout, impl)
+                    if run.returncode != 0 or tflops is None:
+                        sys.exit(f"fp8_gemm_clocks: fp8_tile_rate --only {impl} failed ({run.returncode}): "
+                                 f"{(run.stdout + run.stderr)[-600:]}")
+                end = datetime.datetime.now()
+                time.sleep(2 * args.interval_ms / 1e3)  # (the window's last samples written)
+                stats = window_stats(sampler.samples(), start, end, args.skip_s)
+                if stats is None:
+                    sys.exit(f"fp8_gemm_clocks: no nvidia-smi sample in {impl}'s window")
+                rec = dict(impl=impl, round=r, m=M, n=N, k=K, tflops=tflops,
+                           tflops_per_ghz=tflops / (stats["sm_mhz"] / 1e3), **stats, seconds=args.seconds,
+                           skip_s=args.skip_s, gpu=gpu, commit=args.commit, date=args.date, torch=torch.__version__)
+                records.append(rec)
+                print(f"round {r}  {impl:<11} {tflops:7.1f} TFLOP/s  {stats['sm_mhz']:5.0f} MHz  {stats['power_w']:4.0f} W"
+                      f"  {rec['tflops_per_ghz']:6.1f} TFLOP/s a GHz", flush=True)
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump(records, f, indent=1)
+    finally:
+        sampler.close()
+    print(f"\n{gpu}, E4M3 GEMM M {M} N {N} K {K}, medians of {args.rounds} rounds")
+    print(f"{'impl':<11} {'TFLOP/s':>8} {'SM MHz':>7} {'W':>5} {'TFLOP/s a GHz':>14}  throttle")
+    for impl in impls:
+        rs = [x for x in records if x["impl"] == impl]
+        reasons = sorted({t for x in rs for t in x["throttle_reasons"]})
+        print(f"{impl:<11} {statistics.median(x['tflops'] for x in rs):8.1f} "
+              f"{statistics.median(x['sm_mhz'] for x in rs):7.0f} {statistics.median(x['power_w'] for x in rs):5.0f} "
+              f"{statistics.median(x['tflops_per_ghz'] for x in rs):14.1f}  {' '.join(reasons)}")
+
+
+if __name__ == "__main__":
+    main()
