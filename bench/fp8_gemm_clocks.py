@@ -3,7 +3,7 @@ variants) beside the CUTLASS kernel PyTorch runs for a rowwise-scaled `torch._sc
 beside a BF16 `torch.matmul` of the same shape, each repeated back to back for a window of
 seconds while nvidia-smi samples the SM clock and the board power.
 
-    fp8_gemm_clocks.py --tile-rate build/bench/fp8_tile_rate [--m 8192 --n 4096 --k 7168]
+    fp8_gemm_clocks.py --tile-rate build/bench/fp8_tile_rate [--m 8192 --n 4096 --k 7168] [--group-rows 2048]
                        [--impl current,narrow,narrow+bmc,scaled-mm,bf16-mm] [--seconds 4] [--rounds 3]
                        [--out FILE.json] [--commit SHA] [--date DATE]
 
@@ -16,7 +16,10 @@ clock, and which tile structure closes the gap: `current` is the layer's (128 x 
 sharing B. The tile variants run as `fp8_tile_rate --only NAME` (their TFLOP/s its median of
 repeats; the window the process's run after --skip-s, which covers its start and the ramp);
 scaled-mm and bf16-mm run here. All E4M3 operands hold fp8_tile_rate's bytes (the power drawn
-depends on the data). Nothing is checked: the numbers are rates, not results.
+depends on the data). --group-rows orders fp8_tile_rate's tiles as the layer orders an expert's
+(2048 rows: deepseek-v3's and mixtral-8x7b's experts at their presets; 0 = all of M one group, the
+order that streamed all of A once per wave of N-tiles). Nothing is checked: the numbers are rates,
+not results.
 
 A record per implementation and round: TFLOP/s, the window's median SM MHz and W (min–max), the
 throttle reasons, and TFLOP/s per SM GHz (the work a clock).
@@ -74,6 +77,7 @@ def main():
     ap.add_argument("--m", type=int, default=8192)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--k", type=int, default=7168)
+    ap.add_argument("--group-rows", type=int, default=2048, help="fp8_tile_rate's tile order (0: all of M)")
     ap.add_argument("--impl", default="current,narrow,narrow+bmc,scaled-mm,bf16-mm")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--skip-s", type=float, default=1.0, help="dropped from the start of each window")
@@ -126,7 +130,8 @@ def main():
                     tflops = flop / (ms * 1e-3) / 1e12
                 else:
                     run = subprocess.run([args.tile_rate, "--only", impl, "--m", str(M), "--n", str(N), "--k", str(K),
-                                          "--iters", str(iters), "--repeats", str(repeats)],
+                                          "--iters", str(iters), "--repeats", str(repeats),
+                                          "--group-rows", str(args.group_rows)],
                                          capture_output=True, text=True, timeout=120)
                     tflops = parse_tile_rate(run.stdout, impl)
                     if run.returncode != 0 or tflops is None:
@@ -137,7 +142,7 @@ def main():
                 stats = window_stats(sampler.samples(), start, end, args.skip_s)
                 if stats is None:
                     sys.exit(f"fp8_gemm_clocks: no nvidia-smi sample in {impl}'s window")
-                rec = dict(impl=impl, round=r, m=M, n=N, k=K, tflops=tflops,
+                rec = dict(impl=impl, round=r, m=M, n=N, k=K, group_rows=args.group_rows, tflops=tflops,
                            tflops_per_ghz=tflops / (stats["sm_mhz"] / 1e3), **stats, seconds=args.seconds,
                            skip_s=args.skip_s, gpu=gpu, commit=args.commit, date=args.date, torch=torch.__version__)
                 records.append(rec)
@@ -148,7 +153,8 @@ def main():
                         json.dump(records, f, indent=1)
     finally:
         sampler.close()
-    print(f"\n{gpu}, E4M3 GEMM M {M} N {N} K {K}, medians of {args.rounds} rounds")
+    print(f"\n{gpu}, E4M3 GEMM M {M} N {N} K {K} (tile groups of {args.group_rows or M} rows), "
+          f"medians of {args.rounds} rounds")
     print(f"{'impl':<11} {'TFLOP/s':>8} {'SM MHz':>7} {'W':>5} {'TFLOP/s a GHz':>14}  throttle")
     for impl in impls:
         rs = [x for x in records if x["impl"] == impl]

@@ -31,8 +31,11 @@
 //               can keep the tensor cores busy. Stages of A 24 KB + B 16 KB (11 % more bytes a
 //               FLOP than current); M rounded down to a multiple of 192.
 //
-//   fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R] [--only NAME]
+//   fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R] [--only NAME] [--group-rows G]
 //
+// --group-rows G orders the tiles as the layer orders an expert's of G rows (for_each_tile; the
+// three-WGs variant's 192-row tiles keep one group); 0 (the default, every run before 2026-12-06)
+// is one group of all M rows.
 // --only NAME runs that variant alone, once (bench/fp8_gemm_clocks.py runs each so, sampling the
 // clock and power while it runs); otherwise every variant, two rounds.
 //
@@ -77,6 +80,7 @@ struct Params {
   KernelStatus* status;
   long long timeout_ns;
   int tiles_m, tiles_n, k_blocks, m;
+  int group_m;                    // tile order: M-tiles a group (see for_each_tile)
   const float* a_scales;          // [K / 128, M]: ones
   const std::int32_t* b_exponents;  // [K / 128]: zeros
   float* sink;
@@ -111,24 +115,23 @@ __device__ __forceinline__ int cluster_rank() {
   else return 0;
 }
 
-// Calls f(tile, m, n) for this CTA's tiles in order: CTA c takes tiles c, c + CTAs, ...; a
-// cluster q of two takes the pairs q, q + clusters, ... of tiles (m, 2j), (m, 2j + 1), or with
-// kSharesB of tiles (2i, j), (2i + 1, j).
+// Calls f(tile, m, n) for this CTA's tiles in order: CTA c takes units c, c + CTAs, ... where a
+// unit is one tile, or for a cluster of two the pair (m, 2j), (m, 2j + 1) — or with kSharesB the
+// pair (2i, j), (2i + 1, j). Units run in groups of group_m M-tiles, M-fastest inside a group, then
+// N, then the next group: the layer's order inside one expert of group_m x 128 rows (its tasks
+// take an expert's M-tiles for one N-tile, then the next N-tile). group_m = tiles_m is one group,
+// the order of the runs before 2026-12-06 (which streamed all of A once per wave of N-tiles).
 template <typename St, typename F>
 __device__ __forceinline__ void for_each_tile(const Params& p, F&& f) {
   const int rank = cluster_rank<St>();
-  if constexpr (St::kSharesB) {
-    const int pairs_m = p.tiles_m / 2;
-    for (int u = blockIdx.x / 2; u < pairs_m * p.tiles_n; u += gridDim.x / 2) {
-      const int m = u % pairs_m * 2 + rank, n = u / pairs_m;
-      f(m + n * p.tiles_m, m, n);
-    }
-  } else {
-    const int units = St::kCluster == 1 ? p.tiles_m * p.tiles_n : p.tiles_m * (p.tiles_n / 2);
-    for (int u = blockIdx.x / St::kCluster; u < units; u += gridDim.x / St::kCluster) {
-      const int m = u % p.tiles_m, n = St::kCluster == 1 ? u / p.tiles_m : u / p.tiles_m * 2 + rank;
-      f(m + n * p.tiles_m, m, n);
-    }
+  constexpr int um = St::kSharesB ? 2 : 1, un = St::kCluster == 2 && !St::kSharesB ? 2 : 1;  // a unit's tiles
+  const int rows = p.group_m / um, cols = p.tiles_n / un;  // a group's units: rows x cols
+  const int units = p.tiles_m / um * cols;
+  for (int u = blockIdx.x / St::kCluster; u < units; u += gridDim.x / St::kCluster) {
+    const int g = u / (rows * cols), r = u - g * rows * cols;
+    const int m = (g * rows + r % rows) * um + (um == 2 ? rank : 0);
+    const int n = r / rows * un + (un == 2 ? rank : 0);
+    f(m + n * p.tiles_m, m, n);
   }
 }
 
@@ -388,12 +391,14 @@ constexpr const char* variant_name() {
 }
 
 template <int kTileN, int kStages, int kLoop = kLoopOfTile, int kCluster = 1, int kTileM = 128, bool kShareB = false>
-void run(Params p, int M, int N, int K, int iters, int repeats, int sms, const char* only) {
+void run(Params p, int M, int N, int K, int iters, int repeats, int sms, const char* only, int group_rows) {
   constexpr const char* name = variant_name<kTileN, kLoop, kCluster, kTileM, kShareB>();
   if (only != nullptr && std::strcmp(only, name) != 0) return;
   using St = Storage<kTileN, kStages, kCluster, kTileM, kShareB>;
   M = M / kTileM * kTileM;  // (192-row tiles: M rounded down; the FLOPs counted are this M's)
   p.tiles_m = M / kTileM, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
+  // group_m rows of tiles a group: the --group-rows given (a multiple of 256 dividing M), or all of M
+  p.group_m = group_rows > 0 && kTileM == 128 ? group_rows / kTileM : p.tiles_m;
   const std::size_t smem = shared_storage_bytes<St>();
   static_assert(shared_storage_bytes<St>() <= kMaxSharedMemoryBytes);
   auto kernel = tile_kernel<St, kLoop>;
@@ -416,6 +421,7 @@ void run(Params p, int M, int N, int K, int iters, int repeats, int sms, const c
 int main(int argc, char** argv) {
   int M = 8192, N = 4096, K = 7168, iters = 10, repeats = 5;
   const char* only = nullptr;
+  int group_rows = 0;  // 0: all of M one group
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--m")) M = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--n")) N = std::atoi(argv[i + 1]);
@@ -423,13 +429,20 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--iters")) iters = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--repeats")) repeats = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--only")) only = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--group-rows")) group_rows = std::atoi(argv[i + 1]);
     else {
-      std::fprintf(stderr, "usage: fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R] [--only NAME]\n");
+      std::fprintf(stderr,
+                   "usage: fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R] [--only NAME] [--group-rows G]\n");
       return 2;
     }
   }
   if (M % 256 || N % 256 || K % 1024) {
     std::fprintf(stderr, "fp8_tile_rate: M and N must be multiples of 256, K of 1024 (eight K blocks)\n");
+    return 2;
+  }
+  if (group_rows < 0 || group_rows % 256 || (group_rows > 0 && M % group_rows)) {
+    std::fprintf(stderr, "fp8_tile_rate: --group-rows %d: a multiple of 256 that divides M (%d), or 0 for all of M\n",
+                 group_rows, M);
     return 2;
   }
   static const char* const kVariants[] = {"current", "a-in-regs", "overlapped", "overlap+mc", "narrow", "narrow+bmc",
@@ -445,8 +458,8 @@ int main(int argc, char** argv) {
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, device);
-  std::printf("# %s, %d SMs, E4M3 GEMM M %d N %d K %d, %d launches a repeat, median of %d\n", prop.name, sms, M, N, K,
-              iters, repeats);
+  std::printf("# %s, %d SMs, E4M3 GEMM M %d N %d K %d, tiles in groups of %d rows, %d launches a repeat, median of %d\n",
+              prop.name, sms, M, N, K, group_rows > 0 ? group_rows : M, iters, repeats);
   // Operands: pseudo-random E4M3 bytes (finite: exponent field below all-ones); scales of one.
   std::vector<std::uint8_t> host(static_cast<std::size_t>(std::max(M, N)) * K);
   for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<std::uint8_t>((i * 2654435761u >> 13) & 0x77);
@@ -485,18 +498,18 @@ int main(int argc, char** argv) {
   p.sink = sink;
   try {  // (time_iterations throws mok::Error on a CUDA error)
     for (int round = 0; round < (only != nullptr ? 1 : 2); ++round) {
-      run<256, 4>(p, M, N, K, iters, repeats, sms, only);
-      run<256, 4, kLoopAInRegs>(p, M, N, K, iters, repeats, sms, only);
+      run<256, 4>(p, M, N, K, iters, repeats, sms, only, group_rows);
+      run<256, 4, kLoopAInRegs>(p, M, N, K, iters, repeats, sms, only, group_rows);
       if (only == nullptr) {  // (stage counts the --only runs leave out)
-        run<128, 4>(p, M, N, K, iters, repeats, sms, only);
-        run<128, 7>(p, M, N, K, iters, repeats, sms, only);
+        run<128, 4>(p, M, N, K, iters, repeats, sms, only, group_rows);
+        run<128, 7>(p, M, N, K, iters, repeats, sms, only, group_rows);
       }
-      run<128, 6>(p, M, N, K, iters, repeats, sms, only);
-      run<128, 6, kLoopOfTile, 2>(p, M, N, K, iters, repeats, sms, only);
-      run<128, 6, kLoopInStep>(p, M, N, K, iters, repeats, sms, only);
-      run<128, 6, kLoopInStep, 2, 128, true>(p, M, N, K, iters, repeats, sms, only);
-      if (only == nullptr) run<128, 5, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only);
-      run<128, 4, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only);  // (what the forward could keep beside h staging)
+      run<128, 6>(p, M, N, K, iters, repeats, sms, only, group_rows);
+      run<128, 6, kLoopOfTile, 2>(p, M, N, K, iters, repeats, sms, only, group_rows);
+      run<128, 6, kLoopInStep>(p, M, N, K, iters, repeats, sms, only, group_rows);
+      run<128, 6, kLoopInStep, 2, 128, true>(p, M, N, K, iters, repeats, sms, only, group_rows);
+      if (only == nullptr) run<128, 5, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows);
+      run<128, 4, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows);  // (what the forward could keep beside h staging)
     }
   } catch (const mok::Error& e) {
     std::fprintf(stderr, "fp8_tile_rate: %s\n", e.what());

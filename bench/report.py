@@ -484,7 +484,8 @@ def fp8_gemm_clock_tables(results_dir):
                    for f in ("tflops", "sm_mhz", "power_w", "tflops_per_ghz")} for i in impls}
         peer = med.get("scaled-mm")
         out += [f"### {os.path.basename(path)}", "",
-                f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, M {r0['m']} N {r0['n']} K {r0['k']}, "
+                f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, M {r0['m']} N {r0['n']} K {r0['k']} "
+                f"(fp8_tile_rate's tiles in groups of {r0.get('group_rows') or r0['m']} rows), "
                 f"medians of {len({r['round'] for r in records})} rounds of {r0['seconds']:g} s windows, "
                 f"PyTorch {r0.get('torch', '?')}", "",
                 "| impl | TFLOP/s | SM MHz | W | TFLOP/s ÷ SM GHz | ÷ scaled-mm's | throttle |",

@@ -337,7 +337,8 @@ def test_report_lists_fp8_gemm_clock_runs_with_the_work_a_clock_against_scaled_m
               [rec("scaled-mm", r, 1100.0, 1375.0) for r in range(3)]
     (tmp_path / "2026-12-06-abc-fp8-gemm-clocks.json").write_text(json.dumps(records))
     text = "\n".join(report.fp8_gemm_clock_tables(str(tmp_path)))
-    assert "GPU G, commit abc, 2026-12-06, M 8192 N 4096 K 7168, medians of 3 rounds of 4 s windows" in text
+    assert ("GPU G, commit abc, 2026-12-06, M 8192 N 4096 K 7168 (fp8_tile_rate's tiles in groups of 8192 rows), "
+            "medians of 3 rounds of 4 s windows") in text  # (records before --group-rows: one group)
     # current: median 880 TFLOP/s at 1600 MHz = 550 a GHz; scaled-mm 1100 at 1375 = 800: 0.6875
     assert "| current | 880 | 1600 | 700 | 550 | 0.688 | 0x4 |" in text
     assert "| scaled-mm | 1100 | 1375 | 700 | 800 | – | 0x4 |" in text
