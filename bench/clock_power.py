@@ -15,8 +15,9 @@ variants and the mok-recompute ones forward+backward only), `mok-py`, `torch-com
 <impl> in that binary, so two builds' clocks and power are sampled in the same rounds; `mok-fp8-py`
 (mok.moe(precision="fp8"), the weights quantized once) and `torch-fp8` (the compiled PyTorch layer with
 rowwise-scaled FP8 GEMMs, bench/torch_fp8.py) as layer_bench runs them; the ceilings `dense` (the
-layer's FLOPs as dense torch.matmul GEMMs, layer_bench's) and `dense-fp8` (the same GEMMs in E4M3
-through torch._scaled_mm, operands quantized beforehand: torch_baseline.dense_fp8_step) — at the
+layer's FLOPs as dense torch.matmul GEMMs, layer_bench's), `dense-fp8` (the same GEMMs in E4M3
+through torch._scaled_mm, operands quantized beforehand: torch_baseline.dense_fp8_step) and
+`dense-fp8-blockwise` (the same with the layer's blockwise recipe, cuBLAS; left out where it cannot run) — at the
 power limit, what the same FLOPs cost the best GEMMs this PyTorch has, in BF16 and in FP8.
 
 In each round, every implementation and pass in turn (rotated every round as layer_bench's are:
@@ -49,7 +50,8 @@ BENCH_IMPLS = ("mok", "mok-fp8", "mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-
 BWD_ONLY = ("mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step", "mok-recompute", "mok-recompute-1block",
             "mok-recompute-2block")
 IMPLS = BENCH_IMPLS + tuple(f"head:{i}" for i in BENCH_IMPLS) + ("mok-py", "mok-fp8-py", "torch-compiled", "torch",
-                                                                  "torch-fp8", "dense", "dense-fp8")
+                                                                  "torch-fp8", "dense", "dense-fp8",
+                                                                  "dense-fp8-blockwise")
 QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 
 
@@ -197,6 +199,14 @@ def main():
                 impls["dense"] = tb.Steps(tb.dense_step(p))
             if "dense-fp8" in args.impls:
                 impls["dense-fp8"] = tb.Steps(tb.dense_fp8_step(p))
+            if "dense-fp8-blockwise" in args.impls:  # (left out, named, where this PyTorch or shape cannot run it)
+                try:
+                    steps = tb.dense_fp8_step(p, recipe="blockwise")
+                    steps["fwd+bwd"]()
+                    torch.cuda.synchronize()
+                    impls["dense-fp8-blockwise"] = tb.Steps(steps)
+                except (RuntimeError, ValueError, AttributeError, NotImplementedError) as e:
+                    print(f"clock_power: {name}: dense-fp8-blockwise left out: {str(e).splitlines()[0][:300]}")
             for prefix, server in servers.items():
                 server.load(name, args.seed, d)
                 for i in args.impls:

@@ -1,6 +1,7 @@
 """One dense E4M3 GEMM, sustained at the power limit: our FP8 mainloops (bench/fp8_tile_rate's
-variants) beside the CUTLASS kernel PyTorch runs for a rowwise-scaled `torch._scaled_mm` and
-beside a BF16 `torch.matmul` of the same shape, each repeated back to back for a window of
+variants) beside the CUTLASS kernel PyTorch runs for a rowwise-scaled `torch._scaled_mm`, beside
+cuBLAS's GEMM with the layer's own blockwise recipe (`torch.nn.functional.scaled_mm`, A per 1 x 128,
+B per 128 x 128: `scaled-mm-blockwise`) and beside a BF16 `torch.matmul` of the same shape, each repeated back to back for a window of
 seconds while nvidia-smi samples the SM clock and the board power.
 
     fp8_gemm_clocks.py --tile-rate build/bench/fp8_tile_rate [--m 8192 --n 4096 --k 7168] [--group-rows 2048]
@@ -37,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 TILE_VARIANTS = ("current", "a-in-regs", "overlapped", "overlap+mc", "narrow", "narrow+bmc", "three-wgs")
-PEERS = ("scaled-mm", "bf16-mm")
+PEERS = ("scaled-mm", "scaled-mm-blockwise", "bf16-mm")
 
 
 def parse_tile_rate(text, name):
@@ -78,7 +79,7 @@ def main():
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--k", type=int, default=7168)
     ap.add_argument("--group-rows", type=int, default=2048, help="fp8_tile_rate's tile order (0: all of M)")
-    ap.add_argument("--impl", default="current,narrow,narrow+bmc,scaled-mm,bf16-mm")
+    ap.add_argument("--impl", default="current,narrow,narrow+bmc,scaled-mm,scaled-mm-blockwise,bf16-mm")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--skip-s", type=float, default=1.0, help="dropped from the start of each window")
     ap.add_argument("--rounds", type=int, default=3)
@@ -111,9 +112,23 @@ def main():
     ones_b = torch.ones(1, N, device="cuda", dtype=torch.float32)
     a16 = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     b16 = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+    F = torch.nn.functional
+    block_a = torch.ones(K // 128, M, device="cuda", dtype=torch.float32).t()  # [M, K/128], M-major
+    block_b = torch.ones(N // 128, K // 128, device="cuda", dtype=torch.float32)  # (K/128: a multiple of 8)
     peers = {"scaled-mm": lambda: torch._scaled_mm(a8, b8.t(), scale_a=ones_a, scale_b=ones_b,
                                                    out_dtype=torch.bfloat16, use_fast_accum=False),
+             "scaled-mm-blockwise": lambda: F.scaled_mm(a8, b8.t(), block_a, F.ScalingType.BlockWise1x128, block_b.t(),
+                                                        F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16),
              "bf16-mm": lambda: torch.matmul(a16, b16)}
+    for name in [i for i in impls if i in PEERS]:  # (one this PyTorch cannot run is left out, named)
+        try:
+            peers[name]()
+            torch.cuda.synchronize()
+        except (RuntimeError, AttributeError, NotImplementedError) as e:
+            print(f"fp8_gemm_clocks: {name} left out: {str(e).splitlines()[0][:300]}")
+            impls.remove(name)
+    if not impls:
+        sys.exit("fp8_gemm_clocks: nothing left to run")
     # fp8_tile_rate: ~0.25 s a repeat at 1000 TFLOP/s, repeats enough to fill the window
     launch_s = flop / 1e15
     iters = max(1, int(0.25 / launch_s))

@@ -411,7 +411,7 @@ def power_tables(results_dir):
     rounds' ratios' median, min–max); where the file has `torch-fp8`, the FP8 layers' time against
     it too (time(torch-fp8) / time(impl), round by round); where it has the ceilings `dense` /
     `dense-fp8`, each layer's share of its precision's ceiling (time(ceiling) / time(impl): the FP8
-    layers and dense-fp8 against dense-fp8, the others against dense; dense-fp8 against dense too)."""
+    layers against dense-fp8, the others against dense; dense-fp8 and dense-fp8-blockwise against dense too)."""
     out, files = newest_files(results_dir, "*-power*.json", [
         "## Sustained at the power limit (bench/clock_power.py)", "",
         "Each implementation repeats one pass back to back, queued as in training, for a few seconds a",
@@ -430,7 +430,7 @@ def power_tables(results_dir):
         impls = {r["impl"] for r in records}
         base_impl = "mok" if "mok" in impls else "mok-py"
         fp8_peer = "torch-fp8" in impls
-        ceilings = bool(impls & {"dense", "dense-fp8"})
+        ceilings = bool(impls & {"dense", "dense-fp8", "dense-fp8-blockwise"})
         out += [f"### {os.path.basename(path)}", "",
                 f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, {len(r0['rounds'])} rounds of "
                 f"{r0['seconds']:g} s windows, PyTorch {r0.get('torch', '?')}", "",
@@ -442,7 +442,8 @@ def power_tables(results_dir):
                 + "---|"]
         base = {(r["preset"], r["pass"]): r for r in records if r["impl"] == base_impl}
         peer = {(r["preset"], r["pass"]): r for r in records if r["impl"] == "torch-fp8"}
-        dense = {(r["impl"], r["preset"], r["pass"]): r for r in records if r["impl"] in ("dense", "dense-fp8")}
+        dense = {(r["impl"], r["preset"], r["pass"]): r for r in records
+                 if r["impl"] in ("dense", "dense-fp8", "dense-fp8-blockwise")}
         fp8 = ("mok-fp8", "mok-fp8-py", "torch-fp8", "mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step")
         for r in records:
             times = [w["ms"] for w in r["rounds"]]
@@ -451,9 +452,9 @@ def power_tables(results_dir):
             if fp8_peer:
                 f = peer.get((r["preset"], r["pass"]))
                 cells.append(ratio(f, r) if f is not None and r["impl"] in ("mok-fp8", "mok-fp8-py") else "–")
-            if ceilings:  # (dense-fp8's own row: against dense, the FP8 GEMMs' gain at the same power)
-                ceiling = "dense" if r["impl"] == "dense-fp8" else "dense-fp8" if r["impl"].split(":")[-1] in fp8 \
-                    else "dense"
+            if ceilings:  # (the FP8 ceilings' own rows: against dense, the FP8 GEMMs' gain at the same power)
+                ceiling = "dense" if r["impl"] in ("dense-fp8", "dense-fp8-blockwise") else "dense-fp8" \
+                    if r["impl"].split(":")[-1] in fp8 else "dense"
                 c = dense.get((ceiling, r["preset"], r["pass"]))
                 cells.append(ratio(c, r) if c is not None and c is not r else "–")
             reasons = sorted({x for w in r["rounds"] for x in w["throttle_reasons"]})

@@ -84,7 +84,7 @@
 # `rates` (what the tensor cores and the FP8 mainloop reach by themselves, bench/NOTES.md): builds and runs
 # bench/mma_rate and bench/fp8_tile_rate (--repeats repeats) into <date>-<commit>-rates.txt; nothing else runs.
 # `fp8clocks`: bench/fp8_gemm_clocks.py — one E4M3 GEMM sustained at the power limit, fp8_tile_rate's
-# current, narrow and narrow+bmc loops beside torch._scaled_mm (rowwise, CUTLASS) and a BF16 matmul
+# current, narrow and narrow+bmc loops beside torch._scaled_mm (rowwise, CUTLASS), the blockwise recipe in cuBLAS and a BF16 matmul
 # (or --impl), --repeats rounds, into <date>-<commit>-fp8-gemm-clocks.json; nothing else runs.
 # `power` (build if missing): bench/clock_power.py — the SM clock, board power, throttle reasons and
 # J/TFLOP while each of --impl (default mok,torch-compiled; mok_bench's mok-fp8, mok-fp8-wgrad, ... too)
@@ -292,7 +292,7 @@ if [ "$part" = fp8clocks ]; then  # one E4M3 GEMM at the power limit: our mainlo
       -DMOK_BUILD_EXAMPLES=OFF && cmake --build build-rates --target fp8_tile_rate -j"$(nproc)"; } \
     > "$LOG/build_rates.log" 2>&1 || { tail -30 "$LOG/build_rates.log"; exit 1; }
   python3 bench/fp8_gemm_clocks.py --tile-rate build-rates/bench/fp8_tile_rate \
-    --impl "${impls:-current,narrow,narrow+bmc,scaled-mm,bf16-mm}" --rounds "$repeats" --commit "$commit" --date "$date" \
+    --impl "${impls:-current,narrow,narrow+bmc,scaled-mm,scaled-mm-blockwise,bf16-mm}" --rounds "$repeats" --commit "$commit" --date "$date" \
     --out "$OUT/${date:0:10}-$commit-fp8-gemm-clocks.json" 2>&1 | tee "$LOG/fp8_gemm_clocks.log" | tail -9
   exit "${PIPESTATUS[0]}"
 fi

@@ -294,13 +294,15 @@ def test_report_power_runs_with_the_dense_ceilings_give_each_layers_share_of_its
     rec = power_record
     (tmp_path / "2026-12-06-abc-power-ceilings.json").write_text(json.dumps(
         [rec("mok-py", [10.0, 10.0, 10.0]), rec("mok-fp8-py", [8.0, 8.0, 8.0]), rec("dense", [9.0, 9.0, 9.0]),
-         rec("dense-fp8", [6.0, 6.0, 6.0])]))
+         rec("dense-fp8", [6.0, 6.0, 6.0]), rec("dense-fp8-blockwise", [7.2, 7.2, 7.2])]))
     text = "\n".join(report.power_tables(str(tmp_path)))
     assert "| × mok-py's speed (min–max) | of the dense ceiling's speed (min–max) | throttle |" in text
     assert "| p | mok-py | fwd | 10.000 (10.000–10.000) | 500 | 1500 | 700 | 1.000 | 333 | – | 0.900 (0.900–0.900) | 0x4 |" in text
     assert "| p | mok-fp8-py | fwd | 8.000 (8.000–8.000) | 500 | 1500 | 700 | 1.000 | 333 | 1.250 (1.250–1.250) | 0.750 (0.750–0.750) | 0x4 |" in text
     assert "| p | dense-fp8 | fwd | 6.000 (6.000–6.000) | 500 | 1500 | 700 | 1.000 | 333 | 1.667 (1.667–1.667) | 1.500 (1.500–1.500) | 0x4 |" in text
     assert "| p | dense | fwd | 9.000 (9.000–9.000) | 500 | 1500 | 700 | 1.000 | 333 | 1.111 (1.111–1.111) | – | 0x4 |" in text
+    # the blockwise FP8 ceiling (the layer's recipe) against dense too: 9 / 7.2
+    assert "| p | dense-fp8-blockwise | fwd | 7.200 (7.200–7.200) | 500 | 1500 | 700 | 1.000 | 333 | 1.389 (1.389–1.389) | 1.250 (1.250–1.250) | 0x4 |" in text
 
 
 def test_fp8_gemm_clocks_reads_fp8_tile_rates_line_of_the_variant_it_ran():
@@ -556,6 +558,44 @@ def test_dense_fp8_ceiling_runs_the_layers_flops_in_e4m3(monkeypatch):
             steps[ps]()
             torch.cuda.synchronize()
             assert sum(flops) == tb.layer_flops(p, ps), (p, ps)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)),
+                    reason="needs a Hopper GPU")
+def test_dense_fp8_blockwise_ceiling_runs_the_layers_flops_in_the_layers_recipe(monkeypatch):
+    """dense_fp8_step(recipe="blockwise"): every GEMM a torch.nn.functional.scaled_mm with A scaled
+    per 1 x 128 ([M, K/128]) and B per 128 x 128 block, together the layer's FLOPs; a shape whose K
+    or N is not a multiple of 128 is refused by name."""
+    import torch_baseline as tb
+
+    F = torch.nn.functional
+    real, flops = F.scaled_mm, []
+
+    def counted(a, b, scale_a, recipe_a, scale_b, recipe_b, **kwargs):
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and a.is_contiguous() and b.t().is_contiguous()
+        assert recipe_a == F.ScalingType.BlockWise1x128 and recipe_b == F.ScalingType.BlockWise128x128
+        assert tuple(scale_a.shape) == (a.shape[0], a.shape[1] // 128) and scale_b.shape[1] == b.shape[1] // 128
+        flops.append(2 * a.shape[0] * a.shape[1] * b.shape[1])
+        return real(a, b, scale_a, recipe_a, scale_b, recipe_b, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_mm", counted)
+    p = dict(small_preset(tokens=128), hidden=256, intermediate=256)  # (K = 256 routed rows in the weight gradients)
+    steps = tb.dense_fp8_step(p, recipe="blockwise")
+    for ps in ("fwd", "fwd+bwd"):
+        flops.clear()
+        steps[ps]()
+        torch.cuda.synchronize()
+        assert sum(flops) == tb.layer_flops(p, ps), ps
+    with pytest.raises(ValueError, match="multiples of 128"):
+        tb.dense_fp8_step(dict(p, intermediate=192), recipe="blockwise")
+
+
+def test_dense_fp8_step_names_an_unknown_recipe():
+    """dense_fp8_step refuses a recipe it does not have before touching a GPU."""
+    import torch_baseline as tb
+
+    with pytest.raises(ValueError, match="recipe 'mxfp8'"):
+        tb.dense_fp8_step(small_preset(), recipe="mxfp8")
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)),
