@@ -467,10 +467,10 @@ def power_tables(results_dir):
 
 
 def fp8_gemm_clock_tables(results_dir):
-    """Markdown sections for bench/fp8_gemm_clocks.py files (`*-fp8-gemm-clocks.json`), newest first:
+    """Markdown sections for bench/fp8_gemm_clocks.py files (`*-fp8-gemm-clocks*.json`), newest first:
     per implementation the medians over its rounds of TFLOP/s, SM clock, power and the work a clock
     (TFLOP/s per SM GHz), and that work against scaled-mm's (the CUTLASS kernel) where the file has it."""
-    out, files = newest_files(results_dir, "*-fp8-gemm-clocks.json", [
+    out, files = newest_files(results_dir, "*-fp8-gemm-clocks*.json", [
         "## One E4M3 GEMM at the power limit: our mainloops beside torch._scaled_mm (bench/fp8_gemm_clocks.py)", "",
         "Each implementation repeats the same dense GEMM back to back for a window while nvidia-smi samples",
         "the SM clock and the board power; at the cap the clock falls until the power fits, so the work a",
