@@ -413,7 +413,9 @@ void run(Params p, int M, int N, int K, int iters, int repeats, int sms, const c
     for (int i = 0; i < iters; ++i) cudaLaunchKernelEx(&config, kernel, p);
   });
   const double tflop = 2.0 * M * N * K * iters / 1e12;  // (ms: ascending)
-  std::printf("%-11s %3d x %3d CTA tiles, %d stages of %2d KB  %7.1f TFLOP/s  [%.1f, %.1f]\n", name, kTileM, kTileN, kStages, static_cast<int>(sizeof(typename St::Stage) / 1024), tflop / (ms[ms.size() / 2] * 1e-3), tflop / (ms.back() * 1e-3), tflop / (ms.front() * 1e-3));
+  std::printf("%-11s %3d x %3d CTA tiles, %d stages of %2d KB  %7.1f TFLOP/s  [%.1f, %.1f]\n", name, kTileM, kTileN,
+              kStages, static_cast<int>(sizeof(typename St::Stage) / 1024), tflop / (ms[ms.size() / 2] * 1e-3),
+              tflop / (ms.back() * 1e-3), tflop / (ms.front() * 1e-3));
 }
 
 }  // namespace
