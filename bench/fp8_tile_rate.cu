@@ -62,6 +62,7 @@
 #include "mok/ptx/wgmma.cuh"
 #include "mok_bench/support.cuh"  // (time_iterations)
 #include "tensor_map.hpp"
+#include "tile_units.hpp"
 
 namespace {
 
@@ -125,13 +126,10 @@ template <typename St, typename F>
 __device__ __forceinline__ void for_each_tile(const Params& p, F&& f) {
   const int rank = cluster_rank<St>();
   constexpr int um = St::kSharesB ? 2 : 1, un = St::kCluster == 2 && !St::kSharesB ? 2 : 1;  // a unit's tiles
-  const int rows = p.group_m / um, cols = p.tiles_n / un;  // a group's units: rows x cols
-  const int units = p.tiles_m / um * cols;
+  const int units = bench::unit_count(p.tiles_m, p.tiles_n, um, un);
   for (int u = blockIdx.x / St::kCluster; u < units; u += gridDim.x / St::kCluster) {
-    const int g = u / (rows * cols), r = u - g * rows * cols;
-    const int m = (g * rows + r % rows) * um + (um == 2 ? rank : 0);
-    const int n = r / rows * un + (un == 2 ? rank : 0);
-    f(m + n * p.tiles_m, m, n);
+    const bench::TileMN t = bench::unit_tile(u, rank, p.tiles_n, p.group_m, um, un);
+    f(t.m + t.n * p.tiles_m, t.m, t.n);
   }
 }
 
