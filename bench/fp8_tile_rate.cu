@@ -25,6 +25,9 @@
 //   narrow+bmc  narrow in 2-CTA clusters taking tiles (2i, j) and (2i + 1, j): each CTA loads
 //               one 64-row half of B multicast into both (B's L2 reads halved), as those
 //               2 x 1 clusters share B
+//   narrow-ss   narrow with A's row scales in shared memory: the producer loads a stage's 128
+//               scales (512 bytes) beside its operands, so a promotion never waits on an L2 load
+//               (the other loops load them one K block ahead, ~250 clocks of MMAs a block here)
 //   three WGs   192 x 128 CTA tiles, three consumer warpgroups of 64 x 128, each promoted as today
 //               (four MMAs into one block accumulator, wait_group 0, promote: 128 registers, so
 //               three fit beside the producer at 160 each): while one warpgroup promotes, two
@@ -91,7 +94,8 @@ struct Params {
 // cluster take the tiles (m, 2j) and (m, 2j + 1) together, each loading one 64-row half of A
 // multicast into both CTAs' stages (A's L2 reads halved) and its own B; with kShareB the tiles
 // (2i, j) and (2i + 1, j), each loading its own A and one 64-row half of B multicast.
-template <int kTileN, int kStageCount, int kClusterSize = 1, int kTileM = 128, bool kShareB = false>
+template <int kTileN, int kStageCount, int kClusterSize = 1, int kTileM = 128, bool kShareB = false,
+          bool kSmemScales = false>
 struct alignas(1024) Storage {
   static constexpr int kStages = kStageCount;
   static constexpr int kN = kTileN;
@@ -100,12 +104,14 @@ struct alignas(1024) Storage {
   static constexpr int kCtaThreads = 128 * (1 + kWarpgroups);
   static constexpr int kCluster = kClusterSize;
   static constexpr bool kSharesB = kShareB;
+  static constexpr bool kScalesInSmem = kSmemScales;  // A's row scales loaded with each stage (narrow-ss)
   static_assert(kClusterSize == 1 || (kTileM == 128 && kTileN == 128));
   static_assert(!kShareB || kClusterSize == 2);
   struct alignas(1024) Stage {
     std::uint8_t a[kTileM * 128];
     std::uint8_t b[kTileN * 128];
   } stages[kStages];
+  float a_scales[kSmemScales ? kStages : 1][kTileM];  // stage i's rows' scales of its K block (kSmemScales)
   PipelineBarriers<kStages> barriers;
 };
 
@@ -147,6 +153,11 @@ __device__ __forceinline__ std::uint32_t peer_empty_barriers(St& s) {
   else return 0;
 }
 
+// The consumers' loop: kLoop 0 the tile's own (current for 128 x 256, overlapped for 128 x 128,
+// promoted64 for 192 x 128), 1 A in registers (128 x 256), 2 promoted64 in step (narrow, 128 x 128),
+// 3 the same with the row scales from shared memory (narrow-ss).
+enum : int { kLoopOfTile = 0, kLoopAInRegs = 1, kLoopInStep = 2, kLoopInStepSmemScales = 3 };
+
 template <typename St>
 __device__ void produce(const Params& p, St& s) {
   constexpr int kTileN = St::kN;
@@ -154,8 +165,12 @@ __device__ void produce(const Params& p, St& s) {
   const int rank = cluster_rank<St>();
   for_each_tile<St>(p, [&](int tile, int m, int n) {
     for (int kb = 0; kb < p.k_blocks; ++kb) {
-      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, tile, St::kM * 128 + kTileN * 128);
+      constexpr std::uint32_t kScaleBytes = St::kScalesInSmem ? St::kM * 4 : 0;
+      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, tile, St::kM * 128 + kTileN * 128 + kScaleBytes);
       auto& st = s.stages[pipe.stage()];
+      if constexpr (kScaleBytes > 0)  // (a K block's scales of the tile's rows: [K / 128, M], contiguous)
+        ptx::bulk_load(s.a_scales[pipe.stage()], p.a_scales + static_cast<long long>(kb) * p.m + m * St::kM, kScaleBytes,
+                       full);
       if constexpr (St::kCluster == 2 && !St::kSharesB)  // (the peer's half lands here too, counted by this barrier)
         ptx::tma_load_2d_multicast(st.a + rank * 64 * 128, &p.a_half, full, kb * 128, m * 128 + rank * 64, 0x3);
       else
@@ -285,6 +300,30 @@ __device__ void mainloop_promoted64(const Params& p, St& s, Pipeline<St::kStages
   }
 }
 
+// mainloop_promoted64 with A's row scales read from the stage (loaded with it by the producer)
+// and B's exponent one block ahead: no promotion waits on an L2 load.
+template <typename St>
+__device__ void mainloop_promoted64_smem_scales(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[64],
+                                                int wg, int task) {
+  const int tid = threadIdx.x % 128, row = wg * 64 + tid / 32 * 16 + tid % 32 / 4;  // this thread's rows: row, row + 8
+  const std::uint32_t peer_empty = peer_empty_barriers(s);
+  float block[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f, block[i] = 0.0f;
+  int e = __ldg(p.b_exponents);
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    const int stage_index = pipe.consumer_wait(p, s.barriers, task);
+    const float a_lo = s.a_scales[stage_index][row], a_hi = s.a_scales[stage_index][row + 8];  // (before the release)
+    const int next_e = kb + 1 < p.k_blocks ? __ldg(p.b_exponents + kb + 1) : 0;
+    issue(s.stages[stage_index], wg, block);
+    ptx::wgmma_wait_group<0>();
+    if (tid == 0) release(s, pipe, stage_index, peer_empty);
+    pipe.consumer_advance();
+    promote(acc, block, a_lo, a_hi, e);
+    e = next_e;
+  }
+}
+
 // The overlapped mainloop of one 64 x 128 warpgroup tile over k_blocks (a multiple of 8).
 template <typename St>
 __device__ void mainloop_overlapped(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[64],
@@ -319,10 +358,6 @@ __device__ void mainloop_overlapped(const Params& p, St& s, Pipeline<St::kStages
   }
 }
 
-// The consumers' loop: kLoop 0 the tile's own (current for 128 x 256, overlapped for 128 x 128,
-// promoted64 for 192 x 128), 1 A in registers (128 x 256), 2 promoted64 in step (narrow, 128 x 128).
-enum : int { kLoopOfTile = 0, kLoopAInRegs = 1, kLoopInStep = 2 };
-
 template <typename St, int kLoop>
 __device__ void consume(const Params& p, St& s, int wg) {
   constexpr int kTileN = St::kN;
@@ -331,7 +366,13 @@ __device__ void consume(const Params& p, St& s, int wg) {
   float total = 0.0f;
   for_each_tile<St>(p, [&](int tile, int m, int) {
     const float* a_rows = p.a_scales + m * St::kM + wg * 64 + warp * 16 + lane / 4;
-    if constexpr (St::kM == 192 || kLoop == kLoopInStep) {
+    if constexpr (kLoop == kLoopInStepSmemScales) {
+      static_assert(St::kScalesInSmem);
+      float acc[64];
+      mainloop_promoted64_smem_scales(p, s, pipe, acc, wg, tile);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) total += acc[i];
+    } else if constexpr (St::kM == 192 || kLoop == kLoopInStep) {
       float acc[64];
       mainloop_promoted64(p, s, pipe, acc, wg, tile, a_rows);
 #pragma unroll
@@ -385,6 +426,7 @@ constexpr const char* variant_name() {
   if (kTileM == 192) return "three-wgs";
   if (kTileN == 256) return kLoop == kLoopAInRegs ? "a-in-regs" : "current";
   if (kLoop == kLoopInStep) return kShareB ? "narrow+bmc" : "narrow";
+  if (kLoop == kLoopInStepSmemScales) return "narrow-ss";
   return kCluster == 2 ? "overlap+mc" : "overlapped";
 }
 
@@ -392,7 +434,7 @@ template <int kTileN, int kStages, int kLoop = kLoopOfTile, int kCluster = 1, in
 void run(Params p, int M, int N, int K, int iters, int repeats, int sms, const char* only, int group_rows) {
   constexpr const char* name = variant_name<kTileN, kLoop, kCluster, kTileM, kShareB>();
   if (only != nullptr && std::strcmp(only, name) != 0) return;
-  using St = Storage<kTileN, kStages, kCluster, kTileM, kShareB>;
+  using St = Storage<kTileN, kStages, kCluster, kTileM, kShareB, kLoop == kLoopInStepSmemScales>;
   M = M / kTileM * kTileM;  // (192-row tiles: M rounded down; the FLOPs counted are this M's)
   p.tiles_m = M / kTileM, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
   // group_m rows of tiles a group: the --group-rows given (a multiple of 256 dividing M), or all of M
@@ -446,11 +488,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   static const char* const kVariants[] = {"current", "a-in-regs", "overlapped", "overlap+mc", "narrow", "narrow+bmc",
-                                          "three-wgs"};
+                                          "narrow-ss", "three-wgs"};
   if (only != nullptr && std::none_of(std::begin(kVariants), std::end(kVariants),
                                       [&](const char* v) { return std::strcmp(v, only) == 0; })) {
     std::fprintf(stderr, "fp8_tile_rate: --only %s: not a variant (current, a-in-regs, overlapped, overlap+mc, "
-                         "narrow, narrow+bmc, three-wgs)\n", only);
+                         "narrow, narrow+bmc, narrow-ss, three-wgs)\n", only);
     return 2;
   }
   int device = 0, sms = 0;
@@ -508,6 +550,7 @@ int main(int argc, char** argv) {
       run<128, 6, kLoopOfTile, 2>(p, M, N, K, iters, repeats, sms, only, group_rows);
       run<128, 6, kLoopInStep>(p, M, N, K, iters, repeats, sms, only, group_rows);
       run<128, 6, kLoopInStep, 2, 128, true>(p, M, N, K, iters, repeats, sms, only, group_rows);
+      run<128, 6, kLoopInStepSmemScales>(p, M, N, K, iters, repeats, sms, only, group_rows);
       if (only == nullptr) run<128, 5, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows);
       run<128, 4, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows);  // (what the forward could keep beside h staging)
     }
