@@ -6,7 +6,7 @@ A per 1 x 128, B per 128 x 128: `scaled-mm-blockwise`) and a BF16 `torch.matmul`
 clock and the board power.
 
     fp8_gemm_clocks.py --tile-rate build/bench/fp8_tile_rate [--m 8192 --n 4096 --k 7168] [--group-rows 2048]
-                       [--impl current,narrow,narrow+bmc,narrow-ss,scaled-mm,scaled-mm-blockwise,bf16-mm]
+                       [--impl current,current-ss,narrow,narrow+bmc,narrow-ss,scaled-mm,scaled-mm-blockwise,bf16-mm]
                        [--seconds 4] [--rounds 3] [--out FILE.json] [--commit SHA] [--date DATE]
 
 Why (bench/NOTES.md, 2026-12-06): at the 700 W cap the layer's FP8 forward runs at ~1650 MHz and
@@ -15,7 +15,8 @@ at the cap the clock falls until the power fits, so the work a clock is what a k
 decides. This says whether our mainloop alone (no layer around it) already trails that kernel a
 clock, and which tile structure closes the gap: `current` is the layer's (128 x 256 tiles),
 `narrow` the CUTLASS kernel's (128 x 128, promoted in step), `narrow+bmc` with its 2-CTA clusters
-sharing B, `narrow-ss` with A's row scales loaded into shared memory with each stage. The tile
+sharing B, `narrow-ss` and `current-ss` with A's row scales loaded into shared memory with each
+stage (as CUTLASS's Hopper blockwise kernel loads them). The tile
 variants run as `fp8_tile_rate --only NAME` (their TFLOP/s its median of repeats; the window the
 process's run after --skip-s, which covers its start and the ramp); the PyTorch GEMMs run here (one
 this PyTorch cannot run is left out, named). All E4M3 operands hold fp8_tile_rate's bytes (the power
@@ -39,7 +40,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-TILE_VARIANTS = ("current", "a-in-regs", "overlapped", "overlap+mc", "narrow", "narrow+bmc", "narrow-ss", "three-wgs")
+TILE_VARIANTS = ("current", "a-in-regs", "current-ss", "overlapped", "overlap+mc", "narrow", "narrow+bmc", "narrow-ss",
+                 "three-wgs")
 PEERS = ("scaled-mm", "scaled-mm-blockwise", "bf16-mm")
 
 
@@ -81,7 +83,7 @@ def main():
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--k", type=int, default=7168)
     ap.add_argument("--group-rows", type=int, default=2048, help="fp8_tile_rate's tile order (0: all of M)")
-    ap.add_argument("--impl", default="current,narrow,narrow+bmc,narrow-ss,scaled-mm,scaled-mm-blockwise,bf16-mm")
+    ap.add_argument("--impl", default="current,current-ss,narrow,narrow+bmc,narrow-ss,scaled-mm,scaled-mm-blockwise,bf16-mm")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--skip-s", type=float, default=1.0, help="dropped from the start of each window")
     ap.add_argument("--rounds", type=int, default=3)

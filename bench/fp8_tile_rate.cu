@@ -28,6 +28,9 @@
 //   narrow-ss   narrow with A's row scales in shared memory: the producer loads a stage's 128
 //               scales (512 bytes) beside its operands, so a promotion never waits on an L2 load
 //               (the other loops load them one K block ahead, ~250 clocks of MMAs a block here)
+//   current-ss  current (mainloop_fp8's pattern, a copy here) with the row scales in shared memory
+//               as narrow-ss: what the layer's FP8 mainloops would gain from it (CUTLASS's Hopper
+//               blockwise kernel loads its scales so)
 //   three WGs   192 x 128 CTA tiles, three consumer warpgroups of 64 x 128, each promoted as today
 //               (four MMAs into one block accumulator, wait_group 0, promote: 128 registers, so
 //               three fit beside the producer at 160 each): while one warpgroup promotes, two
@@ -155,8 +158,8 @@ __device__ __forceinline__ std::uint32_t peer_empty_barriers(St& s) {
 
 // The consumers' loop: kLoop 0 the tile's own (current for 128 x 256, overlapped for 128 x 128,
 // promoted64 for 192 x 128), 1 A in registers (128 x 256), 2 promoted64 in step (narrow, 128 x 128),
-// 3 the same with the row scales from shared memory (narrow-ss).
-enum : int { kLoopOfTile = 0, kLoopAInRegs = 1, kLoopInStep = 2, kLoopInStepSmemScales = 3 };
+// 3 the same with the row scales from shared memory (narrow-ss), 4 current's with them so (current-ss).
+enum : int { kLoopOfTile = 0, kLoopAInRegs = 1, kLoopInStep = 2, kLoopInStepSmemScales = 3, kLoopSmemScales = 4 };
 
 template <typename St>
 __device__ void produce(const Params& p, St& s) {
@@ -324,6 +327,47 @@ __device__ void mainloop_promoted64_smem_scales(const Params& p, St& s, Pipeline
   }
 }
 
+// mainloop_fp8's pattern (per K block and N half of 128: four MMAs into block, wait_group 0,
+// promote) with A's row scales read from the stage, loaded with it by the producer.
+template <typename St>
+__device__ void mainloop_wide_smem_scales(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[128],
+                                          int wg, int task) {
+  const int tid = threadIdx.x % 128, row = wg * 64 + tid / 32 * 16 + tid % 32 / 4;  // this thread's rows: row, row + 8
+  float block[64];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) block[i] = 0.0f;
+  int e = __ldg(p.b_exponents);
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    const int stage_index = pipe.consumer_wait(p, s.barriers, task);
+    const float a_lo = s.a_scales[stage_index][row], a_hi = s.a_scales[stage_index][row + 8];  // (before the release)
+    const int next_e = kb + 1 < p.k_blocks ? __ldg(p.b_exponents + kb + 1) : 0;
+    const auto& st = s.stages[stage_index];
+    const std::uint32_t desc_a = ptx::wgmma_descriptor_sw128_lo(st.a + wg * 64 * 128);
+    const float b_scale = exp2_int(e);
+    const float scale[2] = {a_lo * b_scale, a_hi * b_scale};  // (formed while the MMAs run)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(st.b + half * 128 * 128);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
+      ptx::wgmma_commit_group();
+      ptx::wgmma_wait_group<0>();
+      ptx::wgmma_fence_operands(block);
+      if (half == 1) {
+        if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
+        pipe.consumer_advance();
+      }
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
+    }
+    e = next_e;
+  }
+}
+
 // The overlapped mainloop of one 64 x 128 warpgroup tile over k_blocks (a multiple of 8).
 template <typename St>
 __device__ void mainloop_overlapped(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[64],
@@ -381,6 +425,7 @@ __device__ void consume(const Params& p, St& s, int wg) {
       float acc[128];
       const Fp8TaskScales sc{p.a_scales + m * 128 + wg * 64, p.m, {p.b_exponents, p.b_exponents}};
       if constexpr (kLoop == kLoopAInRegs) mainloop_rs(p, s, pipe, acc, wg, tile, a_rows);
+      else if constexpr (kLoop == kLoopSmemScales) mainloop_wide_smem_scales(p, s, pipe, acc, wg, tile);
       else mainloop_fp8(p, s, pipe, acc, p.k_blocks, wg, tile, sc);
 #pragma unroll
       for (int i = 0; i < 128; ++i) total += acc[i];
@@ -424,7 +469,7 @@ __global__ void __launch_bounds__(St::kCtaThreads, 1) tile_kernel(const __grid_c
 template <int kTileN, int kLoop, int kCluster, int kTileM, bool kShareB>
 constexpr const char* variant_name() {
   if (kTileM == 192) return "three-wgs";
-  if (kTileN == 256) return kLoop == kLoopAInRegs ? "a-in-regs" : "current";
+  if (kTileN == 256) return kLoop == kLoopAInRegs ? "a-in-regs" : kLoop == kLoopSmemScales ? "current-ss" : "current";
   if (kLoop == kLoopInStep) return kShareB ? "narrow+bmc" : "narrow";
   if (kLoop == kLoopInStepSmemScales) return "narrow-ss";
   return kCluster == 2 ? "overlap+mc" : "overlapped";
@@ -434,7 +479,8 @@ template <int kTileN, int kStages, int kLoop = kLoopOfTile, int kCluster = 1, in
 void run(Params p, int M, int N, int K, int iters, int repeats, int sms, const char* only, int group_rows) {
   constexpr const char* name = variant_name<kTileN, kLoop, kCluster, kTileM, kShareB>();
   if (only != nullptr && std::strcmp(only, name) != 0) return;
-  using St = Storage<kTileN, kStages, kCluster, kTileM, kShareB, kLoop == kLoopInStepSmemScales>;
+  using St = Storage<kTileN, kStages, kCluster, kTileM, kShareB,
+                     kLoop == kLoopInStepSmemScales || kLoop == kLoopSmemScales>;
   M = M / kTileM * kTileM;  // (192-row tiles: M rounded down; the FLOPs counted are this M's)
   p.tiles_m = M / kTileM, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
   // group_m rows of tiles a group: the --group-rows given (a multiple of 256 dividing M), or all of M
@@ -487,12 +533,12 @@ int main(int argc, char** argv) {
                  group_rows, M);
     return 2;
   }
-  static const char* const kVariants[] = {"current", "a-in-regs", "overlapped", "overlap+mc", "narrow", "narrow+bmc",
-                                          "narrow-ss", "three-wgs"};
+  static const char* const kVariants[] = {"current", "a-in-regs", "current-ss", "overlapped", "overlap+mc", "narrow",
+                                          "narrow+bmc", "narrow-ss", "three-wgs"};
   if (only != nullptr && std::none_of(std::begin(kVariants), std::end(kVariants),
                                       [&](const char* v) { return std::strcmp(v, only) == 0; })) {
-    std::fprintf(stderr, "fp8_tile_rate: --only %s: not a variant (current, a-in-regs, overlapped, overlap+mc, "
-                         "narrow, narrow+bmc, narrow-ss, three-wgs)\n", only);
+    std::fprintf(stderr, "fp8_tile_rate: --only %s: not a variant (current, a-in-regs, current-ss, overlapped, "
+                         "overlap+mc, narrow, narrow+bmc, narrow-ss, three-wgs)\n", only);
     return 2;
   }
   int device = 0, sms = 0;
@@ -542,6 +588,7 @@ int main(int argc, char** argv) {
     for (int round = 0; round < (only != nullptr ? 1 : 2); ++round) {
       run<256, 4>(p, M, N, K, iters, repeats, sms, only, group_rows);
       run<256, 4, kLoopAInRegs>(p, M, N, K, iters, repeats, sms, only, group_rows);
+      run<256, 4, kLoopSmemScales>(p, M, N, K, iters, repeats, sms, only, group_rows);
       if (only == nullptr) {  // (stage counts the --only runs leave out)
         run<128, 4>(p, M, N, K, iters, repeats, sms, only, group_rows);
         run<128, 7>(p, M, N, K, iters, repeats, sms, only, group_rows);

@@ -294,11 +294,11 @@ if [ "$part" = fp8clocks ]; then  # one E4M3 GEMM at the power limit: our mainlo
     > "$LOG/build_rates.log" 2>&1 || { tail -30 "$LOG/build_rates.log"; exit 1; }
   rc=0
   python3 bench/fp8_gemm_clocks.py --tile-rate build-rates/bench/fp8_tile_rate \
-    --impl "${impls:-current,narrow,narrow+bmc,narrow-ss,scaled-mm,scaled-mm-blockwise,bf16-mm}" --rounds "$repeats" --commit "$commit" --date "$date" \
+    --impl "${impls:-current,current-ss,narrow,narrow+bmc,narrow-ss,scaled-mm,scaled-mm-blockwise,bf16-mm}" --rounds "$repeats" --commit "$commit" --date "$date" \
     --out "$OUT/${date:0:10}-$commit-fp8-gemm-clocks.json" 2>&1 | tee "$LOG/fp8_gemm_clocks.log" | tail -10
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   # the same loops in the order of the runs before 2026-12-06 (all of M one group): what the order costs them
-  python3 bench/fp8_gemm_clocks.py --tile-rate build-rates/bench/fp8_tile_rate --impl current,narrow,narrow-ss --group-rows 0 \
+  python3 bench/fp8_gemm_clocks.py --tile-rate build-rates/bench/fp8_tile_rate --impl current,current-ss,narrow,narrow-ss --group-rows 0 \
     --rounds "$repeats" --commit "$commit" --date "$date" --out "$OUT/${date:0:10}-$commit-fp8-gemm-clocks-onegroup.json" 2>&1 |
     tee "$LOG/fp8_gemm_clocks_onegroup.log" | tail -4
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1

@@ -2,7 +2,7 @@
 # Hardware counters of bench/fp8_tile_rate's FP8 mainloop variants (Nsight Compute, clocks left
 # alone; one launch of each, after a warm-up launch): what each waits on, how busy the tensor pipe,
 # shared memory and L2 are. On a Hopper machine with ncu:
-#   OUT=<dir> scripts/ncu_tile_rate.sh [--build DIR] [--variants current,a_in_regs,overlapped,overlap_mc,narrow,narrow_bmc,narrow_ss,three]
+#   OUT=<dir> scripts/ncu_tile_rate.sh [--build DIR] [--variants current,a_in_regs,current_ss,overlapped,overlap_mc,narrow,narrow_bmc,narrow_ss,three]
 # builds fp8_tile_rate if DIR lacks it, and writes per variant $OUT/ncu-tile-<variant>.txt (the
 # details page), -raw.txt (every metric), -stalls.txt (the warp-stall metrics) and -sass.csv (the
 # source page: each SASS instruction's executions and stall samples), then prints a
@@ -34,6 +34,7 @@ fi
 declare -A variants=(
   [current]='regex:tile_kernel.*StorageILi256ELi4ELi1ELi128ELb0ELb0EEELi0E'
   [a_in_regs]='regex:tile_kernel.*StorageILi256ELi4ELi1ELi128ELb0ELb0EEELi1E'
+  [current_ss]='regex:tile_kernel.*StorageILi256ELi4ELi1ELi128ELb0ELb1EEELi4E'
   [overlapped]='regex:tile_kernel.*StorageILi128ELi4ELi1ELi128ELb0ELb0EEELi0E'
   [overlap_mc]='regex:tile_kernel.*StorageILi128ELi6ELi2ELi128ELb0ELb0EEELi0E'
   [narrow]='regex:tile_kernel.*StorageILi128ELi6ELi1ELi128ELb0ELb0EEELi2E'
