@@ -1,6 +1,6 @@
 """One dense E4M3 GEMM, sustained at the power limit: our FP8 mainloops (bench/fp8_tile_rate's
-variants) beside the CUTLASS kernel PyTorch runs for a rowwise-scaled `torch._scaled_mm`
-(`scaled-mm`), cuBLAS's GEMM with the layer's own blockwise recipe (`torch.nn.functional.scaled_mm`,
+variants) beside PyTorch's rowwise-scaled `torch._scaled_mm` (`scaled-mm`: CUTLASS's kernel or
+cuBLAS's by PyTorch's build; each record names the kernels it ran), cuBLAS's GEMM with the layer's own blockwise recipe (`torch.nn.functional.scaled_mm`,
 A per 1 x 128, B per 128 x 128: `scaled-mm-blockwise`) and a BF16 `torch.matmul` of the same shape
 (`bf16-mm`), each repeated back to back for a window of seconds while nvidia-smi samples the SM
 clock and the board power.
@@ -14,7 +14,7 @@ Why (bench/NOTES.md, 2026-12-06): at the 700 W cap the layer's FP8 forward runs 
 at the cap the clock falls until the power fits, so the work a clock is what a kernel's structure
 decides. This says whether our mainloop alone (no layer around it) already trails that kernel a
 clock, and which tile structure closes the gap: `current` is the layer's (128 x 256 tiles),
-`narrow` the CUTLASS kernel's (128 x 128, promoted in step), `narrow+bmc` with its 2-CTA clusters
+`narrow` the structure of PyTorch's CUTLASS path (128 x 128, promoted in step), `narrow+bmc` with its 2-CTA clusters
 sharing B, `narrow-ss` and `current-ss` with A's row scales loaded into shared memory with each
 stage (as CUTLASS's Hopper blockwise kernel loads them). The tile
 variants run as `fp8_tile_rate --only NAME` (their TFLOP/s its median of repeats; the window the
@@ -31,6 +31,7 @@ throttle reasons, and TFLOP/s per SM GHz (the work a clock).
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -60,20 +61,59 @@ def tile_bytes(m, k, torch):
     return (((i * 2654435761) >> 13) & 0x77).to(torch.uint8).view(torch.float8_e4m3fn).view(m, k)
 
 
-def timed_loop(fn, seconds, batch=20):
-    """Runs fn back to back for `seconds`; the median ms of one call over batches of `batch`."""
+def timed_loop(fn, seconds, skip_s, batch=20):
+    """Runs fn back to back for `seconds`; the median ms of one call over the batches of `batch`
+    calls that began after the first skip_s (the window the clock samples describe)."""
     import torch
 
     times, start = [], time.monotonic()
     while time.monotonic() - start < seconds:
+        began = time.monotonic() - start
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(batch):
             fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) / batch)
+        if began >= skip_s:
+            times.append(a.elapsed_time(b) / batch)
     return statistics.median(times)
+
+
+def kernel_names(fn):
+    """The CUDA kernels one call of fn launches (torch.profiler), or ["?"] if it cannot say: which
+    library's GEMM a PyTorch call ran (rowwise _scaled_mm is CUTLASS's or cuBLAS's by build)."""
+    import torch
+
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        names = sorted({e.key for e in prof.key_averages() if "cuda" in str(getattr(e, "device_type", "")).lower()})
+        return names or ["?"]
+    except Exception as e:  # (a diagnostic: never the reason a run stops)
+        return [f"? ({type(e).__name__})"]
+
+
+def run_tile_variant(args, impl, M, N, K, iters, repeats, warmup):
+    """fp8_tile_rate --only impl: (its median TFLOP/s over the repeats after `warmup` untimed ones,
+    when its warm-up began). Exits naming the variant if it fails."""
+    cmd = [args.tile_rate, "--only", impl, "--m", str(M), "--n", str(N), "--k", str(K), "--iters", str(iters),
+           "--repeats", str(repeats), "--group-rows", str(args.group_rows), "--warmup", str(warmup)]
+    began, out = None, []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:  # (the "timing" line: the process's set-up is over)
+            if line.startswith("timing ") and began is None:
+                began = datetime.datetime.now()
+            out.append(line)
+        rc = proc.wait(timeout=120)
+    text = "".join(out)
+    tflops = parse_tile_rate(text, impl)
+    if rc != 0 or tflops is None or began is None:
+        sys.exit(f"fp8_gemm_clocks: fp8_tile_rate --only {impl} failed ({rc}): {text[-600:]}")
+    return tflops, began
 
 
 def main():
@@ -100,6 +140,8 @@ def main():
         sys.exit(f"fp8_gemm_clocks: --tile-rate '{args.tile_rate}' is not an executable fp8_tile_rate")
     if args.m % 256 or args.n % 256 or args.k % 1024:
         sys.exit(f"fp8_gemm_clocks: --m {args.m} and --n {args.n} must be multiples of 256, --k {args.k} of 1024")
+    if args.group_rows < 0 or args.group_rows % 256 or (args.group_rows and args.m % args.group_rows):
+        sys.exit(f"fp8_gemm_clocks: --group-rows {args.group_rows}: a multiple of 256 that divides --m {args.m}, or 0")
     if args.seconds <= args.skip_s or args.rounds < 1:
         sys.exit(f"fp8_gemm_clocks: --seconds ({args.seconds}) must exceed --skip-s ({args.skip_s}), --rounds >= 1")
     import torch
@@ -128,40 +170,39 @@ def main():
         try:
             peers[name]()
             torch.cuda.synchronize()
-        except (RuntimeError, AttributeError, NotImplementedError) as e:
+        except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as e:
             print(f"fp8_gemm_clocks: {name} left out: {str(e).splitlines()[0][:300]}")
             impls.remove(name)
+    kernels = {name: kernel_names(peers[name]) for name in impls if name in PEERS}
+    for name, ks in kernels.items():
+        print(f"fp8_gemm_clocks: {name} runs {', '.join(ks)}")
     if not impls:
         sys.exit("fp8_gemm_clocks: nothing left to run")
-    # fp8_tile_rate: ~0.25 s a repeat at 1000 TFLOP/s, repeats enough to fill the window
+    # fp8_tile_rate: ~0.25 s a repeat at 1000 TFLOP/s; untimed ones for the first skip_s (the window's
+    # ramp, dropped from the clock samples too), timed ones for the rest
     launch_s = flop / 1e15
     iters = max(1, int(0.25 / launch_s))
-    repeats = max(3, int(args.seconds / 0.25))
+    warmup = max(1, math.ceil(args.skip_s / 0.25))
+    repeats = max(3, int((args.seconds - args.skip_s) / 0.25))
     gpu = torch.cuda.get_device_name(0)
     sampler = Sampler(smi_index(torch.cuda.current_device()), args.interval_ms)
     records = []
     try:
         for r in range(args.rounds):
             for impl, _ in round_order([(i, "gemm") for i in impls], r):  # (rotated: each first once)
-                start = datetime.datetime.now()
                 if impl in PEERS:
-                    ms = timed_loop(peers[impl], args.seconds)
+                    start = datetime.datetime.now()
+                    ms = timed_loop(peers[impl], args.seconds, args.skip_s)
                     tflops = flop / (ms * 1e-3) / 1e12
                 else:
-                    run = subprocess.run([args.tile_rate, "--only", impl, "--m", str(M), "--n", str(N), "--k", str(K),
-                                          "--iters", str(iters), "--repeats", str(repeats),
-                                          "--group-rows", str(args.group_rows)],
-                                         capture_output=True, text=True, timeout=120)
-                    tflops = parse_tile_rate(run.stdout, impl)
-                    if run.returncode != 0 or tflops is None:
-                        sys.exit(f"fp8_gemm_clocks: fp8_tile_rate --only {impl} failed ({run.returncode}): "
-                                 f"{(run.stdout + run.stderr)[-600:]}")
+                    tflops, start = run_tile_variant(args, impl, M, N, K, iters, repeats, warmup)
                 end = datetime.datetime.now()
                 time.sleep(2 * args.interval_ms / 1e3)  # (the window's last samples written)
                 stats = window_stats(sampler.samples(), start, end, args.skip_s)
                 if stats is None:
                     sys.exit(f"fp8_gemm_clocks: no nvidia-smi sample in {impl}'s window")
-                rec = dict(impl=impl, round=r, m=M, n=N, k=K, group_rows=args.group_rows, tflops=tflops,
+                rec = dict(impl=impl, round=r, m=M, n=N, k=K, group_rows=args.group_rows, kernels=kernels.get(impl),
+                           tflops=tflops,
                            tflops_per_ghz=tflops / (stats["sm_mhz"] / 1e3), **stats, seconds=args.seconds,
                            skip_s=args.skip_s, gpu=gpu, commit=args.commit, date=args.date, torch=torch.__version__)
                 records.append(rec)

@@ -19,7 +19,7 @@
 //               overlapped loop ran with L2 85 % busy, ncu)
 //   narrow      128 x 128 CTA tiles, two warpgroups of 64 x 128 promoted in step as current is (four
 //               MMAs into one block accumulator, wait_group 0, promote): the structure of the
-//               CUTLASS kernel behind PyTorch's rowwise-scaled torch._scaled_mm on large shapes
+//               CUTLASS kernel PyTorch can run for a rowwise-scaled torch._scaled_mm on large shapes
 //               (cooperative, 128 x 128 x 128 tiles, partial sums promoted every 128 K, 2 x 1
 //               clusters), which at the 700 W cap ran 1.55-1.58x dense BF16 (2026-12-06)
 //   narrow+bmc  narrow in 2-CTA clusters taking tiles (2i, j) and (2i + 1, j): each CTA loads
@@ -37,8 +37,10 @@
 //               can keep the tensor cores busy. Stages of A 24 KB + B 16 KB (11 % more bytes a
 //               FLOP than current); M rounded down to a multiple of 192.
 //
-//   fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R] [--only NAME] [--group-rows G]
+//   fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R] [--only NAME] [--group-rows G] [--warmup W]
 //
+// --warmup W untimed repeats before the timed ones (default 1; fp8_gemm_clocks.py passes enough to
+// cover the power controller's ramp, so that the median describes the clock window it samples).
 // --group-rows G orders the tiles as the layer orders an expert's of G rows (for_each_tile; the
 // three-WGs variant's 192-row tiles keep one group); 0 (the default, every run before 2026-12-06)
 // is one group of all M rows.
@@ -476,7 +478,7 @@ constexpr const char* variant_name() {
 }
 
 template <int kTileN, int kStages, int kLoop = kLoopOfTile, int kCluster = 1, int kTileM = 128, bool kShareB = false>
-void run(Params p, int M, int N, int K, int iters, int repeats, int sms, const char* only, int group_rows) {
+void run(Params p, int M, int N, int K, int iters, int repeats, int sms, const char* only, int group_rows, int warmup) {
   constexpr const char* name = variant_name<kTileN, kLoop, kCluster, kTileM, kShareB>();
   if (only != nullptr && std::strcmp(only, name) != 0) return;
   using St = Storage<kTileN, kStages, kCluster, kTileM, kShareB,
@@ -495,7 +497,11 @@ void run(Params p, int M, int N, int K, int iters, int repeats, int sms, const c
   cluster.val.clusterDim.x = kCluster, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
   config.gridDim = dim3(sms / kCluster * kCluster), config.blockDim = dim3(St::kCtaThreads), config.dynamicSmemBytes = smem;
   config.attrs = &cluster, config.numAttrs = 1;
-  const std::vector<float> ms = mok_bench::time_iterations(1, repeats, nullptr, [&] {
+  if (only != nullptr) {  // (bench/fp8_gemm_clocks.py starts its clock window here: after the process's set-up)
+    std::printf("timing %s\n", name);
+    std::fflush(stdout);
+  }
+  const std::vector<float> ms = mok_bench::time_iterations(warmup, repeats, nullptr, [&] {
     for (int i = 0; i < iters; ++i) cudaLaunchKernelEx(&config, kernel, p);
   });
   const double tflop = 2.0 * M * N * K * iters / 1e12;  // (ms: ascending)
@@ -510,6 +516,7 @@ int main(int argc, char** argv) {
   int M = 8192, N = 4096, K = 7168, iters = 10, repeats = 5;
   const char* only = nullptr;
   int group_rows = 0;  // 0: all of M one group
+  int warmup = 1;      // untimed repeats first
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--m")) M = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--n")) N = std::atoi(argv[i + 1]);
@@ -518,9 +525,11 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--repeats")) repeats = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--only")) only = argv[i + 1];
     else if (!std::strcmp(argv[i], "--group-rows")) group_rows = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--warmup")) warmup = std::atoi(argv[i + 1]);
     else {
       std::fprintf(stderr,
-                   "usage: fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R] [--only NAME] [--group-rows G]\n");
+                   "usage: fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R] [--only NAME] [--group-rows G] "
+                   "[--warmup W]\n");
       return 2;
     }
   }
@@ -586,20 +595,20 @@ int main(int argc, char** argv) {
   p.sink = sink;
   try {  // (time_iterations throws mok::Error on a CUDA error)
     for (int round = 0; round < (only != nullptr ? 1 : 2); ++round) {
-      run<256, 4>(p, M, N, K, iters, repeats, sms, only, group_rows);
-      run<256, 4, kLoopAInRegs>(p, M, N, K, iters, repeats, sms, only, group_rows);
-      run<256, 4, kLoopSmemScales>(p, M, N, K, iters, repeats, sms, only, group_rows);
+      run<256, 4>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      run<256, 4, kLoopAInRegs>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      run<256, 4, kLoopSmemScales>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       if (only == nullptr) {  // (stage counts the --only runs leave out)
-        run<128, 4>(p, M, N, K, iters, repeats, sms, only, group_rows);
-        run<128, 7>(p, M, N, K, iters, repeats, sms, only, group_rows);
+        run<128, 4>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+        run<128, 7>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       }
-      run<128, 6>(p, M, N, K, iters, repeats, sms, only, group_rows);
-      run<128, 6, kLoopOfTile, 2>(p, M, N, K, iters, repeats, sms, only, group_rows);
-      run<128, 6, kLoopInStep>(p, M, N, K, iters, repeats, sms, only, group_rows);
-      run<128, 6, kLoopInStep, 2, 128, true>(p, M, N, K, iters, repeats, sms, only, group_rows);
-      run<128, 6, kLoopInStepSmemScales>(p, M, N, K, iters, repeats, sms, only, group_rows);
-      if (only == nullptr) run<128, 5, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows);
-      run<128, 4, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows);  // (what the forward could keep beside h staging)
+      run<128, 6>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      run<128, 6, kLoopOfTile, 2>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      run<128, 6, kLoopInStep>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      run<128, 6, kLoopInStep, 2, 128, true>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      run<128, 6, kLoopInStepSmemScales>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      if (only == nullptr) run<128, 5, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      run<128, 4, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);  // (what the forward could keep beside h staging)
     }
   } catch (const mok::Error& e) {
     std::fprintf(stderr, "fp8_tile_rate: %s\n", e.what());

@@ -469,13 +469,13 @@ def power_tables(results_dir):
 def fp8_gemm_clock_tables(results_dir):
     """Markdown sections for bench/fp8_gemm_clocks.py files (`*-fp8-gemm-clocks*.json`), newest first:
     per implementation the medians over its rounds of TFLOP/s, SM clock, power and the work a clock
-    (TFLOP/s per SM GHz), and that work against scaled-mm's (the CUTLASS kernel) where the file has it."""
+    (TFLOP/s per SM GHz), and that work against scaled-mm's (PyTorch's rowwise FP8 GEMM) where the file has it."""
     out, files = newest_files(results_dir, "*-fp8-gemm-clocks*.json", [
         "## One E4M3 GEMM at the power limit: our mainloops beside torch._scaled_mm (bench/fp8_gemm_clocks.py)", "",
         "Each implementation repeats the same dense GEMM back to back for a window while nvidia-smi samples",
         "the SM clock and the board power; at the cap the clock falls until the power fits, so the work a",
         "clock (TFLOP/s per SM GHz) is what the kernel's structure decides. current is the layer's FP8",
-        "mainloop (128 x 256 tiles), narrow the structure of the CUTLASS kernel behind scaled-mm."])
+        "mainloop (128 x 256 tiles), narrow the structure of PyTorch's CUTLASS path for scaled-mm."])
     for path, records in files:
         if not records:
             continue
@@ -497,6 +497,8 @@ def fp8_gemm_clock_tables(results_dir):
             ratio = f"{m['tflops_per_ghz'] / peer['tflops_per_ghz']:.3f}" if peer and i != "scaled-mm" else "–"
             out.append(f"| {i} | {m['tflops']:.0f} | {m['sm_mhz']:.0f} | {m['power_w']:.0f} | {m['tflops_per_ghz']:.0f} | "
                        f"{ratio} | {' '.join(x.replace('0x000000000000000', '0x') for x in reasons)} |")
+        kernels = {r["impl"]: r["kernels"] for r in records if r.get("kernels")}  # (the PyTorch GEMMs' kernels)
+        out += [""] + [f"- {i} ran {', '.join(f'`{k}`' for k in ks)}" for i, ks in kernels.items()]
         out.append("")
     return out
 

@@ -366,7 +366,7 @@ def dense_fp8_step(p, seed=2, recipe="rowwise"):
     The same FLOPs as the layer; no quantization inside the timing. bf16 out, no fast accumulation
     (partial sums promoted to fp32, as the layer's). recipe "rowwise": torch._scaled_mm with fp32
     scales per row of A and per column of B (A row-major, B column-major) — the fastest FP8 GEMM of
-    that accuracy PyTorch offers on sm_90 (CUTLASS). "blockwise": torch.nn.functional.scaled_mm with
+    that accuracy PyTorch offers on sm_90 (CUTLASS's or cuBLAS's by PyTorch's build). "blockwise": torch.nn.functional.scaled_mm with
     the layer's own recipe (DeepSeek-V3's: A scaled per 1 x 128 of K, B per 128 x 128 block; cuBLAS
     on sm_90 from CUDA 12.9) — scales of one, A's [M, K/128] M-major, B's [N/128, K/128] with K/128
     padded to a multiple of 4 as cuBLAS wants; the weight-gradient GEMMs scale their B (an

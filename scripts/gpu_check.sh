@@ -84,9 +84,10 @@
 # `rates` (what the tensor cores and the FP8 mainloop reach by themselves, bench/NOTES.md): builds and runs
 # bench/mma_rate and bench/fp8_tile_rate (--repeats repeats) into <date>-<commit>-rates.txt; nothing else runs.
 # `fp8clocks`: bench/fp8_gemm_clocks.py — one E4M3 GEMM sustained at the power limit, fp8_tile_rate's
-# current, narrow and narrow+bmc loops beside torch._scaled_mm (rowwise, CUTLASS), the blockwise recipe in cuBLAS and a BF16 matmul
-# (or --impl), --repeats rounds, tiles in the layer's 2048-row groups, into <date>-<commit>-fp8-gemm-clocks.json,
-# then current and narrow in the old order (one group) into -fp8-gemm-clocks-onegroup.json; nothing else runs.
+# current, current-ss, narrow, narrow+bmc and narrow-ss loops beside torch._scaled_mm (rowwise), the blockwise
+# recipe in cuBLAS and a BF16 matmul (or --impl), --repeats rounds, tiles in the layer's 2048-row groups, into
+# <date>-<commit>-fp8-gemm-clocks.json, then current, current-ss, narrow and narrow-ss in the old order (one
+# group) into -fp8-gemm-clocks-onegroup.json; nothing else runs.
 # `power` (build if missing): bench/clock_power.py — the SM clock, board power, throttle reasons and
 # J/TFLOP while each of --impl (default mok,torch-compiled; mok_bench's mok-fp8, mok-fp8-wgrad, ... too)
 # repeats each --pass, on --presets (default mixtral-8x7b,deepseek-v3), --repeats windows each, into
@@ -288,19 +289,19 @@ if [ "$part" = phases ]; then  # a diagnostic build of its own: nothing else run
   exit "$rc"
 fi
 
-if [ "$part" = fp8clocks ]; then  # one E4M3 GEMM at the power limit: our mainloops beside torch._scaled_mm's CUTLASS kernel
+if [ "$part" = fp8clocks ]; then  # one E4M3 GEMM at the power limit: our mainloops beside torch._scaled_mm
   { cmake -S . -B build-rates -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_PYTHON=OFF -DMOK_BUILD_TESTS=OFF \
       -DMOK_BUILD_EXAMPLES=OFF && cmake --build build-rates --target fp8_tile_rate -j"$(nproc)"; } \
     > "$LOG/build_rates.log" 2>&1 || { tail -30 "$LOG/build_rates.log"; exit 1; }
   rc=0
   python3 bench/fp8_gemm_clocks.py --tile-rate build-rates/bench/fp8_tile_rate \
     --impl "${impls:-current,current-ss,narrow,narrow+bmc,narrow-ss,scaled-mm,scaled-mm-blockwise,bf16-mm}" --rounds "$repeats" --commit "$commit" --date "$date" \
-    --out "$OUT/${date:0:10}-$commit-fp8-gemm-clocks.json" 2>&1 | tee "$LOG/fp8_gemm_clocks.log" | tail -10
+    --out "$OUT/${date:0:10}-$commit-fp8-gemm-clocks.json" 2>&1 | tee "$LOG/fp8_gemm_clocks.log" | tail -14
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   # the same loops in the order of the runs before 2026-12-06 (all of M one group): what the order costs them
   python3 bench/fp8_gemm_clocks.py --tile-rate build-rates/bench/fp8_tile_rate --impl current,current-ss,narrow,narrow-ss --group-rows 0 \
     --rounds "$repeats" --commit "$commit" --date "$date" --out "$OUT/${date:0:10}-$commit-fp8-gemm-clocks-onegroup.json" 2>&1 |
-    tee "$LOG/fp8_gemm_clocks_onegroup.log" | tail -4
+    tee "$LOG/fp8_gemm_clocks_onegroup.log" | tail -7
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   exit "$rc"
 fi

@@ -316,13 +316,40 @@ def test_fp8_gemm_clocks_reads_fp8_tile_rates_line_of_the_variant_it_ran():
     assert fp8_gemm_clocks.parse_tile_rate(text, "current") is None
 
 
+def test_fp8_gemm_clocks_runs_a_tile_variant_and_starts_its_window_at_the_timing_line(tmp_path):
+    """run_tile_variant: passes the variant, shape, tile order and warm-up to fp8_tile_rate, returns
+    the variant's median TFLOP/s and the moment its "timing" line came (the clock window's start,
+    after the process's set-up); a run that fails or prints no such line stops naming the variant."""
+    import argparse
+    import datetime
+
+    fake = tmp_path / "fp8_tile_rate"
+    fake.write_text("#!/bin/sh\n"
+                    "echo \"$@\" > \"$(dirname \"$0\")/argv\"\n"
+                    "sleep 0.3\n"
+                    "echo 'timing narrow-ss'\n"
+                    "echo 'narrow-ss   128 x 128 CTA tiles, 6 stages of 32 KB    987.6 TFLOP/s  [950.0, 990.0]'\n")
+    fake.chmod(0o755)
+    args = argparse.Namespace(tile_rate=str(fake), group_rows=2048)
+    before = datetime.datetime.now()
+    tflops, began = fp8_gemm_clocks.run_tile_variant(args, "narrow-ss", 8192, 4096, 7168, 500, 12, 4)
+    assert tflops == 987.6 and (began - before).total_seconds() >= 0.25
+    assert (tmp_path / "argv").read_text().split() == [
+        "--only", "narrow-ss", "--m", "8192", "--n", "4096", "--k", "7168", "--iters", "500", "--repeats", "12",
+        "--group-rows", "2048", "--warmup", "4"]
+    fake.write_text("#!/bin/sh\necho 'narrow   128 x 128 CTA tiles, 6 stages of 32 KB    987.6 TFLOP/s  [1, 2]'\n")
+    with pytest.raises(SystemExit, match="fp8_tile_rate --only narrow failed"):
+        fp8_gemm_clocks.run_tile_variant(args, "narrow", 8192, 4096, 7168, 500, 12, 4)
+
+
 def test_fp8_gemm_clocks_refuses_unknown_implementations_and_shapes():
     """The harness names a bad --impl, a missing fp8_tile_rate and a shape the tile bench cannot run
     before it touches a GPU."""
     script = os.path.join(ROOT, "bench", "fp8_gemm_clocks.py")
     for argv, message in ((["--impl", "cutlass"], "--impl cutlass"),
                           (["--impl", "narrow", "--tile-rate", "/nonexistent"], "--tile-rate '/nonexistent'"),
-                          (["--impl", "scaled-mm", "--m", "1000"], "--m 1000")):
+                          (["--impl", "scaled-mm", "--m", "1000"], "--m 1000"),
+                          (["--impl", "scaled-mm", "--group-rows", "3000"], "--group-rows 3000")):
         run = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True)
         assert run.returncode != 0 and message in run.stderr, (argv, run.stderr)
 
@@ -336,7 +363,7 @@ def test_report_lists_fp8_gemm_clock_runs_with_the_work_a_clock_against_scaled_m
                     power_w_max=705.0, throttle_reasons=["0x0000000000000004"], seconds=4.0, skip_s=1.0, gpu="G",
                     commit="abc", date="2026-12-06", torch="2.11")
     records = [rec("current", r, t, 1600.0) for r, t in enumerate((800.0, 960.0, 880.0))] + \
-              [rec("scaled-mm", r, 1100.0, 1375.0) for r in range(3)]
+              [dict(rec("scaled-mm", r, 1100.0, 1375.0), kernels=["sm90_xmma_gemm_e4m3"]) for r in range(3)]
     (tmp_path / "2026-12-06-abc-fp8-gemm-clocks.json").write_text(json.dumps(records))
     text = "\n".join(report.fp8_gemm_clock_tables(str(tmp_path)))
     assert ("GPU G, commit abc, 2026-12-06, M 8192 N 4096 K 7168 (fp8_tile_rate's tiles in groups of 8192 rows), "
@@ -344,6 +371,7 @@ def test_report_lists_fp8_gemm_clock_runs_with_the_work_a_clock_against_scaled_m
     # current: median 880 TFLOP/s at 1600 MHz = 550 a GHz; scaled-mm 1100 at 1375 = 800: 0.6875
     assert "| current | 880 | 1600 | 700 | 550 | 0.688 | 0x4 |" in text
     assert "| scaled-mm | 1100 | 1375 | 700 | 800 | – | 0x4 |" in text
+    assert "- scaled-mm ran `sm90_xmma_gemm_e4m3`" in text and "- current ran" not in text  # (which library ran)
     assert report.fp8_gemm_clock_tables(str(tmp_path / "nothing")) == []
 
 
