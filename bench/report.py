@@ -498,7 +498,8 @@ def fp8_gemm_clock_tables(results_dir):
             out.append(f"| {i} | {m['tflops']:.0f} | {m['sm_mhz']:.0f} | {m['power_w']:.0f} | {m['tflops_per_ghz']:.0f} | "
                        f"{ratio} | {' '.join(x.replace('0x000000000000000', '0x') for x in reasons)} |")
         kernels = {r["impl"]: r["kernels"] for r in records if r.get("kernels")}  # (the PyTorch GEMMs' kernels)
-        out += [""] + [f"- {i} ran {', '.join(f'`{k}`' for k in ks)}" for i, ks in kernels.items()]
+        if kernels:
+            out += [""] + [f"- {i} ran {', '.join(f'`{k}`' for k in ks)}" for i, ks in kernels.items()]
         out.append("")
     return out
 
