@@ -206,7 +206,7 @@ def main():
                            tflops_per_ghz=tflops / (stats["sm_mhz"] / 1e3), **stats, seconds=args.seconds,
                            skip_s=args.skip_s, gpu=gpu, commit=args.commit, date=args.date, torch=torch.__version__)
                 records.append(rec)
-                print(f"round {r}  {impl:<11} {tflops:7.1f} TFLOP/s  {stats['sm_mhz']:5.0f} MHz  {stats['power_w']:4.0f} W"
+                print(f"round {r}  {impl:<19} {tflops:7.1f} TFLOP/s  {stats['sm_mhz']:5.0f} MHz  {stats['power_w']:4.0f} W"
                       f"  {rec['tflops_per_ghz']:6.1f} TFLOP/s a GHz", flush=True)
                 if args.out:
                     with open(args.out, "w") as f:
@@ -215,11 +215,11 @@ def main():
         sampler.close()
     print(f"\n{gpu}, E4M3 GEMM M {M} N {N} K {K} (tile groups of {args.group_rows or M} rows), "
           f"medians of {args.rounds} rounds")
-    print(f"{'impl':<11} {'TFLOP/s':>8} {'SM MHz':>7} {'W':>5} {'TFLOP/s a GHz':>14}  throttle")
+    print(f"{'impl':<19} {'TFLOP/s':>8} {'SM MHz':>7} {'W':>5} {'TFLOP/s a GHz':>14}  throttle")
     for impl in impls:
         rs = [x for x in records if x["impl"] == impl]
         reasons = sorted({t for x in rs for t in x["throttle_reasons"]})
-        print(f"{impl:<11} {statistics.median(x['tflops'] for x in rs):8.1f} "
+        print(f"{impl:<19} {statistics.median(x['tflops'] for x in rs):8.1f} "
               f"{statistics.median(x['sm_mhz'] for x in rs):7.0f} {statistics.median(x['power_w'] for x in rs):5.0f} "
               f"{statistics.median(x['tflops_per_ghz'] for x in rs):14.1f}  {' '.join(reasons)}")
 
