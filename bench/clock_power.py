@@ -205,7 +205,7 @@ def main():
                     steps["fwd+bwd"]()
                     torch.cuda.synchronize()
                     impls["dense-fp8-blockwise"] = tb.Steps(steps)
-                except (RuntimeError, ValueError, AttributeError, NotImplementedError) as e:
+                except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as e:
                     print(f"clock_power: {name}: dense-fp8-blockwise left out: {str(e).splitlines()[0][:300]}")
             for prefix, server in servers.items():
                 server.load(name, args.seed, d)

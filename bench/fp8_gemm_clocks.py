@@ -146,6 +146,7 @@ def main():
         sys.exit(f"fp8_gemm_clocks: --seconds ({args.seconds}) must exceed --skip-s ({args.skip_s}), --rounds >= 1")
     import torch
 
+    import torch_baseline as tb
     from clock_power import Sampler, smi_index, window_stats
     from rounds import round_order
 
@@ -154,17 +155,9 @@ def main():
     M, N, K = args.m, args.n, args.k
     flop = 2.0 * M * N * K
     a8, b8 = tile_bytes(M, K, torch), tile_bytes(N, K, torch)
-    ones_a = torch.ones(M, 1, device="cuda", dtype=torch.float32)
-    ones_b = torch.ones(1, N, device="cuda", dtype=torch.float32)
     a16 = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     b16 = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
-    F = torch.nn.functional
-    block_a = torch.ones(K // 128, M, device="cuda", dtype=torch.float32).t()  # [M, K/128], M-major
-    block_b = torch.ones(N // 128, K // 128, device="cuda", dtype=torch.float32)  # (K/128: a multiple of 8)
-    peers = {"scaled-mm": lambda: torch._scaled_mm(a8, b8.t(), scale_a=ones_a, scale_b=ones_b,
-                                                   out_dtype=torch.bfloat16, use_fast_accum=False),
-             "scaled-mm-blockwise": lambda: F.scaled_mm(a8, b8.t(), block_a, F.ScalingType.BlockWise1x128, block_b.t(),
-                                                        F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16),
+    peers = {"scaled-mm": tb.fp8_gemm(a8, b8, "rowwise"), "scaled-mm-blockwise": tb.fp8_gemm(a8, b8, "blockwise"),
              "bf16-mm": lambda: torch.matmul(a16, b16)}
     for name in [i for i in impls if i in PEERS]:  # (one this PyTorch cannot run is left out, named)
         try:

@@ -231,41 +231,59 @@ __device__ __forceinline__ void load_a_fragments(const std::uint8_t* tile, std::
 }
 
 // The scales of K block kb — this thread's two A rows' and B's exponent — or zeros past the last
-// block: the mainloops below load them one block ahead, as mainloop_fp8 does.
+// block: the mainloops below load them one block ahead, as mainloop_fp8 does. With kSmemScales the
+// A rows' come with the stage instead (stage_scales, once it has landed): only B's is loaded here.
 struct BlockScales {
   float a_lo, a_hi;
   int e;
 };
+template <bool kSmemScales>
 __device__ __forceinline__ BlockScales block_scales(const Params& p, const float* a_rows, int kb) {
   if (kb >= p.k_blocks) return {0.0f, 0.0f, 0};
-  return {__ldcg(a_rows + kb * p.m), __ldcg(a_rows + kb * p.m + 8), __ldg(p.b_exponents + kb)};
+  if constexpr (kSmemScales) return {0.0f, 0.0f, __ldg(p.b_exponents + kb)};
+  else return {__ldcg(a_rows + kb * p.m), __ldcg(a_rows + kb * p.m + 8), __ldg(p.b_exponents + kb)};
+}
+// Warpgroup wg's thread's A row scales from stage `index` (St::kScalesInSmem; read before its release).
+template <typename St>
+__device__ __forceinline__ void stage_scales(const St& s, int index, int wg, BlockScales& scales) {
+  const int tid = threadIdx.x % 128, row = wg * 64 + tid / 32 * 16 + tid % 32 / 4;  // this thread's rows: row, row + 8
+  scales.a_lo = s.a_scales[index][row], scales.a_hi = s.a_scales[index][row + 8];
 }
 
-// mainloop_fp8's pattern (halves of 128 columns, four MMAs into block, wait, promote) with this
-// warpgroup's A of a stage loaded once into registers and read by both halves' MMAs (RS form):
-// A's shared-memory reads halved. Timing only (the fragment layout is not checked here).
-template <typename St>
-__device__ void mainloop_rs(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[128], int wg, int task,
-                            const float* a_rows) {
+// mainloop_fp8's pattern (per K block and N half of 128: four MMAs into block, wait_group 0,
+// promote), the scale product formed before the MMAs complete; kAInRegs: this warpgroup's A of a
+// stage loaded once into registers and read by both halves' MMAs (RS form: A's shared-memory reads
+// halved; timing only, the fragment layout is not checked here); St::kScalesInSmem: A's row scales
+// from the stage (current-ss). Timing only.
+template <typename St, bool kAInRegs>
+__device__ void mainloop_wide(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[128], int wg, int task,
+                              const float* a_rows) {
   const int tid = threadIdx.x % 128;
   float block[64];
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
 #pragma unroll
   for (int i = 0; i < 64; ++i) block[i] = 0.0f;
-  BlockScales scales = block_scales(p, a_rows, 0);
+  BlockScales scales = block_scales<St::kScalesInSmem>(p, a_rows, 0);
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    const BlockScales next = block_scales(p, a_rows, kb + 1);
+    if constexpr (St::kScalesInSmem) stage_scales(s, stage_index, wg, scales);
+    const BlockScales next = block_scales<St::kScalesInSmem>(p, a_rows, kb + 1);
     const auto& st = s.stages[stage_index];
+    const std::uint32_t desc_a = ptx::wgmma_descriptor_sw128_lo(st.a + wg * 64 * 128);
     std::uint32_t a[4][4];
-    load_a_fragments(st.a + wg * 64 * 128, a);
+    if constexpr (kAInRegs) load_a_fragments(st.a + wg * 64 * 128, a);
+    const float b_scale = exp2_int(scales.e);
+    const float scale[2] = {scales.a_lo * b_scale, scales.a_hi * b_scale};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(st.b + half * 128 * 128);
       ptx::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) ptx::wgmma_m64n128k32_e4m3_rs(block, a[kk], desc_b + KMajor::kDescStep * kk, kk != 0);
+      for (int kk = 0; kk < 4; ++kk) {
+        if constexpr (kAInRegs) ptx::wgmma_m64n128k32_e4m3_rs(block, a[kk], desc_b + KMajor::kDescStep * kk, kk != 0);
+        else ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
+      }
       ptx::wgmma_commit_group();
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(block);
@@ -273,8 +291,6 @@ __device__ void mainloop_rs(const Params& p, St& s, Pipeline<St::kStages>& pipe,
         if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
         pipe.consumer_advance();
       }
-      const float b_scale = exp2_int(scales.e);
-      const float scale[2] = {scales.a_lo * b_scale, scales.a_hi * b_scale};
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
     }
@@ -283,7 +299,8 @@ __device__ void mainloop_rs(const Params& p, St& s, Pipeline<St::kStages>& pipe,
 }
 
 // One 64 x 128 warpgroup tile promoted as the kernels promote (per 128-K block four MMAs into
-// block, wait_group 0, release the stage, acc += block * scales; the scales one block ahead).
+// block, wait_group 0, release the stage, acc += block * scales; the scales one block ahead, or
+// A's from the stage with St::kScalesInSmem: narrow-ss).
 template <typename St>
 __device__ void mainloop_promoted64(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[64], int wg,
                                     int task, const float* a_rows) {
@@ -292,81 +309,17 @@ __device__ void mainloop_promoted64(const Params& p, St& s, Pipeline<St::kStages
   float block[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f, block[i] = 0.0f;
-  BlockScales scales = block_scales(p, a_rows, 0);
+  BlockScales scales = block_scales<St::kScalesInSmem>(p, a_rows, 0);
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    const BlockScales next = block_scales(p, a_rows, kb + 1);
+    if constexpr (St::kScalesInSmem) stage_scales(s, stage_index, wg, scales);
+    const BlockScales next = block_scales<St::kScalesInSmem>(p, a_rows, kb + 1);
     issue(s.stages[stage_index], wg, block);
     ptx::wgmma_wait_group<0>();
     if (tid == 0) release(s, pipe, stage_index, peer_empty);
     pipe.consumer_advance();
     promote(acc, block, scales.a_lo, scales.a_hi, scales.e);
     scales = next;
-  }
-}
-
-// mainloop_promoted64 with A's row scales read from the stage (loaded with it by the producer)
-// and B's exponent one block ahead: no promotion waits on an L2 load.
-template <typename St>
-__device__ void mainloop_promoted64_smem_scales(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[64],
-                                                int wg, int task) {
-  const int tid = threadIdx.x % 128, row = wg * 64 + tid / 32 * 16 + tid % 32 / 4;  // this thread's rows: row, row + 8
-  const std::uint32_t peer_empty = peer_empty_barriers(s);
-  float block[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.0f, block[i] = 0.0f;
-  int e = __ldg(p.b_exponents);
-  for (int kb = 0; kb < p.k_blocks; ++kb) {
-    const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    const float a_lo = s.a_scales[stage_index][row], a_hi = s.a_scales[stage_index][row + 8];  // (before the release)
-    const int next_e = kb + 1 < p.k_blocks ? __ldg(p.b_exponents + kb + 1) : 0;
-    issue(s.stages[stage_index], wg, block);
-    ptx::wgmma_wait_group<0>();
-    if (tid == 0) release(s, pipe, stage_index, peer_empty);
-    pipe.consumer_advance();
-    promote(acc, block, a_lo, a_hi, e);
-    e = next_e;
-  }
-}
-
-// mainloop_fp8's pattern (per K block and N half of 128: four MMAs into block, wait_group 0,
-// promote) with A's row scales read from the stage, loaded with it by the producer.
-template <typename St>
-__device__ void mainloop_wide_smem_scales(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[128],
-                                          int wg, int task) {
-  const int tid = threadIdx.x % 128, row = wg * 64 + tid / 32 * 16 + tid % 32 / 4;  // this thread's rows: row, row + 8
-  float block[64];
-#pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 64; ++i) block[i] = 0.0f;
-  int e = __ldg(p.b_exponents);
-  for (int kb = 0; kb < p.k_blocks; ++kb) {
-    const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    const float a_lo = s.a_scales[stage_index][row], a_hi = s.a_scales[stage_index][row + 8];  // (before the release)
-    const int next_e = kb + 1 < p.k_blocks ? __ldg(p.b_exponents + kb + 1) : 0;
-    const auto& st = s.stages[stage_index];
-    const std::uint32_t desc_a = ptx::wgmma_descriptor_sw128_lo(st.a + wg * 64 * 128);
-    const float b_scale = exp2_int(e);
-    const float scale[2] = {a_lo * b_scale, a_hi * b_scale};  // (formed while the MMAs run)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(st.b + half * 128 * 128);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
-      ptx::wgmma_commit_group();
-      ptx::wgmma_wait_group<0>();
-      ptx::wgmma_fence_operands(block);
-      if (half == 1) {
-        if (tid == 0) pipe.consumer_release(s.barriers, stage_index);
-        pipe.consumer_advance();
-      }
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
-    }
-    e = next_e;
   }
 }
 
@@ -412,13 +365,7 @@ __device__ void consume(const Params& p, St& s, int wg) {
   float total = 0.0f;
   for_each_tile<St>(p, [&](int tile, int m, int) {
     const float* a_rows = p.a_scales + m * St::kM + wg * 64 + warp * 16 + lane / 4;
-    if constexpr (kLoop == kLoopInStepSmemScales) {
-      static_assert(St::kScalesInSmem);
-      float acc[64];
-      mainloop_promoted64_smem_scales(p, s, pipe, acc, wg, tile);
-#pragma unroll
-      for (int i = 0; i < 64; ++i) total += acc[i];
-    } else if constexpr (St::kM == 192 || kLoop == kLoopInStep) {
+    if constexpr (St::kM == 192 || kLoop == kLoopInStep || kLoop == kLoopInStepSmemScales) {
       float acc[64];
       mainloop_promoted64(p, s, pipe, acc, wg, tile, a_rows);
 #pragma unroll
@@ -426,8 +373,8 @@ __device__ void consume(const Params& p, St& s, int wg) {
     } else if constexpr (kTileN == 256) {
       float acc[128];
       const Fp8TaskScales sc{p.a_scales + m * 128 + wg * 64, p.m, {p.b_exponents, p.b_exponents}};
-      if constexpr (kLoop == kLoopAInRegs) mainloop_rs(p, s, pipe, acc, wg, tile, a_rows);
-      else if constexpr (kLoop == kLoopSmemScales) mainloop_wide_smem_scales(p, s, pipe, acc, wg, tile);
+      if constexpr (kLoop == kLoopAInRegs || kLoop == kLoopSmemScales)
+        mainloop_wide<St, kLoop == kLoopAInRegs>(p, s, pipe, acc, wg, tile, a_rows);
       else mainloop_fp8(p, s, pipe, acc, p.k_blocks, wg, tile, sc);
 #pragma unroll
       for (int i = 0; i < 128; ++i) total += acc[i];

@@ -360,17 +360,35 @@ def dense_step(p, seed=2):
     return {"fwd": fwd, "fwd+bwd": fwd_bwd}
 
 
+def fp8_gemm(a, b_rows, recipe="rowwise"):
+    """A closure of a [M, K] @ b_rows [N, K]^T in E4M3 into bf16, no fast accumulation (b_rows.t() is
+    the column-major B the GEMMs take), with scales of one: "rowwise" torch._scaled_mm, fp32 scales
+    per row of A and column of B; "blockwise" torch.nn.functional.scaled_mm with the layer's recipe
+    (A per 1 x 128 of K: [M, K/128] M-major; B per 128 x 128 block: [N/128, K/128] with K/128 padded
+    to a multiple of 4, as cuBLAS wants). Raises ValueError for a blockwise K or N not a multiple of 128."""
+    M, K, N = a.shape[0], a.shape[1], b_rows.shape[0]
+    if recipe == "rowwise":
+        scale_a = torch.ones(M, 1, device="cuda", dtype=torch.float32)
+        scale_b = torch.ones(1, N, device="cuda", dtype=torch.float32)
+        return lambda: torch._scaled_mm(a, b_rows.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                                        use_fast_accum=False)
+    if K % 128 or N % 128:
+        raise ValueError(f"fp8_gemm: the blockwise recipe needs K and N multiples of 128 (a GEMM of "
+                         f"M {M}, N {N}, K {K})")
+    F = torch.nn.functional
+    scale_a = torch.ones(K // 128, M, device="cuda", dtype=torch.float32).t()  # [M, K/128], M-major
+    scale_b = torch.ones(N // 128, -(-K // 512) * 4, device="cuda", dtype=torch.float32)  # [N/128, K/128 padded]
+    return lambda: F.scaled_mm(a, b_rows.t(), scale_a, F.ScalingType.BlockWise1x128, scale_b.t(),
+                               F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+
+
 def dense_fp8_step(p, seed=2, recipe="rowwise"):
-    """{pass: fn} of the dense FP8 ceiling: dense_step's GEMMs in E4M3, each operand quantized and
-    transposed as its GEMM needs it beforehand — the backward's weight gradients too (K = the rows).
-    The same FLOPs as the layer; no quantization inside the timing. bf16 out, no fast accumulation
-    (partial sums promoted to fp32, as the layer's). recipe "rowwise": torch._scaled_mm with fp32
-    scales per row of A and per column of B (A row-major, B column-major) — the fastest FP8 GEMM of
-    that accuracy PyTorch offers on sm_90 (CUTLASS's or cuBLAS's by PyTorch's build). "blockwise": torch.nn.functional.scaled_mm with
-    the layer's own recipe (DeepSeek-V3's: A scaled per 1 x 128 of K, B per 128 x 128 block; cuBLAS
-    on sm_90 from CUDA 12.9) — scales of one, A's [M, K/128] M-major, B's [N/128, K/128] with K/128
-    padded to a multiple of 4 as cuBLAS wants; the weight-gradient GEMMs scale their B (an
-    activation there) per 128 x 128 block too."""
+    """{pass: fn} of the dense FP8 ceiling: dense_step's GEMMs in E4M3 (fp8_gemm, `recipe`: "rowwise",
+    the fastest FP8 GEMM of the layer's accuracy PyTorch offers on sm_90 — CUTLASS's or cuBLAS's by
+    PyTorch's build —, or "blockwise", the layer's own recipe through cuBLAS), each operand quantized
+    and transposed as its GEMM needs it beforehand — the backward's weight gradients too (K = the
+    rows; their B, an activation there, scaled per 128 x 128 block in the blockwise recipe). The same
+    FLOPs as the layer; no quantization inside the timing."""
     if recipe not in ("rowwise", "blockwise"):
         raise ValueError(f"dense_fp8_step: recipe {recipe!r}: 'rowwise' or 'blockwise'")
     T, H, k = p["tokens"], p["hidden"], p["top_k"]
@@ -378,20 +396,7 @@ def dense_fp8_step(p, seed=2, recipe="rowwise"):
     e4m3 = lambda *s: (torch.rand(*s, device="cuda", generator=gen) - 0.5).to(torch.float8_e4m3fn)
 
     def gemm(a, b_rows):
-        """a [M, K] @ b_rows[N, K]^T in E4M3 (b_rows.t() is the column-major B the GEMMs take)."""
-        M, K, N = a.shape[0], a.shape[1], b_rows.shape[0]
-        if recipe == "rowwise":
-            scale_a = torch.ones(M, 1, device="cuda", dtype=torch.float32)
-            scale_b = torch.ones(1, N, device="cuda", dtype=torch.float32)
-            return lambda: torch._scaled_mm(a, b_rows.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
-        if K % 128 or N % 128:
-            raise ValueError(f"dense_fp8_step: the blockwise recipe needs K and N multiples of 128 (a GEMM of "
-                             f"M {M}, N {N}, K {K})")
-        F = torch.nn.functional
-        scale_a = torch.ones(K // 128, M, device="cuda", dtype=torch.float32).t()  # [M, K/128], M-major
-        scale_b = torch.ones(N // 128, -(-K // 512) * 4, device="cuda", dtype=torch.float32)  # [N/128, K/128 padded]
-        return lambda: F.scaled_mm(a, b_rows.t(), scale_a, F.ScalingType.BlockWise1x128, scale_b.t(),
-                                   F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+        return fp8_gemm(a, b_rows, recipe)
 
     chains = [(T * k, p["intermediate"])] + ([(T, p["shared_intermediate"])] if p["shared_intermediate"] else [])
     forward, backward = [], []
