@@ -2,21 +2,29 @@
 # Hardware counters of bench/fp8_tile_rate's FP8 mainloop variants (Nsight Compute, clocks left
 # alone; one launch of each, after a warm-up launch): what each waits on, how busy the tensor pipe,
 # shared memory and L2 are. On a Hopper machine with ncu:
-#   OUT=<dir> scripts/ncu_tile_rate.sh [--build DIR] [--variants current,a_in_regs,current_ss,overlapped,overlap_mc,narrow,narrow_bmc,narrow_ss,three]
+#   OUT=<dir> scripts/ncu_tile_rate.sh [--build DIR] [--group-rows G] [--peers]
+#                                      [--variants current,a_in_regs,current_ss,overlapped,overlap_mc,narrow,narrow_bmc,narrow_ss,three]
 # builds fp8_tile_rate if DIR lacks it, and writes per variant $OUT/ncu-tile-<variant>.txt (the
 # details page), -raw.txt (every metric), -stalls.txt (the warp-stall metrics) and -sass.csv (the
 # source page: each SASS instruction's executions and stall samples), then prints a
-# summary per variant; $OUT/ncu-tile.tgz holds the files.
+# summary per variant; $OUT/ncu-tile.tgz holds the files. --group-rows G: fp8_tile_rate's tile order
+# (the layer's inside experts of G rows; default 0, all of M one group). --peers: also cuBLAS's
+# blockwise-recipe GEMM of the same shape (torch.nn.functional.scaled_mm through
+# bench/torch_baseline.fp8_gemm; its kernel a peer we compare against), as variant `cublas_blockwise`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/ncu_out}"
 build=build-rates
 list=current,a_in_regs,overlapped,overlap_mc
+group_rows=0
+peers=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build="$2"; shift ;;
     --variants) list="$2"; shift ;;
-    *) echo "usage: ncu_tile_rate.sh [--build DIR] [--variants LIST]"; exit 2 ;;
+    --group-rows) group_rows="$2"; shift ;;
+    --peers) peers=1 ;;
+    *) echo "usage: ncu_tile_rate.sh [--build DIR] [--group-rows G] [--peers] [--variants LIST]"; exit 2 ;;
   esac
   shift
 done
@@ -42,11 +50,26 @@ declare -A variants=(
   [narrow_ss]='regex:tile_kernel.*StorageILi128ELi6ELi1ELi128ELb0ELb1EEELi3E'
   [three]='regex:tile_kernel.*StorageILi128ELi4ELi1ELi192ELb0ELb0EEELi0E'
 )
+variants[cublas_blockwise]='regex:nvjet'
+[ "$peers" = 1 ] && list="$list,cublas_blockwise"
+peer_script="import sys; sys.path.insert(0, 'bench')
+import torch, torch_baseline as tb
+a = (torch.rand(8192, 7168, device='cuda') - 0.5).to(torch.float8_e4m3fn)
+b = (torch.rand(4096, 7168, device='cuda') - 0.5).to(torch.float8_e4m3fn)
+f = tb.fp8_gemm(a, b, 'blockwise')
+for _ in range(3): f()
+torch.cuda.synchronize()"
 rc=0
 for v in ${list//,/ }; do
   rep="$(mktemp -d)/ncu-tile-$v"
+  if [ "$v" = cublas_blockwise ]; then
+    cmd=(python3 -c "$peer_script")
+  else
+    cmd=("$build/bench/fp8_tile_rate" --only "$(echo "$v" | sed 's/_in_/-in-/; s/_ss/-ss/; s/overlap_mc/overlap+mc/; s/narrow_bmc/narrow+bmc/; s/^three$/three-wgs/')" \
+         --iters 2 --repeats 1 --warmup 1 --group-rows "$group_rows")
+  fi
   "$ncu_bin" --clock-control none --kernel-name-base mangled -k "${variants[$v]}" --launch-skip 1 --launch-count 1 \
-    --set full -f -o "$rep" "$build/bench/fp8_tile_rate" --iters 2 --repeats 1 \
+    --set full -f -o "$rep" "${cmd[@]}" \
     > "$OUT/ncu-tile-$v.log" 2>&1 || { echo "ncu failed on $v:"; tail -20 "$OUT/ncu-tile-$v.log"; rc=1; continue; }
   "$ncu_bin" --import "$rep.ncu-rep" --page details > "$OUT/ncu-tile-$v.txt" 2>&1
   "$ncu_bin" --import "$rep.ncu-rep" --page raw > "$OUT/ncu-tile-$v-raw.txt" 2>&1
