@@ -41,8 +41,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-TILE_VARIANTS = ("current", "a-in-regs", "current-ss", "overlapped", "overlap+mc", "narrow", "narrow+bmc", "narrow-ss",
-                 "three-wgs")
+TILE_VARIANTS = ("current", "a-in-regs", "current-ss", "current-ord", "current-ss-ord", "overlapped", "overlap+mc",
+                 "narrow", "narrow+bmc", "narrow-ss", "narrow-ss-ord", "three-wgs")
 PEERS = ("scaled-mm", "scaled-mm-blockwise", "bf16-mm")
 
 

@@ -31,6 +31,15 @@
 //   current-ss  current (mainloop_fp8's pattern, a copy here) with the row scales in shared memory
 //               as narrow-ss: what the layer's FP8 mainloops would gain from it (CUTLASS's Hopper
 //               blockwise kernel loads its scales so)
+//   current-ord, current-ss-ord, narrow-ss-ord
+//               current, current-ss and narrow-ss with the two warpgroups' MMA batches in a fixed
+//               alternation: warpgroup 0 waits at a named barrier of both warpgroups before it issues
+//               each batch, warpgroup 1 arrives there after issuing its own, so the batches reach the
+//               tensor cores as 1, 0, 1, 0, ... and one warpgroup promotes while the other's batch runs
+//               (without it both issue together, complete together and promote together, the tensor
+//               cores idle). Nsight Compute's SASS of cuBLAS's blockwise kernel (2026-12-06: 128 x 128
+//               tiles, 6 stages, ~0.83 TFLOP/s a MHz against our 0.65) shows this: a 256-thread
+//               bar.sync before one warpgroup's QGMMAs and after the other's, once a K block.
 //   three WGs   192 x 128 CTA tiles, three consumer warpgroups of 64 x 128, each promoted as today
 //               (four MMAs into one block accumulator, wait_group 0, promote: 128 registers, so
 //               three fit beside the producer at 160 each): while one warpgroup promotes, two
@@ -161,7 +170,41 @@ __device__ __forceinline__ std::uint32_t peer_empty_barriers(St& s) {
 // The consumers' loop: kLoop 0 the tile's own (current for 128 x 256, overlapped for 128 x 128,
 // promoted64 for 192 x 128), 1 A in registers (128 x 256), 2 promoted64 in step (narrow, 128 x 128),
 // 3 the same with the row scales from shared memory (narrow-ss), 4 current's with them so (current-ss).
-enum : int { kLoopOfTile = 0, kLoopAInRegs = 1, kLoopInStep = 2, kLoopInStepSmemScales = 3, kLoopSmemScales = 4 };
+// 5-7: current, current-ss and narrow-ss with the warpgroups' batches alternating (mma_order_*).
+enum : int {
+  kLoopOfTile = 0,
+  kLoopAInRegs = 1,
+  kLoopInStep = 2,
+  kLoopInStepSmemScales = 3,
+  kLoopSmemScales = 4,
+  kLoopOrdered = 5,
+  kLoopSmemScalesOrdered = 6,
+  kLoopInStepSmemScalesOrdered = 7
+};
+__host__ __device__ constexpr bool loop_has_smem_scales(int loop) {
+  return loop == kLoopInStepSmemScales || loop == kLoopSmemScales || loop == kLoopSmemScalesOrdered ||
+         loop == kLoopInStepSmemScalesOrdered;
+}
+__host__ __device__ constexpr bool loop_is_ordered(int loop) {
+  return loop == kLoopOrdered || loop == kLoopSmemScalesOrdered || loop == kLoopInStepSmemScalesOrdered;
+}
+
+// The alternation of the two consumer warpgroups' MMA batches (kOrdered): every batch, warpgroup
+// 0 syncs at this barrier before issuing and warpgroup 1 after issuing, so warpgroup 0's batch n
+// follows warpgroup 1's batch n, and warpgroup 1's batch n + 1 (issued after its batch n completed
+// and was promoted) follows warpgroup 0's batch n. Both issue the same number of batches. (Id 4:
+// past the kernels' NamedBarrier ids.)
+inline constexpr int kMmaOrderBarrier = 4;
+template <bool kOrdered>
+__device__ __forceinline__ void mma_order_before_issue(int wg) {
+  if constexpr (kOrdered)
+    if (wg == 0) ptx::named_barrier_sync(kMmaOrderBarrier, 256);
+}
+template <bool kOrdered>
+__device__ __forceinline__ void mma_order_after_issue(int wg) {
+  if constexpr (kOrdered)
+    if (wg == 1) ptx::named_barrier_sync(kMmaOrderBarrier, 256);
+}
 
 template <typename St>
 __device__ void produce(const Params& p, St& s) {
@@ -255,7 +298,7 @@ __device__ __forceinline__ void stage_scales(const St& s, int index, int wg, Blo
 // stage loaded once into registers and read by both halves' MMAs (RS form: A's shared-memory reads
 // halved; timing only, the fragment layout is not checked here); St::kScalesInSmem: A's row scales
 // from the stage (current-ss). Timing only.
-template <typename St, bool kAInRegs>
+template <typename St, bool kAInRegs, bool kOrdered = false>
 __device__ void mainloop_wide(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[128], int wg, int task,
                               const float* a_rows) {
   const int tid = threadIdx.x % 128;
@@ -278,6 +321,7 @@ __device__ void mainloop_wide(const Params& p, St& s, Pipeline<St::kStages>& pip
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(st.b + half * 128 * 128);
+      mma_order_before_issue<kOrdered>(wg);
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
@@ -285,6 +329,7 @@ __device__ void mainloop_wide(const Params& p, St& s, Pipeline<St::kStages>& pip
         else ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
       }
       ptx::wgmma_commit_group();
+      mma_order_after_issue<kOrdered>(wg);
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(block);
       if (half == 1) {
@@ -301,7 +346,7 @@ __device__ void mainloop_wide(const Params& p, St& s, Pipeline<St::kStages>& pip
 // One 64 x 128 warpgroup tile promoted as the kernels promote (per 128-K block four MMAs into
 // block, wait_group 0, release the stage, acc += block * scales; the scales one block ahead, or
 // A's from the stage with St::kScalesInSmem: narrow-ss).
-template <typename St>
+template <typename St, bool kOrdered = false>
 __device__ void mainloop_promoted64(const Params& p, St& s, Pipeline<St::kStages>& pipe, float (&acc)[64], int wg,
                                     int task, const float* a_rows) {
   const int tid = threadIdx.x % 128;
@@ -314,7 +359,9 @@ __device__ void mainloop_promoted64(const Params& p, St& s, Pipeline<St::kStages
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
     if constexpr (St::kScalesInSmem) stage_scales(s, stage_index, wg, scales);
     const BlockScales next = block_scales<St::kScalesInSmem>(p, a_rows, kb + 1);
+    mma_order_before_issue<kOrdered>(wg);
     issue(s.stages[stage_index], wg, block);
+    mma_order_after_issue<kOrdered>(wg);
     ptx::wgmma_wait_group<0>();
     if (tid == 0) release(s, pipe, stage_index, peer_empty);
     pipe.consumer_advance();
@@ -365,16 +412,17 @@ __device__ void consume(const Params& p, St& s, int wg) {
   float total = 0.0f;
   for_each_tile<St>(p, [&](int tile, int m, int) {
     const float* a_rows = p.a_scales + m * St::kM + wg * 64 + warp * 16 + lane / 4;
-    if constexpr (St::kM == 192 || kLoop == kLoopInStep || kLoop == kLoopInStepSmemScales) {
+    if constexpr (St::kM == 192 || kLoop == kLoopInStep || kLoop == kLoopInStepSmemScales ||
+                  kLoop == kLoopInStepSmemScalesOrdered) {
       float acc[64];
-      mainloop_promoted64(p, s, pipe, acc, wg, tile, a_rows);
+      mainloop_promoted64<St, loop_is_ordered(kLoop)>(p, s, pipe, acc, wg, tile, a_rows);
 #pragma unroll
       for (int i = 0; i < 64; ++i) total += acc[i];
     } else if constexpr (kTileN == 256) {
       float acc[128];
       const Fp8TaskScales sc{p.a_scales + m * 128 + wg * 64, p.m, {p.b_exponents, p.b_exponents}};
-      if constexpr (kLoop == kLoopAInRegs || kLoop == kLoopSmemScales)
-        mainloop_wide<St, kLoop == kLoopAInRegs>(p, s, pipe, acc, wg, tile, a_rows);
+      if constexpr (kLoop == kLoopAInRegs || kLoop == kLoopSmemScales || loop_is_ordered(kLoop))
+        mainloop_wide<St, kLoop == kLoopAInRegs, loop_is_ordered(kLoop)>(p, s, pipe, acc, wg, tile, a_rows);
       else mainloop_fp8(p, s, pipe, acc, p.k_blocks, wg, tile, sc);
 #pragma unroll
       for (int i = 0; i < 128; ++i) total += acc[i];
@@ -418,9 +466,18 @@ __global__ void __launch_bounds__(St::kCtaThreads, 1) tile_kernel(const __grid_c
 template <int kTileN, int kLoop, int kCluster, int kTileM, bool kShareB>
 constexpr const char* variant_name() {
   if (kTileM == 192) return "three-wgs";
-  if (kTileN == 256) return kLoop == kLoopAInRegs ? "a-in-regs" : kLoop == kLoopSmemScales ? "current-ss" : "current";
+  if (kTileN == 256) {
+    switch (kLoop) {
+      case kLoopAInRegs: return "a-in-regs";
+      case kLoopSmemScales: return "current-ss";
+      case kLoopOrdered: return "current-ord";
+      case kLoopSmemScalesOrdered: return "current-ss-ord";
+      default: return "current";
+    }
+  }
   if (kLoop == kLoopInStep) return kShareB ? "narrow+bmc" : "narrow";
   if (kLoop == kLoopInStepSmemScales) return "narrow-ss";
+  if (kLoop == kLoopInStepSmemScalesOrdered) return "narrow-ss-ord";
   return kCluster == 2 ? "overlap+mc" : "overlapped";
 }
 
@@ -428,8 +485,7 @@ template <int kTileN, int kStages, int kLoop = kLoopOfTile, int kCluster = 1, in
 void run(Params p, int M, int N, int K, int iters, int repeats, int sms, const char* only, int group_rows, int warmup) {
   constexpr const char* name = variant_name<kTileN, kLoop, kCluster, kTileM, kShareB>();
   if (only != nullptr && std::strcmp(only, name) != 0) return;
-  using St = Storage<kTileN, kStages, kCluster, kTileM, kShareB,
-                     kLoop == kLoopInStepSmemScales || kLoop == kLoopSmemScales>;
+  using St = Storage<kTileN, kStages, kCluster, kTileM, kShareB, loop_has_smem_scales(kLoop)>;
   M = M / kTileM * kTileM;  // (192-row tiles: M rounded down; the FLOPs counted are this M's)
   p.tiles_m = M / kTileM, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
   // group_m rows of tiles a group: the --group-rows given (a multiple of 256 dividing M), or all of M
@@ -489,12 +545,14 @@ int main(int argc, char** argv) {
                  group_rows, M);
     return 2;
   }
-  static const char* const kVariants[] = {"current", "a-in-regs", "current-ss", "overlapped", "overlap+mc", "narrow",
-                                          "narrow+bmc", "narrow-ss", "three-wgs"};
+  static const char* const kVariants[] = {"current",   "a-in-regs",  "current-ss", "current-ord", "current-ss-ord",
+                                          "overlapped", "overlap+mc", "narrow",     "narrow+bmc",  "narrow-ss",
+                                          "narrow-ss-ord", "three-wgs"};
   if (only != nullptr && std::none_of(std::begin(kVariants), std::end(kVariants),
                                       [&](const char* v) { return std::strcmp(v, only) == 0; })) {
-    std::fprintf(stderr, "fp8_tile_rate: --only %s: not a variant (current, a-in-regs, current-ss, overlapped, "
-                         "overlap+mc, narrow, narrow+bmc, narrow-ss, three-wgs)\n", only);
+    std::fprintf(stderr, "fp8_tile_rate: --only %s: not a variant (current, a-in-regs, current-ss, current-ord, "
+                         "current-ss-ord, overlapped, overlap+mc, narrow, narrow+bmc, narrow-ss, narrow-ss-ord, "
+                         "three-wgs)\n", only);
     return 2;
   }
   int device = 0, sms = 0;
@@ -545,6 +603,8 @@ int main(int argc, char** argv) {
       run<256, 4>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       run<256, 4, kLoopAInRegs>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       run<256, 4, kLoopSmemScales>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      run<256, 4, kLoopOrdered>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      run<256, 4, kLoopSmemScalesOrdered>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       if (only == nullptr) {  // (stage counts the --only runs leave out)
         run<128, 4>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
         run<128, 7>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
@@ -554,6 +614,7 @@ int main(int argc, char** argv) {
       run<128, 6, kLoopInStep>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       run<128, 6, kLoopInStep, 2, 128, true>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       run<128, 6, kLoopInStepSmemScales>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      run<128, 6, kLoopInStepSmemScalesOrdered>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       if (only == nullptr) run<128, 5, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       run<128, 4, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);  // (what the forward could keep beside h staging)
     }
