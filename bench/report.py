@@ -469,7 +469,8 @@ def power_tables(results_dir):
 def fp8_gemm_clock_tables(results_dir):
     """Markdown sections for bench/fp8_gemm_clocks.py files (`*-fp8-gemm-clocks*.json`), newest first:
     per implementation the medians over its rounds of TFLOP/s, SM clock, power and the work a clock
-    (TFLOP/s per SM GHz), and that work against scaled-mm's (PyTorch's rowwise FP8 GEMM) where the file has it."""
+    (TFLOP/s per SM GHz), that work against scaled-mm's (PyTorch's rowwise FP8 GEMM) and the speed against
+    scaled-mm-blockwise's (cuBLAS's GEMM of the layer's recipe) where the file has them."""
     out, files = newest_files(results_dir, "*-fp8-gemm-clocks*.json", [
         "## One E4M3 GEMM at the power limit: our mainloops beside torch._scaled_mm (bench/fp8_gemm_clocks.py)", "",
         "Each implementation repeats the same dense GEMM back to back for a window while nvidia-smi samples",
@@ -483,20 +484,22 @@ def fp8_gemm_clock_tables(results_dir):
         impls = list(dict.fromkeys(r["impl"] for r in records))
         med = {i: {f: statistics.median(r[f] for r in records if r["impl"] == i)
                    for f in ("tflops", "sm_mhz", "power_w", "tflops_per_ghz")} for i in impls}
-        peer = med.get("scaled-mm")
+        peer, blockwise = med.get("scaled-mm"), med.get("scaled-mm-blockwise")
         out += [f"### {os.path.basename(path)}", "",
                 f"GPU {r0['gpu']}, commit {r0['commit']}, {r0['date']}, M {r0['m']} N {r0['n']} K {r0['k']} "
                 f"(fp8_tile_rate's tiles in groups of {r0.get('group_rows') or r0['m']} rows), "
                 f"medians of {len({r['round'] for r in records})} rounds of {r0['seconds']:g} s windows, "
                 f"PyTorch {r0.get('torch', '?')}", "",
-                "| impl | TFLOP/s | SM MHz | W | TFLOP/s ÷ SM GHz | ÷ scaled-mm's | throttle |",
-                "|---|---|---|---|---|---|---|"]
+                "| impl | TFLOP/s | SM MHz | W | TFLOP/s ÷ SM GHz | ÷ scaled-mm's | TFLOP/s ÷ scaled-mm-blockwise's "
+                "| throttle |",
+                "|---|---|---|---|---|---|---|---|"]
         for i in impls:
             m = med[i]
             reasons = sorted({t for r in records if r["impl"] == i for t in r["throttle_reasons"]})
             ratio = f"{m['tflops_per_ghz'] / peer['tflops_per_ghz']:.3f}" if peer and i != "scaled-mm" else "–"
+            speed = f"{m['tflops'] / blockwise['tflops']:.3f}" if blockwise and i != "scaled-mm-blockwise" else "–"
             out.append(f"| {i} | {m['tflops']:.0f} | {m['sm_mhz']:.0f} | {m['power_w']:.0f} | {m['tflops_per_ghz']:.0f} | "
-                       f"{ratio} | {' '.join(x.replace('0x000000000000000', '0x') for x in reasons)} |")
+                       f"{ratio} | {speed} | {' '.join(x.replace('0x000000000000000', '0x') for x in reasons)} |")
         kernels = {r["impl"]: r["kernels"] for r in records if r.get("kernels")}  # (the PyTorch GEMMs' kernels)
         if kernels:
             out += [""] + [f"- {i} ran {', '.join(f'`{k}`' for k in ks)}" for i, ks in kernels.items()]
