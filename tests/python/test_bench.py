@@ -368,11 +368,18 @@ def test_report_lists_fp8_gemm_clock_runs_with_the_work_a_clock_against_scaled_m
     text = "\n".join(report.fp8_gemm_clock_tables(str(tmp_path)))
     assert ("GPU G, commit abc, 2026-12-06, M 8192 N 4096 K 7168 (fp8_tile_rate's tiles in groups of 8192 rows), "
             "medians of 3 rounds of 4 s windows") in text  # (records before --group-rows: one group)
-    # current: median 880 TFLOP/s at 1600 MHz = 550 a GHz; scaled-mm 1100 at 1375 = 800: 0.6875
-    assert "| current | 880 | 1600 | 700 | 550 | 0.688 | 0x4 |" in text
-    assert "| scaled-mm | 1100 | 1375 | 700 | 800 | – | 0x4 |" in text
+    # current: median 880 TFLOP/s at 1600 MHz = 550 a GHz; scaled-mm 1100 at 1375 = 800: 0.6875; no
+    # scaled-mm-blockwise in this file: its speed column is empty
+    assert "| current | 880 | 1600 | 700 | 550 | 0.688 | – | 0x4 |" in text
+    assert "| scaled-mm | 1100 | 1375 | 700 | 800 | – | – | 0x4 |" in text
     assert "- scaled-mm ran `sm90_xmma_gemm_e4m3`" in text and "- current ran" not in text  # (which library ran)
     assert report.fp8_gemm_clock_tables(str(tmp_path / "nothing")) == []
+    # with cuBLAS's blockwise GEMM in the file: each one's speed against it (880 / 1000)
+    blockwise = [rec("scaled-mm-blockwise", r, 1000.0, 1500.0) for r in range(3)]
+    (tmp_path / "2026-12-06-abc-fp8-gemm-clocks.json").write_text(json.dumps(records + blockwise))
+    text = "\n".join(report.fp8_gemm_clock_tables(str(tmp_path)))
+    assert "| current | 880 | 1600 | 700 | 550 | 0.688 | 0.880 | 0x4 |" in text
+    assert "| scaled-mm-blockwise | 1000 | 1500 | 700 | 667 | 0.833 | – | 0x4 |" in text
 
 
 def test_report_lists_compiled_fp8_module_runs_with_ratios_to_the_per_call_step(tmp_path):
