@@ -58,9 +58,11 @@
 //
 // Prints TFLOP/s (2 M N K a launch; median of the repeats, min-max; an L2 flush before each repeat). The scales are real loads
 // (A's per row and K block, B's exponents per block) of ones, so the promotions do the kernels' work.
-// `current` is the kernels' mainloop_fp8 as it was before its warpgroups' MMA batches were ordered
-// (2026-12-06), so that it stays the reference of every run before; current-ord is the order.
-#define MOK_DIAG_FP8_UNORDERED 1
+// `current` is the kernels' mainloop_fp8 in its default build (the MMA batches unordered: the
+// reference of every run before); current-ord is the order (MOK_DIAG_FP8_ORDERED in the kernels).
+#if defined(MOK_DIAG_FP8_ORDERED)
+#error "fp8_tile_rate's current is the unordered mainloop_fp8: build it without MOK_DIAG_FP8_ORDERED"
+#endif
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -36,18 +36,20 @@ struct Fp8TaskScales {
 // (cuBLAS's Hopper blockwise-FP8 kernel orders its warpgroups so, by its SASS under Nsight
 // Compute; one dense GEMM, bench/fp8_tile_rate's current-ord: bench/NOTES.md, 2026-12-06.) Both
 // warpgroups run every task's mainloop with the same K, so the barrier's arrivals pair up; a
-// wait that gives up traps the grid, so neither can be left at it. MOK_DIAG_FP8_UNORDERED (a
-// build to compare against): the batches as they come.
+// wait that gives up traps the grid, so neither can be left at it. Not yet the default: the order
+// is built with MOK_DIAG_FP8_ORDERED (the same bits; a diagab build against the default) until a
+// GPU run has timed it — the sixth session's strict turns, the same order built with two
+// barriers, ran the forward 2 % slower (bench/NOTES.md).
 // (A predicated bar.sync, the warpgroup from %tid.x: a branch on a wg kept in a register spilled
 // in the kernels at their consumer budget.)
 __device__ __forceinline__ void mma_order_before_issue() {
-#if !defined(MOK_DIAG_FP8_UNORDERED)
+#if defined(MOK_DIAG_FP8_ORDERED)
   ptx::named_barrier_sync_if_thread_in<static_cast<int>(NamedBarrier::mma_order), 128 * kConsumerWarpgroups,
                                        kProducerThreads, kProducerThreads + 128>();
 #endif
 }
 __device__ __forceinline__ void mma_order_after_issue() {
-#if !defined(MOK_DIAG_FP8_UNORDERED)
+#if defined(MOK_DIAG_FP8_ORDERED)
   ptx::named_barrier_sync_if_thread_in<static_cast<int>(NamedBarrier::mma_order), 128 * kConsumerWarpgroups,
                                        kProducerThreads + 128, kProducerThreads + 256>();
 #endif
@@ -70,8 +72,8 @@ static_assert(kConsumerWarpgroups == 2, "the MMA order pairs two warpgroups");
 // accumulators ~920-1080 (with 6 or 7 stages, or A multicast in 2-CTA clusters, no better); A from
 // registers (RS form) is within 0-5 % of this loop and needs 16 registers the kernels lack. So this
 // loop stays, and the FP8 forward's mainloops run at about that dense rate in the layer.
-// kOrdered: the warpgroups' batches in turn (mma_order_*; the FP8 backward's dgrad passes false: its
-// kernels spilled 24 bytes with the order).
+// kOrdered: the warpgroups' batches in turn where MOK_DIAG_FP8_ORDERED builds it (mma_order_*; the FP8
+// backward's dgrad passes false: its kernels spilled 24 bytes with the order).
 template <int kStages, bool kOrdered = true, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                              int wg, int task, const Fp8TaskScales& sc) {
