@@ -79,6 +79,7 @@
 #include "kernels/fp8/mainloop_fp8.cuh"
 #include "mok/kernel_status.hpp"
 #include "mok/ptx/cluster.cuh"
+#include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/mbarrier.cuh"
 #include "mok/ptx/tma.cuh"
 #include "mok/ptx/wgmma.cuh"
@@ -295,7 +296,8 @@ __device__ __forceinline__ BlockScales block_scales(const Params& p, const float
 template <typename St>
 __device__ __forceinline__ void stage_scales(const St& s, int index, int wg, BlockScales& scales) {
   const int tid = threadIdx.x % 128, row = wg * 64 + tid / 32 * 16 + tid % 32 / 4;  // this thread's rows: row, row + 8
-  scales.a_lo = s.a_scales[index][row], scales.a_hi = s.a_scales[index][row + 8];
+  const std::uint32_t at = ptx::smem_address(&s.a_scales[index][row]);  // (LDS: a generic pointer compiled to LD.E)
+  scales.a_lo = ptx::ld_shared_f32(at), scales.a_hi = ptx::ld_shared_f32(at + 8 * sizeof(float));
 }
 
 // mainloop_fp8's pattern (per K block and N half of 128: four MMAs into block, wait_group 0,

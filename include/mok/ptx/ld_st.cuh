@@ -52,6 +52,13 @@ __device__ __forceinline__ uint4 ld_shared_v4_ordered(const void* p) {
                : "r"(smem_address(p)));
   return v;
 }
+// A 4-byte shared-memory load at a shared-window address (smem_address): LDS, where a generic
+// pointer into shared memory compiles to a generic LD.
+__device__ __forceinline__ float ld_shared_f32(std::uint32_t address) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(address));
+  return v;
+}
 // A 4-byte shared-memory store at a shared-window address (smem_address): a 32-bit address
 // register where a generic store takes 64 bits.
 __device__ __forceinline__ void st_shared_b32(std::uint32_t address, std::uint32_t v) {
