@@ -86,8 +86,9 @@
 # `fp8clocks`: bench/fp8_gemm_clocks.py — one E4M3 GEMM sustained at the power limit, fp8_tile_rate's
 # current, current-ss, narrow, narrow+bmc and narrow-ss loops beside torch._scaled_mm (rowwise), the blockwise
 # recipe in cuBLAS and a BF16 matmul (or --impl), --repeats rounds, tiles in the layer's 2048-row groups, into
-# <date>-<commit>-fp8-gemm-clocks.json, then current, current-ss, narrow and narrow-ss in the old order (one
-# group) into -fp8-gemm-clocks-onegroup.json; nothing else runs.
+# <date>-<commit>-fp8-gemm-clocks.json, then (without --impl) current, current-ss, narrow and narrow-ss in the old
+# order (one group) into -fp8-gemm-clocks-onegroup.json; nothing else runs. The ordered loops (the warpgroups'
+# batches in turn, as cuBLAS's blockwise kernel): --impl current,current-ord,current-ss-ord,narrow-ss,narrow-ss-ord,scaled-mm-blockwise
 # `power` (build if missing): bench/clock_power.py — the SM clock, board power, throttle reasons and
 # J/TFLOP while each of --impl (default mok,torch-compiled; mok_bench's mok-fp8, mok-fp8-wgrad, ... too)
 # repeats each --pass, on --presets (default mixtral-8x7b,deepseek-v3), --repeats windows each, into
@@ -299,10 +300,13 @@ if [ "$part" = fp8clocks ]; then  # one E4M3 GEMM at the power limit: our mainlo
     --out "$OUT/${date:0:10}-$commit-fp8-gemm-clocks.json" 2>&1 | tee "$LOG/fp8_gemm_clocks.log" | tail -14
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   # the same loops in the order of the runs before 2026-12-06 (all of M one group): what the order costs them
-  python3 bench/fp8_gemm_clocks.py --tile-rate build-rates/bench/fp8_tile_rate --impl current,current-ss,narrow,narrow-ss --group-rows 0 \
-    --rounds "$repeats" --commit "$commit" --date "$date" --out "$OUT/${date:0:10}-$commit-fp8-gemm-clocks-onegroup.json" 2>&1 |
-    tee "$LOG/fp8_gemm_clocks_onegroup.log" | tail -7
-  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  # (the default list only: with --impl, the run above is all)
+  if [ -z "$impls" ]; then
+    python3 bench/fp8_gemm_clocks.py --tile-rate build-rates/bench/fp8_tile_rate --impl current,current-ss,narrow,narrow-ss --group-rows 0 \
+      --rounds "$repeats" --commit "$commit" --date "$date" --out "$OUT/${date:0:10}-$commit-fp8-gemm-clocks-onegroup.json" 2>&1 |
+      tee "$LOG/fp8_gemm_clocks_onegroup.log" | tail -7
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  fi
   exit "$rc"
 fi
 
