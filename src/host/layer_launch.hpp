@@ -90,6 +90,10 @@ struct CallBuffers {
   std::uint8_t* h_fp8 = nullptr;
   float* x_scales = nullptr;
   float* h_scales = nullptr;
+  // A MOK_DIAG_FP8_SMEM_SCALES build, one GPU: the same scales' biased exponent bytes
+  // (Fp8ForwardParams::x_exps, h_exps).
+  std::uint8_t* x_exps = nullptr;
+  std::uint8_t* h_exps = nullptr;
   // A Precision::fp8 backward (its FP8 dgrad): the routed dy rows and dgate|dup in E4M3 ([capacity,
   // H], [capacity, 2I]) and their per-row scales of each 128 columns ([H / 128, capacity],
   // [2I / 128, capacity] f32).

@@ -59,6 +59,12 @@ __device__ __forceinline__ float ld_shared_f32(std::uint32_t address) {
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(address));
   return v;
 }
+// A byte of shared memory at a shared-window address (LDS.U8), zero-extended.
+__device__ __forceinline__ std::uint32_t ld_shared_u8(std::uint32_t address) {
+  std::uint32_t v;
+  asm volatile("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(address));
+  return v;
+}
 // A 4-byte shared-memory store at a shared-window address (smem_address): a 32-bit address
 // register where a generic store takes 64 bits.
 __device__ __forceinline__ void st_shared_b32(std::uint32_t address, std::uint32_t v) {

@@ -69,6 +69,17 @@ static_assert(kBlockN == 2 * kBlockM && kGemm1Columns == kBlockM, "each half of 
 static_assert(kBoxFp8Half.bytes(1) <= sizeof(SharedStorage::h_staging[0]) && kBoxFp8Half.rows == 64 &&
               kBoxFp8Half.cols == kGemm1Columns, "a warpgroup's E4M3 h tile is one box of its staging");
 
+// A MOK_DIAG_FP8_SMEM_SCALES build (a variant to measure, one GPU): each routed stage brings its A rows'
+// scale exponent bytes (Fp8ForwardParams::x_exps / h_exps, 128 bytes) into s.a_exps, and the
+// consumers' promotions read them there instead of loading the fp32 scales from L2 a block ahead.
+#if defined(MOK_DIAG_FP8_SMEM_SCALES)
+constexpr bool kSmemRowScales = true;
+#else
+constexpr bool kSmemRowScales = false;
+#endif
+constexpr std::uint32_t kRowExponentBytes = kSmemRowScales ? kBlockM : 0;
+static_assert(sizeof(SharedStorage::a_exps[0]) == kBlockM);
+
 // ---------------------------------------------------------------------------------- producer
 
 __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, const Schedule& sched) {
@@ -108,10 +119,12 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
         continue;
       }
 #endif
-      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, 3 * kFp8TileBytes);
+      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, 3 * kFp8TileBytes + kRowExponentBytes);
       SharedStorage::Stage& stage = s.stages[pipe.stage()];
       char* b = reinterpret_cast<char*>(stage.b);
       tma_load_2d(stage.a, gemm1 ? &q.maps.x : &q.maps.h_load, full, k, row0);
+      if constexpr (kSmemRowScales)  // (K block `step`'s bytes of rows [row0, row0 + 128): contiguous)
+        bulk_load(s.a_exps[pipe.stage()], (gemm1 ? q.x_exps : q.h_exps) + step * q.capacity + row0, kRowExponentBytes, full);
       if (gemm1) {  // 128 gate rows, then the same 128 up rows
         tma_load_3d(b, &q.maps.gate, full, k, t.n * kGemm1Columns, expert);
         tma_load_3d(b + kFp8TileBytes, &q.maps.up, full, k, t.n * kGemm1Columns, expert);
@@ -165,6 +178,11 @@ __device__ void epilogue_gemm1_fp8(const Fp8ForwardParams& q, SharedStorage& s, 
     float* scales = q.h_scales + t.n * q.capacity + row0 + wg * 64 + warp * 16 + lane / 4;
     scales[0] = exp2_int(exponent[0]);
     scales[8] = exp2_int(exponent[1]);
+    if constexpr (kSmemRowScales) {
+      std::uint8_t* exps = q.h_exps + (scales - q.h_scales);
+      // (normal scales only, 2^-126 .. 2^127: the variant times the loop; a block below 2^-118 would read 0)
+      exps[0] = static_cast<std::uint8_t>(max(exponent[0] + 127, 0)), exps[8] = static_cast<std::uint8_t>(max(exponent[1] + 127, 0));
+    }
   }
   fence_proxy_async_shared_cta();
   sync_warpgroup(wg);  // (also orders every thread's scale stores before the publishing release)
@@ -222,7 +240,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const int k_blocks = p.hidden / kFp8BlockK;
       const std::int64_t block_row = (static_cast<std::int64_t>(expert) * (p.inter / kGemm1Columns) + t.n) * k_blocks;
       const Fp8TaskScales sc{q.x_scales + rows, static_cast<int>(q.capacity), {q.gate_exponents + block_row, q.up_exponents + block_row}};
-      mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
+      mainloop_fp8<kStages, true, kSmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm1>();
       epilogue_gemm1_fp8(q, s, acc, t, row0, wg, pending_hidden);
       timer.lap<Phase::epilogue_gemm1>();
@@ -233,7 +251,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const std::int32_t* down = q.down_exponents + static_cast<std::int64_t>(expert) * h_blocks * k_blocks;
       const int b0 = 2 * t.n, b1 = b0 + 1 < h_blocks ? b0 + 1 : b0;
       const Fp8TaskScales sc{q.h_scales + rows, static_cast<int>(q.capacity), {down + b0 * k_blocks, down + b1 * k_blocks}};
-      mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, sc);
+      mainloop_fp8<kStages, true, kSmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm2>();
       if constexpr (kEp) epilogue_gemm2_push(p, s, acc, t, row0, wg);  // (the rows to their tokens' ranks)
       else epilogue_gemm2(p, s, acc, t, row0, wg);

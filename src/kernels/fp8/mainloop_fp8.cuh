@@ -11,6 +11,7 @@
 #include "kernels/common/pipeline.cuh"
 #include "kernels/fp8/fp8_math.cuh"
 #include "mok/ptx/fence.cuh"
+#include "mok/ptx/ld_st.cuh"
 #include "mok/ptx/wgmma.cuh"
 
 namespace mok::kernels {
@@ -73,8 +74,10 @@ static_assert(kConsumerWarpgroups == 2, "the MMA order pairs two warpgroups");
 // registers (RS form) is within 0-5 % of this loop and needs 16 registers the kernels lack. So this
 // loop stays, and the FP8 forward's mainloops run at about that dense rate in the layer.
 // kOrdered: the warpgroups' batches in turn where MOK_DIAG_FP8_ORDERED builds it (mma_order_*; the FP8
-// backward's dgrad passes false: its kernels spilled 24 bytes with the order).
-template <int kStages, bool kOrdered = true, typename P, typename S>
+// backward's dgrad passes false: its kernels spilled 24 bytes with the order). kSmemRowScales (the FP8
+// forward of a MOK_DIAG_FP8_SMEM_SCALES build): A's row scales from the stage (s.a_exps, biased exponent
+// bytes its producer loaded with the operands) instead of L2 loads one block ahead; sc.a_rows unused.
+template <int kStages, bool kOrdered = true, bool kSmemRowScales = false, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                              int wg, int task, const Fp8TaskScales& sc) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -125,11 +128,17 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
   int e0 = __ldg(sc.b[0]), e1 = __ldg(sc.b[1]);  // (weights: constant during the kernel)
   for (int kb = 0; kb < k_steps; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    if (kb == 0) a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
+    if constexpr (kSmemRowScales) {  // (the stage has landed: its exponent bytes with it)
+      const std::uint32_t at = ptx::smem_address(&s.a_exps[stage_index][wg * 64 + warp * 16 + lane / 4]);
+      a_lo = __uint_as_float(ptx::ld_shared_u8(at) << 23), a_hi = __uint_as_float(ptx::ld_shared_u8(at + 8) << 23);
+    } else if (kb == 0) {
+      a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
+    }
     float next_a_lo = 0.0f, next_a_hi = 0.0f;
     int next_e0 = 0, next_e1 = 0;
     if (kb + 1 < k_steps) {
-      next_a_lo = __ldcg(a_rows + (kb + 1) * sc.a_stride), next_a_hi = __ldcg(a_rows + (kb + 1) * sc.a_stride + 8);
+      if constexpr (!kSmemRowScales)
+        next_a_lo = __ldcg(a_rows + (kb + 1) * sc.a_stride), next_a_hi = __ldcg(a_rows + (kb + 1) * sc.a_stride + 8);
       next_e0 = __ldg(sc.b[0] + kb + 1), next_e1 = __ldg(sc.b[1] + kb + 1);
     }
     const auto& stage = s.stages[stage_index];

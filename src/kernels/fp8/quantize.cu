@@ -200,6 +200,12 @@ __device__ __forceinline__ void for_each_token_row(const std::int32_t* rows_of_t
   }
 }
 
+// Block b's scale of plan row `row` (a power of two), and its biased exponent byte where p.exps is given.
+__device__ __forceinline__ void store_row_scale(const QuantizeRowsParams& p, int b, std::int64_t row, float scale) {
+  p.scales[b * p.capacity + row] = scale;
+  if (p.exps != nullptr) p.exps[b * p.capacity + row] = static_cast<std::uint8_t>(__float_as_uint(scale) >> 23);
+}
+
 // The routed rows in plan order, quantized per 1 x 128 block as they are gathered (from any
 // rank's tokens: expert parallelism): one warp a row, a lane 4 columns of each block (its amax is a warp max: the same in any order).
 // Padding rows become zeros of scale 1; rows past the plan's last are not written. With
@@ -218,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_co
       for (int b = 0; b < blocks; ++b) {
         values[b * 32] = 0;
         if (copy != nullptr) copy[b * 32] = make_uint2(0, 0);
-        if (lane == 0) p.scales[b * p.capacity + row] = 1.0f;
+        if (lane == 0) store_row_scale(p, b, row, 1.0f);
       }
       continue;
     }
@@ -233,7 +239,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_co
         if (copy != nullptr) copy[(b0 + j) * 32] = bits[j];
         const QuantizedLane q = quantize_lane(bits[j]);
         values[(b0 + j) * 32] = q.values;
-        if (lane == 0) p.scales[(b0 + j) * p.capacity + row] = q.scale;
+        if (lane == 0) store_row_scale(p, b0 + j, row, q.scale);
       }
     }
   }
@@ -254,7 +260,7 @@ __device__ __forceinline__ void scatter_padding_rows(const QuantizeRowsParams& p
       for (int b = 0; b < blocks; ++b) {
         values[b * 32] = 0;
         if (copy != nullptr) copy[b * 32] = make_uint2(0, 0);
-        if (lane == 0) p.scales[b * p.capacity + row] = 1.0f;
+        if (lane == 0) store_row_scale(p, b, row, 1.0f);
       }
     }
   }
@@ -289,7 +295,7 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
           if (b0 + j >= blocks) break;
           values[(b0 + j) * 32] = q[j].values;
           if (copy_row != nullptr) reinterpret_cast<uint2*>(copy_row)[lane + (b0 + j) * 32] = bits[j];
-          if (lane == 0) p.scales[(b0 + j) * p.capacity + row] = q[j].scale;
+          if (lane == 0) store_row_scale(p, b0 + j, row, q[j].scale);
         }
       });
     }

@@ -62,6 +62,9 @@ struct QuantizeRowsParams {
   std::uint8_t* values;          // [capacity, H] E4M3
   float* scales;                 // [H / 128, capacity]
   const std::int32_t* row_pair;  // [capacity]: t * k + j, or -1 (padding)
+  // Optional (the FP8 forward of a MOK_DIAG_FP8_SMEM_SCALES build): each scale's biased exponent
+  // byte too (2^(byte - 127)), [H / 128, capacity], which that forward's producer loads with its stages.
+  std::uint8_t* exps = nullptr;
   const std::int32_t* expert_offset;  // [E_l + 1]
   const void* plan_status;       // PlanStatus*: nothing is written from a bad plan
   std::int64_t capacity;
