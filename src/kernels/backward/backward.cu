@@ -164,8 +164,8 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
       if constexpr (kFp8Dgrad<Q>) {
         fp8 = fp8_task<Q>(t);
         if (fp8)
-          mainloop_fp8<kStages, /*kOrdered=*/false>(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK,
-                                                    wg, task, fp8_scales(q, t, row0 + wg * 64));
+          mainloop_fp8(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, wg,
+                                        task, fp8_scales(q, t, row0 + wg * 64));
       }
       if (t.kind == kDh) {
         if (!fp8) {

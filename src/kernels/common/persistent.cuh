@@ -32,9 +32,8 @@ inline constexpr int kThreads = kProducerThreads + 128 * kConsumerWarpgroups;
 inline constexpr int kProducerRegisters = 40;
 inline constexpr int kConsumerRegisters = 232;
 // The named barriers (bar.sync ids; 0 is __syncthreads'): one per consumer warpgroup (its
-// 128 threads), one of every consumer thread, and the FP8 mainloop's order of the warpgroups'
-// MMA batches (kernels/fp8/mainloop_fp8.cuh).
-enum class NamedBarrier : int { warpgroup0 = 1, consumers = 1 + kConsumerWarpgroups, mma_order = 2 + kConsumerWarpgroups };
+// 128 threads) and one of every consumer thread.
+enum class NamedBarrier : int { warpgroup0 = 1, consumers = 1 + kConsumerWarpgroups };
 // Synchronises the 128 threads of consumer warpgroup `wg`.
 __device__ __forceinline__ void sync_warpgroup(int wg) {
   ptx::named_barrier_sync(static_cast<int>(NamedBarrier::warpgroup0) + wg, 128);

@@ -240,7 +240,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const int k_blocks = p.hidden / kFp8BlockK;
       const std::int64_t block_row = (static_cast<std::int64_t>(expert) * (p.inter / kGemm1Columns) + t.n) * k_blocks;
       const Fp8TaskScales sc{q.x_scales + rows, static_cast<int>(q.capacity), {q.gate_exponents + block_row, q.up_exponents + block_row}};
-      mainloop_fp8<kStages, true, kSmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, sc);
+      mainloop_fp8<kStages, kSmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm1>();
       epilogue_gemm1_fp8(q, s, acc, t, row0, wg, pending_hidden);
       timer.lap<Phase::epilogue_gemm1>();
@@ -251,7 +251,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const std::int32_t* down = q.down_exponents + static_cast<std::int64_t>(expert) * h_blocks * k_blocks;
       const int b0 = 2 * t.n, b1 = b0 + 1 < h_blocks ? b0 + 1 : b0;
       const Fp8TaskScales sc{q.h_scales + rows, static_cast<int>(q.capacity), {down + b0 * k_blocks, down + b1 * k_blocks}};
-      mainloop_fp8<kStages, true, kSmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, sc);
+      mainloop_fp8<kStages, kSmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm2>();
       if constexpr (kEp) epilogue_gemm2_push(p, s, acc, t, row0, wg);  // (the rows to their tokens' ranks)
       else epilogue_gemm2(p, s, acc, t, row0, wg);

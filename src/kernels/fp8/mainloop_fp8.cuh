@@ -28,35 +28,6 @@ struct Fp8TaskScales {
   const std::int32_t* b[2];
 };
 
-// The order of the two consumer warpgroups' MMA batches: before each of its batches warpgroup 0
-// syncs at a named barrier of both, warpgroup 1 after issuing each of its own, so warpgroup 0's
-// batch n follows warpgroup 1's batch n, and warpgroup 1's batch n + 1 (issued once its batch n
-// has completed and been promoted) follows warpgroup 0's batch n. The tensor cores then take the
-// batches in turn and each warpgroup promotes while the other's batch runs; left to themselves
-// the two issue together, complete together and promote together while the tensor cores idle.
-// (cuBLAS's Hopper blockwise-FP8 kernel orders its warpgroups so, by its SASS under Nsight
-// Compute; one dense GEMM, bench/fp8_tile_rate's current-ord: bench/NOTES.md, 2026-12-06.) Both
-// warpgroups run every task's mainloop with the same K, so the barrier's arrivals pair up; a
-// wait that gives up traps the grid, so neither can be left at it. Not yet the default: the order
-// is built with MOK_DIAG_FP8_ORDERED (the same bits; a diagab build against the default) until a
-// GPU run has timed it — the sixth session's strict turns, the same order built with two
-// barriers, ran the forward 2 % slower (bench/NOTES.md).
-// (A predicated bar.sync, the warpgroup from %tid.x: a branch on a wg kept in a register spilled
-// in the kernels at their consumer budget.)
-__device__ __forceinline__ void mma_order_before_issue() {
-#if defined(MOK_DIAG_FP8_ORDERED)
-  ptx::named_barrier_sync_if_thread_in<static_cast<int>(NamedBarrier::mma_order), 128 * kConsumerWarpgroups,
-                                       kProducerThreads, kProducerThreads + 128>();
-#endif
-}
-__device__ __forceinline__ void mma_order_after_issue() {
-#if defined(MOK_DIAG_FP8_ORDERED)
-  ptx::named_barrier_sync_if_thread_in<static_cast<int>(NamedBarrier::mma_order), 128 * kConsumerWarpgroups,
-                                       kProducerThreads + 128, kProducerThreads + 256>();
-#endif
-}
-static_assert(kConsumerWarpgroups == 2, "the MMA order pairs two warpgroups");
-
 // One FP8 GEMM over k_steps stages: acc (the BF16 mainloop's layout: B's rows 0-127 in
 // acc[0, 64), rows 128-255 in acc[64, 128)) = the sum over K blocks kb, in ascending order,
 // of (A_kb B_kb^T) * a_scale(row, kb) * b_scale(half, kb). Each half's four MMAs sum into
@@ -73,11 +44,12 @@ static_assert(kConsumerWarpgroups == 2, "the MMA order pairs two warpgroups");
 // accumulators ~920-1080 (with 6 or 7 stages, or A multicast in 2-CTA clusters, no better); A from
 // registers (RS form) is within 0-5 % of this loop and needs 16 registers the kernels lack. So this
 // loop stays, and the FP8 forward's mainloops run at about that dense rate in the layer.
-// kOrdered: the warpgroups' batches in turn where MOK_DIAG_FP8_ORDERED builds it (mma_order_*; the FP8
-// backward's dgrad passes false: its kernels spilled 24 bytes with the order). kSmemRowScales (the FP8
-// forward of a MOK_DIAG_FP8_SMEM_SCALES build): A's row scales from the stage (s.a_exps, biased exponent
-// bytes its producer loaded with the operands) instead of L2 loads one block ahead; sc.a_rows unused.
-template <int kStages, bool kOrdered = true, bool kSmemRowScales = false, typename P, typename S>
+// kSmemRowScales (the FP8 forward of a MOK_DIAG_FP8_SMEM_SCALES build): A's row scales from the stage
+// (s.a_exps, biased exponent bytes its producer loaded with the operands) instead of L2 loads one block
+// ahead; sc.a_rows unused. (The lone GEMM, bench/fp8_tile_rate's current-ss: 1.11x this loop at the power
+// cap; issuing the two warpgroups' batches in a fixed alternation, as cuBLAS's blockwise kernel does,
+// added nothing to that and cost 16 % without it: bench/NOTES.md, thirty-third session.)
+template <int kStages, bool kSmemRowScales = false, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                              int wg, int task, const Fp8TaskScales& sc) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -146,13 +118,11 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::uint32_t desc_b = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.b) + half * kFp8TileBytes);
-      if constexpr (kOrdered) mma_order_before_issue();
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
         ptx::wgmma_m64n128k32_e4m3(block, desc_a + KMajor::kDescStep * kk, desc_b + KMajor::kDescStep * kk, kk != 0);
       ptx::wgmma_commit_group();
-      if constexpr (kOrdered) mma_order_after_issue();
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(block);  // no read of the block before the wait
       if (half == 1) {
