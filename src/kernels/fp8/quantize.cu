@@ -200,10 +200,13 @@ __device__ __forceinline__ void for_each_token_row(const std::int32_t* rows_of_t
   }
 }
 
-// Block b's scale of plan row `row` (a power of two), and its biased exponent byte where p.exps is given.
+// Block b's scale of plan row `row` (a power of two), and in a MOK_DIAG_FP8_SMEM_SCALES build its biased
+// exponent byte where p.exps is given (the default build's kernels are as before: no test has run that path).
 __device__ __forceinline__ void store_row_scale(const QuantizeRowsParams& p, int b, std::int64_t row, float scale) {
   p.scales[b * p.capacity + row] = scale;
+#if defined(MOK_DIAG_FP8_SMEM_SCALES)
   if (p.exps != nullptr) p.exps[b * p.capacity + row] = static_cast<std::uint8_t>(__float_as_uint(scale) >> 23);
+#endif
 }
 
 // The routed rows in plan order, quantized per 1 x 128 block as they are gathered (from any
