@@ -63,9 +63,9 @@ CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
     b.h_scales = reinterpret_cast<float*>(at(scratch, used));
     used += 4 * (I / kernels::kFp8BlockK) * cap;
 #if defined(MOK_DIAG_FP8_SMEM_SCALES)  // (a variant to measure: the scales' exponent bytes too)
-    b.x_exps = static_cast<std::uint8_t*>(at(scratch, used));
+    b.x_exps = reinterpret_cast<std::uint8_t*>(at(scratch, used));
     used += (H / kernels::kFp8BlockK) * cap;
-    b.h_exps = static_cast<std::uint8_t*>(at(scratch, used));
+    b.h_exps = reinterpret_cast<std::uint8_t*>(at(scratch, used));
     used += (I / kernels::kFp8BlockK) * cap;
 #endif
     b.shared_hidden = at(scratch, used);
