@@ -200,13 +200,17 @@ def main():
             if "dense-fp8" in args.impls:
                 impls["dense-fp8"] = tb.Steps(tb.dense_fp8_step(p))
             if "dense-fp8-blockwise" in args.impls:  # (left out, named, where this PyTorch or shape cannot run it)
-                try:
-                    steps = tb.dense_fp8_step(p, recipe="blockwise")
+                steps = {}
+
+                def first_step():  # (built and run once: either can fail)
+                    steps.update(tb.dense_fp8_step(p, recipe="blockwise"))
                     steps["fwd+bwd"]()
-                    torch.cuda.synchronize()
+
+                why = tb.cannot_run(first_step)
+                if why is None:
                     impls["dense-fp8-blockwise"] = tb.Steps(steps)
-                except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as e:
-                    print(f"clock_power: {name}: dense-fp8-blockwise left out: {str(e).splitlines()[0][:300]}")
+                else:
+                    print(f"clock_power: {name}: dense-fp8-blockwise left out: {why}")
             for prefix, server in servers.items():
                 server.load(name, args.seed, d)
                 for i in args.impls:

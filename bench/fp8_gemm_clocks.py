@@ -1,6 +1,6 @@
 """One dense E4M3 GEMM, sustained at the power limit: our FP8 mainloops (bench/fp8_tile_rate's
 variants) beside PyTorch's rowwise-scaled `torch._scaled_mm` (`scaled-mm`: CUTLASS's kernel or
-cuBLAS's by PyTorch's build; each record names the kernels it ran), cuBLAS's GEMM with the layer's own blockwise recipe (`torch.nn.functional.scaled_mm`,
+cuBLAS's by PyTorch's build — cuBLAS's on the GPU machine, 2026-12-06; each record names the kernels it ran), cuBLAS's GEMM with the layer's own blockwise recipe (`torch.nn.functional.scaled_mm`,
 A per 1 x 128, B per 128 x 128: `scaled-mm-blockwise`) and a BF16 `torch.matmul` of the same shape
 (`bf16-mm`), each repeated back to back for a window of seconds while nvidia-smi samples the SM
 clock and the board power.
@@ -14,7 +14,7 @@ Why (bench/NOTES.md, 2026-12-06): at the 700 W cap the layer's FP8 forward runs 
 at the cap the clock falls until the power fits, so the work a clock is what a kernel's structure
 decides. This says whether our mainloop alone (no layer around it) already trails that kernel a
 clock, and which tile structure closes the gap: `current` is the layer's (128 x 256 tiles),
-`narrow` the structure of PyTorch's CUTLASS path (128 x 128, promoted in step), `narrow+bmc` with its 2-CTA clusters
+`narrow` the tile of cuBLAS's FP8 kernels (128 x 128, promoted in step), `narrow+bmc` with its 2-CTA clusters
 sharing B, `narrow-ss` and `current-ss` with A's row scales loaded into shared memory with each
 stage (as CUTLASS's Hopper blockwise kernel loads them). The tile
 variants run as `fp8_tile_rate --only NAME` (their TFLOP/s its median of repeats; the window the
@@ -160,11 +160,9 @@ def main():
     peers = {"scaled-mm": tb.fp8_gemm(a8, b8, "rowwise"), "scaled-mm-blockwise": tb.fp8_gemm(a8, b8, "blockwise"),
              "bf16-mm": lambda: torch.matmul(a16, b16)}
     for name in [i for i in impls if i in PEERS]:  # (one this PyTorch cannot run is left out, named)
-        try:
-            peers[name]()
-            torch.cuda.synchronize()
-        except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as e:
-            print(f"fp8_gemm_clocks: {name} left out: {str(e).splitlines()[0][:300]}")
+        why = tb.cannot_run(peers[name])
+        if why is not None:
+            print(f"fp8_gemm_clocks: {name} left out: {why}")
             impls.remove(name)
     kernels = {name: kernel_names(peers[name]) for name in impls if name in PEERS}
     for name, ks in kernels.items():

@@ -556,9 +556,9 @@ int main(int argc, char** argv) {
                                           "narrow-ss-ord", "three-wgs"};
   if (only != nullptr && std::none_of(std::begin(kVariants), std::end(kVariants),
                                       [&](const char* v) { return std::strcmp(v, only) == 0; })) {
-    std::fprintf(stderr, "fp8_tile_rate: --only %s: not a variant (current, a-in-regs, current-ss, current-ord, "
-                         "current-ss-ord, overlapped, overlap+mc, narrow, narrow+bmc, narrow-ss, narrow-ss-ord, "
-                         "three-wgs)\n", only);
+    std::fprintf(stderr, "fp8_tile_rate: --only %s: not a variant (", only);
+    for (const char* v : kVariants) std::fprintf(stderr, "%s%s", v == kVariants[0] ? "" : ", ", v);
+    std::fprintf(stderr, ")\n");
     return 2;
   }
   int device = 0, sms = 0;

@@ -382,6 +382,17 @@ def fp8_gemm(a, b_rows, recipe="rowwise"):
                                F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
 
 
+def cannot_run(fn):
+    """None if fn() runs on this GPU and PyTorch, else the first line of why not (a peer GEMM or
+    ceiling this PyTorch or shape cannot run is left out, named, rather than stopping a benchmark)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return None
+    except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as e:
+        return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+
+
 def dense_fp8_step(p, seed=2, recipe="rowwise"):
     """{pass: fn} of the dense FP8 ceiling: dense_step's GEMMs in E4M3 (fp8_gemm, `recipe`: "rowwise",
     the fastest FP8 GEMM of the layer's accuracy PyTorch offers on sm_90 — CUTLASS's or cuBLAS's by

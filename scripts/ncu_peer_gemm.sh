@@ -8,15 +8,8 @@ out=${1:-${OUT:-.}}
 cd "$(dirname "$0")/.."
 for recipe in blockwise rowwise; do
   ncu --kernel-name regex:nvjet --launch-skip 2 --launch-count 1 --section LaunchStats --section Occupancy \
-    python3 -c "
-import sys; sys.path.insert(0, 'bench')
-import torch, torch_baseline as tb
-a = (torch.rand(8192, 7168, device='cuda') - 0.5).to(torch.float8_e4m3fn)
-b = (torch.rand(4096, 7168, device='cuda') - 0.5).to(torch.float8_e4m3fn)
-f = tb.fp8_gemm(a, b, '$recipe')
-for _ in range(4): f()
-torch.cuda.synchronize()
-" > "$out/ncu-peer-gemm-$recipe.txt" 2>&1 || echo "ncu on the $recipe GEMM failed (see $out/ncu-peer-gemm-$recipe.txt)"
+    python3 bench/peer_gemm.py "$recipe" --calls 4 \
+    > "$out/ncu-peer-gemm-$recipe.txt" 2>&1 || echo "ncu on the $recipe GEMM failed (see $out/ncu-peer-gemm-$recipe.txt)"
   grep -E "nvjet|Block Size|Registers Per|Shared Memory Config|Dynamic Shared|Static Shared|Grid Size|Cluster Size|Threads  " \
     "$out/ncu-peer-gemm-$recipe.txt" || true
 done

@@ -9,8 +9,8 @@
 # source page: each SASS instruction's executions and stall samples), then prints a
 # summary per variant; $OUT/ncu-tile.tgz holds the files. --group-rows G: fp8_tile_rate's tile order
 # (the layer's inside experts of G rows; default 0, all of M one group). --peers: also cuBLAS's
-# blockwise-recipe GEMM of the same shape (torch.nn.functional.scaled_mm through
-# bench/torch_baseline.fp8_gemm; its kernel a peer we compare against), as variant `cublas_blockwise`.
+# blockwise-recipe GEMM of the same shape and bytes (bench/peer_gemm.py: torch.nn.functional.scaled_mm;
+# its kernel a peer we compare against), as variant `cublas_blockwise`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/ncu_out}"
@@ -52,18 +52,11 @@ declare -A variants=(
 )
 variants[cublas_blockwise]='regex:nvjet'
 [ "$peers" = 1 ] && list="$list,cublas_blockwise"
-peer_script="import sys; sys.path.insert(0, 'bench')
-import torch, torch_baseline as tb
-a = (torch.rand(8192, 7168, device='cuda') - 0.5).to(torch.float8_e4m3fn)
-b = (torch.rand(4096, 7168, device='cuda') - 0.5).to(torch.float8_e4m3fn)
-f = tb.fp8_gemm(a, b, 'blockwise')
-for _ in range(3): f()
-torch.cuda.synchronize()"
 rc=0
 for v in ${list//,/ }; do
   rep="$(mktemp -d)/ncu-tile-$v"
   if [ "$v" = cublas_blockwise ]; then
-    cmd=(python3 -c "$peer_script")
+    cmd=(python3 bench/peer_gemm.py blockwise --calls 3)
   else
     cmd=("$build/bench/fp8_tile_rate" --only "$(echo "$v" | sed 's/_in_/-in-/; s/_ss/-ss/; s/overlap_mc/overlap+mc/; s/narrow_bmc/narrow+bmc/; s/^three$/three-wgs/')" \
          --iters 2 --repeats 1 --warmup 1 --group-rows "$group_rows")

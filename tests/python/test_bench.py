@@ -354,6 +354,28 @@ def test_fp8_gemm_clocks_refuses_unknown_implementations_and_shapes():
         assert run.returncode != 0 and message in run.stderr, (argv, run.stderr)
 
 
+def test_cannot_run_names_why_a_peer_is_left_out():
+    """torch_baseline.cannot_run (clock_power's and fp8_gemm_clocks' test of a peer GEMM): the first
+    line of the error of a call that fails as a PyTorch that lacks it fails; other errors propagate."""
+    def unsupported():
+        raise NotImplementedError("scaled_mm: BlockWise1x128 is not supported on this device\nmore detail")
+
+    def no_function():
+        raise AttributeError("module 'torch.nn.functional' has no attribute 'scaled_mm'")
+
+    def silent():
+        raise RuntimeError()
+
+    def bug():
+        raise KeyError("fwd+bwd")
+
+    assert tb.cannot_run(unsupported) == "scaled_mm: BlockWise1x128 is not supported on this device"
+    assert tb.cannot_run(no_function) == "module 'torch.nn.functional' has no attribute 'scaled_mm'"
+    assert tb.cannot_run(silent) == "RuntimeError"
+    with pytest.raises(KeyError):
+        tb.cannot_run(bug)
+
+
 def test_report_lists_fp8_gemm_clock_runs_with_the_work_a_clock_against_scaled_mm(tmp_path):
     """report.py's section for fp8_gemm_clocks.py: per implementation the medians over rounds and
     its TFLOP/s per SM GHz over scaled-mm's."""
