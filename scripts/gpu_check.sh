@@ -40,7 +40,7 @@
 # FP8 path): build, the FP8 and forward tests (C++ and Python; the EP group's FP8 forward too), the accuracy
 # numbers as gtest XML (<date>-<commit>-fp8-accuracy.xml, -fp8-dgrad-accuracy.xml), compute-sanitizer on a small
 # FP8 forward, FP8 dgrad, FP8 weight-gradient and EP FP8 forward case; `epfp8` (FP8 under expert parallelism):
-# build, the EP tests (C++ EpFp8*, Ep*, EpRanks*, Validate; Python test_ep.py, whose torchrun worker checks FP8 bitwise
+# build, the EP tests (C++ EpFp8*, Ep*, EpRanks*, Validate, the row gathers Dispatch*; Python test_ep.py, whose torchrun worker checks FP8 bitwise
 # against one GPU), compute-sanitizer on a small EP FP8 case (both pulls) and memcheck on the EP capacity stop; `fp8wgrad` (issue 19's FP8 weight gradients in one call, the
 # decisive parts first): build, their ctests (Fp8Wgrad, Fp8Quantize, Fp8Backward, the CPU layout tests) and Python
 # tests, the accuracy table's XML (<date>-<commit>-fp8-wgrad-accuracy.xml), bench/ab_serve.py of mok-fp8 against
@@ -636,7 +636,7 @@ fi
 if [ "$part" = epfp8 ]; then  # FP8 under expert parallelism (issue 19, 2026-12-05): the group's tests, EP's and Python's,
   # and the one-GPU FP8 tests against the recipe (the EP tests compare with one GPU's FP8 path,
   # which shares the row quantization and the forward kernel's template with them)
-  ctest_run 3 -j4 -R "EpFp8|^Ep|Validate|^Fp8Forward|^Fp8Backward|^Fp8Wgrad|^Fp8Quantize|ScratchLayout" || test_rc=1
+  ctest_run 3 -j4 -R "EpFp8|^Ep|Validate|^Fp8Forward|^Fp8Backward|^Fp8Wgrad|^Fp8Quantize|ScratchLayout|^Dispatch" || test_rc=1
   # (the sanitizers before pytest, each bounded: the part's worst case stays inside a 600-s call)
   sanitize test_gpu_ep_fp8 EpFp8/EpFp8Cases.ForwardBitwiseEqualsOneGpuFp8/ep4_small_shared_padded_clamp 120
   sanitize test_gpu_ep_fp8 EpFp8.OneRankFp8TrainingStepSmall 120 memcheck

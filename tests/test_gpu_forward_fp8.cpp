@@ -37,38 +37,58 @@ using testing::shape_of;
 // block is far above 1 %.
 constexpr double kVsRecipe = 1e-2;
 
+// One FP8 forward of `host` (output poisoned first) against the recipe and the exact layer.
+void expect_matches_the_recipe(const MoeShape& s, const HostProblem& host, const std::string& what) {
+  GpuProblem gpu(host);
+  const QuantizedWeights q(gpu);
+  Workspace ws(s, host.tokens, fp8_config());
+  gpu.poison_output();
+  forward(fp8_args(gpu, q), ws, nullptr);
+  ws.check(nullptr);
+  const auto got = gpu.output();
+  const auto x = host.reference_x();
+  const auto recipe = reference::forward_fp8(s, host.tokens, x, host.reference_routing(), host.reference_weights());
+  const auto exact = reference::forward(s, host.tokens, x, host.reference_routing(), host.reference_weights());
+  const auto cmp = testing::compare(got, recipe);
+  EXPECT_EQ(cmp.non_finite, 0) << what << ": unwritten or non-finite outputs";
+  // (kVsRecipe: the recipe's operands exactly, the sums not.)
+  EXPECT_LE(cmp.rel_error, kVsRecipe) << what;
+  // ... and no further from the exact layer than the recipe itself is.
+  const double err_gpu = reference::relative_error(got, exact), err_recipe = reference::relative_error(recipe, exact);
+  EXPECT_LE(err_gpu, 1.02 * err_recipe) << what << ": FP8 vs the exact layer, recipe " << err_recipe;
+  const double cos_exact = cosine(got, exact);
+  EXPECT_GE(cos_exact, 0.995) << what << ": FP8 vs the exact layer (test_fp8.cpp: the recipe's own bar)";
+  ::testing::Test::RecordProperty("rel_error_vs_recipe", std::to_string(cmp.rel_error));
+  ::testing::Test::RecordProperty("rel_error_vs_exact", std::to_string(err_gpu));
+  ::testing::Test::RecordProperty("recipe_rel_error_vs_exact", std::to_string(err_recipe));
+  ::testing::Test::RecordProperty("cosine_vs_exact", std::to_string(cos_exact));
+}
+
 class Fp8ForwardCases : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Fp8ForwardCases, MatchesTheRecipeReference) {
   MOK_REQUIRE_HOPPER();
   const Case c = GetParam();
   const MoeShape s = shape_of(c);
-  for (std::uint64_t seed : {21u, 22u}) {  // fresh inputs each time
-    const HostProblem host = make_problem(s, c.tokens, c.routing, seed * 1000 + c.tokens);
-    GpuProblem gpu(host);
-    const QuantizedWeights q(gpu);
-    Workspace ws(s, c.tokens, fp8_config());
-    gpu.poison_output();
-    forward(fp8_args(gpu, q), ws, nullptr);
-    ws.check(nullptr);
-    const auto got = gpu.output();
-    const auto x = host.reference_x();
-    const auto recipe = reference::forward_fp8(s, c.tokens, x, host.reference_routing(), host.reference_weights());
-    const auto exact = reference::forward(s, c.tokens, x, host.reference_routing(), host.reference_weights());
-    const auto cmp = testing::compare(got, recipe);
-    EXPECT_EQ(cmp.non_finite, 0) << "unwritten or non-finite outputs";
-    // (kVsRecipe: the recipe's operands exactly, the sums not.)
-    EXPECT_LE(cmp.rel_error, kVsRecipe) << c.name << " seed " << seed;
-    // ... and no further from the exact layer than the recipe itself is.
-    const double err_gpu = reference::relative_error(got, exact), err_recipe = reference::relative_error(recipe, exact);
-    EXPECT_LE(err_gpu, 1.02 * err_recipe) << c.name << " seed " << seed << ": FP8 vs the exact layer, recipe " << err_recipe;
-    const double cos_exact = cosine(got, exact);
-    EXPECT_GE(cos_exact, 0.995) << c.name << " seed " << seed << ": FP8 vs the exact layer (test_fp8.cpp: the recipe's own bar)";
-    RecordProperty("rel_error_vs_recipe", std::to_string(cmp.rel_error));
-    RecordProperty("rel_error_vs_exact", std::to_string(err_gpu));
-    RecordProperty("recipe_rel_error_vs_exact", std::to_string(err_recipe));
-    RecordProperty("cosine_vs_exact", std::to_string(cos_exact));
-  }
+  for (std::uint64_t seed : {21u, 22u})  // fresh inputs each time
+    expect_matches_the_recipe(s, make_problem(s, c.tokens, c.routing, seed * 1000 + c.tokens),
+                              std::string(c.name) + " seed " + std::to_string(seed));
+}
+
+// Row scales below 2^-126 (blocks whose largest |value| is below 2^-118): a stage carries its rows'
+// scale exponent fields, 0 for a subnormal scale, whose fp32 scale the promotion then reads from
+// L2. x times 2^-121 makes every x block's scale subnormal, gate and up times 2^60 put h near
+// 2^-122 (many of its scales subnormal), down times 2^100 brings y to about 2^-24: against the
+// recipe as above, which a subnormal scale read as 0 (y = 0) or as any other power of two misses.
+TEST(Fp8Forward, SubnormalRowScalesAreReadExactly) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 512, 256, 8, 2, 0, 0, RoutingKind::uniform});
+  HostProblem host = make_problem(s, 600, RoutingKind::uniform, 41);
+  auto times_2_to = [](std::vector<bf16>& v, int e) {
+    for (bf16& b : v) b = bf16::from_float(std::ldexp(b.to_float(), e));
+  };
+  times_2_to(host.x, -121), times_2_to(host.w_gate, 60), times_2_to(host.w_up, 60), times_2_to(host.w_down, 100);
+  expect_matches_the_recipe(s, host, "subnormal row scales");
 }
 
 INSTANTIATE_TEST_SUITE_P(

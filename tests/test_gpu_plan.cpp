@@ -149,16 +149,19 @@ TEST_P(RowCopyCases, ScatterWritesTheGathersBytes) {
     std::vector<std::uint16_t> lo, hi, fp8_copy;
     std::vector<std::uint8_t> fp8;
     std::vector<float> scales;
+    std::vector<std::uint8_t> exps;
   };
   auto copy = [&](bool scatter) -> Out {
     DeviceBuffer<std::uint16_t> lo(static_cast<std::size_t>(split * H)), hi(static_cast<std::size_t>((cap - split) * H));
     DeviceBuffer<std::uint16_t> fp8_copy(static_cast<std::size_t>(cap * H));
     DeviceBuffer<std::uint8_t> fp8(static_cast<std::size_t>(cap * H));
     DeviceBuffer<float> scales(static_cast<std::size_t>(H / 128 * cap));
+    DeviceBuffer<std::uint8_t> exps(static_cast<std::size_t>(H / 128 * cap));
     for (void* p : {static_cast<void*>(lo.get()), static_cast<void*>(hi.get()), static_cast<void*>(fp8_copy.get())})
       EXPECT_EQ(cudaSuccess, cudaMemset(p, 0xab, (p == lo.get() ? split : p == hi.get() ? cap - split : cap) * H * 2));
     EXPECT_EQ(cudaSuccess, cudaMemset(fp8.get(), 0xab, cap * H));
     EXPECT_EQ(cudaSuccess, cudaMemset(scales.get(), 0xab, H / 128 * cap * 4));
+    EXPECT_EQ(cudaSuccess, cudaMemset(exps.get(), 0xab, H / 128 * cap));
     kernels::DispatchParams dp{};
     dp.x[0] = d_x.get();
     dp.x_routed = lo.get(), dp.x_routed_hi = hi.get(), dp.split = split;
@@ -169,6 +172,7 @@ TEST_P(RowCopyCases, ScatterWritesTheGathersBytes) {
     kernels::launch_dispatch(dp, 8, nullptr);  // (few CTAs: each warp takes several tokens)
     kernels::QuantizeRowsParams qp{};
     qp.x[0] = d_x.get(), qp.pairs_per_rank = T * k, qp.values = fp8.get(), qp.scales = scales.get();
+    qp.exps = exps.get();
     qp.row_pair = v.row_pair, qp.expert_offset = v.expert_offset, qp.plan_status = v.status, qp.capacity = cap;
     qp.hidden = static_cast<int>(H), qp.top_k = static_cast<int>(k), qp.num_local_experts = static_cast<int>(c.E);
     if (scatter) qp.pair_row = v.pair_row, qp.pairs = T * k;
@@ -176,7 +180,7 @@ TEST_P(RowCopyCases, ScatterWritesTheGathersBytes) {
     kernels::launch_quantize_rows(qp, 8, nullptr);
     EXPECT_EQ(cudaSuccess, cudaGetLastError());
     EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
-    return Out{lo.download(), hi.download(), fp8_copy.download(), fp8.download(), scales.download()};
+    return Out{lo.download(), hi.download(), fp8_copy.download(), fp8.download(), scales.download(), exps.download()};
   };
   const Out gather = copy(false), scatter = copy(true);
   EXPECT_EQ(scatter.lo, gather.lo);
@@ -185,6 +189,16 @@ TEST_P(RowCopyCases, ScatterWritesTheGathersBytes) {
   EXPECT_EQ(scatter.fp8, gather.fp8);
   ASSERT_EQ(scatter.scales.size(), gather.scales.size());
   EXPECT_EQ(std::memcmp(scatter.scales.data(), gather.scales.data(), scatter.scales.size() * 4), 0);
+  EXPECT_EQ(scatter.exps, gather.exps);
+  // Each plan row's scale exponent fields (what the FP8 forward's stages carry); past them, the poison.
+  std::int64_t bad_exps = 0;
+  for (std::int64_t b = 0; b < H / 128; ++b)
+    for (std::int64_t r = 0; r < cap; ++r) {
+      std::uint32_t bits;
+      std::memcpy(&bits, &scatter.scales[b * cap + r], 4);
+      bad_exps += scatter.exps[b * cap + r] != (r < rows ? bits >> 23 : 0xabu);
+    }
+  EXPECT_EQ(bad_exps, 0);
   // The rows themselves: the token's row, zeros, or the poison past the plan's rows.
   std::int64_t bad = 0, padding = 0;
   for (std::int64_t r = 0; r < cap; ++r) {

@@ -184,8 +184,8 @@ TEST(SlotRows, XRowsUnderSlotTilesAreTheOnesSharingBytes) {
 }
 
 // The FP8 forward's buffers: its E4M3 x rows in the bf16 slots' upper half (where
-// x_rows_under_slots(..., 2) finds them), the scales and h after the slots, nothing overlapping,
-// 512-byte aligned.
+// x_rows_under_slots(..., 2) finds them), the scales, h and the scales' exponent fields after the
+// slots, nothing overlapping, 512-byte aligned.
 TEST(ScratchLayout, Fp8ForwardXRowsInTheSlotsUpperHalf) {
   using U = std::uintptr_t;
   const U base = U{1} << 39;
@@ -206,6 +206,8 @@ TEST(ScratchLayout, Fp8ForwardXRowsInTheSlotsUpperHalf) {
         const U regions[][2] = {{at(f.x_scales), at(f.x_scales) + 4 * (H / 128) * cap},
                                 {at(f.h_fp8), at(f.h_fp8) + cap * I},
                                 {at(f.h_scales), at(f.h_scales) + 4 * (I / 128) * cap},
+                                {at(f.x_exps), at(f.x_exps) + (H / 128) * cap},
+                                {at(f.h_exps), at(f.h_exps) + (I / 128) * cap},
                                 {at(f.shared_hidden), at(f.shared_hidden) + 2 * Tpad * Is}};
         U previous = slots_end;
         for (const auto& r : regions) {
@@ -213,8 +215,10 @@ TEST(ScratchLayout, Fp8ForwardXRowsInTheSlotsUpperHalf) {
           previous = r[1];
         }
         EXPECT_EQ(base + f.bytes, previous) << what;
-        EXPECT_EQ(f.bytes, 2 * (cap + Tpad) * H + 4 * (H / 128) * cap + cap * I + 4 * (I / 128) * cap + 2 * Tpad * Is)
-            << what << ": nothing but the scales, h and the shared h beyond the slots";
+        auto padded = [](std::int64_t bytes) { return (bytes + 511) / 512 * 512; };
+        EXPECT_EQ(f.bytes, 2 * (cap + Tpad) * H + 4 * (H / 128) * cap + cap * I + 4 * (I / 128) * cap +
+                               padded((H / 128) * cap) + padded((I / 128) * cap) + 2 * Tpad * Is)
+            << what << ": nothing but the scales, h, the scales' exponent fields and the shared h beyond the slots";
       }
 }
 
@@ -815,10 +819,13 @@ TEST(ScratchLayout, RankFp8RowsAndOperandsNeverOverlap) {
           const std::vector<Region> forward{{"x E4M3", at(f.x_fp8), at(f.x_fp8) + cap * H},
                                             {"x scales", at(f.x_scales), at(f.x_scales) + 4 * (H / 128) * cap},
                                             {"h E4M3", at(f.h_fp8), at(f.h_fp8) + cap * I},
-                                            {"h scales", at(f.h_scales), at(f.h_scales) + 4 * (I / 128) * cap}};
+                                            {"h scales", at(f.h_scales), at(f.h_scales) + 4 * (I / 128) * cap},
+                                            {"x exponent fields", at(f.x_exps), at(f.x_exps) + (H / 128) * cap},
+                                            {"h exponent fields", at(f.h_exps), at(f.h_exps) + (I / 128) * cap}};
           apart(forward, what + " forward");
-          EXPECT_LE(forward[1].end, x_rows + 2 * rows * H) << what;
-          EXPECT_LE(forward[3].end, hidden + 2 * rows * I) << what;
+          EXPECT_LE(forward[4].end, x_rows + 2 * rows * H) << what;
+          EXPECT_LE(forward[5].end, hidden + 2 * rows * I) << what;
+          for (const std::uint8_t* e : {f.x_exps, f.h_exps}) EXPECT_EQ(at(e) % 16, 0u) << what;  // (bulk copies)
         }
 }
 

@@ -27,33 +27,36 @@ struct RankPeers {
   int* ring_counters = nullptr;        // its counters ([2 ring_minibatches], zeroed per call)
   std::function<void(kernels::EpPeers&)> set_peers;                            // the kernel's peer table
   std::function<void(std::span<const void* const>, void*, cudaStream_t)> pull;  // peers' rows -> routed rows
-  // Precision::fp8: peers' rows -> routed rows quantized (E4M3 values, scales; launch_quantize_rows)
-  // and, when the fourth argument is not null, copied there in bf16 too (one read)
-  std::function<void(std::span<const void* const>, std::uint8_t*, float*, void*, cudaStream_t)> pull_fp8;
+  // Precision::fp8: peers' rows -> routed rows quantized (E4M3 values, scales and, when not null, the
+  // scales' exponent fields; launch_quantize_rows) and, when the fifth argument is not null, copied
+  // there in bf16 too (one read)
+  std::function<void(std::span<const void* const>, std::uint8_t*, float*, std::uint8_t*, void*, cudaStream_t)> pull_fp8;
   // Config::pull_fp8_rows: peers' E4M3 tokens (kernels/fp8/quantize_rows.cuh's layout) -> routed rows
-  std::function<void(std::span<const void* const>, std::uint8_t*, float*, cudaStream_t)> gather_fp8;
+  // (values, scales, exponent fields)
+  std::function<void(std::span<const void* const>, std::uint8_t*, float*, std::uint8_t*, cudaStream_t)> gather_fp8;
 };
 
-// The routed rows of bf16 tokens (sources[q]: rank q's) quantized into values / scales, and, when
-// bf16 is not null, copied there too (every row: no split) — RankPeers::pull_fp8's body.
+// The routed rows of bf16 tokens (sources[q]: rank q's) quantized into values / scales (/ exps, when
+// not null), and, when bf16 is not null, copied there too (every row: no split) — RankPeers::pull_fp8's body.
 inline void pull_rows_fp8(Workspace& ws, std::span<const void* const> sources, std::uint8_t* values, float* scales,
-                          void* bf16, int ctas, cudaStream_t stream, std::string_view where) {
+                          std::uint8_t* exps, void* bf16, int ctas, cudaStream_t stream, std::string_view where) {
   kernels::QuantizeRowsParams q = quantize_rows_params(ws, sources, values, scales);
+  q.exps = exps;
   q.rows_bf16 = static_cast<std::uint16_t*>(bf16), q.split = kernels::kNoSplit;
   kernels::launch_quantize_rows(q, ctas, stream);
   cuda_check(cudaGetLastError(), where, "launching the FP8 row gather");
 }
 
-// The routed rows of E4M3 tokens (sources[q]: rank q's, Config::pull_fp8_rows) into values / scales.
+// The routed rows of E4M3 tokens (sources[q]: rank q's, Config::pull_fp8_rows) into values / scales / exps.
 inline void gather_fp8_rows(Workspace& ws, std::span<const void* const> sources, std::uint8_t* values, float* scales,
-                            int ctas, cudaStream_t stream, std::string_view where) {
+                            std::uint8_t* exps, int ctas, cudaStream_t stream, std::string_view where) {
   const MoeShape& s = ws.shape();
   const DevicePlanView& v = ws.plan().view();
   kernels::GatherFp8RowsParams g{};
   for (std::size_t q = 0; q < sources.size(); ++q) g.sources[q] = static_cast<const std::uint8_t*>(sources[q]);
   g.pairs_per_rank = ws.tokens() * s.top_k;
   g.tokens = ws.tokens();
-  g.values = values, g.scales = scales;
+  g.values = values, g.scales = scales, g.exps = exps;
   g.row_pair = v.row_pair, g.expert_offset = v.expert_offset, g.plan_status = v.status;
   g.capacity = ws.plan().capacity_rows();
   g.hidden = static_cast<int>(s.hidden), g.top_k = static_cast<int>(s.top_k);
@@ -88,8 +91,8 @@ inline kernels::ForwardParams forward_step(const RankPeers& peers, const Forward
 inline kernels::Fp8ForwardParams forward_step_fp8(const RankPeers& peers, const ForwardArgs& a, Workspace& ws,
                                                   std::uint16_t* saved, cudaStream_t stream, std::string_view where) {
   const CallBuffers buffers = rank_buffers(ws);
-  if (ws.config().pull_fp8_rows) peers.gather_fp8(peers.x, buffers.x_fp8, buffers.x_scales, stream);
-  else peers.pull_fp8(peers.x, buffers.x_fp8, buffers.x_scales, nullptr, stream);
+  if (ws.config().pull_fp8_rows) peers.gather_fp8(peers.x, buffers.x_fp8, buffers.x_scales, buffers.x_exps, stream);
+  else peers.pull_fp8(peers.x, buffers.x_fp8, buffers.x_scales, buffers.x_exps, nullptr, stream);
   zero_counters(ws, stream, where);
   kernels::Fp8ForwardParams p = fp8_forward_params(a, ws, buffers, saved);
   peers.set_peers(p.base.ep);
@@ -148,7 +151,7 @@ inline Fp8BackwardStep backward_step_fp8(const RankPeers& peers, const ForwardAr
   CallBuffers buffers = rank_buffers(ws);
   rank_fp8_dgrad_buffers(buffers, ws, fp8_rows);
   peers.pull(peers.x, ws.x_routed(), stream);
-  peers.pull_fp8(peers.dy, buffers.dy_fp8, buffers.dy_scales, ws.dy_routed(), stream);
+  peers.pull_fp8(peers.dy, buffers.dy_fp8, buffers.dy_scales, nullptr, ws.dy_routed(), stream);
   zero_counters(ws, stream, where);
   kernels::BackwardParams p = backward_params(a, b, ws, buffers, saved);
   p.topk_weights = all_weights;

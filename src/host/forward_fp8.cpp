@@ -62,13 +62,8 @@ kernels::Fp8ForwardParams fp8_forward_params(const ForwardArgs& a, Workspace& ws
   p.gate_exponents = static_cast<const std::int32_t*>(w.gate_exponents.data);
   p.up_exponents = static_cast<const std::int32_t*>(w.up_exponents.data);
   p.down_exponents = static_cast<const std::int32_t*>(w.down_exponents.data);
-#if defined(MOK_DIAG_FP8_SMEM_SCALES)
-  if (buffers.x_exps == nullptr || buffers.h_exps == nullptr)
-    throw Error("mok: this build (MOK_DIAG_FP8_SMEM_SCALES, a variant to measure) runs the FP8 forward on one GPU "
-                "only: an EP rank's buffers have no scale exponent bytes");
   p.x_exps = buffers.x_exps;
   p.h_exps = buffers.h_exps;
-#endif
   return p;
 }
 
@@ -76,7 +71,7 @@ void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& 
                         std::uint16_t* saved_gu, std::string_view where) {
   const int ctas = persistent_ctas(ws, where);
   kernels::QuantizeRowsParams quantize = quantize_rows_params(ws, a.x.data, buffers.x_fp8, buffers.x_scales);
-  quantize.exps = buffers.x_exps;  // (null but in a MOK_DIAG_FP8_SMEM_SCALES build)
+  quantize.exps = buffers.x_exps;
   kernels::launch_quantize_rows(quantize, 4 * ctas, stream);
   cuda_check(cudaGetLastError(), where, "launching the FP8 row gather");
   kernels::launch_forward_fp8(fp8_forward_params(a, ws, buffers, saved_gu), ctas, stream);

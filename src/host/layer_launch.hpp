@@ -90,8 +90,7 @@ struct CallBuffers {
   std::uint8_t* h_fp8 = nullptr;
   float* x_scales = nullptr;
   float* h_scales = nullptr;
-  // A MOK_DIAG_FP8_SMEM_SCALES build, one GPU: the same scales' biased exponent bytes
-  // (Fp8ForwardParams::x_exps, h_exps).
+  // The same scales' exponent fields (Fp8ForwardParams::x_exps, h_exps).
   std::uint8_t* x_exps = nullptr;
   std::uint8_t* h_exps = nullptr;
   // A Precision::fp8 backward (its FP8 dgrad): the routed dy rows and dgate|dup in E4M3 ([capacity,
@@ -188,7 +187,7 @@ void rank_fp8_dgrad_buffers(CallBuffers& buffers, const Workspace& ws, void* bas
 void rank_fp8_wgrad_buffers(CallBuffers& buffers, const Workspace& ws, void* base);
 // (The same arithmetic for a rank of `rows` allocated rows, for tests: dx_rows its dx rows' 2 rows H
 // bytes; rank_fp8_forward_buffers: the FP8 forward's E4M3 x rows and h in buffers.x_rows' 2 rows H
-// and buffers.hidden's 2 rows I bytes, each followed by its scales.)
+// and buffers.hidden's 2 rows I bytes, each followed by its scales and their exponent fields.)
 std::int64_t rank_fp8_dgrad_bytes(std::int64_t rows, std::int64_t H, std::int64_t I);
 void rank_fp8_dgrad_buffers(CallBuffers& buffers, std::int64_t rows, std::int64_t H, std::int64_t I, void* base);
 void rank_fp8_wgrad_buffers(CallBuffers& buffers, std::int64_t rows, std::int64_t H, std::int64_t I, void* base,

@@ -24,6 +24,7 @@ namespace mok::detail {
 namespace {
 
 std::uint16_t* at(void* base, std::int64_t byte) { return reinterpret_cast<std::uint16_t*>(static_cast<char*>(base) + byte); }
+std::int64_t padded_512(std::int64_t bytes) { return (bytes + 511) / 512 * 512; }
 
 }  // namespace
 
@@ -45,7 +46,8 @@ std::int64_t backward_block_columns(const MoeShape& shape, const Config& config,
 // own slot row)][h capacity x I][shared h T_pad x I_s]
 // Precision::fp8: [bf16 slots (capacity + T_pad) x H, E4M3 x rows = its bytes [capacity H,
 // 2 capacity H)][x scales H / 128 x capacity f32][E4M3 h capacity x I][h scales I / 128 x
-// capacity f32][shared h T_pad x I_s] (each a multiple of 512 bytes: capacity is one of 128).
+// capacity f32][x scales' exponent fields H / 128 x capacity u8, padded to 512 bytes][h's, I / 128
+// x capacity u8, padded][shared h T_pad x I_s] (each a multiple of 512 bytes: capacity is one of 128).
 CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
@@ -62,12 +64,10 @@ CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
     used += cap * I;
     b.h_scales = reinterpret_cast<float*>(at(scratch, used));
     used += 4 * (I / kernels::kFp8BlockK) * cap;
-#if defined(MOK_DIAG_FP8_SMEM_SCALES)  // (a variant to measure: the scales' exponent bytes too)
     b.x_exps = reinterpret_cast<std::uint8_t*>(at(scratch, used));
-    used += (H / kernels::kFp8BlockK) * cap;
+    used += padded_512((H / kernels::kFp8BlockK) * cap);
     b.h_exps = reinterpret_cast<std::uint8_t*>(at(scratch, used));
-    used += (I / kernels::kFp8BlockK) * cap;
-#endif
+    used += padded_512((I / kernels::kFp8BlockK) * cap);
     b.shared_hidden = at(scratch, used);
     b.bytes = used + 2 * Tpad * Is;
     return b;
@@ -275,8 +275,6 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
 
 namespace {
 
-std::int64_t padded_512(std::int64_t bytes) { return (bytes + 511) / 512 * 512; }
-
 // An EP rank's FP8 rows (Workspace::rank_fp8_dgrad_rows), `rows` its allocated ones (a multiple of
 // 128: every part below a multiple of 512 bytes): [E4M3 dy rows rows x H][their scales H / 128 x
 // rows f32][E4M3 dgate|dup rows rows x 2I][their scales 2I / 128 x rows f32] for the FP8 dgrad,
@@ -328,10 +326,13 @@ void rank_fp8_wgrad_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, s
 }
 
 void rank_fp8_forward_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, std::int64_t I) {
+  const std::int64_t x_blocks = H / kernels::kFp8BlockK, h_blocks = I / kernels::kFp8BlockK;
   b.x_fp8 = reinterpret_cast<std::uint8_t*>(b.x_rows);
   b.x_scales = reinterpret_cast<float*>(b.x_fp8 + rows * H);
+  b.x_exps = reinterpret_cast<std::uint8_t*>(b.x_scales + x_blocks * rows);
   b.h_fp8 = reinterpret_cast<std::uint8_t*>(b.hidden);
   b.h_scales = reinterpret_cast<float*>(b.h_fp8 + rows * I);
+  b.h_exps = reinterpret_cast<std::uint8_t*>(b.h_scales + h_blocks * rows);
 }
 
 std::int64_t rank_fp8_dgrad_bytes(const Workspace& ws) {

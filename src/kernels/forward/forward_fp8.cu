@@ -21,7 +21,8 @@
 //       accumulator layout (gate in acc[0, 64), up in acc[64, 128)), so GEMM2's slot rows
 //       and the training's saved pre-activations are the BF16 kernel's epilogues. GEMM1's
 //       h: each row's largest |h| over the tile's 128 columns gives its scale, h goes out
-//       as E4M3 (TMA store) and the scale as fp32 into h_scales, published through h_ready.
+//       as E4M3 (TMA store) and the scale as fp32 into h_scales (its exponent field into h_exps),
+//       published through h_ready. A stage brings its A rows' scale exponent bytes with it.
 //   The two consumer warpgroups share each stage; while one promotes its block, the
 //   tensor cores run the other's MMAs.
 //   The shared expert's GEMMs, the combine, the EP pushes of GEMM2's rows to the ranks that
@@ -69,13 +70,15 @@ static_assert(kBlockN == 2 * kBlockM && kGemm1Columns == kBlockM, "each half of 
 static_assert(kBoxFp8Half.bytes(1) <= sizeof(SharedStorage::h_staging[0]) && kBoxFp8Half.rows == 64 &&
               kBoxFp8Half.cols == kGemm1Columns, "a warpgroup's E4M3 h tile is one box of its staging");
 
-// A MOK_DIAG_FP8_SMEM_SCALES build (a variant to measure, one GPU): each routed stage brings its A rows'
-// scale exponent bytes (Fp8ForwardParams::x_exps / h_exps, 128 bytes) into s.a_exps, and the
-// consumers' promotions read them there instead of loading the fp32 scales from L2 a block ahead.
-#if defined(MOK_DIAG_FP8_SMEM_SCALES)
-constexpr bool kSmemRowScales = true;
-#else
+// Each routed stage brings its A rows' scale exponent bytes (Fp8ForwardParams::x_exps / h_exps, 128
+// bytes) into s.a_exps, and the consumers' promotions read them there (mainloop_fp8's kSmemRowScales)
+// instead of loading the fp32 scales from L2 a block ahead: the FP8 forward 1.04-1.05x as fast on the
+// large presets at the power cap, bitwise the same (H100, bench/NOTES.md, thirty-fourth session).
+// MOK_DIAG_FP8_L2_ROW_SCALES (timing only, the same bits): the loads from L2 as before, to A/B against.
+#if defined(MOK_DIAG_FP8_L2_ROW_SCALES)
 constexpr bool kSmemRowScales = false;
+#else
+constexpr bool kSmemRowScales = true;
 #endif
 constexpr std::uint32_t kRowExponentBytes = kSmemRowScales ? kBlockM : 0;
 static_assert(sizeof(SharedStorage::a_exps[0]) == kBlockM);
@@ -142,7 +145,7 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
 // h = swiglu(gate, up) of this warpgroup's 64 rows x 128 columns as E4M3 with one
 // power-of-two scale a row (its 128 columns are one block): the row's largest |h| is a max
 // over the thread's values and its quad's (any order gives the same), the values go
-// through the swizzled staging to one TMA store, the scales to h_scales; published by
+// through the swizzled staging to one TMA store, the scales to h_scales and h_exps; published by
 // publish_hidden() one task later, as in the BF16 kernel. (Training: the pre-activations
 // are saved first, as the BF16 kernel saves them.)
 __device__ void epilogue_gemm1_fp8(const Fp8ForwardParams& q, SharedStorage& s, float (&acc)[128], const Task& t,
@@ -176,13 +179,11 @@ __device__ void epilogue_gemm1_fp8(const Fp8ForwardParams& q, SharedStorage& s, 
   }
   if (lane % 4 == 0) {
     float* scales = q.h_scales + t.n * q.capacity + row0 + wg * 64 + warp * 16 + lane / 4;
-    scales[0] = exp2_int(exponent[0]);
-    scales[8] = exp2_int(exponent[1]);
-    if constexpr (kSmemRowScales) {
-      std::uint8_t* exps = q.h_exps + (scales - q.h_scales);
-      // (normal scales only, 2^-126 .. 2^127: the variant times the loop; a block below 2^-118 would read 0)
-      exps[0] = static_cast<std::uint8_t>(max(exponent[0] + 127, 0)), exps[8] = static_cast<std::uint8_t>(max(exponent[1] + 127, 0));
-    }
+    const float scale[2] = {exp2_int(exponent[0]), exp2_int(exponent[1])};
+    scales[0] = scale[0], scales[8] = scale[1];
+    std::uint8_t* exps = q.h_exps + (scales - q.h_scales);
+    exps[0] = scale_exponent_field(scale[0]), exps[8] = scale_exponent_field(scale[1]);
+    fence_proxy_async_global();  // (GEMM2's producers read the bytes with bulk copies: the async proxy)
   }
   fence_proxy_async_shared_cta();
   sync_warpgroup(wg);  // (also orders every thread's scale stores before the publishing release)

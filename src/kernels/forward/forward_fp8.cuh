@@ -29,12 +29,12 @@ struct Fp8ForwardParams {
   std::int64_t capacity;           // plan rows: the stride of the row scales
   const float* x_scales;           // [H / 128, capacity]: row r's block b scale (a power of two)
   float* h_scales;                 // [I / 128, capacity], written by GEMM1
-  // A MOK_DIAG_FP8_SMEM_SCALES build (a variant to measure, one GPU; null otherwise): the same row
-  // scales as biased exponent bytes (2^(byte - 127)), x's [H / 128, capacity] from the quantization,
-  // h's [I / 128, capacity] written by GEMM1 beside h_scales; the producer loads a stage's 128 rows'
-  // bytes with its operands, so that the consumers' promotions read them from shared memory.
-  const std::uint8_t* x_exps;
-  std::uint8_t* h_exps;
+  // The same row scales' fp32 exponent fields (biased: 2^(byte - 127); 0 for a subnormal scale, of a
+  // block whose largest |value| is below 2^-118, whose fp32 scale is read instead): x's from the
+  // quantization, h's written by GEMM1 beside h_scales. The producer loads a stage's 128 rows' bytes
+  // with its operands, so that the consumers' promotions read them from shared memory.
+  const std::uint8_t* x_exps;      // [H / 128, capacity]
+  std::uint8_t* h_exps;            // [I / 128, capacity]
   const std::int32_t* gate_exponents;  // [E_l, I / 128, H / 128]: weight block (i, j) scale 2^e
   const std::int32_t* up_exponents;    // [E_l, I / 128, H / 128]
   const std::int32_t* down_exponents;  // [E_l, H / 128, I / 128]

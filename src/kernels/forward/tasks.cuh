@@ -39,7 +39,7 @@ struct alignas(1024) SharedStorage {
   };
   PipelineBarriers<kStages> barriers;
   PushedRows pushed[kConsumerWarpgroups];  // push combine: rows pushed, not yet published
-  // The FP8 forward of a MOK_DIAG_FP8_SMEM_SCALES build: stage i's 128 A rows' scale exponent bytes
+  // The FP8 forward: stage i's 128 A rows' scale exponent bytes
   // (Fp8ForwardParams::x_exps / h_exps; within the struct's 1024-byte padding: no more shared memory).
   alignas(16) std::uint8_t a_exps[kStages][kBlockM];
 };

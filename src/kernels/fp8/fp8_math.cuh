@@ -19,6 +19,12 @@ __device__ __forceinline__ float exp2_int(int e) {
   return __int_as_float(e >= -126 ? normal : subnormal);
 }
 
+// The exponent field of a positive power-of-two scale (2^(field - 127); 0: a subnormal scale, below
+// 2^-126): the byte in which the FP8 forward's stages carry A's row scales (mainloop_fp8).
+__device__ __forceinline__ std::uint8_t scale_exponent_field(float scale) {
+  return static_cast<std::uint8_t>(__float_as_uint(scale) >> 23);
+}
+
 // Division of a block's values by its scale 2^e as multiplications by powers of two, exact as
 // ldexpf(v, -e) is: 2^-e, split into two normal factors when it is above 2^127 (a block whose
 // largest magnitude is below 2^-119; e >= -157 for any float).

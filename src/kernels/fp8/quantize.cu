@@ -200,13 +200,10 @@ __device__ __forceinline__ void for_each_token_row(const std::int32_t* rows_of_t
   }
 }
 
-// Block b's scale of plan row `row` (a power of two), and in a MOK_DIAG_FP8_SMEM_SCALES build its biased
-// exponent byte where p.exps is given (the default build's kernels are as before: no test has run that path).
+// Block b's scale of plan row `row` (a power of two), and its exponent field where p.exps is given.
 __device__ __forceinline__ void store_row_scale(const QuantizeRowsParams& p, int b, std::int64_t row, float scale) {
   p.scales[b * p.capacity + row] = scale;
-#if defined(MOK_DIAG_FP8_SMEM_SCALES)
-  if (p.exps != nullptr) p.exps[b * p.capacity + row] = static_cast<std::uint8_t>(__float_as_uint(scale) >> 23);
-#endif
+  if (p.exps != nullptr) p.exps[b * p.capacity + row] = scale_exponent_field(scale);
 }
 
 // The routed rows in plan order, quantized per 1 x 128 block as they are gathered (from any
@@ -323,14 +320,16 @@ __global__ void __launch_bounds__(kThreads) gather_fp8_rows_kernel(const __grid_
     uint4* dst = reinterpret_cast<uint4*>(p.values + row * p.hidden);
     if (pair < 0) {
       for (int v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
-      for (int b = lane; b < blocks; b += 32) p.scales[b * p.capacity + row] = 1.0f;
+      for (int b = lane; b < blocks; b += 32)
+        p.scales[b * p.capacity + row] = 1.0f, p.exps[b * p.capacity + row] = scale_exponent_field(1.0f);
       continue;
     }
     const std::uint8_t* source = p.sources[pair / p.pairs_per_rank];
     const std::int64_t token = (pair % p.pairs_per_rank) / p.top_k;
     const float* src_scales = reinterpret_cast<const float*>(source + p.tokens * p.hidden) + token * blocks;
     warp_copy_row(dst, reinterpret_cast<const uint4*>(source + token * p.hidden), vectors, lane);
-    for (int b = lane; b < blocks; b += 32) p.scales[b * p.capacity + row] = src_scales[b];
+    for (int b = lane; b < blocks; b += 32)
+      p.scales[b * p.capacity + row] = src_scales[b], p.exps[b * p.capacity + row] = scale_exponent_field(src_scales[b]);
   }
 }
 

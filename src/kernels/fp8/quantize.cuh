@@ -62,8 +62,8 @@ struct QuantizeRowsParams {
   std::uint8_t* values;          // [capacity, H] E4M3
   float* scales;                 // [H / 128, capacity]
   const std::int32_t* row_pair;  // [capacity]: t * k + j, or -1 (padding)
-  // Optional (the FP8 forward of a MOK_DIAG_FP8_SMEM_SCALES build): each scale's biased exponent
-  // byte too (2^(byte - 127)), [H / 128, capacity], which that forward's producer loads with its stages.
+  // Optional (the FP8 forward's x rows): each scale's exponent field too ([H / 128, capacity];
+  // kernels/fp8/fp8_math.cuh's scale_exponent_field), which that forward's producer loads with its stages.
   std::uint8_t* exps = nullptr;
   const std::int32_t* expert_offset;  // [E_l + 1]
   const void* plan_status;       // PlanStatus*: nothing is written from a bad plan
@@ -97,15 +97,16 @@ void launch_quantize_tokens(const std::uint16_t* src, std::uint8_t* out, std::in
                             cudaStream_t stream);
 
 // The plan's routed rows gathered as E4M3 rows already quantized by their owners (sources[q]:
-// rank q's tokens in fp8_token_bytes' layout) into values (E4M3 [capacity, H]) and scales ([H /
-// 128, capacity], QuantizeRowsParams' layouts): the bytes launch_quantize_rows makes from the
-// bf16 rows. Padding rows: zeros, scale 1; nothing is written from a bad plan.
+// rank q's tokens in fp8_token_bytes' layout) into values (E4M3 [capacity, H]), scales ([H /
+// 128, capacity]) and their exponent fields (QuantizeRowsParams' layouts): the bytes
+// launch_quantize_rows makes from the bf16 rows. Padding rows: zeros, scale 1; nothing is written from a bad plan.
 struct GatherFp8RowsParams {
   const std::uint8_t* sources[kMaxEpRanks];
   std::int64_t pairs_per_rank;   // T * k
   std::int64_t tokens;           // T of every rank (where the sources' scales start)
   std::uint8_t* values;
   float* scales;
+  std::uint8_t* exps;            // the scales' exponent fields (QuantizeRowsParams::exps)
   const std::int32_t* row_pair;  // [capacity]: global pair, or -1
   const std::int32_t* expert_offset;
   const void* plan_status;
