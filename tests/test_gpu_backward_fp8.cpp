@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include <string>
 #include <vector>
@@ -62,13 +63,14 @@ constexpr testing::Bars kWgradVsRecipe = kDxVsRecipe;
 
 // One FP8 training step of case c (gradients poisoned first; f32 ones zeroed, as they are accumulated
 // into) against the recipe's fp64 reference: with the FP8 dgrad, and wgrad: the FP8 weight
-// gradients too. seed: the problem's (dy's is seed - 54).
-void expect_recipe(const Case& c, bool f32, bool wgrad, std::uint64_t seed) {
+// gradients too. seed: the problem's (dy's is seed - 54); dy_exponent: dy times 2^dy_exponent.
+void expect_recipe(const Case& c, bool f32, bool wgrad, std::uint64_t seed, int dy_exponent = 0) {
   const MoeShape s = shape_of(c);
   const HostProblem host = make_problem(s, c.tokens, c.routing, seed);
   GpuProblem gpu(host);
   const QuantizedWeights q(gpu);
-  const auto dy = testing::random_bf16(host.x.size(), seed - 54);
+  auto dy = testing::random_bf16(host.x.size(), seed - 54);
+  for (bf16& v : dy) v = bf16::from_float(std::ldexp(v.to_float(), dy_exponent));
   testing::GpuGrads grads(gpu, dy, f32);
   Workspace ws(s, c.tokens, fp8_config(), Training::save);
   std::vector<std::vector<double>> base;  // (f32 gradients are accumulated into: zero them)
@@ -113,6 +115,17 @@ TEST_P(Fp8BackwardCases, MatchesTheRecipeReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fp8Backward, Fp8BackwardCases, ::testing::ValuesIn(kRecipeCases), case_name);
+
+// Row scales below 2^-126 in the FP8 dgrad (blocks whose largest |value| is below 2^-118): dy times
+// 2^-121 makes every dy block's scale subnormal and most of dgate|dup's, whose stages then carry 0
+// exponent fields and whose promotions read the fp32 scales instead (as the forward's:
+// test_gpu_forward_fp8.cpp); against the recipe as above, with f32 weight gradients (the tiny
+// values keep their precision there).
+TEST(Fp8Backward, SubnormalRowScalesAreReadExactly) {
+  MOK_REQUIRE_HOPPER();
+  expect_recipe(Case{"subnormal_row_scales", 333, 512, 256, 4, 2, 0, 0, RoutingKind::uniform}, /*f32=*/true,
+                /*wgrad=*/false, 91, /*dy_exponent=*/-121);
+}
 
 // W_down^T and [W_gate^T | W_up^T] from quantize_dgrad_weights are the forward's quantized
 // blocks transposed: the same bytes and exponents.

@@ -557,7 +557,7 @@ TEST(ScratchLayout, DyRowsContinueInDx) {
               splits[0], splits[1], in_dx_only, shared_in_dx);
 }
 
-// The FP8 dgrad's rows (E4M3 dy and dgate|dup, their scales) are in a backward's scratch only when the
+// The FP8 dgrad's rows (E4M3 dy and dgate|dup, their scales and the scales' exponent fields) are in a backward's scratch only when the
 // call asks for them (BackwardArgs::fp8) on a Precision::fp8 workspace, after the rest, 512-byte aligned.
 TEST(ScratchLayout, Fp8DgradRowsOnlyWhenAsked) {
   detail::ScratchShape sh;
@@ -575,13 +575,18 @@ TEST(ScratchLayout, Fp8DgradRowsOnlyWhenAsked) {
   EXPECT_TRUE(plain.bytes == bf16.bytes && plain.dy_fp8 == nullptr);
   const detail::CallBuffers fp8 = detail::backward_buffers(sh, base, nullptr, nullptr, nullptr, true);
   auto off = [&](const void* p) { return reinterpret_cast<std::uintptr_t>(p) - reinterpret_cast<std::uintptr_t>(base); };
+  auto padded = [](std::int64_t bytes) { return static_cast<std::uintptr_t>((bytes + 511) / 512 * 512); };
   EXPECT_EQ(off(fp8.dy_fp8), static_cast<std::uintptr_t>(plain.bytes));
   EXPECT_EQ(off(fp8.dy_scales), off(fp8.dy_fp8) + cap * H);
-  EXPECT_EQ(off(fp8.dgu_fp8), off(fp8.dy_scales) + 4 * (H / 128) * cap);
+  EXPECT_EQ(off(fp8.dy_exps), off(fp8.dy_scales) + 4 * (H / 128) * cap);
+  EXPECT_EQ(off(fp8.dgu_fp8), off(fp8.dy_exps) + padded((H / 128) * cap));
   EXPECT_EQ(off(fp8.dgu_scales), off(fp8.dgu_fp8) + cap * 2 * I);
-  EXPECT_EQ(fp8.bytes, static_cast<std::int64_t>(off(fp8.dgu_scales)) + 4 * (2 * I / 128) * cap);
-  EXPECT_TRUE(off(fp8.dy_fp8) % 512 == 0 && off(fp8.dy_scales) % 512 == 0 && off(fp8.dgu_fp8) % 512 == 0 &&
-              off(fp8.dgu_scales) % 512 == 0);
+  EXPECT_EQ(off(fp8.dgu_exps), off(fp8.dgu_scales) + 4 * (2 * I / 128) * cap);
+  EXPECT_EQ(fp8.bytes, static_cast<std::int64_t>(off(fp8.dgu_exps) + padded((2 * I / 128) * cap)));
+  for (const void* p : {static_cast<const void*>(fp8.dy_fp8), static_cast<const void*>(fp8.dy_scales),
+                        static_cast<const void*>(fp8.dy_exps), static_cast<const void*>(fp8.dgu_fp8),
+                        static_cast<const void*>(fp8.dgu_scales), static_cast<const void*>(fp8.dgu_exps)})
+    EXPECT_EQ(off(p) % 512, 0u);
 }
 
 // A Precision::fp8, Training::save backward's scratch shape (capacity in whole tiles, as a plan's).
@@ -625,9 +630,13 @@ TEST(ScratchLayout, Fp8DgradDyRowsInTheGradientsRoom) {
                 EXPECT_TRUE(w.dy_rows == plain.dy_rows && w.dy_rows_hi == plain.dy_rows_hi && w.dy_split == plain.dy_split &&
                             w.hidden == plain.hidden && w.x_rows == plain.x_rows && w.shared_dx_rows == plain.shared_dx_rows)
                     << what << ": the bf16 rows moved";
-                const std::int64_t dy8 = cap * H + 4 * (H / 128) * cap, dgu8 = cap * 2 * I + 4 * (2 * I / 128) * cap;
+                auto padded = [](std::int64_t bytes) { return (bytes + 511) / 512 * 512; };
+                const std::int64_t dy8 = cap * H + 4 * (H / 128) * cap + padded((H / 128) * cap);
+                const std::int64_t dgu8 = cap * 2 * I + 4 * (2 * I / 128) * cap + padded((2 * I / 128) * cap);
                 ASSERT_NE(w.dy_fp8, nullptr) << what;
                 EXPECT_EQ(at(w.dy_scales), at(w.dy_fp8) + cap * H) << what;
+                EXPECT_EQ(at(w.dy_exps), at(w.dy_scales) + 4 * (H / 128) * cap) << what;
+                EXPECT_EQ(at(w.dgu_exps), at(w.dgu_scales) + 4 * (2 * I / 128) * cap) << what;
                 const U lo = at(w.dy_fp8), hi = lo + dy8;
                 const bool scratch = inside(lo, hi, base, base + w.bytes);
                 EXPECT_EQ(w.bytes, plain.bytes + (scratch ? dy8 : 0) + dgu8) << what;
@@ -787,8 +796,11 @@ TEST(ScratchLayout, RankFp8RowsAndOperandsNeverOverlap) {
           const std::vector<Region> dgrad{{"dy E4M3", at(d.dy_fp8), at(d.dy_fp8) + cap * H},
                                           {"dy scales", at(d.dy_scales), at(d.dy_scales) + 4 * (H / 128) * cap},
                                           {"dgate|dup E4M3", at(d.dgu_fp8), at(d.dgu_fp8) + cap * 2 * I},
-                                          {"dgate|dup scales", at(d.dgu_scales), at(d.dgu_scales) + 4 * (2 * I / 128) * cap}};
+                                          {"dgate|dup scales", at(d.dgu_scales), at(d.dgu_scales) + 4 * (2 * I / 128) * cap},
+                                          {"dy exponent fields", at(d.dy_exps), at(d.dy_exps) + (H / 128) * cap},
+                                          {"dgate|dup exponent fields", at(d.dgu_exps), at(d.dgu_exps) + (2 * I / 128) * cap}};
           apart(dgrad, what + " dgrad");
+          EXPECT_EQ(at(d.dy_exps) % 16 + at(d.dgu_exps) % 16, 0u) << what << " (bulk copies)";
           for (const Region& r : dgrad) EXPECT_TRUE(inside(r)) << what << ": " << r.name << " outside the rank buffer";
           EXPECT_EQ(at(d.dy_fp8) % 16 + at(d.dgu_fp8) % 16, 0u) << what;
 

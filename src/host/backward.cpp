@@ -222,11 +222,12 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
 }
 
 // Precision::fp8 with BackwardArgs::fp8, after the plan: gathers the routed dy rows in one read
-// of dy, quantized into buffers.dy_fp8 / dy_scales and (bf16_rows: for bf16 weight gradients) in
+// of dy, quantized into buffers.dy_fp8 / dy_scales / dy_exps and (bf16_rows: for bf16 weight gradients) in
 // bf16 where the BF16 backward's dispatch would put them.
 void gather_dy_fp8(const BackwardArgs& b, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                    std::string_view where, bool bf16_rows) {
   kernels::QuantizeRowsParams rows = quantize_rows_params(ws, b.dy.data, buffers.dy_fp8, buffers.dy_scales);
+  rows.exps = buffers.dy_exps;
   rows.rows_bf16 = bf16_rows ? buffers.dy_rows : nullptr;
   rows.rows_bf16_hi = buffers.dy_rows_hi;
   rows.split = buffers.dy_split;
@@ -250,6 +251,8 @@ kernels::Fp8BackwardParams backward_fp8_params(const BackwardArgs& b, Workspace&
   q.dy_scales = buffers.dy_scales;
   q.dgu_values = buffers.dgu_fp8;
   q.dgu_scales = buffers.dgu_scales;
+  q.dy_exps = buffers.dy_exps;
+  q.dgu_exps = buffers.dgu_exps;
   q.down_t_exponents = static_cast<const std::int32_t*>(w.down_t_exponents.data);
   q.gate_up_t_exponents = static_cast<const std::int32_t*>(w.gate_up_t_exponents.data);
   return q;

@@ -151,7 +151,7 @@ inline Fp8BackwardStep backward_step_fp8(const RankPeers& peers, const ForwardAr
   CallBuffers buffers = rank_buffers(ws);
   rank_fp8_dgrad_buffers(buffers, ws, fp8_rows);
   peers.pull(peers.x, ws.x_routed(), stream);
-  peers.pull_fp8(peers.dy, buffers.dy_fp8, buffers.dy_scales, nullptr, ws.dy_routed(), stream);
+  peers.pull_fp8(peers.dy, buffers.dy_fp8, buffers.dy_scales, buffers.dy_exps, ws.dy_routed(), stream);
   zero_counters(ws, stream, where);
   kernels::BackwardParams p = backward_params(a, b, ws, buffers, saved);
   p.topk_weights = all_weights;

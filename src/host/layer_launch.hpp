@@ -95,11 +95,14 @@ struct CallBuffers {
   std::uint8_t* h_exps = nullptr;
   // A Precision::fp8 backward (its FP8 dgrad): the routed dy rows and dgate|dup in E4M3 ([capacity,
   // H], [capacity, 2I]) and their per-row scales of each 128 columns ([H / 128, capacity],
-  // [2I / 128, capacity] f32).
+  // [2I / 128, capacity] f32), each scale array followed by the scales' exponent fields (u8, padded to
+  // 512 bytes: fp8_rows_bytes).
   std::uint8_t* dy_fp8 = nullptr;
   std::uint8_t* dgu_fp8 = nullptr;
   float* dy_scales = nullptr;
   float* dgu_scales = nullptr;
+  std::uint8_t* dy_exps = nullptr;
+  std::uint8_t* dgu_exps = nullptr;
   // ... with its weight gradients in E4M3 (BackwardArgs::fp8_weight_gradients): the transposes of
   // the routed dy rows, x rows, w h and dgate|dup ([H | H | I | 2I, capacity] E4M3), the gradients'
   // scales per channel and 128 rows ([capacity / 128, H | 2I] f32) and the activations' exponents

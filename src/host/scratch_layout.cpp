@@ -26,6 +26,20 @@ namespace {
 std::uint16_t* at(void* base, std::int64_t byte) { return reinterpret_cast<std::uint16_t*>(static_cast<char*>(base) + byte); }
 std::int64_t padded_512(std::int64_t bytes) { return (bytes + 511) / 512 * 512; }
 
+// E4M3 rows (the FP8 dgrad's A operands) with a power-of-two scale per row and 128 columns, in one
+// region: [values rows x cols][scales cols / 128 x rows f32][their exponent fields cols / 128 x rows
+// u8, padded to 512 bytes]; rows a multiple of 128, so each part starts 512-byte aligned.
+std::int64_t fp8_rows_bytes(std::int64_t rows, std::int64_t cols) {
+  const std::int64_t blocks = cols / kernels::kFp8BlockK;
+  return rows * cols + 4 * blocks * rows + padded_512(blocks * rows);
+}
+void place_fp8_rows(std::uint8_t* at, std::int64_t rows, std::int64_t cols, std::uint8_t*& values, float*& scales,
+                    std::uint8_t*& exps) {
+  values = at;
+  scales = reinterpret_cast<float*>(at + rows * cols);
+  exps = reinterpret_cast<std::uint8_t*>(scales + cols / kernels::kFp8BlockK * rows);
+}
+
 }  // namespace
 
 ScratchShape scratch_shape(const Workspace& ws, std::int64_t tokens) {
@@ -163,7 +177,7 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
   // each of which waited for its expert's dh tiles (rows_in_grads, as for the bf16 dy rows).
   std::uint8_t* dy_fp8_at = nullptr;
   if (fp8_dgrad && shape.precision == Precision::fp8 && in_grads) {
-    const std::int64_t need = cap * H + 4 * (H / kernels::kFp8BlockK) * cap;  // (bytes)
+    const std::int64_t need = fp8_rows_bytes(cap, H);  // (bytes)
     const std::int64_t dy_lo_rows = dy_at.split == kernels::kNoSplit ? cap : dy_at.split;
     const auto room = [&](std::uint16_t* lo, std::int64_t n) {  // the first free aligned element of [lo, lo + n)
       std::int64_t end = 0;
@@ -206,18 +220,13 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
   }
   if (fp8_dgrad && shape.precision == Precision::fp8) {  // (each a multiple of 512 bytes)
     if (dy_fp8_at) {
-      b.dy_fp8 = dy_fp8_at;
-      b.dy_scales = reinterpret_cast<float*>(dy_fp8_at + cap * H);
+      place_fp8_rows(dy_fp8_at, cap, H, b.dy_fp8, b.dy_scales, b.dy_exps);
     } else {
-      b.dy_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, used));
-      used += cap * H;
-      b.dy_scales = reinterpret_cast<float*>(at(scratch, used));
-      used += 4 * (H / kernels::kFp8BlockK) * cap;
+      place_fp8_rows(reinterpret_cast<std::uint8_t*>(at(scratch, used)), cap, H, b.dy_fp8, b.dy_scales, b.dy_exps);
+      used += fp8_rows_bytes(cap, H);
     }
-    b.dgu_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, used));
-    used += cap * 2 * I;
-    b.dgu_scales = reinterpret_cast<float*>(at(scratch, used));
-    used += 4 * (2 * I / kernels::kFp8BlockK) * cap;
+    place_fp8_rows(reinterpret_cast<std::uint8_t*>(at(scratch, used)), cap, 2 * I, b.dgu_fp8, b.dgu_scales, b.dgu_exps);
+    used += fp8_rows_bytes(cap, 2 * I);
     if (fp8_wgrad) {
       // dgate|dup^T and its scales take the E4M3 dgate|dup rows' and theirs (the same sizes; made
       // after the dgrad launches, when the dx tiles have read those). dy^T, x^T and w h^T (with
@@ -248,7 +257,7 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
       Room rooms[] = {{reinterpret_cast<std::uint8_t*>(b.dy_rows), dy_at.lo ? 0 : 2 * cap * H, 0},
                       {reinterpret_cast<std::uint8_t*>(b.x_rows), 2 * cap * W, 0},
                       {preact, 4 * cap * I, 0},
-                      {b.dy_fp8, dy_fp8_at ? 0 : cap * H + 4 * (H / kernels::kFp8BlockK) * cap, 0}};
+                      {b.dy_fp8, dy_fp8_at ? 0 : fp8_rows_bytes(cap, H), 0}};
       const auto place = [&](std::int64_t bytes) {
         for (Room& r : rooms)
           if (r.bytes - r.used >= bytes) {
@@ -276,8 +285,8 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
 namespace {
 
 // An EP rank's FP8 rows (Workspace::rank_fp8_dgrad_rows), `rows` its allocated ones (a multiple of
-// 128: every part below a multiple of 512 bytes): [E4M3 dy rows rows x H][their scales H / 128 x
-// rows f32][E4M3 dgate|dup rows rows x 2I][their scales 2I / 128 x rows f32] for the FP8 dgrad,
+// 128: every part below a multiple of 512 bytes): the E4M3 dy rows (rows x H) and dgate|dup rows
+// (rows x 2I), each with its scales and their exponent fields (fp8_rows_bytes) for the FP8 dgrad,
 // then for the FP8 weight gradients [x^T's exponents H / 128 x stride i32][w h^T rows x I and its
 // exponents I / 128 x stride i32, unless they fit in the E4M3 dy rows' room, dead by then].
 struct RankFp8Parts {
@@ -288,7 +297,7 @@ struct RankFp8Parts {
 RankFp8Parts rank_fp8_parts(std::int64_t rows, std::int64_t H, std::int64_t I) {
   RankFp8Parts p{};
   const std::int64_t stride = kernels::wgrad_exponent_stride(rows);  // (>= the plan's: capacity <= rows)
-  p.dgrad = rows * (H + 2 * I) + 4 * rows * (H + 2 * I) / kernels::kFp8BlockK;
+  p.dgrad = fp8_rows_bytes(rows, H) + fp8_rows_bytes(rows, 2 * I);
   p.x_exponents = padded_512(4 * (H / kernels::kFp8BlockK) * stride);
   p.hw_exponents_at = padded_512(rows * I);
   p.hw_t = padded_512(p.hw_exponents_at + 4 * (I / kernels::kFp8BlockK) * stride);
@@ -305,10 +314,8 @@ std::int64_t rank_fp8_dgrad_bytes(std::int64_t rows, std::int64_t H, std::int64_
 
 void rank_fp8_dgrad_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, std::int64_t I, void* base) {
   auto* at = static_cast<std::uint8_t*>(base);
-  b.dy_fp8 = at;
-  b.dy_scales = reinterpret_cast<float*>(at += rows * H);
-  b.dgu_fp8 = (at += 4 * rows * H / kernels::kFp8BlockK);
-  b.dgu_scales = reinterpret_cast<float*>(at + rows * 2 * I);
+  place_fp8_rows(at, rows, H, b.dy_fp8, b.dy_scales, b.dy_exps);
+  place_fp8_rows(at + fp8_rows_bytes(rows, H), rows, 2 * I, b.dgu_fp8, b.dgu_scales, b.dgu_exps);
 }
 
 void rank_fp8_wgrad_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, std::int64_t I, void* base,

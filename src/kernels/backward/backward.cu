@@ -118,7 +118,11 @@ __device__ void quantize_dgu_rows(const Fp8BackwardParams& q, const Task& t, int
       *reinterpret_cast<uint2*>(q.dgu_values + row * 2 * inter + column[j] + 8 * (lane % 16)) =
           make_uint2(pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3])),
                      pack_e4m3x4(inverse(v[4]), inverse(v[5]), inverse(v[6]), inverse(v[7])));
-      if (lane % 16 == 0) q.dgu_scales[column[j] / kFp8BlockK * q.capacity + row] = exp2_int(e);
+      if (lane % 16 == 0) {
+        const std::int64_t at = column[j] / kFp8BlockK * q.capacity + row;
+        const float scale = exp2_int(e);
+        q.dgu_scales[at] = scale, q.dgu_exps[at] = scale_exponent_field(scale);
+      }
     }
   }
 }
@@ -164,8 +168,8 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
       if constexpr (kFp8Dgrad<Q>) {
         fp8 = fp8_task<Q>(t);
         if (fp8)
-          mainloop_fp8(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, wg,
-                                        task, fp8_scales(q, t, row0 + wg * 64));
+          mainloop_fp8<kStages, kFp8SmemRowScales>(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK,
+                                                   wg, task, fp8_scales(q, t, row0 + wg * 64));
       }
       if (t.kind == kDh) {
         if (!fp8) {

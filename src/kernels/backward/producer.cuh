@@ -102,11 +102,13 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
         const CUtensorMap* b_map = dh ? &q.maps.down_t : &q.maps.gate_up_t;
         const int n0 = t.n * kBlockN, steps = (dh ? p.hidden : 2 * inter) / kFp8BlockK;
         for (int kb = 0; kb < steps; ++kb) {
-          std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, 3 * kFp8TileBytes);
+          std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, 3 * kFp8TileBytes + kFp8RowExponentBytes);
           SharedStorage::Stage& st = s.stages[pipe.stage()];
           char* b = reinterpret_cast<char*>(st.b);
           const int k0 = kb * kFp8BlockK;
           tma_load_2d(st.a, a_map, full, k0, row0);
+          if constexpr (kFp8SmemRowScales)  // (K block kb's fields of rows [row0, row0 + 128): contiguous)
+            bulk_load(s.a_exps[pipe.stage()], (dh ? q.dy_exps : q.dgu_exps) + kb * q.capacity + row0, kFp8RowExponentBytes, full);
           tma_load_3d(b, b_map, full, k0, n0, t.e);
           tma_load_3d(b + kFp8TileBytes, b_map, full, k0, n0 + kBlockM, t.e);
           pipe.producer_commit();

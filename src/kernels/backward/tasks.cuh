@@ -224,6 +224,9 @@ struct alignas(1024) SharedStorage {
   // weight tasks saw done, and whether every routed dW_down tile was seen done (rows_in_grads).
   int rows_seen;
   int dw_down_seen;
+  // The FP8 dgrad: stage i's 128 A rows' scale exponent fields (Fp8BackwardParams::dy_exps / dgu_exps;
+  // within the struct's 1024-byte padding: no more shared memory).
+  alignas(16) std::uint8_t a_exps[kStages][kBlockM];
 };
 static_assert(shared_storage_bytes<SharedStorage>() <= kMaxSharedMemoryBytes, "shared memory over the sm_90 opt-in limit");
 static_assert(kCommStagingBytes <= sizeof(SharedStorage::stages), "comm staging fits the stages");

@@ -74,14 +74,8 @@ static_assert(kBoxFp8Half.bytes(1) <= sizeof(SharedStorage::h_staging[0]) && kBo
 // bytes) into s.a_exps, and the consumers' promotions read them there (mainloop_fp8's kSmemRowScales)
 // instead of loading the fp32 scales from L2 a block ahead: the FP8 forward 1.04-1.05x as fast on the
 // large presets at the power cap, bitwise the same (H100, bench/NOTES.md, thirty-fourth session).
-// MOK_DIAG_FP8_L2_ROW_SCALES (timing only, the same bits): the loads from L2 as before, to A/B against.
-#if defined(MOK_DIAG_FP8_L2_ROW_SCALES)
-constexpr bool kSmemRowScales = false;
-#else
-constexpr bool kSmemRowScales = true;
-#endif
-constexpr std::uint32_t kRowExponentBytes = kSmemRowScales ? kBlockM : 0;
-static_assert(sizeof(SharedStorage::a_exps[0]) == kBlockM);
+// (kFp8SmemRowScales, kFp8RowExponentBytes: mainloop_fp8.cuh's, with the FP8 dgrad's.)
+static_assert(sizeof(SharedStorage::a_exps[0]) == kFp8RowExponentBytes || !kFp8SmemRowScales);
 
 // ---------------------------------------------------------------------------------- producer
 
@@ -122,12 +116,12 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
         continue;
       }
 #endif
-      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, 3 * kFp8TileBytes + kRowExponentBytes);
+      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, 3 * kFp8TileBytes + kFp8RowExponentBytes);
       SharedStorage::Stage& stage = s.stages[pipe.stage()];
       char* b = reinterpret_cast<char*>(stage.b);
       tma_load_2d(stage.a, gemm1 ? &q.maps.x : &q.maps.h_load, full, k, row0);
-      if constexpr (kSmemRowScales)  // (K block `step`'s bytes of rows [row0, row0 + 128): contiguous)
-        bulk_load(s.a_exps[pipe.stage()], (gemm1 ? q.x_exps : q.h_exps) + step * q.capacity + row0, kRowExponentBytes, full);
+      if constexpr (kFp8SmemRowScales)  // (K block `step`'s bytes of rows [row0, row0 + 128): contiguous)
+        bulk_load(s.a_exps[pipe.stage()], (gemm1 ? q.x_exps : q.h_exps) + step * q.capacity + row0, kFp8RowExponentBytes, full);
       if (gemm1) {  // 128 gate rows, then the same 128 up rows
         tma_load_3d(b, &q.maps.gate, full, k, t.n * kGemm1Columns, expert);
         tma_load_3d(b + kFp8TileBytes, &q.maps.up, full, k, t.n * kGemm1Columns, expert);
@@ -241,7 +235,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const int k_blocks = p.hidden / kFp8BlockK;
       const std::int64_t block_row = (static_cast<std::int64_t>(expert) * (p.inter / kGemm1Columns) + t.n) * k_blocks;
       const Fp8TaskScales sc{q.x_scales + rows, static_cast<int>(q.capacity), {q.gate_exponents + block_row, q.up_exponents + block_row}};
-      mainloop_fp8<kStages, kSmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, sc);
+      mainloop_fp8<kStages, kFp8SmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm1>();
       epilogue_gemm1_fp8(q, s, acc, t, row0, wg, pending_hidden);
       timer.lap<Phase::epilogue_gemm1>();
@@ -252,7 +246,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const std::int32_t* down = q.down_exponents + static_cast<std::int64_t>(expert) * h_blocks * k_blocks;
       const int b0 = 2 * t.n, b1 = b0 + 1 < h_blocks ? b0 + 1 : b0;
       const Fp8TaskScales sc{q.h_scales + rows, static_cast<int>(q.capacity), {down + b0 * k_blocks, down + b1 * k_blocks}};
-      mainloop_fp8<kStages, kSmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, sc);
+      mainloop_fp8<kStages, kFp8SmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm2>();
       if constexpr (kEp) epilogue_gemm2_push(p, s, acc, t, row0, wg);  // (the rows to their tokens' ranks)
       else epilogue_gemm2(p, s, acc, t, row0, wg);

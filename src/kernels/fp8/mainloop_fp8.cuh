@@ -44,12 +44,22 @@ struct Fp8TaskScales {
 // accumulators ~920-1080 (with 6 or 7 stages, or A multicast in 2-CTA clusters, no better); A from
 // registers (RS form) is within 0-5 % of this loop and needs 16 registers the kernels lack. So this
 // loop stays, and the FP8 forward's mainloops run at about that dense rate in the layer.
-// kSmemRowScales (the FP8 forward): A's row scales from the stage (s.a_exps: the fp32 scales' exponent
+// kSmemRowScales (the FP8 forward and dgrad): A's row scales from the stage (s.a_exps: the fp32 scales' exponent
 // fields, which its producer loaded with the operands) instead of L2 loads one block ahead; a 0 byte (a
 // subnormal scale) reads the fp32 scale from sc.a_rows instead. (The lone GEMM, bench/fp8_tile_rate's
 // current-ss: 1.11x this loop at the power cap; the layer's FP8 forward 1.04-1.05x on the large presets;
 // issuing the two warpgroups' batches in a fixed alternation, as cuBLAS's blockwise kernel does, added
 // nothing to that and cost 16 % without it: bench/NOTES.md, thirty-third and thirty-fourth sessions.)
+// Whether the FP8 forward and the FP8 dgrad take the kSmemRowScales form: their producers bulk-load
+// kFp8RowExponentBytes a stage (MOK_DIAG_FP8_L2_ROW_SCALES, timing only, the same bits: the loads from
+// L2 as before, to A/B against).
+#if defined(MOK_DIAG_FP8_L2_ROW_SCALES)
+inline constexpr bool kFp8SmemRowScales = false;
+#else
+inline constexpr bool kFp8SmemRowScales = true;
+#endif
+inline constexpr std::uint32_t kFp8RowExponentBytes = kFp8SmemRowScales ? kBoxFp8.rows : 0;
+
 template <int kStages, bool kSmemRowScales = false, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                              int wg, int task, const Fp8TaskScales& sc) {
