@@ -47,7 +47,8 @@ struct Fp8TaskScales {
 // kSmemRowScales (the FP8 forward and dgrad): A's row scales from the stage (s.a_exps: the fp32 scales' exponent
 // fields, which its producer loaded with the operands) instead of L2 loads one block ahead; a 0 byte (a
 // subnormal scale) reads the fp32 scale from sc.a_rows instead. (The lone GEMM, bench/fp8_tile_rate's
-// current-ss: 1.11x this loop at the power cap; the layer's FP8 forward 1.04-1.05x on the large presets;
+// current-ss: 1.11x this loop at the power cap; the layer's FP8 forward 1.04-1.05x on the large presets
+// without the 0-byte fallback, 1.003-1.015x with it (a branch in this loop: bench/NOTES.md);
 // issuing the two warpgroups' batches in a fixed alternation, as cuBLAS's blockwise kernel does, added
 // nothing to that and cost 16 % without it: bench/NOTES.md, thirty-third and thirty-fourth sessions.)
 // Whether the FP8 forward and the FP8 dgrad take the kSmemRowScales form: their producers bulk-load
