@@ -103,13 +103,18 @@ TEST(Fp8, ScaleExponentIsTheSmallestThatFits) {
   EXPECT_EQ(scale_exponent(std::numeric_limits<float>::infinity()), 0);
   EXPECT_EQ(scale_exponent(std::nanf("")), 0);
   // (subnormal and tiny amax: a log2 of amax / 448 underflowed to -inf there and the old
-  // correcting loop never ended; the largest float: e = 120)
+  // correcting loop never ended; the largest float: e = 120.) Below 1.75 2^-119 the floor, E8M0's
+  // smallest exponent: there amax / 2^-127 <= 448 still.
+  EXPECT_EQ(scale_exponent(std::ldexp(1.75f, -119)), -127);
+  EXPECT_EQ(scale_exponent(std::ldexp(1.75f, -119) * (1 + 0x1p-23f)), -126);
   for (float amax : {std::numeric_limits<float>::denorm_min(), 1e-42f, 1e-40f, std::numeric_limits<float>::min(), 1e-37f,
                      1e-30f, 1e-5f, 0.3f, 7.0f, 1000.0f, 3e30f, std::numeric_limits<float>::max()}) {
     const int e = scale_exponent(amax);
+    EXPECT_GE(e, kMinScaleExponent) << amax;
     EXPECT_LE(std::ldexp(amax, -e), kE4m3Max) << amax;
-    EXPECT_GT(std::ldexp(amax, -(e - 1)), kE4m3Max) << amax;
+    if (e > kMinScaleExponent) EXPECT_GT(std::ldexp(amax, -(e - 1)), kE4m3Max) << amax;
   }
+  EXPECT_EQ(scale_exponent(std::numeric_limits<float>::max()), 120);
 }
 
 std::vector<float> random_matrix(int rows, int cols, std::uint64_t seed) {

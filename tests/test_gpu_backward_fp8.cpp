@@ -116,11 +116,11 @@ TEST_P(Fp8BackwardCases, MatchesTheRecipeReference) {
 
 INSTANTIATE_TEST_SUITE_P(Fp8Backward, Fp8BackwardCases, ::testing::ValuesIn(kRecipeCases), case_name);
 
-// Row scales below 2^-126 in the FP8 dgrad (blocks whose largest |value| is below 2^-118): dy times
-// 2^-121 makes every dy block's scale subnormal and most of dgate|dup's, whose stages then carry 0
-// exponent fields and whose promotions read the fp32 scales instead (as the forward's:
-// test_gpu_forward_fp8.cpp); against the recipe as above, with f32 weight gradients (the tiny
-// values keep their precision there).
+// Row scales at the recipe's floor, 2^-127, in the FP8 dgrad (blocks whose largest |value| is below
+// 1.75 2^-119): dy times 2^-121 puts every dy block there and most of dgate|dup's (the floor applied by
+// quantize_dgu_rows as by the host), whose stages then carry E8M0 byte 0 (as the forward's:
+// test_gpu_forward_fp8.cpp); against the recipe as above, with f32 weight gradients (the tiny values
+// keep their precision there).
 TEST(Fp8Backward, SubnormalRowScalesAreReadExactly) {
   MOK_REQUIRE_HOPPER();
   expect_recipe(Case{"subnormal_row_scales", 333, 512, 256, 4, 2, 0, 0, RoutingKind::uniform}, /*f32=*/true,

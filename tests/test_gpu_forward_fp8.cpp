@@ -75,11 +75,11 @@ TEST_P(Fp8ForwardCases, MatchesTheRecipeReference) {
                               std::string(c.name) + " seed " + std::to_string(seed));
 }
 
-// Row scales below 2^-126 (blocks whose largest |value| is below 2^-118): a stage carries its rows'
-// scale exponent fields, 0 for a subnormal scale, whose fp32 scale the promotion then reads from
-// L2. x times 2^-121 makes every x block's scale subnormal, gate and up times 2^60 put h near
-// 2^-122 (many of its scales subnormal), down times 2^100 brings y to about 2^-24: against the
-// recipe as above, which a subnormal scale read as 0 (y = 0) or as any other power of two misses.
+// Row scales at the recipe's floor, 2^-127 (blocks whose largest |value| is below 1.75 2^-119): a
+// stage carries its rows' scales as E8M0 bytes, 0 for this one (a subnormal float). x times 2^-121
+// puts every x block there, gate and up times 2^60 put h near 2^-122 (its blocks there too: the
+// floor applied by GEMM1's epilogue as by the host), down times 2^100 brings y to about 2^-24: against
+// the recipe as above, which byte 0 read as 0 (y = 0) or as any other power of two misses.
 TEST(Fp8Forward, SubnormalRowScalesAreReadExactly) {
   MOK_REQUIRE_HOPPER();
   const MoeShape s = shape_of({"", 0, 512, 256, 8, 2, 0, 0, RoutingKind::uniform});

@@ -17,7 +17,7 @@
 namespace mok {
 namespace {
 
-constexpr int kLowest = -400, kHighest = 400;  // fp8_scale_exponent's range is [-157, 120]
+constexpr int kLowest = -400, kHighest = 400;  // (fp8_scale_exponent's range is [-127, 120]; products of two scales reach further)
 
 __global__ void exp2_kernel(std::uint32_t* exact, std::uint32_t* fast) {
   const int e = kLowest + static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);

@@ -17,14 +17,19 @@
 namespace mok::fp8 {
 
 inline constexpr float kE4m3Max = 448.0f;
+// The smallest scale exponent: E8M0's (MXFP8's scale format, 2^-127 .. 2^127), so that every
+// scale of the recipe is an E8M0 byte (e + 127) and every quantized tensor converts to MXFP8.
+inline constexpr int kMinScaleExponent = -127;
 
 // Round to nearest, ties to even; magnitudes above 448 saturate to +-448 (training's
 // "satfinite"); NaN becomes 0x7f. -0.0 keeps its sign.
 std::uint8_t encode_e4m3(float value);
 float decode_e4m3(std::uint8_t bits);
 
-// The exponent e of a block's power-of-two scale 2^e: the smallest e with amax / 2^e <= 448,
-// so that the block's largest magnitude fits (0 for an all-zero block). A block is stored
+// The exponent e of a block's power-of-two scale 2^e: the smallest e >= kMinScaleExponent with
+// amax / 2^e <= 448, so that the block's largest magnitude fits (0 for an all-zero block). Only a
+// block whose largest magnitude is below 1.75 2^-119 takes the floor (its values then use fewer of
+// E4M3's exponents; those of magnitude 2^-133 and above keep all three mantissa bits). A block is stored
 // as values v_i = encode(x_i / 2^e) and dequantizes to decode(v_i) * 2^e.
 int scale_exponent(float amax);
 

@@ -1,7 +1,8 @@
 """FP8 (E4M3) blockwise quantization in PyTorch, the scaling the FP8 layer uses (docs/fp8.md): values
 scaled per block by a power of two 2^e, the smallest that fits the block's largest magnitude
-into E4M3's 448, rounded to nearest (ties to even), saturating. Power-of-two scales make the
-conversion to MXFP8 (an E8M0 exponent per 32 elements of a row) exact.
+into E4M3's 448 (and at least 2^-127, E8M0's smallest), rounded to nearest (ties to even),
+saturating. Power-of-two scales in E8M0's range make the conversion to MXFP8 (an E8M0 exponent per
+32 elements of a row) exact for every tensor this module quantizes.
 
     values, exponents = mok.fp8.quantize(w, block=(128, 128))   # weights [..., rows, cols]
     values, exponents = mok.fp8.quantize(x, block=(1, 128))     # activations
@@ -39,12 +40,13 @@ def _ldexp(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 
 
 def scale_exponents(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest e with amax / 2^e <= 448 (0 where amax is 0, infinite or NaN, as the C++
-    host and the kernels), int32. With amax = m 2^x, m in [0.5, 1) (frexp: exact, subnormals
-    too): 448 = 0.875 2^9, so e = x - 9, plus one where m > 0.875."""
+    """The smallest e >= -127 (E8M0's smallest, so that every scale is an MXFP8 scale) with
+    amax / 2^e <= 448 (0 where amax is 0, infinite or NaN, as the C++ host and the kernels), int32.
+    With amax = m 2^x, m in [0.5, 1) (frexp: exact, subnormals too): 448 = 0.875 2^9, so e = x - 9,
+    plus one where m > 0.875."""
     amax = amax.float()
     mantissa, x = torch.frexp(amax)
-    e = x - 9 + (mantissa > 0.875).to(x.dtype)
+    e = torch.clamp(x - 9 + (mantissa > 0.875).to(x.dtype), min=-127)
     return torch.where((amax > 0) & torch.isfinite(amax), e, torch.zeros_like(e)).to(torch.int32)
 
 

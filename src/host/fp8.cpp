@@ -49,7 +49,7 @@ int scale_exponent(float amax) {
   if (!(amax > 0.0f) || !std::isfinite(amax)) return 0;
   int x = 0;
   const float m = std::frexp(amax, &x);
-  return x - 9 + (m > 0.875f ? 1 : 0);
+  return std::max(x - 9 + (m > 0.875f ? 1 : 0), kMinScaleExponent);
 }
 
 int Blockwise::exponent_of(int row, int col) const {

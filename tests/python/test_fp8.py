@@ -44,6 +44,19 @@ def test_bytes_equal_the_cpp_implementation_at_the_ends_of_the_range(scale):
     assert torch.allclose(again[0, :3], tiny[0, :3], rtol=0.07, atol=0)
 
 
+def test_scales_stay_in_e8m0_range_so_every_tensor_converts_to_mxfp8():
+    """A block whose amax is below 1.75 2^-119 takes the scale 2^-127 (E8M0's smallest), so that
+    to_mxfp8 takes any tensor this module quantizes, tiny blocks included, and gives back its values."""
+    x = _data(4, 256, 9) * torch.tensor([1e-45, 1e-40, 1e-36, 1.0]).repeat_interleave(64).repeat(4, 1)
+    values, exponents = fp8.quantize(x, (1, 128))
+    assert exponents.min().item() == -127 and exponents.max().item() <= 127
+    mx_values, e8m0 = fp8.to_mxfp8(values, exponents, (1, 128))
+    assert torch.equal(fp8.dequantize_mxfp8(mx_values, e8m0), fp8.dequantize(values, exponents, (1, 128)))
+    cpp_values, cpp_exponents = mok._C.fp8_quantize(x.numpy(), 1, 128)
+    assert exponents.flatten().tolist() == list(cpp_exponents)
+    assert values.view(torch.uint8).flatten().tolist() == list(cpp_values)
+
+
 def test_non_finite_values_quantize_as_the_cpp_implementation():
     """NaN takes no part in a block's amax and stays NaN (one byte, 0x7f); an infinity gives
     the block the scale 2^0 (as the kernels) and saturates to 448."""

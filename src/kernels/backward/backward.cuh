@@ -151,7 +151,7 @@ struct Fp8BackwardParams {
   const float* dy_scales;              // [H / 128, capacity]: row r's block b scale (a power of two)
   std::uint8_t* dgu_values;            // [capacity, 2I] E4M3, written by the dh tiles
   float* dgu_scales;                   // [2I / 128, capacity], written by the dh tiles
-  // The same row scales' fp32 exponent fields (as Fp8ForwardParams::x_exps; 0: subnormal), which the
+  // The same row scales as E8M0 bytes (as Fp8ForwardParams::x_exps), which the
   // producer loads with each stage: dy's from the row quantization, dgate|dup's beside dgu_scales.
   const std::uint8_t* dy_exps;         // [H / 128, capacity]
   std::uint8_t* dgu_exps;              // [2I / 128, capacity]

@@ -29,9 +29,8 @@ struct Fp8ForwardParams {
   std::int64_t capacity;           // plan rows: the stride of the row scales
   const float* x_scales;           // [H / 128, capacity]: row r's block b scale (a power of two)
   float* h_scales;                 // [I / 128, capacity], written by GEMM1
-  // The same row scales' fp32 exponent fields (biased: 2^(byte - 127); 0 for a subnormal scale, of a
-  // block whose largest |value| is below 2^-118, whose fp32 scale is read instead): x's from the
-  // quantization, h's written by GEMM1 beside h_scales. The producer loads a stage's 128 rows' bytes
+  // The same row scales as E8M0 bytes (2^(byte - 127); fp8_math.cuh's scale_exponent_field): x's from
+  // the quantization, h's written by GEMM1 beside h_scales. The producer loads a stage's 128 rows' bytes
   // with its operands, so that the consumers' promotions read them from shared memory.
   const std::uint8_t* x_exps;      // [H / 128, capacity]
   std::uint8_t* h_exps;            // [I / 128, capacity]

@@ -19,10 +19,16 @@ __device__ __forceinline__ float exp2_int(int e) {
   return __int_as_float(e >= -126 ? normal : subnormal);
 }
 
-// The exponent field of a positive power-of-two scale (2^(field - 127); 0: a subnormal scale, below
-// 2^-126): the byte in which the FP8 forward's stages carry A's row scales (mainloop_fp8).
+// The exponent field of a scale 2^e of the recipe (e >= -127): its E8M0 byte e + 127 (0: 2^-127, the
+// one subnormal scale), in which the FP8 forward's and dgrad's stages carry A's row scales (mainloop_fp8).
 __device__ __forceinline__ std::uint8_t scale_exponent_field(float scale) {
   return static_cast<std::uint8_t>(__float_as_uint(scale) >> 23);
+}
+
+// The scale an E8M0 byte stands for (scale_exponent_field's inverse): 2^(byte - 127) from the exponent
+// field, and byte 0, 2^-127, as the subnormal float 0x00400000 (a select, no branch).
+__device__ __forceinline__ float e8m0_scale(std::uint32_t byte) {
+  return __uint_as_float(byte != 0 ? byte << 23 : 0x00400000u);
 }
 
 // Division of a block's values by its scale 2^e as multiplications by powers of two, exact as
@@ -34,19 +40,15 @@ struct InverseScale {
   __device__ __forceinline__ float operator()(float v) const { return v * a * b; }
 };
 
-// The smallest e with amax / 2^e <= 448 (the largest E4M3): with amax = m * 2^k, m in [1, 2),
-// e = k - 8, plus one when m > 1.75 (448 = 1.75 * 2^8; 0x600000: the mantissa bits of 1.75).
-// 0 for a block of zeros or one with an infinity or NaN (as the host's fp8::scale_exponent).
-// A normal amax from its bits; a subnormal one through ilogbf.
+// The smallest e >= -127 (E8M0's floor: fp8::kMinScaleExponent) with amax / 2^e <= 448 (the largest
+// E4M3): with amax = m * 2^k, m in [1, 2), e = k - 8, plus one when m > 1.75 (448 = 1.75 * 2^8;
+// 0x600000: the mantissa bits of 1.75). 0 for a block of zeros or one with an infinity or NaN (as the
+// host's fp8::scale_exponent). From amax's bits (a subnormal amax, biased exponent 0, takes the floor).
 __device__ __forceinline__ int fp8_scale_exponent(float amax) {
   if (!(amax > 0.0f) || isinf(amax)) return 0;
   const unsigned bits = __float_as_uint(amax);
   const int biased = static_cast<int>(bits >> 23);  // (amax > 0: no sign bit)
-  if (biased == 0) {
-    const int k = ilogbf(amax);
-    return k - 8 + (ldexpf(amax, -k) > 1.75f ? 1 : 0);
-  }
-  return biased - 127 - 8 + ((bits & 0x7fffffu) > 0x600000u ? 1 : 0);
+  return max(biased - 127 - 8 + ((bits & 0x7fffffu) > 0x600000u ? 1 : 0), -127);
 }
 
 // Four values (already divided by their scale) as four E4M3 bytes, the first in the lowest.

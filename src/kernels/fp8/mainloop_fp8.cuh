@@ -44,11 +44,11 @@ struct Fp8TaskScales {
 // accumulators ~920-1080 (with 6 or 7 stages, or A multicast in 2-CTA clusters, no better); A from
 // registers (RS form) is within 0-5 % of this loop and needs 16 registers the kernels lack. So this
 // loop stays, and the FP8 forward's mainloops run at about that dense rate in the layer.
-// kSmemRowScales (the FP8 forward and dgrad): A's row scales from the stage (s.a_exps: the fp32 scales' exponent
-// fields, which its producer loaded with the operands) instead of L2 loads one block ahead; a 0 byte (a
-// subnormal scale) reads the fp32 scale from sc.a_rows instead. (The lone GEMM, bench/fp8_tile_rate's
-// current-ss: 1.11x this loop at the power cap; the layer's FP8 forward 1.04-1.05x on the large presets
-// without the 0-byte fallback, 1.003-1.015x with it (a branch in this loop: bench/NOTES.md);
+// kSmemRowScales (the FP8 forward and dgrad): A's row scales from the stage (s.a_exps: their E8M0 bytes,
+// which its producer loaded with the operands) instead of L2 loads one block ahead; sc.a_rows unused.
+// (The lone GEMM, bench/fp8_tile_rate's current-ss: 1.11x this loop at the power cap; the layer's FP8
+// forward 1.04-1.05x on the large presets read so, 1.003-1.015x while a 0 byte, then a subnormal scale
+// of any size, sent the read to the fp32 scale in L2 (a branch in this loop: bench/NOTES.md);
 // issuing the two warpgroups' batches in a fixed alternation, as cuBLAS's blockwise kernel does, added
 // nothing to that and cost 16 % without it: bench/NOTES.md, thirty-third and thirty-fourth sessions.)
 // Whether the FP8 forward and the FP8 dgrad take the kSmemRowScales form: their producers bulk-load
@@ -114,13 +114,7 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
     if constexpr (kSmemRowScales) {  // (the stage has landed: its exponent bytes with it)
       const std::uint32_t at = ptx::smem_address(&s.a_exps[stage_index][wg * 64 + warp * 16 + lane / 4]);
-      const std::uint32_t lo = ptx::ld_shared_u8(at), hi = ptx::ld_shared_u8(at + 8);
-#if defined(MOK_DIAG_FP8_NO_SCALE_ESCAPE)  // (timing only: subnormal scales read as 0)
-      a_lo = __uint_as_float(lo << 23), a_hi = __uint_as_float(hi << 23);
-#else
-      a_lo = lo != 0 ? __uint_as_float(lo << 23) : __ldcg(a_rows + kb * sc.a_stride);
-      a_hi = hi != 0 ? __uint_as_float(hi << 23) : __ldcg(a_rows + kb * sc.a_stride + 8);
-#endif
+      a_lo = e8m0_scale(ptx::ld_shared_u8(at)), a_hi = e8m0_scale(ptx::ld_shared_u8(at + 8));
     } else if (kb == 0) {
       a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
     }
