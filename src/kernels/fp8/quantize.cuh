@@ -62,8 +62,9 @@ struct QuantizeRowsParams {
   std::uint8_t* values;          // [capacity, H] E4M3
   float* scales;                 // [H / 128, capacity]
   const std::int32_t* row_pair;  // [capacity]: t * k + j, or -1 (padding)
-  // Optional (the FP8 forward's x rows): each scale's exponent field too ([H / 128, capacity];
-  // kernels/fp8/fp8_math.cuh's scale_exponent_field), which that forward's producer loads with its stages.
+  // Optional (the FP8 forward's x rows, the FP8 dgrad's dy rows): each scale's exponent field too
+  // ([H / 128, capacity]; kernels/fp8/fp8_math.cuh's scale_exponent_field), which those kernels'
+  // producers load with their stages.
   std::uint8_t* exps = nullptr;
   const std::int32_t* expert_offset;  // [E_l + 1]
   const void* plan_status;       // PlanStatus*: nothing is written from a bad plan
