@@ -60,9 +60,9 @@
 //
 // Prints TFLOP/s (2 M N K a launch; median of the repeats, min-max; an L2 flush before each repeat). The scales are real loads
 // (A's per row and K block, B's exponents per block) of ones, so the promotions do the kernels' work.
-// `current` is the kernels' mainloop_fp8 with its row scales from L2 (the FP8 dgrad's and weight
-// gradients' form); `current-ss` its form with them in the stages (the FP8 forward's, since the
-// thirty-fourth session).
+// `current` is the kernels' mainloop_fp8 with its row scales from L2 (the FP8 weight gradients' form);
+// `current-ss` its form with them in the stages (the FP8 forward's and dgrad's, since the thirty-fourth
+// session).
 #include <cuda_runtime.h>
 
 #include <algorithm>
