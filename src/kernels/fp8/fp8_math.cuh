@@ -31,13 +31,13 @@ __device__ __forceinline__ float e8m0_scale(std::uint32_t byte) {
   return __uint_as_float(byte != 0 ? byte << 23 : 0x00400000u);
 }
 
-// Division of a block's values by its scale 2^e as multiplications by powers of two, exact as
-// ldexpf(v, -e) is: 2^-e, split into two normal factors when it is above 2^127 (a block whose
-// largest magnitude is below 2^-119; e >= -157 for any float).
+// Division of a block's values by its scale 2^e as one multiplication by 2^-e, exact as ldexpf(v, -e)
+// is: e is fp8_scale_exponent's, in [-127, 120], so 2^-e is a normal float. (Before the floor at
+// -127, e reached -157 and 2^-e took two factors.)
 struct InverseScale {
-  float a, b;
-  __device__ __forceinline__ explicit InverseScale(int e) : a(exp2_int(min(-e, 127))), b(exp2_int(max(-e - 127, 0))) {}
-  __device__ __forceinline__ float operator()(float v) const { return v * a * b; }
+  float a;
+  __device__ __forceinline__ explicit InverseScale(int e) : a(exp2_int(-e)) {}
+  __device__ __forceinline__ float operator()(float v) const { return v * a; }
 };
 
 // The smallest e >= -127 (E8M0's floor: fp8::kMinScaleExponent) with amax / 2^e <= 448 (the largest

@@ -431,29 +431,21 @@ __device__ __forceinline__ void quantize_column_tile(const QuantizeColumnsParams
   }
   // Column k's exponent and inverse scale are computed once, by lane (k, h) of the 16 that hold
   // its maximum, and shuffled to the others (eight exponents a lane were ~40 % of the loop's
-  // instructions); InverseScale's second factor is 1 unless a column's largest magnitude is
-  // below 2^-119, and then one multiplication gives its two's bits (x * a * 1 = x * a).
+  // instructions).
   float my_amax = amax[0];
 #pragma unroll
   for (int k = 1; k < 8; ++k)
     if (g % 8 == k) my_amax = amax[k];
   const int mine = fp8_scale_exponent(my_amax);  // (lane g < 8: column g's)
   const InverseScale my_inverse(mine);
-  const bool one_factor = __all_sync(0xffffffffu, my_inverse.b == 1.0f);
   const int c0 = ct * kFp8Block;
   std::uint8_t* out = p.values + static_cast<std::int64_t>(c0 + column) * p.capacity + row0 + 8 * g;
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     const float a = __shfl_sync(0xffffffffu, my_inverse.a, 2 * k + h);
-    const float b = __shfl_sync(0xffffffffu, my_inverse.b, 2 * k + h);
     float s[8];
-    if (one_factor) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) s[j] = value(v[j], k) * a;
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) s[j] = value(v[j], k) * a * b;  // (InverseScale's operator())
-    }
+    for (int j = 0; j < 8; ++j) s[j] = value(v[j], k) * a;  // (InverseScale's operator())
     *reinterpret_cast<uint2*>(out + static_cast<std::int64_t>(k) * p.capacity) =
         make_uint2(pack_e4m3x4(s[0], s[1], s[2], s[3]), pack_e4m3x4(s[4], s[5], s[6], s[7]));
   }
