@@ -204,9 +204,9 @@ TEST(ScratchLayout, Fp8ForwardXRowsInTheSlotsUpperHalf) {
         EXPECT_EQ(at(f.x_fp8), base + cap * H) << what;
         const U slots_end = base + 2 * (cap + Tpad) * H;
         const U regions[][2] = {{at(f.x_scales), at(f.x_scales) + 4 * (H / 128) * cap},
+                                {at(f.x_exps), at(f.x_exps) + (H / 128) * cap},
                                 {at(f.h_fp8), at(f.h_fp8) + cap * I},
                                 {at(f.h_scales), at(f.h_scales) + 4 * (I / 128) * cap},
-                                {at(f.x_exps), at(f.x_exps) + (H / 128) * cap},
                                 {at(f.h_exps), at(f.h_exps) + (I / 128) * cap},
                                 {at(f.shared_hidden), at(f.shared_hidden) + 2 * Tpad * Is}};
         U previous = slots_end;

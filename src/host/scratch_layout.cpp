@@ -26,9 +26,10 @@ namespace {
 std::uint16_t* at(void* base, std::int64_t byte) { return reinterpret_cast<std::uint16_t*>(static_cast<char*>(base) + byte); }
 std::int64_t padded_512(std::int64_t bytes) { return (bytes + 511) / 512 * 512; }
 
-// E4M3 rows (the FP8 dgrad's A operands) with a power-of-two scale per row and 128 columns, in one
-// region: [values rows x cols][scales cols / 128 x rows f32][their exponent fields cols / 128 x rows
-// u8, padded to 512 bytes]; rows a multiple of 128, so each part starts 512-byte aligned.
+// E4M3 rows (the FP8 kernels' A operands: h, dy, dgate|dup, an EP rank's x) with a power-of-two
+// scale per row and 128 columns, in one region: [values rows x cols][scales cols / 128 x rows
+// f32][their exponent fields cols / 128 x rows u8, padded to 512 bytes]; rows a multiple of 128, so
+// each part starts 512-byte aligned.
 std::int64_t fp8_rows_bytes(std::int64_t rows, std::int64_t cols) {
   const std::int64_t blocks = cols / kernels::kFp8BlockK;
   return rows * cols + 4 * blocks * rows + padded_512(blocks * rows);
@@ -59,9 +60,9 @@ std::int64_t backward_block_columns(const MoeShape& shape, const Config& config,
 // [bf16 slots (capacity + T_pad) x H, x rows = its first capacity rows (each x row under its
 // own slot row)][h capacity x I][shared h T_pad x I_s]
 // Precision::fp8: [bf16 slots (capacity + T_pad) x H, E4M3 x rows = its bytes [capacity H,
-// 2 capacity H)][x scales H / 128 x capacity f32][E4M3 h capacity x I][h scales I / 128 x
-// capacity f32][x scales' exponent fields H / 128 x capacity u8, padded to 512 bytes][h's, I / 128
-// x capacity u8, padded][shared h T_pad x I_s] (each a multiple of 512 bytes: capacity is one of 128).
+// 2 capacity H)][x scales H / 128 x capacity f32][their exponent fields H / 128 x capacity u8,
+// padded to 512 bytes][E4M3 h capacity x I with its scales and their fields (fp8_rows_bytes)][shared
+// h T_pad x I_s] (each a multiple of 512 bytes: capacity is one of 128).
 CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
@@ -74,14 +75,10 @@ CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
     std::int64_t used = slot_bytes;
     b.x_scales = reinterpret_cast<float*>(at(scratch, used));
     used += 4 * (H / kernels::kFp8BlockK) * cap;
-    b.h_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, used));
-    used += cap * I;
-    b.h_scales = reinterpret_cast<float*>(at(scratch, used));
-    used += 4 * (I / kernels::kFp8BlockK) * cap;
     b.x_exps = reinterpret_cast<std::uint8_t*>(at(scratch, used));
     used += padded_512((H / kernels::kFp8BlockK) * cap);
-    b.h_exps = reinterpret_cast<std::uint8_t*>(at(scratch, used));
-    used += padded_512((I / kernels::kFp8BlockK) * cap);
+    place_fp8_rows(reinterpret_cast<std::uint8_t*>(at(scratch, used)), cap, I, b.h_fp8, b.h_scales, b.h_exps);
+    used += fp8_rows_bytes(cap, I);
     b.shared_hidden = at(scratch, used);
     b.bytes = used + 2 * Tpad * Is;
     return b;
@@ -333,13 +330,8 @@ void rank_fp8_wgrad_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, s
 }
 
 void rank_fp8_forward_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, std::int64_t I) {
-  const std::int64_t x_blocks = H / kernels::kFp8BlockK, h_blocks = I / kernels::kFp8BlockK;
-  b.x_fp8 = reinterpret_cast<std::uint8_t*>(b.x_rows);
-  b.x_scales = reinterpret_cast<float*>(b.x_fp8 + rows * H);
-  b.x_exps = reinterpret_cast<std::uint8_t*>(b.x_scales + x_blocks * rows);
-  b.h_fp8 = reinterpret_cast<std::uint8_t*>(b.hidden);
-  b.h_scales = reinterpret_cast<float*>(b.h_fp8 + rows * I);
-  b.h_exps = reinterpret_cast<std::uint8_t*>(b.h_scales + h_blocks * rows);
+  place_fp8_rows(reinterpret_cast<std::uint8_t*>(b.x_rows), rows, H, b.x_fp8, b.x_scales, b.x_exps);
+  place_fp8_rows(reinterpret_cast<std::uint8_t*>(b.hidden), rows, I, b.h_fp8, b.h_scales, b.h_exps);
 }
 
 std::int64_t rank_fp8_dgrad_bytes(const Workspace& ws) {
