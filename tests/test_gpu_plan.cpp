@@ -225,7 +225,7 @@ INSTANTIATE_TEST_SUITE_P(
 // plan's rows — gathered from a [T, C] tensor by the plan, or a [capacity, C] tensor's plan
 // rows — as E4M3 rows of their transpose, equal byte for byte to the host's fp8::quantize of
 // that transpose with 1 x 128 blocks (a scale per column and 128 rows) or 128 x 128 blocks,
-// the scales and exponents where Fp8WgradParams reads them; tiles past the plan's untouched. The
+// the scales (and the scales' E8M0 bytes) and exponents where Fp8WgradParams reads them; tiles past the plan's untouched. The
 // gathers visiting the tiles in the rank order (launch_tile_order, a permutation of the plan's
 // tiles) write the same bytes (13 column tiles: a CTA's strips of 4, 4, 4 and 1). Scales and
 // exponents of tiles past the plan's stay untouched too. Some columns hold NaN (ignored by the largest magnitude, as the
@@ -294,14 +294,17 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       const bool blocks = variant % 2 == 1, ordered = variant >= 2;
       DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(C * cap));
       DeviceBuffer<float> scales(static_cast<std::size_t>(cap / 128 * C));
+      DeviceBuffer<std::uint8_t> scale_bytes(static_cast<std::size_t>(cap / 128 * C));
       DeviceBuffer<std::int32_t> exponents(static_cast<std::size_t>(C / 128 * stride));
       EXPECT_EQ(cudaSuccess, cudaMemset(values.get(), 0xab, C * cap));
       EXPECT_EQ(cudaSuccess, cudaMemset(scales.get(), 0xab, cap / 128 * C * 4));
+      EXPECT_EQ(cudaSuccess, cudaMemset(scale_bytes.get(), 0xab, cap / 128 * C));
       EXPECT_EQ(cudaSuccess, cudaMemset(exponents.get(), 0xab, C / 128 * stride * 4));
       kernels::QuantizeColumnsParams q{};
       q.src = d_src.get(), q.row_stride = C, q.row_pair = gather ? v.row_pair : nullptr, q.top_k = static_cast<int>(k);
       q.values = values.get();
       q.col_scales = blocks ? nullptr : scales.get();
+      q.col_exps = blocks ? nullptr : scale_bytes.get();
       q.block_exponents = blocks ? exponents.get() : nullptr;
       q.exponent_stride = stride;
       q.num_tiles = v.num_tiles, q.plan_status = v.status, q.capacity = cap, q.columns = static_cast<int>(C);
@@ -313,6 +316,7 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       const auto got = values.download();
       const auto got_scales = scales.download();
       const auto got_exponents = exponents.download();
+      const auto got_bytes = scale_bytes.download();
       std::int64_t bad = 0, untouched = 0, bad_scales = 0, touched_scales = 0;
       for (std::int64_t c = 0; c < C; ++c) {
         for (std::int64_t r = 0; r < rows; ++r)
@@ -326,6 +330,7 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
             if (c % 128 == 0) bad_scales += got_exponents[static_cast<std::size_t>(c / 128 * stride + b)] != e;
           } else {
             bad_scales += got_scales[static_cast<std::size_t>(b * C + c)] != std::ldexp(1.0f, e);
+            bad_scales += got_bytes[static_cast<std::size_t>(b * C + c)] != e + 127;  // (E8M0: e >= -127)
           }
         }
       auto poisoned = [](const auto& value) {  // (the memset's 0xab bytes)
@@ -334,7 +339,8 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
         return bits == 0xababababu;
       };
       for (std::int64_t b = rows / 128; b < cap / 128; ++b)
-        for (std::int64_t c = 0; c < C; ++c) touched_scales += !poisoned(got_scales[static_cast<std::size_t>(b * C + c)]);
+        for (std::int64_t c = 0; c < C; ++c)
+          touched_scales += !poisoned(got_scales[static_cast<std::size_t>(b * C + c)]) + (got_bytes[static_cast<std::size_t>(b * C + c)] != 0xab);
       for (std::int64_t cb = 0; cb < C / 128; ++cb)
         for (std::int64_t b = rows / 128; b < stride; ++b)
           touched_scales += !poisoned(got_exponents[static_cast<std::size_t>(cb * stride + b)]);

@@ -707,7 +707,8 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
                             w.dgu_fp8 == d.dgu_fp8 && w.dgu_scales == d.dgu_scales)
                     << what << ": a buffer of the FP8 dgrad moved";
                 EXPECT_EQ(d.dy_t, nullptr) << what;
-                EXPECT_TRUE(w.dgu_t == w.dgu_fp8 && static_cast<void*>(w.dgu_t_scales) == static_cast<void*>(w.dgu_scales)) << what;
+                EXPECT_TRUE(w.dgu_t == w.dgu_fp8 && static_cast<void*>(w.dgu_t_scales) == static_cast<void*>(w.dgu_scales) &&
+                            w.dgu_t_exps == w.dgu_exps) << what;
                 const U scratch_end = base + w.bytes, saved_lo = saved_at, saved_hi = saved_at + 4 * cap * I;
                 const std::int64_t rb = cap / 128, xrow = rb + 1;
                 struct R {
@@ -725,7 +726,8 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
                                               r("x^T exponents", w.x_t_exponents, 4 * (H / 128) * xrow),
                                               r("tile order", w.tile_order, 4 * rb), r("w h^T", w.hw_t, cap * I),
                                               r("w h^T exponents", w.hw_t_exponents, 4 * (I / 128) * xrow),
-                                              r("dgu^T", w.dgu_t, cap * 2 * I), r("dgu^T scales", w.dgu_t_scales, 4 * rb * 2 * I)};
+                                              r("dgu^T", w.dgu_t, cap * 2 * I), r("dgu^T scales", w.dgu_t_scales, 4 * rb * 2 * I),
+                                              r("dy^T scale bytes", w.dy_t_exps, rb * H), r("dgu^T scale bytes", w.dgu_t_exps, rb * 2 * I)};
                 auto apart = [&](const std::vector<R>& a, const std::vector<R>& c, const char* when) {
                   for (const R& x : a)
                     for (const R& y : c)
@@ -745,7 +747,7 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
                   EXPECT_EQ(x.lo % 16, 0u) << what << ": " << x.name << " unaligned";  // (TMA)
                 }
                 if (bf16_grads && with_dx && 2 * w.row_columns >= H && H <= 4 * I) {  // mok.moe's layout; x^T fits the saved rows
-                  const std::int64_t small = 4 * rb * H + 4 * (H / 128) * xrow + 4 * rb + 4 * (I / 128) * xrow + 4 * 512;
+                  const std::int64_t small = 5 * rb * H + 4 * (H / 128) * xrow + 4 * rb + 4 * (I / 128) * xrow + 5 * 512;
                   EXPECT_LE(w.bytes - d.bytes, cap * I + small) << what;
                 }
               }
@@ -813,6 +815,8 @@ TEST(ScratchLayout, RankFp8RowsAndOperandsNeverOverlap) {
               {"w h^T exponents", at(w.hw_t_exponents), at(w.hw_t_exponents) + 4 * (I / 128) * stride},
               {"dy^T", at(w.dy_t), at(w.dy_t) + H * cap},
               {"dy^T scales", at(w.dy_t_scales), at(w.dy_t_scales) + 4 * rb * H},
+              {"dy^T scale bytes", at(w.dy_t_exps), at(w.dy_t_exps) + rb * H},
+              {"dgate|dup^T scale bytes", at(w.dgu_t_exps), at(w.dgu_t_exps) + rb * 2 * I},
               {"x^T", at(w.x_t), at(w.x_t) + H * cap},
               {"x^T exponents", at(w.x_t_exponents), at(w.x_t_exponents) + 4 * (H / 128) * stride}};
           apart(operands, what + " wgrad");
@@ -823,7 +827,7 @@ TEST(ScratchLayout, RankFp8RowsAndOperandsNeverOverlap) {
                                          Region{"w h", hidden, hidden + 2 * rows * I}})
               EXPECT_TRUE(r.end <= source.begin || source.end <= r.begin) << what << ": " << r.name << " over " << source.name;
           }
-          for (const std::uint8_t* t : {w.dgu_t, w.hw_t, w.dy_t, w.x_t}) EXPECT_EQ(at(t) % 16, 0u) << what;
+          for (const std::uint8_t* t : {w.dgu_t, w.hw_t, w.dy_t, w.x_t, w.dy_t_exps, w.dgu_t_exps}) EXPECT_EQ(at(t) % 16, 0u) << what;
 
           detail::CallBuffers f;
           f.x_rows = reinterpret_cast<std::uint16_t*>(x_rows), f.hidden = reinterpret_cast<std::uint16_t*>(hidden);

@@ -259,8 +259,8 @@ kernels::Fp8BackwardParams backward_fp8_params(const BackwardArgs& b, Workspace&
 }
 
 void quantize_transposed(Workspace& ws, const void* src, std::int64_t columns, bool gather, std::uint8_t* values,
-                         float* col_scales, std::int32_t* block_exponents, cudaStream_t stream, std::string_view where,
-                         const std::int32_t* tile_order) {
+                         float* col_scales, std::uint8_t* col_exps, std::int32_t* block_exponents, cudaStream_t stream,
+                         std::string_view where, const std::int32_t* tile_order) {
   const DevicePlanView& plan = ws.plan().view();
   kernels::QuantizeColumnsParams q{};
   q.src = static_cast<const std::uint16_t*>(src);
@@ -270,6 +270,7 @@ void quantize_transposed(Workspace& ws, const void* src, std::int64_t columns, b
   q.top_k = ws.shape().top_k;
   q.values = values;
   q.col_scales = col_scales;
+  q.col_exps = col_exps;
   q.block_exponents = block_exponents;
   q.exponent_stride = kernels::wgrad_exponent_stride(ws.plan().capacity_rows());  // (Fp8WgradParams' rows)
   q.num_tiles = plan.num_tiles;
@@ -292,6 +293,8 @@ kernels::Fp8WgradParams wgrad_fp8_params(Workspace& ws, const CallBuffers& buffe
   w.capacity = capacity;
   w.dy_t_scales = buffers.dy_t_scales;
   w.dgu_t_scales = buffers.dgu_t_scales;
+  w.dy_t_exps = buffers.dy_t_exps;
+  w.dgu_t_exps = buffers.dgu_t_exps;
   w.hw_t_exponents = buffers.hw_t_exponents;
   w.x_t_exponents = buffers.x_t_exponents;
   return w;
@@ -376,8 +379,8 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
       // pre-activations', detail::backward_buffers), as they may the x / dx rows' and the dy rows'.
       const std::int64_t I = ws.shape().intermediate;
       if (kWgradPasses) {
-        detail::quantize_transposed(ws, gu, 2 * I, false, buffers.dgu_t, buffers.dgu_t_scales, nullptr, s, kWhere);
-        detail::quantize_transposed(ws, buffers.hidden, I, false, buffers.hw_t, nullptr, buffers.hw_t_exponents, s, kWhere);
+        detail::quantize_transposed(ws, gu, 2 * I, false, buffers.dgu_t, buffers.dgu_t_scales, buffers.dgu_t_exps, nullptr, s, kWhere);
+        detail::quantize_transposed(ws, buffers.hidden, I, false, buffers.hw_t, nullptr, nullptr, buffers.hw_t_exponents, s, kWhere);
         const std::int32_t* order = nullptr;  // (the gathers visit tiles rank by rank: kernels/fp8/tile_order.cuh)
         if (kWgradRankOrder) {
           const DevicePlanView& v = ws.plan().view();
@@ -387,8 +390,8 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
           detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 weight gradients' tile order");
           order = buffers.tile_order;
         }
-        detail::quantize_transposed(ws, b.dy.data, H, true, buffers.dy_t, buffers.dy_t_scales, nullptr, s, kWhere, order);
-        detail::quantize_transposed(ws, a.x.data, H, true, buffers.x_t, nullptr, buffers.x_t_exponents, s, kWhere, order);
+        detail::quantize_transposed(ws, b.dy.data, H, true, buffers.dy_t, buffers.dy_t_scales, buffers.dy_t_exps, nullptr, s, kWhere, order);
+        detail::quantize_transposed(ws, a.x.data, H, true, buffers.x_t, nullptr, nullptr, buffers.x_t_exponents, s, kWhere, order);
       }
       kernels::launch_wgrad_fp8(detail::wgrad_fp8_params(ws, buffers, q.base), ctas, s);
       detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 weight-gradient kernel");

@@ -171,10 +171,10 @@ inline void launch_rank_fp8_wgrad(Workspace& ws, const kernels::BackwardParams& 
   const std::int64_t H = ws.shape().hidden, I = ws.shape().intermediate;
   CallBuffers w = rank_buffers(ws);
   rank_fp8_wgrad_buffers(w, ws, fp8_rows);
-  quantize_transposed(ws, saved, 2 * I, false, w.dgu_t, w.dgu_t_scales, nullptr, stream, where);
-  quantize_transposed(ws, w.hidden, I, false, w.hw_t, nullptr, w.hw_t_exponents, stream, where);
-  quantize_transposed(ws, ws.dy_routed(), H, false, w.dy_t, w.dy_t_scales, nullptr, stream, where);
-  quantize_transposed(ws, ws.x_routed(), H, false, w.x_t, nullptr, w.x_t_exponents, stream, where);
+  quantize_transposed(ws, saved, 2 * I, false, w.dgu_t, w.dgu_t_scales, w.dgu_t_exps, nullptr, stream, where);
+  quantize_transposed(ws, w.hidden, I, false, w.hw_t, nullptr, nullptr, w.hw_t_exponents, stream, where);
+  quantize_transposed(ws, ws.dy_routed(), H, false, w.dy_t, w.dy_t_scales, w.dy_t_exps, nullptr, stream, where);
+  quantize_transposed(ws, ws.x_routed(), H, false, w.x_t, nullptr, nullptr, w.x_t_exponents, stream, where);
   kernels::launch_wgrad_fp8(wgrad_fp8_params(ws, w, p), ctas, stream);
   cuda_check(cudaGetLastError(), where, "launching the FP8 weight-gradient kernel");
 }

@@ -113,6 +113,8 @@ struct CallBuffers {
   std::uint8_t* dgu_t = nullptr;
   float* dy_t_scales = nullptr;
   float* dgu_t_scales = nullptr;
+  std::uint8_t* dy_t_exps = nullptr;   // the gradients' scales as E8M0 bytes ([capacity / 128, H | 2I])
+  std::uint8_t* dgu_t_exps = nullptr;
   std::int32_t* hw_t_exponents = nullptr;
   std::int32_t* x_t_exponents = nullptr;
   std::int32_t* tile_order = nullptr;  // [capacity / 128]: the gathers' tile order (kernels/fp8/tile_order.cuh)
@@ -197,12 +199,12 @@ void rank_fp8_wgrad_buffers(CallBuffers& buffers, std::int64_t rows, std::int64_
                             void* dx_rows);
 void rank_fp8_forward_buffers(CallBuffers& buffers, std::int64_t rows, std::int64_t H, std::int64_t I);
 // The FP8 weight gradients' transposing quantization of `columns` columns of the plan's rows into
-// values (E4M3 [columns, capacity]) with col_scales or block_exponents (kernels/fp8/quantize.cuh):
+// values (E4M3 [columns, capacity]) with col_scales (and their bytes col_exps) or block_exponents (kernels/fp8/quantize.cuh):
 // gathered from a [T, columns] tensor (gather) or the plan rows of a [capacity, columns] one.
 // tile_order (gathers): the order of the plan's tiles to visit (launch_tile_order's; null: plan order).
 void quantize_transposed(Workspace& ws, const void* src, std::int64_t columns, bool gather, std::uint8_t* values,
-                         float* col_scales, std::int32_t* block_exponents, cudaStream_t stream, std::string_view where,
-                         const std::int32_t* tile_order = nullptr);
+                         float* col_scales, std::uint8_t* col_exps, std::int32_t* block_exponents, cudaStream_t stream,
+                         std::string_view where, const std::int32_t* tile_order = nullptr);
 // The FP8 weight-gradient kernel's params on p (the call's BF16 params): buffers' transposed operands.
 kernels::Fp8WgradParams wgrad_fp8_params(Workspace& ws, const CallBuffers& buffers, const kernels::BackwardParams& p);
 

@@ -243,6 +243,7 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
       };
       b.dgu_t = b.dgu_fp8;
       b.dgu_t_scales = b.dgu_scales;  // (4 (2I / 128) cap bytes either way)
+      b.dgu_t_exps = b.dgu_exps;      // ((2I / 128) cap bytes either way)
       struct Room {
         std::uint8_t* base;
         std::int64_t bytes, used;
@@ -270,6 +271,7 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
       b.hw_t = place(hw_exponents_at + 4 * (I / kernels::kFp8BlockK) * exponent_row);
       b.hw_t_exponents = reinterpret_cast<std::int32_t*>(b.hw_t + hw_exponents_at);
       b.dy_t_scales = reinterpret_cast<float*>(take(4 * row_blocks * H));
+      b.dy_t_exps = take(row_blocks * H);  // (not the dy rows' own: the E4M3 dy rows' room may hold operands)
       b.tile_order = reinterpret_cast<std::int32_t*>(take(4 * row_blocks));
       b.x_t_exponents = reinterpret_cast<std::int32_t*>(take(4 * (H / kernels::kFp8BlockK) * exponent_row));
     }
@@ -319,8 +321,8 @@ void rank_fp8_wgrad_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, s
                             void* dx_rows) {
   const RankFp8Parts p = rank_fp8_parts(rows, H, I);
   rank_fp8_dgrad_buffers(b, rows, H, I, base);
-  b.dgu_t = b.dgu_fp8, b.dgu_t_scales = b.dgu_scales;  // (the same sizes)
-  b.dy_t_scales = b.dy_scales;                          // ([rows / 128, H] in [H / 128, rows]'s bytes)
+  b.dgu_t = b.dgu_fp8, b.dgu_t_scales = b.dgu_scales, b.dgu_t_exps = b.dgu_exps;  // (the same sizes)
+  b.dy_t_scales = b.dy_scales, b.dy_t_exps = b.dy_exps;  // ([rows / 128, H] in [H / 128, rows]'s bytes)
   auto* dx = static_cast<std::uint8_t*>(dx_rows);       // (2 rows H bytes)
   b.dy_t = dx, b.x_t = dx + rows * H;
   std::uint8_t* extra = static_cast<std::uint8_t*>(base) + p.dgrad;

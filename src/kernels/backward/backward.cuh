@@ -189,6 +189,10 @@ struct Fp8WgradParams {
   std::int64_t capacity;               // plan rows, a multiple of 128
   const float* dy_t_scales;            // [capacity / 128, H]: channel h of row block b: 2^e
   const float* dgu_t_scales;           // [capacity / 128, 2I]
+  // The same scales as E8M0 bytes (QuantizeColumnsParams::col_exps), which the producer loads with
+  // each stage (mainloop_fp8's kSmemRowScales, as the FP8 forward and dgrad do).
+  const std::uint8_t* dy_t_exps;       // [capacity / 128, H]
+  const std::uint8_t* dgu_t_exps;      // [capacity / 128, 2I]
   const std::int32_t* hw_t_exponents;  // [I / 128, wgrad_exponent_stride]: block (i, b): 2^e
   const std::int32_t* x_t_exponents;   // [H / 128, wgrad_exponent_stride]
 };

@@ -12,7 +12,9 @@
 // per channel and 128 rows; B, an activation, one per 128 channels x 128 rows — so that each K
 // block promotes as the forward's (a row scale of A times a block scale of B: mainloop_fp8),
 // not by an outer product of two per-channel scales (two instructions an accumulator instead
-// of one). The stores are the BF16 kernel's (bf16 written, f32 accumulated into). Task order as
+// of one). A's scales travel in the stages as E8M0 bytes (Fp8WgradParams::dy_t_exps / dgu_t_exps,
+// 128 a stage, bulk-loaded with the operands; mainloop_fp8's kSmemRowScales, as in the FP8 forward
+// and dgrad; MOK_DIAG_FP8_L2_ROW_SCALES: the fp32 scales from L2). The stores are the BF16 kernel's (bf16 written, f32 accumulated into). Task order as
 // the BF16 kernel's phase-major one (Schedule::split_weight and its rule for dW_gate|up). No
 // task waits on another: the launch before wrote every operand.
 #include <cuda_bf16.h>
@@ -82,12 +84,16 @@ __device__ void wgrad_produce(const Fp8WgradParams& q, SharedStorage& s, const W
     const CUtensorMap* a_map = wd ? &q.maps.dy_t : &q.maps.dgu_t;
     const CUtensorMap* b_map = wd ? &q.maps.hw_t : &q.maps.x_t;
     const int m0 = t.m * kBlockM, n0 = t.n * kBlockN;
+    // (A's channels' scale bytes of row block b: [b, channels], its 128 from m0 contiguous)
+    const int a_channels = wd ? p.hidden : 2 * p.routed.inter;
+    const std::uint8_t* a_exps = (wd ? q.dy_t_exps : q.dgu_t_exps) + static_cast<std::int64_t>(first / kFp8BlockK) * a_channels + m0;
     for (int kb = 0; kb < k_blocks; ++kb) {  // (B's second half past I or H: zero-filled)
-      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, 3 * kFp8TileBytes);
+      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, 3 * kFp8TileBytes + kFp8RowExponentBytes);
       SharedStorage::Stage& st = s.stages[pipe.stage()];
       char* b = reinterpret_cast<char*>(st.b);
       const int k0 = first + kb * kFp8BlockK;
       tma_load_2d(st.a, a_map, full, k0, m0);
+      if constexpr (kFp8SmemRowScales) bulk_load(s.a_exps[pipe.stage()], a_exps + static_cast<std::int64_t>(kb) * a_channels, kFp8RowExponentBytes, full);
       tma_load_2d(b, b_map, full, k0, n0);
       tma_load_2d(b + kFp8TileBytes, b_map, full, k0, n0 + kBlockM);
       pipe.producer_commit();
@@ -117,7 +123,7 @@ __device__ void wgrad_consume(const Fp8WgradParams& q, SharedStorage& s, const W
     const Task t = sched.decode(task);
     int first = 0;
     const int k_blocks = k_blocks_of(p, t, first);
-    mainloop_fp8(p, s, pipe, acc, k_blocks, wg, task, wgrad_scales(q, t, first, wg));  // (none: acc = 0)
+    mainloop_fp8<kStages, kFp8SmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, wgrad_scales(q, t, first, wg));  // (none: acc = 0)
     epilogue_weight</*kSharedWindow=*/true>(p, s, acc, t, wg, k_blocks == 0);
   }
   if (threadIdx.x % 128 == 0) tma_store_wait_all();  // the gradients' stores complete before exit

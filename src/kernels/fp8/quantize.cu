@@ -449,7 +449,11 @@ __device__ __forceinline__ void quantize_column_tile(const QuantizeColumnsParams
     *reinterpret_cast<uint2*>(out + static_cast<std::int64_t>(k) * p.capacity) =
         make_uint2(pack_e4m3x4(s[0], s[1], s[2], s[3]), pack_e4m3x4(s[4], s[5], s[6], s[7]));
   }
-  if (p.col_scales != nullptr && g < 8) p.col_scales[static_cast<std::int64_t>(tile) * p.columns + c0 + column + g] = exp2_int(mine);
+  if (p.col_scales != nullptr && g < 8) {
+    const std::int64_t at = static_cast<std::int64_t>(tile) * p.columns + c0 + column + g;
+    p.col_scales[at] = exp2_int(mine);
+    if (p.col_exps != nullptr) p.col_exps[at] = scale_exponent_field(exp2_int(mine));
+  }
   if (p.block_exponents != nullptr && threadIdx.x == 0)
     p.block_exponents[static_cast<std::int64_t>(ct) * p.exponent_stride + tile] = mine;
 }

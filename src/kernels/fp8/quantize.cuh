@@ -134,6 +134,9 @@ struct QuantizeColumnsParams {
   int top_k;
   std::uint8_t* values;          // [columns, capacity] E4M3
   float* col_scales;             // [capacity / 128, columns], or null
+  // Optional (with col_scales): their E8M0 bytes too ([capacity / 128, columns]; fp8_math.cuh's
+  // scale_exponent_field), which the FP8 weight-gradient kernel's producer loads with its stages.
+  std::uint8_t* col_exps = nullptr;
   std::int32_t* block_exponents; // [columns / 128, exponent_stride], or null
   std::int64_t exponent_stride;  // >= capacity / 128
   const std::int32_t* num_tiles;  // the plan's
