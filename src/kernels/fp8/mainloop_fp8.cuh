@@ -1,7 +1,7 @@
 // The FP8 mainloop of the persistent kernels (DeepSeek-V3's blockwise recipe, mok/fp8.hpp): a
 // stage holds 128 of K in E4M3 — A = 128 rows x 128 K, B = 256 rows x 128 K as two halves of
 // 128 rows — which is one scale block of every operand. Used by the FP8 forward's routed GEMMs
-// and the FP8 backward's dgrad GEMMs.
+// and the FP8 backward's dgrad and weight-gradient GEMMs.
 #pragma once
 
 #include <cstdint>
@@ -44,14 +44,14 @@ struct Fp8TaskScales {
 // accumulators ~920-1080 (with 6 or 7 stages, or A multicast in 2-CTA clusters, no better); A from
 // registers (RS form) is within 0-5 % of this loop and needs 16 registers the kernels lack. So this
 // loop stays, and the FP8 forward's mainloops run at about that dense rate in the layer.
-// kSmemRowScales (the FP8 forward and dgrad): A's row scales from the stage (s.a_exps: their E8M0 bytes,
+// kSmemRowScales (the FP8 forward, dgrad and weight gradients): A's row scales from the stage (s.a_exps: their E8M0 bytes,
 // which its producer loaded with the operands) instead of L2 loads one block ahead; sc.a_rows unused.
 // (The lone GEMM, bench/fp8_tile_rate's current-ss: 1.11x this loop at the power cap; the layer's FP8
 // forward 1.04-1.05x on the large presets read so, 1.003-1.015x while a 0 byte, then a subnormal scale
 // of any size, sent the read to the fp32 scale in L2 (a branch in this loop: bench/NOTES.md);
 // issuing the two warpgroups' batches in a fixed alternation, as cuBLAS's blockwise kernel does, added
 // nothing to that and cost 16 % without it: bench/NOTES.md, thirty-third and thirty-fourth sessions.)
-// Whether the FP8 forward and the FP8 dgrad take the kSmemRowScales form: their producers bulk-load
+// Whether the FP8 forward, dgrad and weight-gradient kernels take the kSmemRowScales form: their producers bulk-load
 // kFp8RowExponentBytes a stage (MOK_DIAG_FP8_L2_ROW_SCALES, timing only, the same bits: the loads from
 // L2 as before, to A/B against).
 #if defined(MOK_DIAG_FP8_L2_ROW_SCALES)
