@@ -143,6 +143,13 @@ pack_logs() {
 packer=$!
 trap 'kill $packer 2>/dev/null; wait $packer 2>/dev/null || true; rm -f "$OUT"/.logs.*.tgz; pack_logs' EXIT
 commit="${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+# The device machine's copy of the tree can carry a .git whose HEAD is not the tree's (2026-12-06: a
+# branch's tree ran with main's HEAD, and MOK_COMMIT=$(git rev-parse HEAD) evaluated there named main's
+# commit): say so when the tracked files differ from HEAD, so that the label is given as typed here.
+if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)" ]; then
+  echo "gpu_check.sh: warning: the tracked files differ from git's HEAD ($(git rev-parse --short HEAD 2>/dev/null)):" \
+    "the results are labelled $commit; pass MOK_COMMIT=<the tree's sha> spelled out if that is not the tree's commit" >&2
+fi
 date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 iters=10
 repeats=3
