@@ -20,7 +20,8 @@ __device__ __forceinline__ float exp2_int(int e) {
 }
 
 // The exponent field of a scale 2^e of the recipe (e >= -127): its E8M0 byte e + 127 (0: 2^-127, the
-// one subnormal scale), in which the FP8 forward's and dgrad's stages carry A's row scales (mainloop_fp8).
+// one subnormal scale), in which the FP8 forward's, dgrad's and weight gradients' stages carry A's scales
+// (mainloop_fp8).
 __device__ __forceinline__ std::uint8_t scale_exponent_field(float scale) {
   return static_cast<std::uint8_t>(__float_as_uint(scale) >> 23);
 }

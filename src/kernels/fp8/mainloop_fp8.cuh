@@ -47,8 +47,8 @@ struct Fp8TaskScales {
 // kSmemRowScales (the FP8 forward, dgrad and weight gradients): A's row scales from the stage (s.a_exps: their E8M0 bytes,
 // which its producer loaded with the operands) instead of L2 loads one block ahead; sc.a_rows unused.
 // (The lone GEMM, bench/fp8_tile_rate's current-ss: 1.11x this loop at the power cap; the layer's FP8
-// forward 1.04-1.05x on the large presets read so, 1.003-1.015x while a 0 byte, then a subnormal scale
-// of any size, sent the read to the fp32 scale in L2 (a branch in this loop: bench/NOTES.md);
+// forward 1.03-1.05x and forward+backward 1.03-1.05x against the L2 loads, sustained at the cap (H100,
+// b843338), where a form that sent a subnormal scale's read to L2 (a branch in this loop) gained 0.3-1.5 %;
 // issuing the two warpgroups' batches in a fixed alternation, as cuBLAS's blockwise kernel does, added
 // nothing to that and cost 16 % without it: bench/NOTES.md, thirty-third and thirty-fourth sessions.)
 // Whether the FP8 forward, dgrad and weight-gradient kernels take the kSmemRowScales form: their producers bulk-load
