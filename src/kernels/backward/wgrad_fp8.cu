@@ -14,8 +14,8 @@
 // not by an outer product of two per-channel scales (two instructions an accumulator instead
 // of one). A's scales travel in the stages as E8M0 bytes (Fp8WgradParams::dy_t_exps / dgu_t_exps,
 // 128 a stage, bulk-loaded with the operands; mainloop_fp8's kSmemRowScales, as in the FP8 forward
-// and dgrad; MOK_DIAG_FP8_L2_ROW_SCALES: the fp32 scales from L2). The stores are the BF16 kernel's (bf16 written, f32 accumulated into). Task order as
-// the BF16 kernel's phase-major one (Schedule::split_weight and its rule for dW_gate|up). No
+// and dgrad; MOK_DIAG_FP8_L2_ROW_SCALES: the fp32 scales from L2). The stores are the BF16
+// kernel's (bf16 written, f32 accumulated into). Task order as the BF16 kernel's phase-major one (Schedule::split_weight and its rule for dW_gate|up). No
 // task waits on another: the launch before wrote every operand.
 #include <cuda_bf16.h>
 
@@ -93,7 +93,8 @@ __device__ void wgrad_produce(const Fp8WgradParams& q, SharedStorage& s, const W
       char* b = reinterpret_cast<char*>(st.b);
       const int k0 = first + kb * kFp8BlockK;
       tma_load_2d(st.a, a_map, full, k0, m0);
-      if constexpr (kFp8SmemRowScales) bulk_load(s.a_exps[pipe.stage()], a_exps + static_cast<std::int64_t>(kb) * a_channels, kFp8RowExponentBytes, full);
+      if constexpr (kFp8SmemRowScales)
+        bulk_load(s.a_exps[pipe.stage()], a_exps + static_cast<std::int64_t>(kb) * a_channels, kFp8RowExponentBytes, full);
       tma_load_2d(b, b_map, full, k0, n0);
       tma_load_2d(b + kFp8TileBytes, b_map, full, k0, n0 + kBlockM);
       pipe.producer_commit();
