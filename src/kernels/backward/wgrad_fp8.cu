@@ -15,8 +15,9 @@
 // of one). A's scales travel in the stages as E8M0 bytes (Fp8WgradParams::dy_t_exps / dgu_t_exps,
 // 128 a stage, bulk-loaded with the operands; mainloop_fp8's kSmemRowScales, as in the FP8 forward
 // and dgrad; MOK_DIAG_FP8_L2_ROW_SCALES: the fp32 scales from L2). The stores are the BF16
-// kernel's (bf16 written, f32 accumulated into). Task order as the BF16 kernel's phase-major one (Schedule::split_weight and its rule for dW_gate|up). No
-// task waits on another: the launch before wrote every operand.
+// kernel's (bf16 written, f32 accumulated into). Task order as the BF16 kernel's phase-major one
+// (Schedule::split_weight and its rule for dW_gate|up). No task waits on another: the launch
+// before wrote every operand.
 #include <cuda_bf16.h>
 
 #include <cstdint>
