@@ -42,7 +42,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 TILE_VARIANTS = ("current", "a-in-regs", "current-ss", "current-ord", "current-ss-ord", "overlapped", "overlap+mc",
-                 "narrow", "narrow+bmc", "narrow-ss", "narrow-ss-ord", "three-wgs")
+                 "narrow", "narrow+bmc", "narrow-ss", "narrow-ss-ord", "three-wgs",
+                 "three-wgs-ss")
 PEERS = ("scaled-mm", "scaled-mm-blockwise", "bf16-mm")
 
 

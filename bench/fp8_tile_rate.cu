@@ -47,14 +47,18 @@
 //               three fit beside the producer at 160 each): while one warpgroup promotes, two
 //               can keep the tensor cores busy. Stages of A 24 KB + B 16 KB (11 % more bytes a
 //               FLOP than current); M rounded down to a multiple of 192.
+//   three-wgs-ss  three WGs with A's row scales in shared memory (as narrow-ss, 768 bytes a stage, read
+//               by LDS): three WGs (883 TFLOP/s in groups, 2026-12-06) loaded them from L2 one block
+//               ahead, the load the skewed loop's promotions were found waiting on (bench/NOTES.md,
+//               fb414b1), and a loop whose warpgroups promote at different times meets it the same way.
 //
 //   fp8_tile_rate [--m M] [--n N] [--k K] [--iters I] [--repeats R] [--only NAME] [--group-rows G] [--warmup W]
 //
 // --warmup W untimed repeats before the timed ones (default 1; fp8_gemm_clocks.py passes enough to
 // cover the power controller's ramp, so that the median describes the clock window it samples).
 // --group-rows G orders the tiles as the layer orders an expert's of G rows (for_each_tile; the
-// three-WGs variant's 192-row tiles keep one group); 0 (the default, every run before 2026-12-06)
-// is one group of all M rows.
+// three-WGs variants' 192-row tiles in groups of at most G rows dividing M, one group before
+// 2026-12-07); 0 (the default, every run before 2026-12-06) is one group of all M rows.
 // --only NAME runs that variant alone, once (bench/fp8_gemm_clocks.py runs each so, sampling the
 // clock and power while it runs); otherwise every variant, two rounds.
 //
@@ -472,7 +476,7 @@ __global__ void __launch_bounds__(St::kCtaThreads, 1) tile_kernel(const __grid_c
 // The variant's name as --only and the output give it.
 template <int kTileN, int kLoop, int kCluster, int kTileM, bool kShareB>
 constexpr const char* variant_name() {
-  if (kTileM == 192) return "three-wgs";
+  if (kTileM == 192) return loop_has_smem_scales(kLoop) ? "three-wgs-ss" : "three-wgs";
   if (kTileN == 256) {
     switch (kLoop) {
       case kLoopAInRegs: return "a-in-regs";
@@ -495,8 +499,17 @@ void run(Params p, int M, int N, int K, int iters, int repeats, int sms, const c
   using St = Storage<kTileN, kStages, kCluster, kTileM, kShareB, loop_has_smem_scales(kLoop)>;
   M = M / kTileM * kTileM;  // (192-row tiles: M rounded down; the FLOPs counted are this M's)
   p.tiles_m = M / kTileM, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
-  // group_m rows of tiles a group: the --group-rows given (a multiple of 256 dividing M), or all of M
-  p.group_m = group_rows > 0 && kTileM == 128 ? group_rows / kTileM : p.tiles_m;
+  // group_m rows of tiles a group: the --group-rows given (a multiple of 256 dividing M), or all of M;
+  // 192-row tiles: the largest divisor of tiles_m with at most as many rows (e.g. 7 tiles, 1344 rows, of
+  // M 8064 for 2048; before 2026-12-07 they kept one group)
+  p.group_m = p.tiles_m;
+  if (group_rows > 0 && kTileM == 128) p.group_m = group_rows / kTileM;
+  if (group_rows > 0 && kTileM == 192)
+    for (int g = std::max(1, group_rows / kTileM); g >= 1; --g)
+      if (p.tiles_m % g == 0) {
+        p.group_m = g;
+        break;
+      }
   const std::size_t smem = shared_storage_bytes<St>();
   static_assert(shared_storage_bytes<St>() <= kMaxSharedMemoryBytes);
   auto kernel = tile_kernel<St, kLoop>;
@@ -554,7 +567,7 @@ int main(int argc, char** argv) {
   }
   static const char* const kVariants[] = {"current",   "a-in-regs",  "current-ss", "current-ord", "current-ss-ord",
                                           "overlapped", "overlap+mc", "narrow",     "narrow+bmc",  "narrow-ss",
-                                          "narrow-ss-ord", "three-wgs"};
+                                          "narrow-ss-ord", "three-wgs", "three-wgs-ss"};
   if (only != nullptr && std::none_of(std::begin(kVariants), std::end(kVariants),
                                       [&](const char* v) { return std::strcmp(v, only) == 0; })) {
     std::fprintf(stderr, "fp8_tile_rate: --only %s: not a variant (", only);
@@ -624,6 +637,8 @@ int main(int argc, char** argv) {
       run<128, 6, kLoopInStepSmemScalesOrdered>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       if (only == nullptr) run<128, 5, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       run<128, 4, kLoopOfTile, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);  // (what the forward could keep beside h staging)
+      if (only == nullptr) run<128, 5, kLoopInStepSmemScales, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      run<128, 4, kLoopInStepSmemScales, 1, 192>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
     }
   } catch (const mok::Error& e) {
     std::fprintf(stderr, "fp8_tile_rate: %s\n", e.what());
