@@ -43,7 +43,7 @@ sys.path.insert(0, HERE)
 
 TILE_VARIANTS = ("current", "a-in-regs", "current-ss", "current-ord", "current-ss-ord", "overlapped", "overlap+mc",
                  "narrow", "narrow+bmc", "narrow-ss", "narrow-ss-ord", "three-wgs",
-                 "three-wgs-ss")
+                 "three-wgs-ss", "overlapped-ss", "overlap+mc-ss")
 PEERS = ("scaled-mm", "scaled-mm-blockwise", "bf16-mm")
 
 

@@ -47,6 +47,9 @@
 //               three fit beside the producer at 160 each): while one warpgroup promotes, two
 //               can keep the tensor cores busy. Stages of A 24 KB + B 16 KB (11 % more bytes a
 //               FLOP than current); M rounded down to a multiple of 192.
+//   overlapped-ss, overlap+mc-ss
+//               overlapped and overlap+mc with A's row scales in shared memory (as narrow-ss): their
+//               promotions, like three WGs', run beside MMAs and loaded the scales from L2 a block ahead
 //   three-wgs-ss  three WGs with A's row scales in shared memory (as narrow-ss, 768 bytes a stage, read
 //               by LDS): three WGs (883 TFLOP/s in groups, 2026-12-06) loaded them from L2 one block
 //               ahead, the load the skewed loop's promotions were found waiting on (bench/NOTES.md,
@@ -179,7 +182,8 @@ __device__ __forceinline__ std::uint32_t peer_empty_barriers(St& s) {
 
 // The consumers' loop: kLoop 0 the tile's own (current for 128 x 256, overlapped for 128 x 128,
 // promoted64 for 192 x 128), 1 A in registers (128 x 256), 2 promoted64 in step (narrow, 128 x 128),
-// 3 the same with the row scales from shared memory (narrow-ss), 4 current's with them so (current-ss).
+// 3 the same with the row scales from shared memory (narrow-ss), 4 current's with them so (current-ss;
+// for 128 x 128 tiles overlapped's: overlapped-ss, overlap+mc-ss).
 // 5-7: current, current-ss and narrow-ss with the warpgroups' batches alternating (mma_order_*).
 enum : int {
   kLoopOfTile = 0,
@@ -398,7 +402,13 @@ __device__ void mainloop_overlapped(const Params& p, St& s, Pipeline<St::kStages
     for (int j = 0; j < 8; ++j) {
       const int kb = g + j, cur = j % 2;
       stage_of[cur] = pipe.consumer_wait(p, s.barriers, task);
-      a_lo[cur] = __ldcg(a_rows + kb * p.m), a_hi[cur] = __ldcg(a_rows + kb * p.m + 8);
+      if constexpr (St::kScalesInSmem) {  // (overlapped-ss: from the stage, released only after its promotion)
+        BlockScales staged{};
+        stage_scales(s, stage_of[cur], wg, staged);
+        a_lo[cur] = staged.a_lo, a_hi[cur] = staged.a_hi;
+      } else {
+        a_lo[cur] = __ldcg(a_rows + kb * p.m), a_hi[cur] = __ldcg(a_rows + kb * p.m + 8);
+      }
       e[cur] = __ldg(p.b_exponents + kb);
       issue(s.stages[stage_of[cur]], wg, cur == 0 ? block0 : block1);
       pipe.consumer_advance();
@@ -489,6 +499,7 @@ constexpr const char* variant_name() {
   if (kLoop == kLoopInStep) return kShareB ? "narrow+bmc" : "narrow";
   if (kLoop == kLoopInStepSmemScales) return "narrow-ss";
   if (kLoop == kLoopInStepSmemScalesOrdered) return "narrow-ss-ord";
+  if (kLoop == kLoopSmemScales) return kCluster == 2 ? "overlap+mc-ss" : "overlapped-ss";
   return kCluster == 2 ? "overlap+mc" : "overlapped";
 }
 
@@ -567,7 +578,7 @@ int main(int argc, char** argv) {
   }
   static const char* const kVariants[] = {"current",   "a-in-regs",  "current-ss", "current-ord", "current-ss-ord",
                                           "overlapped", "overlap+mc", "narrow",     "narrow+bmc",  "narrow-ss",
-                                          "narrow-ss-ord", "three-wgs", "three-wgs-ss"};
+                                          "narrow-ss-ord", "three-wgs", "three-wgs-ss", "overlapped-ss", "overlap+mc-ss"};
   if (only != nullptr && std::none_of(std::begin(kVariants), std::end(kVariants),
                                       [&](const char* v) { return std::strcmp(v, only) == 0; })) {
     std::fprintf(stderr, "fp8_tile_rate: --only %s: not a variant (", only);
@@ -631,6 +642,8 @@ int main(int argc, char** argv) {
       }
       run<128, 6>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       run<128, 6, kLoopOfTile, 2>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      run<128, 6, kLoopSmemScales>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
+      run<128, 6, kLoopSmemScales, 2>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       run<128, 6, kLoopInStep>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       run<128, 6, kLoopInStep, 2, 128, true>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
       run<128, 6, kLoopInStepSmemScales>(p, M, N, K, iters, repeats, sms, only, group_rows, warmup);
