@@ -3,7 +3,7 @@
 # alone; one launch of each, after a warm-up launch): what each waits on, how busy the tensor pipe,
 # shared memory and L2 are. On a Hopper machine with ncu:
 #   OUT=<dir> scripts/ncu_tile_rate.sh [--build DIR] [--group-rows G] [--peers]
-#                                      [--variants current,a_in_regs,current_ss,overlapped,overlap_mc,narrow,narrow_bmc,narrow_ss,three]
+#                                      [--variants current,a_in_regs,current_ss,overlapped,overlap_mc,narrow,narrow_bmc,narrow_ss,three,three_ss,overlapped_ss,overlap_mc_ss]
 # builds fp8_tile_rate if DIR lacks it, and writes per variant $OUT/ncu-tile-<variant>.txt (the
 # details page), -raw.txt (every metric), -stalls.txt (the warp-stall metrics) and -sass.csv (the
 # source page: each SASS instruction's executions and stall samples), then prints a
@@ -49,6 +49,9 @@ declare -A variants=(
   [narrow_bmc]='regex:tile_kernel.*StorageILi128ELi6ELi2ELi128ELb1ELb0EEELi2E'
   [narrow_ss]='regex:tile_kernel.*StorageILi128ELi6ELi1ELi128ELb0ELb1EEELi3E'
   [three]='regex:tile_kernel.*StorageILi128ELi4ELi1ELi192ELb0ELb0EEELi0E'
+  [three_ss]='regex:tile_kernel.*StorageILi128ELi4ELi1ELi192ELb0ELb1EEELi3E'
+  [overlapped_ss]='regex:tile_kernel.*StorageILi128ELi6ELi1ELi128ELb0ELb1EEELi4E'
+  [overlap_mc_ss]='regex:tile_kernel.*StorageILi128ELi6ELi2ELi128ELb0ELb1EEELi4E'
 )
 variants[cublas_blockwise]='regex:nvjet'
 [ "$peers" = 1 ] && list="$list,cublas_blockwise"
@@ -58,7 +61,7 @@ for v in ${list//,/ }; do
   if [ "$v" = cublas_blockwise ]; then
     cmd=(python3 bench/peer_gemm.py blockwise --calls 3)
   else
-    cmd=("$build/bench/fp8_tile_rate" --only "$(echo "$v" | sed 's/_in_/-in-/; s/_ss/-ss/; s/overlap_mc/overlap+mc/; s/narrow_bmc/narrow+bmc/; s/^three$/three-wgs/')" \
+    cmd=("$build/bench/fp8_tile_rate" --only "$(echo "$v" | sed 's/_in_/-in-/; s/_ss/-ss/; s/overlap_mc/overlap+mc/; s/narrow_bmc/narrow+bmc/; s/^three$/three-wgs/; s/^three-ss$/three-wgs-ss/')" \
          --iters 2 --repeats 1 --warmup 1 --group-rows "$group_rows")
   fi
   "$ncu_bin" --clock-control none --kernel-name-base mangled -k "${variants[$v]}" --launch-skip 1 --launch-count 1 \

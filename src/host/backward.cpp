@@ -226,8 +226,7 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
 // bf16 where the BF16 backward's dispatch would put them.
 void gather_dy_fp8(const BackwardArgs& b, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                    std::string_view where, bool bf16_rows) {
-  kernels::QuantizeRowsParams rows = quantize_rows_params(ws, b.dy.data, buffers.dy_fp8, buffers.dy_scales);
-  rows.exps = buffers.dy_exps;
+  kernels::QuantizeRowsParams rows = quantize_rows_params(ws, b.dy.data, buffers.dy_fp8, buffers.dy_scales, buffers.dy_exps);
   rows.rows_bf16 = bf16_rows ? buffers.dy_rows : nullptr;
   rows.rows_bf16_hi = buffers.dy_rows_hi;
   rows.split = buffers.dy_split;

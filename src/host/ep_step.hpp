@@ -27,21 +27,20 @@ struct RankPeers {
   int* ring_counters = nullptr;        // its counters ([2 ring_minibatches], zeroed per call)
   std::function<void(kernels::EpPeers&)> set_peers;                            // the kernel's peer table
   std::function<void(std::span<const void* const>, void*, cudaStream_t)> pull;  // peers' rows -> routed rows
-  // Precision::fp8: peers' rows -> routed rows quantized (E4M3 values, scales and, when not null, the
-  // scales' exponent fields; launch_quantize_rows) and, when the fifth argument is not null, copied
-  // there in bf16 too (one read)
+  // Precision::fp8: peers' rows -> routed rows quantized (E4M3 values, scales and the scales' E8M0
+  // bytes; launch_quantize_rows) and, when the fifth argument is not null, copied there in bf16 too
+  // (one read)
   std::function<void(std::span<const void* const>, std::uint8_t*, float*, std::uint8_t*, void*, cudaStream_t)> pull_fp8;
   // Config::pull_fp8_rows: peers' E4M3 tokens (kernels/fp8/quantize_rows.cuh's layout) -> routed rows
   // (values, scales, exponent fields)
   std::function<void(std::span<const void* const>, std::uint8_t*, float*, std::uint8_t*, cudaStream_t)> gather_fp8;
 };
 
-// The routed rows of bf16 tokens (sources[q]: rank q's) quantized into values / scales (/ exps, when
-// not null), and, when bf16 is not null, copied there too (every row: no split) — RankPeers::pull_fp8's body.
+// The routed rows of bf16 tokens (sources[q]: rank q's) quantized into values / scales / exps, and, when
+// bf16 is not null, copied there too (every row: no split) — RankPeers::pull_fp8's body.
 inline void pull_rows_fp8(Workspace& ws, std::span<const void* const> sources, std::uint8_t* values, float* scales,
                           std::uint8_t* exps, void* bf16, int ctas, cudaStream_t stream, std::string_view where) {
-  kernels::QuantizeRowsParams q = quantize_rows_params(ws, sources, values, scales);
-  q.exps = exps;
+  kernels::QuantizeRowsParams q = quantize_rows_params(ws, sources, values, scales, exps);
   q.rows_bf16 = static_cast<std::uint16_t*>(bf16), q.split = kernels::kNoSplit;
   kernels::launch_quantize_rows(q, ctas, stream);
   cuda_check(cudaGetLastError(), where, "launching the FP8 row gather");

@@ -11,7 +11,7 @@
 namespace mok::detail {
 
 kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, std::span<const void* const> rows, std::uint8_t* values,
-                                                 float* scales) {
+                                                 float* scales, std::uint8_t* exps) {
   const MoeShape& s = ws.shape();
   const DevicePlanView& v = ws.plan().view();
   kernels::QuantizeRowsParams p{};
@@ -19,6 +19,7 @@ kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, std::span<const 
   p.pairs_per_rank = ws.tokens() * s.top_k;
   p.values = values;
   p.scales = scales;
+  p.exps = exps;
   p.row_pair = v.row_pair;
   p.expert_offset = v.expert_offset;
   p.plan_status = v.status;
@@ -33,9 +34,10 @@ kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, std::span<const 
   return p;
 }
 
-kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, const void* rows, std::uint8_t* values, float* scales) {
+kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, const void* rows, std::uint8_t* values, float* scales,
+                                                 std::uint8_t* exps) {
   const void* const sources[1] = {rows};
-  return quantize_rows_params(ws, std::span<const void* const>(sources), values, scales);
+  return quantize_rows_params(ws, std::span<const void* const>(sources), values, scales, exps);
 }
 
 kernels::Fp8ForwardParams fp8_forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,
@@ -70,8 +72,7 @@ kernels::Fp8ForwardParams fp8_forward_params(const ForwardArgs& a, Workspace& ws
 void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                         std::uint16_t* saved_gu, std::string_view where) {
   const int ctas = persistent_ctas(ws, where);
-  kernels::QuantizeRowsParams quantize = quantize_rows_params(ws, a.x.data, buffers.x_fp8, buffers.x_scales);
-  quantize.exps = buffers.x_exps;
+  kernels::QuantizeRowsParams quantize = quantize_rows_params(ws, a.x.data, buffers.x_fp8, buffers.x_scales, buffers.x_exps);
   kernels::launch_quantize_rows(quantize, 4 * ctas, stream);
   cuda_check(cudaGetLastError(), where, "launching the FP8 row gather");
   kernels::launch_forward_fp8(fp8_forward_params(a, ws, buffers, saved_gu), ctas, stream);

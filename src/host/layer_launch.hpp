@@ -277,11 +277,13 @@ inline kernels::BackwardParams backward_params(const ForwardArgs& a, const Backw
 }
 
 // The FP8 row gather's params (kernels/fp8/quantize.cuh): the plan's routed rows of `rows`
-// ([T, H] bf16) into values / scales, quantized per 1 x 128 (no bf16 copy).
-kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, const void* rows, std::uint8_t* values, float* scales);
+// ([T, H] bf16) into values / scales and the scales' E8M0 bytes `exps` (which the FP8 kernels'
+// stages carry), quantized per 1 x 128 (no bf16 copy).
+kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, const void* rows, std::uint8_t* values, float* scales,
+                                                 std::uint8_t* exps);
 // The same for expert parallelism: rank q's rows are rows[q] (through the peer table).
 kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, std::span<const void* const> rows, std::uint8_t* values,
-                                                 float* scales);
+                                                 float* scales, std::uint8_t* exps);
 // The FP8 forward kernel's params for one rank (no EP fields), after plan_device(): x's routed
 // rows quantized in buffers.x_fp8 / x_scales, h's to go in buffers.h_fp8 / h_scales.
 kernels::Fp8ForwardParams fp8_forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,

@@ -72,8 +72,8 @@ static_assert(kBoxFp8Half.bytes(1) <= sizeof(SharedStorage::h_staging[0]) && kBo
 
 // Each routed stage brings its A rows' scale exponent bytes (Fp8ForwardParams::x_exps / h_exps, 128
 // bytes) into s.a_exps, and the consumers' promotions read them there (mainloop_fp8's kSmemRowScales)
-// instead of loading the fp32 scales from L2 a block ahead: bitwise the same, the FP8 forward 1.003-1.015x
-// as fast at the power cap (H100, bench/NOTES.md, thirty-fourth session).
+// instead of loading the fp32 scales from L2 a block ahead: bitwise the same, the FP8 forward 1.03-1.05x
+// as fast at the power cap (H100, b843338; bench/NOTES.md, thirty-fifth session).
 // (kFp8SmemRowScales, kFp8RowExponentBytes: mainloop_fp8.cuh's, with the FP8 dgrad's.)
 static_assert(sizeof(SharedStorage::a_exps[0]) == kFp8RowExponentBytes || !kFp8SmemRowScales);
 
