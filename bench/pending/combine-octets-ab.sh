@@ -5,12 +5,13 @@
 #   ninja -C build mok_bench; mkdir -p .ab/combine/{octets2,narrow}; cp build/bench/mok_bench .ab/combine/octets2/
 #   cmake -S . -B build-narrow -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_DIAG_DEFINES=MOK_DIAG_COMBINE_NARROW \
 #     -DMOK_BUILD_TESTS=OFF -DMOK_BUILD_EXAMPLES=OFF && ninja -C build-narrow mok_bench && cp build-narrow/bench/mok_bench .ab/combine/narrow/
-# then run: bash bench/pending/combine-octets-ab.sh, carrying .ab/combine (set M's commit to the tree's sha).
+# then run: bash bench/pending/combine-octets-ab.sh, carrying .ab/combine with MOK_COMMIT=<the sha the binaries were built from> (the device copy's HEAD is main's, not the patched tree's).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 B=.ab/combine/narrow/mok_bench; H=.ab/combine/octets2/mok_bench
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); D=$(date -u +%FT%TZ)
 meta() { echo "{\"gpu\": \"$G\", \"commit\": \"$1\", \"base\": \"MOK_DIAG_COMBINE_NARROW\", \"head\": \"$2\", \"date\": \"$D\"}"; }
-M=$(meta 4d938347e70ea52657b2e13e75cff9287db741ea default)
+: "${MOK_COMMIT:?set MOK_COMMIT to the sha the two binaries were built from}"
+M=$(meta "$MOK_COMMIT" default)
 A=$OUT/ab; mkdir -p $A; echo "$G"
 python3 bench/ab_serve.py --base $B --head $H --impls mok,mok --preset deepseek-v3,qwen3-30b-a3b,olmoe-1b-7b --pass fwd,fwd+bwd --rounds 5 --iters 10 --out $A/ab-bf16.json --meta "$M" 2>&1 | tail -9
 python3 bench/ab_serve.py --base $B --head $H --impls mok-fp8,mok-fp8 --preset deepseek-v3,qwen3-30b-a3b,olmoe-1b-7b --pass fwd --rounds 5 --iters 10 --out $A/ab-fp8.json --meta "$M" 2>&1 | tail -6
