@@ -6,7 +6,8 @@
 //
 //   current     128 x 256 CTA tiles, two warpgroups of 64 x 256: the kernels' own mainloop_fp8
 //               (per K block and N half of 128: four m64n128k32 into a block accumulator,
-//               wait_group 0, promote), stages of A 16 KB + B 32 KB
+//               wait_group 0, promote; A's row scales as E8M0 bytes, 128 a stage, bulk-loaded with
+//               the operands), stages of A 16 KB + B 32 KB
 //   overlapped  128 x 128 CTA tiles, two warpgroups of 64 x 128 with two block accumulators:
 //               block kb's MMAs issued into one while block kb - 1's is promoted from the
 //               other; straight-line groups of eight K blocks ending in wait_group 0 (a loop
@@ -28,9 +29,9 @@
 //   narrow-ss   narrow with A's row scales in shared memory: the producer loads a stage's 128
 //               scales (512 bytes) beside its operands, so a promotion never waits on an L2 load
 //               (the other loops load them one K block ahead, ~250 clocks of MMAs a block here)
-//   current-ss  current (mainloop_fp8's pattern, a copy here) with the row scales in shared memory
-//               as narrow-ss: what the layer's FP8 mainloops would gain from it (CUTLASS's Hopper
-//               blockwise kernel loads its scales so)
+//   current-ss  current's pattern (a copy here) with the row scales as fp32 in shared memory, as
+//               narrow-ss: what the layer's FP8 mainloops gained from them before they took the
+//               E8M0 bytes (CUTLASS's Hopper blockwise kernel loads its scales so)
 //   current-ord, current-ss-ord, narrow-ss-ord
 //               current, current-ss and narrow-ss with the two warpgroups' MMA batches in a fixed
 //               alternation: warpgroup 0 waits at a named barrier of both warpgroups before it issues
@@ -67,9 +68,9 @@
 //
 // Prints TFLOP/s (2 M N K a launch; median of the repeats, min-max; an L2 flush before each repeat). The scales are real loads
 // (A's per row and K block, B's exponents per block) of ones, so the promotions do the kernels' work.
-// `current` is the kernels' mainloop_fp8 with its row scales from L2 (the FP8 weight gradients' form);
-// `current-ss` its form with them in the stages (the FP8 forward's and dgrad's, since the thirty-fourth
-// session).
+// `current` is the kernels' mainloop_fp8, A's row scales the E8M0 bytes of its stages (since
+// drop-fp32-scales; before, it loaded fp32 row scales from L2 one block ahead, so its earlier figures
+// are that loop's); `current-ss` the same pattern with fp32 row scales in the stages.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -113,6 +114,7 @@ struct Params {
   int tiles_m, tiles_n, k_blocks, m;
   int group_m;                    // tile order: M-tiles a group (see for_each_tile)
   const float* a_scales;          // [K / 128, M]: ones
+  const std::uint8_t* a_exps;     // [K / 128, M]: 127, their E8M0 bytes (current: mainloop_fp8's stage bytes)
   const std::int32_t* b_exponents;  // [K / 128]: zeros
   float* sink;
 };
@@ -120,9 +122,10 @@ struct Params {
 // A stage: A 128 rows x 128 K, B kTileN rows x 128 K (E4M3). kClusterSize 2: the CTAs of a
 // cluster take the tiles (m, 2j) and (m, 2j + 1) together, each loading one 64-row half of A
 // multicast into both CTAs' stages (A's L2 reads halved) and its own B; with kShareB the tiles
-// (2i, j) and (2i + 1, j), each loading its own A and one 64-row half of B multicast.
+// (2i, j) and (2i + 1, j), each loading its own A and one 64-row half of B multicast. kStageBytes:
+// A's row scales' E8M0 bytes with each stage (current: mainloop_fp8 reads them from a_exps).
 template <int kTileN, int kStageCount, int kClusterSize = 1, int kTileM = 128, bool kShareB = false,
-          bool kSmemScales = false>
+          bool kSmemScales = false, bool kStageBytes = false>
 struct alignas(1024) Storage {
   static constexpr int kStages = kStageCount;
   static constexpr int kN = kTileN;
@@ -132,6 +135,7 @@ struct alignas(1024) Storage {
   static constexpr int kCluster = kClusterSize;
   static constexpr bool kSharesB = kShareB;
   static constexpr bool kScalesInSmem = kSmemScales;  // A's row scales loaded with each stage (narrow-ss)
+  static constexpr bool kExpsInStage = kStageBytes;
   static_assert(kClusterSize == 1 || (kTileM == 128 && kTileN == 128));
   static_assert(!kShareB || kClusterSize == 2);
   struct alignas(1024) Stage {
@@ -139,6 +143,7 @@ struct alignas(1024) Storage {
     std::uint8_t b[kTileN * 128];
   } stages[kStages];
   float a_scales[kSmemScales ? kStages : 1][kTileM];  // stage i's rows' scales of its K block (kSmemScales)
+  alignas(16) std::uint8_t a_exps[kStageBytes ? kStages : 1][kTileM];  // their E8M0 bytes (kStageBytes)
   PipelineBarriers<kStages> barriers;
 };
 
@@ -199,6 +204,10 @@ __host__ __device__ constexpr bool loop_has_smem_scales(int loop) {
   return loop == kLoopInStepSmemScales || loop == kLoopSmemScales || loop == kLoopSmemScalesOrdered ||
          loop == kLoopInStepSmemScalesOrdered;
 }
+// The kernels' mainloop_fp8 (current): A's row scale bytes in the stages.
+__host__ __device__ constexpr bool loop_is_kernels(int loop, int tile_n, int tile_m) {
+  return loop == kLoopOfTile && tile_n == 256 && tile_m == 128;
+}
 __host__ __device__ constexpr bool loop_is_ordered(int loop) {
   return loop == kLoopOrdered || loop == kLoopSmemScalesOrdered || loop == kLoopInStepSmemScalesOrdered;
 }
@@ -227,12 +236,14 @@ __device__ void produce(const Params& p, St& s) {
   const int rank = cluster_rank<St>();
   for_each_tile<St>(p, [&](int tile, int m, int n) {
     for (int kb = 0; kb < p.k_blocks; ++kb) {
-      constexpr std::uint32_t kScaleBytes = St::kScalesInSmem ? St::kM * 4 : 0;
+      constexpr std::uint32_t kScaleBytes = St::kScalesInSmem ? St::kM * 4 : St::kExpsInStage ? kFp8RowExponentBytes : 0;
       std::uint64_t* full = pipe.producer_acquire(p, s.barriers, tile, St::kM * 128 + kTileN * 128 + kScaleBytes);
       auto& st = s.stages[pipe.stage()];
-      if constexpr (kScaleBytes > 0)  // (a K block's scales of the tile's rows: [K / 128, M], contiguous)
+      if constexpr (St::kScalesInSmem)  // (a K block's scales of the tile's rows: [K / 128, M], contiguous)
         ptx::bulk_load(s.a_scales[pipe.stage()], p.a_scales + static_cast<long long>(kb) * p.m + m * St::kM, kScaleBytes,
                        full);
+      if constexpr (St::kExpsInStage)  // (their bytes, as the kernels' producers load them)
+        ptx::bulk_load(s.a_exps[pipe.stage()], p.a_exps + static_cast<long long>(kb) * p.m + m * St::kM, kScaleBytes, full);
       if constexpr (St::kCluster == 2 && !St::kSharesB)  // (the peer's half lands here too, counted by this barrier)
         ptx::tma_load_2d_multicast(st.a + rank * 64 * 128, &p.a_half, full, kb * 128, m * 128 + rank * 64, 0x3);
       else
@@ -441,7 +452,7 @@ __device__ void consume(const Params& p, St& s, int wg) {
       for (int i = 0; i < 64; ++i) total += acc[i];
     } else if constexpr (kTileN == 256) {
       float acc[128];
-      const Fp8TaskScales sc{p.a_scales + m * 128 + wg * 64, p.m, {p.b_exponents, p.b_exponents}};
+      const Fp8TaskScales sc{{p.b_exponents, p.b_exponents}};
       if constexpr (kLoop == kLoopAInRegs || kLoop == kLoopSmemScales || loop_is_ordered(kLoop))
         mainloop_wide<St, kLoop == kLoopAInRegs, loop_is_ordered(kLoop)>(p, s, pipe, acc, wg, tile, a_rows);
       else mainloop_fp8(p, s, pipe, acc, p.k_blocks, wg, tile, sc);
@@ -507,7 +518,8 @@ template <int kTileN, int kStages, int kLoop = kLoopOfTile, int kCluster = 1, in
 void run(Params p, int M, int N, int K, int iters, int repeats, int sms, const char* only, int group_rows, int warmup) {
   constexpr const char* name = variant_name<kTileN, kLoop, kCluster, kTileM, kShareB>();
   if (only != nullptr && std::strcmp(only, name) != 0) return;
-  using St = Storage<kTileN, kStages, kCluster, kTileM, kShareB, loop_has_smem_scales(kLoop)>;
+  using St = Storage<kTileN, kStages, kCluster, kTileM, kShareB, loop_has_smem_scales(kLoop),
+                     loop_is_kernels(kLoop, kTileN, kTileM)>;
   M = M / kTileM * kTileM;  // (192-row tiles: M rounded down; the FLOPs counted are this M's)
   p.tiles_m = M / kTileM, p.tiles_n = N / kTileN, p.k_blocks = K / 128;
   // group_m rows of tiles a group: the --group-rows given (a multiple of 256 dividing M), or all of M;
@@ -598,6 +610,7 @@ int main(int argc, char** argv) {
   for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<std::uint8_t>((i * 2654435761u >> 13) & 0x77);
   std::uint8_t *a = nullptr, *b = nullptr;
   float* a_scales = nullptr;
+  std::uint8_t* a_exps = nullptr;
   std::int32_t* b_exponents = nullptr;
   int* abort = nullptr;
   KernelStatus* status = nullptr;
@@ -609,6 +622,8 @@ int main(int argc, char** argv) {
   const std::vector<float> ones(static_cast<std::size_t>(K / 128) * M, 1.0f);
   cudaMalloc(&a_scales, sizeof(float) * ones.size());
   cudaMemcpy(a_scales, ones.data(), sizeof(float) * ones.size(), cudaMemcpyHostToDevice);
+  cudaMalloc(&a_exps, ones.size());
+  cudaMemset(a_exps, 127, ones.size());  // (E8M0 127: 2^0)
   cudaMalloc(&b_exponents, sizeof(std::int32_t) * (K / 128));
   cudaMemset(b_exponents, 0, sizeof(std::int32_t) * (K / 128));
   cudaMalloc(&abort, sizeof(int));
@@ -627,6 +642,7 @@ int main(int argc, char** argv) {
   p.timeout_ns = 20'000'000'000LL;
   p.m = M;
   p.a_scales = a_scales;
+  p.a_exps = a_exps;
   p.b_exponents = b_exponents;
   p.sink = sink;
   try {  // (time_iterations throws mok::Error on a CUDA error)

@@ -1,9 +1,10 @@
-// Exactness of two shortcuts in the FP8 mainloop (kernels/fp8/mainloop_fp8.cuh), checked on
+// Exactness of the shortcuts in the FP8 mainloop (kernels/fp8/mainloop_fp8.cuh), checked on
 // the device that runs them: exp2_int() gives ldexpf(1, e)'s bits for every int
-// exponent a scale can have (and beyond), and a K-major sw128 descriptor rebuilt from its low
-// 32 bits and the constant high word (wgmma_m64n128k32_e4m3's operands) is the 64-bit
-// descriptor (its fields written out here), for every 16-byte-aligned shared address and K
-// step the kernels use.
+// exponent a scale can have (and beyond); the E8M0 byte the quantizations store for a scale
+// (e8m0_byte) decodes (e8m0_scale) to that scale, 2^e, for every exponent of the recipe; and a
+// K-major sw128 descriptor rebuilt from its low 32 bits and the constant high word
+// (wgmma_m64n128k32_e4m3's operands) is the 64-bit descriptor (its fields written out here), for
+// every 16-byte-aligned shared address and K step the kernels use.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -38,6 +39,33 @@ TEST(Fp8Math, Exp2IntIsLdexpfForEveryExponent) {
   EXPECT_EQ(x[-149 - kLowest], 1u);                          // the smallest subnormal
   EXPECT_EQ(x[-150 - kLowest], 0u);
   EXPECT_EQ(x[128 - kLowest], 0x7f800000u);                  // infinity
+}
+
+// e in fp8_scale_exponent's range: its byte, and the scale the mainloop decodes from it.
+constexpr int kMinExponent = -127, kMaxExponent = 120;
+
+__global__ void e8m0_kernel(std::uint32_t* bytes, std::uint32_t* decoded, std::uint32_t* exact) {
+  const int e = kMinExponent + static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (e > kMaxExponent) return;
+  const std::uint8_t byte = kernels::e8m0_byte(e);
+  bytes[e - kMinExponent] = byte;
+  decoded[e - kMinExponent] = __float_as_uint(kernels::e8m0_scale(byte));
+  exact[e - kMinExponent] = __float_as_uint(ldexpf(1.0f, e));
+}
+
+TEST(Fp8Math, E8m0ByteDecodesToTheScaleForEveryExponent) {
+  MOK_REQUIRE_HOPPER();
+  constexpr int n = kMaxExponent - kMinExponent + 1;
+  testing::DeviceBuffer<std::uint32_t> bytes(n), decoded(n), exact(n);
+  e8m0_kernel<<<(n + 255) / 256, 256>>>(bytes.get(), decoded.get(), exact.get());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto b = bytes.download(), d = decoded.download(), x = exact.download();
+  for (int i = 0; i < n; ++i) {
+    const int e = kMinExponent + i;
+    ASSERT_EQ(b[i], static_cast<std::uint32_t>(e + 127)) << "e8m0_byte(" << e << ")";  // (the float 2^e's exponent field)
+    ASSERT_EQ(d[i], x[i]) << "e8m0_scale(e8m0_byte(" << e << "))";
+  }
+  EXPECT_EQ(x[0], 0x00400000u);  // 2^-127: subnormal, byte 0
 }
 
 constexpr int kSharedBytes = 200 * 1024;

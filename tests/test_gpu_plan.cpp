@@ -96,8 +96,10 @@ INSTANTIATE_TEST_SUITE_P(
 // The one-GPU scatter (a warp per token, its row read once) and the gather (a warp per plan row)
 // write the same bytes: every plan row its token's row, padding rows zeros, rows past the plan's
 // last untouched (poisoned before), across a split into two buffers; and the FP8 row quantization
-// likewise (E4M3 values, scales, the bf16 copy; hidden sizes of 1, 2 and 9 blocks leave the
-// scatter's group of four blocks part empty; blocks with a NaN, an infinity, only subnormal values, only zeros or only NaN). Routings with unrouted slots (-1) and k > 32
+// likewise (E4M3 values, the scales' E8M0 bytes — each plan row's its token's host fp8::quantize
+// exponents + 127 — and the bf16 copy; hidden sizes of 1, 2 and 9 blocks leave the scatter's group
+// of four blocks part empty; blocks with a NaN, an infinity, only subnormal values, only zeros or
+// only NaN). Routings with unrouted slots (-1) and k > 32
 // (the scatter's rows of a token come 32 at a time), and rows of H / 8 = 16 and 144 16-byte
 // vectors (the scatter's last chunk of a row spans part of the warp: d7dd9bb's loop hung there).
 struct RowCopyCase {
@@ -148,19 +150,16 @@ TEST_P(RowCopyCases, ScatterWritesTheGathersBytes) {
   struct Out {
     std::vector<std::uint16_t> lo, hi, fp8_copy;
     std::vector<std::uint8_t> fp8;
-    std::vector<float> scales;
     std::vector<std::uint8_t> exps;
   };
   auto copy = [&](bool scatter) -> Out {
     DeviceBuffer<std::uint16_t> lo(static_cast<std::size_t>(split * H)), hi(static_cast<std::size_t>((cap - split) * H));
     DeviceBuffer<std::uint16_t> fp8_copy(static_cast<std::size_t>(cap * H));
     DeviceBuffer<std::uint8_t> fp8(static_cast<std::size_t>(cap * H));
-    DeviceBuffer<float> scales(static_cast<std::size_t>(H / 128 * cap));
     DeviceBuffer<std::uint8_t> exps(static_cast<std::size_t>(H / 128 * cap));
     for (void* p : {static_cast<void*>(lo.get()), static_cast<void*>(hi.get()), static_cast<void*>(fp8_copy.get())})
       EXPECT_EQ(cudaSuccess, cudaMemset(p, 0xab, (p == lo.get() ? split : p == hi.get() ? cap - split : cap) * H * 2));
     EXPECT_EQ(cudaSuccess, cudaMemset(fp8.get(), 0xab, cap * H));
-    EXPECT_EQ(cudaSuccess, cudaMemset(scales.get(), 0xab, H / 128 * cap * 4));
     EXPECT_EQ(cudaSuccess, cudaMemset(exps.get(), 0xab, H / 128 * cap));
     kernels::DispatchParams dp{};
     dp.x[0] = d_x.get();
@@ -171,8 +170,7 @@ TEST_P(RowCopyCases, ScatterWritesTheGathersBytes) {
     dp.hidden = static_cast<int>(H), dp.top_k = static_cast<int>(k), dp.num_local_experts = static_cast<int>(c.E);
     kernels::launch_dispatch(dp, 8, nullptr);  // (few CTAs: each warp takes several tokens)
     kernels::QuantizeRowsParams qp{};
-    qp.x[0] = d_x.get(), qp.pairs_per_rank = T * k, qp.values = fp8.get(), qp.scales = scales.get();
-    qp.exps = exps.get();
+    qp.x[0] = d_x.get(), qp.pairs_per_rank = T * k, qp.values = fp8.get(), qp.exps = exps.get();
     qp.row_pair = v.row_pair, qp.expert_offset = v.expert_offset, qp.plan_status = v.status, qp.capacity = cap;
     qp.hidden = static_cast<int>(H), qp.top_k = static_cast<int>(k), qp.num_local_experts = static_cast<int>(c.E);
     if (scatter) qp.pair_row = v.pair_row, qp.pairs = T * k;
@@ -180,23 +178,33 @@ TEST_P(RowCopyCases, ScatterWritesTheGathersBytes) {
     kernels::launch_quantize_rows(qp, 8, nullptr);
     EXPECT_EQ(cudaSuccess, cudaGetLastError());
     EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
-    return Out{lo.download(), hi.download(), fp8_copy.download(), fp8.download(), scales.download(), exps.download()};
+    return Out{lo.download(), hi.download(), fp8_copy.download(), fp8.download(), exps.download()};
   };
   const Out gather = copy(false), scatter = copy(true);
   EXPECT_EQ(scatter.lo, gather.lo);
   EXPECT_EQ(scatter.hi, gather.hi);
   EXPECT_EQ(scatter.fp8_copy, gather.fp8_copy);
   EXPECT_EQ(scatter.fp8, gather.fp8);
-  ASSERT_EQ(scatter.scales.size(), gather.scales.size());
-  EXPECT_EQ(std::memcmp(scatter.scales.data(), gather.scales.data(), scatter.scales.size() * 4), 0);
   EXPECT_EQ(scatter.exps, gather.exps);
-  // Each plan row's scale exponent fields (what the FP8 forward's stages carry); past them, the poison.
+  // Each plan row's scale bytes (what the FP8 kernels' stages carry): its token's row quantized on the
+  // host, exponent + 127 (E8M0); padding rows' 127 (scale 1); past the plan's rows, the poison.
+  std::vector<std::vector<int>> token_exponents(static_cast<std::size_t>(T));
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::vector<float> row(static_cast<std::size_t>(H));
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::uint32_t bits = static_cast<std::uint32_t>(x[static_cast<std::size_t>(t * H + h)]) << 16;
+      std::memcpy(&row[static_cast<std::size_t>(h)], &bits, 4);
+    }
+    token_exponents[static_cast<std::size_t>(t)] = fp8::quantize(row.data(), 1, static_cast<int>(H), 1, 128).exponents;
+  }
   std::int64_t bad_exps = 0;
   for (std::int64_t b = 0; b < H / 128; ++b)
     for (std::int64_t r = 0; r < cap; ++r) {
-      std::uint32_t bits;
-      std::memcpy(&bits, &scatter.scales[b * cap + r], 4);
-      bad_exps += scatter.exps[b * cap + r] != (r < rows ? bits >> 23 : 0xabu);
+      const std::int32_t pair = r < rows ? host.row_pair[r] : -2;
+      const int want = pair >= 0 ? token_exponents[static_cast<std::size_t>(pair / k)][static_cast<std::size_t>(b)] + 127
+                       : pair == -1 ? 127
+                                    : 0xab;
+      bad_exps += scatter.exps[b * cap + r] != want;
     }
   EXPECT_EQ(bad_exps, 0);
   // The rows themselves: the token's row, zeros, or the poison past the plan's rows.
@@ -225,9 +233,9 @@ INSTANTIATE_TEST_SUITE_P(
 // plan's rows — gathered from a [T, C] tensor by the plan, or a [capacity, C] tensor's plan
 // rows — as E4M3 rows of their transpose, equal byte for byte to the host's fp8::quantize of
 // that transpose with 1 x 128 blocks (a scale per column and 128 rows) or 128 x 128 blocks,
-// the scales (and the scales' E8M0 bytes) and exponents where Fp8WgradParams reads them; tiles past the plan's untouched. The
+// the scales' E8M0 bytes and the exponents where Fp8WgradParams reads them; tiles past the plan's untouched. The
 // gathers visiting the tiles in the rank order (launch_tile_order, a permutation of the plan's
-// tiles) write the same bytes (13 column tiles: a CTA's strips of 4, 4, 4 and 1). Scales and
+// tiles) write the same bytes (13 column tiles: a CTA's strips of 4, 4, 4 and 1). Scale bytes and
 // exponents of tiles past the plan's stay untouched too. Some columns hold NaN (ignored by the largest magnitude, as the
 // host's), infinities, negative zeros or only subnormal values.
 TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
@@ -293,17 +301,14 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
     for (int variant = 0; variant < (gather ? 4 : 2); ++variant) {
       const bool blocks = variant % 2 == 1, ordered = variant >= 2;
       DeviceBuffer<std::uint8_t> values(static_cast<std::size_t>(C * cap));
-      DeviceBuffer<float> scales(static_cast<std::size_t>(cap / 128 * C));
       DeviceBuffer<std::uint8_t> scale_bytes(static_cast<std::size_t>(cap / 128 * C));
       DeviceBuffer<std::int32_t> exponents(static_cast<std::size_t>(C / 128 * stride));
       EXPECT_EQ(cudaSuccess, cudaMemset(values.get(), 0xab, C * cap));
-      EXPECT_EQ(cudaSuccess, cudaMemset(scales.get(), 0xab, cap / 128 * C * 4));
       EXPECT_EQ(cudaSuccess, cudaMemset(scale_bytes.get(), 0xab, cap / 128 * C));
       EXPECT_EQ(cudaSuccess, cudaMemset(exponents.get(), 0xab, C / 128 * stride * 4));
       kernels::QuantizeColumnsParams q{};
       q.src = d_src.get(), q.row_stride = C, q.row_pair = gather ? v.row_pair : nullptr, q.top_k = static_cast<int>(k);
       q.values = values.get();
-      q.col_scales = blocks ? nullptr : scales.get();
       q.col_exps = blocks ? nullptr : scale_bytes.get();
       q.block_exponents = blocks ? exponents.get() : nullptr;
       q.exponent_stride = stride;
@@ -314,7 +319,6 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
       const fp8::Blockwise want = fp8::quantize(t.data(), static_cast<int>(C), static_cast<int>(rows), blocks ? 128 : 1, 128);
       const auto got = values.download();
-      const auto got_scales = scales.download();
       const auto got_exponents = exponents.download();
       const auto got_bytes = scale_bytes.download();
       std::int64_t bad = 0, untouched = 0, bad_scales = 0, touched_scales = 0;
@@ -329,7 +333,6 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
           if (blocks) {
             if (c % 128 == 0) bad_scales += got_exponents[static_cast<std::size_t>(c / 128 * stride + b)] != e;
           } else {
-            bad_scales += got_scales[static_cast<std::size_t>(b * C + c)] != std::ldexp(1.0f, e);
             bad_scales += got_bytes[static_cast<std::size_t>(b * C + c)] != e + 127;  // (E8M0: e >= -127)
           }
         }
@@ -340,7 +343,7 @@ TEST(Fp8Quantize, TransposedColumnsAreTheHostsQuantizationOfTheTranspose) {
       };
       for (std::int64_t b = rows / 128; b < cap / 128; ++b)
         for (std::int64_t c = 0; c < C; ++c)
-          touched_scales += !poisoned(got_scales[static_cast<std::size_t>(b * C + c)]) + (got_bytes[static_cast<std::size_t>(b * C + c)] != 0xab);
+          touched_scales += got_bytes[static_cast<std::size_t>(b * C + c)] != 0xab;
       for (std::int64_t cb = 0; cb < C / 128; ++cb)
         for (std::int64_t b = rows / 128; b < stride; ++b)
           touched_scales += !poisoned(got_exponents[static_cast<std::size_t>(cb * stride + b)]);

@@ -184,8 +184,8 @@ TEST(SlotRows, XRowsUnderSlotTilesAreTheOnesSharingBytes) {
 }
 
 // The FP8 forward's buffers: its E4M3 x rows in the bf16 slots' upper half (where
-// x_rows_under_slots(..., 2) finds them), the scales, h and the scales' exponent fields after the
-// slots, nothing overlapping, 512-byte aligned.
+// x_rows_under_slots(..., 2) finds them), x's scale bytes, h, h's scale bytes and the shared h
+// after the slots, nothing overlapping, 512-byte aligned.
 TEST(ScratchLayout, Fp8ForwardXRowsInTheSlotsUpperHalf) {
   using U = std::uintptr_t;
   const U base = U{1} << 39;
@@ -203,10 +203,8 @@ TEST(ScratchLayout, Fp8ForwardXRowsInTheSlotsUpperHalf) {
         const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + " Is " + std::to_string(Is);
         EXPECT_EQ(at(f.x_fp8), base + cap * H) << what;
         const U slots_end = base + 2 * (cap + Tpad) * H;
-        const U regions[][2] = {{at(f.x_scales), at(f.x_scales) + 4 * (H / 128) * cap},
-                                {at(f.x_exps), at(f.x_exps) + (H / 128) * cap},
+        const U regions[][2] = {{at(f.x_exps), at(f.x_exps) + (H / 128) * cap},
                                 {at(f.h_fp8), at(f.h_fp8) + cap * I},
-                                {at(f.h_scales), at(f.h_scales) + 4 * (I / 128) * cap},
                                 {at(f.h_exps), at(f.h_exps) + (I / 128) * cap},
                                 {at(f.shared_hidden), at(f.shared_hidden) + 2 * Tpad * Is}};
         U previous = slots_end;
@@ -216,9 +214,8 @@ TEST(ScratchLayout, Fp8ForwardXRowsInTheSlotsUpperHalf) {
         }
         EXPECT_EQ(base + f.bytes, previous) << what;
         auto padded = [](std::int64_t bytes) { return (bytes + 511) / 512 * 512; };
-        EXPECT_EQ(f.bytes, 2 * (cap + Tpad) * H + 4 * (H / 128) * cap + cap * I + 4 * (I / 128) * cap +
-                               padded((H / 128) * cap) + padded((I / 128) * cap) + 2 * Tpad * Is)
-            << what << ": nothing but the scales, h, the scales' exponent fields and the shared h beyond the slots";
+        EXPECT_EQ(f.bytes, 2 * (cap + Tpad) * H + cap * I + padded((H / 128) * cap) + padded((I / 128) * cap) + 2 * Tpad * Is)
+            << what << ": nothing but the scale bytes, h and the shared h beyond the slots";
       }
 }
 
@@ -557,7 +554,7 @@ TEST(ScratchLayout, DyRowsContinueInDx) {
               splits[0], splits[1], in_dx_only, shared_in_dx);
 }
 
-// The FP8 dgrad's rows (E4M3 dy and dgate|dup, their scales and the scales' exponent fields) are in a backward's scratch only when the
+// The FP8 dgrad's rows (E4M3 dy and dgate|dup and their scales' E8M0 bytes) are in a backward's scratch only when the
 // call asks for them (BackwardArgs::fp8) on a Precision::fp8 workspace, after the rest, 512-byte aligned.
 TEST(ScratchLayout, Fp8DgradRowsOnlyWhenAsked) {
   detail::ScratchShape sh;
@@ -577,15 +574,12 @@ TEST(ScratchLayout, Fp8DgradRowsOnlyWhenAsked) {
   auto off = [&](const void* p) { return reinterpret_cast<std::uintptr_t>(p) - reinterpret_cast<std::uintptr_t>(base); };
   auto padded = [](std::int64_t bytes) { return static_cast<std::uintptr_t>((bytes + 511) / 512 * 512); };
   EXPECT_EQ(off(fp8.dy_fp8), static_cast<std::uintptr_t>(plain.bytes));
-  EXPECT_EQ(off(fp8.dy_scales), off(fp8.dy_fp8) + cap * H);
-  EXPECT_EQ(off(fp8.dy_exps), off(fp8.dy_scales) + 4 * (H / 128) * cap);
+  EXPECT_EQ(off(fp8.dy_exps), off(fp8.dy_fp8) + cap * H);
   EXPECT_EQ(off(fp8.dgu_fp8), off(fp8.dy_exps) + padded((H / 128) * cap));
-  EXPECT_EQ(off(fp8.dgu_scales), off(fp8.dgu_fp8) + cap * 2 * I);
-  EXPECT_EQ(off(fp8.dgu_exps), off(fp8.dgu_scales) + 4 * (2 * I / 128) * cap);
+  EXPECT_EQ(off(fp8.dgu_exps), off(fp8.dgu_fp8) + cap * 2 * I);
   EXPECT_EQ(fp8.bytes, static_cast<std::int64_t>(off(fp8.dgu_exps) + padded((2 * I / 128) * cap)));
-  for (const void* p : {static_cast<const void*>(fp8.dy_fp8), static_cast<const void*>(fp8.dy_scales),
-                        static_cast<const void*>(fp8.dy_exps), static_cast<const void*>(fp8.dgu_fp8),
-                        static_cast<const void*>(fp8.dgu_scales), static_cast<const void*>(fp8.dgu_exps)})
+  for (const void* p : {static_cast<const void*>(fp8.dy_fp8), static_cast<const void*>(fp8.dy_exps),
+                        static_cast<const void*>(fp8.dgu_fp8), static_cast<const void*>(fp8.dgu_exps)})
     EXPECT_EQ(off(p) % 512, 0u);
 }
 
@@ -600,7 +594,7 @@ detail::ScratchShape fp8_training_shape(std::int64_t H, std::int64_t I, std::int
   return sh;
 }
 
-// The FP8 dgrad's E4M3 dy rows and their scales go into the room the bf16 rows leave in the W_gate /
+// The FP8 dgrad's E4M3 dy rows and their scale bytes go into the room the bf16 rows leave in the W_gate /
 // W_up gradients when they fit there (512-byte aligned, overlapping none of the rows; rows_in_grads
 // then, so that the dW_gate|up tiles wait for every dh tile), else into the scratch as before; the
 // bf16 rows lie where they lie without the FP8 dgrad.
@@ -631,12 +625,11 @@ TEST(ScratchLayout, Fp8DgradDyRowsInTheGradientsRoom) {
                             w.hidden == plain.hidden && w.x_rows == plain.x_rows && w.shared_dx_rows == plain.shared_dx_rows)
                     << what << ": the bf16 rows moved";
                 auto padded = [](std::int64_t bytes) { return (bytes + 511) / 512 * 512; };
-                const std::int64_t dy8 = cap * H + 4 * (H / 128) * cap + padded((H / 128) * cap);
-                const std::int64_t dgu8 = cap * 2 * I + 4 * (2 * I / 128) * cap + padded((2 * I / 128) * cap);
+                const std::int64_t dy8 = cap * H + padded((H / 128) * cap);
+                const std::int64_t dgu8 = cap * 2 * I + padded((2 * I / 128) * cap);
                 ASSERT_NE(w.dy_fp8, nullptr) << what;
-                EXPECT_EQ(at(w.dy_scales), at(w.dy_fp8) + cap * H) << what;
-                EXPECT_EQ(at(w.dy_exps), at(w.dy_scales) + 4 * (H / 128) * cap) << what;
-                EXPECT_EQ(at(w.dgu_exps), at(w.dgu_scales) + 4 * (2 * I / 128) * cap) << what;
+                EXPECT_EQ(at(w.dy_exps), at(w.dy_fp8) + cap * H) << what;
+                EXPECT_EQ(at(w.dgu_exps), at(w.dgu_fp8) + cap * 2 * I) << what;
                 const U lo = at(w.dy_fp8), hi = lo + dy8;
                 const bool scratch = inside(lo, hi, base, base + w.bytes);
                 EXPECT_EQ(w.bytes, plain.bytes + (scratch ? dy8 : 0) + dgu8) << what;
@@ -664,7 +657,7 @@ TEST(ScratchLayout, Fp8DgradDyRowsInTheGradientsRoom) {
 }
 
 // The FP8 weight gradients' operands (fp8_wgrad): every other buffer where the FP8 dgrad alone puts
-// it; dgate|dup^T and its scales in the E4M3 dgate|dup rows' room; dy^T, x^T and w h^T, made after
+// it; dgate|dup^T and its scale bytes in the E4M3 dgate|dup rows' room; dy^T, x^T and w h^T, made after
 // the dgrad launches and after dgate|dup^T, in rooms dead by then (the bf16 dy rows' and the E4M3
 // dy rows' in the scratch, the x / dx rows', the routed pre-activations' in the saved tensor) or in
 // new scratch; and nothing written while a buffer is still read: w h^T and its exponents overlap
@@ -672,7 +665,7 @@ TEST(ScratchLayout, Fp8DgradDyRowsInTheGradientsRoom) {
 // gradients it writes, and none lies outside the scratch and the saved tensor's routed rows. The
 // figure of a size query (no scratch, no saved tensor) is the call's, and with mok.moe's layout
 // (bf16 gradients in one block, dx apart, two column blocks) and H <= 4I (every FP8 preset) the
-// operands need at most capacity x I bytes of new scratch besides their scales, where they needed
+// operands need at most capacity x I bytes of new scratch besides their scales and exponents, where they needed
 // capacity x (2H + I) before.
 TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
   using U = std::uintptr_t;
@@ -703,12 +696,11 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
                 EXPECT_EQ(w.bytes, detail::backward_buffers(sh, nullptr, g, u, dxp, true, true).bytes) << what;
                 EXPECT_TRUE(w.dy_rows == d.dy_rows && w.dy_rows_hi == d.dy_rows_hi && w.hidden == d.hidden &&
                             w.x_rows == d.x_rows && w.shared_dx_rows == d.shared_dx_rows &&
-                            w.shared_hidden == d.shared_hidden && w.dy_fp8 == d.dy_fp8 && w.dy_scales == d.dy_scales &&
-                            w.dgu_fp8 == d.dgu_fp8 && w.dgu_scales == d.dgu_scales)
+                            w.shared_hidden == d.shared_hidden && w.dy_fp8 == d.dy_fp8 && w.dy_exps == d.dy_exps &&
+                            w.dgu_fp8 == d.dgu_fp8 && w.dgu_exps == d.dgu_exps)
                     << what << ": a buffer of the FP8 dgrad moved";
                 EXPECT_EQ(d.dy_t, nullptr) << what;
-                EXPECT_TRUE(w.dgu_t == w.dgu_fp8 && static_cast<void*>(w.dgu_t_scales) == static_cast<void*>(w.dgu_scales) &&
-                            w.dgu_t_exps == w.dgu_exps) << what;
+                EXPECT_TRUE(w.dgu_t == w.dgu_fp8 && w.dgu_t_exps == w.dgu_exps) << what;
                 const U scratch_end = base + w.bytes, saved_lo = saved_at, saved_hi = saved_at + 4 * cap * I;
                 const std::int64_t rb = cap / 128, xrow = rb + 1;
                 struct R {
@@ -722,12 +714,11 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
                 in_x_rows += dy_t.lo >= at(w.x_rows) && dy_t.hi <= at(w.x_rows) + 2 * cap * w.row_columns;
                 in_saved += at(w.x_t) >= saved_lo && at(w.x_t) < saved_hi;
                 in_dy_fp8 += at(w.hw_t) >= at(w.dy_fp8) && at(w.hw_t) < at(w.dy_fp8) + cap * H;
-                const std::vector<R> operands{dy_t, r("x^T", w.x_t, cap * H), r("dy^T scales", w.dy_t_scales, 4 * rb * H),
+                const std::vector<R> operands{dy_t, r("x^T", w.x_t, cap * H), r("dy^T scale bytes", w.dy_t_exps, rb * H),
                                               r("x^T exponents", w.x_t_exponents, 4 * (H / 128) * xrow),
                                               r("tile order", w.tile_order, 4 * rb), r("w h^T", w.hw_t, cap * I),
                                               r("w h^T exponents", w.hw_t_exponents, 4 * (I / 128) * xrow),
-                                              r("dgu^T", w.dgu_t, cap * 2 * I), r("dgu^T scales", w.dgu_t_scales, 4 * rb * 2 * I),
-                                              r("dy^T scale bytes", w.dy_t_exps, rb * H), r("dgu^T scale bytes", w.dgu_t_exps, rb * 2 * I)};
+                                              r("dgu^T", w.dgu_t, cap * 2 * I), r("dgu^T scale bytes", w.dgu_t_exps, rb * 2 * I)};
                 auto apart = [&](const std::vector<R>& a, const std::vector<R>& c, const char* when) {
                   for (const R& x : a)
                     for (const R& y : c)
@@ -747,7 +738,7 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
                   EXPECT_EQ(x.lo % 16, 0u) << what << ": " << x.name << " unaligned";  // (TMA)
                 }
                 if (bf16_grads && with_dx && 2 * w.row_columns >= H && H <= 4 * I) {  // mok.moe's layout; x^T fits the saved rows
-                  const std::int64_t small = 5 * rb * H + 4 * (H / 128) * xrow + 4 * rb + 4 * (I / 128) * xrow + 5 * 512;
+                  const std::int64_t small = rb * H + 4 * (H / 128) * xrow + 4 * rb + 4 * (I / 128) * xrow + 4 * 512;
                   EXPECT_LE(w.bytes - d.bytes, cap * I + small) << what;
                 }
               }
@@ -759,11 +750,11 @@ TEST(ScratchLayout, Fp8WgradOperandsTakeOnlyDeadRooms) {
 }
 
 // An EP rank's FP8 rows (Config::fp8_dgrad): the FP8 dgrad's E4M3 dy and dgate|dup rows and their
-// scales inside the rank's buffer and apart; then, for its FP8 weight gradients, the four
-// transposed operands, their scales and exponents apart from each other, inside the rank buffer or
+// scale bytes inside the rank's buffer and apart; then, for its FP8 weight gradients, the four
+// transposed operands, their scale bytes and exponents apart from each other, inside the rank buffer or
 // the dx rows' room, and apart from the rows they are made from (the bf16 x and dy rows, w h) —
 // for any plan capacity up to the allocated rows; the FP8 forward's E4M3 x rows and h with their
-// scales inside the bf16 rows' buffers. TMA-read operands 16-byte aligned.
+// scale bytes inside the bf16 rows' buffers. TMA-read operands 16-byte aligned.
 TEST(ScratchLayout, RankFp8RowsAndOperandsNeverOverlap) {
   struct Region {
     const char* name;
@@ -796,11 +787,9 @@ TEST(ScratchLayout, RankFp8RowsAndOperandsNeverOverlap) {
           detail::CallBuffers d;
           detail::rank_fp8_dgrad_buffers(d, rows, H, I, reinterpret_cast<void*>(base));
           const std::vector<Region> dgrad{{"dy E4M3", at(d.dy_fp8), at(d.dy_fp8) + cap * H},
-                                          {"dy scales", at(d.dy_scales), at(d.dy_scales) + 4 * (H / 128) * cap},
                                           {"dgate|dup E4M3", at(d.dgu_fp8), at(d.dgu_fp8) + cap * 2 * I},
-                                          {"dgate|dup scales", at(d.dgu_scales), at(d.dgu_scales) + 4 * (2 * I / 128) * cap},
-                                          {"dy exponent fields", at(d.dy_exps), at(d.dy_exps) + (H / 128) * cap},
-                                          {"dgate|dup exponent fields", at(d.dgu_exps), at(d.dgu_exps) + (2 * I / 128) * cap}};
+                                          {"dy scale bytes", at(d.dy_exps), at(d.dy_exps) + (H / 128) * cap},
+                                          {"dgate|dup scale bytes", at(d.dgu_exps), at(d.dgu_exps) + (2 * I / 128) * cap}};
           apart(dgrad, what + " dgrad");
           EXPECT_EQ(at(d.dy_exps) % 16 + at(d.dgu_exps) % 16, 0u) << what << " (bulk copies)";
           for (const Region& r : dgrad) EXPECT_TRUE(inside(r)) << what << ": " << r.name << " outside the rank buffer";
@@ -810,11 +799,9 @@ TEST(ScratchLayout, RankFp8RowsAndOperandsNeverOverlap) {
           detail::rank_fp8_wgrad_buffers(w, rows, H, I, reinterpret_cast<void*>(base), reinterpret_cast<void*>(dx));
           const std::vector<Region> operands{
               {"dgate|dup^T", at(w.dgu_t), at(w.dgu_t) + 2 * I * cap},
-              {"dgate|dup^T scales", at(w.dgu_t_scales), at(w.dgu_t_scales) + 4 * rb * 2 * I},
               {"w h^T", at(w.hw_t), at(w.hw_t) + I * cap},
               {"w h^T exponents", at(w.hw_t_exponents), at(w.hw_t_exponents) + 4 * (I / 128) * stride},
               {"dy^T", at(w.dy_t), at(w.dy_t) + H * cap},
-              {"dy^T scales", at(w.dy_t_scales), at(w.dy_t_scales) + 4 * rb * H},
               {"dy^T scale bytes", at(w.dy_t_exps), at(w.dy_t_exps) + rb * H},
               {"dgate|dup^T scale bytes", at(w.dgu_t_exps), at(w.dgu_t_exps) + rb * 2 * I},
               {"x^T", at(w.x_t), at(w.x_t) + H * cap},
@@ -833,14 +820,12 @@ TEST(ScratchLayout, RankFp8RowsAndOperandsNeverOverlap) {
           f.x_rows = reinterpret_cast<std::uint16_t*>(x_rows), f.hidden = reinterpret_cast<std::uint16_t*>(hidden);
           detail::rank_fp8_forward_buffers(f, rows, H, I);
           const std::vector<Region> forward{{"x E4M3", at(f.x_fp8), at(f.x_fp8) + cap * H},
-                                            {"x scales", at(f.x_scales), at(f.x_scales) + 4 * (H / 128) * cap},
                                             {"h E4M3", at(f.h_fp8), at(f.h_fp8) + cap * I},
-                                            {"h scales", at(f.h_scales), at(f.h_scales) + 4 * (I / 128) * cap},
-                                            {"x exponent fields", at(f.x_exps), at(f.x_exps) + (H / 128) * cap},
-                                            {"h exponent fields", at(f.h_exps), at(f.h_exps) + (I / 128) * cap}};
+                                            {"x scale bytes", at(f.x_exps), at(f.x_exps) + (H / 128) * cap},
+                                            {"h scale bytes", at(f.h_exps), at(f.h_exps) + (I / 128) * cap}};
           apart(forward, what + " forward");
-          EXPECT_LE(forward[4].end, x_rows + 2 * rows * H) << what;
-          EXPECT_LE(forward[5].end, hidden + 2 * rows * I) << what;
+          EXPECT_LE(forward[2].end, x_rows + 2 * rows * H) << what;
+          EXPECT_LE(forward[3].end, hidden + 2 * rows * I) << what;
           for (const std::uint8_t* e : {f.x_exps, f.h_exps}) EXPECT_EQ(at(e) % 16, 0u) << what;  // (bulk copies)
         }
 }

@@ -134,13 +134,13 @@ struct Config {
   bool pull_fp8_rows = false;          // EP ranks of Precision::fp8, rows pulled before the kernel (no
                                        // ring, not pull_tokens_once): each rank quantizes its own tokens
                                        // once (the exchange; virtual ranks: a kernel) and its peers pull
-                                       // E4M3 rows and scales, H x 33 / 32 bytes a row where bf16 rows
+                                       // E4M3 rows and scale bytes, H x 129 / 128 bytes a row where bf16 rows
                                        // take 2H; false: bf16 rows pulled, quantized by the puller. The
                                        // same bits either way (a row's bytes are its token's alone); not
                                        // yet measured, hence off
   bool fp8_dgrad = false;              // EP ranks of Precision::fp8 with Training::save: hold the FP8
                                        // dgrad's rows from construction (E4M3 dy and dgate|dup rows and
-                                       // their scales, capacity x (H + 2I) x 33 / 32 bytes, the FP8
+                                       // their scale bytes, capacity x (H + 2I) x 129 / 128 bytes, the FP8
                                        // weight gradients' exponents, and where w h^T misses the E4M3
                                        // dy rows' room — I above about H — capacity x I bytes more for
                                        // it), so that their backward may take BackwardArgs::fp8 (EpRank;

@@ -222,11 +222,11 @@ kernels::BackwardParams backward_params(const ForwardArgs& a, const BackwardArgs
 }
 
 // Precision::fp8 with BackwardArgs::fp8, after the plan: gathers the routed dy rows in one read
-// of dy, quantized into buffers.dy_fp8 / dy_scales / dy_exps and (bf16_rows: for bf16 weight gradients) in
+// of dy, quantized into buffers.dy_fp8 / dy_exps and (bf16_rows: for bf16 weight gradients) in
 // bf16 where the BF16 backward's dispatch would put them.
 void gather_dy_fp8(const BackwardArgs& b, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                    std::string_view where, bool bf16_rows) {
-  kernels::QuantizeRowsParams rows = quantize_rows_params(ws, b.dy.data, buffers.dy_fp8, buffers.dy_scales, buffers.dy_exps);
+  kernels::QuantizeRowsParams rows = quantize_rows_params(ws, b.dy.data, buffers.dy_fp8, buffers.dy_exps);
   rows.rows_bf16 = bf16_rows ? buffers.dy_rows : nullptr;
   rows.rows_bf16_hi = buffers.dy_rows_hi;
   rows.split = buffers.dy_split;
@@ -247,9 +247,7 @@ kernels::Fp8BackwardParams backward_fp8_params(const BackwardArgs& b, Workspace&
   q.maps.dgu = make_u8_tensor_map(buffers.dgu_fp8, {U(2 * I), U(capacity)}, kernels::kBoxFp8, "d pre-activations (fp8)");
   q.maps.gate_up_t = make_u8_tensor_map(w.gate_up_t.data, {U(2 * I), U(H), U(El)}, kernels::kBoxFp8, "fp8.gate_up_t");
   q.capacity = capacity;
-  q.dy_scales = buffers.dy_scales;
   q.dgu_values = buffers.dgu_fp8;
-  q.dgu_scales = buffers.dgu_scales;
   q.dy_exps = buffers.dy_exps;
   q.dgu_exps = buffers.dgu_exps;
   q.down_t_exponents = static_cast<const std::int32_t*>(w.down_t_exponents.data);
@@ -258,8 +256,8 @@ kernels::Fp8BackwardParams backward_fp8_params(const BackwardArgs& b, Workspace&
 }
 
 void quantize_transposed(Workspace& ws, const void* src, std::int64_t columns, bool gather, std::uint8_t* values,
-                         float* col_scales, std::uint8_t* col_exps, std::int32_t* block_exponents, cudaStream_t stream,
-                         std::string_view where, const std::int32_t* tile_order) {
+                         std::uint8_t* col_exps, std::int32_t* block_exponents, cudaStream_t stream, std::string_view where,
+                         const std::int32_t* tile_order) {
   const DevicePlanView& plan = ws.plan().view();
   kernels::QuantizeColumnsParams q{};
   q.src = static_cast<const std::uint16_t*>(src);
@@ -268,7 +266,6 @@ void quantize_transposed(Workspace& ws, const void* src, std::int64_t columns, b
   q.tile_order = tile_order;
   q.top_k = ws.shape().top_k;
   q.values = values;
-  q.col_scales = col_scales;
   q.col_exps = col_exps;
   q.block_exponents = block_exponents;
   q.exponent_stride = kernels::wgrad_exponent_stride(ws.plan().capacity_rows());  // (Fp8WgradParams' rows)
@@ -290,8 +287,6 @@ kernels::Fp8WgradParams wgrad_fp8_params(Workspace& ws, const CallBuffers& buffe
   w.maps.dgu_t = make_u8_tensor_map(buffers.dgu_t, {U(capacity), U(2 * I)}, kernels::kBoxFp8, "d pre-activations transposed (fp8)");
   w.maps.x_t = make_u8_tensor_map(buffers.x_t, {U(capacity), U(H)}, kernels::kBoxFp8, "x rows transposed (fp8)");
   w.capacity = capacity;
-  w.dy_t_scales = buffers.dy_t_scales;
-  w.dgu_t_scales = buffers.dgu_t_scales;
   w.dy_t_exps = buffers.dy_t_exps;
   w.dgu_t_exps = buffers.dgu_t_exps;
   w.hw_t_exponents = buffers.hw_t_exponents;
@@ -378,8 +373,8 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
       // pre-activations', detail::backward_buffers), as they may the x / dx rows' and the dy rows'.
       const std::int64_t I = ws.shape().intermediate;
       if (kWgradPasses) {
-        detail::quantize_transposed(ws, gu, 2 * I, false, buffers.dgu_t, buffers.dgu_t_scales, buffers.dgu_t_exps, nullptr, s, kWhere);
-        detail::quantize_transposed(ws, buffers.hidden, I, false, buffers.hw_t, nullptr, nullptr, buffers.hw_t_exponents, s, kWhere);
+        detail::quantize_transposed(ws, gu, 2 * I, false, buffers.dgu_t, buffers.dgu_t_exps, nullptr, s, kWhere);
+        detail::quantize_transposed(ws, buffers.hidden, I, false, buffers.hw_t, nullptr, buffers.hw_t_exponents, s, kWhere);
         const std::int32_t* order = nullptr;  // (the gathers visit tiles rank by rank: kernels/fp8/tile_order.cuh)
         if (kWgradRankOrder) {
           const DevicePlanView& v = ws.plan().view();
@@ -389,8 +384,8 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
           detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 weight gradients' tile order");
           order = buffers.tile_order;
         }
-        detail::quantize_transposed(ws, b.dy.data, H, true, buffers.dy_t, buffers.dy_t_scales, buffers.dy_t_exps, nullptr, s, kWhere, order);
-        detail::quantize_transposed(ws, a.x.data, H, true, buffers.x_t, nullptr, nullptr, buffers.x_t_exponents, s, kWhere, order);
+        detail::quantize_transposed(ws, b.dy.data, H, true, buffers.dy_t, buffers.dy_t_exps, nullptr, s, kWhere, order);
+        detail::quantize_transposed(ws, a.x.data, H, true, buffers.x_t, nullptr, buffers.x_t_exponents, s, kWhere, order);
       }
       kernels::launch_wgrad_fp8(detail::wgrad_fp8_params(ws, buffers, q.base), ctas, s);
       detail::cuda_check(cudaGetLastError(), kWhere, "launching the FP8 weight-gradient kernel");

@@ -138,15 +138,13 @@ detail::RankPeers VirtualRanks::peers(int r, std::span<const void* const> x, std
           [&rank](std::span<const void* const> rows, void* routed, cudaStream_t s) {
             detail::dispatch_rows(rows, routed, *rank.ws, s);
           },
-          [&rank](std::span<const void* const> rows, std::uint8_t* values, float* scales, std::uint8_t* exps, void* bf16,
-                  cudaStream_t s) {
-            detail::pull_rows_fp8(*rank.ws, rows, values, scales, exps, bf16, 4 * detail::persistent_ctas(*rank.ws, kWhere),
-                                  s, kWhere);
+          [&rank](std::span<const void* const> rows, std::uint8_t* values, std::uint8_t* exps, void* bf16, cudaStream_t s) {
+            detail::pull_rows_fp8(*rank.ws, rows, values, exps, bf16, 4 * detail::persistent_ctas(*rank.ws, kWhere), s,
+                                  kWhere);
           },
-          [&rank](std::span<const void* const> tokens, std::uint8_t* values, float* scales, std::uint8_t* exps,
-                  cudaStream_t s) {
-            detail::gather_fp8_rows(*rank.ws, tokens, values, scales, exps, 4 * detail::persistent_ctas(*rank.ws, kWhere),
-                                    s, kWhere);
+          [&rank](std::span<const void* const> tokens, std::uint8_t* values, std::uint8_t* exps, cudaStream_t s) {
+            detail::gather_fp8_rows(*rank.ws, tokens, values, exps, 4 * detail::persistent_ctas(*rank.ws, kWhere), s,
+                                    kWhere);
           }};
 }
 

@@ -215,14 +215,12 @@ detail::RankPeers EpRank::peers(std::span<const void* const> x, std::span<const 
             const void* local[kMaxEpRanks] = {};
             detail::dispatch_rows(row_sources(rows, local, s), routed, *ws_, s);
           },
-          [this](std::span<const void* const> rows, std::uint8_t* values, float* scales, std::uint8_t* exps, void* bf16,
-                 cudaStream_t s) {
+          [this](std::span<const void* const> rows, std::uint8_t* values, std::uint8_t* exps, void* bf16, cudaStream_t s) {
             const void* local[kMaxEpRanks] = {};
-            detail::pull_rows_fp8(*ws_, row_sources(rows, local, s), values, scales, exps, bf16, 4 * ctas(), s, kWhere);
+            detail::pull_rows_fp8(*ws_, row_sources(rows, local, s), values, exps, bf16, 4 * ctas(), s, kWhere);
           },
-          [this](std::span<const void* const> tokens, std::uint8_t* values, float* scales, std::uint8_t* exps,
-                 cudaStream_t s) {
-            detail::gather_fp8_rows(*ws_, tokens, values, scales, exps, 4 * ctas(), s, kWhere);
+          [this](std::span<const void* const> tokens, std::uint8_t* values, std::uint8_t* exps, cudaStream_t s) {
+            detail::gather_fp8_rows(*ws_, tokens, values, exps, 4 * ctas(), s, kWhere);
           }};
 }
 

@@ -27,35 +27,34 @@ struct RankPeers {
   int* ring_counters = nullptr;        // its counters ([2 ring_minibatches], zeroed per call)
   std::function<void(kernels::EpPeers&)> set_peers;                            // the kernel's peer table
   std::function<void(std::span<const void* const>, void*, cudaStream_t)> pull;  // peers' rows -> routed rows
-  // Precision::fp8: peers' rows -> routed rows quantized (E4M3 values, scales and the scales' E8M0
-  // bytes; launch_quantize_rows) and, when the fifth argument is not null, copied there in bf16 too
-  // (one read)
-  std::function<void(std::span<const void* const>, std::uint8_t*, float*, std::uint8_t*, void*, cudaStream_t)> pull_fp8;
+  // Precision::fp8: peers' rows -> routed rows quantized (E4M3 values and their scales' E8M0 bytes;
+  // launch_quantize_rows) and, when the fourth argument is not null, copied there in bf16 too (one read)
+  std::function<void(std::span<const void* const>, std::uint8_t*, std::uint8_t*, void*, cudaStream_t)> pull_fp8;
   // Config::pull_fp8_rows: peers' E4M3 tokens (kernels/fp8/quantize_rows.cuh's layout) -> routed rows
-  // (values, scales, exponent fields)
-  std::function<void(std::span<const void* const>, std::uint8_t*, float*, std::uint8_t*, cudaStream_t)> gather_fp8;
+  // (values, scale bytes)
+  std::function<void(std::span<const void* const>, std::uint8_t*, std::uint8_t*, cudaStream_t)> gather_fp8;
 };
 
-// The routed rows of bf16 tokens (sources[q]: rank q's) quantized into values / scales / exps, and, when
-// bf16 is not null, copied there too (every row: no split) — RankPeers::pull_fp8's body.
-inline void pull_rows_fp8(Workspace& ws, std::span<const void* const> sources, std::uint8_t* values, float* scales,
-                          std::uint8_t* exps, void* bf16, int ctas, cudaStream_t stream, std::string_view where) {
-  kernels::QuantizeRowsParams q = quantize_rows_params(ws, sources, values, scales, exps);
+// The routed rows of bf16 tokens (sources[q]: rank q's) quantized into values / exps, and, when bf16 is
+// not null, copied there too (every row: no split) — RankPeers::pull_fp8's body.
+inline void pull_rows_fp8(Workspace& ws, std::span<const void* const> sources, std::uint8_t* values, std::uint8_t* exps,
+                          void* bf16, int ctas, cudaStream_t stream, std::string_view where) {
+  kernels::QuantizeRowsParams q = quantize_rows_params(ws, sources, values, exps);
   q.rows_bf16 = static_cast<std::uint16_t*>(bf16), q.split = kernels::kNoSplit;
   kernels::launch_quantize_rows(q, ctas, stream);
   cuda_check(cudaGetLastError(), where, "launching the FP8 row gather");
 }
 
-// The routed rows of E4M3 tokens (sources[q]: rank q's, Config::pull_fp8_rows) into values / scales / exps.
-inline void gather_fp8_rows(Workspace& ws, std::span<const void* const> sources, std::uint8_t* values, float* scales,
-                            std::uint8_t* exps, int ctas, cudaStream_t stream, std::string_view where) {
+// The routed rows of E4M3 tokens (sources[q]: rank q's, Config::pull_fp8_rows) into values / exps.
+inline void gather_fp8_rows(Workspace& ws, std::span<const void* const> sources, std::uint8_t* values, std::uint8_t* exps,
+                            int ctas, cudaStream_t stream, std::string_view where) {
   const MoeShape& s = ws.shape();
   const DevicePlanView& v = ws.plan().view();
   kernels::GatherFp8RowsParams g{};
   for (std::size_t q = 0; q < sources.size(); ++q) g.sources[q] = static_cast<const std::uint8_t*>(sources[q]);
   g.pairs_per_rank = ws.tokens() * s.top_k;
   g.tokens = ws.tokens();
-  g.values = values, g.scales = scales, g.exps = exps;
+  g.values = values, g.exps = exps;
   g.row_pair = v.row_pair, g.expert_offset = v.expert_offset, g.plan_status = v.status;
   g.capacity = ws.plan().capacity_rows();
   g.hidden = static_cast<int>(s.hidden), g.top_k = static_cast<int>(s.top_k);
@@ -90,8 +89,8 @@ inline kernels::ForwardParams forward_step(const RankPeers& peers, const Forward
 inline kernels::Fp8ForwardParams forward_step_fp8(const RankPeers& peers, const ForwardArgs& a, Workspace& ws,
                                                   std::uint16_t* saved, cudaStream_t stream, std::string_view where) {
   const CallBuffers buffers = rank_buffers(ws);
-  if (ws.config().pull_fp8_rows) peers.gather_fp8(peers.x, buffers.x_fp8, buffers.x_scales, buffers.x_exps, stream);
-  else peers.pull_fp8(peers.x, buffers.x_fp8, buffers.x_scales, buffers.x_exps, nullptr, stream);
+  if (ws.config().pull_fp8_rows) peers.gather_fp8(peers.x, buffers.x_fp8, buffers.x_exps, stream);
+  else peers.pull_fp8(peers.x, buffers.x_fp8, buffers.x_exps, nullptr, stream);
   zero_counters(ws, stream, where);
   kernels::Fp8ForwardParams p = fp8_forward_params(a, ws, buffers, saved);
   peers.set_peers(p.base.ep);
@@ -150,7 +149,7 @@ inline Fp8BackwardStep backward_step_fp8(const RankPeers& peers, const ForwardAr
   CallBuffers buffers = rank_buffers(ws);
   rank_fp8_dgrad_buffers(buffers, ws, fp8_rows);
   peers.pull(peers.x, ws.x_routed(), stream);
-  peers.pull_fp8(peers.dy, buffers.dy_fp8, buffers.dy_scales, buffers.dy_exps, ws.dy_routed(), stream);
+  peers.pull_fp8(peers.dy, buffers.dy_fp8, buffers.dy_exps, ws.dy_routed(), stream);
   zero_counters(ws, stream, where);
   kernels::BackwardParams p = backward_params(a, b, ws, buffers, saved);
   p.topk_weights = all_weights;
@@ -170,10 +169,10 @@ inline void launch_rank_fp8_wgrad(Workspace& ws, const kernels::BackwardParams& 
   const std::int64_t H = ws.shape().hidden, I = ws.shape().intermediate;
   CallBuffers w = rank_buffers(ws);
   rank_fp8_wgrad_buffers(w, ws, fp8_rows);
-  quantize_transposed(ws, saved, 2 * I, false, w.dgu_t, w.dgu_t_scales, w.dgu_t_exps, nullptr, stream, where);
-  quantize_transposed(ws, w.hidden, I, false, w.hw_t, nullptr, nullptr, w.hw_t_exponents, stream, where);
-  quantize_transposed(ws, ws.dy_routed(), H, false, w.dy_t, w.dy_t_scales, w.dy_t_exps, nullptr, stream, where);
-  quantize_transposed(ws, ws.x_routed(), H, false, w.x_t, nullptr, nullptr, w.x_t_exponents, stream, where);
+  quantize_transposed(ws, saved, 2 * I, false, w.dgu_t, w.dgu_t_exps, nullptr, stream, where);
+  quantize_transposed(ws, w.hidden, I, false, w.hw_t, nullptr, w.hw_t_exponents, stream, where);
+  quantize_transposed(ws, ws.dy_routed(), H, false, w.dy_t, w.dy_t_exps, nullptr, stream, where);
+  quantize_transposed(ws, ws.x_routed(), H, false, w.x_t, nullptr, w.x_t_exponents, stream, where);
   kernels::launch_wgrad_fp8(wgrad_fp8_params(ws, w, p), ctas, stream);
   cuda_check(cudaGetLastError(), where, "launching the FP8 weight-gradient kernel");
 }

@@ -11,14 +11,13 @@
 namespace mok::detail {
 
 kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, std::span<const void* const> rows, std::uint8_t* values,
-                                                 float* scales, std::uint8_t* exps) {
+                                                 std::uint8_t* exps) {
   const MoeShape& s = ws.shape();
   const DevicePlanView& v = ws.plan().view();
   kernels::QuantizeRowsParams p{};
   for (std::size_t q = 0; q < rows.size(); ++q) p.x[q] = static_cast<const std::uint16_t*>(rows[q]);
   p.pairs_per_rank = ws.tokens() * s.top_k;
   p.values = values;
-  p.scales = scales;
   p.exps = exps;
   p.row_pair = v.row_pair;
   p.expert_offset = v.expert_offset;
@@ -34,10 +33,9 @@ kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, std::span<const 
   return p;
 }
 
-kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, const void* rows, std::uint8_t* values, float* scales,
-                                                 std::uint8_t* exps) {
+kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, const void* rows, std::uint8_t* values, std::uint8_t* exps) {
   const void* const sources[1] = {rows};
-  return quantize_rows_params(ws, std::span<const void* const>(sources), values, scales, exps);
+  return quantize_rows_params(ws, std::span<const void* const>(sources), values, exps);
 }
 
 kernels::Fp8ForwardParams fp8_forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,
@@ -57,10 +55,8 @@ kernels::Fp8ForwardParams fp8_forward_params(const ForwardArgs& a, Workspace& ws
   p.maps.h_store = make_u8_tensor_map(buffers.h_fp8, {U(I), U(capacity)}, kernels::kBoxFp8Half, "h (fp8)");
   p.maps.h_load = make_u8_tensor_map(buffers.h_fp8, {U(I), U(capacity)}, kernels::kBoxFp8, "h (fp8)");
   p.capacity = capacity;
-  p.x_scales = buffers.x_scales;
   // One GPU: the E4M3 rows in the slots' upper half (forward_buffers()); an EP rank: in its x rows' buffer.
   p.base.x_rows_in_slots = ws.rows_in_slots() ? static_cast<int>(capacity) : 0;
-  p.h_scales = buffers.h_scales;
   p.gate_exponents = static_cast<const std::int32_t*>(w.gate_exponents.data);
   p.up_exponents = static_cast<const std::int32_t*>(w.up_exponents.data);
   p.down_exponents = static_cast<const std::int32_t*>(w.down_exponents.data);
@@ -72,7 +68,7 @@ kernels::Fp8ForwardParams fp8_forward_params(const ForwardArgs& a, Workspace& ws
 void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                         std::uint16_t* saved_gu, std::string_view where) {
   const int ctas = persistent_ctas(ws, where);
-  kernels::QuantizeRowsParams quantize = quantize_rows_params(ws, a.x.data, buffers.x_fp8, buffers.x_scales, buffers.x_exps);
+  kernels::QuantizeRowsParams quantize = quantize_rows_params(ws, a.x.data, buffers.x_fp8, buffers.x_exps);
   kernels::launch_quantize_rows(quantize, 4 * ctas, stream);
   cuda_check(cudaGetLastError(), where, "launching the FP8 row gather");
   kernels::launch_forward_fp8(fp8_forward_params(a, ws, buffers, saved_gu), ctas, stream);

@@ -85,35 +85,28 @@ struct CallBuffers {
   std::uint16_t* shared_dx_rows = nullptr;  // backward: [T_pad, H], or dx itself ([T, H])
   std::uint16_t* recompute = nullptr;       // backward of a Training::recompute workspace: the pre-activations
   // A Precision::fp8 forward: the routed x rows and h in E4M3 ([capacity, H], [capacity, I]) and
-  // their per-row scales of each 128 columns ([H / 128, capacity], [I / 128, capacity] f32).
+  // their per-row scales of each 128 columns as E8M0 bytes ([H / 128, capacity], [I / 128, capacity];
+  // Fp8ForwardParams::x_exps, h_exps).
   std::uint8_t* x_fp8 = nullptr;
   std::uint8_t* h_fp8 = nullptr;
-  float* x_scales = nullptr;
-  float* h_scales = nullptr;
-  // The same scales' exponent fields (Fp8ForwardParams::x_exps, h_exps).
   std::uint8_t* x_exps = nullptr;
   std::uint8_t* h_exps = nullptr;
   // A Precision::fp8 backward (its FP8 dgrad): the routed dy rows and dgate|dup in E4M3 ([capacity,
-  // H], [capacity, 2I]) and their per-row scales of each 128 columns ([H / 128, capacity],
-  // [2I / 128, capacity] f32), each scale array followed by the scales' exponent fields (u8, padded to
-  // 512 bytes: fp8_rows_bytes).
+  // H], [capacity, 2I]), each followed by its per-row scales of each 128 columns as E8M0 bytes
+  // ([H / 128, capacity], [2I / 128, capacity], padded to 512 bytes: fp8_rows_bytes).
   std::uint8_t* dy_fp8 = nullptr;
   std::uint8_t* dgu_fp8 = nullptr;
-  float* dy_scales = nullptr;
-  float* dgu_scales = nullptr;
   std::uint8_t* dy_exps = nullptr;
   std::uint8_t* dgu_exps = nullptr;
   // ... with its weight gradients in E4M3 (BackwardArgs::fp8_weight_gradients): the transposes of
   // the routed dy rows, x rows, w h and dgate|dup ([H | H | I | 2I, capacity] E4M3), the gradients'
-  // scales per channel and 128 rows ([capacity / 128, H | 2I] f32) and the activations' exponents
-  // per 128 x 128 block ([H | I / 128, capacity / 128 + 1] i32; kernels/backward/backward.cuh).
+  // scales per channel and 128 rows as E8M0 bytes ([capacity / 128, H | 2I]) and the activations'
+  // exponents per 128 x 128 block ([H | I / 128, capacity / 128 + 1] i32; kernels/backward/backward.cuh).
   std::uint8_t* dy_t = nullptr;
   std::uint8_t* x_t = nullptr;
   std::uint8_t* hw_t = nullptr;
   std::uint8_t* dgu_t = nullptr;
-  float* dy_t_scales = nullptr;
-  float* dgu_t_scales = nullptr;
-  std::uint8_t* dy_t_exps = nullptr;   // the gradients' scales as E8M0 bytes ([capacity / 128, H | 2I])
+  std::uint8_t* dy_t_exps = nullptr;
   std::uint8_t* dgu_t_exps = nullptr;
   std::int32_t* hw_t_exponents = nullptr;
   std::int32_t* x_t_exponents = nullptr;
@@ -164,7 +157,7 @@ CallBuffers forward_buffers(const ScratchShape& s, void* scratch);
 // dx's T x H elements, apart from every other argument), split at a 128-row tile; else the
 // shared expert's dx rows go there (any mode).
 // fp8_dgrad (a Precision::fp8 call with BackwardArgs::fp8): the E4M3 dy and dgate|dup rows and
-// their scales too; fp8_wgrad (and BackwardArgs::fp8_weight_gradients): the transposed operands of
+// their scale bytes too; fp8_wgrad (and BackwardArgs::fp8_weight_gradients): the transposed operands of
 // the FP8 weight gradients too, where they fit in rooms dead by the time they are made (the x / dx
 // rows', the bf16 and E4M3 dy rows' in the scratch, and the routed pre-activations': saved_space,
 // the saved tensor's data in Training::save — needed then unless scratch is null, a size query;
@@ -192,19 +185,20 @@ void rank_fp8_dgrad_buffers(CallBuffers& buffers, const Workspace& ws, void* bas
 void rank_fp8_wgrad_buffers(CallBuffers& buffers, const Workspace& ws, void* base);
 // (The same arithmetic for a rank of `rows` allocated rows, for tests: dx_rows its dx rows' 2 rows H
 // bytes; rank_fp8_forward_buffers: the FP8 forward's E4M3 x rows and h in buffers.x_rows' 2 rows H
-// and buffers.hidden's 2 rows I bytes, each followed by its scales and their exponent fields.)
+// and buffers.hidden's 2 rows I bytes, each followed by its scale bytes.)
 std::int64_t rank_fp8_dgrad_bytes(std::int64_t rows, std::int64_t H, std::int64_t I);
 void rank_fp8_dgrad_buffers(CallBuffers& buffers, std::int64_t rows, std::int64_t H, std::int64_t I, void* base);
 void rank_fp8_wgrad_buffers(CallBuffers& buffers, std::int64_t rows, std::int64_t H, std::int64_t I, void* base,
                             void* dx_rows);
 void rank_fp8_forward_buffers(CallBuffers& buffers, std::int64_t rows, std::int64_t H, std::int64_t I);
 // The FP8 weight gradients' transposing quantization of `columns` columns of the plan's rows into
-// values (E4M3 [columns, capacity]) with col_scales (and their bytes col_exps) or block_exponents (kernels/fp8/quantize.cuh):
-// gathered from a [T, columns] tensor (gather) or the plan rows of a [capacity, columns] one.
-// tile_order (gathers): the order of the plan's tiles to visit (launch_tile_order's; null: plan order).
+// values (E4M3 [columns, capacity]) with col_exps (the scales' E8M0 bytes) or block_exponents
+// (kernels/fp8/quantize.cuh): gathered from a [T, columns] tensor (gather) or the plan rows of a
+// [capacity, columns] one. tile_order (gathers): the order of the plan's tiles to visit
+// (launch_tile_order's; null: plan order).
 void quantize_transposed(Workspace& ws, const void* src, std::int64_t columns, bool gather, std::uint8_t* values,
-                         float* col_scales, std::uint8_t* col_exps, std::int32_t* block_exponents, cudaStream_t stream,
-                         std::string_view where, const std::int32_t* tile_order = nullptr);
+                         std::uint8_t* col_exps, std::int32_t* block_exponents, cudaStream_t stream, std::string_view where,
+                         const std::int32_t* tile_order = nullptr);
 // The FP8 weight-gradient kernel's params on p (the call's BF16 params): buffers' transposed operands.
 kernels::Fp8WgradParams wgrad_fp8_params(Workspace& ws, const CallBuffers& buffers, const kernels::BackwardParams& p);
 
@@ -277,20 +271,19 @@ inline kernels::BackwardParams backward_params(const ForwardArgs& a, const Backw
 }
 
 // The FP8 row gather's params (kernels/fp8/quantize.cuh): the plan's routed rows of `rows`
-// ([T, H] bf16) into values / scales and the scales' E8M0 bytes `exps` (which the FP8 kernels'
-// stages carry), quantized per 1 x 128 (no bf16 copy).
-kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, const void* rows, std::uint8_t* values, float* scales,
-                                                 std::uint8_t* exps);
+// ([T, H] bf16) into values and their scales' E8M0 bytes `exps` (which the FP8 kernels' stages
+// carry), quantized per 1 x 128 (no bf16 copy).
+kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, const void* rows, std::uint8_t* values, std::uint8_t* exps);
 // The same for expert parallelism: rank q's rows are rows[q] (through the peer table).
 kernels::QuantizeRowsParams quantize_rows_params(Workspace& ws, std::span<const void* const> rows, std::uint8_t* values,
-                                                 float* scales, std::uint8_t* exps);
+                                                 std::uint8_t* exps);
 // The FP8 forward kernel's params for one rank (no EP fields), after plan_device(): x's routed
-// rows quantized in buffers.x_fp8 / x_scales, h's to go in buffers.h_fp8 / h_scales.
+// rows quantized in buffers.x_fp8 / x_exps, h's to go in buffers.h_fp8 / h_exps.
 kernels::Fp8ForwardParams fp8_forward_params(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers,
                                              std::uint16_t* saved_gu);
 
 // Precision::fp8, after plan_device() with the counters zeroed: gathers and quantizes x's
-// routed rows into buffers.x_fp8 / x_scales and launches the FP8 forward kernel into a.y
+// routed rows into buffers.x_fp8 / x_exps and launches the FP8 forward kernel into a.y
 // (saved_gu: null, or the tensor of the gate/up pre-activations to fill, as the BF16 forward).
 void launch_forward_fp8(const ForwardArgs& a, Workspace& ws, const CallBuffers& buffers, cudaStream_t stream,
                         std::uint16_t* saved_gu, std::string_view where);

@@ -27,18 +27,14 @@ std::uint16_t* at(void* base, std::int64_t byte) { return reinterpret_cast<std::
 std::int64_t padded_512(std::int64_t bytes) { return (bytes + 511) / 512 * 512; }
 
 // E4M3 rows (the FP8 kernels' A operands: h, dy, dgate|dup, an EP rank's x) with a power-of-two
-// scale per row and 128 columns, in one region: [values rows x cols][scales cols / 128 x rows
-// f32][their exponent fields cols / 128 x rows u8, padded to 512 bytes]; rows a multiple of 128, so
-// each part starts 512-byte aligned.
+// scale per row and 128 columns, in one region: [values rows x cols][the scales' E8M0 bytes cols /
+// 128 x rows, padded to 512 bytes]; rows a multiple of 128, so each part starts 512-byte aligned.
 std::int64_t fp8_rows_bytes(std::int64_t rows, std::int64_t cols) {
-  const std::int64_t blocks = cols / kernels::kFp8BlockK;
-  return rows * cols + 4 * blocks * rows + padded_512(blocks * rows);
+  return rows * cols + padded_512(cols / kernels::kFp8BlockK * rows);
 }
-void place_fp8_rows(std::uint8_t* at, std::int64_t rows, std::int64_t cols, std::uint8_t*& values, float*& scales,
-                    std::uint8_t*& exps) {
+void place_fp8_rows(std::uint8_t* at, std::int64_t rows, std::int64_t cols, std::uint8_t*& values, std::uint8_t*& exps) {
   values = at;
-  scales = reinterpret_cast<float*>(at + rows * cols);
-  exps = reinterpret_cast<std::uint8_t*>(scales + cols / kernels::kFp8BlockK * rows);
+  exps = at + rows * cols;
 }
 
 }  // namespace
@@ -60,9 +56,9 @@ std::int64_t backward_block_columns(const MoeShape& shape, const Config& config,
 // [bf16 slots (capacity + T_pad) x H, x rows = its first capacity rows (each x row under its
 // own slot row)][h capacity x I][shared h T_pad x I_s]
 // Precision::fp8: [bf16 slots (capacity + T_pad) x H, E4M3 x rows = its bytes [capacity H,
-// 2 capacity H)][x scales H / 128 x capacity f32][their exponent fields H / 128 x capacity u8,
-// padded to 512 bytes][E4M3 h capacity x I with its scales and their fields (fp8_rows_bytes)][shared
-// h T_pad x I_s] (each a multiple of 512 bytes: capacity is one of 128).
+// 2 capacity H)][x's scale bytes H / 128 x capacity, padded to 512 bytes][E4M3 h capacity x I with
+// its scale bytes (fp8_rows_bytes)][shared h T_pad x I_s] (each a multiple of 512 bytes: capacity is
+// one of 128).
 CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
   const MoeShape& s = shape.shape;
   const std::int64_t cap = shape.capacity, Tpad = shared_tiles(s, shape.tokens) * kTileRows;
@@ -73,11 +69,9 @@ CallBuffers forward_buffers(const ScratchShape& shape, void* scratch) {
   if (shape.precision == Precision::fp8) {
     b.x_fp8 = reinterpret_cast<std::uint8_t*>(at(scratch, cap * H));
     std::int64_t used = slot_bytes;
-    b.x_scales = reinterpret_cast<float*>(at(scratch, used));
-    used += 4 * (H / kernels::kFp8BlockK) * cap;
     b.x_exps = reinterpret_cast<std::uint8_t*>(at(scratch, used));
     used += padded_512((H / kernels::kFp8BlockK) * cap);
-    place_fp8_rows(reinterpret_cast<std::uint8_t*>(at(scratch, used)), cap, I, b.h_fp8, b.h_scales, b.h_exps);
+    place_fp8_rows(reinterpret_cast<std::uint8_t*>(at(scratch, used)), cap, I, b.h_fp8, b.h_exps);
     used += fp8_rows_bytes(cap, I);
     b.shared_hidden = at(scratch, used);
     b.bytes = used + 2 * Tpad * Is;
@@ -130,9 +124,9 @@ std::optional<DyPlace> place_dy(std::uint16_t* at, std::int64_t room, std::uint1
 // continue in dx (split at a 128-row tile). Of the arrangements, the one leaving the least in the
 // scratch, and of equal ones the first: dy then w h in the block; the larger that fits there; w h
 // first in the block, the dy rows after it and on in dx; the dy rows in the block and on in dx.
-// The FP8 dgrad (fp8_dgrad, Precision::fp8): then [E4M3 dy rows capacity x H][their scales H / 128 x capacity
-// f32], unless in the room the bf16 rows leave in the gradients, [E4M3 dgate|dup capacity x 2I][their
-// scales 2I / 128 x capacity f32]. With the FP8 weight gradients (fp8_wgrad) their operands too,
+// The FP8 dgrad (fp8_dgrad, Precision::fp8): then [E4M3 dy rows capacity x H][their scale bytes H / 128 x
+// capacity], unless in the room the bf16 rows leave in the gradients, [E4M3 dgate|dup capacity x 2I][their
+// scale bytes 2I / 128 x capacity] (fp8_rows_bytes each). With the FP8 weight gradients (fp8_wgrad) their operands too,
 // in rooms dead by the time they are made where they fit (below; saved_space: the saved tensor's
 // data, Training::save).
 // The recompute's GEMM1 runs the forward kernel on this layout before the dy rows are gathered:
@@ -168,7 +162,7 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
     dy_at = place_dy(a, half, dx, shape.tokens, cap, H).value_or(DyPlace{});
     if (hw <= half) hw_at = static_cast<std::uint16_t*>(row_space_b);
   }
-  // The FP8 dgrad's E4M3 dy rows and their scales in the room the bf16 rows leave in the gradient
+  // The FP8 dgrad's E4M3 dy rows and their scale bytes in the room the bf16 rows leave in the gradient
   // buffers where they fit (512-byte aligned), else in the scratch: only the dh tasks read them,
   // and with rows in the gradients every routed dW_gate|up tile waits for every dW_down tile,
   // each of which waited for its expert's dh tiles (rows_in_grads, as for the bf16 dy rows).
@@ -217,21 +211,21 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
   }
   if (fp8_dgrad && shape.precision == Precision::fp8) {  // (each a multiple of 512 bytes)
     if (dy_fp8_at) {
-      place_fp8_rows(dy_fp8_at, cap, H, b.dy_fp8, b.dy_scales, b.dy_exps);
+      place_fp8_rows(dy_fp8_at, cap, H, b.dy_fp8, b.dy_exps);
     } else {
-      place_fp8_rows(reinterpret_cast<std::uint8_t*>(at(scratch, used)), cap, H, b.dy_fp8, b.dy_scales, b.dy_exps);
+      place_fp8_rows(reinterpret_cast<std::uint8_t*>(at(scratch, used)), cap, H, b.dy_fp8, b.dy_exps);
       used += fp8_rows_bytes(cap, H);
     }
-    place_fp8_rows(reinterpret_cast<std::uint8_t*>(at(scratch, used)), cap, 2 * I, b.dgu_fp8, b.dgu_scales, b.dgu_exps);
+    place_fp8_rows(reinterpret_cast<std::uint8_t*>(at(scratch, used)), cap, 2 * I, b.dgu_fp8, b.dgu_exps);
     used += fp8_rows_bytes(cap, 2 * I);
     if (fp8_wgrad) {
-      // dgate|dup^T and its scales take the E4M3 dgate|dup rows' and theirs (the same sizes; made
+      // dgate|dup^T and its scale bytes take the E4M3 dgate|dup rows' and theirs (the same sizes; made
       // after the dgrad launches, when the dx tiles have read those). dy^T, x^T and w h^T (with
       // its exponents), made after dgate|dup^T, first-fit into the rooms dead by then, in this
       // order, else the scratch: the bf16 dy rows' 2 capacity H bytes where they are in the
       // scratch (this path never fills them); the x rows' (the dx rows': 2 capacity W); the
       // routed pre-activations' 4 capacity I (saved_space, or the recompute's rows), read only by
-      // the dgrad launches and by the dgate|dup^T pass; the E4M3 dy rows' and their scales' where
+      // the dgrad launches and by the dgate|dup^T pass; the E4M3 dy rows' and their scale bytes' where
       // those are in the scratch. (Not the gradients' rooms: the weight-gradient launch writes
       // them while it reads the operands.) The figure does not depend on where saved_space lies.
       const std::int64_t row_blocks = cap / kernels::kFp8BlockK, exponent_row = kernels::wgrad_exponent_stride(cap);
@@ -242,8 +236,7 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
         return static_cast<std::uint8_t*>(p);
       };
       b.dgu_t = b.dgu_fp8;
-      b.dgu_t_scales = b.dgu_scales;  // (4 (2I / 128) cap bytes either way)
-      b.dgu_t_exps = b.dgu_exps;      // ((2I / 128) cap bytes either way)
+      b.dgu_t_exps = b.dgu_exps;  // ((2I / 128) cap bytes either way)
       struct Room {
         std::uint8_t* base;
         std::int64_t bytes, used;
@@ -270,7 +263,6 @@ CallBuffers backward_buffers(const ScratchShape& shape, void* scratch, void* row
       const std::int64_t hw_exponents_at = padded(cap * I);
       b.hw_t = place(hw_exponents_at + 4 * (I / kernels::kFp8BlockK) * exponent_row);
       b.hw_t_exponents = reinterpret_cast<std::int32_t*>(b.hw_t + hw_exponents_at);
-      b.dy_t_scales = reinterpret_cast<float*>(take(4 * row_blocks * H));
       b.dy_t_exps = take(row_blocks * H);  // (not the dy rows' own: the E4M3 dy rows' room may hold operands)
       b.tile_order = reinterpret_cast<std::int32_t*>(take(4 * row_blocks));
       b.x_t_exponents = reinterpret_cast<std::int32_t*>(take(4 * (H / kernels::kFp8BlockK) * exponent_row));
@@ -285,7 +277,7 @@ namespace {
 
 // An EP rank's FP8 rows (Workspace::rank_fp8_dgrad_rows), `rows` its allocated ones (a multiple of
 // 128: every part below a multiple of 512 bytes): the E4M3 dy rows (rows x H) and dgate|dup rows
-// (rows x 2I), each with its scales and their exponent fields (fp8_rows_bytes) for the FP8 dgrad,
+// (rows x 2I), each with its scale bytes (fp8_rows_bytes) for the FP8 dgrad,
 // then for the FP8 weight gradients [x^T's exponents H / 128 x stride i32][w h^T rows x I and its
 // exponents I / 128 x stride i32, unless they fit in the E4M3 dy rows' room, dead by then].
 struct RankFp8Parts {
@@ -313,17 +305,17 @@ std::int64_t rank_fp8_dgrad_bytes(std::int64_t rows, std::int64_t H, std::int64_
 
 void rank_fp8_dgrad_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, std::int64_t I, void* base) {
   auto* at = static_cast<std::uint8_t*>(base);
-  place_fp8_rows(at, rows, H, b.dy_fp8, b.dy_scales, b.dy_exps);
-  place_fp8_rows(at + fp8_rows_bytes(rows, H), rows, 2 * I, b.dgu_fp8, b.dgu_scales, b.dgu_exps);
+  place_fp8_rows(at, rows, H, b.dy_fp8, b.dy_exps);
+  place_fp8_rows(at + fp8_rows_bytes(rows, H), rows, 2 * I, b.dgu_fp8, b.dgu_exps);
 }
 
 void rank_fp8_wgrad_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, std::int64_t I, void* base,
                             void* dx_rows) {
   const RankFp8Parts p = rank_fp8_parts(rows, H, I);
   rank_fp8_dgrad_buffers(b, rows, H, I, base);
-  b.dgu_t = b.dgu_fp8, b.dgu_t_scales = b.dgu_scales, b.dgu_t_exps = b.dgu_exps;  // (the same sizes)
-  b.dy_t_scales = b.dy_scales, b.dy_t_exps = b.dy_exps;  // ([rows / 128, H] in [H / 128, rows]'s bytes)
-  auto* dx = static_cast<std::uint8_t*>(dx_rows);       // (2 rows H bytes)
+  b.dgu_t = b.dgu_fp8, b.dgu_t_exps = b.dgu_exps;  // (the same sizes)
+  b.dy_t_exps = b.dy_exps;                         // ([rows / 128, H] in [H / 128, rows]'s bytes)
+  auto* dx = static_cast<std::uint8_t*>(dx_rows);  // (2 rows H bytes)
   b.dy_t = dx, b.x_t = dx + rows * H;
   std::uint8_t* extra = static_cast<std::uint8_t*>(base) + p.dgrad;
   b.x_t_exponents = reinterpret_cast<std::int32_t*>(extra);
@@ -332,8 +324,8 @@ void rank_fp8_wgrad_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, s
 }
 
 void rank_fp8_forward_buffers(CallBuffers& b, std::int64_t rows, std::int64_t H, std::int64_t I) {
-  place_fp8_rows(reinterpret_cast<std::uint8_t*>(b.x_rows), rows, H, b.x_fp8, b.x_scales, b.x_exps);
-  place_fp8_rows(reinterpret_cast<std::uint8_t*>(b.hidden), rows, I, b.h_fp8, b.h_scales, b.h_exps);
+  place_fp8_rows(reinterpret_cast<std::uint8_t*>(b.x_rows), rows, H, b.x_fp8, b.x_exps);
+  place_fp8_rows(reinterpret_cast<std::uint8_t*>(b.hidden), rows, I, b.h_fp8, b.h_exps);
 }
 
 std::int64_t rank_fp8_dgrad_bytes(const Workspace& ws) {

@@ -59,17 +59,17 @@ using namespace bwd;
 static_assert(kFp8TileBytes == sizeof(SharedStorage::Stage::a) && 2 * kFp8TileBytes == sizeof(SharedStorage::Stage::b));
 static_assert(kBlockN == 2 * kBlockM, "each half of an FP8 stage's B is one 128 x 128 weight block");
 
-// The scales of a routed FP8 dgrad task (this warpgroup's rows): dh reads dy's row scales and
-// W_down^T's blocks (N-blocks 2n, 2n + 1 of I; past I the zero-filled rows take block 2n's),
-// dx dgate|dup's and [W_gate^T | W_up^T]'s (N-blocks of H).
-__device__ __forceinline__ Fp8TaskScales fp8_scales(const Fp8BackwardParams& q, const Task& t, int rows) {
+// The weight scales of a routed FP8 dgrad task: dh reads W_down^T's blocks (N-blocks 2n, 2n + 1 of
+// I; past I the zero-filled rows take block 2n's), dx [W_gate^T | W_up^T]'s (N-blocks of H). (A's
+// row scales, dy's or dgate|dup's, come with the stages.)
+__device__ __forceinline__ Fp8TaskScales fp8_scales(const Fp8BackwardParams& q, const Task& t) {
   const BackwardParams& p = q.base;
   const int hb = p.hidden / kFp8BlockK, ib = p.routed.inter / kFp8BlockK;
   const bool dh = t.kind == kDh;
   const int n_blocks = dh ? ib : hb, k_blocks = dh ? hb : 2 * ib;
   const int b0 = 2 * t.n, b1 = b0 + 1 < n_blocks ? b0 + 1 : b0;
   const std::int32_t* w = (dh ? q.down_t_exponents : q.gate_up_t_exponents) + static_cast<std::int64_t>(t.e) * n_blocks * k_blocks;
-  return {(dh ? q.dy_scales : q.dgu_scales) + rows, static_cast<int>(q.capacity), {w + b0 * k_blocks, w + b1 * k_blocks}};
+  return {{w + b0 * k_blocks, w + b1 * k_blocks}};
 }
 
 // FP8 dgrad: this warpgroup's 64 rows of dgate | dup that epilogue_dh has just written (bf16,
@@ -118,11 +118,7 @@ __device__ void quantize_dgu_rows(const Fp8BackwardParams& q, const Task& t, int
       *reinterpret_cast<uint2*>(q.dgu_values + row * 2 * inter + column[j] + 8 * (lane % 16)) =
           make_uint2(pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3])),
                      pack_e4m3x4(inverse(v[4]), inverse(v[5]), inverse(v[6]), inverse(v[7])));
-      if (lane % 16 == 0) {
-        const std::int64_t at = column[j] / kFp8BlockK * q.capacity + row;
-        const float scale = exp2_int(e);
-        q.dgu_scales[at] = scale, q.dgu_exps[at] = scale_exponent_field(scale);
-      }
+      if (lane % 16 == 0) q.dgu_exps[column[j] / kFp8BlockK * q.capacity + row] = e8m0_byte(e);
     }
   }
 }
@@ -168,8 +164,8 @@ __device__ void run_consumer(const Q& q, SharedStorage& s, const Sched& sched, i
       if constexpr (kFp8Dgrad<Q>) {
         fp8 = fp8_task<Q>(t);
         if (fp8)
-          mainloop_fp8<kStages, kFp8SmemRowScales>(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK,
-                                                   wg, task, fp8_scales(q, t, row0 + wg * 64));
+          mainloop_fp8<kStages>(p, s, pipe, acc, (t.kind == kDh ? p.hidden : 2 * d.inter) / kFp8BlockK, wg, task,
+                                fp8_scales(q, t));
       }
       if (t.kind == kDh) {
         if (!fp8) {

@@ -148,12 +148,10 @@ struct Fp8BackwardParams {
   BackwardParams base;  // (no ring; base.ep set in an EpRank: pushes and peer waits as the BF16 kernel's)
   Fp8DgradMaps maps;
   std::int64_t capacity;               // plan rows: the stride of the row scales
-  const float* dy_scales;              // [H / 128, capacity]: row r's block b scale (a power of two)
   std::uint8_t* dgu_values;            // [capacity, 2I] E4M3, written by the dh tiles
-  float* dgu_scales;                   // [2I / 128, capacity], written by the dh tiles
-  // The same row scales as E8M0 bytes (as Fp8ForwardParams::x_exps), which the
-  // producer loads with each stage: dy's from the row quantization, dgate|dup's beside dgu_scales.
-  const std::uint8_t* dy_exps;         // [H / 128, capacity]
+  // The row scales (powers of two) as E8M0 bytes (as Fp8ForwardParams::x_exps), which the producer
+  // loads with each stage: dy's from the row quantization, dgate|dup's written by the dh tiles.
+  const std::uint8_t* dy_exps;         // [H / 128, capacity]: row r's block b scale
   std::uint8_t* dgu_exps;              // [2I / 128, capacity]
   const std::int32_t* down_t_exponents;     // [E_l, I / 128, H / 128]: block (i, j) scale 2^e
   const std::int32_t* gate_up_t_exponents;  // [E_l, H / 128, 2I / 128]
@@ -187,11 +185,9 @@ struct Fp8WgradParams {
                         // EpRank base.ep too: the kernel's waits read its peers' plan flags)
   Fp8WgradMaps maps;
   std::int64_t capacity;               // plan rows, a multiple of 128
-  const float* dy_t_scales;            // [capacity / 128, H]: channel h of row block b: 2^e
-  const float* dgu_t_scales;           // [capacity / 128, 2I]
-  // The same scales as E8M0 bytes (QuantizeColumnsParams::col_exps), which the producer loads with
-  // each stage (mainloop_fp8's kSmemRowScales, as the FP8 forward and dgrad do).
-  const std::uint8_t* dy_t_exps;       // [capacity / 128, H]
+  // A's scales (powers of two) as E8M0 bytes (QuantizeColumnsParams::col_exps), which the producer
+  // loads with each stage (mainloop_fp8, as the FP8 forward and dgrad do).
+  const std::uint8_t* dy_t_exps;       // [capacity / 128, H]: channel h of row block b
   const std::uint8_t* dgu_t_exps;      // [capacity / 128, 2I]
   const std::int32_t* hw_t_exponents;  // [I / 128, wgrad_exponent_stride]: block (i, b): 2^e
   const std::int32_t* x_t_exponents;   // [H / 128, wgrad_exponent_stride]

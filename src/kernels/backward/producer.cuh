@@ -107,8 +107,8 @@ __device__ void run_producer(const Q& q, SharedStorage& s, const Sched& sched) {
           char* b = reinterpret_cast<char*>(st.b);
           const int k0 = kb * kFp8BlockK;
           tma_load_2d(st.a, a_map, full, k0, row0);
-          if constexpr (kFp8SmemRowScales)  // (K block kb's fields of rows [row0, row0 + 128): contiguous)
-            bulk_load(s.a_exps[pipe.stage()], (dh ? q.dy_exps : q.dgu_exps) + kb * q.capacity + row0, kFp8RowExponentBytes, full);
+          // (K block kb's bytes of rows [row0, row0 + 128): contiguous)
+          bulk_load(s.a_exps[pipe.stage()], (dh ? q.dy_exps : q.dgu_exps) + kb * q.capacity + row0, kFp8RowExponentBytes, full);
           tma_load_3d(b, b_map, full, k0, n0, t.e);
           tma_load_3d(b + kFp8TileBytes, b_map, full, k0, n0 + kBlockM, t.e);
           pipe.producer_commit();

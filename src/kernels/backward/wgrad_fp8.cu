@@ -13,8 +13,7 @@
 // block promotes as the forward's (a row scale of A times a block scale of B: mainloop_fp8),
 // not by an outer product of two per-channel scales (two instructions an accumulator instead
 // of one). A's scales travel in the stages as E8M0 bytes (Fp8WgradParams::dy_t_exps / dgu_t_exps,
-// 128 a stage, bulk-loaded with the operands; mainloop_fp8's kSmemRowScales, as in the FP8 forward
-// and dgrad; MOK_DIAG_FP8_L2_ROW_SCALES: the fp32 scales from L2). The stores are the BF16
+// 128 a stage, bulk-loaded with the operands, as in the FP8 forward and dgrad). The stores are the BF16
 // kernel's (bf16 written, f32 accumulated into). Task order as the BF16 kernel's phase-major one
 // (Schedule::split_weight and its rule for dW_gate|up). No task waits on another: the launch
 // before wrote every operand.
@@ -94,8 +93,7 @@ __device__ void wgrad_produce(const Fp8WgradParams& q, SharedStorage& s, const W
       char* b = reinterpret_cast<char*>(st.b);
       const int k0 = first + kb * kFp8BlockK;
       tma_load_2d(st.a, a_map, full, k0, m0);
-      if constexpr (kFp8SmemRowScales)
-        bulk_load(s.a_exps[pipe.stage()], a_exps + static_cast<std::int64_t>(kb) * a_channels, kFp8RowExponentBytes, full);
+      bulk_load(s.a_exps[pipe.stage()], a_exps + static_cast<std::int64_t>(kb) * a_channels, kFp8RowExponentBytes, full);
       tma_load_2d(b, b_map, full, k0, n0);
       tma_load_2d(b + kFp8TileBytes, b_map, full, k0, n0 + kBlockM);
       pipe.producer_commit();
@@ -103,18 +101,16 @@ __device__ void wgrad_produce(const Fp8WgradParams& q, SharedStorage& s, const W
   }
 }
 
-// A task's scales: A's of this warpgroup's 64 channels from the expert's first row block on
-// ([row blocks, channels]), B's exponents of its two 128-channel blocks (past I or H: the first's)
-// from the same row block ([channel blocks, wgrad_exponent_stride]).
-__device__ __forceinline__ Fp8TaskScales wgrad_scales(const Fp8WgradParams& q, const Task& t, int first, int wg) {
+// A task's B scales: the exponents of its two 128-channel blocks (past I or H: the first's) from the
+// expert's first row block on ([channel blocks, wgrad_exponent_stride]). (A's come with the stages.)
+__device__ __forceinline__ Fp8TaskScales wgrad_scales(const Fp8WgradParams& q, const Task& t, int first) {
   const BackwardParams& p = q.base;
   const bool wd = t.kind == kWd;
-  const int a_channels = wd ? p.hidden : 2 * p.routed.inter, b_blocks = (wd ? p.routed.inter : p.hidden) / kFp8BlockK;
+  const int b_blocks = (wd ? p.routed.inter : p.hidden) / kFp8BlockK;
   const int row_block = first / kFp8BlockK, stride = static_cast<int>(wgrad_exponent_stride(q.capacity));
-  const float* a = (wd ? q.dy_t_scales : q.dgu_t_scales) + static_cast<std::int64_t>(row_block) * a_channels + t.m * kBlockM + wg * 64;
   const std::int32_t* b = (wd ? q.hw_t_exponents : q.x_t_exponents) + row_block;
   const int b0 = 2 * t.n, b1 = b0 + 1 < b_blocks ? b0 + 1 : b0;
-  return {a, a_channels, {b + static_cast<std::int64_t>(b0) * stride, b + static_cast<std::int64_t>(b1) * stride}};
+  return {{b + static_cast<std::int64_t>(b0) * stride, b + static_cast<std::int64_t>(b1) * stride}};
 }
 
 __device__ void wgrad_consume(const Fp8WgradParams& q, SharedStorage& s, const WgradSchedule& sched, int wg) {
@@ -125,7 +121,7 @@ __device__ void wgrad_consume(const Fp8WgradParams& q, SharedStorage& s, const W
     const Task t = sched.decode(task);
     int first = 0;
     const int k_blocks = k_blocks_of(p, t, first);
-    mainloop_fp8<kStages, kFp8SmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, wgrad_scales(q, t, first, wg));  // (none: acc = 0)
+    mainloop_fp8<kStages>(p, s, pipe, acc, k_blocks, wg, task, wgrad_scales(q, t, first));  // (none: acc = 0)
     epilogue_weight</*kSharedWindow=*/true>(p, s, acc, t, wg, k_blocks == 0);
   }
   if (threadIdx.x % 128 == 0) tma_store_wait_all();  // the gradients' stores complete before exit

@@ -5,10 +5,10 @@
 //
 //   before the kernel: the routed x rows are gathered (EP: from the ranks that own the tokens)
 //       and quantized per 1 x 128 block of a row (launch_quantize_rows: E4M3 rows in plan
-//       order, one fp32 power-of-two scale a block); on one GPU into the last quarter of the
-//       bf16 slot buffer (a GEMM2 tile waits for the GEMM1 tiles of the rows its slot rows
-//       overwrite, as the BF16 kernel does for its bf16 rows), on an EP rank into its x rows'
-//       buffer
+//       order, one power-of-two scale a block, as its E8M0 byte); on one GPU into the last
+//       quarter of the bf16 slot buffer (a GEMM2 tile waits for the GEMM1 tiles of the rows its
+//       slot rows overwrite, as the BF16 kernel does for its bf16 rows), on an EP rank into its
+//       x rows' buffer
 //   producer: a routed stage fills the BF16 kernel's 48 KB stage with twice its K: A = 128
 //       rows x 128 K and B = 256 rows x 128 K of E4M3 (GEMM1: 128 gate rows, then 128 up
 //       rows; GEMM2: 256 rows of w_down). The shared expert's tasks load BF16 stages.
@@ -21,8 +21,8 @@
 //       accumulator layout (gate in acc[0, 64), up in acc[64, 128)), so GEMM2's slot rows
 //       and the training's saved pre-activations are the BF16 kernel's epilogues. GEMM1's
 //       h: each row's largest |h| over the tile's 128 columns gives its scale, h goes out
-//       as E4M3 (TMA store) and the scale as fp32 into h_scales (its exponent field into h_exps),
-//       published through h_ready. A stage brings its A rows' scale exponent bytes with it.
+//       as E4M3 (TMA store) and the scale's E8M0 byte into h_exps, published through h_ready.
+//       A stage brings its A rows' scale bytes with it.
 //   The two consumer warpgroups share each stage; while one promotes its block, the
 //   tensor cores run the other's MMAs.
 //   The shared expert's GEMMs, the combine, the EP pushes of GEMM2's rows to the ranks that
@@ -70,12 +70,11 @@ static_assert(kBlockN == 2 * kBlockM && kGemm1Columns == kBlockM, "each half of 
 static_assert(kBoxFp8Half.bytes(1) <= sizeof(SharedStorage::h_staging[0]) && kBoxFp8Half.rows == 64 &&
               kBoxFp8Half.cols == kGemm1Columns, "a warpgroup's E4M3 h tile is one box of its staging");
 
-// Each routed stage brings its A rows' scale exponent bytes (Fp8ForwardParams::x_exps / h_exps, 128
-// bytes) into s.a_exps, and the consumers' promotions read them there (mainloop_fp8's kSmemRowScales)
-// instead of loading the fp32 scales from L2 a block ahead: bitwise the same, the FP8 forward 1.03-1.05x
-// as fast at the power cap (H100, b843338; bench/NOTES.md, thirty-fifth session).
-// (kFp8SmemRowScales, kFp8RowExponentBytes: mainloop_fp8.cuh's, with the FP8 dgrad's.)
-static_assert(sizeof(SharedStorage::a_exps[0]) == kFp8RowExponentBytes || !kFp8SmemRowScales);
+// Each routed stage brings its A rows' scale bytes (Fp8ForwardParams::x_exps / h_exps, 128 bytes) into
+// s.a_exps, and the consumers' promotions read them there (mainloop_fp8) instead of loading scales from
+// L2 a block ahead: bitwise the same, the FP8 forward 1.03-1.05x as fast at the power cap (H100, b843338;
+// bench/NOTES.md, thirty-fifth session).
+static_assert(sizeof(SharedStorage::a_exps[0]) == kFp8RowExponentBytes);
 
 // ---------------------------------------------------------------------------------- producer
 
@@ -120,8 +119,8 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       SharedStorage::Stage& stage = s.stages[pipe.stage()];
       char* b = reinterpret_cast<char*>(stage.b);
       tma_load_2d(stage.a, gemm1 ? &q.maps.x : &q.maps.h_load, full, k, row0);
-      if constexpr (kFp8SmemRowScales)  // (K block `step`'s bytes of rows [row0, row0 + 128): contiguous)
-        bulk_load(s.a_exps[pipe.stage()], (gemm1 ? q.x_exps : q.h_exps) + step * q.capacity + row0, kFp8RowExponentBytes, full);
+      // (K block `step`'s bytes of rows [row0, row0 + 128): contiguous)
+      bulk_load(s.a_exps[pipe.stage()], (gemm1 ? q.x_exps : q.h_exps) + step * q.capacity + row0, kFp8RowExponentBytes, full);
       if (gemm1) {  // 128 gate rows, then the same 128 up rows
         tma_load_3d(b, &q.maps.gate, full, k, t.n * kGemm1Columns, expert);
         tma_load_3d(b + kFp8TileBytes, &q.maps.up, full, k, t.n * kGemm1Columns, expert);
@@ -139,7 +138,7 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
 // h = swiglu(gate, up) of this warpgroup's 64 rows x 128 columns as E4M3 with one
 // power-of-two scale a row (its 128 columns are one block): the row's largest |h| is a max
 // over the thread's values and its quad's (any order gives the same), the values go
-// through the swizzled staging to one TMA store, the scales to h_scales and h_exps; published by
+// through the swizzled staging to one TMA store, the scales' E8M0 bytes to h_exps; published by
 // publish_hidden() one task later, as in the BF16 kernel. (Training: the pre-activations
 // are saved first, as the BF16 kernel saves them.)
 __device__ void epilogue_gemm1_fp8(const Fp8ForwardParams& q, SharedStorage& s, float (&acc)[128], const Task& t,
@@ -172,17 +171,14 @@ __device__ void epilogue_gemm1_fp8(const Fp8ForwardParams& q, SharedStorage& s, 
     *reinterpret_cast<std::uint16_t*>(staging + swizzled_offset_bytes(row, col)) = pack_e4m3x2(inv(acc[i]), inv(acc[i + 1]));
   }
   if (lane % 4 == 0) {
-    float* scales = q.h_scales + t.n * q.capacity + row0 + wg * 64 + warp * 16 + lane / 4;
-    const float scale[2] = {exp2_int(exponent[0]), exp2_int(exponent[1])};
-    scales[0] = scale[0], scales[8] = scale[1];
-    std::uint8_t* exps = q.h_exps + (scales - q.h_scales);
-    exps[0] = scale_exponent_field(scale[0]), exps[8] = scale_exponent_field(scale[1]);
+    std::uint8_t* exps = q.h_exps + t.n * q.capacity + row0 + wg * 64 + warp * 16 + lane / 4;
+    exps[0] = e8m0_byte(exponent[0]), exps[8] = e8m0_byte(exponent[1]);
 #if !defined(MOK_DIAG_FP8_NO_EXPS_FENCE)  // (timing only)
     fence_proxy_async_global();  // (GEMM2's producers read the bytes with bulk copies: the async proxy)
 #endif
   }
   fence_proxy_async_shared_cta();
-  sync_warpgroup(wg);  // (also orders every thread's scale stores before the publishing release)
+  sync_warpgroup(wg);  // (also orders every thread's scale byte stores before the publishing release)
   if (tid == 0) {
     tma_store_2d(&q.maps.h_store, s.h_staging[wg], t.n * kGemm1Columns, row0 + wg * 64);
     tma_store_commit_group();
@@ -231,13 +227,13 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       }
       continue;
     }
-    const int expert = p.plan.tile_expert[t.m], rows = row0 + wg * 64;
+    const int expert = p.plan.tile_expert[t.m];
     float acc[128];  // (not the BF16 branch's: see mainloop_fp8)
     if (t.kind == kGemm1) {
       const int k_blocks = p.hidden / kFp8BlockK;
       const std::int64_t block_row = (static_cast<std::int64_t>(expert) * (p.inter / kGemm1Columns) + t.n) * k_blocks;
-      const Fp8TaskScales sc{q.x_scales + rows, static_cast<int>(q.capacity), {q.gate_exponents + block_row, q.up_exponents + block_row}};
-      mainloop_fp8<kStages, kFp8SmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, sc);
+      const Fp8TaskScales sc{{q.gate_exponents + block_row, q.up_exponents + block_row}};
+      mainloop_fp8<kStages>(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm1>();
       epilogue_gemm1_fp8(q, s, acc, t, row0, wg, pending_hidden);
       timer.lap<Phase::epilogue_gemm1>();
@@ -247,8 +243,8 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       const int k_blocks = p.inter / kFp8BlockK, h_blocks = p.hidden / kBlockM;
       const std::int32_t* down = q.down_exponents + static_cast<std::int64_t>(expert) * h_blocks * k_blocks;
       const int b0 = 2 * t.n, b1 = b0 + 1 < h_blocks ? b0 + 1 : b0;
-      const Fp8TaskScales sc{q.h_scales + rows, static_cast<int>(q.capacity), {down + b0 * k_blocks, down + b1 * k_blocks}};
-      mainloop_fp8<kStages, kFp8SmemRowScales>(p, s, pipe, acc, k_blocks, wg, task, sc);
+      const Fp8TaskScales sc{{down + b0 * k_blocks, down + b1 * k_blocks}};
+      mainloop_fp8<kStages>(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm2>();
       if constexpr (kEp) epilogue_gemm2_push(p, s, acc, t, row0, wg);  // (the rows to their tokens' ranks)
       else epilogue_gemm2(p, s, acc, t, row0, wg);

@@ -27,12 +27,10 @@ struct Fp8ForwardParams {
   ForwardParams base;
   Fp8ForwardMaps maps;
   std::int64_t capacity;           // plan rows: the stride of the row scales
-  const float* x_scales;           // [H / 128, capacity]: row r's block b scale (a power of two)
-  float* h_scales;                 // [I / 128, capacity], written by GEMM1
-  // The same row scales as E8M0 bytes (2^(byte - 127); fp8_math.cuh's scale_exponent_field): x's from
-  // the quantization, h's written by GEMM1 beside h_scales. The producer loads a stage's 128 rows' bytes
-  // with its operands, so that the consumers' promotions read them from shared memory.
-  const std::uint8_t* x_exps;      // [H / 128, capacity]
+  // The row scales (powers of two) as E8M0 bytes (2^(byte - 127); fp8_math.cuh's e8m0_byte): x's from
+  // the quantization, h's written by GEMM1. The producer loads a stage's 128 rows' bytes with its
+  // operands, so that the consumers' promotions read them from shared memory.
+  const std::uint8_t* x_exps;      // [H / 128, capacity]: row r's block b scale
   std::uint8_t* h_exps;            // [I / 128, capacity]
   const std::int32_t* gate_exponents;  // [E_l, I / 128, H / 128]: weight block (i, j) scale 2^e
   const std::int32_t* up_exponents;    // [E_l, I / 128, H / 128]

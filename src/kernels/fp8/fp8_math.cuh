@@ -19,14 +19,12 @@ __device__ __forceinline__ float exp2_int(int e) {
   return __int_as_float(e >= -126 ? normal : subnormal);
 }
 
-// The exponent field of a scale 2^e of the recipe (e >= -127): its E8M0 byte e + 127 (0: 2^-127, the
-// one subnormal scale), in which the FP8 forward's, dgrad's and weight gradients' stages carry A's scales
-// (mainloop_fp8).
-__device__ __forceinline__ std::uint8_t scale_exponent_field(float scale) {
-  return static_cast<std::uint8_t>(__float_as_uint(scale) >> 23);
-}
+// A scale 2^e of the recipe (e in fp8_scale_exponent's [-127, 120]) as its E8M0 byte e + 127 (0: 2^-127,
+// the one subnormal scale; the exponent field of the float 2^e), the form in which the quantizations
+// store activation scales and the FP8 forward's, dgrad's and weight gradients' stages carry A's (mainloop_fp8).
+__device__ __forceinline__ std::uint8_t e8m0_byte(int e) { return static_cast<std::uint8_t>(e + 127); }
 
-// The scale an E8M0 byte stands for (scale_exponent_field's inverse): 2^(byte - 127) from the exponent
+// The scale an E8M0 byte stands for (e8m0_byte's inverse): 2^(byte - 127) from the exponent
 // field, and byte 0, 2^-127, as the subnormal float 0x00400000 (a select, no branch).
 __device__ __forceinline__ float e8m0_scale(std::uint32_t byte) {
   return __uint_as_float(byte != 0 ? byte << 23 : 0x00400000u);

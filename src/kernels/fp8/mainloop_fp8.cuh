@@ -19,14 +19,16 @@ namespace mok::kernels {
 inline constexpr std::uint32_t kFp8TileBytes = kBoxFp8.bytes(1);  // 16 KB: A, or one half of B, of a stage
 static_assert(kBoxFp8.cols == kFp8BlockK && kBoxFp8.rows == 128);
 
-// The scales of one FP8 task: A's per row and 128 K ([K / 128, capacity] fp32, this
-// warpgroup's rows from a_rows), B's per 128 x 128 block (exponents, one a K block: b[0] for
-// B's rows 0-127, b[1] for rows 128-255).
+// The scales of one FP8 task from global memory: B's per 128 x 128 block (exponents, one a K block:
+// b[0] for B's rows 0-127, b[1] for rows 128-255). A's per row and 128 K come with the stages.
 struct Fp8TaskScales {
-  const float* a_rows;
-  int a_stride;  // (elements: the plan's capacity)
   const std::int32_t* b[2];
 };
+
+// A stage's A row scales: kFp8RowExponentBytes E8M0 bytes (one a row of the stage's 128 K; fp8_math.cuh's
+// e8m0_scale decodes them), which the FP8 forward's, dgrad's and weight gradients' producers bulk-load
+// into s.a_exps with the operands.
+inline constexpr std::uint32_t kFp8RowExponentBytes = kBoxFp8.rows;
 
 // One FP8 GEMM over k_steps stages: acc (the BF16 mainloop's layout: B's rows 0-127 in
 // acc[0, 64), rows 128-255 in acc[64, 128)) = the sum over K blocks kb, in ascending order,
@@ -44,28 +46,17 @@ struct Fp8TaskScales {
 // accumulators ~920-1080 (with 6 or 7 stages, or A multicast in 2-CTA clusters, no better); A from
 // registers (RS form) is within 0-5 % of this loop and needs 16 registers the kernels lack. So this
 // loop stays, and the FP8 forward's mainloops run at about that dense rate in the layer.
-// kSmemRowScales (the FP8 forward, dgrad and weight gradients): A's row scales from the stage (s.a_exps: their E8M0 bytes,
-// which its producer loaded with the operands) instead of L2 loads one block ahead; sc.a_rows unused.
-// (The lone GEMM, bench/fp8_tile_rate's current-ss: 1.11x this loop at the power cap; the layer's FP8
-// forward 1.03-1.05x and forward+backward 1.03-1.05x against the L2 loads, sustained at the cap (H100,
-// b843338), where a form that sent a subnormal scale's read to L2 (a branch in this loop) gained 0.3-1.5 %;
-// issuing the two warpgroups' batches in a fixed alternation, as cuBLAS's blockwise kernel does, added
-// nothing to that and cost 16 % without it: bench/NOTES.md, thirty-third and thirty-fourth sessions.)
-// Whether the FP8 forward, dgrad and weight-gradient kernels take the kSmemRowScales form: their producers bulk-load
-// kFp8RowExponentBytes a stage (MOK_DIAG_FP8_L2_ROW_SCALES, timing only, the same bits: the loads from
-// L2 as before, to A/B against).
-#if defined(MOK_DIAG_FP8_L2_ROW_SCALES)
-inline constexpr bool kFp8SmemRowScales = false;
-#else
-inline constexpr bool kFp8SmemRowScales = true;
-#endif
-inline constexpr std::uint32_t kFp8RowExponentBytes = kFp8SmemRowScales ? kBoxFp8.rows : 0;
-
-template <int kStages, bool kSmemRowScales = false, typename P, typename S>
+// A's row scales come from the stage (s.a_exps: their E8M0 bytes, which its producer loaded with the
+// operands), not from L2 loads one block ahead: the lone GEMM (bench/fp8_tile_rate's current-ss) 1.11x
+// at the power cap; the layer's FP8 forward 1.03-1.05x (H100, b843338) and, with the weight gradients'
+// bytes too, forward+backward 1.02-1.06x (H200, d3d5d69), sustained at the cap, where a form that sent
+// a subnormal scale's read to L2 (a branch in this loop) gained 0.3-1.5 %; issuing the two warpgroups'
+// batches in a fixed alternation, as cuBLAS's blockwise kernel does, added nothing to that and cost
+// 16 % without it: bench/NOTES.md, thirty-third to thirty-sixth sessions.
+template <int kStages, typename P, typename S>
 __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>& pipe, float (&acc)[128], int k_steps,
                                              int wg, int task, const Fp8TaskScales& sc) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const float* a_rows = sc.a_rows + warp * 16 + lane / 4;  // this thread's rows r and r + 8
   // (Both zeroed, and apart from a BF16 branch's array: an accumulator that enters the loop
   // undefined, or one array for both branches, made ptxas serialize the MMAs or spill.)
   float block[64];
@@ -73,10 +64,8 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
 #pragma unroll
   for (int i = 0; i < 64; ++i) block[i] = 0.0f;
-  // The scales of block kb, loaded one block ahead (an L2 load's latency is longer than the
-  // block's MMAs). A's are read only after the task's first stage has landed: scales written
-  // by other CTAs (h, dgate|dup) are published with the rows the producer waited for before
-  // that stage's loads (all of the tile's K blocks at once).
+  // The scales of block kb: B's loaded one block ahead (an L2 load's latency is longer than the
+  // block's MMAs), A's read from its stage once it has landed.
 #if defined(MOK_DIAG_FP8_NO_PROMOTION)
   // Timing only (wrong results): every K block's eight MMAs summed into `block` as the BF16
   // mainloop sums into acc — no wait between halves or blocks, no promotion, no scales — so
@@ -108,23 +97,14 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
     return;
   }
 #endif
-  float a_lo = 0.0f, a_hi = 0.0f;
   int e0 = __ldg(sc.b[0]), e1 = __ldg(sc.b[1]);  // (weights: constant during the kernel)
   for (int kb = 0; kb < k_steps; ++kb) {
     const int stage_index = pipe.consumer_wait(p, s.barriers, task);
-    if constexpr (kSmemRowScales) {  // (the stage has landed: its exponent bytes with it)
-      const std::uint32_t at = ptx::smem_address(&s.a_exps[stage_index][wg * 64 + warp * 16 + lane / 4]);
-      a_lo = e8m0_scale(ptx::ld_shared_u8(at)), a_hi = e8m0_scale(ptx::ld_shared_u8(at + 8));
-    } else if (kb == 0) {
-      a_lo = __ldcg(a_rows), a_hi = __ldcg(a_rows + 8);
-    }
-    float next_a_lo = 0.0f, next_a_hi = 0.0f;
+    // (the stage has landed, its bytes with it: this thread's rows r and r + 8)
+    const std::uint32_t at = ptx::smem_address(&s.a_exps[stage_index][wg * 64 + warp * 16 + lane / 4]);
+    const float a_lo = e8m0_scale(ptx::ld_shared_u8(at)), a_hi = e8m0_scale(ptx::ld_shared_u8(at + 8));
     int next_e0 = 0, next_e1 = 0;
-    if (kb + 1 < k_steps) {
-      if constexpr (!kSmemRowScales)
-        next_a_lo = __ldcg(a_rows + (kb + 1) * sc.a_stride), next_a_hi = __ldcg(a_rows + (kb + 1) * sc.a_stride + 8);
-      next_e0 = __ldg(sc.b[0] + kb + 1), next_e1 = __ldg(sc.b[1] + kb + 1);
-    }
+    if (kb + 1 < k_steps) next_e0 = __ldg(sc.b[0] + kb + 1), next_e1 = __ldg(sc.b[1] + kb + 1);
     const auto& stage = s.stages[stage_index];
     const std::uint32_t desc_a = ptx::wgmma_descriptor_sw128_lo(reinterpret_cast<const char*>(stage.a) + wg * 64 * kFp8BlockK);
 #pragma unroll
@@ -146,7 +126,7 @@ __device__ __forceinline__ void mainloop_fp8(const P& p, S& s, Pipeline<kStages>
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[64 * half + i] = __fmaf_rn(block[i], scale[(i >> 1) & 1], acc[64 * half + i]);
     }
-    a_lo = next_a_lo, a_hi = next_a_hi, e0 = next_e0, e1 = next_e1;
+    e0 = next_e0, e1 = next_e1;
   }
 }
 

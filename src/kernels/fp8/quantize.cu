@@ -200,10 +200,9 @@ __device__ __forceinline__ void for_each_token_row(const std::int32_t* rows_of_t
   }
 }
 
-// Block b's scale of plan row `row` (a power of two), and its exponent field where p.exps is given.
-__device__ __forceinline__ void store_row_scale(const QuantizeRowsParams& p, int b, std::int64_t row, float scale) {
-  p.scales[b * p.capacity + row] = scale;
-  if (p.exps != nullptr) p.exps[b * p.capacity + row] = scale_exponent_field(scale);
+// Block b's scale 2^exponent of plan row `row`, as its E8M0 byte.
+__device__ __forceinline__ void store_row_scale(const QuantizeRowsParams& p, int b, std::int64_t row, int exponent) {
+  p.exps[b * p.capacity + row] = e8m0_byte(exponent);
 }
 
 // The routed rows in plan order, quantized per 1 x 128 block as they are gathered (from any
@@ -224,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_co
       for (int b = 0; b < blocks; ++b) {
         values[b * 32] = 0;
         if (copy != nullptr) copy[b * 32] = make_uint2(0, 0);
-        if (lane == 0) store_row_scale(p, b, row, 1.0f);
+        if (lane == 0) store_row_scale(p, b, row, 0);
       }
       continue;
     }
@@ -239,7 +238,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __grid_co
         if (copy != nullptr) copy[(b0 + j) * 32] = bits[j];
         const QuantizedLane q = quantize_lane(bits[j]);
         values[(b0 + j) * 32] = q.values;
-        if (lane == 0) store_row_scale(p, b0 + j, row, q.scale);
+        if (lane == 0) store_row_scale(p, b0 + j, row, q.exponent);
       }
     }
   }
@@ -260,7 +259,7 @@ __device__ __forceinline__ void scatter_padding_rows(const QuantizeRowsParams& p
       for (int b = 0; b < blocks; ++b) {
         values[b * 32] = 0;
         if (copy != nullptr) copy[b * 32] = make_uint2(0, 0);
-        if (lane == 0) store_row_scale(p, b, row, 1.0f);
+        if (lane == 0) store_row_scale(p, b, row, 0);
       }
     }
   }
@@ -295,7 +294,7 @@ __global__ void __launch_bounds__(kThreads) quantize_scatter_kernel(const __grid
           if (b0 + j >= blocks) break;
           values[(b0 + j) * 32] = q[j].values;
           if (copy_row != nullptr) reinterpret_cast<uint2*>(copy_row)[lane + (b0 + j) * 32] = bits[j];
-          if (lane == 0) store_row_scale(p, b0 + j, row, q[j].scale);
+          if (lane == 0) store_row_scale(p, b0 + j, row, q[j].exponent);
         }
       });
     }
@@ -309,7 +308,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tokens_kernel(const std::ui
   quantize_token_rows(src, out, tokens, hidden, blockIdx.x * (kThreads / 32) + threadIdx.x / 32, warps);
 }
 
-// One warp a plan row: its token's E4M3 row (warp_copy_row, as the bf16 dispatch) and its scales.
+// One warp a plan row: its token's E4M3 row (warp_copy_row, as the bf16 dispatch) and its scale bytes.
 __global__ void __launch_bounds__(kThreads) gather_fp8_rows_kernel(const __grid_constant__ GatherFp8RowsParams p) {
   if (static_cast<const PlanStatus*>(p.plan_status)->code != PlanStatus::ok) return;
   const std::int64_t rows = p.expert_offset[p.num_local_experts];
@@ -320,16 +319,14 @@ __global__ void __launch_bounds__(kThreads) gather_fp8_rows_kernel(const __grid_
     uint4* dst = reinterpret_cast<uint4*>(p.values + row * p.hidden);
     if (pair < 0) {
       for (int v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
-      for (int b = lane; b < blocks; b += 32)
-        p.scales[b * p.capacity + row] = 1.0f, p.exps[b * p.capacity + row] = scale_exponent_field(1.0f);
+      for (int b = lane; b < blocks; b += 32) p.exps[b * p.capacity + row] = e8m0_byte(0);
       continue;
     }
     const std::uint8_t* source = p.sources[pair / p.pairs_per_rank];
     const std::int64_t token = (pair % p.pairs_per_rank) / p.top_k;
-    const float* src_scales = reinterpret_cast<const float*>(source + p.tokens * p.hidden) + token * blocks;
+    const std::uint8_t* src_exps = source + p.tokens * p.hidden + token * blocks;
     warp_copy_row(dst, reinterpret_cast<const uint4*>(source + token * p.hidden), vectors, lane);
-    for (int b = lane; b < blocks; b += 32)
-      p.scales[b * p.capacity + row] = src_scales[b], p.exps[b * p.capacity + row] = scale_exponent_field(src_scales[b]);
+    for (int b = lane; b < blocks; b += 32) p.exps[b * p.capacity + row] = src_exps[b];
   }
 }
 
@@ -385,9 +382,9 @@ __device__ __forceinline__ void load_column_tile(const QuantizeColumnsParams& p,
 }
 
 // Column tile ct of plan tile `tile` (rows from row0), held as load_column_tile left it: each
-// column's largest magnitude, exponent and E4M3 bytes, stored transposed, and its scale (or the
-// block's exponent). Every thread of the CTA takes part; with block exponents it passes one barrier,
-// its warp maxima in warp_max[parity] (a caller alternates parity tile by tile).
+// column's largest magnitude, exponent and E4M3 bytes, stored transposed, and its scale's E8M0 byte
+// (or the block's exponent). Every thread of the CTA takes part; with block exponents it passes one
+// barrier, its warp maxima in warp_max[parity] (a caller alternates parity tile by tile).
 __device__ __forceinline__ void quantize_column_tile(const QuantizeColumnsParams& p, const uint4 (&v)[8], int tile,
                                                      std::int64_t row0, int ct, float (&warp_max)[2][kThreads / 32],
                                                      int parity) {
@@ -449,11 +446,8 @@ __device__ __forceinline__ void quantize_column_tile(const QuantizeColumnsParams
     *reinterpret_cast<uint2*>(out + static_cast<std::int64_t>(k) * p.capacity) =
         make_uint2(pack_e4m3x4(s[0], s[1], s[2], s[3]), pack_e4m3x4(s[4], s[5], s[6], s[7]));
   }
-  if (p.col_scales != nullptr && g < 8) {
-    const std::int64_t at = static_cast<std::int64_t>(tile) * p.columns + c0 + column + g;
-    p.col_scales[at] = exp2_int(mine);
-    if (p.col_exps != nullptr) p.col_exps[at] = scale_exponent_field(exp2_int(mine));
-  }
+  if (p.col_exps != nullptr && g < 8)
+    p.col_exps[static_cast<std::int64_t>(tile) * p.columns + c0 + column + g] = e8m0_byte(mine);
   if (p.block_exponents != nullptr && threadIdx.x == 0)
     p.block_exponents[static_cast<std::int64_t>(ct) * p.exponent_stride + tile] = mine;
 }

@@ -49,23 +49,20 @@ void launch_quantize_blocks(const QuantizeParams& p, cudaStream_t stream);
 bool quantize_blocks_vector_ok(const QuantizeParams& p);
 
 // The FP8 forward's gather: the plan's routed rows of x (bf16 [T, H], H a multiple of 128)
-// into values (E4M3 [capacity, H], plan order) with one power-of-two scale per 1 x 128 block
-// of a row, stored as the float 2^e in scales[block * capacity + row] (a block's scales of
-// consecutive rows are contiguous: the GEMM reads a tile's 128 of them together). The bytes
-// equal the host's fp8::quantize(row, 1, H, 1, 128): a function of the token's row alone, so
-// the same wherever (on whichever EP rank) it is quantized. Padding rows: zeros, scale 1.
+// into values (E4M3 [capacity, H], plan order) with one power-of-two scale 2^e per 1 x 128 block
+// of a row, stored as its E8M0 byte e + 127 in exps[block * capacity + row] (a block's scales of
+// consecutive rows are contiguous: the FP8 kernels' producers load a tile's 128 of them with each
+// stage). The bytes equal the host's fp8::quantize(row, 1, H, 1, 128): a function of the token's
+// row alone, so the same wherever (on whichever EP rank) it is quantized. Padding rows: zeros,
+// scale 1 (byte 127).
 struct QuantizeRowsParams {
   // [T, H] bf16 bits of each rank's tokens (expert parallelism: pair p is rank
   // p / pairs_per_rank's; one GPU: x[0] alone)
   const std::uint16_t* x[kMaxEpRanks];
   std::int64_t pairs_per_rank;   // T * k
   std::uint8_t* values;          // [capacity, H] E4M3
-  float* scales;                 // [H / 128, capacity]
+  std::uint8_t* exps;            // [H / 128, capacity] E8M0 (kernels/fp8/fp8_math.cuh's e8m0_byte)
   const std::int32_t* row_pair;  // [capacity]: t * k + j, or -1 (padding)
-  // Optional (the FP8 forward's x rows, the FP8 dgrad's dy rows): each scale's exponent field too
-  // ([H / 128, capacity]; kernels/fp8/fp8_math.cuh's scale_exponent_field), which those kernels'
-  // producers load with their stages.
-  std::uint8_t* exps = nullptr;
   const std::int32_t* expert_offset;  // [E_l + 1]
   const void* plan_status;       // PlanStatus*: nothing is written from a bad plan
   std::int64_t capacity;
@@ -86,9 +83,9 @@ struct QuantizeRowsParams {
 void launch_quantize_rows(const QuantizeRowsParams& p, int num_ctas, cudaStream_t stream);
 
 // A rank's tokens quantized for peers that pull E4M3 rows (Config::pull_fp8_rows): the token-major
-// layout [tokens, H] E4M3, then [tokens, H / 128] f32 scales (a row's scales contiguous).
+// layout [tokens, H] E4M3, then [tokens, H / 128] E8M0 scale bytes (a row's bytes contiguous).
 __host__ __device__ inline std::int64_t fp8_token_bytes(std::int64_t tokens, std::int64_t hidden) {
-  return tokens * hidden + 4 * tokens * (hidden / 128);
+  return tokens * hidden + tokens * (hidden / 128);
 }
 
 // A rank's own tokens (src [tokens, hidden] bf16) quantized per 1 x 128 into `out`, the
@@ -98,16 +95,15 @@ void launch_quantize_tokens(const std::uint16_t* src, std::uint8_t* out, std::in
                             cudaStream_t stream);
 
 // The plan's routed rows gathered as E4M3 rows already quantized by their owners (sources[q]:
-// rank q's tokens in fp8_token_bytes' layout) into values (E4M3 [capacity, H]), scales ([H /
-// 128, capacity]) and their exponent fields (QuantizeRowsParams' layouts): the bytes
-// launch_quantize_rows makes from the bf16 rows. Padding rows: zeros, scale 1; nothing is written from a bad plan.
+// rank q's tokens in fp8_token_bytes' layout) into values (E4M3 [capacity, H]) and their scales'
+// E8M0 bytes ([H / 128, capacity]; QuantizeRowsParams' layouts): the bytes launch_quantize_rows
+// makes from the bf16 rows. Padding rows: zeros, scale 1; nothing is written from a bad plan.
 struct GatherFp8RowsParams {
   const std::uint8_t* sources[kMaxEpRanks];
   std::int64_t pairs_per_rank;   // T * k
-  std::int64_t tokens;           // T of every rank (where the sources' scales start)
+  std::int64_t tokens;           // T of every rank (where the sources' scale bytes start)
   std::uint8_t* values;
-  float* scales;
-  std::uint8_t* exps;            // the scales' exponent fields (QuantizeRowsParams::exps)
+  std::uint8_t* exps;            // (QuantizeRowsParams::exps)
   const std::int32_t* row_pair;  // [capacity]: global pair, or -1
   const std::int32_t* expert_offset;
   const void* plan_status;
@@ -120,8 +116,9 @@ void launch_gather_fp8_rows(const GatherFp8RowsParams& p, int num_ctas, cudaStre
 // The FP8 weight gradients' operands (BackwardArgs::fp8_weight_gradients): `columns` columns of
 // the plan's routed rows, E4M3, stored as rows of their transpose — values[c * capacity + row],
 // so K-major for the weight-gradient GEMMs, whose K is the rows — in tiles of 128 plan rows and
-// 128 columns (a CTA up to four column tiles of one plan tile). Scales (powers of two) either per column and tile (col_scales[tile * columns
-// + c] = 2^e: the gradient operands, dy and dgate|dup) or per 128 x 128 block (block_exponents
+// 128 columns (a CTA up to four column tiles of one plan tile). Scales (powers of two) either per column and tile (col_exps[tile * columns
+// + c] = e + 127, E8M0, which the FP8 weight-gradient kernel's producer loads with its stages: the
+// gradient operands, dy and dgate|dup) or per 128 x 128 block (block_exponents
 // [(c / 128) * exponent_stride + tile] = e: the activation operands, x and w h); the largest
 // magnitude is a max, the same in any order. The rows: src's plan rows ([capacity, columns] at
 // row_stride), or gathered from src [T, columns] by row_pair (padding rows: zeros). Tiles past
@@ -133,10 +130,7 @@ struct QuantizeColumnsParams {
   const std::int32_t* row_pair;  // [capacity]: t * k + j, or -1; null: src holds the plan rows
   int top_k;
   std::uint8_t* values;          // [columns, capacity] E4M3
-  float* col_scales;             // [capacity / 128, columns], or null
-  // Optional (with col_scales): their E8M0 bytes too ([capacity / 128, columns]; fp8_math.cuh's
-  // scale_exponent_field), which the FP8 weight-gradient kernel's producer loads with its stages.
-  std::uint8_t* col_exps = nullptr;
+  std::uint8_t* col_exps;        // [capacity / 128, columns] E8M0 (fp8_math.cuh's e8m0_byte), or null
   std::int32_t* block_exponents; // [columns / 128, exponent_stride], or null
   std::int64_t exponent_stride;  // >= capacity / 128
   const std::int32_t* num_tiles;  // the plan's

@@ -19,7 +19,7 @@ __device__ __forceinline__ float bf16_bits_value(std::uint16_t bits) { return __
 // amax a warp max: the same in any order). Every lane of the warp takes part.
 struct QuantizedLane {
   std::uint32_t values;  // 4 E4M3
-  float scale;           // the block's, a power of two
+  int exponent;          // the block's scale 2^exponent (fp8_scale_exponent's)
 };
 __device__ __forceinline__ QuantizedLane quantize_lane(uint2 bits) {
   const float v[4] = {bf16_bits_value(bits.x & 0xffff), bf16_bits_value(bits.x >> 16), bf16_bits_value(bits.y & 0xffff),
@@ -28,7 +28,7 @@ __device__ __forceinline__ QuantizedLane quantize_lane(uint2 bits) {
   for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   const int e = fp8_scale_exponent(amax);
   const InverseScale inverse(e);
-  return {pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3])), exp2_int(e)};
+  return {pack_e4m3x4(inverse(v[0]), inverse(v[1]), inverse(v[2]), inverse(v[3])), e};
 }
 
 // A lane's uint2 of blocks b0 .. b0 + 3 of a row (x: the row's first, offset by the lane), the
@@ -43,7 +43,7 @@ __device__ __forceinline__ void load_four_blocks(const uint2* x, int b0, int blo
 __device__ inline void quantize_token_rows(const std::uint16_t* src, std::uint8_t* out, std::int64_t tokens, int hidden,
                                            std::int64_t warp, std::int64_t warps) {
   const int lane = threadIdx.x % 32, blocks = hidden / 128;
-  float* scales = reinterpret_cast<float*>(out + tokens * hidden);
+  std::uint8_t* exps = out + tokens * hidden;
   for (std::int64_t token = warp; token < tokens; token += warps) {
     const uint2* x = reinterpret_cast<const uint2*>(src + token * hidden) + lane;
     std::uint32_t* values = reinterpret_cast<std::uint32_t*>(out + token * hidden) + lane;
@@ -55,7 +55,7 @@ __device__ inline void quantize_token_rows(const std::uint16_t* src, std::uint8_
         const QuantizedLane q = quantize_lane(bits[j]);  // (every lane: the warp max)
         if (b0 + j >= blocks) continue;
         values[(b0 + j) * 32] = q.values;
-        if (lane == 0) scales[token * blocks + b0 + j] = q.scale;
+        if (lane == 0) exps[token * blocks + b0 + j] = e8m0_byte(q.exponent);
       }
     }
   }
