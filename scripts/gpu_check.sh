@@ -80,7 +80,10 @@
 # first (--presets, default deepseek-v3,mixtral-8x7b; --repeats rounds) into <date>-<commit>-fp8diag*.
 # `pyselect` (build if missing): pytest on --pytest ARGS (files, -k ...) against this build's package,
 # bounded by MOK_PYTEST_TIMEOUT (default 400 s): the Hopper tests a short call can still run (the
-# `pytest` part reinstalls the package through pip and runs every test: more than 320 s).
+# `pytest` part reinstalls the package through pip and runs every test: ~11 minutes of pytest on an
+# H100 at 7bb3ea6, more than a call). --pytest @1, @2, @3: the whole Python suite in three calls
+# (~255, ~280 and ~70 s of pytest on that H100, bench/NOTES.md's forty-first session): everything but
+# test_ep.py, test_ep_bench.py and test_torch_path.py; test_torch_path.py and test_ep_bench.py; test_ep.py.
 # `rates` (what the tensor cores and the FP8 mainloop reach by themselves, bench/NOTES.md): builds and runs
 # bench/mma_rate and bench/fp8_tile_rate (--repeats repeats) into <date>-<commit>-rates.txt; nothing else runs.
 # `fp8clocks`: bench/fp8_gemm_clocks.py — one E4M3 GEMM sustained at the power limit, fp8_tile_rate's
@@ -191,6 +194,12 @@ while [ $# -gt 0 ]; do
 done
 case "$part" in all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|fp8clocks|diagab|kernelab|dram|pingpong|power|smshare) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, pyselect, bench, ep, speed, train, hf, phases, host, fp8, epfp8, fp8wgrad, fp8bench, fp8train, fp8compile, fp8lr, fp8diag, rates, fp8clocks, diagab, kernelab, dram, pingpong, power or smshare"; exit 2 ;; esac
 [ "$part" != pyselect ] || [ -n "$pytest_args" ] || { echo "gpu_check.sh --part pyselect needs --pytest ARGS"; exit 2; }
+case "$pytest_args" in  # the whole Python suite's three pieces (the pyselect comment above)
+  @1) pytest_args="tests/python --ignore=tests/python/test_ep.py --ignore=tests/python/test_ep_bench.py --ignore=tests/python/test_torch_path.py" ;;
+  @2) pytest_args="tests/python/test_torch_path.py tests/python/test_ep_bench.py" ;;
+  @3) pytest_args="tests/python/test_ep.py" ;;
+  @*) echo "gpu_check.sh: --pytest @N: N must be 1, 2 or 3 (the whole Python suite's pieces), not ${pytest_args#@}"; exit 2 ;;
+esac
 # tests = ctest (clean build, ctest, sanitizers, the main job) + pytest (the package, pytest, the training example)
 run_ctest=false; run_pytest=false
 case "$part" in all|tests) run_ctest=true; run_pytest=true ;; ctest) run_ctest=true ;; pytest) run_pytest=true ;; esac
