@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "gpu_problem.hpp"
+#include "kernels/forward/forward.cuh"
 #include "mok/error.hpp"
 #include "mok/forward.hpp"
 
@@ -77,6 +78,42 @@ TEST(Forward, BitwiseEqualAcrossRunsAndSmCounts) {
   // Config::interleave_rows reorders the tasks (GEMM2 of a chunk after GEMM1 of the next): the same bits
   for (std::int64_t rows : {128, 384, 1 << 20})
     for (int sms : {0, 9}) EXPECT_TRUE(same_bits(run_once(host, gpu, sms, rows), first)) << "interleave " << rows;
+}
+
+// The forward kernels with and without the producer's task notes (kernels::forward_task_notes(): by
+// shape, notes up to hidden 4096 and intermediate 1024, so the test shapes run the notes; the decode
+// otherwise) give the same bits: runs, SM counts, the interleaved order, a shared expert.
+TEST(Forward, TaskNotesAndTheConsumersOwnDecodeGiveTheSameBits) {
+  kernels::ForwardParams rule{};
+  rule.hidden = kernels::kTaskNotesMaxHidden;
+  rule.inter = kernels::kTaskNotesMaxInter;
+  EXPECT_TRUE(kernels::forward_task_notes(rule));  // (qwen3.5-397b; qwen3-30b-a3b, olmoe-1b-7b below it)
+  rule.hidden = 7168;
+  rule.inter = 2048;  // (deepseek-v3, kimi-k2: the notes measured slower there)
+  EXPECT_FALSE(kernels::forward_task_notes(rule));
+  rule.hidden = rule.inter = 2880;  // (gpt-oss-120b: likewise)
+  EXPECT_FALSE(kernels::forward_task_notes(rule));
+  rule.hidden = 4096;
+  rule.inter = 14336;  // (mixtral-8x7b: level)
+  EXPECT_FALSE(kernels::forward_task_notes(rule));
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 1024, 512, 16, 4, 256, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 1500, RoutingKind::skewed, 5);
+  GpuProblem gpu(host);
+  struct Restore {
+    ~Restore() { kernels::set_forward_task_notes(kernels::TaskNotes::by_shape); }
+  } restore;
+  kernels::set_forward_task_notes(kernels::TaskNotes::off);
+  const auto decoded = run_once(host, gpu, 0);
+  const auto ref = reference::forward(s, host.tokens, host.reference_x(), host.reference_routing(), host.reference_weights());
+  const auto cmp = testing::compare(gpu.output(), ref);
+  EXPECT_EQ(cmp.non_finite, 0);
+  EXPECT_LE(cmp.rel_error, 1e-2);
+  for (const auto mode : {kernels::TaskNotes::on, kernels::TaskNotes::off}) {
+    kernels::set_forward_task_notes(mode);
+    for (int sms : {0, 7, 61}) EXPECT_TRUE(same_bits(run_once(host, gpu, sms), decoded)) << sms << " SMs";
+    for (std::int64_t rows : {128, 384}) EXPECT_TRUE(same_bits(run_once(host, gpu, 9, rows), decoded)) << "interleave " << rows;
+  }
 }
 
 // On one GPU the routed x rows lie under the bf16 slot rows, each under its own

@@ -11,6 +11,7 @@
 #include "gpu_fp8.hpp"
 #include "gpu_grads.hpp"
 #include "gpu_problem.hpp"
+#include "kernels/forward/forward.cuh"
 #include "mok/backward.hpp"
 #include "mok/error.hpp"
 #include "mok/forward.hpp"
@@ -148,6 +149,28 @@ TEST(Fp8Forward, BitwiseEqualAcrossRunsAndSmCounts) {
     runs.push_back(run_fp8(gpu, q, ws));
   }
   for (std::size_t i = 1; i < runs.size(); ++i) EXPECT_TRUE(same_bits(runs[0], runs[i])) << "run " << i;
+}
+
+// The FP8 forward kernels with and without the producer's task notes (kernels::forward_task_notes())
+// give the same bits, at several SM counts.
+TEST(Fp8Forward, TaskNotesAndTheConsumersOwnDecodeGiveTheSameBits) {
+  MOK_REQUIRE_HOPPER();
+  const MoeShape s = shape_of({"", 0, 512, 384, 8, 2, 256, 0, RoutingKind::uniform});
+  const HostProblem host = make_problem(s, 1500, RoutingKind::skewed, 37);
+  GpuProblem gpu(host);
+  const QuantizedWeights q(gpu);
+  struct Restore {
+    ~Restore() { kernels::set_forward_task_notes(kernels::TaskNotes::by_shape); }
+  } restore;
+  std::vector<bf16> first;
+  for (const auto mode : {kernels::TaskNotes::off, kernels::TaskNotes::on})
+    for (int sms : {0, 7, 61}) {
+      kernels::set_forward_task_notes(mode);
+      Workspace ws(s, host.tokens, fp8_config(sms));
+      const auto y = run_fp8(gpu, q, ws);
+      if (first.empty()) first = y;
+      else EXPECT_TRUE(same_bits(y, first)) << (mode == kernels::TaskNotes::on ? "notes, " : "decode, ") << sms << " SMs";
+    }
 }
 
 // Issue 19's accuracy table: y and every gradient of one training step against the exact

@@ -4,7 +4,9 @@
 // stage. Many passes over few stages exercise every wrap-around and parity flip; each item's
 // words are checked where they are read (no stage is overwritten before both warpgroups have
 // released it, none is read before its bytes landed), and the kernel must finish within its
-// bounded waits (a deadlock would time out and be recorded).
+// bounded waits (a deadlock would time out and be recorded). Each item also brings a note through
+// producer_acquire's hook (as the forward's TaskNotes), read once its stage has landed and again
+// after its release: its slot of kStages + 1 must not have been rewritten yet.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -37,12 +39,14 @@ struct PipelineTestParams {  // what kernels/common/waits.cuh needs, plus the te
 };
 
 __device__ int expected_word(int item, int w) { return item * 131 + w * 7 + 1; }
+__device__ int note_word(int item) { return item * 7 + 3; }
 
 template <int kStages>
 __global__ void __launch_bounds__(384, 1) pipeline_kernel(const __grid_constant__ PipelineTestParams p) {
   struct alignas(128) Shared {
     int stages[kStages][kWords];
     kernels::PipelineBarriers<kStages> barriers;
+    int notes[kStages + 1];  // a word a item, by item modulo kStages + 1 (the forward's TaskNote slots)
   };
   __shared__ Shared s;
   s.barriers.init(kernels::kConsumerWarpgroups);
@@ -51,7 +55,8 @@ __global__ void __launch_bounds__(384, 1) pipeline_kernel(const __grid_constant_
   if (threadIdx.x < 128) {  // producer warpgroup: its thread 0 issues every copy
     if (threadIdx.x != 0) return;
     for (int i = 0; i < p.n; ++i) {
-      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, i, kWords * 4);
+      // (every item brings a note, written between its stage's empty wait and its full arrival)
+      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, i, kWords * 4, [&] { s.notes[i % (kStages + 1)] = note_word(i); });
       ptx::bulk_load(s.stages[pipe.stage()], p.items + i * kWords, kWords * 4, full);
       pipe.producer_commit();
     }
@@ -68,8 +73,14 @@ __global__ void __launch_bounds__(384, 1) pipeline_kernel(const __grid_constant_
       for (int d = 8; d > 0; d /= 2) sum += __shfl_down_sync(0xffffu, sum, d, 16);
       if (lane == 0) p.sums[wg * p.n + i] = sum;
     }
+    if (lane == 0 && s.notes[i % (kStages + 1)] != note_word(i)) atomicAdd(p.errors, 1);  // (landed with the stage)
     kernels::sync_warpgroup(wg);  // every read of the stage is done
-    if (lane == 0) pipe.consumer_release(s.barriers, stage);
+    if (lane == 0) {
+      pipe.consumer_release(s.barriers, stage);
+      // The note stays until this consumer moves to the next item: the producer, at most kStages
+      // stages (so items) ahead, does not reach this item's slot again.
+      if (*static_cast<volatile int*>(&s.notes[i % (kStages + 1)]) != note_word(i)) atomicAdd(p.errors, 1);
+    }
     pipe.consumer_advance();
   }
 }
@@ -91,7 +102,8 @@ void run_pipeline(int n) {
   pipeline_kernel<kStages><<<4, 384>>>(p);  // (CTAs are independent: 4 run the same pipeline)
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "timed out or failed at " << wait_site_text(status->site);
   EXPECT_EQ(status->code, KernelStatus::ok);
-  EXPECT_EQ(errors.download()[0], 0) << "words read before their bytes landed or after their stage was refilled";
+  EXPECT_EQ(errors.download()[0], 0)
+      << "words or notes read before their bytes landed or after their stage (note slot) was refilled";
   const auto got = sums.download();
   for (int wg = 0; wg < 2; ++wg)
     for (int i = 0; i < n; ++i) {

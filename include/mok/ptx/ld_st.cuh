@@ -43,15 +43,21 @@ __device__ __forceinline__ std::uint32_t ld_global_ordered(const void* p) {
 __device__ __forceinline__ void st_global_ordered(void* p, std::uint32_t v) {
   asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v));
 }
-// A 16-byte shared-memory load kept in program order with the above (p 16-byte aligned):
-// copying rows from shared to global memory, one load and its store at a time.
-__device__ __forceinline__ uint4 ld_shared_v4_ordered(const void* p) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(smem_address(p)));
+// 4 and 16 bytes of shared memory at a shared-window address (LDS, LDS.128; 16-byte aligned for the
+// second), in program order with the other volatile asm (e.g. after an mbarrier wait).
+__device__ __forceinline__ std::uint32_t ld_shared_u32(std::uint32_t address) {
+  std::uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(address));
   return v;
 }
+__device__ __forceinline__ uint4 ld_shared_v4_u32(std::uint32_t address) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
+  return v;
+}
+// A 16-byte shared-memory load kept in program order with st_global_ordered (p 16-byte aligned):
+// copying rows from shared to global memory, one load and its store at a time.
+__device__ __forceinline__ uint4 ld_shared_v4_ordered(const void* p) { return ld_shared_v4_u32(smem_address(p)); }
 // A 4-byte shared-memory load at a shared-window address (smem_address): LDS, where a generic
 // pointer into shared memory compiles to a generic LD.
 __device__ __forceinline__ float ld_shared_f32(std::uint32_t address) {

@@ -157,7 +157,7 @@ __device__ __forceinline__ void stage_bf16_half(char* staging, const float (&acc
 
 // The plan's expert whose task range [offset(e) / 128 * n_tiles, ...) holds `local`, for
 // tasks numbered N-tile-major inside each expert: the largest e with start(e) <= local.
-__device__ __forceinline__ int expert_of_task(const std::int32_t* expert_offset, int num_experts, int local,
+__host__ __device__ __forceinline__ int expert_of_task(const std::int32_t* expert_offset, int num_experts, int local,
                                               int n_tiles, int block_m) {
   int lo = 0, hi = num_experts - 1;
   while (lo < hi) {

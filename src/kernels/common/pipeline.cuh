@@ -9,6 +9,8 @@
 //              -> producer_commit()
 //   consumer:  i = consumer_wait() -> wgmma on stages[i] -> consumer_advance() -> ...
 //              -> consumer_release(i) once the MMAs that read stage i are done
+// A producer may hand the consumers a few bytes with a stage (producer_acquire's note: the
+// forward's decoded tasks); they read them after consumer_wait, before the stage is released.
 #pragma once
 
 #include <cstdint>
@@ -43,13 +45,23 @@ class Pipeline {
  public:
   // Producer: waits (bounded) until the current stage is free, arms its full barrier for
   // `bytes` of loads and returns it; the loads go to stages[stage()].
-  template <typename P>
+  // note() runs between the stage's empty wait and its full barrier's arrival:
+  // shared-memory writes that the consumers may read once their wait on that full barrier
+  // returns (the arrival releases them, the wait acquires), and that the previous pass's
+  // readers are done with (they released the stage). E.g. a task's TaskNote with its first stage.
+  template <typename P, typename Note>
   __device__ __forceinline__ std::uint64_t* producer_acquire(const P& p, PipelineBarriers<kStages>& b, int task,
-                                                             std::uint32_t bytes) {
+                                                             std::uint32_t bytes, Note&& note) {
     wait_barrier(p, &b.empty[index_], phase_ ^ 1u, task, WaitSite::stage_empty);  // free: the previous pass released it
+    note();
     std::uint64_t* full = &b.full[index_];
     ptx::mbarrier_arrive_expect_tx(full, bytes);
     return full;
+  }
+  template <typename P>
+  __device__ __forceinline__ std::uint64_t* producer_acquire(const P& p, PipelineBarriers<kStages>& b, int task,
+                                                             std::uint32_t bytes) {
+    return producer_acquire(p, b, task, bytes, [] {});
   }
   __device__ __forceinline__ int stage() const { return index_; }
   // Producer: the stage's loads are issued (they complete its full barrier by their bytes).

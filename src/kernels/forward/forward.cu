@@ -7,6 +7,9 @@
 //              up tile (rows 128-255) of the expert. Gathering rows inside the A load
 //              (TMA per row or cp.async) measured 1.4-1.5x slower end to end on deepseek-v3.
 //       GEMM2: thread 0 waits h_ready[m], then loads h rows and the down tile
+//       Each GEMM task's decode (M-tile, N-tile, first plan row, expert) goes to the consumers
+//       as a TaskNote with its first stage (kernels/forward/tasks.cuh): they load nothing to
+//       start a task.
 //   warpgroups 1, 2 (consumers, 232 regs)  64 rows each: wgmma m64n256k16 over K, then
 //       GEMM1 epilogue: h = swiglu(gate, up) -> bf16 -> swizzled staging -> TMA store;
 //                       h_ready[m] += 1 (release) once the store completed, one task later
@@ -55,6 +58,8 @@ namespace {
 using namespace mok::ptx;
 using namespace fwd;
 
+// kNotes: the producer's TaskNotes (forward_task_notes()); else the consumers' own decode.
+template <bool kNotes>
 __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int wg) {
   Pipeline<kStages> pipe;
   bool slots_ready = false;
@@ -62,32 +67,37 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
   int pending_slots = 0;    // GEMM2 tiles not yet counted in y_done
   PhaseTimer timer(forward_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
-    const Task t = sched.decode(p, task);
+    const TaskKind kind = sched.kind_of(p, task);
     // Publish before anything this CTA might wait for: its own GEMM2 loads can need it.
-    if (t.kind != kGemm1) publish_hidden(p, pending_hidden);
-    timer.lap<Phase::other>();
-    if (t.kind == kCombine) {
+    if (kind != kGemm1) publish_hidden(p, pending_hidden);
+    if (kind == kCombine) {
+      timer.lap<Phase::other>();
       if (!slots_ready) {
         wait_for_slot_rows(p, s, sched, wg, pending_slots, task);
         slots_ready = true;
         timer.lap<Phase::combine_wait>();
       }
-      combine(p, t);
+      combine(p, sched.combine_task(task));
       timer.lap<Phase::combine>();
       continue;
     }
-    const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
+    const auto note = [&] {  // (the producer's note, each field read where it is used)
+      if constexpr (!kNotes) return DecodedTask(p, sched, task);
+      else return wait_task_note(p, s, pipe, sched, task);
+    }();
+    timer.lap<Phase::other>();
     float acc[128];
-    mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, t), wg, task);
+    mainloop<KMajor, KMajor>(p, s, pipe, acc, gemm_k_steps(p, note.task()), wg, task);
+    const Task t = note.task();
     if (t.kind == kGemm1) timer.lap<Phase::mainloop_gemm1>();
     else timer.lap<Phase::mainloop_gemm2>();
     if (t.mb >= 0) publish_count(p.ring.freed + t.mb, 1, wg);  // its ring rows are read: the slot may be reused
     if (t.kind == kGemm1) {
-      epilogue_gemm1(p, s, acc, t, row0, wg, pending_hidden);
+      epilogue_gemm1(p, s, acc, t, note.row0(), wg, pending_hidden);
       timer.lap<Phase::epilogue_gemm1>();
     } else {
-      if (p.ep.push && !t.shared) epilogue_gemm2_push(p, s, acc, t, row0, wg);
-      else epilogue_gemm2(p, s, acc, t, row0, wg);
+      if (p.ep.push && !t.shared) epilogue_gemm2_push(p, s, acc, t, note.row0(), wg);
+      else epilogue_gemm2(p, s, acc, t, note.row0(), wg);
       ++pending_slots;
       timer.lap<Phase::epilogue_gemm2>();
     }
@@ -116,7 +126,8 @@ __device__ void fwd_run_comm(const ForwardParams& p, SharedStorage& s, int comm,
 }
 
 // The forward as a policy of the persistent skeleton (kernels/common/skeleton.cuh): one rank's
-// forward on CTAs cta = 0 .. ctas - 1 of those serving it.
+// forward on CTAs cta = 0 .. ctas - 1 of those serving it. kNotes: see forward_task_notes().
+template <bool kNotes>
 struct ForwardKernel {
   using Storage = SharedStorage;
   static constexpr int kProducerRegs = kProducerRegisters, kConsumerRegs = kConsumerRegisters;
@@ -141,44 +152,57 @@ struct ForwardKernel {
   __device__ static Schedule schedule(const P& p, int cta, int ctas) {
     return Schedule(p, cta - p.ring.comm_ctas, ctas - p.ring.comm_ctas);
   }
-  __device__ static void produce(const P& p, Storage& s, const Schedule& sched) { run_producer(p, s, sched); }
+  __device__ static void produce(const P& p, Storage& s, const Schedule& sched) { run_producer<kNotes>(p, s, sched); }
 #if defined(MOK_DIAG_COPY_WARPS)
   __device__ static void assist(const P& p, Storage&, const Schedule& sched, int warp) {
     if (p.x_rows_src) copy_x_rows(p, sched, warp);
   }
 #endif
-  __device__ static void consume(const P& p, Storage& s, const Schedule& sched, int wg) { run_consumer(p, s, sched, wg); }
+  __device__ static void consume(const P& p, Storage& s, const Schedule& sched, int wg) { run_consumer<kNotes>(p, s, sched, wg); }
 };
 
 #if defined(MOK_DIAG_COPY_WARPS)  // (the skeleton runs assist() only where this expression is valid)
 static_assert(requires(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int warp) {
-  ForwardKernel::assist(p, s, sched, warp);
+  ForwardKernel<true>::assist(p, s, sched, warp);
 });
 #endif
 
-__device__ __forceinline__ void run_forward(const ForwardParams& p, int cta, int ctas) {
-  run_persistent<ForwardKernel>(p, cta, ctas);
-}
-
+template <bool kNotes>
 __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_constant__ ForwardParams p) {
-  run_forward(p, blockIdx.x, gridDim.x);
+  run_persistent<ForwardKernel<kNotes>>(p, blockIdx.x, gridDim.x);
 }
 
+// (virtual ranks: the consumers' own decode; the notes cost the group kernel's runtime-indexed
+// parameters more spills, and these launches are the protocol's test bed, not a speed path)
 __global__ void __launch_bounds__(kThreads, 1) forward_group_kernel(const __grid_constant__ ForwardGroupParams g) {
-  run_forward(g.rank[blockIdx.x / g.ctas_per_rank], blockIdx.x % g.ctas_per_rank, g.ctas_per_rank);
+  run_persistent<ForwardKernel<false>>(g.rank[blockIdx.x / g.ctas_per_rank], blockIdx.x % g.ctas_per_rank,
+                                       g.ctas_per_rank);
 }
+
+TaskNotes task_notes_mode = TaskNotes::by_shape;  // (set_forward_task_notes: tests only)
 
 }  // namespace
+
+bool forward_task_notes(const ForwardParams& params) {
+  if (kDiagTaskDecode || task_notes_mode == TaskNotes::off) return false;
+  return task_notes_mode == TaskNotes::on ||
+         (params.hidden <= kTaskNotesMaxHidden && params.inter <= kTaskNotesMaxInter);
+}
+void set_forward_task_notes(TaskNotes mode) { task_notes_mode = mode; }
 
 std::size_t forward_shared_memory_bytes() { return shared_storage_bytes<SharedStorage>(); }
 
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream) {
-  launch_persistent<forward_kernel>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+  if (forward_task_notes(params))
+    launch_persistent<forward_kernel<true>>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+  else
+    launch_persistent<forward_kernel<false>>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
 }
 
 void load_forward_kernels() {
-  configure_persistent<forward_kernel>(forward_shared_memory_bytes());
+  configure_persistent<forward_kernel<true>>(forward_shared_memory_bytes());
+  configure_persistent<forward_kernel<false>>(forward_shared_memory_bytes());
   configure_persistent<forward_group_kernel>(forward_shared_memory_bytes());
 }
 

@@ -78,6 +78,9 @@ static_assert(sizeof(SharedStorage::a_exps[0]) == kFp8RowExponentBytes);
 
 // ---------------------------------------------------------------------------------- producer
 
+// kNotes: the consumers read TaskNotes (one GPU; an EP rank's consumers, at their register limit
+// with the push epilogue, decode each task themselves: the notes spilled its producer and consumers).
+template <bool kNotes>
 __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, const Schedule& sched) {
   const ForwardParams& p = q.base;
   Pipeline<kStages> pipe;
@@ -85,7 +88,7 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) break;  // combine tasks come last and load nothing
     if (t.shared) {                 // BF16, as the BF16 kernel loads it
-      load_task(p, s, pipe, sched, t, task);
+      load_task<kNotes>(p, s, pipe, sched, t, task);
       continue;
     }
     const int expert = p.plan.tile_expert[t.m], row0 = p.plan.tile_row[t.m];
@@ -96,6 +99,12 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
     }
     const int k_steps = (gemm1 ? p.hidden : p.inter) / kFp8BlockK;
+    constexpr std::uint32_t kStageBytes = 3 * kFp8TileBytes + kFp8RowExponentBytes;
+    // The first stage, with the task's note (the consumers decode nothing themselves), before the
+    // loop: the note's fields are not kept live through it.
+    std::uint64_t* first = pipe.producer_acquire(p, s.barriers, task, kStageBytes, [&] {
+      if (kNotes) s.notes[sched.note_slot(task)] = TaskNote{t, row0, expert};
+    });
     for (int step = 0; step < k_steps; ++step) {
       const int k = step * kFp8BlockK;
 #if defined(MOK_DIAG_FP8_NO_LOADS) || defined(MOK_DIAG_FP8_A_ONLY)
@@ -115,7 +124,7 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
         continue;
       }
 #endif
-      std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, 3 * kFp8TileBytes + kFp8RowExponentBytes);
+      std::uint64_t* full = step == 0 ? first : pipe.producer_acquire(p, s.barriers, task, kStageBytes);
       SharedStorage::Stage& stage = s.stages[pipe.stage()];
       char* b = reinterpret_cast<char*>(stage.b);
       tma_load_2d(stage.a, gemm1 ? &q.maps.x : &q.maps.h_load, full, k, row0);
@@ -188,7 +197,8 @@ __device__ void epilogue_gemm1_fp8(const Fp8ForwardParams& q, SharedStorage& s, 
 
 // kEp: a rank of an EP group (GEMM2's rows pushed to the ranks that own their tokens); the
 // one-GPU kernel is compiled without that path (its registers: the push spills there).
-template <bool kEp>
+// kNotes: the producer's TaskNotes (forward_task_notes(); never with kEp); else the consumers' own decode.
+template <bool kEp, bool kNotes>
 __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, const Schedule& sched, int wg) {
   const ForwardParams& p = q.base;
   Pipeline<kStages> pipe;
@@ -197,57 +207,65 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
   int pending_slots = 0;    // GEMM2 tiles not yet counted in y_done
   PhaseTimer timer(forward_fp8_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
-    const Task t = sched.decode(p, task);
-    if (t.kind != kGemm1) publish_hidden(p, pending_hidden);  // (this CTA's own GEMM2 loads may need it)
-    timer.lap<Phase::other>();
-    if (t.kind == kCombine) {
+    const TaskKind kind = sched.kind_of(p, task);
+    if (kind != kGemm1) publish_hidden(p, pending_hidden);  // (this CTA's own GEMM2 loads may need it)
+    if (kind == kCombine) {
+      timer.lap<Phase::other>();
       if (!slots_ready) {
         wait_for_slot_rows(p, s, sched, wg, pending_slots, task);  // (and, EP, every rank's pushes)
         slots_ready = true;
         timer.lap<Phase::combine_wait>();
       }
-      combine(p, t);
+      combine(p, sched.combine_task(task));
       timer.lap<Phase::combine>();
       continue;
     }
-    const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
-    if (t.shared) {  // BF16, as the BF16 kernel computes it
+    // One GPU: the producer's note (each field read where it is used); an EP rank's consumers, at
+    // their register limit with the push epilogue, decode the task themselves (the notes spilled
+    // the rank kernel's producer and consumers).
+    const auto note = [&] {
+      if constexpr (!kNotes) return DecodedTask(p, sched, task);
+      else return wait_task_note(p, s, pipe, sched, task);
+    }();
+    timer.lap<Phase::other>();
+    if (note.shared()) {  // BF16, as the BF16 kernel computes it
       float acc[128];  // (apart from the FP8 branch's: see mainloop_fp8)
-      const int k_steps = (t.kind == kGemm1 ? p.hidden : p.shared_inter) / kBlockK;
+      const int k_steps = (kind == kGemm1 ? p.hidden : p.shared_inter) / kBlockK;
       mainloop<KMajor, KMajor>(p, s, pipe, acc, k_steps, wg, task);
+      const Task t = note.task();
       if (t.kind == kGemm1) {
         timer.lap<Phase::mainloop_gemm1>();
-        epilogue_gemm1</*kSharedWindow=*/true>(p, s, acc, t, row0, wg, pending_hidden);
+        epilogue_gemm1</*kSharedWindow=*/true>(p, s, acc, t, note.row0(), wg, pending_hidden);
         timer.lap<Phase::epilogue_gemm1>();
       } else {
         timer.lap<Phase::mainloop_gemm2>();
-        epilogue_gemm2(p, s, acc, t, row0, wg);
+        epilogue_gemm2(p, s, acc, t, note.row0(), wg);
         timer.lap<Phase::epilogue_gemm2>();
         ++pending_slots;
       }
       continue;
     }
-    const int expert = p.plan.tile_expert[t.m];
+    const int expert = note.expert(), n = note.n();
     float acc[128];  // (not the BF16 branch's: see mainloop_fp8)
-    if (t.kind == kGemm1) {
+    if (kind == kGemm1) {
       const int k_blocks = p.hidden / kFp8BlockK;
-      const std::int64_t block_row = (static_cast<std::int64_t>(expert) * (p.inter / kGemm1Columns) + t.n) * k_blocks;
+      const std::int64_t block_row = (static_cast<std::int64_t>(expert) * (p.inter / kGemm1Columns) + n) * k_blocks;
       const Fp8TaskScales sc{{q.gate_exponents + block_row, q.up_exponents + block_row}};
       mainloop_fp8<kStages>(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm1>();
-      epilogue_gemm1_fp8(q, s, acc, t, row0, wg, pending_hidden);
+      epilogue_gemm1_fp8(q, s, acc, note.task(), note.row0(), wg, pending_hidden);
       timer.lap<Phase::epilogue_gemm1>();
     } else {
       // w_down's blocks 2n and 2n + 1 along H; past H (H = 128 mod 256) the zero-filled rows
       // take block 2n's scale.
       const int k_blocks = p.inter / kFp8BlockK, h_blocks = p.hidden / kBlockM;
       const std::int32_t* down = q.down_exponents + static_cast<std::int64_t>(expert) * h_blocks * k_blocks;
-      const int b0 = 2 * t.n, b1 = b0 + 1 < h_blocks ? b0 + 1 : b0;
+      const int b0 = 2 * n, b1 = b0 + 1 < h_blocks ? b0 + 1 : b0;
       const Fp8TaskScales sc{{down + b0 * k_blocks, down + b1 * k_blocks}};
       mainloop_fp8<kStages>(p, s, pipe, acc, k_blocks, wg, task, sc);
       timer.lap<Phase::mainloop_gemm2>();
-      if constexpr (kEp) epilogue_gemm2_push(p, s, acc, t, row0, wg);  // (the rows to their tokens' ranks)
-      else epilogue_gemm2(p, s, acc, t, row0, wg);
+      if constexpr (kEp) epilogue_gemm2_push(p, s, acc, note.task(), note.row0(), wg);  // (the rows to their tokens' ranks)
+      else epilogue_gemm2(p, s, acc, note.task(), note.row0(), wg);
       timer.lap<Phase::epilogue_gemm2>();
       ++pending_slots;
     }
@@ -259,9 +277,10 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
 }
 
 // The FP8 forward as a policy of the persistent skeleton (kernels/common/skeleton.cuh): one GPU,
-// or (kEp) one rank of an EP group.
-template <bool kEp>
+// or (kEp) one rank of an EP group. kNotes: forward_task_notes() (one GPU only).
+template <bool kEp, bool kNotes = false>
 struct Fp8ForwardKernel {
+  static_assert(!(kEp && kNotes), "an EP rank's FP8 consumers decode their tasks (the notes spilled them)");
   using Storage = SharedStorage;
   // One GPU: the producer's FP8 and BF16 (shared expert) loads spilled in the BF16 kernels' 40
   // registers; the FP8 consumer fits in 224. EP: the push epilogue spilled 216 bytes at 224, so
@@ -290,17 +309,18 @@ struct Fp8ForwardKernel {
   // (EP: each role makes its schedule again from cta and ctas; held in registers across the
   // register split, its fields spilled 16 bytes)
   __device__ static void produce(const P& q, Storage& s, const Schedule& sched) {
-    if constexpr (kEp) run_producer_fp8(q, s, Schedule(q.base, sched.cta, sched.ctas));
-    else run_producer_fp8(q, s, sched);
+    if constexpr (kEp) run_producer_fp8<kNotes>(q, s, Schedule(q.base, sched.cta, sched.ctas));
+    else run_producer_fp8<kNotes>(q, s, sched);
   }
   __device__ static void consume(const P& q, Storage& s, const Schedule& sched, int wg) {
-    if constexpr (kEp) run_consumer_fp8<kEp>(q, s, Schedule(q.base, sched.cta, sched.ctas), wg);
-    else run_consumer_fp8<kEp>(q, s, sched, wg);
+    if constexpr (kEp) run_consumer_fp8<kEp, kNotes>(q, s, Schedule(q.base, sched.cta, sched.ctas), wg);
+    else run_consumer_fp8<kEp, kNotes>(q, s, sched, wg);
   }
 };
 
+template <bool kNotes>
 __global__ void __launch_bounds__(kThreads, 1) forward_fp8_kernel(const __grid_constant__ Fp8ForwardParams p) {
-  run_persistent<Fp8ForwardKernel<false>>(p, blockIdx.x, gridDim.x);
+  run_persistent<Fp8ForwardKernel<false, kNotes>>(p, blockIdx.x, gridDim.x);
 }
 
 // One rank of an EP group that runs its own launch (EpRank, or a group of one).
@@ -319,8 +339,10 @@ __global__ void __launch_bounds__(kThreads, 1) forward_fp8_group_kernel(const __
 void launch_forward_fp8(const Fp8ForwardParams& params, int num_ctas, cudaStream_t stream) {
   if (params.base.ep.push)
     launch_persistent<forward_fp8_rank_kernel>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+  else if (forward_task_notes(params.base))
+    launch_persistent<forward_fp8_kernel<true>>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
   else
-    launch_persistent<forward_fp8_kernel>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
+    launch_persistent<forward_fp8_kernel<false>>(forward_shared_memory_bytes(), kThreads, params, num_ctas, stream);
 }
 
 void launch_forward_fp8_group(const Fp8ForwardGroupParams& params, cudaStream_t stream) {
@@ -329,7 +351,8 @@ void launch_forward_fp8_group(const Fp8ForwardGroupParams& params, cudaStream_t 
 }
 
 void load_forward_fp8_kernels() {
-  configure_persistent<forward_fp8_kernel>(forward_shared_memory_bytes());
+  configure_persistent<forward_fp8_kernel<true>>(forward_shared_memory_bytes());
+  configure_persistent<forward_fp8_kernel<false>>(forward_shared_memory_bytes());
   configure_persistent<forward_fp8_rank_kernel>(forward_shared_memory_bytes());
   configure_persistent<forward_fp8_group_kernel>(forward_shared_memory_bytes());
 }

@@ -85,8 +85,7 @@ __device__ void pp_produce(const ForwardParams& p, PingPongStorage& s, const Pin
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) break;  // combine tasks come last and load nothing
-    const int expert = t.shared ? 0 : p.plan.tile_expert[t.m];
-    const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
+    const int expert = task_expert(p, t), row0 = task_row0(p, t);
     const bool gemm1 = t.kind == kGemm1;
     if (!gemm1) wait_hidden_rows(p, sched, t, task);  // (GEMM1's rows were copied before the launch: no ring)
     const ForwardMaps& m = p.maps;
@@ -251,7 +250,7 @@ __device__ void pp_consume(const ForwardParams& p, PingPongStorage& s, const Pin
       combine(p, t, threadIdx.x % 128, 128);  // (this warpgroup alone)
       continue;
     }
-    const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
+    const int row0 = task_row0(p, t);
     if (waits_turn) {  // task j - 1's mainloop (the other warpgroup's) is done
       wait_barrier(p, &s.turn[wg], turn_phase, task, WaitSite::mainloop_turn);
       turn_phase ^= 1u;

@@ -51,11 +51,12 @@ __device__ __forceinline__ void wait_hidden_rows(const ForwardParams& p, const S
   fence_proxy_async_global();  // the h rows were written by other CTAs' TMA stores
 }
 
-// The loads of GEMM task t (bf16 operands), stage by stage, after waiting for its inputs.
+// The loads of GEMM task t (bf16 operands), stage by stage, after waiting for its inputs; with
+// kNotes (the kernel's consumers read TaskNotes) its note goes with the first stage.
+template <bool kNotes>
 __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipeline<kStages>& pipe, const Schedule& sched,
                           const Task& t, int task) {
-  const int expert = t.shared ? 0 : p.plan.tile_expert[t.m];
-  const int row0 = t.shared ? t.m * kBlockM : p.plan.tile_row[t.m];
+  const int expert = task_expert(p, t), row0 = task_row0(p, t);
   const CUtensorMap *a, *b0, *b1 = nullptr;
   int k_steps, b_row;
   int a_row = row0;
@@ -84,9 +85,14 @@ __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipel
     b_row = t.n * kBlockN;
   }
   for (int kb = 0; kb < k_steps; ++kb) {
+    // (the task's first stage carries its note: the consumers decode nothing themselves)
+    const auto note = [&] {
+      if (kNotes && kb == 0) s.notes[sched.note_slot(task)] = TaskNote{t, row0, expert};
+    };
 #if MOK_DIAG_FWD_FEED  // (kernels/common/diag.cuh: timing only)
     const bool load_a = kb == 0 || MOK_DIAG_FWD_FEED == 1, load_b = kb == 0;
-    std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, (load_a ? kStageBytesA : 0) + (load_b ? kStageBytesB : 0));
+    std::uint64_t* full =
+        pipe.producer_acquire(p, s.barriers, task, (load_a ? kStageBytesA : 0) + (load_b ? kStageBytesB : 0), note);
     SharedStorage::Stage& stage = s.stages[pipe.stage()];
     if (load_a) tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
     if (!load_b) {
@@ -94,7 +100,7 @@ __device__ inline void load_task(const ForwardParams& p, SharedStorage& s, Pipel
       continue;
     }
 #else
-    std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, kStageBytesA + kStageBytesB);
+    std::uint64_t* full = pipe.producer_acquire(p, s.barriers, task, kStageBytesA + kStageBytesB, note);
     SharedStorage::Stage& stage = s.stages[pipe.stage()];
     tma_load_2d(stage.a, a, full, kb * kBlockK, a_row);
 #endif
@@ -152,12 +158,13 @@ __device__ inline void copy_x_rows(const ForwardParams& p, const Schedule& sched
 #endif
 
 // One thread issues every load; the rest of the warpgroup has nothing to do.
+template <bool kNotes>
 __device__ inline void run_producer(const ForwardParams& p, SharedStorage& s, const Schedule& sched) {
   Pipeline<kStages> pipe;
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
     if (t.kind == kCombine) break;  // combine tasks come last and load nothing
-    load_task(p, s, pipe, sched, t, task);
+    load_task<kNotes>(p, s, pipe, sched, t, task);
   }
 }
 
