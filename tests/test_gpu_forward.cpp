@@ -84,10 +84,25 @@ TEST(Forward, BitwiseEqualAcrossRunsAndSmCounts) {
 // shape, notes up to hidden 4096 and intermediate 1024, so the test shapes run the notes; the decode
 // otherwise) give the same bits: runs, SM counts, the interleaved order, a shared expert.
 TEST(Forward, TaskNotesAndTheConsumersOwnDecodeGiveTheSameBits) {
+  struct Restore {
+    ~Restore() { kernels::set_forward_task_notes(kernels::TaskNotes::by_shape); }
+  } restore;
+  kernels::set_forward_task_notes(kernels::TaskNotes::on);
+  if (!kernels::forward_task_notes(kernels::ForwardParams{})) GTEST_SKIP() << "a MOK_DIAG_TASK_DECODE build: every launch decodes";
+  kernels::set_forward_task_notes(kernels::TaskNotes::by_shape);
   kernels::ForwardParams rule{};
   rule.hidden = kernels::kTaskNotesMaxHidden;
   rule.inter = kernels::kTaskNotesMaxInter;
-  EXPECT_TRUE(kernels::forward_task_notes(rule));  // (qwen3.5-397b; qwen3-30b-a3b, olmoe-1b-7b below it)
+  EXPECT_TRUE(kernels::forward_task_notes(rule));  // (qwen3.5-397b)
+  rule.hidden = 2048;
+  rule.inter = 768;  // (qwen3-30b-a3b; olmoe-1b-7b at 2048 / 1024)
+  EXPECT_TRUE(kernels::forward_task_notes(rule));
+  rule.hidden = kernels::kTaskNotesMaxHidden + 64;
+  rule.inter = kernels::kTaskNotesMaxInter;
+  EXPECT_FALSE(kernels::forward_task_notes(rule));  // (just past either bound)
+  rule.hidden = kernels::kTaskNotesMaxHidden;
+  rule.inter = kernels::kTaskNotesMaxInter + 64;
+  EXPECT_FALSE(kernels::forward_task_notes(rule));
   rule.hidden = 7168;
   rule.inter = 2048;  // (deepseek-v3, kimi-k2: the notes measured slower there)
   EXPECT_FALSE(kernels::forward_task_notes(rule));
@@ -100,9 +115,6 @@ TEST(Forward, TaskNotesAndTheConsumersOwnDecodeGiveTheSameBits) {
   const MoeShape s = shape_of({"", 0, 1024, 512, 16, 4, 256, 0, RoutingKind::uniform});
   const HostProblem host = make_problem(s, 1500, RoutingKind::skewed, 5);
   GpuProblem gpu(host);
-  struct Restore {
-    ~Restore() { kernels::set_forward_task_notes(kernels::TaskNotes::by_shape); }
-  } restore;
   kernels::set_forward_task_notes(kernels::TaskNotes::off);
   const auto decoded = run_once(host, gpu, 0);
   const auto ref = reference::forward(s, host.tokens, host.reference_x(), host.reference_routing(), host.reference_weights());

@@ -7,9 +7,10 @@
 //              up tile (rows 128-255) of the expert. Gathering rows inside the A load
 //              (TMA per row or cp.async) measured 1.4-1.5x slower end to end on deepseek-v3.
 //       GEMM2: thread 0 waits h_ready[m], then loads h rows and the down tile
-//       Each GEMM task's decode (M-tile, N-tile, first plan row, expert) goes to the consumers
-//       as a TaskNote with its first stage (kernels/forward/tasks.cuh): they load nothing to
-//       start a task.
+//       Where forward_task_notes() (short tasks: forward.cuh), each GEMM task's decode (M-tile,
+//       N-tile, first plan row, expert) goes to the consumers as a TaskNote with its first stage
+//       (kernels/forward/tasks.cuh): they load nothing to start a task. Else (kNotes false)
+//       the consumers decode each task themselves.
 //   warpgroups 1, 2 (consumers, 232 regs)  64 rows each: wgmma m64n256k16 over K, then
 //       GEMM1 epilogue: h = swiglu(gate, up) -> bf16 -> swizzled staging -> TMA store;
 //                       h_ready[m] += 1 (release) once the store completed, one task later

@@ -97,9 +97,9 @@ struct ForwardParams {
 
 void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stream);
 
-// Whether a one-GPU (or EP rank's) forward launch hands each GEMM task's decode from the producer to
-// the consumers (TaskNote, kernels/forward/tasks.cuh) or has the consumers decode it themselves: two
-// builds of the BF16 and FP8 forward kernels, the same bits. The notes take ~1.2-1.8 us of decode a
+// Whether a one-GPU (or BF16 EP rank's; an FP8 rank kernel always decodes) forward launch hands each
+// GEMM task's decode from the producer to the consumers (TaskNote, kernels/forward/tasks.cuh) or has
+// the consumers decode it themselves: two builds of the BF16 and FP8 forward kernels, the same bits. The notes take ~1.2-1.8 us of decode a
 // task off the tensor cores' path, which pays where tasks are short. Measured on an H100 (bench/NOTES.md,
 // forty-second and forty-third sessions; decode time / notes time, forward): 1.04-1.11x at hidden 2048
 // (qwen3-30b-a3b, olmoe-1b-7b) and 1.01-1.06x on qwen3.5-397b (hidden 4096, intermediate 1024); level on
@@ -110,7 +110,9 @@ inline constexpr int kTaskNotesMaxHidden = 4096;
 inline constexpr int kTaskNotesMaxInter = 1024;
 enum class TaskNotes { by_shape, on, off };
 bool forward_task_notes(const ForwardParams& params);
-// Tests: both builds on the same inputs (the process's launches from here on; by_shape: the rule).
+// Tests: both builds on the same inputs (by_shape: the rule). It applies to launches made from here on:
+// a workspace's cached launches (CUDA graphs, host/launch_cache.hpp) keep the kernel they captured, so a
+// test takes a fresh Workspace per mode. In a MOK_DIAG_TASK_DECODE build every launch decodes.
 void set_forward_task_notes(TaskNotes mode);
 // The same forward with ping-pong consumer warpgroups (kernels/forward/pingpong.cu; one GPU, no
 // ring): its params' weight maps use the boxes of 128 x 128 tasks (gate and up kBoxMN, down kBoxK).

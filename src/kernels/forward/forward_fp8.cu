@@ -220,9 +220,10 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
       timer.lap<Phase::combine>();
       continue;
     }
-    // One GPU: the producer's note (each field read where it is used); an EP rank's consumers, at
-    // their register limit with the push epilogue, decode the task themselves (the notes spilled
-    // the rank kernel's producer and consumers).
+    // One GPU where forward_task_notes() (kNotes): the producer's note (each field read where it is
+    // used); else the consumers' own decode. An EP rank's consumers, at their register limit with the
+    // push epilogue, decode the task themselves (the notes spilled the rank kernel's producer and
+    // consumers).
     const auto note = [&] {
       if constexpr (!kNotes) return DecodedTask(p, sched, task);
       else return wait_task_note(p, s, pipe, sched, task);

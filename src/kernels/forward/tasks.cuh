@@ -242,7 +242,8 @@ struct TaskSchedule {
 using Schedule = TaskSchedule<kGemm1Columns, kBlockN, kConsumerWarpgroups>;
 
 // TaskNoteView's accessors from the consumers' own decode of the task (the plan's loads before the
-// mainloop): the forward kernels built without notes (forward_task_notes(): hidden above 4096; an EP
+// mainloop): the forward kernels built without notes (forward_task_notes() false: hidden above
+// kTaskNotesMaxHidden or intermediate above kTaskNotesMaxInter, or a test's TaskNotes::off; an EP
 // rank's FP8 consumers; the virtual-rank group kernels), and every launch of a MOK_DIAG_TASK_DECODE
 // build (timing only, the same bits; bench/NOTES.md, forty-first and forty-second sessions).
 struct DecodedTask {
