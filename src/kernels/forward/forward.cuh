@@ -99,13 +99,14 @@ void launch_forward(const ForwardParams& params, int num_ctas, cudaStream_t stre
 
 // Whether a one-GPU (or BF16 EP rank's; an FP8 rank kernel always decodes) forward launch hands each
 // GEMM task's decode from the producer to the consumers (TaskNote, kernels/forward/tasks.cuh) or has
-// the consumers decode it themselves: two builds of the BF16 and FP8 forward kernels, the same bits. The notes take ~1.2-1.8 us of decode a
-// task off the tensor cores' path, which pays where tasks are short. Measured on an H100 (bench/NOTES.md,
-// forty-second and forty-third sessions; decode time / notes time, forward): 1.04-1.11x at hidden 2048
-// (qwen3-30b-a3b, olmoe-1b-7b) and 1.01-1.06x on qwen3.5-397b (hidden 4096, intermediate 1024); level on
-// mixtral-8x7b (4096, 14336); 0.98-0.99x at the power cap on deepseek-v3 and kimi-k2 (7168, 2048) and
-// on gpt-oss-120b (2880, 2880), where the consumers then wait on the stages instead. So: notes where
-// both GEMMs' K are short, hidden <= kTaskNotesMaxHidden and intermediate <= kTaskNotesMaxInter.
+// the consumers decode it themselves: two builds of the BF16 and FP8 forward kernels, the same bits.
+// The notes take ~1.2-1.8 us of decode a task off the tensor cores' path, which pays where tasks are
+// short. Measured on an H100 (bench/NOTES.md, forty-second and forty-third sessions; decode time /
+// notes time, forward): 1.04-1.11x at hidden 2048 (qwen3-30b-a3b, olmoe-1b-7b) and 1.01-1.06x on
+// qwen3.5-397b (hidden 4096, intermediate 1024); level on mixtral-8x7b (4096, 14336); 0.98-0.99x at
+// the power cap on deepseek-v3 and kimi-k2 (7168, 2048) and on gpt-oss-120b (2880, 2880), where the
+// consumers then wait on the stages instead. So: notes where both GEMMs' K are short, hidden <=
+// kTaskNotesMaxHidden and intermediate <= kTaskNotesMaxInter.
 inline constexpr int kTaskNotesMaxHidden = 4096;
 inline constexpr int kTaskNotesMaxInter = 1024;
 enum class TaskNotes { by_shape, on, off };
