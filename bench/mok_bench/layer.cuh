@@ -61,13 +61,14 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
 // with Config::pingpong (the forward's ping-pong consumers; the same bits). "mok-recompute":
 // "mok" with Training::recompute (pass fwd+bwd: no saved tensor, the backward runs GEMM1 again;
 // the same bits); "mok-1block": "mok" with Config::backward_column_blocks = 1 (the backward's x
-// rows whole in one launch; the same bits); "mok-recompute-1block" / "mok-recompute-2block":
+// rows whole in one launch; the same bits; "mok-fp8-wgrad-1block" the same for "mok-fp8-wgrad");
+// "mok-recompute-1block" / "mok-recompute-2block":
 // "mok-recompute" with Config::backward_column_blocks = 1 / 2 (the recompute's GEMM1 on whole
 // rows, then the backward in one or two column blocks — its default two where I > H, else one;
 // the same bits).
 // The impls that are a training step only (pass fwd+bwd).
 inline bool is_training_step(const std::string& impl) {
-  return impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step" ||
+  return impl == "mok-fp8-bf16dgrad" || impl.starts_with("mok-fp8-wgrad") || impl == "mok-fp8-step" ||
          impl.starts_with("mok-recompute");
 }
 
@@ -75,7 +76,7 @@ class FusedLayer {
   static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8, const std::string& impl) {  // (--interleave-rows, replay_launches: all)
     mok::Config c;
     c.pingpong = impl == "mok-pp";
-    c.backward_column_blocks = impl == "mok-1block" || impl == "mok-recompute-1block" ? 1
+    c.backward_column_blocks = impl.ends_with("-1block")                         ? 1
                                : impl == "mok-recompute-2block"                   ? 2
                                                                                   : 0;
     c.interleave_rows = fp8 ? 0 : ep_config.interleave_rows;
@@ -86,7 +87,7 @@ class FusedLayer {
   static bool fp8_forward(const std::string& impl, const std::string& pass) {
     if (is_training_step(impl) && pass != "fwd+bwd")
       throw mok::Error("mok_bench: " + impl + " is a training step (pass fwd+bwd), got pass '" + pass + "'");
-    return impl == "mok-fp8" || impl == "mok-fp8-bf16dgrad" || impl == "mok-fp8-wgrad" || impl == "mok-fp8-step";
+    return impl == "mok-fp8" || impl == "mok-fp8-bf16dgrad" || impl.starts_with("mok-fp8-wgrad") || impl == "mok-fp8-step";
   }
 
  public:
@@ -124,7 +125,7 @@ class FusedLayer {
       w.down_exponents = mok::TensorView::contiguous(i32(E * Hb * Ib), mok::DType::i32, dev, {E, Hb, Ib});
       a_.fp8 = w;
       requantize_ = impl == "mok-fp8-step";
-      wgrad_ = impl == "mok-fp8-wgrad" || requantize_;
+      wgrad_ = impl.starts_with("mok-fp8-wgrad") || requantize_;
       if (bwd_ && (impl == "mok-fp8" || wgrad_)) {
         mok::Fp8DgradWeights d;
         d.down_t = mok::TensorView::contiguous(u8(E * I * H), mok::DType::u8, dev, {E, I, H});
