@@ -19,7 +19,9 @@ namespace {
 constexpr const char* kWhere = "mok::backward";
 // Diagnostic builds of the FP8 weight gradients (MOK_DIAG_DEFINES; bench/NOTES.md): the dy and
 // x gathers in plan order instead of the rank order (the same bits), or none of the four
-// transposing passes at all (timing only: the weight gradients read stale operands).
+// transposing passes at all, or none of the two whose sources the dgrad kernel writes (w h^T and
+// dgate|dup^T: what quantizing them in the dh epilogue could save at most) — timing only: the weight
+// gradients read stale operands.
 #if defined(MOK_DIAG_WGRAD_PLAN_ORDER)
 constexpr bool kWgradRankOrder = false;
 #else
@@ -29,6 +31,11 @@ constexpr bool kWgradRankOrder = true;
 constexpr bool kWgradPasses = false;
 #else
 constexpr bool kWgradPasses = true;
+#endif
+#if defined(MOK_DIAG_WGRAD_NO_ACTIVATION_PASSES)
+constexpr bool kWgradActivationPasses = false;
+#else
+constexpr bool kWgradActivationPasses = true;
 #endif
 constexpr const char* kScratchFrom =
     "Workspace::backward_scratch_bytes(d_w_gate's dtype, T, whether d_w_up directly follows d_w_gate, whether dx is "
@@ -373,8 +380,10 @@ void backward(const ForwardArgs& a, const BackwardArgs& b, Workspace& ws, cudaSt
       // pre-activations', detail::backward_buffers), as they may the x / dx rows' and the dy rows'.
       const std::int64_t I = ws.shape().intermediate;
       if (kWgradPasses) {
-        detail::quantize_transposed(ws, gu, 2 * I, false, buffers.dgu_t, buffers.dgu_t_exps, nullptr, s, kWhere);
-        detail::quantize_transposed(ws, buffers.hidden, I, false, buffers.hw_t, nullptr, buffers.hw_t_exponents, s, kWhere);
+        if (kWgradActivationPasses) {
+          detail::quantize_transposed(ws, gu, 2 * I, false, buffers.dgu_t, buffers.dgu_t_exps, nullptr, s, kWhere);
+          detail::quantize_transposed(ws, buffers.hidden, I, false, buffers.hw_t, nullptr, buffers.hw_t_exponents, s, kWhere);
+        }
         const std::int32_t* order = nullptr;  // (the gathers visit tiles rank by rank: kernels/fp8/tile_order.cuh)
         if (kWgradRankOrder) {
           const DevicePlanView& v = ws.plan().view();
