@@ -17,6 +17,13 @@ namespace mok::kernels {
 
 inline constexpr int kColumnThreads = 256;
 
+// The row offsets of plan rows [row0, row0 + 128) where src holds the plan rows (row_pair null) at
+// `stride` elements a row, without a shared array.
+struct PlanRowOffsets {
+  std::int64_t row0, stride;
+  __device__ __forceinline__ std::int64_t operator[](int r) const { return (row0 + r) * stride; }
+};
+
 struct CtaColumnThreads {
   __device__ __forceinline__ unsigned tid() const { return threadIdx.x; }
   __device__ __forceinline__ void sync() const { __syncthreads(); }
@@ -25,8 +32,9 @@ struct CtaColumnThreads {
 // The column kernel's loads of column tile ct: lane (g, h) of warp w, rows 8 g + j (j < 8) of
 // columns [16 w + 8 h, + 8), one 16-byte load a row (row_offset: the plan rows' starts in src,
 // elements; -1: a padding row, zeros).
-template <typename Threads>
-__device__ __forceinline__ void load_column_tile(const QuantizeColumnsParams& p, const std::int64_t* row_offset, int ct,
+// (RowOffsets: anything with row_offset[r], e.g. the kernel's shared array, or PlanRowOffsets.)
+template <typename RowOffsets, typename Threads>
+__device__ __forceinline__ void load_column_tile(const QuantizeColumnsParams& p, RowOffsets row_offset, int ct,
                                                  uint4 (&v)[8], Threads threads) {
   const unsigned tid = threads.tid();  // (unsigned: the index arithmetic as on threadIdx.x)
   const int g = (tid % 32) / 2, column = 16 * (tid / 32) + 8 * (tid % 2);
