@@ -3,7 +3,8 @@
 # the check's, the warm-up's and the timed one, and what the layer's set-up runs), under Nsight Compute
 # with clocks and caches left alone (--cache-control none: one kernel's lines stay in L2 for the next,
 # as in a real step), summed per kernel name: where an implementation's pass goes, launch by launch,
-# in any build (a diagnostic one too), without the Python package that scripts/ncu_layer.sh needs. On a Hopper machine with ncu:
+# in any build (a diagnostic one too), without the Python package that scripts/ncu_layer.sh needs.
+# On a Hopper machine with ncu:
 #   OUT=<dir> scripts/ncu_bench.sh [--build DIR] [--impl mok-fp8-wgrad,mok] [--preset deepseek-v3]
 #                                  [--pass fwd+bwd] [--kernel REGEX] [--diag DEFINES]
 # writes $OUT/ncu-bench-<build>-<preset>-<impl>-<pass>.csv (ncu's rows) and prints, per implementation,

@@ -76,9 +76,9 @@ class FusedLayer {
   static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8, const std::string& impl) {  // (--interleave-rows, replay_launches: all)
     mok::Config c;
     c.pingpong = impl == "mok-pp";
-    c.backward_column_blocks = impl.ends_with("-1block")                         ? 1
-                               : impl == "mok-recompute-2block"                   ? 2
-                                                                                  : 0;
+    c.backward_column_blocks = impl.ends_with("-1block")           ? 1
+                               : impl == "mok-recompute-2block"     ? 2
+                                                                    : 0;
     c.interleave_rows = fp8 ? 0 : ep_config.interleave_rows;
     c.replay_launches = ep_config.replay_launches;
     c.precision = fp8 ? mok::Precision::fp8 : mok::Precision::bf16;
