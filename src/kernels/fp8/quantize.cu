@@ -367,6 +367,7 @@ __device__ __forceinline__ void find_row_offsets(const QuantizeColumnsParams& p,
 // strip's start during the one before: the same time at the H100's power limit, bench/NOTES.md,
 // twenty-fourth session.)
 constexpr int kColumnTilesPerStrip = 4;
+static_assert(kThreads == kColumnThreads, "a column-kernel CTA is the column tile's 256 threads");
 
 // The column quantization (launch_quantize_columns): a strip of up to kColumnTilesPerStrip column
 // tiles of one plan tile a CTA, transposed in registers, without staging the rows in shared
@@ -386,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const
   const int tile = column_tile_plan_tile(p, blockIdx.x);
   if (tile < 0) return;
   __shared__ alignas(16) std::int64_t row_offset[kFp8Block];  // (elements into src; -1: a padding row, zeros)
-  __shared__ float warp_max[2][kThreads / 32];
+  __shared__ float warp_max[2][kColumnThreads / 32];
   const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
   const ColumnStrip strip = column_strip(p);
   if (strip.first >= strip.end) return;

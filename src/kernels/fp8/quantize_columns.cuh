@@ -1,8 +1,9 @@
 // A 128 x 128 column tile of bf16 plan rows quantized per column (a scale per channel and 128 rows, or
 // one per 128 x 128 block) and stored transposed, by 256 threads: the device pieces of the column
 // quantization (launch_quantize_columns, kernels/fp8/quantize.cu), shared with any kernel whose 256
-// threads quantize a tile they have just written. `Threads` says which threads they are: tid()
-// 0 .. 255 (unsigned), and sync() a barrier of all of them (CtaColumnThreads: a 256-thread CTA).
+// threads quantize a tile they have just written (bench/pending/dh-columns-wip.patch: the FP8 dgrad
+// kernel's consumers). `Threads` says which threads they are: tid() 0 .. 255 (unsigned), and sync() a
+// barrier of all of them (CtaColumnThreads: a 256-thread CTA).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,13 +18,6 @@ namespace mok::kernels {
 
 inline constexpr int kColumnThreads = 256;
 
-// The row offsets of plan rows [row0, row0 + 128) where src holds the plan rows (row_pair null) at
-// `stride` elements a row, without a shared array.
-struct PlanRowOffsets {
-  std::int64_t row0, stride;
-  __device__ __forceinline__ std::int64_t operator[](int r) const { return (row0 + r) * stride; }
-};
-
 struct CtaColumnThreads {
   __device__ __forceinline__ unsigned tid() const { return threadIdx.x; }
   __device__ __forceinline__ void sync() const { __syncthreads(); }
@@ -32,7 +26,7 @@ struct CtaColumnThreads {
 // The column kernel's loads of column tile ct: lane (g, h) of warp w, rows 8 g + j (j < 8) of
 // columns [16 w + 8 h, + 8), one 16-byte load a row (row_offset: the plan rows' starts in src,
 // elements; -1: a padding row, zeros).
-// (RowOffsets: anything with row_offset[r], e.g. the kernel's shared array, or PlanRowOffsets.)
+// (RowOffsets: anything with row_offset[r], e.g. the column kernel's shared array.)
 template <typename RowOffsets, typename Threads>
 __device__ __forceinline__ void load_column_tile(const QuantizeColumnsParams& p, RowOffsets row_offset, int ct,
                                                  uint4 (&v)[8], Threads threads) {
