@@ -413,6 +413,33 @@ TEST(ScratchLayout, RankSlotsKeepDxRowsOnlyWhereStored) {
 // layout's x rows take capacity x W, a recompute one's capacity x H whatever W (the recompute's
 // GEMM1 reads whole rows there before the first block's columns are gathered over them), so a
 // recompute's blocks leave its scratch and every other buffer where one block puts them.
+// Config::backward_column_blocks = 0 (mok::default_backward_column_blocks): Training::save two blocks,
+// but one for a Precision::fp8 workspace where H <= 2048 (measured faster there: bench/NOTES.md,
+// forty-fifth session); Training::recompute two where I > H, else one, whatever the precision; an
+// inference workspace one; a count asked for is kept in every case.
+TEST(ScratchLayout, DefaultColumnBlocksByTrainingPrecisionAndHidden) {
+  for (std::int64_t H : {256, 1024, 2048, 2304, 2880, 4096, 7168})
+    for (std::int64_t I : {768, 14336})
+      for (Precision precision : {Precision::bf16, Precision::fp8}) {
+        MoeShape shape;
+        shape.hidden = H, shape.intermediate = I, shape.num_experts = shape.num_local_experts = 8, shape.top_k = 2;
+        const bool fp8 = precision == Precision::fp8;
+        const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + (fp8 ? " fp8" : " bf16");
+        EXPECT_EQ(default_backward_column_blocks(shape, Training::save, precision), fp8 && H <= 2048 ? 1 : 2) << what;
+        EXPECT_EQ(default_backward_column_blocks(shape, Training::recompute, precision), I > H ? 2 : 1) << what;
+        EXPECT_EQ(default_backward_column_blocks(shape, Training::off, precision), 1) << what;
+        Config config;
+        config.precision = precision;
+        const std::int64_t tiles = (H + 255) / 256, two = std::min(H, (tiles + 1) / 2 * 256);
+        EXPECT_EQ(detail::backward_block_columns(shape, config, Training::save), fp8 && H <= 2048 ? H : two) << what;
+        config.backward_column_blocks = 2;
+        EXPECT_EQ(detail::backward_block_columns(shape, config, Training::save), two) << what << " (2 asked for)";
+      }
+  MoeShape shape;
+  shape.hidden = 2048, shape.intermediate = 768;
+  EXPECT_EQ(default_backward_column_blocks(shape, Training::save), 2) << "the precision's default is bf16";
+}
+
 TEST(ScratchLayout, ColumnBlocksAndTheRecomputesWholeRows) {
   auto at = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
   void* base = reinterpret_cast<void*>(std::uintptr_t{1} << 40);

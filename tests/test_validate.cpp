@@ -302,10 +302,10 @@ TEST(Validate, ConfigFields) {
   c = Config{};
   c.backward_column_blocks = -1;
   expect_error([&] { validate(c); },
-               "argument 'backward_column_blocks': must be 0 (the default: 2; Training::recompute 2 where I > H, else 1) or 1 .. 1024, got -1");
+               "argument 'backward_column_blocks': must be 0 (the default: 2, 1 for Precision::fp8 where H <= 2048; Training::recompute 2 where I > H, else 1) or 1 .. 1024, got -1");
   c.backward_column_blocks = 1025;
   expect_error([&] { validate(c); },
-               "argument 'backward_column_blocks': must be 0 (the default: 2; Training::recompute 2 where I > H, else 1) or 1 .. 1024, got 1025");
+               "argument 'backward_column_blocks': must be 0 (the default: 2, 1 for Precision::fp8 where H <= 2048; Training::recompute 2 where I > H, else 1) or 1 .. 1024, got 1025");
   c.backward_column_blocks = 1024;
   validate(c);
   c = Config{};

@@ -61,7 +61,9 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
 // with Config::pingpong (the forward's ping-pong consumers; the same bits). "mok-recompute":
 // "mok" with Training::recompute (pass fwd+bwd: no saved tensor, the backward runs GEMM1 again;
 // the same bits); "mok-1block": "mok" with Config::backward_column_blocks = 1 (the backward's x
-// rows whole in one launch; the same bits; "mok-fp8-wgrad-1block" the same for "mok-fp8-wgrad");
+// rows whole in one launch; the same bits; "mok-fp8-wgrad-1block" the same for "mok-fp8-wgrad", and
+// "mok-fp8-wgrad-2block" with two: on H <= 2048 its default is one, mok::default_backward_column_blocks;
+// "mok-fp8-2block" the same for "mok-fp8");
 // "mok-recompute-1block" / "mok-recompute-2block":
 // "mok-recompute" with Config::backward_column_blocks = 1 / 2 (the recompute's GEMM1 on whole
 // rows, then the backward in one or two column blocks — its default two where I > H, else one;
@@ -76,9 +78,7 @@ class FusedLayer {
   static mok::Config one_gpu_config(const mok::Config& ep_config, bool fp8, const std::string& impl) {  // (--interleave-rows, replay_launches: all)
     mok::Config c;
     c.pingpong = impl == "mok-pp";
-    c.backward_column_blocks = impl.ends_with("-1block")           ? 1
-                               : impl == "mok-recompute-2block"     ? 2
-                                                                    : 0;
+    c.backward_column_blocks = impl.ends_with("-1block") ? 1 : impl.ends_with("-2block") ? 2 : 0;
     c.interleave_rows = fp8 ? 0 : ep_config.interleave_rows;
     c.replay_launches = ep_config.replay_launches;
     c.precision = fp8 ? mok::Precision::fp8 : mok::Precision::bf16;
@@ -87,7 +87,8 @@ class FusedLayer {
   static bool fp8_forward(const std::string& impl, const std::string& pass) {
     if (is_training_step(impl) && pass != "fwd+bwd")
       throw mok::Error("mok_bench: " + impl + " is a training step (pass fwd+bwd), got pass '" + pass + "'");
-    return impl == "mok-fp8" || impl == "mok-fp8-bf16dgrad" || impl.starts_with("mok-fp8-wgrad") || impl == "mok-fp8-step";
+    return impl == "mok-fp8" || impl == "mok-fp8-2block" || impl == "mok-fp8-bf16dgrad" || impl.starts_with("mok-fp8-wgrad") ||
+           impl == "mok-fp8-step";
   }
 
  public:
@@ -126,7 +127,7 @@ class FusedLayer {
       a_.fp8 = w;
       requantize_ = impl == "mok-fp8-step";
       wgrad_ = impl.starts_with("mok-fp8-wgrad") || requantize_;
-      if (bwd_ && (impl == "mok-fp8" || wgrad_)) {
+      if (bwd_ && (impl == "mok-fp8" || impl == "mok-fp8-2block" || wgrad_)) {
         mok::Fp8DgradWeights d;
         d.down_t = mok::TensorView::contiguous(u8(E * I * H), mok::DType::u8, dev, {E, I, H});
         d.gate_up_t = mok::TensorView::contiguous(u8(2 * E * H * I), mok::DType::u8, dev, {E, H, 2 * I});

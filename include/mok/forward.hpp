@@ -29,9 +29,11 @@ enum class Training { off, save, recompute };
 std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Config& config = {});
 
 // The column blocks Config::backward_column_blocks = 0 stands for on one GPU (no ring or comm
-// SMs): Training::save 2; Training::recompute 2 where I > H, else 1 (its x rows' room holds whole
+// SMs): Training::save 2, except 1 for a Precision::fp8 workspace where H <= 2048 (there one block
+// was 0.93-0.95x the FP8 forward+backward's time, for ~11 % more peak memory: bench/NOTES.md,
+// forty-fifth session); Training::recompute 2 where I > H, else 1 (its x rows' room holds whole
 // rows either way, so the count is chosen for speed: bench/NOTES.md, thirty-first session).
-int default_backward_column_blocks(const MoeShape& shape, Training training);
+int default_backward_column_blocks(const MoeShape& shape, Training training, Precision precision = Precision::bf16);
 
 class Workspace;
 namespace detail {

@@ -125,7 +125,8 @@ struct Config {
                                        // backward kernel each for the dW_gate|up, dx and combine work of
                                        // its columns (the first also doing the dh, dW_down and
                                        // shared-expert work). Training::save: that buffer, the backward
-                                       // scratch's largest, at 1 / blocks of its bytes; 0 = 2; 1 = whole
+                                       // scratch's largest, at 1 / blocks of its bytes; 0 = 2 (1 for
+                                       // Precision::fp8 where H <= 2048: measured faster there); 1 = whole
                                        // rows in one launch. Training::recompute: 0 = 2 where I > H, else
                                        // 1; blocks keep the buffer's size there (the recompute's GEMM1
                                        // reads whole rows; the first block's columns are gathered again

@@ -39,7 +39,10 @@ _backward_column_blocks = 0
 def set_backward_column_blocks(blocks: int) -> None:
     """How many blocks of H's columns the one-GPU backward takes x's routed rows in (C++
     Config::backward_column_blocks): 0, the default, is 2 — the backward scratch's largest buffer
-    at half its bytes, one more launch of the backward kernel, the same bits; 1 keeps whole rows
+    at half its bytes, one more launch of the backward kernel, the same bits — except where the FP8
+    dgrad runs (its precision="fp8" workspace) and H <= 2048, where it is 1 (2026-12-07, H100: one
+    block 0.931 / 0.954 of the forward+backward time with FP8 weight gradients on qwen3-30b-a3b /
+    olmoe-1b-7b, for ~11 % more peak memory); 1 keeps whole rows
     in one launch (2026-12-04, H200: 3.5-4.7 % faster forward+backward on qwen3-30b-a3b's short
     pass, 0-1 % on the large presets, for 13 % more peak memory there). A recompute layer's
     (mok.moe(..., recompute=True)) 0 is 2 where I > H, else 1: its buffer holds whole rows for the
@@ -50,8 +53,8 @@ def set_backward_column_blocks(blocks: int) -> None:
     workspace anew."""
     global _backward_column_blocks
     if not isinstance(blocks, int) or isinstance(blocks, bool) or not 0 <= blocks <= 1024:
-        raise ValueError("mok.set_backward_column_blocks: blocks must be an int in 0 .. 1024 (0: the default, 2; "
-                         f"a recompute layer's 2 where I > H, else 1), got {blocks!r}")
+        raise ValueError("mok.set_backward_column_blocks: blocks must be an int in 0 .. 1024 (0: the default, 2 — 1 where the "
+                         f"FP8 dgrad runs and H <= 2048; a recompute layer's 2 where I > H, else 1), got {blocks!r}")
     _backward_column_blocks = blocks
 
 

@@ -89,6 +89,13 @@ inline mok::Training training_mode(const char* where, bool training, bool recomp
   return !training ? mok::Training::off : recompute ? mok::Training::recompute : mok::Training::save;
 }
 
+// The Precision named by the bindings' string (`where` names the function or class in the error).
+inline mok::Precision parse_precision(const char* where, const std::string& precision) {
+  if (precision != "bf16" && precision != "fp8")
+    throw nb::value_error((std::string(where) + ": precision must be 'bf16' or 'fp8', got '" + precision + "'").c_str());
+  return precision == "fp8" ? mok::Precision::fp8 : mok::Precision::bf16;
+}
+
 using F64 = nb::ndarray<double, nb::c_contig, nb::device::cpu>;
 using I32 = nb::ndarray<std::int32_t, nb::c_contig, nb::device::cpu>;
 

@@ -101,8 +101,7 @@ NB_MODULE(_C, m) {
              std::int64_t top_k, std::int64_t shared_intermediate, std::optional<float> limit, std::int64_t tokens,
              int device, int compute_sms, double timeout_seconds, bool training, const std::string& precision,
              bool replay_launches, int backward_column_blocks, bool recompute) {
-            if (precision != "bf16" && precision != "fp8")
-              throw nb::value_error(("mok.Workspace: precision must be 'bf16' or 'fp8', got '" + precision + "'").c_str());
+            const mok::Precision prec = parse_precision("mok.Workspace", precision);
             const mok::Training mode = training_mode("mok.Workspace", training, recompute);
             if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
               throw nb::value_error(("mok.Workspace: cannot use CUDA device " + std::to_string(device) + ": " +
@@ -110,7 +109,7 @@ NB_MODULE(_C, m) {
             mok::Config config;
             config.compute_sms = compute_sms;
             config.timeout_seconds = timeout_seconds;
-            config.precision = precision == "fp8" ? mok::Precision::fp8 : mok::Precision::bf16;
+            config.precision = prec;
             config.replay_launches = replay_launches;
             config.backward_column_blocks = backward_column_blocks;
             new (self) mok::Workspace(make_shape(hidden, intermediate, num_experts, num_experts, top_k,
@@ -209,13 +208,14 @@ NB_MODULE(_C, m) {
 
   m.def(
       "default_backward_column_blocks",
-      [](std::int64_t hidden, std::int64_t intermediate, bool recompute) {
+      [](std::int64_t hidden, std::int64_t intermediate, bool recompute, const std::string& precision) {
         mok::MoeShape shape;
         shape.hidden = hidden, shape.intermediate = intermediate;
-        return mok::default_backward_column_blocks(shape, recompute ? mok::Training::recompute : mok::Training::save);
+        return mok::default_backward_column_blocks(shape, recompute ? mok::Training::recompute : mok::Training::save,
+                                                   parse_precision("mok.default_backward_column_blocks", precision));
       },
-      nb::arg("hidden"), nb::arg("intermediate"), nb::arg("recompute"),
-      "The column blocks a training workspace's backward_column_blocks = 0 stands for (no GPU needed).");
+      nb::arg("hidden"), nb::arg("intermediate"), nb::arg("recompute"), nb::arg("precision") = "bf16",
+      "The column blocks a training workspace's backward_column_blocks = 0 stands for, by its precision (no GPU needed).");
 
   m.def(
       "ep_saved_elements",
@@ -243,14 +243,13 @@ NB_MODULE(_C, m) {
              int comm_sms, std::int64_t ring_rows, std::int64_t minibatch_rows, bool pull_tokens_once,
              std::int64_t interleave_rows, const std::string& precision, bool fp8_dgrad, bool pull_fp8_rows,
              bool recompute, double capacity_factor) {
-            if (precision != "bf16" && precision != "fp8")
-              throw nb::value_error(("mok.EpRank: precision must be 'bf16' or 'fp8', got '" + precision + "'").c_str());
+            const mok::Precision prec = parse_precision("mok.EpRank", precision);
             const mok::Training mode = training_mode("mok.EpRank", training, recompute);
             if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess)
               throw nb::value_error(("mok.EpRank: cannot use CUDA device " + std::to_string(device) + ": " +
                                      cudaGetErrorString(err)).c_str());
             mok::Config config;
-            config.precision = precision == "fp8" ? mok::Precision::fp8 : mok::Precision::bf16;
+            config.precision = prec;
             config.fp8_dgrad = fp8_dgrad;  // (the FP8 dgrad's rows held from construction: Config::fp8_dgrad)
             config.pull_fp8_rows = pull_fp8_rows;  // (peers pull E4M3 rows: Config::pull_fp8_rows)
             config.compute_sms = compute_sms;

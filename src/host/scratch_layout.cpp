@@ -10,11 +10,19 @@
 
 namespace mok {
 
+namespace {
+// The widest H at which a Precision::fp8 workspace's Training::save backward defaults to one column block.
+constexpr std::int64_t kOneBlockFp8MaxHidden = 2048;
+}  // namespace
+
 // (Training::recompute: mixtral-8x7b's two-block recompute backward 0.967 of its one-block one,
-// deepseek-v3's 1.016, qwen3-30b-a3b's 1.070)
-int default_backward_column_blocks(const MoeShape& shape, Training training) {
+// deepseek-v3's 1.016, qwen3-30b-a3b's 1.070. Precision::fp8 with H <= 2048, one block against two,
+// forward+backward with FP8 weight gradients: qwen3-30b-a3b 0.931, olmoe-1b-7b 0.954; qwen3.5-397b
+// (H 4096) 0.993 — H100, 2026-12-07)
+int default_backward_column_blocks(const MoeShape& shape, Training training, Precision precision) {
   if (training == Training::recompute) return shape.intermediate > shape.hidden ? detail::kBackwardColumnBlocks : 1;
-  return training == Training::save ? detail::kBackwardColumnBlocks : 1;
+  if (training != Training::save) return 1;
+  return precision == Precision::fp8 && shape.hidden <= kOneBlockFp8MaxHidden ? 1 : detail::kBackwardColumnBlocks;
 }
 
 }  // namespace mok
@@ -48,7 +56,7 @@ std::int64_t backward_block_columns(const MoeShape& shape, const Config& config,
   const std::int64_t H = shape.hidden, tile = kernels::kBlockN;
   if (training == Training::off || config.comm_sms > 0 || config.ring_rows > 0) return H;
   const std::int64_t blocks = config.backward_column_blocks > 0 ? config.backward_column_blocks
-                                                                : default_backward_column_blocks(shape, training);
+                                                                : default_backward_column_blocks(shape, training, config.precision);
   const std::int64_t tiles = (H + tile - 1) / tile;
   return std::min(H, (tiles + blocks - 1) / blocks * tile);
 }

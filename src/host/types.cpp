@@ -179,7 +179,7 @@ void validate(const Config& c) {
                          c.comm_sms, ", ring_rows = ", c.ring_rows, ") pulls its own");
   if (c.backward_column_blocks < 0 || c.backward_column_blocks > 1024)
     throw_argument_error(where, "backward_column_blocks",
-                         "must be 0 (the default: 2; Training::recompute 2 where I > H, else 1) or 1 .. 1024, got ",
+                         "must be 0 (the default: 2, 1 for Precision::fp8 where H <= 2048; Training::recompute 2 where I > H, else 1) or 1 .. 1024, got ",
                          c.backward_column_blocks);
   if (!(c.capacity_factor >= 0.0) || !std::isfinite(c.capacity_factor))
     throw_argument_error(where, "capacity_factor", "must be a finite number >= 0, got ",

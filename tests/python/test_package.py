@@ -160,6 +160,18 @@ def test_backward_column_blocks_setting_is_checked(bad):
         mok.set_backward_column_blocks(bad)
 
 
+def test_default_backward_column_blocks_by_precision():
+    """A training workspace's backward_column_blocks = 0 (no GPU needed): two blocks, one for an fp8
+    workspace where H <= 2048; a recompute one two where I > H, else one, whatever the precision."""
+    blocks = mok._C.default_backward_column_blocks
+    assert blocks(2048, 768, False) == 2 and blocks(2048, 768, False, "bf16") == 2
+    assert blocks(2048, 768, False, "fp8") == 1 and blocks(1024, 512, False, "fp8") == 1
+    assert blocks(2880, 2880, False, "fp8") == 2 and blocks(7168, 2048, False, "fp8") == 2
+    assert blocks(4096, 14336, True, "fp8") == 2 and blocks(2048, 768, True, "fp8") == 1
+    with pytest.raises(ValueError, match=r"mok.default_backward_column_blocks: precision must be 'bf16' or 'fp8', got 'fp16'"):
+        blocks(2048, 768, False, "fp16")
+
+
 def test_backward_column_blocks_setting_keys_new_workspaces():
     from mok import ops
 
