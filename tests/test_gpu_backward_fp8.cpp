@@ -276,7 +276,8 @@ TEST(Fp8Backward, BitwiseEqualAcrossRunsAndSmCounts) {
   const auto dy = testing::random_bf16(host.x.size(), 34);
   std::vector<std::vector<std::uint8_t>> runs;
   // (the backward in one launch of whole x rows — the default at this H, mok::default_backward_column_blocks —
-  // or asked for two column blocks or three, the same bits; Config::backward_column_blocks)
+  // or asked for two column blocks of 256, or for three, which at H = 512 are the same two: the same
+  // bits; Config::backward_column_blocks)
   for (bool wgrad : {false, true}) {  // (and with the FP8 weight gradients: their own bits, the same in every run)
     runs.clear();
     for (auto [sms, blocks] : {std::pair{0, 0}, {0, 0}, {7, 0}, {61, 0}, {0, 2}, {7, 3}}) {

@@ -407,12 +407,6 @@ TEST(ScratchLayout, RankSlotsKeepDxRowsOnlyWhereStored) {
       }
 }
 
-// The backward's column blocks (Config::backward_column_blocks): whole 256-column tiles, the
-// first blocks the widest; Training::save two by default, Training::recompute two where I > H, else one,
-// whole rows with the ring or communication SMs (an EP rank) and without training. A save
-// layout's x rows take capacity x W, a recompute one's capacity x H whatever W (the recompute's
-// GEMM1 reads whole rows there before the first block's columns are gathered over them), so a
-// recompute's blocks leave its scratch and every other buffer where one block puts them.
 // Config::backward_column_blocks = 0 (mok::default_backward_column_blocks): Training::save two blocks,
 // but one for a Precision::fp8 workspace where H <= 2048 (measured faster there: bench/NOTES.md,
 // forty-fifth session); Training::recompute two where I > H, else one, whatever the precision; an
@@ -440,6 +434,12 @@ TEST(ScratchLayout, DefaultColumnBlocksByTrainingPrecisionAndHidden) {
   EXPECT_EQ(default_backward_column_blocks(shape, Training::save), 2) << "the precision's default is bf16";
 }
 
+// The backward's column blocks (Config::backward_column_blocks): whole 256-column tiles, the
+// first blocks the widest; Training::save two by default (for the bf16 Config these use), Training::recompute two where I > H, else one,
+// whole rows with the ring or communication SMs (an EP rank) and without training. A save
+// layout's x rows take capacity x W, a recompute one's capacity x H whatever W (the recompute's
+// GEMM1 reads whole rows there before the first block's columns are gathered over them), so a
+// recompute's blocks leave its scratch and every other buffer where one block puts them.
 TEST(ScratchLayout, ColumnBlocksAndTheRecomputesWholeRows) {
   auto at = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
   void* base = reinterpret_cast<void*>(std::uintptr_t{1} << 40);
