@@ -4,7 +4,6 @@
 #include "kernels/common/load.cuh"
 #include "kernels/common/warp_copy.cuh"
 #include "kernels/fp8/fp8_math.cuh"
-#include "kernels/fp8/quantize_columns.cuh"
 #include "kernels/fp8/quantize_rows.cuh"
 #include "kernels/fp8/tile_order.cuh"
 
@@ -367,7 +366,91 @@ __device__ __forceinline__ void find_row_offsets(const QuantizeColumnsParams& p,
 // strip's start during the one before: the same time at the H100's power limit, bench/NOTES.md,
 // twenty-fourth session.)
 constexpr int kColumnTilesPerStrip = 4;
-static_assert(kThreads == kColumnThreads, "a column-kernel CTA is the column tile's 256 threads");
+
+// The column kernel's loads of column tile ct: lane (g, h) of warp w, rows 8 g + j (j < 8) of
+// columns [16 w + 8 h, + 8), one 16-byte load a row (row_offset: the plan rows' starts in src,
+// elements; -1: a padding row, zeros).
+__device__ __forceinline__ void load_column_tile(const QuantizeColumnsParams& p, const std::int64_t* row_offset, int ct,
+                                                 uint4 (&v)[8]) {
+  const int g = (threadIdx.x % 32) / 2, column = 16 * (threadIdx.x / 32) + 8 * (threadIdx.x % 2);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const std::int64_t offset = row_offset[8 * g + j];
+    v[j] = offset >= 0 ? __ldcg(reinterpret_cast<const uint4*>(p.src + offset + ct * kFp8Block + column))
+                       : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Column tile ct of plan tile `tile` (rows from row0), held as load_column_tile left it: each
+// column's largest magnitude, exponent and E4M3 bytes, stored transposed, and its scale's E8M0 byte
+// (or the block's exponent). Every thread of the CTA takes part; with block exponents it passes one
+// barrier, its warp maxima in warp_max[parity] (a caller alternates parity tile by tile).
+__device__ __forceinline__ void quantize_column_tile(const QuantizeColumnsParams& p, const uint4 (&v)[8], int tile,
+                                                     std::int64_t row0, int ct, float (&warp_max)[2][kThreads / 32],
+                                                     int parity) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 2, h = lane % 2;
+  const int column = 16 * warp + 8 * h;  // (the lane's first column in a column tile)
+  // (bf16 k of a row's 16 bytes: column k of the lane's eight)
+  auto value = [](const uint4& row, int k) {
+    const std::uint32_t word = k / 2 == 0 ? row.x : k / 2 == 1 ? row.y : k / 2 == 2 ? row.z : row.w;
+    return bf16_bits_value(static_cast<std::uint16_t>(k % 2 == 0 ? word & 0xffff : word >> 16));
+  };
+  // Each column's largest magnitude as bf16 pairs (word q: columns 2 q, 2 q + 1): max.bf16x2 of
+  // the magnitudes returns the other operand where one is NaN, as fmaxf does, and is exact, so
+  // these are the floats' maxima; no floats are made here (unpacked, the 64 values took ~60
+  // registers more).
+  __nv_bfloat162 pair_max[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    pair_max[q] = __float2bfloat162_rn(0.0f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const std::uint32_t word = q == 0 ? v[j].x : q == 1 ? v[j].y : q == 2 ? v[j].z : v[j].w;
+      pair_max[q] = __hmax2(pair_max[q], __habs2(*reinterpret_cast<const __nv_bfloat162*>(&word)));
+    }
+#pragma unroll
+    for (int offset = 2; offset < 32; offset *= 2) pair_max[q] = __hmax2(pair_max[q], __shfl_xor_sync(0xffffffffu, pair_max[q], offset));
+  }
+  float amax[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) amax[k] = k % 2 == 0 ? __low2float(pair_max[k / 2]) : __high2float(pair_max[k / 2]);
+  if (p.block_exponents != nullptr) {  // the block's: a max over the columns too
+    float m = amax[0];
+#pragma unroll
+    for (int k = 1; k < 8; ++k) m = fmaxf(m, amax[k]);
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    if (lane == 0) warp_max[parity][warp] = m;
+    __syncthreads();  // (the array of the tile before the last was read before the last one's barrier)
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[parity][w]);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) amax[k] = m;
+  }
+  // Column k's exponent and inverse scale are computed once, by lane (k, h) of the 16 that hold
+  // its maximum, and shuffled to the others (eight exponents a lane were ~40 % of the loop's
+  // instructions).
+  float my_amax = amax[0];
+#pragma unroll
+  for (int k = 1; k < 8; ++k)
+    if (g % 8 == k) my_amax = amax[k];
+  const int mine = fp8_scale_exponent(my_amax);  // (lane g < 8: column g's)
+  const InverseScale my_inverse(mine);
+  const int c0 = ct * kFp8Block;
+  std::uint8_t* out = p.values + static_cast<std::int64_t>(c0 + column) * p.capacity + row0 + 8 * g;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float a = __shfl_sync(0xffffffffu, my_inverse.a, 2 * k + h);
+    float s[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s[j] = value(v[j], k) * a;  // (InverseScale's operator())
+    *reinterpret_cast<uint2*>(out + static_cast<std::int64_t>(k) * p.capacity) =
+        make_uint2(pack_e4m3x4(s[0], s[1], s[2], s[3]), pack_e4m3x4(s[4], s[5], s[6], s[7]));
+  }
+  if (p.col_exps != nullptr && g < 8)
+    p.col_exps[static_cast<std::int64_t>(tile) * p.columns + c0 + column + g] = e8m0_byte(mine);
+  if (p.block_exponents != nullptr && threadIdx.x == 0)
+    p.block_exponents[static_cast<std::int64_t>(ct) * p.exponent_stride + tile] = mine;
+}
 
 // The column quantization (launch_quantize_columns): a strip of up to kColumnTilesPerStrip column
 // tiles of one plan tile a CTA, transposed in registers, without staging the rows in shared
@@ -387,18 +470,17 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_column_regs_kernel(const
   const int tile = column_tile_plan_tile(p, blockIdx.x);
   if (tile < 0) return;
   __shared__ alignas(16) std::int64_t row_offset[kFp8Block];  // (elements into src; -1: a padding row, zeros)
-  __shared__ float warp_max[2][kColumnThreads / 32];
+  __shared__ float warp_max[2][kThreads / 32];
   const std::int64_t row0 = static_cast<std::int64_t>(tile) * kFp8Block;
   const ColumnStrip strip = column_strip(p);
   if (strip.first >= strip.end) return;
   find_row_offsets(p, row0, row_offset);
   uint4 v[8];
-  constexpr CtaColumnThreads threads;
-  load_column_tile(p, row_offset, strip.first, v, threads);
+  load_column_tile(p, row_offset, strip.first, v);
   for (int ct = strip.first; ct < strip.end; ++ct) {
     uint4 next[8];
-    if (ct + 1 < strip.end) load_column_tile(p, row_offset, ct + 1, next, threads);
-    quantize_column_tile(p, v, tile, row0, ct, warp_max, ct % 2, threads);
+    if (ct + 1 < strip.end) load_column_tile(p, row_offset, ct + 1, next);
+    quantize_column_tile(p, v, tile, row0, ct, warp_max, ct % 2);
     if (ct + 1 < strip.end) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = next[j];
