@@ -67,7 +67,7 @@ def main():
     ap.add_argument("--base", required=True)
     ap.add_argument("--head", default="")
     ap.add_argument("--impls", default="mok,mok", help="mok_bench impls of base and head (mok, mok-pp, mok-fp8, mok-fp8-bf16dgrad, mok-fp8-wgrad, "
-                    "mok-fp8-step, mok-recompute, mok-1block, mok-recompute-1block, mok-recompute-2block, mok-fp8-wgrad-1block, mok-fp8-wgrad-2block, mok-fp8-2block)")
+                    "mok-fp8-step, mok-recompute, mok-1block, mok-recompute-1block, mok-recompute-2block, mok-fp8-wgrad-1block, mok-fp8-wgrad-2block, mok-fp8-2block, mok-fp8-bf16dgrad-2block)")
     ap.add_argument("--preset", default="all")
     ap.add_argument("--routing", default="uniform")
     ap.add_argument("--pass", dest="passes", default="fwd,fwd+bwd",

@@ -9,7 +9,7 @@ spends a TFLOP of the layer — the figure of merit there.
 
 impls: mok_bench's own (`mok`, `mok-fp8`, `mok-fp8-wgrad`, `mok-fp8-bf16dgrad`, `mok-fp8-step` — the
 FP8 weight gradients with the weights quantized again every pass, as a step with one micro-batch an
-optimizer step —, `mok-pp`, `mok-recompute`, `mok-1block`, `mok-recompute-1block`, `mok-recompute-2block`, `mok-fp8-wgrad-1block`, `mok-fp8-wgrad-2block`, `mok-fp8-2block`; through mok_bench --serve; the FP8 backward
+optimizer step —, `mok-pp`, `mok-recompute`, `mok-1block`, `mok-recompute-1block`, `mok-recompute-2block`, `mok-fp8-wgrad-1block`, `mok-fp8-wgrad-2block`, `mok-fp8-2block`, `mok-fp8-bf16dgrad-2block`; through mok_bench --serve; the FP8 backward
 variants and the mok-recompute ones forward+backward only), `mok-py`, `torch-compiled`,
 `torch`; with --mok-bench-head (a second build, e.g. a diagnostic one), `head:<impl>` runs mok_bench's
 <impl> in that binary, so two builds' clocks and power are sampled in the same rounds; `mok-fp8-py`
@@ -47,9 +47,9 @@ sys.path.insert(0, HERE)
 
 BENCH_IMPLS = ("mok", "mok-fp8", "mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step", "mok-pp", "mok-recompute",
                "mok-1block", "mok-recompute-1block", "mok-recompute-2block", "mok-fp8-wgrad-1block",
-               "mok-fp8-wgrad-2block", "mok-fp8-2block")  # (mok_bench --serve's)
+               "mok-fp8-wgrad-2block", "mok-fp8-2block", "mok-fp8-bf16dgrad-2block")  # (mok_bench --serve's)
 BWD_ONLY = ("mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step", "mok-recompute", "mok-recompute-1block",
-            "mok-recompute-2block", "mok-fp8-wgrad-1block", "mok-fp8-wgrad-2block")
+            "mok-recompute-2block", "mok-fp8-wgrad-1block", "mok-fp8-wgrad-2block", "mok-fp8-bf16dgrad-2block")
 IMPLS = BENCH_IMPLS + tuple(f"head:{i}" for i in BENCH_IMPLS) + ("mok-py", "mok-fp8-py", "torch-compiled", "torch",
                                                                   "torch-fp8", "dense", "dense-fp8",
                                                                   "dense-fp8-blockwise")

@@ -55,6 +55,8 @@
 //                      (pass fwd+bwd; the same bits; a Precision::fp8 workspace's default is one where
 //                      H <= 2048, else two)
 //   mok-fp8-2block     mok-fp8 with Config::backward_column_blocks = 2 (the same bits)
+//   mok-fp8-bf16dgrad-2block  mok-fp8-bf16dgrad with Config::backward_column_blocks = 2 (pass fwd+bwd;
+//                      the same bits)
 //   mok-recompute-1block, mok-recompute-2block  mok-recompute with Config::backward_column_blocks
 //                      = 1 / 2 (pass fwd+bwd; the recompute's GEMM1 on whole rows, then one or two
 //                      column blocks; the same bits)
@@ -124,7 +126,7 @@ std::vector<T> read_binary(const std::string& path) {
 constexpr const char* kLayerImpls[] = {"mok",           "mok-fp8",      "mok-pp",        "mok-fp8-bf16dgrad",
                                        "mok-fp8-wgrad", "mok-fp8-step", "mok-recompute", "mok-1block",
                                        "mok-recompute-1block", "mok-recompute-2block", "mok-fp8-wgrad-1block",
-                                       "mok-fp8-wgrad-2block", "mok-fp8-2block"};
+                                       "mok-fp8-wgrad-2block", "mok-fp8-2block", "mok-fp8-bf16dgrad-2block"};
 bool is_layer_impl(const std::string& impl) {
   return std::find(std::begin(kLayerImpls), std::end(kLayerImpls), impl) != std::end(kLayerImpls);
 }

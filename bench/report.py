@@ -445,7 +445,7 @@ def power_tables(results_dir):
         dense = {(r["impl"], r["preset"], r["pass"]): r for r in records
                  if r["impl"] in ("dense", "dense-fp8", "dense-fp8-blockwise")}
         fp8 = ("mok-fp8", "mok-fp8-py", "torch-fp8", "mok-fp8-wgrad", "mok-fp8-bf16dgrad", "mok-fp8-step",
-               "mok-fp8-wgrad-1block", "mok-fp8-wgrad-2block", "mok-fp8-2block")
+               "mok-fp8-wgrad-1block", "mok-fp8-wgrad-2block", "mok-fp8-2block", "mok-fp8-bf16dgrad-2block")
         for r in records:
             times = [w["ms"] for w in r["rounds"]]
             b = base.get((r["preset"], r["pass"]))

@@ -63,14 +63,14 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
 // the same bits); "mok-1block": "mok" with Config::backward_column_blocks = 1 (the backward's x
 // rows whole in one launch; the same bits; "mok-fp8-wgrad-1block" the same for "mok-fp8-wgrad", and
 // "mok-fp8-wgrad-2block" with two: on H <= 2048 its default is one, mok::default_backward_column_blocks;
-// "mok-fp8-2block" the same for "mok-fp8");
+// "mok-fp8-2block" and "mok-fp8-bf16dgrad-2block" the same for "mok-fp8" and "mok-fp8-bf16dgrad");
 // "mok-recompute-1block" / "mok-recompute-2block":
 // "mok-recompute" with Config::backward_column_blocks = 1 / 2 (the recompute's GEMM1 on whole
 // rows, then the backward in one or two column blocks — its default two where I > H, else one;
 // the same bits).
 // The impls that are a training step only (pass fwd+bwd).
 inline bool is_training_step(const std::string& impl) {
-  return impl == "mok-fp8-bf16dgrad" || impl.starts_with("mok-fp8-wgrad") || impl == "mok-fp8-step" ||
+  return impl.starts_with("mok-fp8-bf16dgrad") || impl.starts_with("mok-fp8-wgrad") || impl == "mok-fp8-step" ||
          impl.starts_with("mok-recompute");
 }
 
@@ -87,7 +87,7 @@ class FusedLayer {
   static bool fp8_forward(const std::string& impl, const std::string& pass) {
     if (is_training_step(impl) && pass != "fwd+bwd")
       throw mok::Error("mok_bench: " + impl + " is a training step (pass fwd+bwd), got pass '" + pass + "'");
-    return impl == "mok-fp8" || impl == "mok-fp8-2block" || impl == "mok-fp8-bf16dgrad" || impl.starts_with("mok-fp8-wgrad") ||
+    return impl == "mok-fp8" || impl == "mok-fp8-2block" || impl.starts_with("mok-fp8-bf16dgrad") || impl.starts_with("mok-fp8-wgrad") ||
            impl == "mok-fp8-step";
   }
 
