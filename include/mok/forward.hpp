@@ -31,8 +31,8 @@ std::int64_t saved_elements(const MoeShape& shape, std::int64_t tokens, const Co
 // The column blocks Config::backward_column_blocks = 0 stands for on one GPU (no ring or comm
 // SMs): Training::save 2, except 1 for a Precision::fp8 workspace where H <= 2048 (there one block
 // was 0.93-0.95x the FP8 forward+backward's time with FP8 weight gradients, for 11 % more peak
-// memory on qwen3-30b-a3b: bench/NOTES.md, forty-fifth session); Training::recompute 2 where
-// I > H, else 1 (its x rows' room holds whole
+// memory on qwen3-30b-a3b, and 0.945-0.958x with bf16 ones: bench/NOTES.md, forty-fifth and
+// forty-sixth sessions); Training::recompute 2 where I > H, else 1 (its x rows' room holds whole
 // rows either way, so the count is chosen for speed: bench/NOTES.md, thirty-first session).
 int default_backward_column_blocks(const MoeShape& shape, Training training, Precision precision = Precision::bf16);
 

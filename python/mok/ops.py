@@ -42,7 +42,7 @@ def set_backward_column_blocks(blocks: int) -> None:
     at half its bytes, one more launch of the backward kernel, the same bits — except where the FP8
     dgrad runs (its precision="fp8" workspace) and H <= 2048, where it is 1 (2026-12-07, H100: one
     block 0.931 / 0.954 of the forward+backward time with FP8 weight gradients on qwen3-30b-a3b /
-    olmoe-1b-7b, for 11 % more peak memory on qwen3-30b-a3b); 1 keeps whole rows
+    olmoe-1b-7b, for 11 % more peak memory on qwen3-30b-a3b; 0.945 / 0.956 with bf16 weight gradients); 1 keeps whole rows
     in one launch (2026-12-04, H200: 3.5-4.7 % faster forward+backward on qwen3-30b-a3b's short
     pass, 0-1 % on the large presets, for 13 % more peak memory there). A recompute layer's
     (mok.moe(..., recompute=True)) 0 is 2 where I > H, else 1: its buffer holds whole rows for the
