@@ -16,3 +16,11 @@
 #ifndef MOK_DIAG_FWD_FEED
 #define MOK_DIAG_FWD_FEED 0
 #endif
+
+// Tokens of one forward combine task (0: kCombineTokens, 32). Larger tasks put the combine
+// tail on fewer CTAs (ceil(T / K) of them), with the same bits. That shows how the combine's time
+// scales with the CTAs that run it: could a few CTAs keep its bandwidth while the rest run GEMM2
+// (a combine overlapped with GEMM2 in column bands, bench/NOTES.md, forty-sixth session)?
+#ifndef MOK_DIAG_FWD_COMBINE_TOKENS
+#define MOK_DIAG_FWD_COMBINE_TOKENS 0
+#endif

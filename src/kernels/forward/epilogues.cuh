@@ -202,7 +202,7 @@ __device__ inline void combine(const ForwardParams& p, const Task& t, int tid = 
 #if defined(MOK_DIAG_NO_COMBINE)  // (a timing build, wrong y: what the combine costs in wall time; bench/NOTES.md)
   return;
 #endif
-  const int begin = t.m * kCombineTokens, end = min(p.tokens, (t.m + 1) * kCombineTokens);
+  const int begin = t.m * kForwardCombineTokens, end = min(p.tokens, (t.m + 1) * kForwardCombineTokens);
   if (p.ep.push)
     combine_tokens<true, true>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, p.topk_weights, p.ep.slots[p.ep.rank],
                                p.shared_slots, p.y, tid, threads);

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/common/boxes.hpp"
+#include "kernels/common/diag.cuh"
 #include "kernels/ep/ep_push.cuh"
 #include "kernels/forward/forward.cuh"
 #include "kernels/forward/interleave.cuh"
@@ -28,6 +29,8 @@ namespace mok::kernels::fwd {
 using namespace mok::ptx;
 
 constexpr int kRowBytes = kBlockK * 2;
+// Tokens of one combine task: kCombineTokens, or a diagnostic build's (kernels/common/diag.cuh).
+inline constexpr int kForwardCombineTokens = MOK_DIAG_FWD_COMBINE_TOKENS > 0 ? MOK_DIAG_FWD_COMBINE_TOKENS : kCombineTokens;
 
 enum TaskKind : int { kGemm1, kGemm2, kCombine };
 
@@ -141,7 +144,7 @@ struct TaskSchedule {
     n1_routed = (p.inter + kGemm1Cols - 1) / kGemm1Cols;
     n1_shared = (p.shared_inter + kGemm1Cols - 1) / kGemm1Cols;
     n2 = (p.hidden + kGemm2Cols - 1) / kGemm2Cols;
-    combine_tasks = (p.tokens + kCombineTokens - 1) / kCombineTokens;
+    combine_tasks = (p.tokens + kForwardCombineTokens - 1) / kForwardCombineTokens;
     g1_routed_end = m_routed * n1_routed;
     g1_shared_end = g1_routed_end + m_shared * n1_shared;
     g2_routed_end = g1_shared_end + m_routed * n2;
