@@ -17,8 +17,9 @@ constexpr std::int64_t kOneBlockFp8MaxHidden = 2048;
 
 // (Training::recompute: mixtral-8x7b's two-block recompute backward 0.967 of its one-block one,
 // deepseek-v3's 1.016, qwen3-30b-a3b's 1.070. Precision::fp8 with H <= 2048, one block against two,
-// forward+backward with FP8 weight gradients: qwen3-30b-a3b 0.931, olmoe-1b-7b 0.954; qwen3.5-397b
-// (H 4096) 0.993 — H100, 2026-12-07)
+// forward+backward with FP8 weight gradients: qwen3-30b-a3b 0.931, olmoe-1b-7b 0.954; with bf16 weight
+// gradients 0.945 / 0.956, with the bf16 dgrad 0.947 / 0.958; qwen3.5-397b (H 4096) 0.993 and 0.973 in
+// two runs, mixtral-8x7b slower in one block — H100, 2026-12-07)
 int default_backward_column_blocks(const MoeShape& shape, Training training, Precision precision) {
   if (training == Training::recompute) return shape.intermediate > shape.hidden ? detail::kBackwardColumnBlocks : 1;
   if (training != Training::save) return 1;
