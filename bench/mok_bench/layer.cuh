@@ -18,6 +18,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "mok/mok.hpp"
@@ -68,10 +69,15 @@ Record bench_plan(const Options& o, const mok::Preset& p, cudaStream_t stream) {
 // "mok-recompute" with Config::backward_column_blocks = 1 / 2 (the recompute's GEMM1 on whole
 // rows, then the backward in one or two column blocks — its default two where I > H, else one;
 // the same bits).
+// An impl without its "-1block" / "-2block" suffix (the column blocks it asks for, one_gpu_config):
+// the layer it runs.
+inline std::string_view without_blocks(std::string_view impl) {
+  return impl.ends_with("-1block") || impl.ends_with("-2block") ? impl.substr(0, impl.size() - 7) : impl;
+}
 // The impls that are a training step only (pass fwd+bwd).
 inline bool is_training_step(const std::string& impl) {
-  return impl.starts_with("mok-fp8-bf16dgrad") || impl.starts_with("mok-fp8-wgrad") || impl == "mok-fp8-step" ||
-         impl.starts_with("mok-recompute");
+  const std::string_view layer = without_blocks(impl);
+  return layer == "mok-fp8-bf16dgrad" || layer == "mok-fp8-wgrad" || layer == "mok-fp8-step" || layer == "mok-recompute";
 }
 
 class FusedLayer {
@@ -87,8 +93,8 @@ class FusedLayer {
   static bool fp8_forward(const std::string& impl, const std::string& pass) {
     if (is_training_step(impl) && pass != "fwd+bwd")
       throw mok::Error("mok_bench: " + impl + " is a training step (pass fwd+bwd), got pass '" + pass + "'");
-    return impl == "mok-fp8" || impl == "mok-fp8-2block" || impl.starts_with("mok-fp8-bf16dgrad") || impl.starts_with("mok-fp8-wgrad") ||
-           impl == "mok-fp8-step";
+    const std::string_view layer = without_blocks(impl);
+    return layer == "mok-fp8" || layer == "mok-fp8-bf16dgrad" || layer == "mok-fp8-wgrad" || layer == "mok-fp8-step";
   }
 
  public:
@@ -126,8 +132,8 @@ class FusedLayer {
       w.down_exponents = mok::TensorView::contiguous(i32(E * Hb * Ib), mok::DType::i32, dev, {E, Hb, Ib});
       a_.fp8 = w;
       requantize_ = impl == "mok-fp8-step";
-      wgrad_ = impl.starts_with("mok-fp8-wgrad") || requantize_;
-      if (bwd_ && (impl == "mok-fp8" || impl == "mok-fp8-2block" || wgrad_)) {
+      wgrad_ = without_blocks(impl) == "mok-fp8-wgrad" || requantize_;
+      if (bwd_ && (without_blocks(impl) == "mok-fp8" || wgrad_)) {
         mok::Fp8DgradWeights d;
         d.down_t = mok::TensorView::contiguous(u8(E * I * H), mok::DType::u8, dev, {E, I, H});
         d.gate_up_t = mok::TensorView::contiguous(u8(2 * E * H * I), mok::DType::u8, dev, {E, H, 2 * I});
