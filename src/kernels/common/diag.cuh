@@ -24,11 +24,3 @@
 #ifndef MOK_DIAG_FWD_COMBINE_TOKENS
 #define MOK_DIAG_FWD_COMBINE_TOKENS 0
 #endif
-
-// The forward's GEMM2 in two column bands across every expert, with the first band's combine
-// spread among the second band's GEMM2 tasks (2) instead of the whole combine after every GEMM2
-// tile (0): the same bits, a different order (kernels/forward/tasks.cuh, TaskSchedule's kBanded;
-// bench/NOTES.md, forty-seventh session). One GPU without a ring, interleaving or EP pushes only.
-#ifndef MOK_DIAG_FWD_COMBINE_BANDS
-#define MOK_DIAG_FWD_COMBINE_BANDS 0
-#endif

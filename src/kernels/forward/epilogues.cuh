@@ -110,9 +110,8 @@ __device__ inline void epilogue_gemm1(const ForwardParams& p, SharedStorage& s, 
 }
 
 // Publishes this warpgroup's GEMM2 tiles (y_done), deferred until the combine, their only reader.
-// (band: a banded schedule's band, counted in y_done + 2 band: TaskSchedule's kBanded)
-__device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, int& pending_tiles, int band = 0) {
-  publish_stored_tiles(p.counters.y_done + 2 * band, pending_tiles, wg);
+__device__ __forceinline__ void publish_slots(const ForwardParams& p, int wg, int& pending_tiles) {
+  publish_stored_tiles(p.counters.y_done, pending_tiles, wg);
 }
 
 // bf16 rows of this warpgroup's 64 x 256 tile into the slot buffer (published by
@@ -183,13 +182,12 @@ __device__ inline void publish_pushes(const ForwardParams& p, SharedStorage& s, 
 // Before a CTA's first combine task, on every consumer thread: publishes this warpgroup's
 // GEMM2 tiles (and pushed rows), then waits until every GEMM2 tile of the launch (and every
 // peer's rows pushed to this rank) has landed.
-// (band: a banded schedule's band, whose tiles alone it publishes and waits for)
 __device__ inline void wait_for_slot_rows(const ForwardParams& p, SharedStorage& s, const Schedule& sched, int wg,
-                                          int& pending_slots, int task, int band = 0) {
-  publish_slots(p, wg, pending_slots, band);
+                                          int& pending_slots, int task) {
+  publish_slots(p, wg, pending_slots);
   publish_pushes(p, s, wg);
   if (threadIdx.x == kProducerThreads) {
-    wait_counter(p, p.counters.y_done + 2 * band, sched.band_tiles(band), task, WaitSite::all_gemm2);
+    wait_counter(p, p.counters.y_done, sched.slot_tiles_total(), task, WaitSite::all_gemm2);
     if (p.ep.push)
       for (int q = 0; q < p.ep.size; ++q)
         wait_peer_counter(p, p.ep.slots_done[p.ep.rank] + q, p.ep.expected_rows[q] * sched.n2, task, WaitSite::forward_pushed, q);
@@ -212,60 +210,6 @@ __device__ inline void combine(const ForwardParams& p, const Task& t, int tid = 
     combine_tokens<true, false>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, p.topk_weights, p.slots,
                                 p.shared_slots, p.y, tid, threads);
 }
-
-// A banded schedule's combine task t (TaskSchedule's kBanded): band t.n's columns of tokens t.m.
-__device__ inline void combine_band(const ForwardParams& p, const Schedule& sched, const Task& t) {
-#if defined(MOK_DIAG_NO_COMBINE)
-  return;
-#endif
-  const int begin = t.m * kForwardCombineTokens, end = min(p.tokens, (t.m + 1) * kForwardCombineTokens);
-  const int c0 = sched.band_first_column(t.n), c1 = t.n == 0 ? sched.band_first_column(1) : p.hidden;
-  combine_tokens<true, false, true>(begin, end, p.hidden, p.top_k, p.plan.pair_row, nullptr, p.topk_weights, p.slots + c0,
-                                    p.shared_slots ? p.shared_slots + c0 : nullptr, p.y + c0,
-                                    threadIdx.x - kProducerThreads, 128 * kConsumerWarpgroups,
-                                    CombineBlock{c1 - c0, p.hidden, p.hidden});
-}
-
-// A banded schedule's mixed-in combine task (TaskSchedule::mixed_combine): the empty stage its
-// producer armed for it, taken and released (every warpgroup reads every stage).
-__device__ __forceinline__ void pass_empty_stage(const ForwardParams& p, SharedStorage& s, Pipeline<kStages>& pipe, int task) {
-  const int index = pipe.consumer_wait(p, s.barriers, task);
-  pipe.consumer_advance();
-  if (threadIdx.x % 128 == 0) pipe.consumer_release(s.barriers, index);
-}
-
-#if MOK_DIAG_FWD_COMBINE_BANDS > 1
-// A banded schedule's consumer step before task `task` (kind: its kind), on every consumer thread.
-// band_state (the consumer's, from 0): 1 once the CTA is past band 0's GEMM2 tasks and has
-// published their tiles (band 0's count; later tiles count in band 1's), 2 once band 0's tiles are
-// all stored, 3 once band 1's are. Runs a combine task of either band: band 0's, among GEMM2 tasks,
-// after its empty stage (and the wait for band 0's tiles the first time); band 1's after publishing
-// this warpgroup's band-1 tiles and the wait for all of them (the first time). Returns whether it
-// ran the task.
-__device__ inline bool banded_combine_step(const ForwardParams& p, SharedStorage& s, const Schedule& sched,
-                                           Pipeline<kStages>& pipe, int wg, int task, TaskKind kind, int& pending_slots,
-                                           int& band_state) {
-  if (!sched.banded) return false;
-  if (band_state == 0 && task >= sched.mixed_begin) {
-    publish_slots(p, wg, pending_slots, 0);
-    band_state = 1;
-  }
-  if (kind != kCombine) return false;
-  int none = 0;  // (band 0's tiles: published above)
-  if (sched.mixed_combine(task)) {
-    pass_empty_stage(p, s, pipe, task);
-    if (band_state < 2) {
-      wait_for_slot_rows(p, s, sched, wg, none, task, 0);
-      band_state = 2;
-    }
-  } else if (band_state < 3) {
-    wait_for_slot_rows(p, s, sched, wg, pending_slots, task, 1);
-    band_state = 3;
-  }
-  combine_band(p, sched, sched.combine_task(task));
-  return true;
-}
-#endif
 
 // Bad routing (expert id out of range, capacity): no GEMM runs, y becomes NaN so the
 // failure cannot pass for a result, and the host reports it at the next check.

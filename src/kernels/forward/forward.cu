@@ -66,17 +66,11 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
   bool slots_ready = false;
   int pending_hidden = -1;  // h_ready index of a GEMM1 store not yet published
   int pending_slots = 0;    // GEMM2 tiles not yet counted in y_done
-#if MOK_DIAG_FWD_COMBINE_BANDS > 1
-  int band_state = 0;  // (a banded schedule: banded_combine_step)
-#endif
   PhaseTimer timer(forward_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const TaskKind kind = sched.kind_of(p, task);
     // Publish before anything this CTA might wait for: its own GEMM2 loads can need it.
     if (kind != kGemm1) publish_hidden(p, pending_hidden);
-#if MOK_DIAG_FWD_COMBINE_BANDS > 1
-    if (banded_combine_step(p, s, sched, pipe, wg, task, kind, pending_slots, band_state)) continue;
-#endif
     if (kind == kCombine) {
       timer.lap<Phase::other>();
       if (!slots_ready) {
@@ -110,11 +104,7 @@ __device__ void run_consumer(const ForwardParams& p, SharedStorage& s, const Sch
     }
   }
   publish_hidden(p, pending_hidden);
-#if MOK_DIAG_FWD_COMBINE_BANDS > 1
-  publish_slots(p, wg, pending_slots, band_state != 0 ? 1 : 0);
-#else
   publish_slots(p, wg, pending_slots);
-#endif
   publish_pushes(p, s, wg);
   timer.lap<Phase::other>();
 }

@@ -86,13 +86,6 @@ __device__ void run_producer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
   Pipeline<kStages> pipe;
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
-#if MOK_DIAG_FWD_COMBINE_BANDS > 1  // (a banded schedule: band 0's combine tasks among GEMM2 tasks take an empty stage)
-    if (t.kind == kCombine && sched.mixed_combine(task)) {
-      pipe.producer_acquire(p, s.barriers, task, 0);
-      pipe.producer_commit();
-      continue;
-    }
-#endif
     if (t.kind == kCombine) break;  // combine tasks come last and load nothing
     if (t.shared) {                 // BF16, as the BF16 kernel loads it
       load_task<kNotes>(p, s, pipe, sched, t, task);
@@ -212,16 +205,10 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
   bool slots_ready = false;
   int pending_hidden = -1;  // h_ready index of a GEMM1 store not yet published
   int pending_slots = 0;    // GEMM2 tiles not yet counted in y_done
-#if MOK_DIAG_FWD_COMBINE_BANDS > 1
-  int band_state = 0;  // (a banded schedule: banded_combine_step)
-#endif
   PhaseTimer timer(forward_fp8_phase_table);  // (empty unless built with MOK_PHASE_TIMING)
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const TaskKind kind = sched.kind_of(p, task);
     if (kind != kGemm1) publish_hidden(p, pending_hidden);  // (this CTA's own GEMM2 loads may need it)
-#if MOK_DIAG_FWD_COMBINE_BANDS > 1
-    if (!kEp && banded_combine_step(p, s, sched, pipe, wg, task, kind, pending_slots, band_state)) continue;
-#endif
     if (kind == kCombine) {
       timer.lap<Phase::other>();
       if (!slots_ready) {
@@ -285,11 +272,7 @@ __device__ void run_consumer_fp8(const Fp8ForwardParams& q, SharedStorage& s, co
     }
   }
   publish_hidden(p, pending_hidden);
-#if MOK_DIAG_FWD_COMBINE_BANDS > 1
-  publish_slots(p, wg, pending_slots, band_state != 0 ? 1 : 0);
-#else
   publish_slots(p, wg, pending_slots);
-#endif
   if constexpr (kEp) publish_pushes(p, s, wg);
   timer.lap<Phase::other>();
 }

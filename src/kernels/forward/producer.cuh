@@ -163,13 +163,6 @@ __device__ inline void run_producer(const ForwardParams& p, SharedStorage& s, co
   Pipeline<kStages> pipe;
   for (int task = sched.cta; task < sched.total; task += sched.ctas) {
     const Task t = sched.decode(p, task);
-#if MOK_DIAG_FWD_COMBINE_BANDS > 1  // (a banded schedule: band 0's combine tasks among GEMM2 tasks take an empty stage)
-    if (t.kind == kCombine && sched.mixed_combine(task)) {
-      pipe.producer_acquire(p, s.barriers, task, 0);
-      pipe.producer_commit();
-      continue;
-    }
-#endif
     if (t.kind == kCombine) break;  // combine tasks come last and load nothing
     load_task<kNotes>(p, s, pipe, sched, t, task);
   }

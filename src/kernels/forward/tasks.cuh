@@ -6,7 +6,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <type_traits>
 
 #include "kernels/common/boxes.hpp"
 #include "kernels/common/diag.cuh"
@@ -133,33 +132,8 @@ __device__ __forceinline__ int minibatch_rows(const ForwardParams& p, int mb) {
 // cooperative kernels' tasks are 128 x 256 in two 64-row halves (Schedule), the ping-pong
 // forward's 128 x 128 in one (kernels/forward/pingpong.cu). (Template constants, not members:
 // one more register in the FP8 consumers cost them 20 bytes of spill.)
-//
-// kBanded (a MOK_DIAG_FWD_COMBINE_BANDS build; at run time only on one GPU without a ring,
-// interleaving or EP pushes, and with two or more GEMM2 N-tiles: `banded`): GEMM2 in two column
-// bands across every expert, band 0 the first n2_band0 N-tiles. Its combine over band 0's columns
-// is spread among band 1's GEMM2 tasks (after the first `ctas` of them, one wave), so that a few
-// CTAs combine while the rest run GEMM2; only band 1's combine is left as the tail:
-//   [GEMM1 routed | GEMM1 shared | GEMM2 band 0 (routed, shared) |
-//    GEMM2 band 1 (routed, shared) with band 0's combine tasks mixed in | band 1's combine]
-// A combine task's n is its band. Band b's tiles count in y_done + 2 b (band 1: the counter after
-// abort, the backward's wd_done, which the forward leaves unused and the launch zeroes too). A
-// mixed-in combine task takes one empty stage of the pipeline (the producer arms it with no
-// bytes): every task of the CTA then takes a stage, as note_slot's bound assumes.
-// kBanded: the bands (below); mixed_begin .. mixed_end holds band 1's GEMM2 and band 0's combine
-// tasks. The default build's schedule has none of these fields (constants: its kernels' code stays
-// as it was).
-struct ScheduleBands {
-  bool banded = false;
-  int n2_band0 = 0, mixed_begin = 0, mixed_lead = 0, mixed_end = 0;
-};
-struct NoScheduleBands {
-  static constexpr bool banded = false;
-  static constexpr int n2_band0 = 0, mixed_begin = 0, mixed_lead = 0, mixed_end = 0;
-};
-template <int kGemm1Cols, int kGemm2Cols, int kParts, bool kBanded = false>
-struct TaskSchedule : std::conditional_t<kBanded, ScheduleBands, NoScheduleBands> {
-  using Bands = std::conditional_t<kBanded, ScheduleBands, NoScheduleBands>;
-  using Bands::banded, Bands::n2_band0, Bands::mixed_begin, Bands::mixed_lead, Bands::mixed_end;
+template <int kGemm1Cols, int kGemm2Cols, int kParts>
+struct TaskSchedule {
   int cta, ctas;  // this CTA among the CTAs serving this rank: it takes tasks cta, cta + ctas, ...
   int m_routed, m_shared, n1_routed, n1_shared, n2, combine_tasks;
   int g1_routed_end, g1_shared_end, g2_routed_end, g2_shared_end, total;
@@ -176,69 +150,6 @@ struct TaskSchedule : std::conditional_t<kBanded, ScheduleBands, NoScheduleBands
     g2_routed_end = g1_shared_end + m_routed * n2;
     g2_shared_end = g2_routed_end + m_shared * n2;
     total = p.gemm1_only ? g1_shared_end : g2_shared_end + combine_tasks;
-    if constexpr (kBanded) {
-      this->banded = !p.gemm1_only && p.interleave_tiles == 0 && p.ring.comm_ctas == 0 && !p.ep.push && n2 >= 2;
-      if (this->banded) {
-        this->n2_band0 = (n2 + 1) / 2;
-        const int band1 = (m_routed + m_shared) * (n2 - this->n2_band0);
-        this->mixed_begin = g1_shared_end + (m_routed + m_shared) * this->n2_band0;
-        this->mixed_lead = band1 < ctas ? band1 : ctas;
-        this->mixed_end = this->mixed_begin + band1 + combine_tasks;
-        total = this->mixed_end + combine_tasks;
-      }
-    }
-  }
-
-  // kBanded, inside the mixed range past its lead (i: the task's index there): band 0's combine tasks
-  // among band 1's remaining GEMM2 tasks, evenly (the combine tasks before index i: i C / N).
-  __host__ __device__ long long mixed_combines_before(int i) const {
-    if constexpr (!kBanded) {
-      return 0;
-    } else {
-      const long long n = mixed_end - mixed_begin - mixed_lead;
-      return static_cast<long long>(i) * combine_tasks / n;
-    }
-  }
-  __host__ __device__ bool mixed_is_combine(int task) const {
-    const int i = task - mixed_begin - mixed_lead;
-    return i >= 0 && mixed_combines_before(i + 1) > mixed_combines_before(i);
-  }
-  // kBanded: a combine task mixed in among GEMM2 tasks (band 0's; it takes an empty stage).
-  __host__ __device__ bool mixed_combine(int task) const { return kBanded && banded && task < mixed_end; }
-  // The y_done counter of a band (band 0: y_done itself) and the warpgroup-tiles it counts in all.
-  __host__ __device__ int band_tiles(int band) const {
-    if (!kBanded || !banded) return kParts * (m_routed + m_shared) * n2;
-    return kParts * (m_routed + m_shared) * (band == 0 ? n2_band0 : n2 - n2_band0);
-  }
-  __host__ __device__ int band_first_column(int band) const { return band == 0 ? 0 : n2_band0 * kGemm2Cols; }
-
-  // kBanded: decode() of a task at or after g1_shared_end.
-  __host__ __device__ void decode_banded(const ForwardParams& p, int task, Task& t) const {
-    if (task >= mixed_end) {  // band 1's combine
-      t.m = task - mixed_end, t.n = 1;
-      return;
-    }
-    int gemm;  // the GEMM2 task's index inside its band: routed tasks, then the shared expert's
-    int tiles = n2_band0, first_n = 0;
-    if (task < mixed_begin) {
-      gemm = task - g1_shared_end;
-    } else {
-      const int i = task - mixed_begin - mixed_lead;
-      if (i >= 0 && mixed_is_combine(task)) {  // band 0's combine
-        t.m = static_cast<int>(mixed_combines_before(i)), t.n = 0;
-        return;
-      }
-      gemm = i < 0 ? task - mixed_begin : mixed_lead + i - static_cast<int>(mixed_combines_before(i));
-      tiles = n2 - n2_band0, first_n = n2_band0;
-    }
-    t.kind = kGemm2;
-    if (gemm < m_routed * tiles) {
-      split_routed(p, gemm, tiles, t);
-    } else {
-      t.shared = true;
-      split(gemm - m_routed * tiles, 0, m_shared, t);
-    }
-    t.n += first_n;
   }
 
   // Interleaved order: where the routed GEMM1 and GEMM2 tasks end (the shared expert's follow).
@@ -291,10 +202,6 @@ struct TaskSchedule : std::conditional_t<kBanded, ScheduleBands, NoScheduleBands
       }
       return t;
     }
-    if (kBanded && banded && task >= g1_shared_end) {
-      decode_banded(p, task, t);
-      return t;
-    }
     if (task < g1_routed_end) {
       t.kind = kGemm1;
       if (p.ring.comm_ctas > 0) split_minibatch(p, task, t);
@@ -318,10 +225,6 @@ struct TaskSchedule : std::conditional_t<kBanded, ScheduleBands, NoScheduleBands
   // pending h rows before a task that is not a GEMM1 tile (this CTA's own GEMM2 loads may wait
   // for them), so it must know the kind before it waits for the task's note.
   __host__ __device__ TaskKind kind_of(const ForwardParams& p, int task) const {
-    if (kBanded && banded && task >= g1_shared_end) {
-      if (task >= mixed_end) return kCombine;
-      return task >= mixed_begin && mixed_is_combine(task) ? kCombine : kGemm2;
-    }
     if (task >= g2_shared_end) return kCombine;
     if (p.interleave_tiles > 0) {  // [routed G1 and G2 interleaved | shared G1 | shared G2], as decode()
       const int routed_end = interleaved_routed_end();
@@ -333,20 +236,13 @@ struct TaskSchedule : std::conditional_t<kBanded, ScheduleBands, NoScheduleBands
   // The note slot of this CTA's task `task` (its ordinal among the CTA's tasks, modulo kTaskNotes).
   __host__ __device__ int note_slot(int task) const { return (task - cta) / ctas % kTaskNotes; }
   // A combine task (kind_of's kCombine) as decode() gives it.
-  __host__ __device__ Task combine_task(int task) const {
-    if (kBanded && banded) {  // (n: the band)
-      if (task >= mixed_end) return Task{kCombine, false, task - mixed_end, 1, -1};
-      return Task{kCombine, false, static_cast<int>(mixed_combines_before(task - mixed_begin - mixed_lead)), 0, -1};
-    }
-    return Task{kCombine, false, task - g2_shared_end, 0, -1};
-  }
+  __host__ __device__ Task combine_task(int task) const { return Task{kCombine, false, task - g2_shared_end, 0, -1}; }
   __host__ __device__ int n1(bool shared) const { return shared ? n1_shared : n1_routed; }
   // h_ready[m] once every GEMM1 task of M-tile m is done.
   __device__ int hidden_parts(bool shared) const { return kParts * n1(shared); }
   __device__ int slot_tiles_total() const { return kParts * (m_routed + m_shared) * n2; }
 };
-inline constexpr bool kBandedCombine = MOK_DIAG_FWD_COMBINE_BANDS > 1;  // (kernels/common/diag.cuh)
-using Schedule = TaskSchedule<kGemm1Columns, kBlockN, kConsumerWarpgroups, kBandedCombine>;
+using Schedule = TaskSchedule<kGemm1Columns, kBlockN, kConsumerWarpgroups>;
 
 // TaskNoteView's accessors from the consumers' own decode of the task (the plan's loads before the
 // mainloop): the forward kernels built without notes (forward_task_notes() false: hidden above
