@@ -8,7 +8,7 @@
 # Copy the two dated JSON files to bench/results/ and run `python3 bench/report.py table`
 # (and `plot`) to refresh bench/results/README.md and latest.svg.
 #   MOK_COMMIT=<sha> OUT=<dir> scripts/gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|
-#                                                   host|fp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|fp8clocks|diagab|kernelab|dram|pingpong|power|smshare] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N]
+#                                                   host|fp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|combinerate|fp8clocks|diagab|kernelab|dram|pingpong|power|smshare] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--iters N]
 #                                                   [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued]
 #                                                   [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME]
 #                                                   [--ncu-kernels forward,backward]
@@ -86,6 +86,9 @@
 # test_ep.py, test_ep_bench.py and test_torch_path.py; test_torch_path.py and test_ep_bench.py; test_ep.py.
 # `rates` (what the tensor cores and the FP8 mainloop reach by themselves, bench/NOTES.md): builds and runs
 # bench/mma_rate and bench/fp8_tile_rate (--repeats repeats) into <date>-<commit>-rates.txt; nothing else runs.
+# `combinerate` (the forward's combine alone by CTA count: the kernel's loop against cp.async-staged ones,
+# bench/combine_rate.cu): deepseek-v3's, qwen3-30b-a3b's and mixtral-8x7b's combine and deepseek-v3's with a shared row
+# into <date>-<commit>-combine-rate.txt and -combine-rate-<shape>.json; nothing else runs.
 # `fp8clocks`: bench/fp8_gemm_clocks.py — one E4M3 GEMM sustained at the power limit, fp8_tile_rate's
 # current, current-ss, narrow, narrow+bmc and narrow-ss loops beside torch._scaled_mm (rowwise), the blockwise
 # recipe in cuBLAS and a BF16 matmul (or --impl), --repeats rounds, tiles in the layer's 2048-row groups, into
@@ -188,11 +191,11 @@ while [ $# -gt 0 ]; do
     --queued) settle_args+=(--queued); impl_args+=(--queued) ;;
     --sustained) sustained=true ;;
     --warmup-rounds) settle_args+=(--warmup-rounds "$2"); impl_args+=(--warmup-rounds "$2"); shift ;;
-    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|fp8clocks|diagab|kernelab|dram|pingpong|power|smshare] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--pytest ARGS] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
+    *) echo "usage: gpu_check.sh [--quick] [--part all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|combinerate|fp8clocks|diagab|kernelab|dram|pingpong|power|smshare] [--presets all|NAME,...] [--routing LIST] [--repeats N] [--train-lr LR] [--pytest ARGS] [--iters N] [--impl LIST] [--pass LIST] [--settle-ms MS] [--queued] [--warmup-rounds N] [--bench-only] [--diag DEFINES] [--sustained] [--ncu-preset NAME] [--ncu-kernels forward,backward]"; exit 2 ;;
   esac
   shift
 done
-case "$part" in all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|fp8clocks|diagab|kernelab|dram|pingpong|power|smshare) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, pyselect, bench, ep, speed, train, hf, phases, host, fp8, epfp8, fp8wgrad, fp8bench, fp8train, fp8compile, fp8lr, fp8diag, rates, fp8clocks, diagab, kernelab, dram, pingpong, power or smshare"; exit 2 ;; esac
+case "$part" in all|tests|ctest|pytest|pyselect|bench|ep|speed|train|hf|phases|host|fp8|epfp8|fp8wgrad|fp8bench|fp8train|fp8compile|fp8lr|fp8diag|rates|combinerate|fp8clocks|diagab|kernelab|dram|pingpong|power|smshare) ;; *) echo "gpu_check.sh: --part must be all, tests, ctest, pytest, pyselect, bench, ep, speed, train, hf, phases, host, fp8, epfp8, fp8wgrad, fp8bench, fp8train, fp8compile, fp8lr, fp8diag, rates, combinerate, fp8clocks, diagab, kernelab, dram, pingpong, power or smshare"; exit 2 ;; esac
 [ "$part" != pyselect ] || [ -n "$pytest_args" ] || { echo "gpu_check.sh --part pyselect needs --pytest ARGS"; exit 2; }
 case "$pytest_args" in  # the whole Python suite's three pieces (the pyselect comment above)
   @1) pytest_args="tests/python --ignore=tests/python/test_ep.py --ignore=tests/python/test_ep_bench.py --ignore=tests/python/test_torch_path.py" ;;
@@ -326,6 +329,23 @@ if [ "$part" = fp8clocks ]; then  # one E4M3 GEMM at the power limit: our mainlo
   exit "$rc"
 fi
 
+if [ "$part" = combinerate ]; then  # the forward's combine alone by CTA count (bench/combine_rate.cu): nothing else runs
+  { cmake -S . -B build-rates -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_PYTHON=OFF -DMOK_BUILD_TESTS=OFF \
+      -DMOK_BUILD_EXAMPLES=OFF && cmake --build build-rates --target combine_rate -j"$(nproc)"; } \
+    > "$LOG/build_rates.log" 2>&1 || { tail -30 "$LOG/build_rates.log"; exit 1; }
+  rates="$OUT/${date:0:10}-$commit-combine-rate.txt"
+  echo "# $gpu, commit $commit, $date" > "$rates"
+  rc=0
+  # deepseek-v3 / kimi-k2's forward, qwen3-30b-a3b's, mixtral-8x7b's (k 2); then deepseek-v3's with a shared row
+  for shape in "8192 7168 8 0 deepseek-v3" "16384 2048 8 0 qwen3-30b-a3b" "8192 4096 2 0 mixtral-8x7b" "8192 7168 8 1 deepseek-v3-shared"; do
+    read -r t h k sh name <<< "$shape"
+    timeout 120 build-rates/bench/combine_rate --tokens "$t" --hidden "$h" --top-k "$k" --shared "$sh" \
+      --json "$OUT/${date:0:10}-$commit-combine-rate-$name.json" >> "$rates" 2>&1 || { echo "combine_rate $name failed" >> "$rates"; rc=1; }
+  done
+  nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit --format=csv >> "$rates"
+  cat "$rates"
+  exit "$rc"
+fi
 if [ "$part" = rates ]; then  # two microbenchmarks of their own build: nothing else runs
   { cmake -S . -B build-rates -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_PYTHON=OFF -DMOK_BUILD_TESTS=OFF \
       -DMOK_BUILD_EXAMPLES=OFF && cmake --build build-rates --target mma_rate fp8_tile_rate -j"$(nproc)"; } \

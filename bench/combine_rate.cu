@@ -1,0 +1,316 @@
+// The forward's combine alone: how many GB/s a given number of CTAs pull when they sum each
+// token's k slot rows (and its shared-expert row) into y, the kernel's loop against a loop that
+// keeps more bytes in flight. The fused forward's combine runs at ~20 GB/s a CTA (bench/NOTES.md,
+// forty-seventh session: 32 of 132 CTAs took the FP8 forward 1.16-1.20x as long), so spreading it
+// under GEMM2 would take as much SM-time as it hides. This asks whether a CTA can pull several
+// times that before anyone rebuilds the forward around it.
+//
+//   combine_rate [--tokens T] [--hidden H] [--top-k K] [--shared 0|1] [--iters N] [--json PATH]
+//   (defaults: deepseek-v3's forward, T 8192, H 7168, k 8, no shared expert)
+//
+// Variants, each on 8, 16, 32, 64 CTAs and one CTA per SM, 256 threads a CTA (the fused kernel's
+// two consumer warpgroups), tasks of 32 tokens taken round-robin as in the kernel:
+//   loop        the kernel's combine_tokens (kernels/common/persistent.cuh): register loads, two
+//               column sets and 8 slots a round, each row's address a dependent load;
+//   staged D    each thread copies its own 16-byte columns of the next D units (a unit: one
+//               column round of one token, all its rows) into its own part of shared memory with
+//               cp.async, D - 1 units ahead, and sums unit u once its group has landed. No thread
+//               reads another's bytes, so no barrier; the sums run in the kernel's order (shared
+//               row first, then slot j = 0 .. k-1, fp32 fma), so y is bitwise the loop's.
+// Prints GB/s moved (slot rows read + shared rows read + y written) and GB/s per CTA; checks every
+// variant's y bitwise against the loop's.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/common/persistent.cuh"
+#include "mok/ptx/ld_st.cuh"
+
+namespace {
+
+#define CUDA_OK(call)                                                                              \
+  do {                                                                                             \
+    const cudaError_t e_ = (call);                                                                 \
+    if (e_ != cudaSuccess) {                                                                       \
+      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));                             \
+      std::exit(1);                                                                                \
+    }                                                                                              \
+  } while (0)
+
+constexpr int kThreads = 256;      // the fused kernel's two consumer warpgroups
+constexpr int kTaskTokens = 32;    // kCombineTokens
+constexpr int kChunk = 8;          // bf16 columns of one 16-byte copy
+
+struct Combine {
+  const std::uint16_t* slots;   // [T k, H] bf16, rows in plan order
+  const std::uint16_t* shared;  // [T, H] or null
+  const std::int32_t* pair_row; // [T k]: the slot row of pair t k + j
+  const float* weights;         // [T k]
+  std::uint16_t* y;             // [T, H]
+  int tokens, hidden, top_k;
+};
+
+__global__ void __launch_bounds__(kThreads) combine_loop(const Combine c) {
+  const int tasks = (c.tokens + kTaskTokens - 1) / kTaskTokens;
+  for (int task = blockIdx.x; task < tasks; task += gridDim.x) {
+    const int begin = task * kTaskTokens, end = min(c.tokens, begin + kTaskTokens);
+    mok::kernels::combine_tokens<true, false>(begin, end, c.hidden, c.top_k, c.pair_row, nullptr, c.weights, c.slots,
+                                              c.shared, c.y, threadIdx.x, kThreads);
+  }
+}
+
+// Shared memory of one unit: its rows (the shared row first, then the k slot rows) x kThreads x 16 B.
+__host__ __device__ inline int unit_rows(const Combine& c) { return c.top_k + (c.shared ? 1 : 0); }
+
+template <int kDepth>
+__global__ void __launch_bounds__(kThreads) combine_staged(const Combine c) {
+  extern __shared__ __align__(128) uint4 staging[];  // [kDepth][rows][kThreads]
+  const int tid = threadIdx.x, rows = unit_rows(c), first_slot = c.shared ? 1 : 0;
+  const int chunks = c.hidden / kChunk, rounds = (chunks + kThreads - 1) / kThreads;
+  const int tasks = (c.tokens + kTaskTokens - 1) / kTaskTokens;
+  // This CTA's units in order: its tasks' tokens, each token's column rounds.
+  const int my_tasks = blockIdx.x < tasks ? (tasks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int units = my_tasks * kTaskTokens * rounds;
+  auto unit_token = [&](int u, int& round) {
+    const int per_task = kTaskTokens * rounds, t = u / per_task, in_task = u - t * per_task;
+    round = in_task % rounds;
+    return (blockIdx.x + t * gridDim.x) * kTaskTokens + in_task / rounds;
+  };
+  auto issue = [&](int u) {  // unit u's copies into its slot, one group (empty past the end)
+    if (u < units) {
+      int round;
+      const int token = unit_token(u, round), chunk = tid + round * kThreads;
+      if (token < c.tokens && chunk < chunks) {
+        uint4* slot = staging + static_cast<std::size_t>(u % kDepth) * rows * kThreads + tid;
+        if (c.shared)
+          mok::ptx::cp_async_16(slot, c.shared + static_cast<std::int64_t>(token) * c.hidden + chunk * kChunk, false);
+        for (int j = 0; j < c.top_k; ++j) {
+          const int row = c.pair_row[token * c.top_k + j];
+          mok::ptx::cp_async_16(slot + (first_slot + j) * kThreads,
+                                c.slots + static_cast<std::int64_t>(max(row, 0)) * c.hidden + chunk * kChunk, row < 0);
+        }
+      }
+    }
+    mok::ptx::cp_async_commit();
+  };
+  for (int u = 0; u < kDepth - 1; ++u) issue(u);
+  for (int u = 0; u < units; ++u) {
+    issue(u + kDepth - 1);
+    mok::ptx::cp_async_wait<kDepth - 1>();  // unit u's group has landed (this thread's own copies)
+    int round;
+    const int token = unit_token(u, round), chunk = tid + round * kThreads;
+    if (token >= c.tokens || chunk >= chunks) continue;
+    const uint4* slot = staging + static_cast<std::size_t>(u % kDepth) * rows * kThreads + tid;
+    float acc[kChunk];
+    auto unpack = [](const uint4& v, float (&out)[kChunk]) {
+      const std::uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = mok::kernels::unpack_bf16x2(w[i]);
+        out[2 * i] = f.x, out[2 * i + 1] = f.y;
+      }
+    };
+    if (c.shared) {
+      unpack(slot[0], acc);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) acc[i] = 0.0f;
+    }
+    for (int j = 0; j < c.top_k; ++j) {
+      if (c.pair_row[token * c.top_k + j] < 0) continue;  // (a padding slot: the kernel skips it too)
+      const float w = c.weights[token * c.top_k + j];
+      float v[kChunk];
+      unpack(slot[(first_slot + j) * kThreads], v);
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) acc[i] = __fmaf_rn(w, v[i], acc[i]);
+    }
+    uint4 out;
+    out.x = mok::kernels::pack_bf16x2(acc[0], acc[1]), out.y = mok::kernels::pack_bf16x2(acc[2], acc[3]);
+    out.z = mok::kernels::pack_bf16x2(acc[4], acc[5]), out.w = mok::kernels::pack_bf16x2(acc[6], acc[7]);
+    *reinterpret_cast<uint4*>(c.y + static_cast<std::int64_t>(token) * c.hidden + chunk * kChunk) = out;
+  }
+  mok::ptx::cp_async_wait<0>();
+}
+
+std::uint16_t bf16_bits(float f) {  // round to nearest even (finite inputs)
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+struct Variant {
+  std::string name;
+  int depth;  // 0: the loop
+};
+
+template <int kDepth>
+void launch_staged(const Combine& c, int ctas, std::size_t smem) {
+  combine_staged<kDepth><<<ctas, kThreads, smem>>>(c);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int tokens = 8192, hidden = 7168, top_k = 8, shared = 0, iters = 20;
+  std::string json;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "combine_rate: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--tokens") tokens = std::stoi(value());
+    else if (a == "--hidden") hidden = std::stoi(value());
+    else if (a == "--top-k") top_k = std::stoi(value());
+    else if (a == "--shared") shared = std::stoi(value());
+    else if (a == "--iters") iters = std::stoi(value());
+    else if (a == "--json") json = value();
+    else {
+      std::printf("usage: combine_rate [--tokens T] [--hidden H] [--top-k K] [--shared 0|1] [--iters N] [--json PATH]\n");
+      return a == "--help" ? 0 : 2;
+    }
+  }
+  if (tokens <= 0 || hidden <= 0 || hidden % kChunk != 0 || top_k <= 0 || iters <= 0) {
+    std::fprintf(stderr, "combine_rate: hidden must be a positive multiple of 8, the rest positive\n");
+    return 2;
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::fprintf(stderr, "combine_rate: no CUDA GPU found; it needs a Hopper GPU\n");
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major != 9) {
+    std::fprintf(stderr, "combine_rate: GPU 0 is not Hopper (sm_%d%d); it needs sm_90\n", prop.major, prop.minor);
+    return 1;
+  }
+  const int sms = prop.multiProcessorCount;
+  const std::int64_t pairs = static_cast<std::int64_t>(tokens) * top_k;
+
+  // Inputs: random bf16 rows, a random plan order, weights in (0, 1).
+  std::mt19937 rng(20261208);
+  std::uniform_real_distribution<float> value(-2.0f, 2.0f), weight(0.0f, 1.0f);
+  std::vector<std::uint16_t> slots_h(pairs * hidden), shared_h(shared ? static_cast<std::size_t>(tokens) * hidden : 0);
+  for (auto& v : slots_h) v = bf16_bits(value(rng));
+  for (auto& v : shared_h) v = bf16_bits(value(rng));
+  std::vector<std::int32_t> pair_row_h(pairs);
+  std::iota(pair_row_h.begin(), pair_row_h.end(), 0);
+  std::shuffle(pair_row_h.begin(), pair_row_h.end(), rng);
+  std::vector<float> weights_h(pairs);
+  for (auto& w : weights_h) w = weight(rng);
+
+  std::uint16_t *slots, *shared_rows = nullptr, *y;
+  std::int32_t* pair_row;
+  float* weights;
+  CUDA_OK(cudaMalloc(&slots, slots_h.size() * 2));
+  CUDA_OK(cudaMemcpy(slots, slots_h.data(), slots_h.size() * 2, cudaMemcpyHostToDevice));
+  if (shared) {
+    CUDA_OK(cudaMalloc(&shared_rows, shared_h.size() * 2));
+    CUDA_OK(cudaMemcpy(shared_rows, shared_h.data(), shared_h.size() * 2, cudaMemcpyHostToDevice));
+  }
+  CUDA_OK(cudaMalloc(&pair_row, pairs * 4));
+  CUDA_OK(cudaMemcpy(pair_row, pair_row_h.data(), pairs * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMalloc(&weights, pairs * 4));
+  CUDA_OK(cudaMemcpy(weights, weights_h.data(), pairs * 4, cudaMemcpyHostToDevice));
+  const std::size_t y_bytes = static_cast<std::size_t>(tokens) * hidden * 2;
+  CUDA_OK(cudaMalloc(&y, y_bytes));
+  const Combine c{slots, shared_rows, pair_row, weights, y, tokens, hidden, top_k};
+
+  const std::size_t unit_bytes = static_cast<std::size_t>(unit_rows(c)) * kThreads * 16;
+  const std::vector<Variant> all = {{"loop", 0}, {"staged 2", 2}, {"staged 4", 4}, {"staged 6", 6}};
+  std::vector<Variant> variants;
+  for (const Variant& v : all) {
+    const std::size_t smem = v.depth * unit_bytes;
+    if (smem > static_cast<std::size_t>(prop.sharedMemPerBlockOptin)) {
+      std::printf("(%s left out: %zu bytes of shared memory, over the %zu a CTA may have)\n", v.name.c_str(), smem,
+                  static_cast<std::size_t>(prop.sharedMemPerBlockOptin));
+      continue;
+    }
+    variants.push_back(v);
+  }
+  CUDA_OK(cudaFuncSetAttribute(combine_staged<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, prop.sharedMemPerBlockOptin));
+  CUDA_OK(cudaFuncSetAttribute(combine_staged<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, prop.sharedMemPerBlockOptin));
+  CUDA_OK(cudaFuncSetAttribute(combine_staged<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, prop.sharedMemPerBlockOptin));
+
+  auto run = [&](const Variant& v, int ctas) {
+    if (v.depth == 0) combine_loop<<<ctas, kThreads>>>(c);
+    else if (v.depth == 2) launch_staged<2>(c, ctas, 2 * unit_bytes);
+    else if (v.depth == 4) launch_staged<4>(c, ctas, 4 * unit_bytes);
+    else launch_staged<6>(c, ctas, 6 * unit_bytes);
+  };
+  const double bytes = static_cast<double>(pairs) * hidden * 2 + (shared ? 2.0 : 1.0) * y_bytes;
+  std::vector<int> cta_counts;
+  for (int n : {8, 16, 32, 64}) if (n < sms) cta_counts.push_back(n);
+  cta_counts.push_back(sms);
+
+  std::printf("combine of %d tokens x k %d x H %d%s (%.2f GB moved) on %s, %d SMs; GB/s (GB/s per CTA), median of %d\n",
+              tokens, top_k, hidden, shared ? " + shared rows" : "", bytes / 1e9, prop.name, sms, iters);
+  std::printf("%-12s", "variant");
+  for (int n : cta_counts) std::printf(" %17d", n);
+  std::printf("\n");
+  cudaEvent_t start, stop;
+  CUDA_OK(cudaEventCreate(&start));
+  CUDA_OK(cudaEventCreate(&stop));
+  std::vector<std::uint16_t> reference(static_cast<std::size_t>(tokens) * hidden), got(reference.size());
+  std::string records;
+  bool all_equal = true;
+  for (const Variant& v : variants) {
+    std::printf("%-12s", v.name.c_str());
+    for (int n : cta_counts) {
+      CUDA_OK(cudaMemset(y, 0xff, y_bytes));  // (poisoned: a column left unwritten shows)
+      run(v, n);
+      CUDA_OK(cudaGetLastError());
+      CUDA_OK(cudaDeviceSynchronize());
+      auto& out = (v.depth == 0 && n == cta_counts.front()) ? reference : got;
+      CUDA_OK(cudaMemcpy(out.data(), y, y_bytes, cudaMemcpyDeviceToHost));
+      const bool equal = &out == &reference || out == reference;
+      all_equal = all_equal && equal;
+      std::vector<float> ms(iters);
+      for (int i = 0; i < iters; ++i) {
+        CUDA_OK(cudaEventRecord(start));
+        run(v, n);
+        CUDA_OK(cudaEventRecord(stop));
+        CUDA_OK(cudaEventSynchronize(stop));
+        CUDA_OK(cudaEventElapsedTime(&ms[i], start, stop));
+      }
+      std::sort(ms.begin(), ms.end());
+      const double median = ms[iters / 2], gbs = bytes / (median * 1e-3) / 1e9;
+      std::printf(" %8.0f (%5.1f)%s", gbs, gbs / n, equal ? "  " : " !");
+      char record[256];
+      std::snprintf(record, sizeof record,
+                    "%s    {\"variant\": \"%s\", \"ctas\": %d, \"median_ms\": %.4f, \"min_ms\": %.4f, \"max_ms\": %.4f, "
+                    "\"gb_per_s\": %.1f, \"bitwise_equal\": %s}",
+                    records.empty() ? "" : ",\n", v.name.c_str(), n, median, ms.front(), ms.back(), gbs,
+                    equal ? "true" : "false");
+      records += record;
+    }
+    std::printf("\n");
+  }
+  std::printf("y bitwise equal to the loop's on every variant and CTA count: %s\n", all_equal ? "yes" : "NO (! above)");
+  if (!json.empty()) {
+    FILE* f = std::fopen(json.c_str(), "w");
+    if (!f) {
+      std::fprintf(stderr, "combine_rate: cannot write %s\n", json.c_str());
+      return 1;
+    }
+    std::fprintf(f,
+                 "{\"gpu\": \"%s\", \"sms\": %d, \"tokens\": %d, \"hidden\": %d, \"top_k\": %d, \"shared\": %s, "
+                 "\"iters\": %d, \"gb_moved\": %.4f,\n  \"records\": [\n%s\n  ]}\n",
+                 prop.name, sms, tokens, hidden, top_k, shared ? "true" : "false", iters, bytes / 1e9, records.c_str());
+    std::fclose(f);
+  }
+  return all_equal ? 0 : 1;
+}
