@@ -12,7 +12,8 @@
 // two consumer warpgroups), tasks of 32 tokens taken round-robin as in the kernel:
 //   loop        the kernel's combine_tokens (kernels/common/persistent.cuh): register loads, two
 //               column sets and 8 slots a round, each row's address a dependent load;
-//   staged D    each thread copies its own 16-byte columns of the next D units (a unit: one
+//   staged D    kernels/common/combine_staged.cuh (the forward's combine in a MOK_DIAG_FWD_STAGED_COMBINE
+//               build): each thread copies its own 16-byte columns of the next D units (a unit: one
 //               column round of one token, all its rows) into its own part of shared memory with
 //               cp.async, D - 1 units ahead, and sums unit u once its group has landed. No thread
 //               reads another's bytes, so no barrier; the sums run in the kernel's order (shared
@@ -32,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/common/combine_staged.cuh"
 #include "kernels/common/persistent.cuh"
 #include "mok/ptx/ld_st.cuh"
 
@@ -48,7 +50,6 @@ namespace {
 
 constexpr int kThreads = 256;      // the fused kernel's two consumer warpgroups
 constexpr int kTaskTokens = 32;    // kCombineTokens
-constexpr int kChunk = 8;          // bf16 columns of one 16-byte copy
 
 struct Combine {
   const std::uint16_t* slots;   // [T k, H] bf16, rows in plan order
@@ -68,77 +69,17 @@ __global__ void __launch_bounds__(kThreads) combine_loop(const Combine c) {
   }
 }
 
-// Shared memory of one unit: its rows (the shared row first, then the k slot rows) x kThreads x 16 B.
-__host__ __device__ inline int unit_rows(const Combine& c) { return c.top_k + (c.shared ? 1 : 0); }
-
+// The staged combine of kernels/common/combine_staged.cuh (the kernel's, in a MOK_DIAG_FWD_STAGED_COMBINE
+// build) over the same round-robin tasks, its staging area the dynamic shared memory.
 template <int kDepth>
 __global__ void __launch_bounds__(kThreads) combine_staged(const Combine c) {
-  extern __shared__ __align__(128) uint4 staging[];  // [kDepth][rows][kThreads]
-  const int tid = threadIdx.x, rows = unit_rows(c), first_slot = c.shared ? 1 : 0;
-  const int chunks = c.hidden / kChunk, rounds = (chunks + kThreads - 1) / kThreads;
+  extern __shared__ __align__(128) uint4 staging[];
   const int tasks = (c.tokens + kTaskTokens - 1) / kTaskTokens;
-  // This CTA's units in order: its tasks' tokens, each token's column rounds.
-  const int my_tasks = blockIdx.x < tasks ? (tasks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  const int units = my_tasks * kTaskTokens * rounds;
-  auto unit_token = [&](int u, int& round) {
-    const int per_task = kTaskTokens * rounds, t = u / per_task, in_task = u - t * per_task;
-    round = in_task % rounds;
-    return (blockIdx.x + t * gridDim.x) * kTaskTokens + in_task / rounds;
-  };
-  auto issue = [&](int u) {  // unit u's copies into its slot, one group (empty past the end)
-    if (u < units) {
-      int round;
-      const int token = unit_token(u, round), chunk = tid + round * kThreads;
-      if (token < c.tokens && chunk < chunks) {
-        uint4* slot = staging + static_cast<std::size_t>(u % kDepth) * rows * kThreads + tid;
-        if (c.shared)
-          mok::ptx::cp_async_16(slot, c.shared + static_cast<std::int64_t>(token) * c.hidden + chunk * kChunk, false);
-        for (int j = 0; j < c.top_k; ++j) {
-          const int row = c.pair_row[token * c.top_k + j];
-          mok::ptx::cp_async_16(slot + (first_slot + j) * kThreads,
-                                c.slots + static_cast<std::int64_t>(max(row, 0)) * c.hidden + chunk * kChunk, row < 0);
-        }
-      }
-    }
-    mok::ptx::cp_async_commit();
-  };
-  for (int u = 0; u < kDepth - 1; ++u) issue(u);
-  for (int u = 0; u < units; ++u) {
-    issue(u + kDepth - 1);
-    mok::ptx::cp_async_wait<kDepth - 1>();  // unit u's group has landed (this thread's own copies)
-    int round;
-    const int token = unit_token(u, round), chunk = tid + round * kThreads;
-    if (token >= c.tokens || chunk >= chunks) continue;
-    const uint4* slot = staging + static_cast<std::size_t>(u % kDepth) * rows * kThreads + tid;
-    float acc[kChunk];
-    auto unpack = [](const uint4& v, float (&out)[kChunk]) {
-      const std::uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = mok::kernels::unpack_bf16x2(w[i]);
-        out[2 * i] = f.x, out[2 * i + 1] = f.y;
-      }
-    };
-    if (c.shared) {
-      unpack(slot[0], acc);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) acc[i] = 0.0f;
-    }
-    for (int j = 0; j < c.top_k; ++j) {
-      if (c.pair_row[token * c.top_k + j] < 0) continue;  // (a padding slot: the kernel skips it too)
-      const float w = c.weights[token * c.top_k + j];
-      float v[kChunk];
-      unpack(slot[(first_slot + j) * kThreads], v);
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) acc[i] = __fmaf_rn(w, v[i], acc[i]);
-    }
-    uint4 out;
-    out.x = mok::kernels::pack_bf16x2(acc[0], acc[1]), out.y = mok::kernels::pack_bf16x2(acc[2], acc[3]);
-    out.z = mok::kernels::pack_bf16x2(acc[4], acc[5]), out.w = mok::kernels::pack_bf16x2(acc[6], acc[7]);
-    *reinterpret_cast<uint4*>(c.y + static_cast<std::int64_t>(token) * c.hidden + chunk * kChunk) = out;
+  for (int task = blockIdx.x; task < tasks; task += gridDim.x) {
+    const int begin = task * kTaskTokens, end = min(c.tokens, begin + kTaskTokens);
+    mok::kernels::combine_tokens_staged<kDepth>(begin, end, c.hidden, c.top_k, c.pair_row, c.weights, c.slots, c.shared,
+                                                c.y, threadIdx.x, kThreads, staging);
   }
-  mok::ptx::cp_async_wait<0>();
 }
 
 std::uint16_t bf16_bits(float f) {  // round to nearest even (finite inputs)
@@ -182,7 +123,7 @@ int main(int argc, char** argv) {
       return a == "--help" ? 0 : 2;
     }
   }
-  if (tokens <= 0 || hidden <= 0 || hidden % kChunk != 0 || top_k <= 0 || iters <= 0) {
+  if (tokens <= 0 || hidden <= 0 || hidden % mok::kernels::kStagedColumns != 0 || top_k <= 0 || iters <= 0) {
     std::fprintf(stderr, "combine_rate: hidden must be a positive multiple of 8, the rest positive\n");
     return 2;
   }
@@ -229,8 +170,8 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaMalloc(&y, y_bytes));
   const Combine c{slots, shared_rows, pair_row, weights, y, tokens, hidden, top_k};
 
-  const std::size_t unit_bytes = static_cast<std::size_t>(unit_rows(c)) * kThreads * 16;
-  const std::vector<Variant> all = {{"loop", 0}, {"staged 2", 2}, {"staged 4", 4}, {"staged 6", 6}};
+  const std::size_t unit_bytes = mok::kernels::staged_unit_bytes(top_k, shared != 0, kThreads);
+  const std::vector<Variant> all = {{"loop", 0}, {"staged 2", 2}, {"staged 4", 4}, {"staged 6", 6}, {"staged 8", 8}};
   std::vector<Variant> variants;
   for (const Variant& v : all) {
     const std::size_t smem = v.depth * unit_bytes;
@@ -244,12 +185,14 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaFuncSetAttribute(combine_staged<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, prop.sharedMemPerBlockOptin));
   CUDA_OK(cudaFuncSetAttribute(combine_staged<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, prop.sharedMemPerBlockOptin));
   CUDA_OK(cudaFuncSetAttribute(combine_staged<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, prop.sharedMemPerBlockOptin));
+  CUDA_OK(cudaFuncSetAttribute(combine_staged<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, prop.sharedMemPerBlockOptin));
 
   auto run = [&](const Variant& v, int ctas) {
     if (v.depth == 0) combine_loop<<<ctas, kThreads>>>(c);
     else if (v.depth == 2) launch_staged<2>(c, ctas, 2 * unit_bytes);
     else if (v.depth == 4) launch_staged<4>(c, ctas, 4 * unit_bytes);
-    else launch_staged<6>(c, ctas, 6 * unit_bytes);
+    else if (v.depth == 6) launch_staged<6>(c, ctas, 6 * unit_bytes);
+    else launch_staged<8>(c, ctas, 8 * unit_bytes);
   };
   const double bytes = static_cast<double>(pairs) * hidden * 2 + (shared ? 2.0 : 1.0) * y_bytes;
   std::vector<int> cta_counts;

@@ -24,3 +24,12 @@
 #ifndef MOK_DIAG_FWD_COMBINE_TOKENS
 #define MOK_DIAG_FWD_COMBINE_TOKENS 0
 #endif
+
+// The one-GPU cooperative forwards' combine through kernels/common/combine_staged.cuh (1): each thread
+// cp.async-copies its own columns of the next tokens' rows into the free pipeline stages, up to ~160 KB in
+// flight a CTA, instead of combine_tokens' ~32 KB of register loads (0). The same bits. With
+// MOK_DIAG_FWD_COMBINE_TOKENS=256 it answers whether a few CTAs can then pull the combine's bytes
+// (bench/NOTES.md, forty-seventh session; bench/combine_rate.cu measures the loop alone).
+#ifndef MOK_DIAG_FWD_STAGED_COMBINE
+#define MOK_DIAG_FWD_STAGED_COMBINE 0
+#endif

@@ -9,6 +9,7 @@
 
 #include "kernels/ep/ep_push.cuh"
 #include "kernels/forward/forward.cuh"
+#include "kernels/common/combine_staged.cuh"
 #include "kernels/common/load.cuh"
 #include "kernels/common/persistent.cuh"
 #include "kernels/common/pipeline.cuh"
@@ -203,6 +204,14 @@ __device__ inline void combine(const ForwardParams& p, const Task& t, int tid = 
   return;
 #endif
   const int begin = t.m * kForwardCombineTokens, end = min(p.tokens, (t.m + 1) * kForwardCombineTokens);
+#if MOK_DIAG_FWD_STAGED_COMBINE  // (one GPU, both warpgroups: the stages are free once every GEMM task is done)
+  if (!p.ep.push && threads == 128 * kConsumerWarpgroups) {
+    SharedStorage& s = shared_storage<SharedStorage>();
+    if (combine_tokens_staged_fit(begin, end, p.hidden, p.top_k, p.plan.pair_row, p.topk_weights, p.slots, p.shared_slots,
+                                  p.y, tid, threads, reinterpret_cast<uint4*>(s.stages), sizeof(s.stages)))
+      return;
+  }
+#endif
   if (p.ep.push)
     combine_tokens<true, true>(begin, end, p.hidden, p.top_k, nullptr, p.ep.own_ids, p.topk_weights, p.ep.slots[p.ep.rank],
                                p.shared_slots, p.y, tid, threads);
