@@ -27,7 +27,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -35,18 +34,11 @@
 
 #include "kernels/common/combine_staged.cuh"
 #include "kernels/common/persistent.cuh"
+#include "mok/bf16.hpp"
 #include "mok/ptx/ld_st.cuh"
+#include "standalone.cuh"
 
 namespace {
-
-#define CUDA_OK(call)                                                                              \
-  do {                                                                                             \
-    const cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));                             \
-      std::exit(1);                                                                                \
-    }                                                                                              \
-  } while (0)
 
 constexpr int kThreads = 256;      // the fused kernel's two consumer warpgroups
 constexpr int kTaskTokens = 32;    // kCombineTokens
@@ -80,12 +72,6 @@ __global__ void __launch_bounds__(kThreads) combine_staged(const Combine c) {
     mok::kernels::combine_tokens_staged<kDepth>(begin, end, c.hidden, c.top_k, c.pair_row, c.weights, c.slots, c.shared,
                                                 c.y, threadIdx.x, kThreads, staging);
   }
-}
-
-std::uint16_t bf16_bits(float f) {  // round to nearest even (finite inputs)
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 struct Variant {
@@ -127,17 +113,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "combine_rate: hidden must be a positive multiple of 8, the rest positive\n");
     return 2;
   }
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::fprintf(stderr, "combine_rate: no CUDA GPU found; it needs a Hopper GPU\n");
-    return 1;
-  }
   cudaDeviceProp prop{};
-  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-  if (prop.major != 9) {
-    std::fprintf(stderr, "combine_rate: GPU 0 is not Hopper (sm_%d%d); it needs sm_90\n", prop.major, prop.minor);
-    return 1;
-  }
+  if (!hopper_gpu("combine_rate", prop)) return 1;
   const int sms = prop.multiProcessorCount;
   const std::int64_t pairs = static_cast<std::int64_t>(tokens) * top_k;
 
@@ -145,8 +122,8 @@ int main(int argc, char** argv) {
   std::mt19937 rng(20261208);
   std::uniform_real_distribution<float> value(-2.0f, 2.0f), weight(0.0f, 1.0f);
   std::vector<std::uint16_t> slots_h(pairs * hidden), shared_h(shared ? static_cast<std::size_t>(tokens) * hidden : 0);
-  for (auto& v : slots_h) v = bf16_bits(value(rng));
-  for (auto& v : shared_h) v = bf16_bits(value(rng));
+  for (auto& v : slots_h) v = mok::bf16::from_float(value(rng)).bits;
+  for (auto& v : shared_h) v = mok::bf16::from_float(value(rng)).bits;
   std::vector<std::int32_t> pair_row_h(pairs);
   std::iota(pair_row_h.begin(), pair_row_h.end(), 0);
   std::shuffle(pair_row_h.begin(), pair_row_h.end(), rng);

@@ -24,20 +24,12 @@
 #include "kernels/ep/ring_copy.cuh"
 #include "mok/forward.hpp"
 #include "mok/ptx/fence.cuh"
+#include "standalone.cuh"
 
 namespace {
 
 using mok::kernels::BulkCopyPipe;
 using mok::kernels::warp_copy_row;
-
-#define CUDA_OK(call)                                                                              \
-  do {                                                                                             \
-    const cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));                             \
-      std::exit(1);                                                                                \
-    }                                                                                              \
-  } while (0)
 
 // What wait_barrier needs to report a timeout.
 struct WaitParams {
@@ -147,17 +139,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ring_copy_bench: hidden must be a multiple of 8, the rest positive\n");
     return 2;
   }
-  int devices = 0, major = 0, sms = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::fprintf(stderr, "ring_copy_bench: no CUDA GPU found; it needs a Hopper GPU (bulk copies are sm_90)\n");
-    return 1;
-  }
-  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
-  if (major != 9) {
-    std::fprintf(stderr, "ring_copy_bench: GPU 0 is not Hopper (sm_%d0); it needs sm_90\n", major);
-    return 1;
-  }
-  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop{};
+  if (!hopper_gpu("ring_copy_bench", prop)) return 1;  // (bulk copies are sm_90)
+  const int sms = prop.multiProcessorCount;
   const int rows = tokens * top_k;
   std::vector<int> order(rows);
   std::mt19937 rng(1);
